@@ -1,0 +1,119 @@
+"""Deploy config: what a deployment loads and allows. Plugins are enabled here and only here.
+
+Loaded from YAML, TOML or JSON through the same strict converter as requests; errors name the
+file and the dotted field path. Example (YAML)::
+
+    model: {family: wan, path: /models/Wan2.1-T2V-1.3B-Diffusers}
+    device: cuda
+    dtype: bfloat16
+    scheduler: step
+    attention_backend: sdpa-cudnn
+    plugins:
+      cache-dit: {Fn: 8, residual_diff_threshold: 0.08}
+      profiler: {}
+    limits: {max_steps: 100, max_frames: 121, max_height: 1280, max_width: 1280, max_queue: 32}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+from attrs import define, field
+
+from .errors import DeployError, RequestError
+
+
+@define(frozen=True)
+class ModelConfig:
+    """Which model: a ``preset`` name (``wan-demo``) or a ``path``; ``family`` when detection is ambiguous."""
+
+    preset: str | None = None
+    path: str | None = None
+    family: str | None = None
+
+
+@define(frozen=True)
+class Limits:
+    """Limits enforced on every request before any compute."""
+
+    max_steps: int = field(default=200, metadata={"ge": 1})
+    max_frames: int = field(default=257, metadata={"ge": 1})
+    max_height: int = field(default=2048, metadata={"ge": 1})
+    max_width: int = field(default=2048, metadata={"ge": 1})
+    max_queue: int = field(default=64, metadata={"ge": 1})
+
+
+@define(frozen=True)
+class DeployConfig:
+    model: ModelConfig = attrs.Factory(ModelConfig)
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    scheduler: str = "serial"
+    transport: str = "inproc"
+    attention_backend: str = "sdpa"
+    compile: bool = False
+    offload: Literal["none", "model", "sequential"] = "none"
+    #: enabled plugins (interceptors, observers) by name, with their deploy-level config
+    plugins: dict[str, dict[str, Any]] = attrs.Factory(dict)
+    #: policy choices and defaults for the family (e.g. {"sampler": "unipc"})
+    policies: dict[str, Any] = attrs.Factory(dict)
+    #: family-specific options passed through to the family (e.g. {"text_cache": True})
+    options: dict[str, Any] = attrs.Factory(dict)
+    limits: Limits = attrs.Factory(Limits)
+    #: scheduler options (e.g. {"max_batch": 8, "memory_budget_gib": 60})
+    scheduler_options: dict[str, Any] = attrs.Factory(dict)
+
+    def with_model(self, **changes: Any) -> DeployConfig:
+        return attrs.evolve(self, model=attrs.evolve(self.model, **changes))
+
+
+def deploy_from_dict(data: Mapping[str, Any], source: str = "deploy config") -> DeployConfig:
+    from .schema import structure
+
+    if not isinstance(data, Mapping):
+        raise DeployError(f"{source}: expected a mapping at the top level")
+    try:
+        cfg = structure(dict(data), DeployConfig)
+    except RequestError as exc:
+        raise DeployError(f"{source}: {exc}") from None
+    for name, conf in cfg.plugins.items():
+        if not isinstance(conf, Mapping):
+            raise DeployError(f"{source}: plugins.{name}: expected a mapping of options (use {{}} for defaults)")
+    return cfg
+
+
+def load_deploy(source: str | os.PathLike[str] | Mapping[str, Any] | DeployConfig) -> DeployConfig:
+    """Load a deploy config from a file (``.yaml``/``.yml``/``.toml``/``.json``), a dict, or pass one through."""
+    if isinstance(source, DeployConfig):
+        return source
+    if isinstance(source, Mapping):
+        return deploy_from_dict(source)
+    path = Path(source)
+    if not path.is_file():
+        raise DeployError(f"{path}: deploy file not found")
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise DeployError(f"{path}: YAML deploy files need PyYAML (pip install 'omniloop[yaml]')") from None
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise DeployError(f"{path}: unknown deploy file type {suffix!r} (use .yaml, .toml or .json)")
+    except DeployError:
+        raise
+    except Exception as exc:  # parse errors of three libraries
+        raise DeployError(f"{path}: cannot parse: {exc}") from None
+    return deploy_from_dict(data if data is not None else {}, source=str(path))

@@ -1,0 +1,366 @@
+"""One request's execution as a state machine a scheduler drives.
+
+:meth:`Execution.advance` runs exactly one unit of work — a ``Stage.forward`` or one
+``LoopStage.step`` (a loop's ``init`` runs together with its first step) — and returns the events
+it produced. A scheduler decides which execution advances next: ``serial`` runs one to the end,
+``step`` interleaves many and co-batches compatible loop steps through :func:`advance_batch`.
+
+The execution owns the request's lifecycle guarantees:
+
+* interceptors are opened once per guidance branch after ``init`` and closed at finalize,
+  cancel or failure — always;
+* an exception in a node fails this request only (status ``failed``, the error with node and
+  step, the artifacts that were complete);
+* ``cancel()`` takes effect between units and returns the complete artifacts, status ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from attrs import define
+
+from .errors import OmniloopError
+from .graph import Node, PipelineSpec
+from .interceptors import BlockInterceptor, StepInterceptor
+from .loop import LoopState, RequestState, StageContext, StepContext, StepResult
+from .observers import ObserverBus
+from .request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status
+
+if TYPE_CHECKING:
+    pass
+
+
+@define
+class BuiltPipeline:
+    """A pipeline bound for one runtime: spec plus what is resolved at build."""
+
+    spec: PipelineSpec
+    components: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+    bus: ObserverBus | None = None
+    block_interceptor: BlockInterceptor | None = None
+    step_interceptors: tuple[StepInterceptor, ...] = ()
+    eager: bool = False
+    options: dict[str, Any] = attrs.Factory(dict)
+    model_name: str = ""
+
+    @property
+    def interceptors(self) -> tuple[Any, ...]:
+        head = (self.block_interceptor,) if self.block_interceptor is not None else ()
+        return head + self.step_interceptors
+
+
+@define
+class ScheduleDecision:
+    """What a scheduler ran and why (the ``omniloop_schedule_decision`` event payload)."""
+
+    scheduler: str
+    action: str  # "stage" | "step" | "batched_step" | "admit" | "wait" | "refuse" | "cancel"
+    request_ids: tuple[str, ...]
+    node: str | None = None
+    reason: str = ""
+
+
+class Execution:
+    """The state machine of one request through one built pipeline."""
+
+    def __init__(
+        self,
+        pipeline: BuiltPipeline,
+        request: OmniRequest,
+        *,
+        node_params: dict[str, Any] | None = None,
+        plugin_params: dict[str, Any] | None = None,
+        warnings: Sequence[str] = (),
+        active_interceptors: Sequence[Any] | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.request = request
+        self.bus = pipeline.bus
+        seed = request.diffusion.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        self.seed = seed
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed)
+        self.state = RequestState(request=request, generator=gen)
+        self.state.metrics["seed"] = seed
+        if warnings:
+            self.state.metrics["warnings"] = list(warnings)
+        self.nodes: tuple[Node, ...] = tuple(n for n in pipeline.spec.nodes if n.runs_for(request))
+        self._node_params = node_params or {}
+        self.plugin_params = plugin_params or {}
+        icpts = pipeline.interceptors if active_interceptors is None else tuple(active_interceptors)
+        self._block_icpt = next((i for i in icpts if i is pipeline.block_interceptor), None)
+        self._step_icpts = tuple(i for i in icpts if i in pipeline.step_interceptors)
+        self._index = 0
+        self._ctx: StageContext | None = None
+        self._loop: LoopState | None = None
+        self._node_t0 = 0.0
+        self.status: Status | None = None
+        self.error: ErrorInfo | None = None
+        self._output: OmniOutput | None = None
+        self._cancel_requested = False
+        self.t_start: float | None = None
+        self.t_end: float | None = None
+        self.steps_done = 0
+
+    # -- introspection for schedulers --------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def done(self) -> bool:
+        return self.status is not None
+
+    @property
+    def output(self) -> OmniOutput:
+        if self._output is None:
+            raise RuntimeError("execution has not finished")
+        return self._output
+
+    @property
+    def current_node(self) -> Node | None:
+        return self.nodes[self._index] if self._index < len(self.nodes) else None
+
+    @property
+    def loop(self) -> LoopState | None:
+        return self._loop
+
+    def progress(self) -> tuple[int, int]:
+        """(steps done, steps total) of the current loop, or (0, 0) outside loops."""
+        if self._loop is None:
+            return (0, 0)
+        return (self._loop.step, self._loop.total)
+
+    def batch_key(self) -> Hashable | None:
+        """A key equal for executions whose next unit can run as one batched step, else None."""
+        node = self.current_node
+        if self.done or node is None or self._loop is None or not callable(getattr(node.stage, "batch_key", None)):
+            return None
+        if self._cancel_requested or self.bus is not None and not self.bus.empty:
+            return None
+        assert self._ctx is not None
+        key = node.stage.batch_key(self._ctx, self.state, self._loop)
+        return None if key is None else (id(self.pipeline), node.name, key)
+
+    # -- driving -------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask to cancel; takes effect at the next unit boundary (immediately if idle)."""
+        self._cancel_requested = True
+
+    def advance(self) -> list[OmniEvent]:
+        """Run one unit of work; return the events it produced (the last is ``final`` when done)."""
+        if self.done:
+            return []
+        events: list[OmniEvent] = []
+        if self.t_start is None:
+            self.t_start = time.perf_counter()
+            if self.bus is not None and self.bus.request_start is not None:
+                self.bus.request_start(request=self.request, pipeline=self.pipeline.spec)
+        if self._cancel_requested:
+            self._finish(Status.CANCELLED, None, events)
+            return events
+        node = self.current_node
+        if node is None:
+            self._finish(Status.COMPLETED, None, events)
+            return events
+        try:
+            if self._ctx is None:
+                self._enter(node)
+            ctx = self._ctx
+            assert ctx is not None
+            if not node.is_loop:
+                node.stage.forward(ctx, self.state)
+                self._leave(node, events)
+            else:
+                if self._loop is None:
+                    self._init_loop(node, ctx)
+                loop = self._loop
+                assert loop is not None
+                self._before_step(node, loop)
+                t0 = time.perf_counter()
+                result = node.stage.step(ctx, self.state, loop)
+                self._after_step(node, loop, result, time.perf_counter() - t0, events)
+        except Exception as exc:  # failure isolation: this request fails, nothing else
+            self._fail(exc, node, events)
+            return events
+        if self.current_node is None and not self.done:
+            self._finish(Status.COMPLETED, None, events)
+        return events
+
+    def run(self) -> OmniOutput:
+        while not self.done:
+            self.advance()
+        return self.output
+
+    # -- internals -----------------------------------------------------------------------------
+    def _enter(self, node: Node) -> None:
+        p = self.pipeline
+        self._ctx = StageContext(
+            request=self.request, node=node, components=p.components, device=p.device, dtype=p.dtype,
+            params=self._node_params.get(node.name), observers=self.bus,
+            block_interceptor=self._block_icpt if node.is_loop else None,
+            step_interceptors=self._step_icpts if node.is_loop else (),
+            eager=p.eager, options=p.options,
+            block_taps=self.bus.block_tap_pattern(node.name) if self.bus is not None and node.is_loop else None,
+        )
+        self._node_t0 = time.perf_counter()
+        if self.bus is not None and self.bus.node_start is not None:
+            self.bus.node_start(request=self.request, node=node.name)
+
+    def _leave(self, node: Node, events: list[OmniEvent]) -> None:
+        dt = time.perf_counter() - self._node_t0
+        self.state.metrics.setdefault("node_seconds", {})[node.name] = round(dt, 6)
+        if self.bus is not None and self.bus.node_end is not None:
+            self.bus.node_end(request=self.request, node=node.name, seconds=dt)
+        self._ctx = None
+        self._index += 1
+        if self.request.outputs.stream_progress:
+            events.append(OmniEvent(self.request_id, EventKind.PROGRESS, node=node.name, message="done"))
+
+    def _init_loop(self, node: Node, ctx: StageContext) -> None:
+        loop = node.stage.init(ctx, self.state)
+        loop.extra.setdefault("plugin_params", self.plugin_params)
+        self.state.loops[node.name] = loop
+        self._loop = loop
+        for icpt in (self._block_icpt, *self._step_icpts):
+            if icpt is None:
+                continue
+            for branch in loop.branches:
+                sc = StepContext(self.request_id, node.name, 0, loop.total, 0.0, branch=branch)
+                loop.plugin_state[(icpt.name, branch)] = icpt.open(sc, loop)
+        if self.bus is not None and self.bus.loop_init is not None:
+            self.bus.loop_init(request=self.request, node=node.name, loop=loop)
+
+    def _before_step(self, node: Node, loop: LoopState) -> None:
+        if self.bus is not None and self.bus.step_start is not None:
+            self.bus.step_start(request=self.request, node=node.name, step=loop.step, total=loop.total)
+
+    def _after_step(
+        self, node: Node, loop: LoopState, result: StepResult, seconds: float, events: list[OmniEvent]
+    ) -> None:
+        loop.step += 1
+        self.steps_done += 1
+        if self.bus is not None and self.bus.step_end is not None:
+            self.bus.step_end(
+                request=self.request, node=node.name, step=loop.step - 1, total=loop.total, loop=loop, seconds=seconds
+            )
+        times = self.state.metrics.setdefault("step_seconds", [])
+        times.append(round(seconds, 6))
+        if self.request.outputs.stream_progress:
+            events.append(OmniEvent(self.request_id, EventKind.PROGRESS, node=node.name, step=loop.step, total=loop.total))
+        if self.request.outputs.stream_partial:
+            for name, art in result.emit.items():
+                events.append(OmniEvent(self.request_id, EventKind.PARTIAL, node=node.name, step=loop.step, artifact=name, value=art))
+        if result.done:
+            loop.done = True
+            assert self._ctx is not None
+            node.stage.finalize(self._ctx, self.state, loop)
+            self._close_loop(node, loop)
+            self._leave(node, events)
+
+    def _close_loop(self, node: Node, loop: LoopState) -> None:
+        """Close interceptors (collecting their metrics) and drop the loop's per-request state."""
+        for icpt in (self._block_icpt, *self._step_icpts):
+            if icpt is None:
+                continue
+            per_branch: dict[str, Any] = {}
+            for branch in loop.branches:
+                key = (icpt.name, branch)
+                if key not in loop.plugin_state:
+                    continue
+                st = loop.plugin_state.pop(key)
+                try:
+                    m = icpt.metrics(st) if callable(getattr(icpt, "metrics", None)) else None
+                    if m:
+                        per_branch[branch] = m
+                finally:
+                    icpt.close(st)
+            if per_branch:
+                self.state.metrics.setdefault("plugins", {})[icpt.name] = per_branch
+        if self.bus is not None and self.bus.loop_finalize is not None:
+            self.bus.loop_finalize(request=self.request, node=node.name, loop=loop)
+        self._loop = None
+
+    def _release(self) -> None:
+        node = self.current_node
+        if self._loop is not None and node is not None:
+            try:
+                self._close_loop(node, self._loop)
+            except Exception:  # releasing must not mask the original outcome
+                self._loop = None
+        self._ctx = None
+
+    def _fail(self, exc: BaseException, node: Node | None, events: list[OmniEvent]) -> None:
+        step = self._loop.step if self._loop is not None else None
+        msg = str(exc) if isinstance(exc, OmniloopError) else f"{type(exc).__name__}: {exc}"
+        self.error = ErrorInfo(type=type(exc).__name__, message=msg, node=node.name if node else None, step=step)
+        self._finish(Status.FAILED, exc, events)
+
+    def _finish(self, status: Status, exc: BaseException | None, events: list[OmniEvent]) -> None:
+        self._release()
+        self.status = status
+        self.t_end = time.perf_counter()
+        out = self._build_output(status)
+        self._output = out
+        if self.bus is not None and self.bus.request_end is not None:
+            self.bus.request_end(request=self.request, output=out)
+        if status is Status.FAILED:
+            events.append(OmniEvent(self.request_id, EventKind.ERROR, message=out.error.message if out.error else None))
+        events.append(OmniEvent(self.request_id, EventKind.FINAL, output=out))
+
+    def _build_output(self, status: Status) -> OmniOutput:
+        arts: dict[str, Any] = {}
+        for edge, name in self.pipeline.spec.outputs.items():
+            art = self.state.artifacts.get(edge)
+            if art is not None:
+                arts[name] = art
+        metrics = dict(self.state.metrics)
+        if self.t_start is not None and self.t_end is not None:
+            metrics["total_seconds"] = round(self.t_end - self.t_start, 6)
+        metrics["steps"] = self.steps_done
+        return OmniOutput(self.request_id, status, artifacts=arts, metrics=metrics, error=self.error)
+
+
+def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
+    """Run one loop step of several executions that share a ``batch_key`` as one batched forward.
+
+    Falls back to advancing each alone when the batch is of one. Failure of the batched forward
+    fails every member (they shared the computation); each is still closed cleanly.
+    """
+    if len(executions) <= 1:
+        return [ex.advance() for ex in executions]
+    node = executions[0].current_node
+    assert node is not None
+    ctxs = [ex._ctx for ex in executions]
+    loops = [ex._loop for ex in executions]
+    states = [ex.state for ex in executions]
+    out: list[list[OmniEvent]] = [[] for _ in executions]
+    for ex, loop in zip(executions, loops):
+        assert loop is not None
+        ex._before_step(node, loop)
+    t0 = time.perf_counter()
+    try:
+        results = node.stage.step_batch(ctxs, states, loops)
+    except Exception as exc:
+        for ex, evs in zip(executions, out):
+            ex._fail(exc, node, evs)
+        return out
+    dt = (time.perf_counter() - t0) / len(executions)
+    for ex, loop, res, evs in zip(executions, loops, results, out):
+        assert loop is not None
+        try:
+            ex._after_step(node, loop, res, dt, evs)
+            if ex.current_node is None and not ex.done:
+                ex._finish(Status.COMPLETED, None, evs)
+        except Exception as exc:
+            ex._fail(exc, node, evs)
+    return out

@@ -1,0 +1,124 @@
+"""What a model family provides, and the records the registration hooks take.
+
+A family plugin registers a :class:`Family` object through ``omniloop_register_families``. The
+runtime asks it to ``load`` a checkpoint once (components shared by reference between
+pipelines) and to ``build_pipeline`` per task. Capabilities are declared attributes, checked by
+the runtime before dispatch (``tasks``, ``supports_block_interceptors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+from attrs import define
+
+from .graph import PipelineSpec
+from .request import OmniRequest, TaskType
+
+
+@define
+class LoadedModel:
+    """A family's loaded checkpoint: named components (``transformer``, ``vae``, ...) and config."""
+
+    family: str
+    path: Path | None
+    components: dict[str, Any]
+    config: dict[str, Any] = attrs.Factory(dict)
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    #: identity of the weights, for caches keyed by weight version (e.g. a hash of the files)
+    weight_version: str = ""
+
+
+@runtime_checkable
+class Family(Protocol):
+    name: str
+    tasks: frozenset[TaskType]
+    #: True when the family runs its transformer blocks through ``omniloop.run_blocks``
+    supports_block_interceptors: bool
+
+    def detect(self, path: Path) -> bool:
+        """True when ``path`` looks like a checkpoint of this family (cheap: reads config files)."""
+
+    def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
+        """Load every component once. Raise ``CheckpointError`` naming the file on bad input."""
+
+    def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
+        """The validated pipeline for ``task`` (policies and defaults resolved here)."""
+
+    def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
+        """Warnings for the request (e.g. prompt truncated); raise ``RequestError`` when invalid.
+
+        Runs before any compute."""
+
+
+@define(frozen=True)
+class ModelPreset:
+    """A named model (``wan-demo``) resolving to a family and a local checkpoint path."""
+
+    name: str
+    family: str
+    path: Callable[[], Path]
+    description: str = ""
+
+
+@define(frozen=True)
+class PolicySpec:
+    """A policy registered by name: ``kind`` is ``sampler``, ``cfg``, ``shift``, ``router``, ..."""
+
+    name: str
+    kind: str
+    factory: Callable[..., Any]
+    params_schema: type | None = None
+    description: str = ""
+
+
+@define(frozen=True)
+class PluginComponentSpec:
+    """An interceptor or observer a deploy config may enable by ``name``.
+
+    ``factory(config)`` builds the object from the deploy's config (validated against
+    ``config_schema``); a request may tune it with ``plugin_params[name]`` validated against
+    ``params_schema``.
+    """
+
+    name: str
+    kind: str  # "block_interceptor" | "step_interceptor" | "observer"
+    factory: Callable[[Any], Any]
+    config_schema: type | None = None
+    params_schema: type | None = None
+    distribution_altering: bool = False
+    description: str = ""
+
+
+@define(frozen=True)
+class SchedulerSpec:
+    name: str
+    factory: Callable[..., Any]
+    description: str = ""
+
+
+@define(frozen=True)
+class TransportSpec:
+    name: str
+    factory: Callable[..., Any]
+    description: str = ""
+
+
+@define(frozen=True)
+class AttentionBackendSpec:
+    """An attention implementation: ``fn(q, k, v) -> out`` with q/k/v ``[B, heads, L, D]``.
+
+    ``available()`` says whether it can run here (a reason string when it cannot). A deploy that
+    names an unavailable backend fails at load with that reason, never a silent fallback.
+    """
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    available: Callable[[], str | None] = lambda: None
+    distribution_altering: bool = False
+    description: str = ""

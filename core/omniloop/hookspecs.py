@@ -1,0 +1,220 @@
+"""omniloop's hook points. The single reference for plugin authors.
+
+Hook-API version: :data:`HOOK_API_VERSION`. Rules (pytest's way):
+
+* hooks grow, they never break: a new argument is added to a spec in a minor version; pluggy lets
+  an implementation accept fewer arguments than the spec, so old plugins keep working;
+* removing or changing the meaning of an argument is a major version, after a minor version that
+  warns with :class:`omniloop.plugins.HookDeprecationWarning`;
+* every hook's docstring says what its return value means and ``Since:`` the version it exists.
+
+A plugin declares the range it supports with a module attribute, e.g.
+``OMNILOOP_HOOK_API = ">=1.0,<2"``; outside it the plugin is refused with a message saying what it
+needs.
+
+Registration hooks are called once when a deployment loads, with a ``register`` callback the core
+owns (it dedupes and names both providers on a clash). They must be fast and offline: no weights,
+no network, no heavy imports.
+
+Observer events are read-only. They are bound when a pipeline is built: an event that no enabled
+observer implements is not called at all, so it costs nothing in the step loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT = "omniloop"
+HOOK_API_VERSION = "1.0"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+# ============================================================================================
+# Registration
+# ============================================================================================
+
+
+@hookspec
+def omniloop_register_families(register: Any) -> None:
+    """Register model families: ``register(family)`` with an :class:`omniloop.family.Family`.
+
+    Returns nothing. Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_model_presets(register: Any) -> None:
+    """Register named models: ``register(ModelPreset(name, family, path))``.
+
+    A preset lets ``--model NAME`` resolve to a local checkpoint shipped as package data.
+    Returns nothing. Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_policies(register: Any) -> None:
+    """Register policies (samplers, CFG policies, shift, routing): ``register(PolicySpec(...))``.
+
+    Returns nothing. Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_interceptors(register: Any) -> None:
+    """Register block or step interceptors: ``register(PluginComponentSpec(kind=...))``.
+
+    Only those a deploy config enables are instantiated. Returns nothing. Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_observers(register: Any) -> None:
+    """Register observers: ``register(PluginComponentSpec(kind="observer", ...))``.
+
+    The factory returns an object whose methods implement the observer events below (decorated
+    with ``hookimpl``). Only those a deploy config enables are instantiated. Returns nothing.
+    Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_schedulers(register: Any) -> None:
+    """Register execution schedulers: ``register(SchedulerSpec(name, factory))``.
+
+    Returns nothing. Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_transports(register: Any) -> None:
+    """Register transports for cross-process edges: ``register(TransportSpec(name, factory))``.
+
+    Returns nothing. Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_attention_backends(register: Any) -> None:
+    """Register attention implementations: ``register(AttentionBackendSpec(name, fn, available))``.
+
+    Returns nothing. Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_commands(cli: Any) -> None:
+    """Add subcommands to the ``omniloop`` click group ``cli`` (``cli.add_command(...)``).
+
+    Called for every discovered plugin when the CLI starts, failure-isolated per plugin.
+    Returns nothing. Since: 1.0
+    """
+
+
+# ============================================================================================
+# Request events (observers; read-only)
+# ============================================================================================
+
+
+@hookspec
+def omniloop_request_start(request: Any, pipeline: Any) -> None:
+    """A request starts executing ``pipeline`` (a ``PipelineSpec``). Returns nothing. Since: 1.0"""
+
+
+@hookspec
+def omniloop_request_end(request: Any, output: Any) -> None:
+    """A request reached a terminal status; ``output`` is its ``OmniOutput``. Returns nothing. Since: 1.0"""
+
+
+@hookspec
+def omniloop_node_start(request: Any, node: str) -> None:
+    """Node ``node`` starts for ``request``. Returns nothing. Since: 1.0"""
+
+
+@hookspec
+def omniloop_node_end(request: Any, node: str, seconds: float) -> None:
+    """Node ``node`` finished for ``request`` after ``seconds`` of wall time. Returns nothing. Since: 1.0"""
+
+
+# ============================================================================================
+# Loop events (observers; read-only)
+# ============================================================================================
+
+
+@hookspec
+def omniloop_loop_init(request: Any, node: str, loop: Any) -> None:
+    """A loop node's ``init`` returned ``loop`` (a ``LoopState``). Returns nothing. Since: 1.0"""
+
+
+@hookspec
+def omniloop_loop_finalize(request: Any, node: str, loop: Any) -> None:
+    """A loop node finished (or was cancelled / failed) with ``loop``. Returns nothing. Since: 1.0"""
+
+
+@hookspec
+def omniloop_step_start(request: Any, node: str, step: int, total: int) -> None:
+    """Step ``step`` (0-based) of ``total`` is about to run. Returns nothing. Since: 1.0"""
+
+
+@hookspec
+def omniloop_step_end(request: Any, node: str, step: int, total: int, loop: Any, seconds: float) -> None:
+    """Step ``step`` finished in ``seconds`` (wall, not synchronized). Returns nothing. Since: 1.0"""
+
+
+# ============================================================================================
+# Taps (observers; read-only)
+# ============================================================================================
+
+
+@hookspec
+def omniloop_tap(request: Any, node: str, step: Any, name: str, value: Any) -> None:
+    """A named value offered by a stage: ``step`` is a ``StepContext`` or None; ``name`` is e.g.
+    ``noise_pred``, ``guided``, ``latents``, ``blocks.3``, ``video``. Observers must not modify
+    ``value``. Returns nothing. Since: 1.0"""
+
+
+@hookspec
+def omniloop_wants_block_taps(node: str) -> Any:
+    """Return a compiled regex (or pattern string) of block module names whose outputs this
+    observer wants as taps, or None. Observers that answer need eager block execution.
+    Since: 1.0"""
+
+
+# ============================================================================================
+# Scheduling (observers; read-only)
+# ============================================================================================
+
+
+@hookspec
+def omniloop_schedule_decision(decision: Any) -> None:
+    """The scheduler decided what runs next: ``decision`` is a ``ScheduleDecision``
+    (what ran, which requests, why). Returns nothing. Since: 1.0"""
+
+
+REGISTRATION_HOOKS = (
+    "omniloop_register_families",
+    "omniloop_register_model_presets",
+    "omniloop_register_policies",
+    "omniloop_register_interceptors",
+    "omniloop_register_observers",
+    "omniloop_register_schedulers",
+    "omniloop_register_transports",
+    "omniloop_register_attention_backends",
+    "omniloop_register_commands",
+)
+
+OBSERVER_EVENTS = (
+    "omniloop_request_start",
+    "omniloop_request_end",
+    "omniloop_node_start",
+    "omniloop_node_end",
+    "omniloop_loop_init",
+    "omniloop_loop_finalize",
+    "omniloop_step_start",
+    "omniloop_step_end",
+    "omniloop_tap",
+    "omniloop_wants_block_taps",
+    "omniloop_schedule_decision",
+)

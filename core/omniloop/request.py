@@ -1,0 +1,227 @@
+"""The request plane: what a user asks for (``OmniRequest``) and what comes back.
+
+Everything here is an attrs class that round-trips through the single cattrs converter in
+:mod:`omniloop.schema`. Range constraints live in field metadata (``ge``/``le``/``gt``/``choices``)
+so that validation can name the dotted path of a bad field.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from typing import Any, Literal, Union
+
+import attrs
+from attrs import define, field
+
+SCHEMA_VERSION = "1"
+
+
+class TaskType(str, enum.Enum):
+    """What a request asks for. Declared by the caller, never inferred from the inputs."""
+
+    T2V = "t2v"
+    I2V = "i2v"
+    V2V = "v2v"
+    T2I = "t2i"
+    I2I = "i2i"
+    T2A = "t2a"
+    TTS = "tts"
+    REASON = "reason"
+
+
+class Status(str, enum.Enum):
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+def _c(**constraints: Any) -> dict[str, Any]:
+    return dict(constraints)
+
+
+# --------------------------------------------------------------------------------------------
+# Typed input parts (tagged union on "type")
+# --------------------------------------------------------------------------------------------
+
+
+@define(frozen=True)
+class TextPart:
+    """A piece of text. ``role`` says what it is for: ``prompt`` or ``negative_prompt``."""
+
+    text: str
+    role: Literal["prompt", "negative_prompt", "system"] = "prompt"
+    type: Literal["text"] = "text"
+
+
+@define(frozen=True)
+class ImagePart:
+    """An image given by file path or base64 data (exactly one)."""
+
+    path: str | None = None
+    data_b64: str | None = None
+    role: Literal["image", "first_frame", "last_frame", "reference"] = "image"
+    type: Literal["image"] = "image"
+
+
+@define(frozen=True)
+class VideoPart:
+    path: str
+    role: Literal["video", "reference"] = "video"
+    type: Literal["video"] = "video"
+
+
+@define(frozen=True)
+class AudioPart:
+    path: str
+    role: Literal["audio", "reference"] = "audio"
+    type: Literal["audio"] = "audio"
+
+
+@define(frozen=True)
+class LatentsPart:
+    """Latents saved with torch.save / safetensors, e.g. to resume or to image-condition."""
+
+    path: str
+    modality: str = "video"
+    type: Literal["latents"] = "latents"
+
+
+@define(frozen=True)
+class ActionPart:
+    """A control signal for world models (camera pose, action ids)."""
+
+    values: list[float] = attrs.Factory(list)
+    type: Literal["action"] = "action"
+
+
+ModalPart = Union[TextPart, ImagePart, VideoPart, AudioPart, LatentsPart, ActionPart]
+MODAL_PART_TYPES: tuple[type, ...] = (TextPart, ImagePart, VideoPart, AudioPart, LatentsPart, ActionPart)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+
+
+@define(frozen=True)
+class DiffusionParams:
+    """Diffusion knobs. ``None`` means "the family's default for this task"."""
+
+    steps: int | None = field(default=None, metadata=_c(ge=1))
+    guidance_scale: float | None = field(default=None, metadata=_c(ge=0.0))
+    shift: float | None = field(default=None, metadata=_c(gt=0.0))
+    height: int | None = field(default=None, metadata=_c(ge=1))
+    width: int | None = field(default=None, metadata=_c(ge=1))
+    frames: int | None = field(default=None, metadata=_c(ge=1))
+    fps: float | None = field(default=None, metadata=_c(gt=0.0))
+    seed: int | None = field(default=None, metadata=_c(ge=0, le=2**63 - 1))
+
+
+@define(frozen=True)
+class SamplingParams:
+    """Autoregressive sampling knobs (text/audio tokens)."""
+
+    temperature: float = field(default=1.0, metadata=_c(ge=0.0))
+    top_p: float = field(default=1.0, metadata=_c(gt=0.0, le=1.0))
+    top_k: int = field(default=0, metadata=_c(ge=0))
+    max_tokens: int | None = field(default=None, metadata=_c(ge=1))
+
+
+@define(frozen=True)
+class OutputSpec:
+    """What to return and how to stream it."""
+
+    stream_progress: bool = True
+    stream_partial: bool = False
+    return_latents: bool = False
+    return_trajectory: bool = False
+    format: Literal["mp4", "png", "frames", "wav", "text"] | None = None
+
+
+@define(frozen=True)
+class OmniRequest:
+    """Immutable user intent. Build it with keyword arguments or :func:`omniloop.schema.request_from_dict`."""
+
+    task: TaskType
+    inputs: list[ModalPart] = attrs.Factory(list)
+    diffusion: DiffusionParams = attrs.Factory(DiffusionParams)
+    sampling: SamplingParams = attrs.Factory(SamplingParams)
+    outputs: OutputSpec = attrs.Factory(OutputSpec)
+    node_params: dict[str, dict[str, Any]] = attrs.Factory(dict)
+    plugin_params: dict[str, dict[str, Any]] = attrs.Factory(dict)
+    exact: bool = False
+    priority: int = field(default=0, metadata=_c(ge=-100, le=100))
+    request_id: str = attrs.Factory(lambda: uuid.uuid4().hex[:16])
+    schema_version: str = field(default=SCHEMA_VERSION, metadata=_c(choices=(SCHEMA_VERSION,)))
+
+    # -- convenience accessors used by families --------------------------------------------
+    def text(self, role: str = "prompt") -> str | None:
+        """The joined text of every ``TextPart`` with this role, or None."""
+        parts = [p.text for p in self.inputs if isinstance(p, TextPart) and p.role == role]
+        return " ".join(parts) if parts else None
+
+    @property
+    def prompt(self) -> str | None:
+        return self.text("prompt")
+
+    @property
+    def negative_prompt(self) -> str | None:
+        return self.text("negative_prompt")
+
+    def parts(self, kind: type) -> list[Any]:
+        return [p for p in self.inputs if isinstance(p, kind)]
+
+    def image(self) -> ImagePart | None:
+        imgs = self.parts(ImagePart)
+        return imgs[0] if imgs else None
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs and events
+# --------------------------------------------------------------------------------------------
+
+
+@define
+class ErrorInfo:
+    type: str
+    message: str
+    node: str | None = None
+    step: int | None = None
+
+
+@define
+class OmniOutput:
+    """What a request produced. ``artifacts`` maps names (``video``, ``latents``) to artifacts."""
+
+    request_id: str
+    status: Status
+    artifacts: dict[str, Any] = attrs.Factory(dict)
+    metrics: dict[str, Any] = attrs.Factory(dict)
+    error: ErrorInfo | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.COMPLETED
+
+
+class EventKind(str, enum.Enum):
+    PROGRESS = "progress"
+    PARTIAL = "partial"
+    FINAL = "final"
+    ERROR = "error"
+
+
+@define
+class OmniEvent:
+    """The stream unit. ``progress`` carries node/step/total; ``final`` carries the output."""
+
+    request_id: str
+    kind: EventKind
+    node: str | None = None
+    step: int | None = None
+    total: int | None = None
+    message: str | None = None
+    artifact: str | None = None
+    value: Any = None
+    output: OmniOutput | None = None

@@ -1,0 +1,309 @@
+"""The runtime: loads a deployment, builds pipelines, validates requests, runs them.
+
+``Runtime.from_deploy(deploy)`` does, in order and before any compute: discover plugins,
+resolve the model (preset or path → family), check the attention backend, build the enabled
+interceptors/observers from their validated config, load the family's components once, and the
+scheduler. Pipelines are built lazily per task and cached. ``prepare(request)`` validates the
+request completely (task, limits, node and plugin params, the family's own checks) and returns an
+:class:`~omniloop.execution.Execution` for a scheduler to drive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .deploy import DeployConfig, load_deploy
+from .errors import DeployError, PluginError, RequestError
+from .execution import BuiltPipeline, Execution
+from .family import LoadedModel, PluginComponentSpec
+from .graph import PipelineSpec
+from .observers import ObserverBus
+from .plugins import PluginManager, Registry, default_manager
+from .request import OmniEvent, OmniOutput, OmniRequest, TaskType
+from .schema import request_from_dict, structure_params
+
+log = logging.getLogger("omniloop")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Runtime:
+    """A loaded deployment. Thread-compatible: drive it from one scheduler."""
+
+    def __init__(self, deploy: DeployConfig, *, plugins: PluginManager | None = None) -> None:
+        self.deploy = deploy
+        self.plugins = plugins or default_manager()
+        self.registry: Registry = self.plugins.registry()
+        self.device = _device(deploy.device)
+        self.dtype = _DTYPES[deploy.dtype]
+        self.family, self.model_path = self._resolve_model()
+        self.attention = self._resolve_attention()
+        self.components_enabled = self._build_components()
+        self.scheduler = self._resolve_scheduler()
+        self.options: dict[str, Any] = {
+            "deploy": deploy, "registry": self.registry, "attention": self.attention,
+            **deploy.options,
+        }
+        self.model: LoadedModel = self.family.load(
+            self.model_path, device=self.device, dtype=self.dtype, options=self.options
+        )
+        self._pipelines: dict[TaskType, BuiltPipeline] = {}
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_deploy(
+        cls, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *, plugins: PluginManager | None = None
+    ) -> Runtime:
+        return cls(load_deploy(deploy), plugins=plugins)
+
+    @classmethod
+    def from_model(
+        cls, model: str | os.PathLike[str], device: str = "cpu", dtype: str = "float32",
+        *, plugins: PluginManager | None = None, **deploy: Any,
+    ) -> Runtime:
+        """A runtime for a preset name (``wan-demo``) or a checkpoint path, with deploy defaults."""
+        s = str(model)
+        looks_like_path = os.sep in s or s.startswith(".") or Path(s).exists()
+        model_cfg = {"path": s} if looks_like_path else {"preset": s}
+        if "family" in deploy:
+            model_cfg["family"] = deploy.pop("family")
+        data = {"model": model_cfg, "device": device, "dtype": dtype, **deploy}
+        return cls(load_deploy(data), plugins=plugins)
+
+    def _resolve_model(self) -> tuple[Any, Path]:
+        m = self.deploy.model
+        reg = self.registry
+        if m.preset:
+            preset = reg.presets.get(m.preset)
+            if preset is None:
+                self.plugins.require(m.preset, "model preset")
+                known = ", ".join(sorted(reg.presets)) or "none installed"
+                raise DeployError(f"model: unknown model preset {m.preset!r} (known presets: {known})")
+            family_name = m.family or preset.family
+            path = Path(preset.path())
+        elif m.path:
+            path = Path(m.path).expanduser()
+            if not path.exists():
+                raise DeployError(f"model.path: {path} does not exist")
+            family_name = m.family or self._detect_family(path)
+        else:
+            raise DeployError("model: give a preset name or a checkpoint path")
+        family = reg.families.get(family_name)
+        if family is None:
+            self.plugins.require(family_name, "model family")
+            known = ", ".join(sorted(reg.families)) or "none installed"
+            raise DeployError(f"model.family: unknown model family {family_name!r} (installed families: {known})")
+        return family, path
+
+    def _detect_family(self, path: Path) -> str:
+        hits = [name for name, fam in self.registry.families.items() if _safe_detect(fam, path)]
+        if not hits:
+            known = ", ".join(sorted(self.registry.families)) or "none installed"
+            raise DeployError(
+                f"model.path: no installed family recognizes the checkpoint at {path} (installed families: {known})"
+            )
+        if len(hits) > 1:
+            raise DeployError(f"model.path: several families recognize {path} ({', '.join(hits)}); set model.family")
+        return hits[0]
+
+    def _resolve_attention(self) -> Any:
+        name = self.deploy.attention_backend
+        spec = self.registry.attention_backends.get(name)
+        if spec is None:
+            self.plugins.require(name, "attention backend")
+            known = ", ".join(sorted(self.registry.attention_backends))
+            raise DeployError(f"attention_backend: unknown backend {name!r} (available: {known})")
+        reason = spec.available()
+        if reason:
+            raise DeployError(f"attention_backend: {name!r} cannot run here: {reason}")
+        return spec
+
+    def _build_components(self) -> dict[str, tuple[PluginComponentSpec, Any]]:
+        built: dict[str, tuple[PluginComponentSpec, Any]] = {}
+        for name, conf in self.deploy.plugins.items():
+            spec = self.registry.component(name)
+            if spec is None:
+                self.plugins.require(name, "plugin")
+                known = ", ".join(sorted([*self.registry.interceptors, *self.registry.observers])) or "none installed"
+                raise DeployError(f"plugins.{name}: no installed interceptor or observer is named {name!r} (available: {known})")
+            config = None
+            if spec.config_schema is not None:
+                try:
+                    config = structure_params(spec.config_schema, conf, f"plugins.{name}")
+                except RequestError as exc:
+                    raise DeployError(f"deploy config: {exc}") from None
+            elif conf:
+                raise DeployError(f"plugins.{name}: this plugin takes no options, got {sorted(conf)}")
+            try:
+                obj = spec.factory(config)
+            except Exception as exc:
+                raise PluginError(f"plugins.{name}: could not be created: {type(exc).__name__}: {exc}") from exc
+            built[name] = (spec, obj)
+        blocks = [n for n, (s, _) in built.items() if s.kind == "block_interceptor"]
+        if len(blocks) > 1:
+            raise DeployError(
+                f"plugins: two block interceptors are enabled ({', '.join(blocks)}); a loop runs its blocks through one"
+            )
+        return built
+
+    def _resolve_scheduler(self) -> Any:
+        name = self.deploy.scheduler
+        spec = self.registry.schedulers.get(name)
+        if spec is None:
+            self.plugins.require(name, "scheduler")
+            known = ", ".join(sorted(self.registry.schedulers)) or "none installed"
+            hint = " (pip install omniloop-scheduler)" if not self.registry.schedulers else ""
+            raise DeployError(f"scheduler: unknown scheduler {name!r} (available: {known}){hint}")
+        return spec.factory(self, **self.deploy.scheduler_options) if _takes_runtime(spec.factory) else spec.factory()
+
+    # -- pipelines ------------------------------------------------------------------------------
+    @property
+    def tasks(self) -> frozenset[TaskType]:
+        return frozenset(self.family.tasks)
+
+    def pipeline(self, task: TaskType) -> BuiltPipeline:
+        built = self._pipelines.get(task)
+        if built is None:
+            built = self._build(task)
+            self._pipelines[task] = built
+        return built
+
+    def _build(self, task: TaskType) -> BuiltPipeline:
+        spec: PipelineSpec = self.family.build_pipeline(self.model, task, self.options)
+        observers = [(n, obj) for n, (s, obj) in self.components_enabled.items() if s.kind == "observer"]
+        bus = ObserverBus(observers) if observers else None
+        block = [obj for s, obj in self.components_enabled.values() if s.kind == "block_interceptor"]
+        step = tuple(obj for s, obj in self.components_enabled.values() if s.kind == "step_interceptor")
+        if block and not getattr(self.family, "supports_block_interceptors", False):
+            raise DeployError(
+                f"plugins: block interceptor {block[0].name!r} needs a family that runs its blocks through "
+                f"run_blocks; family {self.family.name!r} does not"
+            )
+        interceptors = [*block, *step]
+        eager = any(getattr(i, "needs_eager", False) for i in interceptors) or bool(bus and bus.needs_eager)
+        if eager:
+            why = [getattr(i, "name", "?") for i in interceptors if getattr(i, "needs_eager", False)]
+            if bus is not None and bus.needs_eager:
+                why += [n for n, o in observers if getattr(o, "needs_eager", False)]
+            log.info("eager execution forced by: %s", ", ".join(why))
+        return BuiltPipeline(
+            spec=spec, components=self.model.components, device=self.device, dtype=self.dtype, bus=bus,
+            block_interceptor=block[0] if block else None, step_interceptors=step, eager=eager,
+            options=self.options, model_name=self.deploy.model.preset or str(self.model_path),
+        )
+
+    # -- requests -------------------------------------------------------------------------------
+    def prepare(self, request: OmniRequest | Mapping[str, Any]) -> Execution:
+        """Validate ``request`` completely (before any compute) and return its execution."""
+        req = request if isinstance(request, OmniRequest) else request_from_dict(request)
+        if req.task not in self.tasks:
+            have = ", ".join(sorted(t.value for t in self.tasks))
+            raise RequestError("task", f"{req.task.value!r} is not supported by family {self.family.name!r} (supported: {have})")
+        self._check_limits(req)
+        built = self.pipeline(req.task)
+        node_params = self._node_params(req, built)
+        plugin_params, active = self._plugin_params(req, built)
+        warnings = list(self.family.validate_request(self.model, req, self.deploy.limits) or [])
+        if req.exact and self.attention.distribution_altering:
+            raise RequestError("exact", f"attention backend {self.attention.name!r} alters outputs; exact requests cannot use it")
+        return Execution(built, req, node_params=node_params, plugin_params=plugin_params,
+                         warnings=warnings, active_interceptors=active)
+
+    def _check_limits(self, req: OmniRequest) -> None:
+        d, lim = req.diffusion, self.deploy.limits
+        for field, value, limit in (
+            ("steps", d.steps, lim.max_steps), ("frames", d.frames, lim.max_frames),
+            ("height", d.height, lim.max_height), ("width", d.width, lim.max_width),
+        ):
+            if value is not None and value > limit:
+                raise RequestError(f"diffusion.{field}", f"{value} is above this deployment's limit of {limit}")
+
+    def _node_params(self, req: OmniRequest, built: BuiltPipeline) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        nodes = {n.name: n for n in built.spec.nodes}
+        for name, params in req.node_params.items():
+            node = nodes.get(name)
+            if node is None:
+                raise RequestError(f"node_params.{name}", f"no node named {name!r} in the {req.task.value} pipeline (nodes: {', '.join(nodes)})")
+            if node.params_schema is None:
+                raise RequestError(f"node_params.{name}", f"node {name!r} takes no parameters")
+            out[name] = structure_params(node.params_schema, params, f"node_params.{name}")
+        for name, node in nodes.items():
+            if name not in out and node.params_schema is not None:
+                out[name] = structure_params(node.params_schema, {}, f"node_params.{name}")
+        return out
+
+    def _plugin_params(self, req: OmniRequest, built: BuiltPipeline) -> tuple[dict[str, Any], list[Any]]:
+        params: dict[str, Any] = {}
+        for name, p in req.plugin_params.items():
+            if name not in self.components_enabled:
+                enabled = ", ".join(sorted(self.components_enabled)) or "none"
+                raise RequestError(f"plugin_params.{name}", f"plugin {name!r} is not enabled in this deployment (enabled: {enabled})")
+            spec, _ = self.components_enabled[name]
+            if req.exact and spec.distribution_altering:
+                raise RequestError(f"plugin_params.{name}", f"plugin {name!r} alters outputs; an exact request cannot tune it")
+            if spec.params_schema is None:
+                if p:
+                    raise RequestError(f"plugin_params.{name}", f"plugin {name!r} takes no request parameters")
+                continue
+            params[name] = structure_params(spec.params_schema, p, f"plugin_params.{name}")
+        active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
+        return params, active
+
+    def generate(self, request: OmniRequest | Mapping[str, Any]) -> OmniOutput:
+        """Run ``request`` to completion with the deploy's scheduler and return its output."""
+        out: OmniOutput | None = None
+        for ev in self.stream(request):
+            if ev.output is not None:
+                out = ev.output
+        assert out is not None
+        return out
+
+    def stream(self, request: OmniRequest | Mapping[str, Any]) -> Iterator[OmniEvent]:
+        """Validate, then run ``request``, yielding progress events and a final event."""
+        execution = self.prepare(request)
+        return self.scheduler.stream(execution)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "family": self.family.name,
+            "model": str(self.model_path),
+            "device": str(self.device),
+            "dtype": self.deploy.dtype,
+            "tasks": sorted(t.value for t in self.tasks),
+            "plugins": sorted(self.components_enabled),
+            "attention_backend": self.attention.name,
+            "scheduler": self.deploy.scheduler,
+        }
+
+
+def _device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise DeployError(f"device: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeployError(f"device: {name!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+def _safe_detect(family: Any, path: Path) -> bool:
+    try:
+        return bool(family.detect(path))
+    except Exception:
+        return False
+
+
+def _takes_runtime(factory: Any) -> bool:
+    import inspect
+
+    try:
+        return len(inspect.signature(factory).parameters) >= 1
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,76 @@
+"""Test helpers for omniloop and its plugin authors.
+
+* :mod:`omniloop.testing.toy` — a toy family on a real tiny torch model.
+* :mod:`omniloop.testing.conformance` — checks a family, block/step interceptor or observer
+  against the contracts (determinism, interleaving, baseline/enabled/disabled, read-only).
+* :func:`make_manager` / :func:`toy_runtime` — an isolated plugin manager and runtime, no
+  entry-point discovery, so tests do not depend on what else is installed.
+* pytest fixtures (auto-loaded through the ``pytest11`` entry point): ``omniloop_manager``,
+  ``toy_checkpoint``, ``toy_runtime_factory``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..execution import Execution, ScheduleDecision
+from ..family import SchedulerSpec
+from ..hookspecs import hookimpl
+from ..plugins import PluginManager
+from ..request import OmniEvent
+from .toy import ToyFamily, ToyPlugin, build_toy_checkpoint
+
+
+class InlineSerialScheduler:
+    """A minimal serial scheduler so core tests need no scheduler package."""
+
+    name = "serial"
+
+    def __init__(self, runtime: Any = None, **_: Any) -> None:
+        self.runtime = runtime
+
+    def stream(self, execution: Execution) -> Iterator[OmniEvent]:
+        bus = execution.bus
+        if bus is not None and bus.schedule_decision is not None:
+            bus.schedule_decision(decision=ScheduleDecision("serial", "admit", (execution.request_id,)))
+        while not execution.done:
+            yield from execution.advance()
+
+
+class _InlineSchedulerPlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @hookimpl
+    def omniloop_register_schedulers(self, register: Any) -> None:
+        register(SchedulerSpec(name="serial", factory=InlineSerialScheduler))
+
+
+def make_manager(*plugins: tuple[str, Any], toy: bool = True, scheduler: bool = True) -> PluginManager:
+    """A plugin manager with no entry-point discovery: core + toy family + a serial scheduler + ``plugins``."""
+    pm = PluginManager(discover=False)
+    if toy:
+        pm.add("toy", ToyPlugin())
+    if scheduler:
+        pm.add("inline-serial", _InlineSchedulerPlugin())
+    for name, obj in plugins:
+        pm.add(name, obj)
+    return pm
+
+
+def toy_runtime(checkpoint: str | Path, *plugins: tuple[str, Any], **deploy: Any) -> Any:
+    """A CPU float32 runtime over the toy family, with in-process ``plugins`` added."""
+    from ..runtime import Runtime
+
+    return Runtime.from_model(checkpoint, plugins=make_manager(*plugins), **deploy)
+
+
+__all__ = [
+    "InlineSerialScheduler",
+    "ToyFamily",
+    "ToyPlugin",
+    "build_toy_checkpoint",
+    "make_manager",
+    "toy_runtime",
+]

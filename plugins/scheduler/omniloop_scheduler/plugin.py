@@ -1,0 +1,17 @@
+"""Entry point of omniloop-scheduler: registers the ``serial`` scheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omniloop.family import SchedulerSpec
+from omniloop.hookspecs import hookimpl
+
+from .serial import SerialScheduler
+
+OMNILOOP_HOOK_API = ">=1.0,<2"
+
+
+@hookimpl
+def omniloop_register_schedulers(register: Any) -> None:
+    register(SchedulerSpec(name="serial", factory=SerialScheduler, description="one request at a time, to completion"))
