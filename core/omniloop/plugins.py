@@ -271,7 +271,7 @@ class PluginManager:
         reg = Registry()
         for hook_name, (attr, kind, expected) in _KINDS.items():
             caller = getattr(self.pm.hook, hook_name)
-            for impl in reversed(caller.get_hookimpls()):  # registration order
+            for impl in caller.get_hookimpls():  # registration order
                 rec = self.records.get(impl.plugin_name)
                 if rec is None or not rec.ok:
                     continue
@@ -325,7 +325,7 @@ class PluginManager:
         """Let every healthy plugin add CLI subcommands; a plugin that fails is marked failed."""
         self.discover()
         caller = self.pm.hook.omniloop_register_commands
-        for impl in reversed(caller.get_hookimpls()):
+        for impl in caller.get_hookimpls():
             rec = self.records.get(impl.plugin_name)
             if rec is None or not rec.ok:
                 continue

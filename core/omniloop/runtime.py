@@ -36,9 +36,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class Runtime:
     """A loaded deployment. Thread-compatible: drive it from one scheduler."""
 
-    def __init__(self, deploy: DeployConfig, *, plugins: PluginManager | None = None) -> None:
+    def __init__(self, deploy: DeployConfig, *, manager: PluginManager | None = None) -> None:
         self.deploy = deploy
-        self.plugins = plugins or default_manager()
+        self.plugins = manager or default_manager()
         self.registry: Registry = self.plugins.registry()
         self.device = _device(deploy.device)
         self.dtype = _DTYPES[deploy.dtype]
@@ -58,23 +58,27 @@ class Runtime:
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_deploy(
-        cls, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *, plugins: PluginManager | None = None
+        cls, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *, manager: PluginManager | None = None
     ) -> Runtime:
-        return cls(load_deploy(deploy), plugins=plugins)
+        return cls(load_deploy(deploy), manager=manager)
 
     @classmethod
     def from_model(
         cls, model: str | os.PathLike[str], device: str = "cpu", dtype: str = "float32",
-        *, plugins: PluginManager | None = None, **deploy: Any,
+        *, manager: PluginManager | None = None, **deploy: Any,
     ) -> Runtime:
-        """A runtime for a preset name (``wan-demo``) or a checkpoint path, with deploy defaults."""
+        """A runtime for a preset name (``wan-demo``) or a checkpoint path.
+
+        ``deploy`` takes any other DeployConfig field (``plugins={...}``, ``limits={...}``);
+        ``manager`` is the PluginManager to use (default: the installed entry points).
+        """
         s = str(model)
         looks_like_path = os.sep in s or s.startswith(".") or Path(s).exists()
         model_cfg = {"path": s} if looks_like_path else {"preset": s}
         if "family" in deploy:
             model_cfg["family"] = deploy.pop("family")
         data = {"model": model_cfg, "device": device, "dtype": dtype, **deploy}
-        return cls(load_deploy(data), plugins=plugins)
+        return cls(load_deploy(data), manager=manager)
 
     def _resolve_model(self) -> tuple[Any, Path]:
         m = self.deploy.model
@@ -253,6 +257,9 @@ class Runtime:
                     raise RequestError(f"plugin_params.{name}", f"plugin {name!r} takes no request parameters")
                 continue
             params[name] = structure_params(spec.params_schema, p, f"plugin_params.{name}")
+        for name, (spec, _) in self.components_enabled.items():  # defaults for the untuned
+            if name not in params and spec.params_schema is not None:
+                params[name] = structure_params(spec.params_schema, {}, f"plugin_params.{name}")
         active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
         return params, active
 

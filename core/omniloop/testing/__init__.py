@@ -63,7 +63,7 @@ def toy_runtime(checkpoint: str | Path, *plugins: tuple[str, Any], **deploy: Any
     """A CPU float32 runtime over the toy family, with in-process ``plugins`` added."""
     from ..runtime import Runtime
 
-    return Runtime.from_model(checkpoint, plugins=make_manager(*plugins), **deploy)
+    return Runtime.from_model(checkpoint, manager=make_manager(*plugins), **deploy)
 
 
 __all__ = [

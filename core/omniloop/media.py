@@ -1,0 +1,157 @@
+"""Reading and writing media: mp4 (PyAV, h264 yuv420p), png, and input images.
+
+Writes are atomic: the file is written next to its destination under a temporary name and moved
+into place with ``os.replace``, so a reader never sees half a video. PyAV and Pillow are imported
+lazily; when one is missing the error says which package to install (``omniloop[media]``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from contextlib import contextmanager
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .errors import OmniloopError, RequestError
+
+
+class MediaError(OmniloopError):
+    """A media dependency is missing or a file could not be written."""
+
+
+def _import_av() -> Any:
+    try:
+        import av
+    except ImportError:
+        raise MediaError("writing mp4 needs PyAV: pip install 'omniloop[media]' (or pip install av)") from None
+    return av
+
+
+def _import_pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise MediaError("reading and writing images needs Pillow: pip install pillow") from None
+    return Image
+
+
+@contextmanager
+def _atomic_path(path: str | os.PathLike[str], suffix: str) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; move it onto ``path`` only if the block succeeds."""
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # not mkstemp: its 0600 mode would stick to the final file; a random name is enough here
+    tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp{suffix}"
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _check_frames(frames: torch.Tensor, ndim: int, what: str) -> torch.Tensor:
+    if not isinstance(frames, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(frames).__name__}")
+    if frames.dtype != torch.uint8 or frames.ndim != ndim or frames.shape[-1] != 3:
+        shape = "[T, H, W, 3]" if ndim == 4 else "[H, W, 3]"
+        raise ValueError(f"{what} must be uint8 {shape}, got {frames.dtype} {list(frames.shape)}")
+    return frames.detach().to("cpu").contiguous()
+
+
+def pad_to_even(frames: torch.Tensor) -> torch.Tensor:
+    """Pad ``[..., H, W, 3]`` to even H and W by repeating the last row / column (yuv420p needs even sizes)."""
+    h, w = frames.shape[-3], frames.shape[-2]
+    if h % 2:
+        frames = torch.cat([frames, frames[..., -1:, :, :]], dim=-3)
+    if w % 2:
+        frames = torch.cat([frames, frames[..., :, -1:, :]], dim=-2)
+    return frames
+
+
+def write_mp4(frames: torch.Tensor, fps: float, path: str | os.PathLike[str], *, crf: int = 18) -> Path:
+    """Write uint8 frames ``[T, H, W, 3]`` as an h264 / yuv420p mp4 at ``fps``; return the path.
+
+    Odd heights or widths are padded to even by repeating the edge. Every frame is written with
+    its own timestamp (``pts = i`` in a ``1/fps`` time base), so players see ``T`` frames at ``fps``.
+    """
+    av = _import_av()
+    frames = pad_to_even(_check_frames(frames, 4, "frames"))
+    if frames.shape[0] < 1:
+        raise ValueError("frames must hold at least one frame")
+    if not fps or fps <= 0:
+        raise ValueError(f"fps must be > 0, got {fps}")
+    rate = Fraction(fps).limit_denominator(1001)
+    t, h, w = frames.shape[0], frames.shape[1], frames.shape[2]
+    arr = frames.numpy()
+    with _atomic_path(path, ".mp4") as tmp:
+        with av.open(str(tmp), mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=rate)
+            stream.width, stream.height = w, h
+            stream.pix_fmt = "yuv420p"
+            stream.time_base = Fraction(1, 1) / rate
+            stream.options = {"crf": str(crf)}
+            for i in range(t):
+                frame = av.VideoFrame.from_ndarray(arr[i], format="rgb24")
+                frame.pts = i
+                frame.time_base = stream.time_base
+                for packet in stream.encode(frame):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+    return Path(path)
+
+
+def write_png(pixels: torch.Tensor, path: str | os.PathLike[str]) -> Path:
+    """Write uint8 ``[H, W, 3]`` pixels (or the first frame of ``[T, H, W, 3]``) as a png."""
+    image_mod = _import_pil()
+    if isinstance(pixels, torch.Tensor) and pixels.ndim == 4:
+        pixels = pixels[0]
+    arr = _check_frames(pixels, 3, "pixels").numpy()
+    with _atomic_path(path, ".png") as tmp:
+        image_mod.fromarray(arr, mode="RGB").save(tmp, format="PNG")
+    return Path(path)
+
+
+def read_image(source: str | os.PathLike[str] | bytes, name: str = "image") -> torch.Tensor:
+    """Decode an image file (path or bytes) to uint8 ``[H, W, 3]`` RGB.
+
+    A file that is missing or does not decode raises :class:`RequestError` with ``name`` as the
+    field path (e.g. ``inputs[1].path``).
+    """
+    image_mod = _import_pil()
+    try:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            img = image_mod.open(io.BytesIO(bytes(source)))
+        else:
+            p = Path(source)
+            if not p.is_file():
+                raise RequestError(name, f"image file {str(p)!r} does not exist")
+            img = image_mod.open(p)
+        img.load()
+        rgb = img.convert("RGB")
+    except RequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is a bad input
+        what = "image data" if isinstance(source, (bytes, bytearray, memoryview)) else f"image file {str(source)!r}"
+        raise RequestError(name, f"{what} could not be decoded ({type(exc).__name__}: {exc})") from None
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
+
+
+def to_pil(pixels: torch.Tensor) -> Any:
+    """uint8 ``[H, W, 3]`` to a ``PIL.Image`` (RGB)."""
+    image_mod = _import_pil()
+    return image_mod.fromarray(_check_frames(pixels, 3, "pixels").numpy(), mode="RGB")
+
+
+__all__ = ["MediaError", "pad_to_even", "read_image", "to_pil", "write_mp4", "write_png"]

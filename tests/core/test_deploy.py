@@ -1,0 +1,40 @@
+"""Deploy config files: YAML, TOML, JSON; errors name the file and field."""
+
+import json
+
+import pytest
+
+from omniloop.deploy import load_deploy
+from omniloop.errors import DeployError
+
+
+def test_loads_all_three_formats(tmp_path):
+    (tmp_path / "d.json").write_text(json.dumps({"model": {"preset": "wan-demo"}, "limits": {"max_steps": 10}}))
+    (tmp_path / "d.toml").write_text('[model]\npreset = "wan-demo"\n[limits]\nmax_steps = 10\n')
+    (tmp_path / "d.yaml").write_text("model: {preset: wan-demo}\nlimits: {max_steps: 10}\n")
+    cfgs = [load_deploy(tmp_path / f"d.{ext}") for ext in ("json", "toml", "yaml")]
+    assert cfgs[0] == cfgs[1] == cfgs[2]
+    assert cfgs[0].limits.max_steps == 10 and cfgs[0].model.preset == "wan-demo"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("model: {preset: x}\nlimits: {max_stepz: 3}\n", "limits.max_stepz: unknown key"),
+    ("dtype: float8\n", "dtype"),
+    ("limits: {max_steps: 0}\n", "limits.max_steps: must be >= 1"),
+    ("plugins: {cache-dit: 3}\n", "plugins"),
+    ("model: [1, 2\n", "cannot parse"),
+])
+def test_bad_deploy_files_name_file_and_field(tmp_path, text, words):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(DeployError) as err:
+        load_deploy(f)
+    assert str(f) in str(err.value) and words in str(err.value)
+
+
+def test_missing_and_unknown_type(tmp_path):
+    with pytest.raises(DeployError, match="not found"):
+        load_deploy(tmp_path / "nope.yaml")
+    (tmp_path / "d.ini").write_text("x")
+    with pytest.raises(DeployError, match="unknown deploy file type"):
+        load_deploy(tmp_path / "d.ini")

@@ -1,0 +1,112 @@
+"""Plugin manager: isolation at discovery, strictness at deploy, versioned hook API, duplicates."""
+
+import pytest
+
+from omniloop.deploy import load_deploy
+from omniloop.errors import DeployError, PluginError
+from omniloop.family import PolicySpec
+from omniloop.hookspecs import hookimpl
+from omniloop.plugins import api_supported
+from omniloop.runtime import Runtime
+from omniloop.testing import make_manager
+
+
+class PolicyPlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self, name="euler"):
+        self.policy = name
+
+    @hookimpl
+    def omniloop_register_policies(self, register):
+        register(PolicySpec(name=self.policy, kind="sampler", factory=object))
+
+
+class ExplodingPlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @hookimpl
+    def omniloop_register_policies(self, register):
+        register(PolicySpec(name="half", kind="sampler", factory=object))
+        raise RuntimeError("boom during registration")
+
+
+class FuturePlugin:
+    OMNILOOP_HOOK_API = ">=9.0"
+
+    @hookimpl
+    def omniloop_register_policies(self, register):
+        register(PolicySpec(name="future", kind="sampler", factory=object))
+
+
+class UndeclaredPlugin:
+    @hookimpl
+    def omniloop_register_policies(self, register):
+        pass
+
+
+@pytest.mark.parametrize("spec, ok", [
+    (">=1.0,<2", True), ("==1.0", True), (">=1.1", False), ("<1", False), (">=0.9,!=1.0", False),
+])
+def test_api_ranges(spec, ok):
+    assert api_supported(spec, "1.0") is ok
+
+
+def test_malformed_range_is_refused_with_message():
+    pm = make_manager()
+    bad = type("Bad", (), {"OMNILOOP_HOOK_API": "about one"})()
+    rec = pm.add("bad", bad)
+    assert rec.status == "refused" and "malformed hook-API range" in rec.error
+
+
+def test_plugin_outside_hook_api_range_is_refused_saying_what_it_needs():
+    pm = make_manager(("future", FuturePlugin()), ("undeclared", UndeclaredPlugin()))
+    reg = pm.registry()
+    assert "future" not in reg.policies
+    rec = pm.records["future"]
+    assert rec.status == "refused" and ">=9.0" in rec.error and "1.0" in rec.error
+    assert "does not declare OMNILOOP_HOOK_API" in pm.records["undeclared"].error
+
+
+def test_registration_failure_is_isolated_and_rolled_back():
+    pm = make_manager(("exploding", ExplodingPlugin()), ("good", PolicyPlugin()))
+    reg = pm.registry()
+    assert "euler" in reg.policies and "half" not in reg.policies
+    assert pm.records["exploding"].status == "failed"
+    assert "boom during registration" in pm.records["exploding"].error
+    assert pm.records["good"].provides == {"policy": ["euler"]}
+
+
+def test_duplicate_registration_names_both_providers():
+    pm = make_manager(("first", PolicyPlugin("euler")), ("second", PolicyPlugin("euler")))
+    pm.registry()
+    err = pm.records["second"].error
+    assert "registered twice" in err and "'first'" in err and "'second'" in err
+
+
+def test_deploy_naming_a_failed_plugin_is_a_hard_error(toy_checkpoint):
+    class BrokenObserverPlugin:
+        OMNILOOP_HOOK_API = ">=1.0,<2"
+
+        @hookimpl
+        def omniloop_register_observers(self, register):
+            raise ImportError("missing dependency foo")
+
+    pm = make_manager(("watch", BrokenObserverPlugin()))
+    deploy = load_deploy({"model": {"path": str(toy_checkpoint)}, "plugins": {"watch": {}}})
+    with pytest.raises(PluginError, match=r"'watch' is named by the deploy config.*missing dependency foo"):
+        Runtime(deploy, manager=pm)
+
+
+def test_unknown_plugin_in_deploy_lists_the_available(toy_checkpoint):
+    deploy = load_deploy({"model": {"path": str(toy_checkpoint)}, "plugins": {"nope": {}}})
+    with pytest.raises(DeployError, match="plugins.nope: no installed interceptor or observer"):
+        Runtime(deploy, manager=make_manager())
+
+
+def test_trace_hooks_env_prints_calls(monkeypatch, capsys):
+    monkeypatch.setenv("OMNILOOP_TRACE_HOOKS", "1")
+    pm = make_manager(("good", PolicyPlugin()))
+    pm.registry()
+    err = capsys.readouterr().err
+    assert "[omniloop hooks]" in err and "omniloop_register_policies" in err and "euler" in err

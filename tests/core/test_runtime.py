@@ -1,0 +1,243 @@
+"""Runtime and execution on the toy family: validation before compute, interceptors, observers,
+cancellation and failure isolation."""
+
+import attrs
+import pytest
+import torch
+
+from omniloop.errors import DeployError, RequestError
+from omniloop.family import PluginComponentSpec
+from omniloop.hookspecs import hookimpl
+from omniloop.request import Status
+from omniloop.testing import toy_runtime
+
+
+def req(**diffusion):
+    return {"task": "t2v", "prompt": "a red circle", "diffusion": {"seed": 7, **diffusion}}
+
+
+@attrs.define
+class CountingParams:
+    scale: float = attrs.field(default=1.0, metadata={"ge": 0.0})
+
+
+class ScalingBlocks:
+    """A block interceptor that scales every block output by ``scale`` (1.0 = identity)."""
+
+    name = "scaler"
+    graph_safe = True
+    distribution_altering = True
+    needs_eager = False
+
+    def __init__(self):
+        self.opened, self.closed = [], []
+
+    def open(self, step, loop):
+        p = loop.extra["plugin_params"].get("scaler")
+        st = {"branch": step.branch, "calls": 0, "scale": p.scale if p else 1.0}
+        self.opened.append(st)
+        return st
+
+    def run(self, blocks, hidden, ctx, call):
+        st = ctx.state
+        for b in blocks:
+            hidden = call(b, hidden) * st["scale"]
+            st["calls"] += 1
+        return hidden
+
+    def close(self, state):
+        self.closed.append(state)
+
+    def metrics(self, state):
+        return {"calls": state["calls"]}
+
+
+class ScalerPlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self):
+        self.instance = ScalingBlocks()
+
+    @hookimpl
+    def omniloop_register_interceptors(self, register):
+        register(PluginComponentSpec(name="scaler", kind="block_interceptor", factory=lambda cfg: self.instance,
+                                     params_schema=CountingParams, distribution_altering=True))
+
+
+class StepLog:
+    needs_eager = False
+
+    def __init__(self):
+        self.steps = []
+
+    @hookimpl
+    def omniloop_step_end(self, request, node, step, total):
+        self.steps.append((request.request_id, node, step, total))
+
+
+class ObserverPlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self):
+        self.instance = StepLog()
+
+    @hookimpl
+    def omniloop_register_observers(self, register):
+        register(PluginComponentSpec(name="steplog", kind="observer", factory=lambda cfg: self.instance))
+
+
+def test_generate_is_deterministic_for_a_seed(toy_checkpoint):
+    rt = toy_runtime(toy_checkpoint)
+    a, b, c = rt.generate(req()), rt.generate(req()), rt.generate(req(seed=8))
+    assert a.status is Status.COMPLETED
+    assert a.artifacts["video"].frames.dtype == torch.uint8
+    assert a.artifacts["video"].frames.shape == (3, 16, 16, 3)
+    assert a.artifacts["video"].producer == "decode"
+    assert torch.equal(a.artifacts["video"].frames, b.artifacts["video"].frames)
+    assert not torch.equal(a.artifacts["latents"].tensor, c.artifacts["latents"].tensor)
+
+
+@pytest.mark.parametrize("body, path", [
+    (req(steps=500), "diffusion.steps"),
+    (req(height=18), "diffusion.height"),
+    ({"task": "i2v", "prompt": "x"}, "task"),
+    ({**req(), "plugin_params": {"cache-dit": {"Fn": 1}}}, "plugin_params.cache-dit"),
+    ({**req(), "node_params": {"nope": {}}}, "node_params.nope"),
+    ({**req(), "node_params": {"denoise": {"guidance_scale": -2.0}}}, "node_params.denoise.guidance_scale"),
+    ({**req(), "node_params": {"denoise": {"bogus": 1}}}, "node_params.denoise.bogus"),
+    ({**req(), "node_params": {"decode": {"x": 1}}}, "node_params.decode"),
+])
+def test_bad_requests_are_refused_before_compute(toy_checkpoint, body, path):
+    rt = toy_runtime(toy_checkpoint, limits={"max_steps": 50})
+    with pytest.raises(RequestError) as err:
+        rt.prepare(body)
+    assert err.value.path == path
+
+
+def test_node_params_reach_the_stage(toy_checkpoint):
+    rt = toy_runtime(toy_checkpoint)
+    a = rt.generate({**req(), "node_params": {"denoise": {"guidance_scale": 1.0}}})
+    b = rt.generate(req(guidance_scale=1.0))
+    assert torch.equal(a.artifacts["latents"].tensor, b.artifacts["latents"].tensor)
+
+
+def test_block_interceptor_is_opened_per_branch_and_closed(toy_checkpoint):
+    plugin = ScalerPlugin()
+    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    base = toy_runtime(toy_checkpoint).generate(req())
+    same = rt.generate(req())
+    icpt = plugin.instance
+    assert [s["branch"] for s in icpt.opened] == ["cond", "uncond"]
+    assert icpt.closed == icpt.opened
+    assert same.metrics["plugins"]["scaler"] == {"cond": {"calls": 16}, "uncond": {"calls": 16}}
+    assert torch.equal(base.artifacts["latents"].tensor, same.artifacts["latents"].tensor)
+    tuned = rt.generate({**req(), "plugin_params": {"scaler": {"scale": 0.5}}})
+    assert not torch.equal(base.artifacts["latents"].tensor, tuned.artifacts["latents"].tensor)
+
+
+def test_exact_requests_run_without_distribution_altering_plugins(toy_checkpoint):
+    plugin = ScalerPlugin()
+    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    out = rt.generate({**req(), "exact": True})
+    assert plugin.instance.opened == [] and "plugins" not in out.metrics
+    with pytest.raises(RequestError, match="alters outputs"):
+        rt.prepare({**req(), "exact": True, "plugin_params": {"scaler": {"scale": 0.5}}})
+
+
+def test_two_block_interceptors_are_refused(toy_checkpoint):
+    class Second(ScalerPlugin):
+        @hookimpl
+        def omniloop_register_interceptors(self, register):
+            register(PluginComponentSpec(name="other", kind="block_interceptor", factory=lambda cfg: ScalingBlocks()))
+
+    with pytest.raises(DeployError, match="two block interceptors"):
+        toy_runtime(toy_checkpoint, ("scaler", ScalerPlugin()), ("other", Second()), plugins={"scaler": {}, "other": {}})
+
+
+def test_family_without_run_blocks_refuses_block_interceptors(toy_checkpoint, monkeypatch):
+    from omniloop.testing.toy import ToyFamily
+
+    monkeypatch.setattr(ToyFamily, "supports_block_interceptors", False)
+    rt = toy_runtime(toy_checkpoint, ("scaler", ScalerPlugin()), plugins={"scaler": {}})
+    with pytest.raises(DeployError, match="does not"):
+        rt.prepare(req())
+
+
+def test_unused_observer_events_are_not_bound(toy_checkpoint):
+    plugin = ObserverPlugin()
+    rt = toy_runtime(toy_checkpoint, ("steplog", plugin), plugins={"steplog": {}})
+    built = rt.pipeline(rt.prepare(req()).request.task)
+    assert built.bus.step_end is not None
+    assert built.bus.step_start is None and built.bus.tap is None and built.bus.node_start is None
+    rt.generate(req(steps=3))
+    assert [s[2:] for s in plugin.instance.steps] == [(0, 3), (1, 3), (2, 3)]
+    assert toy_runtime(toy_checkpoint).pipeline(rt.prepare(req()).request.task).bus is None
+
+
+def test_interleaved_executions_equal_each_alone(toy_checkpoint):
+    rt = toy_runtime(toy_checkpoint, ("scaler", ScalerPlugin()), plugins={"scaler": {}})
+    alone = [rt.generate({**req(seed=s), "plugin_params": {"scaler": {"scale": 0.9}}}) for s in (1, 2)]
+    ex = [rt.prepare({**req(seed=s), "plugin_params": {"scaler": {"scale": 0.9}}}) for s in (1, 2)]
+    while not all(e.done for e in ex):
+        for e in ex:
+            e.advance()
+    for a, e in zip(alone, ex):
+        assert torch.equal(a.artifacts["latents"].tensor, e.output.artifacts["latents"].tensor)
+
+
+def test_cancel_between_steps_releases_state(toy_checkpoint):
+    plugin = ScalerPlugin()
+    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    ex = rt.prepare(req(steps=10))
+    for _ in range(3):  # text encode, then two steps
+        ex.advance()
+    ex.cancel()
+    events = ex.advance()
+    assert ex.output.status is Status.CANCELLED
+    assert events[-1].output is ex.output
+    assert "video" not in ex.output.artifacts
+    assert len(plugin.instance.closed) == 2  # both branches released
+    assert ex.state.loops["denoise"].plugin_state == {}
+
+
+def test_failure_in_a_step_fails_only_that_request(toy_checkpoint):
+    class Failing(ScalingBlocks):
+        def run(self, blocks, hidden, ctx, call):
+            if ctx.step.step_index == 2 and ctx.loop.extra["plugin_params"]["scaler"].scale == 0.0:
+                raise RuntimeError("injected")
+            return super().run(blocks, hidden, ctx, call)
+
+    plugin = ScalerPlugin()
+    plugin.instance = Failing()
+    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    bad = rt.prepare({**req(), "plugin_params": {"scaler": {"scale": 0.0}}})
+    good = rt.prepare(req())
+    while not (bad.done and good.done):
+        bad.advance()
+        good.advance()
+    assert bad.output.status is Status.FAILED
+    assert bad.output.error.node == "denoise" and bad.output.error.step == 2
+    assert "injected" in bad.output.error.message
+    assert good.output.status is Status.COMPLETED
+    assert len(plugin.instance.closed) == 4
+
+
+def test_stream_emits_progress_then_final(toy_checkpoint):
+    rt = toy_runtime(toy_checkpoint)
+    events = list(rt.stream(req(steps=2)))
+    steps = [(e.step, e.total) for e in events if e.node == "denoise" and e.step]
+    assert steps == [(1, 2), (2, 2)]
+    assert events[-1].kind.value == "final" and events[-1].output.ok
+
+
+def test_bad_checkpoint_is_one_clear_error(tmp_path):
+    from omniloop.errors import CheckpointError
+    from omniloop.testing.toy import CONFIG_NAME, build_toy_checkpoint
+
+    ck = build_toy_checkpoint(tmp_path / "ck")
+    (ck / "toy.pt").unlink()
+    with pytest.raises(CheckpointError, match="toy.pt: missing weights"):
+        toy_runtime(ck)
+    (ck / CONFIG_NAME).write_text("{not json")
+    with pytest.raises(DeployError, match="no installed family recognizes"):
+        toy_runtime(ck)
