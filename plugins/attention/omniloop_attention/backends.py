@@ -1,0 +1,83 @@
+"""The backends: thin, explicit wrappers. Each says why it cannot run instead of falling back."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from omniloop.family import AttentionBackendSpec
+
+_KERNELS = {
+    "sdpa-cudnn": (SDPBackend.CUDNN_ATTENTION, "cuDNN attention"),
+    "sdpa-flash": (SDPBackend.FLASH_ATTENTION, "FlashAttention-2 (torch)"),
+    "sdpa-efficient": (SDPBackend.EFFICIENT_ATTENTION, "memory-efficient attention"),
+    "sdpa-math": (SDPBackend.MATH, "reference math attention"),
+}
+
+
+def sdpa_kernel_available(name: str) -> str | None:
+    """None when the named SDPA kernel can run here, else the reason it cannot."""
+    backend, _ = _KERNELS[name]
+    if backend is SDPBackend.MATH:
+        return None
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    major, minor = torch.cuda.get_device_capability()
+    if backend is SDPBackend.CUDNN_ATTENTION:
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this torch build"
+        if major < 8:
+            return f"cuDNN attention needs compute capability 8.0+, this GPU is {major}.{minor}"
+    if backend is SDPBackend.FLASH_ATTENTION and major < 8:
+        return f"flash attention needs compute capability 8.0+, this GPU is {major}.{minor}"
+    return None
+
+
+def _sdpa_with(backend: SDPBackend) -> Callable[..., torch.Tensor]:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+
+    return attend
+
+
+def flash_attn_available() -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed (pip install 'omniloop-attention[flash-attn]')"
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    return None
+
+
+def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+    """flash-attn takes ``[B, L, H, D]``; our layout is ``[B, H, L, D]`` (transposed views, no copy)."""
+    from flash_attn import flash_attn_func
+
+    if kw.get("attn_mask") is not None:
+        raise ValueError("flash-attn backend does not take an attention mask")
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=bool(kw.get("is_causal", False)))
+    return out.transpose(1, 2)
+
+
+def _specs() -> list[AttentionBackendSpec]:
+    specs = [
+        AttentionBackendSpec(
+            name=name, fn=_sdpa_with(backend), available=functools.partial(sdpa_kernel_available, name),
+            description=f"torch SDPA forced to {desc}",
+        )
+        for name, (backend, desc) in _KERNELS.items()
+    ]
+    specs.append(AttentionBackendSpec(
+        name="flash-attn", fn=flash_attn, available=flash_attn_available,
+        description="the flash-attn package's flash_attn_func",
+    ))
+    return specs
+
+
+BACKENDS: list[AttentionBackendSpec] = _specs()
