@@ -1,0 +1,81 @@
+"""omniloop-policies: samplers, CFG policies, flow shift, expert routing and precision.
+
+Policies are small strategy objects bound when a pipeline is built; each request's mutable state
+lives in ``LoopState.policy_state`` (allocated by ``init``), never on the policy. See README.md.
+"""
+
+from __future__ import annotations
+
+from .bundle import DenoisePolicies, PolicyMenu
+from .cfg import (
+    AdaptiveGateCFG,
+    CFGPolicy,
+    CFGState,
+    ClassicCFG,
+    EmbeddedGuidance,
+    GuiderCFG,
+    IntervalCFG,
+    PerModalityCFG,
+    forward_groups,
+    forward_name,
+    guided_prediction,
+    predict_branches,
+    split_batch,
+    stack_forward,
+)
+from .errors import PolicyError, SchedulerConfigError
+from .params import DenoiseParams, parse_denoise_params
+from .precision import PrecisionPolicy, parse_dtype
+from .routing import BoundaryRouter, ExpertRouter, SingleExpert
+from .samplers import (
+    DMD_WAN_TIMESTEPS,
+    DPMppSampler,
+    FewStepSampler,
+    FlowEulerSampler,
+    Sampler,
+    SamplerState,
+    UniPCSampler,
+    normalize_flow_config,
+)
+from .shift import ConstantShift, ResolutionShift, ShiftPolicy, ShiftValue, calculate_shift
+
+__all__ = [
+    "AdaptiveGateCFG",
+    "BoundaryRouter",
+    "CFGPolicy",
+    "CFGState",
+    "ClassicCFG",
+    "ConstantShift",
+    "DMD_WAN_TIMESTEPS",
+    "DPMppSampler",
+    "DenoiseParams",
+    "DenoisePolicies",
+    "EmbeddedGuidance",
+    "ExpertRouter",
+    "FewStepSampler",
+    "FlowEulerSampler",
+    "GuiderCFG",
+    "IntervalCFG",
+    "PerModalityCFG",
+    "PolicyError",
+    "PolicyMenu",
+    "PrecisionPolicy",
+    "ResolutionShift",
+    "Sampler",
+    "SamplerState",
+    "SchedulerConfigError",
+    "ShiftPolicy",
+    "ShiftValue",
+    "SingleExpert",
+    "UniPCSampler",
+    "calculate_shift",
+    "forward_groups",
+    "forward_name",
+    "guided_prediction",
+    "normalize_flow_config",
+    "parse_denoise_params",
+    "parse_dtype",
+    "predict_branches",
+    "split_batch",
+    "stack_forward",
+]
