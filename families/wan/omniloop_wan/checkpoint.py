@@ -1,0 +1,405 @@
+"""Reading a diffusers-format Wan checkpoint from disk: find it, check it, load it.
+
+Nothing is downloaded: every load is ``local_files_only``. Every problem with the files on disk —
+a missing folder, a config that is not JSON, a weight file cut short, a tensor of the wrong shape —
+becomes one :class:`omniloop.errors.CheckpointError` that names the file and what is wrong.
+
+Layout (what Wan-AI's ``*-Diffusers`` repositories ship)::
+
+    model_index.json          _class_name WanPipeline | WanImageToVideoPipeline, boundary_ratio, expand_timesteps
+    transformer/              config.json + diffusion_pytorch_model*.safetensors (sharded: *.index.json)
+    transformer_2/            Wan2.2 A14B: the low-noise expert
+    vae/                      AutoencoderKLWan
+    text_encoder/             UMT5EncoderModel (transformers)
+    tokenizer/                tokenizer.json and/or spiece.model
+    scheduler/                scheduler_config.json
+    image_encoder/, image_processor/   Wan2.1 I2V: CLIP vision model and its processor
+    omniloop.json             optional: omniloop defaults for this checkpoint (tiny checkpoints write it)
+
+A Hugging Face cache folder (``models--Org--Name``, or its ``snapshots/<hash>``) works too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from omniloop.errors import CheckpointError
+
+REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+OPTIONAL = ("transformer_2", "image_encoder", "image_processor")
+WAN_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
+TRANSFORMERS_WEIGHTS = "model"
+
+
+# --------------------------------------------------------------------------------------------
+# Finding the checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_root(path: str | Path) -> Path:
+    """The folder holding ``model_index.json``: ``path`` itself, or the snapshot a HF cache
+    folder (``models--Org--Name``) points at through ``refs/main`` (else its only snapshot)."""
+    root = Path(path).expanduser()
+    if (root / "model_index.json").exists() or not (root / "snapshots").is_dir():
+        return root
+    ref = root / "refs" / "main"
+    if ref.is_file():
+        snap = root / "snapshots" / ref.read_text().strip()
+        if snap.is_dir():
+            return snap
+    snaps = sorted(p for p in (root / "snapshots").iterdir() if p.is_dir())
+    if len(snaps) == 1:
+        return snaps[0]
+    return root
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Parse a JSON object or raise ``CheckpointError`` naming the file."""
+    if not path.exists():
+        if path.is_symlink():
+            raise CheckpointError(f"{path}: {what} is a link to a missing file (incomplete download?)")
+        raise CheckpointError(f"{path}: {what} is missing")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def looks_like_wan(path: str | Path) -> bool:
+    """Cheap detection: reads ``model_index.json`` and ``transformer/config.json`` only."""
+    try:
+        root = resolve_root(path)
+        index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
+        if not isinstance(index, dict):
+            return False
+        if index.get("_class_name") in WAN_PIPELINES:
+            return True
+        # a checkpoint saved by another Wan pipeline class: judge by the transformer
+        tf = json.loads((root / "transformer" / "config.json").read_text(encoding="utf-8"))
+        return isinstance(tf, dict) and tf.get("_class_name") == "WanTransformer3DModel"
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Checking the files (before anything heavy is loaded)
+# --------------------------------------------------------------------------------------------
+
+
+def components_in(index: dict[str, Any]) -> list[str]:
+    """Components the index declares (entries ``[library, class]`` with a class), in load order."""
+    out = []
+    for name in REQUIRED + OPTIONAL:
+        entry = index.get(name)
+        if isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[1]:
+            out.append(name)
+    return out
+
+
+def check_checkpoint(root: Path) -> dict[str, Any]:
+    """Validate the layout and return the parsed ``model_index.json``.
+
+    Checks every declared component's folder, config and weight files (including a truncated
+    safetensors file, from its header) without loading any tensor.
+    """
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint folder does not exist")
+    index = read_json(root / "model_index.json", "model_index.json")
+    present = components_in(index)
+    for name in REQUIRED:
+        if name not in present:
+            raise CheckpointError(
+                f"{root / 'model_index.json'}: component {name!r} is not declared (a Wan checkpoint needs "
+                + ", ".join(REQUIRED) + ")"
+            )
+    br = index.get("boundary_ratio")
+    if br is not None:
+        if not isinstance(br, (int, float)) or not 0.0 < float(br) < 1.0:
+            raise CheckpointError(f"{root / 'model_index.json'}: boundary_ratio must be a number in (0, 1), not {br!r}")
+        if "transformer_2" not in present:
+            raise CheckpointError(
+                f"{root / 'model_index.json'}: boundary_ratio is set but no transformer_2 is declared"
+            )
+    for name in present:
+        folder = root / name
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: folder of component {name!r} is missing")
+        if name in ("transformer", "transformer_2", "vae"):
+            cfg = read_json(folder / "config.json", f"{name} config")
+            weight_files(folder, DIFFUSERS_WEIGHTS)
+            if name.startswith("transformer") and cfg.get("_class_name", "WanTransformer3DModel") not in (
+                "WanTransformer3DModel",
+            ):
+                raise CheckpointError(
+                    f"{folder / 'config.json'}: expected a WanTransformer3DModel, found {cfg.get('_class_name')!r}"
+                )
+        elif name in ("text_encoder", "image_encoder"):
+            read_json(folder / "config.json", f"{name} config")
+            weight_files(folder, TRANSFORMERS_WEIGHTS)
+        elif name == "tokenizer":
+            if not any((folder / f).exists() for f in ("tokenizer.json", "spiece.model")):
+                raise CheckpointError(f"{folder}: tokenizer has neither tokenizer.json nor spiece.model")
+            if (folder / "tokenizer.json").exists() or (folder / "tokenizer.json").is_symlink():
+                read_json(folder / "tokenizer.json", "tokenizer file")
+        elif name == "scheduler":
+            read_json(folder / "scheduler_config.json", "scheduler config")
+        elif name == "image_processor":
+            read_json(folder / "preprocessor_config.json", "image processor config")
+    return index
+
+
+def weight_files(folder: Path, stem: str) -> list[Path]:
+    """The weight files of one component (checked), sharded or not."""
+    single = folder / f"{stem}.safetensors"
+    index = folder / f"{stem}.safetensors.index.json"
+    if single.exists() or single.is_symlink():
+        check_safetensors(single)
+        return [single]
+    if index.exists() or index.is_symlink():
+        data = read_json(index, "weight index")
+        wmap = data.get("weight_map")
+        if not isinstance(wmap, dict) or not wmap:
+            raise CheckpointError(f"{index}: weight index has no weight_map")
+        shards = [folder / s for s in sorted(set(wmap.values()))]
+        for shard in shards:
+            check_safetensors(shard)
+        return shards
+    bins = sorted(folder.glob("*.bin"))
+    if bins:
+        return bins
+    raise CheckpointError(f"{folder}: no weights ({stem}.safetensors or {stem}.safetensors.index.json)")
+
+
+def check_safetensors(path: Path) -> None:
+    """Read the safetensors header and check that the file holds every byte it declares."""
+    if not path.exists():
+        raise CheckpointError(
+            f"{path}: weight file is missing" + (" (a link to a missing blob: incomplete download?)" if path.is_symlink() else "")
+        )
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, no safetensors header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                raise CheckpointError(f"{path}: not a safetensors file (header length {n} > file size {size})")
+            header = json.loads(fh.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: safetensors header is unreadable ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    end = 0
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            end = max(end, int(meta["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise CheckpointError(f"{path}: safetensors header entry {key!r} is malformed") from None
+    if 8 + n + end > size:
+        raise CheckpointError(
+            f"{path}: weight file is truncated ({size} bytes, the header declares {8 + n + end}); re-download it"
+        )
+
+
+def weight_version(root: Path, components: list[str]) -> str:
+    """A cheap identity of the weights: names, sizes and modification times of the weight files."""
+    h = hashlib.sha256()
+    for name in components:
+        for f in sorted((root / name).glob("*")):
+            if f.suffix in (".safetensors", ".bin", ".json"):
+                st = f.stat()
+                h.update(f"{name}/{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _empty_parameters() -> Iterator[None]:
+    """Build modules without allocating or initialising parameters (they go to ``meta``).
+
+    Buffers are built normally (Wan's rotary tables are computed in ``__init__``). The weights are
+    then assigned from the checkpoint. Process-wide while active: load from one thread at a time.
+    """
+    original = torch.nn.Module.register_parameter
+    init_names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved_init = {n: getattr(torch.nn.init, n) for n in init_names}
+
+    def register_parameter(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        original(self, name, param)
+        if param is not None:
+            p = self._parameters[name]
+            self._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    def no_init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    for n in init_names:
+        setattr(torch.nn.init, n, no_init)
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+        for n, fn in saved_init.items():
+            setattr(torch.nn.init, n, fn)
+
+
+def _read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                state.update(load_file(str(f), device="cpu"))
+            else:
+                state.update(torch.load(f, map_location="cpu", weights_only=True))
+        except Exception as exc:  # noqa: BLE001 - any decode failure is a bad file
+            raise CheckpointError(f"{f}: cannot read weights ({type(exc).__name__}: {exc})") from None
+    return state
+
+
+def load_diffusers_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
+    """Load a diffusers model (``WanTransformer3DModel`` / ``AutoencoderKLWan``) from ``folder``.
+
+    Equivalent to ``cls.from_pretrained(folder, torch_dtype=dtype)`` — modules listed in
+    ``cls._keep_in_fp32_modules`` stay float32 — but needs no ``accelerate`` and turns every
+    problem into a ``CheckpointError`` naming the file.
+    """
+    config_path = folder / "config.json"
+    config = read_json(config_path, f"{folder.name} config")
+    files = weight_files(folder, DIFFUSERS_WEIGHTS)
+    # like diffusers: buffers built in __init__ take the requested dtype as the default dtype
+    default_dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with _empty_parameters():
+            model = cls.from_config(config)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{config_path}: cannot build {cls.__name__} from it ({exc})") from None
+    finally:
+        torch.set_default_dtype(default_dtype)
+    state = _read_state_dict(files)
+    ignore = tuple(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())
+    expected = dict(model.named_parameters())
+    expected.update({k: v for k, v in model.named_buffers() if k in model.state_dict()})
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(k for k in set(state) - set(expected) if not any(p in k for p in ignore))
+    where = files[0] if len(files) == 1 else folder
+    if missing:
+        raise CheckpointError(
+            f"{where}: {len(missing)} weight(s) of {cls.__name__} missing, e.g. {', '.join(missing[:3])}"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"{where}: {len(unexpected)} unexpected weight(s) for {cls.__name__} "
+            f"(config and weights disagree?), e.g. {', '.join(unexpected[:3])}"
+        )
+    for key, tensor in state.items():
+        if key in expected and tuple(tensor.shape) != tuple(expected[key].shape):
+            raise CheckpointError(
+                f"{where}: weight {key!r} has shape {list(tensor.shape)}, {config_path.name} implies "
+                f"{list(expected[key].shape)}"
+            )
+    state = {k: v for k, v in state.items() if k in expected}
+    model.load_state_dict(state, strict=True, assign=True)
+    keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    for name, param in model.named_parameters():
+        keep32 = any(m in name.split(".") for m in keep)
+        target = torch.float32 if (keep32 and dtype != torch.float32) else dtype
+        module_name, _, pname = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        module._parameters[pname] = torch.nn.Parameter(param.data.to(device=device, dtype=target), requires_grad=False)
+    for name, buf in list(model.named_buffers()):
+        module_name, _, bname = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        module._buffers[bname] = buf.to(device=device)
+    model.eval()
+    return model
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' per-load progress bars (restored afterwards)."""
+    try:
+        from transformers.utils import logging as tlog
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    was = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tlog.enable_progress_bar()
+
+
+def load_transformers_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
+    """Load a transformers model from ``folder`` (local files only), errors as ``CheckpointError``."""
+    read_json(folder / "config.json", f"{folder.name} config")
+    weight_files(folder, TRANSFORMERS_WEIGHTS)
+    try:
+        with _quiet_transformers():
+            try:
+                model = cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+            except TypeError:  # transformers < 4.56 spells it torch_dtype
+                model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{folder}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
+
+
+def load_image_processor(folder: Path) -> Any:
+    from transformers import CLIPImageProcessor
+
+    try:
+        with _quiet_transformers():
+            return CLIPImageProcessor.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{folder}: cannot load the image processor ({type(exc).__name__}: {exc})") from None
+
+
+def load_scheduler(folder: Path, class_name: str | None) -> Any:
+    """The scheduler *template*: each request builds its own instance from its config."""
+    import diffusers
+
+    config = read_json(folder / "scheduler_config.json", "scheduler config")
+    name = config.get("_class_name") or class_name or "UniPCMultistepScheduler"
+    cls = getattr(diffusers, name, None)
+    if cls is None or not hasattr(cls, "from_config"):
+        raise CheckpointError(f"{folder / 'scheduler_config.json'}: unknown scheduler class {name!r}")
+    try:
+        return cls.from_config(config)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{folder / 'scheduler_config.json'}: cannot build {name} ({exc})") from None

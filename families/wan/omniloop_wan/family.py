@@ -1,0 +1,164 @@
+"""The Wan family: detect, load, build pipelines, validate requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
+from omniloop.errors import CheckpointError, RequestError
+from omniloop.family import LoadedModel
+from omniloop.graph import Node, PipelineSpec
+from omniloop.request import OmniRequest, TaskType
+
+from . import checkpoint as ck
+from .defaults import defaults_for, model_kind, tasks_of
+from .resolve import resolve
+from .stages import Denoise, DenoiseParams, ImageEncode, Output, TextEncode, Validate, VaeDecode, is_i2v
+
+
+class WanFamily:
+    """Wan2.1 / Wan2.2 text-to-video and image-to-video from diffusers-format checkpoints."""
+
+    name = "wan"
+    tasks = frozenset({TaskType.T2V, TaskType.I2V})
+    supports_block_interceptors = True
+
+    # -- detect / load ------------------------------------------------------------------------
+    def detect(self, path: Path) -> bool:
+        return ck.looks_like_wan(path)
+
+    def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
+        """Load every component once (local files only). Bad files → ``CheckpointError`` naming them.
+
+        Options: ``vae_dtype`` (default ``float32``, as Wan-AI runs its VAE).
+        """
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+        from transformers import UMT5EncoderModel
+
+        root = ck.resolve_root(path)
+        index = ck.check_checkpoint(root)
+        present = ck.components_in(index)
+        tf_cfg = ck.read_json(root / "transformer" / "config.json", "transformer config")
+        vae_cfg = ck.read_json(root / "vae" / "config.json", "vae config")
+        kind = model_kind(index, tf_cfg, vae_cfg)
+        if kind == "unknown":
+            raise CheckpointError(
+                f"{root / 'transformer' / 'config.json'}: in_channels={tf_cfg.get('in_channels')} fits no Wan "
+                f"variant (text-to-video: {vae_cfg.get('z_dim', 16)}, image-to-video: "
+                f"{2 * int(vae_cfg.get('z_dim', 16)) + 4})"
+            )
+        if kind == "wan2.1-i2v" and tf_cfg.get("image_dim") is not None and "image_encoder" not in present:
+            raise CheckpointError(
+                f"{root / 'model_index.json'}: the transformer takes CLIP image states (image_dim="
+                f"{tf_cfg['image_dim']}) but no image_encoder is declared"
+            )
+        extra_path = root / "omniloop.json"
+        extra = ck.read_json(extra_path, "omniloop.json") if extra_path.exists() else {}
+        vae_dtype = _dtype(options.get("vae_dtype", "float32"), "vae_dtype")
+
+        comps: dict[str, Any] = {}
+        comps["transformer"] = ck.load_diffusers_model(WanTransformer3DModel, root / "transformer", device=device, dtype=dtype)
+        if "transformer_2" in present:
+            comps["transformer_2"] = ck.load_diffusers_model(
+                WanTransformer3DModel, root / "transformer_2", device=device, dtype=dtype
+            )
+        comps["vae"] = ck.load_diffusers_model(AutoencoderKLWan, root / "vae", device=device, dtype=vae_dtype)
+        comps["text_encoder"] = ck.load_transformers_model(UMT5EncoderModel, root / "text_encoder", device=device, dtype=dtype)
+        comps["tokenizer"] = ck.load_tokenizer(root / "tokenizer")
+        comps["scheduler"] = ck.load_scheduler(root / "scheduler", (index.get("scheduler") or [None, None])[1])
+        if "image_encoder" in present and tf_cfg.get("image_dim") is not None:
+            from transformers import CLIPVisionModel
+
+            comps["image_encoder"] = ck.load_transformers_model(
+                CLIPVisionModel, root / "image_encoder", device=device, dtype=dtype
+            )
+            if "image_processor" not in present:
+                raise CheckpointError(f"{root / 'model_index.json'}: an image_encoder needs an image_processor")
+            comps["image_processor"] = ck.load_image_processor(root / "image_processor")
+
+        tf = comps["transformer"]
+        vae = comps["vae"]
+        config: dict[str, Any] = {
+            "kind": kind,
+            "variant": extra.get("variant", kind),
+            "tasks": tasks_of(kind),
+            "boundary_ratio": index.get("boundary_ratio"),
+            "expand_timesteps": bool(index.get("expand_timesteps", False)),
+            "vae_scale_temporal": int(vae.config.scale_factor_temporal),
+            "vae_scale_spatial": int(vae.config.scale_factor_spatial),
+            "size_multiple": int(vae.config.scale_factor_spatial) * int(tf.config.patch_size[1]),
+            "defaults": defaults_for(kind, extra.get("defaults")),
+            "image_encoder": "image_encoder" in comps,
+            "model_index": index,
+        }
+        return LoadedModel(
+            family=self.name, path=root, components=comps, config=config, device=device, dtype=dtype,
+            weight_version=ck.weight_version(root, present),
+        )
+
+    # -- pipelines ----------------------------------------------------------------------------
+    def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
+        """validate → text_encode → [image_encode] → denoise → vae_decode → output."""
+        cfg = model.config
+        if task not in cfg["tasks"]:
+            have = ", ".join(sorted(t.value for t in cfg["tasks"]))
+            raise RequestError("task", f"this {cfg['kind']} checkpoint does not do {task.value!r} (it does: {have})")
+        image = task is TaskType.I2V
+        nodes = [
+            Node("validate", Validate(model), writes={"params": Conditioning}),
+            Node("text_encode", TextEncode(), reads={"params": Conditioning},
+                 writes={"prompt_embeds": Embeddings, "negative_embeds": Embeddings}, uses=("text_encoder",)),
+        ]
+        denoise_reads: dict[str, type] = {
+            "params": Conditioning, "prompt_embeds": Embeddings, "negative_embeds": Embeddings,
+        }
+        if image:
+            uses = ("vae", "image_encoder") if cfg["image_encoder"] else ("vae",)
+            nodes.append(Node("image_encode", ImageEncode(cfg["expand_timesteps"]), reads={"params": Conditioning},
+                              writes={"image_cond": Tensors}, when=is_i2v, uses=uses))
+            denoise_reads["image_cond"] = Tensors
+        experts = ("transformer", "transformer_2") if cfg["boundary_ratio"] is not None else ("transformer",)
+        nodes += [
+            Node("denoise", Denoise(cfg), reads=denoise_reads, writes={"denoised": Latents},
+                 optional_reads=frozenset({"image_cond"}), params_schema=DenoiseParams, uses=experts),
+            Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
+            Node("output", Output(), reads={"params": Conditioning, "decoded": Tensors, "denoised": Latents},
+                 writes={"video": VideoFrames, "latents": Latents}),
+        ]
+        return PipelineSpec(family=self.name, task=task, nodes=nodes, outputs={"video": "video", "latents": "latents"})
+
+    # -- requests -----------------------------------------------------------------------------
+    def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
+        _, warnings = resolve(model, request, limits)
+        return warnings
+
+
+def _dtype(name: Any, what: str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        from omniloop.errors import DeployError
+
+        raise DeployError(f"options.{what}: must be one of {', '.join(table)}, not {name!r}")
+    return table[name]
+
+
+def describe_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Kind, tasks and components of a checkpoint, from its configs only (no weights read)."""
+    root = ck.resolve_root(path)
+    index = ck.check_checkpoint(root)
+    tf_cfg = ck.read_json(root / "transformer" / "config.json", "transformer config")
+    vae_cfg = ck.read_json(root / "vae" / "config.json", "vae config")
+    kind = model_kind(index, tf_cfg, vae_cfg)
+    return {
+        "path": str(root),
+        "kind": kind,
+        "tasks": sorted(t.value for t in tasks_of(kind)),
+        "components": ck.components_in(index),
+        "boundary_ratio": index.get("boundary_ratio"),
+        "model_index": json.loads((root / "model_index.json").read_text()),
+    }

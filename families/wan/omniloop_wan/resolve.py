@@ -1,0 +1,156 @@
+"""Request validation and default resolution, shared by ``validate_request`` and the validate node.
+
+Every check raises :class:`omniloop.errors.RequestError` naming the field (``diffusion.frames``,
+``inputs[1].path``, ``task``) before any compute; soft problems (a truncated prompt, an image given
+to a text-to-video request) come back as warning strings.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import attrs
+import torch
+from omniloop.errors import RequestError
+from omniloop.family import LoadedModel
+from omniloop.media import read_image
+from omniloop.request import ImagePart, OmniRequest, TaskType
+
+from .defaults import TEXT_LEN
+
+
+@attrs.define(frozen=True)
+class WanParams:
+    """A request's resolved parameters (defaults applied, sizes checked)."""
+
+    task: TaskType
+    prompt: str
+    negative_prompt: str
+    height: int
+    width: int
+    frames: int
+    steps: int
+    guidance_scale: float
+    shift: float | None
+    fps: float
+    #: uint8 [H, W, 3] for image-conditioned requests, else None
+    image: torch.Tensor | None = None
+
+
+def _limit(limits: Any, name: str) -> int | None:
+    value = getattr(limits, name, None) if limits is not None else None
+    return int(value) if value is not None else None
+
+
+def load_image_part(request: OmniRequest) -> tuple[torch.Tensor | None, str]:
+    """Decode the request's first image part; return (pixels or None, its field path)."""
+    for i, part in enumerate(request.inputs):
+        if not isinstance(part, ImagePart):
+            continue
+        if part.path is not None and part.data_b64 is not None:
+            raise RequestError(f"inputs[{i}]", "give an image as path or data_b64, not both")
+        if part.path is not None:
+            return read_image(part.path, name=f"inputs[{i}].path"), f"inputs[{i}]"
+        if part.data_b64 is not None:
+            try:
+                data = base64.b64decode(part.data_b64, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise RequestError(f"inputs[{i}].data_b64", f"is not valid base64 ({exc})") from None
+            return read_image(data, name=f"inputs[{i}].data_b64"), f"inputs[{i}]"
+        raise RequestError(f"inputs[{i}]", "an image part needs a path or data_b64")
+    return None, ""
+
+
+def count_tokens(tokenizer: Any, text: str) -> int:
+    """Tokens the text encoder would see before truncation (special tokens included)."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    return len(tokenizer(prompt_clean(text), add_special_tokens=True, truncation=False)["input_ids"])
+
+
+def resolve(model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True) -> tuple[WanParams, list[str]]:
+    """Check ``request`` against ``model`` and ``limits``; return its resolved params and warnings."""
+    cfg = model.config
+    warnings: list[str] = []
+    tasks = cfg["tasks"]
+    if request.task not in tasks:
+        have = ", ".join(sorted(t.value for t in tasks))
+        raise RequestError("task", f"this {cfg['kind']} checkpoint does not do {request.task.value!r} (it does: {have})")
+    defaults = cfg["defaults"]
+    d = request.diffusion
+
+    prompt = request.prompt
+    if not prompt or not prompt.strip():
+        raise RequestError("inputs", "a text prompt (a text part with role 'prompt') is required")
+    negative = request.negative_prompt
+    if negative is None:
+        negative = defaults.get("negative_prompt", "")
+
+    steps = d.steps if d.steps is not None else int(defaults["steps"])
+    if steps < 1:
+        raise RequestError("diffusion.steps", f"must be at least 1, got {steps}")
+    max_steps = _limit(limits, "max_steps")
+    if max_steps is not None and steps > max_steps:
+        raise RequestError("diffusion.steps", f"{steps} is above this deployment's limit of {max_steps}")
+
+    guidance = d.guidance_scale if d.guidance_scale is not None else float(defaults["guidance_scale"])
+    if guidance < 0:
+        raise RequestError("diffusion.guidance_scale", f"must be >= 0, got {guidance}")
+
+    t_scale = cfg["vae_scale_temporal"]
+    frames = d.frames if d.frames is not None else int(defaults["frames"])
+    if frames < 1 or (frames - 1) % t_scale:
+        lo = (max(frames, 1) - 1) // t_scale * t_scale + 1
+        raise RequestError(
+            "diffusion.frames",
+            f"must be of the form {t_scale}k+1 (1, {1 + t_scale}, {1 + 2 * t_scale}, ...), got {frames}; "
+            f"try {lo} or {lo + t_scale}",
+        )
+    max_frames = _limit(limits, "max_frames")
+    if max_frames is not None and frames > max_frames:
+        raise RequestError("diffusion.frames", f"{frames} is above this deployment's limit of {max_frames}")
+
+    multiple = cfg["size_multiple"]
+    sizes = {}
+    for name in ("height", "width"):
+        value = getattr(d, name)
+        value = int(defaults[name]) if value is None else value
+        if value < multiple or value % multiple:
+            raise RequestError(f"diffusion.{name}", f"must be a positive multiple of {multiple}, got {value}")
+        lim = _limit(limits, f"max_{name}")
+        if lim is not None and value > lim:
+            raise RequestError(f"diffusion.{name}", f"{value} is above this deployment's limit of {lim}")
+        sizes[name] = value
+
+    if d.shift is not None and d.shift <= 0:
+        raise RequestError("diffusion.shift", f"must be > 0, got {d.shift}")
+    fps = d.fps if d.fps is not None else float(defaults.get("fps", 16.0))
+
+    image = None
+    has_image = any(isinstance(p, ImagePart) for p in request.inputs)
+    if request.task is TaskType.I2V:
+        if not has_image:
+            raise RequestError("inputs", "an i2v request needs an image (an image part with a path or data_b64)")
+        if decode_image:
+            image, _ = load_image_part(request)
+    elif has_image:
+        warnings.append(f"the image input is ignored: a {request.task.value} request does not use it")
+
+    tokenizer = model.components.get("tokenizer")
+    if tokenizer is not None:
+        for field, text in (("prompt", prompt), ("negative prompt", negative)):
+            if text:
+                n = count_tokens(tokenizer, text)
+                if n > TEXT_LEN:
+                    warnings.append(
+                        f"the {field} is {n} tokens long; the text encoder reads {TEXT_LEN}, so it was truncated "
+                        f"to its first {TEXT_LEN} tokens"
+                    )
+
+    params = WanParams(
+        task=request.task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
+        frames=frames, steps=steps, guidance_scale=float(guidance), shift=d.shift, fps=float(fps), image=image,
+    )
+    return params, warnings
