@@ -1,0 +1,113 @@
+"""Built-in commands: ``plugins``, ``hooks`` (here) and ``generate`` (:mod:`omniloop_cli.generate`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from .app import OmniloopGroup, cli, get_manager
+from .generate import generate
+
+
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    # created per call: click's test runner swaps sys.stdout / sys.stderr per invocation
+    return Console(stderr=stderr, soft_wrap=False)
+
+
+def _dist_version(dist: str) -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+@cli.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+@click.pass_context
+def plugins_cmd(ctx: click.Context, as_json: bool) -> None:
+    """List discovered plugins: distribution, version, hook-API range, what each registers, status.
+
+    A plugin that fails to import, declares an unsupported hook-API range, or fails inside a hook
+    is listed with its error; it never breaks this command.
+    """
+    from omniloop.hookspecs import HOOK_API_VERSION
+
+    manager = get_manager(ctx)
+    manager.registry()  # calls the registration hooks: fills `provides`, marks failures
+    group = ctx.find_root().command
+    commands: list[str] = []
+    if isinstance(group, OmniloopGroup):
+        commands = sorted(group.plugin_commands(ctx))  # marks plugins whose command hook fails
+    records = sorted(manager.records.values(), key=lambda r: (r.name != "core", r.name))
+    for r in records:  # in-process plugins (core itself) are added without a version
+        if r.distribution and not r.version:
+            r.version = _dist_version(r.distribution)
+    if as_json:
+        click.echo(json.dumps({
+            "hook_api_version": HOOK_API_VERSION,
+            "plugins": [r.as_dict() for r in records],
+            "commands": commands,
+        }, indent=2))
+        return
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"omniloop plugins (hook API {HOOK_API_VERSION})", title_justify="left")
+    for col in ("name", "distribution", "version", "hook API", "registers", "status"):
+        table.add_column(col, overflow="fold")
+    for r in records:
+        provides = "\n".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(r.provides.items())) or "-"
+        status = "[green]ok[/]" if r.ok else f"[red]{r.status}[/]: {escape(r.error or '')}"
+        table.add_row(
+            escape(r.name), escape(r.distribution or "-"), escape(r.version or "-"),
+            escape(r.hook_api or "-"), escape(provides), status,
+        )
+    con = _console()
+    con.print(table)
+    if commands:
+        con.print(f"plugin commands: {', '.join(commands)}")
+    failed = [r for r in records if not r.ok]
+    if failed:
+        con.print(f"[yellow]{len(failed)} plugin(s) not loaded[/]; the others work normally.")
+
+
+@cli.command("hooks")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--markdown", is_flag=True, help="Print the hooks reference (docs/hooks.md).")
+def hooks_cmd(as_json: bool, markdown: bool) -> None:
+    """List the hook points plugins implement, with signatures and the version each exists since."""
+    from omniloop.hookspecs import HOOK_API_VERSION
+
+    from .hookdocs import hook_points, render_markdown
+
+    if markdown:
+        click.echo(render_markdown(), nl=False)
+        return
+    points = hook_points()
+    if as_json:
+        click.echo(json.dumps({
+            "hook_api_version": HOOK_API_VERSION, "hooks": [p.as_dict() for p in points],
+        }, indent=2))
+        return
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"omniloop hooks (hook API {HOOK_API_VERSION})", title_justify="left")
+    table.add_column("kind")
+    table.add_column("hook", overflow="fold")
+    table.add_column("since")
+    table.add_column("what", overflow="fold")
+    for p in points:
+        table.add_row(p.kind, escape(p.signature), p.since or "?", escape(p.summary))
+    _console().print(table)
+
+
+cli.add_command(generate)

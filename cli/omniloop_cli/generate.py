@@ -1,0 +1,211 @@
+"""``omniloop generate``: one request, validated before any compute, with rich progress.
+
+Order of work: parse flags → validate the request JSON (schema) → load the deployment (model,
+plugins) → ``Runtime.prepare`` (limits, node/plugin params, the family's checks) → run through the
+deploy's scheduler, showing a progress bar per node and per step → write the output file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .app import fail, get_manager
+
+VIDEO_SUFFIXES = (".mp4",)
+IMAGE_SUFFIXES = (".png",)
+IMAGE_TASKS = ("t2i", "i2i")
+
+
+class JsonScalar(click.ParamType):
+    """A value parsed as a JSON scalar when it is one (``4``, ``2.5``, ``true``, ``null``), else a string.
+
+    Numbers are not converted by click: the request schema checks them, so a bad value is
+    reported with its field path (``diffusion.steps: expected an integer, got str 'abc'``).
+    """
+
+    name = "value"
+
+    def __init__(self, metavar: str = "VALUE") -> None:
+        self.metavar = metavar
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return self.metavar
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return parse_scalar(value) if isinstance(value, str) else value
+
+
+def parse_scalar(text: str) -> Any:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return text
+    return v if isinstance(v, (int, float, bool, str)) or v is None else text
+
+
+def parse_plugin_params(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``("cache-dit.Fn=8", "cache-dit.enabled=false")`` → ``{"cache-dit": {"Fn": 8, "enabled": False}}``.
+
+    ``NAME.KEY.SUB=VALUE`` nests. The value is a JSON scalar when it parses as one, else a string.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        name, dot, rest = key.partition(".")
+        if not eq or not dot or not name or not rest:
+            raise click.BadParameter(f"expected NAME.KEY=VALUE, got {item!r}", param_hint="'--plugin-param'")
+        target = out.setdefault(name, {})
+        *parents, leaf = rest.split(".")
+        for p in parents:
+            nxt = target.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise click.BadParameter(f"{name}.{p} is given both as a value and as a group", param_hint="'--plugin-param'")
+            target = nxt
+        target[leaf] = parse_scalar(value)
+    return out
+
+
+def model_config(model: str) -> dict[str, str]:
+    """A preset name (``wan-demo``) or a checkpoint path, the way ``Runtime.from_model`` tells them apart."""
+    looks_like_path = os.sep in model or model.startswith(".") or Path(model).exists()
+    return {"path": str(Path(model).expanduser())} if looks_like_path else {"preset": model}
+
+
+def build_deploy(deploy_file: str | None, model: str | None, device: str | None, dtype: str | None) -> Any:
+    """The deploy config: ``--deploy FILE`` if given, with ``--model/--device/--dtype`` overriding it."""
+    from omniloop.deploy import load_deploy
+    from omniloop.schema import converter
+
+    if deploy_file is None and model is None:
+        fail("give --model NAME|PATH or --deploy FILE")
+    data: dict[str, Any] = converter.unstructure(load_deploy(deploy_file)) if deploy_file else {}
+    if model is not None:
+        data["model"] = model_config(model)
+    if device is not None:
+        data["device"] = device
+    if dtype is not None:
+        data["dtype"] = dtype
+    return load_deploy(data)
+
+
+def build_request(
+    prompt: str, *, task: str, negative_prompt: str | None, image: str | None, diffusion: dict[str, Any],
+    plugin_params: dict[str, dict[str, Any]], return_latents: bool,
+) -> dict[str, Any]:
+    req: dict[str, Any] = {"task": parse_scalar(task), "prompt": prompt}
+    if negative_prompt is not None:
+        req["negative_prompt"] = negative_prompt
+    if image is not None:
+        req["inputs"] = [{"type": "image", "path": str(Path(image).resolve())}]
+    d = {k: v for k, v in diffusion.items() if v is not None}
+    if d:
+        req["diffusion"] = d
+    if plugin_params:
+        req["plugin_params"] = plugin_params
+    if return_latents:
+        req["outputs"] = {"return_latents": True}
+    return req
+
+
+def output_path(out: str | None, request: Any) -> Path:
+    """Where the result goes: ``--out`` (a file, or a folder), default ``./out/<request_id>.mp4|png``."""
+    single = request.task.value in IMAGE_TASKS or request.diffusion.frames == 1
+    default_name = f"{request.request_id}{'.png' if single else '.mp4'}"
+    if out is None:
+        return Path("out") / default_name
+    p = Path(out).expanduser()
+    if out.endswith(("/", os.sep)) or p.is_dir():
+        return p / default_name
+    if p.suffix.lower() not in VIDEO_SUFFIXES + IMAGE_SUFFIXES:
+        fail(f"--out: unsupported file type {p.suffix or '(none)'!r}; use .mp4 for video or .png for one frame")
+    if p.suffix.lower() in IMAGE_SUFFIXES and not single:
+        fail(f"--out: a .png holds one frame; a {request.task.value} request makes a video (use .mp4, or --frames 1)")
+    return p
+
+
+@click.command("generate")
+@click.argument("prompt")
+@click.option("--model", "-m", help="A model preset name (e.g. wan-demo) or a checkpoint path.")
+@click.option("--deploy", "deploy_file", type=click.Path(dir_okay=False), help="A deploy file (.yaml/.toml/.json); --model/--device/--dtype override it.")
+@click.option("--task", default="t2v", show_default=True, help="The task, declared (t2v, i2v, t2i, ...).")
+@click.option("--steps", type=JsonScalar("INT"), help="Denoising steps (family default if omitted).")
+@click.option("--guidance", type=JsonScalar("FLOAT"), help="Guidance scale.")
+@click.option("--negative-prompt", help="What to steer away from.")
+@click.option("--height", type=JsonScalar("INT"), help="Output height in pixels.")
+@click.option("--width", type=JsonScalar("INT"), help="Output width in pixels.")
+@click.option("--frames", type=JsonScalar("INT"), help="Number of frames.")
+@click.option("--fps", type=JsonScalar("FLOAT"), help="Frame rate of the output video.")
+@click.option("--seed", type=JsonScalar("INT"), help="Random seed (random if omitted; reported in the output).")
+@click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An input image (i2v, i2i).")
+@click.option("--plugin-param", "plugin_param", multiple=True, metavar="NAME.KEY=VALUE", help="Tune an enabled plugin for this request (repeatable).")
+@click.option("--device", help="cpu, cuda, cuda:1, ... (overrides the deploy file).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Overrides the deploy file.")
+@click.option("--out", "-o", "out", help="Output file (.mp4 or .png) or folder. Default: ./out/<request_id>.mp4")
+@click.option("--return-latents", is_flag=True, help="Also save the final latents (<out>.latents.pt).")
+@click.option("--json", "as_json", is_flag=True, help="Print the output's metadata as JSON on stdout.")
+@click.pass_context
+def generate(
+    ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, task: str,
+    steps: Any, guidance: Any, negative_prompt: str | None, height: Any, width: Any, frames: Any,
+    fps: Any, seed: Any, image: str | None, plugin_param: tuple[str, ...], device: str | None,
+    dtype: str | None, out: str | None, return_latents: bool, as_json: bool,
+) -> None:
+    """Generate a video (or image) from PROMPT and write it to a file."""
+    from omniloop.runtime import Runtime
+    from omniloop.schema import request_from_dict
+
+    from .progress import RunProgress, console
+
+    # 1. the request, validated by the schema before anything is loaded
+    req_dict = build_request(
+        prompt, task=task, negative_prompt=negative_prompt, image=image,
+        diffusion={"steps": steps, "guidance_scale": guidance, "height": height, "width": width,
+                   "frames": frames, "fps": fps, "seed": seed},
+        plugin_params=parse_plugin_params(plugin_param), return_latents=return_latents,
+    )
+    request = request_from_dict(req_dict)
+    path = output_path(out, request)
+    deploy = build_deploy(deploy_file, model, device, dtype)
+
+    # 2. the deployment, then full validation of the request against it (still no compute)
+    err = console(stderr=True)
+    t0 = time.perf_counter()
+    with err.status("loading model ..."):
+        runtime = Runtime(deploy, manager=get_manager(ctx))
+    load_seconds = time.perf_counter() - t0
+    execution = runtime.prepare(request)
+
+    # 3. run, with progress per node and per step
+    output = None
+    with RunProgress(err, execution) as progress:
+        for event in runtime.scheduler.stream(execution):
+            progress.update(event)
+            if event.output is not None:
+                output = event.output
+    if output is None:
+        output = execution.output
+
+    # 4. write what came back
+    from .output import summarize, write_outputs
+
+    files = write_outputs(output, path, latents=return_latents) if output.ok else {}
+    if as_json:
+        from omniloop.schema import output_to_dict
+
+        doc = output_to_dict(output)
+        doc["output_path"] = str(files["output"]) if "output" in files else None
+        doc["files"] = {k: str(v) for k, v in files.items()}
+        doc["load_seconds"] = round(load_seconds, 6)
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        summarize(console(), output, files, load_seconds)
+    if not output.ok:
+        e = output.error
+        where = f" in node {e.node!r}" + (f" at step {e.step}" if e.step is not None else "") if e and e.node else ""
+        fail(f"request {output.status.value}{where}: {e.message if e else 'no error recorded'}", exit_code=1)
