@@ -313,17 +313,6 @@ def normalize_flow_config(
     else:
         kwargs["shift"] = shift
 
-    algo = kwargs.get("algorithm_type")
-    if algo in ("dpmsolver", "sde-dpmsolver"):
-        msg = (
-            f"{where}: algorithm_type={algo!r} has no flow-prediction support in diffusers (its step "
-            "raises)"
-        )
-        if strict:
-            raise SchedulerConfigError(msg + f"; use {algo}++.")
-        kwargs["algorithm_type"] = algo + "++"
-        notes.append(msg + f"; normalized to {algo + '++'!r} for sampler {sampler!r}.")
-
     for key, value in (options or {}).items():
         if key in _OWNED_KEYS:
             raise PolicyError(
@@ -336,6 +325,17 @@ def normalize_flow_config(
                 + ", ".join(sorted(keys - _OWNED_KEYS))
             )
         kwargs[key] = value
+
+    algo = kwargs.get("algorithm_type")
+    if algo in ("dpmsolver", "sde-dpmsolver"):
+        msg = (
+            f"{where}: algorithm_type={algo!r} has no flow-prediction support in diffusers (its step "
+            "raises)"
+        )
+        if strict:
+            raise SchedulerConfigError(msg + f"; use {algo}++.")
+        kwargs["algorithm_type"] = algo + "++"
+        notes.append(msg + f"; normalized to {algo + '++'!r} for sampler {sampler!r}.")
 
     try:
         target(**kwargs)
@@ -551,26 +551,6 @@ class DPMppSampler(DiffusersFlowSampler):
 
     name: ClassVar[str] = "dpmpp"
     scheduler_class: ClassVar[type] = _LazyClass(_dpm_class)  # type: ignore[assignment]
-
-    @classmethod
-    def from_config(
-        cls,
-        config: Mapping[str, Any] | None = None,
-        *,
-        source: str = "scheduler config",
-        step_dtype: torch.dtype | None = torch.float32,
-        strict: bool = False,
-        **options: Any,
-    ) -> DiffusersFlowSampler:
-        options.setdefault("algorithm_type", _dpm_algorithm(config))
-        return super().from_config(config, source=source, step_dtype=step_dtype, strict=strict, **options)
-
-
-def _dpm_algorithm(config: Mapping[str, Any] | None) -> str:
-    algo = (config or {}).get("algorithm_type") if (config or {}).get("_class_name") == "DPMSolverMultistepScheduler" else None
-    if algo in ("sde-dpmsolver", "sde-dpmsolver++"):
-        return "sde-dpmsolver++"
-    return "dpmsolver++"
 
 
 # ============================================================================================
