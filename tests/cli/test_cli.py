@@ -378,3 +378,11 @@ def test_a_deploy_naming_an_unknown_plugin_is_a_clear_error(cwd: Path, toy_check
     res = invoke(["generate", "x", "--deploy", str(deploy)])
     assert res.exit_code == 2
     assert "plugins.nope" in one_error_line(res)
+
+
+def test_docs_hooks_md_is_what_hooks_markdown_prints() -> None:
+    """docs/hooks.md is generated; regenerate with ``omniloop hooks --markdown > docs/hooks.md``."""
+    docs = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
+    res = invoke(["hooks", "--markdown"])
+    assert res.exit_code == 0
+    assert res.stdout == docs.read_text(encoding="utf-8")
