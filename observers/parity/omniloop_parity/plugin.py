@@ -1,0 +1,41 @@
+"""Entry point ``parity`` (group ``omniloop.plugins``): the ParityAligner observer and CLI group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omniloop.family import PluginComponentSpec
+from omniloop.hookspecs import hookimpl
+
+from .config import ParityConfig
+
+OMNILOOP_HOOK_API = ">=1.0,<2"
+
+NAME = "parity"
+
+
+def make_recorder(config: Any) -> Any:
+    from .recorder import ParityRecorder
+
+    return ParityRecorder(config)
+
+
+SPEC = PluginComponentSpec(
+    name=NAME,
+    kind="observer",
+    factory=lambda config: make_recorder(config),
+    config_schema=ParityConfig,
+    description="record named taps (per step and branch, optional block outputs, final output) to safetensors",
+)
+
+
+@hookimpl
+def omniloop_register_observers(register: Any) -> None:
+    register(SPEC)
+
+
+@hookimpl
+def omniloop_register_commands(cli: Any) -> None:
+    from .cli import parity_group
+
+    cli.add_command(parity_group)
