@@ -456,7 +456,8 @@ class AdaptiveGateCFG(_TwoBranchCFG):
             delta = cond - uncond
             if self.threshold is not None and ex["delta"] is not None and ex["expert"] == step.expert:
                 prev = ex["delta"]
-                rel = float((delta.float() - prev.float()).norm() / prev.float().norm().clamp_min(1e-12))
+                with torch.no_grad():  # a host read of one scalar (needs_host_sync)
+                    rel = ((delta.float() - prev.float()).norm() / prev.float().norm().clamp_min(1e-12)).item()
                 ex["stable"] = rel <= self.threshold
             else:
                 ex["stable"] = self.threshold is None or ex["delta"] is not None

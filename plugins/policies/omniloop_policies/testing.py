@@ -64,6 +64,7 @@ class ToyDenoiser(torch.nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.requires_grad_(False)
         self.forwards = 0
         self.batch_sizes: list[int] = []
 
