@@ -1,4 +1,4 @@
-"""Entry point of omniloop-scheduler: registers the ``serial`` scheduler."""
+"""Entry point of omniloop-scheduler: registers the ``serial`` and ``step`` schedulers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from omniloop.family import SchedulerSpec
 from omniloop.hookspecs import hookimpl
 
 from .serial import SerialScheduler
+from .step import StepScheduler
 
 OMNILOOP_HOOK_API = ">=1.0,<2"
 
@@ -15,3 +16,7 @@ OMNILOOP_HOOK_API = ">=1.0,<2"
 @hookimpl
 def omniloop_register_schedulers(register: Any) -> None:
     register(SchedulerSpec(name="serial", factory=SerialScheduler, description="one request at a time, to completion"))
+    register(SchedulerSpec(
+        name="step", factory=StepScheduler,
+        description="requests interleaved one step at a time, compatible steps batched, memory-aware admission",
+    ))

@@ -15,8 +15,10 @@ class SerialScheduler:
     name = "serial"
 
     def __init__(self, runtime: Any = None, **options: Any) -> None:
-        if options:
-            raise TypeError(f"the serial scheduler takes no options, got {sorted(options)}")
+        # the options are the async engine's (queue, memory budget, warmup): validated, unused here
+        from .options import parse_options
+
+        self.options = parse_options(options)
         self.runtime = runtime
 
     def stream(self, execution: Execution) -> Iterator[OmniEvent]:

@@ -1,0 +1,211 @@
+"""Every scheduling decision, in one place.
+
+:meth:`StepPolicy.decide` looks at the waiting queue and the running executions and returns a
+:class:`Plan`: which cancellations take effect now, which requests are refused, admitted or keep
+waiting, and which unit runs next (one stage, one loop step, or one batched loop step). The pool
+(:mod:`omniloop_scheduler.pool`) only carries the plan out and reports it.
+
+* **Cancellation first**: a cancel takes effect at the next unit boundary.
+* **Admission** in queue order (``request.priority`` high first, then FIFO). The head of the
+  queue blocks the ones behind it (no starvation of large requests). A request is admitted when
+  the pool's predicted memory (every resident request plus the peaks of the largest batch that
+  could run together) stays within the budget, when fewer than ``max_running`` run, and, when
+  ``max_round_seconds`` is set, when one round over the running requests stays that short by the
+  cost model. A request that could never fit alone is refused (normally already at submit).
+* **Step**: round-robin over the running executions, one unit each; the execution at the head
+  of the rotation runs, co-batched with every running execution whose ``batch_key()`` equals its
+  own (up to ``max_batch``), so a 4-step request is never stuck behind a 50-step one.
+
+``SerialPolicy`` is the request-level FIFO baseline: one request at a time, to completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from attrs import define
+
+from omniloop.execution import ScheduleDecision
+
+from .models import GIB, CostModel, MemoryModel, total_estimate
+from .options import SchedulerOptions
+
+if TYPE_CHECKING:
+    from .pool import Ticket
+
+
+@define
+class Plan:
+    decisions: list[ScheduleDecision] = attrs.Factory(list)
+    cancel: list["Ticket"] = attrs.Factory(list)
+    refuse: list[tuple["Ticket", str]] = attrs.Factory(list)
+    admit: list["Ticket"] = attrs.Factory(list)
+    #: the unit to run now: one ticket, or several sharing a batch key
+    run: list["Ticket"] = attrs.Factory(list)
+    action: str = ""
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3g} GiB"
+
+
+class StepPolicy:
+    """Interleaved, batched step scheduling with memory- and cost-aware admission."""
+
+    name = "step"
+    interleave = True
+    batch = True
+
+    def __init__(
+        self, options: SchedulerOptions, cost: CostModel, memory: MemoryModel, budget_bytes: int | None
+    ) -> None:
+        self.options = options
+        self.cost = cost
+        self.memory = memory
+        self.budget = budget_bytes
+        self._waiting_reason: dict[str, str] = {}
+
+    @property
+    def max_running(self) -> int:
+        return self.options.max_running if self.interleave else 1
+
+    # -- admission ------------------------------------------------------------------------------
+    def never_fits(self, ticket: "Ticket") -> str | None:
+        """Why ``ticket`` could not run even alone, or None."""
+        if self.budget is None:
+            return None
+        need = total_estimate([ticket.memory], self.options.max_batch)
+        if need > self.budget:
+            return (
+                f"needs about {_gib(need)} ({ticket.shape.describe()}: resident {_gib(ticket.memory.resident)}, "
+                f"peak {_gib(ticket.memory.peak)}), more than the scheduler's memory budget of {_gib(self.budget)}"
+            )
+        return None
+
+    def _admission(self, waiting: Sequence["Ticket"], running: Sequence["Ticket"], plan: Plan) -> None:
+        pool = list(running)
+        for t in waiting:
+            if t.cancel_requested:
+                continue
+            why_never = self.never_fits(t)
+            if why_never is not None:
+                plan.refuse.append((t, why_never))
+                plan.decisions.append(self._d("refuse", [t], why_never))
+                continue
+            reason = self._blocker(t, pool)
+            if reason is not None:
+                if self._waiting_reason.get(t.request_id) != reason:
+                    self._waiting_reason[t.request_id] = reason
+                    plan.decisions.append(self._d("wait", [t], reason))
+                break  # head-of-line: the ones behind wait too
+            self._waiting_reason.pop(t.request_id, None)
+            pool.append(t)
+            plan.admit.append(t)
+            used = total_estimate([p.memory for p in pool], self.options.max_batch)
+            budget = "unlimited" if self.budget is None else _gib(self.budget)
+            plan.decisions.append(self._d(
+                "admit", [t],
+                f"{t.shape.describe()}; predicted {self.cost.step_seconds(t.shape):.4g}s/step; "
+                f"pool memory {_gib(used)} of {budget}; {len(pool)} running",
+            ))
+
+    def _blocker(self, t: "Ticket", pool: Sequence["Ticket"]) -> str | None:
+        if len(pool) >= self.max_running:
+            return f"{len(pool)} running (max_running {self.max_running})"
+        if not pool:
+            return None
+        if self.budget is not None:
+            need = total_estimate([p.memory for p in (*pool, t)], self.options.max_batch)
+            if need > self.budget:
+                in_use = total_estimate([p.memory for p in pool], self.options.max_batch)
+                return (
+                    f"memory: would need {_gib(need)} with {len(pool)} running "
+                    f"({_gib(in_use)} in use) over the budget of {_gib(self.budget)}"
+                )
+        limit = self.options.max_round_seconds
+        if limit is not None:
+            rnd = sum(self.cost.step_seconds(p.shape) for p in (*pool, t))
+            if rnd > limit:
+                return f"cost: one round would take {rnd:.3g}s predicted, above max_round_seconds {limit}"
+        return None
+
+    def forget(self, request_id: str) -> None:
+        self._waiting_reason.pop(request_id, None)
+
+    # -- the next unit ---------------------------------------------------------------------------
+    def _next_unit(self, running: Sequence["Ticket"], batch_key: Callable[["Ticket"], Hashable | None], plan: Plan) -> None:
+        if not running:
+            return
+        head = running[0]
+        group = [head]
+        key = batch_key(head) if self.batch and self.options.max_batch > 1 else None
+        if key is not None:
+            for t in running[1:]:
+                if len(group) >= self.options.max_batch:
+                    break
+                if not t.cancel_requested and batch_key(t) == key:
+                    group.append(t)
+        node = head.execution.current_node
+        node_name = node.name if node is not None else None
+        is_loop = node is not None and node.is_loop
+        if len(group) > 1:
+            plan.action = "batched_step"
+            reason = (
+                f"{len(group)} executions share a batch key; predicted "
+                f"{self.cost.step_seconds(head.shape, len(group)):.4g}s per member"
+            )
+        else:
+            plan.action = "step" if is_loop else "stage"
+            reason = (
+                f"round-robin over {len(running)} running" if self.interleave else "serial: run to completion"
+            )
+            if is_loop:
+                reason += f"; predicted {self.cost.step_seconds(head.shape):.4g}s/step"
+        plan.run = group
+        plan.decisions.append(self._d(plan.action, group, reason, node_name))
+
+    def decide(
+        self,
+        waiting: Sequence["Ticket"],
+        running: Sequence["Ticket"],
+        batch_key: Callable[["Ticket"], Hashable | None],
+    ) -> Plan:
+        plan = Plan()
+        cancels = [t for t in (*running, *waiting) if t.cancel_requested]
+        if cancels:
+            plan.cancel = cancels
+            for t in cancels:
+                plan.decisions.append(self._d("cancel", [t], "cancel requested; takes effect at this step boundary"))
+            return plan
+        self._admission(waiting, running, plan)
+        admitted = {id(t) for t in plan.admit}
+        refused = {id(t) for t, _ in plan.refuse}
+        rotation = [*running, *(t for t in waiting if id(t) in admitted and id(t) not in refused)]
+        self._next_unit(rotation, batch_key, plan)
+        return plan
+
+    def _d(self, action: str, tickets: Sequence["Ticket"], reason: str, node: str | None = None) -> ScheduleDecision:
+        return ScheduleDecision(
+            scheduler=self.name, action=action, request_ids=tuple(t.request_id for t in tickets), node=node, reason=reason,
+        )
+
+
+class SerialPolicy(StepPolicy):
+    """Request-level FIFO (by priority): one request at a time, to completion, never batched."""
+
+    name = "serial"
+    interleave = False
+    batch = False
+
+
+POLICIES: dict[str, type[StepPolicy]] = {"step": StepPolicy, "serial": SerialPolicy}
+
+
+def make_policy(name: str, *args: Any) -> StepPolicy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduling policy {name!r} (known: {', '.join(POLICIES)})") from None
+    return cls(*args)

@@ -1,0 +1,102 @@
+"""Test helpers for schedulers and servers (CPU, toy family).
+
+* :class:`Probe` — a step interceptor that records ``open``/``close`` per (request, branch) and
+  injects an exception or NaN into chosen requests' steps: failure isolation and state release
+  are tested with it.
+* :class:`ProbePlugin` / :class:`DecisionRecorder` — in-process plugins registering the probe and
+  an observer of ``schedule_decision`` events.
+* :func:`make_runtime` — a toy runtime with this package's schedulers (``serial`` and ``step``).
+* :func:`req` — a small t2v request dict.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from omniloop.family import PluginComponentSpec
+from omniloop.hookspecs import hookimpl
+from omniloop.runtime import Runtime
+from omniloop.testing import make_manager
+
+from . import plugin as scheduler_plugin
+
+
+class Probe:
+    """A step interceptor: records open/close per (request, branch); fails or NaNs chosen requests."""
+
+    name = "probe"
+    graph_safe = True
+    distribution_altering = False
+    needs_eager = False
+
+    def __init__(self) -> None:
+        self.fail_at: dict[str, int] = {}  # request id -> step index to raise at
+        self.nan_at: dict[str, int] = {}
+        self.opened: list[tuple[str, str | None]] = []
+        self.closed: list[tuple[str, str | None]] = []
+        self.lock = threading.Lock()
+
+    def open(self, step: Any, loop: Any) -> dict[str, Any]:
+        with self.lock:
+            self.opened.append((step.request_id, step.branch))
+        return {"request_id": step.request_id, "branch": step.branch}
+
+    def forward(self, step: Any, state: Any, inputs: Any, compute: Any) -> Any:
+        at = self.fail_at.get(step.request_id)
+        if at is not None and step.step_index >= at:
+            raise RuntimeError(f"injected failure at step {step.step_index}")
+        out = compute()
+        at = self.nan_at.get(step.request_id)
+        if at is not None and step.step_index >= at:
+            out = out * float("nan")
+        return out
+
+    def close(self, state: Any) -> None:
+        with self.lock:
+            self.closed.append((state["request_id"], state["branch"]))
+
+    def metrics(self, state: Any) -> dict[str, Any]:
+        return {}
+
+
+class ProbePlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+
+    @hookimpl
+    def omniloop_register_interceptors(self, register: Any) -> None:
+        register(PluginComponentSpec(name="probe", kind="step_interceptor", factory=lambda cfg: self.probe))
+
+
+class DecisionRecorder:
+    """An observer that records ``schedule_decision`` events."""
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self) -> None:
+        self.decisions: list[Any] = []
+
+    @hookimpl
+    def omniloop_register_observers(self, register: Any) -> None:
+        register(PluginComponentSpec(name="recorder", kind="observer", factory=lambda cfg: self))
+
+    @hookimpl
+    def omniloop_schedule_decision(self, decision: Any) -> None:
+        self.decisions.append(decision)
+
+
+def make_runtime(checkpoint: Path, *plugins: tuple[str, Any], **deploy: Any) -> Runtime:
+    """A toy runtime with the installed scheduler plugin (serial + step) instead of the inline serial."""
+    manager = make_manager(("scheduler", scheduler_plugin), *plugins, scheduler=False)
+    return Runtime.from_model(checkpoint, manager=manager, **deploy)
+
+
+def req(steps: int = 4, seed: int = 0, *, prompt: str = "a red fox", rid: str | None = None, **diffusion: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {"task": "t2v", "prompt": prompt, "diffusion": {"steps": steps, "seed": seed, **diffusion}}
+    if rid is not None:
+        d["request_id"] = rid
+    return d
