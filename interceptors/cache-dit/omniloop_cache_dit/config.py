@@ -1,18 +1,20 @@
 """Deploy config and per-request params of the ``cache-dit`` interceptor.
 
-Range constraints live in field metadata (``ge`` / ``le`` / ``choices``), the convention of
-:mod:`omniloop.request`, so the runtime's converter can name the dotted path of a bad field.
-:func:`check_ranges` applies the same metadata here, for objects built directly in Python.
+Range constraints live in field metadata (``ge`` / ``le``), the convention of
+:mod:`omniloop.request`, so the runtime's converter names the dotted path of a bad field;
+``omniloop.schema.check_ranges`` applies the same metadata to objects built directly in Python.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from attrs import define, field
 
 from omniloop.errors import RequestError
+from omniloop.schema import check_ranges, structure_params
 
 #: cache-dit's own DBCacheConfig defaults (F8B0, R0.08, W8, unlimited cached steps)
 DEFAULTS: dict[str, Any] = {
@@ -99,50 +101,16 @@ class CacheDiTParams:
     taylorseer_order: int | None = _f("taylorseer_order", None, _DOCS["taylorseer_order"])
 
 
-_BOOL_FIELDS = frozenset({"taylorseer"})
-_INT_FIELDS = frozenset(
-    {"Fn", "Bn", "max_warmup_steps", "max_cached_steps", "max_continuous_cached_steps", "taylorseer_order"}
-)
-
-
-def check_ranges(obj: Any, path: str) -> None:
-    """Raise :class:`RequestError` naming ``path.field`` for a value outside its declared range."""
-    for a in attrs.fields(type(obj)):
-        value = getattr(obj, a.name)
-        if value is None:
-            continue
-        where = f"{path}.{a.name}" if path else a.name
-        if a.name in _BOOL_FIELDS:
-            if not isinstance(value, bool):
-                raise RequestError(where, f"expected true or false, got {value!r}")
-            continue
-        if a.name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int)):
-            raise RequestError(where, f"expected an integer, got {value!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RequestError(where, f"expected a number, got {value!r}")
-        meta = a.metadata
-        if "ge" in meta and value < meta["ge"]:
-            raise RequestError(where, f"must be >= {meta['ge']}, got {value}")
-        if "le" in meta and value > meta["le"]:
-            raise RequestError(where, f"must be <= {meta['le']}, got {value}")
-
-
 def params_from(value: Any, path: str = "plugin_params.cache-dit") -> CacheDiTParams | None:
     """Accept a validated :class:`CacheDiTParams`, a plain mapping, or None."""
     if value is None:
         return None
     if isinstance(value, CacheDiTParams):
-        params = value
-    elif isinstance(value, dict):
-        known = {a.name for a in attrs.fields(CacheDiTParams)}
-        extra = sorted(set(value) - known)
-        if extra:
-            raise RequestError(f"{path}.{extra[0]}", f"unknown parameter (known: {', '.join(sorted(known))})")
-        params = CacheDiTParams(**value)
-    else:
-        raise RequestError(path, f"expected a mapping of parameters, got {type(value).__name__}")
-    check_ranges(params, path)
-    return params
+        check_ranges(value, path)
+        return value
+    if isinstance(value, Mapping):
+        return structure_params(CacheDiTParams, value, path)
+    raise RequestError(path, f"expected a mapping of parameters, got {type(value).__name__}")
 
 
 def resolve(config: CacheDiTConfig, params: CacheDiTParams | None) -> CacheDiTConfig:

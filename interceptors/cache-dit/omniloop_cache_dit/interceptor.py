@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,9 +35,10 @@ from attrs import define, field
 from omniloop.errors import DeployError, PluginError, RequestError
 from omniloop.interceptors import BlockCall, BlockContext
 from omniloop.loop import LoopState, StepContext
+from omniloop.schema import check_ranges, structure_params
 
 from . import _cachedit
-from .config import CacheDiTConfig, CacheDiTParams, check_ranges, params_from, resolve
+from .config import CacheDiTConfig, CacheDiTParams, params_from, resolve
 from .manager import OmniloopContextManager, group_is_active
 
 NAME = "cache-dit"
@@ -123,14 +124,14 @@ class CacheDiTInterceptor:
 
     def __init__(self, config: CacheDiTConfig | dict[str, Any] | None = None, *, process_group: Any = None) -> None:
         _cachedit.check_version()
-        if config is None:
-            config = CacheDiTConfig()
-        elif isinstance(config, dict):
-            config = CacheDiTConfig(**config)
         try:
+            if config is None:
+                config = CacheDiTConfig()
+            elif isinstance(config, Mapping):
+                config = structure_params(CacheDiTConfig, config, f"plugins.{NAME}")
             check_ranges(config, f"plugins.{NAME}")
         except RequestError as exc:
-            raise DeployError(str(exc)) from exc
+            raise DeployError(f"deploy config: {exc}") from None
         self.config: CacheDiTConfig = config
         self._registry = _ManagerRegistry(process_group)
         self._seq = itertools.count()
