@@ -6,7 +6,7 @@ lives in ``LoopState.policy_state`` (allocated by ``init``), never on the policy
 
 from __future__ import annotations
 
-from .bundle import DenoisePolicies, PolicyMenu
+from .bundle import DenoisePolicies, PolicyMenu, sampler_for_config
 from .cfg import (
     AdaptiveGateCFG,
     CFGPolicy,
@@ -69,6 +69,7 @@ __all__ = [
     "SingleExpert",
     "UniPCSampler",
     "calculate_shift",
+    "sampler_for_config",
     "forward_groups",
     "forward_name",
     "guided_prediction",

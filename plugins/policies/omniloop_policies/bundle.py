@@ -248,7 +248,7 @@ class PolicyMenu:
         cfgs: Iterable[str] = DEFAULT_CFGS,
         sampler_options: Mapping[str, Mapping[str, Any]] | None = None,
         cfg_options: Mapping[str, Mapping[str, Any]] | None = None,
-        default_sampler: str = "unipc",
+        default_sampler: str | None = None,
         default_cfg: str = "classic",
         router: ExpertRouter | None = None,
         shift: ShiftPolicy | None = None,
@@ -261,9 +261,13 @@ class PolicyMenu:
         Each sampler is built with ``spec.factory(config=scheduler_config, source=source,
         step_dtype=precision.step_dtype, strict=strict, **sampler_options[name])``; a sampler the
         config cannot run is recorded in ``unavailable`` — unless it is the default sampler, which
-        raises :class:`SchedulerConfigError` (load-time, naming ``source``). CFG policies are built
+        raises :class:`SchedulerConfigError` (load-time, naming ``source``). The default sampler
+        defaults to the one matching the checkpoint's scheduler class (:func:`sampler_for_config`),
+        so an untuned request reproduces the diffusers pipeline. CFG policies are built
         with ``spec.factory(**cfg_options[name])``. ``defaults``: ``default_guidance_scale``,
         ``default_guidance_scale_2``, ``default_steps``, ``node``."""
+        if default_sampler is None:
+            default_sampler = sampler_for_config(scheduler_config)
         if registry is None:
             from .plugin import builtin_specs
 
@@ -333,20 +337,26 @@ class PolicyMenu:
         cfg = self.cfgs[cfg_name]
         cfg = _tune_cfg(cfg, p, path, self.node)
 
-        scale = _first(p.guidance_scale, getattr(diffusion, "guidance_scale", None), self.default_guidance_scale)
-        scale_2 = _first(p.guidance_scale_2, self.default_guidance_scale_2)
+        requested_scale = _first(p.guidance_scale, getattr(diffusion, "guidance_scale", None))
+        scale = _first(requested_scale, self.default_guidance_scale)
         scales_by_expert: dict[str, float] = {}
-        if scale_2 is not None:
-            experts = tuple(self.router.experts)
-            if len(experts) < 2:
-                if p.guidance_scale_2 is not None:
-                    raise RequestError(
-                        f"{path}.guidance_scale_2",
-                        f"node {self.node!r}: guidance_scale_2 applies to the second expert, but router "
-                        f"{self.router.name!r} has one ({experts[0]!r})",
-                    )
-            else:
-                scales_by_expert[experts[1]] = float(scale_2)
+        experts = tuple(self.router.experts)
+        if len(experts) >= 2:
+            # diffusers' WanPipeline: guidance_scale_2 defaults to guidance_scale; a model default for
+            # the second expert applies only when the request did not set a scale itself.
+            scale_2 = _first(
+                p.guidance_scale_2,
+                requested_scale,
+                self.default_guidance_scale_2,
+                scale,
+            )
+            scales_by_expert[experts[1]] = float(scale_2)
+        elif p.guidance_scale_2 is not None:
+            raise RequestError(
+                f"{path}.guidance_scale_2",
+                f"node {self.node!r}: guidance_scale_2 applies to the second expert, but router "
+                f"{self.router.name!r} has one ({experts[0]!r})",
+            )
         shift = _first(p.shift, getattr(diffusion, "shift", None))
 
         steps_from_request = p.steps is not None
@@ -397,6 +407,19 @@ class PolicyMenu:
             },
             "notes": {k: list(getattr(v, "notes", ())) for k, v in self.samplers.items() if getattr(v, "notes", ())},
         }
+
+
+#: diffusers scheduler class -> the sampler that reproduces it
+SAMPLER_FOR_CLASS = {
+    "FlowMatchEulerDiscreteScheduler": "flow-euler",
+    "UniPCMultistepScheduler": "unipc",
+    "DPMSolverMultistepScheduler": "dpmpp",
+}
+
+
+def sampler_for_config(config: Mapping[str, Any] | None) -> str:
+    """The sampler matching a checkpoint's scheduler class (``flow-euler`` when unknown/absent)."""
+    return SAMPLER_FOR_CLASS.get(str((config or {}).get("_class_name")), "flow-euler")
 
 
 def _first(*values: Any) -> Any:
