@@ -92,9 +92,6 @@ def recording_runtime(ckpt: Path) -> Any:
     return make
 
 
-@pytest.fixture(autouse=True)
-def _no_regen(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OMNILOOP_PARITY_REGEN", raising=False)
 
 
 @pytest.fixture
