@@ -22,8 +22,8 @@ PYPROJECTS := $(sort $(wildcard core/pyproject.toml cli/pyproject.toml plugins/*
                 families/*/pyproject.toml observers/*/pyproject.toml interceptors/*/pyproject.toml))
 PACKAGES   := $(patsubst %/pyproject.toml,%,$(PYPROJECTS))
 # core with its extras; everything else as is
-EDITABLES  := $(foreach p,$(PACKAGES),-e ./$(p)$(if $(filter core,$(p)),[media$(comma)yaml]))
-comma := ,
+comma      := ,
+EDITABLES  := $(foreach p,$(PACKAGES),-e './$(p)$(if $(filter core,$(p)),[media$(comma)yaml])')
 
 STAMP := $(VENV)/.omniloop-installed
 # a package added or removed since the last install forces a reinstall
