@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from attrs import define, field
 
@@ -13,13 +14,13 @@ class ParityError(OmniloopError):
     """A recording is missing, malformed, or a parity run could not be made."""
 
 
-def _regex(_inst: object, attr: object, value: str | None) -> None:
+def _regex(_inst: object, attr: Any, value: str | None) -> None:
     if value is None:
         return
     try:
         re.compile(value)
     except re.error as exc:
-        raise ValueError(f"invalid regular expression {value!r}: {exc}") from None
+        raise ValueError(f"{attr.name}: invalid regular expression {value!r}: {exc}") from None
 
 
 @define(frozen=True)
