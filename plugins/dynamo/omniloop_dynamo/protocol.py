@@ -1,0 +1,438 @@
+"""Dynamo's media requests and responses, mapped onto omniloop requests and outputs.
+
+Pure Python (no ``dynamo`` import), so it is testable without ai-dynamo installed. The shapes
+follow ``dynamo.common.protocols.video_protocol`` / ``image_protocol`` of ai-dynamo 1.6.1:
+
+* ``NvCreateVideoRequest``: ``prompt``, ``model``, ``input_reference`` (I2V), ``seconds``,
+  ``size`` ("WxH"), ``user``, ``response_format`` ("url" | "b64_json"), ``output_format``,
+  ``stream``, ``nvext`` {``fps``, ``num_frames``, ``negative_prompt``, ``num_inference_steps``,
+  ``guidance_scale``, ``seed``, ``boundary_ratio``, ``guidance_scale_2``, ``annotations``},
+  ``extra_args`` {``media_passthrough``: the unknown top-level fields of the HTTP body}.
+* ``NvVideosResponse``: ``id``, ``object``, ``model``, ``status``, ``progress``, ``created``,
+  ``data`` [``VideoData`` {``output_format`` (required), ``url`` | ``b64_json``, ``fps``}],
+  ``error``, ``inference_time_s``.
+* ``NvCreateImageRequest``: ``prompt``, ``model``, ``n``, ``quality``, ``response_format``, ``size``,
+  ``style``, ``user``, ``moderation``, ``input_reference`` (I2I), ``nvext`` {``negative_prompt``,
+  ``num_inference_steps``, ``guidance_scale``, ``seed``}; ``NvImagesResponse``: ``created``,
+  ``data`` [{``url`` | ``b64_json``}], ``output_format``, ``size``.
+
+Every problem with a request raises :class:`InvalidRequest` naming the API field
+(``nvext.num_inference_steps``, ``size``); the worker turns it into Dynamo's ``InvalidArgument``
+(HTTP 400 with the message).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from attrs import define, field
+
+from omniloop.errors import RequestError
+from omniloop.request import OmniRequest
+from omniloop.schema import request_from_dict
+
+#: the key Dynamo's frontend nests unknown top-level request fields under (``extra_args``)
+MEDIA_PASSTHROUGH_KEY = "media_passthrough"
+
+#: request knobs a client may send as extra top-level fields (OpenAI clients: ``extra_body``)
+PASSTHROUGH_KNOBS = ("shift", "priority", "exact", "node_params", "plugin_params")
+
+_VIDEO_FIELDS = frozenset({
+    "prompt", "model", "input_reference", "seconds", "size", "user", "response_format",
+    "output_format", "stream", "nvext", "extra_args",
+})
+_VIDEO_NVEXT = frozenset({
+    "annotations", "fps", "num_frames", "negative_prompt", "num_inference_steps", "guidance_scale",
+    "seed", "boundary_ratio", "guidance_scale_2",
+})
+_IMAGE_NVEXT = frozenset({"annotations", "negative_prompt", "num_inference_steps", "guidance_scale", "seed"})
+#: OpenAI image fields with no omniloop meaning: accepted and ignored when "auto"/unset
+_IMAGE_IGNORED = ("quality", "style", "moderation", "background", "user")
+
+#: omniloop field path -> the API field a client wrote (for error messages)
+_FIELD_NAMES = {
+    "diffusion.steps": "nvext.num_inference_steps",
+    "diffusion.guidance_scale": "nvext.guidance_scale",
+    "diffusion.seed": "nvext.seed",
+    "diffusion.frames": "nvext.num_frames",
+    "diffusion.fps": "nvext.fps",
+    "diffusion.height": "size",
+    "diffusion.width": "size",
+    "diffusion.shift": "shift",
+    "task": "input_reference",
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
+
+
+class InvalidRequest(ValueError):
+    """A client error in a Dynamo media request. ``field`` is the API field (dotted)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+@define(frozen=True)
+class MappedRequest:
+    """A Dynamo request turned into omniloop requests (``n`` of them for images)."""
+
+    kind: Literal["video", "image"]
+    requests: list[OmniRequest]
+    model: str
+    response_format: Literal["url", "b64_json"]
+    output_format: str
+    stream: bool = False
+    size: str | None = None
+    ignored: list[str] = field(factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Field helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt_int(d: Mapping[str, Any], key: str, path: str, *, ge: int | None = None) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise InvalidRequest(path, f"expected an integer, got {v!r}")
+    if ge is not None and v < ge:
+        raise InvalidRequest(path, f"must be >= {ge}, got {v}")
+    return int(v)
+
+
+def _opt_num(d: Mapping[str, Any], key: str, path: str, *, ge: float | None = None, gt: float | None = None) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not _is_num(v):
+        raise InvalidRequest(path, f"expected a number, got {v!r}")
+    if ge is not None and v < ge:
+        raise InvalidRequest(path, f"must be >= {ge}, got {v}")
+    if gt is not None and v <= gt:
+        raise InvalidRequest(path, f"must be > {gt}, got {v}")
+    return float(v)
+
+
+def _opt_str(d: Mapping[str, Any], key: str, path: str) -> str | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise InvalidRequest(path, f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def parse_size(size: str | None) -> tuple[int | None, int | None]:
+    """``"832x480"`` -> (width 832, height 480); None -> (None, None) (the family's default)."""
+    if size is None:
+        return None, None
+    if not isinstance(size, str):
+        raise InvalidRequest("size", f"expected a string like '832x480', got {size!r}")
+    m = _SIZE_RE.match(size)
+    if not m:
+        raise InvalidRequest("size", f"expected 'WIDTHxHEIGHT' like '832x480', got {size!r}")
+    w, h = int(m.group(1)), int(m.group(2))
+    if w < 1 or h < 1:
+        raise InvalidRequest("size", f"width and height must be >= 1, got {size!r}")
+    return w, h
+
+
+def image_part(reference: Any, *, allow_local_files: bool) -> dict[str, Any]:
+    """An ``input_reference`` as an omniloop image part.
+
+    Accepted: a ``data:image/...;base64,`` URL or bare base64 data; a local path or ``file://``
+    URL only when the worker runs with ``allow_local_files`` (a client naming files on the
+    worker is otherwise refused). ``http(s)://`` URLs are not fetched by the worker.
+    """
+    if not isinstance(reference, str) or not reference.strip():
+        raise InvalidRequest("input_reference", "expected a data: URL or base64-encoded image")
+    ref = reference.strip()
+    if ref.startswith("data:"):
+        head, sep, data = ref.partition(",")
+        if not sep or ";base64" not in head:
+            raise InvalidRequest("input_reference", "a data: URL must be base64 encoded (data:image/png;base64,...)")
+        return {"type": "image", "data_b64": _checked_b64(data), "role": "first_frame"}
+    lowered = ref.lower()
+    if lowered.startswith(("http://", "https://")):
+        raise InvalidRequest(
+            "input_reference", "this worker does not fetch URLs; send the image as a data: URL or base64"
+        )
+    if lowered.startswith("file://") or ref.startswith(("/", "./", "~")):
+        if not allow_local_files:
+            raise InvalidRequest(
+                "input_reference", "local file references are disabled on this worker; send a data: URL or base64"
+            )
+        path = ref[len("file://"):] if lowered.startswith("file://") else ref
+        return {"type": "image", "path": path, "role": "first_frame"}
+    return {"type": "image", "data_b64": _checked_b64(ref), "role": "first_frame"}
+
+
+def _checked_b64(data: str) -> str:
+    data = "".join(data.split())
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("input_reference", "is neither a data: URL nor valid base64") from None
+    if not raw:
+        raise InvalidRequest("input_reference", "the image data is empty")
+    return data
+
+
+def passthrough(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's extra top-level fields (``extra_args.media_passthrough``), checked."""
+    extra = request.get("extra_args") or {}
+    if not isinstance(extra, Mapping):
+        raise InvalidRequest("extra_args", "expected an object")
+    knobs = extra.get(MEDIA_PASSTHROUGH_KEY) or {}
+    if not isinstance(knobs, Mapping):
+        raise InvalidRequest("extra_args", "expected an object of extra fields")
+    unknown = sorted(k for k in knobs if k not in PASSTHROUGH_KNOBS)
+    if unknown:
+        raise InvalidRequest(
+            unknown[0], f"unknown request field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+            f"(omniloop accepts these extra fields: {', '.join(PASSTHROUGH_KNOBS)})",
+        )
+    return dict(knobs)
+
+
+def _response_format(request: Mapping[str, Any]) -> Literal["url", "b64_json"]:
+    rf = request.get("response_format")
+    if rf is None:
+        return "url"  # the protocol's documented default
+    if rf not in ("url", "b64_json"):
+        raise InvalidRequest("response_format", f"must be 'url' or 'b64_json', got {rf!r}")
+    return rf  # type: ignore[return-value]
+
+
+def _build(data: dict[str, Any], knobs: Mapping[str, Any]) -> OmniRequest:
+    """Apply the passthrough knobs and validate through omniloop's own schema."""
+    if "shift" in knobs:
+        data["diffusion"]["shift"] = knobs["shift"]
+    for k in ("priority", "exact", "node_params", "plugin_params"):
+        if k in knobs:
+            data[k] = knobs[k]
+    try:
+        return request_from_dict(data)
+    except RequestError as exc:
+        raise InvalidRequest(api_field(exc.path), exc.message) from None
+
+
+def api_field(path: str) -> str:
+    """The API field name for an omniloop field path (``diffusion.steps`` -> ``nvext.num_inference_steps``)."""
+    if path in _FIELD_NAMES:
+        return _FIELD_NAMES[path]
+    if path.startswith("inputs"):
+        return "input_reference" if "image" in path or path.count(".") >= 1 else "prompt"
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------
+
+
+def map_video_request(
+    request: Mapping[str, Any], *, request_id: str, allow_local_files: bool = False,
+    default_fps: float | None = None, video_tasks: tuple[str, str] = ("t2v", "i2v"),
+) -> MappedRequest:
+    """An ``NvCreateVideoRequest`` dict -> one omniloop t2v/i2v request.
+
+    Frames: ``nvext.num_frames`` if given; else ``seconds * fps + 1`` (the first frame is t=0;
+    Wan's 81 frames = 5 s at 16 fps) with ``fps`` from ``nvext.fps`` or the model's default;
+    else the model's default frame count.
+    """
+    if not isinstance(request, Mapping):
+        raise InvalidRequest("", "a video request must be a JSON object")
+    prompt = request.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidRequest("prompt", "a text prompt is required")
+    model = request.get("model")
+    model = model if isinstance(model, str) else ""
+    nvext = request.get("nvext") or {}
+    if not isinstance(nvext, Mapping):
+        raise InvalidRequest("nvext", "expected an object")
+    unknown = sorted(set(nvext) - _VIDEO_NVEXT)
+    if unknown:
+        raise InvalidRequest(f"nvext.{unknown[0]}", "unknown field")
+    for name in ("boundary_ratio", "guidance_scale_2"):
+        if nvext.get(name) is not None:
+            raise InvalidRequest(
+                f"nvext.{name}", "is not supported by omniloop workers (the expert boundary is the checkpoint's)"
+            )
+    knobs = passthrough(request)
+    width, height = parse_size(request.get("size"))
+    fps = _opt_num(nvext, "fps", "nvext.fps", gt=0)
+    frames = _opt_int(nvext, "num_frames", "nvext.num_frames", ge=1)
+    seconds = request.get("seconds")
+    if seconds is not None and (not _is_num(seconds) or seconds <= 0):
+        raise InvalidRequest("seconds", f"must be a positive number, got {seconds!r}")
+    if frames is None and seconds is not None:
+        rate = fps if fps is not None else default_fps
+        if rate is None:
+            raise InvalidRequest("seconds", "this model has no default fps; give nvext.fps or nvext.num_frames")
+        frames = round(float(seconds) * rate) + 1
+    output_format = request.get("output_format") or "mp4"
+    if output_format != "mp4":
+        raise InvalidRequest("output_format", f"only 'mp4' is supported, got {output_format!r}")
+    stream = request.get("stream") or False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("stream", f"expected true or false, got {stream!r}")
+    inputs: list[dict[str, Any]] = [{"type": "text", "text": prompt, "role": "prompt"}]
+    negative = _opt_str(nvext, "negative_prompt", "nvext.negative_prompt")
+    if negative is not None:
+        inputs.append({"type": "text", "text": negative, "role": "negative_prompt"})
+    task = video_tasks[0]
+    if request.get("input_reference") is not None:
+        inputs.append(image_part(request["input_reference"], allow_local_files=allow_local_files))
+        task = video_tasks[1]
+    diffusion = {
+        "steps": _opt_int(nvext, "num_inference_steps", "nvext.num_inference_steps", ge=1),
+        "guidance_scale": _opt_num(nvext, "guidance_scale", "nvext.guidance_scale", ge=0),
+        "seed": _opt_int(nvext, "seed", "nvext.seed", ge=0),
+        "frames": frames, "fps": fps, "width": width, "height": height,
+    }
+    data = {
+        "task": task, "inputs": inputs, "request_id": request_id,
+        "diffusion": {k: v for k, v in diffusion.items() if v is not None},
+        "outputs": {"stream_progress": bool(stream)},
+    }
+    req = _build(data, knobs)
+    return MappedRequest(
+        kind="video", requests=[req], model=model, response_format=_response_format(request),
+        output_format="mp4", stream=bool(stream), size=request.get("size"),
+    )
+
+
+def map_image_request(
+    request: Mapping[str, Any], *, request_id: str, allow_local_files: bool = False, max_n: int = 10,
+) -> MappedRequest:
+    """An ``NvCreateImageRequest`` dict -> ``n`` omniloop t2i/i2i requests (seeds ``seed``, ``seed+1``, ...)."""
+    if not isinstance(request, Mapping):
+        raise InvalidRequest("", "an image request must be a JSON object")
+    prompt = request.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidRequest("prompt", "a text prompt is required")
+    model = request.get("model")
+    model = model if isinstance(model, str) else ""
+    nvext = request.get("nvext") or {}
+    if not isinstance(nvext, Mapping):
+        raise InvalidRequest("nvext", "expected an object")
+    unknown = sorted(set(nvext) - _IMAGE_NVEXT)
+    if unknown:
+        raise InvalidRequest(f"nvext.{unknown[0]}", "unknown field")
+    knobs = passthrough(request)
+    n = _opt_int(request, "n", "n", ge=1) or 1
+    if n > max_n:
+        raise InvalidRequest("n", f"must be <= {max_n}, got {n}")
+    width, height = parse_size(request.get("size"))
+    output_format = request.get("output_format") or "png"
+    if output_format != "png":
+        raise InvalidRequest("output_format", f"only 'png' is supported, got {output_format!r}")
+    ignored = [k for k in _IMAGE_IGNORED if request.get(k) not in (None, "auto")]
+    inputs: list[dict[str, Any]] = [{"type": "text", "text": prompt, "role": "prompt"}]
+    negative = _opt_str(nvext, "negative_prompt", "nvext.negative_prompt")
+    if negative is not None:
+        inputs.append({"type": "text", "text": negative, "role": "negative_prompt"})
+    task = "t2i"
+    if request.get("input_reference") is not None:
+        part = image_part(request["input_reference"], allow_local_files=allow_local_files)
+        part["role"] = "image"
+        inputs.append(part)
+        task = "i2i"
+    seed = _opt_int(nvext, "seed", "nvext.seed", ge=0)
+    base = {
+        "steps": _opt_int(nvext, "num_inference_steps", "nvext.num_inference_steps", ge=1),
+        "guidance_scale": _opt_num(nvext, "guidance_scale", "nvext.guidance_scale", ge=0),
+        "width": width, "height": height,
+    }
+    reqs = []
+    for i in range(n):
+        diffusion = {k: v for k, v in base.items() if v is not None}
+        if seed is not None:
+            diffusion["seed"] = seed + i
+        data = {
+            "task": task, "inputs": inputs, "diffusion": diffusion,
+            "request_id": request_id if n == 1 else f"{request_id}-{i}",
+            "outputs": {"stream_progress": False},
+        }
+        reqs.append(_build(data, knobs))
+    return MappedRequest(
+        kind="image", requests=reqs, model=model, response_format=_response_format(request),
+        output_format="png", stream=False, size=request.get("size"), ignored=ignored,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------
+
+
+def video_response(
+    *, response_id: str, model: str, data: list[dict[str, Any]], created: int | None = None,
+    inference_time_s: float | None = None, status: str = "completed", progress: int = 100,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """An ``NvVideosResponse`` dict (``object`` is always ``"video"``)."""
+    out: dict[str, Any] = {
+        "id": response_id, "object": "video", "model": model, "status": status, "progress": int(progress),
+        "created": int(created if created is not None else time.time()), "data": data,
+    }
+    if error is not None:
+        out["error"] = error
+    if inference_time_s is not None:
+        out["inference_time_s"] = round(float(inference_time_s), 6)
+    return out
+
+
+def video_data(*, url: str | None = None, b64_json: str | None = None, fps: float | None = None) -> dict[str, Any]:
+    """A ``VideoData`` dict; ``output_format`` is required by the frontend."""
+    d: dict[str, Any] = {"output_format": "mp4"}
+    if url is not None:
+        d["url"] = url
+    if b64_json is not None:
+        d["b64_json"] = b64_json
+    if fps is not None:
+        d["fps"] = int(round(fps))
+    return d
+
+
+def image_response(*, data: list[dict[str, Any]], size: str | None, created: int | None = None) -> dict[str, Any]:
+    """An ``NvImagesResponse`` dict."""
+    out: dict[str, Any] = {"created": int(created if created is not None else time.time()), "data": data,
+                           "output_format": "png"}
+    if size is not None:
+        out["size"] = size
+    return out
+
+
+__all__ = [
+    "PASSTHROUGH_KNOBS",
+    "InvalidRequest",
+    "MappedRequest",
+    "api_field",
+    "image_part",
+    "image_response",
+    "map_image_request",
+    "map_video_request",
+    "parse_size",
+    "passthrough",
+    "video_data",
+    "video_response",
+]
