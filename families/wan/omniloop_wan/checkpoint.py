@@ -194,8 +194,12 @@ def check_safetensors(path: Path) -> None:
             if len(head) < 8:
                 raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, no safetensors header)")
             (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > 100_000_000:
-                raise CheckpointError(f"{path}: not a safetensors file (header length {n} > file size {size})")
+            if n > 100_000_000:
+                raise CheckpointError(f"{path}: not a safetensors file (header length {n} is not plausible)")
+            if n > size - 8:
+                raise CheckpointError(
+                    f"{path}: weight file is truncated ({size} bytes, shorter than its {n}-byte header); re-download it"
+                )
             header = json.loads(fh.read(n))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: safetensors header is unreadable ({exc})") from None
