@@ -78,6 +78,23 @@ class CounterPlugin:
         ))
 
 
+class FailingInterceptor(CountingStepInterceptor):
+    name = "fails"
+
+    def forward(self, step: Any, state: Any, inputs: Any, compute: Any) -> Any:
+        if step.step_index == 1:
+            raise RuntimeError("kernel exploded")
+        return compute()
+
+
+class FailingPlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @hookimpl
+    def omniloop_register_interceptors(self, register: Any) -> None:
+        register(PluginComponentSpec(name="fails", kind="step_interceptor", factory=lambda config: FailingInterceptor()))
+
+
 class CommandsPlugin:
     """Adds an ``omniloop parity ...`` group, like the parity observer package does."""
 
@@ -284,6 +301,19 @@ def test_generate_with_deploy_file_and_plugin_params(cwd: Path, toy_checkpoint: 
     assert doc["metrics"]["plugins"]["counter"]["cond"] == {"forwards": 3}
     human = invoke(["generate", "a fox", "--deploy", str(deploy), "--steps", "2"], manager)
     assert human.exit_code == 0 and "plugin counter" in human.stdout and "forwards=2" in human.stdout
+
+
+def test_a_request_that_fails_while_running_exits_1_naming_node_and_step(cwd: Path, toy_checkpoint: Path) -> None:
+    deploy = cwd / "deploy.json"
+    deploy.write_text(json.dumps({"model": {"path": str(toy_checkpoint)}, "plugins": {"fails": {}}}))
+    res = invoke(["generate", "x", "--deploy", str(deploy), "--steps", "3", "--json"], make_manager(("fails", FailingPlugin())))
+    assert res.exit_code == 1
+    doc = json.loads(res.stdout)
+    assert doc["status"] == "failed" and doc["output_path"] is None
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]  # after the progress display
+    assert len(errors) == 1 and "Traceback" not in res.stderr
+    assert "failed in node 'denoise' at step 1" in errors[0] and "kernel exploded" in errors[0]
+    assert not (cwd / "out").exists()
 
 
 def test_model_flag_overrides_the_deploy_file(cwd: Path, toy_checkpoint: Path) -> None:
