@@ -1,0 +1,41 @@
+"""Fixtures for the server tests: a real uvicorn server on 127.0.0.1 (ephemeral port) in a thread."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omniloop.testing import build_toy_checkpoint
+from omniloop_scheduler.testing import Probe, ProbePlugin, make_runtime
+from omniloop_server.testing import serving
+
+
+@pytest.fixture(scope="session")
+def server_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_toy_checkpoint(tmp_path_factory.mktemp("toy") / "ckpt")
+
+
+@pytest.fixture
+def probe_server(server_checkpoint: Path, tmp_path: Path) -> Iterator[tuple[str, Probe, Any]]:
+    """A server over a toy runtime with the probe step interceptor (failure injection)."""
+    from omniloop_server import create_app
+
+    probe = Probe()
+    rt = make_runtime(server_checkpoint, ("probe", ProbePlugin(probe)), plugins={"probe": {}},
+                      scheduler="step", limits={"max_steps": 300, "max_queue": 64})
+    app = create_app(rt, output_dir=tmp_path / "out")
+    with serving(app) as url:
+        yield url, probe, app
+
+
+@pytest.fixture
+def server(server_checkpoint: Path, tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    from omniloop_server import create_app
+
+    rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_steps": 300, "max_height": 64, "max_width": 64})
+    app = create_app(rt, output_dir=tmp_path / "out")
+    with serving(app) as url:
+        yield url, app
