@@ -145,3 +145,13 @@ def test_defaults_come_from_the_checkpoint(wan_runtime):
     assert tuple(out.artifacts["video"].frames.shape) == (9, 32, 32, 3)
     assert out.artifacts["video"].fps == 16.0
     assert "latents" not in out.artifacts  # only when outputs.return_latents
+
+
+def test_last_frame_image_is_not_supported_yet(wan_runtime, i2v_request, image_file):
+    req = i2v_request(steps=1)
+    req["inputs"].append({"type": "image", "path": str(image_file), "role": "last_frame"})
+    ex = wan_runtime("i2v").prepare(req)
+    assert any("last_frame" in w and "ignored" in w for w in ex.state.metrics["warnings"])
+    req["inputs"] = [p for p in req["inputs"] if p["type"] != "image" or p.get("role") == "last_frame"]
+    err = _prepare_error(wan_runtime("i2v"), req)  # a last frame alone is no first frame
+    assert err.path == "inputs" and "first_frame" in err.message

@@ -44,10 +44,14 @@ def _limit(limits: Any, name: str) -> int | None:
     return int(value) if value is not None else None
 
 
+#: image roles the I2V pipelines condition on (the first frame)
+FIRST_FRAME_ROLES = ("image", "first_frame")
+
+
 def load_image_part(request: OmniRequest) -> tuple[torch.Tensor | None, str]:
-    """Decode the request's first image part; return (pixels or None, its field path)."""
+    """Decode the request's first-frame image part; return (pixels or None, its field path)."""
     for i, part in enumerate(request.inputs):
-        if not isinstance(part, ImagePart):
+        if not isinstance(part, ImagePart) or part.role not in FIRST_FRAME_ROLES:
             continue
         if part.path is not None and part.data_b64 is not None:
             raise RequestError(f"inputs[{i}]", "give an image as path or data_b64, not both")
@@ -67,7 +71,7 @@ def count_tokens(tokenizer: Any, text: str) -> int:
     """Tokens the text encoder would see before truncation (special tokens included)."""
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-    return len(tokenizer(prompt_clean(text), add_special_tokens=True, truncation=False)["input_ids"])
+    return len(tokenizer(prompt_clean(text), add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
 
 
 def resolve(model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True) -> tuple[WanParams, list[str]]:
@@ -129,13 +133,23 @@ def resolve(model: LoadedModel, request: OmniRequest, limits: Any = None, *, dec
     fps = d.fps if d.fps is not None else float(defaults.get("fps", 16.0))
 
     image = None
-    has_image = any(isinstance(p, ImagePart) for p in request.inputs)
+    images = [p for p in request.inputs if isinstance(p, ImagePart)]
+    first = [p for p in images if p.role in FIRST_FRAME_ROLES]
     if request.task is TaskType.I2V:
-        if not has_image:
-            raise RequestError("inputs", "an i2v request needs an image (an image part with a path or data_b64)")
+        if not first:
+            raise RequestError(
+                "inputs", "an i2v request needs an image (an image part with role 'image' or 'first_frame')"
+            )
         if decode_image:
             image, _ = load_image_part(request)
-    elif has_image:
+        others = len(images) - 1
+        if others:
+            roles = sorted({p.role for p in images} - {"image"})
+            warnings.append(
+                f"{others} more image input(s) ignored ({', '.join(roles) or 'image'}): Wan conditions on one "
+                "first frame (last-frame and reference images are not supported yet)"
+            )
+    elif images:
         warnings.append(f"the image input is ignored: a {request.task.value} request does not use it")
 
     tokenizer = model.components.get("tokenizer")
