@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from omniloop.loop import LoopState, StepContext
 from omniloop.request import DiffusionParams, OmniRequest, TaskType
 from omniloop_policies import (
@@ -20,7 +21,7 @@ from omniloop_policies import (
     predict_branches,
     stack_forward,
 )
-from omniloop_policies.testing import WAN_UNIPC_CONFIG, ToyDenoiser, ToyDenoiseLoop
+from omniloop_policies.testing import WAN_UNIPC_CONFIG, ToyDenoiseLoop, ToyDenoiser
 
 #: Batched (stacked) vs two-forward CFG on the fp32 ToyDenoiser (Linear layers, CPU, 2 threads):
 #: measured max |diff| of one guided prediction (scale 5) over 80 cases: 1.05e-5 (the stacked
@@ -146,8 +147,8 @@ def test_batched_equals_two_forward_cfg_within_the_measured_tolerance():
                     cfg,
                     ctx(),
                     cfg.init(10, scale=5.0),
-                    forward=lambda s: m(x, t, e[s.branch]),
-                    forward_batch=stack_forward(lambda xb, eb: m(xb, t.repeat(2), eb), x, e),
+                    forward=lambda s, m=m, x=x, t=t, e=e: m(x, t, e[s.branch]),
+                    forward_batch=stack_forward(lambda xb, eb, m=m, t=t: m(xb, t.repeat(2), eb), x, e),
                 )
             torch.testing.assert_close(out[True], out[False], atol=BATCHED_STEP_ATOL, rtol=0)
             worst = max(worst, (out[True] - out[False]).abs().max().item())
@@ -172,7 +173,10 @@ def test_batched_is_bit_identical_with_a_batch_invariant_model():
     for batched in (False, True):
         cfg = ClassicCFG(batched=batched)
         out[batched] = guided_prediction(
-            cfg, ctx(), cfg.init(10, scale=5.0), forward=lambda s: p_model(x, e[s.branch]),
+            cfg,
+            ctx(),
+            cfg.init(10, scale=5.0),
+            forward=lambda s: p_model(x, e[s.branch]),
             forward_batch=stack_forward(p_model, x, e),
         )
     assert torch.equal(out[True], out[False])
@@ -183,8 +187,13 @@ def test_batched_refuses_unequal_embedding_shapes():
     e = {"cond": torch.randn(1, 6, 8), "uncond": torch.randn(1, 5, 8)}
     cfg = ClassicCFG(batched=True)
     with pytest.raises(PolicyError, match="equal-shape embeddings"):
-        predict_branches(cfg, ctx(), cfg.init(10, scale=5.0), forward=lambda s: x,
-                         forward_batch=stack_forward(lambda xb, eb: xb, x, e))
+        predict_branches(
+            cfg,
+            ctx(),
+            cfg.init(10, scale=5.0),
+            forward=lambda s: x,
+            forward_batch=stack_forward(lambda xb, eb: xb, x, e),
+        )
 
 
 # -- interval gating ------------------------------------------------------------------------------
@@ -213,8 +222,14 @@ def test_interval_gating_counts_model_forwards_in_a_loop_classic_and_batched():
         menu = PolicyMenu.build(WAN_UNIPC_CONFIG, default_cfg=name, cfg_options={name: opts})
         model = ToyDenoiser()
         loop = ToyDenoiseLoop(menu, model)
-        loop.run(OmniRequest(task=TaskType.T2V, diffusion=DiffusionParams(steps=10, guidance_scale=5.0),
-                             node_params={"denoise": {"cfg_window": [0.2, 0.7]}}), seed=0)
+        loop.run(
+            OmniRequest(
+                task=TaskType.T2V,
+                diffusion=DiffusionParams(steps=10, guidance_scale=5.0),
+                node_params={"denoise": {"cfg_window": [0.2, 0.7]}},
+            ),
+            seed=0,
+        )
         assert model.forwards == want, (opts, model.batch_sizes)
         if opts:
             assert model.batch_sizes == [1, 1, 2, 2, 2, 2, 2, 1, 1, 1]
@@ -257,8 +272,14 @@ def test_per_modality_scales_on_a_dict_prediction():
     cfg = PerModalityCFG(scales={"video": 5.0, "audio": 2.0})
     state = cfg.init(10, scale=4.0)
     v, a = preds(1), preds(2)
-    out = cfg.combine(ctx(), state, {"cond": {"video": v["cond"], "audio": a["cond"], "action": a["cond"]},
-                                     "uncond": {"video": v["uncond"], "audio": a["uncond"], "action": a["uncond"]}})
+    out = cfg.combine(
+        ctx(),
+        state,
+        {
+            "cond": {"video": v["cond"], "audio": a["cond"], "action": a["cond"]},
+            "uncond": {"video": v["uncond"], "audio": a["uncond"], "action": a["uncond"]},
+        },
+    )
     assert torch.equal(out["video"], v["uncond"] + 5.0 * (v["cond"] - v["uncond"]))
     assert torch.equal(out["audio"], a["uncond"] + 2.0 * (a["cond"] - a["uncond"]))
     assert torch.equal(out["action"], a["uncond"] + 4.0 * (a["cond"] - a["uncond"]))  # request scale
@@ -294,7 +315,7 @@ def run_gate(cfg, n=10, experts=None, scale=5.0):
 def test_adaptive_gate_every_one_equals_classic_bit_for_bit():
     _, _, gate = run_gate(AdaptiveGateCFG(every=1))
     _, _, classic = run_gate(ClassicCFG())
-    assert all(torch.equal(a, b) for a, b in zip(gate, classic))
+    assert all(torch.equal(a, b) for a, b in zip(gate, classic, strict=True))
 
 
 def test_adaptive_gate_reuses_the_cached_delta_between_full_steps():
@@ -320,8 +341,9 @@ def test_adaptive_gate_invalidates_its_delta_when_the_expert_switches():
 
 def test_adaptive_gate_sees_the_boundary_router_switch_through_step_context():
     router = BoundaryRouter(boundary_ratio=0.875)
-    menu = PolicyMenu.build(WAN_UNIPC_CONFIG, default_cfg="adaptive-gate", router=router,
-                            cfg_options={"adaptive-gate": {"every": 100}})
+    menu = PolicyMenu.build(
+        WAN_UNIPC_CONFIG, default_cfg="adaptive-gate", router=router, cfg_options={"adaptive-gate": {"every": 100}}
+    )
     hi, lo = ToyDenoiser(seed=1), ToyDenoiser(seed=2)
     loop = ToyDenoiseLoop(menu, {"transformer": hi, "transformer_2": lo})
     state = loop.init(t2v(steps=12, guidance_scale=5.0), seed=0)
@@ -379,7 +401,9 @@ def test_guider_adapter_runs_a_diffusers_cfg_guider_per_request():
         fwd = Counting(preds(i))
         out = guided_prediction(cfg, ctx(i, 10), state, forward=fwd)
         calls.append(len(fwd.calls))
-        want = ClassicCFG().combine(ctx(i), ClassicCFG().init(10, scale=5.0), preds(i)) if 2 <= i < 6 else preds(i)["cond"]
+        want = (
+            ClassicCFG().combine(ctx(i), ClassicCFG().init(10, scale=5.0), preds(i)) if 2 <= i < 6 else preds(i)["cond"]
+        )
         assert torch.equal(out, want), i
     assert calls == [1, 1, 2, 2, 2, 2, 1, 1, 1, 1]
 
@@ -428,18 +452,27 @@ class RecordingInterceptor:
         return {}
 
 
-@pytest.mark.parametrize("name,opts,want", [
-    ("interval", {}, {"cond", "uncond"}),
-    ("interval", {"batched": True}, {"cond+uncond", "cond"}),
-    ("adaptive-gate", {"batched": True, "every": 2}, {"cond+uncond", "cond"}),
-])
+@pytest.mark.parametrize(
+    "name,opts,want",
+    [
+        ("interval", {}, {"cond", "uncond"}),
+        ("interval", {"batched": True}, {"cond+uncond", "cond"}),
+        ("adaptive-gate", {"batched": True, "every": 2}, {"cond+uncond", "cond"}),
+    ],
+)
 def test_step_interceptors_get_state_keyed_by_the_declared_branch_names(name, opts, want):
     menu = PolicyMenu.build(WAN_UNIPC_CONFIG, default_cfg=name, cfg_options={name: opts})
     icpt = RecordingInterceptor()
     loop = ToyDenoiseLoop(menu, ToyDenoiser())
     loop.interceptors = (icpt,)
-    state = loop.init(OmniRequest(task=TaskType.T2V, diffusion=DiffusionParams(steps=10, guidance_scale=5.0),
-                                  node_params={"denoise": {"cfg_window": [0.2, 0.7]}}), seed=0)
+    state = loop.init(
+        OmniRequest(
+            task=TaskType.T2V,
+            diffusion=DiffusionParams(steps=10, guidance_scale=5.0),
+            node_params={"denoise": {"cfg_window": [0.2, 0.7]}},
+        ),
+        seed=0,
+    )
     assert set(state.branches) == want
     while not loop.step(state):
         pass
@@ -449,10 +482,17 @@ def test_step_interceptors_get_state_keyed_by_the_declared_branch_names(name, op
 def test_predict_branches_needs_the_loop_when_interceptors_are_bound():
     cfg = ClassicCFG()
     with pytest.raises(PolicyError, match="pass loop="):
-        predict_branches(cfg, ctx(), cfg.init(10, scale=5.0), forward=Counting(preds()),
-                         interceptors=(RecordingInterceptor(),))
+        predict_branches(
+            cfg, ctx(), cfg.init(10, scale=5.0), forward=Counting(preds()), interceptors=(RecordingInterceptor(),)
+        )
     loop = LoopState()
     loop.plugin_state[("rec", "cond")] = {"branch": "cond"}
     loop.plugin_state[("rec", "uncond")] = {"branch": "uncond"}
-    predict_branches(cfg, ctx(), cfg.init(10, scale=5.0), forward=Counting(preds()), loop=loop,
-                     interceptors=(RecordingInterceptor(),))
+    predict_branches(
+        cfg,
+        ctx(),
+        cfg.init(10, scale=5.0),
+        forward=Counting(preds()),
+        loop=loop,
+        interceptors=(RecordingInterceptor(),),
+    )

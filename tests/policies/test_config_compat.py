@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import UniPCMultistepScheduler
+
 from omniloop.errors import CheckpointError, RequestError
 from omniloop_policies import (
     DPMppSampler,
@@ -35,7 +36,7 @@ def test_non_flow_prediction_is_rejected_naming_file_and_key(cls, pred):
 
 def test_multistep_config_without_prediction_type_defaults_to_epsilon_and_is_rejected():
     cfg = {k: v for k, v in WAN_UNIPC_CONFIG.items() if k != "prediction_type"}
-    with pytest.raises(SchedulerConfigError, match="prediction_type is not set.*defaults to 'epsilon'"):
+    with pytest.raises(SchedulerConfigError, match=r"prediction_type is not set.*defaults to 'epsilon'"):
         UniPCSampler.from_config(cfg, source=SRC)
 
 

@@ -7,9 +7,10 @@ import itertools
 
 import pytest
 import torch
+
 from omniloop.request import DiffusionParams, OmniRequest, TaskType
 from omniloop_policies import BoundaryRouter, PolicyMenu
-from omniloop_policies.testing import WAN_UNIPC_CONFIG, ToyDenoiser, ToyDenoiseLoop
+from omniloop_policies.testing import WAN_UNIPC_CONFIG, ToyDenoiseLoop, ToyDenoiser
 
 SAMPLERS = {
     "flow-euler": {},

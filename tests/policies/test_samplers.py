@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
 from omniloop_policies import (
     DMD_WAN_TIMESTEPS,
     DPMppSampler,
@@ -33,7 +34,9 @@ def start(dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
 
 
-def run_ours(sampler, num_steps=STEPS, *, shift=None, mu=None, generator=None, model_dtype=None, latents_dtype=torch.float32):
+def run_ours(
+    sampler, num_steps=STEPS, *, shift=None, mu=None, generator=None, model_dtype=None, latents_dtype=torch.float32
+):
     state = sampler.init(num_steps, device="cpu", shift=shift, mu=mu, generator=generator)
     x = start(latents_dtype)
     outs = []
@@ -46,7 +49,9 @@ def run_ours(sampler, num_steps=STEPS, *, shift=None, mu=None, generator=None, m
     return state, outs
 
 
-def run_diffusers(scheduler, num_steps=STEPS, *, generator=None, model_dtype=None, latents_dtype=torch.float32, **set_kw):
+def run_diffusers(
+    scheduler, num_steps=STEPS, *, generator=None, model_dtype=None, latents_dtype=torch.float32, **set_kw
+):
     """The diffusers pipelines' loop (pipeline_wan.py): set_timesteps, set_begin_index(0), step."""
     if num_steps is not None:
         scheduler.set_timesteps(num_steps, device="cpu", **set_kw)
@@ -63,7 +68,7 @@ def run_diffusers(scheduler, num_steps=STEPS, *, generator=None, model_dtype=Non
 
 def assert_all_equal(ours, theirs):
     assert len(ours) == len(theirs)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert a.dtype == b.dtype, f"step {i}: dtype {a.dtype} vs {b.dtype}"
         assert torch.equal(a, b), f"step {i}: max abs diff {(a.float() - b.float()).abs().max().item()}"
 
@@ -161,7 +166,9 @@ def test_dynamic_shifting_passes_mu_like_diffusers():
 
 
 def test_dynamic_shifting_without_mu_is_a_clear_error():
-    sampler = FlowEulerSampler.from_config({"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": True})
+    sampler = FlowEulerSampler.from_config(
+        {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": True}
+    )
     with pytest.raises(PolicyError, match="resolution"):
         sampler.init(STEPS)
 
@@ -214,7 +221,7 @@ def test_few_step_default_is_the_dmd_wan_schedule():
     assert state.timestep_values == (1000.0, 757.0, 522.0)
     assert state.timesteps.tolist() == list(DMD_WAN_TIMESTEPS)
     assert state.sigma_values[0] == 1.0 and state.sigma_values[-1] == 0.0
-    assert all(abs(s - t / 1000) < 1e-3 for s, t in zip(state.sigma_values, DMD_WAN_TIMESTEPS))
+    assert all(abs(s - t / 1000) < 1e-3 for s, t in zip(state.sigma_values[:-1], DMD_WAN_TIMESTEPS, strict=True))
 
 
 def test_few_step_matches_the_fastvideo_dmd_reference():

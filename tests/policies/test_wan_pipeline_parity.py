@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from omniloop.loop import LoopState
 from omniloop.request import DiffusionParams, OmniRequest, TaskType
 from omniloop_policies import BoundaryRouter, PolicyMenu, PrecisionPolicy, SingleExpert
@@ -95,8 +96,12 @@ def policy_latents(menu: PolicyMenu, experts, request: OmniRequest):
             xin = x.to(pol.precision.dtype_for(step.expert))
 
             def forward(s, model=model, xin=xin, t=t):
-                return model(hidden_states=xin, timestep=t.expand(xin.shape[0]),
-                             encoder_hidden_states=text[s.branch], return_dict=False)[0]
+                return model(
+                    hidden_states=xin,
+                    timestep=t.expand(xin.shape[0]),
+                    encoder_hidden_states=text[s.branch],
+                    return_dict=False,
+                )[0]
 
             guided = pol.predict(step, loop, forward=forward)
             loop.tensors["latents"] = pol.advance(step, loop, guided, x)
@@ -133,7 +138,11 @@ def test_wan22_two_experts_with_guidance_scale_2_match_diffusers_wan_pipeline():
     ts = loop.policy_state["sampler"].timestep_values
     assert ts[0] >= 875.0 > ts[-1]
     # the default fp32 step dtype gives the same result here (everything is fp32 already)
-    menu32 = PolicyMenu.build(WAN_UNIPC_CONFIG, router=BoundaryRouter(boundary_ratio=0.875),
-                              default_guidance_scale=4.0, default_guidance_scale_2=3.0)
+    menu32 = PolicyMenu.build(
+        WAN_UNIPC_CONFIG,
+        router=BoundaryRouter(boundary_ratio=0.875),
+        default_guidance_scale=4.0,
+        default_guidance_scale_2=3.0,
+    )
     got32, _ = policy_latents(menu32, experts, req)
     assert torch.equal(got32, want)

@@ -40,13 +40,13 @@ from .samplers import (
 from .shift import ConstantShift, ResolutionShift, ShiftPolicy, ShiftValue, calculate_shift
 
 __all__ = [
+    "DMD_WAN_TIMESTEPS",
     "AdaptiveGateCFG",
     "BoundaryRouter",
     "CFGPolicy",
     "CFGState",
     "ClassicCFG",
     "ConstantShift",
-    "DMD_WAN_TIMESTEPS",
     "DPMppSampler",
     "DenoiseParams",
     "DenoisePolicies",
@@ -69,7 +69,6 @@ __all__ = [
     "SingleExpert",
     "UniPCSampler",
     "calculate_shift",
-    "sampler_for_config",
     "forward_groups",
     "forward_name",
     "guided_prediction",
@@ -77,6 +76,7 @@ __all__ = [
     "parse_denoise_params",
     "parse_dtype",
     "predict_branches",
+    "sampler_for_config",
     "split_batch",
     "stack_forward",
 ]

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import torch
 from attrs import define, field
+
 from omniloop.errors import RequestError
 from omniloop.family import PolicySpec
 from omniloop.loop import LoopState, StepContext
@@ -38,10 +39,9 @@ from .cfg import (
     AdaptiveGateCFG,
     CFGPolicy,
     CFGState,
-    ForwardBatch,
     Forward,
+    ForwardBatch,
     IntervalCFG,
-    PerModalityCFG,
     Prediction,
     predict_branches,
 )
@@ -96,7 +96,9 @@ class DenoisePolicies:
             if not isinstance(self.sampler, FewStepSampler):
                 raise PolicyError(f"sampler {self.sampler.name!r} has no timesteps option (few-step has)")
             extra["timesteps"] = self.timesteps
-        sstate = self.sampler.init(self.num_steps, device=device, shift=sv.shift, mu=sv.mu, generator=generator, **extra)
+        sstate = self.sampler.init(
+            self.num_steps, device=device, shift=sv.shift, mu=sv.mu, generator=generator, **extra
+        )
         cfg_kw: dict[str, Any] = {"scale": self.guidance_scale, "scales_by_expert": self.scales_by_expert}
         if self.modality_scales is not None:
             cfg_kw["modality_scales"] = self.modality_scales
@@ -452,4 +454,3 @@ def _tune_cfg(cfg: CFGPolicy, p: DenoiseParams, path: str, node: str) -> CFGPoli
         return attrs.evolve(cfg, **changes)  # type: ignore[misc]
     except PolicyError as err:
         raise RequestError(path, f"node {node!r}: {err}") from err
-

@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol, Union, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import attrs
 import torch
 from attrs import define, field
+
 from omniloop.interceptors import call_model
 from omniloop.loop import LoopState, StepContext
 
 from .errors import PolicyError
 
-Prediction = Union[torch.Tensor, Mapping[str, torch.Tensor]]
+Prediction = torch.Tensor | Mapping[str, torch.Tensor]
 
 COND = "cond"
 UNCOND = "uncond"
@@ -82,11 +83,16 @@ class CFGState:
 class CFGPolicy(Protocol):
     """What the denoise loop calls. All methods but ``init`` take the request's state."""
 
-    name: str
-    #: compute multi-branch plans as one stacked forward
-    batched: bool
-    #: True when ``plan`` reads a device value on the host (a sync per step)
-    needs_host_sync: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def batched(self) -> bool:
+        """Compute multi-branch plans as one stacked forward."""
+
+    @property
+    def needs_host_sync(self) -> bool:
+        """True when ``plan``/``combine`` read a device value on the host (a sync per step)."""
 
     def init(
         self, num_steps: int, *, scale: float, scales_by_expert: Mapping[str, float] | None = None
@@ -135,15 +141,17 @@ class _TwoBranchCFG:
     #: guidance rescale (Lin et al. 2023; diffusers' ``guidance_rescale``); 0 disables it
     rescale: float = 0.0
 
-    def init(
-        self, num_steps: int, *, scale: float, scales_by_expert: Mapping[str, float] | None = None
-    ) -> CFGState:
+    def init(self, num_steps: int, *, scale: float, scales_by_expert: Mapping[str, float] | None = None) -> CFGState:
         if num_steps < 1:
             raise PolicyError(f"cfg {self.name!r}: num_steps must be >= 1, got {num_steps}")
         scale = _check_scale(self.name, scale)
-        experts = {k: _check_scale(self.name, v, f"scale for expert {k!r}") for k, v in (scales_by_expert or {}).items()}
+        experts = {
+            k: _check_scale(self.name, v, f"scale for expert {k!r}") for k, v in (scales_by_expert or {}).items()
+        }
         # diffusers' pipelines decide CFG once per request from the main scale: `guidance_scale > 1`.
-        return CFGState(policy=self.name, num_steps=num_steps, scale=scale, scales_by_expert=experts, enabled=scale > 1.0)
+        return CFGState(
+            policy=self.name, num_steps=num_steps, scale=scale, scales_by_expert=experts, enabled=scale > 1.0
+        )
 
     def possible_plans(self, state: CFGState) -> tuple[tuple[str, ...], ...]:
         return ((COND, UNCOND),) if state.enabled else ((COND,),)
@@ -225,7 +233,7 @@ class IntervalCFG(_TwoBranchCFG):
 
     def in_window(self, step: StepContext) -> bool:
         n = step.num_steps
-        return int(self.start * n) <= step.step_index < int(self.end * n)
+        return bool(int(self.start * n) <= step.step_index < int(self.end * n))
 
     def possible_plans(self, state: CFGState) -> tuple[tuple[str, ...], ...]:
         return ((COND, UNCOND), (COND,)) if state.enabled else ((COND,),)
@@ -260,9 +268,7 @@ class EmbeddedGuidance:
 
     multiplier: float = 1.0
 
-    def init(
-        self, num_steps: int, *, scale: float, scales_by_expert: Mapping[str, float] | None = None
-    ) -> CFGState:
+    def init(self, num_steps: int, *, scale: float, scales_by_expert: Mapping[str, float] | None = None) -> CFGState:
         scale = _check_scale(self.name, scale)
         experts = {k: _check_scale(self.name, v) for k, v in (scales_by_expert or {}).items()}
         return CFGState(policy=self.name, num_steps=num_steps, scale=scale, scales_by_expert=experts, enabled=False)
@@ -345,24 +351,23 @@ class PerModalityCFG(_TwoBranchCFG):
         default = state.scale_for(step)
         if isinstance(cond, Mapping):
             assert isinstance(uncond, Mapping)
-            return {
-                k: _rescale(_cfg(uncond[k], cond[k], scales.get(k, default)), cond[k], self.rescale) for k in cond
-            }
+            return {k: _rescale(_cfg(uncond[k], cond[k], scales.get(k, default)), cond[k], self.rescale) for k in cond}
         if self.layout is None:
             raise PolicyError(
                 f"cfg {self.name!r}: got one tensor per branch but no layout; pass layout=((name, size), ...) "
                 "or predictions as {modality: tensor}"
             )
+        assert isinstance(cond, torch.Tensor) and isinstance(uncond, torch.Tensor)
         sizes = [n for _, n in self.layout]
-        if cond.shape[self.dim] != sum(sizes):  # type: ignore[union-attr]
+        if cond.shape[self.dim] != sum(sizes):
             raise PolicyError(
-                f"cfg {self.name!r}: prediction has {cond.shape[self.dim]} entries along dim {self.dim}, "  # type: ignore[union-attr]
+                f"cfg {self.name!r}: prediction has {cond.shape[self.dim]} entries along dim {self.dim}, "
                 f"layout {list(self.layout)} needs {sum(sizes)}"
             )
-        chunks = zip(
+        chunks = zip(  # noqa: B905 - the splits have the layout's length
             (k for k, _ in self.layout),
-            torch.split(cond, sizes, dim=self.dim),  # type: ignore[arg-type]
-            torch.split(uncond, sizes, dim=self.dim),  # type: ignore[arg-type]
+            torch.split(cond, sizes, dim=self.dim),
+            torch.split(uncond, sizes, dim=self.dim),
         )
         out = [_rescale(_cfg(u, c, scales.get(k, default)), c, self.rescale) for k, c, u in chunks]
         return torch.cat(out, dim=self.dim)
@@ -413,9 +418,7 @@ class AdaptiveGateCFG(_TwoBranchCFG):
     def possible_plans(self, state: CFGState) -> tuple[tuple[str, ...], ...]:
         return ((COND, UNCOND), (COND,)) if state.enabled else ((COND,),)
 
-    def init(
-        self, num_steps: int, *, scale: float, scales_by_expert: Mapping[str, float] | None = None
-    ) -> CFGState:
+    def init(self, num_steps: int, *, scale: float, scales_by_expert: Mapping[str, float] | None = None) -> CFGState:
         state = super().init(num_steps, scale=scale, scales_by_expert=scales_by_expert)
         state.extra.update(delta=None, expert=None, last_full=None, stable=True, invalidations=0)
         return state
@@ -501,7 +504,7 @@ class GuiderCFG:
 
     def __attrs_post_init__(self) -> None:
         try:
-            from diffusers.guiders import BaseGuidance
+            from diffusers.guiders.guider_utils import BaseGuidance
         except ImportError as err:  # pragma: no cover - diffusers is a dependency
             raise PolicyError(f"cfg 'guider': diffusers guiders are unavailable: {err}") from err
         if not isinstance(self.guider, BaseGuidance):
@@ -509,7 +512,10 @@ class GuiderCFG:
                 f"cfg 'guider': expected a diffusers BaseGuidance instance, got {type(self.guider).__name__}"
             )
         cls = type(self.guider)
-        if cls.prepare_models is not BaseGuidance.prepare_models or cls.cleanup_models is not BaseGuidance.cleanup_models:
+        if (
+            cls.prepare_models is not BaseGuidance.prepare_models
+            or cls.cleanup_models is not BaseGuidance.cleanup_models
+        ):
             raise PolicyError(
                 f"cfg 'guider': {cls.__name__} hooks the denoiser (prepare_models) to compute its extra "
                 "branches, which would modify the shared transformer per request; it is not supported"
@@ -519,9 +525,7 @@ class GuiderCFG:
     def prediction_names(self) -> tuple[str, ...]:
         return tuple(self.guider._input_predictions)
 
-    def init(
-        self, num_steps: int, *, scale: float, scales_by_expert: Mapping[str, float] | None = None
-    ) -> CFGState:
+    def init(self, num_steps: int, *, scale: float, scales_by_expert: Mapping[str, float] | None = None) -> CFGState:
         overrides = {}
         if "guidance_scale" in self.guider.config:
             overrides["guidance_scale"] = _check_scale(self.name, scale)
@@ -559,7 +563,7 @@ class GuiderCFG:
     def combine(self, step: StepContext, state: CFGState, preds: Mapping[str, Prediction]) -> Prediction:
         guider = state.extra["guider"]
         kwargs = {p: preds[_branch_of(p)] for p in self.prediction_names if _branch_of(p) in preds}
-        return guider.forward(**kwargs).pred
+        return cast(Prediction, guider.forward(**kwargs).pred)
 
     def model_guidance(self, step: StepContext, state: CFGState) -> float | None:
         return None
@@ -584,7 +588,7 @@ def split_batch(stacked: torch.Tensor, group: Sequence[str]) -> dict[str, torch.
         raise PolicyError(
             f"batched CFG: the stacked prediction has batch {stacked.shape[0]}, not a multiple of {len(group)} branches"
         )
-    return dict(zip(group, stacked.chunk(len(group), dim=0)))
+    return dict(zip(group, stacked.chunk(len(group), dim=0), strict=True))
 
 
 def stack_forward(
@@ -604,7 +608,7 @@ def stack_forward(
         shapes = {tuple(embeds[b].shape) for b in group}
         if len(shapes) > 1:
             raise PolicyError(
-                f"batched CFG needs equal-shape embeddings per branch to stack them; got "
+                "batched CFG needs equal-shape embeddings per branch to stack them; got "
                 + ", ".join(f"{b}={tuple(embeds[b].shape)}" for b in group)
             )
         x = torch.cat([latents] * len(group), dim=0)
@@ -686,7 +690,14 @@ def guided_prediction(
 ) -> Prediction:
     """``cfg.combine`` of :func:`predict_branches`: the guided prediction for this step."""
     preds = predict_branches(
-        cfg, step, state, forward=forward, forward_batch=forward_batch, loop=loop, interceptors=interceptors, inputs=inputs
+        cfg,
+        step,
+        state,
+        forward=forward,
+        forward_batch=forward_batch,
+        loop=loop,
+        interceptors=interceptors,
+        inputs=inputs,
     )
     return cfg.combine(step, state, preds)
 

@@ -17,12 +17,14 @@ policy does not read them, so a typo'd setup never silently does nothing.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import attrs
 from attrs import define, field
+
 from omniloop.errors import RequestError
 
 
@@ -158,14 +160,16 @@ def parse_denoise_params(
             not isinstance(ts, (list, tuple))
             or not ts
             or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in ts)
-            or any(b >= a for a, b in zip(ts, ts[1:]))
+            or any(b >= a for a, b in itertools.pairwise(ts))
         ):
             raise err("timesteps", f"timesteps must be a strictly decreasing list of positive integers, got {ts!r}")
         out["timesteps"] = tuple(ts)
 
     if values.get("modality_scales") is not None:
         ms = values["modality_scales"]
-        if not isinstance(ms, Mapping) or not all(isinstance(k, str) and _is_number(v) and v >= 0 for k, v in ms.items()):
+        if not isinstance(ms, Mapping) or not all(
+            isinstance(k, str) and _is_number(v) and v >= 0 for k, v in ms.items()
+        ):
             raise err("modality_scales", f"modality_scales must map modality names to numbers >= 0, got {ms!r}")
         out["modality_scales"] = {k: float(v) for k, v in ms.items()}
 

@@ -17,7 +17,8 @@ the denoise node's request schema.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from omniloop.family import PolicySpec
 from omniloop.hookspecs import hookimpl
@@ -37,7 +38,9 @@ def _batched(**options: Any) -> ClassicCFG:
     return ClassicCFG(**options)
 
 
-def _spec(name: str, kind: str, factory: Callable[..., Any], description: str, schema: type | None = None) -> PolicySpec:
+def _spec(
+    name: str, kind: str, factory: Callable[..., Any], description: str, schema: type | None = None
+) -> PolicySpec:
     return PolicySpec(name=name, kind=kind, factory=factory, params_schema=schema, description=description)
 
 
@@ -45,7 +48,13 @@ def builtin_specs() -> list[PolicySpec]:
     """Every policy this package provides, as registry records."""
     P = DenoiseParams
     return [
-        _spec("flow-euler", "sampler", FlowEulerSampler.from_config, "flow-matching Euler (FlowMatchEulerDiscreteScheduler)", P),
+        _spec(
+            "flow-euler",
+            "sampler",
+            FlowEulerSampler.from_config,
+            "flow-matching Euler (FlowMatchEulerDiscreteScheduler)",
+            P,
+        ),
         _spec("unipc", "sampler", UniPCSampler.from_config, "UniPC multistep, flow prediction + flow sigmas", P),
         _spec("dpmpp", "sampler", DPMppSampler.from_config, "DPM-Solver++ multistep, flow prediction + flow sigmas", P),
         _spec("few-step", "sampler", FewStepSampler.from_config, "fixed distilled timesteps (DMD), x0 + re-noise", P),

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from attrs import define
+
 from omniloop.loop import StepContext
 
 from .errors import PolicyError
@@ -24,9 +25,12 @@ from .errors import PolicyError
 
 @runtime_checkable
 class ExpertRouter(Protocol):
-    name: str
-    #: every expert (component name) the router may return
-    experts: tuple[str, ...]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def experts(self) -> tuple[str, ...]:
+        """Every expert (component name) the router may return."""
 
     def active_expert(self, step: StepContext | float) -> str: ...
 

@@ -31,10 +31,11 @@ file and the key, or normalized when the fix is unambiguous (recorded in ``Sampl
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
-from collections.abc import Mapping, Sequence
-from functools import lru_cache
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Hashable, Mapping, Sequence
+from functools import cache
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import attrs
 import torch
@@ -118,8 +119,11 @@ class SamplerState:
 class Sampler(Protocol):
     """What a denoise loop calls. ``init`` once per request, ``step`` once per solver step."""
 
-    name: str
-    step_dtype: torch.dtype | None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def step_dtype(self) -> torch.dtype | None: ...
 
     def init(
         self,
@@ -143,14 +147,14 @@ class Sampler(Protocol):
 # ============================================================================================
 
 
-@lru_cache(maxsize=None)
-def _init_keys(cls: type) -> frozenset[str]:
+@cache
+def _init_keys(cls: Any) -> frozenset[str]:
     params = inspect.signature(cls.__init__).parameters
     return frozenset(k for k in params if k != "self")
 
 
-@lru_cache(maxsize=None)
-def _step_takes_generator(cls: type) -> bool:
+@cache
+def _step_takes_generator(cls: Any) -> bool:
     return "generator" in inspect.signature(cls.step).parameters
 
 
@@ -292,7 +296,7 @@ def normalize_flow_config(
             f"{where}: use_dynamic_shifting=true, which {target.__name__} (sampler {sampler!r}) cannot honour."
         )
     if cfg.get("time_shift_type", "exponential") != "exponential" and "time_shift_type" in keys:
-        allowed = inspect.signature(target.__init__).parameters["time_shift_type"].annotation
+        allowed = inspect.signature(cast(Any, target).__init__).parameters["time_shift_type"].annotation
         if "linear" not in str(allowed):
             raise SchedulerConfigError(
                 f"{where}: time_shift_type={cfg['time_shift_type']!r} is not supported by "
@@ -328,10 +332,7 @@ def normalize_flow_config(
 
     algo = kwargs.get("algorithm_type")
     if algo in ("dpmsolver", "sde-dpmsolver"):
-        msg = (
-            f"{where}: algorithm_type={algo!r} has no flow-prediction support in diffusers (its step "
-            "raises)"
-        )
+        msg = f"{where}: algorithm_type={algo!r} has no flow-prediction support in diffusers (its step raises)"
         if strict:
             raise SchedulerConfigError(msg + f"; use {algo}++.")
         kwargs["algorithm_type"] = algo + "++"
@@ -340,7 +341,9 @@ def normalize_flow_config(
     try:
         target(**kwargs)
     except (ValueError, NotImplementedError, TypeError, ImportError) as err:
-        raise SchedulerConfigError(f"{where}: {target.__name__} rejects the config for sampler {sampler!r}: {err}") from err
+        raise SchedulerConfigError(
+            f"{where}: {target.__name__} rejects the config for sampler {sampler!r}: {err}"
+        ) from err
     return NormalizedConfig(kwargs=kwargs, notes=tuple(notes), ignored=ignored)
 
 
@@ -488,7 +491,7 @@ class DiffusersFlowSampler:
         sample_dtype = sample.dtype
         mo, x = _step_inputs(self.step_dtype, model_output, sample)
         kwargs: dict[str, Any] = {"return_dict": False}
-        if state.generator is not None and _step_takes_generator(type(state.scheduler)):
+        if state.generator is not None and _step_takes_generator(cast(Hashable, type(state.scheduler))):
             kwargs["generator"] = state.generator
         out = state.scheduler.step(mo, timestep, x, **kwargs)[0]
         state.index += 1
@@ -567,7 +570,7 @@ def _positive_timesteps(value: Sequence[int | float]) -> tuple[float, ...]:
         raise PolicyError("sampler 'few-step': timesteps must not be empty")
     if any(not math.isfinite(t) or t <= 0 for t in out):
         raise PolicyError(f"sampler 'few-step': timesteps must be > 0, got {list(value)}")
-    if any(b >= a for a, b in zip(out, out[1:])):
+    if any(b >= a for a, b in itertools.pairwise(out)):
         raise PolicyError(f"sampler 'few-step': timesteps must be strictly decreasing, got {list(value)}")
     return out
 
@@ -624,9 +627,7 @@ class FewStepSampler:
     ) -> FewStepSampler:
         """Check the checkpoint predicts a flow; the schedule itself comes from the options
         (the distilled timesteps are not in a diffusers scheduler config)."""
-        norm = normalize_flow_config(
-            config, target=_flow_euler_class(), sampler=cls.name, source=source, strict=strict
-        )
+        norm = normalize_flow_config(config, target=_flow_euler_class(), sampler=cls.name, source=source, strict=strict)
         return cls(
             timesteps_list=tuple(timesteps),
             grid_shift=float(grid_shift),
@@ -653,11 +654,11 @@ class FewStepSampler:
         if self.warp:
             full_t = torch.cat([grid_t, torch.zeros(1)])
             full_s = torch.cat([grid_s, torch.zeros(1)])
-            idx = [self.num_train_timesteps - int(round(t)) for t in ts]
-            return tuple(float(full_t[i]) for i in idx), tuple(float(full_s[i]) for i in idx) + (0.0,)
+            rows = [self.num_train_timesteps - round(t) for t in ts]
+            return tuple(float(full_t[i]) for i in rows), (*(float(full_s[i]) for i in rows), 0.0)
         query = torch.tensor(ts, dtype=torch.float32)
         idx = torch.argmin((grid_t.unsqueeze(0) - query.unsqueeze(1)).abs(), dim=1)
-        return ts, tuple(float(s) for s in grid_s[idx].tolist()) + (0.0,)
+        return ts, (*(float(s) for s in grid_s[idx].tolist()), 0.0)
 
     def init(
         self,

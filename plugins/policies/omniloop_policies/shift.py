@@ -30,7 +30,8 @@ class ShiftValue:
 
 @runtime_checkable
 class ShiftPolicy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def resolve(self, *, requested: float | None = None, seq_len: int | None = None) -> ShiftValue: ...
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
 from omniloop.loop import LoopState, StepContext
 
 from .bundle import DenoisePolicies, PolicyMenu
@@ -82,7 +83,8 @@ class ToyDenoiser(torch.nn.Module):
         if guidance is not None:
             h = h * (1.0 + 0.01 * guidance)
         h = torch.nn.functional.gelu(h)
-        return self.out(h).transpose(1, 2).reshape(x.shape)
+        out: torch.Tensor = self.out(h).transpose(1, 2).reshape(x.shape)
+        return out
 
 
 class ToyDenoiseLoop:
@@ -122,13 +124,21 @@ class ToyDenoiseLoop:
         pol.init(loop, device="cpu", generator=gen, seq_len=seq_len)
         for icpt in self.interceptors:
             for branch in loop.branches:
-                ctx = StepContext(request_id=request_id, node=self.node, step_index=0, num_steps=loop.total, timestep=0.0, branch=branch)
+                ctx = StepContext(
+                    request_id=request_id,
+                    node=self.node,
+                    step_index=0,
+                    num_steps=loop.total,
+                    timestep=0.0,
+                    branch=branch,
+                )
                 loop.plugin_state[(icpt.name, branch)] = icpt.open(ctx, loop)
         return loop
 
     def step(self, loop: LoopState) -> bool:
         pol: DenoisePolicies = loop.policy_state["policies"]
         step = pol.step_context(loop, request_id=loop.extra["request_id"], node=self.node)
+        assert step.expert is not None  # the router always names one
         model = self.models[step.expert]
         x = loop.tensors["latents"]
         dtype = pol.precision.dtype_for(step.expert)
@@ -138,10 +148,12 @@ class ToyDenoiseLoop:
         guidance = pol.model_guidance(step, loop)
 
         def forward(s: Any) -> torch.Tensor:
-            return model(xin, t, embeds[s.branch], guidance)
+            out: torch.Tensor = model(xin, t, embeds[s.branch], guidance)
+            return out
 
         def batch_model(xb: torch.Tensor, eb: torch.Tensor) -> torch.Tensor:
-            return model(xb, t.repeat(xb.shape[0] // x.shape[0]), eb, guidance)
+            out: torch.Tensor = model(xb, t.repeat(xb.shape[0] // x.shape[0]), eb, guidance)
+            return out
 
         guided = pol.predict(
             step,
@@ -153,10 +165,11 @@ class ToyDenoiseLoop:
         loop.tensors["latents"] = pol.advance(step, loop, guided, x)  # type: ignore[arg-type]
         loop.step += 1
         loop.done = pol.done(loop)
-        return loop.done
+        return bool(loop.done)
 
     def run(self, request: Any, *, seed: int, request_id: str = "r") -> torch.Tensor:
         loop = self.init(request, seed=seed, request_id=request_id)
         while not self.step(loop):
             pass
-        return loop.tensors["latents"]
+        out: torch.Tensor = loop.tensors["latents"]
+        return out
