@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 "torch": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": args.threads,
                 "processor": platform.processor() or platform.machine(),
                 "cuda": torch.cuda.is_available(),
+                # other processes on the machine add noise; the ratios are measured interleaved
+                "load_average_1m_at_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
             },
             "results": results,
         }
