@@ -42,6 +42,8 @@ log = logging.getLogger("omniloop.engine")
 
 #: events kept per request for late subscribers (progress events are small)
 MAX_EVENTS = 20_000
+#: finished handles kept for ``get()`` (call ``forget()`` to drop one earlier)
+MAX_FINISHED_HANDLES = 1000
 
 
 class RequestHandle:
@@ -250,7 +252,14 @@ class AsyncEngine:
             self._handles[req.request_id] = handle
             self._inbox.append(ticket)
             self._cv.notify_all()
+        self._prune_handles()
         return handle
+
+    def _prune_handles(self) -> None:
+        """Keep at most ``MAX_FINISHED_HANDLES`` finished handles (and their outputs), oldest dropped."""
+        finished = [rid for rid, h in self._handles.items() if h.done()]
+        for rid in finished[: max(0, len(finished) - MAX_FINISHED_HANDLES)]:
+            del self._handles[rid]
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request (at the next step boundary). False if unknown or done."""

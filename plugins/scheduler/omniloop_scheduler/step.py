@@ -54,6 +54,9 @@ class StepScheduler:
         self.options = parse_options(options)
         self.pool = build_pool(runtime, self.policy_name, self.options)
         self._lock = threading.RLock()
+        # the runtime builds its scheduler before it loads the weights: on CUDA the default
+        # budget (a share of free memory) is measured at the first request instead
+        self._budget_pending = self.options.memory_budget_gib is None
 
     @property
     def trace(self) -> list[ScheduleDecision]:
@@ -63,6 +66,9 @@ class StepScheduler:
         buf: deque[OmniEvent] = deque()
         shape = shape_of(self.runtime, execution.request) if self.runtime is not None else _bare_shape(execution)
         with self._lock:
+            if self._budget_pending:
+                self._budget_pending = False
+                self.pool.policy.budget = default_budget(self.options, getattr(self.runtime, "device", None))
             ticket = self.pool.make_ticket(execution, shape, buf.extend)
             self.pool.check_fits(ticket)
             self.pool.submit(ticket)

@@ -151,6 +151,8 @@ def create_app(
             body = await read_json(request)
             mapped = map_video_body(body, tasks=state.tasks, defaults=state.defaults, temporal_scale=state.temporal_scale)
             state.check_model(body, mapped)
+            if state.jobs.get(mapped.requests[0]["request_id"]) is not None:
+                raise RequestError("request_id", "a job with this id exists (DELETE it first)")
             (handle,) = submit(mapped)
         except Exception as exc:
             return state.count(translate(exc, mapped))
