@@ -10,10 +10,11 @@ from __future__ import annotations
 import io
 import os
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -140,7 +141,7 @@ def read_image(source: str | os.PathLike[str] | bytes, name: str = "image") -> t
         rgb = img.convert("RGB")
     except RequestError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is a bad input
+    except Exception as exc:
         what = "image data" if isinstance(source, (bytes, bytearray, memoryview)) else f"image file {str(source)!r}"
         raise RequestError(name, f"{what} could not be decoded ({type(exc).__name__}: {exc})") from None
     import numpy as np

@@ -16,9 +16,9 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-import omniloop_wan.plugin as wan_plugin  # noqa: E402
-from omniloop.testing import make_manager  # noqa: E402
-from omniloop_wan.tiny import build_tiny_checkpoint  # noqa: E402
+import omniloop_wan.plugin as wan_plugin
+from omniloop.testing import make_manager
+from omniloop_wan.tiny import build_tiny_checkpoint
 
 
 def wan_manager() -> Any:

@@ -245,7 +245,7 @@ def test_malformed_transformer_config(ckpt_copy):
 def test_missing_tokenizer_files(ckpt_copy):
     path = ckpt_copy()
     (path / "tokenizer" / "tokenizer.json").unlink()
-    with pytest.raises(CheckpointError, match="tokenizer has neither tokenizer.json nor spiece.model"):
+    with pytest.raises(CheckpointError, match=r"tokenizer has neither tokenizer\.json nor spiece\.model"):
         load(path)
 
 

@@ -128,7 +128,7 @@ def test_read_image_errors_name_the_input(tmp_path):
     with pytest.raises(RequestError) as info:
         read_image(bad, name="inputs[1].path")
     assert info.value.path == "inputs[1].path" and "could not be decoded" in info.value.message
-    with pytest.raises(RequestError, match="inputs.0..data_b64: image data could not be decoded"):
+    with pytest.raises(RequestError, match=r"inputs\[0\]\.data_b64: image data could not be decoded"):
         read_image(b"\x00\x01", name="inputs[0].data_b64")
     with pytest.raises(RequestError, match="does not exist"):
         read_image(tmp_path / "none.png")

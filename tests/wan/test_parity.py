@@ -20,11 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 from diffusers.utils import is_ftfy_available
+from PIL import Image
 
 
 @pytest.fixture

@@ -197,7 +197,7 @@ def test_interleaved_requests_equal_serial_ones(wan_runtime, t2v_request):
     while not all(e.done for e in exes):
         for e in exes:
             e.advance()
-    for ex, ref in zip(exes, serial):
+    for ex, ref in zip(exes, serial, strict=True):
         assert ex.output.ok
         assert torch.equal(ex.output.artifacts["latents"].tensor, ref.artifacts["latents"].tensor)
         assert torch.equal(ex.output.artifacts["video"].frames, ref.artifacts["video"].frames)

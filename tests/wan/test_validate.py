@@ -50,7 +50,7 @@ def test_family_validation_applies_the_limits_itself(wan_runtime, t2v_request):
     rt = wan_runtime("t2v")
     req = request_from_dict(t2v_request(steps=None))  # tiny default: 2 steps
     assert rt.family.validate_request(rt.model, req, Limits(max_steps=5)) == []
-    with pytest.raises(RequestError, match="diffusion.steps: 2 is above this deployment's limit of 1"):
+    with pytest.raises(RequestError, match=r"diffusion\.steps: 2 is above this deployment's limit of 1"):
         rt.family.validate_request(rt.model, req, Limits(max_steps=1))
 
 

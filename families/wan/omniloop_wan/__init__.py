@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # lazy: importing the package must not import torch/diffusers
+def __getattr__(name: str) -> Any:  # lazy: importing the package must not import torch/diffusers
     if name == "WanFamily":
         from .family import WanFamily
 
@@ -22,4 +24,4 @@ def __getattr__(name: str):  # lazy: importing the package must not import torch
     raise AttributeError(name)
 
 
-__all__ = ["WanFamily", "build_tiny_checkpoint", "__version__"]
+__all__ = ["WanFamily", "__version__", "build_tiny_checkpoint"]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from omniloop.errors import CheckpointError
 
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -276,7 +277,7 @@ def _read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
                 state.update(load_file(str(f), device="cpu"))
             else:
                 state.update(torch.load(f, map_location="cpu", weights_only=True))
-        except Exception as exc:  # noqa: BLE001 - any decode failure is a bad file
+        except Exception as exc:
             raise CheckpointError(f"{f}: cannot read weights ({type(exc).__name__}: {exc})") from None
     return state
 
@@ -297,7 +298,7 @@ def load_diffusers_model(cls: Any, folder: Path, *, device: torch.device, dtype:
         torch.set_default_dtype(dtype)
         with _empty_parameters():
             model = cls.from_config(config)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CheckpointError(f"{config_path}: cannot build {cls.__name__} from it ({exc})") from None
     finally:
         torch.set_default_dtype(default_dtype)
@@ -369,7 +370,7 @@ def load_transformers_model(cls: Any, folder: Path, *, device: torch.device, dty
                 model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
     return model.to(device).eval().requires_grad_(False)
 
@@ -380,7 +381,7 @@ def load_tokenizer(folder: Path) -> Any:
     try:
         with _quiet_transformers():
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CheckpointError(f"{folder}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
 
 
@@ -390,7 +391,7 @@ def load_image_processor(folder: Path) -> Any:
     try:
         with _quiet_transformers():
             return CLIPImageProcessor.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CheckpointError(f"{folder}: cannot load the image processor ({type(exc).__name__}: {exc})") from None
 
 
@@ -405,5 +406,5 @@ def load_scheduler(folder: Path, class_name: str | None) -> Any:
         raise CheckpointError(f"{folder / 'scheduler_config.json'}: unknown scheduler class {name!r}")
     try:
         return cls.from_config(config)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CheckpointError(f"{folder / 'scheduler_config.json'}: cannot build {name} ({exc})") from None

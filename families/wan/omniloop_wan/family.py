@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
 from omniloop.errors import CheckpointError, RequestError
 from omniloop.family import LoadedModel
@@ -16,7 +17,7 @@ from omniloop.request import OmniRequest, TaskType
 from . import checkpoint as ck
 from .defaults import defaults_for, model_kind, tasks_of
 from .resolve import resolve
-from .stages import Denoise, DenoiseParams, ImageEncode, Output, TextEncode, Validate, VaeDecode, is_i2v
+from .stages import Denoise, DenoiseParams, ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2v
 
 
 class WanFamily:

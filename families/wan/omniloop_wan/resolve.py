@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 import torch
+
 from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.media import read_image

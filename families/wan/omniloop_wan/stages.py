@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from attrs import define, field
+
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
 from omniloop.interceptors import call_model
 from omniloop.loop import LoopState, RequestState, StageContext, StepContext, StepResult
@@ -91,7 +92,7 @@ def encode_text(tokenizer: Any, text_encoder: Any, text: str, device: torch.devi
     te_device = _module_device(text_encoder)
     embeds = text_encoder(ids.to(te_device), mask.to(te_device)).last_hidden_state
     embeds = embeds.to(dtype=text_encoder.dtype, device=device)
-    embeds = [u[:v] for u, v in zip(embeds, seq_lens)]
+    embeds = [u[:v] for u, v in zip(embeds, seq_lens, strict=True)]
     embeds = torch.stack([torch.cat([u, u.new_zeros(TEXT_LEN - u.size(0), u.size(1))]) for u in embeds], dim=0)
     return embeds.to(dtype), mask
 
@@ -124,6 +125,7 @@ class ImageEncode:
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         from diffusers.video_processor import VideoProcessor
+
         from omniloop.media import to_pil
 
         p = _params(state)
@@ -365,6 +367,15 @@ def is_i2v(request: Any) -> bool:
 
 
 __all__ = [
-    "Denoise", "DenoiseParams", "ImageEncode", "Output", "TextEncode", "Validate", "VaeDecode",
-    "encode_text", "is_i2v", "to_uint8", "to_unit_frames",
+    "Denoise",
+    "DenoiseParams",
+    "ImageEncode",
+    "Output",
+    "TextEncode",
+    "VaeDecode",
+    "Validate",
+    "encode_text",
+    "is_i2v",
+    "to_uint8",
+    "to_unit_frames",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from omniloop.interceptors import BlockContext, run_blocks
 
 
