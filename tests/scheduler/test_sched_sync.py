@@ -71,3 +71,31 @@ def test_memory_model_predicts_resident_and_peak_and_calibrates() -> None:
     assert (est.resident, est.peak) == (1000, 5000)
     bigger = RequestShape("m", "t2v", 6, 16, 16, 4, 2)
     assert mm.predict(bigger).resident == 2000  # per-pixel coefficient from the calibration
+
+
+def test_cuda_peak_memory_calibration_uses_max_memory_allocated_deltas(runtime: Any, monkeypatch: Any) -> None:
+    """The CUDA path (no GPU here): peak bytes per step = max_memory_allocated - memory_allocated
+    before the step, divided among the members of a batch, fed to the memory model."""
+    from omniloop.schema import request_from_dict
+    from omniloop_scheduler.models import shape_of
+    from omniloop_scheduler.options import parse_options
+    from omniloop_scheduler.step import build_pool
+
+    fake = {"allocated": 1_000, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: fake.update(peak=fake["allocated"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: fake["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: fake["peak"] + 4096)
+    pool = build_pool(runtime, "step", parse_options({"memory_margin": 1.0}))
+    pool._cuda = True
+    r = request_from_dict(req(4, seed=1))
+    shape = shape_of(runtime, r)
+    prior = pool.memory.predict(shape).peak
+    done: list[Any] = []
+    pool.submit(pool.make_ticket(runtime.prepare(r), shape, done.extend))
+    for _ in range(100):
+        if not pool.tick():
+            break
+    assert done[-1].kind is EventKind.FINAL and done[-1].output.ok
+    # refined shape (branches from the loop) holds the measurement: 4096 bytes per step
+    measured = pool.memory.snapshot()["peak_bytes"]
+    assert list(measured.values()) == [4096.0] and prior != 4096

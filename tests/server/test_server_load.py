@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from omniloop_scheduler.testing import make_runtime
 from omniloop_server.testing import serving
@@ -27,6 +28,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_concurrent_clients_cancellations_failures_and_malformed_bodies(probe_server: Any) -> None:
     url, probe, _app = probe_server
     probe.fail_at["vid_fail"] = 2

@@ -30,7 +30,7 @@ class Histogram:
 
     def snapshot(self) -> dict[str, Any]:
         cum, out = 0, []
-        for b, c in zip((*self.buckets, float("inf")), self.counts):
+        for b, c in zip((*self.buckets, float("inf")), self.counts, strict=True):
             cum += c
             out.append((b, cum))
         return {"buckets": out, "sum": self.sum, "count": self.count}

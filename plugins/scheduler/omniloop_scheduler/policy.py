@@ -39,11 +39,11 @@ if TYPE_CHECKING:
 @define
 class Plan:
     decisions: list[ScheduleDecision] = attrs.Factory(list)
-    cancel: list["Ticket"] = attrs.Factory(list)
-    refuse: list[tuple["Ticket", str]] = attrs.Factory(list)
-    admit: list["Ticket"] = attrs.Factory(list)
+    cancel: list[Ticket] = attrs.Factory(list)
+    refuse: list[tuple[Ticket, str]] = attrs.Factory(list)
+    admit: list[Ticket] = attrs.Factory(list)
     #: the unit to run now: one ticket, or several sharing a batch key
-    run: list["Ticket"] = attrs.Factory(list)
+    run: list[Ticket] = attrs.Factory(list)
     action: str = ""
 
 
@@ -72,7 +72,7 @@ class StepPolicy:
         return self.options.max_running if self.interleave else 1
 
     # -- admission ------------------------------------------------------------------------------
-    def never_fits(self, ticket: "Ticket") -> str | None:
+    def never_fits(self, ticket: Ticket) -> str | None:
         """Why ``ticket`` could not run even alone, or None."""
         if self.budget is None:
             return None
@@ -84,7 +84,7 @@ class StepPolicy:
             )
         return None
 
-    def _admission(self, waiting: Sequence["Ticket"], running: Sequence["Ticket"], plan: Plan) -> None:
+    def _admission(self, waiting: Sequence[Ticket], running: Sequence[Ticket], plan: Plan) -> None:
         pool = list(running)
         for t in waiting:
             if t.cancel_requested:
@@ -111,7 +111,7 @@ class StepPolicy:
                 f"pool memory {_gib(used)} of {budget}; {len(pool)} running",
             ))
 
-    def _blocker(self, t: "Ticket", pool: Sequence["Ticket"]) -> str | None:
+    def _blocker(self, t: Ticket, pool: Sequence[Ticket]) -> str | None:
         if len(pool) >= self.max_running:
             return f"{len(pool)} running (max_running {self.max_running})"
         if not pool:
@@ -135,7 +135,7 @@ class StepPolicy:
         self._waiting_reason.pop(request_id, None)
 
     # -- the next unit ---------------------------------------------------------------------------
-    def _next_unit(self, running: Sequence["Ticket"], batch_key: Callable[["Ticket"], Hashable | None], plan: Plan) -> None:
+    def _next_unit(self, running: Sequence[Ticket], batch_key: Callable[[Ticket], Hashable | None], plan: Plan) -> None:
         if not running:
             return
         head = running[0]
@@ -168,9 +168,9 @@ class StepPolicy:
 
     def decide(
         self,
-        waiting: Sequence["Ticket"],
-        running: Sequence["Ticket"],
-        batch_key: Callable[["Ticket"], Hashable | None],
+        waiting: Sequence[Ticket],
+        running: Sequence[Ticket],
+        batch_key: Callable[[Ticket], Hashable | None],
     ) -> Plan:
         plan = Plan()
         cancels = [t for t in (*running, *waiting) if t.cancel_requested]
@@ -186,7 +186,7 @@ class StepPolicy:
         self._next_unit(rotation, batch_key, plan)
         return plan
 
-    def _d(self, action: str, tickets: Sequence["Ticket"], reason: str, node: str | None = None) -> ScheduleDecision:
+    def _d(self, action: str, tickets: Sequence[Ticket], reason: str, node: str | None = None) -> ScheduleDecision:
         return ScheduleDecision(
             scheduler=self.name, action=action, request_ids=tuple(t.request_id for t in tickets), node=node, reason=reason,
         )

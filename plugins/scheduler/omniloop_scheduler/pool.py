@@ -36,8 +36,20 @@ class Ticket:
     """One request in the pool."""
 
     __slots__ = (
-        "execution", "request_id", "priority", "seq", "shape", "memory", "sink", "submitted_at",
-        "admitted_at", "finished_at", "cancel_requested", "max_resident", "finished", "internal",
+        "admitted_at",
+        "cancel_requested",
+        "execution",
+        "finished",
+        "finished_at",
+        "internal",
+        "max_resident",
+        "memory",
+        "priority",
+        "request_id",
+        "seq",
+        "shape",
+        "sink",
+        "submitted_at",
     )
 
     def __init__(
@@ -193,7 +205,7 @@ class StepPool:
                 if peak is not None:
                     self.memory.observe_peak(tickets[0].shape, peak // n)
         self.listener.on_unit(plan.action, tickets, seconds, node.name if node is not None else None)
-        for t, evs in zip(tickets, results):
+        for t, evs in zip(tickets, results, strict=True):
             ex = t.execution
             if is_loop and node is not None:
                 loop = ex.state.loops.get(node.name)
