@@ -174,3 +174,10 @@ def test_the_core_structure_params_accepts_the_schema():
     with pytest.raises(RequestError) as info:
         schema.structure_params(DenoiseParams, {"guidance_scale": -1.0}, "node_params.denoise")
     assert info.value.path == "node_params.denoise.guidance_scale"
+
+
+def test_describe_lists_what_the_node_offers():
+    menu = PolicyMenu.build({**WAN_UNIPC_CONFIG, "use_flow_sigmas": False}, source="s.json")
+    d = menu.describe()
+    assert d["defaults"]["sampler"] == "unipc" and "classic" in d["cfgs"] and d["experts"] == ["transformer"]
+    assert "normalized to flow sigmas" in d["notes"]["unipc"][0]
