@@ -80,25 +80,46 @@ class WanFamily:
                 raise CheckpointError(f"{root / 'model_index.json'}: an image_encoder needs an image_processor")
             comps["image_processor"] = ck.load_image_processor(root / "image_processor")
 
-        tf = comps["transformer"]
-        vae = comps["vae"]
+        model = self.from_components(comps, index=index, defaults=extra.get("defaults"), device=device, dtype=dtype)
+        model.path = root
+        model.config["variant"] = extra.get("variant", model.config["kind"])
+        model.weight_version = ck.weight_version(root, present)
+        return model
+
+    def from_components(
+        self,
+        components: dict[str, Any],
+        *,
+        index: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> LoadedModel:
+        """A ``LoadedModel`` over modules already in memory (benchmarks, tests, notebooks).
+
+        ``components`` holds what :meth:`load` would (``transformer``, ``vae``, ``text_encoder``,
+        ``tokenizer``, ``scheduler``, optionally ``transformer_2``, ``image_encoder``,
+        ``image_processor``); ``index`` the ``model_index.json`` values that matter
+        (``boundary_ratio``, ``expand_timesteps``); ``defaults`` overrides the kind's defaults.
+        """
+        index = dict(index or {})
+        tf, vae = components["transformer"], components["vae"]
+        kind = model_kind(index, dict(tf.config), dict(vae.config))
         config: dict[str, Any] = {
             "kind": kind,
-            "variant": extra.get("variant", kind),
+            "variant": kind,
             "tasks": tasks_of(kind),
             "boundary_ratio": index.get("boundary_ratio"),
             "expand_timesteps": bool(index.get("expand_timesteps", False)),
             "vae_scale_temporal": int(vae.config.scale_factor_temporal),
             "vae_scale_spatial": int(vae.config.scale_factor_spatial),
             "size_multiple": int(vae.config.scale_factor_spatial) * int(tf.config.patch_size[1]),
-            "defaults": defaults_for(kind, extra.get("defaults")),
-            "image_encoder": "image_encoder" in comps,
+            "defaults": defaults_for(kind, defaults),
+            "image_encoder": "image_encoder" in components,
             "model_index": index,
         }
-        return LoadedModel(
-            family=self.name, path=root, components=comps, config=config, device=device, dtype=dtype,
-            weight_version=ck.weight_version(root, present),
-        )
+        return LoadedModel(family=self.name, path=None, components=components, config=config,
+                           device=device if device is not None else torch.device("cpu"), dtype=dtype)
 
     # -- pipelines ----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
