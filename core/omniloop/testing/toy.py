@@ -70,7 +70,7 @@ class ToyTransformer(nn.Module):
 
     def time_embed(self, t: torch.Tensor) -> torch.Tensor:
         half = self.dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t.float()[:, None] * freqs[None]
         return self.time(torch.cat([args.sin(), args.cos()], dim=-1))
 
@@ -134,8 +134,8 @@ class EncodeText:
         enc = ctx.components["text_encoder"]
         vocab = enc.embed.num_embeddings
         with torch.no_grad():
-            pos = enc(tokenize(state.request.prompt or "", vocab))
-            neg = enc(tokenize(state.request.negative_prompt or "", vocab))
+            pos = enc(tokenize(state.request.prompt or "", vocab).to(ctx.device))
+            neg = enc(tokenize(state.request.negative_prompt or "", vocab).to(ctx.device))
         state.write("prompt_embeds", Embeddings(tensor=pos), ctx.node.name)
         state.write("negative_embeds", Embeddings(tensor=neg), ctx.node.name)
 
@@ -162,7 +162,7 @@ class Denoise:
         tr: ToyTransformer = ctx.components["transformer"]
         c = tr.proj_in.in_features
         scale = ctx.components["decoder"].scale
-        latents = torch.randn((1, c, frames, height // scale, width // scale), generator=state.generator)
+        latents = torch.randn((1, c, frames, height // scale, width // scale), generator=state.generator).to(ctx.device)
         sigmas = torch.linspace(1.0, 0.0, steps + 1)
         loop = LoopState(total=steps, branches=("cond", "uncond") if guidance > 1.0 else ("cond",))
         loop.tensors["latents"] = latents
@@ -172,7 +172,7 @@ class Denoise:
     def _predict(self, ctx: StageContext, state: RequestState, loop: LoopState, step: StepContext) -> torch.Tensor:
         tr: ToyTransformer = ctx.components["transformer"]
         lat = loop.tensors["latents"]
-        t = torch.tensor([step.timestep])
+        t = torch.tensor([step.timestep], device=lat.device)
         preds: dict[str, torch.Tensor] = {}
         for branch in loop.branches:
             sc = step.with_branch(branch)
@@ -220,7 +220,7 @@ class Denoise:
         i = loop0.step
         sigmas = loop0.extra["sigmas"]
         lat = torch.cat([lp.tensors["latents"] for lp in loops])
-        t = torch.full((len(loops),), float(sigmas[i] * 1000))
+        t = torch.full((len(loops),), float(sigmas[i] * 1000), device=lat.device)
         with torch.no_grad():
             preds = {}
             for branch in loop0.branches:
@@ -241,7 +241,7 @@ class Decode:
         lat = state.read("latents", Latents).tensor
         with torch.no_grad():
             x = ctx.components["decoder"](lat)[0]  # [3, T, H, W]
-        frames = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+        frames = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous().cpu()
         fps = state.request.diffusion.fps or 8.0
         state.write("video", VideoFrames(frames=frames, fps=fps), ctx.node.name)
 
