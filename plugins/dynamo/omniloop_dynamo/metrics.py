@@ -101,7 +101,7 @@ class WorkerMetrics:
             metric("omniloop_dynamo_request_prediction_abs_error_seconds", "counter",
                    "Sum of |actual - predicted| seconds over completed requests.", [("", None, self.abs_error_sum)])
             cum, buckets = 0, []
-            for b, c in zip((*REQUEST_BUCKETS, float("inf")), self.seconds_buckets):
+            for b, c in zip((*REQUEST_BUCKETS, float("inf")), self.seconds_buckets, strict=True):
                 cum += c
                 buckets.append(("_bucket", {"le": "+Inf" if b == float("inf") else repr(b)}, cum))
             metric("omniloop_dynamo_request_seconds", "histogram", "Seconds from submit to response ready.",

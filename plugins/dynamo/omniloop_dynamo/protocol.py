@@ -391,7 +391,7 @@ def video_response(
 ) -> dict[str, Any]:
     """An ``NvVideosResponse`` dict (``object`` is always ``"video"``)."""
     out: dict[str, Any] = {
-        "id": response_id, "object": "video", "model": model, "status": status, "progress": int(progress),
+        "id": response_id, "object": "video", "model": model, "status": status, "progress": progress,
         "created": int(created if created is not None else time.time()), "data": data,
     }
     if error is not None:
@@ -409,7 +409,7 @@ def video_data(*, url: str | None = None, b64_json: str | None = None, fps: floa
     if b64_json is not None:
         d["b64_json"] = b64_json
     if fps is not None:
-        d["fps"] = int(round(fps))
+        d["fps"] = round(fps)
     return d
 
 

@@ -137,6 +137,7 @@ class OmniloopDynamoWorker:
         self._media_dir: Path | None = None
         self._tasks: set[str] = set()
         self._default_fps: float | None = None
+        self._drain_task: asyncio.Future[None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -197,7 +198,7 @@ class OmniloopDynamoWorker:
         video = bool(self._tasks & {"t2v", "i2v"})
         image = bool(self._tasks & {"t2i", "i2i"})
         m = self.options.modality
-        if m == "video" and not video or m == "image" and not image:
+        if (m == "video" and not video) or (m == "image" and not image):
             raise click.ClickException(
                 f"--modality {m}: model {self.model_name!r} does no {m} task (tasks: {', '.join(sorted(self._tasks))})"
             )
@@ -253,7 +254,7 @@ class OmniloopDynamoWorker:
 
     def _on_signal(self, sig: int) -> None:
         log.info("received %s: draining", signal.Signals(sig).name)
-        asyncio.ensure_future(self.drain())
+        self._drain_task = asyncio.ensure_future(self.drain())
 
     async def drain(self) -> None:
         """Unregister, finish in-flight work, refuse new requests, deregister the model, stop."""
@@ -299,11 +300,11 @@ class OmniloopDynamoWorker:
         return self.metrics.render(stats)
 
     # -- handlers -------------------------------------------------------------------------------------
-    async def generate_video(self, request: dict[str, Any], context: Any = None):  # noqa: ANN201
+    async def generate_video(self, request: dict[str, Any], context: Any = None):
         async for chunk in self._serve("video", request, context):
             yield chunk
 
-    async def generate_image(self, request: dict[str, Any], context: Any = None):  # noqa: ANN201
+    async def generate_image(self, request: dict[str, Any], context: Any = None):
         async for chunk in self._serve("image", request, context):
             yield chunk
 
@@ -324,7 +325,7 @@ class OmniloopDynamoWorker:
             cid = None
         return f"dyn-{cid or uuid.uuid4().hex}"[:64]
 
-    async def _serve(self, kind: str, request: dict[str, Any], context: Any):  # noqa: ANN202
+    async def _serve(self, kind: str, request: dict[str, Any], context: Any):
         E = self.E
         if isinstance(request, dict) and request.get(HEALTH_CHECK_KEY) is True:
             yield self._probe(kind)
@@ -376,7 +377,7 @@ class OmniloopDynamoWorker:
             seconds = time.perf_counter() - t0
             outcome = "completed"
             if self.cost is not None:
-                for r, out in zip(mapped.requests, outputs):
+                for r, out in zip(mapped.requests, outputs, strict=True):
                     self.cost.observe(r, seconds, out)
             yield response
         except asyncio.CancelledError:
@@ -446,7 +447,7 @@ class OmniloopDynamoWorker:
             if stop is not None and not stop.done():
                 stop.cancel()
 
-    async def _progress(self, handles: list[Any], mapped: MappedRequest, rid: str, context: Any):  # noqa: ANN202
+    async def _progress(self, handles: list[Any], mapped: MappedRequest, rid: str, context: Any):
         """Progress chunks for ``stream: true`` video requests (status ``in_progress``)."""
         last = -1
         async for ev in handles[0].events():

@@ -1,0 +1,302 @@
+"""omniloop-dynamo without ai-dynamo: request mapping, responses, metrics, the command hook,
+the fallback engine and the cost estimate. Fast (toy family only)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib.util
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from omniloop.request import ImagePart, TaskType
+from omniloop_dynamo.metrics import WorkerMetrics
+from omniloop_dynamo.protocol import (
+    InvalidRequest,
+    api_field,
+    image_response,
+    map_image_request,
+    map_video_request,
+    parse_size,
+    video_data,
+    video_response,
+)
+
+PNG_B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+def video(**kw):
+    return map_video_request({"model": "m", "prompt": "a fox", **kw}, request_id="r1", default_fps=16.0)
+
+
+def err(fn, *a, **kw) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        fn(*a, **kw)
+    return info.value
+
+
+# -- video requests ------------------------------------------------------------------------------
+
+
+def test_video_request_maps_every_field() -> None:
+    m = video(size="832x480", response_format="b64_json", nvext={
+        "num_frames": 33, "num_inference_steps": 20, "guidance_scale": 4.5, "seed": 7, "negative_prompt": "blur",
+        "fps": 24})
+    (r,) = m.requests
+    assert m.kind == "video" and m.response_format == "b64_json" and m.output_format == "mp4" and not m.stream
+    assert r.task is TaskType.T2V and r.request_id == "r1"
+    assert (r.prompt, r.negative_prompt) == ("a fox", "blur")
+    d = r.diffusion
+    assert (d.width, d.height, d.frames, d.steps, d.guidance_scale, d.seed, d.fps) == (832, 480, 33, 20, 4.5, 7, 24.0)
+    assert r.outputs.stream_progress is False
+
+
+def test_video_defaults_are_left_to_the_model() -> None:
+    m = video()
+    d = m.requests[0].diffusion
+    assert (d.width, d.height, d.frames, d.steps, d.guidance_scale, d.seed) == (None,) * 6
+    assert m.response_format == "url"  # the protocol's default
+
+
+def test_seconds_become_frames() -> None:
+    assert video(seconds=5).requests[0].diffusion.frames == 81  # 5 s at the model's 16 fps, plus t=0
+    assert video(seconds=2, nvext={"fps": 8}).requests[0].diffusion.frames == 17
+    assert video(seconds=5, nvext={"num_frames": 9}).requests[0].diffusion.frames == 9
+    e = err(map_video_request, {"model": "m", "prompt": "x", "seconds": 2}, request_id="r")  # no default fps
+    assert e.field == "seconds"
+    assert err(video, seconds=0).field == "seconds"
+
+
+@pytest.mark.parametrize("size", ["big", "832", "x480", "832x", "-1x4", "0x480", "1.5x2"])
+def test_bad_sizes(size: str) -> None:
+    e = err(video, size=size)
+    assert e.field == "size"
+
+
+def test_parse_size_variants() -> None:
+    assert parse_size(" 64 x 32 ") == (64, 32)
+    assert parse_size("64X32") == (64, 32)
+    assert parse_size(None) == (None, None)
+
+
+@pytest.mark.parametrize("nvext,field", [
+    ({"num_inference_steps": 0}, "nvext.num_inference_steps"),
+    ({"num_inference_steps": "20"}, "nvext.num_inference_steps"),
+    ({"num_frames": True}, "nvext.num_frames"),
+    ({"guidance_scale": -1}, "nvext.guidance_scale"),
+    ({"seed": -3}, "nvext.seed"),
+    ({"fps": 0}, "nvext.fps"),
+    ({"negative_prompt": 3}, "nvext.negative_prompt"),
+    ({"boundary_ratio": 0.9}, "nvext.boundary_ratio"),
+    ({"guidance_scale_2": 3.0}, "nvext.guidance_scale_2"),
+    ({"cfg": 3.0}, "nvext.cfg"),
+])
+def test_bad_nvext_names_the_field(nvext: dict, field: str) -> None:
+    assert err(video, nvext=nvext).field == field
+
+
+def test_other_bad_fields() -> None:
+    assert err(map_video_request, {"model": "m"}, request_id="r").field == "prompt"
+    assert err(video, response_format="mp4").field == "response_format"
+    assert err(video, output_format="webm").field == "output_format"
+    assert err(video, stream="yes").field == "stream"
+    assert err(video, nvext=[1]).field == "nvext"
+
+
+def test_image_reference_makes_i2v() -> None:
+    r = video(input_reference=f"data:image/png;base64,{PNG_B64}").requests[0]
+    assert r.task is TaskType.I2V
+    img = r.image()
+    assert isinstance(img, ImagePart) and img.data_b64 == PNG_B64 and img.path is None
+    assert video(input_reference=PNG_B64).requests[0].image().data_b64 == PNG_B64  # bare base64
+
+
+def test_image_reference_refusals() -> None:
+    assert "does not fetch URLs" in err(video, input_reference="https://example.invalid/a.png").message
+    assert "disabled" in err(video, input_reference="/etc/passwd").message
+    assert "disabled" in err(video, input_reference="file:///etc/passwd").message
+    assert err(video, input_reference="data:image/png,rawbytes").field == "input_reference"
+    assert err(video, input_reference="not base64 !!").field == "input_reference"
+    m = map_video_request({"model": "m", "prompt": "x", "input_reference": "file:///tmp/a.png"}, request_id="r",
+                          allow_local_files=True)
+    assert m.requests[0].image().path == "/tmp/a.png"
+
+
+def test_passthrough_knobs_and_unknown_fields() -> None:
+    extra = {"media_passthrough": {"shift": 3.0, "priority": 5, "plugin_params": {"cache-dit": {"Fn": 4}}}}
+    r = video(extra_args=extra).requests[0]
+    assert r.diffusion.shift == 3.0 and r.priority == 5 and r.plugin_params == {"cache-dit": {"Fn": 4}}
+    e = err(video, extra_args={"media_passthrough": {"model_path": "/x", "foo": 1}})
+    assert e.field == "foo" and "model_path" in e.message
+    assert err(video, extra_args={"media_passthrough": {"priority": 500}}).field == "priority"  # omniloop's range
+
+
+def test_api_field_names() -> None:
+    assert api_field("diffusion.steps") == "nvext.num_inference_steps"
+    assert api_field("diffusion.width") == "size"
+    assert api_field("task") == "input_reference"
+    assert api_field("plugin_params.x") == "plugin_params.x"
+
+
+# -- image requests ------------------------------------------------------------------------------
+
+
+def test_image_request_fans_out_n_with_consecutive_seeds() -> None:
+    m = map_image_request({"model": "m", "prompt": "a cat", "n": 3, "size": "64x32", "quality": "hd",
+                           "nvext": {"seed": 10, "num_inference_steps": 4}}, request_id="r")
+    assert m.kind == "image" and m.output_format == "png" and m.ignored == ["quality"]
+    assert [r.diffusion.seed for r in m.requests] == [10, 11, 12]
+    assert [r.request_id for r in m.requests] == ["r-0", "r-1", "r-2"]
+    assert all(r.task is TaskType.T2I and (r.diffusion.width, r.diffusion.height) == (64, 32) for r in m.requests)
+    one = map_image_request({"prompt": "x", "input_reference": PNG_B64}, request_id="q")
+    assert one.requests[0].task is TaskType.I2I and one.requests[0].request_id == "q"
+
+
+def test_image_request_errors() -> None:
+    assert err(map_image_request, {"prompt": "x", "n": 11}, request_id="r").field == "n"
+    assert err(map_image_request, {"prompt": "x", "n": 0}, request_id="r").field == "n"
+    assert err(map_image_request, {"prompt": "x", "output_format": "jpeg"}, request_id="r").field == "output_format"
+    assert err(map_image_request, {"prompt": "x", "nvext": {"num_frames": 3}}, request_id="r").field == "nvext.num_frames"
+
+
+# -- responses and metrics ---------------------------------------------------------------------------
+
+
+def test_response_shapes() -> None:
+    d = video_data(b64_json="AAAA", fps=15.6)
+    assert d == {"output_format": "mp4", "b64_json": "AAAA", "fps": 16}
+    r = video_response(response_id="v1", model="m", data=[d], inference_time_s=1.23456789)
+    assert {k: r[k] for k in ("id", "object", "model", "status", "progress")} == {
+        "id": "v1", "object": "video", "model": "m", "status": "completed", "progress": 100}
+    assert isinstance(r["created"], int) and r["inference_time_s"] == 1.234568 and "error" not in r
+    i = image_response(data=[{"b64_json": "QQ=="}], size="8x8")
+    assert i["output_format"] == "png" and i["size"] == "8x8" and isinstance(i["created"], int)
+    if importlib.util.find_spec("dynamo") is not None:  # validate against ai-dynamo's own models
+        from dynamo.common.protocols.image_protocol import NvImagesResponse
+        from dynamo.common.protocols.video_protocol import NvVideosResponse
+
+        NvVideosResponse.model_validate(r)
+        NvImagesResponse.model_validate(i)
+
+
+def test_metrics_exposition() -> None:
+    m = WorkerMetrics("tiny")
+    m.start(2.0)
+    m.start(3.0)
+    m.finish("video", "completed", 2.0, 2.5)
+    m.reject("video", "invalid")
+    text = m.render({"waiting": 1, "running": 1, "finished": {"completed": 1}, "rejected": {"invalid": 1}})
+    lines = {ln.rpartition(" ")[0]: float(ln.rpartition(" ")[2]) for ln in text.splitlines() if not ln.startswith("#")}
+    assert lines['omniloop_dynamo_requests_total{model="tiny",kind="video",outcome="completed"}'] == 1
+    assert lines['omniloop_dynamo_requests_total{model="tiny",kind="video",outcome="invalid"}'] == 1
+    assert lines['omniloop_dynamo_inflight_requests{model="tiny"}'] == 1
+    assert lines['omniloop_dynamo_outstanding_predicted_seconds{model="tiny"}'] == 3.0
+    assert lines['omniloop_dynamo_request_predicted_seconds_count{model="tiny"}'] == 2
+    assert lines['omniloop_dynamo_request_seconds_bucket{model="tiny",le="5.0"}'] == 1
+    assert lines['omniloop_engine_waiting_requests{model="tiny"}'] == 1
+    assert "# TYPE omniloop_dynamo_request_seconds histogram" in text
+
+
+# -- command hook --------------------------------------------------------------------------------------
+
+
+def test_register_commands_adds_dynamo_worker(tmp_path) -> None:
+    from omniloop_dynamo import plugin
+
+    cli = click.Group("omniloop")
+    plugin.omniloop_register_commands(cli=cli)
+    assert "dynamo-worker" in cli.commands
+    res = CliRunner().invoke(cli, ["dynamo-worker", "--help"])
+    assert res.exit_code == 0 and "--deploy" in res.output and "--discovery-backend" in res.output
+    res = CliRunner().invoke(cli, ["dynamo-worker"])
+    assert res.exit_code == 2 and "--deploy" in res.output
+    if importlib.util.find_spec("dynamo") is None:
+        deploy = tmp_path / "d.json"
+        deploy.write_text("{}")
+        res = CliRunner().invoke(cli, ["dynamo-worker", "--deploy", str(deploy)])
+        assert res.exit_code == 1 and "install-dynamo.sh" in res.output, res.output
+
+
+def test_plugin_is_discovered_and_healthy() -> None:
+    from omniloop.plugins import PluginManager
+
+    pm = PluginManager()
+    cli = click.Group("omniloop")
+    pm.register_commands(cli)
+    rec = next((r for r in pm.records.values() if r.target == "omniloop_dynamo.plugin"), None)
+    assert rec is not None and rec.ok, rec
+    assert "dynamo-worker" in cli.commands
+
+
+# -- engines and cost ----------------------------------------------------------------------------------
+
+
+def test_fallback_engine_and_cost_estimate(toy_runtime_factory) -> None:
+    from omniloop_dynamo.engine import CostEstimator, EngineClosedError, ThreadEngine
+
+    rt = toy_runtime_factory()
+
+    async def go() -> None:
+        eng = await ThreadEngine(rt).start()
+        cost = CostEstimator(rt, eng)
+        req = map_video_request({"model": "toy", "prompt": "a dot", "stream": True, "nvext": {"seed": 1}},
+                                request_id="a").requests[0]
+        h = eng.submit(req)
+        kinds = [ev.kind.value async for ev in h.events()]
+        out = await h.result(timeout=60)
+        assert out.ok and kinds[-1] == "final" and "progress" in kinds
+        cost.observe(req, 1.0, out)
+        p = cost.predict(req)
+        assert p is not None and p > 0
+        # cancel a queued request: it ends cancelled, never hangs
+        long = map_video_request({"model": "toy", "prompt": "b", "nvext": {"num_inference_steps": 50}},
+                                 request_id="b").requests[0]
+        h1, h2 = eng.submit(long), eng.submit(req.__class__(**{**_fields(req), "request_id": "c"}))
+        assert eng.cancel("c")
+        assert (await h2.result(timeout=60)).status.value == "cancelled"
+        assert (await h1.result(timeout=60)).ok
+        await eng.shutdown(drain=True, timeout=30)
+        with pytest.raises(EngineClosedError):
+            eng.submit(req)
+
+    asyncio.run(go())
+
+
+def _fields(req) -> dict:
+    import attrs
+
+    return {f.name: getattr(req, f.name) for f in attrs.fields(type(req))}
+
+
+def test_async_engine_is_used_when_available(toy_runtime_factory) -> None:
+    pytest.importorskip("omniloop_scheduler")
+    from omniloop_dynamo.engine import CostEstimator, make_engine
+
+    rt = toy_runtime_factory()
+    eng = make_engine(rt, "step")
+    assert type(eng).__name__ == "AsyncEngine"
+
+    async def go() -> None:
+        await eng.start()
+        cost = CostEstimator(rt, eng)
+        req = map_video_request({"model": "toy", "prompt": "a", "nvext": {"seed": 2}}, request_id="x").requests[0]
+        predicted = cost.predict(req)
+        assert predicted is not None and predicted > 0  # from the scheduler's cost model
+        out = await eng.submit(req).result(timeout=60)
+        assert out.ok
+        await eng.shutdown(drain=True, timeout=30)
+
+    asyncio.run(go())
+
+
+def test_b64_roundtrip_of_reference_reaches_family_validation(toy_runtime_factory) -> None:
+    """An I2V request for a model without i2v is refused by runtime.prepare, before any compute."""
+    from omniloop.errors import RequestError
+
+    rt = toy_runtime_factory()
+    req = video(input_reference=base64.b64encode(base64.b64decode(PNG_B64)).decode()).requests[0]
+    with pytest.raises(RequestError) as info:
+        rt.prepare(req)
+    assert api_field(info.value.path) == "input_reference"
