@@ -36,7 +36,7 @@ from omniloop_cache_dit import CacheDiTInterceptor  # noqa: E402
 
 logging.getLogger("cache_dit").setLevel(logging.WARNING)
 
-STEPS = 20
+STEPS = 16
 GUIDANCE = 4.0
 
 SETTINGS = [
@@ -106,12 +106,14 @@ def wan() -> dict[str, Any]:
         rope_max_seq_len=32,
     ).eval()
     g = torch.Generator().manual_seed(1)
-    return {
+    wan = {
         "transformer": tr,
         "latents": torch.randn(1, 4, 2, 4, 4, generator=g),  # 5 frames, 32x32 pixels
         "prompt_embeds": torch.randn(1, 6, 16, generator=g),
         "negative_prompt_embeds": torch.randn(1, 6, 16, generator=g),
     }
+    wan["baseline"] = denoise(wan, _library_transformer(tr))
+    return wan
 
 
 def denoise(wan: dict[str, Any], model: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -129,7 +131,19 @@ def denoise(wan: dict[str, Any], model: Callable[[int, str, torch.Tensor, torch.
     return lat
 
 
+_OURS: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
+
+
 def run_ours(wan: dict[str, Any], settings: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Our interceptor's result for ``settings`` (memoized: deterministic, shared by both comparisons)."""
+    key = repr(sorted(settings.items()))
+    if key not in _OURS:
+        _OURS[key] = _run_ours(wan, settings)
+    out, metrics = _OURS[key]
+    return out.clone(), metrics
+
+
+def _run_ours(wan: dict[str, Any], settings: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     tr = wan["transformer"]
     forward = _family_outer_forward() or wan_forward
     icpt = CacheDiTInterceptor(settings)
@@ -199,9 +213,7 @@ def test_equals_cache_dit_transformer_only_with_refresh(wan: dict[str, Any], set
     finally:
         cache_dit.disable_cache(tr)
     assert torch.equal(ours, ref)
-
-    baseline = denoise(wan, _library_transformer(wan["transformer"]))
-    assert not torch.equal(ours, baseline)  # caching really changed the result
+    assert not torch.equal(ours, wan["baseline"])  # caching really changed the result
 
 
 @pytest.mark.parametrize("settings", SETTINGS)

@@ -8,7 +8,7 @@ steps, so consecutive inputs are close and a residual cache actually hits.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -130,6 +130,17 @@ def run_alone(model: ToyModel, interceptor: Any = None, **kw: Any) -> tuple[torc
     r = ToyRun(model, interceptor, **kw)
     x = r.run()
     return x, r.metrics
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread() -> Iterator[None]:
+    """These tensors are tiny: one thread is fastest, and does not spin on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture
