@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise)")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
+    p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         now = dt.datetime.now(dt.timezone.utc)
         name = "scheduler_latency" if args.model == "toy" else f"scheduler_latency-{Path(args.model).name}"
+        name += f"-{args.tag}" if args.tag else ""
         doc = {
             "benchmark": "scheduler_latency",
             "date": now.isoformat(timespec="seconds"),

@@ -387,3 +387,15 @@ def test_metrics_add_up(probe_runtime: Any) -> None:
     s = run(main())
     assert s["submitted"] == sum(s["finished"].values()) + s["waiting"] + s["running"] == 3
     assert s["finished"] == {"completed": 1, "failed": 1, "cancelled": 1}
+
+
+def test_shutdown_before_start_cancels_what_was_submitted(runtime: Any) -> None:
+    async def main() -> tuple[Any, dict[str, Any]]:
+        engine = AsyncEngine(runtime, "step")
+        h = engine.submit(req(4))
+        await engine.shutdown()
+        return await h.result(timeout=T), engine.stats()
+
+    out, stats = run(main())
+    assert out.status is Status.CANCELLED
+    assert stats["submitted"] == stats["finished"]["cancelled"] == 1 and stats["waiting"] == 0

@@ -194,6 +194,15 @@ class AsyncEngine:
         """Stop taking requests; ``drain``: finish what is queued and running, else cancel it all."""
         if self._state in ("stopped", "new") and self._thread is None:
             self._state = "stopped"
+            with self._cv:  # submitted before start: cancel them here (no compute runs for that)
+                inbox, self._inbox = self._inbox, []
+            for t in inbox:
+                self.pool.submit(t)
+            self.pool.cancel_all()
+            for _ in range(len(inbox) + 1):
+                if not self.pool.tick():
+                    break
+            await asyncio.sleep(0)
             self._fail_orphans("the engine was shut down before it started")
             return
         with self._cv:

@@ -40,12 +40,13 @@ class Job:
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.changed = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        self.final_progress = 0
 
     @property
     def status(self) -> str:
         if self.final_status is not None:
             return self.final_status
-        return "in_progress" if self.handle.status != "queued" else "queued"
+        return "in_progress" if self.handle is not None and self.handle.status != "queued" else "queued"
 
     @property
     def terminal(self) -> bool:
@@ -55,6 +56,8 @@ class Job:
     def progress(self) -> int:
         if self.final_status == "completed":
             return 100
+        if self.handle is None:
+            return self.final_progress
         return int(self.handle.progress * 100)
 
     def to_dict(self) -> dict[str, Any]:
@@ -128,7 +131,9 @@ class JobStore:
                 job.final_status = "failed"
                 job.error = job.error or {"code": "server_error", "message": "job follower stopped"}
             job.completed_at = int(time.time())
-            engine.forget(job.id)  # drop the artifacts held by the handle
+            job.final_progress = int(h.progress * 100)
+            job.handle = None  # the output (tensors) is on disk now; drop it and the handle's events
+            engine.forget(job.id)
             job.publish("done", job.to_dict())
             self._evict()
 
