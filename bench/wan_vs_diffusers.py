@@ -9,7 +9,8 @@ taken with ``torch.cuda.synchronize()`` on both ends. Reported per side:
 
 * ``s_per_step``: median seconds of one denoise step (two transformer forwards + CFG + solver),
   steps 1..N-1 of every run (step 0 also holds the loop's set-up);
-* ``s_end_to_end``: median seconds from prompt to uint8 frames (text encode, denoise, VAE decode);
+* ``s_end_to_end``: median seconds from prompt to frames (text encode, denoise, VAE decode): for
+  diffusers up to its ``output_type="np"`` float frames, for omniloop up to its uint8 ``video``;
 
 and the ratios omniloop / diffusers (target: <= 1.00). Also checks that both produce the same
 frames (same seed, same CPU-generator noise).
@@ -109,9 +110,9 @@ class DiffusersSide:
         out = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=h, width=w, num_frames=frames_n,
                    num_inference_steps=steps, guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(seed),
                    output_type="np", callback_on_step_end=on_step)
-        frames = torch.from_numpy((out.frames[0] * 255).round().astype("uint8"))
         sync()
-        total = time.perf_counter() - t0
+        total = time.perf_counter() - t0  # to diffusers' own output (float numpy), before our uint8 conversion
+        frames = torch.from_numpy((out.frames[0] * 255).round().astype("uint8"))
         return total, [b - a for a, b in itertools.pairwise(marks)], frames
 
 

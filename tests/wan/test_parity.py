@@ -145,3 +145,12 @@ def test_ti2v_5b_image_to_video_bit_exact(wan_runtime, i2v_request, image_file, 
     rt = wan_runtime("ti2v")
     req = i2v_request(height=64, width=64)
     assert_bit_exact(rt.generate(req), *run_diffusers(rt.model, req, image_file))
+
+
+def test_uint8_conversion_equals_diffusers_rounding():
+    from omniloop_wan.stages import to_uint8, to_uint8_frames, to_unit_frames
+
+    g = torch.Generator().manual_seed(0)
+    video = torch.rand(1, 3, 5, 8, 8, generator=g) * 2.4 - 1.2  # includes values outside [-1, 1]
+    video[0, 0, 0, 0, :4] = torch.tensor([-1.0, 1.0, 0.0, 1 / 255])
+    assert torch.equal(to_uint8_frames(video), to_uint8(to_unit_frames(video)))
