@@ -55,7 +55,7 @@ def denoise(x: torch.Tensor, group: object = None) -> tuple[torch.Tensor, dict]:
     icpt = CacheDiTInterceptor(SETTINGS)
     icpt.bind_process_group(group)
     loop = LoopState(total=STEPS, branches=("cond", "uncond"))
-    for i, b in enumerate(loop.branches):
+    for b in loop.branches:
         loop.plugin_state[(icpt.name, b)] = icpt.open(StepContext("sp", "denoise", 0, STEPS, 1.0, b), loop)
     with torch.no_grad():
         for i in range(STEPS):

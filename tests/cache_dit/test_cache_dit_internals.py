@@ -72,20 +72,39 @@ def test_manager_method_signatures() -> None:
     P, K = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
     assert _params(M.__init__) == [("self", P), ("name", P), ("persistent_context", P)]
     assert _params(M.similarity) == [
-        ("self", P), ("t1", P), ("t2", P), ("threshold", K), ("parallelized", K), ("prefix", K)
+        ("self", P),
+        ("t1", P),
+        ("t2", P),
+        ("threshold", K),
+        ("parallelized", K),
+        ("prefix", K),
     ]
     assert _params(M.can_cache) == [
-        ("self", P), ("states_tensor", P), ("parallelized", P), ("threshold", P), ("prefix", P)
+        ("self", P),
+        ("states_tensor", P),
+        ("parallelized", P),
+        ("threshold", P),
+        ("prefix", P),
     ]
     assert _params(M.apply_cache) == [
-        ("self", P), ("hidden_states", P), ("encoder_hidden_states", P), ("prefix", P), ("encoder_prefix", P)
+        ("self", P),
+        ("hidden_states", P),
+        ("encoder_hidden_states", P),
+        ("prefix", P),
+        ("encoder_prefix", P),
     ]
     assert _params(M.set_Fn_buffer) == [("self", P), ("buffer", P), ("prefix", P)]
     assert _params(M.set_Bn_buffer) == [("self", P), ("buffer", P), ("prefix", P)]
     assert _params(M.enter_context) == [("self", P), ("cached_context", P)]
     assert _params(M.remove_context) == [("self", P), ("cached_context", P)]
-    for name in ("mark_step_begin", "add_cached_step", "is_cache_residual", "get_current_step",
-                 "get_current_step_residual_diff", "get_important_condition_threshold"):
+    for name in (
+        "mark_step_begin",
+        "add_cached_step",
+        "is_cache_residual",
+        "get_current_step",
+        "get_current_step_residual_diff",
+        "get_important_condition_threshold",
+    ):
         assert _params(getattr(M, name)) == [("self", P)], name
 
 
@@ -96,8 +115,14 @@ def test_context_and_config_fields() -> None:
     assert {"name", "cache_config", "calibrator_config", "extra_cache_config", "buffers"} <= ctx_fields
     cfg_fields = {f.name for f in dataclasses.fields(_cachedit.DBCacheConfig)}
     assert {
-        "Fn_compute_blocks", "Bn_compute_blocks", "residual_diff_threshold", "max_warmup_steps",
-        "max_cached_steps", "max_continuous_cached_steps", "enable_separate_cfg", "num_inference_steps",
+        "Fn_compute_blocks",
+        "Bn_compute_blocks",
+        "residual_diff_threshold",
+        "max_warmup_steps",
+        "max_cached_steps",
+        "max_continuous_cached_steps",
+        "enable_separate_cfg",
+        "num_inference_steps",
     } <= cfg_fields
     cal_fields = {f.name for f in dataclasses.fields(_cachedit.TaylorSeerCalibratorConfig)}
     assert {"enable_calibrator", "enable_encoder_calibrator", "calibrator_cache_type", "taylorseer_order"} <= cal_fields
@@ -152,8 +177,18 @@ def test_library_wrapper_sequence_is_what_we_replicate() -> None:
     from cache_dit.caching.cache_blocks.pattern_base import CachedBlocks_Pattern_Base
 
     src = inspect.getsource(CachedBlocks_Pattern_Base.forward)
-    order = ["call_Fn_blocks", "mark_step_begin", "can_cache", "add_cached_step", "apply_cache",
-             "call_Bn_blocks", "set_Fn_buffer", "call_Mn_blocks", "set_Bn_buffer", "call_Bn_blocks"]
+    order = [
+        "call_Fn_blocks",
+        "mark_step_begin",
+        "can_cache",
+        "add_cached_step",
+        "apply_cache",
+        "call_Bn_blocks",
+        "set_Fn_buffer",
+        "call_Mn_blocks",
+        "set_Bn_buffer",
+        "call_Bn_blocks",
+    ]
     pos, at = [], 0
     for name in order:
         at = src.index(name, at)
@@ -175,7 +210,8 @@ def test_adapter_module_does_not_reach_past_its_binding_module() -> None:
     """Only _cachedit.py imports cache_dit; everything else goes through it."""
     pkg = Path(_cachedit.__file__).parent
     offenders = [
-        p.name for p in pkg.glob("*.py")
+        p.name
+        for p in pkg.glob("*.py")
         if p.name != "_cachedit.py" and re.search(r"^\s*(from|import)\s+cache_dit\b", p.read_text(), re.M)
     ]
     assert offenders == []

@@ -64,7 +64,7 @@ def test_exact_request_bypasses_the_interceptor(runtimes: tuple[Any, Any]) -> No
     out = cached.generate(_req(exact=True))
     assert torch.equal(_latents(out), baseline)
     assert "cache-dit" not in out.metrics.get("plugins", {})
-    with pytest.raises(RequestError, match="plugin_params.cache-dit"):
+    with pytest.raises(RequestError, match=r"plugin_params\.cache-dit"):
         cached.prepare(_req(exact=True, plugin_params={"cache-dit": {"Fn": 2}}))
 
 
@@ -91,7 +91,7 @@ def test_interleaved_executions_equal_each_alone(runtimes: tuple[Any, Any]) -> N
     while not all(e.done for e in execs):
         for e in execs:
             e.advance()
-    for a, e in zip(alone, execs):
+    for a, e in zip(alone, execs, strict=True):
         assert torch.equal(_latents(e.output), _latents(a))
         assert e.output.metrics["plugins"]["cache-dit"] == a.metrics["plugins"]["cache-dit"]
     assert _contexts(cached) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 import time
 from typing import Any
@@ -116,7 +117,7 @@ def test_requests_in_two_threads_equal_each_alone(toy: Any) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert all(torch.equal(results[s], ref) for s, ref in zip(seeds, alone))
+    assert all(torch.equal(results[s], ref) for s, ref in zip(seeds, alone, strict=True))
 
 
 def test_context_selection_is_exclusive_across_threads(toy: Any) -> None:
@@ -125,7 +126,7 @@ def test_context_selection_is_exclusive_across_threads(toy: Any) -> None:
     icpt = CacheDiTInterceptor(SETTINGS)
     ra, rb = toy.Run(model, icpt, request_id="a"), toy.Run(model, icpt, request_id="b")
     ra.step(), rb.step()
-    (_, mgr), = [icpt._registry.get(model.blocks)]
+    ((_, mgr),) = [icpt._registry.get(model.blocks)]
     name_a = ra.loop.plugin_state[(icpt.name, "cond")].contexts[tuple(map(id, model.blocks))].name
     name_b = rb.loop.plugin_state[(icpt.name, "cond")].contexts[tuple(map(id, model.blocks))].name
     entered, release, seen = threading.Event(), threading.Event(), []
@@ -155,7 +156,14 @@ def test_context_selection_is_exclusive_across_threads(toy: Any) -> None:
 def test_metrics_report_loop_steps_and_respect_limits(toy: Any) -> None:
     model = toy.Model()
     icpt = CacheDiTInterceptor(
-        dict(Fn=1, Bn=1, residual_diff_threshold=0.5, max_warmup_steps=4, max_cached_steps=6, max_continuous_cached_steps=2)
+        dict(
+            Fn=1,
+            Bn=1,
+            residual_diff_threshold=0.5,
+            max_warmup_steps=4,
+            max_cached_steps=6,
+            max_continuous_cached_steps=2,
+        )
     )
     _, metrics = toy.run_alone(model, icpt, steps=20)
     for br in ("cond", "uncond"):
@@ -166,7 +174,7 @@ def test_metrics_report_loop_steps_and_respect_limits(toy: Any) -> None:
         assert m["computed_steps"] == 14
         assert min(cached) >= 4  # warmup
         runs = [1]
-        for prev, cur in zip(cached, cached[1:]):
+        for prev, cur in itertools.pairwise(cached):
             runs.append(runs[-1] + 1 if cur == prev + 1 else 1)
         assert max(runs) <= 2  # max_continuous_cached_steps
         assert set(m["residual_diffs"]) >= {str(s) for s in cached}
@@ -199,9 +207,9 @@ def test_invalid_request_params_are_refused_with_their_path(toy: Any, params: di
 
 
 def test_invalid_deploy_config_is_a_deploy_error() -> None:
-    with pytest.raises(DeployError, match="plugins.cache-dit.Bn"):
+    with pytest.raises(DeployError, match=r"plugins\.cache-dit\.Bn"):
         CacheDiTInterceptor({"Bn": -1})
-    with pytest.raises(DeployError, match="plugins.cache-dit.Fn"):
+    with pytest.raises(DeployError, match=r"plugins\.cache-dit\.Fn"):
         CacheDiTInterceptor(CacheDiTConfig(Fn=0))
 
 

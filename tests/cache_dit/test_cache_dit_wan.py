@@ -73,8 +73,13 @@ def _family_outer_forward() -> Callable[..., torch.Tensor] | None:
     return getattr(mod, "wan_transformer_forward", None)
 
 
-def wan_forward(tr: Any, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                ctx: BlockContext | None) -> torch.Tensor:
+def wan_forward(
+    tr: Any,
+    hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    ctx: BlockContext | None,
+) -> torch.Tensor:
     """diffusers 0.42.1 ``WanTransformer3DModel.forward`` (T2V path), blocks through ``run_blocks``."""
     b, _, f, h, w = hidden_states.shape
     p_t, p_h, p_w = tr.config.patch_size
@@ -116,7 +121,9 @@ def wan() -> dict[str, Any]:
     return wan
 
 
-def denoise(wan: dict[str, Any], model: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def denoise(
+    wan: dict[str, Any], model: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """WanPipeline's loop (cond then uncond forward per step, CFG, flow-match Euler)."""
     sch = FlowMatchEulerDiscreteScheduler(shift=3.0)
     sch.set_timesteps(STEPS)

@@ -135,10 +135,12 @@ def test_close_frees_tensors_and_run_after_close_fails(toy: Any) -> None:
 
 @pytest.mark.parametrize(
     "params, path",
-    [({"threshold": -0.1}, "plugin_params.fbcache.threshold"),
-     ({"warmup_steps": "x"}, "plugin_params.fbcache.warmup_steps"),
-     ({"max_consecutive_cached": -5}, "plugin_params.fbcache.max_consecutive_cached"),
-     ({"Fn": 1}, "plugin_params.fbcache.Fn")],
+    [
+        ({"threshold": -0.1}, "plugin_params.fbcache.threshold"),
+        ({"warmup_steps": "x"}, "plugin_params.fbcache.warmup_steps"),
+        ({"max_consecutive_cached": -5}, "plugin_params.fbcache.max_consecutive_cached"),
+        ({"Fn": 1}, "plugin_params.fbcache.Fn"),
+    ],
 )
 def test_invalid_params_name_their_path(toy: Any, params: dict[str, Any], path: str) -> None:
     with pytest.raises(RequestError) as err:
@@ -161,8 +163,10 @@ def test_entry_point_and_registration() -> None:
 
 
 def test_depends_only_on_omniloop_and_torch() -> None:
-    reqs = {r.split(";")[0].split(">")[0].split("<")[0].split("=")[0].strip()
-            for r in importlib.metadata.requires("omniloop-fbcache") or []}
+    reqs = {
+        r.split(";")[0].split(">")[0].split("<")[0].split("=")[0].strip()
+        for r in importlib.metadata.requires("omniloop-fbcache") or []
+    }
     assert reqs == {"omniloop", "torch", "attrs"}
 
 
@@ -170,8 +174,13 @@ def test_depends_only_on_omniloop_and_torch() -> None:
 
 
 def _req(seed: int = 1, steps: int = 20, **extra: Any) -> dict[str, Any]:
-    return {"task": "t2v", "prompt": "a red fox", "diffusion": {"steps": steps, "seed": seed},
-            "outputs": {"return_latents": True}, **extra}
+    return {
+        "task": "t2v",
+        "prompt": "a red fox",
+        "diffusion": {"steps": steps, "seed": seed},
+        "outputs": {"return_latents": True},
+        **extra,
+    }
 
 
 def _latents(out: Any) -> torch.Tensor:
@@ -183,7 +192,9 @@ def _latents(out: Any) -> torch.Tensor:
 def runtimes(toy_checkpoint: Path) -> tuple[Any, Any]:
     return (
         toy_runtime(toy_checkpoint),
-        toy_runtime(toy_checkpoint, ("fbcache", fbcache_plugin), plugins={"fbcache": {"threshold": 0.2, "warmup_steps": 2}}),
+        toy_runtime(
+            toy_checkpoint, ("fbcache", fbcache_plugin), plugins={"fbcache": {"threshold": 0.2, "warmup_steps": 2}}
+        ),
     )
 
 
@@ -205,7 +216,7 @@ def test_runtime_interleaved_executions_equal_each_alone(runtimes: tuple[Any, An
     while not all(e.done for e in execs):
         for e in execs:
             e.advance()
-    for a, e in zip(alone, execs):
+    for a, e in zip(alone, execs, strict=True):
         assert torch.equal(_latents(e.output), _latents(a))
         assert e.output.metrics["plugins"]["fbcache"] == a.metrics["plugins"]["fbcache"]
 

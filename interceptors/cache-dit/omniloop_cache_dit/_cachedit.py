@@ -24,9 +24,7 @@ try:
     from cache_dit.caching.cache_contexts.cache_manager import CachedContextManager
     from cache_dit.caching.cache_contexts.calibrators import TaylorSeerCalibratorConfig
 except ImportError as exc:  # pragma: no cover - exercised only with a broken install
-    raise PluginError(
-        f"omniloop-cache-dit needs cache-dit=={PINNED_VERSION} (its internal classes): {exc}"
-    ) from exc
+    raise PluginError(f"omniloop-cache-dit needs cache-dit=={PINNED_VERSION} (its internal classes): {exc}") from exc
 
 #: buffer prefixes. cache-dit routes on the substring "Bn" (Bn buffer and calibrator) versus
 #: anything else (Fn buffer); "blocks" is the block-list attribute name its Wan adapter uses, so
@@ -74,12 +72,12 @@ def check_version() -> None:
 __all__ = [
     "BN_HIDDEN_PREFIX",
     "BN_RESIDUAL_PREFIX",
-    "CachedContext",
-    "CachedContextManager",
-    "DBCacheConfig",
     "FN_PREFIX",
     "MANAGER_METHODS",
     "PINNED_VERSION",
+    "CachedContext",
+    "CachedContextManager",
+    "DBCacheConfig",
     "TaylorSeerCalibratorConfig",
     "check_version",
     "installed_version",

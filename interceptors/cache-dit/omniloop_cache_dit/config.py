@@ -109,7 +109,8 @@ def params_from(value: Any, path: str = "plugin_params.cache-dit") -> CacheDiTPa
         check_ranges(value, path)
         return value
     if isinstance(value, Mapping):
-        return structure_params(CacheDiTParams, value, path)
+        params: CacheDiTParams = structure_params(CacheDiTParams, value, path)
+        return params
     raise RequestError(path, f"expected a mapping of parameters, got {type(value).__name__}")
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -125,14 +125,17 @@ class CacheDiTInterceptor:
     def __init__(self, config: CacheDiTConfig | dict[str, Any] | None = None, *, process_group: Any = None) -> None:
         _cachedit.check_version()
         try:
+            cfg: CacheDiTConfig
             if config is None:
-                config = CacheDiTConfig()
-            elif isinstance(config, Mapping):
-                config = structure_params(CacheDiTConfig, config, f"plugins.{NAME}")
-            check_ranges(config, f"plugins.{NAME}")
+                cfg = CacheDiTConfig()
+            elif isinstance(config, CacheDiTConfig):
+                cfg = config
+            else:
+                cfg = structure_params(CacheDiTConfig, config, f"plugins.{NAME}")
+            check_ranges(cfg, f"plugins.{NAME}")
         except RequestError as exc:
             raise DeployError(f"deploy config: {exc}") from None
-        self.config: CacheDiTConfig = config
+        self.config: CacheDiTConfig = cfg
         self._registry = _ManagerRegistry(process_group)
         self._seq = itertools.count()
 
@@ -314,4 +317,4 @@ def _remove_context(mgr: OmniloopContextManager, name: str) -> None:
         mgr.remove_context(name)
 
 
-__all__ = ["CacheDiTInterceptor", "CacheDiTParams", "CacheDiTState", "NAME", "settings_tag"]
+__all__ = ["NAME", "CacheDiTInterceptor", "CacheDiTParams", "CacheDiTState", "settings_tag"]

@@ -44,7 +44,7 @@ class OmniloopContextManager(CachedContextManager):  # type: ignore[misc]
         with self.lock, self.enter_context(context_name):
             yield
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def similarity(
         self,
         t1: torch.Tensor,
@@ -73,9 +73,7 @@ class OmniloopContextManager(CachedContextManager):  # type: ignore[misc]
         # One collective: [sum|prev - cur|, sum|prev|, shape mismatch]. Sums, not means, so that
         # uneven shards still give the exact global ratio.
         if t1.shape == t2.shape:
-            stats = torch.stack(
-                [(t1 - t2).abs().sum(dtype=torch.float32), t1.abs().sum(dtype=torch.float32)]
-            )
+            stats = torch.stack([(t1 - t2).abs().sum(dtype=torch.float32), t1.abs().sum(dtype=torch.float32)])
             stats = torch.cat([stats, stats.new_zeros(1)])
         else:
             stats = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float32, device=t1.device)

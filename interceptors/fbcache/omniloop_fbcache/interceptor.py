@@ -67,12 +67,15 @@ class FirstBlockCache:
     needs_eager = False
 
     def __init__(self, config: FBCacheConfig | Mapping[str, Any] | None = None, *, process_group: Any = None) -> None:
+        cfg: FBCacheConfig
         if config is None:
-            config = FBCacheConfig()
-        elif isinstance(config, Mapping):
-            config = structure_params(FBCacheConfig, config, f"plugins.{NAME}")
-        check_ranges(config, f"plugins.{NAME}")
-        self.config = config
+            cfg = FBCacheConfig()
+        elif isinstance(config, FBCacheConfig):
+            cfg = config
+        else:
+            cfg = structure_params(FBCacheConfig, config, f"plugins.{NAME}")
+        check_ranges(cfg, f"plugins.{NAME}")
+        self.config = cfg
         self.process_group = process_group
 
     def bind_process_group(self, group: Any) -> None:
