@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from omniloop.request import Status, TaskType
 from omniloop.testing import build_toy_checkpoint, toy_runtime
@@ -86,7 +85,14 @@ def test_flag_mode_records_findings_and_lets_the_run_finish(ckpt, caplog):
     watch = rt.components_enabled["nanwatch"][1]
     found = watch.findings(out.request_id)
     first = found[0]
-    assert (first.kind, first.name, first.step, first.branch, first.nan, first.inf) == ("block", "blocks.3", 1, "cond", 1, 0)
+    assert (first.kind, first.name, first.step, first.branch, first.nan, first.inf) == (
+        "block",
+        "blocks.3",
+        1,
+        "cond",
+        1,
+        0,
+    )
     # NaN spreads: the noise prediction, the guided value and the latents of that step are flagged too
     names = [(f.step, f.branch, f.name) for f in found[:4]]
     assert names == [(1, "cond", "blocks.3"), (1, "cond", "noise_pred"), (1, None, "guided"), (1, None, "latents")]

@@ -72,8 +72,11 @@ class InterceptorPlugin:
 
     @hookimpl
     def omniloop_register_interceptors(self, register: Any) -> None:
-        register(PluginComponentSpec(name=self.obj.name, kind="block_interceptor", factory=lambda _c: self.obj,
-                                     distribution_altering=True))
+        register(
+            PluginComponentSpec(
+                name=self.obj.name, kind="block_interceptor", factory=lambda _c: self.obj, distribution_altering=True
+            )
+        )
 
 
 @pytest.fixture(scope="session")
@@ -92,12 +95,11 @@ def recording_runtime(ckpt: Path) -> Any:
     return make
 
 
-
-
 @pytest.fixture
 def h() -> Any:
     """Helpers shared by the parity tests (importlib mode: tests cannot import conftest)."""
     import types
 
-    return types.SimpleNamespace(REQUEST=dict(REQUEST), PerturbBlock=PerturbBlock, FailAtStep=FailAtStep,
-                                 InterceptorPlugin=InterceptorPlugin)
+    return types.SimpleNamespace(
+        REQUEST=dict(REQUEST), PerturbBlock=PerturbBlock, FailAtStep=FailAtStep, InterceptorPlugin=InterceptorPlugin
+    )

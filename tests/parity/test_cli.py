@@ -25,8 +25,21 @@ def cli(ckpt):
 
 def test_record_then_show(cli, ckpt, tmp_path):
     out = tmp_path / "a.safetensors"
-    res = cli("record", "a red cube", "--model", ckpt, "--out", out, "--seed", "3", "--steps", "3",
-              "--blocks", r"blocks\.0$", "--no-progress")
+    res = cli(
+        "record",
+        "a red cube",
+        "--model",
+        ckpt,
+        "--out",
+        out,
+        "--seed",
+        "3",
+        "--steps",
+        "3",
+        "--blocks",
+        r"blocks\.0$",
+        "--no-progress",
+    )
     assert res.exit_code == 0, res.output
     assert "recorded" in res.output and out.is_file()
     rec = op.Recording.load(out)

@@ -23,8 +23,11 @@ def test_identical_runs_pass(h, recording_runtime):
 
 def test_a_perturbed_block_is_localized_to_its_step_and_block(h, recording_runtime):
     ref = op.record(recording_runtime(blocks=r"blocks\.\d+$"), h.REQUEST)
-    perturbed_rt = recording_runtime(("perturb", h.InterceptorPlugin(h.PerturbBlock(k=K, step=STEP))),
-                                     plugins={"perturb": {}}, blocks=r"blocks\.\d+$")
+    perturbed_rt = recording_runtime(
+        ("perturb", h.InterceptorPlugin(h.PerturbBlock(k=K, step=STEP))),
+        plugins={"perturb": {}},
+        blocks=r"blocks\.\d+$",
+    )
     bad = op.record(perturbed_rt, h.REQUEST)
     result = op.compare(ref, bad)
     assert not result.passed
@@ -35,7 +38,7 @@ def test_a_perturbed_block_is_localized_to_its_step_and_block(h, recording_runti
     assert first.max_rel == pytest.approx(1e-3, rel=1e-2)
     assert f"step {STEP}" in result.summary() and f"blocks.{K}" in result.summary()
     # everything before that step matches exactly; the per-step table says so
-    columns, rows = result.table()
+    _columns, rows = result.table()
     for label, cells in rows:
         if label.isdigit() and int(label) < STEP:
             assert all(c.passed and c.max_abs == 0 for c in cells.values()), label
@@ -46,8 +49,10 @@ def test_a_perturbed_block_is_localized_to_its_step_and_block(h, recording_runti
 
 def test_a_loose_tolerance_accepts_the_perturbation_but_not_a_tighter_cosine(h, recording_runtime):
     ref = op.record(recording_runtime(), h.REQUEST)
-    bad = op.record(recording_runtime(("perturb", h.InterceptorPlugin(h.PerturbBlock(k=K, step=STEP))),
-                                      plugins={"perturb": {}}), h.REQUEST)
+    bad = op.record(
+        recording_runtime(("perturb", h.InterceptorPlugin(h.PerturbBlock(k=K, step=STEP))), plugins={"perturb": {}}),
+        h.REQUEST,
+    )
     assert not op.compare(ref, bad).passed
     video_ok = op.Tolerances.from_dict({"atol": 0.1, "rtol": 0.1, "override": [{"match": "final/video", "atol": 255}]})
     assert op.compare(ref, bad, video_ok).passed
@@ -58,8 +63,10 @@ def test_a_loose_tolerance_accepts_the_perturbation_but_not_a_tighter_cosine(h, 
 
 def test_tolerances_from_toml_with_overrides(tmp_path):
     f = tmp_path / "tol.toml"
-    f.write_text('atol = 1e-6\nrtol = 1e-5\n\n[[override]]\nmatch = "*/blocks.*"\natol = 1e-3\n\n'
-                 '[[override]]\nmatch = "final/video"\natol = 1\ncos = 0.99\n')
+    f.write_text(
+        'atol = 1e-6\nrtol = 1e-5\n\n[[override]]\nmatch = "*/blocks.*"\natol = 1e-3\n\n'
+        '[[override]]\nmatch = "final/video"\natol = 1\ncos = 0.99\n'
+    )
     tols = op.Tolerances.from_toml(f)
     assert tols.for_key("step003/latents") == op.TapTolerance(atol=1e-6, rtol=1e-5)
     assert tols.for_key("step003/cond/blocks.2") == op.TapTolerance(atol=1e-3, rtol=1e-5)
@@ -69,14 +76,17 @@ def test_tolerances_from_toml_with_overrides(tmp_path):
     assert flagged.for_key("step000/guided").atol == 0.5 and flagged.for_key("final/video").atol == 1
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("atol = 'x'", "expected a number"),
-    ("atoll = 1", "unknown key 'atoll'"),
-    ("[[override]]\natol = 1", "needs a 'match'"),
-    ("[[override]]\nmatch = 'x'", "sets no tolerance"),
-    ("rtol = -1", "must be >= 0"),
-    ("atol = ", "cannot parse TOML"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("atol = 'x'", "expected a number"),
+        ("atoll = 1", "unknown key 'atoll'"),
+        ("[[override]]\natol = 1", "needs a 'match'"),
+        ("[[override]]\nmatch = 'x'", "sets no tolerance"),
+        ("rtol = -1", "must be >= 0"),
+        ("atol = ", "cannot parse TOML"),
+    ],
+)
 def test_bad_tolerance_files_say_what_is_wrong(tmp_path, text, message):
     f = tmp_path / "t.toml"
     f.write_text(text)

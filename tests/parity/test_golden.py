@@ -13,8 +13,13 @@ from omniloop.testing import toy_runtime
 from omniloop_parity.testing import assert_matches_golden
 
 GOLDEN = Path(__file__).parent / "golden"
-TOY_REQUEST = {"task": "t2v", "prompt": "a red cube rolling", "negative_prompt": "blurry",
-               "diffusion": {"seed": 1234}, "request_id": "golden-toy"}
+TOY_REQUEST = {
+    "task": "t2v",
+    "prompt": "a red cube rolling",
+    "negative_prompt": "blurry",
+    "diffusion": {"seed": 1234},
+    "request_id": "golden-toy",
+}
 
 
 def test_toy_family_replays_its_golden_bit_for_bit(ckpt):
@@ -36,13 +41,19 @@ def test_regen_writes_then_a_divergence_is_explained(h, ckpt, tmp_path, monkeypa
     assert assert_matches_golden(toy_runtime(ckpt), TOY_REQUEST, golden, blocks=r"blocks\.\d+$").regenerated
     monkeypatch.delenv("OMNILOOP_PARITY_REGEN")
     assert assert_matches_golden(toy_runtime(ckpt), TOY_REQUEST, golden, blocks=r"blocks\.\d+$").passed
-    perturbed = toy_runtime(ckpt, ("perturb", h.InterceptorPlugin(h.PerturbBlock(k=1, step=3))),
-                            plugins={"perturb": {}})
+    perturbed = toy_runtime(
+        ckpt, ("perturb", h.InterceptorPlugin(h.PerturbBlock(k=1, step=3))), plugins={"perturb": {}}
+    )
     with pytest.raises(AssertionError, match=r"first divergence at step003/cond/blocks\.1 \(step 3"):
         assert_matches_golden(perturbed, TOY_REQUEST, golden, blocks=r"blocks\.\d+$")
     # ... and tolerances given as a mapping accept it
-    assert_matches_golden(perturbed, TOY_REQUEST, golden, {"atol": 0.05, "override": [{"match": "final/video",
-                          "atol": 255}]}, blocks=r"blocks\.\d+$")
+    assert_matches_golden(
+        perturbed,
+        TOY_REQUEST,
+        golden,
+        {"atol": 0.05, "override": [{"match": "final/video", "atol": 255}]},
+        blocks=r"blocks\.\d+$",
+    )
 
 
 def test_a_request_without_a_seed_is_refused(ckpt, tmp_path):
@@ -52,14 +63,16 @@ def test_a_request_without_a_seed_is_refused(ckpt, tmp_path):
 
 def test_pytest_option_parity_regen_and_fixture(tmp_path):
     test = tmp_path / "test_pinned.py"
-    test.write_text(textwrap.dedent("""
+    test.write_text(
+        textwrap.dedent("""
         from pathlib import Path
         from omniloop.testing import toy_runtime
 
         def test_pinned(parity_golden, toy_checkpoint):
             req = {"task": "t2v", "prompt": "x", "diffusion": {"seed": 1, "steps": 2}}
             parity_golden(toy_runtime(toy_checkpoint), req, Path(__file__).parent / "pinned.safetensors")
-    """))
+    """)
+    )
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)]
     env_free = {k: v for k, v in __import__("os").environ.items() if k != "OMNILOOP_PARITY_REGEN"}
     first = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env_free)
@@ -71,8 +84,13 @@ def test_pytest_option_parity_regen_and_fixture(tmp_path):
     assert again.returncode == 0, again.stdout
 
 
-WAN_REQUEST = {"task": "t2v", "prompt": "a cat walking on grass", "negative_prompt": "blurry",
-               "diffusion": {"seed": 1234}, "request_id": "golden-wan"}
+WAN_REQUEST = {
+    "task": "t2v",
+    "prompt": "a cat walking on grass",
+    "negative_prompt": "blurry",
+    "diffusion": {"seed": 1234},
+    "request_id": "golden-wan",
+}
 
 
 @pytest.mark.slow

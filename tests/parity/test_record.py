@@ -56,8 +56,12 @@ def test_block_taps_are_recorded_only_when_asked_and_force_eager(h, recording_ru
     assert rt.pipeline(TaskType.T2V).eager is True
     rec = op.record(rt, h.REQUEST)
     blocks = [k for k in rec.keys if "blocks" in k]
-    assert blocks[:4] == ["step000/cond/blocks.1", "step000/cond/blocks.3",
-                          "step000/uncond/blocks.1", "step000/uncond/blocks.3"]
+    assert blocks[:4] == [
+        "step000/cond/blocks.1",
+        "step000/cond/blocks.3",
+        "step000/uncond/blocks.1",
+        "step000/uncond/blocks.3",
+    ]
     assert len(blocks) == 4 * 2 * 2
     assert rec.entry("step000/cond/blocks.3").block == 3
 
@@ -138,8 +142,11 @@ def test_observer_write_failure_does_not_fail_the_request(h, tmp_path, monkeypat
 
 
 def test_a_run_that_fails_mid_loop_leaves_no_recording(h, tmp_path, recording_runtime):
-    rt = recording_runtime(("fail", h.InterceptorPlugin(h.FailAtStep(k=0, step=2))),
-                           plugins={"fail-at": {}}, out=str(tmp_path / "x.safetensors"))
+    rt = recording_runtime(
+        ("fail", h.InterceptorPlugin(h.FailAtStep(k=0, step=2))),
+        plugins={"fail-at": {}},
+        out=str(tmp_path / "x.safetensors"),
+    )
     out = rt.generate(h.REQUEST)
     assert not out.ok and "boom at step 2" in out.error.message
     assert list(tmp_path.iterdir()) == []
@@ -148,8 +155,8 @@ def test_a_run_that_fails_mid_loop_leaves_no_recording(h, tmp_path, recording_ru
 
 
 def test_load_rejects_files_that_are_not_recordings(tmp_path):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     with pytest.raises(op.ParityError, match="not found"):
         op.Recording.load(tmp_path / "nope.safetensors")
@@ -166,7 +173,6 @@ def test_load_rejects_files_that_are_not_recordings(tmp_path):
 def test_invalid_regex_in_config_is_a_deploy_error(ckpt):
     from omniloop.errors import DeployError
     from omniloop.testing import toy_runtime
-
     from omniloop_parity import plugin
 
     with pytest.raises(DeployError, match="blocks"):

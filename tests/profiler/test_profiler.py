@@ -97,11 +97,14 @@ def test_failed_request_still_reports_and_closes_the_trace_window(ckpt, tmp_path
     assert Profiler._active_trace is None
 
 
-@pytest.mark.parametrize(("cfg", "message"), [
-    ({"trace_steps": [3, 1]}, "trace_steps"),
-    ({"blocks": "("}, "blocks"),
-    ({"keep": 0}, "keep"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        ({"trace_steps": [3, 1]}, "trace_steps"),
+        ({"blocks": "("}, "blocks"),
+        ({"keep": 0}, "keep"),
+    ],
+)
 def test_bad_config_is_a_deploy_error(ckpt, cfg, message):
     from omniloop.errors import DeployError
 

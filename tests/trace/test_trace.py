@@ -30,7 +30,12 @@ def test_one_line_per_step_branch_and_tap(ckpt, tmp_path):
     out = rt.generate({**REQ, "request_id": "r1"})
     lines = read_trace(path)
     keys = [(x["step"], x["branch"], x["name"]) for x in lines]
-    assert keys[:4] == [(0, "cond", "noise_pred"), (0, "uncond", "noise_pred"), (0, None, "guided"), (0, None, "latents")]
+    assert keys[:4] == [
+        (0, "cond", "noise_pred"),
+        (0, "uncond", "noise_pred"),
+        (0, None, "guided"),
+        (0, None, "latents"),
+    ]
     assert len(lines) == 16 and len(set(keys)) == 16
     last = lines[-1]
     assert last["request_id"] == "r1" and last["kind"] == "tap" and last["shape"] == [1, 4, 3, 4, 4]

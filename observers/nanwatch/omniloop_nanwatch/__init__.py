@@ -75,9 +75,11 @@ class Finding:
             where.append(f"step {self.step}")
         if self.branch:
             where.append(f"branch {self.branch!r}")
-        bad = " and ".join(s for s in (f"NaN" if self.nan else "", "Inf" if self.inf else "") if s)
-        return (f"{bad} in {what} ({', '.join(where)}): {self.nan} NaN, {self.inf} Inf of {self.numel} values "
-                f"(request {self.request_id})")
+        bad = " and ".join(s for s in ("NaN" if self.nan else "", "Inf" if self.inf else "") if s)
+        return (
+            f"{bad} in {what} ({', '.join(where)}): {self.nan} NaN, {self.inf} Inf of {self.numel} values "
+            f"(request {self.request_id})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -133,9 +135,15 @@ class NanWatch:
             return
         nan = int(torch.isnan(value).sum())
         finding = Finding(
-            request_id=request.request_id, node=node, step=None if step is None else int(step.step_index),
-            branch=None if step is None else step.branch, name=name, kind=kind, nan=nan,
-            inf=int(value.numel() - nan - int(torch.isfinite(value).sum())), numel=value.numel(),
+            request_id=request.request_id,
+            node=node,
+            step=None if step is None else int(step.step_index),
+            branch=None if step is None else step.branch,
+            name=name,
+            kind=kind,
+            nan=nan,
+            inf=int(value.numel() - nan - int(torch.isfinite(value).sum())),
+            numel=value.numel(),
         )
         if self.config.mode == "raise":
             st["findings"].append(finding)
@@ -152,7 +160,9 @@ class NanWatch:
             return
         fs = [f.to_dict() for f in st["findings"]]
         self.reports[request.request_id] = {
-            "request_id": request.request_id, "checked": st["checked"], "findings": fs,
+            "request_id": request.request_id,
+            "checked": st["checked"],
+            "findings": fs,
             "first": fs[0] if fs else None,
         }
         while len(self.reports) > self.config.keep:

@@ -17,7 +17,20 @@ from .run import record, recorder_of, replay, runtime_with_parity, with_parity
 __version__ = "0.1.0"
 
 __all__ = [
-    "FORMAT", "ParityConfig", "ParityError", "ParityRecorder", "ParityResult", "Recording", "TapComparison",
-    "TapEntry", "TapTolerance", "Tolerances", "compare", "record", "recorder_of", "replay",
-    "runtime_with_parity", "with_parity",
+    "FORMAT",
+    "ParityConfig",
+    "ParityError",
+    "ParityRecorder",
+    "ParityResult",
+    "Recording",
+    "TapComparison",
+    "TapEntry",
+    "TapTolerance",
+    "Tolerances",
+    "compare",
+    "record",
+    "recorder_of",
+    "replay",
+    "runtime_with_parity",
+    "with_parity",
 ]

@@ -61,8 +61,14 @@ def _progress(enabled: bool, label: str) -> Iterator[Any]:
     if not enabled:
         yield None
         return
-    bar = Progress(TextColumn(f"[bold]{label}[/] {{task.description}}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), console=_err_console(), transient=True)
+    bar = Progress(
+        TextColumn(f"[bold]{label}[/] {{task.description}}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=_err_console(),
+        transient=True,
+    )
     tasks: dict[str, Any] = {}
 
     def update(node: str, step: int, total: int) -> None:
@@ -80,8 +86,12 @@ def _tolerances(atol: float | None, rtol: float | None, cos: float | None, path:
 
 
 def tolerance_options(f: Any) -> Any:
-    f = click.option("--tolerances", "tol_file", type=click.Path(dir_okay=False),
-                     help="TOML file: top-level atol/rtol/cos and [[override]] tables {match=GLOB, atol=...}.")(f)
+    f = click.option(
+        "--tolerances",
+        "tol_file",
+        type=click.Path(dir_okay=False),
+        help="TOML file: top-level atol/rtol/cos and [[override]] tables {match=GLOB, atol=...}.",
+    )(f)
     f = click.option("--cos", type=click.FloatRange(0, 1), default=None, help="Minimum cosine similarity per tap.")(f)
     f = click.option("--rtol", type=click.FloatRange(min=0), default=None, help="Relative tolerance (default 0).")(f)
     f = click.option("--atol", type=click.FloatRange(min=0), default=None, help="Absolute tolerance (default 0).")(f)
@@ -121,15 +131,36 @@ def parity_group() -> None:
 @click.option("--device", default=None, help="Device (default: the deploy's, else cpu).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 @click.option("--taps", default=None, help="Regex of tap names to record (default: all).")
-@click.option("--blocks", default=None, help="Regex of block names whose outputs to record, e.g. 'blocks\\.(0|5)$' "
-              "(forces eager block execution).")
+@click.option(
+    "--blocks",
+    default=None,
+    help="Regex of block names whose outputs to record, e.g. 'blocks\\.(0|5)$' (forces eager block execution).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.pass_context
-def record_cmd(ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, out: str, task: str,
-               negative_prompt: str | None, image: str | None, steps: int | None, guidance_scale: float | None,
-               shift: float | None, height: int | None, width: int | None, frames: int | None, fps: float | None,
-               seed: int, device: str | None, dtype: str | None, taps: str | None, blocks: str | None,
-               no_progress: bool) -> None:
+def record_cmd(
+    ctx: click.Context,
+    prompt: str,
+    model: str | None,
+    deploy_file: str | None,
+    out: str,
+    task: str,
+    negative_prompt: str | None,
+    image: str | None,
+    steps: int | None,
+    guidance_scale: float | None,
+    shift: float | None,
+    height: int | None,
+    width: int | None,
+    frames: int | None,
+    fps: float | None,
+    seed: int,
+    device: str | None,
+    dtype: str | None,
+    taps: str | None,
+    blocks: str | None,
+    no_progress: bool,
+) -> None:
     """Run PROMPT and record its taps into OUT."""
     import attrs
 
@@ -150,8 +181,20 @@ def record_cmd(ctx: click.Context, prompt: str, model: str | None, deploy_file: 
         changes = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         if changes:
             cfg = attrs.evolve(cfg, **changes)
-        diffusion = {k: v for k, v in dict(steps=steps, guidance_scale=guidance_scale, shift=shift, height=height,
-                                            width=width, frames=frames, fps=fps, seed=seed).items() if v is not None}
+        diffusion = {
+            k: v
+            for k, v in dict(
+                steps=steps,
+                guidance_scale=guidance_scale,
+                shift=shift,
+                height=height,
+                width=width,
+                frames=frames,
+                fps=fps,
+                seed=seed,
+            ).items()
+            if v is not None
+        }
         data: dict[str, Any] = {"task": task, "prompt": prompt, "diffusion": diffusion}
         if negative_prompt is not None:
             data["negative_prompt"] = negative_prompt
@@ -170,8 +213,16 @@ def record_cmd(ctx: click.Context, prompt: str, model: str | None, deploy_file: 
 @tolerance_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_context
-def compare_cmd(ctx: click.Context, a: str, b: str, atol: float | None, rtol: float | None, cos: float | None, tol_file: str | None,
-                as_json: bool) -> None:
+def compare_cmd(
+    ctx: click.Context,
+    a: str,
+    b: str,
+    atol: float | None,
+    rtol: float | None,
+    cos: float | None,
+    tol_file: str | None,
+    as_json: bool,
+) -> None:
     """Compare recording B against reference A; exit 0 if they match within tolerance, 1 if not."""
     from .compare import compare
 
@@ -192,17 +243,38 @@ def compare_cmd(ctx: click.Context, a: str, b: str, atol: float | None, rtol: fl
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.pass_context
-def replay_cmd(ctx: click.Context, recording: str, model: str | None, deploy_file: str | None, device: str | None,
-               dtype: str | None, out: str | None, atol: float | None, rtol: float | None, cos: float | None,
-               tol_file: str | None, as_json: bool, no_progress: bool) -> None:
+def replay_cmd(
+    ctx: click.Context,
+    recording: str,
+    model: str | None,
+    deploy_file: str | None,
+    device: str | None,
+    dtype: str | None,
+    out: str | None,
+    atol: float | None,
+    rtol: float | None,
+    cos: float | None,
+    tol_file: str | None,
+    as_json: bool,
+    no_progress: bool,
+) -> None:
     """Run RECORDING's request again and compare against it (exit 0 match, 1 divergence)."""
     from .run import replay
 
     with _errors():
         tols = _tolerances(atol, rtol, cos, tol_file)
         with _progress(not no_progress and not as_json, "replaying") as progress:
-            result, _ = replay(recording, model=model, deploy=deploy_file, plugins=_manager(ctx), device=device,
-                               dtype=dtype, tolerances=tols, out=out, progress=progress)
+            result, _ = replay(
+                recording,
+                model=model,
+                deploy=deploy_file,
+                plugins=_manager(ctx),
+                device=device,
+                dtype=dtype,
+                tolerances=tols,
+                out=out,
+                progress=progress,
+            )
     _print_result(result, as_json)
     ctx.exit(0 if result.passed else 1)
 

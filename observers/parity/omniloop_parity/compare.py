@@ -46,7 +46,7 @@ class Tolerances:
     keys (``final/video``, ``*/blocks.*``, ``step00[0-4]/*``).
     """
 
-    default: TapTolerance = TapTolerance()
+    default: TapTolerance = attrs.Factory(TapTolerance)
     overrides: tuple[tuple[str, Mapping[str, float | None]], ...] = ()
 
     @classmethod
@@ -131,7 +131,7 @@ class TapComparison:
     cosine: float | None = None
     n_bad: int = 0
     numel: int = 0
-    tol: TapTolerance = TapTolerance()
+    tol: TapTolerance = attrs.Factory(TapTolerance)
     worst_index: tuple[int, ...] | None = None
 
     @property
@@ -154,15 +154,28 @@ class TapComparison:
             return f"{head}: {self.reason}"
         cos = f", cosine {self.cosine:.9f}" if self.cosine is not None else ""
         at = f" at index {list(self.worst_index)}" if self.worst_index is not None else ""
-        return (f"{head}: {self.n_bad}/{self.numel} values beyond tolerance ({self.tol.describe()}); "
-                f"max abs err {self.max_abs:.3e}{at}, max rel err {self.max_rel:.3e}{cos}")
+        return (
+            f"{head}: {self.n_bad}/{self.numel} values beyond tolerance ({self.tol.describe()}); "
+            f"max abs err {self.max_abs:.3e}{at}, max rel err {self.max_rel:.3e}{cos}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = {
-            "key": self.key, "node": self.entry.node, "step": self.entry.step, "branch": self.entry.branch,
-            "name": self.entry.name, "kind": self.entry.kind, "block": self.entry.block, "passed": self.passed,
-            "reason": self.reason, "max_abs": _finite(self.max_abs), "max_rel": _finite(self.max_rel),
-            "cosine": self.cosine, "n_bad": self.n_bad, "numel": self.numel, "tolerance": attrs.asdict(self.tol),
+            "key": self.key,
+            "node": self.entry.node,
+            "step": self.entry.step,
+            "branch": self.entry.branch,
+            "name": self.entry.name,
+            "kind": self.entry.kind,
+            "block": self.entry.block,
+            "passed": self.passed,
+            "reason": self.reason,
+            "max_abs": _finite(self.max_abs),
+            "max_rel": _finite(self.max_rel),
+            "cosine": self.cosine,
+            "n_bad": self.n_bad,
+            "numel": self.numel,
+            "tolerance": attrs.asdict(self.tol),
         }
         return d
 
@@ -196,8 +209,7 @@ class ParityResult:
         if self.passed:
             return f"parity PASS: {n} taps of {self.b_label} match {self.a_label}"
         assert self.first is not None
-        return (f"parity FAIL: {len(self.failures)} of {n} taps diverge; first divergence at "
-                f"{self.first.describe()}")
+        return f"parity FAIL: {len(self.failures)} of {n} taps diverge; first divergence at {self.first.describe()}"
 
     def explain(self) -> str:
         lines = [self.summary()]
@@ -279,8 +291,13 @@ def compare(
     if extra:
         notes.append(f"{len(extra)} taps only in {rb.label} (not compared), e.g. {extra[0].key}")
     return ParityResult(
-        passed=first is None, comparisons=comps, first=first, a_label=ra.label, b_label=rb.label,
-        notes=notes, tolerances=tols,
+        passed=first is None,
+        comparisons=comps,
+        first=first,
+        a_label=ra.label,
+        b_label=rb.label,
+        notes=notes,
+        tolerances=tols,
     )
 
 
@@ -314,8 +331,16 @@ def compare_tensors(entry: TapEntry, a: torch.Tensor, b: torch.Tensor, tol: TapT
     if passed and tol.cos is not None and cosine is not None and cosine < tol.cos:
         passed, reason = False, "cosine"
     return TapComparison(
-        entry=entry, passed=passed, reason=reason, max_abs=max_abs, max_rel=float(rel.max()),
-        cosine=cosine, n_bad=n_bad, numel=n, tol=tol, worst_index=worst,
+        entry=entry,
+        passed=passed,
+        reason=reason,
+        max_abs=max_abs,
+        max_rel=float(rel.max()),
+        cosine=cosine,
+        n_bad=n_bad,
+        numel=n,
+        tol=tol,
+        worst_index=worst,
     )
 
 

@@ -12,7 +12,9 @@ import pytest
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("omniloop-parity")
     group.addoption(
-        "--parity-regen", action="store_true", default=False,
+        "--parity-regen",
+        action="store_true",
+        default=False,
         help="rewrite parity golden recordings instead of comparing against them (same as OMNILOOP_PARITY_REGEN=1)",
     )
 

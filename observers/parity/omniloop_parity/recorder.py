@@ -49,8 +49,10 @@ class ParityRecorder:
         #: block taps need the blocks to run eagerly (no compiled block stack)
         self.needs_eager = self._blocks is not None
         if self.needs_eager:
-            log.info("parity: recording block outputs matching %r; blocks run eagerly while parity is enabled",
-                     self.config.blocks)
+            log.info(
+                "parity: recording block outputs matching %r; blocks run eagerly while parity is enabled",
+                self.config.blocks,
+            )
         self.deploy: Any = None
         self._live: dict[str, _Capture] = {}
         self.recordings: OrderedDict[str, Recording] = OrderedDict()
@@ -149,16 +151,34 @@ class ParityRecorder:
         entries: list[TapEntry] = []
         tensors: dict[str, torch.Tensor] = {}
 
-        def add(node: str, name: str, kind: str, step: int | None, branch: str | None,
-                timestep: float | None, t: torch.Tensor) -> None:
+        def add(
+            node: str,
+            name: str,
+            kind: str,
+            step: int | None,
+            branch: str | None,
+            timestep: float | None,
+            t: torch.Tensor,
+        ) -> None:
             key = base = tap_key(node, name, kind, step, branch, prefix)
             n = 1
             while key in tensors:  # the same name tapped twice in one place
                 key = f"{base}#{n}"
                 n += 1
             tensors[key] = t
-            entries.append(TapEntry(key=key, node=node, name=name, kind=kind, step=step, branch=branch,
-                                    timestep=timestep, shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", "")))
+            entries.append(
+                TapEntry(
+                    key=key,
+                    node=node,
+                    name=name,
+                    kind=kind,
+                    step=step,
+                    branch=branch,
+                    timestep=timestep,
+                    shape=tuple(t.shape),
+                    dtype=str(t.dtype).replace("torch.", ""),
+                )
+            )
 
         for node, name, kind, step, branch, timestep, t in cap.items:
             add(node, name, kind, step, branch, timestep, t)
@@ -167,8 +187,15 @@ class ParityRecorder:
                 fields = list(tensor_fields(art))
                 for fname, t in fields:
                     name = out_name if len(fields) == 1 else f"{out_name}.{fname}"
-                    add(getattr(art, "producer", None) or "output", name, "final", None, None, None,
-                        t.detach().to("cpu", copy=True).contiguous())
+                    add(
+                        getattr(art, "producer", None) or "output",
+                        name,
+                        "final",
+                        None,
+                        None,
+                        None,
+                        t.detach().to("cpu", copy=True).contiguous(),
+                    )
         device, dtype = self._device_dtype(cap)
         deploy = None
         if self.deploy is not None:

@@ -68,9 +68,15 @@ class TapEntry:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TapEntry:
         return cls(
-            key=str(d["key"]), node=str(d["node"]), name=str(d["name"]), kind=str(d["kind"]),
-            step=d.get("step"), branch=d.get("branch"), timestep=d.get("timestep"),
-            shape=tuple(d.get("shape") or ()), dtype=str(d.get("dtype") or ""),
+            key=str(d["key"]),
+            node=str(d["node"]),
+            name=str(d["name"]),
+            kind=str(d["kind"]),
+            step=d.get("step"),
+            branch=d.get("branch"),
+            timestep=d.get("timestep"),
+            shape=tuple(d.get("shape") or ()),
+            dtype=str(d.get("dtype") or ""),
         )
 
 
@@ -151,7 +157,7 @@ class Recording:
         try:
             with safe_open(str(p), framework="pt") as f:
                 meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
         except (SafetensorError, OSError, ValueError) as exc:
             raise ParityError(f"{p}: not a readable safetensors file: {exc}") from None
         raw = meta.get(META_KEY)

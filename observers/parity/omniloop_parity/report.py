@@ -65,8 +65,11 @@ def recording_renderable(rec: Recording, *, all_taps: bool = False) -> Group:
         ("prompt", prompt or "-"),
         ("family", f"{m.get('family')} · model {model.get('preset') or model.get('path') or '?'}"),
         ("device", f"{m.get('device')} · {m.get('dtype')} · torch {m.get('torch')}"),
-        ("recorded", f"{m.get('created')} · taps {m.get('config', {}).get('taps')!r} · blocks "
-                     f"{m.get('config', {}).get('blocks')!r}"),
+        (
+            "recorded",
+            f"{m.get('created')} · taps {m.get('config', {}).get('taps')!r} · blocks "
+            f"{m.get('config', {}).get('blocks')!r}",
+        ),
         ("versions", ", ".join(f"{k} {v}" for k, v in (m.get("versions") or {}).items())),
         ("tensors", f"{len(rec)} taps, {sum(t.numel() * t.element_size() for t in rec.tensors.values()) / 1e6:.2f} MB"),
     ]

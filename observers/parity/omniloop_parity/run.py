@@ -52,7 +52,11 @@ def _ensure_plugin(manager: Any) -> None:
 
 
 def runtime_with_parity(
-    runtime: Any = None, *, deploy: Any = None, plugins: Any = None, taps: str | None = None,
+    runtime: Any = None,
+    *,
+    deploy: Any = None,
+    plugins: Any = None,
+    taps: str | None = None,
     blocks: str | None = None,
 ) -> Any:
     """A runtime whose ``parity`` observer records in memory with the given taps/blocks.
@@ -65,8 +69,11 @@ def runtime_with_parity(
 
     if runtime is not None:
         rec = recorder_of(runtime)
-        if rec is not None and rec.config.out is None and rec.config.blocks == blocks and (
-            taps is None or rec.config.taps == taps
+        if (
+            rec is not None
+            and rec.config.out is None
+            and rec.config.blocks == blocks
+            and (taps is None or rec.config.taps == taps)
         ):
             return runtime
         deploy = runtime.deploy
@@ -79,7 +86,11 @@ def runtime_with_parity(
 
 
 def record(
-    runtime: Any, request: Any, out: str | os.PathLike[str] | None = None, *, progress: Progress | None = None,
+    runtime: Any,
+    request: Any,
+    out: str | os.PathLike[str] | None = None,
+    *,
+    progress: Progress | None = None,
 ) -> Recording:
     """Run ``request`` on ``runtime`` (which has ``parity`` enabled) and return its recording.
 
@@ -137,7 +148,9 @@ def replay(
     if runtime is None:
         runtime = runtime_with_parity(
             deploy=replay_deploy(ref, model=model, deploy=deploy, device=device, dtype=dtype),
-            plugins=plugins, taps=taps, blocks=blocks,
+            plugins=plugins,
+            taps=taps,
+            blocks=blocks,
         )
     else:
         runtime = runtime_with_parity(runtime, taps=taps, blocks=blocks)
@@ -149,7 +162,11 @@ def replay(
 
 
 def replay_deploy(
-    ref: Recording, *, model: str | None = None, deploy: Any = None, device: str | None = None,
+    ref: Recording,
+    *,
+    model: str | None = None,
+    deploy: Any = None,
+    device: str | None = None,
     dtype: str | None = None,
 ) -> Any:
     """The deploy config a replay runs under (see :func:`replay`)."""
@@ -161,11 +178,13 @@ def replay_deploy(
             cfg = attrs.evolve(cfg, model=attrs.evolve(cfg.model, **model_fields(model)))
     elif model is not None:
         rec_device, rec_dtype = ref.manifest.get("device"), ref.manifest.get("dtype")
-        cfg = load_deploy({
-            "model": model_fields(model),
-            "device": rec_device if rec_device not in (None, "unknown") else "cpu",
-            "dtype": rec_dtype if rec_dtype in ("float32", "bfloat16", "float16") else "float32",
-        })
+        cfg = load_deploy(
+            {
+                "model": model_fields(model),
+                "device": rec_device if rec_device not in (None, "unknown") else "cpu",
+                "dtype": rec_dtype if rec_dtype in ("float32", "bfloat16", "float16") else "float32",
+            }
+        )
     elif ref.manifest.get("deploy"):
         data = dict(ref.manifest["deploy"])
         data["plugins"] = {k: v for k, v in (data.get("plugins") or {}).items() if k != NAME}

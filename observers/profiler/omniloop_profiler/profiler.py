@@ -199,8 +199,10 @@ class Profiler:
         if w is None or r.trace is not None or step != w[0]:
             return
         if Profiler._active_trace is not None:
-            log.warning("profiler: a torch.profiler window is already open (another request); not tracing %s",
-                        request.request_id)
+            log.warning(
+                "profiler: a torch.profiler window is already open (another request); not tracing %s",
+                request.request_id,
+            )
             return
         from torch.profiler import ProfilerActivity, profile
 
@@ -208,8 +210,12 @@ class Profiler:
         prof = profile(activities=acts, record_shapes=True)
         prof.__enter__()
         Profiler._active_trace = prof
-        r.trace = {"prof": prof, "node": node, "steps": list(w),
-                   "path": self.config.trace_out.format(request_id=request.request_id)}
+        r.trace = {
+            "prof": prof,
+            "node": node,
+            "steps": list(w),
+            "path": self.config.trace_out.format(request_id=request.request_id),
+        }
 
     def _stop_trace(self, r: _Req) -> None:
         assert r.trace is not None
@@ -241,23 +247,29 @@ class Profiler:
         def wall(span: _Span) -> float:
             return round((span.t1 or span.t0) - span.t0, 9)
 
-        nodes = [{"node": s.key[0], "wall_s": wall(s), "device_s": dev(s), "peak_memory_bytes": s.peak}
-                 for s in r.nodes]
+        nodes = [
+            {"node": s.key[0], "wall_s": wall(s), "device_s": dev(s), "peak_memory_bytes": s.peak} for s in r.nodes
+        ]
         steps = [{"node": s.key[0], "step": s.key[1], "wall_s": wall(s), "device_s": dev(s)} for s in r.steps]
         step_summary: dict[str, dict[str, Any]] = {}
         for name in dict.fromkeys(s["node"] for s in steps):
             ws = [s["wall_s"] for s in steps if s["node"] == name]
             ds = [s["device_s"] for s in steps if s["node"] == name and s["device_s"] is not None]
             step_summary[name] = {
-                "count": len(ws), "total_s": round(sum(ws), 9), "mean_s": statistics.fmean(ws),
-                "median_s": statistics.median(ws), "min_s": min(ws), "max_s": max(ws),
+                "count": len(ws),
+                "total_s": round(sum(ws), 9),
+                "mean_s": statistics.fmean(ws),
+                "median_s": statistics.median(ws),
+                "min_s": min(ws),
+                "max_s": max(ws),
                 "device_mean_s": statistics.fmean(ds) if ds else None,
             }
         blocks: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
         for s in r.blocks:
             node, name = s.key[0], s.key[1]
-            b = blocks.setdefault((node, name), {"node": node, "name": name, "count": 0, "total_s": 0.0,
-                                                 "device_total_s": None})
+            b = blocks.setdefault(
+                (node, name), {"node": node, "name": name, "count": 0, "total_s": 0.0, "device_total_s": None}
+            )
             b["count"] += 1
             b["total_s"] += wall(s)
             d = dev(s)
@@ -269,8 +281,10 @@ class Profiler:
         peaks = [n["peak_memory_bytes"] for n in nodes if n["peak_memory_bytes"] is not None]
         memory = None
         if self.config.memory:
-            memory = {"kind": "cuda_max_allocated" if r.cuda else "process_peak_rss",
-                      "peak_bytes": max(peaks) if peaks else self._peak(r)}
+            memory = {
+                "kind": "cuda_max_allocated" if r.cuda else "process_peak_rss",
+                "peak_bytes": max(peaks) if peaks else self._peak(r),
+            }
         trace = None
         if r.trace is not None:
             trace = {k: v for k, v in r.trace.items() if k != "prof"}
@@ -299,8 +313,9 @@ class BlockProfiler(Profiler):
         super().__init__(config)
         assert self.config.blocks is not None
         self._blocks = re.compile(self.config.blocks)
-        log.info("profiler: timing blocks matching %r; blocks run eagerly while the profiler is enabled",
-                 self.config.blocks)
+        log.info(
+            "profiler: timing blocks matching %r; blocks run eagerly while the profiler is enabled", self.config.blocks
+        )
 
     @hookimpl
     def omniloop_wants_block_taps(self, node: str) -> Any:

@@ -24,8 +24,10 @@ def summary_table(report: dict[str, Any], *, top_blocks: int = 10) -> Group:
     mem = report.get("memory") or {}
     mem_label = "peak MiB (CUDA)" if mem.get("kind") == "cuda_max_allocated" else "peak RSS MiB"
     sync = " (synchronized)" if report.get("synchronized") else ""
-    nodes = Table(title=f"profile of {escape(str(report.get('request_id')))} · {report.get('status')} · {dev}{sync}",
-                  title_justify="left")
+    nodes = Table(
+        title=f"profile of {escape(str(report.get('request_id')))} · {report.get('status')} · {dev}{sync}",
+        title_justify="left",
+    )
     nodes.add_column("node")
     nodes.add_column("wall ms", justify="right")
     nodes.add_column("device ms", justify="right")
@@ -39,8 +41,15 @@ def summary_table(report: dict[str, Any], *, top_blocks: int = 10) -> Group:
         for col in ("node", "steps", "mean ms", "median ms", "min ms", "max ms", "device mean ms"):
             steps.add_column(col, justify="left" if col == "node" else "right")
         for name, s in report["step_summary"].items():
-            steps.add_row(escape(name), str(s["count"]), _ms(s["mean_s"]), _ms(s["median_s"]), _ms(s["min_s"]),
-                          _ms(s["max_s"]), _ms(s["device_mean_s"]))
+            steps.add_row(
+                escape(name),
+                str(s["count"]),
+                _ms(s["mean_s"]),
+                _ms(s["median_s"]),
+                _ms(s["min_s"]),
+                _ms(s["max_s"]),
+                _ms(s["device_mean_s"]),
+            )
         parts.append(steps)
     blocks = sorted(report.get("blocks", []), key=lambda b: -b["total_s"])[:top_blocks]
     if blocks:
@@ -48,8 +57,14 @@ def summary_table(report: dict[str, Any], *, top_blocks: int = 10) -> Group:
         for col in ("node", "block", "calls", "total ms", "mean ms", "device mean ms"):
             bt.add_column(col, justify="left" if col in ("node", "block") else "right")
         for b in blocks:
-            bt.add_row(escape(b["node"]), escape(b["name"]), str(b["count"]), _ms(b["total_s"]), _ms(b["mean_s"]),
-                       _ms(b["device_mean_s"]))
+            bt.add_row(
+                escape(b["node"]),
+                escape(b["name"]),
+                str(b["count"]),
+                _ms(b["total_s"]),
+                _ms(b["mean_s"]),
+                _ms(b["device_mean_s"]),
+            )
         parts.append(bt)
     trace = report.get("trace")
     if trace:

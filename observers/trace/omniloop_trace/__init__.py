@@ -65,9 +65,14 @@ def tensor_stats(value: torch.Tensor) -> dict[str, Any]:
     if n == 0:
         return {"mean": None, "std": None, "absmax": None, "nonfinite": 0}
     finite = torch.isfinite(x)
-    mean, std, absmax, nfin = torch.stack([
-        x.mean(), x.std(correction=0), x.abs().max(), finite.sum().float(),
-    ]).tolist()
+    mean, std, absmax, nfin = torch.stack(
+        [
+            x.mean(),
+            x.std(correction=0),
+            x.abs().max(),
+            finite.sum().float(),
+        ]
+    ).tolist()
     return {"mean": _num(mean), "std": _num(std), "absmax": _num(absmax), "nonfinite": n - int(nfin)}
 
 
@@ -92,7 +97,7 @@ class ActivationTrace:
             p = Path(path)
             p.parent.mkdir(parents=True, exist_ok=True)
             mode = "a" if self.config.append or path in self._opened else "w"
-            fh = open(p, mode, encoding="utf-8")  # noqa: SIM115 (kept open across taps)
+            fh = open(p, mode, encoding="utf-8")
             self._opened.add(path)
             self._files[path] = fh
         return fh
@@ -119,11 +124,15 @@ class ActivationTrace:
         else:
             return
         line = {
-            "request_id": request.request_id, "node": node,
+            "request_id": request.request_id,
+            "node": node,
             "step": None if step is None else int(step.step_index),
-            "branch": None if step is None else step.branch, "name": name, "kind": kind,
+            "branch": None if step is None else step.branch,
+            "name": name,
+            "kind": kind,
             "timestep": None if step is None else float(step.timestep),
-            "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
+            "shape": list(value.shape),
+            "dtype": str(value.dtype).replace("torch.", ""),
             **tensor_stats(value),
         }
         self._file(request.request_id).write(json.dumps(line) + "\n")
