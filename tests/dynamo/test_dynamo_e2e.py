@@ -107,7 +107,21 @@ def test_two_workers_behind_one_frontend(deployment_factory, http_call, tiny_wan
     assert status == 200 and resp["data"][0]["url"].startswith("file://"), resp
     assert _decode_mp4(Path(resp["data"][0]["url"][len("file://"):]).read_bytes()).shape[0] == 5
 
-    # 4. kill one worker while requests are in flight: the frontend keeps answering, the other serves
+    # 4. a client that goes away cancels its request in the engine (between steps)
+    long = _video_body(7, num_inference_steps=200, num_frames=33)
+    long["size"] = "256x256"
+    with pytest.raises(OSError):  # urllib's timeout
+        http("POST", f"{dep.url}/v1/videos", long, timeout=1.0)
+    deadline = time.monotonic() + 30
+    while True:
+        cancelled = sum(dep.metrics(n).get(f'omniloop_engine_finished_total{{model="{MODEL}",status="cancelled"}}', 0)
+                        for n in ("w1", "w2"))
+        if cancelled >= 1:
+            break
+        assert time.monotonic() < deadline, "the abandoned request was not cancelled"
+        time.sleep(0.2)
+
+    # 5. kill one worker while requests are in flight: the frontend keeps answering, the other serves
     def post(seed: int) -> int:
         return http("POST", f"{dep.url}/v1/videos", _video_body(seed, num_inference_steps=6), timeout=120)[0]
 
@@ -133,7 +147,7 @@ def test_two_workers_behind_one_frontend(deployment_factory, http_call, tiny_wan
     status, models = http("GET", f"{dep.url}/v1/models")
     assert status == 200 and MODEL in {m["id"] for m in models["data"]}
 
-    # 5. SIGTERM drains: the request in flight completes, the worker deregisters and exits 0
+    # 6. SIGTERM drains: the request in flight completes, the worker deregisters and exits 0
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(http, "POST", f"{dep.url}/v1/videos", _video_body(300, num_inference_steps=12), 120)
         deadline = time.monotonic() + 30
@@ -193,3 +207,4 @@ def test_images_streaming_and_health_on_toy(deployment_factory, http_call, tmp_p
     m = dep.metrics("toy")
     assert m['omniloop_dynamo_requests_total{model="toy",kind="image",outcome="completed"}'] == 1
     assert m['omniloop_dynamo_request_predicted_seconds_count{model="toy"}'] >= 1
+    assert m['omniloop_dynamo_health_checks_total{model="toy"}'] >= 1  # the canary reached the handler

@@ -43,6 +43,7 @@ class WorkerMetrics:
         self.abs_error_sum = 0.0  # |actual - predicted| over requests with a prediction
         self.seconds_buckets = [0] * (len(REQUEST_BUCKETS) + 1)
         self.draining = False
+        self.probes = 0
         self.last_predicted: float | None = None
 
     def start(self, predicted: float | None) -> None:
@@ -106,6 +107,8 @@ class WorkerMetrics:
                 buckets.append(("_bucket", {"le": "+Inf" if b == float("inf") else repr(b)}, cum))
             metric("omniloop_dynamo_request_seconds", "histogram", "Seconds from submit to response ready.",
                    [*buckets, ("_sum", None, self.seconds_sum), ("_count", None, self.seconds_count)])
+            metric("omniloop_dynamo_health_checks_total", "counter", "Health canaries answered.",
+                   [("", None, self.probes)])
             metric("omniloop_dynamo_draining", "gauge", "1 while the worker drains after SIGTERM.",
                    [("", None, 1.0 if self.draining else 0.0)])
         if engine_stats:

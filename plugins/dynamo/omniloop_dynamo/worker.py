@@ -63,8 +63,9 @@ log = logging.getLogger("omniloop.dynamo")
 HEALTH_CHECK_KEY = "_HEALTH_CHECK"
 INSTALL_HINT = (
     "ai-dynamo is not importable in this Python ({python}). Install it with "
-    "plugins/dynamo/install-dynamo.sh (ai-dynamo==1.6.1 and ai-dynamo-runtime==1.6.1 --no-deps plus "
-    "their real dependencies; a plain `pip install ai-dynamo` fails where only PyPI is reachable)."
+    "`bash plugins/dynamo/install-dynamo.sh` (ai-dynamo==1.6.1 and ai-dynamo-runtime==1.6.1 --no-deps plus "
+    "their real dependencies; a plain `pip install ai-dynamo` fails where only PyPI is reachable), then run "
+    "the worker with the Python it prints: PY -m omniloop_dynamo.worker --deploy FILE"
 )
 
 
@@ -313,6 +314,8 @@ class OmniloopDynamoWorker:
         thread = getattr(eng, "_thread", None)
         if eng is None or getattr(eng, "worker_error", None) is not None or (thread is not None and not thread.is_alive()):
             raise self.E.EngineShutdown("the omniloop engine thread is not running")
+        with self.metrics.lock:
+            self.metrics.probes += 1
         if kind == "video":
             return video_response(response_id="health", model=self.model_name, data=[])
         return image_response(data=[], size=None)
@@ -380,6 +383,9 @@ class OmniloopDynamoWorker:
                 for r, out in zip(mapped.requests, outputs, strict=True):
                     self.cost.observe(r, seconds, out)
             yield response
+        except E.Cancelled:
+            outcome = "cancelled"
+            raise
         except asyncio.CancelledError:
             outcome = "cancelled"
             self._cancel(handles)
