@@ -381,6 +381,7 @@ def test_request_is_validated_before_the_model_is_loaded(cwd: Path) -> None:
         (["--model", "{ck}", "--out", "x.png"], "--out"),  # a t2v request makes a video
         (["--model", "{ck}", "--plugin-param", "nodot=1"], "--plugin-param"),
         (["--model", "{ck}", "--bogus-flag"], "--bogus-flag"),
+        (["--model", "{ck}", "--image", "no/such/image.png"], "--image"),
         ([], "--model"),
     ],
 )
