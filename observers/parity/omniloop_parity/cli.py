@@ -25,7 +25,12 @@ from .compare import Tolerances
 
 
 class ParityUsageError(click.ClickException):
+    """Bad input: one red line on stderr (as omniloop-cli prints errors), exit status 2."""
+
     exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.secho(f"error: {' '.join(self.format_message().split())}", fg="red", err=True)
 
 
 def _console() -> Console:
