@@ -9,9 +9,11 @@ Reference paths, each with the same cache settings as our interceptor:
   contexts on every call. The pipeline runs without text encoder or VAE (prompt embeddings in,
   latents out), so its denoise loop is what we compare.
 
-Ours: the same transformer's submodules called the way diffusers' ``WanTransformer3DModel.forward``
-calls them, with the block loop through ``omniloop.run_blocks`` and our interceptor bound, one
-context per guidance branch. The outputs must be bit-identical (``torch.equal``).
+Ours: the Wan family's outer forward (``omniloop_wan.transformer.wan_forward``; a minimal copy in
+this file when that package is absent) — the transformer's submodules called the way diffusers'
+``WanTransformer3DModel.forward`` calls them, blocks through ``omniloop.run_blocks`` with our
+interceptor bound, one context per guidance branch. (test_cache_dit_wan_family.py goes further:
+the whole request through the Wan family's runtime.) The outputs must be bit-identical (``torch.equal``).
 """
 
 from __future__ import annotations
@@ -65,12 +67,19 @@ SETTINGS = [
 
 
 def _family_outer_forward() -> Callable[..., torch.Tensor] | None:
-    """The Wan family's own outer forward, when that package provides one we can call here."""
+    """The Wan family's own outer forward (``omniloop_wan.transformer.wan_forward``) when installed."""
     try:
         mod = importlib.import_module("omniloop_wan.transformer")
     except ImportError:
         return None
-    return getattr(mod, "wan_transformer_forward", None)
+    family_forward = mod.wan_forward
+
+    def forward(
+        tr: Any, x: torch.Tensor, ts: torch.Tensor, emb: torch.Tensor, ctx: BlockContext | None
+    ) -> torch.Tensor:
+        return family_forward(tr, x, ts, emb, None, block_ctx=ctx)
+
+    return forward
 
 
 def wan_forward(
@@ -193,9 +202,12 @@ def _library_transformer(tr: Any) -> Callable[..., torch.Tensor]:
     return lambda i, br, lat, ts, emb: tr(lat, ts, emb, return_dict=False)[0]
 
 
-def test_outer_forward_matches_diffusers_forward(wan: dict[str, Any]) -> None:
+@pytest.mark.parametrize("which", ["test", "family"])
+def test_outer_forward_matches_diffusers_forward(wan: dict[str, Any], which: str) -> None:
     tr = wan["transformer"]
-    forward = _family_outer_forward() or wan_forward
+    forward = wan_forward if which == "test" else _family_outer_forward()
+    if forward is None:
+        pytest.skip("omniloop-wan is not installed")
     with torch.no_grad():
         t = torch.tensor([500.0])
         ref = tr(wan["latents"], t, wan["prompt_embeds"], return_dict=False)[0]
