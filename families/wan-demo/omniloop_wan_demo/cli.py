@@ -1,0 +1,109 @@
+"""``omniloop eval adherence``: prompt adherence of a model on the demo prompts.
+
+    omniloop eval adherence --model wan-demo --steps 20 --seeds 0,1
+    omniloop eval adherence --steps 50,20,8,4 --prompts full --json adherence.json
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def _ints(value: str) -> list[int]:
+    return [int(v) for v in str(value).replace(" ", "").split(",") if v]
+
+
+@click.command("adherence")
+@click.option("--model", default="wan-demo", show_default=True, help="preset name or checkpoint folder")
+@click.option("--steps", default=None, help="denoising steps; a comma list sweeps (default: the checkpoint's, 20)")
+@click.option("--seeds", default="0,1", show_default=True, help="comma-separated seeds")
+@click.option("--guidance", "guidance_scale", default=None, type=float, help="CFG scale (default: the checkpoint's, 5.0)")
+@click.option("--prompts", "prompt_set", default="default", type=click.Choice(["default", "full"]), show_default=True,
+              help="default: 6 colors x 4 directions (24); full: x 3 shapes (72)")
+@click.option("--backend", default="auto", type=click.Choice(["auto", "runtime", "diffusers"]), show_default=True,
+              help="auto: omniloop's runtime when it can load the model, else diffusers' WanPipeline")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--batch-size", default=48, show_default=True, type=int)
+@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="write the full report here")
+@click.option("--table/--no-table", default=True, show_default=True, help="print the per-clip table")
+def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float | None, prompt_set: str, backend: str,
+              device: str, dtype: str, batch_size: int, json_out: str | None, table: bool) -> None:
+    """Generate a fixed set of prompts x seeds, detect color and motion direction, report accuracy."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .evaluate import default_prompts, evaluate, format_table, full_prompts, make_generator, wilson
+
+    console = Console()
+    defaults = _checkpoint_defaults(model)
+    step_list = _ints(steps) if steps else [int(defaults.get("steps", 20))]
+    g = guidance_scale if guidance_scale is not None else float(defaults.get("guidance_scale", 5.0))
+    gen, used, note = make_generator(backend, model=model, device=device, dtype=dtype, batch_size=batch_size)
+    if note:
+        console.print(f"[yellow]note:[/] {note}")
+    prompts = default_prompts() if prompt_set == "default" else full_prompts()
+    reports = []
+    for n_steps in step_list:
+        rep = evaluate(gen, prompts=prompts, seeds=_ints(seeds), steps=n_steps, guidance_scale=g, backend=used)
+        if note:
+            rep.extra["note"] = note
+        reports.append(rep)
+        if table:
+            t = Table(title=f"{model}: {n_steps} steps, guidance {g}, backend {used}")
+            for col in ("prompt", "seed", "color", "direction", "shape", "travel px"):
+                t.add_column(col)
+            for row in format_table(rep):
+                t.add_row(*row)
+            console.print(t)
+    s = Table(title=f"prompt adherence of {model} ({len(prompts)} prompts x seeds {seeds})")
+    for col in ("steps", "n", "color", "direction", "color+direction", "shape", "seconds"):
+        s.add_column(col, justify="right")
+    for rep in reports:
+        def cell(k: str) -> str:
+            lo, hi = wilson(rep.accuracy[k], rep.n)
+            return f"{rep.accuracy[k]:.1%} [{lo:.0%}-{hi:.0%}]"
+        s.add_row(str(rep.steps), str(rep.n), cell("color"), cell("direction"), cell("all"), cell("shape"), f"{rep.seconds:.1f}")
+    console.print(s)
+    if json_out:
+        Path(json_out).write_text(json.dumps({"model": model, "reports": [r.to_dict() for r in reports]}, indent=1))
+        console.print(f"wrote {json_out}")
+
+
+def _checkpoint_defaults(model: str) -> dict[str, Any]:
+    from .checkpoint_path import checkpoint_dir
+
+    path = Path(model) if Path(model).is_dir() else checkpoint_dir()
+    f = path / "omniloop.json"
+    try:
+        return dict(json.loads(f.read_text()).get("defaults", {}))
+    except (OSError, ValueError):
+        return {}
+
+
+def add_to(cli: click.Group) -> None:
+    """Add ``eval adherence`` to the ``omniloop`` group (reusing an ``eval`` group if one exists)."""
+    group = cli.commands.get("eval") if hasattr(cli, "commands") else None
+    if group is None or not isinstance(group, click.Group):
+        @click.group("eval")
+        def group() -> None:
+            """Evaluate models."""
+
+        cli.add_command(group)
+    group.add_command(adherence)
+
+
+@click.group()
+def main() -> None:
+    """Standalone entry (``python -m omniloop_wan_demo.cli eval adherence``) for when the
+    omniloop CLI is not installed."""
+
+
+add_to(main)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""Prompt adherence by simple image analysis: which color, which shape, which way does it move.
+
+Detector (:func:`detect`): per frame, the background is the frame's median color (the object
+covers < 10 % of the frame); object pixels are those farther than ``threshold`` from it. The
+object's color is the mean color of object pixels over all frames, named by the nearest entry of
+:data:`omniloop_wan_demo.data.COLORS`; the direction is the sign of the dominant axis of a
+least-squares line through the per-frame centroids (``none`` when it moves less than
+``min_travel`` px over the clip); the shape comes from how much of its bounding box the object
+fills (square ~1, circle ~0.79, triangle ~0.5).
+
+Evaluator (:func:`evaluate`): a fixed list of prompts x seeds goes through a pluggable
+``generate(prompts, seeds, *, steps, guidance_scale) -> list[uint8 [T, H, W, 3]]``; the result
+holds accuracy per attribute and a per-clip table.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .data import COLORS, DIRECTIONS, SHAPES, parse_prompt, prompt_for
+
+Generate = Callable[..., list[np.ndarray]]
+
+_PALETTE = np.array(list(COLORS.values()), dtype=np.float32)
+_PALETTE_NAMES = list(COLORS)
+
+
+@dataclass
+class Detection:
+    color: str | None
+    direction: str
+    shape: str | None
+    mean_rgb: tuple[float, float, float] | None
+    velocity: tuple[float, float]  # px / frame (x right, y down)
+    travel: float  # px over the clip along the dominant axis
+    area: float  # mean object pixels per frame
+    frames_found: int
+
+
+def _as_float_frames(video: np.ndarray) -> np.ndarray:
+    v = np.asarray(video)
+    if v.ndim != 4:
+        raise ValueError(f"expected [T, H, W, 3] frames, got shape {v.shape}")
+    if v.shape[-1] != 3 and v.shape[0] == 3:  # [3, T, H, W]
+        v = np.moveaxis(v, 0, -1)
+    if v.dtype == np.uint8:
+        return v.astype(np.float32) / 255.0
+    return v.astype(np.float32)
+
+
+def object_masks(frames: np.ndarray, threshold: float = 0.22) -> np.ndarray:
+    """Boolean ``[T, H, W]`` object masks: pixels far from the frame's median color."""
+    bg = np.median(frames.reshape(frames.shape[0], -1, 3), axis=1)  # [T, 3]
+    dist = np.linalg.norm(frames - bg[:, None, None, :], axis=-1)
+    return dist > threshold
+
+
+def name_color(rgb: Sequence[float]) -> str:
+    d = np.linalg.norm(_PALETTE - np.asarray(rgb, dtype=np.float32)[None], axis=1)
+    return _PALETTE_NAMES[int(np.argmin(d))]
+
+
+def detect(video: np.ndarray, *, threshold: float = 0.22, min_travel: float = 6.0, min_area: int = 8) -> Detection:
+    """Color, direction and shape of the single object in ``video`` (``[T, H, W, 3]``)."""
+    frames = _as_float_frames(video)
+    masks = object_masks(frames, threshold)
+    T = frames.shape[0]
+    areas = masks.reshape(T, -1).sum(1)
+    found = areas >= min_area
+    if not found.any():
+        return Detection(None, "none", None, None, (0.0, 0.0), 0.0, float(areas.mean()), 0)
+    pix = frames[masks & found[:, None, None]]
+    mean_rgb = pix.mean(0)
+    color = name_color(mean_rgb)
+
+    ys, xs = np.mgrid[0 : frames.shape[1], 0 : frames.shape[2]]
+    ts, cxs, cys, fills = [], [], [], []
+    for t in np.nonzero(found)[0]:
+        m = masks[t]
+        ts.append(t)
+        cxs.append(xs[m].mean())
+        cys.append(ys[m].mean())
+        h = ys[m].max() - ys[m].min() + 1
+        w = xs[m].max() - xs[m].min() + 1
+        fills.append(m.sum() / float(h * w))
+    ts_a = np.asarray(ts, dtype=np.float64)
+    if len(ts) >= 2 and np.ptp(ts_a) > 0:
+        vx = float(np.polyfit(ts_a, cxs, 1)[0])
+        vy = float(np.polyfit(ts_a, cys, 1)[0])
+    else:
+        vx = vy = 0.0
+    span = T - 1
+    if abs(vx) >= abs(vy):
+        travel = abs(vx) * span
+        direction = ("right" if vx > 0 else "left") if travel >= min_travel else "none"
+    else:
+        travel = abs(vy) * span
+        direction = ("down" if vy > 0 else "up") if travel >= min_travel else "none"
+    fill = float(np.median(fills))
+    shape = "triangle" if fill < 0.64 else ("circle" if fill < 0.89 else "square")
+    return Detection(
+        color=color,
+        direction=direction,
+        shape=shape,
+        mean_rgb=tuple(float(c) for c in mean_rgb),
+        velocity=(vx, vy),
+        travel=float(travel),
+        area=float(areas.mean()),
+        frames_found=int(found.sum()),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# The fixed evaluation set
+# ------------------------------------------------------------------------------------------
+
+
+def default_prompts() -> list[str]:
+    """Every color x every direction (24 prompts); shapes rotate so each appears 8 times."""
+    out = []
+    for i, c in enumerate(COLORS):
+        for j, d in enumerate(DIRECTIONS):
+            out.append(prompt_for(c, SHAPES[(i + j) % len(SHAPES)], d))
+    return out
+
+
+def full_prompts() -> list[str]:
+    """Every color x shape x direction (72 prompts)."""
+    return [prompt_for(c, s, d) for c in COLORS for s in SHAPES for d in DIRECTIONS]
+
+
+DEFAULT_SEEDS: tuple[int, ...] = (0, 1)
+
+
+@dataclass
+class ClipResult:
+    prompt: str
+    seed: int
+    expected: dict[str, str]
+    detected: dict[str, Any]
+    ok: dict[str, bool]
+
+
+@dataclass
+class AdherenceReport:
+    steps: int
+    guidance_scale: float
+    n: int
+    accuracy: dict[str, float]
+    clips: list[ClipResult] = field(default_factory=list)
+    seconds: float = 0.0
+    backend: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self, *, with_clips: bool = True) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_clips:
+            d.pop("clips")
+        return d
+
+
+ATTRIBUTES = ("color", "direction", "shape")
+
+
+def score(videos: Sequence[np.ndarray], prompts: Sequence[str], seeds: Sequence[int]) -> tuple[dict[str, float], list[ClipResult]]:
+    clips = []
+    for video, prompt, seed in zip(videos, prompts, seeds):
+        color, shape, direction = parse_prompt(prompt)
+        det = detect(video)
+        expected = {"color": color, "direction": direction, "shape": shape}
+        got = {"color": det.color, "direction": det.direction, "shape": det.shape}
+        ok = {k: got[k] == expected[k] for k in ATTRIBUTES}
+        detected = dict(got, velocity=[round(v, 3) for v in det.velocity], travel=round(det.travel, 2), area=round(det.area, 1))
+        clips.append(ClipResult(prompt, int(seed), expected, detected, ok))
+    n = max(len(clips), 1)
+    acc = {k: sum(c.ok[k] for c in clips) / n for k in ATTRIBUTES}
+    acc["all"] = sum(all(c.ok[k] for k in ("color", "direction")) for c in clips) / n
+    return acc, clips
+
+
+def evaluate(
+    generate: Generate,
+    *,
+    prompts: Sequence[str] | None = None,
+    seeds: Sequence[int] = DEFAULT_SEEDS,
+    steps: int = 20,
+    guidance_scale: float = 5.0,
+    backend: str = "",
+) -> AdherenceReport:
+    """Generate every (prompt, seed) pair with ``generate`` and score it."""
+    prompts = list(prompts or default_prompts())
+    pairs = [(p, s) for s in seeds for p in prompts]
+    t0 = time.perf_counter()
+    videos = generate([p for p, _ in pairs], [s for _, s in pairs], steps=steps, guidance_scale=guidance_scale)
+    seconds = time.perf_counter() - t0
+    acc, clips = score(videos, [p for p, _ in pairs], [s for _, s in pairs])
+    return AdherenceReport(steps, guidance_scale, len(clips), acc, clips, seconds, backend)
+
+
+# ------------------------------------------------------------------------------------------
+# Generation backends
+# ------------------------------------------------------------------------------------------
+
+
+class DiffusersGenerator:
+    """Stand-in generator: diffusers' own ``WanPipeline`` on a local checkpoint folder (or a
+    pipeline object already built)."""
+
+    name = "diffusers"
+
+    def __init__(self, path_or_pipe: Any, *, device: str = "cpu", dtype: str = "float32", batch_size: int = 48,
+                 frames: int = 17, height: int = 64, width: int = 64, max_sequence_length: int = 512):
+        import torch
+
+        if isinstance(path_or_pipe, (str, bytes)) or hasattr(path_or_pipe, "__fspath__"):
+            from diffusers import WanPipeline
+
+            self.pipe = WanPipeline.from_pretrained(str(path_or_pipe), torch_dtype=getattr(torch, dtype))
+            self.pipe.to(device)
+        else:
+            self.pipe = path_or_pipe
+        self.pipe.set_progress_bar_config(disable=True)
+        self.device = device
+        self.batch_size = batch_size
+        self.frames, self.height, self.width = frames, height, width
+        self.max_sequence_length = max_sequence_length
+
+    def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
+        import torch
+
+        out: list[np.ndarray] = []
+        for i in range(0, len(prompts), self.batch_size):
+            ps = list(prompts[i : i + self.batch_size])
+            gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds[i : i + self.batch_size]]
+            with torch.no_grad():
+                res = self.pipe(
+                    prompt=ps,
+                    num_frames=self.frames,
+                    height=self.height,
+                    width=self.width,
+                    num_inference_steps=steps,
+                    guidance_scale=guidance_scale,
+                    generator=gens,
+                    output_type="np",
+                    max_sequence_length=self.max_sequence_length,
+                )
+            frames = np.asarray(res.frames)  # [B, T, H, W, 3] float in [0, 1]
+            out.extend((np.clip(f, 0, 1) * 255).round().astype(np.uint8) for f in frames)
+        return out
+
+
+class RuntimeGenerator:
+    """Generation through omniloop's runtime (``Runtime.from_model(model)``), one request per clip."""
+
+    name = "runtime"
+
+    def __init__(self, model: str = "wan-demo", *, device: str = "cpu", dtype: str = "float32",
+                 frames: int = 17, height: int = 64, width: int = 64):
+        from omniloop.runtime import Runtime
+
+        self.runtime = Runtime.from_model(model, device=device, dtype=dtype)
+        self.frames, self.height, self.width = frames, height, width
+
+    def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
+        out = []
+        for p, s in zip(prompts, seeds):
+            request = {
+                "task": "t2v",
+                "inputs": [{"type": "text", "text": p}],
+                "diffusion": {
+                    "steps": int(steps),
+                    "guidance_scale": float(guidance_scale),
+                    "seed": int(s),
+                    "frames": self.frames,
+                    "height": self.height,
+                    "width": self.width,
+                },
+            }
+            output = self.runtime.generate(request)
+            if not output.ok:
+                raise RuntimeError(f"runtime failed on {p!r}: {output.error}")
+            video = output.artifacts["video"]
+            frames = getattr(video, "frames", video)
+            out.append(np.asarray(frames.cpu() if hasattr(frames, "cpu") else frames, dtype=np.uint8))
+        return out
+
+
+class FamilyLoopGenerator:
+    """Generation through the Wan family's own pipeline and denoise loop (``omniloop_wan``) over
+    modules already in memory — what training validation uses: ``WanFamily.from_components`` →
+    ``build_pipeline(t2v)`` → ``omniloop.execution.Execution`` stepped to completion, one request
+    per clip."""
+
+    name = "family-loop"
+
+    def __init__(self, components: dict[str, Any], *, device: Any = "cpu", dtype: Any = None,
+                 frames: int = 17, height: int = 64, width: int = 64):
+        import torch
+        from omniloop.execution import BuiltPipeline
+        from omniloop.request import TaskType
+        from omniloop_wan.family import WanFamily
+
+        device = torch.device(device)
+        dtype = dtype or torch.float32
+        fam = WanFamily()
+        self.model = fam.from_components(components, device=device, dtype=dtype)
+        spec = fam.build_pipeline(self.model, TaskType.T2V, {})
+        self.built = BuiltPipeline(spec=spec, components=components, device=device, dtype=dtype)
+        self.frames, self.height, self.width = frames, height, width
+
+    def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
+        import torch
+        from omniloop.execution import Execution
+        from omniloop.schema import request_from_dict
+
+        out = []
+        for p, s in zip(prompts, seeds):
+            req = request_from_dict({
+                "task": "t2v",
+                "inputs": [{"type": "text", "text": p}],
+                "diffusion": {"steps": int(steps), "guidance_scale": float(guidance_scale), "seed": int(s),
+                              "frames": self.frames, "height": self.height, "width": self.width},
+            })
+            ex = Execution(self.built, req)
+            with torch.no_grad():
+                while not ex.done:
+                    ex.advance()
+            res = ex.output
+            if not res.ok:
+                raise RuntimeError(f"family loop failed on {p!r}: {res.error}")
+            out.append(np.asarray(res.artifacts["video"].frames.cpu(), dtype=np.uint8))
+        return out
+
+
+def make_generator(backend: str = "auto", *, model: str = "wan-demo", device: str = "cpu", dtype: str = "float32",
+                   batch_size: int = 48) -> tuple[Generate, str, str | None]:
+    """``(generate, backend_name, note)``. ``auto`` uses the runtime when it can load ``model``
+    and falls back to diffusers' WanPipeline on the shipped checkpoint (the note says why)."""
+    note = None
+    if backend in ("auto", "runtime"):
+        try:
+            return RuntimeGenerator(model, device=device, dtype=dtype), "runtime", None
+        except Exception as e:  # the runtime or the Wan family may not exist yet
+            if backend == "runtime":
+                raise
+            note = f"runtime unavailable ({type(e).__name__}: {e}); used diffusers WanPipeline"
+    from pathlib import Path
+
+    from .checkpoint_path import checkpoint_dir
+
+    path = Path(model) if Path(model).is_dir() else checkpoint_dir()
+    return DiffusersGenerator(path, device=device, dtype=dtype, batch_size=batch_size), "diffusers", note
+
+
+def format_table(report: AdherenceReport, *, limit: int | None = None) -> list[list[str]]:
+    rows = []
+    for c in report.clips[: limit or None]:
+        rows.append([
+            c.prompt,
+            str(c.seed),
+            f"{c.detected['color']}{'' if c.ok['color'] else ' ✗'}",
+            f"{c.detected['direction']}{'' if c.ok['direction'] else ' ✗'}",
+            f"{c.detected['shape']}{'' if c.ok['shape'] else ' ✗'}",
+            f"{c.detected['travel']:.1f}",
+        ])
+    return rows
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson interval of a proportion (for honest small-n reporting)."""
+    if n == 0:
+        return (0.0, 1.0)
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))

@@ -1,0 +1,84 @@
+"""The shipped checkpoint: size, diffusers-format loading on CPU, generation, registration."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from omniloop_wan_demo import checkpoint_dir, tokenizer_dir
+
+torch.set_num_threads(2)
+
+CKPT = checkpoint_dir()
+pytestmark = pytest.mark.skipif(not (CKPT / "model_index.json").exists(), reason="checkpoint not built yet")
+
+
+def test_layout_and_size():
+    index = json.loads((CKPT / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline"
+    for comp in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
+        assert (CKPT / comp).is_dir(), comp
+    total = sum(f.stat().st_size for f in CKPT.rglob("*") if f.is_file())
+    assert total < 15 * 2**20, total
+    vae = json.loads((CKPT / "vae" / "config.json").read_text())
+    assert vae["scale_factor_spatial"] == 4 and vae["scale_factor_temporal"] == 4
+    # latent statistics of the training latents, not the Wan2.1 defaults or identity
+    assert any(abs(m) > 1e-3 for m in vae["latents_mean"]) and any(abs(s - 1) > 1e-3 for s in vae["latents_std"])
+    sched = json.loads((CKPT / "scheduler" / "scheduler_config.json").read_text())
+    assert sched["prediction_type"] == "flow_prediction" and sched["use_flow_sigmas"] and sched["flow_shift"] > 1
+    defaults = json.loads((CKPT / "omniloop.json").read_text())["defaults"]
+    assert defaults["frames"] == 17 and defaults["height"] == 64
+
+
+def test_tokenizer_loads_with_autotokenizer():
+    from transformers import AutoTokenizer
+
+    for path in (CKPT / "tokenizer", tokenizer_dir()):
+        tok = AutoTokenizer.from_pretrained(str(path))
+        ids = tok("a red circle moving left", add_special_tokens=True).input_ids
+        assert tok.unk_token_id not in ids and ids[-1] == tok.eos_token_id and len(ids) == 6
+
+
+def test_diffusers_wanpipeline_generates_on_cpu():
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(CKPT), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    t0 = time.perf_counter()
+    out = pipe("a blue square moving right", num_frames=17, height=64, width=64, num_inference_steps=4,
+               generator=torch.Generator().manual_seed(0), output_type="np")
+    seconds = time.perf_counter() - t0
+    frames = np.asarray(out.frames)
+    assert frames.shape == (1, 17, 64, 64, 3) and np.isfinite(frames).all()
+    assert frames.std() > 0.02  # not a flat image
+    assert seconds < 120  # a few seconds on an idle laptop; generous for a busy 2-core CI box
+
+
+def test_preset_and_commands_registered():
+    import click
+
+    from omniloop_wan_demo import plugin
+
+    got = []
+    plugin.omniloop_register_model_presets(got.append)
+    assert got[0].name == "wan-demo" and got[0].family == "wan" and got[0].path() == CKPT
+
+    @click.group()
+    def cli():
+        pass
+
+    plugin.omniloop_register_commands(cli)
+    assert "adherence" in cli.commands["eval"].commands
+
+
+def test_runtime_generates_from_preset():
+    runtime = pytest.importorskip("omniloop.runtime")
+    pytest.importorskip("omniloop_wan")
+    rt = runtime.Runtime.from_model("wan-demo")
+    out = rt.generate({"task": "t2v", "inputs": [{"type": "text", "text": "a yellow circle moving up"}],
+                       "diffusion": {"steps": 2, "seed": 0}})
+    assert out.ok, out.error
+    frames = out.artifacts["video"].frames
+    assert tuple(frames.shape) == (17, 64, 64, 3)
