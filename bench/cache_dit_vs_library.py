@@ -1,0 +1,326 @@
+"""omniloop's cache-dit interceptor against cache-dit's own diffusers integration, side by side (GPU).
+
+Wan2.1 T2V 1.3B architecture with random weights (the components of ``wan_vs_diffusers.py``),
+four sides sharing the very same modules, interleaved and repeated after a warm-up of each:
+
+* ``diffusers``             — ``WanPipeline``, no cache;
+* ``diffusers+cache-dit``   — ``cache_dit.enable_cache(pipe, DBCacheConfig(...))`` (the pipeline
+  path, which resets its contexts per call); hooks installed and removed around each run,
+  outside the timed region;
+* ``omniloop``              — the Wan family, no interceptor;
+* ``omniloop+cache-dit``    — the Wan family with ``CacheDiTInterceptor`` bound (same settings).
+
+Reported: median seconds per denoise step and end to end per side; ``ratio_ours_vs_library``
+(omniloop+cache-dit / diffusers+cache-dit, end to end and per step; target <= 1.00); each
+framework's speedup over its own uncached run; the cached steps each cache side took per branch
+(equal decisions are what make the timing comparable); whether the two cached sides produced the
+same frames.
+
+On random weights the Fn residual changes a lot between steps (about 0.2 relative L1), so the
+default threshold is high enough to make caching happen; speed *and quality* of real settings
+need a trained checkpoint.
+
+    python bench/cache_dit_vs_library.py [--steps 12] [--repeats 2] [--frames 33]   # writes bench/results/
+    python bench/cache_dit_vs_library.py --smoke --no-write                          # toy sizes on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def _wan_bench() -> Any:
+    spec = importlib.util.spec_from_file_location("wan_vs_diffusers", HERE / "wan_vs_diffusers.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+W = _wan_bench()
+sync = W.sync
+
+
+def cache_configs(s: dict[str, Any]) -> tuple[Any, Any]:
+    import cache_dit
+
+    cfg = cache_dit.DBCacheConfig(
+        Fn_compute_blocks=s["Fn"],
+        Bn_compute_blocks=s["Bn"],
+        residual_diff_threshold=s["residual_diff_threshold"],
+        max_warmup_steps=s["max_warmup_steps"],
+        max_cached_steps=s["max_cached_steps"],
+        max_continuous_cached_steps=s["max_continuous_cached_steps"],
+    )
+    cal = cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=s["taylorseer_order"]) if s["taylorseer"] else None
+    return cfg, cal
+
+
+class Diffusers:
+    def __init__(self, comps: dict[str, Any], settings: dict[str, Any] | None) -> None:
+        self.comps, self.settings = comps, settings
+        self.name = "diffusers" + ("+cache-dit" if settings else "")
+        self.cached: dict[str, list[int]] = {}
+
+    def run(self, steps: int, seed: int, size: tuple[int, int, int]) -> tuple[float, list[float], torch.Tensor]:
+        import cache_dit
+        from diffusers import WanPipeline
+
+        c = self.comps
+        pipe = WanPipeline(
+            tokenizer=c["tokenizer"],
+            text_encoder=c["text_encoder"],
+            vae=c["vae"],
+            scheduler=type(c["scheduler"]).from_config(c["scheduler"].config),
+            transformer=c["transformer"],
+        )
+        pipe.set_progress_bar_config(disable=True)
+        if self.settings:
+            cfg, cal = cache_configs(self.settings)
+            cache_dit.enable_cache(pipe, cache_config=cfg, calibrator_config=cal)
+        marks: list[float] = []
+
+        def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+            sync()
+            marks.append(time.perf_counter())
+            return {}
+
+        frames_n, h, w = size
+        try:
+            sync()
+            t0 = time.perf_counter()
+            out = pipe(
+                prompt=W.PROMPT,
+                negative_prompt=W.NEGATIVE,
+                height=h,
+                width=w,
+                num_frames=frames_n,
+                num_inference_steps=steps,
+                guidance_scale=5.0,
+                generator=torch.Generator("cpu").manual_seed(seed),
+                output_type="np",
+                callback_on_step_end=on_step,
+            )
+            sync()
+            total = time.perf_counter() - t0
+            if self.settings:
+                mgr = pipe._context_manager
+                ctx = next(iter(mgr._cached_context_manager.values()))
+                self.cached = {"cond": ctx.get_cached_steps(), "uncond": ctx.get_cfg_cached_steps()}
+        finally:
+            if self.settings:
+                cache_dit.disable_cache(pipe)
+        frames = torch.from_numpy((out.frames[0] * 255).round().astype("uint8"))
+        return total, [b - a for a, b in itertools.pairwise(marks)], frames
+
+
+class Omniloop:
+    def __init__(
+        self, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, settings: dict[str, Any] | None
+    ) -> None:
+        from omniloop.execution import BuiltPipeline
+        from omniloop.request import TaskType
+        from omniloop_wan.family import WanFamily
+
+        self.settings = settings
+        self.name = "omniloop" + ("+cache-dit" if settings else "")
+        self.cached: dict[str, list[int]] = {}
+        icpt = None
+        if settings:
+            from omniloop_cache_dit import CacheDiTInterceptor
+
+            icpt = CacheDiTInterceptor(settings)
+        fam = WanFamily()
+        model = fam.from_components(comps, device=device, dtype=dtype)
+        spec = fam.build_pipeline(model, TaskType.T2V, {})
+        self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, block_interceptor=icpt)
+
+    def run(self, steps: int, seed: int, size: tuple[int, int, int]) -> tuple[float, list[float], torch.Tensor]:
+        from omniloop.execution import Execution
+        from omniloop.schema import request_from_dict
+
+        frames_n, h, w = size
+        req = request_from_dict(
+            {
+                "task": "t2v",
+                "inputs": [
+                    {"type": "text", "text": W.PROMPT},
+                    {"type": "text", "text": W.NEGATIVE, "role": "negative_prompt"},
+                ],
+                "diffusion": {
+                    "steps": steps,
+                    "guidance_scale": 5.0,
+                    "seed": seed,
+                    "height": h,
+                    "width": w,
+                    "frames": frames_n,
+                },
+            }
+        )
+        sync()
+        t0 = time.perf_counter()
+        ex = Execution(self.built, req)
+        marks: list[float] = []
+        while not ex.done:
+            node = ex.current_node
+            ex.advance()
+            if node is not None and node.name == "denoise":
+                sync()
+                marks.append(time.perf_counter())
+        sync()
+        total = time.perf_counter() - t0
+        out = ex.output
+        assert out.ok, out.error
+        if self.settings:
+            stats = out.metrics["plugins"]["cache-dit"]
+            self.cached = {b: s["cached_steps"] for b, s in stats.items()}
+            self.diffs = {b: s["residual_diffs"] for b, s in stats.items()}
+        return total, [b - a for a, b in itertools.pairwise(marks)], out.artifacts["video"].frames
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--frames", type=int, default=33)
+    ap.add_argument("--height", type=int, default=480)
+    ap.add_argument("--width", type=int, default=832)
+    ap.add_argument("--Fn", type=int, default=8)
+    ap.add_argument("--Bn", type=int, default=0)
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--max-cached", type=int, default=-1)
+    ap.add_argument("--max-continuous", type=int, default=3)
+    ap.add_argument("--taylorseer", action="store_true")
+    ap.add_argument("--taylorseer-order", type=int, default=1)
+    ap.add_argument("--out", default=os.environ.get("RESULTS_DIR", str(HERE / "results")))
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes, to check the script on a CPU")
+    args = ap.parse_args(argv)
+    logging.getLogger("cache_dit").setLevel(logging.WARNING)
+
+    settings = {
+        "Fn": args.Fn,
+        "Bn": args.Bn,
+        "residual_diff_threshold": args.threshold,
+        "max_warmup_steps": args.warmup,
+        "max_cached_steps": args.max_cached,
+        "max_continuous_cached_steps": args.max_continuous,
+        "taylorseer": args.taylorseer,
+        "taylorseer_order": args.taylorseer_order,
+    }
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    size = (args.frames, args.height, args.width)
+    if args.smoke:
+        size = (9, 32, 32)
+        settings["Fn"], settings["Bn"] = 1, 0  # the smoke transformer has 2 blocks
+    t_build = time.perf_counter()
+    comps = W.build_components(device, dtype, smoke=args.smoke)
+    print(f"built components in {time.perf_counter() - t_build:.1f} s", flush=True)
+    sides = [
+        Diffusers(comps, None),
+        Diffusers(comps, settings),
+        Omniloop(comps, device, dtype, None),
+        Omniloop(comps, device, dtype, settings),
+    ]
+
+    with torch.no_grad():
+        for side in sides:
+            side.run(2, 0, size)
+        totals: dict[str, list[float]] = {s.name: [] for s in sides}
+        steps: dict[str, list[float]] = {s.name: [] for s in sides}
+        frames: dict[str, torch.Tensor] = {}
+        for rep in range(args.repeats):
+            for side in sides if rep % 2 == 0 else sides[::-1]:
+                total, per_step, fr = side.run(args.steps, 42, size)
+                totals[side.name].append(total)
+                steps[side.name].extend(per_step)
+                frames[side.name] = fr
+                print(
+                    json.dumps(
+                        {
+                            "side": side.name,
+                            "rep": rep,
+                            "s_total": round(total, 3),
+                            "s_per_step_median": round(statistics.median(per_step), 4),
+                        }
+                    ),
+                    flush=True,
+                )
+
+    res = {
+        name: {
+            "s_per_step": round(statistics.median(steps[name]), 4),
+            "s_end_to_end": round(statistics.median(totals[name]), 3),
+            "runs": len(totals[name]),
+        }
+        for name in totals
+    }
+    ours, lib = sides[3], sides[1]
+    record = {
+        "bench": "cache_dit_vs_library",
+        "command": "python "
+        + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "date": dt.date.today().isoformat(),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
+        "setup": {
+            "model": "Wan2.1 T2V 1.3B architecture, random weights" if not args.smoke else "smoke",
+            "dtype": "bfloat16 (VAE float32)",
+            "frames": size[0],
+            "height": size[1],
+            "width": size[2],
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "cache": settings,
+        },
+        "results": res,
+        "ratio_ours_vs_library": {
+            "end_to_end": round(res[ours.name]["s_end_to_end"] / res[lib.name]["s_end_to_end"], 4),
+            "per_step": round(res[ours.name]["s_per_step"] / res[lib.name]["s_per_step"], 4),
+        },
+        "speedup_over_uncached": {
+            "diffusers+cache-dit": round(res["diffusers"]["s_end_to_end"] / res[lib.name]["s_end_to_end"], 3),
+            "omniloop+cache-dit": round(res["omniloop"]["s_end_to_end"] / res[ours.name]["s_end_to_end"], 3),
+        },
+        "cached_steps": {"library": lib.cached, "ours": ours.cached},
+        "same_decisions": lib.cached == ours.cached,
+        "residual_diffs_ours": getattr(ours, "diffs", {}),
+        "frames_equal_cached_sides": torch.equal(frames[ours.name], frames[lib.name]),
+        "frames_equal_uncached_sides": torch.equal(frames["omniloop"], frames["diffusers"]),
+    }
+    print(json.dumps(record, indent=1), flush=True)
+    if not args.no_write:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"cache_dit_vs_library-{record['date']}.json"
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
