@@ -115,6 +115,8 @@ async def latency_run(rt: Runtime, scheduler: str, args: argparse.Namespace, gap
         "requests_per_s": (1 + args.shorts) / makespan, "steps_per_s": steps / makespan,
         "cpu_s": cpu, "steps_per_cpu_s": steps / cpu,
         "batched_forwards": engine.stats()["batched_forwards"],
+        # where the worker's time went: loop-step forwards vs stages (encoders, decoders)
+        "step_units_s": engine.stats()["step_seconds"]["sum"], "stage_units_s": engine.stats()["stage_seconds"]["sum"],
     }
 
 
@@ -154,10 +156,11 @@ async def bench(rt: Runtime, args: argparse.Namespace) -> dict[str, Any]:
             runs[sched].append(await latency_run(rt, sched, args, gap, rep))
             r = runs[sched][-1]
             print(f"  rep {rep} {sched:<6} short p50 {r['short_p50_s']:.3f}s p95 {r['short_p95_s']:.3f}s "
-                  f"makespan {r['makespan_s']:.3f}s", flush=True)
+                  f"makespan {r['makespan_s']:.3f}s (steps {r['step_units_s']:.3f}s, stages {r['stage_units_s']:.3f}s)",
+                  flush=True)
     summary_latency = {
         s: {k: med(rs, k) for k in ("short_p50_s", "short_p95_s", "long_latency_s", "makespan_s", "requests_per_s", "steps_per_s",
-                                  "cpu_s", "steps_per_cpu_s")}
+                                  "cpu_s", "steps_per_cpu_s", "step_units_s", "stage_units_s")}
         for s, rs in runs.items()
     }
     ser, stp = summary_latency["serial"], summary_latency["step"]
