@@ -131,6 +131,10 @@ class StepPolicy:
                 return f"cost: one round would take {rnd:.3g}s predicted, above max_round_seconds {limit}"
         return None
 
+    def nonfinite(self, ticket: Ticket, tensor: str, step: int, node: str | None) -> ScheduleDecision:
+        """A loop tensor went NaN/inf (``nan_check``): the request fails, the others go on."""
+        return self._d("fail", [ticket], f"nan_check: non-finite values in loop tensor {tensor!r} after step {step}", node)
+
     def forget(self, request_id: str) -> None:
         self._waiting_reason.pop(request_id, None)
 

@@ -226,10 +226,10 @@ class StepPool:
     def _check_finite(self, t: Ticket, node: Any, loop: Any, evs: list[OmniEvent]) -> None:
         for name, value in loop.tensors.items():
             if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                decision = self.policy.nonfinite(t, name, loop.step, node.name)
+                self._report(decision, None)
                 exc = FloatingPointError(f"non-finite values (NaN/inf) in loop tensor {name!r} after step {loop.step}")
                 t.execution._fail(exc, node, evs)
-                self._report(ScheduleDecision(
-                    self.policy.name, "fail", (t.request_id,), node.name, f"nan_check: {exc}"), None)
                 return
 
     def _cancel_now(self, t: Ticket) -> None:
