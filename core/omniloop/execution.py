@@ -196,6 +196,13 @@ class Execution:
             self._finish(Status.COMPLETED, None, events)
         return events
 
+    def fail(self, exc: BaseException) -> list[OmniEvent]:
+        """Fail this request from outside (a scheduler's NaN check, a crashed batch); returns the events."""
+        events: list[OmniEvent] = []
+        if not self.done:
+            self._fail(exc, self.current_node, events)
+        return events
+
     def run(self) -> OmniOutput:
         while not self.done:
             self.advance()

@@ -356,7 +356,7 @@ class AsyncEngine:
         for t in (*pool.running, *pool.waiting):
             evs: list[OmniEvent] = []
             if not t.execution.done:
-                t.execution._fail(RuntimeError(message), t.execution.current_node, evs)
+                evs.extend(t.execution.fail(RuntimeError(message)))
             pool._deliver(t, evs)
 
     def _fail_all(self, message: str) -> None:

@@ -194,7 +194,7 @@ class StepPool:
             for ex in execs:
                 evs: list[OmniEvent] = []
                 if not ex.done:
-                    ex._fail(exc, node, evs)
+                    evs.extend(ex.fail(exc))
                 results.append(evs)
         seconds = time.perf_counter() - t0
         n = len(tickets)
@@ -229,7 +229,7 @@ class StepPool:
                 decision = self.policy.nonfinite(t, name, loop.step, node.name)
                 self._report(decision, None)
                 exc = FloatingPointError(f"non-finite values (NaN/inf) in loop tensor {name!r} after step {loop.step}")
-                t.execution._fail(exc, node, evs)
+                evs.extend(t.execution.fail(exc))
                 return
 
     def _cancel_now(self, t: Ticket) -> None:
@@ -242,7 +242,7 @@ class StepPool:
     def _refuse(self, t: Ticket, why: str) -> None:
         evs: list[OmniEvent] = []
         if not t.execution.done:
-            t.execution._fail(AdmissionRefused("diffusion", why), None, evs)
+            evs.extend(t.execution.fail(AdmissionRefused("diffusion", why)))
         self._deliver(t, evs)
 
     def _deliver(self, t: Ticket, evs: list[OmniEvent]) -> None:
