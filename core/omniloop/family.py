@@ -32,6 +32,11 @@ class LoadedModel:
     dtype: torch.dtype = torch.float32
     #: identity of the weights, for caches keyed by weight version (e.g. a hash of the files)
     weight_version: str = ""
+    #: the tasks *this checkpoint* supports (a T2V checkpoint of a family that also does I2V);
+    #: None means every task the family declares
+    tasks: frozenset[TaskType] | None = None
+    #: resolved defaults per task (steps, guidance_scale, height, width, frames, fps, ...)
+    defaults: dict[TaskType, dict[str, Any]] = attrs.Factory(dict)
 
 
 @runtime_checkable

@@ -99,7 +99,10 @@ def write_mp4(frames: torch.Tensor, fps: float, path: str | os.PathLike[str], *,
             stream.width, stream.height = w, h
             stream.pix_fmt = "yuv420p"
             stream.time_base = Fraction(1, 1) / rate
-            stream.options = {"crf": str(crf)}
+            # one encoder thread: x264's frame threading makes the bytes depend on CPU load, and
+            # the same frames must give the same file (goldens, cache keys, parity of served mp4s)
+            stream.options = {"crf": str(crf), "threads": "1"}
+            stream.codec_context.thread_count = 1
             for i in range(t):
                 frame = av.VideoFrame.from_ndarray(arr[i], format="rgb24")
                 frame.pts = i

@@ -169,7 +169,24 @@ class Runtime:
     # -- pipelines ------------------------------------------------------------------------------
     @property
     def tasks(self) -> frozenset[TaskType]:
+        """The tasks the loaded checkpoint supports (narrower than the family's when it says so)."""
+        if self.model.tasks is not None:
+            return frozenset(self.model.tasks)
+        declared = self.model.config.get("tasks")
+        if declared:
+            try:
+                return frozenset(TaskType(t) for t in declared)
+            except ValueError:
+                pass
         return frozenset(self.family.tasks)
+
+    def defaults(self, task: TaskType | str) -> dict[str, Any]:
+        """The defaults a request of ``task`` gets for fields it leaves unset (steps, size, frames, fps, ...)."""
+        task = TaskType(task)
+        if task in self.model.defaults:
+            return dict(self.model.defaults[task])
+        fn = getattr(self.family, "task_defaults", None)
+        return dict(fn(self.model, task)) if callable(fn) else {}
 
     def pipeline(self, task: TaskType) -> BuiltPipeline:
         built = self._pipelines.get(task)

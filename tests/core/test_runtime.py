@@ -241,3 +241,13 @@ def test_bad_checkpoint_is_one_clear_error(tmp_path):
     (ck / CONFIG_NAME).write_text("{not json")
     with pytest.raises(DeployError, match="no installed family recognizes"):
         toy_runtime(ck)
+
+
+def test_runtime_reports_tasks_and_defaults(toy_checkpoint):
+    rt = toy_runtime(toy_checkpoint)
+    assert {t.value for t in rt.tasks} == {"t2v", "t2i"}
+    assert rt.defaults("t2v")["steps"] == 4 and rt.defaults("t2i")["frames"] == 1
+    rt.model.tasks = frozenset({rt.prepare(req()).request.task})
+    assert {t.value for t in rt.tasks} == {"t2v"}
+    with pytest.raises(RequestError, match="t2i"):
+        rt.prepare({"task": "t2i", "prompt": "x"})

@@ -257,6 +257,12 @@ class ToyFamily:
     supports_block_interceptors = True
     defaults = {"steps": 4, "guidance_scale": 3.0, "frames": 3, "height": 16, "width": 16}
 
+    def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
+        d = {**self.defaults, "fps": 8.0}
+        if task is TaskType.T2I:
+            d["frames"] = 1
+        return d
+
     def detect(self, path: Path) -> bool:
         f = Path(path) / CONFIG_NAME
         return f.is_file() and json.loads(f.read_text()).get("family") == "toy"
