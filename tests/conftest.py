@@ -139,3 +139,14 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config: Any) -> None:
+    """One intra-op torch thread: the suite's models are tiny, and on a 2-core CI machine torch's
+    default thread pool makes them 5-10x slower (threads fight the test's own subprocesses)."""
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass

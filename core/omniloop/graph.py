@@ -11,7 +11,7 @@ its reads may be optional (``optional_reads``) for nodes that run for several ta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -21,6 +21,18 @@ from .artifacts import Artifact
 from .errors import GraphError
 from .loop import is_loop_stage
 from .request import OmniRequest, TaskType
+
+
+def _node_tuple(value: Iterable[Node]) -> tuple[Node, ...]:
+    return tuple(value)
+
+
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _str_frozenset(value: Iterable[str]) -> frozenset[str]:
+    return frozenset(value)
 
 
 def _frozen_map(value: Mapping[str, type[Artifact]] | None) -> dict[str, type[Artifact]]:
@@ -39,11 +51,11 @@ class Node:
     stage: Any
     reads: dict[str, type[Artifact]] = field(factory=dict, converter=_frozen_map)
     writes: dict[str, type[Artifact]] = field(factory=dict, converter=_frozen_map)
-    optional_reads: frozenset[str] = field(factory=frozenset, converter=frozenset)
+    optional_reads: frozenset[str] = field(factory=frozenset, converter=_str_frozenset)
     when: Callable[[OmniRequest], bool] | None = None
     params_schema: type | None = None
     #: the component names this node uses (for memory accounting and block-interceptor checks)
-    uses: tuple[str, ...] = field(default=(), converter=tuple)
+    uses: tuple[str, ...] = field(default=(), converter=_str_tuple)
 
     @property
     def is_loop(self) -> bool:
@@ -59,7 +71,7 @@ class PipelineSpec:
 
     family: str
     task: TaskType
-    nodes: tuple[Node, ...] = field(converter=tuple)
+    nodes: tuple[Node, ...] = field(converter=_node_tuple)
     #: edges provided by the runtime before any node runs (none today; reserved for transports)
     inputs: dict[str, type[Artifact]] = field(factory=dict)
     #: which written artifacts become ``OmniOutput.artifacts`` (edge name → output name)

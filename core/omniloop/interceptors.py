@@ -21,7 +21,7 @@ in ``LoopState.plugin_state[(name, branch)]``; it calls ``close`` at finalize, c
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Union, runtime_checkable
 
 import torch
 from attrs import define
@@ -29,6 +29,8 @@ from attrs import define
 from .loop import LoopState, StepContext
 
 BlockCall = Callable[[Any, torch.Tensor], torch.Tensor]
+#: a block stack: a list of modules or an ``nn.ModuleList``
+Blocks = Union[Sequence[Any], torch.nn.ModuleList]
 
 
 @define
@@ -62,7 +64,7 @@ class BlockInterceptor(Protocol):
         """Allocate per-(request, branch) state; ``step.branch`` names the branch."""
 
     def run(
-        self, blocks: Sequence[Any], hidden: torch.Tensor, ctx: BlockContext, call: BlockCall
+        self, blocks: Blocks, hidden: torch.Tensor, ctx: BlockContext, call: BlockCall
     ) -> torch.Tensor:
         """Run ``blocks`` on ``hidden`` (``call(block, hidden) -> hidden``), possibly skipping some."""
 
@@ -93,7 +95,7 @@ class StepInterceptor(Protocol):
 
 
 def run_blocks(
-    blocks: Sequence[Any], hidden: torch.Tensor, ctx: BlockContext | None, call: BlockCall
+    blocks: Blocks, hidden: torch.Tensor, ctx: BlockContext | None, call: BlockCall
 ) -> torch.Tensor:
     """Run a transformer block stack. A plain loop when nothing is bound.
 
@@ -114,7 +116,7 @@ def run_blocks(
 
 
 def _tapping(
-    call: BlockCall, blocks: Sequence[Any], tap: Callable[[str, torch.Tensor], None], prefix: str
+    call: BlockCall, blocks: Blocks, tap: Callable[[str, torch.Tensor], None], prefix: str
 ) -> BlockCall:
     index = {id(b): i for i, b in enumerate(blocks)}
 

@@ -219,7 +219,7 @@ class PluginManager:
         distribution: str | None = None, version: str | None = None,
     ) -> PluginRecord:
         """Register one plugin object (a module or an instance holding hookimpls)."""
-        target = target or getattr(obj, "__name__", type(obj).__name__)
+        target = target or str(getattr(obj, "__name__", type(obj).__name__))
         rec = PluginRecord(name=name, target=target, distribution=distribution, version=version, obj=obj)
         if name in self.records and self.records[name].ok:
             other = self.records[name]

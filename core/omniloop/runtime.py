@@ -136,7 +136,7 @@ class Runtime:
                 self.plugins.require(name, "plugin")
                 known = ", ".join(sorted([*self.registry.interceptors, *self.registry.observers])) or "none installed"
                 raise DeployError(f"plugins.{name}: no installed interceptor or observer is named {name!r} (available: {known})")
-            config = None
+            config: Any = None
             if spec.config_schema is not None:
                 try:
                     config = structure_params(spec.config_schema, conf, f"plugins.{name}")
@@ -292,7 +292,8 @@ class Runtime:
     def stream(self, request: OmniRequest | Mapping[str, Any]) -> Iterator[OmniEvent]:
         """Validate, then run ``request``, yielding progress events and a final event."""
         execution = self.prepare(request)
-        return self.scheduler.stream(execution)
+        events: Iterator[OmniEvent] = self.scheduler.stream(execution)
+        return events
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -13,8 +13,9 @@ Strictness: ``"5"`` is not an int and ``1`` is not a bool. Ranges come from attr
 from __future__ import annotations
 
 import enum
+import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -27,6 +28,7 @@ from .errors import RequestError
 from .request import (
     MODAL_PART_TYPES,
     ErrorInfo,
+    ImagePart,
     ModalPart,
     OmniEvent,
     OmniOutput,
@@ -89,7 +91,7 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook(Any, lambda v, _: v)
 
     def _attrs_factory(cls: type) -> Any:
-        inner = make_dict_structure_fn(cls, conv, _cattrs_forbid_extra_keys=True)
+        inner: Callable[[Any, Any], Any] = make_dict_structure_fn(cls, conv, _cattrs_forbid_extra_keys=True)
 
         def structure_attrs(v: Any, t: type) -> Any:
             if not isinstance(v, Mapping):
@@ -133,9 +135,13 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[str, str]:
         name = str(exc.args[0]) if exc.args else "?"
         return ".".join(path), f"missing required field {name!r}" if not path else f"missing required field"
     msg = str(exc) or type(exc).__name__
-    if isinstance(exc, TypeError) and "required positional argument" in msg:
-        return ".".join(path), msg
+    literal = _LITERAL_ERROR.match(msg)
+    if literal:  # cattrs: "gif not in literal typing.Literal['mp4', 'png']"
+        return ".".join(path), f"must be one of {literal.group(2)}, got {literal.group(1)!r}"
     return ".".join(path), msg
+
+
+_LITERAL_ERROR = re.compile(r"^(.*) not in literal typing\.Literal\[(.*)\]$")
 
 
 def _note_of(exc: BaseException) -> str | None:
@@ -240,7 +246,7 @@ def request_from_dict(data: Mapping[str, Any]) -> OmniRequest:
 
 def _check_request(req: OmniRequest) -> None:
     for i, part in enumerate(req.inputs):
-        if type(part).__name__ == "ImagePart":
+        if isinstance(part, ImagePart):
             if (part.path is None) == (part.data_b64 is None):
                 raise RequestError(f"inputs.{i}", "an image part needs exactly one of path or data_b64")
     for name, params in req.node_params.items():

@@ -19,7 +19,7 @@ def test_loads_all_three_formats(tmp_path):
 
 @pytest.mark.parametrize("text, words", [
     ("model: {preset: x}\nlimits: {max_stepz: 3}\n", "limits.max_stepz: unknown key"),
-    ("dtype: float8\n", "dtype"),
+    ("dtype: float8\n", "dtype: must be one of"),
     ("limits: {max_steps: 0}\n", "limits.max_steps: must be >= 1"),
     ("plugins: {cache-dit: 3}\n", "plugins"),
     ("model: [1, 2\n", "cannot parse"),

@@ -84,7 +84,8 @@ def _request(seed: int, steps: int = 8, **extra: Any) -> dict[str, Any]:
 
 
 def _latents(out: Any) -> torch.Tensor:
-    return out.artifacts["latents"].tensor
+    t: torch.Tensor = out.artifacts["latents"].tensor
+    return t
 
 
 def _check_capabilities(obj: Any, kind: str) -> str:

@@ -45,7 +45,8 @@ class ToyTextEncoder(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(ids).mean(dim=0, keepdim=True)  # [1, dim]
+        out: torch.Tensor = self.embed(ids).mean(dim=0, keepdim=True)  # [1, dim]
+        return out
 
 
 class ToyBlock(nn.Module):
@@ -56,7 +57,8 @@ class ToyBlock(nn.Module):
         self.mod = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x) * (1 + self.mod(cond)))
+        out: torch.Tensor = x + self.mlp(self.norm(x) * (1 + self.mod(cond)))
+        return out
 
 
 class ToyTransformer(nn.Module):
@@ -72,7 +74,8 @@ class ToyTransformer(nn.Module):
         half = self.dim // 2
         freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t.float()[:, None] * freqs[None]
-        return self.time(torch.cat([args.sin(), args.cos()], dim=-1))
+        out: torch.Tensor = self.time(torch.cat([args.sin(), args.cos()], dim=-1))
+        return out
 
     def forward(
         self, latents: torch.Tensor, t: torch.Tensor, text: torch.Tensor, block_ctx: Any = None
@@ -83,7 +86,8 @@ class ToyTransformer(nn.Module):
         cond = (self.time_embed(t) + text)[:, None, :]
         x = run_blocks(self.blocks, x, block_ctx, lambda blk, hid: blk(hid, cond))
         x = self.proj_out(x)
-        return x.reshape(b, f, h, w, c).permute(0, 4, 1, 2, 3)
+        out: torch.Tensor = x.reshape(b, f, h, w, c).permute(0, 4, 1, 2, 3)
+        return out
 
 
 class ToyDecoder(nn.Module):
@@ -94,7 +98,8 @@ class ToyDecoder(nn.Module):
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         x = self.proj(latents)
-        return torch.nn.functional.interpolate(x, scale_factor=(1, self.scale, self.scale), mode="nearest")
+        out: torch.Tensor = torch.nn.functional.interpolate(x, scale_factor=(1, self.scale, self.scale), mode="nearest")
+        return out
 
 
 def build_toy_checkpoint(path: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
@@ -178,15 +183,18 @@ class Denoise:
             sc = step.with_branch(branch)
             text = state.read("prompt_embeds" if branch == "cond" else "negative_embeds", Embeddings).tensor
             bctx = ctx.block_context(sc, loop)
-            preds[branch] = call_model(
-                ctx.step_interceptors, sc, loop, {"latents": lat},
-                lambda text=text, bctx=bctx: tr(lat, t, text, bctx),
-            )
+
+            def compute(text: torch.Tensor = text, bctx: Any = bctx) -> torch.Tensor:
+                out: torch.Tensor = tr(lat, t, text, bctx)
+                return out
+
+            preds[branch] = call_model(ctx.step_interceptors, sc, loop, {"latents": lat}, compute)
             if ctx.taps_enabled:
                 ctx.tap("noise_pred", preds[branch], sc)
         if "uncond" in preds:
             g = loop.extra["guidance"]
-            return preds["uncond"] + g * (preds["cond"] - preds["uncond"])
+            guided: torch.Tensor = preds["uncond"] + g * (preds["cond"] - preds["uncond"])
+            return guided
         return preds["cond"]
 
     def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
