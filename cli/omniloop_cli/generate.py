@@ -94,6 +94,31 @@ def build_deploy(deploy_file: str | None, model: str | None, device: str | None,
     return load_deploy(data)
 
 
+def enable_profiler(deploy: Any, manager: Any, json_path: Path) -> Any:
+    """The deploy with the ``profiler`` observer enabled, writing its JSON report to ``json_path``."""
+    import attrs
+
+    if "profiler" not in manager.registry().observers:
+        manager.require("profiler", "observer")
+        fail("--profile needs the profiler observer: pip install omniloop-profiler")
+    plugins = dict(deploy.plugins)
+    plugins["profiler"] = {**plugins.get("profiler", {}), "json": str(json_path)}
+    return attrs.evolve(deploy, plugins=plugins)
+
+
+def show_profile(runtime: Any, output: Any, json_path: Path, *, quiet: bool) -> Any:
+    """Print the profiler's summary of this request; return its report (None if it has none)."""
+    from omniloop_profiler import summary_table
+
+    from .progress import console
+
+    prof = runtime.components_enabled["profiler"][1]
+    report = prof.get_report(output.request_id)
+    if report is not None and not quiet:
+        console().print(summary_table(report))
+    return report
+
+
 def build_request(
     prompt: str, *, task: str, negative_prompt: str | None, image: str | None, diffusion: dict[str, Any],
     plugin_params: dict[str, dict[str, Any]], return_latents: bool,
@@ -149,12 +174,13 @@ def output_path(out: str | None, request: Any) -> Path:
 @click.option("--out", "-o", "out", help="Output file (.mp4 or .png) or folder. Default: ./out/<request_id>.mp4")
 @click.option("--return-latents", is_flag=True, help="Also save the final latents (<out>.latents.pt).")
 @click.option("--json", "as_json", is_flag=True, help="Print the output's metadata as JSON on stdout.")
+@click.option("--profile", is_flag=True, help="Profile the run (omniloop-profiler): print a per-node/step table and write <out>.profile.json.")
 @click.pass_context
 def generate(
     ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, task: str,
     steps: Any, guidance: Any, negative_prompt: str | None, height: Any, width: Any, frames: Any,
     fps: Any, seed: Any, image: str | None, plugin_param: tuple[str, ...], device: str | None,
-    dtype: str | None, out: str | None, return_latents: bool, as_json: bool,
+    dtype: str | None, out: str | None, return_latents: bool, as_json: bool, profile: bool,
 ) -> None:
     """Generate a video (or image) from PROMPT and write it to a file."""
     from omniloop.runtime import Runtime
@@ -172,6 +198,9 @@ def generate(
     request = request_from_dict(req_dict)
     path = output_path(out, request)
     deploy = build_deploy(deploy_file, model, device, dtype)
+    profile_path = path.with_name(path.stem + ".profile.json") if profile else None
+    if profile_path is not None:
+        deploy = enable_profiler(deploy, get_manager(ctx), profile_path)
 
     # 2. the deployment, then full validation of the request against it (still no compute)
     err = console(stderr=True)
@@ -195,6 +224,10 @@ def generate(
     from .output import summarize, write_outputs
 
     files = write_outputs(output, path, latents=return_latents) if output.ok else {}
+    if profile_path is not None:
+        report = show_profile(runtime, output, profile_path, quiet=as_json)
+        if report is not None:
+            files["profile"] = profile_path
     if as_json:
         from omniloop.schema import output_to_dict
 

@@ -417,3 +417,20 @@ def test_docs_hooks_md_is_what_hooks_markdown_prints() -> None:
     res = invoke(["hooks", "--markdown"])
     assert res.exit_code == 0
     assert res.stdout == docs.read_text(encoding="utf-8")
+
+
+def test_generate_profile_prints_a_table_and_writes_json(cwd: Path, toy_checkpoint: Path) -> None:
+    from omniloop_profiler import plugin as profiler_plugin
+
+    res = invoke(["generate", "a red fox", "--model", str(toy_checkpoint), "--steps", "3", "--profile", "--out", "fox.mp4"],
+                 make_manager(("profiler", profiler_plugin)))
+    assert res.exit_code == 0, res.output
+    assert "denoise" in res.stdout and "steps" in res.stdout
+    report = json.loads((cwd / "fox.profile.json").read_text())
+    assert report["status"] == "completed" and report["step_summary"]["denoise"]["count"] == 3
+
+
+def test_generate_profile_without_the_profiler_says_what_to_install(cwd: Path, toy_checkpoint: Path) -> None:
+    res = invoke(["generate", "x", "--model", str(toy_checkpoint), "--profile"])
+    assert res.exit_code == 2
+    assert "pip install omniloop-profiler" in one_error_line(res)
