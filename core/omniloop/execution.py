@@ -164,7 +164,9 @@ class Execution:
         if self.t_start is None:
             self.t_start = time.perf_counter()
             if self.bus is not None and self.bus.request_start is not None:
-                self.bus.request_start(request=self.request, pipeline=self.pipeline.spec)
+                self.bus.request_start(
+                    request=self.request, pipeline=self.pipeline.spec, deploy=self.pipeline.options.get("deploy")
+                )
         if self._cancel_requested:
             self._finish(Status.CANCELLED, None, events)
             return events

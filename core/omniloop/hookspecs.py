@@ -119,8 +119,10 @@ def omniloop_register_commands(cli: Any) -> None:
 
 
 @hookspec
-def omniloop_request_start(request: Any, pipeline: Any) -> None:
-    """A request starts executing ``pipeline`` (a ``PipelineSpec``). Returns nothing. Since: 1.0"""
+def omniloop_request_start(request: Any, pipeline: Any, deploy: Any) -> None:
+    """A request starts executing ``pipeline`` (a ``PipelineSpec``) in a deployment whose
+    ``DeployConfig`` is ``deploy`` (e.g. for recording what produced a run). Returns nothing.
+    Since: 1.0"""
 
 
 @hookspec

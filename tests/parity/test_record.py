@@ -78,8 +78,9 @@ def test_recorder_writes_per_request_files_from_a_deploy(h, recording_runtime, t
     path = tmp_path / "rec-abc123.safetensors"
     assert path.is_file()
     rec = op.Recording.load(path)
-    # unbound recorder (enabled in a deploy, not through op.record): device from the taps, no deploy
-    assert rec.manifest["deploy"] is None and rec.manifest["device"] == "cpu"
+    # enabled in a deploy (not through op.record): the deploy arrives with omniloop_request_start
+    assert rec.manifest["deploy"]["model"]["path"].endswith("toy") and rec.manifest["device"] == "cpu"
+    assert "parity" in rec.manifest["deploy"]["plugins"]
 
 
 def test_interleaved_requests_do_not_mix(h, recording_runtime):

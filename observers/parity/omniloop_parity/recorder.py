@@ -77,7 +77,9 @@ class ParityRecorder:
 
     # -- observer events -----------------------------------------------------------------------
     @hookimpl
-    def omniloop_request_start(self, request: Any, pipeline: Any) -> None:
+    def omniloop_request_start(self, request: Any, pipeline: Any, deploy: Any = None) -> None:
+        if deploy is not None and self.deploy is None:
+            self.deploy = deploy  # enabled from a deploy file: record the deploy that made the run
         task = getattr(pipeline.task, "value", str(pipeline.task))
         self._live[request.request_id] = _Capture(family=pipeline.family, task=task)
 
