@@ -225,6 +225,9 @@ class Runtime:
         req = request if isinstance(request, OmniRequest) else request_from_dict(request)
         if req.task not in self.tasks:
             have = ", ".join(sorted(t.value for t in self.tasks))
+            if req.task in self.family.tasks:  # the family can, this checkpoint cannot: let it say why
+                self.family.validate_request(self.model, req, self.deploy.limits)
+                raise RequestError("task", f"{req.task.value!r} is not supported by the checkpoint at {self.model_path} (supported: {have})")
             raise RequestError("task", f"{req.task.value!r} is not supported by family {self.family.name!r} (supported: {have})")
         self._check_limits(req)
         built = self.pipeline(req.task)
