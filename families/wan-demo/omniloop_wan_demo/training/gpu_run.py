@@ -52,7 +52,7 @@ def preview(pipe, path: Path, prompts: list[str], *, steps: int = 20, guidance: 
     Image.fromarray(img).save(path)
 
 
-def final_eval(ckpt: Path, device: str, budget_s: float, smoke: bool = False) -> dict[str, Any]:
+def final_eval(ckpt: Path, device: str, budget_s: float, smoke: bool = False, plan_name: str = "full") -> dict[str, Any]:
     """Adherence sweep on the saved (fp16) checkpoint loaded back with WanPipeline.from_pretrained."""
     from diffusers import WanPipeline
 
@@ -75,6 +75,9 @@ def final_eval(ckpt: Path, device: str, budget_s: float, smoke: bool = False) ->
         ("euler", 4, 5.0, full, [0, 1]),
         ("unipc", 20, 5.0, default_prompts(), [0, 1]),
     ]
+    if plan_name == "short":  # steps sweep only
+        plan = [("unipc", 20, 5.0, full, [0, 1, 2, 3]), ("unipc", 50, 5.0, full, [0, 1]),
+                ("unipc", 8, 5.0, full, [0, 1]), ("unipc", 4, 5.0, full, [0, 1]), ("unipc", 20, 8.0, full, [0, 1])]
     if smoke:
         plan = [("unipc", 2, 5.0, full[:3], [0]), ("euler", 2, 5.0, full[:3], [0])]
     base_sched = pipe.scheduler
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--val-backend", default="family", choices=["family", "diffusers"])
     ap.add_argument("--timestep-sampling", default="logit_normal")
     ap.add_argument("--max-steps", type=int, help="(smoke tests) cap both trainers' steps")
+    ap.add_argument("--final-plan", default="full", choices=["full", "short"])
+    ap.add_argument("--warmup", type=int, default=300, help="DiT LR warmup steps")
     ap.add_argument("--smoke", action="store_true", help="tiny evaluations (CPU check of the whole session)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     modules, dinfo = train_dit(
         vae=vae, tokenizer=tok, out=None, seconds=a.dit_seconds, max_steps=a.max_steps, batch=a.dit_batch, lr=a.dit_lr,
         n_clips=a.n_clips, device=dev, resume=a.resume, stats=stats, eval_every=a.eval_every, eval_fn=eval_fn,
-        timestep_sampling=a.timestep_sampling, seed=a.seed + (1 if a.resume else 0),
+        timestep_sampling=a.timestep_sampling, seed=a.seed + (1 if a.resume else 0), warmup=a.warmup,
     )
     train["dit"] = dinfo
     train["dit_summary"] = {k: dinfo.get(k) for k in ("total_steps", "steps", "seconds", "n_clips", "params", "recipe")}
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---- evaluate what ships ------------------------------------------------------------------
     try:
-        res = final_eval(ckpt, dev, a.eval_budget, smoke=a.smoke)
+        res = final_eval(ckpt, dev, a.eval_budget, smoke=a.smoke, plan_name=a.final_plan)
         _dump(out / "eval.json", res)
     except Exception:
         traceback.print_exc()
