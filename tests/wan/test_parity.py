@@ -32,11 +32,13 @@ def i2v_prompt_clean(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
 
 
-def diffusers_pipeline(model: Any, i2v: bool) -> Any:
+def diffusers_pipeline(model: Any, i2v: bool, scheduler: Any = None) -> Any:
     c, cfg = model.components, model.config
+    if scheduler is None:
+        scheduler = type(c["scheduler"]).from_config(c["scheduler"].config)
     kw: dict[str, Any] = dict(
         tokenizer=c["tokenizer"], text_encoder=c["text_encoder"], vae=c["vae"],
-        scheduler=type(c["scheduler"]).from_config(c["scheduler"].config),
+        scheduler=scheduler,
         transformer=c["transformer"], transformer_2=c.get("transformer_2"),
         boundary_ratio=cfg["boundary_ratio"], expand_timesteps=cfg["expand_timesteps"],
     )
@@ -49,11 +51,16 @@ def diffusers_pipeline(model: Any, i2v: bool) -> Any:
     return pipe
 
 
-def run_diffusers(model: Any, req: dict[str, Any], image_path: Any = None) -> tuple[torch.Tensor, np.ndarray]:
-    """(final latents, frames as float [T, H, W, 3] in [0, 1]) from diffusers for ``req``."""
+def run_diffusers(
+    model: Any, req: dict[str, Any], image_path: Any = None, scheduler: Any = None
+) -> tuple[torch.Tensor, np.ndarray]:
+    """(final latents, frames as float [T, H, W, 3] in [0, 1]) from diffusers for ``req``.
+
+    ``scheduler``: a scheduler *factory* (a fresh instance per pipeline call); default: the
+    checkpoint's own scheduler class and config."""
     d = req["diffusion"]
     i2v = req["task"] == "i2v"
-    pipe = diffusers_pipeline(model, i2v)
+    make = scheduler or (lambda: None)
     call: dict[str, Any] = dict(
         prompt=req["inputs"][0]["text"], negative_prompt=req["inputs"][1]["text"], height=d["height"],
         width=d["width"], num_frames=d["frames"], num_inference_steps=d["steps"], guidance_scale=d["guidance_scale"],
@@ -62,8 +69,9 @@ def run_diffusers(model: Any, req: dict[str, Any], image_path: Any = None) -> tu
         call["guidance_scale_2"] = req["node_params"]["denoise"]["guidance_scale_2"]
     if i2v:
         call["image"] = Image.open(image_path).convert("RGB")
-    latents = pipe(**call, generator=torch.Generator("cpu").manual_seed(d["seed"]), output_type="latent").frames
-    frames = pipe(**call, generator=torch.Generator("cpu").manual_seed(d["seed"]), output_type="np").frames
+    gen = torch.Generator("cpu")
+    latents = diffusers_pipeline(model, i2v, make())(**call, generator=gen.manual_seed(d["seed"]), output_type="latent").frames
+    frames = diffusers_pipeline(model, i2v, make())(**call, generator=gen.manual_seed(d["seed"]), output_type="np").frames
     return latents, frames[0]
 
 

@@ -16,8 +16,9 @@ from omniloop.request import OmniRequest, TaskType
 
 from . import checkpoint as ck
 from .defaults import defaults_for, model_kind, tasks_of
+from .policies import menu_for
 from .resolve import resolve
-from .stages import Denoise, DenoiseParams, ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2v
+from .stages import Denoise, ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2v
 
 
 class WanFamily:
@@ -84,6 +85,8 @@ class WanFamily:
         model.path = root
         model.config["variant"] = extra.get("variant", model.config["kind"])
         model.weight_version = ck.weight_version(root, present)
+        # the denoise policies this checkpoint offers; an incompatible scheduler config fails here
+        menu_for(model, options)
         return model
 
     def from_components(
@@ -124,13 +127,16 @@ class WanFamily:
     # -- pipelines ----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
         """validate → text_encode → [image_encode] → denoise → vae_decode → output."""
+        from omniloop_policies import DenoiseParams
+
         cfg = model.config
+        menu = menu_for(model, options)
         if task not in cfg["tasks"]:
             have = ", ".join(sorted(t.value for t in cfg["tasks"]))
             raise RequestError("task", f"this {cfg['kind']} checkpoint does not do {task.value!r} (it does: {have})")
         image = task is TaskType.I2V
         nodes = [
-            Node("validate", Validate(model), writes={"params": Conditioning}),
+            Node("validate", Validate(model, menu), writes={"params": Conditioning}),
             Node("text_encode", TextEncode(), reads={"params": Conditioning},
                  writes={"prompt_embeds": Embeddings, "negative_embeds": Embeddings}, uses=("text_encoder",)),
         ]
@@ -144,7 +150,7 @@ class WanFamily:
             denoise_reads["image_cond"] = Tensors
         experts = ("transformer", "transformer_2") if cfg["boundary_ratio"] is not None else ("transformer",)
         nodes += [
-            Node("denoise", Denoise(cfg), reads=denoise_reads, writes={"denoised": Latents},
+            Node("denoise", Denoise(cfg, menu), reads=denoise_reads, writes={"denoised": Latents},
                  optional_reads=frozenset({"image_cond"}), params_schema=DenoiseParams, uses=experts),
             Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
             Node("output", Output(), reads={"params": Conditioning, "decoded": Tensors, "denoised": Latents},
@@ -154,7 +160,7 @@ class WanFamily:
 
     # -- requests -----------------------------------------------------------------------------
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
-        _, warnings = resolve(model, request, limits)
+        _, warnings = resolve(model, request, limits, menu=menu_for(model))
         return warnings
 
 

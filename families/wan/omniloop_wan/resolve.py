@@ -38,6 +38,9 @@ class WanParams:
     fps: float
     #: uint8 [H, W, 3] for image-conditioned requests, else None
     image: torch.Tensor | None = None
+    #: the request's denoise policies (``omniloop_policies.DenoisePolicies``): sampler, CFG
+    #: policy, router, scales — resolved from ``node_params.denoise`` > ``diffusion`` > defaults
+    policies: Any = None
 
 
 def _limit(limits: Any, name: str) -> int | None:
@@ -75,8 +78,15 @@ def count_tokens(tokenizer: Any, text: str) -> int:
     return len(tokenizer(prompt_clean(text), add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
 
 
-def resolve(model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True) -> tuple[WanParams, list[str]]:
-    """Check ``request`` against ``model`` and ``limits``; return its resolved params and warnings."""
+def resolve(
+    model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True, menu: Any = None
+) -> tuple[WanParams, list[str]]:
+    """Check ``request`` against ``model`` and ``limits``; return its resolved params and warnings.
+
+    ``menu`` is the model's policy menu (default: :func:`omniloop_wan.policies.menu_for`); the
+    denoise policies are resolved and checked here too, so a bad ``node_params.denoise`` fails
+    before any compute with an error naming the node and the policy.
+    """
     cfg = model.config
     warnings: list[str] = []
     tasks = cfg["tasks"]
@@ -93,16 +103,28 @@ def resolve(model: LoadedModel, request: OmniRequest, limits: Any = None, *, dec
     if negative is None:
         negative = defaults.get("negative_prompt", "")
 
-    steps = d.steps if d.steps is not None else int(defaults["steps"])
-    if steps < 1:
-        raise RequestError("diffusion.steps", f"must be at least 1, got {steps}")
+    if d.steps is not None and d.steps < 1:
+        raise RequestError("diffusion.steps", f"must be at least 1, got {d.steps}")
+    if d.guidance_scale is not None and d.guidance_scale < 0:
+        raise RequestError("diffusion.guidance_scale", f"must be >= 0, got {d.guidance_scale}")
+    if d.shift is not None and d.shift <= 0:
+        raise RequestError("diffusion.shift", f"must be > 0, got {d.shift}")
+
+    # the denoise policies: node_params.denoise > diffusion > the model's defaults
+    if menu is None:
+        from .policies import menu_for
+
+        menu = menu_for(model)
+    policies = menu.resolve(request)
+    steps = policies.num_steps
+    if steps is None:  # a fixed-schedule sampler (few-step): its schedule's length
+        steps = len(policies.timesteps or policies.sampler.timesteps_list)
+    denoise_params = (request.node_params or {}).get(menu.node) or {}
+    steps_path = f"node_params.{menu.node}.steps" if denoise_params.get("steps") is not None else "diffusion.steps"
     max_steps = _limit(limits, "max_steps")
     if max_steps is not None and steps > max_steps:
-        raise RequestError("diffusion.steps", f"{steps} is above this deployment's limit of {max_steps}")
-
-    guidance = d.guidance_scale if d.guidance_scale is not None else float(defaults["guidance_scale"])
-    if guidance < 0:
-        raise RequestError("diffusion.guidance_scale", f"must be >= 0, got {guidance}")
+        raise RequestError(steps_path, f"{steps} is above this deployment's limit of {max_steps}")
+    guidance = policies.guidance_scale
 
     t_scale = cfg["vae_scale_temporal"]
     frames = d.frames if d.frames is not None else int(defaults["frames"])
@@ -129,8 +151,6 @@ def resolve(model: LoadedModel, request: OmniRequest, limits: Any = None, *, dec
             raise RequestError(f"diffusion.{name}", f"{value} is above this deployment's limit of {lim}")
         sizes[name] = value
 
-    if d.shift is not None and d.shift <= 0:
-        raise RequestError("diffusion.shift", f"must be > 0, got {d.shift}")
     fps = d.fps if d.fps is not None else float(defaults.get("fps", 16.0))
 
     image = None
@@ -166,6 +186,7 @@ def resolve(model: LoadedModel, request: OmniRequest, limits: Any = None, *, dec
 
     params = WanParams(
         task=request.task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
-        frames=frames, steps=steps, guidance_scale=float(guidance), shift=d.shift, fps=float(fps), image=image,
+        frames=frames, steps=int(steps), guidance_scale=float(guidance), shift=policies.requested_shift,
+        fps=float(fps), image=image, policies=policies,
     )
     return params, warnings

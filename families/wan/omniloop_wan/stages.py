@@ -15,24 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from attrs import define, field
-
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
-from omniloop.interceptors import call_model
-from omniloop.loop import LoopState, RequestState, StageContext, StepContext, StepResult
+from omniloop.loop import RequestState, StageContext
 from omniloop.request import TaskType
 
-from . import sampling
 from .defaults import TEXT_LEN
+from .denoise import Denoise
 from .resolve import WanParams, resolve
-from .transformer import wan_forward
-
-
-def _randn(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """diffusers' ``randn_tensor``: drawn on the generator's device, then moved."""
-    from diffusers.utils.torch_utils import randn_tensor
-
-    return randn_tensor(shape, generator=generator, device=device, dtype=dtype)
 
 
 def _params(state: RequestState) -> WanParams:
@@ -60,14 +49,15 @@ def _module_device(module: Any) -> torch.device:
 
 
 class Validate:
-    """Resolve defaults and check the request again (cheap) into the ``params`` edge."""
+    """Resolve defaults and policies, and check the request again (cheap) into the ``params`` edge."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, menu: Any = None) -> None:
         self.model = model
+        self.menu = menu
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         limits = getattr(ctx.options.get("deploy"), "limits", None)
-        params, warnings = resolve(self.model, state.request, limits)
+        params, warnings = resolve(self.model, state.request, limits, menu=self.menu)
         if warnings:
             known = state.metrics.setdefault("warnings", [])
             known.extend(w for w in warnings if w not in known)
@@ -174,146 +164,8 @@ class ImageEncode:
 
 
 # --------------------------------------------------------------------------------------------
-# denoise
+# denoise: omniloop_wan.denoise (on omniloop-policies)
 # --------------------------------------------------------------------------------------------
-
-
-@define(frozen=True)
-class DenoiseParams:
-    """Per-request knobs of the denoise node (``node_params.denoise``)."""
-
-    #: Wan2.2 A14B: guidance of the low-noise expert (``transformer_2``); default: the model's
-    #: default, else ``diffusion.guidance_scale``
-    guidance_scale_2: float | None = field(default=None, metadata={"ge": 0.0})
-
-
-class Denoise:
-    """One solver step per ``step()``: route to an expert, run each guidance branch, combine, step."""
-
-    def __init__(self, model_config: dict[str, Any]) -> None:
-        self.boundary_ratio = model_config.get("boundary_ratio")
-        self.expand_timesteps = bool(model_config.get("expand_timesteps"))
-        self.default_guidance_2 = model_config["defaults"].get("guidance_scale_2")
-
-    # -- init ---------------------------------------------------------------------------------
-    def init(self, ctx: StageContext, state: RequestState) -> LoopState:
-        p = _params(state)
-        comps = ctx.components
-        tf, vae = comps["transformer"], comps["vae"]
-        scheduler = sampling.make_scheduler(comps["scheduler"], p.shift)
-        timesteps = sampling.set_timesteps(scheduler, p.steps, ctx.device)
-
-        temporal, spatial = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial
-        channels = vae.config.z_dim
-        shape = (1, channels, (p.frames - 1) // temporal + 1, p.height // spatial, p.width // spatial)
-        generator = state.generator
-        if generator is None:  # driven without a runtime: still deterministic per request
-            generator = torch.Generator("cpu").manual_seed(int(state.request.diffusion.seed or 0))
-        latents = _randn(shape, generator, ctx.device, torch.float32)
-
-        guidance_2 = None
-        if self.boundary_ratio is not None:
-            guidance_2 = ctx.params.guidance_scale_2 if ctx.params is not None else None
-            if guidance_2 is None:
-                guidance_2 = p.guidance_scale if state.request.diffusion.guidance_scale is not None else (
-                    self.default_guidance_2 if self.default_guidance_2 is not None else p.guidance_scale
-                )
-        boundary = None
-        if self.boundary_ratio is not None:
-            boundary = self.boundary_ratio * scheduler.config.num_train_timesteps
-
-        loop = LoopState(total=len(timesteps), branches=sampling.cfg_branches(p.guidance_scale))
-        loop.tensors["latents"] = latents
-        loop.extra.update(
-            scheduler=scheduler, timesteps=timesteps, generator=generator, guidance_scale=p.guidance_scale,
-            guidance_scale_2=guidance_2, boundary_timestep=boundary, transformer_dtype=tf.dtype,
-            experts_used=[],
-        )
-        return loop
-
-    # -- one step -----------------------------------------------------------------------------
-    def _model_input(self, state: RequestState, loop: LoopState, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(latent model input, timestep, image embeds) for this step, as diffusers builds them."""
-        latents = loop.tensors["latents"]
-        dtype = loop.extra["transformer_dtype"]
-        cond = state.get("image_cond")
-        values = cond.values if isinstance(cond, Tensors) else {}
-        image_embeds = values.get("image_embeds")
-        if self.expand_timesteps:
-            if "first_frame_mask" in values:  # TI2V image-to-video: the first latent frame is the image
-                mask = values["first_frame_mask"]
-                x = ((1 - mask) * values["condition"] + mask * latents).to(dtype)
-            else:
-                mask = torch.ones(latents.shape, dtype=torch.float32, device=latents.device)
-                x = latents.to(dtype)
-            ts = (mask[0][0][:, ::2, ::2] * t).flatten()
-            timestep = ts.unsqueeze(0).expand(latents.shape[0], -1)
-        elif "condition" in values:
-            x = torch.cat([latents, values["condition"]], dim=1).to(dtype)
-            timestep = t.expand(latents.shape[0])
-        else:
-            x = latents.to(dtype)
-            timestep = t.expand(latents.shape[0])
-        return x, timestep, image_embeds
-
-    def _predict(
-        self, ctx: StageContext, state: RequestState, loop: LoopState, step: StepContext, expert: str,
-        x: torch.Tensor, timestep: torch.Tensor, image_embeds: torch.Tensor | None,
-    ) -> dict[str, torch.Tensor]:
-        model = ctx.components[expert]
-        preds: dict[str, torch.Tensor] = {}
-        for branch in loop.branches:
-            sc = step.with_branch(branch)
-            text = state.read("prompt_embeds" if branch == "cond" else "negative_embeds", Embeddings).tensor
-            bctx = ctx.block_context(sc, loop, prefix=f"{expert}.blocks")
-            inputs = {"hidden_states": x, "timestep": timestep, "encoder_hidden_states": text,
-                      "encoder_hidden_states_image": image_embeds}
-
-            def compute(text: torch.Tensor = text, bctx: Any = bctx) -> torch.Tensor:
-                return wan_forward(model, x, timestep, text, image_embeds, bctx)
-
-            preds[branch] = call_model(ctx.step_interceptors, sc, loop, inputs, compute)
-            if ctx.taps_enabled:
-                ctx.tap("noise_pred", preds[branch], sc)
-        return preds
-
-    def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
-        i = loop.step
-        t = loop.extra["timesteps"][i]
-        expert = sampling.route_expert(t, loop.extra["boundary_timestep"])
-        if expert == "transformer_2":
-            guidance = loop.extra["guidance_scale_2"]
-        else:
-            guidance = loop.extra["guidance_scale"]
-        used = loop.extra["experts_used"]
-        if not used or used[-1] != expert:
-            used.append(expert)
-        step = StepContext(
-            state.request.request_id, ctx.node.name, i, loop.total, float(t),
-            expert=expert if self.boundary_ratio is not None else None,
-        )
-        with torch.no_grad():
-            x, timestep, image_embeds = self._model_input(state, loop, t)
-            preds = self._predict(ctx, state, loop, step, expert, x, timestep, image_embeds)
-            guided = sampling.classic_cfg(preds, guidance)
-            if ctx.taps_enabled:
-                ctx.tap("guided", guided, step)
-            latents = sampling.sampler_step(loop.extra["scheduler"], guided, t, loop.tensors["latents"])
-        loop.tensors["latents"] = latents
-        if ctx.taps_enabled:
-            ctx.tap("latents", latents, step)
-        return StepResult(done=i + 1 >= loop.total)
-
-    def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
-        latents = loop.tensors["latents"]
-        cond = state.get("image_cond")
-        if self.expand_timesteps and isinstance(cond, Tensors) and "first_frame_mask" in cond.values:
-            mask = cond.values["first_frame_mask"]
-            latents = (1 - mask) * cond.values["condition"] + mask * latents
-        state.metrics["experts"] = list(loop.extra.get("experts_used", []))
-        state.write("denoised", Latents(tensor=latents, modality="video"), ctx.node.name)
-        # the scheduler instance and the generator go with the loop state
-        loop.extra.pop("scheduler", None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,7 +231,6 @@ def is_i2v(request: Any) -> bool:
 
 __all__ = [
     "Denoise",
-    "DenoiseParams",
     "ImageEncode",
     "Output",
     "TextEncode",

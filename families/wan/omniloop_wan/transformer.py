@@ -13,6 +13,7 @@ Keep this module small: it is the only place that knows the model's outer struct
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,12 +28,14 @@ def wan_forward(
     encoder_hidden_states: torch.Tensor,
     encoder_hidden_states_image: torch.Tensor | None = None,
     block_ctx: BlockContext | None = None,
+    blocks: Sequence[Any] | None = None,
 ) -> torch.Tensor:
     """Predict the flow for ``hidden_states`` ``[B, C, F, H, W]`` at ``timestep``.
 
     ``timestep`` is ``[B]`` (Wan2.1, Wan2.2 A14B) or ``[B, seq_len]`` (Wan2.2 TI2V, one timestep
     per latent token). ``encoder_hidden_states`` are the text-encoder states ``[B, L, text_dim]``;
     ``encoder_hidden_states_image`` the CLIP states of Wan2.1 I2V models, or None.
+    ``blocks`` replaces ``model.blocks`` (the same blocks compiled, see :mod:`omniloop_wan.compile`).
     Returns the prediction ``[B, out_channels, F, H, W]``.
     """
     batch_size, _num_channels, num_frames, height, width = hidden_states.shape
@@ -66,7 +69,7 @@ def wan_forward(
     def call(block: Any, hidden: torch.Tensor) -> torch.Tensor:
         return block(hidden, encoder_hidden_states, timestep_proj, rotary_emb)
 
-    hidden_states = run_blocks(model.blocks, hidden_states, block_ctx, call)
+    hidden_states = run_blocks(model.blocks if blocks is None else blocks, hidden_states, block_ctx, call)
 
     # 4. output norm, projection and unpatchify
     if temb.ndim == 3:

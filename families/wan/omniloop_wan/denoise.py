@@ -1,0 +1,267 @@
+"""The ``denoise`` node: one solver step per ``step()``, on omniloop-policies.
+
+Per request, ``init`` resolves the request's :class:`omniloop_policies.DenoisePolicies` (sampler,
+CFG policy, router, scales) and lets them allocate their state in ``LoopState.policy_state`` —
+a fresh diffusers scheduler instance, the CFG state — and declare the guidance branches
+(``LoopState.branches``). A step then is::
+
+    step  = pol.step_context(loop, ...)          # index, host timestep, expert (router)
+    plan  = pol.plan(step, loop)                 # the branches this step computes
+    preds = one model forward per forward group  # ("cond",), ("uncond",) or ("cond", "uncond") stacked
+    guided = pol.combine(step, loop, preds)      # the CFG policy's formula
+    latents = pol.advance(step, loop, guided, x) # the request's own scheduler step
+
+The family calls the pieces rather than ``pol.predict`` so that each model forward hands step
+interceptors the inputs *of that forward* (its text embeddings, the stacked batch of a batched
+group) and taps each branch's prediction right after its forward.
+
+``loop.step`` is advanced by the runtime after ``step()`` returns (``Execution._after_step``);
+the sampler keeps its own index and the two are checked against each other every step.
+
+With the defaults (the checkpoint's scheduler class, classic CFG, native step dtype) this is
+diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline`` loop op for op: tests/wan/test_parity.py
+compares final latents and frames with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from attrs import define
+
+from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
+from omniloop.interceptors import BlockContext, call_model
+from omniloop.loop import LoopState, RequestState, StageContext, StepContext, StepResult
+
+from .policies import latent_tokens
+from .resolve import WanParams
+from .transformer import wan_forward
+
+
+def _randn(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """diffusers' ``randn_tensor``: drawn on the generator's device, then moved."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    return randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+
+
+def _params(state: RequestState) -> WanParams:
+    return state.read("params", Conditioning).values["params"]
+
+
+@define
+class StepInputs:
+    """One request's model inputs at one step (what diffusers builds before its forwards)."""
+
+    #: latent model input ``[1, C_in, F, H, W]`` in the expert's dtype (image latents concatenated for I2V)
+    x: torch.Tensor
+    #: ``[1]`` (Wan2.1, Wan2.2 A14B) or ``[1, seq_len]`` (Wan2.2 TI2V, one timestep per token)
+    timestep: torch.Tensor
+    #: text-encoder states by logical branch (``cond`` → prompt, ``uncond`` → negative prompt)
+    text: dict[str, torch.Tensor]
+    #: CLIP image states (Wan2.1 I2V) or None
+    image_embeds: torch.Tensor | None
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def stack_inputs(inputs: Sequence[StepInputs], group: tuple[str, ...]) -> dict[str, Any]:
+    """The stacked batch of one model forward: request-major, then the group's branches.
+
+    Row blocks are ``[(r0, b0), (r0, b1), (r1, b0), ...]``; with one request and one branch the
+    tensors are passed through untouched (no copy), which keeps the default path bit-exact."""
+    xs, ts, es, ims = [], [], [], []
+    for inp in inputs:
+        for b in group:
+            xs.append(inp.x)
+            ts.append(inp.timestep)
+            es.append(inp.text[b])
+            if inp.image_embeds is not None:
+                ims.append(inp.image_embeds)
+    return {
+        "hidden_states": _cat(xs),
+        "timestep": _cat(ts),
+        "encoder_hidden_states": _cat(es),
+        "encoder_hidden_states_image": _cat(ims) if ims else None,
+    }
+
+
+def split_rows(out: torch.Tensor, inputs: Sequence[StepInputs], group: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+    """Undo :func:`stack_inputs` on a prediction: per request, ``{branch: prediction}``."""
+    sizes = [inp.x.shape[0] for inp in inputs for _ in group]
+    chunks = out.split(sizes, dim=0) if len(sizes) > 1 else (out,)
+    res: list[dict[str, torch.Tensor]] = []
+    k = 0
+    for _ in inputs:
+        d = {}
+        for b in group:
+            d[b] = chunks[k]
+            k += 1
+        res.append(d)
+    return res
+
+
+class Denoise:
+    """One solver step per ``step()``: route to an expert, run the planned branches, combine, step."""
+
+    def __init__(self, model_config: dict[str, Any], menu: Any) -> None:
+        self.menu = menu
+        self.expand_timesteps = bool(model_config.get("expand_timesteps"))
+
+    def policy_names(self, pol: Any) -> dict[str, str]:
+        """The menu names of a request's sampler and CFG policy (``batched`` is ``ClassicCFG(batched=True)``,
+        whose class name is ``classic``)."""
+        out = {}
+        for role, table in (("sampler", self.menu.samplers), ("cfg", self.menu.cfgs)):
+            obj = getattr(pol, role)
+            out[role] = next((k for k, v in table.items() if v is obj), None) or next(
+                (k for k, v in table.items() if v == obj), obj.name
+            )
+        return out
+
+    # -- init ---------------------------------------------------------------------------------
+    def policies(self, ctx: StageContext, state: RequestState) -> Any:
+        """The request's DenoisePolicies (resolved by the validate node; else resolved here)."""
+        p = _params(state)
+        if p.policies is not None:
+            return p.policies
+        return self.menu.resolve(state.request)
+
+    def init(self, ctx: StageContext, state: RequestState) -> LoopState:
+        p = _params(state)
+        pol = self.policies(ctx, state)
+        comps = ctx.components
+        tf, vae = comps["transformer"], comps["vae"]
+        temporal, spatial = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial
+        shape = (1, vae.config.z_dim, (p.frames - 1) // temporal + 1, p.height // spatial, p.width // spatial)
+        generator = state.generator
+        if generator is None:  # driven without a runtime: still deterministic per request
+            generator = torch.Generator("cpu").manual_seed(int(state.request.diffusion.seed or 0))
+        loop = LoopState()
+        loop.tensors["latents"] = _randn(shape, generator, ctx.device, pol.precision.latents_dtype)
+        pol.init(loop, device=ctx.device, generator=generator, seq_len=latent_tokens(shape, tuple(tf.config.patch_size)))
+        loop.extra["experts_used"] = []
+        return loop
+
+    # -- inputs -------------------------------------------------------------------------------
+    def step_inputs(self, state: RequestState, latents: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> StepInputs:
+        """(latent model input, timestep, text and image embeds) for this step, as diffusers builds them."""
+        cond = state.get("image_cond")
+        values = cond.values if isinstance(cond, Tensors) else {}
+        if self.expand_timesteps:
+            if "first_frame_mask" in values:  # TI2V image-to-video: the first latent frame is the image
+                mask = values["first_frame_mask"]
+                x = ((1 - mask) * values["condition"] + mask * latents).to(dtype)
+            else:
+                mask = torch.ones(latents.shape, dtype=torch.float32, device=latents.device)
+                x = latents.to(dtype)
+            ts = (mask[0][0][:, ::2, ::2] * t).flatten()
+            timestep = ts.unsqueeze(0).expand(latents.shape[0], -1)
+        elif "condition" in values:
+            x = torch.cat([latents, values["condition"]], dim=1).to(dtype)
+            timestep = t.expand(latents.shape[0])
+        else:
+            x = latents.to(dtype)
+            timestep = t.expand(latents.shape[0])
+        text = {
+            "cond": state.read("prompt_embeds", Embeddings).tensor,
+            "uncond": state.read("negative_embeds", Embeddings).tensor,
+        }
+        return StepInputs(x=x, timestep=timestep, text=text, image_embeds=values.get("image_embeds"))
+
+    def forward(
+        self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None
+    ) -> torch.Tensor:
+        """One transformer forward on a (stacked) batch."""
+        model = ctx.components[expert]
+        return wan_forward(
+            model, batch["hidden_states"], batch["timestep"], batch["encoder_hidden_states"],
+            batch["encoder_hidden_states_image"], block_ctx,
+        )
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
+        from omniloop_policies import forward_groups, forward_name
+
+        pol = loop.policy_state["policies"]
+        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
+        _check_index(loop, step)
+        expert = step.expert
+        _note_expert(loop, expert)
+        taps = ctx.taps_enabled
+        with torch.no_grad():
+            latents = loop.tensors["latents"]
+            inp = self.step_inputs(state, latents, pol.timestep(loop), pol.precision.dtype_for(expert))
+            preds: dict[str, torch.Tensor] = {}
+            for group in forward_groups(pol.cfg, pol.plan(step, loop)):
+                sc = step.with_branch(forward_name(group))
+                batch = stack_inputs([inp], group)
+                bctx = ctx.block_context(sc, loop, prefix=f"{expert}.blocks")
+
+                def compute(batch: dict[str, Any] = batch, bctx: BlockContext | None = bctx) -> torch.Tensor:
+                    return self.forward(ctx, expert, batch, bctx)
+
+                out = call_model(ctx.step_interceptors, sc, loop, batch, compute)
+                for b, pred in split_rows(out, [inp], group)[0].items():
+                    preds[b] = pred
+                    if taps:
+                        ctx.tap("noise_pred", pred, step.with_branch(b))
+            guided = pol.combine(step, loop, preds)
+            if taps:
+                ctx.tap("guided", guided, step)
+            latents = pol.advance(step, loop, guided, latents)
+        loop.tensors["latents"] = latents
+        if taps:
+            ctx.tap("latents", latents, step)
+        return StepResult(done=pol.done(loop))
+
+    # -- finalize -----------------------------------------------------------------------------
+    def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
+        latents = loop.tensors["latents"]
+        cond = state.get("image_cond")
+        if self.expand_timesteps and isinstance(cond, Tensors) and "first_frame_mask" in cond.values:
+            mask = cond.values["first_frame_mask"]
+            latents = (1 - mask) * cond.values["condition"] + mask * latents
+        state.metrics["experts"] = list(loop.extra.get("experts_used", []))
+        pol = loop.policy_state.get("policies")
+        if pol is not None:
+            state.metrics["policies"] = {**pol.metrics(loop), **self.policy_names(pol)}
+        _step_time_metrics(ctx, state)
+        state.write("denoised", Latents(tensor=latents, modality="video"), ctx.node.name)
+        # the request's scheduler instance (with its multistep history) and CFG caches go now
+        loop.policy_state.pop("sampler", None)
+        loop.policy_state.pop("cfg", None)
+
+
+def _check_index(loop: LoopState, step: StepContext) -> None:
+    if step.step_index != loop.step:
+        raise RuntimeError(
+            f"node {step.node!r}: the sampler is at step {step.step_index} but the loop at {loop.step}; "
+            "loop.step is advanced by the runtime after step() returns, never by the stage"
+        )
+
+
+def _note_expert(loop: LoopState, expert: str | None) -> None:
+    used = loop.extra.setdefault("experts_used", [])
+    if expert is not None and (not used or used[-1] != expert):
+        used.append(expert)
+
+
+def _step_time_metrics(ctx: StageContext, state: RequestState) -> None:
+    """First-step seconds apart from the rest: the first holds loop set-up and, with compiled
+    blocks, compilation (a new shape recompiles); the rest is steady state."""
+    times = state.metrics.get("step_seconds")
+    if not times:
+        return
+    out: dict[str, Any] = {"first_step_seconds": times[0]}
+    if len(times) > 1:
+        out["steady_step_seconds"] = round(statistics.median(times[1:]), 6)
+    state.metrics["denoise"] = out
+
+
+__all__ = ["Denoise", "StepInputs", "split_rows", "stack_inputs"]
