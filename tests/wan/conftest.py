@@ -17,6 +17,9 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 import omniloop_wan.plugin as wan_plugin
+from omniloop.family import PluginComponentSpec
+from omniloop.hookspecs import hookimpl
+from omniloop.loop import StepContext
 from omniloop.testing import make_manager
 from omniloop_wan.tiny import build_tiny_checkpoint
 
@@ -55,6 +58,61 @@ def wan_runtime(tiny_ckpt):
         if key not in cache:
             cache[key] = Runtime.from_model(tiny_ckpt(variant, scheduler), manager=wan_manager())
         return cache[key]
+
+    return get
+
+
+class CountingInterceptor:
+    """A pass-through step interceptor recording (step, forward name, batch rows)."""
+
+    name = "count"
+    graph_safe = True
+    distribution_altering = False
+    needs_eager = False
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def open(self, step: StepContext, loop: Any) -> Any:
+        return step.branch
+
+    def forward(self, step: StepContext, state: Any, inputs: dict[str, Any], compute: Any) -> torch.Tensor:
+        assert state == step.branch  # per-forward-name state
+        self.log.append((step.step_index, step.branch, int(inputs["hidden_states"].shape[0])))
+        return compute()
+
+    def close(self, state: Any) -> None:
+        pass
+
+    def metrics(self, state: Any) -> dict[str, Any]:
+        return {}
+
+
+@pytest.fixture(scope="session")
+def counting(tiny_ckpt):
+    """``counting(variant)`` → (runtime with the counting interceptor, its log)."""
+    cache: dict[str, Any] = {}
+
+    def get(variant: str = "t2v") -> tuple[Any, list]:
+        if variant not in cache:
+            log: list = []
+
+            class Plugin:
+                OMNILOOP_HOOK_API = ">=1.0,<2"
+
+                @hookimpl
+                def omniloop_register_interceptors(self, register: Any) -> None:
+                    register(PluginComponentSpec(name="count", kind="step_interceptor",
+                                                 factory=lambda cfg: CountingInterceptor(log)))
+
+            manager = wan_manager()
+            manager.add("count", Plugin())
+            from omniloop.runtime import Runtime
+
+            cache[variant] = (Runtime.from_model(tiny_ckpt(variant), manager=manager, plugins={"count": {}}), log)
+        rt, log = cache[variant]
+        log.clear()
+        return rt, log
 
     return get
 

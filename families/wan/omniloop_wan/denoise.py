@@ -26,7 +26,7 @@ compares final latents and frames with ``torch.equal``.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -107,7 +107,10 @@ def split_rows(out: torch.Tensor, inputs: Sequence[StepInputs], group: tuple[str
 
 
 class Denoise:
-    """One solver step per ``step()``: route to an expert, run the planned branches, combine, step."""
+    """One solver step per ``step()``: route to an expert, run the planned branches, combine, step.
+
+    Batched steps across requests: ``batch_key`` / ``step_batch`` (:mod:`omniloop_wan.batching`).
+    """
 
     def __init__(self, model_config: dict[str, Any], menu: Any) -> None:
         self.menu = menu
@@ -236,6 +239,19 @@ class Denoise:
         # the request's scheduler instance (with its multistep history) and CFG caches go now
         loop.policy_state.pop("sampler", None)
         loop.policy_state.pop("cfg", None)
+
+    # -- batched steps (several requests; see omniloop_wan.batching) ----------------------------
+    def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
+        from .batching import batch_key
+
+        return batch_key(self, ctx, state, loop)
+
+    def step_batch(
+        self, ctxs: Sequence[StageContext], states: Sequence[RequestState], loops: Sequence[LoopState]
+    ) -> list[StepResult]:
+        from .batching import step_batch
+
+        return step_batch(self, ctxs, states, loops)
 
 
 def _check_index(loop: LoopState, step: StepContext) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
 from omniloop.loop import RequestState, StageContext
 from omniloop.request import TaskType
