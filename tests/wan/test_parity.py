@@ -2,7 +2,9 @@
 
 Same tiny checkpoint (the very same module objects), seed, scheduler config, steps and guidance,
 CPU float32: omniloop's final latents and decoded frames must equal diffusers' ``WanPipeline`` /
-``WanImageToVideoPipeline`` bit for bit (``torch.equal``, no tolerance).
+``WanImageToVideoPipeline`` bit for bit (``torch.equal``, no tolerance). omniloop runs its own
+attention processor (the deploy's ``sdpa`` backend); diffusers runs with its own
+``WanAttnProcessor`` put back for the reference run (``diffusers_attention``).
 
 diffusers is given a fresh scheduler built from the checkpoint's config and a CPU generator
 seeded with the request's seed, as omniloop's execution does (``randn_tensor`` semantics).
@@ -24,6 +26,8 @@ from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 from diffusers.utils import is_ftfy_available
 from PIL import Image
+
+from omniloop_wan.attention import diffusers_attention, installed
 
 
 @pytest.fixture
@@ -70,8 +74,12 @@ def run_diffusers(
     if i2v:
         call["image"] = Image.open(image_path).convert("RGB")
     gen = torch.Generator("cpu")
-    latents = diffusers_pipeline(model, i2v, make())(**call, generator=gen.manual_seed(d["seed"]), output_type="latent").frames
-    frames = diffusers_pipeline(model, i2v, make())(**call, generator=gen.manual_seed(d["seed"]), output_type="np").frames
+    experts = [c for n, c in model.components.items() if n.startswith("transformer")]
+    with diffusers_attention(*experts):  # diffusers' own WanAttnProcessor, not omniloop's backend one
+        latents = diffusers_pipeline(model, i2v, make())(**call, generator=gen.manual_seed(d["seed"]),
+                                                         output_type="latent").frames
+        frames = diffusers_pipeline(model, i2v, make())(**call, generator=gen.manual_seed(d["seed"]),
+                                                        output_type="np").frames
     return latents, frames[0]
 
 
@@ -97,6 +105,7 @@ def _decoded_unit_frames(runtime: Any, req: dict[str, Any]) -> torch.Tensor:
 
 def test_t2v_unipc_bit_exact(wan_runtime, t2v_request):
     rt = wan_runtime("t2v")
+    assert installed(rt.model.components["transformer"]) == "sdpa"  # ours runs; diffusers' for the reference
     req = t2v_request(steps=4)
     ref_latents, ref_frames = run_diffusers(rt.model, req)
     assert_bit_exact(rt.generate(req), ref_latents, ref_frames)

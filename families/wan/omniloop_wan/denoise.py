@@ -181,10 +181,12 @@ class Denoise:
         self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None
     ) -> torch.Tensor:
         """One transformer forward on a (stacked) batch."""
+        from .compile import blocks_for
+
         model = ctx.components[expert]
         return wan_forward(
             model, batch["hidden_states"], batch["timestep"], batch["encoder_hidden_states"],
-            batch["encoder_hidden_states_image"], block_ctx,
+            batch["encoder_hidden_states_image"], block_ctx, blocks=blocks_for(model, ctx),
         )
 
     # -- one step -----------------------------------------------------------------------------
@@ -277,6 +279,11 @@ def _step_time_metrics(ctx: StageContext, state: RequestState) -> None:
     out: dict[str, Any] = {"first_step_seconds": times[0]}
     if len(times) > 1:
         out["steady_step_seconds"] = round(statistics.median(times[1:]), 6)
+    from .compile import compile_info
+
+    info = compile_info(ctx)
+    if info is not None:
+        out["compile"] = info
     state.metrics["denoise"] = out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from omniloop.request import OmniRequest, TaskType
 
 from . import checkpoint as ck
 from .defaults import defaults_for, model_kind, tasks_of
+from .options import WanOptions, parse_options
 from .policies import menu_for
 from .resolve import resolve
 from .stages import Denoise, ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2v
@@ -35,11 +37,12 @@ class WanFamily:
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
         """Load every component once (local files only). Bad files → ``CheckpointError`` naming them.
 
-        Options: ``vae_dtype`` (default ``float32``, as Wan-AI runs its VAE).
+        Options: see :mod:`omniloop_wan.options` (checked before any weight is read).
         """
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
+        parse_options(options)
         root = ck.resolve_root(path)
         index = ck.check_checkpoint(root)
         present = ck.components_in(index)
@@ -81,12 +84,11 @@ class WanFamily:
                 raise CheckpointError(f"{root / 'model_index.json'}: an image_encoder needs an image_processor")
             comps["image_processor"] = ck.load_image_processor(root / "image_processor")
 
-        model = self.from_components(comps, index=index, defaults=extra.get("defaults"), device=device, dtype=dtype)
-        model.path = root
+        model = self.from_components(
+            comps, index=index, defaults=extra.get("defaults"), device=device, dtype=dtype, path=root,
+            weight_version=ck.weight_version(root, present), options=options,
+        )
         model.config["variant"] = extra.get("variant", model.config["kind"])
-        model.weight_version = ck.weight_version(root, present)
-        # the denoise policies this checkpoint offers; an incompatible scheduler config fails here
-        menu_for(model, options)
         return model
 
     def from_components(
@@ -97,6 +99,9 @@ class WanFamily:
         defaults: dict[str, Any] | None = None,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
+        options: Mapping[str, Any] | None = None,
+        path: Path | None = None,
+        weight_version: str = "",
     ) -> LoadedModel:
         """A ``LoadedModel`` over modules already in memory (benchmarks, tests, notebooks).
 
@@ -104,6 +109,9 @@ class WanFamily:
         ``tokenizer``, ``scheduler``, optionally ``transformer_2``, ``image_encoder``,
         ``image_processor``); ``index`` the ``model_index.json`` values that matter
         (``boundary_ratio``, ``expand_timesteps``); ``defaults`` overrides the kind's defaults.
+        ``options`` are the family options a runtime passes to :meth:`load` (plus ``deploy``,
+        ``registry``, ``attention``): the attention backend's processors, compiled blocks and VAE
+        tiling/slicing are set up *on these modules* (shared by whoever else uses them).
         """
         index = dict(index or {})
         tf, vae = components["transformer"], components["vae"]
@@ -121,8 +129,13 @@ class WanFamily:
             "image_encoder": "image_encoder" in components,
             "model_index": index,
         }
-        return LoadedModel(family=self.name, path=None, components=components, config=config,
-                           device=device if device is not None else torch.device("cpu"), dtype=dtype)
+        model = LoadedModel(family=self.name, path=path, components=components, config=config,
+                            device=device if device is not None else torch.device("cpu"), dtype=dtype,
+                            weight_version=weight_version or f"in-memory:{id(components['transformer']):x}")
+        configure(model, parse_options(options))
+        # the denoise policies this checkpoint offers; an incompatible scheduler config fails here
+        menu_for(model, options)
+        return model
 
     # -- pipelines ----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
@@ -137,7 +150,7 @@ class WanFamily:
         image = task is TaskType.I2V
         nodes = [
             Node("validate", Validate(model, menu), writes={"params": Conditioning}),
-            Node("text_encode", TextEncode(), reads={"params": Conditioning},
+            Node("text_encode", TextEncode(cfg.get("text_cache")), reads={"params": Conditioning},
                  writes={"prompt_embeds": Embeddings, "negative_embeds": Embeddings}, uses=("text_encoder",)),
         ]
         denoise_reads: dict[str, type] = {
@@ -162,6 +175,33 @@ class WanFamily:
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
         _, warnings = resolve(model, request, limits, menu=menu_for(model))
         return warnings
+
+
+def configure(model: LoadedModel, opts: WanOptions) -> None:
+    """Set up the loaded modules for a deployment: attention processors, compiled blocks, VAE
+    tiling/slicing, the text-embedding cache (``model.config["text_cache"]``)."""
+    from .attention import install
+    from .compile import compile_blocks
+    from .textcache import TextEmbeddingCache
+
+    comps = model.components
+    experts = [comps[n] for n in ("transformer", "transformer_2") if n in comps]
+    if opts.attention is not None:
+        for tf in experts:
+            install(tf, opts.attention)
+        model.config["attention_backend"] = opts.attention.name
+    if opts.compile is not None:
+        for tf in experts:
+            compile_blocks(tf, **opts.compile)
+        model.config["compile"] = dict(opts.compile)
+    vae = comps["vae"]
+    if opts.vae_tiling is not None:
+        vae.enable_tiling(**opts.vae_tiling)
+    if opts.vae_slicing:
+        vae.enable_slicing()
+    model.config["text_cache"] = (
+        TextEmbeddingCache(opts.text_cache, weight_version=model.weight_version) if opts.text_cache else None
+    )
 
 
 def _dtype(name: Any, what: str) -> torch.dtype:

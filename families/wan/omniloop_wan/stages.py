@@ -89,15 +89,35 @@ def encode_text(tokenizer: Any, text_encoder: Any, text: str, device: torch.devi
 
 
 class TextEncode:
-    """Prompt and negative prompt → ``prompt_embeds`` / ``negative_embeds`` (transformer dtype)."""
+    """Prompt and negative prompt → ``prompt_embeds`` / ``negative_embeds`` (transformer dtype).
+
+    With a :class:`~omniloop_wan.textcache.TextEmbeddingCache` (default: one per loaded model)
+    a text already encoded by this encoder and weights is not encoded again; the request's
+    ``metrics["text_cache"]`` counts its hits and misses."""
+
+    def __init__(self, cache: Any = None) -> None:
+        self.cache = cache
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         p = _params(state)
         tok, te = ctx.components["tokenizer"], ctx.components["text_encoder"]
         dtype = ctx.components["transformer"].dtype
+        cache = self.cache
+        hits = misses = 0
+        out = []
         with torch.no_grad():
-            pos, pos_mask = encode_text(tok, te, p.prompt, ctx.device, dtype)
-            neg, neg_mask = encode_text(tok, te, p.negative_prompt, ctx.device, dtype)
+            for text in (p.prompt, p.negative_prompt):
+                if cache is None:
+                    out.append(encode_text(tok, te, text, ctx.device, dtype))
+                    continue
+                key = cache.key(text, te, dtype, ctx.device)
+                value, hit = cache.get_or_encode(key, lambda text=text: encode_text(tok, te, text, ctx.device, dtype))
+                hits += hit
+                misses += not hit
+                out.append(value)
+        (pos, pos_mask), (neg, neg_mask) = out
+        if cache is not None:
+            state.metrics["text_cache"] = {"hits": hits, "misses": misses, "entries": len(cache)}
         state.write("prompt_embeds", Embeddings(tensor=pos, mask=pos_mask), ctx.node.name)
         state.write("negative_embeds", Embeddings(tensor=neg, mask=neg_mask), ctx.node.name)
 

@@ -1,0 +1,178 @@
+"""The deploy's attention backend inside diffusers' Wan blocks.
+
+:class:`WanBackendAttnProcessor` does what diffusers' ``WanAttnProcessor`` does — Q/K/V
+projections (fused or not), QK RMS-norm, rotary embedding, the I2V image key/values of Wan2.1
+I2V cross-attention — with the same tensor operations in the same order, but computes attention
+with the deployment's backend (``AttentionBackendSpec.fn(q, k, v)``, ``[B, heads, L, D]``)
+instead of diffusers' dispatcher. With the core ``sdpa`` backend the block outputs are
+``torch.equal`` to diffusers' (tests/wan/test_attention.py): diffusers' native backend is the same
+``scaled_dot_product_attention`` call on the same ``[B, H, L, D]`` views.
+
+Processors are installed at load on every ``WanAttention`` module (self- and cross-attention) of
+each loaded transformer. A runtime loads its own modules, so runtimes do not interfere; modules
+shared by several runtimes (``WanFamily.from_components``) carry the backend of the last one
+installed — use one backend per set of shared components. :func:`diffusers_attention`
+temporarily puts diffusers' own processors back (reference runs, benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger("omniloop_wan")
+
+#: the text encoder's context length, which diffusers' processor hard-codes for I2V too
+TEXT_CONTEXT = 512
+
+_INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    # diffusers' WanAttnProcessor.apply_rotary_emb, op for op
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states)
+
+
+class WanBackendAttnProcessor:
+    """diffusers' ``WanAttnProcessor`` computing attention with ``fn(q, k, v)`` (``[B, H, L, D]``)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], backend: str = "custom") -> None:
+        self.fn = fn
+        self.backend = backend
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, L, H, D]`` in and out, like diffusers' dispatcher; the backend sees ``[B, H, L, D]``."""
+        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+        if attention_mask is None:
+            out = self.fn(q, k, v)
+        else:
+            if attention_mask.ndim == 2 and attention_mask.shape[0] == q.shape[0]:
+                attention_mask = attention_mask.unsqueeze(1).unsqueeze(1)
+            out = self.fn(q, k, v, attn_mask=attention_mask)
+        return out.permute(0, 2, 1, 3)
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        encoder_hidden_states_img = None
+        if attn.add_k_proj is not None:
+            assert encoder_hidden_states is not None
+            image_context_length = encoder_hidden_states.shape[1] - TEXT_CONTEXT
+            encoder_hidden_states_img = encoder_hidden_states[:, :image_context_length]
+            encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
+
+        fused = getattr(attn, "fused_projections", False)
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        if fused and not attn.is_cross_attention:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        elif fused:
+            query = attn.to_q(hidden_states)
+            key, value = attn.to_kv(context).chunk(2, dim=-1)
+        else:
+            query = attn.to_q(hidden_states)
+            key = attn.to_k(context)
+            value = attn.to_v(context)
+
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+
+        if rotary_emb is not None:
+            query = _apply_rotary_emb(query, *rotary_emb)
+            key = _apply_rotary_emb(key, *rotary_emb)
+
+        hidden_states_img = None
+        if encoder_hidden_states_img is not None:  # I2V: attend to the CLIP image states too
+            if fused:
+                key_img, value_img = attn.to_added_kv(encoder_hidden_states_img).chunk(2, dim=-1)
+            else:
+                key_img = attn.add_k_proj(encoder_hidden_states_img)
+                value_img = attn.add_v_proj(encoder_hidden_states_img)
+            key_img = attn.norm_added_k(key_img)
+            key_img = key_img.unflatten(2, (attn.heads, -1))
+            value_img = value_img.unflatten(2, (attn.heads, -1))
+            hidden_states_img = self._attend(query, key_img, value_img)
+            hidden_states_img = hidden_states_img.flatten(2, 3)
+            hidden_states_img = hidden_states_img.type_as(query)
+
+        hidden_states = self._attend(query, key, value, attention_mask)
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.type_as(query)
+
+        if hidden_states_img is not None:
+            hidden_states = hidden_states + hidden_states_img
+
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        return hidden_states
+
+    def __repr__(self) -> str:
+        return f"WanBackendAttnProcessor(backend={self.backend!r})"
+
+
+def _attention_modules(model: torch.nn.Module) -> list[Any]:
+    from diffusers.models.transformers.transformer_wan import WanAttention
+
+    return [m for m in model.modules() if isinstance(m, WanAttention)]
+
+
+def install(model: torch.nn.Module, backend: Any) -> int:
+    """Put a :class:`WanBackendAttnProcessor` for ``backend`` (an ``AttentionBackendSpec``) on every
+    ``WanAttention`` of ``model``; returns how many modules got one."""
+    name = str(getattr(backend, "name", "custom"))
+    previous = _INSTALLED.get(model)
+    if previous is not None and previous != name:
+        log.warning(
+            "attention backend of shared Wan components changed from %r to %r: every runtime using "
+            "these modules now runs %r", previous, name, name,
+        )
+    mods = _attention_modules(model)
+    for m in mods:
+        m.set_processor(WanBackendAttnProcessor(backend.fn, name))
+    _INSTALLED[model] = name
+    return len(mods)
+
+
+def installed(model: torch.nn.Module) -> str | None:
+    """The backend name installed on ``model``'s attention modules, or None (diffusers' own)."""
+    return _INSTALLED.get(model)
+
+
+@contextlib.contextmanager
+def diffusers_attention(*models: torch.nn.Module) -> Iterator[None]:
+    """Run ``models`` with diffusers' own ``WanAttnProcessor`` inside the block, then restore."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    saved: list[tuple[Any, Any]] = []
+    for model in models:
+        for m in _attention_modules(model):
+            saved.append((m, m.processor))
+            m.set_processor(WanAttnProcessor())
+    try:
+        yield
+    finally:
+        for m, proc in saved:
+            m.set_processor(proc)
+
+
+__all__ = ["WanBackendAttnProcessor", "diffusers_attention", "install", "installed"]

@@ -1,0 +1,88 @@
+"""The Wan family's deploy options (``options:`` in the deploy config), checked before loading.
+
+=====================  =====================================================================
+``vae_dtype``          ``float32`` (default, as Wan-AI runs its VAE), ``bfloat16``, ``float16``
+``text_cache``         text-embedding cache entries (default 64; ``0``/``false``: off)
+``vae_tiling``         ``true`` or ``{tile_sample_min_height, tile_sample_min_width,
+                       tile_sample_stride_height, tile_sample_stride_width}`` (pixels):
+                       ``AutoencoderKLWan.enable_tiling`` — decode (and I2V encode) in
+                       overlapping spatial tiles, blended; lower peak memory, not bit-equal
+``vae_slicing``        ``true``: ``AutoencoderKLWan.enable_slicing`` — a batch of videos is
+                       decoded one at a time (a request decodes one video, so this only
+                       matters to callers that decode batches)
+``compile_backend``    ``torch.compile`` backend for deploy ``compile: true`` (default
+                       ``inductor``; ``eager`` checks tracing without code generation)
+``compile_mode``       e.g. ``max-autotune-no-cudagraphs`` (inductor only)
+``compile_dynamic``    ``torch.compile(dynamic=...)`` (default ``false``: one graph per shape)
+=====================  =====================================================================
+
+The runtime adds ``deploy``, ``registry`` and ``attention`` (the deploy's attention backend).
+Unknown keys are logged and ignored (other plugins may read the same options).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from attrs import define
+
+from omniloop.errors import DeployError
+
+from .compile import compile_options
+from .textcache import capacity_from_options
+
+log = logging.getLogger("omniloop_wan")
+
+RUNTIME_KEYS = frozenset({"deploy", "registry", "attention"})
+TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height", "tile_sample_stride_width")
+KNOWN = frozenset(
+    {"vae_dtype", "text_cache", "vae_tiling", "vae_slicing", "compile_backend", "compile_mode", "compile_dynamic"}
+)
+
+
+@define(frozen=True)
+class WanOptions:
+    text_cache: int
+    vae_tiling: dict[str, int] | None
+    vae_slicing: bool
+    #: None when compile is off, else {backend, mode, dynamic}
+    compile: dict[str, Any] | None
+    attention: Any
+
+
+def parse_options(options: Mapping[str, Any] | None) -> WanOptions:
+    options = dict(options or {})
+    unknown = sorted(set(options) - KNOWN - RUNTIME_KEYS)
+    if unknown:
+        log.warning("options %s are not wan family options (known: %s); ignored", unknown, ", ".join(sorted(KNOWN)))
+    tiling = options.get("vae_tiling", False)
+    tiling_kw: dict[str, int] | None
+    if tiling is True:
+        tiling_kw = {}
+    elif tiling is False or tiling is None:
+        tiling_kw = None
+    elif isinstance(tiling, Mapping):
+        bad = sorted(set(tiling) - set(TILING_KEYS))
+        if bad:
+            raise DeployError(f"options.vae_tiling.{bad[0]}: unknown key (known: {', '.join(TILING_KEYS)})")
+        for k, v in tiling.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 8:
+                raise DeployError(f"options.vae_tiling.{k}: expected pixels (an integer >= 8), got {v!r}")
+        tiling_kw = dict(tiling)
+    else:
+        raise DeployError(f"options.vae_tiling: expected true, false or a mapping of tile sizes, got {tiling!r}")
+    slicing = options.get("vae_slicing", False)
+    if not isinstance(slicing, bool):
+        raise DeployError(f"options.vae_slicing: expected true or false, got {slicing!r}")
+    return WanOptions(
+        text_cache=capacity_from_options(options),
+        vae_tiling=tiling_kw,
+        vae_slicing=slicing,
+        compile=compile_options(options),
+        attention=options.get("attention"),
+    )
+
+
+__all__ = ["KNOWN", "WanOptions", "parse_options"]
