@@ -7,9 +7,9 @@
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/diffusers-0.42.1-py3-none-any.whl .whl/importlib_metadata-*.whl .whl/cattrs-*.whl .whl/attrs-*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/core:$PWD/families/wan:$PWD/families/wan-demo PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD/core:$PWD/plugins/policies:$PWD/families/wan:$PWD/families/wan-demo PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-python3 -c "import torch, diffusers, transformers, accelerate, cattrs, omniloop_wan.family; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" || exit 1
+python3 -c "import torch, diffusers, transformers, accelerate, cattrs, omniloop_policies, omniloop_wan.family; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" || exit 1
 set -o pipefail
 python3 -m omniloop_wan_demo.training.gpu_run --out "$OUT" "$@" 2>&1 \
   | grep --line-buffered -v -E "Loading (pipeline|weights|checkpoint)|it/s\]|s/it\]|should be kept in float32|Writing model shards" \
