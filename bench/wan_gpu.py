@@ -1,0 +1,685 @@
+"""Wan on one GPU: omniloop's speed paths beside diffusers eager and diffusers + torch.compile.
+
+Random weights, real architectures (timing does not depend on the values), built in-process from
+diffusers configs (the ones in ../shared/bench/diffusers_wan_baseline.py):
+
+* **1.3b** — Wan2.1 T2V 1.3B transformer, the real VAE, a UMT5-XXL-sized text encoder, UniPC
+  flow shift 3; the whole pipeline (prompt → frames) at 480×832×81, bf16 (VAE float32), CFG 5.0.
+  Per configuration: seconds per denoise step (median of steps 1..N-1 of every measured run; the
+  first step also holds the loop's set-up), end-to-end seconds (prompt to frames; diffusers to its
+  ``output_type="np"`` frames, omniloop to its uint8 ``video``), peak memory, achieved TFLOP/s.
+* **14b** — Wan2.1 14B transformer, forward only (one forward of one video; the batched-CFG
+  configuration times one forward of the cond+uncond batch of two); per step = the forwards of
+  one CFG step.
+
+Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
+
+====================================  ===========================================================
+``diffusers``                         ``WanPipeline`` eager, diffusers' own attention processor
+``diffusers-compile``                 same + ``transformer.compile_repeated_blocks`` (regional
+                                      ``torch.compile``, ``--compile-mode``, fullgraph)
+``omniloop-<be>[-compile][-batched]`` omniloop Wan family; ``be``: ``sdpa`` (core, torch picks
+                                      the kernel) or ``cudnn`` (omniloop-attention
+                                      ``sdpa-cudnn``); ``-compile``: deploy ``compile: true``
+                                      (regional, each block ``fullgraph=True``); ``-batched``:
+                                      batched CFG (cond+uncond in one forward)
+====================================  ===========================================================
+
+Numerics: every configuration's final latents (and frames) are compared with diffusers eager on
+the same modules, seed and CPU-generator noise. ``omniloop-sdpa`` runs the same kernels as
+diffusers eager and should be bit-identical; everything else changes kernels or fusion, so in
+bf16 we state a tolerance: relative RMS difference of the final latents ≤ ``BF16_REL_RMS_TOL``
+(after 4 steps; diffusers' own compile vs eager is reported beside it as the reference spread).
+
+Timing: ``torch.cuda.synchronize()`` at both ends of every measured interval; one warm-up run per
+configuration (compiles; autotuning with max-autotune) is not measured. Results are written as
+JSON after every configuration (partial results survive a timeout) to ``$OUT`` if set, else
+``bench/results/``, with the command line. ``--budget-s`` stops starting new configurations once
+that many seconds have passed (the rest are recorded as skipped).
+
+    python bench/wan_gpu.py                                   # default subset, ~7 min on one H200 (estimate)
+    python bench/wan_gpu.py --models 1.3b --only diffusers,omniloop-cudnn-compile --steps 8
+    python bench/wan_gpu.py --smoke                           # tiny configs on a CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import functools
+import gc
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# the repository's packages, when they are not installed (a bare checkout on the GPU machine)
+for _mod, _sub in (("omniloop", "core"), ("omniloop_wan", "families/wan"), ("omniloop_policies", "plugins/policies"),
+                   ("omniloop_attention", "plugins/attention")):
+    if importlib.util.find_spec(_mod) is None:
+        sys.path.insert(0, str(ROOT / _sub))
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+CFG_13B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)
+CFG_14B = dict(CFG_13B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+UMT5_XXL = dict(
+    vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+    dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+)
+SMOKE_TF = dict(CFG_13B, num_attention_heads=2, attention_head_dim=12, text_dim=32, ffn_dim=32, num_layers=2)
+SMOKE_TF_14B = dict(SMOKE_TF, num_attention_heads=4, ffn_dim=48, num_layers=3)
+SMOKE_TE = dict(UMT5_XXL, vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+SMOKE_VAE = dict(base_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+
+PROMPT = "a red fox jumps over the lazy dog in the snow, close up shot"
+NEGATIVE = "blurry, low quality, static"
+GUIDANCE = 5.0
+SEED = 42
+BF16_PEAK_TFLOPS = 790.0  # H200 dense bf16, for the "share of peak" column
+#: bf16 tolerance of the final latents against diffusers eager (relative RMS, after the run)
+BF16_REL_RMS_TOL = 5e-2
+
+BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn"}
+#: the default subset (~7 min on one H200 with max-autotune compiles); --only picks any
+DEFAULT = {
+    "1.3b": ["diffusers", "diffusers-compile", "omniloop-sdpa", "omniloop-cudnn-compile",
+             "omniloop-cudnn-compile-batched"],
+    "14b": ["diffusers", "omniloop-cudnn-compile"],
+}
+
+
+def all_configs() -> list[str]:
+    out = ["diffusers", "diffusers-compile"]
+    for be, comp, bat in itertools.product(BACKENDS, ("", "-compile"), ("", "-batched")):
+        out.append(f"omniloop-{be}{comp}{bat}")
+    return out
+
+
+def parse_config(name: str) -> dict[str, Any]:
+    if name in ("diffusers", "diffusers-compile"):
+        return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None}
+    parts = name.split("-")
+    if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
+        raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
+    rest = set(parts[2:])
+    if rest - {"compile", "batched"}:
+        raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
+    return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest}
+
+
+def flops_per_forward(cfg: dict[str, Any], tokens: int, text_tokens: int = 512) -> float:
+    """Matmul FLOPs of one transformer forward (the shared baseline's formula)."""
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    n = cfg["num_layers"]
+    per_layer_lin = (2 * tokens * (4 * d * d) + 2 * tokens * (2 * d * d) + 2 * text_tokens * (2 * d * d)
+                     + 2 * tokens * (2 * d * cfg["ffn_dim"]))
+    attn = 4 * tokens * tokens * d + 4 * tokens * text_tokens * d
+    return float(n * (per_layer_lin + attn))
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def sync() -> None:
+    if cuda():
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    if cuda():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda() else None
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build random modules directly in ``dtype`` (no float32 transient: 57 GB for the 14B)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def free() -> None:
+    gc.collect()
+    if cuda():
+        torch.cuda.empty_cache()
+
+
+def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.float().cpu(), ref.float().cpu()
+    return float((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12))
+
+
+def numerics(lat: torch.Tensor | None, ref: torch.Tensor | None, frames: torch.Tensor | None = None,
+             ref_frames: torch.Tensor | None = None) -> dict[str, Any]:
+    if lat is None or ref is None:
+        return {}
+    out: dict[str, Any] = {
+        "latents_bit_equal": bool(torch.equal(lat.cpu(), ref.cpu())),
+        "latents_max_abs": float((lat.float().cpu() - ref.float().cpu()).abs().max()),
+        "latents_rel_rms": rel_rms(lat, ref),
+    }
+    out["within_bf16_tolerance"] = out["latents_rel_rms"] <= BF16_REL_RMS_TOL
+    if frames is not None and ref_frames is not None:
+        d = (frames.int() - ref_frames.int()).abs()
+        out["frames_mean_abs_u8"] = round(float(d.float().mean()), 4)
+        out["frames_max_abs_u8"] = int(d.max())
+    return out
+
+
+def backend_spec(name: str) -> tuple[Any, str | None]:
+    """(AttentionBackendSpec, reason it cannot run here or None)."""
+    if name == "sdpa":
+        from omniloop.builtin import sdpa
+        from omniloop.family import AttentionBackendSpec
+
+        return AttentionBackendSpec(name="sdpa", fn=sdpa), None
+    from omniloop_attention.backends import BACKENDS as SPECS
+
+    spec = next(s for s in SPECS if s.name == name)
+    return spec, spec.available()
+
+
+@contextlib.contextmanager
+def diffusers_compiled(transformer: Any, mode: str | None, backend: str) -> Iterator[None]:
+    """diffusers' regional compile (``compile_repeated_blocks``), undone afterwards: the modules
+    are shared with the omniloop configurations."""
+    kw: dict[str, Any] = {"fullgraph": True, "backend": backend}
+    if mode and backend == "inductor":
+        kw["mode"] = mode
+    transformer.compile_repeated_blocks(**kw)
+    try:
+        yield
+    finally:
+        for m in transformer.modules():
+            if getattr(m, "_compiled_call_impl", None) is not None:
+                m._compiled_call_impl = None
+
+
+# --------------------------------------------------------------------------------------------
+# 1.3B: the whole pipeline
+# --------------------------------------------------------------------------------------------
+
+
+def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+
+    from omniloop_wan.tiny import _scheduler_config, build_tokenizer
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        with default_dtype(dtype):
+            tf = WanTransformer3DModel(**(SMOKE_TF if smoke else CFG_13B)).to(dtype).eval().requires_grad_(False)
+            te = UMT5EncoderModel(UMT5Config(**(SMOKE_TE if smoke else UMT5_XXL))).to(dtype).eval().requires_grad_(False)
+        vae = AutoencoderKLWan(**(SMOKE_VAE if smoke else {})).to(torch.float32).eval().requires_grad_(False)
+    tok_dir = Path(tempfile.mkdtemp()) / "tokenizer"
+    build_tokenizer(tok_dir)
+    _, sched_cfg = _scheduler_config("t2v", "unipc")
+    return {
+        "transformer": tf, "vae": vae, "text_encoder": te,
+        "tokenizer": AutoTokenizer.from_pretrained(str(tok_dir)),
+        "scheduler": UniPCMultistepScheduler.from_config(sched_cfg),
+    }
+
+
+class DiffusersPipelineSide:
+    def __init__(self, comps: dict[str, Any], compile_mode: str | None, compile_backend: str, compiled: bool) -> None:
+        self.comps = comps
+        self.compiled = compiled
+        self.compile_mode = compile_mode
+        self.compile_backend = compile_backend
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> DiffusersPipelineSide:
+        from omniloop_wan.attention import diffusers_attention
+
+        tf = self.comps["transformer"]
+        self.stack.enter_context(diffusers_attention(tf))
+        if self.compiled:
+            self.stack.enter_context(diffusers_compiled(tf, self.compile_mode, self.compile_backend))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
+
+    def run(self, steps: int, size: tuple[int, int, int]) -> dict[str, Any]:
+        from diffusers import WanPipeline
+
+        c = self.comps
+        pipe = WanPipeline(tokenizer=c["tokenizer"], text_encoder=c["text_encoder"], vae=c["vae"],
+                           scheduler=type(c["scheduler"]).from_config(c["scheduler"].config),
+                           transformer=c["transformer"])
+        pipe.set_progress_bar_config(disable=True)
+        marks: list[float] = []
+        final: dict[str, torch.Tensor] = {}
+
+        def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+            sync()
+            marks.append(time.perf_counter())
+            if i == steps - 1:
+                final["latents"] = kw["latents"].detach().clone()
+            return {}
+
+        frames_n, h, w = size
+        sync()
+        t0 = time.perf_counter()
+        out = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=h, width=w, num_frames=frames_n,
+                   num_inference_steps=steps, guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(SEED),
+                   output_type="np", callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents"])
+        sync()
+        total = time.perf_counter() - t0
+        frames = torch.from_numpy((out.frames[0] * 255).round().astype("uint8"))
+        return {"total": total, "steps": [b - a for a, b in itertools.pairwise(marks)], "latents": final["latents"],
+                "frames": frames}
+
+
+class OmniloopPipelineSide:
+    def __init__(self, comps: dict[str, Any], backend: Any, compiled: bool, batched: bool, compile_mode: str | None,
+                 compile_backend: str, device: torch.device, dtype: torch.dtype) -> None:
+        from omniloop.deploy import DeployConfig
+        from omniloop.execution import BuiltPipeline
+        from omniloop.request import TaskType
+        from omniloop_wan.family import WanFamily
+
+        deploy = DeployConfig(device=str(device), dtype="bfloat16", compile=compiled, attention_backend=backend.name)
+        options: dict[str, Any] = {"deploy": deploy, "attention": backend, "compile_backend": compile_backend}
+        if compile_mode and compile_backend == "inductor":
+            options["compile_mode"] = compile_mode
+        fam = WanFamily()
+        self.model = fam.from_components(comps, device=device, dtype=dtype, options=options)
+        spec = fam.build_pipeline(self.model, TaskType.T2V, options)
+        self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, options=options)
+        self.batched = batched
+
+    def __enter__(self) -> OmniloopPipelineSide:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def run(self, steps: int, size: tuple[int, int, int]) -> dict[str, Any]:
+        from omniloop.artifacts import Latents
+        from omniloop.execution import Execution
+        from omniloop.schema import request_from_dict
+
+        frames_n, h, w = size
+        body: dict[str, Any] = {
+            "task": "t2v",
+            "inputs": [{"type": "text", "text": PROMPT}, {"type": "text", "text": NEGATIVE, "role": "negative_prompt"}],
+            "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED, "height": h, "width": w,
+                          "frames": frames_n},
+        }
+        if self.batched:
+            body["node_params"] = {"denoise": {"cfg": "batched"}}
+        req = request_from_dict(body)
+        sync()
+        t0 = time.perf_counter()
+        ex = Execution(self.built, req)
+        marks: list[float] = []
+        while not ex.done:
+            node = ex.current_node
+            ex.advance()
+            if node is not None and node.name == "denoise":
+                sync()
+                marks.append(time.perf_counter())
+        sync()
+        total = time.perf_counter() - t0
+        out = ex.output
+        if not out.ok:
+            raise RuntimeError(f"omniloop request failed: {out.error}")
+        return {"total": total, "steps": [b - a for a, b in itertools.pairwise(marks)],
+                "latents": ex.state.read("denoised", Latents).tensor, "frames": out.artifacts["video"].frames,
+                "metrics": {k: out.metrics.get(k) for k in ("node_seconds", "denoise", "text_cache", "policies")}}
+
+
+def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device, dtype: torch.dtype) -> None:
+    size = (9, 32, 32) if args.smoke else (args.frames, args.height, args.width)
+    cfg = SMOKE_TF if args.smoke else CFG_13B
+    lt, lh, lw = (size[0] - 1) // 4 + 1, size[1] // 8, size[2] // 8
+    tokens = lt * (lh // 2) * (lw // 2)
+    flops = flops_per_forward(cfg, tokens)
+    t = time.perf_counter()
+    comps = build_components(device, dtype, args.smoke)
+    rec.note(f"1.3b: built components in {time.perf_counter() - t:.1f} s")
+    ref: dict[str, Any] = {}
+    diffusers_compile_spread = None
+    for name in rec.selected("1.3b"):
+        c = parse_config(name)
+        row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
+                               "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched")},
+                               "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
+        if rec.over_budget():
+            rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
+            continue
+        try:
+            if c["side"] == "diffusers":
+                side: Any = DiffusersPipelineSide(comps, args.compile_mode, args.compile_backend, c["compile"])
+            else:
+                spec, why = backend_spec(c["backend"])
+                if why:
+                    rec.add({**row, "skipped": f"attention backend {c['backend']!r}: {why}"})
+                    continue
+                side = OmniloopPipelineSide(comps, spec, c["compile"], c["batched"], args.compile_mode,
+                                            args.compile_backend, device, dtype)
+            with torch.no_grad(), side:
+                t = time.perf_counter()
+                side.run(2, size)  # warm-up: kernels, allocator, compilation (+ autotuning)
+                row["warmup_s"] = round(time.perf_counter() - t, 2)
+                reset_peak()
+                runs = [side.run(args.steps, size) for _ in range(args.repeats)]
+            per_step = [s for r in runs for s in r["steps"]]
+            s_step = statistics.median(per_step) if per_step else float("nan")
+            row.update(
+                s_per_step=round(s_step, 4), s_per_step_min=round(min(per_step), 4) if per_step else None,
+                s_end_to_end=round(statistics.median(r["total"] for r in runs), 3),
+                peak_mem_gib=peak_gib(),
+                achieved_tflops=round(2 * flops / s_step / 1e12, 1) if per_step else None,
+                share_of_bf16_peak=round(2 * flops / s_step / 1e12 / BF16_PEAK_TFLOPS, 3) if per_step and cuda() else None,
+            )
+            if "metrics" in runs[-1]:
+                row["omniloop_metrics"] = runs[-1]["metrics"]
+            last = runs[-1]
+            if name == "diffusers":
+                ref = {"latents": last["latents"], "frames": last["frames"], "s_per_step": s_step,
+                       "s_end_to_end": row["s_end_to_end"]}
+            elif ref:
+                row["vs_diffusers_eager"] = numerics(last["latents"], ref["latents"], last["frames"], ref["frames"])
+                row["speedup_per_step_vs_diffusers"] = round(ref["s_per_step"] / s_step, 3)
+                row["speedup_end_to_end_vs_diffusers"] = round(ref["s_end_to_end"] / row["s_end_to_end"], 3)
+                if name == "diffusers-compile":
+                    diffusers_compile_spread = row["vs_diffusers_eager"].get("latents_rel_rms")
+                    ref["compiled_s_per_step"] = s_step
+            if name.startswith("omniloop") and "compiled_s_per_step" in ref:
+                row["speedup_per_step_vs_diffusers_compile"] = round(ref["compiled_s_per_step"] / s_step, 3)
+            if diffusers_compile_spread is not None and name != "diffusers-compile":
+                row["diffusers_compile_rel_rms_for_reference"] = diffusers_compile_spread
+        except Exception as exc:  # record and go on: one configuration must not sink the run
+            row["error"] = f"{type(exc).__name__}: {exc}"[:800]
+            row["traceback_tail"] = traceback.format_exc()[-1500:]
+        rec.add(row)
+        free()
+    del comps
+    torch._dynamo.reset()  # drop the compiled 1.3B graphs (they hold the modules)
+    free()
+
+
+# --------------------------------------------------------------------------------------------
+# 14B: transformer forward only
+# --------------------------------------------------------------------------------------------
+
+
+def time_fn(fn: Callable[[], Any], warm: int, reps: int) -> tuple[list[float], Any]:
+    out = None
+    for _ in range(warm):
+        out = fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return times, out
+
+
+def _diffusers_forward(tf: Any, x: torch.Tensor, ts: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+    return tf(hidden_states=x, timestep=ts, encoder_hidden_states=pe, return_dict=False)[0]
+
+
+def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device, dtype: torch.dtype) -> None:
+    from diffusers import WanTransformer3DModel
+
+    from omniloop_wan.attention import diffusers_attention, install
+    from omniloop_wan.compile import compile_blocks
+    from omniloop_wan.transformer import wan_forward
+
+    cfg = SMOKE_TF_14B if args.smoke else CFG_14B
+    frames, h, w = (9, 32, 32) if args.smoke else (args.frames, args.height, args.width)
+    lt, lh, lw = (frames - 1) // 4 + 1, h // 8, w // 8
+    tokens = lt * (lh // 2) * (lw // 2)
+    flops = flops_per_forward(cfg, tokens)
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device), default_dtype(dtype):
+        tf = WanTransformer3DModel(**cfg).to(dtype).eval().requires_grad_(False)
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(1, 16, lt, lh, lw, device=device, dtype=dtype, generator=g)
+    pe = torch.randn(1, 512, cfg["text_dim"], device=device, dtype=dtype, generator=g)
+    ne = torch.randn(1, 512, cfg["text_dim"], device=device, dtype=dtype, generator=g)
+    ts = torch.tensor([500.0], device=device)
+    rec.note(f"14b: built the transformer in {time.perf_counter() - t:.1f} s")
+    ref_out = None
+    ref_step = ref_compiled_step = None
+    warm, reps = (1, 1) if args.smoke else (2, 3)
+    for name in rec.selected("14b"):
+        c = parse_config(name)
+        row: dict[str, Any] = {"model": "14b", "config": name, "what": "transformer forward only", "frames": frames,
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched")},
+                               "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
+                               "tflops_per_forward": round(flops / 1e12, 1)}
+        if rec.over_budget():
+            rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
+            continue
+        try:
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                if c["side"] == "diffusers":
+                    stack.enter_context(diffusers_attention(tf))
+                    if c["compile"]:
+                        stack.enter_context(diffusers_compiled(tf, args.compile_mode, args.compile_backend))
+                    fn = functools.partial(_diffusers_forward, tf, x, ts, pe)
+                else:
+                    spec, why = backend_spec(c["backend"])
+                    if why:
+                        rec.add({**row, "skipped": f"attention backend {c['backend']!r}: {why}"})
+                        continue
+                    install(tf, spec)
+                    blocks = tf.blocks
+                    if c["compile"]:
+                        kw = {"backend": args.compile_backend, "dynamic": False,
+                              "mode": args.compile_mode if args.compile_backend == "inductor" else None}
+                        blocks = compile_blocks(tf, **kw).blocks
+                    if c["batched"]:  # cond and uncond in one forward
+                        fn = functools.partial(wan_forward, tf, torch.cat([x, x]), ts.expand(2), torch.cat([pe, ne]),
+                                               None, None, blocks=blocks)
+                    else:
+                        fn = functools.partial(wan_forward, tf, x, ts, pe, None, None, blocks=blocks)
+                t = time.perf_counter()
+                fn()
+                sync()
+                row["warmup_s"] = round(time.perf_counter() - t, 2)
+                reset_peak()
+                times, out = time_fn(fn, warm, reps)
+            s_fwd = statistics.median(times)
+            s_step = s_fwd if c["batched"] else 2 * s_fwd  # one CFG step: cond + uncond
+            row.update(s_forward=round(s_fwd, 4), s_forward_min=round(min(times), 4), s_per_step=round(s_step, 4),
+                       peak_mem_gib=peak_gib(), achieved_tflops=round(2 * flops / s_step / 1e12, 1),
+                       share_of_bf16_peak=round(2 * flops / s_step / 1e12 / BF16_PEAK_TFLOPS, 3) if cuda() else None)
+            cond = out[:1]
+            if name == "diffusers":
+                ref_out, ref_step = cond.float().cpu(), s_step
+            elif ref_out is not None:
+                row["vs_diffusers_eager"] = {
+                    "bit_equal": bool(torch.equal(cond.float().cpu(), ref_out)),
+                    "max_abs": float((cond.float().cpu() - ref_out).abs().max()),
+                    "rel_rms": rel_rms(cond, ref_out),
+                }
+                row["speedup_per_step_vs_diffusers"] = round(ref_step / s_step, 3) if ref_step else None
+                if name == "diffusers-compile":
+                    ref_compiled_step = s_step
+            if name.startswith("omniloop") and ref_compiled_step:
+                row["speedup_per_step_vs_diffusers_compile"] = round(ref_compiled_step / s_step, 3)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:800]
+            row["traceback_tail"] = traceback.format_exc()[-1500:]
+        rec.add(row)
+        free()
+    del tf
+    free()
+
+
+# --------------------------------------------------------------------------------------------
+# recording
+# --------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        self.args = args
+        self.t0 = time.perf_counter()
+        only = [s for s in (args.only or "").split(",") if s]
+        for name in only:
+            parse_config(name)
+        self.only = only
+        date = dt.date.today().isoformat()
+        out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / f"wan_gpu-{date}{'-smoke' if args.smoke else ''}.json"
+        self.record: dict[str, Any] = {
+            "bench": "wan_gpu",
+            "command": "python " + " ".join(shlex.quote(a) for a in ["bench/wan_gpu.py", *argv]),
+            "date": date,
+            "machine": machine(),
+            "setup": {
+                "weights": "random (timing only)", "dtype": "bfloat16 (VAE float32)", "guidance_scale": GUIDANCE,
+                "scheduler": "UniPC flow shift 3", "steps": args.steps, "repeats": args.repeats,
+                "size": "9x32x32 (smoke)" if args.smoke else f"{args.frames}x{args.height}x{args.width}",
+                "compile": {"backend": args.compile_backend, "mode": args.compile_mode,
+                            "diffusers": "transformer.compile_repeated_blocks(fullgraph=True)",
+                            "omniloop": "deploy compile: true (each block torch.compile(fullgraph=True, dynamic=False))"},
+                "bf16_tolerance": f"final latents relative RMS vs diffusers eager <= {BF16_REL_RMS_TOL}",
+                "per_step": "median of steps 1..N-1 of every measured run (1.3b); 2 forwards (or 1 batched) (14b)",
+                "achieved_tflops": "matmul FLOPs of the step's forwards / seconds per step",
+                "text_encoder": "UMT5-XXL size, random; omniloop's measured runs hit its text-embedding cache "
+                                "(the warm-up encoded the prompts), diffusers encodes every run",
+            },
+            "notes": [],
+            "results": [],
+            "elapsed_s": 0.0,
+        }
+
+    def selected(self, model: str) -> list[str]:
+        """The configurations to run, diffusers' first (they are the reference of the others)."""
+        names = self.only or DEFAULT[model]
+        return sorted(names, key=lambda n: (not n.startswith("diffusers"), names.index(n)))
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.t0 > self.args.budget_s
+
+    def note(self, text: str) -> None:
+        print(text, flush=True)
+        self.record["notes"].append(text)
+        self.write()
+
+    def add(self, row: dict[str, Any]) -> None:
+        brief = {k: row.get(k) for k in ("model", "config", "s_per_step", "s_end_to_end", "peak_mem_gib",
+                                         "achieved_tflops", "speedup_per_step_vs_diffusers", "skipped", "error")
+                 if row.get(k) is not None}
+        print(json.dumps(brief), flush=True)
+        self.record["results"].append(row)
+        self.write()
+
+    def write(self) -> None:
+        self.record["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        if not self.args.no_write:
+            self.path.write_text(json.dumps(self.record, indent=1, default=str) + "\n")
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if cuda() else None,
+        "cudnn": torch.backends.cudnn.version() if cuda() else None,
+    }
+    for mod in ("diffusers", "transformers"):
+        with contextlib.suppress(ImportError):
+            info[mod] = __import__(mod).__version__
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="1.3b,14b", help="comma list of 1.3b, 14b")
+    ap.add_argument("--only", default="", help=f"comma list of configurations (default: a subset); any of {', '.join(all_configs())}")
+    ap.add_argument("--steps", type=int, default=4, help="denoise steps per measured 1.3b run")
+    ap.add_argument("--repeats", type=int, default=2, help="measured 1.3b runs per configuration")
+    ap.add_argument("--frames", type=int, default=81)
+    ap.add_argument("--height", type=int, default=480)
+    ap.add_argument("--width", type=int, default=832)
+    ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs", help="torch.compile mode ('' for default)")
+    ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; eager with --smoke)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="start no new configuration after this many seconds")
+    ap.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results)")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny configs (CPU is fine): checks the script")
+    args = ap.parse_args(argv)
+    if args.compile_backend is None:
+        args.compile_backend = "eager" if args.smoke else "inductor"
+    args.compile_mode = args.compile_mode or None
+    if args.smoke:
+        args.steps, args.repeats = min(args.steps, 3), 1
+    models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    for m in models:
+        if m not in DEFAULT:
+            raise SystemExit(f"--models: unknown model {m!r} (1.3b, 14b)")
+    # every configuration recompiles the shared block code (other processor, other batch size)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+
+    device = torch.device("cuda" if cuda() else "cpu")
+    dtype = torch.bfloat16
+    rec = Recorder(args, argv)
+    print(f"torch {torch.__version__} on {rec.record['machine']['gpu'] or 'CPU'}; writing {rec.path}", flush=True)
+    if "1.3b" in models:
+        bench_pipeline(args, rec, device, dtype)
+    if "14b" in models:
+        bench_forward(args, rec, device, dtype)
+    rec.note(f"done in {time.perf_counter() - rec.t0:.0f} s")
+    if args.no_write:
+        print(json.dumps(rec.record, indent=1, default=str))
+    else:
+        print(f"wrote {rec.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""bench/wan_gpu.py runs end to end on tiny configs (``--smoke``, CPU): the script does not rot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "wan_gpu.py"
+
+
+@pytest.mark.skipif(not BENCH.exists(), reason="bench/wan_gpu.py not in this checkout")
+def test_wan_gpu_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("wan_gpu_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    only = "omniloop-sdpa-compile-batched,diffusers,omniloop-sdpa,omniloop-cudnn"
+    assert mod.main(["--smoke", "--out", str(tmp_path), "--only", only]) == 0
+    (path,) = tmp_path.glob("wan_gpu-*-smoke.json")
+    rec = json.loads(path.read_text())
+    assert rec["command"].startswith("python bench/wan_gpu.py --smoke")
+    rows = {(r["model"], r["config"]): r for r in rec["results"]}
+    assert [c for m, c in rows if m == "1.3b"] == ["diffusers", "omniloop-sdpa-compile-batched", "omniloop-sdpa",
+                                                  "omniloop-cudnn"]
+    for model in ("1.3b", "14b"):
+        assert "error" not in rows[(model, "omniloop-sdpa")], rows[(model, "omniloop-sdpa")]
+        assert rows[(model, "omniloop-sdpa")]["s_per_step"] > 0
+        assert "skipped" in rows[(model, "omniloop-cudnn")] or "s_per_step" in rows[(model, "omniloop-cudnn")]
+    # the default backend runs diffusers' kernels: bit-identical to diffusers eager
+    assert rows[("1.3b", "omniloop-sdpa")]["vs_diffusers_eager"]["latents_bit_equal"]
+    assert rows[("14b", "omniloop-sdpa")]["vs_diffusers_eager"]["bit_equal"]
+    assert rows[("1.3b", "omniloop-sdpa-compile-batched")]["omniloop_metrics"]["denoise"]["compile"]["enabled"]
