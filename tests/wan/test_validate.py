@@ -155,3 +155,10 @@ def test_last_frame_image_is_not_supported_yet(wan_runtime, i2v_request, image_f
     req["inputs"] = [p for p in req["inputs"] if p["type"] != "image" or p.get("role") == "last_frame"]
     err = _prepare_error(wan_runtime("i2v"), req)  # a last frame alone is no first frame
     assert err.path == "inputs" and "first_frame" in err.message
+
+
+def test_runtime_defaults_per_task(wan_runtime):
+    rt = wan_runtime("wan22")
+    d = rt.defaults("t2v")
+    assert (d["steps"], d["height"], d["width"], d["frames"], d["fps"]) == (2, 32, 32, 9, 16.0)
+    assert d["sampler"] == "unipc" and d["cfg"] == "classic" and d["guidance_scale"] == 5.0

@@ -171,6 +171,16 @@ class WanFamily:
         ]
         return PipelineSpec(family=self.name, task=task, nodes=nodes, outputs={"video": "video", "latents": "latents"})
 
+    def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
+        """What a request of ``task`` gets for fields it leaves unset (``Runtime.defaults``)."""
+        d = model.config["defaults"]
+        keys = ("steps", "guidance_scale", "guidance_scale_2", "height", "width", "frames", "fps", "negative_prompt")
+        out = {k: d[k] for k in keys if d.get(k) is not None}
+        menu = model.config.get("policy_menu")
+        if menu is not None:
+            out.update(sampler=menu.default_sampler, cfg=menu.default_cfg)
+        return out
+
     # -- requests -----------------------------------------------------------------------------
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
         _, warnings = resolve(model, request, limits, menu=menu_for(model))
