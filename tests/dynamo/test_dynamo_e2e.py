@@ -149,11 +149,13 @@ def test_two_workers_behind_one_frontend(deployment_factory, http_call, tiny_wan
 
     # 6. SIGTERM drains: the request in flight completes, the worker deregisters and exits 0
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(http, "POST", f"{dep.url}/v1/videos", _video_body(300, num_inference_steps=12), 120)
+        # long enough (a fresh prompt: no text-cache hit; 80 steps) to be seen in flight
+        body = {**_video_body(300, num_inference_steps=80), "prompt": "a slow grey heron waiting in the reeds"}
+        fut = pool.submit(http, "POST", f"{dep.url}/v1/videos", body, 120)
         deadline = time.monotonic() + 30
         while dep.metrics("w2").get('omniloop_dynamo_inflight_requests{model="tiny-wan"}', 0) < 1:
             assert time.monotonic() < deadline, "the request never reached the worker"
-            time.sleep(0.05)
+            time.sleep(0.01)
         dep.kill("w2", signal.SIGTERM)
         status, resp = fut.result(timeout=120)
     assert status == 200 and resp["status"] == "completed", resp
