@@ -33,7 +33,7 @@ def test_shapes_and_range():
     v, prompts, labels = make_clips(5, seed=0)
     assert v.shape == (5, 3, FRAMES, SIZE, SIZE)
     assert float(v.min()) >= 0.0 and float(v.max()) <= 1.0
-    for p, lab in zip(prompts, labels):
+    for p, lab in zip(prompts, labels, strict=True):
         assert p == prompt_for(lab["color"], lab["shape"], lab["direction"])
         assert parse_prompt(p) == (lab["color"], lab["shape"], lab["direction"])
 

@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import pytest
 import torch
 from click.testing import CliRunner
 
@@ -16,7 +15,7 @@ torch.set_num_threads(1)
 def _gt_generator(prompts, seeds, *, steps, guidance_scale):
     """A perfect 'model': renders the clip the prompt describes."""
     out = []
-    for p, s in zip(prompts, seeds):
+    for p, s in zip(prompts, seeds, strict=True):
         c, sh, d = parse_prompt(p)
         v = render(sample_params(1, seed=1000 + s, color=c, shape=sh, direction=d))
         out.append(to_uint8_frames(v[0]))

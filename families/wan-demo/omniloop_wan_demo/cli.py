@@ -64,9 +64,10 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
     for col in ("steps", "n", "color", "direction", "color+direction", "shape", "seconds"):
         s.add_column(col, justify="right")
     for rep in reports:
-        def cell(k: str) -> str:
+        def cell(k: str, rep: Any = rep) -> str:
             lo, hi = wilson(rep.accuracy[k], rep.n)
             return f"{rep.accuracy[k]:.1%} [{lo:.0%}-{hi:.0%}]"
+
         s.add_row(str(rep.steps), str(rep.n), cell("color"), cell("direction"), cell("all"), cell("shape"), f"{rep.seconds:.1f}")
     console.print(s)
     if json_out:

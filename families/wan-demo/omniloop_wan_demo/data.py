@@ -89,13 +89,13 @@ class ClipParams:
     def prompts(self) -> list[str]:
         return [
             prompt_for(COLOR_NAMES[c], SHAPES[s], DIRECTIONS[d])
-            for c, s, d in zip(self.color, self.shape, self.direction)
+            for c, s, d in zip(self.color, self.shape, self.direction, strict=True)
         ]
 
     def labels(self) -> list[dict[str, str]]:
         return [
             {"color": COLOR_NAMES[c], "shape": SHAPES[s], "direction": DIRECTIONS[d]}
-            for c, s, d in zip(self.color, self.shape, self.direction)
+            for c, s, d in zip(self.color, self.shape, self.direction, strict=True)
         ]
 
 

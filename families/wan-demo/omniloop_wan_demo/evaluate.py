@@ -170,7 +170,7 @@ ATTRIBUTES = ("color", "direction", "shape")
 
 def score(videos: Sequence[np.ndarray], prompts: Sequence[str], seeds: Sequence[int]) -> tuple[dict[str, float], list[ClipResult]]:
     clips = []
-    for video, prompt, seed in zip(videos, prompts, seeds):
+    for video, prompt, seed in zip(videos, prompts, seeds, strict=True):
         color, shape, direction = parse_prompt(prompt)
         det = detect(video)
         expected = {"color": color, "direction": direction, "shape": shape}
@@ -269,7 +269,7 @@ class RuntimeGenerator:
 
     def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
         out = []
-        for p, s in zip(prompts, seeds):
+        for p, s in zip(prompts, seeds, strict=True):
             request = {
                 "task": "t2v",
                 "inputs": [{"type": "text", "text": p}],
@@ -302,6 +302,7 @@ class FamilyLoopGenerator:
     def __init__(self, components: dict[str, Any], *, device: Any = "cpu", dtype: Any = None,
                  frames: int = 17, height: int = 64, width: int = 64):
         import torch
+
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
         from omniloop_wan.family import WanFamily
@@ -316,11 +317,12 @@ class FamilyLoopGenerator:
 
     def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
         import torch
+
         from omniloop.execution import Execution
         from omniloop.schema import request_from_dict
 
         out = []
-        for p, s in zip(prompts, seeds):
+        for p, s in zip(prompts, seeds, strict=True):
             req = request_from_dict({
                 "task": "t2v",
                 "inputs": [{"type": "text", "text": p}],

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import to_uint8_frames
 from ..evaluate import default_prompts, full_prompts
 from .common import FLOW_SHIFT, load_tokenizer, save_pipeline, tar_dir, untar
 from .train_dit import make_pipeline, pipeline_eval, save_raw, train_dit
@@ -184,10 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     val_note = "validation: the omniloop Wan family's own pipeline + denoise loop (WanFamily.from_components + Execution) on the default 24 prompts; plus diffusers WanPipeline (batched) on all 72"
     if use_family:
         try:
-            from ..evaluate import FamilyLoopGenerator  # noqa: F401
-            import omniloop_wan.family  # noqa: F401
-            import omniloop.execution  # noqa: F401
+            import omniloop.execution
             import omniloop.schema  # noqa: F401
+            import omniloop_wan.family  # noqa: F401
+
+            from ..evaluate import FamilyLoopGenerator  # noqa: F401
         except Exception as e:
             use_family = False
             val_note = f"Wan family loop unavailable ({type(e).__name__}: {e}); validation through diffusers.WanPipeline only"

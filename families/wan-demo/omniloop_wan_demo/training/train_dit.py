@@ -25,16 +25,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..data import all_prompts, parse_prompt, render, sample_params
-from ..data import COLOR_NAMES, DIRECTIONS, SHAPES
+from ..data import all_prompts, render, sample_params
 from .common import (
     DIT_CONFIG,
     FLOW_SHIFT,
@@ -198,7 +197,7 @@ def train_dit(
     params = list(transformer.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01)
 
-    ids, mask = tokenize(tokenizer, PROMPTS + [""])
+    ids, mask = tokenize(tokenizer, [*PROMPTS, ""])
     ids, mask = ids.to(device), mask.to(device)
     uncond = len(PROMPTS)
     gen = torch.Generator(device).manual_seed(seed + 1000 + start_step)
