@@ -33,9 +33,9 @@ endif
 
 PYTEST_ARGS ?=
 
-# The demo model. TODO(wan-demo): switch to the trained preset once families/wan-demo registers it:
-#   DEMO_MODEL ?= wan-demo
-DEMO_MODEL ?= toy
+# The demo model: the small Wan-architecture checkpoint trained by this project and shipped as
+# package data of omniloop-wan-demo (families/wan-demo). DEMO_MODEL=toy uses the core's toy family.
+DEMO_MODEL ?= wan-demo
 DEMO_PROMPT ?= a blue square moving right
 DEMO_OUT ?= out/demo.mp4
 
@@ -69,7 +69,7 @@ test: $(STAMP)
 
 demo: $(STAMP)
 ifeq ($(DEMO_MODEL),toy)
-	@# Until the wan-demo preset lands: the core's toy family, through the same CLI (see examples/toy_demo.py).
+	@# The core's toy family (a tiny untrained model), through the same CLI (see examples/toy_demo.py).
 	$(VPY) examples/toy_demo.py "$(DEMO_PROMPT)" --out $(DEMO_OUT)
 else
 	$(VENV)/bin/omniloop generate "$(DEMO_PROMPT)" --model $(DEMO_MODEL) --out $(DEMO_OUT)
