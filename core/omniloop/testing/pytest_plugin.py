@@ -34,3 +34,11 @@ def toy_runtime_factory(toy_checkpoint: Path) -> Callable[..., Any]:
         return toy_runtime(toy_checkpoint, *plugins, **deploy)
 
     return factory
+
+
+@pytest.fixture
+def toy_blocks() -> Any:
+    """The toy block stack and steppable loop of :mod:`omniloop.testing.blocks` (for interceptor tests)."""
+    from .blocks import blocks_namespace
+
+    return blocks_namespace()
