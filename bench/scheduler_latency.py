@@ -71,9 +71,12 @@ def video_req(args: argparse.Namespace, steps: int, seed: int, task: str = "t2v"
     return {"task": task, "prompt": f"a bench request {seed}", "diffusion": d, "outputs": {"stream_progress": False}}
 
 
+IMAGE_TASK = "t2i"  # set to "t2v" (one frame) for families without a t2i pipeline (Wan)
+
+
 def image_req(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     w, h = (int(x) for x in args.image_size.lower().split("x"))
-    return {"task": "t2i", "prompt": f"an image {seed}",
+    return {"task": IMAGE_TASK, "prompt": f"an image {seed}",
             "diffusion": {"steps": args.image_steps, "seed": seed, "width": w, "height": h, "frames": 1},
             "outputs": {"stream_progress": False}}
 
@@ -231,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         rt = make_runtime(args.model, Path(tmp), args.long_steps)
+        global IMAGE_TASK
+        if "t2i" not in {t.value for t in rt.tasks}:
+            IMAGE_TASK = "t2v"  # one-frame t2v requests are the image-sized ones
         if args.frames == 0:
             args.frames = None
         result = asyncio.run(bench(rt, args))
