@@ -7,6 +7,8 @@
 # a package folder appeared or disappeared.
 
 SHELL := /bin/bash
+# torch on a shared CPU: OpenMP threads must not busy-wait (see core/omniloop/__init__.py)
+export OMP_WAIT_POLICY ?= PASSIVE
 
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV   ?= .venv
