@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     return {
         "benchmark": "cache_demo",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in ["python", "bench/cache_demo.py", *args.argv]),
         "what": "wan-demo t2v, uncached baseline vs cache-dit / fbcache settings, each on its own Runtime, "
         "interleaved per clip (rotated order); e2e = wall time of Runtime.generate; speedups are medians "

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "observer_overhead",
         "command": " ".join(["python", "bench/observer_overhead.py", *map(shlex.quote, argv or sys.argv[1:])]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),

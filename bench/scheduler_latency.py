@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"images: batched/sequential {r['images_batched_over_sequential']:.2f}x, "
               f"batched/unbatched-interleaved {r['images_batched_over_unbatched']:.2f}x")
     if not args.no_write:
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         name = "scheduler_latency" if args.model == "toy" else f"scheduler_latency-{Path(args.model).name}"
         name += f"-{args.tag}" if args.tag else ""
         doc = {

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{x['ratio']:>7.3f} {x['overhead_us_per_step']:>12.1f}")
 
     if not args.no_write:
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         doc = {
             "benchmark": "step_overhead",
             "date": now.isoformat(timespec="seconds"),

@@ -145,7 +145,7 @@ class Execution:
         node = self.current_node
         if self.done or node is None or self._loop is None or not callable(getattr(node.stage, "batch_key", None)):
             return None
-        if self._cancel_requested or self.bus is not None and not self.bus.empty:
+        if self._cancel_requested or (self.bus is not None and not self.bus.empty):
             return None
         assert self._ctx is not None
         key = node.stage.batch_key(self._ctx, self.state, self._loop)
@@ -353,18 +353,18 @@ def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
     loops = [ex._loop for ex in executions]
     states = [ex.state for ex in executions]
     out: list[list[OmniEvent]] = [[] for _ in executions]
-    for ex, loop in zip(executions, loops):
+    for ex, loop in zip(executions, loops, strict=True):
         assert loop is not None
         ex._before_step(node, loop)
     t0 = time.perf_counter()
     try:
         results = node.stage.step_batch(ctxs, states, loops)
     except Exception as exc:
-        for ex, evs in zip(executions, out):
+        for ex, evs in zip(executions, out, strict=True):
             ex._fail(exc, node, evs)
         return out
     dt = (time.perf_counter() - t0) / len(executions)
-    for ex, loop, res, evs in zip(executions, loops, results, out):
+    for ex, loop, res, evs in zip(executions, loops, results, out, strict=True):
         assert loop is not None
         try:
             ex._after_step(node, loop, res, dt, evs)

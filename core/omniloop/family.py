@@ -28,7 +28,7 @@ class LoadedModel:
     path: Path | None
     components: dict[str, Any]
     config: dict[str, Any] = attrs.Factory(dict)
-    device: torch.device = torch.device("cpu")
+    device: torch.device = attrs.Factory(lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
     #: identity of the weights, for caches keyed by weight version (e.g. a hash of the files)
     weight_version: str = ""

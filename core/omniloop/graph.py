@@ -127,7 +127,7 @@ def validate_nodes(
 
     producers: dict[str, list[Node]] = {}
     for n in nodes:
-        for edge, kind in n.writes.items():
+        for edge in n.writes:
             if edge in inputs:
                 raise GraphError(f"node {n.name!r}: writes {edge!r}, which is a pipeline input")
             producers.setdefault(edge, []).append(n)

@@ -30,7 +30,7 @@ from .loop import LoopState, StepContext
 
 BlockCall = Callable[[Any, torch.Tensor], torch.Tensor]
 #: a block stack: a list of modules or an ``nn.ModuleList``
-Blocks = Union[Sequence[Any], torch.nn.ModuleList]
+Blocks = Union[Sequence[Any], torch.nn.ModuleList]  # noqa: UP007 (a runtime alias)
 
 
 @define
@@ -39,7 +39,7 @@ class BlockContext:
 
     step: StepContext
     loop: LoopState
-    interceptor: "BlockInterceptor | None" = None
+    interceptor: BlockInterceptor | None = None
     #: observers asking for per-block outputs (already filtered by their module regex)
     block_tap: Callable[[str, torch.Tensor], None] | None = None
     #: module name prefix of the block list, used for taps (e.g. "transformer.blocks")

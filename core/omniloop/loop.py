@@ -117,22 +117,22 @@ class StageContext:
     """
 
     request: OmniRequest
-    node: "Node"
+    node: Node
     components: dict[str, Any]
     device: torch.device
     dtype: torch.dtype
     params: Any = None
-    observers: "ObserverBus | None" = None
-    block_interceptor: "BlockInterceptor | None" = None
-    step_interceptors: tuple["StepInterceptor", ...] = ()
+    observers: ObserverBus | None = None
+    block_interceptor: BlockInterceptor | None = None
+    step_interceptors: tuple[StepInterceptor, ...] = ()
     #: True when a bound plugin needs eager execution of what it watches (no compiled blocks)
     eager: bool = False
     #: family/deploy options (attention backend, compile flag, limits)
     options: dict[str, Any] = attrs.Factory(dict)
     #: block-module names observers want as taps (None: no block taps, blocks run untouched)
-    block_taps: "re.Pattern[str] | None" = None
+    block_taps: re.Pattern[str] | None = None
 
-    def block_context(self, step: StepContext, loop: LoopState, prefix: str = "blocks") -> "BlockContext | None":
+    def block_context(self, step: StepContext, loop: LoopState, prefix: str = "blocks") -> BlockContext | None:
         """The ``BlockContext`` to pass to ``run_blocks`` for this branch forward (None when nothing is bound)."""
         from .interceptors import BlockContext
 

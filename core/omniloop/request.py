@@ -17,7 +17,7 @@ from attrs import define, field
 SCHEMA_VERSION = "1"
 
 
-class TaskType(str, enum.Enum):
+class TaskType(enum.StrEnum):
     """What a request asks for. Declared by the caller, never inferred from the inputs."""
 
     T2V = "t2v"
@@ -30,7 +30,7 @@ class TaskType(str, enum.Enum):
     REASON = "reason"
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     COMPLETED = "completed"
     CANCELLED = "cancelled"
     FAILED = "failed"
@@ -95,7 +95,7 @@ class ActionPart:
     type: Literal["action"] = "action"
 
 
-ModalPart = Union[TextPart, ImagePart, VideoPart, AudioPart, LatentsPart, ActionPart]
+ModalPart = Union[TextPart, ImagePart, VideoPart, AudioPart, LatentsPart, ActionPart]  # noqa: UP007 (cattrs tagged union)
 MODAL_PART_TYPES: tuple[type, ...] = (TextPart, ImagePart, VideoPart, AudioPart, LatentsPart, ActionPart)
 
 
@@ -205,7 +205,7 @@ class OmniOutput:
         return self.status is Status.COMPLETED
 
 
-class EventKind(str, enum.Enum):
+class EventKind(enum.StrEnum):
     PROGRESS = "progress"
     PARTIAL = "partial"
     FINAL = "final"

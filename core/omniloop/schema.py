@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import attrs
 import cattrs
-from cattrs.gen import make_dict_structure_fn
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.gen import make_dict_structure_fn
 from cattrs.strategies import configure_tagged_union
 
 from .errors import RequestError
@@ -133,7 +133,7 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[str, str]:
             return _first_error(sub, path + ([note] if note else []))
     if isinstance(exc, KeyError):
         name = str(exc.args[0]) if exc.args else "?"
-        return ".".join(path), f"missing required field {name!r}" if not path else f"missing required field"
+        return ".".join(path), f"missing required field {name!r}" if not path else "missing required field"
     msg = str(exc) or type(exc).__name__
     literal = _LITERAL_ERROR.match(msg)
     if literal:  # cattrs: "gif not in literal typing.Literal['mp4', 'png']"

@@ -100,7 +100,7 @@ def test_deploy_naming_a_failed_plugin_is_a_hard_error(toy_checkpoint):
 
 def test_unknown_plugin_in_deploy_lists_the_available(toy_checkpoint):
     deploy = load_deploy({"model": {"path": str(toy_checkpoint)}, "plugins": {"nope": {}}})
-    with pytest.raises(DeployError, match="plugins.nope: no installed interceptor or observer"):
+    with pytest.raises(DeployError, match=r"plugins.nope: no installed interceptor or observer"):
         Runtime(deploy, manager=make_manager())
 
 

@@ -181,7 +181,7 @@ def test_interleaved_executions_equal_each_alone(toy_checkpoint):
     while not all(e.done for e in ex):
         for e in ex:
             e.advance()
-    for a, e in zip(alone, ex):
+    for a, e in zip(alone, ex, strict=True):
         assert torch.equal(a.artifacts["latents"].tensor, e.output.artifacts["latents"].tensor)
 
 
@@ -236,7 +236,7 @@ def test_bad_checkpoint_is_one_clear_error(tmp_path):
 
     ck = build_toy_checkpoint(tmp_path / "ck")
     (ck / "toy.pt").unlink()
-    with pytest.raises(CheckpointError, match="toy.pt: missing weights"):
+    with pytest.raises(CheckpointError, match=r"toy.pt: missing weights"):
         toy_runtime(ck)
     (ck / CONFIG_NAME).write_text("{not json")
     with pytest.raises(DeployError, match="no installed family recognizes"):

@@ -124,7 +124,7 @@ def _check_interceptor(kind: str, factory: Callable[[], Any], steps: int) -> Non
         while not all(e.done for e in ex):
             for e in ex:
                 e.advance()
-        for a, e in zip(alone, ex):
+        for a, e in zip(alone, ex, strict=True):
             assert torch.equal(_latents(a), _latents(e.output)), (
                 f"{name}: two requests interleaved step by step differ from each run alone "
                 "(per-request state must live in LoopState.plugin_state)"
@@ -209,7 +209,7 @@ def check_family(
     while not all(e.done for e in ex):
         for e in ex:
             e.advance()
-    for a, e in zip(alone, ex):
+    for a, e in zip(alone, ex, strict=True):
         assert _same(a.artifacts[output], e.output.artifacts[output]), "interleaved requests differ from each alone"
     c = rt.prepare(req)
     c.advance()

@@ -14,7 +14,7 @@ import math
 import zlib
 from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from attrs import define, field
@@ -263,7 +263,7 @@ class ToyFamily:
     name = "toy"
     tasks = frozenset({TaskType.T2V, TaskType.T2I})
     supports_block_interceptors = True
-    defaults = {"steps": 4, "guidance_scale": 3.0, "frames": 3, "height": 16, "width": 16}
+    defaults: ClassVar[dict[str, Any]] = {"steps": 4, "guidance_scale": 3.0, "frames": 3, "height": 16, "width": 16}
 
     def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
         d = {**self.defaults, "fps": 8.0}

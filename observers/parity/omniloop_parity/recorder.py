@@ -204,7 +204,7 @@ class ParityRecorder:
             deploy = attrs.asdict(self.deploy)
         manifest: dict[str, Any] = {
             "format": FORMAT,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "request_id": request.request_id,
             "request": request_to_dict(request),
             "seed": output.metrics.get("seed", request.diffusion.seed),

@@ -217,7 +217,7 @@ def create_app(
                         return
                 try:
                     await asyncio.wait_for(changed.wait(), SSE_KEEPALIVE_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     yield b": keep-alive\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
