@@ -97,33 +97,11 @@ def _scheduler_config(variant: str, scheduler: str) -> tuple[str, dict[str, Any]
     shift = {"t2v": 3.0, "wan22": 12.0, "i2v": 3.0, "wan22_i2v": 5.0, "ti2v": 5.0}[variant]
     if scheduler == "flow_euler":
         return "FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": 1000, "shift": shift}
-    # the scheduler config the Wan-AI diffusers checkpoints ship
-    return "UniPCMultistepScheduler", {
-        "beta_end": 0.02,
-        "beta_schedule": "linear",
-        "beta_start": 0.0001,
-        "disable_corrector": [],
-        "dynamic_thresholding_ratio": 0.995,
-        "final_sigmas_type": "zero",
-        "flow_shift": shift,
-        "lower_order_final": True,
-        "num_train_timesteps": 1000,
-        "predict_x0": True,
-        "prediction_type": "flow_prediction",
-        "rescale_betas_zero_snr": False,
-        "sample_max_value": 1.0,
-        "solver_order": 2,
-        "solver_p": None,
-        "solver_type": "bh2",
-        "steps_offset": 0,
-        "thresholding": False,
-        "timestep_spacing": "linspace",
-        "trained_betas": None,
-        "use_beta_sigmas": False,
-        "use_exponential_sigmas": False,
-        "use_flow_sigmas": True,
-        "use_karras_sigmas": False,
-    }
+    # the scheduler config the Wan-AI diffusers checkpoints ship, with this variant's shift
+    from omniloop_policies.testing import WAN_UNIPC_CONFIG
+
+    config = {k: v for k, v in WAN_UNIPC_CONFIG.items() if not k.startswith("_")}
+    return "UniPCMultistepScheduler", {**config, "flow_shift": shift}
 
 
 def build_tiny_checkpoint(
