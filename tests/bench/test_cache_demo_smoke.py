@@ -71,6 +71,13 @@ def test_setting_tags():
     )
     with pytest.raises(SystemExit):
         mod.parse_setting("fbcache:F1B0")
+    # @reference / @fast: the runtime's vae_cpu_kernels, else the command's default
+    assert mod.parse_setting("cache-dit:F1B0_R0.3_W2@reference") == mod.parse_setting("cache-dit:F1B0_R0.3_W2")
+    assert mod.parse_setting("baseline@reference") == (None, {})
+    assert mod.setting_kernels("baseline@reference", "fast") == "reference"
+    assert mod.setting_kernels("fbcache:R0.2_W2", "fast") == "fast"
+    with pytest.raises(SystemExit):
+        mod.setting_kernels("baseline@turbo", "fast")
 
 
 @pytest.mark.slow

@@ -189,7 +189,7 @@ class WanFamily:
 
 def configure(model: LoadedModel, opts: WanOptions) -> None:
     """Set up the loaded modules for a deployment: attention processors, compiled blocks, VAE
-    tiling/slicing, the text-embedding cache (``model.config["text_cache"]``)."""
+    tiling/slicing/CPU kernels, the text-embedding cache (``model.config["text_cache"]``)."""
     from .attention import install
     from .compile import compile_blocks
     from .textcache import TextEmbeddingCache
@@ -209,6 +209,11 @@ def configure(model: LoadedModel, opts: WanOptions) -> None:
         vae.enable_tiling(**opts.vae_tiling)
     if opts.vae_slicing:
         vae.enable_slicing()
+    if opts.vae_cpu_kernels == "fast":
+        from .vae_kernels import install_fast_kernels
+
+        install_fast_kernels(vae)
+    model.config["vae_cpu_kernels"] = opts.vae_cpu_kernels
     model.config["text_cache"] = (
         TextEmbeddingCache(opts.text_cache, weight_version=model.weight_version) if opts.text_cache else None
     )
