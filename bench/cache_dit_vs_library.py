@@ -42,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _repo_paths import add_repo_packages
+
+add_repo_packages()
 
 HERE = Path(__file__).resolve().parent
 

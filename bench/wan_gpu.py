@@ -49,7 +49,6 @@ import contextlib
 import datetime as dt
 import functools
 import gc
-import importlib.util
 import itertools
 import json
 import os
@@ -67,11 +66,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-# the repository's packages, when they are not installed (a bare checkout on the GPU machine)
-for _mod, _sub in (("omniloop", "core"), ("omniloop_wan", "families/wan"), ("omniloop_policies", "plugins/policies"),
-                   ("omniloop_attention", "plugins/attention")):
-    if importlib.util.find_spec(_mod) is None:
-        sys.path.insert(0, str(ROOT / _sub))
+from _repo_paths import add_repo_packages  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+add_repo_packages()
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
@@ -106,6 +103,8 @@ DEFAULT = {
     "1.3b": ["diffusers", "diffusers-compile", "omniloop-sdpa", "omniloop-cudnn-compile",
              "omniloop-cudnn-compile-batched"],
     "14b": ["diffusers", "omniloop-cudnn-compile"],
+    # the 1.3B transformer forward alone (no pipeline): for --profile kernel breakdowns
+    "1.3b-fwd": ["diffusers", "diffusers-compile", "omniloop-cudnn-compile"],
 }
 
 
@@ -462,14 +461,59 @@ def _diffusers_forward(tf: Any, x: torch.Tensor, ts: torch.Tensor, pe: torch.Ten
     return tf(hidden_states=x, timestep=ts, encoder_hidden_states=pe, return_dict=False)[0]
 
 
-def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device, dtype: torch.dtype) -> None:
+def kernel_profile(fn: Callable[[], Any], top: int = 12) -> dict[str, Any]:
+    """GPU kernel time of one call of ``fn``: grouped (attention / matmul / other) plus the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if cuda() else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        fn()
+        sync()
+    per_name: dict[str, list[float]] = {}
+    for ev in prof.key_averages():
+        us = float(getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0) or 0.0)
+        if cuda() and us <= 0.0:
+            continue
+        if not cuda():
+            us = float(ev.self_cpu_time_total)
+        per_name[ev.key] = [us, float(ev.count)]
+    # key_averages mixes ops (aten::...) with kernels on CUDA; keep the kernels (no "::" op names)
+    kernels = {k: v for k, v in per_name.items() if not (cuda() and ("::" in k or k.startswith("Torch-Compiled")))}
+
+    def group(name: str) -> str:
+        low = name.lower()
+        if any(t in low for t in ("attention", "flash", "fmha", "cudnn", "sdpa", "mha")):
+            return "attention"
+        if any(t in low for t in ("gemm", "sm90_xmma", "cutlass", "triton_mm", "matmul", "nvjet", "ampere_", "sm80_")):
+            return "matmul"
+        return "other"
+
+    groups = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    for name, (us, _) in kernels.items():
+        groups[group(name)] += us
+    total = sum(groups.values()) or 1.0
+    top_rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "kernel_ms_total": round(total / 1e3, 2),
+        "groups_ms": {k: round(v / 1e3, 2) for k, v in groups.items()},
+        "groups_share": {k: round(v / total, 3) for k, v in groups.items()},
+        "top_kernels": [{"name": n[:120], "ms": round(us / 1e3, 2), "calls": int(c), "group": group(n)}
+                        for n, (us, c) in top_rows],
+    }
+
+
+def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device, dtype: torch.dtype,
+                  model: str = "14b") -> None:
     from diffusers import WanTransformer3DModel
 
     from omniloop_wan.attention import diffusers_attention, install
     from omniloop_wan.compile import compile_blocks
     from omniloop_wan.transformer import wan_forward
 
-    cfg = SMOKE_TF_14B if args.smoke else CFG_14B
+    if model == "1.3b-fwd":
+        cfg = SMOKE_TF if args.smoke else CFG_13B
+    else:
+        cfg = SMOKE_TF_14B if args.smoke else CFG_14B
     frames, h, w = (9, 32, 32) if args.smoke else (args.frames, args.height, args.width)
     lt, lh, lw = (frames - 1) // 4 + 1, h // 8, w // 8
     tokens = lt * (lh // 2) * (lw // 2)
@@ -483,13 +527,13 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     pe = torch.randn(1, 512, cfg["text_dim"], device=device, dtype=dtype, generator=g)
     ne = torch.randn(1, 512, cfg["text_dim"], device=device, dtype=dtype, generator=g)
     ts = torch.tensor([500.0], device=device)
-    rec.note(f"14b: built the transformer in {time.perf_counter() - t:.1f} s")
+    rec.note(f"{model}: built the transformer in {time.perf_counter() - t:.1f} s")
     ref_out = None
     ref_step = ref_compiled_step = None
     warm, reps = (1, 1) if args.smoke else (2, 3)
-    for name in rec.selected("14b"):
+    for name in rec.selected(model):
         c = parse_config(name)
-        row: dict[str, Any] = {"model": "14b", "config": name, "what": "transformer forward only", "frames": frames,
+        row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
                                "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
@@ -525,6 +569,8 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
                 row["warmup_s"] = round(time.perf_counter() - t, 2)
                 reset_peak()
                 times, out = time_fn(fn, warm, reps)
+                if args.profile:
+                    row["profile_one_forward"] = kernel_profile(fn)
             s_fwd = statistics.median(times)
             s_step = s_fwd if c["batched"] else 2 * s_fwd  # one CFG step: cond + uncond
             row.update(s_forward=round(s_fwd, 4), s_forward_min=round(min(times), 4), s_per_step=round(s_step, 4),
@@ -635,7 +681,7 @@ def machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="1.3b,14b", help="comma list of 1.3b, 14b")
+    ap.add_argument("--models", default="1.3b,14b", help="comma list of 1.3b, 14b, 1.3b-fwd (forward only)")
     ap.add_argument("--only", default="", help=f"comma list of configurations (default: a subset); any of {', '.join(all_configs())}")
     ap.add_argument("--steps", type=int, default=4, help="denoise steps per measured 1.3b run")
     ap.add_argument("--repeats", type=int, default=2, help="measured 1.3b runs per configuration")
@@ -647,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new configuration after this many seconds")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="forward-only models: GPU kernel breakdown of one forward")
     ap.add_argument("--smoke", action="store_true", help="tiny configs (CPU is fine): checks the script")
     args = ap.parse_args(argv)
     if args.compile_backend is None:
@@ -657,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
     for m in models:
         if m not in DEFAULT:
-            raise SystemExit(f"--models: unknown model {m!r} (1.3b, 14b)")
+            raise SystemExit(f"--models: unknown model {m!r} (1.3b, 14b, 1.3b-fwd)")
     # every configuration recompiles the shared block code (other processor, other batch size)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if hasattr(torch._dynamo.config, "recompile_limit"):
@@ -669,10 +716,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     rec = Recorder(args, argv)
     print(f"torch {torch.__version__} on {rec.record['machine']['gpu'] or 'CPU'}; writing {rec.path}", flush=True)
-    if "1.3b" in models:
-        bench_pipeline(args, rec, device, dtype)
-    if "14b" in models:
-        bench_forward(args, rec, device, dtype)
+    for m in models:  # in the order given
+        if m == "1.3b":
+            bench_pipeline(args, rec, device, dtype)
+        else:
+            bench_forward(args, rec, device, dtype, model=m)
     rec.note(f"done in {time.perf_counter() - rec.t0:.0f} s")
     if args.no_write:
         print(json.dumps(rec.record, indent=1, default=str))

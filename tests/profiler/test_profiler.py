@@ -127,3 +127,13 @@ def test_cuda_device_time_memory_and_nvtx(ckpt):
     synced = _rt(ckpt, device="cuda", sync=True)
     out = synced.generate(REQ)
     assert synced.components_enabled["profiler"][1].get_report(out.request_id)["synchronized"] is True
+
+
+def test_device_comes_from_the_deploy_not_from_cuda_being_initialized(ckpt, monkeypatch):
+    """On a GPU host a CPU deployment is still profiled as CPU (found on the H200: the report said cuda)."""
+    rt = _rt(ckpt)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    rt.generate({**REQ, "request_id": "cpu-on-gpu-host"})
+    rep = rt.components_enabled["profiler"][1].get_report("cpu-on-gpu-host")
+    assert rep["device"] == "cpu" and rep["memory"]["kind"] == "process_peak_rss"

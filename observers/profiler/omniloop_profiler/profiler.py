@@ -75,7 +75,7 @@ class Profiler:
 
     # -- API ------------------------------------------------------------------------------------
     def bind(self, runtime: Any) -> None:
-        """Tell the profiler the runtime's device (otherwise: CUDA when CUDA is initialized)."""
+        """Pin the profiler to ``runtime``'s device (otherwise each request's deploy device is used)."""
         self._device = torch.device(runtime.device)
 
     def get_report(self, request_id: str) -> dict[str, Any] | None:
@@ -87,9 +87,12 @@ class Profiler:
         return next(reversed(self.reports.values()), None) if self.reports else None
 
     # -- helpers --------------------------------------------------------------------------------
-    def _is_cuda(self) -> bool:
+    def _is_cuda(self, deploy: Any = None) -> bool:
         if self._device is not None:
             return self._device.type == "cuda"
+        device = getattr(deploy, "device", None)
+        if device is not None:  # the deployment says where the request runs
+            return torch.device(device).type == "cuda"
         return torch.cuda.is_available() and torch.cuda.is_initialized()
 
     def _now(self, r: _Req) -> tuple[float, Any]:
@@ -116,8 +119,8 @@ class Profiler:
 
     # -- observer events ----------------------------------------------------------------------------
     @hookimpl
-    def omniloop_request_start(self, request: Any, pipeline: Any) -> None:
-        cuda = self._is_cuda()
+    def omniloop_request_start(self, request: Any, pipeline: Any, deploy: Any) -> None:
+        cuda = self._is_cuda(deploy)
         self._live[request.request_id] = _Req(t0=time.perf_counter(), cuda=cuda)
         if cuda and self.config.memory:
             torch.cuda.reset_peak_memory_stats()
