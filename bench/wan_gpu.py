@@ -66,7 +66,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-from _repo_paths import add_repo_packages  # noqa: E402  (bench/ is on sys.path when run as a script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (also when loaded by file path)
+from _repo_paths import add_repo_packages  # noqa: E402
 
 add_repo_packages()
 
@@ -112,19 +113,23 @@ def all_configs() -> list[str]:
     out = ["diffusers", "diffusers-compile"]
     for be, comp, bat in itertools.product(BACKENDS, ("", "-compile"), ("", "-batched")):
         out.append(f"omniloop-{be}{comp}{bat}")
+    # suffixes (any omniloop config): -rope options.qk_norm_rope fused, -ffn options.ffn_gelu fused, -fused both
+    out += [f"omniloop-{be}-compile-{f}" for be in BACKENDS for f in ("rope", "ffn", "fused")]
     return out
 
 
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
-        return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None}
+        return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
+                "rope": False, "ffn": False}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched"}:
+    if rest - {"compile", "batched", "fused", "rope", "ffn"}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
-    return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest}
+    return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
+            "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"})}
 
 
 def flops_per_forward(cfg: dict[str, Any], tokens: int, text_tokens: int = 512) -> float:
@@ -309,14 +314,17 @@ class DiffusersPipelineSide:
 
 class OmniloopPipelineSide:
     def __init__(self, comps: dict[str, Any], backend: Any, compiled: bool, batched: bool, compile_mode: str | None,
-                 compile_backend: str, device: torch.device, dtype: torch.dtype) -> None:
+                 compile_backend: str, device: torch.device, dtype: torch.dtype, rope: bool = False,
+                 ffn: bool = False) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
         from omniloop_wan.family import WanFamily
 
         deploy = DeployConfig(device=str(device), dtype="bfloat16", compile=compiled, attention_backend=backend.name)
-        options: dict[str, Any] = {"deploy": deploy, "attention": backend, "compile_backend": compile_backend}
+        options: dict[str, Any] = {"deploy": deploy, "attention": backend, "compile_backend": compile_backend,
+                                   "qk_norm_rope": "fused" if rope else "reference",
+                                   "ffn_gelu": "fused" if ffn else "reference"}
         if compile_mode and compile_backend == "inductor":
             options["compile_mode"] = compile_mode
         fam = WanFamily()
@@ -324,12 +332,15 @@ class OmniloopPipelineSide:
         spec = fam.build_pipeline(self.model, TaskType.T2V, options)
         self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, options=options)
         self.batched = batched
+        self.transformer = comps["transformer"]
 
     def __enter__(self) -> OmniloopPipelineSide:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        pass
+        from omniloop_wan import ffn
+
+        ffn.restore(self.transformer)  # the next configuration starts from diffusers' modules
 
     def run(self, steps: int, size: tuple[int, int, int]) -> dict[str, Any]:
         from omniloop.artifacts import Latents
@@ -381,7 +392,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
         c = parse_config(name)
         row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
                                "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
-                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched")},
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
         if rec.over_budget():
             rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -395,7 +406,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                     rec.add({**row, "skipped": f"attention backend {c['backend']!r}: {why}"})
                     continue
                 side = OmniloopPipelineSide(comps, spec, c["compile"], c["batched"], args.compile_mode,
-                                            args.compile_backend, device, dtype)
+                                            args.compile_backend, device, dtype, rope=c["rope"], ffn=c["ffn"])
             with torch.no_grad(), side:
                 t = time.perf_counter()
                 side.run(2, size)  # warm-up: kernels, allocator, compilation (+ autotuning)
@@ -506,6 +517,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
                   model: str = "14b") -> None:
     from diffusers import WanTransformer3DModel
 
+    from omniloop_wan import ffn
     from omniloop_wan.attention import diffusers_attention, install
     from omniloop_wan.compile import compile_blocks
     from omniloop_wan.transformer import wan_forward
@@ -534,7 +546,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     for name in rec.selected(model):
         c = parse_config(name)
         row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
-                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched")},
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
         if rec.over_budget():
@@ -552,7 +564,9 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
                     if why:
                         rec.add({**row, "skipped": f"attention backend {c['backend']!r}: {why}"})
                         continue
-                    install(tf, spec)
+                    install(tf, spec, qk_norm_rope="fused" if c["rope"] else "reference")
+                    if c["ffn"]:
+                        ffn.install(tf)
                     blocks = tf.blocks
                     if c["compile"]:
                         kw = {"backend": args.compile_backend, "dynamic": False,
@@ -593,6 +607,8 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:800]
             row["traceback_tail"] = traceback.format_exc()[-1500:]
+        finally:
+            ffn.restore(tf)  # the next configuration starts from diffusers' modules
         rec.add(row)
         free()
     del tf

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from . import fused as fused_kernels
+
 log = logging.getLogger("omniloop_wan")
 
 #: the text encoder's context length, which diffusers' processor hard-codes for I2V too
@@ -47,9 +49,11 @@ def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freq
 class WanBackendAttnProcessor:
     """diffusers' ``WanAttnProcessor`` computing attention with ``fn(q, k, v)`` (``[B, H, L, D]``)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], backend: str = "custom") -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor], backend: str = "custom", qk_norm_rope: str = "reference") -> None:
         self.fn = fn
         self.backend = backend
+        #: "fused": self-attention QK norm + rotary in one Triton kernel (omniloop_wan.fused)
+        self.qk_norm_rope = qk_norm_rope
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,16 +94,23 @@ class WanBackendAttnProcessor:
             key = attn.to_k(context)
             value = attn.to_v(context)
 
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
+        if (self.qk_norm_rope == "fused" and rotary_emb is not None
+                and fused_kernels.supported(query, attn.norm_q, rotary_emb[0], attn.heads)
+                and fused_kernels.supported(key, attn.norm_k, rotary_emb[0], attn.heads)):
+            query = fused_kernels.qk_norm_rope(query, attn.norm_q, *rotary_emb, attn.heads)
+            key = fused_kernels.qk_norm_rope(key, attn.norm_k, *rotary_emb, attn.heads)
+            value = value.unflatten(2, (attn.heads, -1))
+        else:
+            query = attn.norm_q(query)
+            key = attn.norm_k(key)
 
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
+            query = query.unflatten(2, (attn.heads, -1))
+            key = key.unflatten(2, (attn.heads, -1))
+            value = value.unflatten(2, (attn.heads, -1))
 
-        if rotary_emb is not None:
-            query = _apply_rotary_emb(query, *rotary_emb)
-            key = _apply_rotary_emb(key, *rotary_emb)
+            if rotary_emb is not None:
+                query = _apply_rotary_emb(query, *rotary_emb)
+                key = _apply_rotary_emb(key, *rotary_emb)
 
         hidden_states_img = None
         if encoder_hidden_states_img is not None:  # I2V: attend to the CLIP image states too
@@ -127,7 +138,7 @@ class WanBackendAttnProcessor:
         return hidden_states
 
     def __repr__(self) -> str:
-        return f"WanBackendAttnProcessor(backend={self.backend!r})"
+        return f"WanBackendAttnProcessor(backend={self.backend!r}, qk_norm_rope={self.qk_norm_rope!r})"
 
 
 def _attention_modules(model: torch.nn.Module) -> list[Any]:
@@ -136,9 +147,10 @@ def _attention_modules(model: torch.nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, WanAttention)]
 
 
-def install(model: torch.nn.Module, backend: Any) -> int:
+def install(model: torch.nn.Module, backend: Any, qk_norm_rope: str = "reference") -> int:
     """Put a :class:`WanBackendAttnProcessor` for ``backend`` (an ``AttentionBackendSpec``) on every
-    ``WanAttention`` of ``model``; returns how many modules got one."""
+    ``WanAttention`` of ``model``; returns how many modules got one. ``qk_norm_rope="fused"``: the
+    self-attention QK norm and rotary embedding run as one Triton kernel (:mod:`omniloop_wan.fused`)."""
     name = str(getattr(backend, "name", "custom"))
     previous = _INSTALLED.get(model)
     if previous is not None and previous != name:
@@ -148,7 +160,7 @@ def install(model: torch.nn.Module, backend: Any) -> int:
         )
     mods = _attention_modules(model)
     for m in mods:
-        m.set_processor(WanBackendAttnProcessor(backend.fn, name))
+        m.set_processor(WanBackendAttnProcessor(backend.fn, name, qk_norm_rope))
     _INSTALLED[model] = name
     return len(mods)
 

@@ -42,7 +42,8 @@ class WanFamily:
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
-        parse_options(options)
+        opts = parse_options(options)
+        check_fused_options(opts, device)
         root = ck.resolve_root(path)
         index = ck.check_checkpoint(root)
         present = ck.components_in(index)
@@ -187,6 +188,20 @@ class WanFamily:
         return warnings
 
 
+def check_fused_options(opts: WanOptions, device: Any) -> None:
+    """The CUDA-only fused kernels, refused before loading where they cannot run."""
+    from omniloop.errors import DeployError
+
+    from .fused import unavailable_reason
+
+    for key, needs_triton in (("qk_norm_rope", True), ("ffn_gelu", False)):
+        if getattr(opts, key) != "fused":
+            continue
+        why = unavailable_reason(device)
+        if why and (needs_triton or "triton" not in why):
+            raise DeployError(f"options.{key}: 'fused' cannot run here: {why}")
+
+
 def configure(model: LoadedModel, opts: WanOptions) -> None:
     """Set up the loaded modules for a deployment: attention processors, compiled blocks, VAE
     tiling/slicing/CPU kernels, the text-embedding cache (``model.config["text_cache"]``)."""
@@ -194,12 +209,20 @@ def configure(model: LoadedModel, opts: WanOptions) -> None:
     from .compile import compile_blocks
     from .textcache import TextEmbeddingCache
 
+    check_fused_options(opts, model.device)
     comps = model.components
     experts = [comps[n] for n in ("transformer", "transformer_2") if n in comps]
     if opts.attention is not None:
         for tf in experts:
-            install(tf, opts.attention)
+            install(tf, opts.attention, qk_norm_rope=opts.qk_norm_rope)
         model.config["attention_backend"] = opts.attention.name
+    model.config["qk_norm_rope"] = opts.qk_norm_rope
+    if opts.ffn_gelu == "fused":
+        from . import ffn
+
+        for tf in experts:
+            ffn.install(tf)
+    model.config["ffn_gelu"] = opts.ffn_gelu
     if opts.compile is not None:
         for tf in experts:
             compile_blocks(tf, **opts.compile)

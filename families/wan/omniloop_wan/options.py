@@ -14,6 +14,14 @@
                        CPU float32 VAE convolutions through oneDNN and a sum-of-squares RMS
                        norm (:mod:`omniloop_wan.vae_kernels`): ~4.5x faster decode on one
                        thread, not bit-equal (decoded video within 1e-5 of the reference)
+``qk_norm_rope``       ``reference`` (default: diffusers' ops, bit-equal) or ``fused``: the
+                       self-attention QK RMS norm and rotary embedding in one Triton kernel
+                       (:mod:`omniloop_wan.fused`; CUDA + ``triton`` only, refused at load
+                       otherwise); bf16 results within rounding of the reference, not bit-equal
+``ffn_gelu``           ``reference`` (default) or ``fused``: each feed-forward's input projection
+                       and tanh-GELU as one cuBLASLt matmul with a GELU epilogue
+                       (:mod:`omniloop_wan.ffn`; CUDA only, refused at load otherwise); within
+                       bf16 rounding of the reference, not bit-equal
 ``compile_backend``    ``torch.compile`` backend for deploy ``compile: true`` (default
                        ``inductor``; ``eager`` checks tracing without code generation)
 ``compile_mode``       e.g. ``max-autotune-no-cudagraphs`` (inductor only)
@@ -35,6 +43,7 @@ from attrs import define
 from omniloop.errors import DeployError
 
 from .compile import compile_options
+from .fused import MODES
 from .textcache import capacity_from_options
 from .vae_kernels import parse_vae_cpu_kernels
 
@@ -44,7 +53,7 @@ RUNTIME_KEYS = frozenset({"deploy", "registry", "attention"})
 TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height", "tile_sample_stride_width")
 KNOWN = frozenset(
     {
-        "vae_dtype", "text_cache", "vae_tiling", "vae_slicing", "vae_cpu_kernels",
+        "vae_dtype", "text_cache", "vae_tiling", "vae_slicing", "vae_cpu_kernels", "qk_norm_rope", "ffn_gelu",
         "compile_backend", "compile_mode", "compile_dynamic",
     }
 )
@@ -57,6 +66,10 @@ class WanOptions:
     vae_slicing: bool
     #: "reference" or "fast" (see omniloop_wan.vae_kernels)
     vae_cpu_kernels: str
+    #: "reference" or "fused" (see omniloop_wan.fused)
+    qk_norm_rope: str
+    #: "reference" or "fused" (see omniloop_wan.ffn)
+    ffn_gelu: str
     #: None when compile is off, else {backend, mode, dynamic}
     compile: dict[str, Any] | None
     attention: Any
@@ -86,11 +99,19 @@ def parse_options(options: Mapping[str, Any] | None) -> WanOptions:
     slicing = options.get("vae_slicing", False)
     if not isinstance(slicing, bool):
         raise DeployError(f"options.vae_slicing: expected true or false, got {slicing!r}")
+    fused = {}
+    for key in ("qk_norm_rope", "ffn_gelu"):
+        value = options.get(key, "reference")
+        if value not in MODES:
+            raise DeployError(f"options.{key}: must be one of {', '.join(MODES)}, not {value!r}")
+        fused[key] = value
     return WanOptions(
         text_cache=capacity_from_options(options),
         vae_tiling=tiling_kw,
         vae_slicing=slicing,
         vae_cpu_kernels=parse_vae_cpu_kernels(options.get("vae_cpu_kernels")),
+        qk_norm_rope=fused["qk_norm_rope"],
+        ffn_gelu=fused["ffn_gelu"],
         compile=compile_options(options),
         attention=options.get("attention"),
     )
