@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (also when loaded by file path)
 from _repo_paths import add_repo_packages
 
 add_repo_packages()
