@@ -54,6 +54,8 @@ class WanBackendAttnProcessor:
         self.backend = backend
         #: "fused": self-attention QK norm + rotary in one Triton kernel (omniloop_wan.fused)
         self.qk_norm_rope = qk_norm_rope
+        if qk_norm_rope == "fused" and fused_kernels.triton_available():
+            fused_kernels.prepare()
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -47,6 +47,12 @@ def unavailable_reason(device: str | torch.device | None) -> str | None:
 _KERNEL: Any = None
 
 
+def prepare() -> None:
+    """Define the Triton kernel now, outside any ``torch.compile`` trace (dynamo cannot trace
+    Triton's own set-up; it can trace a launch of an existing kernel). Called at install."""
+    _kernel()
+
+
 def _kernel() -> Any:
     global _KERNEL
     if _KERNEL is not None:
@@ -109,8 +115,9 @@ def qk_norm_rope(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.Tenso
     out = torch.empty((B, L, C), device=x.device, dtype=x.dtype)
     block = 1 << max(0, (C // 2 - 1).bit_length())
     warps = 4 if block <= 1024 else 8
-    _kernel()[(B * L,)](x, out, norm.weight, cos, sin, x.stride(1), L, float(eps),
-                        C=C, HALF_D=head_dim // 2, BLOCK=block, num_warps=warps)
+    kernel = _KERNEL if _KERNEL is not None else _kernel()  # compiled graphs only read the global
+    kernel[(B * L,)](x, out, norm.weight, cos, sin, x.stride(1), L, float(eps),
+                     C=C, HALF_D=head_dim // 2, BLOCK=block, num_warps=warps)
     return out.unflatten(2, (heads, head_dim))
 
 
@@ -122,4 +129,4 @@ def reference(x: torch.Tensor, norm: torch.nn.Module, freqs_cos: torch.Tensor, f
     return _apply_rotary_emb(norm(x).unflatten(2, (heads, -1)), freqs_cos, freqs_sin)
 
 
-__all__ = ["MODES", "qk_norm_rope", "reference", "supported", "triton_available", "unavailable_reason"]
+__all__ = ["MODES", "prepare", "qk_norm_rope", "reference", "supported", "triton_available", "unavailable_reason"]
