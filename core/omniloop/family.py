@@ -69,6 +69,9 @@ class ModelPreset:
     family: str
     path: Callable[[], Path]
     description: str = ""
+    #: family options the preset runs best with (e.g. ``{"vae_cpu_kernels": "fast"}``); a
+    #: deployment's own ``options`` override them key by key
+    options: dict[str, Any] = attrs.field(factory=dict)
 
 
 @define(frozen=True)

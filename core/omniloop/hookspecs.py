@@ -49,8 +49,9 @@ def omniloop_register_families(register: Any) -> None:
 def omniloop_register_model_presets(register: Any) -> None:
     """Register named models: ``register(ModelPreset(name, family, path))``.
 
-    A preset lets ``--model NAME`` resolve to a local checkpoint shipped as package data.
-    Returns nothing. Since: 1.0
+    A preset lets ``--model NAME`` resolve to a local checkpoint shipped as package data; its
+    optional ``options`` are family options it runs best with, under the deployment's own
+    ``options`` (which win key by key). Returns nothing. Since: 1.0
     """
 
 

@@ -48,7 +48,7 @@ class Runtime:
         self.scheduler = self._resolve_scheduler()
         self.options: dict[str, Any] = {
             "deploy": deploy, "registry": self.registry, "attention": self.attention,
-            **deploy.options,
+            **self.preset_options, **deploy.options,
         }
         self.model: LoadedModel = self.family.load(
             self.model_path, device=self.device, dtype=self.dtype, options=self.options
@@ -83,6 +83,8 @@ class Runtime:
     def _resolve_model(self) -> tuple[Any, Path]:
         m = self.deploy.model
         reg = self.registry
+        #: family options of the preset (under the deploy's own options)
+        self.preset_options: dict[str, Any] = {}
         if m.preset:
             preset = reg.presets.get(m.preset)
             if preset is None:
@@ -91,6 +93,7 @@ class Runtime:
                 raise DeployError(f"model: unknown model preset {m.preset!r} (known presets: {known})")
             family_name = m.family or preset.family
             path = Path(preset.path())
+            self.preset_options = dict(preset.options)
         elif m.path:
             path = Path(m.path).expanduser()
             if not path.exists():

@@ -82,3 +82,18 @@ def test_runtime_generates_from_preset():
     assert out.ok, out.error
     frames = out.artifacts["video"].frames
     assert tuple(frames.shape) == (17, 64, 64, 3)
+
+
+def test_preset_options_apply_under_the_deploy_options():
+    """The preset carries ``vae_cpu_kernels: fast``; a deployment's own options win key by key."""
+    runtime = pytest.importorskip("omniloop.runtime")
+    pytest.importorskip("omniloop_wan")
+    rt = runtime.Runtime.from_model("wan-demo")
+    assert rt.preset_options == {"vae_cpu_kernels": "fast"}
+    assert rt.model.config["vae_cpu_kernels"] == "fast"
+    ref = runtime.Runtime.from_model("wan-demo", options={"vae_cpu_kernels": "reference"})
+    assert ref.model.config["vae_cpu_kernels"] == "reference"
+    from omniloop_wan_demo.checkpoint_path import checkpoint_dir
+
+    by_path = runtime.Runtime.from_model(str(checkpoint_dir()))  # a path is not the preset
+    assert by_path.preset_options == {} and by_path.model.config["vae_cpu_kernels"] == "reference"

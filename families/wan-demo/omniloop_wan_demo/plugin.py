@@ -16,6 +16,9 @@ PRESET = ModelPreset(
     family="wan",
     path=checkpoint_dir,
     description="~3.5 M-param Wan2.1-architecture t2v model trained on synthetic shapes (17x64x64), shipped with omniloop-wan-demo",
+    # the demo runs on CPUs: oneDNN VAE convolutions decode ~5x faster there (no clip's color or
+    # direction verdict changes; bench/results/cache_demo-*.json); CUDA runs the reference kernels
+    options={"vae_cpu_kernels": "fast"},
 )
 
 
