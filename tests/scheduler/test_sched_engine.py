@@ -243,6 +243,44 @@ def test_requests_over_the_memory_budget_wait_instead_of_failing(runtime: Any) -
     assert waits and "memory" in waits[0].reason
 
 
+def _backfill_case(runtime: Any, **options: Any) -> tuple[list[str], AsyncEngine]:
+    """A large request runs; a second large one cannot fit beside it, a small one can.
+    Returns the admission order and the engine."""
+    from omniloop.schema import request_from_dict
+
+    large, small = req(6, height=64, width=64), req(2, height=16, width=16)
+    probe = AsyncEngine(runtime, "step", calibrate=False)
+    est = {k: probe.pool.memory.predict(shape_of(runtime, request_from_dict(r))) for k, r in
+           (("large", large), ("small", small))}
+    fits = total_estimate([est["large"], est["small"]], probe.options.max_batch)
+    assert total_estimate([est["large"], est["large"]], probe.options.max_batch) > fits * 1.05
+    budget = fits * 1.02 / 1024**3
+
+    async def main() -> AsyncEngine:
+        engine = AsyncEngine(runtime, "step", memory_budget_gib=budget, calibrate=False, **options)
+        hs = [engine.submit({**r, "request_id": rid}) for rid, r in
+              (("large1", large), ("large2", large), ("small", small))]
+        async with engine:
+            outs = [await h.result(timeout=T) for h in hs]
+        assert all(o.ok for o in outs)
+        return engine
+
+    engine = run(main())
+    return [d.request_ids[0] for d in engine.trace if d.action == "admit"], engine
+
+
+def test_backfill_admits_what_fits_behind_a_head_waiting_for_memory(runtime: Any) -> None:
+    order, engine = _backfill_case(runtime)  # default: strict head-of-line
+    assert order == ["large1", "large2", "small"]
+    order, engine = _backfill_case(runtime, backfill=True)
+    assert order == ["large1", "small", "large2"]
+    admit = next(d for d in engine.trace if d.action == "admit" and d.request_ids == ("small",))
+    assert admit.reason.startswith("backfilled behind large2;")
+    # the head's wait bounds backfilling: with a zero bound it is head-of-line again
+    order, _ = _backfill_case(runtime, backfill=True, backfill_max_wait_s=0.0)
+    assert order == ["large1", "large2", "small"]
+
+
 def test_a_request_that_can_never_fit_is_refused_at_submit(runtime: Any) -> None:
     async def main() -> AsyncEngine:
         engine = AsyncEngine(runtime, "step", memory_budget_gib=1e-6)

@@ -28,6 +28,10 @@ class SchedulerOptions:
     memory_budget_gib: float | None = field(default=None, metadata={"gt": 0.0})
     #: do not admit a request when one round over the running ones would be predicted longer than this
     max_round_seconds: float | None = field(default=None, metadata={"gt": 0.0})
+    #: admit requests that fit now behind a head that waits for memory or cost room
+    backfill: bool = False
+    #: stop backfilling once the waiting head has waited this long (bounds its starvation)
+    backfill_max_wait_s: float = field(default=30.0, metadata={"ge": 0.0})
     #: wait-queue length; None: ``deploy.limits.max_queue``
     max_queue: int | None = field(default=None, metadata={"ge": 1})
     #: fail a request whose loop tensors become NaN/inf (one isfinite per step)

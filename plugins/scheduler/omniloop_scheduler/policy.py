@@ -7,7 +7,10 @@ waiting, and which unit runs next (one stage, one loop step, or one batched loop
 
 * **Cancellation first**: a cancel takes effect at the next unit boundary.
 * **Admission** in queue order (``request.priority`` high first, then FIFO). The head of the
-  queue blocks the ones behind it (no starvation of large requests). A request is admitted when
+  queue blocks the ones behind it (no starvation of large requests) — unless ``backfill`` is on:
+  then a request behind a head that waits for memory or cost room is admitted when it fits now,
+  until the head has waited ``backfill_max_wait_s``; from then on nothing passes it, so the pool
+  drains and the head gets in (bounded starvation). A request is admitted when
   the pool's predicted memory (every resident request plus the peaks of the largest batch that
   could run together) stays within the budget, when fewer than ``max_running`` run, and, when
   ``max_round_seconds`` is set, when one round over the running requests stays that short by the
@@ -21,6 +24,7 @@ waiting, and which unit runs next (one stage, one loop step, or one batched loop
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +90,7 @@ class StepPolicy:
 
     def _admission(self, waiting: Sequence[Ticket], running: Sequence[Ticket], plan: Plan) -> None:
         pool = list(running)
+        head: Ticket | None = None  # the first request that has to wait
         for t in waiting:
             if t.cancel_requested:
                 continue
@@ -99,17 +104,28 @@ class StepPolicy:
                 if self._waiting_reason.get(t.request_id) != reason:
                     self._waiting_reason[t.request_id] = reason
                     plan.decisions.append(self._d("wait", [t], reason))
-                break  # head-of-line: the ones behind wait too
+                if head is None:
+                    head = t
+                if not self._may_backfill(head, pool):
+                    break  # head-of-line: the ones behind wait too
+                continue
             self._waiting_reason.pop(t.request_id, None)
             pool.append(t)
             plan.admit.append(t)
             used = total_estimate([p.memory for p in pool], self.options.max_batch)
             budget = "unlimited" if self.budget is None else _gib(self.budget)
+            behind = f"backfilled behind {head.request_id}; " if head is not None else ""
             plan.decisions.append(self._d(
                 "admit", [t],
-                f"{t.shape.describe()}; predicted {self.cost.step_seconds(t.shape):.4g}s/step; "
+                f"{behind}{t.shape.describe()}; predicted {self.cost.step_seconds(t.shape):.4g}s/step; "
                 f"pool memory {_gib(used)} of {budget}; {len(pool)} running",
             ))
+
+    def _may_backfill(self, head: Ticket, pool: Sequence[Ticket]) -> bool:
+        """Whether requests behind a waiting ``head`` may be admitted when they fit."""
+        if not self.options.backfill or len(pool) >= self.max_running:
+            return False
+        return time.perf_counter() - head.submitted_at < self.options.backfill_max_wait_s
 
     def _blocker(self, t: Ticket, pool: Sequence[Ticket]) -> str | None:
         if len(pool) >= self.max_running:
