@@ -28,13 +28,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
-import itertools
 import json
 import logging
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -48,19 +44,9 @@ from _repo_paths import add_repo_packages
 
 add_repo_packages()
 
+import _common as common  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
-
-
-def _wan_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("wan_vs_diffusers", HERE / "wan_vs_diffusers.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-W = _wan_bench()
-sync = W.sync
 
 
 def cache_configs(s: dict[str, Any]) -> tuple[Any, Any]:
@@ -84,47 +70,15 @@ class Diffusers:
         self.name = "diffusers" + ("+cache-dit" if settings else "")
         self.cached: dict[str, list[int]] = {}
 
-    def run(self, steps: int, seed: int, size: tuple[int, int, int]) -> tuple[float, list[float], torch.Tensor]:
+    def run(self, steps: int, seed: int, size: tuple[int, int, int]) -> common.TimedRun:
         import cache_dit
-        from diffusers import WanPipeline
 
-        c = self.comps
-        pipe = WanPipeline(
-            tokenizer=c["tokenizer"],
-            text_encoder=c["text_encoder"],
-            vae=c["vae"],
-            scheduler=type(c["scheduler"]).from_config(c["scheduler"].config),
-            transformer=c["transformer"],
-        )
-        pipe.set_progress_bar_config(disable=True)
+        pipe = common.wan_pipeline(self.comps)
         if self.settings:
             cfg, cal = cache_configs(self.settings)
             cache_dit.enable_cache(pipe, cache_config=cfg, calibrator_config=cal)
-        marks: list[float] = []
-
-        def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
-            sync()
-            marks.append(time.perf_counter())
-            return {}
-
-        frames_n, h, w = size
         try:
-            sync()
-            t0 = time.perf_counter()
-            out = pipe(
-                prompt=W.PROMPT,
-                negative_prompt=W.NEGATIVE,
-                height=h,
-                width=w,
-                num_frames=frames_n,
-                num_inference_steps=steps,
-                guidance_scale=5.0,
-                generator=torch.Generator("cpu").manual_seed(seed),
-                output_type="np",
-                callback_on_step_end=on_step,
-            )
-            sync()
-            total = time.perf_counter() - t0
+            run = common.run_diffusers(pipe, steps, seed, size)
             if self.settings:
                 mgr = pipe._context_manager
                 ctx = next(iter(mgr._cached_context_manager.values()))
@@ -132,8 +86,7 @@ class Diffusers:
         finally:
             if self.settings:
                 cache_dit.disable_cache(pipe)
-        frames = torch.from_numpy((out.frames[0] * 255).round().astype("uint8"))
-        return total, [b - a for a, b in itertools.pairwise(marks)], frames
+        return run
 
 
 class Omniloop:
@@ -157,47 +110,15 @@ class Omniloop:
         spec = fam.build_pipeline(model, TaskType.T2V, {})
         self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, block_interceptor=icpt)
 
-    def run(self, steps: int, seed: int, size: tuple[int, int, int]) -> tuple[float, list[float], torch.Tensor]:
-        from omniloop.execution import Execution
-        from omniloop.schema import request_from_dict
-
-        frames_n, h, w = size
-        req = request_from_dict(
-            {
-                "task": "t2v",
-                "inputs": [
-                    {"type": "text", "text": W.PROMPT},
-                    {"type": "text", "text": W.NEGATIVE, "role": "negative_prompt"},
-                ],
-                "diffusion": {
-                    "steps": steps,
-                    "guidance_scale": 5.0,
-                    "seed": seed,
-                    "height": h,
-                    "width": w,
-                    "frames": frames_n,
-                },
-            }
-        )
-        sync()
-        t0 = time.perf_counter()
-        ex = Execution(self.built, req)
-        marks: list[float] = []
-        while not ex.done:
-            node = ex.current_node
-            ex.advance()
-            if node is not None and node.name == "denoise":
-                sync()
-                marks.append(time.perf_counter())
-        sync()
-        total = time.perf_counter() - t0
+    def run(self, steps: int, seed: int, size: tuple[int, int, int]) -> common.TimedRun:
+        total, per_step, ex = common.run_omniloop(self.built, common.omniloop_request(steps, seed, size))
         out = ex.output
         assert out.ok, out.error
         if self.settings:
             stats = out.metrics["plugins"]["cache-dit"]
             self.cached = {b: s["cached_steps"] for b, s in stats.items()}
             self.diffs = {b: s["residual_diffs"] for b, s in stats.items()}
-        return total, [b - a for a, b in itertools.pairwise(marks)], out.artifacts["video"].frames
+        return common.TimedRun(total, per_step, out.artifacts["video"].frames)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         size = (9, 32, 32)
         settings["Fn"], settings["Bn"] = 1, 0  # the smoke transformer has 2 blocks
     t_build = time.perf_counter()
-    comps = W.build_components(device, dtype, smoke=args.smoke)
+    comps = common.build_components(device, dtype, smoke=args.smoke)
     print(f"built components in {time.perf_counter() - t_build:.1f} s", flush=True)
     sides = [
         Diffusers(comps, None),
@@ -247,29 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         Omniloop(comps, device, dtype, settings),
     ]
 
-    with torch.no_grad():
-        for side in sides:
-            side.run(2, 0, size)
-        totals: dict[str, list[float]] = {s.name: [] for s in sides}
-        steps: dict[str, list[float]] = {s.name: [] for s in sides}
-        frames: dict[str, torch.Tensor] = {}
-        for rep in range(args.repeats):
-            for side in sides if rep % 2 == 0 else sides[::-1]:
-                total, per_step, fr = side.run(args.steps, 42, size)
-                totals[side.name].append(total)
-                steps[side.name].extend(per_step)
-                frames[side.name] = fr
-                print(
-                    json.dumps(
-                        {
-                            "side": side.name,
-                            "rep": rep,
-                            "s_total": round(total, 3),
-                            "s_per_step_median": round(statistics.median(per_step), 4),
-                        }
-                    ),
-                    flush=True,
-                )
+    totals, steps, frames = common.run_interleaved(sides, args.steps, args.repeats, size)
 
     res = {
         name: {
@@ -282,16 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ours, lib = sides[3], sides[1]
     record = {
         "bench": "cache_dit_vs_library",
-        "command": "python "
-        + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "command": common.command_line(sys.argv[0], argv if argv is not None else sys.argv[1:]),
         "date": dt.date.today().isoformat(),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        },
+        "machine": common.machine(),
         "setup": {
             "model": "Wan2.1 T2V 1.3B architecture, random weights" if not args.smoke else "smoke",
             "dtype": "bfloat16 (VAE float32)",
@@ -319,11 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(record, indent=1), flush=True)
     if not args.no_write:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"cache_dit_vs_library-{record['date']}.json"
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {common.write_record(record, args.out)}")
     return 0
 
 

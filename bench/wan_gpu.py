@@ -52,11 +52,8 @@ import gc
 import itertools
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -73,26 +70,27 @@ add_repo_packages()
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
-
-CFG_13B = dict(
-    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+from _common import (  # noqa: E402
+    CFG_13B,
+    GUIDANCE,
+    SMOKE_TE,
+    SMOKE_TF,
+    SMOKE_VAE,
+    UMT5_XXL,
+    command_line,
+    library_versions,
+    machine,
+    omniloop_request,
+    run_diffusers,
+    run_omniloop,
+    sync,
+    wan_components,
+    wan_pipeline,
 )
+
 CFG_14B = dict(CFG_13B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
-UMT5_XXL = dict(
-    vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-    dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-)
-SMOKE_TF = dict(CFG_13B, num_attention_heads=2, attention_head_dim=12, text_dim=32, ffn_dim=32, num_layers=2)
 SMOKE_TF_14B = dict(SMOKE_TF, num_attention_heads=4, ffn_dim=48, num_layers=3)
-SMOKE_TE = dict(UMT5_XXL, vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
-SMOKE_VAE = dict(base_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
 
-PROMPT = "a red fox jumps over the lazy dog in the snow, close up shot"
-NEGATIVE = "blurry, low quality, static"
-GUIDANCE = 5.0
 SEED = 42
 BF16_PEAK_TFLOPS = 790.0  # H200 dense bf16, for the "share of peak" column
 #: bf16 tolerance of the final latents against diffusers eager (relative RMS, after the run)
@@ -149,11 +147,6 @@ def flops_per_forward(cfg: dict[str, Any], tokens: int, text_tokens: int = 512) 
 
 def cuda() -> bool:
     return torch.cuda.is_available()
-
-
-def sync() -> None:
-    if cuda():
-        torch.cuda.synchronize()
 
 
 def reset_peak() -> None:
@@ -240,10 +233,9 @@ def diffusers_compiled(transformer: Any, mode: str | None, backend: str) -> Iter
 
 
 def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-    from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
-
-    from omniloop_wan.tiny import _scheduler_config, build_tokenizer
+    """Like ``_common.build_components``, but the bf16 modules are built directly in ``dtype``."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -251,14 +243,7 @@ def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> d
             tf = WanTransformer3DModel(**(SMOKE_TF if smoke else CFG_13B)).to(dtype).eval().requires_grad_(False)
             te = UMT5EncoderModel(UMT5Config(**(SMOKE_TE if smoke else UMT5_XXL))).to(dtype).eval().requires_grad_(False)
         vae = AutoencoderKLWan(**(SMOKE_VAE if smoke else {})).to(torch.float32).eval().requires_grad_(False)
-    tok_dir = Path(tempfile.mkdtemp()) / "tokenizer"
-    build_tokenizer(tok_dir)
-    _, sched_cfg = _scheduler_config("t2v", "unipc")
-    return {
-        "transformer": tf, "vae": vae, "text_encoder": te,
-        "tokenizer": AutoTokenizer.from_pretrained(str(tok_dir)),
-        "scheduler": UniPCMultistepScheduler.from_config(sched_cfg),
-    }
+    return wan_components(tf, vae, te)
 
 
 class DiffusersPipelineSide:
@@ -282,34 +267,9 @@ class DiffusersPipelineSide:
         self.stack.close()
 
     def run(self, steps: int, size: tuple[int, int, int]) -> dict[str, Any]:
-        from diffusers import WanPipeline
-
-        c = self.comps
-        pipe = WanPipeline(tokenizer=c["tokenizer"], text_encoder=c["text_encoder"], vae=c["vae"],
-                           scheduler=type(c["scheduler"]).from_config(c["scheduler"].config),
-                           transformer=c["transformer"])
-        pipe.set_progress_bar_config(disable=True)
-        marks: list[float] = []
         final: dict[str, torch.Tensor] = {}
-
-        def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
-            sync()
-            marks.append(time.perf_counter())
-            if i == steps - 1:
-                final["latents"] = kw["latents"].detach().clone()
-            return {}
-
-        frames_n, h, w = size
-        sync()
-        t0 = time.perf_counter()
-        out = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=h, width=w, num_frames=frames_n,
-                   num_inference_steps=steps, guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(SEED),
-                   output_type="np", callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents"])
-        sync()
-        total = time.perf_counter() - t0
-        frames = torch.from_numpy((out.frames[0] * 255).round().astype("uint8"))
-        return {"total": total, "steps": [b - a for a, b in itertools.pairwise(marks)], "latents": final["latents"],
-                "frames": frames}
+        run = run_diffusers(wan_pipeline(self.comps), steps, SEED, size, final_latents=final)
+        return {"total": run.total, "steps": run.steps, "latents": final["latents"], "frames": run.result}
 
 
 class OmniloopPipelineSide:
@@ -344,35 +304,15 @@ class OmniloopPipelineSide:
 
     def run(self, steps: int, size: tuple[int, int, int]) -> dict[str, Any]:
         from omniloop.artifacts import Latents
-        from omniloop.execution import Execution
-        from omniloop.schema import request_from_dict
 
-        frames_n, h, w = size
-        body: dict[str, Any] = {
-            "task": "t2v",
-            "inputs": [{"type": "text", "text": PROMPT}, {"type": "text", "text": NEGATIVE, "role": "negative_prompt"}],
-            "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED, "height": h, "width": w,
-                          "frames": frames_n},
-        }
+        body = omniloop_request(steps, SEED, size)
         if self.batched:
             body["node_params"] = {"denoise": {"cfg": "batched"}}
-        req = request_from_dict(body)
-        sync()
-        t0 = time.perf_counter()
-        ex = Execution(self.built, req)
-        marks: list[float] = []
-        while not ex.done:
-            node = ex.current_node
-            ex.advance()
-            if node is not None and node.name == "denoise":
-                sync()
-                marks.append(time.perf_counter())
-        sync()
-        total = time.perf_counter() - t0
+        total, per_step, ex = run_omniloop(self.built, body)
         out = ex.output
         if not out.ok:
             raise RuntimeError(f"omniloop request failed: {out.error}")
-        return {"total": total, "steps": [b - a for a, b in itertools.pairwise(marks)],
+        return {"total": total, "steps": per_step,
                 "latents": ex.state.read("denoised", Latents).tensor, "frames": out.artifacts["video"].frames,
                 "metrics": {k: out.metrics.get(k) for k in ("node_seconds", "denoise", "text_cache", "policies")}}
 
@@ -634,9 +574,9 @@ class Recorder:
         self.path = out_dir / f"wan_gpu-{date}{'-smoke' if args.smoke else ''}.json"
         self.record: dict[str, Any] = {
             "bench": "wan_gpu",
-            "command": "python " + " ".join(shlex.quote(a) for a in ["bench/wan_gpu.py", *argv]),
+            "command": command_line("bench/wan_gpu.py", argv),
             "date": date,
-            "machine": machine(),
+            "machine": {**machine(cudnn=torch.backends.cudnn.version() if cuda() else None), **library_versions()},
             "setup": {
                 "weights": "random (timing only)", "dtype": "bfloat16 (VAE float32)", "guidance_scale": GUIDANCE,
                 "scheduler": "UniPC flow shift 3", "steps": args.steps, "repeats": args.repeats,
@@ -680,18 +620,6 @@ class Recorder:
         self.record["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
         if not self.args.no_write:
             self.path.write_text(json.dumps(self.record, indent=1, default=str) + "\n")
-
-
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if cuda() else None,
-        "cudnn": torch.backends.cudnn.version() if cuda() else None,
-    }
-    for mod in ("diffusers", "transformers"):
-        with contextlib.suppress(ImportError):
-            info[mod] = __import__(mod).__version__
-    return info
 
 
 def main(argv: list[str] | None = None) -> int:

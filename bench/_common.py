@@ -1,0 +1,237 @@
+"""What the Wan GPU benchmarks share (``wan_gpu.py``, ``wan_vs_diffusers.py``, ``cache_dit_vs_library.py``).
+
+The model configurations and prompts, the timed runs of one request on either side (diffusers'
+``WanPipeline`` and omniloop's ``Execution``, each denoise step marked after a
+``torch.cuda.synchronize()``), and the parts of the JSON record every script writes (command line,
+machine).
+
+Imported like ``_repo_paths`` (``bench/`` put on ``sys.path`` by the script). Nothing from the repo
+is imported at module level: the scripts call ``_repo_paths.add_repo_packages()`` first, and the
+omniloop / diffusers imports happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import platform
+import shlex
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+#: Wan2.1 T2V 1.3B transformer
+CFG_13B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)
+#: a UMT5-XXL-sized text encoder
+UMT5_XXL = dict(
+    vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+    dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+)
+#: toy sizes for ``--smoke`` (CPU)
+SMOKE_TF = dict(CFG_13B, num_attention_heads=2, attention_head_dim=12, text_dim=32, ffn_dim=32, num_layers=2)
+SMOKE_TE = dict(UMT5_XXL, vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+SMOKE_VAE = dict(base_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+
+PROMPT = "a red fox jumps over the lazy dog in the snow, close up shot"
+NEGATIVE = "blurry, low quality, static"
+GUIDANCE = 5.0
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------------------------
+# the model
+# --------------------------------------------------------------------------------------------
+
+
+def wan_components(transformer: Any, vae: Any, text_encoder: Any) -> dict[str, Any]:
+    """The pipeline components around the given modules: a tiny tokenizer and UniPC (flow shift 3)."""
+    from diffusers import UniPCMultistepScheduler
+    from transformers import AutoTokenizer
+
+    from omniloop_wan.tiny import _scheduler_config, build_tokenizer
+
+    tok_dir = Path(tempfile.mkdtemp()) / "tokenizer"
+    build_tokenizer(tok_dir)
+    _, sched_cfg = _scheduler_config("t2v", "unipc")
+    return {
+        "transformer": transformer, "vae": vae, "text_encoder": text_encoder,
+        "tokenizer": AutoTokenizer.from_pretrained(str(tok_dir)),
+        "scheduler": UniPCMultistepScheduler.from_config(sched_cfg),
+    }
+
+
+def build_components(device: torch.device, dtype: torch.dtype, smoke: bool = False) -> dict[str, Any]:
+    """The Wan2.1 T2V 1.3B architecture with random weights (seed 0): transformer and text encoder in
+    ``dtype``, the VAE in float32."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        tf = WanTransformer3DModel(**(SMOKE_TF if smoke else CFG_13B)).to(dtype).eval().requires_grad_(False)
+        vae = AutoencoderKLWan(**(SMOKE_VAE if smoke else {})).to(torch.float32).eval().requires_grad_(False)
+        te = UMT5EncoderModel(UMT5Config(**(SMOKE_TE if smoke else UMT5_XXL))).to(dtype).eval().requires_grad_(False)
+    return wan_components(tf, vae, te)
+
+
+# --------------------------------------------------------------------------------------------
+# timed runs
+# --------------------------------------------------------------------------------------------
+
+
+class TimedRun(NamedTuple):
+    """One timed request: seconds end to end, seconds of each denoise step after the first (the
+    first also holds the loop's set-up), and what the run returned."""
+
+    total: float
+    steps: list[float]
+    result: Any
+
+
+def step_times(marks: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(marks)]
+
+
+def wan_pipeline(comps: dict[str, Any]) -> Any:
+    """A diffusers ``WanPipeline`` over the shared modules, with a fresh scheduler and no progress bar."""
+    from diffusers import WanPipeline
+
+    c = comps
+    pipe = WanPipeline(tokenizer=c["tokenizer"], text_encoder=c["text_encoder"], vae=c["vae"],
+                       scheduler=type(c["scheduler"]).from_config(c["scheduler"].config), transformer=c["transformer"])
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_diffusers(pipe: Any, steps: int, seed: int, size: tuple[int, int, int],
+                  final_latents: dict[str, torch.Tensor] | None = None) -> TimedRun:
+    """Time ``pipe`` (prompt to its ``output_type="np"`` float frames; CFG ``GUIDANCE``, CPU-generator
+    noise); ``result`` is the frames as uint8 ``[T, H, W, 3]``, converted after the clock stops.
+    With ``final_latents`` given, the last step's latents are copied into it under ``"latents"``."""
+    marks: list[float] = []
+
+    def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+        sync()
+        marks.append(time.perf_counter())
+        if final_latents is not None and i == steps - 1:
+            final_latents["latents"] = kw["latents"].detach().clone()
+        return {}
+
+    frames_n, h, w = size
+    sync()
+    t0 = time.perf_counter()
+    out = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=h, width=w, num_frames=frames_n,
+               num_inference_steps=steps, guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(seed),
+               output_type="np", callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents"])
+    sync()
+    total = time.perf_counter() - t0  # to diffusers' own output (float numpy), before our uint8 conversion
+    frames = torch.from_numpy((out.frames[0] * 255).round().astype("uint8"))
+    return TimedRun(total, step_times(marks), frames)
+
+
+def omniloop_request(steps: int, seed: int, size: tuple[int, int, int]) -> dict[str, Any]:
+    """The request body of the same text-to-video run (prompt, negative prompt, CFG ``GUIDANCE``)."""
+    frames_n, h, w = size
+    return {
+        "task": "t2v",
+        "inputs": [{"type": "text", "text": PROMPT}, {"type": "text", "text": NEGATIVE, "role": "negative_prompt"}],
+        "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": seed, "height": h, "width": w,
+                      "frames": frames_n},
+    }
+
+
+def run_omniloop(built: Any, body: dict[str, Any]) -> TimedRun:
+    """Time one request through ``Execution`` node by node (request to uint8 ``video``); ``result`` is
+    the finished ``Execution`` (its ``output`` not checked here)."""
+    from omniloop.execution import Execution
+    from omniloop.schema import request_from_dict
+
+    req = request_from_dict(body)
+    sync()
+    t0 = time.perf_counter()
+    ex = Execution(built, req)
+    marks: list[float] = []
+    while not ex.done:
+        node = ex.current_node
+        ex.advance()
+        if node is not None and node.name == "denoise":
+            sync()
+            marks.append(time.perf_counter())
+    sync()
+    total = time.perf_counter() - t0
+    return TimedRun(total, step_times(marks), ex)
+
+
+def run_interleaved(sides: list[Any], steps: int, repeats: int, size: tuple[int, int, int],
+                    seed: int = 42) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, torch.Tensor]]:
+    """Warm up every side (2 steps, seed 0), then ``repeats`` rounds, every other one in reverse order.
+
+    A side has a ``name`` and ``run(steps, seed, size) -> (total, step times, frames)``. Returns the
+    totals and step times per side over all rounds and each side's frames of the last round; one
+    JSON line is printed per run."""
+    with torch.no_grad():
+        for side in sides:  # warm-up: kernels, allocator, cuDNN plans
+            side.run(2, 0, size)
+        totals: dict[str, list[float]] = {s.name: [] for s in sides}
+        per_steps: dict[str, list[float]] = {s.name: [] for s in sides}
+        frames: dict[str, torch.Tensor] = {}
+        for rep in range(repeats):
+            for side in (sides if rep % 2 == 0 else sides[::-1]):
+                total, per_step, fr = side.run(steps, seed, size)
+                totals[side.name].append(total)
+                per_steps[side.name].extend(per_step)
+                frames[side.name] = fr
+                print(json.dumps({"side": side.name, "rep": rep, "s_total": round(total, 3),
+                                  "s_per_step_median": round(statistics.median(per_step), 4)}), flush=True)
+    return totals, per_steps, frames
+
+
+# --------------------------------------------------------------------------------------------
+# the JSON record
+# --------------------------------------------------------------------------------------------
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    return "python " + " ".join(shlex.quote(a) for a in [script, *argv])
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """Platform, CPUs, torch, CUDA and GPU, then ``extra``."""
+    return {
+        "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        **extra,
+    }
+
+
+def library_versions() -> dict[str, str]:
+    """The diffusers and transformers versions (those importable)."""
+    out: dict[str, str] = {}
+    for mod in ("diffusers", "transformers"):
+        with contextlib.suppress(ImportError):
+            out[mod] = __import__(mod).__version__
+    return out
+
+
+def write_record(record: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write ``record`` to ``<out_dir>/<bench>-<date>.json``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{record['bench']}-{record['date']}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
