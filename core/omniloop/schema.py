@@ -2,7 +2,7 @@
 
 * ``request_from_dict`` / ``request_to_dict`` — JSON round trip of :class:`OmniRequest`.
 * ``structure_params(cls, data, path)`` — validate a plugin's or node's parameter dict against
-  its attrs schema.
+  its attrs schema; ``check_regex`` is a field validator for regex-valued options.
 * Errors: unknown keys, wrong types and out-of-range values raise :class:`RequestError` whose
   ``path`` is the dotted field path (``diffusion.steps``, ``inputs.0.text``).
 
@@ -204,6 +204,18 @@ def check_ranges(obj: Any, path: str = "") -> None:
                 check_ranges(item, f"{p}.{i}")
 
 
+def check_regex(_inst: object, attr: Any, value: str | None) -> None:
+    """attrs field validator: ``value`` is ``None`` or a valid regular expression.
+
+    Use as ``field(default=None, validator=check_regex)``; a bad pattern raises ``ValueError``
+    naming the field, which :func:`structure` reports at the field's dotted path."""
+    if value is not None:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"{attr.name}: invalid regular expression {value!r}: {exc}") from None
+
+
 # --------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------
@@ -314,6 +326,7 @@ def _jsonable(v: Any) -> Any:
 __all__ = [
     "MODAL_PART_TYPES",
     "check_ranges",
+    "check_regex",
     "converter",
     "event_to_dict",
     "output_to_dict",

@@ -18,6 +18,7 @@ from attrs import define, field
 
 from omniloop.errors import OmniloopError
 from omniloop.hookspecs import hookimpl
+from omniloop.schema import check_regex
 
 __version__ = "0.1.0"
 
@@ -34,14 +35,6 @@ class NonFiniteError(OmniloopError):
         super().__init__(f"nanwatch: {finding.describe()}")
 
 
-def _regex(_inst: object, attr: Any, value: str | None) -> None:
-    if value is not None:
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"{attr.name}: invalid regular expression {value!r}: {exc}") from None
-
-
 @define(frozen=True)
 class NanWatchConfig:
     """``mode``: ``raise`` stops the request at the first NaN/Inf, ``flag`` records findings.
@@ -50,8 +43,8 @@ class NanWatchConfig:
     ``keep``: reports kept in memory."""
 
     mode: Literal["raise", "flag"] = "raise"
-    taps: str = field(default=".*", validator=_regex)
-    blocks: str | None = field(default=None, validator=_regex)
+    taps: str = field(default=".*", validator=check_regex)
+    blocks: str | None = field(default=None, validator=check_regex)
     max_findings: int = field(default=100, metadata={"ge": 1})
     keep: int = field(default=32, metadata={"ge": 1})
 

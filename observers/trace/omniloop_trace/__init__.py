@@ -21,20 +21,13 @@ import torch
 from attrs import define, field
 
 from omniloop.hookspecs import hookimpl
+from omniloop.schema import check_regex
 
 __version__ = "0.1.0"
 
 log = logging.getLogger("omniloop.trace")
 
 _BLOCKISH = re.compile(r"\.\d+$")
-
-
-def _regex(_inst: object, attr: Any, value: str | None) -> None:
-    if value is not None:
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"{attr.name}: invalid regular expression {value!r}: {exc}") from None
 
 
 @define(frozen=True)
@@ -45,8 +38,8 @@ class TraceConfig:
     file is truncated the first time this runtime writes it)."""
 
     path: str = "omniloop-trace.jsonl"
-    taps: str = field(default=".*", validator=_regex)
-    blocks: str | None = field(default=None, validator=_regex)
+    taps: str = field(default=".*", validator=check_regex)
+    blocks: str | None = field(default=None, validator=check_regex)
     append: bool = True
 
 
