@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import re
-from typing import Any
-
 from attrs import define, field
 
 from omniloop.errors import OmniloopError
+from omniloop.schema import check_regex
 
 
 class ParityError(OmniloopError):
     """A recording is missing, malformed, or a parity run could not be made."""
-
-
-def _regex(_inst: object, attr: Any, value: str | None) -> None:
-    if value is None:
-        return
-    try:
-        re.compile(value)
-    except re.error as exc:
-        raise ValueError(f"{attr.name}: invalid regular expression {value!r}: {exc}") from None
 
 
 @define(frozen=True)
@@ -38,7 +27,7 @@ class ParityConfig:
     """
 
     out: str | None = None
-    taps: str = field(default=".*", validator=_regex)
-    blocks: str | None = field(default=None, validator=_regex)
+    taps: str = field(default=".*", validator=check_regex)
+    blocks: str | None = field(default=None, validator=check_regex)
     final: bool = True
     keep: int = field(default=4, metadata={"ge": 1})

@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import re
-from typing import Any
-
 from attrs import define, field
 
-
-def _regex(_inst: object, attr: Any, value: str | None) -> None:
-    if value is not None:
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"{attr.name}: invalid regular expression {value!r}: {exc}") from None
+from omniloop.schema import check_regex
 
 
 def _window(_inst: object, _attr: object, value: list[int] | None) -> None:
@@ -40,7 +31,7 @@ class ProfilerConfig:
     json: str | None = None
     sync: bool = False
     device_time: bool = True
-    blocks: str | None = field(default=None, validator=_regex)
+    blocks: str | None = field(default=None, validator=check_regex)
     memory: bool = True
     trace_steps: list[int] | None = field(default=None, validator=_window)
     trace_out: str = "omniloop-profile-{request_id}.json"
