@@ -13,11 +13,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from omniloop.request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status
 from omniloop.schema import request_from_dict
+from omniloop.streams import EventStream
 
 log = logging.getLogger("omniloop.dynamo")
 
@@ -153,44 +154,18 @@ class CostEstimator:
 # --------------------------------------------------------------------------------------------
 
 
-class _Handle:
+class _Handle(EventStream):
     def __init__(self, request: OmniRequest, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
         self.request = request
         self.request_id = request.request_id
-        self.output: OmniOutput | None = None
-        self._events: list[OmniEvent] = []
-        self._loop = loop
-        self._changed = asyncio.Event()
-        self._result: asyncio.Future[OmniOutput] = loop.create_future()
         self.execution: Any = None
 
     def _deliver(self, ev: OmniEvent) -> None:
         self._events.append(ev)
         if ev.kind is EventKind.FINAL and ev.output is not None and not self._result.done():
-            self.output = ev.output
-            self._result.set_result(ev.output)
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def done(self) -> bool:
-        return self.output is not None
-
-    async def result(self, timeout: float | None = None) -> OmniOutput:
-        return await asyncio.wait_for(asyncio.shield(self._result), timeout)
-
-    async def events(self) -> AsyncIterator[OmniEvent]:
-        i = 0
-        while True:
-            changed = self._changed
-            while i < len(self._events):
-                ev = self._events[i]
-                i += 1
-                yield ev
-                if ev.kind is EventKind.FINAL:
-                    return
-            if self.output is not None:
-                return
-            await changed.wait()
+            self._finish(ev.output)
+        self._notify()
 
 
 class ThreadEngine:

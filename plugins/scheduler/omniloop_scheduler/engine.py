@@ -23,13 +23,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omniloop.errors import DeployError, RequestError
 from omniloop.execution import ScheduleDecision
 from omniloop.request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status, TaskType
 from omniloop.schema import request_from_dict
+from omniloop.streams import EventStream
 
 from .errors import AdmissionRefused, EngineClosed, QueueFull
 from .metrics import EngineMetrics
@@ -46,10 +47,11 @@ MAX_EVENTS = 20_000
 MAX_FINISHED_HANDLES = 1000
 
 
-class RequestHandle:
+class RequestHandle(EventStream):
     """A submitted request: its status, progress, events and result. Lives in the event loop."""
 
     def __init__(self, engine: AsyncEngine, request: OmniRequest, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
         self.engine = engine
         self.request = request
         self.request_id = request.request_id
@@ -57,11 +59,6 @@ class RequestHandle:
         self.status = "queued"  # queued | running | completed | failed | cancelled
         self.step = 0
         self.total = 0
-        self.output: OmniOutput | None = None
-        self._loop = loop
-        self._events: list[OmniEvent] = []
-        self._changed = asyncio.Event()
-        self._result: asyncio.Future[OmniOutput] = loop.create_future()
 
     # -- called in the loop thread (through call_soon_threadsafe) ------------------------------
     def _mark_running(self) -> None:
@@ -78,44 +75,17 @@ class RequestHandle:
             if len(self._events) < MAX_EVENTS or ev.kind in (EventKind.FINAL, EventKind.ERROR):
                 self._events.append(ev)
             if ev.kind is EventKind.FINAL and ev.output is not None:
-                self.output = ev.output
                 self.status = ev.output.status.value
-                if not self._result.done():
-                    self._result.set_result(ev.output)
+                self._finish(ev.output)
         self._notify()
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
     # -- public -------------------------------------------------------------------------------
-    def done(self) -> bool:
-        return self.output is not None
-
     @property
     def progress(self) -> float:
         """0..1: the current loop's step fraction; 1.0 when completed."""
         if self.status == "completed":
             return 1.0
         return min(self.step / self.total, 0.99) if self.total else 0.0
-
-    async def result(self, timeout: float | None = None) -> OmniOutput:
-        return await asyncio.wait_for(asyncio.shield(self._result), timeout)
-
-    async def events(self) -> AsyncIterator[OmniEvent]:
-        """Every event of this request from the start (late subscribers replay), until final."""
-        i = 0
-        while True:
-            changed = self._changed
-            while i < len(self._events):
-                ev = self._events[i]
-                i += 1
-                yield ev
-                if ev.kind is EventKind.FINAL:
-                    return
-            if self.output is not None:
-                return
-            await changed.wait()
 
     def cancel(self) -> bool:
         return self.engine.cancel(self.request_id)
