@@ -11,24 +11,11 @@ import torch
 import omniloop_cache_dit.plugin as cache_dit_plugin
 from omniloop.errors import RequestError
 from omniloop.request import Status
-from omniloop.testing import toy_runtime
+from omniloop.testing import completed_latents, toy_request, toy_runtime
 
 SETTINGS = {"Fn": 1, "Bn": 1, "residual_diff_threshold": 0.2, "max_warmup_steps": 2}
 
 
-def _req(seed: int = 1, steps: int = 20, **extra: Any) -> dict[str, Any]:
-    return {
-        "task": "t2v",
-        "prompt": "a red fox",
-        "diffusion": {"steps": steps, "seed": seed},
-        "outputs": {"return_latents": True},
-        **extra,
-    }
-
-
-def _latents(out: Any) -> torch.Tensor:
-    assert out.status is Status.COMPLETED, out.error
-    return out.artifacts["latents"].tensor
 
 
 def _contexts(rt: Any) -> int:
@@ -45,39 +32,39 @@ def runtimes(toy_checkpoint: Path) -> tuple[Any, Any]:
 
 def test_enabled_in_deploy_caches_and_reports_per_branch_metrics(runtimes: tuple[Any, Any]) -> None:
     plain, cached = runtimes
-    baseline = _latents(plain.generate(_req()))
-    out = cached.generate(_req())
+    baseline = completed_latents(plain.generate(toy_request()))
+    out = cached.generate(toy_request())
     stats = out.metrics["plugins"]["cache-dit"]
     assert set(stats) == {"cond", "uncond"}
     assert sum(s["num_cached_steps"] for s in stats.values()) > 0
-    assert not torch.equal(_latents(out), baseline)
+    assert not torch.equal(completed_latents(out), baseline)
     assert _contexts(cached) == 0
     # the same runtime without caching for one request: exact again (threshold 0), then caching again
-    tuned = cached.generate(_req(plugin_params={"cache-dit": {"residual_diff_threshold": 0.0}}))
-    assert torch.equal(_latents(tuned), baseline)
-    assert torch.equal(_latents(cached.generate(_req())), _latents(out))
+    tuned = cached.generate(toy_request(plugin_params={"cache-dit": {"residual_diff_threshold": 0.0}}))
+    assert torch.equal(completed_latents(tuned), baseline)
+    assert torch.equal(completed_latents(cached.generate(toy_request())), completed_latents(out))
 
 
 def test_exact_request_bypasses_the_interceptor(runtimes: tuple[Any, Any]) -> None:
     plain, cached = runtimes
-    baseline = _latents(plain.generate(_req()))
-    out = cached.generate(_req(exact=True))
-    assert torch.equal(_latents(out), baseline)
+    baseline = completed_latents(plain.generate(toy_request()))
+    out = cached.generate(toy_request(exact=True))
+    assert torch.equal(completed_latents(out), baseline)
     assert "cache-dit" not in out.metrics.get("plugins", {})
     with pytest.raises(RequestError, match=r"plugin_params\.cache-dit"):
-        cached.prepare(_req(exact=True, plugin_params={"cache-dit": {"Fn": 2}}))
+        cached.prepare(toy_request(exact=True, plugin_params={"cache-dit": {"Fn": 2}}))
 
 
 def test_invalid_request_params_are_refused_before_compute(runtimes: tuple[Any, Any]) -> None:
     _, cached = runtimes
     with pytest.raises(RequestError) as err:
-        cached.prepare(_req(plugin_params={"cache-dit": {"max_warmup_steps": -3}}))
+        cached.prepare(toy_request(plugin_params={"cache-dit": {"max_warmup_steps": -3}}))
     assert err.value.path == "plugin_params.cache-dit.max_warmup_steps"
 
 
 def test_request_params_reach_open(runtimes: tuple[Any, Any]) -> None:
     _, cached = runtimes
-    out = cached.generate(_req(plugin_params={"cache-dit": {"max_warmup_steps": 12, "taylorseer": True}}))
+    out = cached.generate(toy_request(plugin_params={"cache-dit": {"max_warmup_steps": 12, "taylorseer": True}}))
     cond = out.metrics["plugins"]["cache-dit"]["cond"]
     assert cond["settings"] == "F1B1_W12_M-1_MC-1_R0.2_T1"
     assert all(s >= 12 for s in cond["cached_steps"])
@@ -85,21 +72,21 @@ def test_request_params_reach_open(runtimes: tuple[Any, Any]) -> None:
 
 def test_interleaved_executions_equal_each_alone(runtimes: tuple[Any, Any]) -> None:
     _, cached = runtimes
-    reqs = [_req(seed=3), _req(seed=4, steps=14, plugin_params={"cache-dit": {"residual_diff_threshold": 0.3}})]
+    reqs = [toy_request(seed=3), toy_request(seed=4, steps=14, plugin_params={"cache-dit": {"residual_diff_threshold": 0.3}})]
     alone = [cached.generate(r) for r in reqs]
     execs = [cached.prepare(r) for r in reqs]
     while not all(e.done for e in execs):
         for e in execs:
             e.advance()
     for a, e in zip(alone, execs, strict=True):
-        assert torch.equal(_latents(e.output), _latents(a))
+        assert torch.equal(completed_latents(e.output), completed_latents(a))
         assert e.output.metrics["plugins"]["cache-dit"] == a.metrics["plugins"]["cache-dit"]
     assert _contexts(cached) == 0
 
 
 def test_cancel_mid_loop_releases_contexts(runtimes: tuple[Any, Any]) -> None:
     _, cached = runtimes
-    ex = cached.prepare(_req())
+    ex = cached.prepare(toy_request())
     while ex.loop is None or ex.loop.step < 5:
         ex.advance()
     assert _contexts(cached) == 2

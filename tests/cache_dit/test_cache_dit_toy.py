@@ -37,13 +37,13 @@ def test_is_a_block_interceptor_with_declared_capabilities() -> None:
     assert icpt.distribution_altering is True and icpt.graph_safe is False and icpt.needs_eager is False
 
 
-def test_baseline_enabled_disabled_after_enabled(toy: Any) -> None:
-    model = toy.Model()
+def test_baseline_enabled_disabled_after_enabled(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
     params_before = {k: v.clone() for k, v in model.state_dict().items()}
-    baseline, _ = toy.run_alone(model)
+    baseline, _ = toy_blocks.run_alone(model)
     icpt = CacheDiTInterceptor(SETTINGS)
-    enabled, metrics = toy.run_alone(model, icpt)
-    disabled, _ = toy.run_alone(model)
+    enabled, metrics = toy_blocks.run_alone(model, icpt)
+    disabled, _ = toy_blocks.run_alone(model)
 
     assert _hits(metrics) > 0
     assert not torch.equal(enabled, baseline)
@@ -53,15 +53,15 @@ def test_baseline_enabled_disabled_after_enabled(toy: Any) -> None:
     assert _contexts(icpt) == 0
 
 
-def test_threshold_zero_request_computes_every_step_exactly(toy: Any) -> None:
-    model = toy.Model()
-    baseline, _ = toy.run_alone(model)
+def test_threshold_zero_request_computes_every_step_exactly(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
+    baseline, _ = toy_blocks.run_alone(model)
     icpt = CacheDiTInterceptor(SETTINGS)
-    out, metrics = toy.run_alone(model, icpt, params={"residual_diff_threshold": 0.0})
+    out, metrics = toy_blocks.run_alone(model, icpt, params={"residual_diff_threshold": 0.0})
     assert _hits(metrics) == 0
     assert torch.equal(out, baseline)
     # the next, untuned request caches again: params are per request
-    _, metrics = toy.run_alone(model, icpt)
+    _, metrics = toy_blocks.run_alone(model, icpt)
     assert _hits(metrics) > 0
 
 
@@ -74,43 +74,43 @@ def test_threshold_zero_request_computes_every_step_exactly(toy: Any) -> None:
     ],
     ids=["F1B1", "F2B2-taylorseer2", "F1B0-MC2"],
 )
-def test_interleaved_requests_equal_each_alone(toy: Any, settings: dict[str, Any]) -> None:
-    model = toy.Model()
+def test_interleaved_requests_equal_each_alone(toy_blocks: Any, settings: dict[str, Any]) -> None:
+    model = toy_blocks.Model()
     icpt = CacheDiTInterceptor(settings)
     kw_a = dict(request_id="a", seed=1, steps=20)
     kw_b = dict(request_id="b", seed=2, steps=16, params={"residual_diff_threshold": 0.12})
-    alone_a, met_a = toy.run_alone(model, icpt, **kw_a)
-    alone_b, met_b = toy.run_alone(model, icpt, **kw_b)
+    alone_a, met_a = toy_blocks.run_alone(model, icpt, **kw_a)
+    alone_b, met_b = toy_blocks.run_alone(model, icpt, **kw_b)
     assert _hits(met_a) > 0 and _hits(met_b) > 0
 
-    a, b = toy.Run(model, icpt, **kw_a), toy.Run(model, icpt, **kw_b)
+    a, b = toy_blocks.Run(model, icpt, **kw_a), toy_blocks.Run(model, icpt, **kw_b)
     for _ in range(5):  # b starts late
         a.step()
-    toy.interleave([a, b])
+    toy_blocks.interleave([a, b])
     assert torch.equal(a.x, alone_a) and torch.equal(b.x, alone_b)
     assert a.close() == met_a and b.close() == met_b
     assert _contexts(icpt) == 0
 
 
-def test_same_request_id_twice_does_not_share_state(toy: Any) -> None:
-    model = toy.Model()
+def test_same_request_id_twice_does_not_share_state(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
     icpt = CacheDiTInterceptor(SETTINGS)
-    alone, _ = toy.run_alone(model, icpt, request_id="dup", seed=3)
-    a, b = toy.Run(model, icpt, request_id="dup", seed=3), toy.Run(model, icpt, request_id="dup", seed=4)
-    toy.interleave([a, b])
+    alone, _ = toy_blocks.run_alone(model, icpt, request_id="dup", seed=3)
+    a, b = toy_blocks.Run(model, icpt, request_id="dup", seed=3), toy_blocks.Run(model, icpt, request_id="dup", seed=4)
+    toy_blocks.interleave([a, b])
     assert torch.equal(a.x, alone)
     a.close(), b.close()
 
 
-def test_requests_in_two_threads_equal_each_alone(toy: Any) -> None:
-    model = toy.Model()
+def test_requests_in_two_threads_equal_each_alone(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
     icpt = CacheDiTInterceptor(SETTINGS)
     seeds = (5, 6, 7, 8)
-    alone = [toy.run_alone(model, icpt, request_id=f"t{s}", seed=s)[0] for s in seeds]
+    alone = [toy_blocks.run_alone(model, icpt, request_id=f"t{s}", seed=s)[0] for s in seeds]
     results: dict[int, torch.Tensor] = {}
 
     def work(s: int) -> None:
-        results[s] = toy.run_alone(model, icpt, request_id=f"t{s}", seed=s)[0]
+        results[s] = toy_blocks.run_alone(model, icpt, request_id=f"t{s}", seed=s)[0]
 
     threads = [threading.Thread(target=work, args=(s,)) for s in seeds]
     for t in threads:
@@ -120,11 +120,11 @@ def test_requests_in_two_threads_equal_each_alone(toy: Any) -> None:
     assert all(torch.equal(results[s], ref) for s, ref in zip(seeds, alone, strict=True))
 
 
-def test_context_selection_is_exclusive_across_threads(toy: Any) -> None:
+def test_context_selection_is_exclusive_across_threads(toy_blocks: Any) -> None:
     """cache-dit keeps one "current context" per manager: a second thread waits for the first."""
-    model = toy.Model()
+    model = toy_blocks.Model()
     icpt = CacheDiTInterceptor(SETTINGS)
-    ra, rb = toy.Run(model, icpt, request_id="a"), toy.Run(model, icpt, request_id="b")
+    ra, rb = toy_blocks.Run(model, icpt, request_id="a"), toy_blocks.Run(model, icpt, request_id="b")
     ra.step(), rb.step()
     ((_, mgr),) = [icpt._registry.get(model.blocks)]
     name_a = ra.loop.plugin_state[(icpt.name, "cond")].contexts[tuple(map(id, model.blocks))].name
@@ -153,8 +153,8 @@ def test_context_selection_is_exclusive_across_threads(toy: Any) -> None:
     ra.close(), rb.close()
 
 
-def test_metrics_report_loop_steps_and_respect_limits(toy: Any) -> None:
-    model = toy.Model()
+def test_metrics_report_loop_steps_and_respect_limits(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
     icpt = CacheDiTInterceptor(
         dict(
             Fn=1,
@@ -165,7 +165,7 @@ def test_metrics_report_loop_steps_and_respect_limits(toy: Any) -> None:
             max_continuous_cached_steps=2,
         )
     )
-    _, metrics = toy.run_alone(model, icpt, steps=20)
+    _, metrics = toy_blocks.run_alone(model, icpt, steps=20)
     for br in ("cond", "uncond"):
         m = metrics[br]
         cached = m["cached_steps"]
@@ -182,10 +182,10 @@ def test_metrics_report_loop_steps_and_respect_limits(toy: Any) -> None:
         assert m["settings"] == "F1B1_W4_M6_MC2_R0.5_T0"
 
 
-def test_request_params_override_deploy_config(toy: Any) -> None:
-    model = toy.Model()
+def test_request_params_override_deploy_config(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
     icpt = CacheDiTInterceptor(SETTINGS)
-    _, metrics = toy.run_alone(model, icpt, params=CacheDiTParams(max_warmup_steps=10, Fn=2))
+    _, metrics = toy_blocks.run_alone(model, icpt, params=CacheDiTParams(max_warmup_steps=10, Fn=2))
     assert metrics["cond"]["settings"].startswith("F2B1_W10")
     assert min(metrics["cond"]["cached_steps"], default=10) >= 10
 
@@ -200,9 +200,9 @@ def test_request_params_override_deploy_config(toy: Any) -> None:
         ({"nope": 1}, "plugin_params.cache-dit.nope"),
     ],
 )
-def test_invalid_request_params_are_refused_with_their_path(toy: Any, params: dict[str, Any], path: str) -> None:
+def test_invalid_request_params_are_refused_with_their_path(toy_blocks: Any, params: dict[str, Any], path: str) -> None:
     with pytest.raises(RequestError) as err:
-        toy.Run(toy.Model(), CacheDiTInterceptor(SETTINGS), params=params)
+        toy_blocks.Run(toy_blocks.Model(), CacheDiTInterceptor(SETTINGS), params=params)
     assert err.value.path == path
 
 
@@ -213,26 +213,26 @@ def test_invalid_deploy_config_is_a_deploy_error() -> None:
         CacheDiTInterceptor(CacheDiTConfig(Fn=0))
 
 
-def test_fn_plus_bn_larger_than_the_stack_is_refused(toy: Any) -> None:
-    run = toy.Run(toy.Model(n_blocks=4), CacheDiTInterceptor(dict(Fn=3, Bn=2)))
+def test_fn_plus_bn_larger_than_the_stack_is_refused(toy_blocks: Any) -> None:
+    run = toy_blocks.Run(toy_blocks.Model(n_blocks=4), CacheDiTInterceptor(dict(Fn=3, Bn=2)))
     with pytest.raises(PluginError, match="exceeds the 4 blocks"):
         run.step()
     run.close()
 
 
-def test_run_without_open_is_a_clear_error(toy: Any) -> None:
-    model = toy.Model()
+def test_run_without_open_is_a_clear_error(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
     icpt = CacheDiTInterceptor(SETTINGS)
     loop = LoopState(total=4)
     ctx = BlockContext(step=StepContext("x", "denoise", 0, 4, 1.0, branch="cond"), loop=loop, interceptor=icpt)
     with pytest.raises(PluginError, match="open"):
-        model(torch.zeros(1, toy.TOKENS, toy.DIM), 1.0, "cond", ctx)
+        model(torch.zeros(1, toy_blocks.TOKENS, toy_blocks.DIM), 1.0, "cond", ctx)
 
 
-def test_close_removes_contexts_and_is_idempotent(toy: Any) -> None:
-    model = toy.Model()
+def test_close_removes_contexts_and_is_idempotent(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
     icpt = CacheDiTInterceptor(SETTINGS)
-    run = toy.Run(model, icpt)
+    run = toy_blocks.Run(model, icpt)
     run.step()
     assert _contexts(icpt) == 2  # one per branch
     states = [run.loop.plugin_state[(icpt.name, b)] for b in run.loop.branches]
@@ -246,10 +246,10 @@ def test_close_removes_contexts_and_is_idempotent(toy: Any) -> None:
         run.step()
 
 
-def test_state_dropped_without_close_frees_its_context(toy: Any) -> None:
-    model = toy.Model()
+def test_state_dropped_without_close_frees_its_context(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
     icpt = CacheDiTInterceptor(SETTINGS)
-    run = toy.Run(model, icpt)
+    run = toy_blocks.Run(model, icpt)
     run.step()
     assert _contexts(icpt) == 2
     del run
@@ -257,13 +257,13 @@ def test_state_dropped_without_close_frees_its_context(toy: Any) -> None:
     assert _contexts(icpt) == 0
 
 
-def test_one_context_per_block_list_within_a_branch(toy: Any) -> None:
+def test_one_context_per_block_list_within_a_branch(toy_blocks: Any) -> None:
     """Two experts (Wan2.2-style) get separate contexts: residuals of different stacks never compare."""
-    high, low = toy.Model(seed=0), toy.Model(seed=1)
+    high, low = toy_blocks.Model(seed=0), toy_blocks.Model(seed=1)
     icpt = CacheDiTInterceptor(SETTINGS)
     loop = LoopState(total=8, branches=("cond",))
     loop.plugin_state[(icpt.name, "cond")] = state = icpt.open(StepContext("moe", "denoise", 0, 8, 1.0, "cond"), loop)
-    x = torch.randn(1, toy.TOKENS, toy.DIM)
+    x = torch.randn(1, toy_blocks.TOKENS, toy_blocks.DIM)
     with torch.no_grad():
         for i in range(8):
             model = high if i < 4 else low

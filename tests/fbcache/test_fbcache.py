@@ -13,8 +13,7 @@ import omniloop_fbcache.plugin as fbcache_plugin
 from omniloop.errors import PluginError, RequestError
 from omniloop.interceptors import BlockContext, BlockInterceptor
 from omniloop.loop import LoopState, StepContext
-from omniloop.request import Status
-from omniloop.testing import toy_runtime
+from omniloop.testing import completed_latents, toy_request, toy_runtime
 from omniloop_fbcache import FBCacheConfig, FBCacheParams, FirstBlockCache
 
 SETTINGS = {"threshold": 0.1, "warmup_steps": 3}
@@ -33,43 +32,43 @@ def test_declares_the_block_interceptor_contract() -> None:
     assert (icpt.name, icpt.graph_safe, icpt.distribution_altering, icpt.needs_eager) == ("fbcache", False, True, False)
 
 
-def test_baseline_enabled_disabled_after_enabled(toy: Any) -> None:
-    model = toy.Model()
-    baseline, _ = toy.run_alone(model)
-    enabled, metrics = toy.run_alone(model, FirstBlockCache(SETTINGS))
-    disabled, _ = toy.run_alone(model)
+def test_baseline_enabled_disabled_after_enabled(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
+    baseline, _ = toy_blocks.run_alone(model)
+    enabled, metrics = toy_blocks.run_alone(model, FirstBlockCache(SETTINGS))
+    disabled, _ = toy_blocks.run_alone(model)
     assert _hits(metrics) > 0
     assert not torch.equal(enabled, baseline) and (enabled - baseline).abs().max() < 0.1
     assert torch.equal(disabled, baseline)
 
 
-def test_threshold_zero_is_bit_identical_to_no_cache(toy: Any) -> None:
-    model = toy.Model()
-    baseline, _ = toy.run_alone(model)
-    out, metrics = toy.run_alone(model, FirstBlockCache(SETTINGS), params={"threshold": 0.0})
+def test_threshold_zero_is_bit_identical_to_no_cache(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
+    baseline, _ = toy_blocks.run_alone(model)
+    out, metrics = toy_blocks.run_alone(model, FirstBlockCache(SETTINGS), params={"threshold": 0.0})
     assert _hits(metrics) == 0 and torch.equal(out, baseline)
 
 
-def test_interleaved_requests_equal_each_alone(toy: Any) -> None:
-    model = toy.Model()
+def test_interleaved_requests_equal_each_alone(toy_blocks: Any) -> None:
+    model = toy_blocks.Model()
     icpt = FirstBlockCache(SETTINGS)
     kw_a = dict(request_id="a", seed=1, steps=20)
     kw_b = dict(request_id="b", seed=2, steps=15, params={"threshold": 0.15, "max_consecutive_cached": 1})
-    alone_a, met_a = toy.run_alone(model, icpt, **kw_a)
-    alone_b, met_b = toy.run_alone(model, icpt, **kw_b)
+    alone_a, met_a = toy_blocks.run_alone(model, icpt, **kw_a)
+    alone_b, met_b = toy_blocks.run_alone(model, icpt, **kw_b)
     assert _hits(met_a) > 0 and _hits(met_b) > 0
-    a, b = toy.Run(model, icpt, **kw_a), toy.Run(model, icpt, **kw_b)
+    a, b = toy_blocks.Run(model, icpt, **kw_a), toy_blocks.Run(model, icpt, **kw_b)
     a.step(), a.step()
-    toy.interleave([a, b])
+    toy_blocks.interleave([a, b])
     assert torch.equal(a.x, alone_a) and torch.equal(b.x, alone_b)
     assert a.close() == met_a and b.close() == met_b
 
 
-def test_decision_is_the_relative_l1_of_the_first_block_residual(toy: Any) -> None:
+def test_decision_is_the_relative_l1_of_the_first_block_residual(toy_blocks: Any) -> None:
     """Re-derive every decision by hand from the first block's residuals."""
-    model = toy.Model()
+    model = toy_blocks.Model()
     icpt = FirstBlockCache({"threshold": 0.1, "warmup_steps": 2})
-    run = toy.Run(model, icpt, branches=("cond",), guidance=1.0)
+    run = toy_blocks.Run(model, icpt, branches=("cond",), guidance=1.0)
     seen: list[torch.Tensor] = []
     block0 = model.blocks[0]
     handle = block0.register_forward_hook(lambda mod, args, out: seen.append(out - args[0]))
@@ -91,9 +90,9 @@ def test_decision_is_the_relative_l1_of_the_first_block_residual(toy: Any) -> No
     assert cached and m["cached_steps"] == cached
 
 
-def test_warmup_and_max_consecutive(toy: Any) -> None:
+def test_warmup_and_max_consecutive(toy_blocks: Any) -> None:
     icpt = FirstBlockCache({"threshold": 0.9, "warmup_steps": 5, "max_consecutive_cached": 2})
-    _, metrics = toy.run_alone(toy.Model(), icpt, steps=20)
+    _, metrics = toy_blocks.run_alone(toy_blocks.Model(), icpt, steps=20)
     for m in metrics.values():
         cached = m["cached_steps"]
         assert cached and min(cached) >= 5
@@ -104,12 +103,12 @@ def test_warmup_and_max_consecutive(toy: Any) -> None:
         assert longest == 2
 
 
-def test_switching_block_lists_drops_the_reference(toy: Any) -> None:
-    high, low = toy.Model(seed=0), toy.Model(seed=1)
+def test_switching_block_lists_drops_the_reference(toy_blocks: Any) -> None:
+    high, low = toy_blocks.Model(seed=0), toy_blocks.Model(seed=1)
     icpt = FirstBlockCache({"threshold": 0.9, "warmup_steps": 0})
     loop = LoopState(total=6, branches=("cond",))
     loop.plugin_state[("fbcache", "cond")] = st = icpt.open(StepContext("m", "denoise", 0, 6, 1.0, "cond"), loop)
-    x = torch.randn(1, toy.TOKENS, toy.DIM)
+    x = torch.randn(1, toy_blocks.TOKENS, toy_blocks.DIM)
     with torch.no_grad():
         for i in range(6):
             model = high if i < 3 else low
@@ -119,9 +118,9 @@ def test_switching_block_lists_drops_the_reference(toy: Any) -> None:
     assert {1, 2, 4, 5} <= set(st.cached_steps)
 
 
-def test_close_frees_tensors_and_run_after_close_fails(toy: Any) -> None:
+def test_close_frees_tensors_and_run_after_close_fails(toy_blocks: Any) -> None:
     icpt = FirstBlockCache(SETTINGS)
-    run = toy.Run(toy.Model(), icpt)
+    run = toy_blocks.Run(toy_blocks.Model(), icpt)
     run.step()
     states = [run.loop.plugin_state[("fbcache", b)] for b in run.loop.branches]
     for st in states:
@@ -142,9 +141,9 @@ def test_close_frees_tensors_and_run_after_close_fails(toy: Any) -> None:
         ({"Fn": 1}, "plugin_params.fbcache.Fn"),
     ],
 )
-def test_invalid_params_name_their_path(toy: Any, params: dict[str, Any], path: str) -> None:
+def test_invalid_params_name_their_path(toy_blocks: Any, params: dict[str, Any], path: str) -> None:
     with pytest.raises(RequestError) as err:
-        toy.Run(toy.Model(), FirstBlockCache(SETTINGS), params=params)
+        toy_blocks.Run(toy_blocks.Model(), FirstBlockCache(SETTINGS), params=params)
     assert err.value.path == path
 
 
@@ -173,19 +172,6 @@ def test_depends_only_on_omniloop_and_torch() -> None:
 # -- through the runtime -------------------------------------------------------------------------
 
 
-def _req(seed: int = 1, steps: int = 20, **extra: Any) -> dict[str, Any]:
-    return {
-        "task": "t2v",
-        "prompt": "a red fox",
-        "diffusion": {"steps": steps, "seed": seed},
-        "outputs": {"return_latents": True},
-        **extra,
-    }
-
-
-def _latents(out: Any) -> torch.Tensor:
-    assert out.status is Status.COMPLETED, out.error
-    return out.artifacts["latents"].tensor
 
 
 @pytest.fixture
@@ -200,24 +186,24 @@ def runtimes(toy_checkpoint: Path) -> tuple[Any, Any]:
 
 def test_runtime_enabled_exact_and_tuned(runtimes: tuple[Any, Any]) -> None:
     plain, cached = runtimes
-    baseline = _latents(plain.generate(_req()))
-    out = cached.generate(_req())
+    baseline = completed_latents(plain.generate(toy_request()))
+    out = cached.generate(toy_request())
     assert _hits(out.metrics["plugins"]["fbcache"]) > 0
-    assert not torch.equal(_latents(out), baseline)
-    assert torch.equal(_latents(cached.generate(_req(exact=True))), baseline)
-    assert torch.equal(_latents(cached.generate(_req(plugin_params={"fbcache": {"threshold": 0.0}}))), baseline)
+    assert not torch.equal(completed_latents(out), baseline)
+    assert torch.equal(completed_latents(cached.generate(toy_request(exact=True))), baseline)
+    assert torch.equal(completed_latents(cached.generate(toy_request(plugin_params={"fbcache": {"threshold": 0.0}}))), baseline)
 
 
 def test_runtime_interleaved_executions_equal_each_alone(runtimes: tuple[Any, Any]) -> None:
     _, cached = runtimes
-    reqs = [_req(seed=3), _req(seed=4, steps=12, plugin_params={"fbcache": {"threshold": 0.3}})]
+    reqs = [toy_request(seed=3), toy_request(seed=4, steps=12, plugin_params={"fbcache": {"threshold": 0.3}})]
     alone = [cached.generate(r) for r in reqs]
     execs = [cached.prepare(r) for r in reqs]
     while not all(e.done for e in execs):
         for e in execs:
             e.advance()
     for a, e in zip(alone, execs, strict=True):
-        assert torch.equal(_latents(e.output), _latents(a))
+        assert torch.equal(completed_latents(e.output), completed_latents(a))
         assert e.output.metrics["plugins"]["fbcache"] == a.metrics["plugins"]["fbcache"]
 
 

@@ -5,6 +5,8 @@
   against the contracts (determinism, interleaving, baseline/enabled/disabled, read-only).
 * :func:`make_manager` / :func:`toy_runtime` — an isolated plugin manager and runtime, no
   entry-point discovery, so tests do not depend on what else is installed.
+* :func:`toy_request` / :func:`completed_latents` — a t2v request that returns its latents, and
+  the latents of a completed output (the usual pair of an interceptor's runtime tests).
 * pytest fixtures (auto-loaded through the ``pytest11`` entry point): ``omniloop_manager``,
   ``toy_checkpoint``, ``toy_runtime_factory``.
 """
@@ -19,7 +21,7 @@ from ..execution import Execution, ScheduleDecision
 from ..family import SchedulerSpec
 from ..hookspecs import hookimpl
 from ..plugins import PluginManager
-from ..request import OmniEvent
+from ..request import OmniEvent, Status
 from .toy import ToyFamily, ToyPlugin, build_toy_checkpoint
 
 
@@ -59,6 +61,23 @@ def make_manager(*plugins: tuple[str, Any], toy: bool = True, scheduler: bool = 
     return pm
 
 
+def toy_request(seed: int = 1, steps: int = 20, **extra: Any) -> dict[str, Any]:
+    """A t2v request dict ("a red fox", ``steps``, ``seed``) that returns its final latents."""
+    return {
+        "task": "t2v",
+        "prompt": "a red fox",
+        "diffusion": {"steps": steps, "seed": seed},
+        "outputs": {"return_latents": True},
+        **extra,
+    }
+
+
+def completed_latents(output: Any) -> Any:
+    """The final latents tensor of ``output``, asserting that it completed (its error otherwise)."""
+    assert output.status is Status.COMPLETED, output.error
+    return output.artifacts["latents"].tensor
+
+
 def toy_runtime(checkpoint: str | Path, *plugins: tuple[str, Any], **deploy: Any) -> Any:
     """A CPU float32 runtime over the toy family, with in-process ``plugins`` added."""
     from ..runtime import Runtime
@@ -71,6 +90,8 @@ __all__ = [
     "ToyFamily",
     "ToyPlugin",
     "build_toy_checkpoint",
+    "completed_latents",
     "make_manager",
+    "toy_request",
     "toy_runtime",
 ]

@@ -248,6 +248,30 @@ def api_field(path: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _common_fields(
+    request: Any, what: str, allowed_nvext: frozenset[str],
+) -> tuple[str, Mapping[str, Any], list[dict[str, Any]]]:
+    """What video and image requests share: (model, nvext, the prompt and negative-prompt inputs)."""
+    if not isinstance(request, Mapping):
+        raise InvalidRequest("", f"{what} must be a JSON object")
+    prompt = request.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidRequest("prompt", "a text prompt is required")
+    model = request.get("model")
+    model = model if isinstance(model, str) else ""
+    nvext = request.get("nvext") or {}
+    if not isinstance(nvext, Mapping):
+        raise InvalidRequest("nvext", "expected an object")
+    unknown = sorted(set(nvext) - allowed_nvext)
+    if unknown:
+        raise InvalidRequest(f"nvext.{unknown[0]}", "unknown field")
+    inputs: list[dict[str, Any]] = [{"type": "text", "text": prompt, "role": "prompt"}]
+    negative = _opt_str(nvext, "negative_prompt", "nvext.negative_prompt")
+    if negative is not None:
+        inputs.append({"type": "text", "text": negative, "role": "negative_prompt"})
+    return model, nvext, inputs
+
+
 def map_video_request(
     request: Mapping[str, Any], *, request_id: str, allow_local_files: bool = False,
     default_fps: float | None = None, video_tasks: tuple[str, str] = ("t2v", "i2v"),
@@ -258,19 +282,7 @@ def map_video_request(
     Wan's 81 frames = 5 s at 16 fps) with ``fps`` from ``nvext.fps`` or the model's default;
     else the model's default frame count.
     """
-    if not isinstance(request, Mapping):
-        raise InvalidRequest("", "a video request must be a JSON object")
-    prompt = request.get("prompt")
-    if not isinstance(prompt, str):
-        raise InvalidRequest("prompt", "a text prompt is required")
-    model = request.get("model")
-    model = model if isinstance(model, str) else ""
-    nvext = request.get("nvext") or {}
-    if not isinstance(nvext, Mapping):
-        raise InvalidRequest("nvext", "expected an object")
-    unknown = sorted(set(nvext) - _VIDEO_NVEXT)
-    if unknown:
-        raise InvalidRequest(f"nvext.{unknown[0]}", "unknown field")
+    model, nvext, inputs = _common_fields(request, "a video request", _VIDEO_NVEXT)
     for name in ("boundary_ratio", "guidance_scale_2"):
         if nvext.get(name) is not None:
             raise InvalidRequest(
@@ -294,10 +306,6 @@ def map_video_request(
     stream = request.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequest("stream", f"expected true or false, got {stream!r}")
-    inputs: list[dict[str, Any]] = [{"type": "text", "text": prompt, "role": "prompt"}]
-    negative = _opt_str(nvext, "negative_prompt", "nvext.negative_prompt")
-    if negative is not None:
-        inputs.append({"type": "text", "text": negative, "role": "negative_prompt"})
     task = video_tasks[0]
     if request.get("input_reference") is not None:
         inputs.append(image_part(request["input_reference"], allow_local_files=allow_local_files))
@@ -324,19 +332,7 @@ def map_image_request(
     request: Mapping[str, Any], *, request_id: str, allow_local_files: bool = False, max_n: int = 10,
 ) -> MappedRequest:
     """An ``NvCreateImageRequest`` dict -> ``n`` omniloop t2i/i2i requests (seeds ``seed``, ``seed+1``, ...)."""
-    if not isinstance(request, Mapping):
-        raise InvalidRequest("", "an image request must be a JSON object")
-    prompt = request.get("prompt")
-    if not isinstance(prompt, str):
-        raise InvalidRequest("prompt", "a text prompt is required")
-    model = request.get("model")
-    model = model if isinstance(model, str) else ""
-    nvext = request.get("nvext") or {}
-    if not isinstance(nvext, Mapping):
-        raise InvalidRequest("nvext", "expected an object")
-    unknown = sorted(set(nvext) - _IMAGE_NVEXT)
-    if unknown:
-        raise InvalidRequest(f"nvext.{unknown[0]}", "unknown field")
+    model, nvext, inputs = _common_fields(request, "an image request", _IMAGE_NVEXT)
     knobs = passthrough(request)
     n = _opt_int(request, "n", "n", ge=1) or 1
     if n > max_n:
@@ -346,10 +342,6 @@ def map_image_request(
     if output_format != "png":
         raise InvalidRequest("output_format", f"only 'png' is supported, got {output_format!r}")
     ignored = [k for k in _IMAGE_IGNORED if request.get(k) not in (None, "auto")]
-    inputs: list[dict[str, Any]] = [{"type": "text", "text": prompt, "role": "prompt"}]
-    negative = _opt_str(nvext, "negative_prompt", "nvext.negative_prompt")
-    if negative is not None:
-        inputs.append({"type": "text", "text": negative, "role": "negative_prompt"})
     task = "t2i"
     if request.get("input_reference") is not None:
         part = image_part(request["input_reference"], allow_local_files=allow_local_files)
