@@ -7,6 +7,7 @@ None`` — an event nobody implements is never called and costs one attribute re
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -52,3 +53,28 @@ class ObserverBus:
         if not pats:
             return None
         return re.compile("|".join(f"(?:{p.pattern if hasattr(p, 'pattern') else p})" for p in pats))
+
+
+#: a block tap's name ends in its index (``blocks.3``); other taps are named values (``noise_pred``)
+BLOCK_TAP = re.compile(r"\.\d+$")
+
+
+class TapFilter:
+    """Which ``omniloop_tap`` values an observer takes: named taps matching ``taps`` and, when
+    ``blocks`` is set, block outputs matching ``blocks`` (block taps need eager blocks, so
+    :attr:`needs_eager` follows ``blocks``). Block taps another observer asked for are skipped."""
+
+    def __init__(self, taps: str, blocks: str | None, *, observer: str, doing: str) -> None:
+        self.taps = re.compile(taps)
+        self.blocks = re.compile(blocks) if blocks else None
+        self.needs_eager = self.blocks is not None
+        if self.needs_eager:
+            logging.getLogger(f"omniloop.{observer}").info(
+                "%s: %s block outputs matching %r; blocks run eagerly", observer, doing, blocks
+            )
+
+    def kind(self, name: str) -> str | None:
+        """``"block"``, ``"tap"``, or None when the observer does not take this tap."""
+        if BLOCK_TAP.search(name):
+            return "block" if self.blocks is not None and self.blocks.search(name) else None
+        return "tap" if self.taps.search(name) else None

@@ -8,7 +8,6 @@ request fails with a :class:`NonFiniteError` naming node, step, branch and tap o
 from __future__ import annotations
 
 import logging
-import re
 from collections import OrderedDict
 from typing import Any, Literal
 
@@ -18,13 +17,13 @@ from attrs import define, field
 
 from omniloop.errors import OmniloopError
 from omniloop.hookspecs import hookimpl
+from omniloop.observers import TapFilter
 from omniloop.schema import check_regex
 
 __version__ = "0.1.0"
 
 log = logging.getLogger("omniloop.nanwatch")
 
-_BLOCKISH = re.compile(r"\.\d+$")
 
 
 class NonFiniteError(OmniloopError):
@@ -83,11 +82,9 @@ class NanWatch:
 
     def __init__(self, config: NanWatchConfig | None = None) -> None:
         self.config = config or NanWatchConfig()
-        self._taps = re.compile(self.config.taps)
-        self._blocks = re.compile(self.config.blocks) if self.config.blocks else None
-        self.needs_eager = self._blocks is not None
-        if self.needs_eager:
-            log.info("nanwatch: checking block outputs matching %r; blocks run eagerly", self.config.blocks)
+        #: block taps need the blocks to run eagerly (no compiled block stack)
+        self._select = TapFilter(self.config.taps, self.config.blocks, observer="nanwatch", doing="checking")
+        self.needs_eager = self._select.needs_eager
         self._live: dict[str, dict[str, Any]] = {}
         self.reports: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
@@ -114,13 +111,8 @@ class NanWatch:
     def omniloop_tap(self, request: Any, node: str, step: Any, name: str, value: Any) -> None:
         if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
             return
-        if _BLOCKISH.search(name):
-            if self._blocks is None or not self._blocks.search(name):
-                return
-            kind = "block"
-        elif self._taps.search(name):
-            kind = "tap"
-        else:
+        kind = self._select.kind(name)
+        if kind is None:
             return
         st = self._live.setdefault(request.request_id, {"checked": 0, "findings": []})
         st["checked"] += 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import attrs
 import torch
 
 from omniloop.hookspecs import hookimpl
+from omniloop.observers import TapFilter
 from omniloop.request import Status
 
 from .config import ParityConfig, ParityError
@@ -26,7 +26,6 @@ from .recording import FORMAT, Recording, TapEntry, environment, tap_key, tensor
 log = logging.getLogger("omniloop.parity")
 
 #: names that look like a block output (``blocks.3``, ``transformer.blocks.12``): only recorded via ``blocks``
-_BLOCKISH = re.compile(r"\.\d+$")
 
 
 @attrs.define
@@ -44,15 +43,9 @@ class ParityRecorder:
 
     def __init__(self, config: ParityConfig | None = None) -> None:
         self.config = config or ParityConfig()
-        self._taps = re.compile(self.config.taps)
-        self._blocks = re.compile(self.config.blocks) if self.config.blocks else None
         #: block taps need the blocks to run eagerly (no compiled block stack)
-        self.needs_eager = self._blocks is not None
-        if self.needs_eager:
-            log.info(
-                "parity: recording block outputs matching %r; blocks run eagerly while parity is enabled",
-                self.config.blocks,
-            )
+        self._select = TapFilter(self.config.taps, self.config.blocks, observer="parity", doing="recording")
+        self.needs_eager = self._select.needs_eager
         self.deploy: Any = None
         self._live: dict[str, _Capture] = {}
         self.recordings: OrderedDict[str, Recording] = OrderedDict()
@@ -98,13 +91,8 @@ class ParityRecorder:
         cap = self._live.get(request.request_id)
         if cap is None or not isinstance(value, torch.Tensor):
             return
-        if _BLOCKISH.search(name):
-            if self._blocks is None or not self._blocks.search(name):
-                return  # a block output another observer asked for
-            kind = "block"
-        elif self._taps.search(name):
-            kind = "tap"
-        else:
+        kind = self._select.kind(name)
+        if kind is None:
             return
         if cap.device is None and value.is_floating_point():
             cap.device, cap.dtype = str(value.device), str(value.dtype).replace("torch.", "")

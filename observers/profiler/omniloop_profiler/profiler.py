@@ -25,12 +25,12 @@ import attrs
 import torch
 
 from omniloop.hookspecs import hookimpl
+from omniloop.observers import BLOCK_TAP
 
 from .config import ProfilerConfig
 
 log = logging.getLogger("omniloop.profiler")
 
-_BLOCKISH = re.compile(r"\.\d+$")
 
 
 def _rss_peak_bytes() -> int:
@@ -330,7 +330,7 @@ class BlockProfiler(Profiler):
         if r is None or r.mark is None:
             return
         t, ev = self._now(r)
-        if _BLOCKISH.search(name) and self._blocks.search(name):
+        if BLOCK_TAP.search(name) and self._blocks.search(name):
             r.blocks.append(_Span(key=(node, name), t0=r.mark[0], ev0=r.mark[1], t1=t, ev1=ev))
             if r.cuda and self.config.nvtx:
                 torch.cuda.nvtx.mark(f"omniloop {node} {name}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,13 +20,13 @@ import torch
 from attrs import define, field
 
 from omniloop.hookspecs import hookimpl
+from omniloop.observers import TapFilter
 from omniloop.schema import check_regex
 
 __version__ = "0.1.0"
 
 log = logging.getLogger("omniloop.trace")
 
-_BLOCKISH = re.compile(r"\.\d+$")
 
 
 @define(frozen=True)
@@ -74,11 +73,9 @@ class ActivationTrace:
 
     def __init__(self, config: TraceConfig | None = None) -> None:
         self.config = config or TraceConfig()
-        self._taps = re.compile(self.config.taps)
-        self._blocks = re.compile(self.config.blocks) if self.config.blocks else None
-        self.needs_eager = self._blocks is not None
-        if self.needs_eager:
-            log.info("trace: tracing block outputs matching %r; blocks run eagerly", self.config.blocks)
+        #: block taps need the blocks to run eagerly (no compiled block stack)
+        self._select = TapFilter(self.config.taps, self.config.blocks, observer="trace", doing="tracing")
+        self.needs_eager = self._select.needs_eager
         self._files: dict[str, IO[str]] = {}
         self._opened: set[str] = set()
         self.lines_written = 0
@@ -108,13 +105,8 @@ class ActivationTrace:
     def omniloop_tap(self, request: Any, node: str, step: Any, name: str, value: Any) -> None:
         if not isinstance(value, torch.Tensor):
             return
-        if _BLOCKISH.search(name):
-            if self._blocks is None or not self._blocks.search(name):
-                return
-            kind = "block"
-        elif self._taps.search(name):
-            kind = "tap"
-        else:
+        kind = self._select.kind(name)
+        if kind is None:
             return
         line = {
             "request_id": request.request_id,
