@@ -14,7 +14,7 @@ from omniloop.observers import ObserverBus
 from omniloop.request import Status, TaskType
 from omniloop.schema import request_from_dict
 
-from .conftest import wan_manager
+from .conftest import CountingInterceptor, wan_manager
 
 
 def node_names(spec) -> list[str]:
@@ -119,14 +119,10 @@ def test_no_taps_without_observers(wan_runtime, t2v_request, monkeypatch):
 # -- a step interceptor through the runtime --------------------------------------------------------
 
 
-class RecordingStepInterceptor:
-    name = "rec-step"
-    graph_safe = True
-    distribution_altering = False
-    needs_eager = False
+class RecordingStepInterceptor(CountingInterceptor):
+    """Also records the expert and timestep, counts calls per branch and logs its close."""
 
-    def __init__(self, log: list) -> None:
-        self.log = log
+    name = "rec-step"
 
     def open(self, step: StepContext, loop: Any) -> Any:
         return {"branch": step.branch, "calls": 0}
