@@ -6,7 +6,9 @@
 * :func:`make_manager` / :func:`toy_runtime` — an isolated plugin manager and runtime, no
   entry-point discovery, so tests do not depend on what else is installed.
 * :func:`toy_request` / :func:`completed_latents` — a t2v request that returns its latents, and
-  the latents of a completed output (the usual pair of an interceptor's runtime tests).
+  the latents of a completed output (the usual pair of an interceptor's runtime tests);
+  :func:`run_interleaved` — several requests advanced step by step in turn (compare with each
+  run alone to show no state leaks between requests).
 * pytest fixtures (auto-loaded through the ``pytest11`` entry point): ``omniloop_manager``,
   ``toy_checkpoint``, ``toy_runtime_factory``.
 """
@@ -78,6 +80,15 @@ def completed_latents(output: Any) -> Any:
     return output.artifacts["latents"].tensor
 
 
+def run_interleaved(runtime: Any, requests: list[Any]) -> list[Any]:
+    """Prepare every request, advance them one unit each in turn until all are done; their outputs."""
+    executions = [runtime.prepare(r) for r in requests]
+    while not all(e.done for e in executions):
+        for e in executions:
+            e.advance()
+    return [e.output for e in executions]
+
+
 def toy_runtime(checkpoint: str | Path, *plugins: tuple[str, Any], **deploy: Any) -> Any:
     """A CPU float32 runtime over the toy family, with in-process ``plugins`` added."""
     from ..runtime import Runtime
@@ -92,6 +103,7 @@ __all__ = [
     "build_toy_checkpoint",
     "completed_latents",
     "make_manager",
+    "run_interleaved",
     "toy_request",
     "toy_runtime",
 ]

@@ -30,7 +30,7 @@ import torch
 from ..family import PluginComponentSpec
 from ..hookspecs import hookimpl
 from ..request import Status
-from . import make_manager
+from . import make_manager, run_interleaved
 from .toy import build_toy_checkpoint
 
 
@@ -120,12 +120,9 @@ def _check_interceptor(kind: str, factory: Callable[[], Any], steps: int) -> Non
         assert torch.isfinite(_latents(first)).all(), f"{name}: produced non-finite latents"
 
         alone = [rt.generate(_request(s, steps)) for s in (2, 3)]
-        ex = [rt.prepare(_request(s, steps)) for s in (2, 3)]
-        while not all(e.done for e in ex):
-            for e in ex:
-                e.advance()
-        for a, e in zip(alone, ex, strict=True):
-            assert torch.equal(_latents(a), _latents(e.output)), (
+        interleaved = run_interleaved(rt, [_request(s, steps) for s in (2, 3)])
+        for a, out in zip(alone, interleaved, strict=True):
+            assert torch.equal(_latents(a), _latents(out)), (
                 f"{name}: two requests interleaved step by step differ from each run alone "
                 "(per-request state must live in LoopState.plugin_state)"
             )
@@ -205,12 +202,8 @@ def check_family(
     assert _same(first.artifacts[output], again.artifacts[output]), "the same request twice gave different outputs"
     reqs = [dict(req, diffusion={**req["diffusion"], "seed": s}) for s in (11, 12)]
     alone = [rt.generate(r) for r in reqs]
-    ex = [rt.prepare(r) for r in reqs]
-    while not all(e.done for e in ex):
-        for e in ex:
-            e.advance()
-    for a, e in zip(alone, ex, strict=True):
-        assert _same(a.artifacts[output], e.output.artifacts[output]), "interleaved requests differ from each alone"
+    for a, out in zip(alone, run_interleaved(rt, reqs), strict=True):
+        assert _same(a.artifacts[output], out.artifacts[output]), "interleaved requests differ from each alone"
     c = rt.prepare(req)
     c.advance()
     c.cancel()
