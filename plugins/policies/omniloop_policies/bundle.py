@@ -75,6 +75,8 @@ class DenoisePolicies:
     #: few-step timesteps override
     timesteps: tuple[int, ...] | None = None
     modality_scales: dict[str, float] | None = None
+    #: image-to-image strength (None: the whole schedule); see :func:`strength_steps`
+    strength: float | None = None
 
     # -- init ------------------------------------------------------------------------------------
     def init(
@@ -99,6 +101,11 @@ class DenoisePolicies:
         sstate = self.sampler.init(
             self.num_steps, device=device, shift=sv.shift, mu=sv.mu, generator=generator, **extra
         )
+        if self.strength is not None:
+            truncate = getattr(self.sampler, "truncate", None)
+            if truncate is None:
+                raise PolicyError(f"sampler {self.sampler.name!r} cannot run a partial schedule (strength)")
+            truncate(sstate, self.strength)
         cfg_kw: dict[str, Any] = {"scale": self.guidance_scale, "scales_by_expert": self.scales_by_expert}
         if self.modality_scales is not None:
             cfg_kw["modality_scales"] = self.modality_scales
@@ -375,6 +382,12 @@ class PolicyMenu:
             num_steps: int | None = None
         else:
             num_steps = steps if steps is not None else self.default_steps
+        if p.strength is not None and num_steps is not None and strength_steps(num_steps, p.strength) < 1:
+            raise RequestError(
+                f"{path}.strength",
+                f"node {self.node!r}: strength {p.strength} of {num_steps} steps leaves no step to run; "
+                "raise strength or steps",
+            )
 
         return DenoisePolicies(
             sampler=sampler,
@@ -388,6 +401,7 @@ class PolicyMenu:
             requested_shift=shift,
             timesteps=p.timesteps,
             modality_scales=p.modality_scales,
+            strength=p.strength,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -422,6 +436,13 @@ SAMPLER_FOR_CLASS = {
 def sampler_for_config(config: Mapping[str, Any] | None) -> str:
     """The sampler matching a checkpoint's scheduler class (``flow-euler`` when unknown/absent)."""
     return SAMPLER_FOR_CLASS.get(str((config or {}).get("_class_name")), "flow-euler")
+
+
+def strength_steps(num_steps: int, strength: float) -> int:
+    """Steps an image-to-image run of ``strength`` takes out of ``num_steps`` (diffusers' ``get_timesteps``)."""
+    from .samplers import strength_start
+
+    return num_steps - strength_start(num_steps, strength)
 
 
 def _first(*values: Any) -> Any:

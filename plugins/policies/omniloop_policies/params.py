@@ -55,6 +55,9 @@ class DenoiseParams:
     timesteps: tuple[int, ...] | None = None
     #: per-modality CFG: scale per output modality
     modality_scales: dict[str, float] | None = None
+    #: image-to-image: the fraction of the schedule run, from the input noised to its first
+    #: timestep (diffusers' img2img ``strength``; 1.0 runs every step). Families say which tasks take it.
+    strength: float | None = field(default=None, metadata=_c(gt=0.0, le=1.0))
 
 
 #: which policy reads each policy-specific knob (``None``: every policy)
@@ -64,6 +67,7 @@ KNOB_OWNERS: dict[str, tuple[str, frozenset[str]]] = {
     "gate_threshold": ("cfg", frozenset({"adaptive-gate"})),
     "timesteps": ("sampler", frozenset({"few-step"})),
     "modality_scales": ("cfg", frozenset({"per-modality"})),
+    "strength": ("sampler", frozenset({"flow-euler", "unipc", "dpmpp"})),
 }
 
 FIELDS = tuple(a.name for a in attrs.fields(DenoiseParams))
@@ -134,6 +138,12 @@ def parse_denoise_params(
         if not _is_number(v) or (v <= lo if strict_lo else v < lo):
             raise err(key, f"{key} must be a finite number {'>' if strict_lo else '>='} {lo:g}, got {v!r}")
         out[key] = float(v)
+
+    v = values.get("strength")
+    if v is not None:
+        if not _is_number(v) or not 0.0 < v <= 1.0:
+            raise err("strength", f"strength must be a number in (0, 1], got {v!r}")
+        out["strength"] = float(v)
 
     for key in ("steps", "gate_every"):
         v = values.get(key)

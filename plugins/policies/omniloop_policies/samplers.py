@@ -373,6 +373,16 @@ def _freeze(value: Mapping[str, Any]) -> dict[str, Any]:
     return dict(value)
 
 
+#: values of :attr:`DiffusersFlowSampler.sigma_schedule`
+SIGMA_SCHEDULES = (None, "linear")
+
+
+def strength_start(num_steps: int, strength: float) -> int:
+    """The first step an image-to-image run of ``strength`` takes (diffusers' ``get_timesteps``)."""
+    init_timestep = min(num_steps * strength, num_steps)
+    return int(max(num_steps - init_timestep, 0))
+
+
 @define(frozen=True, kw_only=True)
 class DiffusersFlowSampler:
     """Base of the samplers that run a diffusers scheduler as their math.
@@ -391,6 +401,23 @@ class DiffusersFlowSampler:
     #: source config keys this scheduler class does not use
     ignored: tuple[str, ...] = ()
     source: str = "scheduler config"
+    #: the sigmas handed to ``set_timesteps``: None — the scheduler's own spacing; ``"linear"`` —
+    #: ``np.linspace(1, 1/n, n)``, what diffusers' Flux pipelines pass (skipped, as there, when the
+    #: config sets ``use_flow_sigmas``)
+    sigma_schedule: str | None = field(default=None)
+
+    @sigma_schedule.validator
+    def _check_sigma_schedule(self, attribute: Any, value: str | None) -> None:
+        if value not in SIGMA_SCHEDULES:
+            raise PolicyError(
+                f"sampler {self.name!r}: sigma_schedule must be one of {', '.join(map(repr, SIGMA_SCHEDULES))}, "
+                f"got {value!r}"
+            )
+        if value is not None and "sigmas" not in inspect.signature(self.scheduler_class.set_timesteps).parameters:
+            raise PolicyError(
+                f"sampler {self.name!r}: {self.scheduler_class.__name__}.set_timesteps takes no sigmas, so "
+                f"sigma_schedule={value!r} cannot apply"
+            )
 
     @classmethod
     def from_config(
@@ -400,17 +427,20 @@ class DiffusersFlowSampler:
         source: str = "scheduler config",
         step_dtype: torch.dtype | None = torch.float32,
         strict: bool = False,
+        sigma_schedule: str | None = None,
         **options: Any,
     ) -> DiffusersFlowSampler:
         """Build from a checkpoint's scheduler config (``scheduler/scheduler_config.json``).
 
         Raises :class:`SchedulerConfigError` when the config cannot be run by this sampler;
-        ``options`` override scheduler init arguments (e.g. ``solver_order=3``).
+        ``options`` override scheduler init arguments (e.g. ``solver_order=3``); ``sigma_schedule``
+        is the sampler's own option (see the attribute).
         """
         norm = normalize_flow_config(
             config, target=cls.scheduler_class, sampler=cls.name, source=source, strict=strict, options=options
         )
-        return cls(config=norm.kwargs, step_dtype=step_dtype, notes=norm.notes, ignored=norm.ignored, source=source)
+        return cls(config=norm.kwargs, step_dtype=step_dtype, notes=norm.notes, ignored=norm.ignored, source=source,
+                   sigma_schedule=sigma_schedule)
 
     # -- properties read by other policies ----------------------------------------------------
     @property
@@ -465,6 +495,10 @@ class DiffusersFlowSampler:
         elif mu is not None and shift is None:
             shift = math.exp(mu)
         scheduler = self.make_scheduler(shift)
+        if self.sigma_schedule == "linear" and not self.config.get("use_flow_sigmas"):
+            import numpy as np
+
+            set_kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
         scheduler.set_timesteps(num_steps, device=device, **set_kwargs)
         # Diffusers pipelines do this to avoid a device->host sync looking up the step index.
         scheduler.set_begin_index(0)
@@ -481,6 +515,26 @@ class DiffusersFlowSampler:
 
     def timesteps(self, state: SamplerState) -> torch.Tensor:
         return state.timesteps
+
+    def truncate(self, state: SamplerState, strength: float) -> int:
+        """Keep the last ``strength`` of the schedule (image-to-image), as diffusers' img2img
+        pipelines' ``get_timesteps`` does: ``t_start = int(n - min(n * strength, n))``, the timesteps
+        from ``t_start * order`` on, and the scheduler's begin index there. Call right after
+        :meth:`init`, before any step; returns ``t_start``."""
+        if state.index:
+            raise PolicyError(f"sampler {self.name!r}: truncate after {state.index} step(s); call it before any step")
+        t_start = strength_start(state.num_steps, strength)
+        if t_start >= state.num_steps:
+            raise PolicyError(
+                f"sampler {self.name!r}: strength {strength} of {state.num_steps} steps leaves no step to run"
+            )
+        begin = t_start * int(getattr(state.scheduler, "order", 1))
+        state.timesteps = state.timesteps[begin:]
+        state.timestep_values = state.timestep_values[begin:]
+        state.sigma_values = state.sigma_values[begin:]
+        state.num_steps = len(state.timestep_values)
+        state.scheduler.set_begin_index(begin)
+        return t_start
 
     def step(
         self, state: SamplerState, model_output: torch.Tensor, timestep: Any, sample: torch.Tensor
