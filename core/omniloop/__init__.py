@@ -29,6 +29,7 @@ from .execution import Execution
 from .graph import Node, PipelineSpec
 from .hookspecs import HOOK_API_VERSION, hookimpl
 from .interceptors import BlockContext, BlockInterceptor, StepInterceptor, call_model, run_blocks
+from .kvcache import CacheFull, CacheManager, KVHandle, KVLayout  # noqa: F401 (public: paged KV pools)
 from .loop import LoopStage, LoopState, RequestState, Stage, StageContext, StepContext, StepResult
 from .request import (
     DiffusionParams,
