@@ -1,0 +1,125 @@
+"""The Qwen family: task ``reason`` on Qwen2 / Qwen2.5 / Qwen3 causal-LM checkpoints.
+
+Deploy options (``options:`` in the deploy file, all optional):
+
+* ``kv_cache_tokens`` — tokens the KV pool holds (default: what 1 GiB holds, at most 131072);
+* ``kv_cache_gib`` — the KV pool's byte budget instead (one of the two);
+* ``kv_block_size`` — tokens per KV block (default 16);
+* ``prefill_chunk`` — prompt tokens per prefill step (default 512): a long prompt is prefilled
+  over several steps so it does not stall the decode steps of other sequences;
+* ``max_tokens`` — new tokens when a request leaves ``sampling.max_tokens`` unset (default:
+  ``generation_config.json``'s ``max_new_tokens``, else 256).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omniloop.artifacts import Conditioning, Text
+from omniloop.errors import DeployError, RequestError
+from omniloop.family import LoadedModel
+from omniloop.graph import Node, PipelineSpec
+from omniloop.kvcache import CacheManager
+from omniloop.request import OmniRequest, TaskType
+
+from . import FAMILY_NAME
+from .checkpoint import CheckpointInfo, load_checkpoint, looks_like_qwen, validate_checkpoint
+from .model import PagedQwen
+from .stages import Decode, DecodeParams, Prompt, decode_params, render_prompt, sampling_of, stop_strings
+
+GIB = 1024**3
+DEFAULT_MAX_TOKENS = 256
+_INT_OPTIONS = ("kv_cache_tokens", "kv_block_size", "prefill_chunk", "max_tokens")
+
+
+def _int_option(options: dict[str, Any], name: str, default: int | None) -> int | None:
+    v = options.get(name, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise DeployError(f"options.{name}: must be a positive integer, got {v!r}")
+    return v
+
+
+class QwenFamily:
+    name = FAMILY_NAME
+    tasks = frozenset({TaskType.REASON})
+    supports_block_interceptors = False
+
+    def detect(self, path: Path) -> bool:
+        return looks_like_qwen(Path(path))
+
+    def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
+        opts = {n: _int_option(options, n, None) for n in _INT_OPTIONS}
+        gib = options.get("kv_cache_gib")
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib <= 0):
+            raise DeployError(f"options.kv_cache_gib: must be a positive number, got {gib!r}")
+        if gib is not None and opts["kv_cache_tokens"] is not None:
+            raise DeployError("options: give kv_cache_tokens or kv_cache_gib, not both")
+        info = validate_checkpoint(Path(path))  # every file checked before any weight loads
+        tokenizer, hf = load_checkpoint(info, device=device, dtype=dtype)
+        paged = PagedQwen(hf)
+        layout = paged.layout()
+        block = opts["kv_block_size"] or 16
+        if gib is not None:
+            cache = CacheManager(layout, block_size=block, budget_bytes=int(gib * GIB), name="text-kv")
+        else:
+            tokens = opts["kv_cache_tokens"] or min(131072, GIB // layout.bytes_per_token)
+            cache = CacheManager(layout, block_size=block, num_blocks=-(-tokens // block), name="text-kv")
+        gen_max = info.generation.get("max_new_tokens")
+        max_tokens = opts["max_tokens"] or (gen_max if isinstance(gen_max, int) and gen_max > 0 else DEFAULT_MAX_TOKENS)
+        config = {
+            "model_type": info.model_type, "max_positions": info.max_positions, "eos_token_ids": list(info.eos_token_ids),
+            "max_tokens": max_tokens, "prefill_chunk": opts["prefill_chunk"] or 512, "kv_cache": cache.stats(),
+            "tasks": [TaskType.REASON.value],
+        }
+        return LoadedModel(
+            family=self.name, path=Path(path), components={"model": hf, "paged": paged, "tokenizer": tokenizer, "kv_cache": cache},
+            config=config, device=device, dtype=dtype, tasks=frozenset({TaskType.REASON}),
+            defaults={TaskType.REASON: {"max_tokens": max_tokens}},
+        )
+
+    def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
+        c = model.config
+        decode = Decode(eos=c["eos_token_ids"], max_tokens=c["max_tokens"], max_positions=c["max_positions"],
+                        prefill_chunk=c["prefill_chunk"])
+        return PipelineSpec(
+            family=self.name, task=task,
+            nodes=(
+                Node("prompt", Prompt(), writes={"prompt_ids": Conditioning}, uses=("tokenizer",)),
+                Node("decode", decode, reads={"prompt_ids": Conditioning}, writes={"text": Text},
+                     params_schema=DecodeParams, uses=("model", "kv_cache")),
+            ),
+            outputs={"text": "text"},
+        )
+
+    def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
+        """Tokenize and check sizes, sampling values, stop strings and the KV budget — before any compute."""
+        if request.task is not TaskType.REASON:
+            raise RequestError("task", f"family {self.name!r} runs 'reason' requests, got {request.task.value!r}")
+        params = decode_params(request)
+        sampling_of(request)
+        stop_strings(request, params)
+        ids = render_prompt(model.components["tokenizer"], request, params)
+        c = model.config
+        decode = Decode(eos=c["eos_token_ids"], max_tokens=c["max_tokens"], max_positions=c["max_positions"],
+                        prefill_chunk=c["prefill_chunk"])
+        n = decode.resolve_max_tokens(request, len(ids))
+        cache: CacheManager = model.components["kv_cache"]
+        need = cache.blocks_for(len(ids) + n)
+        if need > cache.num_blocks:
+            raise RequestError(
+                "sampling.max_tokens",
+                f"a {len(ids)}-token prompt plus {n} new tokens needs {need} KV blocks; the pool holds {cache.num_blocks} "
+                f"(deploy options.kv_cache_tokens)",
+            )
+        return []
+
+
+def checkpoint_info(path: str | Path) -> CheckpointInfo:
+    """Validate a checkpoint folder without loading it (for tools and tests)."""
+    return validate_checkpoint(Path(path))

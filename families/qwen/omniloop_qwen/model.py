@@ -1,0 +1,116 @@
+"""Our forward of a Qwen2 / Qwen3 causal LM over paged KV.
+
+The weights stay in transformers' module objects (embedding, norms, projections, MLP, rotary
+embedding: the same math, so parity with ``generate`` holds); attention is ours: each sequence's
+new K/V are written into the :class:`~omniloop.kvcache.CacheManager` at the slots its block table
+gives, then every query attends over K/V gathered from the cache through the padded slot table
+(a torch reference implementation: exact on CPU float32, GQA by repeating KV heads, Qwen3's q/k
+RMS norm before RoPE). One call runs any mix of sequences, each with any number of new tokens
+(a prefill chunk or one decode token), padded to the longest; padded queries attend to a valid
+key and are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from omniloop.kvcache import CacheManager, KVHandle, KVLayout, padded_slot_table
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class PagedQwen:
+    """A transformers Qwen2/Qwen3 ``*ForCausalLM`` run with attention over a paged KV cache."""
+
+    def __init__(self, hf_model: Any) -> None:
+        self.hf = hf_model
+        base = hf_model.model
+        self.embed = base.embed_tokens
+        self.layers = list(base.layers)
+        self.norm = base.norm
+        self.rotary = base.rotary_emb
+        self.lm_head = hf_model.lm_head
+        cfg = hf_model.config
+        self.num_heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        self.groups = self.num_heads // self.kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        p = next(hf_model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    def layout(self) -> KVLayout:
+        return KVLayout(layers=len(self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim,
+                        dtype=self.dtype, device=self.device)
+
+    @torch.no_grad()
+    def forward(self, cache: CacheManager, handles: Sequence[KVHandle], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append ``tokens[i]`` to sequence ``handles[i]``; return float32 logits ``[B, vocab]``
+        of each sequence's last new token."""
+        b = len(handles)
+        n = [len(t) for t in tokens]
+        if b == 0 or min(n) < 1:
+            raise ValueError("forward: every sequence needs at least one new token")
+        past = [cache.length(h) for h in handles]
+        t_max = max(n)
+        ids = torch.zeros((b, t_max), dtype=torch.long)
+        pos = torch.zeros((b, t_max), dtype=torch.long)
+        for i, (toks, p0, ni) in enumerate(zip(tokens, past, n, strict=True)):
+            ids[i, :ni] = torch.tensor(list(toks), dtype=torch.long)
+            pos[i, :ni] = torch.arange(p0, p0 + ni)
+            pos[i, ni:] = p0 + ni - 1  # padding: repeats the last position (its output is dropped)
+        new_slots = torch.cat([cache.append(h, ni) for h, ni in zip(handles, n, strict=True)]).to(self.device)
+        ctx = [cache.slots(h) for h in handles]
+        table = padded_slot_table(ctx).to(self.device)
+        ctx_len = torch.tensor([len(c) for c in ctx])
+        start = torch.tensor([cache.start(h) for h in handles])
+        key_pos = start[:, None] + torch.arange(table.shape[1])[None, :]  # [B, L] absolute positions
+        mask = (key_pos[:, None, :] <= pos[:, :, None]) & (torch.arange(table.shape[1])[None, None, :] < ctx_len[:, None, None])
+        mask = mask[:, None].to(self.device)  # [B, 1, T, L]
+        valid = (torch.arange(t_max)[None, :] < torch.tensor(n)[:, None]).to(self.device)  # [B, T]
+        ids, pos = ids.to(self.device), pos.to(self.device)
+
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            shape = (b, t_max, -1, self.head_dim)
+            q = attn.q_proj(x).view(shape)
+            k = attn.k_proj(x).view(shape)
+            v = attn.v_proj(x).view(shape)
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            cache.write(li, new_slots, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid])
+            kc, vc = cache.gather(li, table)  # [B, L, Hkv, D]
+            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+            if self.groups > 1:
+                kc = kc.repeat_interleave(self.groups, dim=1)
+                vc = vc.repeat_interleave(self.groups, dim=1)
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scaling)
+            o = o.transpose(1, 2).reshape(b, t_max, -1)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = h[torch.arange(b, device=self.device), torch.tensor(n, device=self.device) - 1]
+        logits: torch.Tensor = self.lm_head(self.norm(last)).float()
+        return logits
+
+    @torch.no_grad()
+    def full_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Logits of the last token when the whole context is re-run without a cache (the
+        re-prefill baseline the bench compares a decode step against)."""
+        out = self.hf(torch.tensor([list(ids)], device=self.device), use_cache=False)
+        logits: torch.Tensor = out.logits[0, -1].float()
+        return logits

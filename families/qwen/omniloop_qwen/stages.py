@@ -1,0 +1,236 @@
+"""The ``reason`` pipeline: ``prompt`` (tokenize, chat template) → ``decode`` (the AR loop).
+
+``decode`` is a batched :class:`~omniloop.loop.LoopStage`. Its ``init`` reserves the sequence's
+KV blocks (prompt + ``max_tokens``) in the shared :class:`~omniloop.kvcache.CacheManager`; each
+``step`` runs one prefill chunk (``prefill_chunk`` prompt tokens; the last chunk yields the first
+new token) or one decode token; ``batch_key`` is equal for every sequence in its decode phase, so
+the step scheduler runs the decode steps of all running sequences as one forward — sequences join
+and leave between steps (continuous batching). ``finalize`` writes ``text`` and frees the blocks;
+``release`` frees them when the request is cancelled or fails (the blocks are also freed when
+the loop state is garbage collected, as a last resort).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from attrs import define, field
+
+from omniloop.artifacts import Conditioning, Text
+from omniloop.errors import RequestError
+from omniloop.kvcache import CacheFull, CacheManager
+from omniloop.loop import LoopState, RequestState, StageContext, StepResult
+from omniloop.request import OmniRequest, TextPart
+
+from .sampling import Sampling, next_token
+
+#: chat roles a text part may carry (the schema's ``system`` today; ``user``/``assistant`` when it grows them)
+_CHAT_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "prompt": "user"}
+
+
+def _stop_list(value: Any) -> list[str]:
+    return list(value or [])
+
+
+@define(frozen=True)
+class DecodeParams:
+    """Per-request knobs of the ``decode`` node (``node_params.decode``), beyond ``sampling``."""
+
+    #: sampling seed (default: ``sampling.seed`` when the schema has it, else ``diffusion.seed``, else random)
+    seed: int | None = field(default=None, metadata={"ge": 0, "le": 2**63 - 1})
+    #: stop strings: generation stops when the text contains one; the text ends before it
+    stop: list[str] = field(factory=list, converter=_stop_list)
+    #: apply the tokenizer's chat template: None = when the inputs carry chat roles (``system``)
+    chat: bool | None = None
+
+
+def decode_params(request: OmniRequest) -> DecodeParams:
+    from omniloop.schema import structure_params
+
+    params: DecodeParams = structure_params(DecodeParams, request.node_params.get("decode", {}), "node_params.decode")
+    return params
+
+
+def stop_strings(request: OmniRequest, params: DecodeParams) -> list[str]:
+    stops = list(getattr(request.sampling, "stop", None) or []) + list(params.stop)
+    for i, s in enumerate(stops):
+        if not isinstance(s, str) or not s:
+            raise RequestError(f"node_params.decode.stop.{i}", "a stop string must be a non-empty string")
+    return stops
+
+
+def render_prompt(tokenizer: Any, request: OmniRequest, params: DecodeParams) -> list[int]:
+    """The prompt's token ids: the chat template over the role-tagged text parts, or the plain prompt."""
+    parts = [p for p in request.inputs if isinstance(p, TextPart)]
+    other = [p for p in request.inputs if not isinstance(p, TextPart)]
+    if other:
+        raise RequestError("inputs", f"a reason request takes text parts only, got {type(other[0]).__name__}")
+    if any(p.role == "negative_prompt" for p in parts):
+        raise RequestError("inputs", "a reason request has no negative prompt")
+    if not parts or not any(p.text.strip() for p in parts):
+        raise RequestError("inputs", "a text part with a non-empty prompt is required")
+    chat = params.chat if params.chat is not None else any(p.role != "prompt" for p in parts)
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("inputs", "the checkpoint's tokenizer has no chat template (set node_params.decode.chat: false)")
+        messages = [{"role": _CHAT_ROLES.get(p.role, "user"), "content": p.text} for p in parts]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(request.prompt or "")["input_ids"]
+    if not ids:
+        raise RequestError("inputs", "the prompt tokenizes to no token")
+    return [int(i) for i in ids]
+
+
+def sampling_of(request: OmniRequest) -> Sampling:
+    s = request.sampling
+    for name in ("temperature", "top_p"):
+        v = getattr(s, name)
+        if not math.isfinite(v):
+            raise RequestError(f"sampling.{name}", f"must be a finite number, got {v}")
+    return Sampling(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k))
+
+
+class Prompt:
+    """Tokenize the request (chat template when it has roles) → ``prompt_ids``."""
+
+    def forward(self, ctx: StageContext, state: RequestState) -> None:
+        params = ctx.params if isinstance(ctx.params, DecodeParams) else decode_params(state.request)
+        ids = render_prompt(ctx.components["tokenizer"], state.request, params)
+        state.write("prompt_ids", Conditioning(values={"ids": ids}), ctx.node.name)
+
+
+class Decode:
+    """The autoregressive loop: one prefill chunk or one token per ``step``; see the module docstring."""
+
+    def __init__(self, *, eos: Sequence[int], max_tokens: int, max_positions: int, prefill_chunk: int) -> None:
+        self.eos = frozenset(int(e) for e in eos)
+        self.max_tokens = max_tokens
+        self.max_positions = max_positions
+        self.prefill_chunk = prefill_chunk
+
+    # -- per request -------------------------------------------------------------------------------
+    def resolve_max_tokens(self, request: OmniRequest, prompt_len: int) -> int:
+        room = self.max_positions - prompt_len
+        asked = request.sampling.max_tokens
+        if asked is not None:
+            if asked > room:
+                raise RequestError(
+                    "sampling.max_tokens",
+                    f"{asked} new tokens after a {prompt_len}-token prompt exceed the model's context of {self.max_positions}",
+                )
+            return int(asked)
+        if room < 1:
+            raise RequestError("inputs", f"the prompt ({prompt_len} tokens) fills the model's context of {self.max_positions}")
+        return min(self.max_tokens, room)
+
+    def init(self, ctx: StageContext, state: RequestState) -> LoopState:
+        req = state.request
+        params = ctx.params if isinstance(ctx.params, DecodeParams) else decode_params(req)
+        prompt = list(state.read("prompt_ids", Conditioning).values["ids"])
+        max_tokens = self.resolve_max_tokens(req, len(prompt))
+        cache: CacheManager = ctx.components["kv_cache"]
+        try:
+            handle = cache.allocate(0, reserve_tokens=len(prompt) + max_tokens, tag=req.request_id)
+        except CacheFull as exc:
+            raise CacheFull(f"request {req.request_id}: {exc}") from None
+        seed = getattr(req.sampling, "seed", None)
+        seed = params.seed if seed is None else seed
+        gen = state.generator
+        if seed is not None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(int(seed))
+        chunks = -(-len(prompt) // self.prefill_chunk)
+        loop = LoopState(total=chunks + max_tokens - 1)
+        loop.extra.update(
+            seq=handle, cache=cache, pending=prompt, prompt_len=len(prompt), max_tokens=max_tokens, out=[], text="",
+            emitted=0, finish=None, gen=gen, sampling=sampling_of(req), stops=stop_strings(req, params),
+        )
+        # last resort: blocks come back when the loop state is collected (a dropped execution)
+        weakref.finalize(loop, cache.free, handle)
+        return loop
+
+    def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
+        return self._run([ctx], [loop])[0]
+
+    def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
+        if loop.extra["pending"]:
+            return None  # a prefill chunk runs alone
+        return ("qwen-decode", id(ctx.components["kv_cache"]))
+
+    def step_batch(
+        self, ctxs: Sequence[StageContext], states: Sequence[RequestState], loops: Sequence[LoopState]
+    ) -> list[StepResult]:
+        return self._run(ctxs, loops)
+
+    def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
+        x = loop.extra
+        state.write("text", Text(text=x["text"], token_ids=list(x["out"])), ctx.node.name)
+        state.metrics["finish_reason"] = x["finish"] or "length"
+        n = len(x["out"])
+        state.metrics["usage"] = {"prompt_tokens": x["prompt_len"], "completion_tokens": n,
+                                  "total_tokens": x["prompt_len"] + n}
+        ctx.components["kv_cache"].free(x["seq"])
+
+    def release(self, state: RequestState, node: str) -> None:
+        """Free the sequence's KV blocks (cancel / failure); idempotent."""
+        loop = state.loops.get(node)
+        if loop is not None and "seq" in loop.extra:
+            loop.extra["cache"].free(loop.extra["seq"])
+
+    # -- the forward ----------------------------------------------------------------------------------
+    def _run(self, ctxs: Sequence[StageContext], loops: Sequence[LoopState]) -> list[StepResult]:
+        comps = ctxs[0].components
+        cache: CacheManager = comps["kv_cache"]
+        feeds: list[list[int]] = []
+        sampling_rows: list[bool] = []
+        for lp in loops:
+            x = lp.extra
+            if x["pending"]:
+                chunk, x["pending"] = x["pending"][: self.prefill_chunk], x["pending"][self.prefill_chunk :]
+                feeds.append(chunk)
+                sampling_rows.append(not x["pending"])
+            else:
+                feeds.append([x["out"][-1]])
+                sampling_rows.append(True)
+        logits = comps["paged"].forward(cache, [lp.extra["seq"] for lp in loops], feeds)
+        tok = comps["tokenizer"]
+        results = []
+        for i, lp in enumerate(loops):
+            if not sampling_rows[i]:
+                results.append(StepResult(done=False))
+                continue
+            x = lp.extra
+            t = next_token(logits[i], x["sampling"], x["gen"])
+            x["out"].append(t)
+            results.append(self._after_token(lp, t, tok))
+        return results
+
+    def _after_token(self, loop: LoopState, t: int, tokenizer: Any) -> StepResult:
+        x = loop.extra
+        if t in self.eos:
+            x["finish"] = "stop"
+        text = tokenizer.decode(x["out"], skip_special_tokens=True)
+        stops: list[str] = x["stops"]
+        if stops:
+            lo = max(0, x["emitted"] - max(len(s) for s in stops))
+            hits = [i for i in (text.find(s, lo) for s in stops) if i >= 0]
+            if hits:
+                text = text[: min(hits)]
+                x["finish"] = "stop"
+        if x["finish"] is None and len(x["out"]) >= x["max_tokens"]:
+            x["finish"] = "length"
+        done = x["finish"] is not None
+        # stream only text that can no longer change: not a partial UTF-8 character, not a stop-string prefix
+        safe = len(text) if done else len(text) - (max((len(s) for s in stops), default=1) - 1)
+        if not done and text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        delta = text[x["emitted"] : max(x["emitted"], safe)]
+        x["emitted"] += len(delta)
+        x["text"] = text
+        return StepResult(done=done, emit={"text": Text(text=delta, token_ids=[t])})
