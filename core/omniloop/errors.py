@@ -11,13 +11,26 @@ class OmniloopError(Exception):
     """Base class of every error omniloop raises on purpose."""
 
 
+#: the longest path and message a RequestError keeps (echoing a 1 MB bad value helps nobody)
+MAX_PATH_CHARS, MAX_MESSAGE_CHARS = 200, 1000
+
+
+def _cap(text: str, n: int) -> str:
+    text = text if len(text) <= n else text[: n - 3] + "..."
+    # a client's lone surrogate must not make the error itself unprintable (or un-JSON-able)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class RequestError(OmniloopError):
-    """A request is invalid. ``path`` is the dotted field path (``diffusion.steps``)."""
+    """A request is invalid. ``path`` is the dotted field path (``diffusion.steps``).
+
+    Both are capped (:data:`MAX_PATH_CHARS`, :data:`MAX_MESSAGE_CHARS`), so an error built from a
+    huge client value (a 1 MB dict key) stays short, and invalid Unicode in them is escaped."""
 
     def __init__(self, path: str, message: str) -> None:
-        self.path = path
-        self.message = message
-        super().__init__(f"{path}: {message}" if path else message)
+        self.path = _cap(str(path), MAX_PATH_CHARS)
+        self.message = _cap(str(message), MAX_MESSAGE_CHARS)
+        super().__init__(f"{self.path}: {self.message}" if self.path else self.message)
 
 
 class DeployError(OmniloopError):

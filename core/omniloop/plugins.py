@@ -2,7 +2,9 @@
 
 * Discovery is failure-isolated per plugin: a package that fails to import, declares an
   unsupported hook-API range, or raises inside a registration hook is listed with its error and
-  never breaks discovery or any CLI command.
+  never breaks discovery or any CLI command. "Raises" means any ``BaseException`` but
+  ``KeyboardInterrupt``: a plugin calling ``sys.exit()`` at import or in a hook is a failed
+  plugin, not the end of the process (Ctrl-C still stops everything).
 * Strictness is for what a deploy names: a plugin the deploy config enables but that failed to
   load is a hard :class:`PluginError` naming the entry point and the cause.
 * Registration goes through a ``register`` callback the core owns; a second provider of the same
@@ -140,6 +142,23 @@ _KINDS: dict[str, tuple[str, str, type | tuple[type, ...] | None]] = {
 }
 
 
+class _ImportFailure(Exception):
+    """Carries a BaseException an entry point raised while importing through stevedore, which
+    re-raises everything but ``Exception`` (and ``AssertionError``) and so would end discovery."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _describe(exc: BaseException) -> str:
+    exc = exc.cause if isinstance(exc, _ImportFailure) else exc
+    text = str(exc)
+    if isinstance(exc, SystemExit):
+        text = f"the plugin called sys.exit({exc.code!r})" if exc.code is not None else "the plugin called sys.exit()"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _trace_enabled() -> bool:
     return os.environ.get("OMNILOOP_TRACE_HOOKS", "") not in ("", "0", "false", "no")
 
@@ -198,12 +217,21 @@ class PluginManager:
             self.records[ep.name] = PluginRecord(
                 name=ep.name, target=ep.value, distribution=dist[0] if dist else None,
                 version=dist[1] if dist else None, status="failed",
-                error=f"import failed: {type(exc).__name__}: {exc}",
+                error=f"import failed (plugin {ep.name!r}, {ep.value}): {_describe(exc)}",
             )
+
+        class IsolatingManager(ExtensionManager):  # type: ignore[misc]
+            def _load_one_plugin(self, ep: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return super()._load_one_plugin(ep, *args, **kwargs)
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:  # SystemExit, AssertionError, ...: this plugin failed
+                    raise _ImportFailure(exc) from exc
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mgr = ExtensionManager(
+            mgr = IsolatingManager(
                 namespace=self.group, invoke_on_load=False, on_load_failure_callback=on_fail,
                 propagate_map_exceptions=False,
             )
@@ -251,8 +279,10 @@ class PluginManager:
             return rec
         try:
             self.pm.register(obj, name=name)
-        except Exception as exc:  # pluggy validation: wrong hook names or arguments
-            rec.status, rec.error = "failed", f"hook validation failed: {exc}"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # pluggy validation: wrong hook names or arguments
+            rec.status, rec.error = "failed", f"hook validation failed: {_describe(exc)}"
         self._registry = None
         return rec
 
@@ -305,12 +335,14 @@ class PluginManager:
             _trace(f"{impl.function.__qualname__}(register) from plugin {rec.name!r}")
         try:
             impl.function(register=register)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit included: one failed plugin, not the end
             for n in added:  # roll back what this plugin registered under this hook
                 table.pop(n, None)
                 reg.providers.pop((kind, n), None)
             rec.status = "failed"
-            rec.error = f"{impl.function.__name__} failed: {type(exc).__name__}: {exc}"
+            rec.error = f"{impl.function.__name__} failed (plugin {rec.name!r}): {_describe(exc)}"
             return
         if added:
             rec.provides.setdefault(kind, []).extend(added)
@@ -331,9 +363,11 @@ class PluginManager:
                 continue
             try:
                 impl.function(cli=cli)
-            except Exception as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
                 rec.status = "failed"
-                rec.error = f"omniloop_register_commands failed: {type(exc).__name__}: {exc}"
+                rec.error = f"omniloop_register_commands failed (plugin {rec.name!r}): {_describe(exc)}"
 
     def require(self, name: str, what: str) -> None:
         """Raise a clear PluginError if the entry point ``name`` failed; used for deploy-named plugins."""

@@ -16,6 +16,13 @@ from attrs import define, field
 
 SCHEMA_VERSION = "1"
 
+#: the range of ``diffusion.fps``
+MIN_FPS, MAX_FPS = 0.1, 1000.0
+#: a request id is an identifier, never a file name: 1-128 characters of letters, digits and
+#: ``_ . : @ + = -``, not starting with ``.`` (no ``/``, no NUL, no ``..``); front ends that name
+#: files still name them by an id they make themselves
+REQUEST_ID_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,127}"
+
 
 class TaskType(enum.StrEnum):
     """What a request asks for. Declared by the caller, never inferred from the inputs."""
@@ -114,7 +121,8 @@ class DiffusionParams:
     height: int | None = field(default=None, metadata=_c(ge=1))
     width: int | None = field(default=None, metadata=_c(ge=1))
     frames: int | None = field(default=None, metadata=_c(ge=1))
-    fps: float | None = field(default=None, metadata=_c(gt=0.0))
+    #: frames per second of the output video: a sane range (1e-300 would make a 0-fps container)
+    fps: float | None = field(default=None, metadata=_c(ge=MIN_FPS, le=MAX_FPS))
     seed: int | None = field(default=None, metadata=_c(ge=0, le=2**63 - 1))
 
 
@@ -152,7 +160,11 @@ class OmniRequest:
     plugin_params: dict[str, dict[str, Any]] = attrs.Factory(dict)
     exact: bool = False
     priority: int = field(default=0, metadata=_c(ge=-100, le=100))
-    request_id: str = attrs.Factory(lambda: uuid.uuid4().hex[:16])
+    request_id: str = field(
+        factory=lambda: uuid.uuid4().hex[:16],
+        metadata=_c(max_len=128, pattern=REQUEST_ID_PATTERN,
+                    pattern_hint="must be 1-128 letters, digits or _ . : @ + = - (not starting with '.')"),
+    )
     schema_version: str = field(default=SCHEMA_VERSION, metadata=_c(choices=(SCHEMA_VERSION,)))
 
     # -- convenience accessors used by families --------------------------------------------

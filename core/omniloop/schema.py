@@ -7,12 +7,25 @@
   ``path`` is the dotted field path (``diffusion.steps``, ``inputs.0.text``).
 
 Strictness: ``"5"`` is not an int and ``1`` is not a bool. Ranges come from attrs field metadata
-(``ge``, ``gt``, ``le``, ``lt``, ``choices``).
+(``ge``, ``gt``, ``le``, ``lt``, ``choices``, and for strings ``pattern``/``max_len``).
+
+Refused by the converter itself, for every schema it structures (requests, deploy files, plugin
+and node params), so no field can forget it:
+
+* non-finite numbers (NaN, ±Infinity, and JSON's ``1e999``, which parses to infinity), also inside
+  free-form ``Any`` values such as ``options`` or a plugin's ``dict`` params;
+* integers outside 64 bits (a 5,000-digit seed), reported without printing the number;
+* strings that are not valid Unicode (a lone surrogate such as ``"\\ud800"``) or hold a NUL;
+* free-form values nested deeper than :data:`MAX_DEPTH` levels.
+
+Error messages never echo a bad value whole: values are cut to a short prefix (:func:`brief`), and
+:class:`~omniloop.errors.RequestError` caps its path and message as a backstop.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import re
 import typing
 from collections.abc import Callable, Mapping
@@ -20,8 +33,8 @@ from typing import Any, TypeVar
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
-from cattrs.gen import make_dict_structure_fn
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError, IterableValidationNote
+from cattrs.gen import make_dict_structure_fn, make_mapping_structure_fn
 from cattrs.strategies import configure_tagged_union
 
 from .errors import RequestError
@@ -38,32 +51,105 @@ from .request import (
 T = TypeVar("T")
 
 
+#: integers must fit in 64 bits (signed): seeds, sizes and counts all do
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+#: how deep free-form values (``Any``: options, plugin params given as dicts) may nest
+MAX_DEPTH = 32
+#: how many characters of a bad value an error message shows
+SHOW_CHARS = 40
+
+
 def _strict_int(v: Any, cls: Any) -> int:
     if cls is not int and isinstance(cls, type) and issubclass(cls, enum.Enum):
         return _enum(v, cls)  # type: ignore[return-value]
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"expected an integer, got {_show(v)}")
+        raise TypeError(f"expected an integer, got {brief(v)}")
+    if not INT_MIN <= v <= INT_MAX:
+        raise ValueError(f"integer out of range (must fit in 64 bits), got {brief(v)}")
     return v
 
 
 def _strict_float(v: Any, _: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"expected a number, got {_show(v)}")
-    return float(v)
+        raise TypeError(f"expected a number, got {brief(v)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an int too large for a float
+        raise ValueError(f"number out of range, got {brief(v)}") from None
+    if not math.isfinite(f):
+        raise ValueError(f"must be a finite number, got {brief(v)}")
+    return f
 
 
 def _strict_str(v: Any, cls: Any) -> str:
     if cls is not str and isinstance(cls, type) and issubclass(cls, enum.Enum):
         return _enum(v, cls)  # type: ignore[return-value]
     if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {_show(v)}")
+        raise TypeError(f"expected a string, got {brief(v)}")
+    _check_text(v)
     return v
+
+
+def _check_text(v: str) -> None:
+    if "\x00" in v:
+        raise ValueError(f"a string may not contain a NUL character, got {brief(v)}")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"not valid Unicode (a lone surrogate), got {brief(v)}") from None
 
 
 def _strict_bool(v: Any, _: Any) -> bool:
     if not isinstance(v, bool):
-        raise TypeError(f"expected true or false, got {_show(v)}")
+        raise TypeError(f"expected true or false, got {brief(v)}")
     return v
+
+
+def _free_form(v: Any, _: Any) -> Any:
+    """``Any``-typed values pass through, once checked: finite numbers, valid text, bounded depth."""
+    check_plain(v)
+    return v
+
+
+class PlainValueError(ValueError):
+    """A bad value inside a free-form value; ``where`` is its dotted path inside it ("" at the top)."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(f"{message} (at {_clip(where, 80)})" if where else message)
+        self.message, self.where = message, where
+
+
+def check_plain(value: Any, max_depth: int = MAX_DEPTH) -> None:
+    """Raise :class:`PlainValueError` (a ``ValueError``) if a JSON-like value holds a non-finite
+    float, an int outside 64 bits, invalid text, or nests deeper than ``max_depth``."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        x, depth, where = stack.pop()
+        if isinstance(x, bool) or x is None:
+            continue
+        if isinstance(x, float):
+            if not math.isfinite(x):
+                raise PlainValueError(f"must be a finite number, got {brief(x)}", where)
+        elif isinstance(x, int):
+            if not INT_MIN <= x <= INT_MAX:
+                raise PlainValueError(f"integer out of range (must fit in 64 bits), got {brief(x)}", where)
+        elif isinstance(x, str):
+            try:
+                _check_text(x)
+            except ValueError as exc:
+                raise PlainValueError(str(exc), where) from None
+        elif isinstance(x, (Mapping, list, tuple)):
+            if depth >= max_depth:
+                raise PlainValueError(f"nested more than {max_depth} levels deep", where)
+            items = x.items() if isinstance(x, Mapping) else enumerate(x)
+            for k, y in items:
+                sub = f"{where}.{k}" if where else str(k)
+                if isinstance(k, str):
+                    try:
+                        _check_text(k)
+                    except ValueError as exc:
+                        raise PlainValueError(f"key: {exc}", where) from None
+                stack.append((y, depth + 1, sub))
 
 
 def _enum(v: Any, cls: type[enum.Enum]) -> enum.Enum:
@@ -71,14 +157,37 @@ def _enum(v: Any, cls: type[enum.Enum]) -> enum.Enum:
         return v
     try:
         return cls(v)
-    except ValueError:
+    except (ValueError, TypeError):
         choices = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"unknown value {v!r}; expected one of {choices}") from None
+        raise ValueError(f"unknown value {_short_repr(v)}; expected one of {choices}") from None
 
 
-def _show(v: Any) -> str:
-    r = repr(v)
-    return f"{type(v).__name__} {r if len(r) < 40 else r[:37] + '...'}"
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: max(n - 3, 1)] + "..."
+
+
+def _short_repr(v: Any, n: int = SHOW_CHARS) -> str:
+    """``repr(v)`` cut to ``n`` characters, without ever building the repr of a huge value."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        digits = int(v.bit_length() * math.log10(2)) + 1
+        return f"{'-' if v < 0 else ''}<a {digits}-digit number>"
+    if isinstance(v, (str, bytes)):
+        return _clip(repr(v[: n + 1]), n)
+    if isinstance(v, (list, tuple, dict)) and len(v) > n:
+        return f"<a {type(v).__name__} of {len(v)} items>"
+    try:
+        r = repr(v)
+    except Exception:  # a repr that fails (e.g. a nested huge int)
+        r = f"<{type(v).__name__}>"
+    return _clip(r, n)
+
+
+def brief(v: Any) -> str:
+    """A bad value as error messages show it: its type and a short repr (``str 'abc'``)."""
+    return f"{type(v).__name__} {_short_repr(v)}"
+
+
+_show = brief
 
 
 def make_converter() -> cattrs.Converter:
@@ -88,7 +197,7 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook(float, _strict_float)
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook(bool, _strict_bool)
-    conv.register_structure_hook(Any, lambda v, _: v)
+    conv.register_structure_hook(Any, _free_form)
 
     def _attrs_factory(cls: type) -> Any:
         inner: Callable[[Any, Any], Any] = make_dict_structure_fn(cls, conv, _cattrs_forbid_extra_keys=True)
@@ -101,6 +210,43 @@ def make_converter() -> cattrs.Converter:
         return structure_attrs
 
     conv.register_structure_hook_factory(attrs.has, _attrs_factory)
+
+    def _is_dict(t: Any) -> bool:
+        return t is dict or typing.get_origin(t) in (dict, Mapping)
+
+    def _dict_factory(t: Any) -> Any:
+        inner: Callable[[Any, Any], Any] | None = None if t is dict else make_mapping_structure_fn(t, conv)
+
+        def structure_dict(v: Any, tt: Any) -> Any:
+            if not isinstance(v, Mapping):
+                raise TypeError(f"expected an object, got {brief(v)}")
+            if inner is None:  # a bare ``dict``: free-form
+                check_plain(v)
+                return dict(v)
+            return inner(v, tt)
+
+        return structure_dict
+
+    def _list_factory(t: Any) -> Any:
+        args = typing.get_args(t)
+        item_type = args[0] if args else Any
+
+        def structure_list(v: Any, tt: Any) -> list[Any]:
+            if not isinstance(v, (list, tuple)):  # a string is not a list of its characters
+                raise TypeError(f"expected a list, got {brief(v)}")
+            out = []
+            for i, item in enumerate(v):
+                try:
+                    out.append(conv.structure(item, item_type))
+                except Exception as exc:
+                    exc.add_note(IterableValidationNote(f"Structuring {tt} @ index {i}", i, item_type))
+                    raise IterableValidationError(f"While structuring {tt!r}", [exc], tt) from None
+            return out
+
+        return structure_list
+
+    conv.register_structure_hook_factory(_is_dict, _dict_factory)
+    conv.register_structure_hook_factory(lambda t: t is list or typing.get_origin(t) is list, _list_factory)
 
     conv.register_structure_hook_func(lambda t: isinstance(t, type) and issubclass(t, enum.Enum), _enum)
     conv.register_unstructure_hook_func(lambda t: isinstance(t, type) and issubclass(t, enum.Enum), lambda e: e.value)
@@ -123,10 +269,11 @@ converter = make_converter()
 def _first_error(exc: BaseException, path: list[str]) -> tuple[str, str]:
     """Walk a cattrs exception group to the first leaf error; return (dotted path, message)."""
     if isinstance(exc, ForbiddenExtraKeysError):
-        keys = ", ".join(sorted(exc.extra_fields))
+        extra = sorted(exc.extra_fields)
+        keys = ", ".join(_clip(k, SHOW_CHARS) for k in extra[:10]) + (f", ... ({len(extra)} in all)" if len(extra) > 10 else "")
         p = ".".join(path)
-        first = sorted(exc.extra_fields)[0]
-        return (f"{p}.{first}" if p else first), f"unknown key{'s' if len(exc.extra_fields) > 1 else ''} ({keys})"
+        first = _clip(extra[0], SHOW_CHARS)
+        return (f"{p}.{first}" if p else first), f"unknown key{'s' if len(extra) > 1 else ''} ({keys})"
     if isinstance(exc, (ClassValidationError, IterableValidationError)):
         for sub in exc.exceptions:
             note = _note_of(sub)
@@ -134,14 +281,17 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[str, str]:
     if isinstance(exc, KeyError):
         name = str(exc.args[0]) if exc.args else "?"
         return ".".join(path), f"missing required field {name!r}" if not path else "missing required field"
+    if isinstance(exc, PlainValueError):
+        inner = [exc.where] if exc.where else []
+        return ".".join(path + inner), exc.message
     msg = str(exc) or type(exc).__name__
     literal = _LITERAL_ERROR.match(msg)
     if literal:  # cattrs: "gif not in literal typing.Literal['mp4', 'png']"
-        return ".".join(path), f"must be one of {literal.group(2)}, got {literal.group(1)!r}"
+        return ".".join(path), f"must be one of {literal.group(2)}, got {_short_repr(literal.group(1))}"
     return ".".join(path), msg
 
 
-_LITERAL_ERROR = re.compile(r"^(.*) not in literal typing\.Literal\[(.*)\]$")
+_LITERAL_ERROR = re.compile(r"^(.*) not in literal typing\.Literal\[(.*)\]$", re.DOTALL)
 
 
 def _note_of(exc: BaseException) -> str | None:
@@ -171,15 +321,17 @@ def structure(data: Any, cls: type[T], path: str = "") -> T:
     except (ClassValidationError, IterableValidationError, ForbiddenExtraKeysError) as exc:
         p, msg = _first_error(exc, base)
         raise RequestError(p, msg) from None
-    except (TypeError, ValueError, KeyError) as exc:
+    except (TypeError, ValueError, KeyError, ArithmeticError) as exc:
         p, msg = _first_error(exc, base)
         raise RequestError(p, msg) from None
+    except RecursionError:
+        raise RequestError(path, f"nested too deeply (more than {MAX_DEPTH} levels)") from None
     check_ranges(obj, path)
     return obj
 
 
 def check_ranges(obj: Any, path: str = "") -> None:
-    """Apply ``ge``/``gt``/``le``/``lt``/``choices`` field metadata recursively."""
+    """Apply ``ge``/``gt``/``le``/``lt``/``choices``/``pattern``/``max_len`` field metadata recursively."""
     if not attrs.has(type(obj)):
         return
     for f in attrs.fields(type(obj)):
@@ -187,16 +339,23 @@ def check_ranges(obj: Any, path: str = "") -> None:
         p = f"{path}.{f.name}" if path else f.name
         md = f.metadata
         if v is not None and md:
+            if isinstance(v, float) and not math.isfinite(v):  # objects built in Python skip the converter
+                raise RequestError(p, f"must be a finite number, got {_short_repr(v)}")
             if "ge" in md and v < md["ge"]:
-                raise RequestError(p, f"must be >= {md['ge']}, got {v!r}")
+                raise RequestError(p, f"must be >= {md['ge']}, got {_short_repr(v)}")
             if "gt" in md and v <= md["gt"]:
-                raise RequestError(p, f"must be > {md['gt']}, got {v!r}")
+                raise RequestError(p, f"must be > {md['gt']}, got {_short_repr(v)}")
             if "le" in md and v > md["le"]:
-                raise RequestError(p, f"must be <= {md['le']}, got {v!r}")
+                raise RequestError(p, f"must be <= {md['le']}, got {_short_repr(v)}")
             if "lt" in md and v >= md["lt"]:
-                raise RequestError(p, f"must be < {md['lt']}, got {v!r}")
+                raise RequestError(p, f"must be < {md['lt']}, got {_short_repr(v)}")
             if "choices" in md and v not in md["choices"]:
-                raise RequestError(p, f"must be one of {', '.join(map(repr, md['choices']))}, got {v!r}")
+                raise RequestError(p, f"must be one of {', '.join(map(repr, md['choices']))}, got {_short_repr(v)}")
+            if "max_len" in md and len(v) > md["max_len"]:
+                raise RequestError(p, f"must be at most {md['max_len']} characters, got {len(v)}")
+            if "pattern" in md and not re.fullmatch(md["pattern"], v):
+                hint = md.get("pattern_hint", f"must match {md['pattern']}")
+                raise RequestError(p, f"{hint}, got {_short_repr(v)}")
         if attrs.has(type(v)):
             check_ranges(v, p)
         elif isinstance(v, list):
@@ -232,22 +391,25 @@ def request_from_dict(data: Mapping[str, Any]) -> OmniRequest:
     d = dict(data)
     if "task" not in d:
         raise RequestError("task", "missing required field (declare the task, e.g. \"t2v\")")
-    inputs = list(d.get("inputs", []) or [])
+    inputs = d.get("inputs", [])
+    if inputs is None:
+        inputs = []
+    if not isinstance(inputs, list):
+        raise RequestError("inputs", f"expected a list of input parts, got {_show(inputs)}")
+    inputs = list(inputs)
     for role in ("prompt", "negative_prompt"):
         if role in d:
             text = d.pop(role)
             if not isinstance(text, str):
                 raise RequestError(role, f"expected a string, got {_show(text)}")
             inputs.append({"type": "text", "text": text, "role": role})
-    if not isinstance(inputs, list):
-        raise RequestError("inputs", f"expected a list of input parts, got {_show(inputs)}")
     tags = [_part_tag(c) for c in MODAL_PART_TYPES]
     for i, part in enumerate(inputs):
         if not isinstance(part, Mapping):
             raise RequestError(f"inputs.{i}", f"expected an object, got {_show(part)}")
         if part.get("type") not in tags:
             raise RequestError(
-                f"inputs.{i}.type", f"unknown input type {part.get('type')!r}; expected one of {', '.join(tags)}"
+                f"inputs.{i}.type", f"unknown input type {_short_repr(part.get('type'))}; expected one of {', '.join(tags)}"
             )
     if inputs:
         d["inputs"] = inputs
@@ -326,7 +488,10 @@ def _jsonable(v: Any) -> Any:
 __all__ = [
     "MODAL_PART_TYPES",
     "check_ranges",
+    "PlainValueError",
+    "check_plain",
     "check_regex",
+    "brief",
     "converter",
     "event_to_dict",
     "output_to_dict",

@@ -110,3 +110,107 @@ def test_trace_hooks_env_prints_calls(monkeypatch, capsys):
     pm.registry()
     err = capsys.readouterr().err
     assert "[omniloop hooks]" in err and "omniloop_register_policies" in err and "euler" in err
+
+
+# --------------------------------------------------------------------------------------------
+# BaseException isolation (issue 14): sys.exit() in a plugin is a failed plugin, not the end
+# --------------------------------------------------------------------------------------------
+
+
+class ExitingRegistrationPlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @hookimpl
+    def omniloop_register_policies(self, register):
+        register(PolicySpec(name="half-exit", kind="sampler", factory=object))
+        raise SystemExit(3)
+
+
+class InterruptedPlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @hookimpl
+    def omniloop_register_policies(self, register):
+        raise KeyboardInterrupt
+
+
+def _entry_point_package(root, group, name, body):
+    """A distribution on ``root`` (dist-info + module) whose entry point in ``group`` runs ``body`` at import."""
+    import textwrap
+
+    mod = f"omniloop_test_{name.replace('-', '_')}"
+    (root / f"{mod}.py").write_text(textwrap.dedent(body))
+    info = root / f"{mod}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {mod.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n{name} = {mod}\n")
+
+
+@pytest.fixture
+def exiting_entry_points(tmp_path, monkeypatch):
+    """Entry points in a private group: one calls sys.exit at import, one fails an assert, one is healthy."""
+    import sys
+
+    group = f"omniloop.test-exit-{tmp_path.name}"
+    _entry_point_package(tmp_path, group, "exit-at-import", "import sys\nsys.exit(7)\n")
+    _entry_point_package(tmp_path, group, "assert-at-import", "assert False, 'plugin self-check failed'\n")
+    _entry_point_package(tmp_path, group, "healthy", """
+        from omniloop.family import PolicySpec
+        from omniloop.hookspecs import hookimpl
+
+        OMNILOOP_HOOK_API = ">=1.0,<2"
+
+        @hookimpl
+        def omniloop_register_policies(register):
+            register(PolicySpec(name="healthy-sampler", kind="sampler", factory=object))
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield group
+    for name in list(sys.modules):
+        if name.startswith("omniloop_test_"):
+            del sys.modules[name]
+
+
+def test_a_plugin_calling_sys_exit_at_import_is_listed_failed_and_named(exiting_entry_points):
+    from omniloop.plugins import PluginManager
+
+    manager = PluginManager(group=exiting_entry_points)
+    records = {r.name: r for r in manager.discover()}
+    bad = records["exit-at-import"]
+    assert bad.status == "failed"
+    assert "SystemExit" in bad.error and "sys.exit(7)" in bad.error and "exit-at-import" in bad.error
+    assert records["assert-at-import"].status == "failed" and "AssertionError" in records["assert-at-import"].error
+    assert records["healthy"].ok
+    assert "healthy-sampler" in manager.registry().policies
+
+
+def test_every_cli_command_works_next_to_a_plugin_that_exits(exiting_entry_points):
+    from click.testing import CliRunner
+
+    from omniloop.plugins import PluginManager
+    from omniloop_cli import cli
+
+    manager = PluginManager(group=exiting_entry_points)
+    for args in (["--help"], ["plugins"], ["hooks"], ["generate", "--help"]):
+        res = CliRunner().invoke(cli, args, obj=manager)
+        assert res.exit_code == 0, (args, res.output)
+        assert res.output.strip()
+    import json
+
+    listing = json.loads(CliRunner().invoke(cli, ["plugins", "--json"], obj=manager).stdout)
+    bad = {p["name"]: p for p in listing["plugins"]}["exit-at-import"]
+    assert bad["status"] == "failed" and "sys.exit(7)" in bad["error"]
+
+
+def test_sys_exit_in_a_register_hook_is_isolated_and_rolled_back():
+    manager = make_manager(("exits", ExitingRegistrationPlugin()), ("good", PolicyPlugin()))
+    reg = manager.registry()
+    rec = manager.records["exits"]
+    assert rec.status == "failed" and "SystemExit" in rec.error and "'exits'" in rec.error
+    assert "half-exit" not in reg.policies and "euler" in reg.policies
+
+
+def test_keyboard_interrupt_in_a_plugin_still_stops_the_process():
+    manager = make_manager(("ctrl-c", InterruptedPlugin()))
+    with pytest.raises(KeyboardInterrupt):
+        manager.registry()
