@@ -1,0 +1,353 @@
+"""Reading a diffusers-format SD3 / SD3.5 checkpoint from disk: find it, check it, load it.
+
+Nothing is downloaded (every load is ``local_files_only``). :func:`check_checkpoint` validates the
+whole layout from configs and file headers — before any weight is read — and every problem becomes
+one :class:`omniloop.errors.CheckpointError` naming the file and what is wrong.
+
+Layout (what stabilityai's ``stable-diffusion-3*-diffusers`` repositories ship)::
+
+    model_index.json     _class_name StableDiffusion3Pipeline; [library, class] per component
+    transformer/         SD3Transformer2DModel: config.json + diffusion_pytorch_model*.safetensors
+    vae/                 AutoencoderKL (16 latent channels, shift_factor / scaling_factor)
+    text_encoder/        CLIP-L  (CLIPTextModelWithProjection)
+    text_encoder_2/      CLIP-G  (CLIPTextModelWithProjection)
+    text_encoder_3/      T5      (T5EncoderModel); may be declared [null, null] (context part = zeros)
+    tokenizer{,_2,_3}/   loaded by the class model_index.json names (CLIPTokenizer, T5TokenizerFast,
+                         or a generic PreTrainedTokenizerFast backed by tokenizer.json)
+    scheduler/           scheduler_config.json (FlowMatchEulerDiscreteScheduler, shift 3.0)
+    omniloop.json        optional: omniloop defaults for this checkpoint (tiny checkpoints write it)
+
+A Hugging Face cache folder (``models--Org--Name`` or its ``snapshots/<hash>``) works too.
+Component classes come from the checkpoint's own ``model_index.json`` (never from a request) and
+must be classes of the library it names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omniloop.errors import CheckpointError
+
+PIPELINES = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
+REQUIRED = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+#: may be declared ``[null, null]``; then both are absent (diffusers: T5 context of zeros)
+OPTIONAL_PAIR = ("text_encoder_3", "tokenizer_3")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
+TRANSFORMERS_WEIGHTS = "model"
+LIBRARIES = ("diffusers", "transformers")
+
+
+# --------------------------------------------------------------------------------------------
+# Finding the checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_root(path: str | Path) -> Path:
+    """The folder holding ``model_index.json``: ``path`` itself or a HF cache folder's snapshot."""
+    root = Path(path).expanduser()
+    if (root / "model_index.json").exists() or not (root / "snapshots").is_dir():
+        return root
+    ref = root / "refs" / "main"
+    if ref.is_file():
+        snap = root / "snapshots" / ref.read_text().strip()
+        if snap.is_dir():
+            return snap
+    snaps = sorted(p for p in (root / "snapshots").iterdir() if p.is_dir())
+    return snaps[0] if len(snaps) == 1 else root
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Parse a JSON object or raise ``CheckpointError`` naming the file."""
+    if not path.exists():
+        if path.is_symlink():
+            raise CheckpointError(f"{path}: {what} is a link to a missing file (incomplete download?)")
+        raise CheckpointError(f"{path}: {what} is missing")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def looks_like_sd3(path: str | Path) -> bool:
+    """Cheap detection: reads ``model_index.json`` (and ``transformer/config.json``) only."""
+    try:
+        root = resolve_root(path)
+        index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
+        if not isinstance(index, dict):
+            return False
+        if index.get("_class_name") in PIPELINES:
+            return True
+        tf = json.loads((root / "transformer" / "config.json").read_text(encoding="utf-8"))
+        return isinstance(tf, dict) and tf.get("_class_name") == "SD3Transformer2DModel"
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Checking the files (before anything heavy is loaded)
+# --------------------------------------------------------------------------------------------
+
+
+def declared(index: dict[str, Any], name: str) -> tuple[str, str] | None:
+    """``(library, class)`` of a component the index declares, None when absent or ``[null, null]``."""
+    entry = index.get(name)
+    if isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0] and entry[1]:
+        return str(entry[0]), str(entry[1])
+    return None
+
+
+def components_in(index: dict[str, Any]) -> list[str]:
+    return [n for n in REQUIRED + OPTIONAL_PAIR if declared(index, n) is not None]
+
+
+def component_class(index: dict[str, Any], name: str, index_path: Path) -> Any:
+    """The class ``model_index.json`` names for ``name``, looked up in the library it names."""
+    entry = declared(index, name)
+    if entry is None:
+        raise CheckpointError(f"{index_path}: component {name!r} is not declared")
+    library, cls_name = entry
+    if library not in LIBRARIES:
+        raise CheckpointError(
+            f"{index_path}: component {name!r} comes from library {library!r}; only {', '.join(LIBRARIES)} are loaded"
+        )
+    import importlib
+
+    module = importlib.import_module(library)
+    cls = getattr(module, cls_name, None) if cls_name.isidentifier() else None
+    if cls is None or not hasattr(cls, "from_pretrained" if name != "scheduler" else "from_config"):
+        raise CheckpointError(f"{index_path}: component {name!r}: {library} has no loadable class {cls_name!r}")
+    return cls
+
+
+def check_checkpoint(root: Path) -> dict[str, Any]:
+    """Validate the layout and the configs' consistency; return the parsed ``model_index.json``.
+
+    Reads configs and safetensors headers only (a truncated weight file is caught here)."""
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint folder does not exist")
+    index_path = root / "model_index.json"
+    index = read_json(index_path, "model_index.json")
+    present = components_in(index)
+    for name in REQUIRED:
+        if name not in present:
+            raise CheckpointError(
+                f"{index_path}: component {name!r} is not declared (an SD3 checkpoint needs {', '.join(REQUIRED)})"
+            )
+    if ("text_encoder_3" in present) != ("tokenizer_3" in present):
+        have, miss = ("text_encoder_3", "tokenizer_3") if "text_encoder_3" in present else ("tokenizer_3", "text_encoder_3")
+        raise CheckpointError(f"{index_path}: {have!r} is declared but {miss!r} is not (T5 needs both)")
+    for name in present:
+        folder = root / name
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: folder of component {name!r} is missing")
+        if name in ("transformer", "vae"):
+            read_json(folder / "config.json", f"{name} config")
+            weight_files(folder, DIFFUSERS_WEIGHTS)
+        elif name in TEXT_ENCODERS:
+            read_json(folder / "config.json", f"{name} config")
+            weight_files(folder, TRANSFORMERS_WEIGHTS)
+        elif name in TOKENIZERS:
+            check_tokenizer(folder)
+        elif name == "scheduler":
+            read_json(folder / "scheduler_config.json", "scheduler config")
+    check_consistency(root, index)
+    return index
+
+
+def check_tokenizer(folder: Path) -> None:
+    files = ("tokenizer.json", "vocab.json", "spiece.model")
+    if not any((folder / f).exists() for f in files):
+        raise CheckpointError(f"{folder}: tokenizer has none of {', '.join(files)}")
+    if (folder / "tokenizer.json").exists() or (folder / "tokenizer.json").is_symlink():
+        read_json(folder / "tokenizer.json", "tokenizer file")
+    elif (folder / "vocab.json").exists() and not (folder / "merges.txt").exists():
+        raise CheckpointError(f"{folder / 'merges.txt'}: a BPE tokenizer with vocab.json needs merges.txt (missing)")
+
+
+def _dim(cfg: dict[str, Any], key: str, path: Path) -> int:
+    v = cfg.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CheckpointError(f"{path}: {key} must be a positive integer, got {v!r}")
+    return v
+
+
+def check_consistency(root: Path, index: dict[str, Any]) -> None:
+    """The components must fit together (what the transformer expects of the encoders and the VAE)."""
+    tf_path = root / "transformer" / "config.json"
+    tf = read_json(tf_path, "transformer config")
+    if tf.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
+        raise CheckpointError(f"{tf_path}: expected an SD3Transformer2DModel, found {tf.get('_class_name')!r}")
+    vae_path = root / "vae" / "config.json"
+    vae = read_json(vae_path, "vae config")
+    in_ch = int(tf.get("in_channels", 16))
+    if int(vae.get("latent_channels", 4)) != in_ch:
+        raise CheckpointError(
+            f"{vae_path}: latent_channels={vae.get('latent_channels')} but the transformer takes in_channels={in_ch}"
+        )
+    clip_hidden, clip_proj = 0, 0
+    for name in ("text_encoder", "text_encoder_2"):
+        path = root / name / "config.json"
+        cfg = read_json(path, f"{name} config")
+        cfg = cfg.get("text_config", cfg)
+        clip_hidden += _dim(cfg, "hidden_size", path)
+        clip_proj += _dim(cfg, "projection_dim", path) if "projection_dim" in cfg else _dim(cfg, "hidden_size", path)
+    pooled = int(tf.get("pooled_projection_dim", 2048))
+    if clip_proj != pooled:
+        raise CheckpointError(
+            f"{tf_path}: pooled_projection_dim={pooled} but the two CLIP encoders project to {clip_proj} together"
+        )
+    joint = int(tf.get("joint_attention_dim", 4096))
+    if clip_hidden > joint:
+        raise CheckpointError(
+            f"{tf_path}: joint_attention_dim={joint} is smaller than the CLIP states ({clip_hidden} = CLIP-L + CLIP-G)"
+        )
+    if declared(index, "text_encoder_3") is not None:
+        path = root / "text_encoder_3" / "config.json"
+        t5 = read_json(path, "text_encoder_3 config")
+        d = t5.get("d_model", t5.get("hidden_size"))
+        if d != joint:
+            raise CheckpointError(f"{path}: d_model={d} but the transformer's joint_attention_dim is {joint}")
+
+
+def weight_files(folder: Path, stem: str) -> list[Path]:
+    """The weight files of one component (checked), sharded or not."""
+    single = folder / f"{stem}.safetensors"
+    idx = folder / f"{stem}.safetensors.index.json"
+    if single.exists() or single.is_symlink():
+        check_safetensors(single)
+        return [single]
+    if idx.exists() or idx.is_symlink():
+        data = read_json(idx, "weight index")
+        wmap = data.get("weight_map")
+        if not isinstance(wmap, dict) or not wmap:
+            raise CheckpointError(f"{idx}: weight index has no weight_map")
+        shards = []
+        for s in sorted(set(wmap.values())):
+            if not isinstance(s, str) or "/" in s or "\\" in s or s.startswith("."):
+                raise CheckpointError(f"{idx}: weight_map names an invalid shard {s!r}")
+            shards.append(folder / s)
+        for shard in shards:
+            check_safetensors(shard)
+        return shards
+    bins = sorted(folder.glob("*.bin"))
+    if bins:
+        return bins
+    raise CheckpointError(f"{folder}: no weights ({stem}.safetensors or {stem}.safetensors.index.json)")
+
+
+def check_safetensors(path: Path) -> None:
+    """Read the safetensors header and check that the file holds every byte it declares."""
+    if not path.exists():
+        raise CheckpointError(
+            f"{path}: weight file is missing" + (" (a link to a missing blob: incomplete download?)" if path.is_symlink() else "")
+        )
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, no safetensors header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100_000_000 or n > size - 8:
+                raise CheckpointError(f"{path}: weight file is truncated or not safetensors ({size} bytes, header {n})")
+            header = json.loads(fh.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: safetensors header is unreadable ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    end = 0
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            end = max(end, int(meta["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise CheckpointError(f"{path}: safetensors header entry {key!r} is malformed") from None
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, the header declares {8 + n + end})")
+
+
+def weight_version(root: Path, components: list[str]) -> str:
+    """A cheap identity of the weights: names, sizes and modification times of the files."""
+    h = hashlib.sha256()
+    for name in components:
+        for f in sorted((root / name).glob("*")):
+            if f.suffix in (".safetensors", ".bin", ".json"):
+                st = f.stat()
+                h.update(f"{name}/{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Hide transformers' / diffusers' per-load progress bars (restored afterwards)."""
+    from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    was_t, was_d = tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    dlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_t:
+            tlog.enable_progress_bar()
+        if was_d:
+            dlog.enable_progress_bar()
+
+
+def load_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
+    """A diffusers or transformers model from ``folder`` (local files only), errors as ``CheckpointError``."""
+    try:
+        with _quiet():
+            try:
+                model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True) \
+                    if cls.__module__.startswith("diffusers") else \
+                    cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+            except TypeError:  # transformers < 4.56 spells it torch_dtype
+                model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_tokenizer(cls: Any, folder: Path) -> Any:
+    try:
+        with _quiet():
+            return cls.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
+
+
+def load_scheduler(cls: Any, folder: Path) -> Any:
+    """The scheduler *template*: each request's sampler builds its own instance from its config."""
+    config = read_json(folder / "scheduler_config.json", "scheduler config")
+    name = config.get("_class_name")
+    if name and name != cls.__name__:
+        import diffusers
+
+        cls = getattr(diffusers, str(name), None) if str(name).isidentifier() else None
+        if cls is None or not hasattr(cls, "from_config"):
+            raise CheckpointError(f"{folder / 'scheduler_config.json'}: unknown scheduler class {name!r}")
+    try:
+        return cls.from_config(config)
+    except Exception as exc:
+        raise CheckpointError(f"{folder / 'scheduler_config.json'}: cannot build {cls.__name__} ({exc})") from None

@@ -1,0 +1,312 @@
+"""The ``denoise`` node: one flow-matching step per ``step()``, on omniloop-policies.
+
+``init`` resolves nothing new: the validate node already chose the request's
+:class:`omniloop_policies.DenoisePolicies` (sampler, CFG policy, shift, scales). It draws the
+initial latents — pure noise for t2i, the noised image latents for i2i — and lets the policies
+allocate their per-request state (a fresh scheduler instance, the CFG state). For i2i,
+:func:`start_at_strength` then cuts the schedule where diffusers' img2img pipeline starts it.
+
+A step::
+
+    step   = pol.step_context(loop, ...)      # index, host timestep
+    plan   = pol.plan(step, loop)             # ("cond", "uncond") with CFG, else ("cond",)
+    preds  = one transformer forward per forward group (the default ``batched`` policy stacks
+             uncond and cond rows in one forward, uncond first, as diffusers does)
+    guided = pol.combine(step, loop, preds)   # uncond + s * (cond - uncond)
+    latents = pol.advance(step, loop, guided, latents)
+
+Batched steps across requests (the ``step`` scheduler): ``batch_key`` / ``step_batch`` stack every
+request's rows into one forward; each request then combines and steps its own scheduler.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
+from omniloop.interceptors import BlockContext, call_model
+from omniloop.loop import LoopState, RequestState, StageContext, StepContext, StepResult
+
+from .resolve import SD3Params
+from .transformer import sd3_forward
+
+#: row order inside a stacked CFG forward: diffusers' ``torch.cat([negative, positive])``
+ROW_ORDER = {"uncond": 0, "cond": 1}
+
+
+def _params(state: RequestState) -> SD3Params:
+    return state.read("params", Conditioning).values["params"]
+
+
+def _randn(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """diffusers' ``randn_tensor``: drawn on the generator's device in ``dtype``, then moved."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    return randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+
+
+def start_at_strength(loop: LoopState, strength: float) -> int:
+    """Cut the request's schedule as diffusers' img2img ``get_timesteps`` does; returns ``t_start``.
+
+    With ``n`` steps, ``t_start = int(n - min(n * strength, n))``: the sampler state keeps the
+    timesteps from ``t_start`` on, its scheduler begins there (``set_begin_index``), and the CFG
+    state is rebuilt for the shorter loop. (The policies package has no strength knob; this is the
+    family's own, on the policies' public state.)"""
+    from omniloop_policies import SamplerState
+
+    pol = loop.policy_state["policies"]
+    s: SamplerState = loop.policy_state["sampler"]
+    n = s.num_steps
+    t_start = int(max(n - min(n * strength, n), 0))
+    if t_start == 0:
+        return 0
+    scheduler = s.scheduler
+    order = int(getattr(scheduler, "order", 1))
+    scheduler.set_begin_index(t_start * order)
+    cut = SamplerState(
+        sampler=s.sampler, num_steps=n - t_start, timesteps=s.timesteps[t_start * order:],
+        timestep_values=s.timestep_values[t_start * order:], sigma_values=s.sigma_values[t_start * order:],
+        scheduler=scheduler, generator=s.generator, tensors=s.tensors,
+    )
+    loop.policy_state["sampler"] = cut
+    cstate = pol.cfg.init(cut.num_steps, scale=pol.guidance_scale, scales_by_expert=pol.scales_by_expert)
+    loop.policy_state["cfg"] = cstate
+    loop.branches = pol.cfg.branches(cstate)
+    loop.total = cut.num_steps
+    return t_start
+
+
+@attrs.define
+class StepInputs:
+    """One request's model inputs at one step."""
+
+    latents: torch.Tensor
+    timestep: torch.Tensor
+    #: joint text context / pooled embeddings by branch (``cond`` → prompt, ``uncond`` → negative)
+    text: dict[str, torch.Tensor]
+    pooled: dict[str, torch.Tensor]
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def ordered(group: Sequence[str]) -> tuple[str, ...]:
+    return tuple(sorted(group, key=lambda b: ROW_ORDER.get(b, len(ROW_ORDER))))
+
+
+def stack_inputs(inputs: Sequence[StepInputs], group: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The stacked batch of one forward: request-major, then the group's branches (uncond first)."""
+    rows = ordered(group)
+    xs, ts, es, ps = [], [], [], []
+    for inp in inputs:
+        for b in rows:
+            xs.append(inp.latents)
+            ts.append(inp.timestep)
+            es.append(inp.text[b])
+            ps.append(inp.pooled[b])
+    return {"hidden_states": _cat(xs), "timestep": _cat(ts), "encoder_hidden_states": _cat(es),
+            "pooled_projections": _cat(ps)}
+
+
+def split_rows(out: torch.Tensor, inputs: Sequence[StepInputs], group: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+    """Undo :func:`stack_inputs` on a prediction: per request, ``{branch: prediction}``."""
+    rows = ordered(group)
+    n = len(inputs) * len(rows)
+    chunks = out.chunk(n) if n > 1 else (out,)
+    res: list[dict[str, torch.Tensor]] = []
+    k = 0
+    for _ in inputs:
+        d = {}
+        for b in rows:
+            d[b] = chunks[k]
+            k += 1
+        res.append(d)
+    return res
+
+
+class Denoise:
+    """One solver step per ``step()``; batched across requests with ``batch_key`` / ``step_batch``."""
+
+    def __init__(self, menu: Any) -> None:
+        self.menu = menu
+
+    def policy_names(self, pol: Any) -> dict[str, str]:
+        out = {}
+        for role, table in (("sampler", self.menu.samplers), ("cfg", self.menu.cfgs)):
+            obj = getattr(pol, role)
+            out[role] = next((k for k, v in table.items() if v is obj), None) or next(
+                (k for k, v in table.items() if v == obj), obj.name
+            )
+        return out
+
+    # -- init ---------------------------------------------------------------------------------
+    def init(self, ctx: StageContext, state: RequestState) -> LoopState:
+        p = _params(state)
+        pol = p.policies
+        tf, vae = ctx.components["transformer"], ctx.components["vae"]
+        scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        shape = (1, int(tf.config.in_channels), p.height // scale, p.width // scale)
+        dtype = state.read("prompt_embeds", Embeddings).tensor.dtype  # diffusers: prompt_embeds.dtype
+        generator = state.generator
+        if generator is None:  # driven without a runtime: still deterministic per request
+            generator = torch.Generator("cpu").manual_seed(int(state.request.diffusion.seed or 0))
+        loop = LoopState()
+        patch = int(tf.config.patch_size)
+        seq_len = (shape[2] // patch) * (shape[3] // patch)
+        if p.strength is None:
+            loop.tensors["latents"] = _randn(shape, generator, ctx.device, dtype)
+            pol.init(loop, device=ctx.device, generator=generator, seq_len=seq_len)
+        else:
+            pol.init(loop, device=ctx.device, generator=generator, seq_len=seq_len)
+            t_start = start_at_strength(loop, p.strength)
+            s = loop.policy_state["sampler"]
+            image_latents = state.read("image_latents", Tensors).values["latents"]
+            noise = _randn(tuple(image_latents.shape), generator, ctx.device, dtype)
+            latent_timestep = s.timesteps[:1].repeat(1)
+            latents = s.scheduler.scale_noise(image_latents, latent_timestep, noise)
+            loop.tensors["latents"] = latents.to(device=ctx.device, dtype=dtype)
+            loop.extra["t_start"] = t_start
+        return loop
+
+    # -- inputs / forward ---------------------------------------------------------------------
+    def step_inputs(self, state: RequestState, latents: torch.Tensor, t: torch.Tensor) -> StepInputs:
+        pos, neg = state.read("prompt_embeds", Embeddings), state.read("negative_embeds", Embeddings)
+        return StepInputs(
+            latents=latents, timestep=t.expand(latents.shape[0]),
+            text={"cond": pos.tensor, "uncond": neg.tensor},
+            pooled={"cond": pos.extra["pooled"], "uncond": neg.extra["pooled"]},
+        )
+
+    def forward(self, ctx: StageContext, batch: dict[str, torch.Tensor], block_ctx: BlockContext | None) -> torch.Tensor:
+        from .compile import blocks_for
+
+        model = ctx.components["transformer"]
+        return sd3_forward(model, batch["hidden_states"], batch["timestep"], batch["encoder_hidden_states"],
+                           batch["pooled_projections"], block_ctx, blocks=blocks_for(model, ctx))
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
+        from omniloop_policies import forward_groups, forward_name
+
+        pol = loop.policy_state["policies"]
+        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
+        _check_index(loop, step)
+        taps = ctx.taps_enabled
+        with torch.no_grad():
+            latents = loop.tensors["latents"]
+            inp = self.step_inputs(state, latents, pol.timestep(loop))
+            preds: dict[str, torch.Tensor] = {}
+            for group in forward_groups(pol.cfg, pol.plan(step, loop)):
+                sc = step.with_branch(forward_name(group))
+                batch = stack_inputs([inp], group)
+                bctx = ctx.block_context(sc, loop, prefix="transformer.transformer_blocks")
+
+                def compute(batch: dict[str, Any] = batch, bctx: BlockContext | None = bctx) -> torch.Tensor:
+                    return self.forward(ctx, batch, bctx)
+
+                out = call_model(ctx.step_interceptors, sc, loop, batch, compute)
+                for b, pred in split_rows(out, [inp], group)[0].items():
+                    preds[b] = pred
+                    if taps:
+                        ctx.tap("noise_pred", pred, step.with_branch(b))
+            guided = pol.combine(step, loop, preds)
+            if taps:
+                ctx.tap("guided", guided, step)
+            latents = pol.advance(step, loop, guided, latents)
+        loop.tensors["latents"] = latents
+        if taps:
+            ctx.tap("latents", latents, step)
+        return StepResult(done=pol.done(loop))
+
+    def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
+        pol = loop.policy_state.get("policies")
+        if pol is not None:
+            state.metrics["policies"] = {**pol.metrics(loop), **self.policy_names(pol)}
+        times = state.metrics.get("step_seconds")
+        if times:
+            out: dict[str, Any] = {"first_step_seconds": times[0]}
+            if len(times) > 1:
+                out["steady_step_seconds"] = round(statistics.median(times[1:]), 6)
+            state.metrics["denoise"] = out
+        state.write("denoised", Latents(tensor=loop.tensors["latents"], modality="image"), ctx.node.name)
+        loop.policy_state.pop("sampler", None)
+        loop.policy_state.pop("cfg", None)
+
+    # -- batched steps ------------------------------------------------------------------------
+    def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
+        """Equal for requests whose next step may run as one stacked forward, else None.
+
+        Not batched: a bound interceptor, taps, ``exact`` requests (a stacked batch changes GEMM
+        shapes, so the last bits differ from running alone), CFG policies whose plan depends on
+        per-request cached state (only ``classic``, ``batched`` and ``interval`` batch)."""
+        from omniloop_policies import ClassicCFG, IntervalCFG
+
+        if ctx.block_interceptor is not None or ctx.step_interceptors or ctx.block_taps is not None or ctx.taps_enabled:
+            return None
+        if state.request.exact:
+            return None
+        pol = loop.policy_state.get("policies")
+        if pol is None or pol.done(loop):
+            return None
+        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
+        if step.step_index != loop.step:
+            return None
+        cfg, cstate = pol.cfg, pol.cfg_state(loop)
+        if type(cfg) is ClassicCFG:
+            plan: tuple[str, ...] = ("cond", "uncond") if cstate.enabled else ("cond",)
+        elif type(cfg) is IntervalCFG:
+            plan = ("cond", "uncond") if cstate.enabled and cfg.in_window(step) else ("cond",)
+        else:
+            return None
+        names = self.policy_names(pol)
+        lat = loop.tensors["latents"]
+        text = state.read("prompt_embeds", Embeddings).tensor
+        return ("sd3-denoise", tuple(lat.shape), str(lat.dtype), str(lat.device), tuple(text.shape),
+                step.step_index, step.num_steps, step.timestep, names["sampler"], names["cfg"], plan,
+                float(cstate.scale_for(step)))
+
+    def step_batch(self, ctxs: Sequence[StageContext], states: Sequence[RequestState],
+                   loops: Sequence[LoopState]) -> list[StepResult]:
+        from omniloop_policies import forward_groups
+
+        if not loops:
+            return []
+        pols = [lp.policy_state["policies"] for lp in loops]
+        steps = [pol.step_context(lp, request_id=st.request.request_id, node=c.node.name)
+                 for pol, lp, st, c in zip(pols, loops, states, ctxs, strict=True)]
+        for lp, s in zip(loops, steps, strict=True):
+            _check_index(lp, s)
+        plans = [pol.plan(s, lp) for pol, s, lp in zip(pols, steps, loops, strict=True)]
+        if len(set(plans)) != 1:
+            raise RuntimeError(f"step_batch: requests plan different branches {plans}")
+        with torch.no_grad():
+            inputs = [self.step_inputs(st, lp.tensors["latents"], pol.timestep(lp))
+                      for st, lp, pol in zip(states, loops, pols, strict=True)]
+            preds: list[dict[str, torch.Tensor]] = [{} for _ in loops]
+            for group in forward_groups(pols[0].cfg, plans[0]):
+                out = self.forward(ctxs[0], stack_inputs(inputs, group), None)
+                for mine, parts in zip(preds, split_rows(out, inputs, group), strict=True):
+                    mine.update(parts)
+            results = []
+            for pol, s, lp, mine in zip(pols, steps, loops, preds, strict=True):
+                guided = pol.combine(s, lp, mine)
+                lp.tensors["latents"] = pol.advance(s, lp, guided, lp.tensors["latents"])
+                results.append(StepResult(done=pol.done(lp)))
+        return results
+
+
+def _check_index(loop: LoopState, step: StepContext) -> None:
+    if step.step_index != loop.step:
+        raise RuntimeError(
+            f"node {step.node!r}: the sampler is at step {step.step_index} but the loop at {loop.step}; "
+            "loop.step is advanced by the runtime after step() returns, never by the stage"
+        )
+
+
+__all__ = ["Denoise", "StepInputs", "split_rows", "stack_inputs", "start_at_strength"]

@@ -1,0 +1,212 @@
+"""Request validation and default resolution for SD3 (``validate_request`` and the validate node).
+
+Every check raises :class:`omniloop.errors.RequestError` naming the field before any compute;
+soft problems (a prompt longer than the encoders read, an image given to t2i) come back as
+warnings.
+
+Per-request knobs beyond ``diffusion.*``: ``node_params.denoise`` takes the policies' knobs
+(``sampler``, ``cfg``, ``guidance_scale``, ``shift``, ``steps``, ...) plus ``strength`` (i2i:
+how much of the schedule to run, ``0 < strength <= 1``); ``node_params.text_encode`` takes
+``max_sequence_length`` (T5 tokens, ``1..512``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from typing import Any
+
+import torch
+from attrs import define, field
+
+from omniloop.errors import RequestError
+from omniloop.family import LoadedModel
+from omniloop.media import read_image
+from omniloop.request import ImagePart, OmniRequest, TaskType
+from omniloop_policies import DenoiseParams
+
+from .policies import menu_for
+
+MAX_T5_TOKENS = 512
+IMAGE_ROLES = ("image", "reference", "first_frame")
+
+
+@define(frozen=True, kw_only=True)
+class SD3DenoiseParams(DenoiseParams):  # type: ignore[misc]
+    """``node_params.denoise``: the policies' knobs plus ``strength`` (i2i)."""
+
+    strength: float | None = field(default=None, metadata={"gt": 0.0, "le": 1.0})
+
+
+@define(frozen=True)
+class TextParams:
+    """``node_params.text_encode``: the T5 token budget (diffusers' ``max_sequence_length``)."""
+
+    max_sequence_length: int | None = field(default=None, metadata={"ge": 1, "le": MAX_T5_TOKENS})
+
+
+@define(frozen=True)
+class SD3Params:
+    """A request's resolved parameters (defaults applied, sizes checked)."""
+
+    task: TaskType
+    prompt: str
+    negative_prompt: str
+    height: int
+    width: int
+    steps: int
+    guidance_scale: float
+    max_sequence_length: int
+    #: i2i only: the fraction of the schedule that runs (diffusers' ``strength``)
+    strength: float | None = None
+    #: i2i only: uint8 ``[H, W, 3]``
+    image: torch.Tensor | None = None
+    #: the request's ``omniloop_policies.DenoisePolicies``
+    policies: Any = None
+
+
+def _limit(limits: Any, name: str) -> int | None:
+    v = getattr(limits, name, None) if limits is not None else None
+    return int(v) if v is not None else None
+
+
+def load_image_part(request: OmniRequest) -> tuple[torch.Tensor, str]:
+    """Decode the request's input image (the first image part); pixels and its field path."""
+    for i, part in enumerate(request.inputs):
+        if not isinstance(part, ImagePart) or part.role not in IMAGE_ROLES:
+            continue
+        if part.path is not None and part.data_b64 is not None:
+            raise RequestError(f"inputs[{i}]", "give an image as path or data_b64, not both")
+        if part.path is not None:
+            return read_image(part.path, name=f"inputs[{i}].path"), f"inputs[{i}]"
+        if part.data_b64 is not None:
+            try:
+                data = base64.b64decode(part.data_b64, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise RequestError(f"inputs[{i}].data_b64", f"is not valid base64 ({exc})") from None
+            return read_image(data, name=f"inputs[{i}].data_b64"), f"inputs[{i}]"
+        raise RequestError(f"inputs[{i}]", "an image part needs a path or data_b64")
+    raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
+
+
+def _token_count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text, truncation=False, verbose=False)["input_ids"])
+
+
+def resolve(
+    model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True
+) -> tuple[SD3Params, list[str]]:
+    """Check ``request`` against ``model`` and ``limits``; its resolved params and warnings."""
+    cfg = model.config
+    task = request.task
+    if task not in cfg["tasks"]:
+        have = ", ".join(sorted(t.value for t in cfg["tasks"]))
+        raise RequestError("task", f"the sd3 family does not do {task.value!r} (it does: {have})")
+    defaults = cfg["task_defaults"][task]
+    warnings: list[str] = []
+    d = request.diffusion
+
+    prompt = request.prompt
+    if not prompt or not prompt.strip():
+        raise RequestError("inputs", "a text prompt (a text part with role 'prompt') is required")
+    negative = request.negative_prompt
+    if negative is None:
+        negative = str(defaults.get("negative_prompt") or "")
+
+    node_params = request.node_params or {}
+    raw = dict(node_params.get("denoise") or {})
+    strength_raw = raw.pop("strength", None)
+    text_raw = node_params.get("text_encode") or {}
+    if not isinstance(text_raw, dict):
+        raise RequestError("node_params.text_encode", "expected an object of parameters")
+    unknown = sorted(set(text_raw) - {"max_sequence_length"})
+    if unknown:
+        raise RequestError(f"node_params.text_encode.{unknown[0]}", "unknown parameter (known: max_sequence_length)")
+
+    menu = menu_for(model, task)
+    policies = menu.resolve(request, params=raw)
+    steps = policies.num_steps
+    if steps is None:
+        steps = len(policies.timesteps or policies.sampler.timesteps_list)
+    steps_path = "node_params.denoise.steps" if raw.get("steps") is not None else "diffusion.steps"
+    max_steps = _limit(limits, "max_steps")
+    if max_steps is not None and steps > max_steps:
+        raise RequestError(steps_path, f"{steps} is above this deployment's limit of {max_steps}")
+
+    multiple = cfg["size_multiple"]
+    sizes = {}
+    for name in ("height", "width"):
+        value = getattr(d, name)
+        value = int(defaults[name]) if value is None else value
+        if value < multiple or value % multiple:
+            lo = max(multiple, value - value % multiple)
+            raise RequestError(
+                f"diffusion.{name}", f"must be a positive multiple of {multiple}, got {value} (try {lo} or {lo + multiple})"
+            )
+        top = cfg["max_size"]
+        if value > top:
+            raise RequestError(
+                f"diffusion.{name}", f"{value} is above what the transformer's position embedding covers ({top})"
+            )
+        lim = _limit(limits, f"max_{name}")
+        if lim is not None and value > lim:
+            raise RequestError(f"diffusion.{name}", f"{value} is above this deployment's limit of {lim}")
+        sizes[name] = value
+    if d.frames not in (None, 1):
+        raise RequestError("diffusion.frames", f"an image request makes one frame, got {d.frames}")
+
+    msl = text_raw.get("max_sequence_length")
+    if msl is None:
+        msl = int(defaults["max_sequence_length"])
+    elif isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= MAX_T5_TOKENS:
+        raise RequestError("node_params.text_encode.max_sequence_length", f"must be an integer in 1..{MAX_T5_TOKENS}, got {msl!r}")
+
+    strength = None
+    image = None
+    images = [p for p in request.inputs if isinstance(p, ImagePart)]
+    if task is TaskType.I2I:
+        strength = defaults.get("strength", 0.6) if strength_raw is None else strength_raw
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength) \
+                or not 0.0 < strength <= 1.0:
+            raise RequestError("node_params.denoise.strength", f"must be a number in (0, 1], got {strength!r}")
+        strength = float(strength)
+        if int(steps * strength) < 1:
+            raise RequestError(
+                "node_params.denoise.strength",
+                f"strength {strength} of {steps} steps runs no step (steps * strength must be >= 1)",
+            )
+        if decode_image:
+            image, _ = load_image_part(request)
+        elif not any(p.role in IMAGE_ROLES for p in images):
+            raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
+        if len(images) > 1:
+            warnings.append(f"{len(images) - 1} more image input(s) ignored: i2i conditions on one image")
+    else:
+        if strength_raw is not None:
+            raise RequestError("node_params.denoise.strength", "strength applies to i2i requests (an input image)")
+        if images:
+            warnings.append("the image input is ignored: a t2i request does not use it")
+
+    comps = model.components
+    clip_max = int(getattr(comps["tokenizer"], "model_max_length", 77))
+    for field_name, text in (("prompt", prompt), ("negative prompt", negative)):
+        if not text:
+            continue
+        n = _token_count(comps["tokenizer"], text)
+        if n > clip_max:
+            warnings.append(f"the {field_name} is {n} CLIP tokens long; CLIP reads {clip_max} (the rest is dropped there)")
+        if comps.get("tokenizer_3") is not None:
+            n3 = _token_count(comps["tokenizer_3"], text)
+            if n3 > msl:
+                warnings.append(f"the {field_name} is {n3} T5 tokens long; truncated to max_sequence_length={msl}")
+
+    params = SD3Params(
+        task=task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
+        steps=int(steps), guidance_scale=float(policies.guidance_scale), max_sequence_length=int(msl),
+        strength=strength, image=image, policies=policies,
+    )
+    return params, warnings
+
+
+__all__ = ["SD3DenoiseParams", "SD3Params", "TextParams", "load_image_part", "resolve"]

@@ -1,0 +1,100 @@
+"""The outer forward of diffusers' ``SD3Transformer2DModel``, owned by omniloop.
+
+:func:`sd3_forward` does what ``SD3Transformer2DModel.forward`` does — patch + position embedding,
+timestep + pooled-text embedding, context projection, output norm and projection, unpatchify —
+with the same tensor operations in the same order, so that with nothing bound its output is
+``torch.equal`` to diffusers'. The difference: the joint (MMDiT) blocks run through
+:func:`omniloop.interceptors.run_blocks`, so block interceptors (cache-dit, first-block cache),
+block taps and the parity/trace observers see them.
+
+``run_blocks`` carries one hidden tensor, while a joint block updates two streams (text context
+and image tokens). The stack therefore runs on the *joint sequence* ``[context ; image]``
+(``[B, L_txt + L_img, D]``): :class:`JointStep` splits it, runs the diffusers block on the two
+views and concatenates the results (the last block, ``context_pre_only``, leaves the context as
+it was). Splitting and concatenating move values without changing them, so the result stays
+bit-exact; an interceptor that caches residuals sees both streams, as cache-dit's own SD3
+adapter does. The blocks themselves (attention with q/k RMS norm, SD3.5-medium's dual attention,
+feed-forwards) are diffusers' modules and weights.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from omniloop.interceptors import BlockContext, run_blocks
+
+
+class JointStep(nn.Module):
+    """One joint block on the joint sequence ``[context ; image]`` (a wrapper: same weights)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, joint: torch.Tensor, temb: torch.Tensor, txt_len: int) -> torch.Tensor:
+        context = joint[:, :txt_len]
+        image = joint[:, txt_len:]
+        new_context, new_image = self.block(hidden_states=image, encoder_hidden_states=context, temb=temb)
+        if new_context is None:  # the last block (context_pre_only) updates only the image tokens
+            new_context = context
+        return torch.cat([new_context, new_image], dim=1)
+
+
+_STEPS: weakref.WeakKeyDictionary[nn.Module, list[JointStep]] = weakref.WeakKeyDictionary()
+
+
+def joint_steps(model: nn.Module) -> list[JointStep]:
+    """The model's blocks as :class:`JointStep` wrappers (built once per model)."""
+    steps = _STEPS.get(model)
+    if steps is None:
+        steps = [JointStep(b) for b in model.transformer_blocks]
+        _STEPS[model] = steps
+    return steps
+
+
+def sd3_forward(
+    model: Any,
+    hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    pooled_projections: torch.Tensor,
+    block_ctx: BlockContext | None = None,
+    blocks: Sequence[Any] | None = None,
+) -> torch.Tensor:
+    """Predict the flow for latents ``hidden_states`` ``[B, C, H, W]`` at ``timestep`` ``[B]``.
+
+    ``encoder_hidden_states`` is the joint text context ``[B, L_txt, joint_attention_dim]`` (CLIP-L
+    and CLIP-G states padded to the T5 width, then T5 states); ``pooled_projections`` the pooled
+    CLIP embeddings ``[B, pooled_projection_dim]``. ``blocks`` replaces the eager
+    :func:`joint_steps` (the same steps compiled). Returns ``[B, out_channels, H, W]``.
+    """
+    height, width = hidden_states.shape[-2:]
+    hidden_states = model.pos_embed(hidden_states).contiguous()
+    temb = model.time_text_embed(timestep, pooled_projections)
+    encoder_hidden_states = model.context_embedder(encoder_hidden_states)
+    txt_len = encoder_hidden_states.shape[1]
+
+    joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+
+    def call(step: Any, hidden: torch.Tensor) -> torch.Tensor:
+        return step(hidden, temb, txt_len)
+
+    joint = run_blocks(joint_steps(model) if blocks is None else blocks, joint, block_ctx, call)
+    hidden_states = joint[:, txt_len:]
+
+    hidden_states = model.norm_out(hidden_states, temb)
+    hidden_states = model.proj_out(hidden_states)
+
+    p = model.config.patch_size
+    h, w = height // p, width // p
+    hidden_states = hidden_states.reshape(hidden_states.shape[0], h, w, p, p, model.out_channels)
+    hidden_states = torch.einsum("nhwpqc->nchpwq", hidden_states)
+    return hidden_states.reshape(hidden_states.shape[0], model.out_channels, h * p, w * p)
+
+
+__all__ = ["JointStep", "joint_steps", "sd3_forward"]
