@@ -1,0 +1,302 @@
+"""Reading a diffusers-format FLUX.1 checkpoint from disk: find it, check it, load it.
+
+Nothing is downloaded: every load is ``local_files_only``. Every problem with the files on disk —
+a missing folder, a config that is not JSON, a weight file cut short, configs that disagree with
+each other — becomes one :class:`omniloop.errors.CheckpointError` naming the file, and all of it is
+checked by :func:`check_checkpoint` *before* any weight is read.
+
+Layout (what the black-forest-labs ``FLUX.1-dev`` / ``FLUX.1-schnell`` repositories ship)::
+
+    model_index.json     _class_name FluxPipeline; each component as [library, class]
+    transformer/         FluxTransformer2DModel: config.json + diffusion_pytorch_model*.safetensors
+    vae/                 AutoencoderKL
+    text_encoder/        CLIPTextModel (pooled prompt embedding)
+    text_encoder_2/      T5EncoderModel (the token states)
+    tokenizer/           the class model_index.json names (CLIPTokenizer)
+    tokenizer_2/         the class model_index.json names (T5TokenizerFast)
+    scheduler/           scheduler_config.json (FlowMatchEulerDiscreteScheduler)
+    omniloop.json        optional: omniloop defaults for this checkpoint (tiny checkpoints write it)
+
+Tokenizers and text encoders are built from the class ``model_index.json`` names, the way
+diffusers' ``DiffusionPipeline.from_pretrained`` does (``getattr(transformers, name)``), so a
+checkpoint may ship a generic fast tokenizer backed by ``tokenizer.json``, or vocab/merges files,
+or a sentencepiece model — whatever that class reads. A Hugging Face cache folder
+(``models--Org--Name``, or its ``snapshots/<hash>``) works too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omniloop.errors import CheckpointError
+
+REQUIRED = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
+TRANSFORMERS_WEIGHTS = "model"
+#: library each component's class must come from
+LIBRARY = {
+    "transformer": "diffusers", "vae": "diffusers", "scheduler": "diffusers",
+    "text_encoder": "transformers", "text_encoder_2": "transformers",
+    "tokenizer": "transformers", "tokenizer_2": "transformers",
+}
+#: files one of which a tokenizer folder must hold (what transformers' tokenizer classes read)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "spiece.model", "tokenizer.model", "vocab.txt")
+
+
+def resolve_root(path: str | Path) -> Path:
+    """The folder holding ``model_index.json``: ``path`` itself, or the snapshot a HF cache
+    folder (``models--Org--Name``) points at through ``refs/main`` (else its only snapshot)."""
+    root = Path(path).expanduser()
+    if (root / "model_index.json").exists() or not (root / "snapshots").is_dir():
+        return root
+    ref = root / "refs" / "main"
+    if ref.is_file():
+        snap = root / "snapshots" / ref.read_text().strip()
+        if snap.is_dir():
+            return snap
+    snaps = sorted(p for p in (root / "snapshots").iterdir() if p.is_dir())
+    return snaps[0] if len(snaps) == 1 else root
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Parse a JSON object or raise ``CheckpointError`` naming the file."""
+    if not path.exists():
+        if path.is_symlink():
+            raise CheckpointError(f"{path}: {what} is a link to a missing file (incomplete download?)")
+        raise CheckpointError(f"{path}: {what} is missing")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def looks_like_flux(path: str | Path) -> bool:
+    """Cheap detection: reads ``model_index.json`` (and ``transformer/config.json``) only."""
+    try:
+        root = resolve_root(path)
+        index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
+        if not isinstance(index, dict):
+            return False
+        if str(index.get("_class_name", "")).startswith("Flux") and index.get("_class_name") != "Flux2Pipeline":
+            return True
+        tf = json.loads((root / "transformer" / "config.json").read_text(encoding="utf-8"))
+        return isinstance(tf, dict) and tf.get("_class_name") == "FluxTransformer2DModel"
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Checking the files (before anything heavy is loaded)
+# --------------------------------------------------------------------------------------------
+
+
+def class_of(index: dict[str, Any], name: str) -> str:
+    entry = index.get(name)
+    return str(entry[1])
+
+
+def check_checkpoint(root: Path) -> dict[str, Any]:
+    """Validate the layout and the configs against each other; return the parsed ``model_index.json``.
+
+    Checks every component's folder, config and weight files (a truncated safetensors file from
+    its header), that the classes ``model_index.json`` names exist in their library, and that the
+    configs fit together (latent channels, text widths) — without loading any tensor.
+    """
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint folder does not exist")
+    index_path = root / "model_index.json"
+    index = read_json(index_path, "model_index.json")
+    for name in REQUIRED:
+        entry = index.get(name)
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[1]):
+            raise CheckpointError(
+                f"{index_path}: component {name!r} is not declared (a FLUX.1 checkpoint needs "
+                + ", ".join(REQUIRED) + ")"
+            )
+        lib = LIBRARY[name]
+        if entry[0] != lib:
+            raise CheckpointError(f"{index_path}: component {name!r} must come from {lib}, not {entry[0]!r}")
+        _library_class(lib, str(entry[1]), f"{index_path}: component {name!r}")
+    configs: dict[str, dict[str, Any]] = {}
+    for name in REQUIRED:
+        folder = root / name
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: folder of component {name!r} is missing")
+        if name in ("transformer", "vae"):
+            configs[name] = read_json(folder / "config.json", f"{name} config")
+            weight_files(folder, DIFFUSERS_WEIGHTS)
+        elif name.startswith("text_encoder"):
+            configs[name] = read_json(folder / "config.json", f"{name} config")
+            weight_files(folder, TRANSFORMERS_WEIGHTS)
+        elif name.startswith("tokenizer"):
+            if not any((folder / f).exists() for f in TOKENIZER_FILES):
+                raise CheckpointError(f"{folder}: tokenizer has none of {', '.join(TOKENIZER_FILES)}")
+            for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+                if (folder / f).exists() or (folder / f).is_symlink():
+                    read_json(folder / f, f"tokenizer file {f}")
+        else:
+            configs[name] = read_json(folder / "scheduler_config.json", "scheduler config")
+    check_consistency(root, configs)
+    return index
+
+
+def check_consistency(root: Path, cfg: dict[str, dict[str, Any]]) -> None:
+    """The configs must describe one model: the transformer's input width is the VAE's latent
+    channels times the 2x2 packing, its text widths are the encoders' widths."""
+    tf, vae = cfg["transformer"], cfg["vae"]
+    tf_path = root / "transformer" / "config.json"
+    if tf.get("_class_name", "FluxTransformer2DModel") != "FluxTransformer2DModel":
+        raise CheckpointError(f"{tf_path}: expected a FluxTransformer2DModel, found {tf.get('_class_name')!r}")
+    latent = int(vae.get("latent_channels", 16))
+    cin = int(tf.get("in_channels", 64))
+    if cin != 4 * latent:
+        raise CheckpointError(
+            f"{tf_path}: in_channels={cin} does not fit the VAE's latent_channels={latent} "
+            f"({root / 'vae' / 'config.json'}); FLUX packs 2x2 latent patches, so it must be {4 * latent}"
+        )
+    t5 = cfg["text_encoder_2"]
+    t5_dim = t5.get("d_model", t5.get("hidden_size"))
+    if t5_dim is not None and int(tf.get("joint_attention_dim", 4096)) != int(t5_dim):
+        raise CheckpointError(
+            f"{tf_path}: joint_attention_dim={tf.get('joint_attention_dim', 4096)} but the T5 encoder "
+            f"({root / 'text_encoder_2' / 'config.json'}) is {t5_dim} wide"
+        )
+    clip = cfg["text_encoder"]
+    clip_dim = clip.get("hidden_size", (clip.get("text_config") or {}).get("hidden_size"))
+    if clip_dim is not None and int(tf.get("pooled_projection_dim", 768)) != int(clip_dim):
+        raise CheckpointError(
+            f"{tf_path}: pooled_projection_dim={tf.get('pooled_projection_dim', 768)} but the CLIP text encoder "
+            f"({root / 'text_encoder' / 'config.json'}) is {clip_dim} wide"
+        )
+    heads_dim = int(tf.get("attention_head_dim", 128))
+    axes = tf.get("axes_dims_rope", (16, 56, 56))
+    if sum(int(a) for a in axes) != heads_dim:
+        raise CheckpointError(f"{tf_path}: axes_dims_rope {list(axes)} must sum to attention_head_dim={heads_dim}")
+
+
+def _library_class(lib: str, name: str, where: str) -> Any:
+    import importlib
+
+    module = importlib.import_module(lib)
+    cls = getattr(module, name, None)
+    if cls is None or not isinstance(cls, type):
+        raise CheckpointError(f"{where}: {lib} has no class {name!r}")
+    return cls
+
+
+def weight_files(folder: Path, stem: str) -> list[Path]:
+    """The weight files of one component (checked), sharded or not."""
+    single = folder / f"{stem}.safetensors"
+    index = folder / f"{stem}.safetensors.index.json"
+    if single.exists() or single.is_symlink():
+        check_safetensors(single)
+        return [single]
+    if index.exists() or index.is_symlink():
+        data = read_json(index, "weight index")
+        wmap = data.get("weight_map")
+        if not isinstance(wmap, dict) or not wmap:
+            raise CheckpointError(f"{index}: weight index has no weight_map")
+        shards = [folder / s for s in sorted(set(wmap.values()))]
+        for shard in shards:
+            check_safetensors(shard)
+        return shards
+    raise CheckpointError(f"{folder}: no weights ({stem}.safetensors or {stem}.safetensors.index.json)")
+
+
+def check_safetensors(path: Path) -> None:
+    """Read the safetensors header and check that the file holds every byte it declares."""
+    if not path.exists():
+        raise CheckpointError(
+            f"{path}: weight file is missing" + (" (a link to a missing blob: incomplete download?)" if path.is_symlink() else "")
+        )
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, no safetensors header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100_000_000 or n > size - 8:
+                raise CheckpointError(f"{path}: weight file is truncated or not safetensors (header of {n} bytes, file {size})")
+            header = json.loads(fh.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: safetensors header is unreadable ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    end = 0
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            end = max(end, int(meta["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise CheckpointError(f"{path}: safetensors header entry {key!r} is malformed") from None
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, the header declares {8 + n + end})")
+
+
+def weight_version(root: Path) -> str:
+    """A cheap identity of the weights: names, sizes and modification times of the files."""
+    h = hashlib.sha256()
+    for name in REQUIRED:
+        for f in sorted((root / name).glob("*")):
+            if f.suffix in (".safetensors", ".bin", ".json"):
+                st = f.stat()
+                h.update(f"{name}/{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Hide transformers' / diffusers' per-load progress bars and info logs (restored afterwards)."""
+    from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    was = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        yield
+    finally:
+        if was:
+            tlog.enable_progress_bar()
+        dlog.set_verbosity(level)
+
+
+def load_component(index: dict[str, Any], root: Path, name: str, *, device: torch.device, dtype: torch.dtype) -> Any:
+    """Load one component by the class ``model_index.json`` names (local files only)."""
+    lib = LIBRARY[name]
+    cls = _library_class(lib, class_of(index, name), f"{root / 'model_index.json'}: component {name!r}")
+    folder = root / name
+    try:
+        with _quiet():
+            if name.startswith("tokenizer"):
+                return cls.from_pretrained(str(folder), local_files_only=True)
+            if name == "scheduler":
+                return cls.from_config(read_json(folder / "scheduler_config.json", "scheduler config"))
+            if lib == "transformers":
+                model = cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+            else:
+                model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
+    return model.to(device).eval().requires_grad_(False)

@@ -1,0 +1,246 @@
+"""The ``denoise`` node: one flow-matching Euler step per ``step()``, on omniloop-policies.
+
+``init`` draws the noise (``[1, C, H/8, W/8]``, diffusers' ``randn_tensor``), packs it into 2x2
+patches (``[1, N, 4C]``), resolves the request's policies and lets them allocate the request's own
+scheduler (``mu`` from ``N`` for FLUX.1 [dev]; for i2i the schedule is cut by ``strength`` and the
+image latents are noised to its first timestep with ``scale_noise``). A step then is one
+transformer forward (embedded guidance: no uncond branch), the sampler step, taps.
+
+Batched steps across requests (``batch_key`` / ``step_batch``): requests whose latents, text
+shapes, step index, timestep and dtype agree run their step as one forward over the stacked batch
+(each request keeps its own guidance value and scheduler); results equal each request alone up to
+float reassociation in the stacked GEMMs (tests/flux/test_batching.py states the tolerance). Not
+batched: a bound block/step interceptor, taps, ``exact`` requests.
+
+With the defaults this is ``FluxPipeline`` / ``FluxImg2ImgPipeline``'s loop op for op
+(tests/flux/test_parity.py compares final latents and the uint8 image with ``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from attrs import define
+
+from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
+from omniloop.interceptors import BlockContext, call_model
+from omniloop.loop import LoopState, RequestState, StageContext, StepResult
+
+from .resolve import FluxParams
+from .stages import vae_scale_factor
+from .transformer import flux_forward
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, H, W]`` → ``[B, (H/2)(W/2), 4C]`` (2x2 patches, channel-major within a patch)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of :func:`pack_latents` for latent height ``h`` and width ``w``."""
+    b, _, ch = latents.shape
+    x = latents.view(b, h // 2, w // 2, ch // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, ch // 4, h, w)
+
+
+def image_ids(h2: int, w2: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Position ids ``[h2 * w2, 3]`` of the packed image tokens: (0, row, column)."""
+    ids = torch.zeros(h2, w2, 3)
+    ids[..., 1] = ids[..., 1] + torch.arange(h2)[:, None]
+    ids[..., 2] = ids[..., 2] + torch.arange(w2)[None, :]
+    return ids.reshape(h2 * w2, 3).to(device=device, dtype=dtype)
+
+
+def _params(state: RequestState) -> FluxParams:
+    return state.read("params", Conditioning).values["params"]
+
+
+@define
+class StepInputs:
+    """One request's model inputs at one step."""
+
+    x: torch.Tensor
+    timestep: torch.Tensor
+    guidance: torch.Tensor | None
+    text: torch.Tensor
+    pooled: torch.Tensor
+    txt_ids: torch.Tensor
+    img_ids: torch.Tensor
+
+
+def stack(inputs: Sequence[StepInputs]) -> dict[str, Any]:
+    """The batch of one forward (request-major); one request passes its tensors untouched."""
+    def cat(ts: list[torch.Tensor]) -> torch.Tensor:
+        return ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+
+    first = inputs[0]
+    return {
+        "hidden_states": cat([i.x for i in inputs]),
+        "timestep": cat([i.timestep for i in inputs]),
+        "guidance": None if first.guidance is None else cat([i.guidance for i in inputs]),  # type: ignore[misc]
+        "encoder_hidden_states": cat([i.text for i in inputs]),
+        "pooled_projections": cat([i.pooled for i in inputs]),
+        "txt_ids": first.txt_ids,
+        "img_ids": first.img_ids,
+    }
+
+
+class Denoise:
+    """One solver step per ``step()``."""
+
+    def __init__(self, menu: Any) -> None:
+        self.menu = menu
+
+    def init(self, ctx: StageContext, state: RequestState) -> LoopState:
+        p = _params(state)
+        pol = p.policies if p.policies is not None else self.menu.resolve(state.request)
+        comps = ctx.components
+        tf, vae = comps["transformer"], comps["vae"]
+        dtype = state.read("prompt_embeds", Embeddings).tensor.dtype
+        vsf = vae_scale_factor(vae)
+        lh, lw = 2 * (p.height // (vsf * 2)), 2 * (p.width // (vsf * 2))
+        channels = tf.config.in_channels // 4
+        generator = state.generator
+        if generator is None:  # driven without a runtime: still deterministic per request
+            generator = torch.Generator("cpu").manual_seed(int(state.request.diffusion.seed or 0))
+        from diffusers.utils.torch_utils import randn_tensor
+
+        loop = LoopState()
+        seq_len = (lh // 2) * (lw // 2)
+        pol.init(loop, device=ctx.device, generator=generator, seq_len=seq_len)
+        shape = (1, channels, lh, lw)
+        cond = state.get("image_latents")
+        if isinstance(cond, Tensors):  # i2i: the image noised to the first kept timestep
+            image_latents = cond.values["latents"].to(device=ctx.device, dtype=dtype)
+            noise = randn_tensor(shape, generator=generator, device=ctx.device, dtype=dtype)
+            sstate = pol.sampler_state(loop)
+            latents = sstate.scheduler.scale_noise(image_latents, sstate.timesteps[:1].repeat(1), noise)
+        else:
+            latents = randn_tensor(shape, generator=generator, device=ctx.device, dtype=dtype)
+        loop.tensors["latents"] = pack_latents(latents)
+        loop.tensors["img_ids"] = image_ids(lh // 2, lw // 2, ctx.device, dtype)
+        loop.extra["latent_hw"] = (lh, lw)
+        return loop
+
+    def step_inputs(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepInputs:
+        pol = loop.policy_state["policies"]
+        latents = loop.tensors["latents"]
+        emb = state.read("prompt_embeds", Embeddings)
+        t = pol.timestep(loop)
+        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
+        guidance = None
+        if ctx.components["transformer"].config.guidance_embeds:
+            g = pol.model_guidance(step, loop)
+            guidance = torch.full([1], float(g), device=latents.device, dtype=torch.float32).expand(latents.shape[0])
+        timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        return StepInputs(
+            x=latents, timestep=timestep / 1000, guidance=guidance, text=emb.tensor, pooled=emb.extra["pooled"],
+            txt_ids=emb.extra["text_ids"], img_ids=loop.tensors["img_ids"],
+        )
+
+    def forward(self, ctx: StageContext, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
+        from .compile import blocks_for
+
+        model = ctx.components["transformer"]
+        return flux_forward(model, block_ctx=block_ctx, blocks=blocks_for(model, ctx), **batch)
+
+    def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
+        pol = loop.policy_state["policies"]
+        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
+        if step.step_index != loop.step:
+            raise RuntimeError(
+                f"node {ctx.node.name!r}: the sampler is at step {step.step_index} but the loop at {loop.step}"
+            )
+        taps = ctx.taps_enabled
+        with torch.no_grad():
+            latents = loop.tensors["latents"]
+            inp = self.step_inputs(ctx, state, loop)
+            preds = {}
+            for branch in pol.plan(step, loop):
+                sc = step.with_branch(branch)
+                batch = stack([inp])
+                bctx = ctx.block_context(sc, loop, prefix="transformer.blocks")
+
+                def compute(batch: dict[str, Any] = batch, bctx: BlockContext | None = bctx) -> torch.Tensor:
+                    return self.forward(ctx, batch, bctx)
+
+                preds[branch] = call_model(ctx.step_interceptors, sc, loop, batch, compute)
+                if taps:
+                    ctx.tap("noise_pred", preds[branch], sc)
+            guided = pol.combine(step, loop, preds)
+            if taps:
+                ctx.tap("guided", guided, step)
+            latents = pol.advance(step, loop, guided, latents)
+        loop.tensors["latents"] = latents
+        if taps:
+            ctx.tap("latents", latents, step)
+        return StepResult(done=pol.done(loop))
+
+    def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
+        lh, lw = loop.extra["latent_hw"]
+        latents = unpack_latents(loop.tensors["latents"], lh, lw)
+        pol = loop.policy_state.get("policies")
+        if pol is not None:
+            state.metrics["policies"] = pol.metrics(loop)
+        times = state.metrics.get("step_seconds")
+        if times:
+            info: dict[str, Any] = {"first_step_seconds": times[0]}
+            if len(times) > 1:
+                info["steady_step_seconds"] = round(statistics.median(times[1:]), 6)
+            from .compile import compile_info
+
+            ci = compile_info(ctx)
+            if ci is not None:
+                info["compile"] = ci
+            state.metrics["denoise"] = info
+        state.write("denoised", Latents(tensor=latents, modality="image"), ctx.node.name)
+        loop.policy_state.pop("sampler", None)
+        loop.policy_state.pop("cfg", None)
+
+    # -- batched steps ----------------------------------------------------------------------------
+    def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
+        if ctx.block_interceptor is not None or ctx.step_interceptors or ctx.block_taps is not None or ctx.taps_enabled:
+            return None
+        if state.request.exact:
+            return None
+        pol = loop.policy_state.get("policies")
+        if pol is None or pol.done(loop):
+            return None
+        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
+        if step.step_index != loop.step:
+            return None
+        emb = state.read("prompt_embeds", Embeddings)
+        lat = loop.tensors["latents"]
+        return (
+            "flux-denoise", tuple(lat.shape), str(lat.dtype), str(lat.device), tuple(emb.tensor.shape),
+            str(emb.tensor.dtype), step.step_index, step.num_steps, step.timestep, pol.sampler.name, pol.cfg.name,
+        )
+
+    def step_batch(
+        self, ctxs: Sequence[StageContext], states: Sequence[RequestState], loops: Sequence[LoopState]
+    ) -> list[StepResult]:
+        if not loops:
+            return []
+        ctx0 = ctxs[0]
+        pols = [lp.policy_state["policies"] for lp in loops]
+        steps = [
+            pol.step_context(lp, request_id=st.request.request_id, node=ctx.node.name)
+            for pol, lp, st, ctx in zip(pols, loops, states, ctxs, strict=True)
+        ]
+        results = []
+        with torch.no_grad():
+            inputs = [self.step_inputs(ctx, st, lp) for ctx, st, lp in zip(ctxs, states, loops, strict=True)]
+            for pol, s, lp in zip(pols, steps, loops, strict=True):
+                pol.plan(s, lp)
+            out = self.forward(ctx0, stack(inputs), None)
+            chunks = out.split([i.x.shape[0] for i in inputs], dim=0) if len(inputs) > 1 else (out,)
+            for pol, s, lp, pred in zip(pols, steps, loops, chunks, strict=True):
+                guided = pol.combine(s, lp, {"cond": pred})
+                lp.tensors["latents"] = pol.advance(s, lp, guided, lp.tensors["latents"])
+                results.append(StepResult(done=pol.done(lp)))
+        return results

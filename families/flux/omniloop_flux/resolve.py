@@ -1,0 +1,207 @@
+"""Request validation and default resolution, shared by ``validate_request`` and the validate node.
+
+Every check raises :class:`omniloop.errors.RequestError` naming the field (``diffusion.height``,
+``inputs[0].path``, ``node_params.denoise.strength``) before any compute; soft problems (a size
+rounded down, a truncated prompt, a negative prompt this model does not use) come back as warnings.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from typing import Any
+
+import attrs
+import torch
+from attrs import define, field
+
+from omniloop.errors import RequestError
+from omniloop.family import LoadedModel
+from omniloop.media import read_image
+from omniloop.request import ImagePart, OmniRequest, TaskType
+
+from .defaults import MAX_SEQUENCE_LENGTH
+
+
+@define(frozen=True)
+class TextParams:
+    """Per-request knobs of the ``text_encode`` node (``node_params.text_encode``)."""
+
+    #: T5 tokens the prompt is padded/truncated to (diffusers' ``max_sequence_length``, at most 512)
+    max_sequence_length: int | None = field(default=None, metadata={"ge": 1, "le": MAX_SEQUENCE_LENGTH})
+
+
+@attrs.define(frozen=True)
+class FluxParams:
+    """A request's resolved parameters (defaults applied, sizes rounded as diffusers does)."""
+
+    task: TaskType
+    prompt: str
+    height: int
+    width: int
+    steps: int
+    guidance_scale: float
+    max_sequence_length: int
+    #: i2i: the fraction of the schedule run (None for t2i)
+    strength: float | None = None
+    #: uint8 [H, W, 3] for i2i, else None
+    image: torch.Tensor | None = None
+    #: the request's ``omniloop_policies.DenoisePolicies``
+    policies: Any = None
+
+
+def _limit(limits: Any, name: str) -> int | None:
+    value = getattr(limits, name, None) if limits is not None else None
+    return int(value) if value is not None else None
+
+
+def load_image_part(request: OmniRequest) -> torch.Tensor:
+    """Decode the request's input image (role ``image``)."""
+    for i, part in enumerate(request.inputs):
+        if not isinstance(part, ImagePart) or part.role != "image":
+            continue
+        if part.path is not None and part.data_b64 is not None:
+            raise RequestError(f"inputs[{i}]", "give an image as path or data_b64, not both")
+        if part.path is not None:
+            return read_image(part.path, name=f"inputs[{i}].path")
+        if part.data_b64 is not None:
+            try:
+                data = base64.b64decode(part.data_b64, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise RequestError(f"inputs[{i}].data_b64", f"is not valid base64 ({exc})") from None
+            return read_image(data, name=f"inputs[{i}].data_b64")
+        raise RequestError(f"inputs[{i}]", "an image part needs a path or data_b64")
+    raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
+
+
+def text_params(request: OmniRequest) -> TextParams:
+    raw = (request.node_params or {}).get("text_encode") or {}
+    if isinstance(raw, TextParams):
+        return raw
+    if not isinstance(raw, dict):
+        raise RequestError("node_params.text_encode", f"expected an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - {"max_sequence_length"})
+    if unknown:
+        raise RequestError(f"node_params.text_encode.{unknown[0]}", "unknown parameter; known: max_sequence_length")
+    v = raw.get("max_sequence_length")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SEQUENCE_LENGTH):
+        raise RequestError(
+            "node_params.text_encode.max_sequence_length", f"must be an integer in [1, {MAX_SEQUENCE_LENGTH}], got {v!r}"
+        )
+    return TextParams(max_sequence_length=v)
+
+
+def count_tokens(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
+
+
+def resolve(
+    model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True, menu: Any = None
+) -> tuple[FluxParams, list[str]]:
+    """Check ``request`` against ``model`` and ``limits``; return its resolved params and warnings."""
+    cfg = model.config
+    warnings: list[str] = []
+    if request.task not in cfg["tasks"]:
+        have = ", ".join(sorted(t.value for t in cfg["tasks"]))
+        raise RequestError("task", f"the FLUX.1 family does not do {request.task.value!r} (it does: {have})")
+    defaults = cfg["defaults"]
+    d = request.diffusion
+    i2i = request.task is TaskType.I2I
+
+    prompt = request.prompt
+    if not prompt or not prompt.strip():
+        raise RequestError("inputs", "a text prompt (a text part with role 'prompt') is required")
+    if request.negative_prompt:
+        warnings.append("the negative prompt is ignored: FLUX.1 runs without classifier-free guidance here")
+    if d.frames not in (None, 1):
+        raise RequestError("diffusion.frames", f"an image request makes one frame, got {d.frames}")
+    shift_req = d.shift if d.shift is not None else ((request.node_params or {}).get("denoise") or {}).get("shift")
+    if shift_req is not None and cfg["dynamic_shifting"]:
+        raise RequestError(
+            "diffusion.shift" if d.shift is not None else "node_params.denoise.shift",
+            "this checkpoint shifts its schedule by resolution (use_dynamic_shifting); a fixed shift does not apply",
+        )
+    for name in ("guidance_scale", "shift", "fps"):
+        v = getattr(d, name)
+        if v is not None and not math.isfinite(v):
+            raise RequestError(f"diffusion.{name}", f"must be a finite number, got {v!r}")
+
+    if menu is None:
+        from .policies import menu_for
+
+        menu = menu_for(model)
+    denoise_params = (request.node_params or {}).get(menu.node) or {}
+    policies = menu.resolve(request)
+    strength = policies.strength
+    if i2i:
+        if strength is None:
+            strength = float(defaults["strength"])
+        if policies.guidance_scale == menu.default_guidance_scale and _no_scale(request, denoise_params):
+            policies = attrs.evolve(policies, guidance_scale=float(defaults["i2i_guidance_scale"]))
+        policies = attrs.evolve(policies, strength=strength)
+    elif strength is not None:
+        raise RequestError(f"node_params.{menu.node}.strength", "strength applies to i2i requests only")
+    steps = int(policies.num_steps)
+    steps_path = f"node_params.{menu.node}.steps" if denoise_params.get("steps") is not None else "diffusion.steps"
+    max_steps = _limit(limits, "max_steps")
+    if max_steps is not None and steps > max_steps:
+        raise RequestError(steps_path, f"{steps} is above this deployment's limit of {max_steps}")
+    if i2i:
+        from omniloop_policies.bundle import strength_steps
+
+        if strength_steps(steps, strength) < 1:
+            raise RequestError(
+                f"node_params.{menu.node}.strength",
+                f"strength {strength} of {steps} steps leaves no step to run; raise strength or steps",
+            )
+
+    multiple = cfg["size_multiple"]
+    sizes = {}
+    for name in ("height", "width"):
+        value = getattr(d, name)
+        value = int(defaults[name]) if value is None else int(value)
+        rounded = value // multiple * multiple
+        if rounded < multiple:
+            raise RequestError(f"diffusion.{name}", f"must be at least {multiple}, got {value}")
+        if rounded != value:
+            warnings.append(f"diffusion.{name} {value} is not a multiple of {multiple}: rounded down to {rounded} (as diffusers does)")
+        lim = _limit(limits, f"max_{name}")
+        if lim is not None and rounded > lim:
+            raise RequestError(f"diffusion.{name}", f"{rounded} is above this deployment's limit of {lim}")
+        sizes[name] = rounded
+
+    tp = text_params(request)
+    max_len = int(tp.max_sequence_length or defaults["max_sequence_length"])
+
+    image = None
+    images = [p for p in request.inputs if isinstance(p, ImagePart)]
+    if i2i:
+        if not any(p.role == "image" for p in images):
+            raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
+        if decode_image:
+            image = load_image_part(request)
+        if len(images) > 1:
+            warnings.append(f"{len(images) - 1} more image input(s) ignored: FLUX.1 i2i takes one image")
+    elif images:
+        warnings.append(f"the image input is ignored: a {request.task.value} request does not use it")
+
+    for key, limit in (("tokenizer", model.components.get("tokenizer")), ("tokenizer_2", model.components.get("tokenizer_2"))):
+        if limit is None:
+            continue
+        cap = int(getattr(limit, "model_max_length", 77)) if key == "tokenizer" else max_len
+        n = count_tokens(limit, prompt)
+        if n > cap:
+            which = "CLIP" if key == "tokenizer" else "T5"
+            warnings.append(f"the prompt is {n} {which} tokens long; the {which} encoder reads {cap}, so it was truncated")
+
+    params = FluxParams(
+        task=request.task, prompt=prompt, height=sizes["height"], width=sizes["width"], steps=steps,
+        guidance_scale=float(policies.guidance_scale), max_sequence_length=max_len,
+        strength=strength if i2i else None, image=image, policies=policies,
+    )
+    return params, warnings
+
+
+def _no_scale(request: OmniRequest, denoise_params: dict[str, Any]) -> bool:
+    return request.diffusion.guidance_scale is None and denoise_params.get("guidance_scale") is None

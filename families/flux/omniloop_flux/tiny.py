@@ -1,0 +1,183 @@
+"""Tiny FLUX.1 checkpoints: same architecture, toy sizes, random weights, diffusers format.
+
+Used by the tests and by anyone who wants to run the whole code path without downloading weights::
+
+    python -m omniloop_flux.tiny OUT_DIR --variant dev
+
+Variants:
+
+* ``dev``     — FLUX.1 [dev]: guidance embedding, dynamic (resolution-dependent) shifting
+* ``schnell`` — FLUX.1 [schnell]: no guidance embedding, constant shift 1.0
+
+Every component is written with ``save_pretrained`` (``model_index.json`` names the classes the
+way the Black Forest Labs repositories do: ``CLIPTextModel`` + ``CLIPTokenizer``,
+``T5EncoderModel`` + ``T5TokenizerFast``). Both tokenizers are built here from a small word list
+(a byte-level BPE for CLIP, a Unigram vocabulary for T5) — nothing is downloaded. Deterministic in
+``seed``; the global torch RNG is left untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VARIANTS = ("dev", "schnell")
+
+_WORDS = (
+    "a an the of in on at with and or to from over under fox cat dog bird fish horse "
+    "runs jumps flies swims walks sits red blue green yellow black white small big lazy quick "
+    "photo portrait scene forest city river sky sea snow night day light dark square circle "
+    "painting drawing beautiful blurry low quality"
+).split()
+
+#: defaults written to ``omniloop.json``: tiny sizes so that a default request runs in a blink
+TINY_DEFAULTS: dict[str, Any] = {"steps": 2, "height": 64, "width": 64, "max_sequence_length": 32}
+
+#: the scheduler configs the FLUX.1 repositories ship
+SCHEDULERS: dict[str, dict[str, Any]] = {
+    "dev": {
+        "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+        "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True,
+    },
+    "schnell": {
+        "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+        "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False,
+    },
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 / CLIP's reversible byte → printable character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def build_clip_tokenizer(out: Path, max_length: int = 77) -> int:
+    """Write a CLIP byte-level BPE tokenizer (every byte, a few whole words); returns its vocab size."""
+    from transformers import CLIPTokenizer
+
+    chars = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    for c in chars:
+        vocab.setdefault(c + "</w>", len(vocab))
+    merges: list[tuple[str, str]] = []
+    for w in _WORDS:  # merge each word left to right: "f o" -> "fo", "fo x</w>" -> "fox</w>"
+        parts = list(w[:-1]) + [w[-1] + "</w>"]
+        while len(parts) > 1:
+            a, b = parts[0], parts[1]
+            if (a, b) not in merges:
+                merges.append((a, b))
+            vocab.setdefault(a + b, len(vocab))
+            parts = [a + b, *parts[2:]]
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab.setdefault(special, len(vocab))
+    tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    tok.save_pretrained(str(out))
+    return len(vocab)
+
+
+def build_t5_tokenizer(out: Path, max_length: int = 512) -> int:
+    """Write a T5-style Unigram tokenizer; returns its vocab size."""
+    from transformers import T5Tokenizer
+
+    vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [("\u2581" + w, -3.0) for w in _WORDS]
+    letters = string.ascii_letters + string.digits
+    vocab += [("\u2581" + c, -8.0) for c in letters]
+    vocab += [(c, -9.0) for c in letters + string.punctuation]
+    tok = T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
+    tok.save_pretrained(str(out))
+    return len(tok)
+
+
+def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0) -> Path:
+    """Write a tiny FLUX.1 checkpoint of ``variant`` (``dev`` or ``schnell``) to ``path``; return it."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
+    import diffusers
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    clip_vocab = build_clip_tokenizer(out / "tokenizer")
+    t5_vocab = build_t5_tokenizer(out / "tokenizer_2")
+    from transformers import CLIPTokenizer
+
+    eos = CLIPTokenizer.from_pretrained(str(out / "tokenizer")).eos_token_id
+    clip_dim, t5_dim, latent = 32, 32, 4
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clip_cfg = CLIPTextConfig(
+            vocab_size=clip_vocab, hidden_size=clip_dim, intermediate_size=37, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=77, projection_dim=clip_dim, hidden_act="gelu",
+            bos_token_id=clip_vocab - 2, eos_token_id=eos, pad_token_id=eos,
+        )
+        CLIPTextModel(clip_cfg).eval().save_pretrained(out / "text_encoder")
+        t5_cfg = T5Config(
+            vocab_size=t5_vocab, d_model=t5_dim, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=32, dropout_rate=0.0,
+            feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        )
+        T5EncoderModel(t5_cfg).eval().save_pretrained(out / "text_encoder_2")
+        AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[8, 8, 8, 8], layers_per_block=1,
+            latent_channels=latent, norm_num_groups=4, sample_size=64, scaling_factor=0.3611,
+            shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True,
+        ).eval().save_pretrained(out / "vae")
+        FluxTransformer2DModel(
+            patch_size=1, in_channels=4 * latent, num_layers=1, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=t5_dim, pooled_projection_dim=clip_dim,
+            guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6),
+        ).eval().save_pretrained(out / "transformer")
+
+    (out / "scheduler").mkdir(exist_ok=True)
+    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(
+        {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": diffusers.__version__,
+         **SCHEDULERS[variant]}, indent=2))
+    index = {
+        "_class_name": "FluxPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    (out / "omniloop.json").write_text(json.dumps({"variant": f"tiny-{variant}", "defaults": TINY_DEFAULTS}, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omniloop_flux.tiny", description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--variant", choices=VARIANTS, default="dev")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = build_tiny_checkpoint(args.out_dir, variant=args.variant, seed=args.seed)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(f"wrote tiny FLUX.1 checkpoint ({args.variant}, {size / 1024:.0f} KB) to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The outer forward of diffusers' ``FluxTransformer2DModel``, owned by omniloop.
+
+:func:`flux_forward` does what ``FluxTransformer2DModel.forward`` does — input projection, time /
+guidance / pooled-text embedding, context projection, rotary embedding of the text and image
+position ids, output norm and projection — with the same tensor operations in the same order, so
+with nothing bound its output is ``torch.equal`` to diffusers'. The difference: the 19 double-stream
+and 38 single-stream blocks run as *one* stack through :func:`omniloop.interceptors.run_blocks`,
+so block interceptors (cache-dit, first-block cache), block taps and parity see every block.
+
+``run_blocks`` carries one tensor: the image tokens. The text tokens, which every Flux block also
+updates (``(encoder_hidden_states, hidden_states) = block(...)``), ride along beside it in the call
+closure. A skipping interceptor therefore reuses image-stream residuals and leaves the text stream
+as the last block that ran left it — which matches cache-dit's own Flux integration exactly when no
+trailing blocks run after a cache hit (``Bn = 0``, its default): the text stream is dropped after
+the last block. Taps and interceptors see the image stream only.
+
+The blocks themselves are diffusers' modules and weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from omniloop.interceptors import BlockContext, run_blocks
+
+
+def all_blocks(model: Any) -> list[Any]:
+    """The double-stream blocks, then the single-stream blocks: the stack ``run_blocks`` runs."""
+    return [*model.transformer_blocks, *model.single_transformer_blocks]
+
+
+def flux_forward(
+    model: Any,
+    hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    pooled_projections: torch.Tensor,
+    img_ids: torch.Tensor,
+    txt_ids: torch.Tensor,
+    guidance: torch.Tensor | None = None,
+    block_ctx: BlockContext | None = None,
+    blocks: Sequence[Any] | None = None,
+) -> torch.Tensor:
+    """Predict the flow for packed latents ``hidden_states`` ``[B, N, 4C]``.
+
+    ``timestep`` is ``[B]`` in [0, 1] (the scheduler's timestep / 1000, as the pipeline passes it);
+    ``guidance`` ``[B]`` for guidance-distilled checkpoints (``guidance_embeds``), else None;
+    ``encoder_hidden_states`` the T5 states ``[B, L, D]``, ``pooled_projections`` CLIP's pooled
+    output ``[B, D']``; ``img_ids`` ``[N, 3]`` and ``txt_ids`` ``[L, 3]`` the position ids.
+    ``blocks`` replaces :func:`all_blocks` (the same blocks compiled). Returns ``[B, N, 4C]``.
+    """
+    hidden_states = model.x_embedder(hidden_states)
+    timestep = timestep.to(hidden_states.dtype) * 1000
+    if guidance is not None:
+        guidance = guidance.to(hidden_states.dtype) * 1000
+        temb = model.time_text_embed(timestep, guidance, pooled_projections)
+    else:
+        temb = model.time_text_embed(timestep, pooled_projections)
+    encoder = [model.context_embedder(encoder_hidden_states)]
+    ids = torch.cat((txt_ids, img_ids), dim=0)
+    image_rotary_emb = model.pos_embed(ids)
+    kwargs: dict[str, Any] = {}
+
+    def call(block: Any, hidden: torch.Tensor) -> torch.Tensor:
+        enc, out = block(
+            hidden_states=hidden, encoder_hidden_states=encoder[0], temb=temb,
+            image_rotary_emb=image_rotary_emb, joint_attention_kwargs=kwargs,
+        )
+        encoder[0] = enc
+        return out
+
+    hidden_states = run_blocks(all_blocks(model) if blocks is None else blocks, hidden_states, block_ctx, call)
+    hidden_states = model.norm_out(hidden_states, temb)
+    return model.proj_out(hidden_states)
