@@ -1,20 +1,32 @@
 """The HTTP API (Starlette), served by uvicorn.
 
 =====================================  ===========================================================
-``POST /v1/videos``                    submit a video job → ``{id, object, status, progress, ...}``
-``GET /v1/videos``                     list jobs
-``GET /v1/videos/{id}``                a job's status and progress
-``GET /v1/videos/{id}/content``        the mp4 (404 unknown, 409 until the job completed)
+``POST /v1/videos``                    submit a video job (JSON or OpenAI's multipart form) →
+                                       OpenAI's ``Video`` object ``{id, object, status, progress, ...}``
+``GET /v1/videos``                     list jobs (``after``, ``limit``, ``order``; cursor pagination)
+``GET /v1/videos/{id}``                a job's status and progress (``openai-poll-after-ms`` header)
+``GET /v1/videos/{id}/content``        the mp4 (``?variant=thumbnail|spritesheet``: png); 404
+                                       unknown, 409 until the job completed (or: it was cancelled)
 ``GET /v1/videos/{id}/events``         server-sent events: ``status``, ``progress``..., ``done``
-``DELETE /v1/videos/{id}``             cancel a queued/running job; delete a finished one
+``POST /v1/videos/{id}/cancel``        cancel a queued/running job, keep its record
+``DELETE /v1/videos/{id}``             delete a job (cancelling it first if it still runs)
 ``POST /v1/images/generations``        OpenAI-like; waits, returns ``data: [{b64_json}]`` (png)
-``GET /v1/models``                     the served model
-``GET /health``                        liveness + queue state (503 when the engine died)
+``GET /v1/models[/{id}]``              the served model
+``GET /health``                        liveness + queue state (503 when the engine died or drains)
 ``GET /metrics``                       Prometheus text
 =====================================  ===========================================================
 
-Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; a validation
-error is 422 with ``param`` the dotted body field path (``detail`` repeats it FastAPI-style).
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a body
+that cannot be read (not JSON, not UTF-8, malformed multipart, empty), 415 for a Content-Type the
+endpoint does not take, 413 for a body over :data:`MAX_BODY_BYTES`, 422 for a readable body with
+an invalid field (``param`` the dotted body field path; ``detail`` repeats it FastAPI-style),
+404, 409, 429 (queue full), 503 (shutting down). Echoed client values are truncated. An exception
+nobody expected is answered with a 500 in the same shape (counted in ``/metrics``), and the
+keep-alive connection stays usable.
+
+Shutdown (:meth:`ServerState.drain`): stop admitting (new jobs get 503), let in-flight jobs finish
+for ``shutdown_timeout`` seconds, cancel what still runs, and append every job's final state to
+``<output folder>/jobs.jsonl``.
 """
 
 from __future__ import annotations
@@ -32,15 +44,17 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from omniloop.errors import RequestError
+from omniloop.request import TaskType
 from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, QueueFull
-from omniloop_scheduler.models import family_defaults
 
-from .bodies import MappedBody, map_image_body, map_video_body
+from .bodies import MappedBody, check_tree, form_to_body, map_image_body, map_video_body, parse_json, show
 from .jobs import Job, JobStore
 from .metrics import render_metrics
 
@@ -48,39 +62,145 @@ log = logging.getLogger("omniloop.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 SSE_KEEPALIVE_S = 15.0
+#: the longest error message / param sent back (client values inside are truncated already)
+MAX_MESSAGE_CHARS, MAX_PARAM_CHARS = 1000, 200
+#: how long a cancel may take to land, and the mp4 writes to finish, after the grace period
+CANCEL_GRACE_S = 30.0
+VARIANTS = {"video": "video/mp4", "thumbnail": "image/png", "spritesheet": "image/png"}
 
 
-def error(status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def _clean(text: str, limit: int) -> str:
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def error(
+    status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An error in OpenAI's shape (422s also carry a FastAPI-style ``detail``)."""
+    message = _clean(str(message), MAX_MESSAGE_CHARS)
+    param = _clean(str(param), MAX_PARAM_CHARS) if param is not None else None
     body: dict[str, Any] = {"error": {"message": message, "type": type_, "param": param, "code": code or type_}}
     if status == 422:
-        body["detail"] = [{"loc": ["body", *(param.split(".") if param else [])], "msg": message, "type": "value_error"}]
-    return JSONResponse(body, status_code=status)
+        loc = ["body"] if param in (None, "", "body") else ["body", *param.split(".")]
+        body["detail"] = [{"loc": loc, "msg": message, "type": "value_error"}]
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class ServerState:
-    def __init__(self, engine: AsyncEngine, output_dir: Path, max_finished_jobs: int) -> None:
+    def __init__(self, engine: AsyncEngine, output_dir: Path, max_finished_jobs: int, shutdown_timeout: float,
+                 poll_after_ms: int) -> None:
         self.engine = engine
         self.runtime = engine.runtime
         self.jobs = JobStore(output_dir, max_finished_jobs)
         self.started_at = time.time()
         self.http_errors: dict[int, int] = {}
+        self.unhandled_errors = 0
+        self.shutdown_timeout = shutdown_timeout
+        self.poll_after_ms = poll_after_ms
+        self.draining = False
+        self._drain_task: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         rt = self.runtime
         self.model_id = rt.deploy.model.preset or Path(str(rt.model_path)).name
-        self.tasks = frozenset(rt.family.tasks)
-        self.defaults = family_defaults(rt)
+        self.tasks = frozenset(getattr(rt, "supported_tasks", None) or getattr(rt, "tasks", None) or rt.family.tasks)
+        self.video_defaults = _defaults(rt, TaskType.T2V if TaskType.T2V in self.tasks else TaskType.I2V)
         cfg = getattr(rt.model, "config", None) or {}
         ts = cfg.get("vae_scale_temporal") if isinstance(cfg, dict) else None
         self.temporal_scale = int(ts) if isinstance(ts, int) else None
 
-    def count(self, resp: Response) -> Response:
-        if resp.status_code >= 400:
-            self.http_errors[resp.status_code] = self.http_errors.get(resp.status_code, 0) + 1
-        return resp
+    def count_status(self, status: int) -> None:
+        if status >= 400:
+            self.http_errors[status] = self.http_errors.get(status, 0) + 1
 
-    def check_model(self, body: Any, mapped: MappedBody) -> None:
+    def check_model(self, body: Any) -> None:
         name = body.get("model") if isinstance(body, dict) else None
         if name is not None and name not in (self.model_id, self.runtime.family.name):
-            raise RequestError("model", f"unknown model {name!r}; this server serves {self.model_id!r}")
+            raise RequestError("model", f"unknown model {show(name)}; this server serves {self.model_id!r}")
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Start draining now (called on SIGTERM/SIGINT by ``omniloop serve``); idempotent."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain(), name="omniloop-drain")
+
+    async def drain(self) -> None:
+        """Stop admitting; finish in-flight jobs within ``shutdown_timeout``, cancel the rest; record all."""
+        self.begin_drain()
+        assert self._drain_task is not None
+        await asyncio.shield(self._drain_task)
+
+    async def _drain(self) -> None:
+        self.draining = True
+        grace = self.shutdown_timeout
+        n = len(self.jobs.in_flight())
+        self.jobs.shutdown_reason = f"the server shut down (it waits {grace:g} s for running jobs)"
+        if n:
+            log.warning("shutting down: %d job(s) in flight; finishing them for up to %g s, then cancelling", n, grace)
+        await self.engine.shutdown(drain=True, timeout=grace)
+        tasks = [j.task for j in self.jobs.jobs.values() if j.task is not None and not j.task.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=CANCEL_GRACE_S)
+        for job in self.jobs.in_flight():  # a follower that did not finish: never leave it unrecorded
+            job.final_status = "failed"
+            job.error = {"code": "shutdown", "message": "the server shut down before the job ended"}
+            job.completed_at = int(time.time())
+            self.jobs._record(job)
+            job.publish("done", job.to_dict())
+        counts = self.jobs.counts()
+        (log.warning if n else log.info)("shut down: jobs %s; final states in %s", counts, self.jobs.output_dir / "jobs.jsonl")
+
+
+def _defaults(rt: Any, task: TaskType) -> dict[str, Any]:
+    try:
+        return dict(rt.defaults(task))
+    except Exception:  # an older runtime without defaults(): the family's
+        from omniloop_scheduler.models import family_defaults
+
+        return family_defaults(rt)
+
+
+class _Guard:
+    """Outermost ASGI layer: counts error statuses; turns an exception nobody handled into a 500 in
+    OpenAI's shape instead of letting it reach uvicorn (which would drop the keep-alive connection)."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = finished = False
+
+        async def _send(message: Any) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+                self.state.count_status(int(message["status"]))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _send)
+        except Exception as exc:
+            self.state.unhandled_errors += 1
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if finished:
+                return  # the 500 went out already (Starlette's handler): keep the connection
+            if started:
+                raise  # half a response: only closing the connection is honest
+            resp = error(500, f"internal server error ({type(exc).__name__})", type_="server_error")
+            await resp(scope, receive, _send)
+
+
+class _HttpError(Exception):
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
 
 
 def create_app(
@@ -90,44 +210,106 @@ def create_app(
     scheduler: str | None = None,
     engine_options: dict[str, Any] | None = None,
     max_finished_jobs: int = 1000,
+    shutdown_timeout: float = 30.0,
+    poll_after_ms: int = 500,
 ) -> Starlette:
-    """A Starlette app serving ``runtime`` through an :class:`AsyncEngine` started with the app."""
+    """A Starlette app serving ``runtime`` through an :class:`AsyncEngine` started with the app.
+
+    ``app.state.omniloop`` is the :class:`ServerState`. ``shutdown_timeout``: seconds in-flight jobs
+    may still finish when the server stops (then they are cancelled). ``poll_after_ms``: the
+    ``openai-poll-after-ms`` hint the SDK's ``poll()`` follows.
+    """
     sched = scheduler or (runtime.deploy.scheduler if runtime.deploy.scheduler in ("step", "serial") else "step")
     engine = AsyncEngine(runtime, sched, **(engine_options or {}))
     out = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="omniloop-jobs-"))
     out.mkdir(parents=True, exist_ok=True)
-    state = ServerState(engine, out, max_finished_jobs)
+    state = ServerState(engine, out, max_finished_jobs, shutdown_timeout, poll_after_ms)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         await engine.start()
         try:
             yield
         finally:
-            await engine.shutdown(drain=False, timeout=30.0)
-            tasks = [j.task for j in state.jobs.jobs.values() if j.task is not None and not j.task.done()]
-            if tasks:
-                await asyncio.wait(tasks, timeout=30.0)
+            await state.drain()
 
-    async def read_json(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
+    def media_type(request: Request, *, form: bool) -> str:
+        ct = request.headers.get("content-type", "")
+        media = ct.split(";", 1)[0].strip().lower()
+        if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+            return "json"
+        if form and media == "multipart/form-data":
+            return "form"
+        takes = "application/json or multipart/form-data" if form else "application/json"
+        raise _HttpError(error(415, f"Content-Type must be {takes}, got {show(ct) if ct else 'none'}",
+                               type_="invalid_request_error", param="Content-Type", code="unsupported_media_type"))
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise _HttpError(error(413, f"body larger than {MAX_BODY_BYTES} bytes", type_="invalid_request_error"))
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise _HttpError(error(413, f"body larger than {MAX_BODY_BYTES} bytes", type_="invalid_request_error"))
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def read_request_body(request: Request, *, form: bool) -> Any:
+        kind = media_type(request, form=form)
+        raw = await read_body(request)
         try:
-            return json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise _HttpError(error(422, f"body is not valid JSON: {exc}", type_="invalid_request_error", param="body")) from None
+            if kind == "json":
+                return parse_json(raw)
+            return await parse_form(request, raw)
+        except RequestError as exc:
+            if exc.path == "body":  # the body could not be read at all
+                raise _HttpError(error(400, exc.message, type_="invalid_request_error", param="body",
+                                       code="invalid_body")) from None
+            raise
+
+    async def parse_form(request: Request, raw: bytes) -> Any:
+        from starlette.formparsers import MultiPartParser
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield raw
+            yield b""
+
+        try:
+            form = await MultiPartParser(request.headers, stream(), max_files=2, max_fields=64).parse()
+        except Exception as exc:  # python-multipart's and Starlette's errors alike
+            raise RequestError("body", f"malformed multipart/form-data body: {show(getattr(exc, 'message', str(exc)), 200)}") from None
+        try:
+            items: list[tuple[str, Any]] = []
+            for key, value in form.multi_items():
+                items.append((key, await value.read() if isinstance(value, UploadFile) else value))
+        finally:
+            await form.close()
+        body = form_to_body(items)
+        check_tree(body)
+        return body
 
     def submit(mapped: MappedBody) -> list[Any]:
         handles = []
         try:
             for r in mapped.requests:
-                handles.append(engine.submit(r))
+                handles.append(_submit_one(r))
         except BaseException:
             for h in handles:  # all or nothing
                 engine.cancel(h.request_id)
             raise
         return handles
+
+    def _submit_one(r: dict[str, Any]) -> Any:
+        try:
+            return engine.submit(r)
+        except (RequestError, AdmissionRefused, QueueFull, EngineClosed):
+            raise
+        except Exception as exc:  # validation raised something else: still the request's fault
+            log.warning("validating request %s raised %s", r.get("request_id"), type(exc).__name__, exc_info=True)
+            raise RequestError("body", f"invalid request ({type(exc).__name__}: {show(str(exc), 200)})") from None
 
     def translate(exc: Exception, mapped: MappedBody | None) -> Response:
         if isinstance(exc, _HttpError):
@@ -143,59 +325,126 @@ def create_app(
             return error(429, str(exc), type_="rate_limit_error", code="queue_full")
         if isinstance(exc, EngineClosed):
             return error(503, str(exc), type_="server_error", code="shutting_down")
-        raise exc
+        log.warning("mapping a request body raised %s", type(exc).__name__, exc_info=True)
+        return error(422, f"invalid request ({type(exc).__name__}: {show(str(exc), 200)})",
+                     type_="invalid_request_error", param="body")
+
+    def closed() -> Response:
+        return error(503, "the server is shutting down and takes no new jobs", type_="server_error", code="shutting_down")
 
     async def create_video(request: Request) -> Response:
         mapped = None
         try:
-            body = await read_json(request)
-            mapped = map_video_body(body, tasks=state.tasks, defaults=state.defaults, temporal_scale=state.temporal_scale)
-            state.check_model(body, mapped)
+            body = await read_request_body(request, form=True)
+            if state.draining:
+                return closed()
+            mapped = map_video_body(body, tasks=state.tasks, defaults=state.video_defaults,
+                                    temporal_scale=state.temporal_scale, model=repr(state.model_id))
+            state.check_model(body)
             if state.jobs.get(mapped.requests[0]["request_id"]) is not None:
                 raise RequestError("request_id", "a job with this id exists (DELETE it first)")
             (handle,) = submit(mapped)
         except Exception as exc:
-            return state.count(translate(exc, mapped))
-        job = Job(handle, model=state.model_id, info=mapped.info)
+            return translate(exc, mapped)
+        info = {"size": f"{state.video_defaults.get('width', 0)}x{state.video_defaults.get('height', 0)}", **mapped.info}
+        if "seconds" not in info:
+            d = handle.request.diffusion
+            frames = d.frames or state.video_defaults.get("frames") or 1
+            fps = d.fps or state.video_defaults.get("fps") or 16.0
+            info["seconds"] = f"{frames / fps:g}"
+        if "size" not in mapped.info:
+            d = handle.request.diffusion
+            if d.width and d.height:
+                info["size"] = f"{d.width}x{d.height}"
+        job = Job(handle, model=state.model_id, info=info)
         state.jobs.add(job, engine)
         return JSONResponse(job.to_dict(), status_code=200)
 
     def find(request: Request) -> Job:
         job = state.jobs.get(request.path_params["video_id"])
         if job is None:
-            raise _HttpError(error(404, f"no video job {request.path_params['video_id']!r}", type_="not_found_error", param="id"))
+            raise _HttpError(error(404, f"no video job {show(request.path_params['video_id'])}",
+                                   type_="invalid_request_error", param="video_id", code="not_found"))
         return job
 
     async def get_video(request: Request) -> Response:
         try:
-            return JSONResponse(find(request).to_dict())
+            job = find(request)
         except _HttpError as exc:
-            return state.count(exc.response)
+            return exc.response
+        headers = {} if job.terminal else {"openai-poll-after-ms": str(state.poll_after_ms)}
+        return JSONResponse(job.to_dict(), headers=headers)
 
     async def list_videos(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [j.to_dict() for j in state.jobs.jobs.values()]})
+        q = request.query_params
+        limit_s = q.get("limit", "20")
+        if not limit_s.isdigit() or not 1 <= int(limit_s) <= 100:
+            return error(422, f"limit: expected an integer from 1 to 100, got {show(limit_s)}",
+                         type_="invalid_request_error", param="limit")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            return error(422, f"order: expected \"asc\" or \"desc\", got {show(order)}", type_="invalid_request_error", param="order")
+        jobs = list(state.jobs.jobs.values())
+        if order == "desc":
+            jobs.reverse()
+        after = q.get("after")
+        if after is not None:
+            ids = [j.id for j in jobs]
+            if after not in ids:
+                return error(404, f"no video job {show(after)} (the after cursor)", type_="invalid_request_error",
+                             param="after", code="not_found")
+            jobs = jobs[ids.index(after) + 1:]
+        limit = int(limit_s)
+        page = jobs[:limit]
+        return JSONResponse({
+            "object": "list", "data": [j.to_dict() for j in page],
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+            "has_more": len(jobs) > limit,
+        })
 
     async def video_content(request: Request) -> Response:
         try:
             job = find(request)
         except _HttpError as exc:
-            return state.count(exc.response)
+            return exc.response
+        variant = request.query_params.get("variant", "video")
+        if variant not in VARIANTS:
+            return error(422, f"variant: expected one of {', '.join(VARIANTS)}, got {show(variant)}",
+                         type_="invalid_request_error", param="variant")
         if job.status != "completed" or job.path is None:
-            return state.count(error(
-                409, f"video {job.id} is {job.status}; its content is available once it completed",
-                type_="invalid_request_error", code=f"video_{job.status}",
-            ))
-        return FileResponse(job.path, media_type="video/mp4", filename=f"{job.id}.mp4")
+            if job.status == "cancelled":
+                why = f"video {job.id} was cancelled; it has no content"
+            elif job.status == "failed":
+                why = f"video {job.id} failed; it has no content ({(job.error or {}).get('message', 'no detail')})"
+            else:
+                why = f"video {job.id} is {job.status}; its content is available once it completed"
+            return error(409, why, type_="invalid_request_error", code=f"video_{job.status}",
+                         headers={"x-should-retry": "false"})
+        path = job.path if variant == "video" else job.path.with_suffix(f".{variant}.png")
+        if not path.is_file():
+            return error(404, f"video {job.id} has no {variant}", type_="invalid_request_error", param="variant",
+                         code="not_found")
+        ext = "mp4" if variant == "video" else f"{variant}.png"
+        return FileResponse(path, media_type=VARIANTS[variant], filename=f"{job.id}.{ext}")
+
+    async def cancel_video(request: Request) -> Response:
+        try:
+            job = find(request)
+        except _HttpError as exc:
+            return exc.response
+        if not job.terminal:
+            job.cancel_requested = True
+            engine.cancel(job.id)
+        return JSONResponse(job.to_dict())
 
     async def delete_video(request: Request) -> Response:
         try:
             job = find(request)
         except _HttpError as exc:
-            return state.count(exc.response)
+            return exc.response
         if not job.terminal:
             job.cancel_requested = True
             engine.cancel(job.id)
-            return JSONResponse(job.to_dict())
         state.jobs.remove(job.id)
         return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
 
@@ -203,7 +452,7 @@ def create_app(
         try:
             job = find(request)
         except _HttpError as exc:
-            return state.count(exc.response)
+            return exc.response
 
         async def stream() -> AsyncIterator[bytes]:
             i = 0
@@ -225,66 +474,93 @@ def create_app(
     async def create_images(request: Request) -> Response:
         mapped = None
         try:
-            body = await read_json(request)
-            mapped = map_image_body(body, tasks=state.tasks)
-            state.check_model(body, mapped)
+            body = await read_request_body(request, form=False)
+            if state.draining:
+                return closed()
+            mapped = map_image_body(body, tasks=state.tasks, model=repr(state.model_id))
+            state.check_model(body)
             handles = submit(mapped)
         except Exception as exc:
-            return state.count(translate(exc, mapped))
+            return translate(exc, mapped)
         outs = await asyncio.gather(*(h.result() for h in handles))
         for h in handles:
             engine.forget(h.request_id)
         bad = next((o for o in outs if not o.ok), None)
         if bad is not None:
             msg = bad.error.message if bad.error else bad.status.value
-            return state.count(error(500, f"image generation {bad.status.value}: {msg}", type_="server_error", code=bad.status.value))
+            return error(500, f"image generation {bad.status.value}: {msg}", type_="server_error", code=bad.status.value)
         try:
             data = await asyncio.to_thread(lambda: [{"b64_json": _png_b64(o)} for o in outs])
         except Exception as exc:
-            return state.count(error(500, f"encoding the image failed: {exc}", type_="server_error"))
-        return JSONResponse({"created": int(time.time()), "data": data})
+            return error(500, f"encoding the image failed: {exc}", type_="server_error")
+        resp: dict[str, Any] = {"created": int(time.time()), "data": data, "output_format": "png"}
+        if "size" in mapped.info:
+            resp["size"] = mapped.info["size"]
+        return JSONResponse(resp)
 
-    async def models(request: Request) -> Response:
+    def model_object() -> dict[str, Any]:
         rt = state.runtime
-        return JSONResponse({"object": "list", "data": [{
+        return {
             "id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "omniloop",
             "family": rt.family.name, "tasks": sorted(t.value for t in state.tasks),
             "limits": {k: getattr(rt.deploy.limits, k) for k in ("max_steps", "max_frames", "max_height", "max_width", "max_queue")},
             "plugins": sorted(rt.components_enabled),
-        }]})
+        }
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    async def get_model(request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if name not in (state.model_id, state.runtime.family.name):
+            return error(404, f"no model {show(name)}; this server serves {state.model_id!r}",
+                         type_="invalid_request_error", param="model", code="model_not_found")
+        return JSONResponse(model_object())
 
     async def health(request: Request) -> Response:
         s = engine.stats()
-        ok = engine.worker_error is None and engine.accepting
+        ok = engine.worker_error is None and engine.accepting and not state.draining
         return JSONResponse({
-            "status": "ok" if ok else "unavailable", "model": state.model_id, "scheduler": engine.scheduler,
-            "queue_depth": s["waiting"], "running": s["running"],
+            "status": "ok" if ok else ("draining" if state.draining else "unavailable"), "model": state.model_id,
+            "scheduler": engine.scheduler, "queue_depth": s["waiting"], "running": s["running"],
         }, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(render_metrics(engine.stats(), state), media_type="text/plain; version=0.0.4")
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+        return error(exc.status_code, str(exc.detail), type_="invalid_request_error", code=code)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return error(500, f"internal server error ({type(exc).__name__})", type_="server_error")
 
     routes = [
         Route("/v1/videos", create_video, methods=["POST"]),
         Route("/v1/videos", list_videos, methods=["GET"]),
         Route("/v1/videos/{video_id}", get_video, methods=["GET"]),
         Route("/v1/videos/{video_id}", delete_video, methods=["DELETE"]),
+        Route("/v1/videos/{video_id}/cancel", cancel_video, methods=["POST"]),
         Route("/v1/videos/{video_id}/content", video_content, methods=["GET"]),
         Route("/v1/videos/{video_id}/events", video_events, methods=["GET"]),
         Route("/v1/images/generations", create_images, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = _App(routes=routes, lifespan=lifespan,
+               exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.omniloop = state
     return app
 
 
-class _HttpError(Exception):
-    def __init__(self, response: Response) -> None:
-        super().__init__(response.status_code)
-        self.response = response
+class _App(Starlette):
+    """Starlette with :class:`_Guard` outside its whole middleware stack."""
+
+    def build_middleware_stack(self) -> Any:
+        return _Guard(super().build_middleware_stack(), self.state.omniloop)
 
 
 def _png_b64(out: Any) -> str:

@@ -6,14 +6,29 @@ OmniRequest fields (``diffusion``, ``plugin_params``, ``node_params``, ``outputs
 ``priority`` ...). Every mapped request field remembers the body field it came from, so a
 :class:`RequestError` raised anywhere later (schema, limits, family validation) is reported with
 the path the client wrote: ``steps``, ``size``, ``omniloop.diffusion.shift``.
+
+Hostile input is refused here, before anything else looks at it (:func:`check_tree`): nesting
+deeper than :data:`MAX_DEPTH`, strings that are not valid Unicode (lone surrogates), integers
+outside int64, non-finite numbers. Client-supplied strings never become file paths: the
+``request_id`` a client may give is metadata checked against a short safe character set (files
+are named by server-made ids, see :mod:`omniloop_server.jobs`), and input parts that name a file
+on the server (``path``) are refused.
+
+``POST /v1/videos`` also takes ``multipart/form-data`` as OpenAI's SDK sends it
+(:func:`form_to_body`): bracketed keys (``omniloop[diffusion][shift]``) nest, numbers arrive as
+text and are converted, ``input_reference`` is an uploaded image file.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
+import json
 import math
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from attrs import define, field
@@ -22,16 +37,31 @@ from omniloop.errors import RequestError
 from omniloop.request import TaskType
 
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
+#: a client-given job id: short and safe (it is metadata and a URL segment, never a file name)
+REQUEST_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,63}$")
 
 COMMON_FIELDS = {
     "prompt", "negative_prompt", "model", "size", "steps", "num_inference_steps", "guidance_scale",
     "seed", "priority", "omniloop", "user",
 }
 VIDEO_FIELDS = COMMON_FIELDS | {"seconds", "frames", "fps", "image", "input_reference"}
-IMAGE_FIELDS = COMMON_FIELDS | {"n", "response_format", "quality", "style", "background", "output_format"}
+IMAGE_FIELDS = COMMON_FIELDS | {"n", "response_format", "quality", "style", "background", "output_format", "moderation"}
 #: accepted for OpenAI client compatibility, without effect
-IGNORED = {"user", "quality", "style", "background"}
+IGNORED = {"user", "quality", "style", "background", "moderation"}
+#: fields of the ``omniloop`` object a client may set (OmniRequest fields; the endpoint sets the task)
+OMNILOOP_FIELDS = {"diffusion", "sampling", "outputs", "node_params", "plugin_params", "exact", "priority",
+                   "request_id", "inputs", "negative_prompt"}
 MAX_IMAGES = 10
+#: deepest nesting of a body (objects and arrays); real bodies are 4 deep
+MAX_DEPTH = 32
+#: integers must fit int64 (seeds are the largest: < 2**63)
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+#: the longest clip a body may ask for in seconds (the deploy's max_frames applies after)
+MAX_SECONDS = 3600.0
+#: the largest input image accepted (bytes, decoded)
+MAX_IMAGE_BYTES = 16 * 1024 * 1024
+#: the longest string echoed back in an error message
+ECHO_CHARS = 80
 
 
 @define
@@ -59,19 +89,227 @@ def body_path(origins: Mapping[str, str], path: str) -> str:
     return f"omniloop.{path}" if path and origins.get("*") == "omniloop" else (path or "body")
 
 
+def show(value: Any, limit: int = ECHO_CHARS) -> str:
+    """A short, printable, valid-UTF-8 rendering of a client value for an error message."""
+    if isinstance(value, (dict, list)):
+        text = f"{type(value).__name__} of {len(value)}"
+    else:
+        try:
+            text = repr(value)
+        except (ValueError, RecursionError):  # ints over Python's str-conversion limit
+            text = f"{type(value).__name__} (too long to show)"
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} chars)"
+
+
+def name_of(key: Any, limit: int = 60) -> str:
+    """A client-given field name as a printable path segment (truncated, valid UTF-8)."""
+    text = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _err(path: str, msg: str) -> RequestError:
     return RequestError(path, msg)
+
+
+# --------------------------------------------------------------------------------------------
+# hostile-input checks
+# --------------------------------------------------------------------------------------------
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows (non-finite numbers are refused)")
+
+
+def parse_json(raw: bytes) -> Any:
+    """Parse a JSON body; raises :class:`RequestError` (path ``body``) for anything malformed."""
+    if not raw.strip():
+        raise _err("body", "the body is empty; expected a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _err("body", f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise _err("body", f"the body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise _err("body", f"the body nests too deeply (at most {MAX_DEPTH} levels)") from None
+    except ValueError as exc:  # NaN/Infinity, integers over Python's digit limit
+        raise _err("body", f"the body is not acceptable JSON: {show(str(exc), 200)}") from None
+    check_tree(body)
+    return body
+
+
+def check_tree(body: Any) -> None:
+    """Refuse what no field accepts, naming where: deep nesting, invalid Unicode, huge ints, NaN/Inf.
+
+    Iterative (a deep body cannot exhaust the stack); every string, key included, is checked.
+    """
+    stack: list[tuple[Any, tuple[str, ...], int]] = [(body, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        where = ".".join(path) or "body"
+        if isinstance(value, Mapping):
+            if depth >= MAX_DEPTH:
+                raise _err(where, f"nested too deeply (at most {MAX_DEPTH} levels)")
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise _err(where, f"field names must be strings, got {show(k)}")
+                if not _valid_unicode(k):
+                    raise _err(where, f"a field name is not valid Unicode (lone surrogate): {show(k)}")
+                stack.append((v, (*path, k), depth + 1))
+        elif isinstance(value, (list, tuple)):
+            if depth >= MAX_DEPTH:
+                raise _err(where, f"nested too deeply (at most {MAX_DEPTH} levels)")
+            for i, v in enumerate(value):
+                stack.append((v, (*path, str(i)), depth + 1))
+        elif isinstance(value, str):
+            if not _valid_unicode(value):
+                raise _err(where, f"not valid Unicode (a lone surrogate): {show(value)}")
+        elif isinstance(value, bool) or value is None:
+            pass
+        elif isinstance(value, int):
+            if not INT_MIN <= value <= INT_MAX:
+                raise _err(where, "integer out of range (must fit in 64 bits)")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise _err(where, f"expected a finite number, got {show(value)}")
+        elif not isinstance(value, (bytes, bytearray)):  # uploaded files (multipart) are bytes
+            raise _err(where, f"unsupported value {type(value).__name__}")
+
+
+def _valid_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# multipart/form-data → body
+# --------------------------------------------------------------------------------------------
+
+_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
+_INT = re.compile(r"^[+-]?\d{1,19}$")
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_INT_FIELDS = {"steps", "num_inference_steps", "seed", "frames", "priority", "n"}
+_FLOAT_FIELDS = {"guidance_scale", "fps"}
+#: leaves under ``omniloop[...]`` that stay text even when they look like numbers
+_TEXT_LEAVES = {"request_id", "prompt", "negative_prompt", "text", "data_b64", "role", "type"}
+MAX_FORM_FIELDS = 64
+
+
+def form_to_body(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """The fields of a multipart form (as OpenAI's SDK encodes a body) → a JSON-like body.
+
+    ``a[b][c]=v`` nests, ``a[]=v`` appends; top-level numeric fields are parsed from their text;
+    leaves under ``omniloop[...]`` that read as JSON numbers or ``true``/``false``/``null`` are
+    converted. ``omniloop`` may also be one field holding a JSON object. Uploaded files become
+    ``bytes``.
+    """
+    body: dict[str, Any] = {}
+    count = 0
+    for key, raw in items:
+        count += 1
+        if count > MAX_FORM_FIELDS:
+            raise _err("body", f"too many form fields (at most {MAX_FORM_FIELDS})")
+        if not isinstance(key, str) or not _valid_unicode(key):
+            raise _err("body", f"a form field name is not valid Unicode: {show(key)}")
+        m = _KEY.match(key)
+        if m is None:
+            raise _err(name_of(key), "malformed form field name")
+        name, rest = m.group(1), m.group(2)
+        subs = re.findall(r"\[([^\[\]]*)\]", rest)
+        if len(subs) >= MAX_DEPTH:
+            raise _err(name, f"nested too deeply (at most {MAX_DEPTH} levels)")
+        value = _form_value(name, subs, raw)
+        _insert(body, [name, *subs], value, key)
+    return body
+
+
+def _form_value(name: str, subs: list[str], raw: Any) -> Any:
+    if not isinstance(raw, str):  # an uploaded file (already read into bytes by the caller)
+        return raw
+    if not _valid_unicode(raw):
+        raise _err(name, f"not valid Unicode: {show(raw)}")
+    if not subs:
+        if name == "omniloop" and raw.lstrip().startswith("{"):
+            return parse_json(raw.encode("utf-8"))
+        if name in _INT_FIELDS and _INT.match(raw.strip()):
+            return int(raw)
+        if name in _FLOAT_FIELDS and _FLOAT.match(raw.strip()):
+            return float(raw)
+        return raw
+    leaf = next((s for s in reversed(subs) if s), name)
+    if name == "omniloop" and leaf not in _TEXT_LEAVES:
+        return _form_scalar(raw)
+    return raw
+
+
+def _form_scalar(raw: str) -> Any:
+    s = raw.strip()
+    if s in ("true", "false"):
+        return s == "true"
+    if s in ("null", ""):
+        return None
+    if _INT.match(s):
+        return int(s)
+    if _FLOAT.match(s):
+        v = float(s)
+        return v if math.isfinite(v) else raw  # left as text: the schema names the field
+    return raw
+
+
+def _insert(body: dict[str, Any], keys: list[str], value: Any, original: str) -> None:
+    node: Any = body
+    for i, k in enumerate(keys):
+        last = i == len(keys) - 1
+        nxt = None if last else keys[i + 1]
+        if isinstance(node, list):
+            if k != "":
+                raise _err(name_of(original), "mixes list and object form fields")
+            if last:
+                node.append(value)
+                return
+            child: Any = [] if nxt == "" else {}
+            node.append(child)
+            node = child
+            continue
+        if k == "":
+            raise _err(name_of(original), "malformed form field name")
+        if last:
+            if k in node:
+                raise _err(name_of(original), "given twice")
+            node[k] = value
+            return
+        want: type = list if nxt == "" else dict
+        if k not in node:
+            node[k] = want()
+        elif not isinstance(node[k], want):
+            raise _err(name_of(original), "given both as a value and as nested fields")
+        node = node[k]
+
+
+# --------------------------------------------------------------------------------------------
+# body → request dict
+# --------------------------------------------------------------------------------------------
 
 
 def _num(body: Mapping[str, Any], name: str, *, integer: bool = False, allow_str: bool = False) -> Any:
     v = body[name]
     if allow_str and isinstance(v, str):
         try:
-            v = float(v)
+            v = float(v.strip()) if _FLOAT.match(v.strip()) else float("nan")
         except ValueError:
-            raise _err(name, f"expected a number, got {v!r}") from None
+            v = float("nan")
+        if not math.isfinite(v):
+            raise _err(name, f"expected a number, got {show(body[name])}")
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise _err(name, f"expected {'an integer' if integer else 'a number'}, got {type(v).__name__} {v!r}")
+        raise _err(name, f"expected {'an integer' if integer else 'a number'}, got {type(v).__name__} {show(v)}")
     if isinstance(v, float) and not math.isfinite(v):
         raise _err(name, "expected a finite number")
     return v
@@ -81,7 +319,7 @@ def _size(body: Mapping[str, Any]) -> tuple[int, int]:
     v = body["size"]
     m = _SIZE.match(v) if isinstance(v, str) else None
     if not m:
-        raise _err("size", f"expected \"WIDTHxHEIGHT\" (e.g. \"832x480\"), got {v!r}")
+        raise _err("size", f"expected \"WIDTHxHEIGHT\" (e.g. \"832x480\"), got {show(v)}")
     w, h = int(m.group(1)), int(m.group(2))
     if w < 1 or h < 1:
         raise _err("size", "width and height must be positive")
@@ -95,30 +333,42 @@ def _merge(into: dict[str, Any], extra: Mapping[str, Any], origins: dict[str, st
         if k in into and isinstance(into[k], dict) and isinstance(v, Mapping):
             _merge(into[k], v, origins, path)
             continue
+        if k in into and isinstance(into[k], dict) and not into[k] and not isinstance(v, Mapping):
+            raise _err(f"omniloop.{path}", f"expected an object, got {type(v).__name__} {show(v)}")
         if k in into:
             raise _err(f"omniloop.{path}", f"given twice: also set by the body field {origins.get(path, path)!r}")
         into[k] = dict(v) if isinstance(v, Mapping) else v
         origins[path] = f"omniloop.{path}"
 
 
+def _text(body: Mapping[str, Any], name: str) -> str:
+    v = body[name]
+    if not isinstance(v, str):
+        raise _err(name, f"expected a string, got {type(v).__name__} {show(v)}")
+    return v
+
+
 def _base(body: Any, allowed: set[str], task: TaskType, id_prefix: str) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    if body is None:
+        raise _err("body", "the body is empty; expected a JSON object")
     if not isinstance(body, Mapping):
-        raise _err("body", f"expected a JSON object, got {type(body).__name__}")
+        raise _err("body", f"expected a JSON object, got {'an array' if isinstance(body, list) else type(body).__name__}")
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
-        raise _err(str(unknown[0]), f"unknown field (accepted: {', '.join(sorted(allowed))})")
+        raise _err(name_of(unknown[0]), f"unknown field (accepted: {', '.join(sorted(allowed))})")
     if "prompt" not in body:
         raise _err("prompt", "missing required field")
-    d: dict[str, Any] = {"task": task.value, "request_id": f"{id_prefix}_{uuid.uuid4().hex[:20]}"}
+    d: dict[str, Any] = {"task": task.value, "request_id": f"{id_prefix}_{uuid.uuid4().hex[:24]}"}
     origins: dict[str, str] = {"inputs": "prompt", "task": "model"}
     diff: dict[str, Any] = {}
     info: dict[str, Any] = {}
     for name in ("prompt", "negative_prompt"):
         if name in body:
-            d[name] = body[name]
+            d[name] = _text(body, name)
             origins[name] = name
-    if "model" in body and not isinstance(body["model"], str):
-        raise _err("model", f"expected a string, got {type(body['model']).__name__}")
+    info["prompt"] = d["prompt"]
+    if "model" in body:
+        _text(body, "model")
     if "size" in body:
         w, h = _size(body)
         diff["width"], diff["height"] = w, h
@@ -147,21 +397,110 @@ def _apply_omniloop(body: Mapping[str, Any], d: dict[str, Any], origins: dict[st
     if extra is None:
         return
     if not isinstance(extra, Mapping):
-        raise _err("omniloop", f"expected an object of OmniRequest fields, got {type(extra).__name__}")
+        raise _err("omniloop", f"expected an object of OmniRequest fields, got {type(extra).__name__} {show(extra)}")
     if "task" in extra:
         raise _err("omniloop.task", "the endpoint decides the task")
+    unknown = sorted(k for k in extra if k not in OMNILOOP_FIELDS)
+    if unknown:
+        raise _err(f"omniloop.{name_of(unknown[0])}", f"unknown field (accepted: {', '.join(sorted(OMNILOOP_FIELDS))})")
+    for name in ("diffusion", "sampling", "outputs", "node_params", "plugin_params"):
+        if name in extra and not isinstance(extra[name], Mapping):
+            raise _err(f"omniloop.{name}", f"expected an object, got {type(extra[name]).__name__} {show(extra[name])}")
+    for name in ("node_params", "plugin_params"):
+        for k, v in (extra.get(name) or {}).items():
+            if not isinstance(v, Mapping):
+                raise _err(f"omniloop.{name}.{name_of(k)}", f"expected an object, got {type(v).__name__} {show(v)}")
+    if "inputs" in extra:
+        _check_inputs(extra["inputs"])
     if "request_id" in extra:
-        d.pop("request_id", None)  # the client names its job
+        rid = extra["request_id"]
+        if not isinstance(rid, str) or not REQUEST_ID.match(rid):
+            raise _err("omniloop.request_id", "must be 1-64 letters, digits or _ . : @ + = - (not starting with "
+                       f"'.' or '-'), got {show(rid)}")
+        d.pop("request_id", None)  # the client names its job (an id, never a file name)
     _merge(d, extra, origins)
 
 
-def map_video_body(body: Any, *, tasks: frozenset[TaskType], defaults: Mapping[str, Any], temporal_scale: int | None) -> MappedBody:
-    """``POST /v1/videos`` body → one request dict (t2v, or i2v with an ``image``)."""
+def _check_inputs(inputs: Any) -> None:
+    """Input parts from a client: data only, never a path on the server."""
+    if not isinstance(inputs, list):
+        raise _err("omniloop.inputs", f"expected a list of input parts, got {type(inputs).__name__} {show(inputs)}")
+    for i, part in enumerate(inputs):
+        if not isinstance(part, Mapping):
+            raise _err(f"omniloop.inputs.{i}", f"expected an object, got {type(part).__name__} {show(part)}")
+        if "path" in part:
+            raise _err(f"omniloop.inputs.{i}.path", "file paths on the server are not accepted over HTTP; send the "
+                       "data (an image as data_b64, or input_reference)")
+        if part.get("type") not in ("text", "image", "action"):
+            raise _err(f"omniloop.inputs.{i}.type", "over HTTP an input part is text, image (data_b64) or action")
+
+
+def _image_bytes(name: str, value: Any) -> bytes:
+    """An image given as uploaded bytes, base64, a data: URL or ``{"image_url": "data:..."}``."""
+    if isinstance(value, Mapping):
+        if "file_id" in value:
+            raise _err(f"{name}.file_id", "file ids are not supported by this server; upload the image instead")
+        if set(value) != {"image_url"}:
+            raise _err(name, "expected an uploaded image file, base64 data, or {\"image_url\": \"data:...\"}")
+        value = value["image_url"]
+        name = f"{name}.image_url"
+        if not isinstance(value, str) or not value.startswith("data:"):
+            raise _err(name, f"only data: URLs are accepted (this server fetches nothing), got {show(value)}")
+    if isinstance(value, (bytes, bytearray)):
+        data = bytes(value)
+    elif isinstance(value, str) and value:
+        if value.startswith("data:"):
+            value = value.split(",", 1)[-1]
+        if len(value) > MAX_IMAGE_BYTES * 4 // 3 + 8:
+            raise _err(name, f"image larger than {MAX_IMAGE_BYTES} bytes")
+        try:
+            data = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise _err(name, "is not valid base64 image data") from None
+    else:
+        raise _err(name, f"expected an image (uploaded file, base64 data or a data: URL), got {type(value).__name__} {show(value)}")
+    if not data:
+        raise _err(name, "the image is empty")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise _err(name, f"image larger than {MAX_IMAGE_BYTES} bytes")
+    try:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as im:
+            im.verify()
+    except Exception as exc:  # any decoder error: it is not an image we can read
+        raise _err(name, f"is not a readable image ({type(exc).__name__})") from None
+    return data
+
+
+def _fps_hint(body: Mapping[str, Any], diff: Mapping[str, Any], defaults: Mapping[str, Any]) -> float:
+    fps = diff.get("fps")
+    if fps is None:
+        extra = body.get("omniloop")
+        ediff = extra.get("diffusion") if isinstance(extra, Mapping) else None
+        fps = ediff.get("fps") if isinstance(ediff, Mapping) else None
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+        fps = defaults.get("fps", 16.0)
+    return float(fps)
+
+
+def map_video_body(
+    body: Any, *, tasks: frozenset[TaskType], defaults: Mapping[str, Any], temporal_scale: int | None,
+    model: str = "this model",
+) -> MappedBody:
+    """``POST /v1/videos`` body → one request dict (t2v, or i2v with ``input_reference``/``image``)."""
     has_image = isinstance(body, Mapping) and ("image" in body or "input_reference" in body)
     task = TaskType.I2V if has_image else TaskType.T2V
     d, origins, info = _base(body, VIDEO_FIELDS, task, "video")
+    if "image" in body and "input_reference" in body:
+        raise _err("image", "give input_reference or image, not both")
+    image_field = "image" if "image" in body else "input_reference"
     if task not in tasks:
-        raise _err("image" if has_image else "model", f"this model does not do {task.value} (it does: {', '.join(sorted(t.value for t in tasks))})")
+        does = ", ".join(sorted(t.value for t in tasks)) or "nothing"
+        if has_image:
+            raise _err(image_field, f"{model} cannot use an input image: it does not do i2v (it does: {does}); "
+                       "serve an image-to-video checkpoint for input_reference")
+        raise _err("model", f"{model} does not do t2v (it does: {does})")
     diff = d.setdefault("diffusion", {})
     if "fps" in body:
         diff["fps"] = _num(body, "fps")
@@ -173,35 +512,30 @@ def map_video_body(body: Any, *, tasks: frozenset[TaskType], defaults: Mapping[s
         origins["diffusion.frames"] = "frames"
     elif "seconds" in body:
         seconds = _num(body, "seconds", allow_str=True)
-        if seconds <= 0:
-            raise _err("seconds", f"must be > 0, got {seconds}")
-        fps = float(diff.get("fps") or (body.get("omniloop") or {}).get("diffusion", {}).get("fps") or defaults.get("fps", 16.0))
+        if not 0 < seconds <= MAX_SECONDS:
+            raise _err("seconds", f"must be > 0 and at most {MAX_SECONDS:g}, got {show(body['seconds'])}")
+        fps = _fps_hint(body, diff, defaults)
         frames = max(1, round(seconds * fps))
         if temporal_scale and temporal_scale > 1:  # e.g. Wan: 4k+1 frames
             frames = max(1, round((frames - 1) / temporal_scale)) * temporal_scale + 1
         diff["frames"] = frames
         origins["diffusion.frames"] = "seconds"
-        info["seconds"] = seconds
+        info["seconds"] = body["seconds"] if isinstance(body["seconds"], str) else f"{seconds:g}"
     if has_image:
-        name = "image" if "image" in body else "input_reference"
-        data = body[name]
-        if not isinstance(data, str) or not data:
-            raise _err(name, "expected base64 image data (or a data: URL)")
-        if data.startswith("data:"):
-            data = data.split(",", 1)[-1]
-        d["inputs"] = [{"type": "image", "data_b64": data, "role": "first_frame"}]
-        origins["inputs"] = name
+        data = _image_bytes(image_field, body[image_field])
+        d["inputs"] = [{"type": "image", "data_b64": base64.b64encode(data).decode("ascii"), "role": "first_frame"}]
+        origins["inputs"] = image_field
     if not diff:
         d.pop("diffusion")
     _apply_omniloop(body, d, origins)
     return MappedBody([d], origins, info)
 
 
-def map_image_body(body: Any, *, tasks: frozenset[TaskType]) -> MappedBody:
+def map_image_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this model") -> MappedBody:
     """``POST /v1/images/generations`` body → ``n`` t2i request dicts (seeds ``seed + i``)."""
     d, origins, info = _base(body, IMAGE_FIELDS, TaskType.T2I, "img")
     if TaskType.T2I not in tasks:
-        raise _err("model", "this model does not generate images (no t2i task)")
+        raise _err("model", f"{model} does not generate images (no t2i task)")
     n = 1
     if "n" in body:
         n = _num(body, "n", integer=True)
@@ -209,20 +543,22 @@ def map_image_body(body: Any, *, tasks: frozenset[TaskType]) -> MappedBody:
             raise _err("n", f"must be between 1 and {MAX_IMAGES}, got {n}")
     fmt = body.get("response_format", "b64_json")
     if fmt != "b64_json":
-        raise _err("response_format", f"only \"b64_json\" is supported, got {fmt!r}")
+        raise _err("response_format", f"only \"b64_json\" is supported, got {show(fmt)}")
     ofmt = body.get("output_format", "png")
     if ofmt != "png":
-        raise _err("output_format", f"only \"png\" is supported, got {ofmt!r}")
+        raise _err("output_format", f"only \"png\" is supported, got {show(ofmt)}")
     d.setdefault("diffusion", {}).setdefault("frames", 1)
     origins.setdefault("diffusion.frames", "omniloop.diffusion.frames")
     _apply_omniloop_images(body, d, origins)
     reqs = []
     base_id = d["request_id"]
-    seed = d["diffusion"].get("seed")
+    seed = d["diffusion"].get("seed") if isinstance(d.get("diffusion"), Mapping) else None
     for i in range(n):
-        r = {**d, "diffusion": dict(d["diffusion"]), "request_id": f"{base_id}_{i}" if n > 1 else base_id}
-        if seed is not None and isinstance(seed, int) and not isinstance(seed, bool):
-            r["diffusion"]["seed"] = seed + i
+        r = {**d, "request_id": f"{base_id}_{i}" if n > 1 else base_id}
+        if isinstance(d.get("diffusion"), Mapping):
+            r["diffusion"] = dict(d["diffusion"])
+            if seed is not None and isinstance(seed, int) and not isinstance(seed, bool) and seed + i <= INT_MAX:
+                r["diffusion"]["seed"] = seed + i
         reqs.append(r)
     info["n"] = n
     return MappedBody(reqs, origins, info)

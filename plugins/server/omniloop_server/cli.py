@@ -10,10 +10,29 @@ import click
 from omniloop.errors import OmniloopError
 
 
-def run_server(app: Any, host: str, port: int, log_level: str) -> None:
+#: how long after the grace period uvicorn still waits for open connections (SSE streams end
+#: when their job ends; cancelling takes one step)
+CONNECTION_GRACE_S = 5.0
+
+
+def run_server(app: Any, host: str, port: int, log_level: str, shutdown_timeout: float = 30.0) -> None:
+    """Run ``app`` with uvicorn. On SIGTERM/SIGINT the app starts draining at once (no new jobs,
+    in-flight jobs get ``shutdown_timeout`` seconds, then are cancelled; final states recorded),
+    while uvicorn stops listening and waits for open connections (SSE clients) to end."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    state = app.state.omniloop
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            loop = state.loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(state.begin_drain)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=max(1, round(shutdown_timeout + CONNECTION_GRACE_S)))
+    _Server(config).run()
 
 
 def make_serve_command(manager: Any = None) -> click.Command:
@@ -30,19 +49,26 @@ def make_serve_command(manager: Any = None) -> click.Command:
                   help="Override the deploy's scheduler (default: the deploy's if step/serial, else step).")
     @click.option("--log-level", default="info", show_default=True,
                   type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-    def serve(deploy_path: Path, host: str, port: int, output_dir: Path | None, scheduler: str | None, log_level: str) -> None:
-        """Serve a deployment over an OpenAI-style HTTP API (videos, images, models, health, metrics)."""
+    @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(0, 86400),
+                  help="On SIGTERM/SIGINT: seconds running jobs may still finish before they are cancelled "
+                       "(new jobs get 503 at once; every job's final state goes to OUTPUT_DIR/jobs.jsonl).")
+    def serve(deploy_path: Path, host: str, port: int, output_dir: Path | None, scheduler: str | None, log_level: str,
+              shutdown_timeout: float) -> None:
+        """Serve a deployment over an OpenAI-style HTTP API (videos, images, models, health, metrics).
+
+        SIGTERM (or Ctrl-C): stop admitting jobs, let running ones finish for --shutdown-timeout
+        seconds, cancel the rest, record each job's final state in OUTPUT_DIR/jobs.jsonl, exit."""
         from omniloop.runtime import Runtime
 
         from .app import create_app
 
         try:
             runtime = Runtime.from_deploy(deploy_path, manager=manager)
-            app = create_app(runtime, output_dir=output_dir, scheduler=scheduler)
+            app = create_app(runtime, output_dir=output_dir, scheduler=scheduler, shutdown_timeout=shutdown_timeout)
         except OmniloopError as exc:
             raise click.ClickException(str(exc)) from None
         click.echo(f"omniloop: serving {runtime.describe()['model']} on http://{host}:{port} "
                    f"(scheduler {app.state.omniloop.engine.scheduler}, outputs in {app.state.omniloop.jobs.output_dir})")
-        run_server(app, host, port, log_level)
+        run_server(app, host, port, log_level, shutdown_timeout)
 
     return serve

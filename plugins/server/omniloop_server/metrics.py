@@ -64,6 +64,11 @@ def render_metrics(s: dict[str, Any], state: Any) -> str:
              [({}, jobs.write_failures)])
     o.metric("omniloop_http_errors_total", "counter", "HTTP error responses by status code.",
              [({"code": str(k)}, v) for k, v in sorted(state.http_errors.items())])
+    o.metric("omniloop_http_unhandled_exceptions_total", "counter",
+             "Exceptions no handler expected (each answered with a 500 or a closed connection).",
+             [({}, state.unhandled_errors)])
+    o.metric("omniloop_job_record_failures_total", "counter", "Final job states that could not be appended to jobs.jsonl.",
+             [({}, jobs.record_failures)])
     budget = s.get("memory_budget_bytes")
     if budget is not None:
         o.metric("omniloop_memory_budget_bytes", "gauge", "Scheduler memory budget for requests.", [({}, budget)])
