@@ -170,12 +170,7 @@ def resolve(
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength) \
                 or not 0.0 < strength <= 1.0:
             raise RequestError("node_params.denoise.strength", f"must be a number in (0, 1], got {strength!r}")
-        strength = float(strength)
-        if int(steps * strength) < 1:
-            raise RequestError(
-                "node_params.denoise.strength",
-                f"strength {strength} of {steps} steps runs no step (steps * strength must be >= 1)",
-            )
+        strength = float(strength)  # > 0 runs at least one step: n - int(n - n * strength) >= 1
         if decode_image:
             image, _ = load_image_part(request)
         elif not any(p.role in IMAGE_ROLES for p in images):
