@@ -1,0 +1,109 @@
+"""Fixtures for the FLUX.1 family tests: tiny checkpoints (built once per session) and runtimes.
+
+Everything runs on CPU in float32 with tiny same-architecture models (1 double-stream and 2
+single-stream blocks, 4 latent channels, T5 context of 32 tokens), 64x64 images (4x4 packed
+tokens), 2-6 steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+import omniloop_flux.plugin as flux_plugin  # noqa: E402
+from omniloop.testing import make_manager  # noqa: E402
+from omniloop_flux.tiny import build_tiny_checkpoint  # noqa: E402
+
+PROMPT = "a red fox jumps over the lazy dog"
+
+
+def flux_manager(step_scheduler: bool = False) -> Any:
+    """Only the FLUX.1 family (+ the inline serial scheduler, + the step scheduler when asked)."""
+    plugins: list[tuple[str, Any]] = [("flux", flux_plugin)]
+    if step_scheduler:
+        import omniloop_scheduler.plugin as sched_plugin
+
+        plugins.append(("scheduler", sched_plugin))
+    return make_manager(*plugins, toy=False)
+
+
+@pytest.fixture(scope="session")
+def flux_ckpt(tmp_path_factory: pytest.TempPathFactory):
+    """``flux_ckpt(variant)`` → path of a tiny checkpoint (``dev`` or ``schnell``), built once per session."""
+    cache: dict[str, Path] = {}
+
+    def get(variant: str = "dev") -> Path:
+        if variant not in cache:
+            cache[variant] = build_tiny_checkpoint(tmp_path_factory.mktemp(f"flux-{variant}"), variant=variant)
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def flux_runtime(flux_ckpt):
+    """``flux_runtime(variant, **deploy)`` → a CPU float32 Runtime (cached when no deploy overrides)."""
+    from omniloop.runtime import Runtime
+
+    cache: dict[str, Any] = {}
+
+    def get(variant: str = "dev", **deploy: Any) -> Any:
+        if not deploy and variant in cache:
+            return cache[variant]
+        step = deploy.get("scheduler") == "step"
+        rt = Runtime.from_model(flux_ckpt(variant), device="cpu", dtype="float32",
+                                manager=flux_manager(step_scheduler=step), **deploy)
+        if not deploy:
+            cache[variant] = rt
+        return rt
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def input_png(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An 80x72 RGB noise image (not the output size: i2i resizes it, as diffusers does)."""
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("flux-input") / "in.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (80, 72, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def t2i(seed: int = 7, steps: int = 3, prompt: str = PROMPT, **diffusion: Any) -> dict[str, Any]:
+    return {"task": "t2i", "prompt": prompt, "diffusion": {"steps": steps, "seed": seed, **diffusion},
+            "outputs": {"return_latents": True}}
+
+
+def i2i(image: Path, seed: int = 3, steps: int = 5, prompt: str = "a blue cat", **extra: Any) -> dict[str, Any]:
+    req = t2i(seed=seed, steps=steps, prompt=prompt, **extra)
+    req["task"] = "i2i"
+    req["inputs"] = [{"type": "image", "path": str(image)}]
+    return req
+
+
+def uint8_of(np_images: Any) -> torch.Tensor:
+    """diffusers' ``output_type="np"`` images → uint8 the way its PIL conversion rounds them."""
+    return torch.from_numpy((np_images * 255).round().astype("uint8"))
+
+
+@pytest.fixture
+def make_t2i():
+    return t2i
+
+
+@pytest.fixture
+def make_i2i():
+    return i2i
+
+
+@pytest.fixture
+def to_uint8():
+    return uint8_of
