@@ -26,7 +26,7 @@ def probe_server(server_checkpoint: Path, tmp_path: Path) -> Iterator[tuple[str,
     probe = Probe()
     rt = make_runtime(server_checkpoint, ("probe", ProbePlugin(probe)), plugins={"probe": {}},
                       scheduler="step", limits={"max_steps": 300, "max_queue": 64})
-    app = create_app(rt, output_dir=tmp_path / "out")
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0, poll_after_ms=50)
     with serving(app) as url:
         yield url, probe, app
 
@@ -36,6 +36,6 @@ def server(server_checkpoint: Path, tmp_path: Path) -> Iterator[tuple[str, Any]]
     from omniloop_server import create_app
 
     rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_steps": 300, "max_height": 64, "max_width": 64})
-    app = create_app(rt, output_dir=tmp_path / "out")
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0, poll_after_ms=50)
     with serving(app) as url:
         yield url, app

@@ -115,7 +115,7 @@ def test_queue_full_is_429_and_server_recovers(server_checkpoint: Path, tmp_path
 
     rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_queue": 1},
                       scheduler_options={"max_running": 1})
-    app = create_app(rt, output_dir=tmp_path / "out")
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0, poll_after_ms=50)
     with serving(app) as url, httpx.Client(base_url=url, timeout=T) as c:
         body = {"prompt": "x", "size": "64x64", "frames": 9, "steps": 200}  # long enough to still run at DELETE
         first = c.post("/v1/videos", json=body).json()
