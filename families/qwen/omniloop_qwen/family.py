@@ -86,7 +86,8 @@ class QwenFamily:
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
         c = model.config
         decode = Decode(eos=c["eos_token_ids"], max_tokens=c["max_tokens"], max_positions=c["max_positions"],
-                        prefill_chunk=c["prefill_chunk"])
+                        prefill_chunk=c["prefill_chunk"], cache=model.components["kv_cache"],
+                        tokenizer=model.components["tokenizer"])
         return PipelineSpec(
             family=self.name, task=task,
             nodes=(

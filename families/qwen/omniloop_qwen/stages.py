@@ -108,11 +108,29 @@ class Prompt:
 class Decode:
     """The autoregressive loop: one prefill chunk or one token per ``step``; see the module docstring."""
 
-    def __init__(self, *, eos: Sequence[int], max_tokens: int, max_positions: int, prefill_chunk: int) -> None:
+    def __init__(
+        self, *, eos: Sequence[int], max_tokens: int, max_positions: int, prefill_chunk: int,
+        cache: CacheManager | None = None, tokenizer: Any = None,
+    ) -> None:
         self.eos = frozenset(int(e) for e in eos)
         self.max_tokens = max_tokens
         self.max_positions = max_positions
         self.prefill_chunk = prefill_chunk
+        self.cache = cache
+        self.tokenizer = tokenizer
+
+    def kv_demand(self, state: RequestState) -> tuple[CacheManager, int] | None:
+        """(pool, blocks) this request reserves at ``init``: what the step scheduler's admission checks."""
+        if self.cache is None or self.tokenizer is None:
+            return None
+        blocks = state.ext.get("qwen.kv_blocks")
+        if blocks is None:
+            req = state.request
+            prompt = state.get("prompt_ids")
+            n = len(prompt.values["ids"]) if isinstance(prompt, Conditioning) else len(
+                render_prompt(self.tokenizer, req, decode_params(req)))
+            blocks = state.ext["qwen.kv_blocks"] = self.cache.blocks_for(n + self.resolve_max_tokens(req, n))
+        return self.cache, int(blocks)
 
     # -- per request -------------------------------------------------------------------------------
     def resolve_max_tokens(self, request: OmniRequest, prompt_len: int) -> int:

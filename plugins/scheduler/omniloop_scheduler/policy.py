@@ -140,11 +140,33 @@ class StepPolicy:
                     f"memory: would need {_gib(need)} with {len(pool)} running "
                     f"({_gib(in_use)} in use) over the budget of {_gib(self.budget)}"
                 )
+        kv = self._kv_blocker(t, pool)
+        if kv is not None:
+            return kv
         limit = self.options.max_round_seconds
         if limit is not None:
             rnd = sum(self.cost.step_seconds(p.shape) for p in (*pool, t))
             if rnd > limit:
                 return f"cost: one round would take {rnd:.3g}s predicted, above max_round_seconds {limit}"
+        return None
+
+    def _kv_blocker(self, t: Ticket, pool: Sequence[Ticket]) -> str | None:
+        """KV-cache room: the request's blocks plus those of admitted requests that have not
+        reserved theirs yet must fit in the pool's free blocks (no mid-decode exhaustion)."""
+        from .pool import kv_demand
+
+        need = kv_demand(t)
+        if need is None:
+            return None
+        cache, blocks, _ = need
+        pending = 0
+        for p in pool:
+            d = kv_demand(p)
+            if d is not None and d[0] is cache and not d[2]:
+                pending += d[1]
+        free = int(cache.free_blocks) - pending
+        if blocks > free:
+            return f"kv cache {getattr(cache, 'name', '')!r}: needs {blocks} blocks, {max(0, free)} free"
         return None
 
     def nonfinite(self, ticket: Ticket, tensor: str, step: int, node: str | None) -> ScheduleDecision:

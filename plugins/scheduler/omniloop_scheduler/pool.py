@@ -79,6 +79,41 @@ class Ticket:
         return f"Ticket({self.request_id}, prio={self.priority}, {self.shape.describe()})"
 
 
+def release_loops(execution: Execution) -> None:
+    """Give back what the loops of a cancelled or failed execution still hold (e.g. KV blocks).
+
+    A loop stage that holds pooled resources across steps may define ``release(state, node)``
+    (idempotent); ``finalize`` frees them on completion, this on cancel and failure.
+    """
+    for node in execution.nodes:
+        release = getattr(node.stage, "release", None)
+        if callable(release) and node.name in execution.state.loops:
+            try:
+                release(execution.state, node.name)
+            except Exception:
+                log.exception("release of node %s failed for %s", node.name, execution.request_id)
+
+
+def kv_demand(ticket: Ticket) -> tuple[Any, int, bool] | None:
+    """(cache pool, blocks, already reserved) of a request whose loop reserves KV blocks at init.
+
+    A loop stage declares it with ``kv_demand(state) -> (pool, blocks) | None``; the pool has
+    ``free_blocks``. None when no stage of the request declares one.
+    """
+    ex = ticket.execution
+    for node in ex.nodes:
+        fn = getattr(node.stage, "kv_demand", None)
+        if callable(fn):
+            try:
+                d = fn(ex.state)
+            except Exception:
+                log.exception("kv_demand failed for %s", ticket.request_id)
+                return None
+            if d is not None:
+                return d[0], int(d[1]), node.name in ex.state.loops
+    return None
+
+
 class PoolListener:
     """Hooks the engine uses for metrics and status (all optional, all called in the pool's thread)."""
 
@@ -271,6 +306,8 @@ class StepPool:
         self._by_id.pop(t.request_id, None)
         self.policy.forget(t.request_id)
         out = t.execution.output
+        if not out.ok:  # a cancelled or failed loop gives its cache blocks back now, not at GC
+            release_loops(t.execution)
         if self.options.calibrate and out.ok and t.max_resident:
             self.memory.observe_resident(t.shape, t.max_resident)
 

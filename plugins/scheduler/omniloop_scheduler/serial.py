@@ -8,6 +8,8 @@ from typing import Any
 from omniloop.execution import Execution, ScheduleDecision
 from omniloop.request import OmniEvent
 
+from .pool import release_loops
+
 
 class SerialScheduler:
     """Runs each execution node by node, loop step by loop step, yielding its events as they happen."""
@@ -27,5 +29,9 @@ class SerialScheduler:
             bus.schedule_decision(decision=ScheduleDecision(
                 scheduler=self.name, action="admit", request_ids=(execution.request_id,), reason="serial: run to completion",
             ))
-        while not execution.done:
-            yield from execution.advance()
+        try:
+            while not execution.done:
+                yield from execution.advance()
+        finally:
+            if execution.done and not execution.output.ok:
+                release_loops(execution)
