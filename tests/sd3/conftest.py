@@ -72,7 +72,7 @@ def reference(tiny_ckpt):
         if key not in cache:
             cls = StableDiffusion3Img2ImgPipeline if img2img else StableDiffusion3Pipeline
             extra = {} if t5 else {"text_encoder_3": None, "tokenizer_3": None}
-            pipe = cls.from_pretrained(tiny_ckpt(variant, t5), torch_dtype=torch.float32, **extra)
+            pipe = cls.from_pretrained(tiny_ckpt(variant, t5), dtype=torch.float32, **extra)
             pipe.set_progress_bar_config(disable=True)
             cache[key] = pipe
         return cache[key]

@@ -319,10 +319,8 @@ def load_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dty
     try:
         with _quiet():
             try:
-                model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True) \
-                    if cls.__module__.startswith("diffusers") else \
-                    cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
-            except TypeError:  # transformers < 4.56 spells it torch_dtype
+                model = cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+            except TypeError:  # older transformers / diffusers spell it torch_dtype
                 model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
     except Exception as exc:
         raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None

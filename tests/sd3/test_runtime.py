@@ -1,0 +1,175 @@
+"""The SD3 family through the runtime: discovery by entry point, diffusers' defaults, bad requests,
+block interceptors and block taps on the joint blocks, the conformance kit."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from omniloop.errors import RequestError
+from omniloop.request import Status
+from omniloop.runtime import Runtime
+from omniloop.testing import completed_latents, make_manager
+from omniloop.testing.conformance import check_family
+
+PROMPT = "a red fox jumps over the lazy dog"
+
+
+def _runtime(ckpt: Path, *plugins: tuple[str, Any], **deploy: Any) -> Runtime:
+    import omniloop_sd3.plugin as sd3_plugin
+
+    return Runtime.from_model(ckpt, manager=make_manager(("sd3", sd3_plugin), *plugins, toy=False), **deploy)
+
+
+def test_from_model_discovers_the_installed_family(tiny_ckpt, t2i_request):
+    rt = Runtime.from_model(tiny_ckpt())  # entry-point discovery, as a user's runtime does
+    assert rt.family.name == "sd3"
+    assert rt.tasks == frozenset({"t2i", "i2i"})
+    out = rt.generate(t2i_request(steps=2))
+    assert out.status is Status.COMPLETED, out.error
+    image = out.artifacts["image"]
+    assert image.pixels.dtype == torch.uint8 and tuple(image.pixels.shape) == (32, 32, 3)
+    assert tuple(image.frames.shape) == (1, 32, 32, 3)
+    assert tuple(out.artifacts["latents"].tensor.shape) == (1, 16, 4, 4)  # [B, C, H/8, W/8]
+    assert "latents" not in rt.generate({**t2i_request(steps=1), "outputs": {}}).artifacts
+
+
+def test_defaults_are_diffusers_pipeline_defaults(tiny_ckpt, tmp_path, reference):
+    from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
+
+    from omniloop.request import TaskType
+    from omniloop_sd3.defaults import defaults_for
+
+    sig = inspect.signature(StableDiffusion3Pipeline.__call__).parameters
+    sig_i2i = inspect.signature(StableDiffusion3Img2ImgPipeline.__call__).parameters
+    d = defaults_for(128, 8)  # the released models: sample_size 128, VAE scale 8
+    t2i, i2i = d[TaskType.T2I], d[TaskType.I2I]
+    assert t2i["steps"] == sig["num_inference_steps"].default == 28
+    assert t2i["guidance_scale"] == sig["guidance_scale"].default == 7.0
+    assert t2i["max_sequence_length"] == sig["max_sequence_length"].default == 256
+    assert (t2i["height"], t2i["width"]) == (1024, 1024)
+    assert i2i["steps"] == sig_i2i["num_inference_steps"].default == 50
+    assert i2i["strength"] == sig_i2i["strength"].default == 0.6
+
+    # without omniloop.json a request giving only a prompt and a seed is diffusers' default call
+    ckpt = tmp_path / "plain"
+    shutil.copytree(tiny_ckpt(), ckpt)
+    (ckpt / "omniloop.json").unlink()
+    rt = _runtime(ckpt)
+    assert rt.defaults("t2i")["steps"] == 28 and rt.defaults("t2i")["height"] == 32
+    out = rt.generate({"task": "t2i", "prompt": PROMPT, "diffusion": {"seed": 3}, "outputs": {"return_latents": True}})
+    assert out.metrics["steps"] == 28 and out.metrics["policies"]["sampler"] == "flow-euler"
+    pipe = reference()
+    assert pipe.scheduler.config.shift == 3.0
+    lat = pipe(PROMPT, generator=torch.Generator().manual_seed(3), output_type="latent").images
+    img = pipe(PROMPT, generator=torch.Generator().manual_seed(3)).images[0]
+    assert torch.equal(completed_latents(out), lat)
+    assert torch.equal(out.artifacts["image"].pixels, torch.from_numpy(np.asarray(img).copy()))
+
+
+@pytest.mark.parametrize(
+    "change, path",
+    [
+        ({"diffusion": {"height": 40}}, "diffusion.height"),
+        ({"diffusion": {"width": 8}}, "diffusion.width"),
+        ({"diffusion": {"height": 1024}}, "diffusion.height"),  # beyond the tiny position embedding
+        ({"diffusion": {"frames": 3}}, "diffusion.frames"),
+        ({"diffusion": {"guidance_scale": math.nan}}, "diffusion.guidance_scale"),
+        ({"node_params": {"denoise": {"strength": 0.5}}}, "node_params.denoise.strength"),  # t2i
+        ({"node_params": {"denoise": {"sampler": "nope"}}}, "node_params.denoise.sampler"),
+        ({"node_params": {"text_encode": {"max_sequence_length": 0}}}, "node_params.text_encode.max_sequence_length"),
+        ({"prompt": " "}, "inputs"),
+    ],
+)
+def test_bad_t2i_requests_name_the_field(sd3_runtime, t2i_request, change, path):
+    req = t2i_request()
+    for k, v in change.items():
+        req[k] = {**req.get(k, {}), **v} if isinstance(v, dict) else v
+    with pytest.raises(RequestError) as err:
+        sd3_runtime().prepare(req)
+    assert err.value.path == path, str(err.value)
+
+
+@pytest.mark.parametrize(
+    "change, path",
+    [
+        ({"node_params": {"denoise": {"strength": 1.5}}}, "node_params.denoise.strength"),
+        ({"node_params": {"denoise": {"strength": 0.0}}}, "node_params.denoise.strength"),
+        ({"inputs": []}, "inputs"),
+        ({"inputs": [{"type": "image", "path": "/no/such/image.png"}]}, "inputs[0].path"),
+        ({"inputs": [{"type": "image", "data_b64": "not base64!"}]}, "inputs[0].data_b64"),
+    ],
+)
+def test_bad_i2i_requests_name_the_field(sd3_runtime, i2i_request, change, path):
+    req = i2i_request()
+    req.update(change)
+    rt = sd3_runtime()
+    with pytest.raises(RequestError) as err:
+        ex = rt.prepare(req)
+        ex.run()  # image decoding errors surface at validate (before any compute) if not at prepare
+        assert ex.output.status is Status.COMPLETED
+    assert err.value.path == path, str(err.value)
+
+
+def test_block_interceptors_and_taps_run_on_the_joint_blocks(tiny_ckpt, t2i_request):
+    import omniloop_fbcache.plugin as fbcache_plugin
+
+    plain = _runtime(tiny_ckpt())
+    cached = _runtime(tiny_ckpt(), ("fbcache", fbcache_plugin), plugins={"fbcache": {"threshold": 0.5, "warmup_steps": 1}})
+    req = t2i_request(steps=6)
+    baseline = completed_latents(plain.generate(req))
+    out = cached.generate(req)
+    hits = sum(m["num_cached_steps"] for m in out.metrics["plugins"]["fbcache"].values())
+    assert hits > 0 and not torch.equal(completed_latents(out), baseline)
+    # threshold 0 computes every block: exactly the baseline (baseline / enabled / disabled)
+    off = cached.generate({**req, "plugin_params": {"fbcache": {"threshold": 0.0}}})
+    assert torch.equal(completed_latents(off), baseline)
+    assert torch.equal(completed_latents(plain.generate(req)), baseline)
+
+
+def test_block_taps_see_every_joint_block(tiny_ckpt, t2i_request):
+    from omniloop.hookspecs import hookimpl
+    from omniloop.family import PluginComponentSpec
+    from omniloop.observers import TapFilter
+
+    seen: list[tuple[str, tuple[int, ...]]] = []
+
+    class Tapper:
+        needs_eager = True
+
+        def __init__(self) -> None:
+            self.filter = TapFilter(".*", r"transformer_blocks\.\d+$", observer="tapper", doing="testing")
+
+        @hookimpl
+        def omniloop_wants_block_taps(self) -> Any:
+            return self.filter.blocks
+
+        @hookimpl
+        def omniloop_tap(self, request: Any, node: Any, step: Any, name: str, value: Any) -> None:
+            seen.append((name, tuple(value.shape)))
+
+    class Plugin:
+        OMNILOOP_HOOK_API = ">=1.0,<2"
+
+        @hookimpl
+        def omniloop_register_observers(self, register: Any) -> None:
+            register(PluginComponentSpec(name="tapper", kind="observer", factory=lambda cfg: Tapper()))
+
+    rt = _runtime(tiny_ckpt(), ("tapper", Plugin()), plugins={"tapper": {}})
+    out = rt.generate(t2i_request(steps=1))
+    assert out.status is Status.COMPLETED, out.error
+    blocks = sorted({n for n, _ in seen if "transformer_blocks" in n})
+    assert blocks == [f"transformer.transformer_blocks.{i}" for i in range(3)], blocks
+    # each block output is the joint sequence [context ; image]: 77 + 256 text tokens + 4 image tokens
+    assert all(s == (2, 77 + 256 + 4, 16) for n, s in seen if "transformer_blocks" in n)
+
+
+def test_conformance_kit(sd3_runtime):
+    check_family(lambda: sd3_runtime(), {"task": "t2i", "prompt": PROMPT, "diffusion": {"steps": 2}}, output="image")
