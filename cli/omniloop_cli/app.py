@@ -2,7 +2,8 @@
 
 * Errors: every :class:`omniloop.errors.OmniloopError` (bad request, deploy, plugin, checkpoint)
   becomes one red line on stderr and exit code 2; anything unexpected becomes one line and exit
-  code 1 (the traceback with ``--debug`` or ``OMNILOOP_DEBUG=1``).
+  code 1 (the traceback with ``--debug`` or ``OMNILOOP_DEBUG=1``); Ctrl-C prints ``interrupted``
+  and exits 130 (128 + SIGINT, as shells do).
 * The plugin manager is the click context object: ``cli.main(obj=manager)`` (or
   ``CliRunner().invoke(cli, args, obj=manager)``) runs the CLI over an isolated manager, which is
   how tests use the toy family; by default it is :func:`omniloop.plugins.default_manager`.
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
+EXIT_INTERRUPTED = 130
 
 
 class CliError(click.ClickException):
@@ -119,6 +121,9 @@ class OmniloopGroup(click.Group):
             raise CliError(f"{exc.format_message()} (see '{where} --help')", exc.exit_code) from None
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except KeyboardInterrupt:
+            click.secho("interrupted", fg="yellow", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
         except OmniloopError as exc:
             if debug_enabled(ctx):
                 raise

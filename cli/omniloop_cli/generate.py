@@ -1,14 +1,19 @@
 """``omniloop generate``: one request, validated before any compute, with rich progress.
 
-Order of work: parse flags → validate the request JSON (schema) → load the deployment (model,
-plugins) → ``Runtime.prepare`` (limits, node/plugin params, the family's checks) → run through the
-deploy's scheduler, showing a progress bar per node and per step → write the output file.
+Order of work: parse flags → validate the request JSON (schema) → check that ``--out`` can be
+written → resolve the deployment without weights and run every request check that needs none
+(``omniloop.Deployment.check``: task, limits, prompt, plugin params, the family's checks when it
+can inspect its checkpoint) → load the model → ``Runtime.prepare`` (node params and the family's
+full checks) → run through the deploy's scheduler, showing a progress bar per node and per step →
+write the output file: an mp4 for a video, a png/webp for an image (an ``Image`` artifact, or a
+video of one frame).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,7 @@ import click
 from .app import fail, get_manager
 
 VIDEO_SUFFIXES = (".mp4",)
-IMAGE_SUFFIXES = (".png",)
+IMAGE_SUFFIXES = (".png", ".webp")
 IMAGE_TASKS = ("t2i", "i2i")
 
 
@@ -148,10 +153,36 @@ def output_path(out: str | None, request: Any) -> Path:
     if out.endswith(("/", os.sep)) or p.is_dir():
         return p / default_name
     if p.suffix.lower() not in VIDEO_SUFFIXES + IMAGE_SUFFIXES:
-        fail(f"--out: unsupported file type {p.suffix or '(none)'!r}; use .mp4 for video or .png for one frame")
+        fail(f"--out: unsupported file type {p.suffix or '(none)'!r}; use .mp4 for video, .png or .webp for an image")
     if p.suffix.lower() in IMAGE_SUFFIXES and not single:
-        fail(f"--out: a .png holds one frame; a {request.task.value} request makes a video (use .mp4, or --frames 1)")
+        fail(f"--out: a {p.suffix.lower()} holds one frame; a {request.task.value} request makes a video (use .mp4, or --frames 1)")
     return p
+
+
+def check_writable(path: Path) -> None:
+    """Fail now (before any model is loaded) if ``path`` cannot be written.
+
+    The nearest existing folder on the way to ``path`` must be a folder we can create a file in
+    (tried for real with a hidden probe file, removed at once: permission bits say nothing on
+    ``/proc`` or a read-only mount); missing folders below it are created at write time.
+    """
+    if path.is_dir():
+        fail(f"--out: {path} is a folder; give a file name, or end the folder with '/'")
+    if path.exists() and not os.access(path, os.W_OK):
+        fail(f"--out: {path} exists and cannot be overwritten (permission denied)")
+    folder = path.parent
+    while not folder.exists():
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    if not folder.is_dir():
+        fail(f"--out: cannot write {path}: {folder} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".omniloop-probe-", dir=folder)
+    except OSError as exc:
+        fail(f"--out: cannot write {path}: {exc.strerror or exc} in {folder}")
+    os.close(fd)
+    os.unlink(probe)
 
 
 @click.command("generate")
@@ -171,7 +202,7 @@ def output_path(out: str | None, request: Any) -> Path:
 @click.option("--plugin-param", "plugin_param", multiple=True, metavar="NAME.KEY=VALUE", help="Tune an enabled plugin for this request (repeatable).")
 @click.option("--device", help="cpu, cuda, cuda:1, ... (overrides the deploy file).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Overrides the deploy file.")
-@click.option("--out", "-o", "out", help="Output file (.mp4 or .png) or folder. Default: ./out/<request_id>.mp4")
+@click.option("--out", "-o", "out", help="Output file (.mp4; .png or .webp for an image) or folder. Default: ./out/<request_id>.mp4 (.png for an image)")
 @click.option("--return-latents", is_flag=True, help="Also save the final latents (<out>.latents.pt).")
 @click.option("--json", "as_json", is_flag=True, help="Print the output's metadata as JSON on stdout.")
 @click.option("--profile", is_flag=True, help="Profile the run (omniloop-profiler): print a per-node/step table and write <out>.profile.json.")
@@ -182,8 +213,11 @@ def generate(
     fps: Any, seed: Any, image: str | None, plugin_param: tuple[str, ...], device: str | None,
     dtype: str | None, out: str | None, return_latents: bool, as_json: bool, profile: bool,
 ) -> None:
-    """Generate a video (or image) from PROMPT and write it to a file."""
-    from omniloop.runtime import Runtime
+    """Generate a video (or image) from PROMPT and write it to a file.
+
+    Bad input (a request field, the deploy, an unwritable --out) is refused before the model
+    loads; Ctrl-C stops the run and exits 130."""
+    from omniloop.runtime import Deployment, Runtime
     from omniloop.schema import request_from_dict
 
     from .progress import RunProgress, console
@@ -197,12 +231,14 @@ def generate(
     )
     request = request_from_dict(req_dict)
     path = output_path(out, request)
+    check_writable(path)
     deploy = build_deploy(deploy_file, model, device, dtype)
     profile_path = path.with_name(path.stem + ".profile.json") if profile else None
     if profile_path is not None:
         deploy = enable_profiler(deploy, get_manager(ctx), profile_path)
 
-    # 2. the deployment, then full validation of the request against it (still no compute)
+    # 2. the request against the deployment, without weights; then the model, and full validation
+    Deployment(deploy, manager=get_manager(ctx)).check(request)
     err = console(stderr=True)
     t0 = time.perf_counter()
     with err.status("loading model ..."):

@@ -25,18 +25,18 @@ def _primary_frames(output: Any) -> tuple[Any, float] | None:
 
 
 def write_outputs(output: Any, path: Path, *, latents: bool = False) -> dict[str, Path]:
-    """Write the video (``.mp4``) or single frame (``.png``) to ``path``; with ``latents``, the final
-    latents beside it (``<stem>.latents.pt``)."""
+    """Write the video (``.mp4``) or image (``.png``/``.webp``: an ``Image`` artifact, or a video of
+    one frame) to ``path``; with ``latents``, the final latents beside it (``<stem>.latents.pt``)."""
     from omniloop import media
 
     files: dict[str, Path] = {}
     picture = _primary_frames(output)
     if picture is not None:
         frames, fps = picture
-        if path.suffix.lower() == ".png":
+        if path.suffix.lower() in media.IMAGE_FORMATS:
             if frames.shape[0] != 1:
-                fail(f"--out: a .png holds one frame; the output has {frames.shape[0]} (use .mp4)")
-            files["output"] = Path(media.write_png(frames[0], path))
+                fail(f"--out: a {path.suffix.lower()} holds one frame; the output has {frames.shape[0]} (use .mp4)")
+            files["output"] = Path(media.write_image(frames[0], path))
         else:
             files["output"] = Path(media.write_mp4(frames, fps, path))
     art = output.artifacts.get("latents") if latents else None

@@ -42,7 +42,7 @@ from .request import (
     TaskType,
     TextPart,
 )
-from .runtime import Runtime
+from .runtime import Deployment, Runtime, check_request
 
 __version__ = "0.1.0"
 
@@ -50,8 +50,8 @@ __all__ = [
     "HOOK_API_VERSION", "Artifact", "Audio", "BlockContext", "BlockInterceptor", "CheckpointError",
     "Conditioning", "DeployConfig", "DeployError", "DiffusionParams", "Embeddings", "Execution",
     "GraphError", "Image", "ImagePart", "KVRef", "Latents", "Limits", "LoopStage", "LoopState",
-    "ModelConfig", "Node", "OmniEvent", "OmniOutput", "OmniRequest", "OmniloopError", "OutputSpec",
+    "Deployment", "ModelConfig", "Node", "OmniEvent", "OmniOutput", "OmniRequest", "OmniloopError", "OutputSpec",
     "PipelineSpec", "PluginError", "RequestError", "RequestState", "Runtime", "Stage", "StageContext",
     "Status", "StepContext", "StepInterceptor", "StepResult", "TaskType", "Tensors", "Text", "TextPart",
-    "VideoFrames", "call_model", "hookimpl", "load_deploy", "run_blocks",
+    "VideoFrames", "call_model", "check_request", "hookimpl", "load_deploy", "run_blocks",
 ]

@@ -60,6 +60,17 @@ class Family(Protocol):
 
         Runs before any compute."""
 
+    # Optional methods (looked up with getattr; a family without them works unchanged):
+    #
+    # def supported_tasks(self, model: LoadedModel) -> Iterable[TaskType]:
+    #     """The tasks this checkpoint can do (default: ``model.tasks``, ``model.config["tasks"]``,
+    #     else ``tasks``). ``Runtime.supported_tasks`` reports it; servers advertise it."""
+    #
+    # def inspect(self, path: Path, *, options: dict[str, Any]) -> LoadedModel:
+    #     """A config-only ``LoadedModel`` (no components, no weights read) on which
+    #     ``validate_request`` and ``supported_tasks`` work. With it, ``omniloop.Deployment.check``
+    #     (and ``omniloop generate``) run the family's request checks before loading anything."""
+
 
 @define(frozen=True)
 class ModelPreset:

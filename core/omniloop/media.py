@@ -1,14 +1,20 @@
 """Reading and writing media: mp4 (PyAV, h264 yuv420p), png, and input images.
 
-Writes are atomic: the file is written next to its destination under a temporary name and moved
-into place with ``os.replace``, so a reader never sees half a video. PyAV and Pillow are imported
-lazily; when one is missing the error says which package to install (``omniloop[media]``).
+Writes are atomic: the file is written next to its destination under a temporary name
+(``.<name>.<12 hex>.tmp<suffix>``) and moved into place with ``os.replace``, so a reader never sees
+half a video. A process killed mid-write (SIGKILL, power loss) leaves its temporary file behind;
+the next write into the same folder removes such leftovers — only names of exactly this pattern,
+only when older than :data:`STALE_TEMP_SECONDS`, so a write in progress in another process is never
+touched. PyAV and Pillow are imported lazily; when one is missing the error says which package to
+install (``omniloop[media]``).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,11 +47,45 @@ def _import_pil() -> Any:
     return Image
 
 
+#: a temporary file of ours older than this is a leftover of a killed write (no encode of one
+#: output takes an hour; a live writer's file is younger)
+STALE_TEMP_SECONDS = 3600.0
+#: exactly the names :func:`_atomic_path` makes: ``.<dest name>.<12 hex>.tmp<suffix>``
+_TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp\.(mp4|png|webp)$")
+
+
+def clean_stale_temp_files(folder: str | os.PathLike[str], *, older_than: float = STALE_TEMP_SECONDS) -> list[Path]:
+    """Remove this module's temporary files left in ``folder`` by killed writes; return them.
+
+    Only regular files whose name matches our pattern exactly and whose modification time is more
+    than ``older_than`` seconds ago; never follows links, never looks into sub-folders, and any
+    file that cannot be removed is skipped."""
+    removed: list[Path] = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not _TEMP_NAME.match(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not entry.is_file(follow_symlinks=False) or now - st.st_mtime <= older_than:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
+
+
 @contextmanager
 def _atomic_path(path: str | os.PathLike[str], suffix: str) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; move it onto ``path`` only if the block succeeds."""
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temp_files(dest.parent)
     # not mkstemp: its 0600 mode would stick to the final file; a random name is enough here
     tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp{suffix}"
     try:
@@ -125,6 +165,28 @@ def write_png(pixels: torch.Tensor, path: str | os.PathLike[str]) -> Path:
     return Path(path)
 
 
+#: image file types :func:`write_image` writes, by suffix
+IMAGE_FORMATS = {".png": "PNG", ".webp": "WEBP"}
+
+
+def write_image(pixels: torch.Tensor, path: str | os.PathLike[str]) -> Path:
+    """Write uint8 ``[H, W, 3]`` pixels as the image type of ``path``'s suffix: ``.png``, or
+    ``.webp`` (lossless, so the pixels read back equal). Other suffixes raise ``ValueError``."""
+    suffix = Path(path).suffix.lower()
+    fmt = IMAGE_FORMATS.get(suffix)
+    if fmt is None:
+        raise ValueError(f"unsupported image type {suffix or '(none)'!r}; use {' or '.join(IMAGE_FORMATS)}")
+    if fmt == "PNG":
+        return write_png(pixels, path)
+    image_mod = _import_pil()
+    if isinstance(pixels, torch.Tensor) and pixels.ndim == 4:
+        pixels = pixels[0]
+    arr = _check_frames(pixels, 3, "pixels").numpy()
+    with _atomic_path(path, suffix) as tmp:
+        image_mod.fromarray(arr, mode="RGB").save(tmp, format=fmt, lossless=True, quality=100, method=4)
+    return Path(path)
+
+
 def read_image(source: str | os.PathLike[str] | bytes, name: str = "image") -> torch.Tensor:
     """Decode an image file (path or bytes) to uint8 ``[H, W, 3]`` RGB.
 
@@ -158,4 +220,7 @@ def to_pil(pixels: torch.Tensor) -> Any:
     return image_mod.fromarray(_check_frames(pixels, 3, "pixels").numpy(), mode="RGB")
 
 
-__all__ = ["MediaError", "pad_to_even", "read_image", "to_pil", "write_mp4", "write_png"]
+__all__ = [
+    "IMAGE_FORMATS", "MediaError", "clean_stale_temp_files", "pad_to_even", "read_image", "to_pil",
+    "write_image", "write_mp4", "write_png",
+]

@@ -1,10 +1,16 @@
 """The runtime: loads a deployment, builds pipelines, validates requests, runs them.
 
-``Runtime.from_deploy(deploy)`` does, in order and before any compute: discover plugins,
-resolve the model (preset or path → family), check the attention backend, build the enabled
-interceptors/observers from their validated config, load the family's components once, and the
-scheduler. Pipelines are built lazily per task and cached. ``prepare(request)`` validates the
-request completely (task, limits, node and plugin params, the family's own checks) and returns an
+``Deployment(deploy)`` resolves a deployment without reading any weights: discover plugins,
+resolve the model (preset or path → family), check the device, the attention backend, the
+scheduler's name and every enabled plugin's config. ``Deployment.check(request)`` runs every
+request check that needs no weights (task, limits, prompt, plugin params, exact-mode rules, and the
+family's own checks when the family can ``inspect`` a checkpoint from its config files), so a front
+end refuses a bad request before spending seconds loading a model (:func:`check_request`).
+
+``Runtime.from_deploy(deploy)`` is a :class:`Deployment` that then builds the enabled
+interceptors/observers, loads the family's components once, and the scheduler. Pipelines are built
+lazily per task and cached. ``prepare(request)`` validates the request completely (task, limits,
+node and plugin params, the family's own checks) and returns an
 :class:`~omniloop.execution.Execution` for a scheduler to drive.
 """
 
@@ -33,10 +39,21 @@ log = logging.getLogger("omniloop")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Runtime:
-    """A loaded deployment. Thread-compatible: drive it from one scheduler."""
+#: tasks whose requests are conditioned on text: they need a non-blank prompt
+TEXT_TASKS = frozenset({TaskType.T2V, TaskType.T2I, TaskType.T2A, TaskType.TTS})
 
-    def __init__(self, deploy: DeployConfig, *, manager: PluginManager | None = None) -> None:
+
+class Deployment:
+    """A deployment resolved without loading weights; :meth:`check` validates requests against it.
+
+    Construction raises :class:`DeployError`/:class:`PluginError` for what :class:`Runtime` would
+    refuse before loading (unknown preset, family, backend, scheduler or plugin, a bad plugin
+    config, a device this machine lacks). Nothing a plugin factory or a family's ``load`` does runs.
+    """
+
+    def __init__(self, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
+                 manager: PluginManager | None = None) -> None:
+        deploy = load_deploy(deploy)
         self.deploy = deploy
         self.plugins = manager or default_manager()
         self.registry: Registry = self.plugins.registry()
@@ -44,41 +61,92 @@ class Runtime:
         self.dtype = _DTYPES[deploy.dtype]
         self.family, self.model_path = self._resolve_model()
         self.attention = self._resolve_attention()
-        self.components_enabled = self._build_components()
-        self.scheduler = self._resolve_scheduler()
+        #: enabled interceptors/observers: name -> (spec, validated deploy config)
+        self.component_configs: dict[str, tuple[PluginComponentSpec, Any]] = self._component_configs()
+        self._scheduler_spec = self._scheduler_spec_of()
         self.options: dict[str, Any] = {
             "deploy": deploy, "registry": self.registry, "attention": self.attention,
             **self.preset_options, **deploy.options,
         }
-        self.model: LoadedModel = self.family.load(
-            self.model_path, device=self.device, dtype=self.dtype, options=self.options
-        )
-        self._pipelines: dict[TaskType, BuiltPipeline] = {}
+        self._inspected: LoadedModel | None | bool = False  # False: not asked yet
 
-    # -- construction ------------------------------------------------------------------------
-    @classmethod
-    def from_deploy(
-        cls, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *, manager: PluginManager | None = None
-    ) -> Runtime:
-        return cls(load_deploy(deploy), manager=manager)
+    # -- what the checkpoint can do, without its weights ---------------------------------------
+    def inspect(self) -> LoadedModel | None:
+        """The family's config-only view of the checkpoint (``family.inspect``), or None when the
+        family offers none. It has no components; families use it for checks that need no weights."""
+        if self._inspected is False:
+            fn = getattr(self.family, "inspect", None)
+            self._inspected = fn(self.model_path, options=self.options) if callable(fn) else None
+        return self._inspected if isinstance(self._inspected, LoadedModel) else None
 
-    @classmethod
-    def from_model(
-        cls, model: str | os.PathLike[str], device: str = "cpu", dtype: str = "float32",
-        *, manager: PluginManager | None = None, **deploy: Any,
-    ) -> Runtime:
-        """A runtime for a preset name (``wan-demo``) or a checkpoint path.
+    @property
+    def supported_tasks(self) -> frozenset[TaskType]:
+        """The tasks the checkpoint supports, as far as is known without loading it."""
+        model = self.inspect()
+        return _tasks_of(self.family, model) if model is not None else frozenset(self.family.tasks)
 
-        ``deploy`` takes any other DeployConfig field (``plugins={...}``, ``limits={...}``);
-        ``manager`` is the PluginManager to use (default: the installed entry points).
-        """
-        s = str(model)
-        looks_like_path = os.sep in s or s.startswith(".") or Path(s).exists()
-        model_cfg = {"path": s} if looks_like_path else {"preset": s}
-        if "family" in deploy:
-            model_cfg["family"] = deploy.pop("family")
-        data = {"model": model_cfg, "device": device, "dtype": dtype, **deploy}
-        return cls(load_deploy(data), manager=manager)
+    def check(self, request: OmniRequest | Mapping[str, Any]) -> OmniRequest:
+        """Every check of ``request`` that needs no weights; returns the validated request.
+
+        Raises :class:`RequestError` naming the field. :meth:`Runtime.prepare` re-runs these and
+        adds the checks that need the loaded model (node params, the family's full checks)."""
+        req = request if isinstance(request, OmniRequest) else request_from_dict(request)
+        model = self.inspect()
+        self._check_task(req, model)
+        self._check_common(req)
+        self._check_plugin_params(req)
+        if model is not None:
+            self.family.validate_request(model, req, self.deploy.limits)
+        return req
+
+    def _check_task(self, req: OmniRequest, model: LoadedModel | None) -> None:
+        tasks = self.supported_tasks
+        if req.task in tasks:
+            return
+        have = ", ".join(sorted(t.value for t in tasks))
+        if req.task in self.family.tasks:  # the family can, this checkpoint cannot: let it say why
+            if model is not None:
+                self.family.validate_request(model, req, self.deploy.limits)
+            raise RequestError("task", f"{req.task.value!r} is not supported by the checkpoint at {self.model_path} (supported: {have})")
+        raise RequestError("task", f"{req.task.value!r} is not supported by family {self.family.name!r} (supported: {have})")
+
+    def _check_common(self, req: OmniRequest) -> None:
+        self._check_limits(req)
+        if req.task in TEXT_TASKS:
+            prompt = req.prompt
+            if prompt is None or not prompt.strip():
+                raise RequestError("inputs", f"a {req.task.value} request needs a non-empty prompt (a text part with role 'prompt')")
+        if req.exact and self.attention.distribution_altering:
+            raise RequestError("exact", f"attention backend {self.attention.name!r} alters outputs; exact requests cannot use it")
+
+    def _check_limits(self, req: OmniRequest) -> None:
+        d, lim = req.diffusion, self.deploy.limits
+        for field, value, limit in (
+            ("steps", d.steps, lim.max_steps), ("frames", d.frames, lim.max_frames),
+            ("height", d.height, lim.max_height), ("width", d.width, lim.max_width),
+        ):
+            if value is not None and value > limit:
+                raise RequestError(f"diffusion.{field}", f"{value} is above this deployment's limit of {limit}")
+
+    def _check_plugin_params(self, req: OmniRequest) -> dict[str, Any]:
+        params: dict[str, Any] = {}
+        enabled = self.component_configs
+        for name, p in req.plugin_params.items():
+            if name not in enabled:
+                names = ", ".join(sorted(enabled)) or "none"
+                raise RequestError(f"plugin_params.{name}", f"plugin {name!r} is not enabled in this deployment (enabled: {names})")
+            spec, _ = enabled[name]
+            if req.exact and spec.distribution_altering:
+                raise RequestError(f"plugin_params.{name}", f"plugin {name!r} alters outputs; an exact request cannot tune it")
+            if spec.params_schema is None:
+                if p:
+                    raise RequestError(f"plugin_params.{name}", f"plugin {name!r} takes no request parameters")
+                continue
+            params[name] = structure_params(spec.params_schema, p, f"plugin_params.{name}")
+        for name, (spec, _) in enabled.items():  # defaults for the untuned
+            if name not in params and spec.params_schema is not None:
+                params[name] = structure_params(spec.params_schema, {}, f"plugin_params.{name}")
+        return params
 
     def _resolve_model(self) -> tuple[Any, Path]:
         m = self.deploy.model
@@ -131,8 +199,8 @@ class Runtime:
             raise DeployError(f"attention_backend: {name!r} cannot run here: {reason}")
         return spec
 
-    def _build_components(self) -> dict[str, tuple[PluginComponentSpec, Any]]:
-        built: dict[str, tuple[PluginComponentSpec, Any]] = {}
+    def _component_configs(self) -> dict[str, tuple[PluginComponentSpec, Any]]:
+        out: dict[str, tuple[PluginComponentSpec, Any]] = {}
         for name, conf in self.deploy.plugins.items():
             spec = self.registry.component(name)
             if spec is None:
@@ -147,19 +215,15 @@ class Runtime:
                     raise DeployError(f"deploy config: {exc}") from None
             elif conf:
                 raise DeployError(f"plugins.{name}: this plugin takes no options, got {sorted(conf)}")
-            try:
-                obj = spec.factory(config)
-            except Exception as exc:
-                raise PluginError(f"plugins.{name}: could not be created: {type(exc).__name__}: {exc}") from exc
-            built[name] = (spec, obj)
-        blocks = [n for n, (s, _) in built.items() if s.kind == "block_interceptor"]
+            out[name] = (spec, config)
+        blocks = [n for n, (s, _) in out.items() if s.kind == "block_interceptor"]
         if len(blocks) > 1:
             raise DeployError(
                 f"plugins: two block interceptors are enabled ({', '.join(blocks)}); a loop runs its blocks through one"
             )
-        return built
+        return out
 
-    def _resolve_scheduler(self) -> Any:
+    def _scheduler_spec_of(self) -> Any:
         name = self.deploy.scheduler
         spec = self.registry.schedulers.get(name)
         if spec is None:
@@ -167,21 +231,90 @@ class Runtime:
             known = ", ".join(sorted(self.registry.schedulers)) or "none installed"
             hint = " (pip install omniloop-scheduler)" if not self.registry.schedulers else ""
             raise DeployError(f"scheduler: unknown scheduler {name!r} (available: {known}){hint}")
+        return spec
+
+
+def deploy_for_model(model: str | os.PathLike[str], device: str = "cpu", dtype: str = "float32", **deploy: Any) -> DeployConfig:
+    """The deploy config :meth:`Runtime.from_model` uses: a preset name or a checkpoint path."""
+    s = str(model)
+    looks_like_path = os.sep in s or s.startswith(".") or Path(s).exists()
+    model_cfg = {"path": s} if looks_like_path else {"preset": s}
+    if "family" in deploy:
+        model_cfg["family"] = deploy.pop("family")
+    return load_deploy({"model": model_cfg, "device": device, "dtype": dtype, **deploy})
+
+
+def check_request(
+    deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], request: OmniRequest | Mapping[str, Any],
+    *, manager: PluginManager | None = None,
+) -> OmniRequest:
+    """Validate ``request`` against ``deploy`` without loading any weights (see :meth:`Deployment.check`)."""
+    return Deployment(deploy, manager=manager).check(request)
+
+
+class Runtime(Deployment):
+    """A loaded deployment. Thread-compatible: drive it from one scheduler."""
+
+    def __init__(self, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
+                 manager: PluginManager | None = None) -> None:
+        super().__init__(deploy, manager=manager)
+        self.components_enabled = self._build_components()
+        self.scheduler = self._resolve_scheduler()
+        self.model: LoadedModel = self.family.load(
+            self.model_path, device=self.device, dtype=self.dtype, options=self.options
+        )
+        self._pipelines: dict[TaskType, BuiltPipeline] = {}
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_deploy(
+        cls, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *, manager: PluginManager | None = None
+    ) -> Runtime:
+        return cls(load_deploy(deploy), manager=manager)
+
+    @classmethod
+    def from_model(
+        cls, model: str | os.PathLike[str], device: str = "cpu", dtype: str = "float32",
+        *, manager: PluginManager | None = None, **deploy: Any,
+    ) -> Runtime:
+        """A runtime for a preset name (``wan-demo``) or a checkpoint path.
+
+        ``deploy`` takes any other DeployConfig field (``plugins={...}``, ``limits={...}``);
+        ``manager`` is the PluginManager to use (default: the installed entry points).
+        """
+        return cls(deploy_for_model(model, device, dtype, **deploy), manager=manager)
+
+    def _build_components(self) -> dict[str, tuple[PluginComponentSpec, Any]]:
+        built: dict[str, tuple[PluginComponentSpec, Any]] = {}
+        for name, (spec, config) in self.component_configs.items():
+            try:
+                obj = spec.factory(config)
+            except Exception as exc:
+                raise PluginError(f"plugins.{name}: could not be created: {type(exc).__name__}: {exc}") from exc
+            built[name] = (spec, obj)
+        return built
+
+    def _resolve_scheduler(self) -> Any:
+        spec = self._scheduler_spec
         return spec.factory(self, **self.deploy.scheduler_options) if _takes_runtime(spec.factory) else spec.factory()
 
     # -- pipelines ------------------------------------------------------------------------------
+    def inspect(self) -> LoadedModel:
+        """The loaded model (a runtime needs no config-only view)."""
+        return self.model
+
+    @property
+    def supported_tasks(self) -> frozenset[TaskType]:
+        """The tasks the loaded checkpoint can actually do (a T2V checkpoint of a family that also
+        does I2V lists only ``t2v``): the family's ``supported_tasks(model)`` when it has one,
+        else what the loaded model declares (``LoadedModel.tasks``, ``config["tasks"]``), else
+        the family's ``tasks``. Front ends advertise this, not ``family.tasks``."""
+        return _tasks_of(self.family, self.model)
+
     @property
     def tasks(self) -> frozenset[TaskType]:
-        """The tasks the loaded checkpoint supports (narrower than the family's when it says so)."""
-        if self.model.tasks is not None:
-            return frozenset(self.model.tasks)
-        declared = self.model.config.get("tasks")
-        if declared:
-            try:
-                return frozenset(TaskType(t) for t in declared)
-            except ValueError:
-                pass
-        return frozenset(self.family.tasks)
+        """Same as :attr:`supported_tasks` (the older name)."""
+        return self.supported_tasks
 
     def defaults(self, task: TaskType | str) -> dict[str, Any]:
         """The defaults a request of ``task`` gets for fields it leaves unset (steps, size, frames, fps, ...)."""
@@ -226,30 +359,15 @@ class Runtime:
     def prepare(self, request: OmniRequest | Mapping[str, Any]) -> Execution:
         """Validate ``request`` completely (before any compute) and return its execution."""
         req = request if isinstance(request, OmniRequest) else request_from_dict(request)
-        if req.task not in self.tasks:
-            have = ", ".join(sorted(t.value for t in self.tasks))
-            if req.task in self.family.tasks:  # the family can, this checkpoint cannot: let it say why
-                self.family.validate_request(self.model, req, self.deploy.limits)
-                raise RequestError("task", f"{req.task.value!r} is not supported by the checkpoint at {self.model_path} (supported: {have})")
-            raise RequestError("task", f"{req.task.value!r} is not supported by family {self.family.name!r} (supported: {have})")
-        self._check_limits(req)
+        self._check_task(req, self.model)
+        self._check_common(req)
         built = self.pipeline(req.task)
         node_params = self._node_params(req, built)
-        plugin_params, active = self._plugin_params(req, built)
+        plugin_params = self._check_plugin_params(req)
+        active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
         warnings = list(self.family.validate_request(self.model, req, self.deploy.limits) or [])
-        if req.exact and self.attention.distribution_altering:
-            raise RequestError("exact", f"attention backend {self.attention.name!r} alters outputs; exact requests cannot use it")
         return Execution(built, req, node_params=node_params, plugin_params=plugin_params,
                          warnings=warnings, active_interceptors=active)
-
-    def _check_limits(self, req: OmniRequest) -> None:
-        d, lim = req.diffusion, self.deploy.limits
-        for field, value, limit in (
-            ("steps", d.steps, lim.max_steps), ("frames", d.frames, lim.max_frames),
-            ("height", d.height, lim.max_height), ("width", d.width, lim.max_width),
-        ):
-            if value is not None and value > limit:
-                raise RequestError(f"diffusion.{field}", f"{value} is above this deployment's limit of {limit}")
 
     def _node_params(self, req: OmniRequest, built: BuiltPipeline) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -265,26 +383,6 @@ class Runtime:
             if name not in out and node.params_schema is not None:
                 out[name] = structure_params(node.params_schema, {}, f"node_params.{name}")
         return out
-
-    def _plugin_params(self, req: OmniRequest, built: BuiltPipeline) -> tuple[dict[str, Any], list[Any]]:
-        params: dict[str, Any] = {}
-        for name, p in req.plugin_params.items():
-            if name not in self.components_enabled:
-                enabled = ", ".join(sorted(self.components_enabled)) or "none"
-                raise RequestError(f"plugin_params.{name}", f"plugin {name!r} is not enabled in this deployment (enabled: {enabled})")
-            spec, _ = self.components_enabled[name]
-            if req.exact and spec.distribution_altering:
-                raise RequestError(f"plugin_params.{name}", f"plugin {name!r} alters outputs; an exact request cannot tune it")
-            if spec.params_schema is None:
-                if p:
-                    raise RequestError(f"plugin_params.{name}", f"plugin {name!r} takes no request parameters")
-                continue
-            params[name] = structure_params(spec.params_schema, p, f"plugin_params.{name}")
-        for name, (spec, _) in self.components_enabled.items():  # defaults for the untuned
-            if name not in params and spec.params_schema is not None:
-                params[name] = structure_params(spec.params_schema, {}, f"plugin_params.{name}")
-        active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
-        return params, active
 
     def generate(self, request: OmniRequest | Mapping[str, Any]) -> OmniOutput:
         """Run ``request`` to completion with the deploy's scheduler and return its output."""
@@ -327,8 +425,26 @@ def _device(name: str) -> torch.device:
 def _safe_detect(family: Any, path: Path) -> bool:
     try:
         return bool(family.detect(path))
-    except Exception:
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # a family's detect that fails (even with SystemExit) does not detect
         return False
+
+
+def _tasks_of(family: Any, model: LoadedModel) -> frozenset[TaskType]:
+    """What ``model`` (loaded or inspected) can do; see :attr:`Runtime.supported_tasks`."""
+    fn = getattr(family, "supported_tasks", None)
+    if callable(fn):
+        return frozenset(TaskType(t) for t in fn(model))
+    if model.tasks is not None:
+        return frozenset(model.tasks)
+    declared = model.config.get("tasks")
+    if declared:
+        try:
+            return frozenset(TaskType(t) for t in declared)
+        except ValueError:
+            pass
+    return frozenset(family.tasks)
 
 
 def _takes_runtime(factory: Any) -> bool:

@@ -434,3 +434,161 @@ def test_generate_profile_without_the_profiler_says_what_to_install(cwd: Path, t
     res = invoke(["generate", "x", "--model", str(toy_checkpoint), "--profile"])
     assert res.exit_code == 2
     assert "pip install omniloop-profiler" in one_error_line(res)
+
+
+# --------------------------------------------------------------------------------------------
+# issue 14: refused before loading, Ctrl-C, image files
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the toy model fails the test: what is checked here must be checked before."""
+    from omniloop.testing import ToyFamily
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(ToyFamily, "load", load)
+
+
+@pytest.mark.parametrize(
+    ("extra", "prompt", "field"),
+    [
+        (["--steps", "100000"], "x", "diffusion.steps"),  # over the deploy's limit
+        (["--height", "7"], "x", "diffusion.height"),  # the family's check, on the inspected config
+        ([], "", "inputs"),  # empty prompt
+        ([], "   ", "inputs"),
+        (["--guidance", "NaN"], "x", "diffusion.guidance_scale"),
+        (["--guidance", "Infinity"], "x", "diffusion.guidance_scale"),
+        (["--fps", "1e-300"], "x", "diffusion.fps"),
+        (["--seed", "9" * 5000], "x", "diffusion.seed"),
+        (["--task", "i2v"], "x", "task"),
+    ],
+)
+def test_request_checks_that_need_no_weights_run_before_loading(
+    cwd: Path, toy_checkpoint: Path, no_weights: None, extra: list[str], prompt: str, field: str
+) -> None:
+    res = invoke(["generate", prompt, "--model", str(toy_checkpoint), *extra])
+    assert res.exit_code == 2, res.output
+    line = one_error_line(res)
+    assert line.startswith(f"error: {field}: ") and len(line) < 300
+    assert not (cwd / "out").exists()
+
+
+def test_an_unknown_plugin_param_key_is_refused_before_loading(cwd: Path, toy_checkpoint: Path, no_weights: None) -> None:
+    deploy = cwd / "deploy.toml"
+    deploy.write_text(f'[model]\npath = "{toy_checkpoint}"\n[plugins.counter]\n')
+    res = invoke(["generate", "x", "--deploy", str(deploy), "--plugin-param", "counter.bogus=1"],
+                 make_manager(("counter", CounterPlugin())))
+    assert res.exit_code == 2
+    assert one_error_line(res).startswith("error: plugin_params.counter.bogus: unknown key")
+
+
+@pytest.mark.parametrize("out", ["/proc/nope/x.mp4", "/proc/x.mp4", "{ck}/toy.pt/x.mp4", "/proc/nope/"])
+def test_an_unwritable_out_fails_before_loading(cwd: Path, toy_checkpoint: Path, no_weights: None, out: str) -> None:
+    res = invoke(["generate", "x", "--model", str(toy_checkpoint), "--out", out.replace("{ck}", str(toy_checkpoint))])
+    assert res.exit_code == 2, res.output
+    assert "--out" in one_error_line(res)
+    assert not [p for p in cwd.iterdir() if p.name != toy_checkpoint.name], "nothing is left behind"
+
+
+def test_an_unwritable_out_folder_fails_before_loading(cwd: Path, toy_checkpoint: Path, no_weights: None) -> None:
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root can write into a read-only folder")
+    ro = cwd / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        res = invoke(["generate", "x", "--model", str(toy_checkpoint), "--out", str(ro / "sub" / "x.mp4")])
+    finally:
+        ro.chmod(0o700)
+    assert res.exit_code == 2 and "--out" in one_error_line(res)
+
+
+class InterruptingInterceptor(CountingStepInterceptor):
+    name = "ctrl-c"
+
+    def forward(self, step: Any, state: Any, inputs: Any, compute: Any) -> Any:
+        raise KeyboardInterrupt
+
+
+class InterruptingPlugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @hookimpl
+    def omniloop_register_interceptors(self, register: Any) -> None:
+        register(PluginComponentSpec(name="ctrl-c", kind="step_interceptor", factory=lambda config: InterruptingInterceptor()))
+
+
+def test_ctrl_c_exits_130_and_writes_nothing(cwd: Path, toy_checkpoint: Path) -> None:
+    deploy = cwd / "deploy.json"
+    deploy.write_text(json.dumps({"model": {"path": str(toy_checkpoint)}, "plugins": {"ctrl-c": {}}}))
+    res = invoke(["generate", "x", "--deploy", str(deploy), "--out", "clip.mp4"], make_manager(("ctrl-c", InterruptingPlugin())))
+    assert res.exit_code == 130, res.output
+    assert "interrupted" in res.stderr and "Traceback" not in res.output
+    assert not (cwd / "clip.mp4").exists()
+
+
+class ToImage:
+    def forward(self, ctx: Any, state: Any) -> None:
+        from omniloop.artifacts import Image, VideoFrames
+
+        state.write("image", Image(pixels=state.read("video", VideoFrames).frames[0]), ctx.node.name)
+
+
+class ImageToyPlugin:
+    """The toy family as an image family: its t2i output is an ``Image`` artifact."""
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @hookimpl
+    def omniloop_register_families(self, register: Any) -> None:
+        import attrs as _attrs
+
+        from omniloop.artifacts import Image, VideoFrames
+        from omniloop.graph import Node
+        from omniloop.request import TaskType
+        from omniloop.testing import ToyFamily
+
+        class ImageToyFamily(ToyFamily):
+            name = "toy-image"
+            tasks = frozenset({TaskType.T2I})
+
+            def build_pipeline(self, model: Any, task: Any, options: Any) -> Any:
+                spec = super().build_pipeline(model, task, options)
+                nodes = (*spec.nodes, Node("to_image", ToImage(), reads={"video": VideoFrames}, writes={"image": Image}))
+                return _attrs.evolve(spec, nodes=nodes, outputs={"image": "image"})
+
+        register(ImageToyFamily())
+
+
+@pytest.mark.parametrize("suffix", [".png", ".webp"])
+def test_an_image_output_is_written_as_an_image_file(cwd: Path, toy_checkpoint: Path, suffix: str) -> None:
+    import numpy as np
+    from PIL import Image as PILImage
+
+    deploy = cwd / "deploy.json"
+    deploy.write_text(json.dumps({"model": {"path": str(toy_checkpoint), "family": "toy-image"}}))
+    manager = make_manager(("toy-image", ImageToyPlugin()))
+    res = invoke(["generate", "a cat", "--deploy", str(deploy), "--task", "t2i", "--seed", "3",
+                  "--out", f"cat{suffix}", "--json"], manager)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["artifacts"]["image"]["type"] == "Image" and doc["output_path"] == f"cat{suffix}"
+    with PILImage.open(cwd / f"cat{suffix}") as img:
+        assert img.format == {".png": "PNG", ".webp": "WEBP"}[suffix]
+        pixels = np.asarray(img.convert("RGB"))
+    assert list(pixels.shape) == doc["artifacts"]["image"]["pixels"]["shape"]
+    default = invoke(["generate", "a cat", "--deploy", str(deploy), "--task", "t2i", "--seed", "3", "--json"], manager)
+    out = Path(json.loads(default.stdout)["output_path"])
+    assert out.suffix == ".png" and out.parent.name == "out"
+    with PILImage.open(cwd / out) as png:
+        assert (np.asarray(png.convert("RGB")) == pixels).all()  # webp is written lossless
+
+
+def test_a_video_cannot_go_to_a_webp(cwd: Path, toy_checkpoint: Path) -> None:
+    res = invoke(["generate", "x", "--model", str(toy_checkpoint), "--out", "x.webp"])
+    assert res.exit_code == 2 and "--out" in one_error_line(res)

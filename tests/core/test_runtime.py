@@ -251,3 +251,84 @@ def test_runtime_reports_tasks_and_defaults(toy_checkpoint):
     assert {t.value for t in rt.tasks} == {"t2v"}
     with pytest.raises(RequestError, match="t2i"):
         rt.prepare({"task": "t2i", "prompt": "x"})
+
+
+# --------------------------------------------------------------------------------------------
+# issue 14: supported tasks, and the checks that need no weights
+# --------------------------------------------------------------------------------------------
+
+
+def test_supported_tasks_follow_the_checkpoint_not_the_family(toy_checkpoint, monkeypatch):
+    from omniloop.request import TaskType
+    from omniloop.testing import ToyFamily
+
+    rt = toy_runtime(toy_checkpoint)
+    assert rt.supported_tasks == rt.tasks == {TaskType.T2V, TaskType.T2I}
+    monkeypatch.setattr(ToyFamily, "supported_tasks", lambda self, model: ["t2i"], raising=False)
+    assert rt.supported_tasks == {TaskType.T2I} and rt.describe()["tasks"] == ["t2i"]
+    with pytest.raises(RequestError, match="not supported by the checkpoint"):
+        rt.prepare(req())
+
+
+def test_the_wan_t2v_checkpoint_does_not_advertise_i2v(tmp_path):
+    pytest.importorskip("omniloop_wan")
+    from omniloop.request import TaskType
+    from omniloop.runtime import Runtime
+    from omniloop_wan.tiny import build_tiny_checkpoint
+
+    rt = Runtime.from_model(build_tiny_checkpoint(tmp_path / "wan"), family="wan")
+    assert rt.family.tasks == {TaskType.T2V, TaskType.I2V}
+    assert rt.supported_tasks == {TaskType.T2V}
+
+
+def _deployment(checkpoint, **deploy):
+    from omniloop.runtime import Deployment, deploy_for_model
+    from omniloop.testing import make_manager
+
+    return Deployment(deploy_for_model(checkpoint, **deploy), manager=make_manager(("scaler", ScalerPlugin())))
+
+
+@pytest.mark.parametrize(("body", "path"), [
+    ({"diffusion": {"steps": 100000}}, "diffusion.steps"),  # the deploy's limit
+    ({"diffusion": {"height": 7}}, "diffusion.height"),  # the family's own check, on the inspected config
+    ({"prompt": "   "}, "inputs"),
+    ({"prompt": ""}, "inputs"),
+    ({"plugin_params": {"scaler": {"bogus": 1}}}, "plugin_params.scaler.bogus"),
+    ({"plugin_params": {"scaler": {"scale": float("nan")}}}, "plugin_params.scaler.scale"),
+    ({"plugin_params": {"nope": {}}}, "plugin_params.nope"),
+    ({"task": "i2v"}, "task"),
+    ({"exact": True, "plugin_params": {"scaler": {"scale": 2.0}}}, "plugin_params.scaler"),
+])
+def test_requests_are_checked_against_the_deployment_without_loading_weights(toy_checkpoint, monkeypatch, body, path):
+    from omniloop.testing import ToyFamily
+
+    def no_load(*a, **k):
+        raise AssertionError("Deployment.check must not load weights")
+
+    monkeypatch.setattr(ToyFamily, "load", no_load)
+    d = _deployment(toy_checkpoint, plugins={"scaler": {}})
+    with pytest.raises(RequestError) as err:
+        d.check({"task": "t2v", "prompt": "a fox", **body})
+    assert err.value.path == path
+    assert d.check({"task": "t2v", "prompt": "a fox", "plugin_params": {"scaler": {"scale": 2.0}}}).prompt == "a fox"
+    assert d.supported_tasks == {t for t in ToyFamily.tasks}
+
+
+def test_a_family_without_inspect_still_gets_the_generic_checks(toy_checkpoint, monkeypatch):
+    from omniloop.testing import ToyFamily
+
+    monkeypatch.delattr(ToyFamily, "inspect")
+    d = _deployment(toy_checkpoint)
+    assert d.inspect() is None
+    with pytest.raises(RequestError, match="diffusion.steps"):
+        d.check({"task": "t2v", "prompt": "x", "diffusion": {"steps": 100000}})
+    d.check({"task": "t2v", "prompt": "x", "diffusion": {"height": 7}})  # the family's check needs its model
+
+
+def test_the_runtime_refuses_what_the_deployment_refuses(toy_checkpoint):
+    rt = toy_runtime(toy_checkpoint)
+    for body in ({"prompt": " "}, {"diffusion": {"height": 7}}, {"diffusion": {"steps": 10**6}}):
+        with pytest.raises(RequestError):
+            rt.prepare({"task": "t2v", "prompt": "x", **body})
+        with pytest.raises(RequestError):
+            rt.check({"task": "t2v", "prompt": "x", **body})

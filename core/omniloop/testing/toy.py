@@ -275,15 +275,24 @@ class ToyFamily:
         f = Path(path) / CONFIG_NAME
         return f.is_file() and json.loads(f.read_text()).get("family") == "toy"
 
-    def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
-        path = Path(path)
-        cfg_file, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
+    def inspect(self, path: Path, *, options: dict[str, Any]) -> LoadedModel:
+        """The checkpoint's config without its weights (optional family method): the runtime's
+        weight-free request checks (``Deployment.check``) run ``validate_request`` on it."""
+        return LoadedModel(family=self.name, path=Path(path), components={}, config=self._config(Path(path)))
+
+    def _config(self, path: Path) -> dict[str, Any]:
+        cfg_file = path / CONFIG_NAME
         if not cfg_file.is_file():
             raise CheckpointError(f"{cfg_file}: missing (not a toy checkpoint)")
         try:
-            cfg = {**DEFAULT_CONFIG, **json.loads(cfg_file.read_text())}
+            return {**DEFAULT_CONFIG, **json.loads(cfg_file.read_text())}
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{cfg_file}: malformed JSON: {exc}") from None
+
+    def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
+        path = Path(path)
+        weights = path / WEIGHTS_NAME
+        cfg = self._config(path)
         if not weights.is_file():
             raise CheckpointError(f"{weights}: missing weights file")
         try:

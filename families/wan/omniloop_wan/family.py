@@ -182,6 +182,11 @@ class WanFamily:
             out.update(sampler=menu.default_sampler, cfg=menu.default_cfg)
         return out
 
+    def supported_tasks(self, model: LoadedModel) -> frozenset[TaskType]:
+        """The tasks of this checkpoint's kind (a T2V checkpoint does not do I2V): what
+        ``Runtime.supported_tasks`` reports and front ends advertise."""
+        return frozenset(model.config["tasks"])
+
     # -- requests -----------------------------------------------------------------------------
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
         _, warnings = resolve(model, request, limits, menu=menu_for(model))
