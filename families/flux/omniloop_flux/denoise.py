@@ -67,10 +67,11 @@ class StepInputs:
     x: torch.Tensor
     timestep: torch.Tensor
     guidance: torch.Tensor | None
-    text: torch.Tensor
+    #: the T5 states through the transformer's ``context_embedder`` (once per request)
+    context: torch.Tensor
     pooled: torch.Tensor
-    txt_ids: torch.Tensor
-    img_ids: torch.Tensor
+    #: the rotary embedding of the text and image position ids (once per request)
+    rotary: Any
 
 
 def stack(inputs: Sequence[StepInputs]) -> dict[str, Any]:
@@ -83,10 +84,9 @@ def stack(inputs: Sequence[StepInputs]) -> dict[str, Any]:
         "hidden_states": cat([i.x for i in inputs]),
         "timestep": cat([i.timestep for i in inputs]),
         "guidance": None if first.guidance is None else cat([i.guidance for i in inputs]),  # type: ignore[misc]
-        "encoder_hidden_states": cat([i.text for i in inputs]),
+        "context": cat([i.context for i in inputs]),
         "pooled_projections": cat([i.pooled for i in inputs]),
-        "txt_ids": first.txt_ids,
-        "img_ids": first.img_ids,
+        "image_rotary_emb": first.rotary,
     }
 
 
@@ -138,9 +138,15 @@ class Denoise:
             g = pol.model_guidance(step, loop)
             guidance = torch.full([1], float(g), device=latents.device, dtype=torch.float32).expand(latents.shape[0])
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        if "context" not in loop.extra:  # per-request constants of the forward, computed once
+            from .transformer import request_constants
+
+            loop.extra["context"], loop.extra["rotary"] = request_constants(
+                ctx.components["transformer"], emb.tensor, loop.tensors["img_ids"], emb.extra["text_ids"]
+            )
         return StepInputs(
-            x=latents, timestep=timestep / 1000, guidance=guidance, text=emb.tensor, pooled=emb.extra["pooled"],
-            txt_ids=emb.extra["text_ids"], img_ids=loop.tensors["img_ids"],
+            x=latents, timestep=timestep / 1000, guidance=guidance, context=loop.extra["context"],
+            pooled=emb.extra["pooled"], rotary=loop.extra["rotary"],
         )
 
     def forward(self, ctx: StageContext, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
@@ -201,6 +207,8 @@ class Denoise:
         state.write("denoised", Latents(tensor=latents, modality="image"), ctx.node.name)
         loop.policy_state.pop("sampler", None)
         loop.policy_state.pop("cfg", None)
+        loop.extra.pop("context", None)
+        loop.extra.pop("rotary", None)
 
     # -- batched steps ----------------------------------------------------------------------------
     def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:

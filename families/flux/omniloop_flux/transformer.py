@@ -14,6 +14,11 @@ as the last block that ran left it — which matches cache-dit's own Flux integr
 trailing blocks run after a cache hit (``Bn = 0``, its default): the text stream is dropped after
 the last block. Taps and interceptors see the image stream only.
 
+Two per-request constants can be passed in instead of being recomputed at every step (the family
+does, computing them once per request with :func:`request_constants`): the projected text states
+(``context_embedder`` of the T5 states) and the rotary embedding of the position ids. Same ops,
+same values: the output is unchanged.
+
 The blocks themselves are diffusers' modules and weights.
 """
 
@@ -32,17 +37,27 @@ def all_blocks(model: Any) -> list[Any]:
     return [*model.transformer_blocks, *model.single_transformer_blocks]
 
 
+def request_constants(
+    model: Any, encoder_hidden_states: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor
+) -> tuple[torch.Tensor, Any]:
+    """(projected text states, rotary embedding): what :func:`flux_forward` computes from its
+    text states and position ids, which do not change between the steps of a request."""
+    return model.context_embedder(encoder_hidden_states), model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+
+
 def flux_forward(
     model: Any,
     hidden_states: torch.Tensor,
     timestep: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
     pooled_projections: torch.Tensor,
-    img_ids: torch.Tensor,
-    txt_ids: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None = None,
+    img_ids: torch.Tensor | None = None,
+    txt_ids: torch.Tensor | None = None,
     guidance: torch.Tensor | None = None,
     block_ctx: BlockContext | None = None,
     blocks: Sequence[Any] | None = None,
+    context: torch.Tensor | None = None,
+    image_rotary_emb: Any = None,
 ) -> torch.Tensor:
     """Predict the flow for packed latents ``hidden_states`` ``[B, N, 4C]``.
 
@@ -50,7 +65,9 @@ def flux_forward(
     ``guidance`` ``[B]`` for guidance-distilled checkpoints (``guidance_embeds``), else None;
     ``encoder_hidden_states`` the T5 states ``[B, L, D]``, ``pooled_projections`` CLIP's pooled
     output ``[B, D']``; ``img_ids`` ``[N, 3]`` and ``txt_ids`` ``[L, 3]`` the position ids.
-    ``blocks`` replaces :func:`all_blocks` (the same blocks compiled). Returns ``[B, N, 4C]``.
+    ``blocks`` replaces :func:`all_blocks` (the same blocks compiled). ``context`` and
+    ``image_rotary_emb`` (from :func:`request_constants`) replace ``encoder_hidden_states`` and the
+    ids. Returns ``[B, N, 4C]``.
     """
     hidden_states = model.x_embedder(hidden_states)
     timestep = timestep.to(hidden_states.dtype) * 1000
@@ -59,9 +76,13 @@ def flux_forward(
         temb = model.time_text_embed(timestep, guidance, pooled_projections)
     else:
         temb = model.time_text_embed(timestep, pooled_projections)
-    encoder = [model.context_embedder(encoder_hidden_states)]
-    ids = torch.cat((txt_ids, img_ids), dim=0)
-    image_rotary_emb = model.pos_embed(ids)
+    if context is None:
+        assert encoder_hidden_states is not None, "flux_forward needs encoder_hidden_states or context"
+        context = model.context_embedder(encoder_hidden_states)
+    if image_rotary_emb is None:
+        assert img_ids is not None and txt_ids is not None, "flux_forward needs the ids or image_rotary_emb"
+        image_rotary_emb = model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    encoder = [context]
     kwargs: dict[str, Any] = {}
 
     def call(block: Any, hidden: torch.Tensor) -> torch.Tensor:
