@@ -15,6 +15,12 @@ class OmniloopError(Exception):
 MAX_PATH_CHARS, MAX_MESSAGE_CHARS = 200, 1000
 
 
+def cap_text(text: str, n: int) -> str:
+    """``text`` cut to ``n`` characters (with ``...``) and with invalid Unicode escaped: safe to
+    print, log or put in a JSON error reply whatever a client sent."""
+    return _cap(text, n)
+
+
 def _cap(text: str, n: int) -> str:
     text = text if len(text) <= n else text[: n - 3] + "..."
     # a client's lone surrogate must not make the error itself unprintable (or un-JSON-able)

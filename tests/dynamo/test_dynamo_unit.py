@@ -300,3 +300,94 @@ def test_b64_roundtrip_of_reference_reaches_family_validation(toy_runtime_factor
     with pytest.raises(RequestError) as info:
         rt.prepare(req)
     assert api_field(info.value.path) == "input_reference"
+
+
+# -- issue 14: hostile values, ids and paths -------------------------------------------------------
+
+NAN, INF, HUGE = float("nan"), float("inf"), 10**5000
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"nvext": {"guidance_scale": NAN}}, "nvext.guidance_scale"),
+    ({"nvext": {"guidance_scale": INF}}, "nvext.guidance_scale"),
+    ({"nvext": {"fps": NAN}}, "nvext.fps"),
+    ({"nvext": {"fps": INF}}, "nvext.fps"),
+    ({"nvext": {"fps": 1e-300}}, "nvext.fps"),
+    ({"nvext": {"fps": 1e308}}, "nvext.fps"),
+    ({"nvext": {"seed": HUGE}}, "nvext.seed"),
+    ({"nvext": {"guidance_scale": HUGE}}, "nvext.guidance_scale"),
+    ({"seconds": NAN}, "seconds"),
+    ({"seconds": INF}, "seconds"),
+    ({"seconds": 1e308}, "seconds"),
+    ({"seconds": "1e308"}, "seconds"),
+    ({"seconds": HUGE}, "seconds"),
+    ({"extra_args": {"media_passthrough": {"shift": NAN}}}, "shift"),
+    ({"extra_args": {"media_passthrough": {"plugin_params": {"p": {"x": INF}}}}}, "plugin_params.p.x"),
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"prompt": "a\x00b"}, "prompt"),
+])
+def test_non_finite_and_huge_numbers_and_bad_text_are_client_errors(body: dict, field: str) -> None:
+    e = err(video, **body)
+    assert e.field == field, str(e)
+    str(e).encode("utf-8")
+
+
+@pytest.mark.parametrize("body", [
+    {"size": "x" * (1 << 20)},
+    {"response_format": "y" * (1 << 20)},
+    {"output_format": "z" * (1 << 20)},
+    {"nvext": {"k" * (1 << 20): 1}},
+    {"nvext": {"num_inference_steps": "s" * (1 << 20)}},
+    {"extra_args": {"media_passthrough": {"q" * (1 << 20): 1}}},
+    {"extra_args": {"media_passthrough": {"node_params": {"n" * (1 << 20): 1}}}},
+])
+def test_errors_never_echo_a_huge_value(body: dict) -> None:
+    assert len(str(err(video, **body))) < 1200
+
+
+def test_request_ids_from_the_context_never_become_paths(tmp_path) -> None:
+    from omniloop_dynamo.worker import media_path, request_id_for
+
+    for cid in ("../../etc/passwd", "/abs/dir/x", "a\x00b", "é" * 100, "x" * 10_000, "..", ""):
+        rid = request_id_for(cid)
+        assert rid.startswith("dyn-") and len(rid) <= 64
+        assert "/" not in rid and "\x00" not in rid
+        assert map_video_request({"prompt": "x"}, request_id=rid).requests[0].request_id == rid
+    assert request_id_for("abc-123") == "dyn-abc-123"
+    a, b = media_path(tmp_path, ".mp4"), media_path(tmp_path, ".mp4")
+    assert a != b and a.parent == b.parent == tmp_path.resolve() and a.suffix == ".mp4"
+
+
+def test_the_worker_names_media_files_itself(tmp_path) -> None:
+    """_encode writes under --media-dir with a worker-made name, whatever the request id."""
+    import torch
+
+    from omniloop.artifacts import VideoFrames
+    from omniloop.request import OmniOutput, Status
+    from omniloop_dynamo.worker import OmniloopDynamoWorker, WorkerOptions
+
+    worker = OmniloopDynamoWorker.__new__(OmniloopDynamoWorker)  # no ai-dynamo needed for _encode
+    worker.options = WorkerOptions(deploy="x")
+    worker._media_dir = tmp_path / "media"
+    worker.model_name = "m"
+    mapped = video(response_format="url")
+    frames = torch.zeros(2, 16, 16, 3, dtype=torch.uint8)
+    out = OmniOutput("r1", Status.COMPLETED, artifacts={"video": VideoFrames(frames=frames, fps=8.0)})
+    resp = worker._encode(mapped, [out], "../../escape", 0.1)
+    files = list((tmp_path / "media").iterdir())
+    assert len(files) == 1 and files[0].suffix == ".mp4" and "escape" not in files[0].name
+    assert resp["data"][0]["url"] == files[0].as_uri()
+    assert not list(tmp_path.glob("*.mp4")) and not (tmp_path.parent / "escape.mp4").exists()
+
+
+def test_the_worker_advertises_the_checkpoints_tasks(toy_runtime_factory) -> None:
+    from omniloop_dynamo.worker import OmniloopDynamoWorker, WorkerOptions
+
+    rt = toy_runtime_factory()
+    rt.model.tasks = frozenset({TaskType.T2I})
+    worker = OmniloopDynamoWorker.__new__(OmniloopDynamoWorker)
+    worker.options = WorkerOptions(deploy="x", media_dir=None)
+    worker.runtime, worker.model_name = rt, "toy"
+    worker.metrics = WorkerMetrics("toy")
+    worker._setup_model_facts()
+    assert worker._tasks == {"t2i"} and worker.modalities() == ["image"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
 import time
 from collections.abc import Mapping
@@ -32,9 +33,9 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from omniloop.errors import RequestError
-from omniloop.request import OmniRequest
-from omniloop.schema import request_from_dict
+from omniloop.errors import MAX_MESSAGE_CHARS, MAX_PATH_CHARS, RequestError, cap_text
+from omniloop.request import MAX_FPS, OmniRequest
+from omniloop.schema import brief, request_from_dict
 
 #: the key Dynamo's frontend nests unknown top-level request fields under (``extra_args``)
 MEDIA_PASSTHROUGH_KEY = "media_passthrough"
@@ -70,13 +71,19 @@ _FIELD_NAMES = {
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
 
 
+#: the longest clip a ``seconds`` field may ask for (the deploy's frame limit applies as well)
+MAX_SECONDS = 3600.0
+
+
 class InvalidRequest(ValueError):
-    """A client error in a Dynamo media request. ``field`` is the API field (dotted)."""
+    """A client error in a Dynamo media request. ``field`` is the API field (dotted).
+
+    Field and message are capped and Unicode-safe (a client's 1 MB key or value is never echoed whole)."""
 
     def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}" if field else message)
+        self.field = cap_text(str(field), MAX_PATH_CHARS)
+        self.message = cap_text(str(message), MAX_MESSAGE_CHARS)
+        super().__init__(f"{self.field}: {self.message}" if self.field else self.message)
 
 
 @define(frozen=True)
@@ -103,7 +110,13 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number (NaN, ±Infinity and ints too large for a float are not)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def _opt_int(d: Mapping[str, Any], key: str, path: str, *, ge: int | None = None) -> int | None:
@@ -111,7 +124,7 @@ def _opt_int(d: Mapping[str, Any], key: str, path: str, *, ge: int | None = None
     if v is None:
         return None
     if not _is_int(v):
-        raise InvalidRequest(path, f"expected an integer, got {v!r}")
+        raise InvalidRequest(path, f"expected an integer, got {brief(v)}")
     if ge is not None and v < ge:
         raise InvalidRequest(path, f"must be >= {ge}, got {v}")
     return int(v)
@@ -122,7 +135,7 @@ def _opt_num(d: Mapping[str, Any], key: str, path: str, *, ge: float | None = No
     if v is None:
         return None
     if not _is_num(v):
-        raise InvalidRequest(path, f"expected a number, got {v!r}")
+        raise InvalidRequest(path, f"expected a finite number, got {brief(v)}")
     if ge is not None and v < ge:
         raise InvalidRequest(path, f"must be >= {ge}, got {v}")
     if gt is not None and v <= gt:
@@ -144,13 +157,13 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
     if size is None:
         return None, None
     if not isinstance(size, str):
-        raise InvalidRequest("size", f"expected a string like '832x480', got {size!r}")
+        raise InvalidRequest("size", f"expected a string like '832x480', got {brief(size)}")
     m = _SIZE_RE.match(size)
     if not m:
-        raise InvalidRequest("size", f"expected 'WIDTHxHEIGHT' like '832x480', got {size!r}")
+        raise InvalidRequest("size", f"expected 'WIDTHxHEIGHT' like '832x480', got {brief(size)}")
     w, h = int(m.group(1)), int(m.group(2))
     if w < 1 or h < 1:
-        raise InvalidRequest("size", f"width and height must be >= 1, got {size!r}")
+        raise InvalidRequest("size", f"width and height must be >= 1, got {size.strip()!r}")
     return w, h
 
 
@@ -203,10 +216,11 @@ def passthrough(request: Mapping[str, Any]) -> dict[str, Any]:
     knobs = extra.get(MEDIA_PASSTHROUGH_KEY) or {}
     if not isinstance(knobs, Mapping):
         raise InvalidRequest("extra_args", "expected an object of extra fields")
-    unknown = sorted(k for k in knobs if k not in PASSTHROUGH_KNOBS)
+    unknown = sorted(str(k) for k in knobs if k not in PASSTHROUGH_KNOBS)
     if unknown:
+        names = ", ".join(repr(cap_text(k, 40)) for k in unknown[:5]) + (f", ... ({len(unknown)} in all)" if len(unknown) > 5 else "")
         raise InvalidRequest(
-            unknown[0], f"unknown request field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+            unknown[0], f"unknown request field{'s' if len(unknown) > 1 else ''} {names} "
             f"(omniloop accepts these extra fields: {', '.join(PASSTHROUGH_KNOBS)})",
         )
     return dict(knobs)
@@ -217,7 +231,7 @@ def _response_format(request: Mapping[str, Any]) -> Literal["url", "b64_json"]:
     if rf is None:
         return "url"  # the protocol's documented default
     if rf not in ("url", "b64_json"):
-        raise InvalidRequest("response_format", f"must be 'url' or 'b64_json', got {rf!r}")
+        raise InvalidRequest("response_format", f"must be 'url' or 'b64_json', got {brief(rf)}")
     return rf  # type: ignore[return-value]
 
 
@@ -239,6 +253,10 @@ def api_field(path: str) -> str:
     if path in _FIELD_NAMES:
         return _FIELD_NAMES[path]
     if path.startswith("inputs"):
+        # the mapped inputs are [prompt, negative prompt (if any), image (if any)]
+        parts = path.split(".")
+        if len(parts) >= 3 and parts[2] == "text":
+            return "prompt" if parts[1] == "0" else "nvext.negative_prompt"
         return "input_reference" if "image" in path or path.count(".") >= 1 else "prompt"
     return path
 
@@ -262,9 +280,9 @@ def _common_fields(
     nvext = request.get("nvext") or {}
     if not isinstance(nvext, Mapping):
         raise InvalidRequest("nvext", "expected an object")
-    unknown = sorted(set(nvext) - allowed_nvext)
+    unknown = sorted(str(k) for k in set(nvext) - allowed_nvext)
     if unknown:
-        raise InvalidRequest(f"nvext.{unknown[0]}", "unknown field")
+        raise InvalidRequest(f"nvext.{cap_text(unknown[0], 40)}", "unknown field")
     inputs: list[dict[str, Any]] = [{"type": "text", "text": prompt, "role": "prompt"}]
     negative = _opt_str(nvext, "negative_prompt", "nvext.negative_prompt")
     if negative is not None:
@@ -292,9 +310,11 @@ def map_video_request(
     width, height = parse_size(request.get("size"))
     fps = _opt_num(nvext, "fps", "nvext.fps", gt=0)
     frames = _opt_int(nvext, "num_frames", "nvext.num_frames", ge=1)
+    if fps is not None and fps > MAX_FPS:
+        raise InvalidRequest("nvext.fps", f"must be <= {MAX_FPS:g}, got {fps:g}")
     seconds = request.get("seconds")
-    if seconds is not None and (not _is_num(seconds) or seconds <= 0):
-        raise InvalidRequest("seconds", f"must be a positive number, got {seconds!r}")
+    if seconds is not None and (not _is_num(seconds) or not 0 < seconds <= MAX_SECONDS):
+        raise InvalidRequest("seconds", f"must be a number in (0, {MAX_SECONDS:g}], got {brief(seconds)}")
     if frames is None and seconds is not None:
         rate = fps if fps is not None else default_fps
         if rate is None:
@@ -302,10 +322,10 @@ def map_video_request(
         frames = round(float(seconds) * rate) + 1
     output_format = request.get("output_format") or "mp4"
     if output_format != "mp4":
-        raise InvalidRequest("output_format", f"only 'mp4' is supported, got {output_format!r}")
+        raise InvalidRequest("output_format", f"only 'mp4' is supported, got {brief(output_format)}")
     stream = request.get("stream") or False
     if not isinstance(stream, bool):
-        raise InvalidRequest("stream", f"expected true or false, got {stream!r}")
+        raise InvalidRequest("stream", f"expected true or false, got {brief(stream)}")
     task = video_tasks[0]
     if request.get("input_reference") is not None:
         inputs.append(image_part(request["input_reference"], allow_local_files=allow_local_files))
@@ -340,7 +360,7 @@ def map_image_request(
     width, height = parse_size(request.get("size"))
     output_format = request.get("output_format") or "png"
     if output_format != "png":
-        raise InvalidRequest("output_format", f"only 'png' is supported, got {output_format!r}")
+        raise InvalidRequest("output_format", f"only 'png' is supported, got {brief(output_format)}")
     ignored = [k for k in _IMAGE_IGNORED if request.get(k) not in (None, "auto")]
     task = "t2i"
     if request.get("input_reference") is not None:

@@ -31,6 +31,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -111,6 +112,27 @@ def _import_dynamo() -> dict[str, Any]:
     }
 
 
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.:@+=-]")
+
+
+def request_id_for(context_id: Any) -> str:
+    """The omniloop request id of a Dynamo request: ``dyn-`` + the context id reduced to safe
+    characters (a client may choose the id, e.g. through ``x-request-id``), at most 64 characters;
+    a fresh random id when there is none. It names the request in logs and responses only."""
+    cid = _UNSAFE_ID_CHARS.sub("_", str(context_id))[:59] if context_id else ""
+    return f"dyn-{cid or uuid.uuid4().hex}"
+
+
+def media_path(media_dir: Path, suffix: str) -> Path:
+    """A fresh file in ``media_dir`` for one response: named by the worker (a random hex id),
+    never by anything the client sent, and checked to resolve inside ``media_dir``."""
+    root = media_dir.resolve()
+    path = (root / f"{uuid.uuid4().hex}{suffix}").resolve()
+    if path.parent != root:
+        raise RuntimeError(f"media path {path} is outside the media folder {root}")
+    return path
+
+
 def _load_object(spec: str) -> Any:
     mod, _, attr = spec.partition(":")
     if not mod or not attr:
@@ -178,8 +200,9 @@ class OmniloopDynamoWorker:
     def _setup_model_facts(self) -> None:
         rt = self.runtime
         cfg = getattr(rt.model, "config", None) or {}
-        tasks = cfg.get("tasks") if isinstance(cfg, dict) else None
-        self._tasks = {getattr(t, "value", str(t)) for t in (tasks or rt.tasks)}
+        # what the checkpoint can do (a t2v checkpoint of a family that also does i2v: t2v only)
+        tasks = getattr(rt, "supported_tasks", None) or rt.tasks
+        self._tasks = {getattr(t, "value", str(t)) for t in tasks}
         defaults = cfg.get("defaults") if isinstance(cfg, dict) else None
         if not isinstance(defaults, dict):
             defaults = getattr(rt.family, "defaults", None) or {}
@@ -326,7 +349,7 @@ class OmniloopDynamoWorker:
             cid = context.id() if context is not None else None
         except Exception:
             cid = None
-        return f"dyn-{cid or uuid.uuid4().hex}"[:64]
+        return request_id_for(cid)
 
     async def _serve(self, kind: str, request: dict[str, Any], context: Any):
         E = self.E
@@ -489,15 +512,14 @@ class OmniloopDynamoWorker:
         assert self._media_dir is not None
         data: list[dict[str, Any]] = []
         size = mapped.size
-        for i, out in enumerate(outputs):
+        for out in outputs:
             arts = list(out.artifacts.values())
-            stem = rid if len(outputs) == 1 else f"{rid}-{i}"
             if mapped.kind == "video":
                 vid = out.artifacts.get("video")
                 vid = vid if isinstance(vid, VideoFrames) else next((a for a in arts if isinstance(a, VideoFrames)), None)
                 if vid is None:
                     raise self.E.Unknown(f"the model produced no video (artifacts: {', '.join(out.artifacts)})")
-                path = self._media_dir / f"{stem}.mp4"
+                path = media_path(self._media_dir, ".mp4")
                 write_mp4(vid.frames, vid.fps, path)
                 data.append(self._deliver(path, mapped, fps=vid.fps, video=True))
             else:
@@ -509,7 +531,7 @@ class OmniloopDynamoWorker:
                 if pixels is None:
                     raise self.E.Unknown(f"the model produced no image (artifacts: {', '.join(out.artifacts)})")
                 size = f"{pixels.shape[1]}x{pixels.shape[0]}"
-                path = self._media_dir / f"{stem}.png"
+                path = media_path(self._media_dir, ".png")
                 write_png(pixels, path)
                 data.append(self._deliver(path, mapped, video=False))
         if mapped.kind == "video":
