@@ -3,7 +3,7 @@
 Two measurements, each side by side in one process:
 
 1. **Throughput** at batch 1 / 16 / 64: ``batch`` greedy requests of ``--new-tokens`` new tokens
-   each (prompts of 8–40 tokens), through ``Runtime`` with the ``step`` scheduler
+   each (3 to 14 words of the tiny tokenizer's corpus), through ``Runtime`` with the ``step`` scheduler
    (``max_batch = max_running = batch``: prefill per sequence, then every decode step batched) vs
    transformers ``generate(do_sample=False)`` on the same prompts left-padded into one batch
    (``min_new_tokens`` so both make the same number of tokens). Tokens/s = new tokens / wall time,
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _repo_paths  # noqa: E402
+import _repo_paths
 
 _repo_paths.add_repo_packages()
 
@@ -52,16 +52,18 @@ def build_model(out: Path, seed: int) -> Path:
     return path
 
 
-def prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
+def prompts(n: int, seed: int) -> list[str]:
+    """``n`` prompts of 3 to 14 words from the tiny tokenizer's corpus (about 8 to 40 tokens)."""
+    from omniloop_qwen.tiny import _CORPUS
+
     rng = random.Random(seed)
-    vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
-    return [[rng.choice(vocab) for _ in range(rng.randint(8, 40))] for _ in range(n)]
+    words = _CORPUS.split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 14))) for _ in range(n)]
 
 
-def run_omniloop(rt: Any, batch_prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    tok = rt.model.components["tokenizer"]
-    reqs = [{"task": "reason", "inputs": [{"type": "text", "text": tok.decode(p)}],
-             "sampling": {"max_tokens": new_tokens, "temperature": 0.0}} for p in batch_prompts]
+def run_omniloop(rt: Any, texts: list[str], new_tokens: int) -> tuple[float, int]:
+    reqs = [{"task": "reason", "inputs": [{"type": "text", "text": t}],
+             "sampling": {"max_tokens": new_tokens, "temperature": 0.0}} for t in texts]
     t0 = time.perf_counter()
     streams = [rt.stream(r) for r in reqs]
     made = 0
@@ -72,7 +74,8 @@ def run_omniloop(rt: Any, batch_prompts: list[list[int]], new_tokens: int) -> tu
     return time.perf_counter() - t0, made
 
 
-def run_transformers(hf: Any, tok: Any, batch_prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
+def run_transformers(hf: Any, tok: Any, texts: list[str], new_tokens: int) -> tuple[float, int]:
+    batch_prompts = [tok(t)["input_ids"] for t in texts]
     width = max(len(p) for p in batch_prompts)
     pad = tok.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
@@ -95,7 +98,7 @@ def throughput(path: Path, batches: list[int], new_tokens: int, repeats: int, se
         rt = Runtime.from_model(path, scheduler="step", scheduler_options={"max_batch": b, "max_running": b},
                                 options={"kv_cache_tokens": b * (40 + new_tokens) + 64 * 16})
         tok = rt.model.components["tokenizer"]
-        ps = prompts(tok, b, seed + b)
+        ps = prompts(b, seed + b)
         run_omniloop(rt, ps[:1], 2)  # warm-up
         run_transformers(hf, tok, ps[:1], 2)
         ours, theirs = [], []
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "text_decode-cpu", "date": datetime.date.today().isoformat(),
         "command": command_line("bench/text_decode.py", argv),
         "machine": machine(torch_threads=torch.get_num_threads(), **library_versions()),
-        "model": {"arch": "qwen2", "weights": "random (seed %d)" % args.seed, "dtype": "float32", **BENCH_MODEL},
+        "model": {"arch": "qwen2", "weights": f"random (seed {args.seed})", "dtype": "float32", **BENCH_MODEL},
         "throughput": rows, "decode_vs_reprefill": reprefill, "seconds": round(time.time() - t0, 1),
         "notes": ("omniloop: Runtime + step scheduler (events, per-request sampling, text detokenized every token); "
                   "transformers: generate on one left-padded batch. Decode vs re-prefill: our paged forward alone."),

@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 
 from omniloop.request import Status
 
-
 ARCHES = ("qwen2", "qwen3")
 
 
@@ -57,7 +56,7 @@ def test_chunked_prefill_matches_transformers(arch, qwen_runtime, hf_reference, 
     assert out is not None and out.status is Status.COMPLETED, out
     assert out.artifacts["text"].token_ids == hf_reference(arch, _ids(rt, prompt), 12)
     chunks = -(-n // 5)
-    assert steps[-1] == (chunks + 11, chunks + 11)  # prefill chunks, then one token per step
+    assert steps[-1] == (1 + chunks + 11, 1 + chunks + 11)  # join step, prefill chunks, then one token per step
     _kv_empty(rt)
 
 

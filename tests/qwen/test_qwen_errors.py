@@ -74,7 +74,7 @@ def test_unrecognized_folder_is_a_deploy_error(tmp_path, runtime_at) -> None:
 
 
 def test_bad_deploy_options(tiny_qwen, runtime_at) -> None:
-    with pytest.raises(DeployError, match="options.kv_block_size: must be a positive integer"):
+    with pytest.raises(DeployError, match=r"options\.kv_block_size: must be a positive integer"):
         runtime_at(tiny_qwen("qwen2"), options={"kv_block_size": 0})
     with pytest.raises(DeployError, match="not both"):
         runtime_at(tiny_qwen("qwen2"), options={"kv_cache_tokens": 64, "kv_cache_gib": 0.1})

@@ -141,7 +141,7 @@ def _check_tensors(cfg_file: Path, cfg: dict[str, Any], files: tuple[Path, ...])
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
+                for k in sf.keys():
                     shapes[k] = (list(sf.get_slice(k).get_shape()), f)
         except Exception as exc:
             raise CheckpointError(f"{f}: cannot read safetensors header: {exc}") from None

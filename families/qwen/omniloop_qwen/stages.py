@@ -1,11 +1,13 @@
 """The ``reason`` pipeline: ``prompt`` (tokenize, chat template) → ``decode`` (the AR loop).
 
 ``decode`` is a batched :class:`~omniloop.loop.LoopStage`. Its ``init`` reserves the sequence's
-KV blocks (prompt + ``max_tokens``) in the shared :class:`~omniloop.kvcache.CacheManager`; each
-``step`` runs one prefill chunk (``prefill_chunk`` prompt tokens; the last chunk yields the first
-new token) or one decode token; ``batch_key`` is equal for every sequence in its decode phase, so
-the step scheduler runs the decode steps of all running sequences as one forward — sequences join
-and leave between steps (continuous batching). ``finalize`` writes ``text`` and frees the blocks;
+KV blocks (prompt + ``max_tokens``) in the shared :class:`~omniloop.kvcache.CacheManager`; its
+first ``step`` is a *join* step without a forward (an execution's first unit always runs alone,
+so the prefill that follows can batch); then each ``step`` runs one prefill chunk
+(``prefill_chunk`` prompt tokens; the last chunk yields the first new token) or one decode token.
+``batch_key`` is equal for every sequence in its decode phase (and for prefill chunks of the same
+power-of-two length bucket), so the step scheduler runs the decode steps of all running sequences
+as one forward — sequences join and leave between steps (continuous batching). ``finalize`` writes ``text`` and frees the blocks;
 ``release`` frees them when the request is cancelled or fails (the blocks are also freed when
 the loop state is garbage collected, as a last resort).
 """
@@ -164,9 +166,10 @@ class Decode:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(int(seed))
         chunks = -(-len(prompt) // self.prefill_chunk)
-        loop = LoopState(total=chunks + max_tokens - 1)
+        # steps: one join step (no forward), the prefill chunks (the last yields token 1), then one per token
+        loop = LoopState(total=1 + chunks + max_tokens - 1)
         loop.extra.update(
-            seq=handle, cache=cache, pending=prompt, prompt_len=len(prompt), max_tokens=max_tokens, out=[], text="",
+            seq=handle, cache=cache, joined=False, pending=prompt, prompt_len=len(prompt), max_tokens=max_tokens, out=[], text="",
             emitted=0, finish=None, gen=gen, sampling=sampling_of(req), stops=stop_strings(req, params),
         )
         # last resort: blocks come back when the loop state is collected (a dropped execution)
@@ -177,9 +180,14 @@ class Decode:
         return self._run([ctx], [loop])[0]
 
     def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
-        if loop.extra["pending"]:
-            return None  # a prefill chunk runs alone
-        return ("qwen-decode", id(ctx.components["kv_cache"]))
+        x = loop.extra
+        if not x["joined"]:
+            return None
+        pool = id(ctx.components["kv_cache"])
+        if x["pending"]:  # prefill chunks batch with chunks of the same power-of-two length bucket
+            n = min(len(x["pending"]), self.prefill_chunk)
+            return ("qwen-prefill", pool, 1 << (n - 1).bit_length())
+        return ("qwen-decode", pool)
 
     def step_batch(
         self, ctxs: Sequence[StageContext], states: Sequence[RequestState], loops: Sequence[LoopState]
@@ -203,6 +211,12 @@ class Decode:
 
     # -- the forward ----------------------------------------------------------------------------------
     def _run(self, ctxs: Sequence[StageContext], loops: Sequence[LoopState]) -> list[StepResult]:
+        if not all(lp.extra["joined"] for lp in loops):
+            # the join step: ``init`` ran with it (an execution's first unit always runs alone), so
+            # no forward here — the prefill that follows can then batch with other sequences'
+            for lp in loops:
+                lp.extra["joined"] = True
+            return [StepResult(done=False) for _ in loops]
         comps = ctxs[0].components
         cache: CacheManager = comps["kv_cache"]
         feeds: list[list[int]] = []
