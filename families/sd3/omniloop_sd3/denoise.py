@@ -228,12 +228,15 @@ class Denoise:
         pol = loop.policy_state.get("policies")
         if pol is not None:
             state.metrics["policies"] = {**pol.metrics(loop), **self.policy_names(pol)}
+        from .compile import blocks_for
+
+        out: dict[str, Any] = {"compiled_blocks": blocks_for(ctx.components["transformer"], ctx) is not None}
         times = state.metrics.get("step_seconds")
-        if times:
-            out: dict[str, Any] = {"first_step_seconds": times[0]}
+        if times:  # the first step holds the loop's set-up and, with compiled blocks, compilation
+            out["first_step_seconds"] = times[0]
             if len(times) > 1:
                 out["steady_step_seconds"] = round(statistics.median(times[1:]), 6)
-            state.metrics["denoise"] = out
+        state.metrics["denoise"] = out
         state.write("denoised", Latents(tensor=loop.tensors["latents"], modality="image"), ctx.node.name)
         loop.policy_state.pop("sampler", None)
         loop.policy_state.pop("cfg", None)

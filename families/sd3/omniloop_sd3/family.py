@@ -22,7 +22,6 @@ from .resolve import SD3DenoiseParams, TextParams, resolve
 from .stages import ImageEncode, Output, TextEncode, Validate, VaeDecode, is_i2i
 
 TASKS = frozenset({TaskType.T2I, TaskType.I2I})
-OPTION_KEYS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "compile"})
 
 
 class SD3Family:
@@ -38,10 +37,12 @@ class SD3Family:
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
         """Check every file (configs, headers, the components' fit) first, then load each
-        component by the class ``model_index.json`` names (local files only)."""
-        from .compile import compile_options
+        component by the class ``model_index.json`` names (local files only).
 
-        compile_options(options)  # bad compile options fail before any weight is read
+        Options: ``qkv`` (``separate`` | ``fused``, :mod:`omniloop_sd3.attention`), ``compile_backend``,
+        ``compile_mode``, ``compile_dynamic`` (:mod:`omniloop_sd3.compile`); the deploy's
+        ``attention_backend`` and ``compile`` are honoured."""
+        check_options(options)  # bad options fail before any weight is read
         root = ck.resolve_root(path)
         index = ck.check_checkpoint(root)
         index_path = root / "model_index.json"
@@ -104,7 +105,17 @@ class SD3Family:
             device=device if device is not None else torch.device("cpu"), dtype=dtype,
             weight_version=weight_version or f"in-memory:{id(tf):x}", defaults=dict(task_defaults),
         )
-        copts = compile_options(options or {})
+        opts = dict(options or {})
+        check_options(opts)
+        qkv = opts.get("qkv", "separate")
+        backend = opts.get("attention")
+        if qkv == "fused" or getattr(backend, "name", "sdpa") != "sdpa":
+            from .attention import install
+
+            install(tf, backend, fused_qkv=qkv == "fused")
+            config["attention_backend"] = getattr(backend, "name", "sdpa")
+        config["qkv"] = qkv
+        copts = compile_options(opts)
         if copts is not None:
             compile_blocks(tf, **copts)
             config["compile"] = copts
@@ -147,6 +158,16 @@ class SD3Family:
         return warnings
 
 
+def check_options(options: Mapping[str, Any]) -> None:
+    """The family options (``qkv``, ``compile_*``), checked before loading."""
+    from .compile import compile_options
+
+    qkv = options.get("qkv", "separate")
+    if qkv not in ("separate", "fused"):
+        raise DeployError(f"options.qkv: must be 'separate' or 'fused', not {qkv!r}")
+    compile_options(options)
+
+
 def describe_checkpoint(path: str | Path) -> dict[str, Any]:
     """Components and transformer architecture of a checkpoint, from its configs only."""
     root = ck.resolve_root(path)
@@ -161,4 +182,4 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
     }
 
 
-__all__ = ["DeployError", "SD3Family", "describe_checkpoint"]
+__all__ = ["SD3Family", "check_options", "describe_checkpoint"]

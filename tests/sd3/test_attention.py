@@ -1,0 +1,67 @@
+"""Our attention processor and compiled joint steps against diffusers' modules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from omniloop_sd3.attention import install, uninstall
+from omniloop_sd3.tiny import transformer_kwargs
+from omniloop_sd3.transformer import sd3_forward
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 16, 4, 4, generator=g), torch.tensor([900.0, 900.0]), torch.randn(2, 20, 40, generator=g),
+            torch.randn(2, 32, generator=g))
+
+
+@pytest.mark.parametrize("variant", ["sd3", "sd35-medium"])
+def test_processor_with_core_sdpa_is_bit_exact_and_fused_qkv_is_close(variant):
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    ref = SD3Transformer2DModel(**transformer_kwargs(variant)).eval()
+    ours = copy.deepcopy(ref)
+    x, t, e, p = _inputs()
+    with torch.no_grad():
+        want = ref(hidden_states=x, timestep=t, encoder_hidden_states=e, pooled_projections=p, return_dict=False)[0]
+        assert install(ours) == 3 + (2 if variant == "sd35-medium" else 0)
+        assert torch.equal(sd3_forward(ours, x, t, e, p), want)
+        install(ours, fused_qkv=True)
+        # one GEMM over [Wq; Wk; Wv]: same math, another GEMM shape (fp32 CPU: ~1e-7 relative)
+        torch.testing.assert_close(sd3_forward(ours, x, t, e, p), want, atol=1e-5, rtol=1e-5)
+        uninstall(ours)
+        assert torch.equal(sd3_forward(ours, x, t, e, p), want)
+
+
+def test_deploy_compile_runs_compiled_joint_steps(tiny_ckpt, sd3_runtime, t2i_request):
+    """deploy ``compile: true`` with the ``eager`` backend: dynamo traces every joint step with
+    ``fullgraph=True`` (a graph break would fail) and the result equals the eager runtime."""
+    import omniloop_sd3.plugin as sd3_plugin
+    from omniloop.runtime import Runtime
+    from omniloop.testing import completed_latents, make_manager
+
+    torch._dynamo.reset()
+    rt = Runtime.from_model(tiny_ckpt("sd3"), manager=make_manager(("sd3", sd3_plugin), toy=False), compile=True,
+                            options={"compile_backend": "eager"})
+    assert rt.model.config["compile"]["backend"] == "eager"
+    out = rt.generate(t2i_request(steps=2))
+    assert out.metrics["denoise"]["compiled_blocks"] is True
+    eager = sd3_runtime("sd3").generate(t2i_request(steps=2))
+    assert eager.metrics["denoise"]["compiled_blocks"] is False
+    assert torch.equal(completed_latents(out), completed_latents(eager))
+
+
+def test_bad_family_options_fail_before_loading(tiny_ckpt):
+    import omniloop_sd3.plugin as sd3_plugin
+    from omniloop.errors import DeployError
+    from omniloop.runtime import Runtime
+    from omniloop.testing import make_manager
+
+    for options, key in (({"qkv": "both"}, "options.qkv"), ({"compile_backend": 3}, "options.compile_backend")):
+        with pytest.raises(DeployError, match=key):
+            Runtime.from_model(tiny_ckpt(), manager=make_manager(("sd3", sd3_plugin), toy=False), compile=True,
+                               options=options)
