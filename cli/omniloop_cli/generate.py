@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -160,29 +159,15 @@ def output_path(out: str | None, request: Any) -> Path:
 
 
 def check_writable(path: Path) -> None:
-    """Fail now (before any model is loaded) if ``path`` cannot be written.
+    """Fail now (before any model is loaded) if ``path`` cannot be written (see
+    :func:`omniloop.media.check_writable`); a folder given without a trailing '/' is an error."""
+    from omniloop.media import MediaError
+    from omniloop.media import check_writable as check
 
-    The nearest existing folder on the way to ``path`` must be a folder we can create a file in
-    (tried for real with a hidden probe file, removed at once: permission bits say nothing on
-    ``/proc`` or a read-only mount); missing folders below it are created at write time.
-    """
-    if path.is_dir():
-        fail(f"--out: {path} is a folder; give a file name, or end the folder with '/'")
-    if path.exists() and not os.access(path, os.W_OK):
-        fail(f"--out: {path} exists and cannot be overwritten (permission denied)")
-    folder = path.parent
-    while not folder.exists():
-        if folder.parent == folder:
-            break
-        folder = folder.parent
-    if not folder.is_dir():
-        fail(f"--out: cannot write {path}: {folder} is not a folder")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".omniloop-probe-", dir=folder)
-    except OSError as exc:
-        fail(f"--out: cannot write {path}: {exc.strerror or exc} in {folder}")
-    os.close(fd)
-    os.unlink(probe)
+        check(path)
+    except MediaError as exc:
+        fail(f"--out: {exc}")
 
 
 @click.command("generate")

@@ -99,6 +99,33 @@ def _atomic_path(path: str | os.PathLike[str], suffix: str) -> Iterator[Path]:
         raise
 
 
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`MediaError` now if a file cannot be written at ``path`` (before hours of work).
+
+    ``path`` must not be a folder; an existing file must be writable; the nearest existing folder
+    on the way to it must take a new file — tried for real with a hidden probe file removed at
+    once (permission bits say nothing on ``/proc`` or a read-only mount). Missing folders below it
+    are left to be created at write time."""
+    import tempfile
+
+    p = Path(path)
+    if p.is_dir():
+        raise MediaError(f"{p} is a folder, not a file name")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise MediaError(f"{p} exists and cannot be overwritten (permission denied)")
+    folder = p.parent
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise MediaError(f"cannot write {p}: {folder} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".omniloop-probe-", dir=folder)
+    except OSError as exc:
+        raise MediaError(f"cannot write {p}: {exc.strerror or exc} in {folder}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def _check_frames(frames: torch.Tensor, ndim: int, what: str) -> torch.Tensor:
     if not isinstance(frames, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(frames).__name__}")
@@ -221,6 +248,6 @@ def to_pil(pixels: torch.Tensor) -> Any:
 
 
 __all__ = [
-    "IMAGE_FORMATS", "MediaError", "clean_stale_temp_files", "pad_to_even", "read_image", "to_pil",
+    "IMAGE_FORMATS", "MediaError", "check_writable", "clean_stale_temp_files", "pad_to_even", "read_image", "to_pil",
     "write_image", "write_mp4", "write_png",
 ]

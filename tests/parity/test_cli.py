@@ -128,3 +128,42 @@ def test_the_hook_adds_the_parity_group_to_a_cli():
 
     plugin.omniloop_register_commands(top)
     assert set(top.commands["parity"].commands) == {"record", "compare", "replay", "show"}
+
+
+# -- issue 14: non-finite numbers, checks before loading --------------------------------------------
+
+
+@pytest.mark.parametrize("args", [
+    ["--atol", "nan"], ["--atol", "inf"], ["--rtol", "Infinity"], ["--cos", "nan"],
+])
+def test_non_finite_tolerances_are_refused(cli, tmp_path, args):
+    res = cli("compare", tmp_path / "a.safetensors", tmp_path / "b.safetensors", *args)
+    assert res.exit_code == 2 and "finite" in res.output
+
+
+@pytest.mark.parametrize("text", ["atol = inf", "rtol = nan", "cos = 2.0", "[[override]]\nmatch = '*'\natol = -inf"])
+def test_non_finite_tolerance_files_are_refused(tmp_path, text):
+    f = tmp_path / "t.toml"
+    f.write_text(text)
+    with pytest.raises(op.ParityError):
+        op.Tolerances.from_toml(f)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--guidance-scale", "nan"], "finite"),
+    (["--fps", "inf"], "finite"),
+    (["--steps", "100000"], "diffusion.steps"),
+    (["--height", "7"], "diffusion.height"),
+    (["-o", "/proc/nope/x.safetensors"], "cannot write"),
+])
+def test_record_checks_before_loading(cli, ckpt, tmp_path, monkeypatch, args, words):
+    from omniloop.testing import ToyFamily
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(ToyFamily, "load", no_load)
+    out = ["-o", tmp_path / "r.safetensors"] if "-o" not in args else []
+    res = cli("record", "x", "-m", ckpt, *out, *args, "--no-progress")
+    assert res.exit_code == 2, res.output
+    assert words in res.output and "loaded" not in res.output

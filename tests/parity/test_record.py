@@ -178,3 +178,61 @@ def test_invalid_regex_in_config_is_a_deploy_error(ckpt):
 
     with pytest.raises(DeployError, match="blocks"):
         toy_runtime(ckpt, ("parity", plugin), plugins={"parity": {"blocks": "blocks.(1"}})
+
+
+# -- issue 14: request ids never choose where a recording goes -------------------------------------
+
+
+@pytest.mark.parametrize("template, words", [
+    ("/tmp/{request_id}/rec.safetensors", "file name"),
+    ("/tmp/rec-{foo}.safetensors", "only placeholder"),
+    ("/tmp/rec-{request_id.__class__}.safetensors", "only placeholder"),
+    ("/tmp/rec-{0}.safetensors", "only placeholder"),
+    ("/tmp/rec-{request_id.safetensors", "malformed"),
+])
+def test_out_templates_are_checked_at_deploy(ckpt, template, words):
+    from omniloop.errors import DeployError
+    from omniloop.testing import toy_runtime
+    from omniloop_parity import plugin
+
+    with pytest.raises(DeployError, match=words):
+        toy_runtime(ckpt, ("parity", plugin), plugins={"parity": {"out": template}})
+
+
+@pytest.mark.parametrize("rid", ["../../escape", "/abs/x", "..", "a/b\x00c", ".hidden"])
+def test_a_hostile_request_id_stays_in_the_recording_folder(tmp_path, rid):
+    from omniloop_parity.config import out_path
+
+    folder = tmp_path / "recs"
+    path = out_path(str(folder / "rec-{request_id}.safetensors"), rid)
+    assert path.parent == folder and "/" not in path.name[len("rec-"):] and "\x00" not in str(path)
+    assert path.name.startswith("rec-") and path.name.endswith(".safetensors")
+
+
+def test_a_request_built_in_python_with_a_path_like_id_writes_inside_the_folder(h, recording_runtime, tmp_path):
+    import attrs
+
+    from omniloop.schema import request_from_dict
+
+    folder = tmp_path / "recs"
+    rt = recording_runtime(out=str(folder / "rec-{request_id}.safetensors"))
+    req = attrs.evolve(request_from_dict(h.REQUEST), request_id="../../escaped")  # skips the schema
+    assert rt.generate(req).ok
+    written = list(folder.iterdir())
+    assert len(written) == 1 and written[0].name == "rec-_.._escaped.safetensors"
+    assert not list(tmp_path.glob("escaped*")) and not list(tmp_path.parent.glob("escaped*"))
+
+
+def test_a_malformed_manifest_is_a_parity_error(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from omniloop_parity.recording import FORMAT, META_KEY
+
+    for manifest in ([1], {"format": FORMAT, "taps": [{"node": "x"}]}, {"format": FORMAT, "taps": 5}):
+        p = tmp_path / "m.safetensors"
+        save_file({"x": torch.zeros(1)}, str(p), metadata={META_KEY: json.dumps(manifest)})
+        with pytest.raises(op.ParityError, match="manifest"):
+            op.Recording.load(p)

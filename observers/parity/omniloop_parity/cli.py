@@ -85,6 +85,18 @@ def _progress(enabled: bool, label: str) -> Iterator[Any]:
         yield update
 
 
+class FiniteFloat(click.FloatRange):
+    """A ``click.FloatRange`` that also refuses ``nan`` and ``inf`` (click lets both through)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import math
+
+        v = super().convert(value, param, ctx)
+        if v is not None and not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
+
+
 def _tolerances(atol: float | None, rtol: float | None, cos: float | None, path: str | None) -> Tolerances:
     tols = Tolerances.from_toml(path) if path else Tolerances()
     return tols.with_default(atol=atol, rtol=rtol, cos=cos)
@@ -97,9 +109,9 @@ def tolerance_options(f: Any) -> Any:
         type=click.Path(dir_okay=False),
         help="TOML file: top-level atol/rtol/cos and [[override]] tables {match=GLOB, atol=...}.",
     )(f)
-    f = click.option("--cos", type=click.FloatRange(0, 1), default=None, help="Minimum cosine similarity per tap.")(f)
-    f = click.option("--rtol", type=click.FloatRange(min=0), default=None, help="Relative tolerance (default 0).")(f)
-    f = click.option("--atol", type=click.FloatRange(min=0), default=None, help="Absolute tolerance (default 0).")(f)
+    f = click.option("--cos", type=FiniteFloat(0, 1), default=None, help="Minimum cosine similarity per tap.")(f)
+    f = click.option("--rtol", type=FiniteFloat(min=0), default=None, help="Relative tolerance (default 0).")(f)
+    f = click.option("--atol", type=FiniteFloat(min=0), default=None, help="Absolute tolerance (default 0).")(f)
     return f
 
 
@@ -126,12 +138,12 @@ def parity_group() -> None:
 @click.option("--negative-prompt", default=None)
 @click.option("--image", type=click.Path(exists=True, dir_okay=False), default=None, help="Input image (i2v).")
 @click.option("--steps", type=click.IntRange(min=1), default=None)
-@click.option("--guidance-scale", type=click.FloatRange(min=0), default=None)
-@click.option("--shift", type=click.FloatRange(min=0, min_open=True), default=None)
+@click.option("--guidance-scale", type=FiniteFloat(min=0), default=None)
+@click.option("--shift", type=FiniteFloat(min=0, min_open=True), default=None)
 @click.option("--height", type=click.IntRange(min=1), default=None)
 @click.option("--width", type=click.IntRange(min=1), default=None)
 @click.option("--frames", type=click.IntRange(min=1), default=None)
-@click.option("--fps", type=click.FloatRange(min=0, min_open=True), default=None)
+@click.option("--fps", type=FiniteFloat(min=0, min_open=True), default=None)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--device", default=None, help="Device (default: the deploy's, else cpu).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
@@ -166,12 +178,19 @@ def record_cmd(
     blocks: str | None,
     no_progress: bool,
 ) -> None:
-    """Run PROMPT and record its taps into OUT."""
+    """Run PROMPT and record its taps into OUT.
+
+    The request, the deployment and OUT are checked before the model loads."""
     import attrs
 
     from omniloop.deploy import load_deploy
+    from omniloop.media import check_writable
+    from omniloop.runtime import Deployment
+    from omniloop.schema import request_from_dict
 
-    from .run import model_fields, record, runtime_with_parity
+    from omniloop.plugins import default_manager
+
+    from .run import _ensure_plugin, model_fields, record, runtime_with_parity, with_parity
 
     if model is None and deploy_file is None:
         raise ParityUsageError("give --model or --deploy")
@@ -205,7 +224,12 @@ def record_cmd(
             data["negative_prompt"] = negative_prompt
         if image is not None:
             data["inputs"] = [{"type": "image", "path": str(Path(image).resolve())}]
-        rt = runtime_with_parity(deploy=cfg, plugins=_manager(ctx), taps=taps, blocks=blocks)
+        request = request_from_dict(data)
+        check_writable(out)
+        manager = _manager(ctx) or default_manager()
+        _ensure_plugin(manager)
+        Deployment(with_parity(cfg, taps=taps, blocks=blocks), manager=manager).check(request)
+        rt = runtime_with_parity(deploy=cfg, plugins=manager, taps=taps, blocks=blocks)
         with _progress(not no_progress, "recording") as progress:
             rec = record(rt, data, out=out, progress=progress)
     size = Path(out).stat().st_size

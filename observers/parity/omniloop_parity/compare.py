@@ -112,10 +112,15 @@ class Tolerances:
 
 
 def _num(v: Any, where: str) -> float:
+    """A finite tolerance >= 0 (TOML's ``inf`` would make every tap pass, ``nan`` every tap fail)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ParityError(f"{where}: expected a number, got {v!r}")
+        raise ParityError(f"{where}: expected a number, got {type(v).__name__} {str(v)[:40]!r}")
+    if not math.isfinite(v):
+        raise ParityError(f"{where}: must be a finite number, got {v!r}")
     if v < 0:
         raise ParityError(f"{where}: must be >= 0, got {v!r}")
+    if where.endswith(": cos") and v > 1:
+        raise ParityError(f"{where}: a cosine similarity is at most 1, got {v!r}")
     return float(v)
 
 

@@ -20,7 +20,7 @@ from omniloop.hookspecs import hookimpl
 from omniloop.observers import TapFilter
 from omniloop.request import Status
 
-from .config import ParityConfig, ParityError
+from .config import ParityConfig, ParityError, out_path
 from .recording import FORMAT, Recording, TapEntry, environment, tap_key, tensor_fields
 
 log = logging.getLogger("omniloop.parity")
@@ -120,7 +120,7 @@ class ParityRecorder:
         try:
             rec = self._build(request, output, cap)
             if self.config.out:
-                path = Path(self.config.out.format(request_id=rid))
+                path = out_path(self.config.out, rid)
                 rec.save(path)
                 self.written[rid] = path
                 log.info("parity: wrote %d taps of request %s to %s", len(rec), rid, path)

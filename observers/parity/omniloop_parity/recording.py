@@ -167,9 +167,14 @@ class Recording:
             manifest = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise ParityError(f"{p}: the parity manifest is malformed JSON: {exc}") from None
+        if not isinstance(manifest, dict):
+            raise ParityError(f"{p}: the parity manifest is not a JSON object")
         if manifest.get("format") != FORMAT:
-            raise ParityError(f"{p}: unsupported recording format {manifest.get('format')!r} (this reads {FORMAT})")
-        rec = cls(manifest, tensors, path=p)
+            raise ParityError(f"{p}: unsupported recording format {str(manifest.get('format'))[:40]!r} (this reads {FORMAT})")
+        try:
+            rec = cls(manifest, tensors, path=p)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ParityError(f"{p}: the parity manifest's tap list is malformed ({type(exc).__name__}: {exc})") from None
         missing = [k for k in rec.keys if k not in tensors]
         if missing:
             raise ParityError(f"{p}: the manifest lists taps that the file lacks: {', '.join(missing[:5])}")
