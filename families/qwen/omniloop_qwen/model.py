@@ -4,7 +4,7 @@ The weights stay in transformers' module objects (embedding, norms, projections,
 embedding: the same math, so parity with ``generate`` holds); attention is ours: each sequence's
 new K/V are written into the :class:`~omniloop.kvcache.CacheManager` at the slots its block table
 gives, then every query attends over K/V gathered from the cache through the padded slot table
-(a torch reference implementation: exact on CPU float32, GQA by repeating KV heads, Qwen3's q/k
+(a torch reference implementation: exact on CPU float32, GQA through SDPA's ``enable_gqa``, Qwen3's q/k
 RMS norm before RoPE). One call runs any mix of sequences, each with any number of new tokens
 (a prefill chunk or one decode token), padded to the longest; padded queries attend to a valid
 key and are dropped.
@@ -96,10 +96,7 @@ class PagedQwen:
             cache.write(li, new_slots, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid])
             kc, vc = cache.gather(li, table)  # [B, L, Hkv, D]
             kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
-            if self.groups > 1:
-                kc = kc.repeat_interleave(self.groups, dim=1)
-                vc = vc.repeat_interleave(self.groups, dim=1)
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scaling)
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scaling, enable_gqa=self.groups > 1)
             o = o.transpose(1, 2).reshape(b, t_max, -1)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
