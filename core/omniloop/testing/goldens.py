@@ -77,10 +77,24 @@ def _cpuinfo() -> tuple[str, list[str]]:
     return model or "unknown", flags
 
 
+def _cache_sizes() -> str:
+    """The first CPU's caches, e.g. ``L1d 32K L1i 32K L2 512K L3 32768K`` (oneDNN and MKL block their
+    GEMMs by cache size, so two CPUs of one ISA can still sum in different orders); "" when unknown."""
+    out = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((index / f).read_text().strip() for f in ("level", "type", "size"))
+        except OSError:
+            continue
+        suffix = {"Data": "d", "Instruction": "i"}.get(kind, "")
+        out.append(f"L{level}{suffix} {size}")
+    return " ".join(out)
+
+
 def cpu_fingerprint() -> dict[str, str]:
     """What decides which float32 CPU kernels this process runs, as strings.
 
-    The CPU (vendor, model, ISA flags), ATen's CPU capability, the environment settings that cap
+    The CPU (vendor, model, ISA flags, cache sizes), ATen's CPU capability, the environment settings that cap
     oneDNN / MKL / numpy, torch's version (which pins its oneDNN and MKL), numpy's, the C library,
     Python, and torch's intra-op thread count (reductions are split per thread).
     """
@@ -89,6 +103,7 @@ def cpu_fingerprint() -> dict[str, str]:
         "machine": platform.machine(),
         "cpu": model,
         "cpu_flags": " ".join(flags),
+        "cpu_caches": _cache_sizes(),
         "aten_cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "torch": torch.__version__,
         "torch_threads": str(torch.get_num_threads()),
