@@ -10,7 +10,9 @@ The execution owns the request's lifecycle guarantees:
 * interceptors are opened once per guidance branch after ``init`` and closed at finalize,
   cancel or failure — always;
 * an exception in a node fails this request only (status ``failed``, the error with node and
-  step, the artifacts that were complete);
+  step, the artifacts that were complete) — any ``BaseException`` but ``KeyboardInterrupt``, so a
+  plugin calling ``sys.exit()`` in a step fails its request, not the process; Ctrl-C cancels the
+  request (interceptors closed, observers told) and propagates;
 * ``cancel()`` takes effect between units and returns the complete artifacts, status ``cancelled``.
 """
 
@@ -191,7 +193,11 @@ class Execution:
                 t0 = time.perf_counter()
                 result = node.stage.step(ctx, self.state, loop)
                 self._after_step(node, loop, result, time.perf_counter() - t0, events)
-        except Exception as exc:  # failure isolation: this request fails, nothing else
+        except KeyboardInterrupt:  # Ctrl-C stops the process: close this request cleanly first
+            if not self.done:
+                self._finish(Status.CANCELLED, None, events)
+            raise
+        except BaseException as exc:  # failure isolation (a plugin's sys.exit too): this request fails
             self._fail(exc, node, events)
             return events
         if self.current_node is None and not self.done:
@@ -359,7 +365,12 @@ def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
     t0 = time.perf_counter()
     try:
         results = node.stage.step_batch(ctxs, states, loops)
-    except Exception as exc:
+    except KeyboardInterrupt:
+        for ex, evs in zip(executions, out, strict=True):
+            if not ex.done:
+                ex._finish(Status.CANCELLED, None, evs)
+        raise
+    except BaseException as exc:  # a plugin's sys.exit too: these requests fail, nothing else
         for ex, evs in zip(executions, out, strict=True):
             ex._fail(exc, node, evs)
         return out
@@ -370,6 +381,8 @@ def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
             ex._after_step(node, loop, res, dt, evs)
             if ex.current_node is None and not ex.done:
                 ex._finish(Status.COMPLETED, None, evs)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
             ex._fail(exc, node, evs)
     return out

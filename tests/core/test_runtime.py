@@ -332,3 +332,41 @@ def test_the_runtime_refuses_what_the_deployment_refuses(toy_checkpoint):
             rt.prepare({"task": "t2v", "prompt": "x", **body})
         with pytest.raises(RequestError):
             rt.check({"task": "t2v", "prompt": "x", **body})
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), GeneratorExit()])
+def test_a_plugin_calling_sys_exit_in_a_step_fails_only_its_request(toy_checkpoint, exc):
+    class Exiting(ScalingBlocks):
+        def run(self, blocks, hidden, ctx, call):
+            if ctx.step.step_index == 1 and ctx.loop.extra["plugin_params"]["scaler"].scale == 0.0:
+                raise exc
+            return super().run(blocks, hidden, ctx, call)
+
+    plugin = ScalerPlugin()
+    plugin.instance = Exiting()
+    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    bad = rt.prepare({**req(), "plugin_params": {"scaler": {"scale": 0.0}}})
+    good = rt.prepare(req())
+    while not (bad.done and good.done):
+        bad.advance()
+        good.advance()
+    assert bad.output.status is Status.FAILED and bad.output.error.type == type(exc).__name__
+    assert good.output.status is Status.COMPLETED
+    assert len(plugin.instance.closed) == 4  # both branches of both requests closed
+
+
+def test_ctrl_c_in_a_step_cancels_the_request_cleanly_and_propagates(toy_checkpoint):
+    class Interrupted(ScalingBlocks):
+        def run(self, blocks, hidden, ctx, call):
+            if ctx.step.step_index == 1:
+                raise KeyboardInterrupt
+            return super().run(blocks, hidden, ctx, call)
+
+    plugin = ScalerPlugin()
+    plugin.instance = Interrupted()
+    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    ex = rt.prepare(req())
+    with pytest.raises(KeyboardInterrupt):
+        ex.run()
+    assert ex.done and ex.output.status is Status.CANCELLED
+    assert len(plugin.instance.closed) == 2
