@@ -266,9 +266,8 @@ class CacheManager:
                 )
             for _ in range(need):
                 seq.blocks.append(self._take_for(seq))
-            pos = torch.arange(held, held + n)
-            table = torch.tensor(seq.blocks, dtype=torch.long)
-            slots = table[pos // bs] * bs + pos % bs if n else torch.empty(0, dtype=torch.long)
+            blocks = seq.blocks
+            slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(held, held + n)], dtype=torch.long)
             seq.length += n
             return slots
 
@@ -280,6 +279,21 @@ class CacheManager:
             table = torch.tensor(seq.blocks, dtype=torch.long)
             pos = torch.arange(held)
             return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def slot_table(self, handles: Sequence[KVHandle], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots of every token still held by each of ``handles``, padded with ``pad``:
+        (``[B, L_max]`` int64, held lengths ``[B]``) — one batched gather index for a forward."""
+        with self._lock:
+            seqs = [self._seq(h) for h in handles]
+            bs = self.block_size
+            held = [s.length - s.dropped * bs for s in seqs]
+            width = max(held, default=0)
+            nb = max((len(s.blocks) for s in seqs), default=0)
+            table = torch.tensor([s.blocks + [0] * (nb - len(s.blocks)) for s in seqs], dtype=torch.long).view(len(seqs), nb)
+            lengths = torch.tensor(held, dtype=torch.long)
+        pos = torch.arange(width)
+        slots = table[:, pos // bs] * bs + pos % bs if width else torch.zeros((len(seqs), 0), dtype=torch.long)
+        return slots.masked_fill(pos[None, :] >= lengths[:, None], pad), lengths
 
     def drop_front(self, handle: KVHandle, n_blocks: int) -> None:
         """Release the first ``n_blocks`` full blocks (out-of-window recycling); positions keep counting."""

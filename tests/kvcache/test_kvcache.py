@@ -116,6 +116,18 @@ def test_padded_slot_table() -> None:
     assert t.tolist() == [[3, 4], [9, 0]]
 
 
+def test_batched_slot_table_equals_per_sequence_slots() -> None:
+    m = CacheManager(block_size=4, num_blocks=16)
+    hs = [m.allocate() for _ in range(3)]
+    for h, n in zip(hs, (9, 1, 14), strict=True):
+        m.append(h, n)
+    m.drop_front(hs[2], 2)
+    table, lengths = m.slot_table(hs, pad=-1)
+    assert lengths.tolist() == [9, 1, 6]
+    for row, h, n in zip(table, hs, lengths.tolist(), strict=True):
+        assert torch.equal(row[:n], m.slots(h)) and (row[n:] == -1).all()
+
+
 def test_no_leaked_blocks_after_1000_mixed_random_requests() -> None:
     rng = random.Random(0)
     m = CacheManager(block_size=8, num_blocks=256)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from omniloop.kvcache import CacheManager, KVHandle, KVLayout, padded_slot_table
+from omniloop.kvcache import CacheManager, KVHandle, KVLayout
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +68,8 @@ class PagedQwen:
             pos[i, :ni] = torch.arange(p0, p0 + ni)
             pos[i, ni:] = p0 + ni - 1  # padding: repeats the last position (its output is dropped)
         new_slots = torch.cat([cache.append(h, ni) for h, ni in zip(handles, n, strict=True)]).to(self.device)
-        ctx = [cache.slots(h) for h in handles]
-        table = padded_slot_table(ctx).to(self.device)
-        ctx_len = torch.tensor([len(c) for c in ctx])
+        table, ctx_len = cache.slot_table(handles)
+        table = table.to(self.device)
         start = torch.tensor([cache.start(h) for h in handles])
         key_pos = start[:, None] + torch.arange(table.shape[1])[None, :]  # [B, L] absolute positions
         mask = (key_pos[:, None, :] <= pos[:, :, None]) & (torch.arange(table.shape[1])[None, None, :] < ctx_len[:, None, None])
