@@ -1,0 +1,356 @@
+"""SD3.5-medium on one GPU: omniloop's SD3 family beside diffusers eager and diffusers + torch.compile.
+
+Random weights, the real architectures (timing does not depend on the values), built in-process:
+the SD3.5-medium ``SD3Transformer2DModel`` (24 joint blocks, 1536 wide, RMS q/k norm, dual
+attention in blocks 0-12; 2.24 B parameters), SD3's 16-channel ``AutoencoderKL``, CLIP-L / CLIP-G
+(``CLIPTextModelWithProjection``) and T5-XXL (``T5EncoderModel``) encoders, FlowMatchEuler with
+shift 3.0; tokenizers are small local ``tokenizer.json`` files (no download). bf16, 1024x1024,
+28 steps, CFG 7.0 with a negative prompt (the pipeline default: cond and uncond as one batch of two).
+
+Configurations (``--only`` picks any):
+
+==========================  ==========================================================================
+``diffusers``               ``StableDiffusion3Pipeline`` eager
+``diffusers-compile``       same pipeline, ``torch.compile(transformer, fullgraph=True)`` (whole model)
+``omniloop``                omniloop SD3 family eager (our outer forward, joint blocks via run_blocks)
+``omniloop-compile``        + deploy ``compile: true`` (each joint step ``torch.compile(fullgraph=True)``)
+``omniloop-cudnn-compile``  + attention backend ``sdpa-cudnn`` (omniloop-attention)
+``omniloop-cudnn-fused-…``  ``omniloop-cudnn-fused-compile``: + ``options.qkv: fused`` (not in the default set)
+==========================  ==========================================================================
+
+Each side has its own transformer copy (same weights) so that processors installed by one never
+touch another. Per side: seconds per denoise step (median over steps 1..N-1 of every measured run;
+step 0 holds the loop's set-up), end-to-end seconds (prompt to uint8 image; diffusers to its
+``output_type="np"`` image), warm-up seconds (compilation), peak memory, and the final latents'
+relative RMS difference to diffusers eager (``omniloop`` runs the same kernels: expected 0).
+Runs are interleaved (every other round reversed) after one warm-up run per side. JSON goes to
+``$OUT`` if set, else ``bench/results/``, after every phase (partial results survive a timeout).
+
+    python bench/sd3_gpu.py                     # on the H200 (~4-5 min including compilation)
+    python bench/sd3_gpu.py --smoke             # tiny configs on a CPU, compile backend 'eager': checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _repo_paths  # noqa: E402
+
+_repo_paths.add_repo_packages()
+
+from _common import command_line, library_versions, machine, run_omniloop, step_times, sync  # noqa: E402
+
+PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
+NEGATIVE = "blurry, low quality, watermark"
+GUIDANCE = 7.0
+SEED = 42
+
+#: SD3.5-medium (stabilityai/stable-diffusion-3.5-medium transformer/config.json)
+SD35M = dict(
+    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)
+VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2,
+    norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              projection_dim=768, max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=2, eos_token_id=3)
+CLIP_G = dict(CLIP_L, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+              projection_dim=1280, hidden_act="gelu")
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+              dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omniloop-cudnn-compile",
+         "omniloop-cudnn-fused-compile")
+DEFAULT_SIDES = SIDES[:5]
+
+
+def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast, T5Config,
+                              T5EncoderModel, T5TokenizerFast)
+
+    from omniloop_sd3 import tiny
+
+    tok_dir = Path(tempfile.mkdtemp(prefix="sd3-bench-tok-"))
+    tiny._clip_tokenizer(tok_dir / "clip_l", pad="<|endoftext|>")
+    tiny._clip_tokenizer(tok_dir / "clip_g", pad="!")
+    tiny._t5_tokenizer(tok_dir / "t5")
+    torch.manual_seed(0)
+    if smoke:
+        tf_cfg = tiny.transformer_kwargs("sd35-medium")
+        clip_l = dict(CLIP_L, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      projection_dim=16, vocab_size=256)
+        clip_g = dict(clip_l)
+        t5 = dict(T5_XXL, vocab_size=256, d_model=40, d_kv=8, d_ff=48, num_layers=2, num_heads=2)
+        vae = dict(VAE, block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1)
+    else:
+        tf_cfg, clip_l, clip_g, t5, vae = SD35M, CLIP_L, CLIP_G, T5_XXL, VAE
+    with torch.device(device):
+        comps: dict[str, Any] = {
+            "transformer": SD3Transformer2DModel(**tf_cfg),
+            "vae": AutoencoderKL(**vae),
+            "text_encoder": CLIPTextModelWithProjection(CLIPTextConfig(**clip_l)),
+            "text_encoder_2": CLIPTextModelWithProjection(CLIPTextConfig(**clip_g, pad_token_id=0)),
+            "text_encoder_3": T5EncoderModel(T5Config(**t5)),
+        }
+    for m in comps.values():
+        m.to(dtype=dtype).eval().requires_grad_(False)
+    comps["tokenizer"] = PreTrainedTokenizerFast.from_pretrained(str(tok_dir / "clip_l"))
+    comps["tokenizer_2"] = PreTrainedTokenizerFast.from_pretrained(str(tok_dir / "clip_g"))
+    comps["tokenizer_3"] = T5TokenizerFast.from_pretrained(str(tok_dir / "t5"))
+    comps["scheduler"] = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return comps
+
+
+def with_transformer(comps: dict[str, Any], tf: Any) -> dict[str, Any]:
+    return {**comps, "transformer": tf}
+
+
+class DiffusersSide:
+    def __init__(self, name: str, comps: dict[str, Any], compiled: bool, compile_backend: str) -> None:
+        from diffusers import StableDiffusion3Pipeline
+
+        self.name = name
+        tf = comps["transformer"]
+        self.note = ""
+        if compiled:
+            tf = torch.compile(tf, fullgraph=True, backend=compile_backend)
+            self.note = f"torch.compile(transformer, fullgraph=True, backend={compile_backend!r})"
+        c = comps
+        self.pipe = StableDiffusion3Pipeline(
+            transformer=tf, vae=c["vae"], text_encoder=c["text_encoder"], text_encoder_2=c["text_encoder_2"],
+            text_encoder_3=c["text_encoder_3"], tokenizer=c["tokenizer"], tokenizer_2=c["tokenizer_2"],
+            tokenizer_3=c["tokenizer_3"], scheduler=type(c["scheduler"]).from_config(c["scheduler"].config),
+        )
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def run(self, steps: int, size: int) -> dict[str, Any]:
+        marks: list[float] = []
+        final: dict[str, torch.Tensor] = {}
+
+        def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+            sync()
+            marks.append(time.perf_counter())
+            if i == steps - 1:
+                final["latents"] = kw["latents"].detach().clone()
+            return {}
+
+        sync()
+        t0 = time.perf_counter()
+        out = self.pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=size, width=size, num_inference_steps=steps,
+                        guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(SEED), output_type="np",
+                        callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents"])
+        sync()
+        total = time.perf_counter() - t0
+        image = torch.from_numpy((out.images[0] * 255).round().astype("uint8"))
+        return {"total": total, "steps": step_times(marks), "latents": final["latents"], "image": image}
+
+
+class OmniloopSide:
+    def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, *,
+                 compiled: bool, compile_backend: str, attention: str = "sdpa", qkv: str = "separate") -> None:
+        from omniloop.deploy import DeployConfig
+        from omniloop.execution import BuiltPipeline
+        from omniloop.request import TaskType
+        from omniloop_sd3.family import SD3Family
+
+        self.name = name
+        backend = None
+        if attention != "sdpa":
+            from omniloop_attention.backends import BACKENDS
+
+            backend = {s.name: s for s in BACKENDS}[attention]
+            why = backend.available()
+            if why:
+                raise RuntimeError(f"attention backend {attention!r} cannot run here: {why}")
+        deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                              compile=compiled, attention_backend=attention)
+        options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend, "qkv": qkv}
+        if backend is not None:
+            options["attention"] = backend
+        fam = SD3Family()
+        self.model = fam.from_components(comps, device=device, dtype=dtype, options=options)
+        spec = fam.build_pipeline(self.model, TaskType.T2I, options)
+        self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, options=options)
+        self.note = f"compile={compiled} attention={attention} qkv={qkv}"
+
+    def run(self, steps: int, size: int) -> dict[str, Any]:
+        body = {"task": "t2i", "prompt": PROMPT, "negative_prompt": NEGATIVE,
+                "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED, "height": size, "width": size},
+                "outputs": {"return_latents": True}}
+        run = run_omniloop(self.built, body)
+        out = run.result.output
+        if not out.ok:
+            raise RuntimeError(f"omniloop request failed: {out.error}")
+        from omniloop.artifacts import Latents
+
+        return {"total": run.total, "steps": run.steps, "latents": run.result.state.read("denoised", Latents).tensor,
+                "image": out.artifacts["image"].pixels, "metrics": {"denoise": out.metrics.get("denoise")}}
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (compile backend 'eager')")
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--only", default=",".join(DEFAULT_SIDES))
+    ap.add_argument("--budget-s", type=float, default=400.0, help="start no new phase after this many seconds")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    size = 32 if args.smoke else args.size
+    steps = 3 if args.smoke else args.steps
+    compile_backend = "eager" if device.type == "cpu" else "inductor"
+    only = [s for s in args.only.split(",") if s]
+    for s in only:
+        if s not in SIDES:
+            ap.error(f"--only: unknown side {s!r} (known: {', '.join(SIDES)})")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    date = dt.date.today().isoformat()
+    tag = "smoke" if args.smoke else f"sd35m-{size}"
+    record: dict[str, Any] = {
+        "bench": "sd3_gpu", "date": date, "command": command_line("bench/sd3_gpu.py", argv),
+        "machine": machine(device=str(device), dtype=str(dtype).replace("torch.", ""), **library_versions()),
+        "config": {"model": "tiny sd35-medium" if args.smoke else "SD3.5-medium architecture, random weights",
+                   "size": size, "steps": steps, "guidance_scale": GUIDANCE, "cfg": "cond+uncond batch of two",
+                   "repeats": args.repeats, "compile_backend": compile_backend},
+        "sides": {}, "notes": [],
+    }
+    out_path = Path(args.out) / f"sd3_gpu-{tag}-{date}.json"
+
+    def save() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(record, indent=1) + "\n")
+
+    t = time.perf_counter()
+    base = build_components(device, dtype, args.smoke)
+    record["notes"].append(f"built components in {time.perf_counter() - t:.1f} s; transformer "
+                           f"{sum(p.numel() for p in base['transformer'].parameters()) / 1e9:.3f} B params")
+    sides: list[Any] = []
+    for name in only:
+        try:
+            tf = base["transformer"] if name in ("diffusers", "diffusers-compile") else copy.deepcopy(base["transformer"])
+            comps = with_transformer(base, tf)
+            if name.startswith("diffusers"):
+                side: Any = DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
+            elif name == "omniloop":
+                side = OmniloopSide(name, comps, device, dtype, compiled=False, compile_backend=compile_backend)
+            elif name == "omniloop-compile":
+                side = OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend)
+            else:
+                side = OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend,
+                                    attention="sdpa-cudnn", qkv="fused" if "fused" in name else "separate")
+            sides.append(side)
+            record["sides"][name] = {"setup": side.note}
+        except Exception as exc:  # a side that cannot run here is recorded, the others go on
+            record["sides"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+    save()
+
+    with torch.no_grad():
+        for side in list(sides):  # warm-up (compiles) — not measured
+            if time.perf_counter() - t_start > args.budget_s:
+                record["sides"][side.name]["skipped"] = "time budget"
+                sides.remove(side)
+                continue
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            try:
+                side.run(2, size)
+            except Exception as exc:
+                record["sides"][side.name]["skipped"] = f"warm-up failed: {type(exc).__name__}: {exc}"
+                record["sides"][side.name]["traceback"] = traceback.format_exc()[-2000:]
+                sides.remove(side)
+                continue
+            record["sides"][side.name]["warmup_s"] = round(time.perf_counter() - t, 3)
+            print(json.dumps({"side": side.name, "warmup_s": record["sides"][side.name]["warmup_s"]}), flush=True)
+            save()
+        runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
+        for rep in range(args.repeats):
+            if time.perf_counter() - t_start > args.budget_s:
+                record["notes"].append(f"time budget reached after {rep} rounds")
+                break
+            for side in (sides if rep % 2 == 0 else sides[::-1]):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                r = side.run(steps, size)
+                if device.type == "cuda":
+                    r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                runs[side.name].append(r)
+                print(json.dumps({"side": side.name, "rep": rep, "total_s": round(r["total"], 4),
+                                  "step_s": round(statistics.median(r["steps"]), 5)}), flush=True)
+            summarize(record, runs)
+            save()
+    summarize(record, runs)
+    record["wall_s"] = round(time.perf_counter() - t_start, 1)
+    save()
+    print(json.dumps({"wrote": str(out_path), "summary": record.get("summary")}, indent=1))
+    return 0
+
+
+def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
+    ref = runs.get("diffusers") or []
+    ref_lat = ref[-1]["latents"] if ref else None
+    ref_img = ref[-1]["image"] if ref else None
+    summary: dict[str, Any] = {}
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        steps_all = [s for r in rs for s in r["steps"]]
+        entry = record["sides"][name]
+        entry.update(
+            s_per_step=round(statistics.median(steps_all), 5),
+            s_end_to_end=round(statistics.median(r["total"] for r in rs), 4),
+            runs=len(rs), totals=[round(r["total"], 4) for r in rs],
+        )
+        if "peak_gib" in rs[-1]:
+            entry["peak_gib"] = round(max(r["peak_gib"] for r in rs), 2)
+        if rs[-1].get("metrics"):
+            entry["metrics"] = rs[-1]["metrics"]
+        if ref_lat is not None:
+            lat = rs[-1]["latents"].to(ref_lat.device)
+            entry["latents_rel_rms_vs_diffusers"] = rel_rms(lat, ref_lat)
+            entry["latents_bit_equal_diffusers"] = bool(torch.equal(lat, ref_lat))
+            entry["image_max_abs_diff_vs_diffusers"] = int((rs[-1]["image"].int() - ref_img.int()).abs().max())
+        summary[name] = {"s_per_step": entry["s_per_step"], "s_end_to_end": entry["s_end_to_end"]}
+    for ref_name in ("diffusers", "diffusers-compile"):
+        if ref_name in summary:
+            for name, s in summary.items():
+                s[f"step_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_per_step"] / s["s_per_step"], 3)
+                s[f"e2e_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_end_to_end"] / s["s_end_to_end"], 3)
+    record["summary"] = summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())
