@@ -295,8 +295,15 @@ def load_component(index: dict[str, Any], root: Path, name: str, *, device: torc
                 model = cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
             else:
                 model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+            # weights the files lack stay on the meta device (diffusers warns, does not raise)
+            empty = [n for n, p in model.named_parameters() if p.is_meta]
+            if empty:
+                raise CheckpointError(
+                    f"{folder}: cannot load {cls.__name__}: {len(empty)} weight(s) missing from its files "
+                    f"(config and weights disagree?), e.g. {', '.join(empty[:3])}"
+                )
+            return model.to(device).eval().requires_grad_(False)
     except CheckpointError:
         raise
     except Exception as exc:
         raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
-    return model.to(device).eval().requires_grad_(False)
