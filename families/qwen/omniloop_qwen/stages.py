@@ -104,7 +104,8 @@ class Prompt:
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         params = ctx.params if isinstance(ctx.params, DecodeParams) else decode_params(state.request)
         ids = render_prompt(ctx.components["tokenizer"], state.request, params)
-        state.write("prompt_ids", Conditioning(values={"ids": ids}), ctx.node.name)
+        # a tensor, not a list: schedulers walk artifacts to measure what a request holds
+        state.write("prompt_ids", Conditioning(values={"ids": torch.tensor(ids, dtype=torch.long)}), ctx.node.name)
 
 
 class Decode:
@@ -129,7 +130,7 @@ class Decode:
         if blocks is None:
             req = state.request
             prompt = state.get("prompt_ids")
-            n = len(prompt.values["ids"]) if isinstance(prompt, Conditioning) else len(
+            n = int(prompt.values["ids"].numel()) if isinstance(prompt, Conditioning) else len(
                 render_prompt(self.tokenizer, req, decode_params(req)))
             blocks = state.ext["qwen.kv_blocks"] = self.cache.blocks_for(n + self.resolve_max_tokens(req, n))
         return self.cache, int(blocks)
@@ -152,7 +153,7 @@ class Decode:
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         req = state.request
         params = ctx.params if isinstance(ctx.params, DecodeParams) else decode_params(req)
-        prompt = list(state.read("prompt_ids", Conditioning).values["ids"])
+        prompt = [int(t) for t in state.read("prompt_ids", Conditioning).values["ids"].tolist()]
         max_tokens = self.resolve_max_tokens(req, len(prompt))
         cache: CacheManager = ctx.components["kv_cache"]
         try:
