@@ -107,3 +107,9 @@ def make_i2i():
 @pytest.fixture
 def to_uint8():
     return uint8_of
+
+
+@pytest.fixture
+def make_manager_flux():
+    """``make_manager_flux(step_scheduler=False)`` → an isolated manager with the FLUX.1 family."""
+    return flux_manager
