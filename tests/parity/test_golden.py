@@ -48,12 +48,13 @@ TOY_REQUEST = {
 # dot product or reduction adds the same terms in another order and lands a few rounding steps
 # away; layer norms and residual adds keep that relative to the activations' scale rather than
 # letting it grow. One forward (a noise prediction) therefore reproduces to a few eps of its scale
-# — measured worst 4.9 eps over every pair of {these goldens' original AVX-512-era recording, AVX2,
-# ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41}; FORWARD_ULPS = 8 leaves x1.6 of headroom.
+# — measured worst 4.9 eps over every pair of {the goldens' first recording, made on another CPU;
+# AVX2 here; ATEN_CPU_CAPABILITY=default; ONEDNN_MAX_CPU_ISA=SSE41}; FORWARD_ULPS = 8 leaves x1.6.
 # Classifier-free guidance  u + g·(c − u)  turns errors e_c, e_u into (1 − g)·e_u + g·e_c, at most
 # (2g − 1) times one error, plus its own rounding: (2g + 1) bounds it (toy g = 3: 56 eps; Wan tiny
-# g = 5: 88 eps; measured worst 7.2 and 18.4). The latents  x + Δt·guided  take a Δt-weighted sum of
-# the guided errors, and ΣΔt = 1 over a flow-matching schedule, so they stay inside the same bound.
+# g = 5: 88 eps; measured worst 7.2 and 18.4). Euler latents  x + Δt·guided  take a Δt-weighted sum
+# of the guided errors with ΣΔt = 1 over a flow-matching schedule, so they stay inside the same bound
+# (Wan tiny's UniPC mixes two model outputs per step with coefficients of that size; measured 6.2).
 # A real change stays visible: the 1e-3 block perturbation below is ~8,400 eps at its source.
 #
 # Integer taps (the uint8 video) may move by one quantisation level, never more — a float a
