@@ -1,0 +1,311 @@
+"""Hostile-input property test (issue 14): >= 1,000 generated requests against a real uvicorn server
+on 127.0.0.1 (toy family, CPU), bounded in time.
+
+Bodies mix every accepted field name with hostile values (lone surrogates, huge and non-finite
+numbers, deep nesting, paths into a sandbox folder as request ids and input parts, wrong types at
+every level), in JSON, OpenAI's multipart form, raw/mangled bytes and wrong Content-Types, on
+``POST /v1/videos`` and ``POST /v1/images/generations``. The test fails on any 5xx, on any
+request taking over 10 s (the client's timeout), on a connection the server drops, and on any
+file created outside the output folder (a sandbox folder the bodies aim at, the working
+directory, and the output folder's own listing are checked).
+
+The deploy's limits keep every valid request tiny (<= 4 steps, 32x32, 5 frames), so generated
+bodies that happen to be valid run real jobs quickly. ``OMNILOOP_HOSTILE_EXAMPLES`` raises the count.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+EXAMPLES = int(os.environ.get("OMNILOOP_HOSTILE_EXAMPLES", "1100"))
+REQUEST_TIMEOUT = 10.0
+OUT_NAME = re.compile(r"^([0-9a-f]{32}(\.mp4|\.thumbnail\.png|\.spritesheet\.png)|jobs\.jsonl)$")
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNG = _png()
+
+
+@pytest.fixture(scope="module")
+def hostile(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path, Any]]:
+    from omniloop_scheduler.testing import make_runtime
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    root = tmp_path_factory.mktemp("hostile")
+    out, sandbox, cwd = root / "out", root / "sandbox", root / "cwd"
+    sandbox.mkdir()
+    cwd.mkdir()
+    rt = make_runtime(server_checkpoint, scheduler="step",
+                      limits={"max_steps": 4, "max_frames": 5, "max_height": 32, "max_width": 32, "max_queue": 8})
+    app = create_app(rt, output_dir=out, shutdown_timeout=0, max_finished_jobs=50)
+    old, interval = os.getcwd(), sys.getswitchinterval()
+    os.chdir(cwd)
+    # client and server share this process: hand the GIL over faster than every 5 ms
+    sys.setswitchinterval(0.0005)
+    try:
+        with serving(app) as url:
+            yield url, out, sandbox, app
+    finally:
+        sys.setswitchinterval(interval)
+        os.chdir(old)
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+# ---------------------------------------------------------------------------------------------
+
+ALL_FIELDS = ["prompt", "negative_prompt", "model", "size", "steps", "num_inference_steps", "guidance_scale", "seed",
+              "priority", "omniloop", "user", "seconds", "frames", "fps", "image", "input_reference", "n",
+              "response_format", "quality", "style", "background", "output_format", "moderation"]
+OMNI_FIELDS = ["diffusion", "sampling", "outputs", "node_params", "plugin_params", "exact", "priority", "request_id",
+               "inputs", "negative_prompt", "task", "schema_version"]
+DIFF_FIELDS = ["steps", "guidance_scale", "shift", "height", "width", "frames", "fps", "seed", "bogus"]
+
+
+def path_strings(sandbox: Path) -> st.SearchStrategy[str]:
+    s = str(sandbox)
+    return st.sampled_from([
+        f"{s}/x", f"{s}/a/b/c", "../sandbox/x", "../../sandbox/y", "../" * 8 + s.lstrip("/") + "/z", f"{s}/v\u0000",
+        f"../sandbox/p\u0000.mp4", "", ".", "..", "/", "a/b", "a\\b", "~/x", "%2e%2e/sandbox/q", f"file://{s}/w",
+        "x" * 200, "CON", "nul", "-rf", ".hidden", "ok_id-1",
+    ])
+
+
+def hostile_strings(sandbox: Path) -> st.SearchStrategy[str]:
+    return st.one_of(
+        st.text(max_size=20),
+        st.text(alphabet=st.characters(exclude_categories=()), max_size=12),  # lone surrogates included
+        st.sampled_from(["\ud800", "a\udfffb", "\u0000", "16x16", "32x32", "8x8", "0x0", "99999x99999", "16X16 ",
+                         "-16x16", "1e308", "nan", "inf", "-1", "4", "8", "12", "0.0001", "1" * 400, "\ufeff{",
+                         "toy", "ckpt", "wan-demo", "b64_json", "url", "png", "data:image/png;base64,AAAA",
+                         "data:image/png;base64," + __import__("base64").b64encode(PNG).decode()]),
+        path_strings(sandbox),
+    )
+
+
+def leaves(sandbox: Path) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.none(), st.booleans(),
+        st.integers(min_value=-5, max_value=40),
+        st.integers(),
+        st.integers(min_value=-(2**80), max_value=2**80),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.sampled_from([1e308, -1e308, 1e-300, 5e-324, 0.0, -0.0, 2**63, 2**64, -(2**63) - 1]),
+        hostile_strings(sandbox),
+    )
+
+
+def values(sandbox: Path) -> st.SearchStrategy[Any]:
+    return st.recursive(
+        leaves(sandbox),
+        lambda ch: st.one_of(st.lists(ch, max_size=4),
+                             st.dictionaries(st.one_of(st.sampled_from(ALL_FIELDS + OMNI_FIELDS + DIFF_FIELDS),
+                                                       hostile_strings(sandbox)), ch, max_size=4)),
+        max_leaves=8,
+    )
+
+
+def omniloop_objects(sandbox: Path) -> st.SearchStrategy[Any]:
+    v = values(sandbox)
+    part = st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["image", "video", "audio", "latents", "text", "bogus"])},
+                              optional={"path": path_strings(sandbox), "data_b64": st.one_of(hostile_strings(sandbox), v),
+                                        "text": v, "role": v}),
+        v,
+    )
+    diffusion = st.one_of(st.fixed_dictionaries({}, optional={k: v for k in DIFF_FIELDS}), v)
+    return st.one_of(
+        st.fixed_dictionaries({}, optional={
+            "diffusion": diffusion, "request_id": st.one_of(path_strings(sandbox), v), "inputs": st.one_of(st.lists(part, max_size=3), v),
+            "outputs": st.one_of(st.fixed_dictionaries({}, optional={"format": v, "return_latents": v, "stream_partial": v}), v),
+            "plugin_params": v, "node_params": st.one_of(st.fixed_dictionaries({}, optional={"denoise": v}), v),
+            "exact": v, "priority": v, "task": v, "sampling": v, "schema_version": v,
+        }),
+        v,
+    )
+
+
+def bodies(sandbox: Path) -> st.SearchStrategy[Any]:
+    v = values(sandbox)
+    small_int = st.one_of(st.integers(min_value=-2, max_value=12), v)
+    fields = {
+        "prompt": st.one_of(st.text(max_size=30), hostile_strings(sandbox), v),
+        "negative_prompt": v, "model": st.one_of(st.sampled_from(["ckpt", "toy", "other"]), v),
+        "size": st.one_of(st.sampled_from(["16x16", "32x32", "8x16", "12x12", "64x64", "0x0"]), v),
+        "steps": small_int, "num_inference_steps": small_int, "seed": st.one_of(st.integers(), v),
+        "guidance_scale": st.one_of(st.floats(), v), "priority": small_int, "frames": small_int,
+        "seconds": st.one_of(st.sampled_from(["4", "0.25", "0.5", "1e308", "-1", "nan"]), st.floats(), v),
+        "fps": st.one_of(st.floats(), v), "n": small_int, "omniloop": omniloop_objects(sandbox),
+        "input_reference": st.one_of(hostile_strings(sandbox), v), "image": v,
+        "response_format": v, "output_format": v, "user": v, "extra": v,
+    }
+    # a valid body with one field replaced or added (these get past parsing, into validation and jobs)
+    valid = {"prompt": "a red fox", "steps": 2, "size": "16x16", "seed": 1}
+    mutated = st.builds(lambda extra: {**valid, **extra},
+                        st.dictionaries(st.sampled_from(sorted(fields)), st.deferred(lambda: st.one_of(*fields.values())),
+                                        max_size=1))
+    omni_id = st.builds(lambda rid: {**valid, "omniloop": {"request_id": rid}},
+                        st.one_of(path_strings(sandbox), st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,10}", fullmatch=True)))
+    return st.one_of(st.fixed_dictionaries({}, optional=fields), v, mutated, omni_id)
+
+
+def _multipart(fields: list[tuple[str, bytes, str | None]], boundary: str = "hyp0thes1s") -> tuple[bytes, str]:
+    out = io.BytesIO()
+    for name, data, filename in fields:
+        out.write(f"--{boundary}\r\n".encode())
+        disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out.write(f"Content-Disposition: {disp}\r\n".encode("utf-8", "surrogatepass"))
+        if filename:
+            out.write(b"Content-Type: image/png\r\n")
+        out.write(b"\r\n" + data + b"\r\n")
+    out.write(f"--{boundary}--\r\n".encode())
+    return out.getvalue(), f"multipart/form-data; boundary={boundary}"
+
+
+def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [item for k, v in value.items() for item in _flatten(f"{prefix}[{k}]", v)]
+    if isinstance(value, list):
+        return [item for v in value for item in _flatten(f"{prefix}[]", v)]
+    return [(prefix, value)]
+
+
+def _text(v: Any) -> bytes:
+    s = {True: "true", False: "false", None: ""}.get(v, v) if isinstance(v, (bool, type(None))) else str(v)
+    return s.encode("utf-8", "surrogatepass")
+
+
+@st.composite
+def _requests(draw: Any, body_strategy: st.SearchStrategy[Any]) -> tuple[str, bytes, str | None]:
+    path = draw(st.sampled_from(["/v1/videos", "/v1/videos", "/v1/videos", "/v1/images/generations"]))
+    body = draw(body_strategy)
+    how = draw(st.sampled_from(["json", "json", "json", "form", "raw", "ctype", "deep"]))
+    if how == "json" or (how == "form" and (path != "/v1/videos" or not isinstance(body, dict))):
+        raw = json.dumps(body, ensure_ascii=draw(st.booleans()), allow_nan=True).encode("utf-8", "surrogatepass")
+        return path, raw, draw(st.sampled_from(["application/json", "application/json; charset=utf-8"]))
+    if how == "form":
+        fields: list[tuple[str, bytes, str | None]] = []
+        for k, v in body.items():
+            if k == "input_reference" and draw(st.booleans()):
+                fields.append((k, draw(st.sampled_from([PNG, b"", b"not an image", PNG[:40]])), "ref.png"))
+                continue
+            for name, leaf in _flatten(k, v):
+                fields.append((name, _text(leaf), None))
+        raw, ctype = _multipart(fields[:80])
+        if draw(st.booleans()):
+            cut = draw(st.integers(min_value=0, max_value=len(raw)))
+            raw = raw[:cut]  # truncated forms
+        return path, raw, ctype
+    if how == "raw":
+        raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+        mangled = draw(st.one_of(st.just(raw[: max(0, len(raw) - 1)]), st.binary(max_size=200),
+                                 st.just(b"\xff\xfe" + raw), st.just(raw + b"garbage"), st.just(b"")))
+        return path, mangled, "application/json"
+    if how == "ctype":
+        raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+        ctype = draw(st.sampled_from([None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                      "application/xml", "application/json-seq", "*/*", "multipart/form-data; boundary="]))
+        return path, raw, ctype
+    depth = draw(st.integers(min_value=30, max_value=3000))
+    kind = draw(st.sampled_from(["list", "dict", "omni"]))
+    if kind == "list":
+        raw = ("[" * depth + "]" * depth).encode()
+    elif kind == "dict":
+        raw = ('{"a":' * depth + "1" + "}" * depth).encode()
+    else:
+        raw = ('{"prompt":"x","omniloop":{"diffusion":' + '{"a":' * depth + "1" + "}" * depth + "}}").encode()
+    return path, raw, "application/json"
+
+
+def requests(sandbox: Path) -> st.SearchStrategy[tuple[str, bytes, str | None]]:
+    """(path, raw body, content type) — the ways a client can send a body (strategies built once)."""
+    return _requests(bodies(sandbox))
+
+
+# ---------------------------------------------------------------------------------------------
+# the test
+# ---------------------------------------------------------------------------------------------
+
+
+def snapshot(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*")}
+
+
+def test_hostile_bodies_never_get_5xx_hang_or_write_outside_the_output_folder(hostile: Any) -> None:
+    url, out, sandbox, app = hostile
+    root = out.parent
+    before = snapshot(root) - snapshot(out)
+    statuses: dict[int, int] = {}
+    slowest = http_s = 0.0
+    t_start = time.monotonic()
+
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT) as client:
+
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,
+                  suppress_health_check=list(HealthCheck))
+        @given(req=requests(sandbox))
+        def run(req: tuple[str, bytes, str | None]) -> None:
+            nonlocal slowest, http_s
+            path, raw, ctype = req
+            headers = {"content-type": ctype} if ctype is not None else {}
+            t0 = time.monotonic()
+            r = client.post(path, content=raw, headers=headers)
+            dt = time.monotonic() - t0
+            slowest = max(slowest, dt)
+            http_s += dt
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (r.status_code, r.text[:500], raw[:300], ctype)
+            assert dt < REQUEST_TIMEOUT
+            if r.status_code >= 400:
+                err = r.json()["error"]
+                assert isinstance(err["message"], str) and err["type"]
+                assert len(r.content) < 8000, len(r.content)
+            else:
+                assert r.json().get("object") == "video" or "data" in r.json()
+            assert not any(sandbox.iterdir()), sorted(sandbox.rglob("*"))
+
+        run()
+        state = app.state.omniloop
+        deadline = time.monotonic() + 30
+        while state.jobs.in_flight() and time.monotonic() < deadline:  # let accepted jobs write their files
+            time.sleep(0.05)
+        assert not state.jobs.in_flight(), [j.to_dict() for j in state.jobs.in_flight()]
+        health = client.get("/health")
+        metrics = client.get("/metrics").text
+
+    took = time.monotonic() - t_start
+    total = sum(statuses.values())
+    print(f"\nhostile: {total} requests in {took:.1f} s ({http_s:.1f} s in HTTP), slowest {slowest:.2f} s, statuses {sorted(statuses.items())}")
+    assert total >= min(EXAMPLES, 1000), statuses
+    assert health.status_code == 200
+    assert 'omniloop_http_errors_total{code="500"}' not in metrics
+    assert re.search(r"omniloop_http_unhandled_exceptions_total 0\b", metrics)
+    # no file anywhere but in the output folder, and there only server-made names
+    assert snapshot(root) - snapshot(out) == before
+    assert not any(Path.cwd().iterdir()), sorted(Path.cwd().iterdir())
+    assert not any(sandbox.iterdir())
+    bad = [p.name for p in out.iterdir() if not OUT_NAME.match(p.name)]
+    assert not bad, bad
+    if statuses.get(200):
+        assert state.jobs.written > 0  # accepted jobs ran and wrote their mp4s (inside the folder)
