@@ -27,11 +27,11 @@ PROMPT = "a red fox jumps over the lazy dog"
 def flux_manager(step_scheduler: bool = False) -> Any:
     """Only the FLUX.1 family (+ the inline serial scheduler, + the step scheduler when asked)."""
     plugins: list[tuple[str, Any]] = [("flux", flux_plugin)]
-    if step_scheduler:
+    if step_scheduler:  # the scheduler package's serial and step schedulers, not the inline serial one
         import omniloop_scheduler.plugin as sched_plugin
 
         plugins.append(("scheduler", sched_plugin))
-    return make_manager(*plugins, toy=False)
+    return make_manager(*plugins, toy=False, scheduler=not step_scheduler)
 
 
 @pytest.fixture(scope="session")
