@@ -65,3 +65,24 @@ def test_bad_family_options_fail_before_loading(tiny_ckpt):
         with pytest.raises(DeployError, match=key):
             Runtime.from_model(tiny_ckpt(), manager=make_manager(("sd3", sd3_plugin), toy=False), compile=True,
                                options=options)
+
+
+def test_joint_sequence_form_equals_the_pair_form_bit_for_bit():
+    """With a block context bound (interceptor / taps) the stack runs on [context ; image]; without
+    one it carries the pair. Both equal diffusers' forward exactly."""
+    from diffusers import SD3Transformer2DModel
+
+    from omniloop.interceptors import BlockContext
+    from omniloop.loop import LoopState, StepContext
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(**transformer_kwargs("sd35-medium")).eval()
+    x, t, e, p = _inputs(1)
+    seen = []
+    ctx = BlockContext(step=StepContext("r", "denoise", 0, 1, 900.0), loop=LoopState(),
+                       block_tap=lambda name, value: seen.append((name, tuple(value.shape))))
+    with torch.no_grad():
+        want = model(hidden_states=x, timestep=t, encoder_hidden_states=e, pooled_projections=p, return_dict=False)[0]
+        assert torch.equal(sd3_forward(model, x, t, e, p), want)
+        assert torch.equal(sd3_forward(model, x, t, e, p, ctx), want)
+    assert seen == [(f"blocks.{i}", (2, 20 + 4, 16)) for i in range(3)]

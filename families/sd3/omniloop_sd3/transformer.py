@@ -7,13 +7,15 @@ with the same tensor operations in the same order, so that with nothing bound it
 :func:`omniloop.interceptors.run_blocks`, so block interceptors (cache-dit, first-block cache),
 block taps and the parity/trace observers see them.
 
-``run_blocks`` carries one hidden tensor, while a joint block updates two streams (text context
-and image tokens). The stack therefore runs on the *joint sequence* ``[context ; image]``
-(``[B, L_txt + L_img, D]``): :class:`JointStep` splits it, runs the diffusers block on the two
-views and concatenates the results (the last block, ``context_pre_only``, leaves the context as
-it was). Splitting and concatenating move values without changing them, so the result stays
-bit-exact; an interceptor that caches residuals sees both streams, as cache-dit's own SD3
-adapter does. The blocks themselves (attention with q/k RMS norm, SD3.5-medium's dual attention,
+A joint block updates two streams (text context and image tokens), while a block interceptor or
+a block tap takes one hidden tensor. When one is bound (``block_ctx`` given), the stack runs on
+the *joint sequence* ``[context ; image]`` (``[B, L_txt + L_img, D]``): :class:`JointStep` splits
+it, runs the diffusers block on the two views and concatenates the results (the last block,
+``context_pre_only``, leaves the context as it was); an interceptor that caches residuals sees
+both streams, as cache-dit's own SD3 adapter does. When nothing is bound, ``run_blocks`` is a
+plain loop and the pair ``(context, image)`` goes from block to block as it is (no concatenation
+per block). Both forms move values without changing them: the result is bit-exact either way.
+The blocks themselves (attention with q/k RMS norm, SD3.5-medium's dual attention,
 feed-forwards) are diffusers' modules and weights.
 """
 
@@ -36,12 +38,16 @@ class JointStep(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, joint: torch.Tensor, temb: torch.Tensor, txt_len: int) -> torch.Tensor:
-        context = joint[:, :txt_len]
-        image = joint[:, txt_len:]
+    def forward(self, hidden: Any, temb: torch.Tensor, txt_len: int) -> Any:
+        """``hidden``: the joint sequence ``[B, L_txt + L_img, D]`` or the pair ``(context, image)``;
+        returns the same form."""
+        pair = isinstance(hidden, tuple)
+        context, image = hidden if pair else (hidden[:, :txt_len], hidden[:, txt_len:])
         new_context, new_image = self.block(hidden_states=image, encoder_hidden_states=context, temb=temb)
         if new_context is None:  # the last block (context_pre_only) updates only the image tokens
             new_context = context
+        if pair:
+            return new_context, new_image
         return torch.cat([new_context, new_image], dim=1)
 
 
@@ -79,13 +85,16 @@ def sd3_forward(
     encoder_hidden_states = model.context_embedder(encoder_hidden_states)
     txt_len = encoder_hidden_states.shape[1]
 
-    joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-
-    def call(step: Any, hidden: torch.Tensor) -> torch.Tensor:
+    def call(step: Any, hidden: Any) -> Any:
         return step(hidden, temb, txt_len)
 
-    joint = run_blocks(joint_steps(model) if blocks is None else blocks, joint, block_ctx, call)
-    hidden_states = joint[:, txt_len:]
+    steps = joint_steps(model) if blocks is None else blocks
+    if block_ctx is None:  # nothing bound: a plain loop carrying the pair (context, image)
+        pair = (encoder_hidden_states, hidden_states)
+        _, hidden_states = run_blocks(steps, pair, None, call)  # type: ignore[arg-type,misc]
+    else:  # an interceptor or block taps: one joint tensor [context ; image]
+        joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        hidden_states = run_blocks(steps, joint, block_ctx, call)[:, txt_len:]
 
     hidden_states = model.norm_out(hidden_states, temb)
     hidden_states = model.proj_out(hidden_states)
