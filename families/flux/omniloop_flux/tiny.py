@@ -105,8 +105,11 @@ def build_t5_tokenizer(out: Path, max_length: int = 512) -> int:
     return len(tok)
 
 
-def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0) -> Path:
-    """Write a tiny FLUX.1 checkpoint of ``variant`` (``dev`` or ``schnell``) to ``path``; return it."""
+def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0, **transformer: Any) -> Path:
+    """Write a tiny FLUX.1 checkpoint of ``variant`` (``dev`` or ``schnell``) to ``path``; return it.
+
+    ``transformer`` overrides the tiny transformer's config (e.g. ``num_layers=2,
+    num_single_layers=4`` for more blocks to cache)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
     import diffusers
@@ -141,10 +144,10 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0)
             latent_channels=latent, norm_num_groups=4, sample_size=64, scaling_factor=0.3611,
             shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True,
         ).eval().save_pretrained(out / "vae")
-        FluxTransformer2DModel(
+        FluxTransformer2DModel(**{**dict(
             patch_size=1, in_channels=4 * latent, num_layers=1, num_single_layers=2, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=t5_dim, pooled_projection_dim=clip_dim,
-            guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6),
+            guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6)), **transformer},
         ).eval().save_pretrained(out / "transformer")
 
     (out / "scheduler").mkdir(exist_ok=True)
