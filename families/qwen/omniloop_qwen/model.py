@@ -61,12 +61,10 @@ class PagedQwen:
             raise ValueError("forward: every sequence needs at least one new token")
         past = [cache.length(h) for h in handles]
         t_max = max(n)
-        ids = torch.zeros((b, t_max), dtype=torch.long)
-        pos = torch.zeros((b, t_max), dtype=torch.long)
-        for i, (toks, p0, ni) in enumerate(zip(tokens, past, n, strict=True)):
-            ids[i, :ni] = torch.tensor(list(toks), dtype=torch.long)
-            pos[i, :ni] = torch.arange(p0, p0 + ni)
-            pos[i, ni:] = p0 + ni - 1  # padding: repeats the last position (its output is dropped)
+        ids = torch.tensor([[*t, *([0] * (t_max - len(t)))] for t in tokens], dtype=torch.long)
+        # padding repeats the last position (its output is dropped)
+        pos = torch.tensor([[p0 + min(j, ni - 1) for j in range(t_max)] for p0, ni in zip(past, n, strict=True)],
+                           dtype=torch.long)
         new_slots = torch.cat([cache.append(h, ni) for h, ni in zip(handles, n, strict=True)]).to(self.device)
         table, ctx_len = cache.slot_table(handles)
         table = table.to(self.device)
