@@ -220,7 +220,9 @@ class PluginManager:
                 error=f"import failed (plugin {ep.name!r}, {ep.value}): {_describe(exc)}",
             )
 
-        class IsolatingManager(ExtensionManager):  # type: ignore[misc]
+        base: Any = ExtensionManager  # generic only in recent stevedore releases
+
+        class IsolatingManager(base):  # type: ignore[misc]
             def _load_one_plugin(self, ep: Any, *args: Any, **kwargs: Any) -> Any:
                 try:
                     return super()._load_one_plugin(ep, *args, **kwargs)

@@ -68,7 +68,7 @@ class Deployment:
             "deploy": deploy, "registry": self.registry, "attention": self.attention,
             **self.preset_options, **deploy.options,
         }
-        self._inspected: LoadedModel | None | bool = False  # False: not asked yet
+        self._inspected: LoadedModel | bool | None = False  # False: not asked yet
 
     # -- what the checkpoint can do, without its weights ---------------------------------------
     def inspect(self) -> LoadedModel | None:

@@ -246,7 +246,10 @@ def make_converter() -> cattrs.Converter:
         return structure_list
 
     conv.register_structure_hook_factory(_is_dict, _dict_factory)
-    conv.register_structure_hook_factory(lambda t: t is list or typing.get_origin(t) is list, _list_factory)
+    def _is_list(t: Any) -> bool:
+        return t is list or typing.get_origin(t) is list
+
+    conv.register_structure_hook_factory(_is_list, _list_factory)
 
     conv.register_structure_hook_func(lambda t: isinstance(t, type) and issubclass(t, enum.Enum), _enum)
     conv.register_unstructure_hook_func(lambda t: isinstance(t, type) and issubclass(t, enum.Enum), lambda e: e.value)
@@ -487,11 +490,11 @@ def _jsonable(v: Any) -> Any:
 
 __all__ = [
     "MODAL_PART_TYPES",
-    "check_ranges",
     "PlainValueError",
-    "check_plain",
-    "check_regex",
     "brief",
+    "check_plain",
+    "check_ranges",
+    "check_regex",
     "converter",
     "event_to_dict",
     "output_to_dict",

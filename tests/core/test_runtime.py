@@ -320,7 +320,7 @@ def test_a_family_without_inspect_still_gets_the_generic_checks(toy_checkpoint, 
     monkeypatch.delattr(ToyFamily, "inspect")
     d = _deployment(toy_checkpoint)
     assert d.inspect() is None
-    with pytest.raises(RequestError, match="diffusion.steps"):
+    with pytest.raises(RequestError, match=r"diffusion\.steps"):
         d.check({"task": "t2v", "prompt": "x", "diffusion": {"steps": 100000}})
     d.check({"task": "t2v", "prompt": "x", "diffusion": {"height": 7}})  # the family's check needs its model
 

@@ -185,10 +185,9 @@ def record_cmd(
 
     from omniloop.deploy import load_deploy
     from omniloop.media import check_writable
+    from omniloop.plugins import default_manager
     from omniloop.runtime import Deployment
     from omniloop.schema import request_from_dict
-
-    from omniloop.plugins import default_manager
 
     from .run import _ensure_plugin, model_fields, record, runtime_with_parity, with_parity
 
