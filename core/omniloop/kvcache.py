@@ -15,7 +15,7 @@ Accounting (pure Python, no tensors needed)::
     slots = mgr.append(h, n)       # room for n more tokens; their flat slot indices
     child = mgr.fork(h)            # shares every block (refcount); copy-on-write on append
     mgr.free(h)                    # decrefs; blocks at refcount 0 return to the free list
-    mgr.drop_front(h, n_blocks)    # out-of-window recycling (sliding window / video chunks)
+    mgr.drop_front(h, n_blocks, keep=1)  # out-of-window recycling, keeping a sink block (video chunks)
 
 Storage (when a :class:`KVLayout` is given): ``k[layer]`` / ``v[layer]`` of shape
 ``[num_blocks * block_size, kv_heads, head_dim]``; :meth:`write` stores new tokens at their
@@ -79,7 +79,8 @@ class KVHandle:
 class _Seq:
     blocks: list[int]
     length: int = 0  # tokens written (or appended) so far, counting dropped ones
-    dropped: int = 0  # blocks dropped from the front (out-of-window)
+    dropped: int = 0  # blocks dropped (out-of-window), after the ``sink`` first blocks
+    sink: int = 0  # leading blocks kept however much is dropped (attention sinks)
     reserved: int = 0  # blocks still reserved for this sequence, not yet in ``blocks``
     tag: Any = None
 
@@ -206,7 +207,8 @@ class CacheManager:
                 raise CacheFull(f"KV cache {self.name!r}: cannot fork, {extra} blocks needed, {self.free_blocks} free")
             for b in src.blocks:
                 self._refs[b] += 1
-            seq = _Seq(blocks=list(src.blocks), length=src.length, dropped=src.dropped, reserved=extra, tag=tag)
+            seq = _Seq(blocks=list(src.blocks), length=src.length, dropped=src.dropped, sink=src.sink, reserved=extra,
+                       tag=tag)
             self._reserved += extra
             hid = next(self._ids)
             self._seqs[hid] = seq
@@ -234,9 +236,19 @@ class CacheManager:
             return self._seq(handle).length
 
     def start(self, handle: KVHandle) -> int:
-        """Position of the first token still held (> 0 after ``drop_front``)."""
+        """Position of the first token still held (> 0 after ``drop_front`` without a sink)."""
         with self._lock:
-            return self._seq(handle).dropped * self.block_size
+            seq = self._seq(handle)
+            return 0 if seq.sink else seq.dropped * self.block_size
+
+    def positions(self, handle: KVHandle) -> torch.Tensor:
+        """Absolute positions of the tokens still held, in slot order (sink blocks first)."""
+        with self._lock:
+            seq = self._seq(handle)
+            bs = self.block_size
+            head = torch.arange(seq.sink * bs)
+            tail = torch.arange((seq.sink + seq.dropped) * bs, seq.length)
+            return torch.cat([head, tail])
 
     def block_table(self, handle: KVHandle) -> tuple[int, ...]:
         with self._lock:
@@ -295,17 +307,23 @@ class CacheManager:
         slots = table[:, pos // bs] * bs + pos % bs if width else torch.zeros((len(seqs), 0), dtype=torch.long)
         return slots.masked_fill(pos[None, :] >= lengths[:, None], pad), lengths
 
-    def drop_front(self, handle: KVHandle, n_blocks: int) -> None:
-        """Release the first ``n_blocks`` full blocks (out-of-window recycling); positions keep counting."""
+    def drop_front(self, handle: KVHandle, n_blocks: int, *, keep: int = 0) -> None:
+        """Release the oldest ``n_blocks`` full blocks after the first ``keep`` (out-of-window
+        recycling; ``keep`` leading blocks are attention sinks, fixed by the first drop that keeps
+        any). Positions keep counting."""
         with self._lock:
             seq = self._seq(handle)
-            full = (seq.length - seq.dropped * self.block_size) // self.block_size
-            if not 0 <= n_blocks <= full:
-                raise ValueError(f"drop_front: can drop 0..{full} full blocks, got {n_blocks}")
-            for b in seq.blocks[:n_blocks]:
+            if seq.dropped and keep != seq.sink:
+                raise ValueError(f"drop_front: this sequence keeps {seq.sink} sink blocks, got keep={keep}")
+            full = (seq.length - seq.dropped * self.block_size) // self.block_size - keep
+            if keep < 0 or not 0 <= n_blocks <= full:
+                raise ValueError(f"drop_front: can drop 0..{max(0, full)} full blocks after {keep} kept, got {n_blocks}")
+            for b in seq.blocks[keep : keep + n_blocks]:
                 self._decref(b)
-            del seq.blocks[:n_blocks]
+            del seq.blocks[keep : keep + n_blocks]
             seq.dropped += n_blocks
+            if n_blocks:
+                seq.sink = keep
 
     # -- storage ----------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

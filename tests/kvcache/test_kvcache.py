@@ -174,3 +174,27 @@ def test_no_leaked_blocks_after_1000_mixed_random_requests() -> None:
     m.check()
     assert forks > 50 and drops > 10 and refused > 0
     assert m.used_blocks == 0 and m.reserved_blocks == 0 and m.free_blocks == m.num_blocks and m.sequences == 0
+
+
+def test_chunk_kv_slabs_with_a_sink_and_a_local_window() -> None:
+    """Causal video's use: one block per latent chunk (a slab), the first chunk kept as a sink,
+    a window of two more; memory stays bounded however long the rollout runs."""
+    chunk = 6  # tokens per latent chunk
+    lay = KVLayout(layers=1, kv_heads=1, head_dim=1)
+    m = CacheManager(lay, block_size=chunk, num_blocks=4, name="chunk-kv")
+    h = m.allocate(reserve_tokens=3 * chunk)
+    for i in range(10):
+        if i >= 3:  # the window is full: recycle the oldest chunk after the sink
+            m.drop_front(h, 1, keep=1)
+        slots = m.append(h, chunk)
+        m.write(0, slots, torch.full((chunk, 1, 1), float(i)), torch.full((chunk, 1, 1), float(i)))
+        assert m.used_blocks == min(i + 1, 3)
+    k, _ = m.gather(0, m.slots(h))
+    assert k.flatten().tolist() == [0.0] * chunk + [8.0] * chunk + [9.0] * chunk
+    assert m.positions(h).tolist() == [*range(0, 6), *range(48, 60)]
+    assert m.length(h) == 60
+    with pytest.raises(ValueError, match="keeps 1 sink blocks"):
+        m.drop_front(h, 1, keep=0)
+    m.free(h)
+    assert m.used_blocks == 0 and m.reserved_blocks == 0
+    m.check()
