@@ -238,7 +238,10 @@ def _form_value(name: str, subs: list[str], raw: Any) -> Any:
         raise _err(name, f"not valid Unicode: {show(raw)}")
     if not subs:
         if name == "omniloop" and raw.lstrip().startswith("{"):
-            return parse_json(raw.encode("utf-8"))
+            try:
+                return parse_json(raw.encode("utf-8"))
+            except RequestError as exc:  # name the form field, not the (readable) body
+                raise _err("omniloop" if exc.path == "body" else f"omniloop.{exc.path}", exc.message) from None
         if name in _INT_FIELDS and _INT.match(raw.strip()):
             return int(raw)
         if name in _FLOAT_FIELDS and _FLOAT.match(raw.strip()):
