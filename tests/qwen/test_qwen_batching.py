@@ -114,3 +114,13 @@ def test_partial_events_name_the_text_artifact(qwen_runtime, req, prompts) -> No
     evs = list(rt.stream(req(prompts[1], max_tokens=3, outputs={"stream_partial": True})))
     partial = [e for e in evs if e.kind is EventKind.PARTIAL]
     assert len(partial) == 3 and {e.artifact for e in partial} == {"text"}
+
+
+def test_text_requests_are_not_sized_as_video(qwen_runtime, req, prompts) -> None:
+    from omniloop_scheduler.models import shape_of
+
+    rt = qwen_runtime("qwen2", scheduler="step")
+    shape = shape_of(rt, rt.prepare(req(prompts[0], max_tokens=9)).request)
+    assert (shape.pixels, shape.branches, shape.steps) == (1, 1, 9)
+    out = rt.generate(req(prompts[0], max_tokens=4, temperature=1.0, node_params={"decode": {"seed": 11}}))
+    assert out.metrics["seed"] == 11

@@ -166,6 +166,7 @@ class Decode:
         if seed is not None:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(int(seed))
+            state.metrics["seed"] = int(seed)
         chunks = -(-len(prompt) // self.prefill_chunk)
         # steps: one join step (no forward), the prefill chunks (the last yields token 1), then one per token
         loop = LoopState(total=1 + chunks + max_tokens - 1)

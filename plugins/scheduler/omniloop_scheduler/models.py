@@ -71,6 +71,11 @@ def model_name(runtime: Any) -> str:
 
 def shape_of(runtime: Any, request: OmniRequest) -> RequestShape:
     """Resolve a request's size with the family defaults (a prediction: the loop may differ)."""
+    if request.task is TaskType.REASON:
+        # a token sequence, not pixels: its KV blocks are admitted through the stage's kv_demand;
+        # resident/peak bytes and seconds per step calibrate from measurements as for any model
+        return RequestShape(model=model_name(runtime), task=request.task.value, frames=1, height=1, width=1,
+                            steps=int(request.sampling.max_tokens or 1), branches=1)
     d = request.diffusion
     dft = family_defaults(runtime)
 
