@@ -112,3 +112,20 @@ def test_request_larger_than_the_kv_pool_is_refused(tiny_qwen, runtime_at) -> No
     rt = runtime_at(tiny_qwen("qwen2"), options={"kv_cache_tokens": 32, "kv_block_size": 8})
     with pytest.raises(RequestError, match="a 3-token prompt plus 38 new tokens needs 6 KV blocks; the pool holds 4"):
         rt.prepare({"task": "reason", "inputs": [{"type": "text", "text": "hello"}], "sampling": {"max_tokens": 38}})
+
+
+def test_sharded_checkpoint_loads_and_a_missing_shard_is_named(tiny_qwen, runtime_at, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_qwen("qwen2")
+    ckpt = Path(shutil.copytree(src, tmp_path / "sharded"))
+    (ckpt / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(ckpt, max_shard_size="100KB")
+    shards = sorted(ckpt.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (ckpt / "model.safetensors.index.json").is_file()
+    r = {"task": "reason", "inputs": [{"type": "text", "text": "hello"}], "sampling": {"max_tokens": 6, "temperature": 0.0}}
+    want = runtime_at(src).generate(r).artifacts["text"].token_ids
+    assert runtime_at(ckpt).generate(r).artifacts["text"].token_ids == want
+    shards[-1].unlink()
+    with pytest.raises(CheckpointError, match=f"{shards[-1].name}: missing weight shard"):
+        runtime_at(ckpt, family="qwen")
