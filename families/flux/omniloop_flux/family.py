@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
+from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
 from omniloop.errors import CheckpointError, DeployError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
@@ -142,7 +142,7 @@ class FluxFamily:
                  optional_reads=frozenset({"image_latents"}), params_schema=DenoiseParams, uses=("transformer",)),
             Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
             Node("output", Output(), reads={"decoded": Tensors, "denoised": Latents},
-                 writes={"image": VideoFrames, "latents": Latents}),
+                 writes={"image": Image, "latents": Latents}),
         ]
         return PipelineSpec(family=self.name, task=task, nodes=nodes, outputs={"image": "image", "latents": "latents"})
 

@@ -15,11 +15,23 @@ from typing import Any
 
 import torch
 
-from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
+from attrs import define
+
+from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
 from omniloop.loop import RequestState, StageContext
 from omniloop.request import TaskType
 
 from .resolve import FluxParams, resolve
+
+
+@define(kw_only=True)
+class ImageFrames(Image):
+    """uint8 pixels ``[H, W, 3]`` on the CPU — the core's ``Image``, which the server and the CLI
+    read — with ``frames``, the same picture as one frame ``[1, H, W, 3]``."""
+
+    @property
+    def frames(self) -> torch.Tensor:
+        return self.pixels.unsqueeze(0)
 
 
 def params_of(state: RequestState) -> FluxParams:
@@ -148,12 +160,12 @@ def to_uint8_frames(image: torch.Tensor) -> torch.Tensor:
 
 
 class Output:
-    """Writes the request's artifacts: ``image`` (uint8 frames ``[1, H, W, 3]``) and, on request,
-    ``latents`` (unpacked ``[1, C, H/8, W/8]``)."""
+    """Writes the request's artifacts: ``image`` (:class:`ImageFrames`: uint8 ``pixels [H, W, 3]``,
+    ``frames [1, H, W, 3]``) and, on request, ``latents`` (unpacked ``[1, C, H/8, W/8]``)."""
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         frames = to_uint8_frames(state.read("decoded", Tensors).values["image"])
-        state.write("image", VideoFrames(frames=frames, fps=1.0), ctx.node.name)
+        state.write("image", ImageFrames(pixels=frames[0]), ctx.node.name)
         if ctx.taps_enabled:
             ctx.tap("image", frames, None)
         if state.request.outputs.return_latents:
