@@ -1,7 +1,8 @@
 """Deliberately broken plugin packages, really installed (stevedore's way), never break the CLI.
 
-A scratch venv gets three packages: one whose entry-point module raises ImportError, one that
-declares a hook-API range this omniloop does not provide, and the toy family behind a real entry
+A scratch venv gets five packages: one whose entry-point module raises ImportError, one that
+declares a hook-API range this omniloop does not provide, one that calls ``sys.exit()`` at import
+and one that calls it in a register hook (issue 14), and the toy family behind a real entry
 point. Every command still works; only a deploy that names a broken plugin fails, loudly, naming
 the entry point and the cause.
 """
@@ -34,14 +35,38 @@ FUTURE_API = '''
 '''
 
 
+EXIT_AT_IMPORT = '''
+    import sys
+
+    sys.exit(3)
+'''
+
+EXIT_IN_HOOK = '''
+    import sys
+
+    from omniloop.hookspecs import hookimpl
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+
+    @hookimpl
+    def omniloop_register_policies(register):
+        sys.exit("policy registry unavailable")
+'''
+
+
 @pytest.fixture(scope="module")
 def venv_with_broken_plugins(packaging: Any) -> Any:
     broken = packaging.package("omniloop-broken-import", "omniloop_broken_import",
                                {"broken-import": "omniloop_broken_import.plugin"}, {"plugin.py": BROKEN_IMPORT})
     future = packaging.package("omniloop-future-api", "omniloop_future_api",
                                {"future-api": "omniloop_future_api.plugin"}, {"plugin.py": FUTURE_API})
+    exits = packaging.package("omniloop-exit-import", "omniloop_exit_import",
+                              {"exit-import": "omniloop_exit_import.plugin"}, {"plugin.py": EXIT_AT_IMPORT})
+    exits_hook = packaging.package("omniloop-exit-hook", "omniloop_exit_hook",
+                                   {"exit-hook": "omniloop_exit_hook.plugin"}, {"plugin.py": EXIT_IN_HOOK})
     venv = packaging.venv("broken")
-    venv.install(broken, future, packaging.toy_package())
+    venv.install(broken, future, exits, exits_hook, packaging.toy_package())
     return venv
 
 
@@ -60,6 +85,13 @@ def test_broken_plugins_are_listed_and_every_command_still_works(venv_with_broke
     assert future["status"] == "refused"
     assert ">=9" in future["error"] and "1.0" in future["error"]
 
+    # issue 14: sys.exit() at import or in a register hook is one failed plugin, named
+    exits = plugins["exit-import"]
+    assert exits["status"] == "failed" and "SystemExit" in exits["error"] and "sys.exit(3)" in exits["error"]
+    hook = plugins["exit-hook"]
+    assert hook["status"] == "failed" and "SystemExit" in hook["error"] and "exit-hook" in hook["error"]
+    assert "policy registry unavailable" in hook["error"]
+
     assert plugins["toy"]["status"] == "ok" and plugins["toy"]["provides"] == {"family": ["toy"]}
     assert plugins["core"]["status"] == "ok"
 
@@ -71,6 +103,7 @@ def test_broken_plugins_are_listed_and_every_command_still_works(venv_with_broke
         res = venv.omniloop(*args)
         assert res.returncode == 0, (args, res.stderr)
         assert "Traceback" not in res.stderr
+        assert res.stdout.strip(), args  # not the silent exit of issue 14
 
 
 def test_generate_works_next_to_broken_plugins(venv_with_broken_plugins: Any, tmp_path: Path) -> None:
