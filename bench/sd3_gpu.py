@@ -269,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             elif name == "omniloop-compile":
                 side = OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend)
             else:
+                fused = "fused" in name
+                attention = "sdpa" if fused and device.type == "cpu" else "sdpa-cudnn"  # smoke: the fused path on CPU
                 side = OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend,
-                                    attention="sdpa-cudnn", qkv="fused" if "fused" in name else "separate")
+                                    attention=attention, qkv="fused" if fused else "separate")
             sides.append(side)
             record["sides"][name] = {"setup": side.note}
         except Exception as exc:  # a side that cannot run here is recorded, the others go on

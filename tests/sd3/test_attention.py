@@ -55,6 +55,23 @@ def test_deploy_compile_runs_compiled_joint_steps(tiny_ckpt, sd3_runtime, t2i_re
     assert torch.equal(completed_latents(out), completed_latents(eager))
 
 
+def test_compiled_steps_with_fused_qkv_equal_eager(tiny_ckpt, sd3_runtime, t2i_request):
+    """Regression: the fused projections are module buffers, so every compiled block reads its own
+    (a lookup outside the module was baked into the shared compiled graph once)."""
+    import omniloop_sd3.plugin as sd3_plugin
+    from omniloop.runtime import Runtime
+    from omniloop.testing import completed_latents, make_manager
+
+    torch._dynamo.reset()
+    rt = Runtime.from_model(tiny_ckpt("sd35-medium"), manager=make_manager(("sd3", sd3_plugin), toy=False),
+                            compile=True, options={"compile_backend": "eager", "qkv": "fused"})
+    out = rt.generate(t2i_request(steps=2))
+    assert out.metrics["denoise"]["compiled_blocks"] is True
+    want = completed_latents(sd3_runtime("sd35-medium").generate(t2i_request(steps=2)))
+    # CPU float32: the fused GEMM gives the same columns as the three separate ones here
+    torch.testing.assert_close(completed_latents(out), want, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_family_options_fail_before_loading(tiny_ckpt):
     import omniloop_sd3.plugin as sd3_plugin
     from omniloop.errors import DeployError

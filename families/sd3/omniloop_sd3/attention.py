@@ -12,8 +12,9 @@ Family options:
 
 * ``qkv``: ``separate`` (default; diffusers' three projections) or ``fused`` — one GEMM over the
   concatenated ``[W_q; W_k; W_v]`` (image tokens, and context tokens with ``add_{q,k,v}_proj``).
-  The concatenated weights are built once at load beside the originals (which stay for
-  everyone else); a different GEMM shape may round differently, so not bit-exact.
+  The concatenated weights are registered once at load as non-persistent buffers of each
+  ``Attention`` module, beside the originals (which stay for everyone else); a different GEMM
+  shape may round differently, so not guaranteed bit-exact (equal on CPU float32 in the tests).
 
 Installed at load on every joint block's ``attn`` / ``attn2`` when the deploy names an attention
 backend other than the core ``sdpa`` or asks for ``qkv: fused``; otherwise diffusers' processors
@@ -22,31 +23,36 @@ stay untouched. Modules shared by several runtimes carry the processors of the l
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-_FUSED: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = (
-    weakref.WeakKeyDictionary()
-)
+#: non-persistent buffers holding the concatenated projections, registered on each Attention module
+#: (module state, so ``torch.compile`` lifts them per module like the weights themselves)
+FUSED_BUFFERS = {"sample": ("omniloop_qkv_weight", "omniloop_qkv_bias"),
+                 "context": ("omniloop_add_qkv_weight", "omniloop_add_qkv_bias")}
+_PROJECTIONS = {"sample": ("to_q", "to_k", "to_v"), "context": ("add_q_proj", "add_k_proj", "add_v_proj")}
 
 
-def _fused_weights(attn: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    have = _FUSED.get(attn)
-    if have is None:
-        have = {}
-        for key, names in (("sample", ("to_q", "to_k", "to_v")), ("context", ("add_q_proj", "add_k_proj", "add_v_proj"))):
-            mods = [getattr(attn, n, None) for n in names]
-            if any(m is None for m in mods):
-                continue
-            w = torch.cat([m.weight for m in mods], dim=0).detach()
-            b = torch.cat([m.bias for m in mods], dim=0).detach() if all(m.bias is not None for m in mods) else None
-            have[key] = (w, b)
-        _FUSED[attn] = have
-    return have
+def fuse_projections(attn: Any) -> None:
+    """Register ``[W_q; W_k; W_v]`` (and biases) beside the separate projections (once)."""
+    for key, names in _PROJECTIONS.items():
+        wname, bname = FUSED_BUFFERS[key]
+        mods = [getattr(attn, n, None) for n in names]
+        if any(m is None for m in mods) or hasattr(attn, wname):
+            continue
+        attn.register_buffer(wname, torch.cat([m.weight for m in mods], dim=0).detach(), persistent=False)
+        bias = torch.cat([m.bias for m in mods], dim=0).detach() if all(m.bias is not None for m in mods) else None
+        attn.register_buffer(bname, bias, persistent=False)
+
+
+def unfuse_projections(attn: Any) -> None:
+    for wname, bname in FUSED_BUFFERS.values():
+        for name in (wname, bname):
+            if name in attn._buffers:
+                del attn._buffers[name]
 
 
 def _heads(x: torch.Tensor, batch: int, heads: int, head_dim: int) -> torch.Tensor:
@@ -63,8 +69,8 @@ class SD3AttnProcessor:
 
     def _qkv(self, attn: Any, x: torch.Tensor, key: str, names: tuple[str, str, str]) -> tuple[torch.Tensor, ...]:
         if self.fused_qkv:
-            w, b = _fused_weights(attn)[key]
-            return tuple(F.linear(x, w, b).chunk(3, dim=-1))
+            wname, bname = FUSED_BUFFERS[key]
+            return tuple(F.linear(x, getattr(attn, wname), getattr(attn, bname)).chunk(3, dim=-1))
         return tuple(getattr(attn, n)(x) for n in names)
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
@@ -116,7 +122,7 @@ def install(model: torch.nn.Module, backend: Any = None, *, fused_qkv: bool = Fa
             attn = getattr(block, attr, None)
             if attn is not None:
                 if fused_qkv:
-                    _fused_weights(attn)
+                    fuse_projections(attn)
                 attn.set_processor(proc)
                 n += 1
     return n
@@ -131,7 +137,7 @@ def uninstall(model: torch.nn.Module) -> None:
             attn = getattr(block, attr, None)
             if attn is not None:
                 attn.set_processor(JointAttnProcessor2_0())
-                _FUSED.pop(attn, None)
+                unfuse_projections(attn)
 
 
 __all__ = ["SD3AttnProcessor", "install", "uninstall"]
