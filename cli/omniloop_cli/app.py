@@ -108,6 +108,9 @@ class OmniloopGroup(click.Group):
         except click.UsageError as exc:  # a bad top-level flag: one line too
             where = exc.ctx.command_path if exc.ctx is not None else (info_name or "omniloop")
             raise CliError(f"{exc.format_message()} (see '{where} --help')", exc.exit_code) from None
+        except KeyboardInterrupt:  # Ctrl-C while plugins are discovered: 130 too, not click's "Aborted!" 1
+            click.secho("interrupted", fg="yellow", err=True)
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         from omniloop.errors import OmniloopError

@@ -40,7 +40,12 @@ class RequestError(OmniloopError):
 
 
 class DeployError(OmniloopError):
-    """A deploy config is invalid or names something that cannot be loaded."""
+    """A deploy config is invalid or names something that cannot be loaded.
+
+    The message is capped (2,000 characters, invalid Unicode escaped) like :class:`RequestError`'s."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(_cap(str(message), 2 * MAX_MESSAGE_CHARS))
 
 
 class PluginError(OmniloopError):

@@ -592,3 +592,14 @@ def test_an_image_output_is_written_as_an_image_file(cwd: Path, toy_checkpoint: 
 def test_a_video_cannot_go_to_a_webp(cwd: Path, toy_checkpoint: Path) -> None:
     res = invoke(["generate", "x", "--model", str(toy_checkpoint), "--out", "x.webp"])
     assert res.exit_code == 2 and "--out" in one_error_line(res)
+
+
+def test_ctrl_c_while_plugins_are_discovered_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = make_manager()
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manager, "register_commands", interrupted)
+    res = invoke(["no-such-command"], manager)
+    assert res.exit_code == 130 and "interrupted" in res.stderr

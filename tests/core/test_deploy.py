@@ -38,3 +38,12 @@ def test_missing_and_unknown_type(tmp_path):
     (tmp_path / "d.ini").write_text("x")
     with pytest.raises(DeployError, match="unknown deploy file type"):
         load_deploy(tmp_path / "d.ini")
+
+
+def test_deploy_errors_never_echo_a_huge_value():
+    from omniloop.runtime import Deployment
+    from omniloop.testing import make_manager
+
+    with pytest.raises(DeployError) as err:
+        Deployment({"model": {"preset": "p" * (1 << 20)}}, manager=make_manager())
+    assert "unknown model preset" in str(err.value) and len(str(err.value)) <= 2000

@@ -236,3 +236,21 @@ def test_a_malformed_manifest_is_a_parity_error(tmp_path):
         save_file({"x": torch.zeros(1)}, str(p), metadata={META_KEY: json.dumps(manifest)})
         with pytest.raises(op.ParityError, match="manifest"):
             op.Recording.load(p)
+
+
+def test_stale_temp_files_of_killed_writes_are_cleaned_on_the_next_write(tmp_path):
+    import os
+    import time
+
+    import torch
+
+    from omniloop_parity.recording import STALE_TEMP_SECONDS, write_atomic
+
+    stale, fresh, other = (tmp_path / n for n in (".a.safetensors.k2j_9xq1.tmp", ".b.safetensors.abcdefgh.tmp", ".c.tmp"))
+    for p in (stale, fresh, other):
+        p.write_bytes(b"partial")
+    past = time.time() - 2 * STALE_TEMP_SECONDS
+    for p in (stale, other):
+        os.utime(p, (past, past))
+    write_atomic(tmp_path / "r.safetensors", {"x": torch.zeros(1)}, {})
+    assert not stale.exists() and fresh.exists() and other.exists()

@@ -7,7 +7,10 @@ lists every tap in the order it was recorded — the execution order, which is w
 divergence" means.
 
 Files are written atomically: to a hidden temporary file in the same folder, flushed, then
-``os.replace``-d onto the final name. A run that dies never leaves a file under the final name.
+``os.replace``-d onto the final name. A run that dies never leaves a file under the final name;
+a run that is killed mid-write leaves its temporary file (``.<name>.<8 chars>.tmp``), which the
+next write into that folder removes once it is more than an hour old (only names of exactly that
+pattern, never a live writer's).
 """
 
 from __future__ import annotations
@@ -185,9 +188,38 @@ def as_recording(x: Recording | str | os.PathLike[str]) -> Recording:
     return x if isinstance(x, Recording) else Recording.load(x)
 
 
+#: ``tempfile.mkstemp(prefix=".<name>.", suffix=".tmp")`` names: 8 characters of [a-z0-9_]
+_TEMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+STALE_TEMP_SECONDS = 3600.0
+
+
+def clean_stale_temp_files(folder: Path, older_than: float = STALE_TEMP_SECONDS) -> list[Path]:
+    """Remove temporary files of killed :func:`write_atomic` calls in ``folder``; return them."""
+    import time
+
+    removed: list[Path] = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not _TEMP_NAME.match(entry.name):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False) or now - entry.stat(follow_symlinks=False).st_mtime <= older_than:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
+
+
 def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write a safetensors file so that ``path`` either holds the complete file or is untouched."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temp_files(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
