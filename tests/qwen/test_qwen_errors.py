@@ -129,3 +129,26 @@ def test_sharded_checkpoint_loads_and_a_missing_shard_is_named(tiny_qwen, runtim
     shards[-1].unlink()
     with pytest.raises(CheckpointError, match=f"{shards[-1].name}: missing weight shard"):
         runtime_at(ckpt, family="qwen")
+
+
+def test_weight_free_checks_through_deployment(tiny_qwen, monkeypatch) -> None:
+    """``Deployment.check`` (front ends refuse bad requests before a model loads) runs the family's
+    checks on ``inspect``: config, tensor headers and tokenizer only, never the weights."""
+    import omniloop_qwen.family as fam
+    import omniloop_qwen.plugin as qwen_plugin
+    import omniloop_scheduler.plugin as scheduler_plugin
+    from omniloop.runtime import Deployment
+    from omniloop.testing import make_manager
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(fam, "load_checkpoint", no_weights)
+    manager = make_manager(("qwen", qwen_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
+    dep = Deployment({"model": {"path": str(tiny_qwen("qwen2"))}, "options": {"kv_cache_tokens": 64}}, manager=manager)
+    ok = dep.check({"task": "reason", "inputs": [{"type": "text", "text": "hello"}], "sampling": {"max_tokens": 8}})
+    assert ok.sampling.max_tokens == 8
+    with pytest.raises(RequestError, match="the pool holds 4"):
+        dep.check({"task": "reason", "inputs": [{"type": "text", "text": "hello"}], "sampling": {"max_tokens": 100}})
+    with pytest.raises(RequestError, match=r"node_params\.decode\.stop\.0"):
+        dep.check({"task": "reason", "inputs": [{"type": "text", "text": "hi"}], "node_params": {"decode": {"stop": [""]}}})

@@ -182,14 +182,21 @@ def _check_tokenizer(path: Path) -> None:
         raise CheckpointError(f"{tc}: expected a JSON object")
 
 
+def load_tokenizer(info: CheckpointInfo) -> Any:
+    """The checkpoint's tokenizer (transformers ``AutoTokenizer``, offline)."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(info.path), local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{info.path / 'tokenizer.json'}: cannot load the tokenizer: {type(exc).__name__}: {exc}") from None
+
+
 def load_checkpoint(info: CheckpointInfo, *, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     """Load (tokenizer, transformers model) from a validated checkpoint, offline."""
     import transformers
 
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(info.path), local_files_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{info.path / 'tokenizer.json'}: cannot load the tokenizer: {type(exc).__name__}: {exc}") from None
+    tokenizer = load_tokenizer(info)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(info.path), dtype=dtype, local_files_only=True, attn_implementation="sdpa",

@@ -23,15 +23,16 @@ from omniloop.artifacts import Conditioning, Text
 from omniloop.errors import DeployError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
-from omniloop.kvcache import CacheManager
+from omniloop.kvcache import CacheManager, KVLayout
 from omniloop.request import OmniRequest, TaskType
 
 from . import FAMILY_NAME
-from .checkpoint import CheckpointInfo, load_checkpoint, looks_like_qwen, validate_checkpoint
+from .checkpoint import CheckpointInfo, load_checkpoint, load_tokenizer, looks_like_qwen, validate_checkpoint
 from .model import PagedQwen
 from .stages import Decode, DecodeParams, Prompt, decode_params, render_prompt, sampling_of, stop_strings
 
 GIB = 1024**3
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_TOKENS = 256
 _INT_OPTIONS = ("kv_cache_tokens", "kv_block_size", "prefill_chunk", "max_tokens")
 
@@ -53,7 +54,8 @@ class QwenFamily:
     def detect(self, path: Path) -> bool:
         return looks_like_qwen(Path(path))
 
-    def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
+    def _resolve(self, path: Path, options: dict[str, Any], dtype: torch.dtype) -> tuple[CheckpointInfo, dict[str, Any]]:
+        """Validate the deploy options and the checkpoint's files; the model config (no weights read)."""
         opts = {n: _int_option(options, n, None) for n in _INT_OPTIONS}
         gib = options.get("kv_cache_gib")
         if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib <= 0):
@@ -61,26 +63,46 @@ class QwenFamily:
         if gib is not None and opts["kv_cache_tokens"] is not None:
             raise DeployError("options: give kv_cache_tokens or kv_cache_gib, not both")
         info = validate_checkpoint(Path(path))  # every file checked before any weight loads
-        tokenizer, hf = load_checkpoint(info, device=device, dtype=dtype)
-        paged = PagedQwen(hf)
-        layout = paged.layout()
+        layout = KVLayout(layers=int(info.config["num_hidden_layers"]), kv_heads=info.kv_heads, head_dim=info.head_dim,
+                          dtype=dtype)
         block = opts["kv_block_size"] or 16
         if gib is not None:
-            cache = CacheManager(layout, block_size=block, budget_bytes=int(gib * GIB), name="text-kv")
+            blocks = int(gib * GIB) // (layout.bytes_per_token * block)
+            if blocks < 1:
+                raise DeployError(f"options.kv_cache_gib: {gib} GiB holds no KV block of {block} tokens")
         else:
             tokens = opts["kv_cache_tokens"] or min(131072, GIB // layout.bytes_per_token)
-            cache = CacheManager(layout, block_size=block, num_blocks=-(-tokens // block), name="text-kv")
+            blocks = -(-tokens // block)
         gen_max = info.generation.get("max_new_tokens")
         max_tokens = opts["max_tokens"] or (gen_max if isinstance(gen_max, int) and gen_max > 0 else DEFAULT_MAX_TOKENS)
         config = {
             "model_type": info.model_type, "max_positions": info.max_positions, "eos_token_ids": list(info.eos_token_ids),
-            "max_tokens": max_tokens, "prefill_chunk": opts["prefill_chunk"] or 512, "kv_cache": cache.stats(),
+            "max_tokens": max_tokens, "prefill_chunk": opts["prefill_chunk"] or 512,
+            "kv_cache": {"block_size": block, "num_blocks": blocks, "bytes_per_block": layout.bytes_per_token * block},
             "tasks": [TaskType.REASON.value],
         }
+        return info, config
+
+    def inspect(self, path: Path, *, options: dict[str, Any]) -> LoadedModel:
+        """The checkpoint validated from its config files and safetensors headers, with its tokenizer
+        (no weights): the runtime's weight-free request checks run ``validate_request`` on it."""
+        dtype = _DTYPES.get(getattr(options.get("deploy"), "dtype", "float32"), torch.float32)
+        info, config = self._resolve(Path(path), options, dtype)
+        return LoadedModel(
+            family=self.name, path=Path(path), components={"tokenizer": load_tokenizer(info)}, config=config,
+            dtype=dtype, tasks=frozenset({TaskType.REASON}), defaults={TaskType.REASON: {"max_tokens": config["max_tokens"]}},
+        )
+
+    def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
+        info, config = self._resolve(Path(path), options, dtype)
+        tokenizer, hf = load_checkpoint(info, device=device, dtype=dtype)
+        paged = PagedQwen(hf)
+        kv = config["kv_cache"]
+        cache = CacheManager(paged.layout(), block_size=kv["block_size"], num_blocks=kv["num_blocks"], name="text-kv")
         return LoadedModel(
             family=self.name, path=Path(path), components={"model": hf, "paged": paged, "tokenizer": tokenizer, "kv_cache": cache},
             config=config, device=device, dtype=dtype, tasks=frozenset({TaskType.REASON}),
-            defaults={TaskType.REASON: {"max_tokens": max_tokens}},
+            defaults={TaskType.REASON: {"max_tokens": config["max_tokens"]}},
         )
 
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
@@ -110,12 +132,12 @@ class QwenFamily:
         decode = Decode(eos=c["eos_token_ids"], max_tokens=c["max_tokens"], max_positions=c["max_positions"],
                         prefill_chunk=c["prefill_chunk"])
         n = decode.resolve_max_tokens(request, len(ids))
-        cache: CacheManager = model.components["kv_cache"]
-        need = cache.blocks_for(len(ids) + n)
-        if need > cache.num_blocks:
+        kv = c["kv_cache"]
+        need = -(-(len(ids) + n) // kv["block_size"])
+        if need > kv["num_blocks"]:
             raise RequestError(
                 "sampling.max_tokens",
-                f"a {len(ids)}-token prompt plus {n} new tokens needs {need} KV blocks; the pool holds {cache.num_blocks} "
+                f"a {len(ids)}-token prompt plus {n} new tokens needs {need} KV blocks; the pool holds {kv['num_blocks']} "
                 f"(deploy options.kv_cache_tokens)",
             )
         return []
