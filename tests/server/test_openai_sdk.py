@@ -85,11 +85,10 @@ def test_create_and_poll_then_download_every_variant(sdk: Any) -> None:
     Video.model_validate({**video.to_dict(), "size": "720x1280"})
 
     content = client.videos.download_content(video.id)
-    assert content.content[4:8] == b"ftyp" and mp4_frames(content.content) == 8
     thumb = client.videos.download_content(video.id, variant="thumbnail")
-    assert thumb.content.startswith(b"\x89PNG")
     sheet = client.videos.download_content(video.id, variant="spritesheet")
-    assert sheet.content.startswith(b"\x89PNG")
+    assert content.content[4:8] == b"ftyp" and mp4_frames(content.content) == 8
+    assert thumb.content.startswith(b"\x89PNG") and sheet.content.startswith(b"\x89PNG")
 
     again = client.videos.retrieve(video.id)
     assert again.id == video.id and again.status == "completed"
@@ -99,8 +98,8 @@ def test_create_then_poll_and_the_same_fields_in_json(sdk: Any) -> None:
     client, _ = sdk
     video = client.videos.create(model="ckpt", prompt="a blue square", seconds="0.5", size="16x16",
                                  extra_body={"steps": 2})
-    assert video.status in ("queued", "in_progress") and video.progress >= 0
     done = client.videos.poll(video.id, poll_interval_ms=20)
+    assert video.status in ("queued", "in_progress") and video.progress >= 0
     assert done.status == "completed" and done.model_extra["frames"] == 4
 
     # the same body as JSON (the SDK's generic post sends JSON), extra knobs included
@@ -126,10 +125,10 @@ def test_cancel_and_delete(sdk: Any) -> None:
     client, _ = sdk
     video = client.videos.create(prompt="a long one", size="16x16", extra_body={"steps": 300})
     cancelled = client.post(f"/videos/{video.id}/cancel", cast_to=Video)
-    assert cancelled.id == video.id
     done = client.videos.poll(video.id, poll_interval_ms=20)
     # OpenAI's Video has no "cancelled" status: a cancelled job is failed, error.code says why
     assert done.status == "failed" and done.error is not None and done.error.code == "cancelled"
+    assert cancelled.id == video.id
     with pytest.raises(openai.ConflictError) as exc:
         client.videos.download_content(video.id)
     assert "was cancelled" in exc.value.message
@@ -262,3 +261,17 @@ def test_i2v_with_input_reference(wan_i2v_server: str) -> None:
         with pytest.raises(openai.UnprocessableEntityError) as exc:
             client.post("/videos", cast_to=Video, body={"prompt": "x", "input_reference": {"file_id": "file_123"}})
         assert exc.value.body["param"] == "input_reference.file_id"
+
+
+def test_the_readme_snippets_are_copied_from_this_file() -> None:
+    """Every python block of the server README's SDK section is a run of lines of this file."""
+    import re
+
+    readme = (Path(__file__).parents[2] / "plugins/server/README.md").read_text()
+    section = readme.split("## With the OpenAI SDK", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) >= 10
+    here = [line.strip() for line in Path(__file__).read_text().splitlines()]
+    for block in blocks:
+        lines = [line.strip() for line in block.strip().splitlines()]
+        assert any(here[i:i + len(lines)] == lines for i in range(len(here))), block
