@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import statistics
 import sys
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _repo_paths  # noqa: E402
+import _repo_paths
 
 _repo_paths.add_repo_packages()
 
@@ -156,7 +157,7 @@ class DiffusersSide:
                       output_type="np", callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents"])
             sync()
             total = time.perf_counter() - t0
-        return {"total": total, "steps": [b - a for a, b in zip(marks, marks[1:])], "latents": final["latents"]}
+        return {"total": total, "steps": [b - a for a, b in itertools.pairwise(marks)], "latents": final["latents"]}
 
 
 class OmniloopSide:

@@ -14,6 +14,8 @@ prompt to ``max_sequence_length`` tokens, so no padding is added).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -51,7 +53,7 @@ def test_step_scheduler_batches_same_shape_requests(flux_runtime, make_t2i, vari
     sizes = [len(d.request_ids) for d in rt.scheduler.trace if d.action == "batched_step"]
     assert sizes and max(sizes) == n  # every request's step in one forward
     assert any(not torch.equal(a.artifacts["latents"].tensor, b.artifacts["latents"].tensor)
-               for a, b in zip(alone, alone[1:]))  # the requests really differ
+               for a, b in itertools.pairwise(alone))  # the requests really differ
 
 
 def test_i2i_requests_batch_too(flux_runtime, make_i2i, input_png):

@@ -105,7 +105,7 @@ def test_bad_checkpoint_is_one_error_naming_the_file_before_any_load(broken, cas
 def test_missing_folder_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint folder does not exist"):
         load(tmp_path / "nope")
-    with pytest.raises(CheckpointError, match="model_index.json is missing"):
+    with pytest.raises(CheckpointError, match=r"model_index\.json is missing"):
         load(tmp_path)
 
 

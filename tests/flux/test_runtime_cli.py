@@ -18,7 +18,6 @@ from omniloop.errors import RequestError
 from omniloop.request import Status, TaskType
 
 
-
 def test_entry_point_registers_the_family():
     from importlib.metadata import entry_points
 

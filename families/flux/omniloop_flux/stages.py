@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from attrs import define
 
 from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors

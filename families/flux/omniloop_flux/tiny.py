@@ -77,7 +77,7 @@ def build_clip_tokenizer(out: Path, max_length: int = 77) -> int:
         vocab.setdefault(c + "</w>", len(vocab))
     merges: list[tuple[str, str]] = []
     for w in _WORDS:  # merge each word left to right: "f o" -> "fo", "fo x</w>" -> "fox</w>"
-        parts = list(w[:-1]) + [w[-1] + "</w>"]
+        parts = [*w[:-1], w[-1] + "</w>"]
         while len(parts) > 1:
             a, b = parts[0], parts[1]
             if (a, b) not in merges:
