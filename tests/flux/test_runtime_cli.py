@@ -62,6 +62,8 @@ def test_i2i_from_base64_equals_from_path(flux_runtime, make_i2i, input_png):
     req["inputs"] = [{"type": "image", "data_b64": base64.b64encode(input_png.read_bytes()).decode()}]
     by_b64 = rt.generate(req)
     assert torch.equal(by_path.artifacts["image"].frames, by_b64.artifacts["image"].frames)
+    req["inputs"][0]["role"] = "reference"  # any image role the server or a client may use
+    assert torch.equal(rt.generate(req).artifacts["image"].frames, by_path.artifacts["image"].frames)
 
 
 def test_max_sequence_length_is_a_text_encode_param(flux_runtime, make_t2i):

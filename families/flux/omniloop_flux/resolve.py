@@ -56,10 +56,14 @@ def _limit(limits: Any, name: str) -> int | None:
     return int(value) if value is not None else None
 
 
+#: image roles an i2i request's input image may have (the first such part is used)
+IMAGE_ROLES = ("image", "reference", "first_frame")
+
+
 def load_image_part(request: OmniRequest) -> torch.Tensor:
-    """Decode the request's input image (role ``image``)."""
+    """Decode the request's input image (the first part with a role in :data:`IMAGE_ROLES`)."""
     for i, part in enumerate(request.inputs):
-        if not isinstance(part, ImagePart) or part.role != "image":
+        if not isinstance(part, ImagePart) or part.role not in IMAGE_ROLES:
             continue
         if part.path is not None and part.data_b64 is not None:
             raise RequestError(f"inputs[{i}]", "give an image as path or data_b64, not both")
@@ -177,7 +181,7 @@ def resolve(
     image = None
     images = [p for p in request.inputs if isinstance(p, ImagePart)]
     if i2i:
-        if not any(p.role == "image" for p in images):
+        if not any(p.role in IMAGE_ROLES for p in images):
             raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
         if decode_image:
             image = load_image_part(request)
