@@ -10,7 +10,8 @@ Two measurements, each side by side in one process:
    median over ``--repeats`` interleaved repeats.
 2. **Decode vs re-prefill at ``--context`` tokens**: one decode step of our paged forward (one new
    token attending over the cached context) vs re-running the whole context without a cache (what
-   a loop without KV does per token), and transformers' own cached decode step for reference.
+   a loop without KV does per token), and transformers' own cached decode step for reference,
+   interleaved (4 decode steps of each, then one re-prefill, repeated), medians.
 
     python bench/text_decode.py                       # -> bench/results/text_decode-cpu-<date>.json
     python bench/text_decode.py --batches 1,4 --new-tokens 8 --context 256 --repeats 1   # quick
@@ -126,37 +127,35 @@ def decode_vs_reprefill(path: Path, context: int, steps: int, seed: int) -> dict
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     paged = PagedQwen(hf)
-    cache = CacheManager(paged.layout(), block_size=16, num_blocks=-(-(context + steps + 16) // 16))
+    cache = CacheManager(paged.layout(), block_size=16, num_blocks=-(-(context + 4 * max(4, steps // 4) + 16) // 16))
     rng = random.Random(seed)
     ctx = [rng.randrange(3, hf.config.vocab_size) for _ in range(context)]
-    h = cache.allocate()
-    paged.forward(cache, [h], [ctx])  # prefill
-    decode = []
-    tok = ctx[-1]
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        logits = paged.forward(cache, [h], [[tok]])
-        decode.append(time.perf_counter() - t0)
-        tok = int(logits[0].argmax())
-    reprefill = []
-    for _ in range(max(3, steps // 8)):
-        t0 = time.perf_counter()
-        paged.full_logits(ctx)
-        reprefill.append(time.perf_counter() - t0)
     import inspect
 
     kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # transformers >= 5.2x
+    h = cache.allocate()
+    paged.forward(cache, [h], [ctx])  # prefill
     with torch.no_grad():
         out = hf(torch.tensor([ctx]), use_cache=True)
-        past, hf_steps = out.past_key_values, []
-        nxt = torch.tensor([[ctx[-1]]])
-        for _ in range(steps):
+    past, nxt, tok = out.past_key_values, torch.tensor([[ctx[-1]]]), ctx[-1]
+    decode, reprefill, hf_steps = [], [], []
+    rounds = max(4, steps // 4)
+    for _ in range(rounds):  # interleaved: 4 decode steps each side, then one re-prefill
+        for _ in range(4):
             t0 = time.perf_counter()
-            out = hf(nxt, use_cache=True, **{kw: past})
+            logits = paged.forward(cache, [h], [[tok]])
+            decode.append(time.perf_counter() - t0)
+            tok = int(logits[0].argmax())
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = hf(nxt, use_cache=True, **{kw: past})
             hf_steps.append(time.perf_counter() - t0)
             past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        paged.full_logits(ctx)
+        reprefill.append(time.perf_counter() - t0)
     d, r, hfd = statistics.median(decode), statistics.median(reprefill), statistics.median(hf_steps)
-    row = {"context_tokens": context, "decode_steps": steps,
+    row = {"context_tokens": context, "decode_steps": len(decode), "reprefills": len(reprefill),
            "omniloop_decode_ms_per_token": round(d * 1e3, 3), "reprefill_ms_per_token": round(r * 1e3, 3),
            "speedup_decode_vs_reprefill": round(r / d, 1), "transformers_cached_decode_ms_per_token": round(hfd * 1e3, 3),
            "target_speedup": 10.0, "target_met": r / d >= 10.0}
