@@ -56,7 +56,7 @@ def sdk(server: Any) -> Iterator[tuple[OpenAI, Any]]:
 
 
 def test_models(sdk: Any) -> None:
-    client, app = sdk
+    client, _app = sdk
     models = client.models.list()
     assert [m.id for m in models] == ["ckpt"]
     model = client.models.retrieve("ckpt")

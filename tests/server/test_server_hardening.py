@@ -100,7 +100,7 @@ BAD_IDS = ["/abs/dir/x", "../../etc/passwd", "../../victim/profile\u0000", "", "
 
 @pytest.mark.parametrize("rid", BAD_IDS, ids=lambda r: repr(r[:20]))
 def test_client_request_ids_never_become_paths(server: Any, tmp_path: Path, rid: str) -> None:
-    url, app = server
+    url, _app = server
     before = files_under(tmp_path)
     with httpx.Client(base_url=url, timeout=T) as c:
         r = c.post("/v1/videos", json={"prompt": "x", "steps": 2, "omniloop": {"request_id": rid}})

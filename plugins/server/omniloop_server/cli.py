@@ -9,7 +9,6 @@ import click
 
 from omniloop.errors import OmniloopError
 
-
 #: how long after the grace period uvicorn still waits for open connections (SSE streams end
 #: when their job ends; cancelling takes one step)
 CONNECTION_GRACE_S = 5.0
