@@ -21,7 +21,7 @@ from omniloop.errors import DeployError, RequestError  # noqa: E402
 from omniloop.request import OmniRequest  # noqa: E402
 from omniloop.schema import request_from_dict  # noqa: E402
 
-SETTINGS = settings(max_examples=250, deadline=None, database=None,
+SETTINGS = settings(max_examples=150, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 FIELDS = ["task", "prompt", "negative_prompt", "inputs", "diffusion", "sampling", "outputs", "node_params",
