@@ -124,3 +124,14 @@ def test_text_requests_are_not_sized_as_video(qwen_runtime, req, prompts) -> Non
     assert (shape.pixels, shape.branches, shape.steps) == (1, 1, 9)
     out = rt.generate(req(prompts[0], max_tokens=4, temperature=1.0, node_params={"decode": {"seed": 11}}))
     assert out.metrics["seed"] == 11
+
+
+def test_conformance_kit_and_gc_frees_a_dropped_execution(qwen_runtime, req, prompts) -> None:
+    from omniloop.testing.conformance import check_family
+
+    rt = qwen_runtime("qwen3")
+    check_family(lambda: rt, req(prompts[0], max_tokens=6, temperature=1.0), output="text")
+    # the kit cancels an execution by hand (no scheduler): its blocks come back when it is collected
+    gc.collect()
+    cache = rt.model.components["kv_cache"]
+    assert cache.sequences == 0 and cache.used_blocks == 0 and cache.reserved_blocks == 0
