@@ -46,6 +46,12 @@ def test_detect_and_describe(flux_ckpt, tmp_path):
     assert not fam.detect(tmp_path)
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
     assert not fam.detect(tmp_path)
+    fill = tmp_path / "fill"
+    shutil.copytree(flux_ckpt("dev"), fill)
+    _edit_json(fill / "model_index.json", _class_name="FluxFillPipeline")
+    assert not fam.detect(fill)  # another input layout: not this family's
+    _edit_json(fill / "model_index.json", _class_name="DiffusionPipeline")
+    assert fam.detect(fill)  # judged by the transformer
     d = describe_checkpoint(flux_ckpt("schnell"))
     assert d["variant"] == "flux.1-schnell" and d["tasks"] == ["i2i", "t2i"]
     assert d["components"]["tokenizer_2"] == "T5TokenizerFast"

@@ -38,6 +38,8 @@ import torch
 
 from omniloop.errors import CheckpointError
 
+#: pipeline classes of the FLUX.1 text-to-image / image-to-image checkpoints this family runs
+PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline")
 REQUIRED = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
 TRANSFORMERS_WEIGHTS = "model"
@@ -88,10 +90,17 @@ def looks_like_flux(path: str | Path) -> bool:
         index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
         if not isinstance(index, dict):
             return False
-        if str(index.get("_class_name", "")).startswith("Flux") and index.get("_class_name") != "Flux2Pipeline":
+        if index.get("_class_name") in PIPELINES:
             return True
+        # a checkpoint saved by another pipeline class: judge by the transformer (FLUX.1 Fill /
+        # Control / Kontext transformers take other inputs, recognised by their in_channels)
         tf = json.loads((root / "transformer" / "config.json").read_text(encoding="utf-8"))
-        return isinstance(tf, dict) and tf.get("_class_name") == "FluxTransformer2DModel"
+        vae = json.loads((root / "vae" / "config.json").read_text(encoding="utf-8"))
+        return (
+            isinstance(tf, dict) and isinstance(vae, dict) and tf.get("_class_name") == "FluxTransformer2DModel"
+            and int(tf.get("in_channels", 64)) == 4 * int(vae.get("latent_channels", 16))
+            and not str(index.get("_class_name", "")).startswith(("FluxFill", "FluxControl", "FluxKontext"))
+        )
     except (OSError, ValueError):
         return False
 
