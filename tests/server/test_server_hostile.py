@@ -309,3 +309,44 @@ def test_hostile_bodies_never_get_5xx_hang_or_write_outside_the_output_folder(ho
     assert not bad, bad
     if statuses.get(200):
         assert state.jobs.written > 0  # accepted jobs ran and wrote their mp4s (inside the folder)
+
+
+def test_hostile_ids_and_query_strings_on_the_other_endpoints(hostile: Any) -> None:
+    """Path ids and query parameters a client controls: never a 5xx, never a file outside."""
+    url, out, sandbox, _app = hostile
+    from urllib.parse import quote
+
+    seg = st.one_of(st.text(max_size=30), path_strings(sandbox), st.sampled_from(["..", "%2e%2e", "%00", "a%2Fb"]))
+    query = st.dictionaries(st.sampled_from(["limit", "after", "order", "variant", "x"]),
+                            st.one_of(st.text(max_size=20), st.sampled_from(["0", "-1", "101", "1e9", "asc", "thumbnail"])),
+                            max_size=3)
+    calls: list[int] = []
+
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT) as client:
+
+        @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(kind=st.sampled_from(["get", "content", "cancel", "delete", "list", "events", "model"]), vid=seg, q=query)
+        def run(kind: str, vid: str, q: dict[str, str]) -> None:
+            quoted = quote(vid.encode("utf-8", "surrogatepass"), safe="")
+            params = {k: v.encode("utf-8", "surrogatepass").decode("utf-8", "replace") for k, v in q.items()}
+            if kind == "list":
+                r = client.get("/v1/videos", params=params)
+            elif kind == "get":
+                r = client.get(f"/v1/videos/{quoted}")
+            elif kind == "content":
+                r = client.get(f"/v1/videos/{quoted}/content", params=params)
+            elif kind == "events":
+                r = client.get(f"/v1/videos/{quoted}x/events")  # unknown ids only: a known one streams
+            elif kind == "cancel":
+                r = client.post(f"/v1/videos/{quoted}/cancel")
+            elif kind == "model":
+                r = client.get(f"/v1/models/{quoted}")
+            else:
+                r = client.delete(f"/v1/videos/{quoted}")
+            calls.append(r.status_code)
+            assert r.status_code < 500, (kind, vid, q, r.text[:300])
+            assert not any(sandbox.iterdir())
+
+        run()
+    assert len(calls) >= 200
+    assert not [p.name for p in out.iterdir() if not OUT_NAME.match(p.name)]
