@@ -135,3 +135,24 @@ def test_conformance_kit_and_gc_frees_a_dropped_execution(qwen_runtime, req, pro
     gc.collect()
     cache = rt.model.components["kv_cache"]
     assert cache.sequences == 0 and cache.used_blocks == 0 and cache.reserved_blocks == 0
+
+
+def test_a_long_prompt_prefills_in_chunks_between_other_sequences_decode_steps(
+    qwen_runtime, hf_reference, req, prompts
+) -> None:
+    rt = qwen_runtime("qwen2", scheduler="step", options={"prefill_chunk": 8})
+    tok = rt.model.components["tokenizer"]
+    short = rt.stream(req(prompts[0], max_tokens=20))
+    for ev in short:  # the short request is decoding ...
+        if ev.node == "decode" and ev.step == 4:
+            break
+    long_ = rt.stream(req(prompts[2], max_tokens=6))  # ... when a 42-token prompt arrives
+    out_long, out_short = _final(long_), _final(short)
+    assert _tokens(out_long) == hf_reference("qwen2", tok(prompts[2])["input_ids"], 6)
+    assert _tokens(out_short) == hf_reference("qwen2", tok(prompts[0])["input_ids"], 20)
+    # the long prompt's prefill chunks alternate with the short request's decode steps (no stall)
+    order = [d.request_ids for d in rt.scheduler.trace if d.node == "decode" and d.action == "step"
+             and set(d.request_ids) & {out_long.request_id, out_short.request_id}]
+    long_units = [i for i, ids in enumerate(order) if ids == (out_long.request_id,)]
+    short_between = [i for i, ids in enumerate(order) if ids == (out_short.request_id,) and long_units[0] < i < long_units[5]]
+    assert len(long_units) >= 6 and short_between  # join + 6 chunks, with short decode steps in between
