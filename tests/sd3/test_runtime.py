@@ -173,3 +173,26 @@ def test_block_taps_see_every_joint_block(tiny_ckpt, t2i_request):
 
 def test_conformance_kit(sd3_runtime):
     check_family(lambda: sd3_runtime(), {"task": "t2i", "prompt": PROMPT, "diffusion": {"steps": 2}}, output="image")
+
+
+def test_cli_generate_writes_a_png(tiny_ckpt, tmp_path, init_image):
+    from click.testing import CliRunner
+    from PIL import Image
+
+    import omniloop_sd3.plugin as sd3_plugin
+    from omniloop_cli import cli
+
+    manager = make_manager(("sd3", sd3_plugin), toy=False)
+    out = tmp_path / "fox.png"
+    res = CliRunner().invoke(cli, ["generate", "a red fox", "--model", str(tiny_ckpt()), "--task", "t2i", "--steps", "2",
+                                   "--seed", "1", "--out", str(out)], obj=manager)
+    assert res.exit_code == 0, res.output
+    assert Image.open(out).size == (32, 32)
+    out2 = tmp_path / "edit.png"
+    res = CliRunner().invoke(cli, ["generate", "a red fox", "--model", str(tiny_ckpt()), "--task", "i2i", "--image",
+                                   str(init_image), "--steps", "2", "--out", str(out2)], obj=manager)
+    assert res.exit_code == 0, res.output
+    assert Image.open(out2).size == (32, 32)
+    bad = CliRunner().invoke(cli, ["generate", "x", "--model", str(tiny_ckpt()), "--task", "t2i", "--height", "40"],
+                             obj=manager)
+    assert bad.exit_code == 2 and "diffusion.height" in bad.output
