@@ -1,5 +1,5 @@
 """Bit-exact parity with diffusers' ``FluxPipeline`` / ``FluxImg2ImgPipeline`` (CPU, float32, tiny
-random checkpoints): final latents (unpacked ``[1, C, H/8, W/8]``) and the uint8 image, compared
+random checkpoints; bfloat16 too for t2i): final latents (unpacked ``[1, C, H/8, W/8]``) and the uint8 image, compared
 with ``torch.equal``. Same checkpoint folder, same seed on a CPU generator, same steps and size;
 diffusers runs with its defaults except ``max_sequence_length``, which the tiny checkpoint's
 ``omniloop.json`` sets to 32 for us (so both read 32 T5 tokens).
@@ -83,3 +83,19 @@ def test_default_size_and_rounding(flux_runtime, make_t2i):
     assert any("rounded down to 64" in w for w in out.metrics["warnings"])
     out = rt.generate(make_t2i(steps=1))
     assert out.artifacts["image"].frames.shape == (1, 64, 64, 3)  # tiny checkpoint's omniloop.json
+
+
+@pytest.mark.parametrize("variant", ["dev", "schnell"])
+def test_t2i_bit_exact_in_bfloat16(flux_ckpt, make_t2i, make_manager_flux, to_uint8, variant):
+    """The same in bfloat16 on the CPU (every module in bf16, latents in the T5 dtype, as diffusers)."""
+    from omniloop import Runtime
+
+    rt = Runtime.from_model(flux_ckpt(variant), device="cpu", dtype="bfloat16", manager=make_manager_flux())
+    out = rt.generate(make_t2i(seed=7, steps=3))
+    import diffusers
+
+    pipe = diffusers.FluxPipeline.from_pretrained(flux_ckpt(variant), dtype=torch.bfloat16)
+    kw = dict(prompt="a red fox jumps over the lazy dog", num_inference_steps=3, height=64, width=64)
+    assert out.artifacts["latents"].tensor.dtype == torch.bfloat16
+    assert torch.equal(out.artifacts["latents"].tensor, _diffusers(pipe, 7, "latent", **kw))
+    assert torch.equal(out.artifacts["image"].frames, to_uint8(_diffusers(pipe, 7, "np", **kw)))
