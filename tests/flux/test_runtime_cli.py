@@ -152,3 +152,16 @@ def test_cli_bad_request_is_one_line_exit_2(make_manager_flux, flux_ckpt):
     )
     assert res.exit_code == 2, res.output
     assert "diffusion.frames" in res.stderr
+
+
+def test_vae_in_its_own_dtype(flux_ckpt, make_manager_flux, make_i2i, input_png):
+    """Deploy option ``vae_dtype``: a float32 VAE beside a bfloat16 transformer and text encoders."""
+    from omniloop import Runtime
+
+    rt = Runtime.from_model(flux_ckpt("dev"), device="cpu", dtype="bfloat16", manager=make_manager_flux(),
+                            options={"vae_dtype": "float32"})
+    assert rt.model.components["vae"].dtype == torch.float32
+    assert rt.model.components["transformer"].dtype == torch.bfloat16
+    out = rt.generate(make_i2i(input_png, steps=2))
+    assert out.status is Status.COMPLETED, out.error
+    assert out.artifacts["image"].frames.shape == (1, 64, 64, 3)

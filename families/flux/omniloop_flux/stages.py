@@ -126,10 +126,11 @@ class ImageEncode:
         with torch.no_grad():
             image = processor.preprocess(to_pil(p.image), height=p.height, width=p.width).to(dtype=torch.float32)
             image = image.to(device=ctx.device, dtype=dtype)
-            dist = vae.encode(image.to(module_device(vae))).latent_dist
+            # a VAE in its own dtype (deploy option vae_dtype) gets its input in that dtype
+            dist = vae.encode(image.to(module_device(vae), dtype=vae.dtype)).latent_dist
             latents = dist.sample(state.generator)
             latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
-        state.write("image_latents", Tensors(values={"latents": latents.to(ctx.device)}), ctx.node.name)
+        state.write("image_latents", Tensors(values={"latents": latents.to(ctx.device, dtype=dtype)}), ctx.node.name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ class VaeDecode:
         latents = state.read("denoised", Latents).tensor
         with torch.no_grad():
             latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-            latents = latents.to(module_device(vae))
+            latents = latents.to(module_device(vae), dtype=vae.dtype)
             image = vae.decode(latents, return_dict=False)[0]
         state.write("decoded", Tensors(values={"image": image}), ctx.node.name)
 
