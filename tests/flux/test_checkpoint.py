@@ -122,3 +122,21 @@ def test_weights_that_disagree_with_their_config_name_the_folder(flux_ckpt, tmp_
     _edit_json(dst / "transformer" / "config.json", num_single_layers=3)
     with pytest.raises(CheckpointError, match=r"transformer: cannot load FluxTransformer2DModel"):
         load(dst)
+
+
+def test_a_generic_fast_tokenizer_named_in_model_index(flux_ckpt, flux_runtime, tmp_path, make_t2i, make_manager_flux):
+    """``PreTrainedTokenizerFast`` over the same ``tokenizer.json``: loaded as diffusers loads it,
+    same tokens, same image."""
+    from diffusers import FluxPipeline
+
+    from omniloop import Runtime
+
+    dst = tmp_path / "generic"
+    shutil.copytree(flux_ckpt("dev"), dst)
+    _edit_json(dst / "model_index.json", tokenizer_2=["transformers", "PreTrainedTokenizerFast"])
+    rt = Runtime.from_model(dst, manager=make_manager_flux())
+    theirs = FluxPipeline.from_pretrained(dst).tokenizer_2
+    assert type(rt.model.components["tokenizer_2"]) is type(theirs)
+    req = make_t2i(steps=2, prompt="a red fox xyz")
+    assert torch.equal(rt.generate(req).artifacts["latents"].tensor,
+                       flux_runtime("dev").generate(req).artifacts["latents"].tensor)
