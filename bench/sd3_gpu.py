@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _repo_paths  # noqa: E402
+import _repo_paths
 
 _repo_paths.add_repo_packages()
 
@@ -86,8 +86,14 @@ DEFAULT_SIDES = SIDES[:5]
 
 def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast, T5Config,
-                              T5EncoderModel, T5TokenizerFast)
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        PreTrainedTokenizerFast,
+        T5Config,
+        T5EncoderModel,
+        T5TokenizerFast,
+    )
 
     from omniloop_sd3 import tiny
 
@@ -348,7 +354,7 @@ def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> 
         summary[name] = {"s_per_step": entry["s_per_step"], "s_end_to_end": entry["s_end_to_end"]}
     for ref_name in ("diffusers", "diffusers-compile"):
         if ref_name in summary:
-            for name, s in summary.items():
+            for s in summary.values():
                 s[f"step_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_per_step"] / s["s_per_step"], 3)
                 s[f"e2e_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_end_to_end"] / s["s_end_to_end"], 3)
     record["summary"] = summary

@@ -17,9 +17,9 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-import omniloop_sd3.plugin as sd3_plugin  # noqa: E402
-from omniloop.testing import make_manager  # noqa: E402
-from omniloop_sd3.tiny import build_tiny_checkpoint  # noqa: E402
+import omniloop_sd3.plugin as sd3_plugin
+from omniloop.testing import make_manager
+from omniloop_sd3.tiny import build_tiny_checkpoint
 
 PROMPT = "a red fox jumps over the lazy dog"
 NEGATIVE = "blurry low quality"

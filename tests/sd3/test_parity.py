@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-
 from omniloop.request import Status
 
 PROMPT = "a red fox jumps over the lazy dog"  # the conftest request helpers use the same texts

@@ -135,8 +135,8 @@ def test_block_interceptors_and_taps_run_on_the_joint_blocks(tiny_ckpt, t2i_requ
 
 
 def test_block_taps_see_every_joint_block(tiny_ckpt, t2i_request):
-    from omniloop.hookspecs import hookimpl
     from omniloop.family import PluginComponentSpec
+    from omniloop.hookspecs import hookimpl
     from omniloop.observers import TapFilter
 
     seen: list[tuple[str, tuple[int, ...]]] = []

@@ -19,7 +19,7 @@ from . import checkpoint as ck
 from .defaults import defaults_for
 from .policies import menu_for
 from .resolve import SD3DenoiseParams, TextParams, resolve
-from .stages import ImageEncode, Output, TextEncode, Validate, VaeDecode, is_i2i
+from .stages import ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2i
 
 TASKS = frozenset({TaskType.T2I, TaskType.I2I})
 

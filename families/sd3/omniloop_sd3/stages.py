@@ -185,5 +185,15 @@ def is_i2i(request: Any) -> bool:
     return request.task is TaskType.I2I
 
 
-__all__ = ["ImageEncode", "ImageFrames", "Output", "TextEncode", "Validate", "VaeDecode", "encode_prompt",
-           "is_i2i", "params_of", "to_uint8_image"]
+__all__ = [
+    "ImageEncode",
+    "ImageFrames",
+    "Output",
+    "TextEncode",
+    "VaeDecode",
+    "Validate",
+    "encode_prompt",
+    "is_i2i",
+    "params_of",
+    "to_uint8_image",
+]
