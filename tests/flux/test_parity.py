@@ -99,3 +99,26 @@ def test_t2i_bit_exact_in_bfloat16(flux_ckpt, make_t2i, make_manager_flux, to_ui
     assert out.artifacts["latents"].tensor.dtype == torch.bfloat16
     assert torch.equal(out.artifacts["latents"].tensor, _diffusers(pipe, 7, "latent", **kw))
     assert torch.equal(out.artifacts["image"].frames, to_uint8(_diffusers(pipe, 7, "np", **kw)))
+
+
+@pytest.mark.parametrize("task", ["t2i", "i2i"])
+def test_true_cfg_bit_exact(flux_ckpt, flux_runtime, make_t2i, make_i2i, input_png, to_uint8, task):
+    """CFG ``classic`` = diffusers' true CFG: ``negative_prompt`` + ``true_cfg_scale`` (the request's
+    guidance scale); the guidance embedding keeps the pipeline's default (3.5 t2i, 7.0 i2i)."""
+    if task == "t2i":
+        req = make_t2i(seed=7, steps=3)
+        pipe = _pipe("FluxPipeline", flux_ckpt("dev"))
+        kw = dict(prompt="a red fox jumps over the lazy dog", num_inference_steps=3, height=64, width=64)
+    else:
+        req = make_i2i(input_png, seed=3, steps=5, height=64, width=64)
+        pipe = _pipe("FluxImg2ImgPipeline", flux_ckpt("dev"))
+        kw = dict(prompt="a blue cat", image=Image.open(input_png), num_inference_steps=5, height=64, width=64)
+    req["inputs"] = [*req.get("inputs", []), {"type": "text", "text": "blurry, low quality", "role": "negative_prompt"}]
+    req["diffusion"]["guidance_scale"] = 4.0
+    req["node_params"] = {"denoise": {"cfg": "classic"}}
+    out = flux_runtime("dev").generate(req)
+    assert out.status is Status.COMPLETED, out.error
+    assert out.metrics["policies"]["full_steps"] == out.metrics["steps"]  # two forwards every step
+    kw.update(negative_prompt="blurry, low quality", true_cfg_scale=4.0)
+    assert torch.equal(out.artifacts["latents"].tensor, _diffusers(pipe, req["diffusion"]["seed"], "latent", **kw))
+    assert torch.equal(out.artifacts["image"].frames, to_uint8(_diffusers(pipe, req["diffusion"]["seed"], "np", **kw)))

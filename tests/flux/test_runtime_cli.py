@@ -115,6 +115,14 @@ def test_bad_i2i_requests(flux_runtime, make_i2i, input_png):
     assert err.value.path == "inputs[0].data_b64"
 
 
+def test_negative_prompt_without_true_cfg_is_ignored_with_a_warning(flux_runtime, make_t2i):
+    req = make_t2i(steps=1)
+    req["inputs"] = [{"type": "text", "text": "blurry", "role": "negative_prompt"}]
+    out = flux_runtime("dev").generate(req)
+    assert any("negative prompt is ignored" in w for w in out.metrics["warnings"])
+    assert torch.equal(out.artifacts["latents"].tensor, flux_runtime("dev").generate(make_t2i(steps=1)).artifacts["latents"].tensor)
+
+
 def test_schnell_takes_a_fixed_shift(flux_runtime, make_t2i):
     a = flux_runtime("schnell").generate(make_t2i(steps=2))
     b = flux_runtime("schnell").generate(make_t2i(steps=2, shift=3.0))

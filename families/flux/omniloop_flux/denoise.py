@@ -4,13 +4,14 @@
 patches (``[1, N, 4C]``), resolves the request's policies and lets them allocate the request's own
 scheduler (``mu`` from ``N`` for FLUX.1 [dev]; for i2i the schedule is cut by ``strength`` and the
 image latents are noised to its first timestep with ``scale_noise``). A step then is one
-transformer forward (embedded guidance: no uncond branch), the sampler step, taps.
+transformer forward per planned branch — ``cond`` only with embedded guidance, ``cond`` and
+``uncond`` (the negative prompt) with true CFG (``classic``) — the CFG combine, the sampler step, taps.
 
 Batched steps across requests (``batch_key`` / ``step_batch``): requests whose latents, text
 shapes, step index, timestep and dtype agree run their step as one forward over the stacked batch
 (each request keeps its own guidance value and scheduler); results equal each request alone up to
 float reassociation in the stacked GEMMs (tests/flux/test_batching.py states the tolerance). Not
-batched: a bound block/step interceptor, taps, ``exact`` requests.
+batched: a bound block/step interceptor, taps, ``exact`` requests, true CFG.
 
 With the defaults this is ``FluxPipeline`` / ``FluxImg2ImgPipeline``'s loop op for op
 (tests/flux/test_parity.py compares final latents and the uint8 image with ``torch.equal``).
@@ -62,20 +63,21 @@ def _params(state: RequestState) -> FluxParams:
 
 @define
 class StepInputs:
-    """One request's model inputs at one step."""
+    """One request's model inputs at one step, per guidance branch where they differ."""
 
     x: torch.Tensor
     timestep: torch.Tensor
     guidance: torch.Tensor | None
-    #: the T5 states through the transformer's ``context_embedder`` (once per request)
-    context: torch.Tensor
-    pooled: torch.Tensor
+    #: the T5 states through the transformer's ``context_embedder`` (once per request), by branch
+    context: dict[str, torch.Tensor]
+    #: CLIP's pooled output, by branch (``cond``: the prompt, ``uncond``: the negative prompt)
+    pooled: dict[str, torch.Tensor]
     #: the rotary embedding of the text and image position ids (once per request)
     rotary: Any
 
 
-def stack(inputs: Sequence[StepInputs]) -> dict[str, Any]:
-    """The batch of one forward (request-major); one request passes its tensors untouched."""
+def stack(inputs: Sequence[StepInputs], branch: str = "cond") -> dict[str, Any]:
+    """The batch of one forward of ``branch`` (request-major); one request passes its tensors untouched."""
     def cat(ts: list[torch.Tensor]) -> torch.Tensor:
         return ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
 
@@ -84,8 +86,8 @@ def stack(inputs: Sequence[StepInputs]) -> dict[str, Any]:
         "hidden_states": cat([i.x for i in inputs]),
         "timestep": cat([i.timestep for i in inputs]),
         "guidance": None if first.guidance is None else cat([i.guidance for i in inputs]),  # type: ignore[misc]
-        "context": cat([i.context for i in inputs]),
-        "pooled_projections": cat([i.pooled for i in inputs]),
+        "context": cat([i.context[branch] for i in inputs]),
+        "pooled_projections": cat([i.pooled[branch] for i in inputs]),
         "image_rotary_emb": first.rotary,
     }
 
@@ -130,23 +132,31 @@ class Denoise:
     def step_inputs(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepInputs:
         pol = loop.policy_state["policies"]
         latents = loop.tensors["latents"]
-        emb = state.read("prompt_embeds", Embeddings)
         t = pol.timestep(loop)
         step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
         guidance = None
         if ctx.components["transformer"].config.guidance_embeds:
             g = pol.model_guidance(step, loop)
+            if g is None:  # true CFG: the guidance embedding gets the task's default guidance
+                g = _params(state).embedded_guidance
             guidance = torch.full([1], float(g), device=latents.device, dtype=torch.float32).expand(latents.shape[0])
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         if "context" not in loop.extra:  # per-request constants of the forward, computed once
             from .transformer import request_constants
 
-            loop.extra["context"], loop.extra["rotary"] = request_constants(
-                ctx.components["transformer"], emb.tensor, loop.tensors["img_ids"], emb.extra["text_ids"]
-            )
+            tf = ctx.components["transformer"]
+            context: dict[str, torch.Tensor] = {}
+            pooled: dict[str, torch.Tensor] = {}
+            for branch, edge in (("cond", "prompt_embeds"), ("uncond", "negative_embeds")):
+                emb = state.get(edge)
+                if not isinstance(emb, Embeddings):
+                    continue
+                context[branch], rotary = request_constants(tf, emb.tensor, loop.tensors["img_ids"], emb.extra["text_ids"])
+                pooled[branch] = emb.extra["pooled"]
+            loop.extra.update(context=context, pooled=pooled, rotary=rotary)
         return StepInputs(
             x=latents, timestep=timestep / 1000, guidance=guidance, context=loop.extra["context"],
-            pooled=emb.extra["pooled"], rotary=loop.extra["rotary"],
+            pooled=loop.extra["pooled"], rotary=loop.extra["rotary"],
         )
 
     def forward(self, ctx: StageContext, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
@@ -169,7 +179,7 @@ class Denoise:
             preds = {}
             for branch in pol.plan(step, loop):
                 sc = step.with_branch(branch)
-                batch = stack([inp])
+                batch = stack([inp], branch)
                 bctx = ctx.block_context(sc, loop, prefix="transformer.blocks")
 
                 def compute(batch: dict[str, Any] = batch, bctx: BlockContext | None = bctx) -> torch.Tensor:
@@ -207,8 +217,8 @@ class Denoise:
         state.write("denoised", Latents(tensor=latents, modality="image"), ctx.node.name)
         loop.policy_state.pop("sampler", None)
         loop.policy_state.pop("cfg", None)
-        loop.extra.pop("context", None)
-        loop.extra.pop("rotary", None)
+        for key in ("context", "pooled", "rotary"):
+            loop.extra.pop(key, None)
 
     # -- batched steps ----------------------------------------------------------------------------
     def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
@@ -217,7 +227,7 @@ class Denoise:
         if state.request.exact:
             return None
         pol = loop.policy_state.get("policies")
-        if pol is None or pol.done(loop):
+        if pol is None or pol.done(loop) or pol.cfg.name != "embedded":  # true CFG runs alone
             return None
         step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
         if step.step_index != loop.step:

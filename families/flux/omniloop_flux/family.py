@@ -129,17 +129,19 @@ class FluxFamily:
         menu = menu_for(model, options)
         nodes = [
             Node("validate", Validate(model, menu), writes={"params": Conditioning}),
-            Node("text_encode", TextEncode(), reads={"params": Conditioning}, writes={"prompt_embeds": Embeddings},
+            Node("text_encode", TextEncode(), reads={"params": Conditioning},
+                 writes={"prompt_embeds": Embeddings, "negative_embeds": Embeddings},
                  params_schema=TextParams, uses=("text_encoder", "text_encoder_2")),
         ]
-        reads: dict[str, type] = {"params": Conditioning, "prompt_embeds": Embeddings}
+        reads: dict[str, type] = {"params": Conditioning, "prompt_embeds": Embeddings, "negative_embeds": Embeddings}
         if task is TaskType.I2I:
             nodes.append(Node("image_encode", ImageEncode(), reads={"params": Conditioning},
                               writes={"image_latents": Tensors}, when=is_i2i, uses=("vae",)))
             reads["image_latents"] = Tensors
         nodes += [
             Node("denoise", Denoise(menu), reads=reads, writes={"denoised": Latents},
-                 optional_reads=frozenset({"image_latents"}), params_schema=DenoiseParams, uses=("transformer",)),
+                 optional_reads=frozenset({"image_latents", "negative_embeds"}), params_schema=DenoiseParams,
+                 uses=("transformer",)),
             Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
             Node("output", Output(), reads={"decoded": Tensors, "denoised": Latents},
                  writes={"image": Image, "latents": Latents}),

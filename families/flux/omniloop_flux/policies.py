@@ -6,8 +6,11 @@
 * shift ``resolution`` (``mu`` from the packed image token count, the scheduler config's
   ``base/max_image_seq_len`` and ``base/max_shift``) when the config sets ``use_dynamic_shifting``
   (FLUX.1 [dev]), else ``constant`` (FLUX.1 [schnell]: shift 1.0, ``mu`` unused, as in diffusers);
-* CFG ``embedded``: one forward per step, the guidance scale fed to the model's guidance embedding
-  (FLUX.1 [dev]); schnell has no guidance input, so the scale is not used.
+* CFG ``embedded`` (default): one forward per step, the guidance scale fed to the model's guidance
+  embedding (FLUX.1 [dev]); schnell has no guidance input, so the scale is not used.
+* CFG ``classic`` (``node_params.denoise.cfg``): diffusers' "true CFG" — a second forward on the
+  negative prompt and ``neg + scale * (cond - neg)`` with the request's guidance scale as
+  ``true_cfg_scale``; the guidance embedding then gets the checkpoint's default guidance.
 
 With these defaults the denoise loop is ``FluxPipeline`` / ``FluxImg2ImgPipeline``'s op for op.
 """
@@ -46,7 +49,7 @@ def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> 
     defaults = model.config["defaults"]
     try:
         return PolicyMenu.build(
-            sched_config, source=source, samplers=["flow-euler"], cfgs=["embedded"],
+            sched_config, source=source, samplers=["flow-euler"], cfgs=["embedded", "classic"],
             sampler_options={"flow-euler": {"sigma_schedule": "linear"}}, default_sampler="flow-euler",
             default_cfg="embedded", shift=shift, precision=precision,
             default_guidance_scale=float(defaults["guidance_scale"]), default_steps=int(defaults["steps"]), node=NODE,

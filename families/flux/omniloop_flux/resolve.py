@@ -47,6 +47,11 @@ class FluxParams:
     strength: float | None = None
     #: uint8 [H, W, 3] for i2i, else None
     image: torch.Tensor | None = None
+    #: CFG ``classic`` (true CFG): the negative prompt (default ""), else None (not encoded)
+    negative_prompt: str | None = None
+    #: what the guidance embedding gets (guidance-distilled checkpoints): the guidance scale with CFG
+    #: ``embedded``, the task's default guidance with ``classic`` (whose scale is the true-CFG scale)
+    embedded_guidance: float = 3.5
     #: the request's ``omniloop_policies.DenoisePolicies``
     policies: Any = None
 
@@ -116,8 +121,6 @@ def resolve(
     prompt = request.prompt
     if not prompt or not prompt.strip():
         raise RequestError("inputs", "a text prompt (a text part with role 'prompt') is required")
-    if request.negative_prompt:
-        warnings.append("the negative prompt is ignored: FLUX.1 runs without classifier-free guidance here")
     if d.frames not in (None, 1):
         raise RequestError("diffusion.frames", f"an image request makes one frame, got {d.frames}")
     shift_req = d.shift if d.shift is not None else ((request.node_params or {}).get("denoise") or {}).get("shift")
@@ -158,6 +161,19 @@ def resolve(
             raise RequestError(
                 f"node_params.{menu.node}.strength",
                 f"strength {strength} of {steps} steps leaves no step to run; raise strength or steps",
+            )
+
+    true_cfg = policies.cfg.name == "classic"
+    default_guidance = float(defaults["i2i_guidance_scale"] if i2i else defaults["guidance_scale"])
+    if true_cfg:
+        negative: str | None = request.negative_prompt or ""
+        embedded = default_guidance
+    else:
+        negative = None
+        embedded = float(policies.guidance_scale)
+        if request.negative_prompt:
+            warnings.append(
+                "the negative prompt is ignored: it is used with node_params.denoise.cfg 'classic' (true CFG)"
             )
 
     multiple = cfg["size_multiple"]
@@ -202,7 +218,8 @@ def resolve(
     params = FluxParams(
         task=request.task, prompt=prompt, height=sizes["height"], width=sizes["width"], steps=steps,
         guidance_scale=float(policies.guidance_scale), max_sequence_length=max_len,
-        strength=strength if i2i else None, image=image, policies=policies,
+        strength=strength if i2i else None, image=image, policies=policies, negative_prompt=negative,
+        embedded_guidance=embedded,
     )
     return params, warnings
 

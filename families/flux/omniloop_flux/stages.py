@@ -93,14 +93,18 @@ def encode_prompt(
 
 class TextEncode:
     """Prompt → ``prompt_embeds``: T5 states (``tensor``), CLIP's pooled output and the text
-    position ids (``extra["pooled"]``, ``extra["text_ids"]``)."""
+    position ids (``extra["pooled"]``, ``extra["text_ids"]``); with true CFG (CFG ``classic``) the
+    negative prompt the same way → ``negative_embeds``."""
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         p = params_of(state)
-        with torch.no_grad():
-            embeds, pooled, text_ids = encode_prompt(ctx.components, p.prompt, p.max_sequence_length, ctx.device)
-        state.write("prompt_embeds", Embeddings(tensor=embeds, extra={"pooled": pooled, "text_ids": text_ids}),
-                    ctx.node.name)
+        texts = [("prompt_embeds", p.prompt)]
+        if p.negative_prompt is not None:
+            texts.append(("negative_embeds", p.negative_prompt))
+        for edge, text in texts:
+            with torch.no_grad():
+                embeds, pooled, text_ids = encode_prompt(ctx.components, text, p.max_sequence_length, ctx.device)
+            state.write(edge, Embeddings(tensor=embeds, extra={"pooled": pooled, "text_ids": text_ids}), ctx.node.name)
 
 
 # --------------------------------------------------------------------------------------------
