@@ -196,3 +196,20 @@ def test_cli_generate_writes_a_png(tiny_ckpt, tmp_path, init_image):
     bad = CliRunner().invoke(cli, ["generate", "x", "--model", str(tiny_ckpt()), "--task", "t2i", "--height", "40"],
                              obj=manager)
     assert bad.exit_code == 2 and "diffusion.height" in bad.output
+
+
+def test_cache_dit_interceptor_runs_on_the_joint_blocks(tiny_ckpt, t2i_request):
+    pytest.importorskip("cache_dit")
+    import omniloop_cache_dit.plugin as cache_dit_plugin
+
+    plain = _runtime(tiny_ckpt())
+    rt = _runtime(tiny_ckpt(), ("cache-dit", cache_dit_plugin),
+                  plugins={"cache-dit": {"Fn": 1, "Bn": 0, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}})
+    req = t2i_request(steps=8)
+    out = rt.generate(req)
+    assert out.status is Status.COMPLETED, out.error
+    assert "cache-dit" in out.metrics["plugins"]
+    assert sum(m["num_cached_steps"] for m in out.metrics["plugins"]["cache-dit"].values()) > 0
+    # an exact request runs without the distribution-altering cache: the baseline exactly
+    baseline = completed_latents(plain.generate(req))
+    assert torch.equal(completed_latents(rt.generate({**req, "exact": True})), baseline)
