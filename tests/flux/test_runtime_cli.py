@@ -80,6 +80,8 @@ BAD = [
     ({"diffusion": {"frames": 3}}, "diffusion.frames"),
     ({"diffusion": {"height": 8}}, "diffusion.height"),
     ({"diffusion": {"shift": 2.0}}, "diffusion.shift"),  # dev shifts by resolution
+    ({"node_params": {"denoise": {"shift": 2.0}}}, "node_params.denoise.shift"),
+    ({"node_params": {"denoise": [1]}}, "node_params.denoise"),
     ({"node_params": {"denoise": {"strength": 0.5}}}, "node_params.denoise.strength"),  # t2i
     ({"node_params": {"denoise": {"sampler": "unipc"}}}, "node_params.denoise.sampler"),
     ({"node_params": {"text_encode": {"max_sequence_length": 600}}}, "node_params.text_encode.max_sequence_length"),

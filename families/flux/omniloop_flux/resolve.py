@@ -123,12 +123,6 @@ def resolve(
         raise RequestError("inputs", "a text prompt (a text part with role 'prompt') is required")
     if d.frames not in (None, 1):
         raise RequestError("diffusion.frames", f"an image request makes one frame, got {d.frames}")
-    shift_req = d.shift if d.shift is not None else ((request.node_params or {}).get("denoise") or {}).get("shift")
-    if shift_req is not None and cfg["dynamic_shifting"]:
-        raise RequestError(
-            "diffusion.shift" if d.shift is not None else "node_params.denoise.shift",
-            "this checkpoint shifts its schedule by resolution (use_dynamic_shifting); a fixed shift does not apply",
-        )
     for name in ("guidance_scale", "shift", "fps"):
         v = getattr(d, name)
         if v is not None and not math.isfinite(v):
@@ -138,8 +132,13 @@ def resolve(
         from .policies import menu_for
 
         menu = menu_for(model)
+    policies = menu.resolve(request)  # validates node_params.denoise (a RequestError naming the key)
     denoise_params = (request.node_params or {}).get(menu.node) or {}
-    policies = menu.resolve(request)
+    if policies.requested_shift is not None and cfg["dynamic_shifting"]:
+        raise RequestError(
+            "diffusion.shift" if denoise_params.get("shift") is None else f"node_params.{menu.node}.shift",
+            "this checkpoint shifts its schedule by resolution (use_dynamic_shifting); a fixed shift does not apply",
+        )
     strength = policies.strength
     if i2i:
         if strength is None:
