@@ -64,8 +64,9 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 SSE_KEEPALIVE_S = 15.0
 #: the longest error message / param sent back (client values inside are truncated already)
 MAX_MESSAGE_CHARS, MAX_PARAM_CHARS = 1000, 200
-#: how long a cancel may take to land, and the mp4 writes to finish, after the grace period
-CANCEL_GRACE_S = 30.0
+#: after the grace period: how long the cancel may take to land (it waits for the step in flight),
+#: then how long the last mp4 writes may take; a job still unfinished then is recorded cancelled
+STOP_GRACE_S, WRITE_GRACE_S = 10.0, 10.0
 VARIANTS = {"video": "video/mp4", "thumbnail": "image/png", "spritesheet": "image/png"}
 
 
@@ -132,24 +133,36 @@ class ServerState:
         await asyncio.shield(self._drain_task)
 
     async def _drain(self) -> None:
-        self.draining = True
+        self.draining = True  # create_video / create_images answer 503 from now on
         grace = self.shutdown_timeout
         n = len(self.jobs.in_flight())
         self.jobs.shutdown_reason = f"the server shut down (it waits {grace:g} s for running jobs)"
         if n:
             log.warning("shutting down: %d job(s) in flight; finishing them for up to %g s, then cancelling", n, grace)
-        await self.engine.shutdown(drain=True, timeout=grace)
-        tasks = [j.task for j in self.jobs.jobs.values() if j.task is not None and not j.task.done()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=CANCEL_GRACE_S)
-        for job in self.jobs.in_flight():  # a follower that did not finish: never leave it unrecorded
-            job.final_status = "failed"
-            job.error = {"code": "shutdown", "message": "the server shut down before the job ended"}
-            job.completed_at = int(time.time())
-            self.jobs._record(job)
-            job.publish("done", job.to_dict())
-        counts = self.jobs.counts()
-        (log.warning if n else log.info)("shut down: jobs %s; final states in %s", counts, self.jobs.output_dir / "jobs.jsonl")
+        await self._wait_jobs(grace)  # finishing includes writing the mp4
+        for job in self.jobs.in_flight():
+            self.engine.cancel(job.id)  # lands at the job's next step boundary
+        await self._wait_jobs(STOP_GRACE_S + WRITE_GRACE_S)
+        stuck = [j for j in self.jobs.in_flight() if j.task is not None and not j.task.done()]
+        for job in stuck:  # never leave a job unrecorded: its follower records it as it stops
+            job.final_status = "cancelled"
+            job.error = {"code": "cancelled", "message": f"cancelled: {self.jobs.shutdown_reason}; "
+                         "its last step or output write did not end in time"}
+            job.task.cancel()  # type: ignore[union-attr]
+        if stuck:
+            await asyncio.wait([j.task for j in stuck if j.task is not None], timeout=1.0)
+            # the compute thread is inside a step that does not end: leave it (a daemon thread)
+            # rather than block the exit on joining it
+            log.warning("shutting down: %d job(s) still inside a step after the grace period; abandoned", len(stuck))
+        else:
+            await self.engine.shutdown(drain=False, timeout=STOP_GRACE_S)
+        (log.warning if n else log.info)("shut down: jobs %s; final states in %s", self.jobs.counts(),
+                                         self.jobs.output_dir / "jobs.jsonl")
+
+    async def _wait_jobs(self, timeout: float) -> None:
+        tasks = [j.task for j in self.jobs.in_flight() if j.task is not None and not j.task.done()]
+        if tasks and timeout > 0:
+            await asyncio.wait(tasks, timeout=timeout)
 
 
 def _defaults(rt: Any, task: TaskType) -> dict[str, Any]:

@@ -200,11 +200,13 @@ class JobStore:
             log.exception("job %s follower failed", job.id)
             job.final_status = "failed"
             job.error = {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}
+        except asyncio.CancelledError:  # the server gave up on it at shutdown (it set the final state)
+            pass
         finally:
             if job.final_status is None:
                 job.final_status = "failed"
                 job.error = job.error or {"code": "server_error", "message": "job follower stopped"}
-            job.completed_at = int(time.time())
+            job.completed_at = job.completed_at or int(time.time())
             job.final_progress = int(h.progress * 100)
             job.handle = None  # the output (tensors) is on disk now; drop it and the handle's events
             engine.forget(job.id)
