@@ -24,7 +24,15 @@ if "torch" not in _sys.modules:
 
 from .artifacts import Artifact, Audio, Conditioning, Embeddings, Image, KVRef, Latents, Tensors, Text, VideoFrames
 from .deploy import DeployConfig, Limits, ModelConfig, load_deploy
-from .errors import CheckpointError, DeployError, GraphError, OmniloopError, PluginError, RequestError
+from .errors import (
+    CheckpointError,
+    DeployError,
+    GraphError,
+    HookDeprecationWarning,
+    OmniloopError,
+    PluginError,
+    RequestError,
+)
 from .execution import Execution
 from .graph import Node, PipelineSpec
 from .hookspecs import HOOK_API_VERSION, hookimpl
@@ -42,6 +50,7 @@ from .request import (
     TaskType,
     TextPart,
 )
+from .resolved import GenericResolved, Resolved, Workload
 from .runtime import Deployment, Runtime, check_request
 
 __version__ = "0.1.0"
@@ -60,7 +69,9 @@ __all__ = [
     "DiffusionParams",
     "Embeddings",
     "Execution",
+    "GenericResolved",
     "GraphError",
+    "HookDeprecationWarning",
     "Image",
     "ImagePart",
     "KVRef",
@@ -79,6 +90,7 @@ __all__ = [
     "PluginError",
     "RequestError",
     "RequestState",
+    "Resolved",
     "Runtime",
     "Stage",
     "StageContext",
@@ -91,6 +103,7 @@ __all__ = [
     "Text",
     "TextPart",
     "VideoFrames",
+    "Workload",
     "call_model",
     "check_request",
     "hookimpl",

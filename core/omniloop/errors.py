@@ -62,3 +62,9 @@ class GraphError(OmniloopError):
 
 class CancelledError(OmniloopError):
     """Raised inside a request's execution when it was cancelled between steps."""
+
+
+class HookDeprecationWarning(DeprecationWarning):
+    """A plugin uses a hook, hook argument or plugin method signature scheduled for removal.
+
+    Warned for one minor version after the rename; the old form keeps working meanwhile."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -30,11 +30,10 @@ from .errors import OmniloopError
 from .graph import Node, PipelineSpec
 from .interceptors import BlockInterceptor, StepInterceptor
 from .loop import LoopState, RequestState, StageContext, StepContext, StepResult
+from .interceptors import open_interceptor
 from .observers import ObserverBus
 from .request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status
-
-if TYPE_CHECKING:
-    pass
+from .resolved import Resolved
 
 
 @define
@@ -81,6 +80,7 @@ class Execution:
         plugin_params: dict[str, Any] | None = None,
         warnings: Sequence[str] = (),
         active_interceptors: Sequence[Any] | None = None,
+        resolved: Resolved | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.request = request
@@ -93,6 +93,10 @@ class Execution:
         gen.manual_seed(seed)
         self.state = RequestState(request=request, generator=gen)
         self.state.metrics["seed"] = seed
+        #: the family's resolved form of the request (``Runtime.prepare`` resolves it once)
+        self.resolved: Resolved | None = resolved
+        if not warnings and resolved is not None:
+            warnings = resolved.warnings
         if warnings:
             self.state.metrics["warnings"] = list(warnings)
         self.nodes: tuple[Node, ...] = tuple(n for n in pipeline.spec.nodes if n.runs_for(request))
@@ -221,7 +225,7 @@ class Execution:
         p = self.pipeline
         self._ctx = StageContext(
             request=self.request, node=node, components=p.components, device=p.device, dtype=p.dtype,
-            params=self._node_params.get(node.name), observers=self.bus,
+            params=self._node_params.get(node.name), resolved=self.resolved, observers=self.bus,
             block_interceptor=self._block_icpt if node.is_loop else None,
             step_interceptors=self._step_icpts if node.is_loop else (),
             eager=p.eager, options=p.options,
@@ -251,7 +255,7 @@ class Execution:
                 continue
             for branch in loop.branches:
                 sc = StepContext(self.request_id, node.name, 0, loop.total, 0.0, branch=branch)
-                loop.plugin_state[(icpt.name, branch)] = icpt.open(sc, loop)
+                loop.plugin_state[(icpt.name, branch)] = open_interceptor(icpt, sc, loop, self.plugin_params.get(icpt.name))
         if self.bus is not None and self.bus.loop_init is not None:
             self.bus.loop_init(request=self.request, node=node.name, loop=loop)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import attrs
 from attrs import define, field
 
 from .artifacts import Artifact
@@ -177,6 +176,3 @@ def validate_nodes(
             raise GraphError(f"node {remaining[0].name!r}: dependency cycle among {cyc}")
     return tuple(order)
 
-
-def evolve_node(node: Node, **changes: Any) -> Node:
-    return attrs.evolve(node, **changes)

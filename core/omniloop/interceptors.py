@@ -20,12 +20,15 @@ in ``LoopState.plugin_state[(name, branch)]``; it calls ``close`` at finalize, c
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, Union, runtime_checkable
 
 import torch
 from attrs import define
 
+from .errors import HookDeprecationWarning
 from .loop import LoopState, StepContext
 
 BlockCall = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -60,8 +63,10 @@ class BlockInterceptor(Protocol):
     distribution_altering: bool
     needs_eager: bool
 
-    def open(self, step: StepContext, loop: LoopState) -> Any:
-        """Allocate per-(request, branch) state; ``step.branch`` names the branch."""
+    def open(self, step: StepContext, loop: LoopState, params: Any) -> Any:
+        """Allocate per-(request, branch) state; ``step.branch`` names the branch; ``params`` is
+        this request's ``plugin_params[name]`` validated against the plugin's ``params_schema``
+        (its defaults when the request did not tune it; None when the plugin has no schema)."""
 
     def run(
         self, blocks: Blocks, hidden: torch.Tensor, ctx: BlockContext, call: BlockCall
@@ -82,7 +87,7 @@ class StepInterceptor(Protocol):
     distribution_altering: bool
     needs_eager: bool
 
-    def open(self, step: StepContext, loop: LoopState) -> Any: ...
+    def open(self, step: StepContext, loop: LoopState, params: Any) -> Any: ...
 
     def forward(
         self, step: StepContext, state: Any, inputs: dict[str, Any], compute: Callable[[], torch.Tensor]
@@ -155,9 +160,39 @@ def _wrap(
     return lambda: icpt.forward(step, state, inputs, inner)
 
 
-def is_block_interceptor(obj: object) -> bool:
-    return callable(getattr(obj, "run", None)) and callable(getattr(obj, "open", None))
+def open_interceptor(icpt: BlockInterceptor | StepInterceptor, step: StepContext, loop: LoopState, params: Any) -> Any:
+    """Call ``icpt.open(step, loop, params)``; an interceptor written against the 1.0 signature
+    ``open(step, loop)`` still works for the 1.x series and warns :class:`HookDeprecationWarning`
+    (it can read ``loop.extra["plugin_params"]`` until 2.0)."""
+    if _takes_params(type(icpt).open if hasattr(type(icpt), "open") else icpt.open):
+        return icpt.open(step, loop, params)
+    warnings.warn(
+        f"interceptor {getattr(icpt, 'name', type(icpt).__name__)!r}: open(step, loop) is deprecated; "
+        "define open(step, loop, params) — the request's validated plugin params are passed explicitly",
+        HookDeprecationWarning, stacklevel=2,
+    )
+    return icpt.open(step, loop)  # type: ignore[call-arg]
 
 
-def is_step_interceptor(obj: object) -> bool:
-    return callable(getattr(obj, "forward", None)) and callable(getattr(obj, "open", None))
+_TAKES_PARAMS: dict[Any, bool] = {}
+
+
+def _takes_params(fn: Any) -> bool:
+    try:
+        return _TAKES_PARAMS[fn]
+    except (KeyError, TypeError):
+        pass
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    ps = list(sig.parameters.values())
+    if ps and ps[0].name == "self":
+        ps = ps[1:]
+    ok = "params" in sig.parameters or any(p.kind is p.VAR_POSITIONAL for p in ps) or len(
+        [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
+    try:
+        _TAKES_PARAMS[fn] = ok
+    except TypeError:
+        pass
+    return ok

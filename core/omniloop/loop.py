@@ -122,6 +122,9 @@ class StageContext:
     device: torch.device
     dtype: torch.dtype
     params: Any = None
+    #: the family's resolved form of the whole request (``Runtime.prepare`` resolves it once;
+    #: an ``omniloop.resolved.Resolved``), or None when a stage runs outside a runtime
+    resolved: Any = None
     observers: ObserverBus | None = None
     block_interceptor: BlockInterceptor | None = None
     step_interceptors: tuple[StepInterceptor, ...] = ()

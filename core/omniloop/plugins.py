@@ -18,7 +18,6 @@ import importlib.metadata as md
 import os
 import re
 import sys
-import traceback
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,6 +27,7 @@ import pluggy
 from attrs import define
 
 from . import hookspecs
+from .errors import HookDeprecationWarning as HookDeprecationWarning  # re-exported (its old home)
 from .errors import PluginError
 from .family import (
     AttentionBackendSpec,
@@ -39,10 +39,6 @@ from .family import (
 )
 
 GROUP = "omniloop.plugins"
-
-
-class HookDeprecationWarning(DeprecationWarning):
-    """Warned when a plugin implements a hook argument scheduled for removal."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,15 +404,6 @@ def default_manager() -> PluginManager:
     if _default is None:
         _default = PluginManager()
     return _default
-
-
-def reset_default_manager() -> None:
-    global _default
-    _default = None
-
-
-def format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
 Register = Callable[[Any], None]

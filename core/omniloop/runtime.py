@@ -32,6 +32,7 @@ from .graph import PipelineSpec
 from .observers import ObserverBus
 from .plugins import PluginManager, Registry, default_manager
 from .request import OmniEvent, OmniOutput, OmniRequest, TaskType
+from .resolved import GenericResolved, Resolved
 from .schema import request_from_dict, structure_params
 
 log = logging.getLogger("omniloop")
@@ -96,8 +97,35 @@ class Deployment:
         self._check_common(req)
         self._check_plugin_params(req)
         if model is not None:
-            self.family.validate_request(model, req, self.deploy.limits)
+            spec = self._config_pipeline(model, req.task)
+            if spec is not None and callable(getattr(self.family, "resolve", None)):
+                self._resolve(model, req, structure_node_params(spec, req))
+            else:
+                self.family.validate_request(model, req, self.deploy.limits)
         return req
+
+    def _config_pipeline(self, model: LoadedModel, task: TaskType) -> PipelineSpec | None:
+        """The pipeline spec built on a config-only model (its node param schemas), or None when the
+        family needs loaded components to build it."""
+        try:
+            return self.family.build_pipeline(model, task, self.options)
+        except (KeyError, AttributeError, TypeError):
+            return None
+
+    def _resolve(self, model: LoadedModel, req: OmniRequest, node_params: Mapping[str, Any]) -> Resolved:
+        """The family's resolved form of ``req`` (``family.resolve``), or the core's generic one."""
+        fn = getattr(self.family, "resolve", None)
+        if callable(fn):
+            resolved = fn(model, req, self.deploy.limits, node_params=node_params)
+            if not isinstance(resolved, Resolved):
+                raise PluginError(
+                    f"family {self.family.name!r}: resolve() returned {type(resolved).__name__}, which lacks "
+                    "task, warnings or workload() (omniloop.resolved.Resolved)"
+                )
+            return resolved
+        warnings = tuple(self.family.validate_request(model, req, self.deploy.limits) or ())
+        return GenericResolved(task=req.task, warnings=warnings, node_params=dict(node_params),
+                               defaults=_defaults_of(self.family, model, req.task), request=req)
 
     def _check_task(self, req: OmniRequest, model: LoadedModel | None) -> None:
         tasks = self.supported_tasks
@@ -318,11 +346,7 @@ class Runtime(Deployment):
 
     def defaults(self, task: TaskType | str) -> dict[str, Any]:
         """The defaults a request of ``task`` gets for fields it leaves unset (steps, size, frames, fps, ...)."""
-        task = TaskType(task)
-        if task in self.model.defaults:
-            return dict(self.model.defaults[task])
-        fn = getattr(self.family, "task_defaults", None)
-        return dict(fn(self.model, task)) if callable(fn) else {}
+        return _defaults_of(self.family, self.model, TaskType(task))
 
     def pipeline(self, task: TaskType) -> BuiltPipeline:
         built = self._pipelines.get(task)
@@ -362,27 +386,17 @@ class Runtime(Deployment):
         self._check_task(req, self.model)
         self._check_common(req)
         built = self.pipeline(req.task)
-        node_params = self._node_params(req, built)
+        node_params = structure_node_params(built.spec, req)
         plugin_params = self._check_plugin_params(req)
         active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
-        warnings = list(self.family.validate_request(self.model, req, self.deploy.limits) or [])
+        resolved = self._resolve(self.model, req, node_params)  # the one resolution of this request
         return Execution(built, req, node_params=node_params, plugin_params=plugin_params,
-                         warnings=warnings, active_interceptors=active)
+                         resolved=resolved, active_interceptors=active)
 
-    def _node_params(self, req: OmniRequest, built: BuiltPipeline) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        nodes = {n.name: n for n in built.spec.nodes}
-        for name, params in req.node_params.items():
-            node = nodes.get(name)
-            if node is None:
-                raise RequestError(f"node_params.{name}", f"no node named {name!r} in the {req.task.value} pipeline (nodes: {', '.join(nodes)})")
-            if node.params_schema is None:
-                raise RequestError(f"node_params.{name}", f"node {name!r} takes no parameters")
-            out[name] = structure_params(node.params_schema, params, f"node_params.{name}")
-        for name, node in nodes.items():
-            if name not in out and node.params_schema is not None:
-                out[name] = structure_params(node.params_schema, {}, f"node_params.{name}")
-        return out
+    def resolve(self, request: OmniRequest | Mapping[str, Any]) -> Resolved:
+        """``request`` validated and resolved by its family, without an execution (what
+        :meth:`prepare` stores on ``Execution.resolved``; schedulers size requests with it)."""
+        return self.prepare(request).resolved  # type: ignore[return-value]
 
     def generate(self, request: OmniRequest | Mapping[str, Any]) -> OmniOutput:
         """Run ``request`` to completion with the deploy's scheduler and return its output."""
@@ -410,6 +424,31 @@ class Runtime(Deployment):
             "attention_backend": self.attention.name,
             "scheduler": self.deploy.scheduler,
         }
+
+
+def structure_node_params(spec: PipelineSpec, req: OmniRequest) -> dict[str, Any]:
+    """``req.node_params`` validated against the pipeline's node schemas (defaults for the rest):
+    the one place node params are parsed. Raises :class:`RequestError` naming the dotted path."""
+    out: dict[str, Any] = {}
+    nodes = {n.name: n for n in spec.nodes}
+    for name, params in req.node_params.items():
+        node = nodes.get(name)
+        if node is None:
+            raise RequestError(f"node_params.{name}", f"no node named {name!r} in the {req.task.value} pipeline (nodes: {', '.join(nodes)})")
+        if node.params_schema is None:
+            raise RequestError(f"node_params.{name}", f"node {name!r} takes no parameters")
+        out[name] = structure_params(node.params_schema, params, f"node_params.{name}")
+    for name, node in nodes.items():
+        if name not in out and node.params_schema is not None:
+            out[name] = structure_params(node.params_schema, {}, f"node_params.{name}")
+    return out
+
+
+def _defaults_of(family: Any, model: LoadedModel, task: TaskType) -> dict[str, Any]:
+    if task in model.defaults:
+        return dict(model.defaults[task])
+    fn = getattr(family, "task_defaults", None)
+    return dict(fn(model, task)) if callable(fn) else {}
 
 
 def _device(name: str) -> torch.device:

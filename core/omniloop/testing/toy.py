@@ -28,6 +28,7 @@ from ..hookspecs import hookimpl
 from ..interceptors import call_model, run_blocks
 from ..loop import LoopState, RequestState, StageContext, StepContext, StepResult
 from ..request import OmniRequest, TaskType
+from ..resolved import Workload
 
 CONFIG_NAME = "omniloop_toy.json"
 WEIGHTS_NAME = "toy.pt"
@@ -134,6 +135,59 @@ class ToyDenoiseParams:
     guidance_scale: float | None = field(default=None, metadata={"ge": 0.0})
 
 
+@define(frozen=True)
+class ToyResolved:
+    """A toy request resolved once (``ToyFamily.resolve``): defaults applied, sizes checked."""
+
+    task: TaskType
+    steps: int
+    guidance_scale: float
+    frames: int
+    height: int
+    width: int
+    fps: float
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def branches(self) -> tuple[str, ...]:
+        return ("cond", "uncond") if self.guidance_scale > 1.0 else ("cond",)
+
+    def workload(self) -> Workload:
+        return Workload(steps=self.steps, branches=len(self.branches), frames=self.frames,
+                        height=self.height, width=self.width)
+
+
+def resolve_toy(model: LoadedModel | None, request: OmniRequest, node_params: Any = None) -> ToyResolved:
+    """Check a toy request and apply the defaults; ``node_params`` are the validated node params."""
+    defaults = ToyFamily.defaults
+    d = request.diffusion
+    scale = model.config["scale"] if model is not None else DEFAULT_CONFIG["scale"]
+    for name in ("height", "width"):
+        v = getattr(d, name)
+        if v is not None and v % scale:
+            raise RequestError(f"diffusion.{name}", f"must be a multiple of {scale}, got {v}")
+    if request.task is TaskType.T2I and d.frames not in (None, 1):
+        raise RequestError("diffusion.frames", "a t2i request makes one frame")
+    if not request.prompt:
+        raise RequestError("inputs", "a prompt (text part with role 'prompt') is required")
+    params = (node_params or {}).get("denoise")
+    g = params.guidance_scale if params is not None and params.guidance_scale is not None else d.guidance_scale
+    return ToyResolved(
+        task=request.task, steps=d.steps or defaults["steps"],
+        guidance_scale=defaults["guidance_scale"] if g is None else g,
+        frames=d.frames or defaults["frames"], height=d.height or defaults["height"],
+        width=d.width or defaults["width"], fps=d.fps or 8.0,
+    )
+
+
+def _resolved(ctx: StageContext, state: RequestState) -> ToyResolved:
+    r = ctx.resolved
+    if isinstance(r, ToyResolved):
+        return r
+    # a stage driven by hand, outside a runtime: the same resolution, from this node's params
+    return resolve_toy(None, state.request, {ctx.node.name: ctx.params})
+
+
 class EncodeText:
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         enc = ctx.components["text_encoder"]
@@ -148,28 +202,15 @@ class EncodeText:
 class Denoise:
     """Flow-matching Euler with classic CFG; one solver step per ``step()``."""
 
-    def __init__(self, defaults: dict[str, Any]) -> None:
-        self.defaults = defaults
-
-    def _resolve(self, req: OmniRequest, params: ToyDenoiseParams | None) -> tuple[int, float, int, int, int]:
-        d = req.diffusion
-        g = params.guidance_scale if params is not None and params.guidance_scale is not None else d.guidance_scale
-        return (
-            d.steps or self.defaults["steps"],
-            self.defaults["guidance_scale"] if g is None else g,
-            d.frames or self.defaults["frames"],
-            d.height or self.defaults["height"],
-            d.width or self.defaults["width"],
-        )
-
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
-        steps, guidance, frames, height, width = self._resolve(state.request, ctx.params)
+        r = _resolved(ctx, state)
+        steps, guidance, frames, height, width = r.steps, r.guidance_scale, r.frames, r.height, r.width
         tr: ToyTransformer = ctx.components["transformer"]
         c = tr.proj_in.in_features
         scale = ctx.components["decoder"].scale
         latents = torch.randn((1, c, frames, height // scale, width // scale), generator=state.generator).to(ctx.device)
         sigmas = torch.linspace(1.0, 0.0, steps + 1)
-        loop = LoopState(total=steps, branches=("cond", "uncond") if guidance > 1.0 else ("cond",))
+        loop = LoopState(total=steps, branches=r.branches)
         loop.tensors["latents"] = latents
         loop.extra.update(sigmas=sigmas, guidance=guidance)
         return loop
@@ -250,7 +291,7 @@ class Decode:
         with torch.no_grad():
             x = ctx.components["decoder"](lat)[0]  # [3, T, H, W]
         frames = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous().cpu()
-        fps = state.request.diffusion.fps or 8.0
+        fps = _resolved(ctx, state).fps
         state.write("video", VideoFrames(frames=frames, fps=fps), ctx.node.name)
 
 
@@ -317,25 +358,19 @@ class ToyFamily:
             nodes=(
                 Node("text_encode", EncodeText(), writes={"prompt_embeds": Embeddings, "negative_embeds": Embeddings},
                      uses=("text_encoder",)),
-                Node("denoise", Denoise(self.defaults), reads={"prompt_embeds": Embeddings, "negative_embeds": Embeddings},
+                Node("denoise", Denoise(), reads={"prompt_embeds": Embeddings, "negative_embeds": Embeddings},
                      writes={"latents": Latents}, params_schema=ToyDenoiseParams, uses=("transformer",)),
                 Node("decode", Decode(), reads={"latents": Latents}, writes={"video": VideoFrames}, uses=("decoder",)),
             ),
             outputs={"video": "video", "latents": "latents"},
         )
 
+    def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *, node_params: Any = None) -> ToyResolved:
+        """The request resolved once (``Runtime.prepare`` calls this; stages read ``ctx.resolved``)."""
+        return resolve_toy(model, request, node_params)
+
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
-        d = request.diffusion
-        scale = model.config["scale"]
-        for name in ("height", "width"):
-            v = getattr(d, name)
-            if v is not None and v % scale:
-                raise RequestError(f"diffusion.{name}", f"must be a multiple of {scale}, got {v}")
-        if request.task is TaskType.T2I and d.frames not in (None, 1):
-            raise RequestError("diffusion.frames", "a t2i request makes one frame")
-        if not request.prompt:
-            raise RequestError("inputs", "a prompt (text part with role 'prompt') is required")
-        return []
+        return list(resolve_toy(model, request).warnings)
 
 
 class ToyPlugin:

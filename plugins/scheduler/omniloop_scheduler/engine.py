@@ -217,7 +217,7 @@ class AsyncEngine:
             self.metrics.on_reject("invalid")
             raise
         handle = RequestHandle(self, req, loop)
-        ticket = self.pool.make_ticket(execution, shape_of(self.runtime, req), self._sink(handle))
+        ticket = self.pool.make_ticket(execution, shape_of(self.runtime, execution), self._sink(handle))
         try:
             self.pool.check_fits(ticket)
         except AdmissionRefused:
@@ -354,7 +354,7 @@ class AsyncEngine:
         def sink(events: list[OmniEvent]) -> None:
             out.extend(e.output for e in events if e.output is not None)
 
-        ticket = self.pool.make_ticket(execution, shape_of(self.runtime, req), sink, internal=True)
+        ticket = self.pool.make_ticket(execution, shape_of(self.runtime, execution), sink, internal=True)
         self.pool.submit(ticket)
         for _ in range(100_000):
             if ticket.finished or not self.pool.tick():

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from attrs import define, evolve
 
-from omniloop.request import OmniRequest, TaskType
+from omniloop.execution import Execution
+from omniloop.request import OmniRequest
+from omniloop.resolved import Workload
 
 GIB = 1024**3
 
@@ -54,7 +56,8 @@ class RequestShape:
 
 
 def family_defaults(runtime: Any) -> dict[str, Any]:
-    """The family's request defaults: ``model.config["defaults"]`` (Wan) or ``family.defaults`` (toy)."""
+    """Deprecated: use ``runtime.defaults(task)`` (the family's ``task_defaults``). Kept for the server
+    until it moves; the scheduler itself no longer reads defaults — it asks the resolved request."""
     cfg = getattr(getattr(runtime, "model", None), "config", None)
     if isinstance(cfg, Mapping) and isinstance(cfg.get("defaults"), Mapping):
         return dict(cfg["defaults"])
@@ -69,26 +72,19 @@ def model_name(runtime: Any) -> str:
     return str(getattr(runtime, "model_path", "model"))
 
 
-def shape_of(runtime: Any, request: OmniRequest) -> RequestShape:
-    """Resolve a request's size with the family defaults (a prediction: the loop may differ)."""
-    if request.task is TaskType.REASON:
-        # a token sequence, not pixels: its KV blocks are admitted through the stage's kv_demand;
-        # resident/peak bytes and seconds per step calibrate from measurements as for any model
-        return RequestShape(model=model_name(runtime), task=request.task.value, frames=1, height=1, width=1,
-                            steps=int(request.sampling.max_tokens or 1), branches=1)
-    d = request.diffusion
-    dft = family_defaults(runtime)
+def shape_of(runtime: Any, request: OmniRequest | Execution) -> RequestShape:
+    """A request's size as its family predicts it: the resolved request's ``workload()``.
 
-    def pick(value: Any, name: str, fallback: Any) -> Any:
-        return value if value is not None else dft.get(name, fallback)
-
-    frames = int(pick(d.frames, "frames", 1 if request.task in (TaskType.T2I, TaskType.I2I) else 16))
-    guidance = pick(d.guidance_scale, "guidance_scale", 5.0)
-    return RequestShape(
-        model=model_name(runtime), task=request.task.value, frames=max(1, frames),
-        height=int(pick(d.height, "height", 480)), width=int(pick(d.width, "width", 832)),
-        steps=int(pick(d.steps, "steps", 50)), branches=2 if float(guidance) > 1.0 else 1,
-    )
+    Given an :class:`~omniloop.execution.Execution` (what a scheduler holds) its ``resolved`` is
+    read; given a bare request the runtime resolves it (``Runtime.resolve``). The scheduler never
+    guesses a family's defaults, so a new family needs no edit here."""
+    if isinstance(request, Execution):
+        resolved, req = request.resolved, request.request
+    else:
+        resolved, req = runtime.resolve(request), request
+    w: Workload = resolved.workload() if resolved is not None else Workload(steps=1)
+    return RequestShape(model=model_name(runtime), task=req.task.value, frames=w.frames, height=w.height,
+                        width=w.width, steps=w.steps, branches=w.branches)
 
 
 def refine_shape(shape: RequestShape, loop: Any) -> RequestShape:

@@ -64,7 +64,7 @@ class StepScheduler:
 
     def stream(self, execution: Execution) -> Iterator[OmniEvent]:
         buf: deque[OmniEvent] = deque()
-        shape = shape_of(self.runtime, execution.request) if self.runtime is not None else _bare_shape(execution)
+        shape = shape_of(self.runtime, execution)
         with self._lock:
             if self._budget_pending:
                 self._budget_pending = False
@@ -92,11 +92,3 @@ class StepScheduler:
                     for _ in range(10_000):
                         if ticket.finished or not self.pool.tick():
                             break
-
-
-def _bare_shape(execution: Execution) -> Any:
-    from .models import RequestShape
-
-    d = execution.request.diffusion
-    return RequestShape("model", execution.request.task.value, d.frames or 1, d.height or 64, d.width or 64,
-                        d.steps or 1, 2)
