@@ -102,6 +102,7 @@ def test_bad_t2i_requests_name_the_field(sd3_runtime, t2i_request, change, path)
     [
         ({"node_params": {"denoise": {"strength": 1.5}}}, "node_params.denoise.strength"),
         ({"node_params": {"denoise": {"strength": 0.0}}}, "node_params.denoise.strength"),
+        ({"node_params": {"denoise": {"strength": math.nan}}}, "node_params.denoise.strength"),
         ({"inputs": []}, "inputs"),
         ({"inputs": [{"type": "image", "path": "/no/such/image.png"}]}, "inputs[0].path"),
         ({"inputs": [{"type": "image", "data_b64": "not base64!"}]}, "inputs[0].data_b64"),
