@@ -19,8 +19,11 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
 ``diffusers-compile``                 same + ``transformer.compile_repeated_blocks`` (regional
                                       ``torch.compile``, ``--compile-mode``, fullgraph)
 ``omniloop-<be>[-compile][-batched]`` omniloop Wan family; ``be``: ``sdpa`` (core, torch picks
-                                      the kernel) or ``cudnn`` (omniloop-attention
-                                      ``sdpa-cudnn``); ``-compile``: deploy ``compile: true``
+                                      the kernel), ``cudnn`` (omniloop-attention
+                                      ``sdpa-cudnn``) or ``fp8`` (``cudnn-fp8``: FP8 attention,
+                                      distribution-altering; with ``-fused`` q/k are quantised
+                                      in the rope kernel, ``-sepq``: by a separate pass);
+                                      ``-compile``: deploy ``compile: true``
                                       (regional, each block ``fullgraph=True``); ``-batched``:
                                       batched CFG (cond+uncond in one forward)
 ====================================  ===========================================================
@@ -96,7 +99,7 @@ BF16_PEAK_TFLOPS = 790.0  # H200 dense bf16, for the "share of peak" column
 #: bf16 tolerance of the final latents against diffusers eager (relative RMS, after the run)
 BF16_REL_RMS_TOL = 5e-2
 
-BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn"}
+BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn", "fp8": "cudnn-fp8"}
 #: the default subset (~7 min on one H200 with max-autotune compiles); --only picks any
 DEFAULT = {
     "1.3b": ["diffusers", "diffusers-compile", "omniloop-sdpa", "omniloop-cudnn-compile",
@@ -113,21 +116,36 @@ def all_configs() -> list[str]:
         out.append(f"omniloop-{be}{comp}{bat}")
     # suffixes (any omniloop config): -rope options.qk_norm_rope fused, -ffn options.ffn_gelu fused, -fused both
     out += [f"omniloop-{be}-compile-{f}" for be in BACKENDS for f in ("rope", "ffn", "fused")]
+    # -sepq (fp8 only): q/k quantised by a separate pass instead of inside the fused rope kernel
+    out += ["omniloop-fp8-compile-fused-sepq"]
     return out
 
 
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
-                "rope": False, "ffn": False}
+                "rope": False, "ffn": False, "sepq": False}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn"}:
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq"}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
-            "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"})}
+            "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest}
+
+
+@contextlib.contextmanager
+def fp8_quant_fusion(fused: bool) -> Iterator[None]:
+    """Whether the fused rope kernel quantises q/k for an FP8 backend (else the backend's own pass)."""
+    from omniloop_wan import attention
+
+    before = attention.FUSE_FP8_QUANT
+    attention.FUSE_FP8_QUANT = fused
+    try:
+        yield
+    finally:
+        attention.FUSE_FP8_QUANT = before
 
 
 def flops_per_forward(cfg: dict[str, Any], tokens: int, text_tokens: int = 512) -> float:
@@ -347,7 +365,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                     continue
                 side = OmniloopPipelineSide(comps, spec, c["compile"], c["batched"], args.compile_mode,
                                             args.compile_backend, device, dtype, rope=c["rope"], ffn=c["ffn"])
-            with torch.no_grad(), side:
+            with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"]):
                 t = time.perf_counter()
                 side.run(2, size)  # warm-up: kernels, allocator, compilation (+ autotuning)
                 row["warmup_s"] = round(time.perf_counter() - t, 2)
@@ -494,6 +512,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
             continue
         try:
             with torch.no_grad(), contextlib.ExitStack() as stack:
+                stack.enter_context(fp8_quant_fusion(not c["sepq"]))
                 if c["side"] == "diffusers":
                     stack.enter_context(diffusers_attention(tf))
                     if c["compile"]:

@@ -4,7 +4,8 @@
 projections (fused or not), QK RMS-norm, rotary embedding, the I2V image key/values of Wan2.1
 I2V cross-attention — with the same tensor operations in the same order, but computes attention
 with the deployment's backend (``AttentionBackendSpec.fn(q, k, v)``, ``[B, heads, L, D]``)
-instead of diffusers' dispatcher. With the core ``sdpa`` backend the block outputs are
+instead of diffusers' dispatcher (FP8 backends such as ``cudnn-fp8`` with ``qk_norm_rope: fused``
+receive q and k already in e4m3 from the fused kernel: ``attend_quantized``). With the core ``sdpa`` backend the block outputs are
 ``torch.equal`` to diffusers' (tests/wan/test_attention.py): diffusers' native backend is the same
 ``scaled_dot_product_attention`` call on the same ``[B, H, L, D]`` views.
 
@@ -33,6 +34,11 @@ log = logging.getLogger("omniloop_wan")
 TEXT_CONTEXT = 512
 
 _INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+#: with ``qk_norm_rope: fused`` and a backend that takes quantised q/k (``cudnn-fp8``), the fused
+#: Triton kernel writes q and k in e4m3 directly; False: the backend quantises them itself (a
+#: separate pass; benchmarks flip this to measure the difference)
+FUSE_FP8_QUANT = True
 
 
 def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -96,9 +102,22 @@ class WanBackendAttnProcessor:
             key = attn.to_k(context)
             value = attn.to_v(context)
 
-        if (self.qk_norm_rope == "fused" and rotary_emb is not None
-                and fused_kernels.supported(query, attn.norm_q, rotary_emb[0], attn.heads)
-                and fused_kernels.supported(key, attn.norm_k, rotary_emb[0], attn.heads)):
+        fused_ok = (self.qk_norm_rope == "fused" and rotary_emb is not None
+                    and fused_kernels.supported(query, attn.norm_q, rotary_emb[0], attn.heads)
+                    and fused_kernels.supported(key, attn.norm_k, rotary_emb[0], attn.heads))
+        quantized = getattr(self.fn, "attend_quantized", None)
+        if fused_ok and quantized is not None and FUSE_FP8_QUANT and encoder_hidden_states_img is None:
+            # FP8 backend: the fused kernel writes q and k in e4m3 (static scale), no extra pass
+            q8, dq = fused_kernels.qk_norm_rope_fp8(query, attn.norm_q, *rotary_emb, attn.heads)
+            k8, dk = fused_kernels.qk_norm_rope_fp8(key, attn.norm_k, *rotary_emb, attn.heads)
+            value = value.unflatten(2, (attn.heads, -1))
+            out = quantized(q8.permute(0, 2, 1, 3), dq, k8.permute(0, 2, 1, 3), dk, value.permute(0, 2, 1, 3),
+                            value.dtype)
+            hidden_states = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(value)
+            hidden_states = attn.to_out[0](hidden_states)
+            hidden_states = attn.to_out[1](hidden_states)
+            return hidden_states
+        if fused_ok:
             query = fused_kernels.qk_norm_rope(query, attn.norm_q, *rotary_emb, attn.heads)
             key = fused_kernels.qk_norm_rope(key, attn.norm_k, *rotary_emb, attn.heads)
             value = value.unflatten(2, (attn.heads, -1))

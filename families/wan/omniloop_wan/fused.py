@@ -14,6 +14,10 @@ to diffusers in bfloat16 (relative RMS difference ~1e-3 in bf16, ~1e-7 in float3
 say the tolerance). The kernel is opt-in (``options.qk_norm_rope: fused``); the reference path stays the
 default and bit-equal to diffusers.
 
+FP8: :func:`qk_norm_rope_fp8` writes the result straight to e4m3 with a static per-tensor scale
+(:func:`fp8_descale`), so the ``cudnn-fp8`` attention backend gets its q and k quantised with no
+extra pass over them (``omniloop_wan.attention``).
+
 The kernel is a plain ``@triton.jit`` function called from Python: ``torch.compile`` captures a
 user Triton kernel into its graph (no graph break), so the compiled blocks keep ``fullgraph=True``.
 """
@@ -21,6 +25,7 @@ user Triton kernel into its graph (no graph break), so the compiled blocks keep 
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any
 
 import torch
@@ -62,9 +67,9 @@ def _kernel() -> Any:
 
     @triton.jit
     def qk_norm_rope_kernel(
-        x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr,
+        x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr,
         x_row_stride, seq_len, eps,
-        C: tl.constexpr, HALF_D: tl.constexpr, BLOCK: tl.constexpr,
+        C: tl.constexpr, HALF_D: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr,
     ):
         row = tl.program_id(0)  # one token of one video: rows are (batch, position)
         pos = row % seq_len
@@ -83,9 +88,15 @@ def _kernel() -> Any:
         f_row = pos * (2 * HALF_D)
         c = tl.load(cos_ptr + f_row + 2 * j, mask=mask, other=1.0).to(tl.float32)  # cos[..., 0::2]
         s = tl.load(sin_ptr + f_row + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)  # sin[..., 1::2]
+        oe = ne * c - no * s
+        oo = ne * s + no * c
+        if SCALED:  # FP8 output: x * scale, rounded once (round-to-nearest, saturating on sm90)
+            sc = tl.load(scale_ptr).to(tl.float32)
+            oe = tl.minimum(tl.maximum(oe * sc, -448.0), 448.0)
+            oo = tl.minimum(tl.maximum(oo * sc, -448.0), 448.0)
         out_row = out_ptr + row * C
-        tl.store(out_row + 2 * p, (ne * c - no * s).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_row + 2 * p + 1, (ne * s + no * c).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_row + 2 * p, oe.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_row + 2 * p + 1, oo.to(out_ptr.dtype.element_ty), mask=mask)
 
     _KERNEL = qk_norm_rope_kernel
     return _KERNEL
@@ -105,20 +116,48 @@ def supported(x: torch.Tensor, norm: Any, freqs_cos: torch.Tensor, heads: int) -
 
 
 def qk_norm_rope(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                 heads: int) -> torch.Tensor:
-    """``rotary(norm(x))`` for ``x`` ``[B, L, heads*D]`` → ``[B, L, heads, D]`` (check :func:`supported`)."""
+                 heads: int, *, out_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``rotary(norm(x))`` for ``x`` ``[B, L, heads*D]`` → ``[B, L, heads, D]`` (check :func:`supported`).
+
+    With ``out_scale`` (a one-element float32 CUDA tensor) the kernel writes ``rotary(norm(x)) *
+    out_scale`` in ``out_dtype`` (e.g. ``torch.float8_e4m3fn``) instead."""
     B, L, C = x.shape
     head_dim = C // heads
     eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
     cos = freqs_cos.reshape(L, head_dim).contiguous()
     sin = freqs_sin.reshape(L, head_dim).contiguous()
-    out = torch.empty((B, L, C), device=x.device, dtype=x.dtype)
+    out = torch.empty((B, L, C), device=x.device, dtype=x.dtype if out_scale is None else out_dtype)
     block = 1 << max(0, (C // 2 - 1).bit_length())
     warps = 4 if block <= 1024 else 8
     kernel = _KERNEL if _KERNEL is not None else _kernel()  # compiled graphs only read the global
-    kernel[(B * L,)](x, out, norm.weight, cos, sin, x.stride(1), L, float(eps),
-                     C=C, HALF_D=head_dim // 2, BLOCK=block, num_warps=warps)
+    scale = norm.weight if out_scale is None else out_scale  # unread when not SCALED
+    kernel[(B * L,)](x, out, norm.weight, cos, sin, scale, x.stride(1), L, float(eps),
+                     C=C, HALF_D=head_dim // 2, BLOCK=block, SCALED=out_scale is not None, num_warps=warps)
     return out.unflatten(2, (heads, head_dim))
+
+
+def fp8_descale(norm: torch.nn.RMSNorm, channels: int) -> torch.Tensor:
+    """A static per-tensor FP8 descale for ``rotary(norm(x))`` (float32 ``[1, 1, 1, 1]``).
+
+    After the RMS norm over ``channels`` no element exceeds ``sqrt(channels) * max|w|`` (a
+    single channel can hold at most the whole mean square), and a rotation keeps each pair's
+    norm, so that bound maps to 448 and nothing saturates — with no amax pass over the
+    activations. e4m3 is floating point: typical values (~``|w|``) land near
+    ``448 / sqrt(channels)`` (~11 for 1,536 channels), well inside its normal range; only
+    values ~700x below typical become subnormal. ``bench/attention_fp8_quality.py`` compares
+    this scale with amax-derived ones on captured activations."""
+    bound = norm.weight.detach().abs().amax().float() * math.sqrt(channels)
+    return (bound.clamp_min(1e-12) / 448.0).reshape(1, 1, 1, 1)
+
+
+def qk_norm_rope_fp8(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
+                     heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`qk_norm_rope` written straight to e4m3: ``(x8 [B, L, heads, D], descale)`` with
+    ``rotary(norm(x)) ≈ x8 * descale`` (scale from :func:`fp8_descale`). One pass, no amax."""
+    descale = fp8_descale(norm, x.shape[-1])
+    x8 = qk_norm_rope(x, norm, freqs_cos, freqs_sin, heads, out_scale=1.0 / descale, out_dtype=torch.float8_e4m3fn)
+    return x8, descale
 
 
 def reference(x: torch.Tensor, norm: torch.nn.Module, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
@@ -129,4 +168,4 @@ def reference(x: torch.Tensor, norm: torch.nn.Module, freqs_cos: torch.Tensor, f
     return _apply_rotary_emb(norm(x).unflatten(2, (heads, -1)), freqs_cos, freqs_sin)
 
 
-__all__ = ["MODES", "prepare", "qk_norm_rope", "reference", "supported", "triton_available", "unavailable_reason"]
+__all__ = ["MODES", "fp8_descale", "prepare", "qk_norm_rope", "qk_norm_rope_fp8", "reference", "supported", "triton_available", "unavailable_reason"]

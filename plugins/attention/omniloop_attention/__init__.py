@@ -1,5 +1,6 @@
 """Attention backends for omniloop (see README.md)."""
 
 from .backends import BACKENDS, flash_attn_available, sdpa_kernel_available
+from .fp8 import cudnn_fp8_available
 
-__all__ = ["BACKENDS", "flash_attn_available", "sdpa_kernel_available"]
+__all__ = ["BACKENDS", "cudnn_fp8_available", "flash_attn_available", "sdpa_kernel_available"]

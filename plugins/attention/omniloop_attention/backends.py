@@ -13,6 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omniloop.family import AttentionBackendSpec
 
+from .fp8 import cudnn_fp8, cudnn_fp8_available
+
 _KERNELS = {
     "sdpa-cudnn": (SDPBackend.CUDNN_ATTENTION, "cuDNN attention"),
     "sdpa-flash": (SDPBackend.FLASH_ATTENTION, "FlashAttention-2 (torch)"),
@@ -76,6 +78,10 @@ def _specs() -> list[AttentionBackendSpec]:
     specs.append(AttentionBackendSpec(
         name="flash-attn", fn=flash_attn, available=flash_attn_available,
         description="the flash-attn package's flash_attn_func",
+    ))
+    specs.append(AttentionBackendSpec(
+        name="cudnn-fp8", fn=cudnn_fp8, available=cudnn_fp8_available, distribution_altering=True,
+        description="cuDNN FP8 (e4m3) attention, per-tensor scales, FP8 output dequantised (Hopper; alters outputs)",
     ))
     return specs
 

@@ -1,0 +1,417 @@
+"""FP8 attention (``cudnn-fp8``): kernel checks, speed on Wan 1.3B's shape, and quality on the trained wan-demo.
+
+Three parts, one JSON (``$OUT`` or ``bench/results/attention_fp8-<date>.json``, with the command):
+
+1. **kernel** (GPU): the backend against bf16 SDPA (cuDNN) and against the FP8 numerical model
+   (:func:`omniloop_attention.fp8.reference_fp8_attention`) on small random shapes; on Wan 1.3B's
+   self-attention shape (1 x 12 heads x 32,760 x 128, ``[B, L, H, D]`` memory) the time of bf16
+   cuDNN SDPA, of the FP8 kernel alone, of the backend with its own quantisation passes, and of
+   the QK-norm + rotary Triton kernel writing bf16 vs e4m3 (the fused quantisation's cost).
+2. **activations** (GPU or CPU): q/k/v of every self-attention call of one real wan-demo clip
+   (20 steps, CFG: 400 calls), captured at the backend boundary of a bf16 run; per call the
+   relative RMS error of the attention output vs float32 math attention for: bf16 cuDNN, the FP8
+   kernel (per-tensor amax scales), the FP8 model with per-tensor / per-head amax scales and with
+   the fused kernel's static scale (``omniloop_wan.fused.fp8_descale``), and with P/O kept exact
+   (how much of the error is q/k/v rounding).
+3. **clips** (GPU): the wan-demo evaluator's 48 clips (24 prompts x seeds 0, 1; 20 steps, CFG 5)
+   with bf16 ``sdpa-cudnn`` and with ``cudnn-fp8`` (fused quantisation, and the separate pass):
+   color / direction / shape adherence, clips whose verdict changed, PSNR / SSIM of the frames vs
+   the bf16 frames.
+
+    python bench/attention_fp8_quality.py              # GPU: all three (~1-2 min on one H200)
+    python bench/attention_fp8_quality.py --smoke      # CPU: part 2 on a few calls with the model only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _repo_paths import add_repo_packages  # noqa: E402
+
+add_repo_packages()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from _common import command_line, library_versions, machine  # noqa: E402
+from omniloop.hookspecs import hookimpl  # noqa: E402
+
+
+def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.float(), ref.float()
+    return float((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12))
+
+
+def bench(fn: Any, n: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(e) / n / 1e3
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+
+
+# --------------------------------------------------------------------------------------------
+# 1. kernel
+# --------------------------------------------------------------------------------------------
+
+
+def part_kernel(res: dict[str, Any]) -> None:
+    from omniloop_attention.backends import BACKENDS
+    from omniloop_attention.fp8 import cudnn_fp8, quantize, reference_fp8_attention
+
+    from omniloop_wan import fused
+
+    by = {b.name: b for b in BACKENDS}
+    out: dict[str, Any] = {"available": by["cudnn-fp8"].available()}
+    res["kernel"] = out
+    dev = "cuda"
+    torch.manual_seed(0)
+    checks = []
+    for (b, h, lq, lk, d) in [(1, 4, 256, 256, 128), (2, 5, 320, 320, 32), (1, 5, 320, 64, 32), (1, 3, 1000, 512, 64)]:
+        row: dict[str, Any] = {"shape_q": [b, h, lq, d], "shape_kv": [b, h, lk, d]}
+        try:
+            # [B, L, H, D] memory viewed as [B, H, L, D], as a DiT block produces it
+            q, k, v = (torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16).transpose(1, 2) for n in (lq, lk, lk))
+            ref = math_attention(q, k, v)
+            o = cudnn_fp8(q, k, v)
+            row["layout_out"] = list(o.shape)
+            row["rel_rms_vs_fp32_math"] = rel_rms(o, ref)
+            row["rel_rms_bf16_cudnn_vs_fp32_math"] = rel_rms(by["sdpa-cudnn"].fn(q, k, v), ref)
+            row["rel_rms_vs_fp8_model"] = rel_rms(o, reference_fp8_attention(q.float(), k.float(), v.float()))
+            row["fp8_model_rel_rms_vs_fp32_math"] = rel_rms(reference_fp8_attention(q.float(), k.float(), v.float()), ref)
+            row["finite"] = bool(torch.isfinite(o).all())
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:600]
+        print("kernel check", row, flush=True)
+        checks.append(row)
+    out["checks"] = checks
+
+    # Wan 1.3B self-attention shape
+    b, h, s, d = 1, 12, 32760, 128
+    C = h * d
+    flops = 4 * b * h * s * s * d
+    g = torch.Generator(dev).manual_seed(1)
+    x_q = torch.randn(b, s, C, device=dev, dtype=torch.bfloat16, generator=g)
+    x_k = torch.randn(b, s, C, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16, generator=g)
+    norm_q = torch.nn.RMSNorm(C, eps=1e-6, device=dev, dtype=torch.bfloat16)
+    norm_k = torch.nn.RMSNorm(C, eps=1e-6, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm_q.weight.uniform_(0.5, 1.5)
+        norm_k.weight.uniform_(0.5, 1.5)
+    ang = torch.rand(s, d // 2, device=dev) * 6.28
+    cos = torch.cos(ang).repeat_interleave(2, -1).reshape(1, s, 1, d)
+    sin = torch.sin(ang).repeat_interleave(2, -1).reshape(1, s, 1, d)
+    fused.prepare()
+    big: dict[str, Any] = {"shape": [b, h, s, d], "tflop": flops / 1e12}
+    out["wan13b_shape"] = big
+    try:
+        with torch.no_grad():
+            q = fused.qk_norm_rope(x_q, norm_q, cos, sin, h)  # [B, L, H, D]
+            k = fused.qk_norm_rope(x_k, norm_k, cos, sin, h)
+            qt, kt, vt = (t.permute(0, 2, 1, 3) for t in (q, k, v))
+            ref = by["sdpa-cudnn"].fn(qt, kt, vt)
+            t = bench(lambda: by["sdpa-cudnn"].fn(qt, kt, vt))
+            big["bf16_sdpa_cudnn"] = {"s": t, "tflops": flops / t / 1e12}
+            o = cudnn_fp8(qt, kt, vt)
+            t = bench(lambda: cudnn_fp8(qt, kt, vt))
+            big["fp8_backend_with_quant_passes"] = {"s": t, "tflops": flops / t / 1e12, "rel_rms_vs_bf16": rel_rms(o, ref)}
+            q8, dq = quantize(qt)
+            k8, dk = quantize(kt)
+            t = bench(lambda: cudnn_fp8.attend_quantized(q8, dq, k8, dk, vt, torch.bfloat16))
+            big["fp8_backend_qk_prequantised"] = {"s": t, "tflops": flops / t / 1e12}
+            v8, dv = quantize(vt)
+            so = torch.full((1, 1, 1, 1), 384.0, device=dev) / (dv * 448.0)
+            t = bench(lambda: torch.ops.omniloop_attention.cudnn_fp8_sdpa(q8, k8, v8, dq, dk, dv, so, 1 / math.sqrt(d)))
+            big["fp8_kernel_only"] = {"s": t, "tflops": flops / t / 1e12}
+            t = bench(lambda: (quantize(qt), quantize(kt)))
+            big["separate_qk_quant_pass_eager"] = {"s": t}
+            t = bench(lambda: (fused.qk_norm_rope(x_q, norm_q, cos, sin, h), fused.qk_norm_rope(x_k, norm_k, cos, sin, h)))
+            big["rope_kernel_bf16_q_and_k"] = {"s": t}
+            t = bench(lambda: (fused.qk_norm_rope_fp8(x_q, norm_q, cos, sin, h), fused.qk_norm_rope_fp8(x_k, norm_k, cos, sin, h)))
+            big["rope_kernel_fp8_q_and_k"] = {"s": t}
+            fq8, fdq = fused.qk_norm_rope_fp8(x_q, norm_q, cos, sin, h)
+            fk8, fdk = fused.qk_norm_rope_fp8(x_k, norm_k, cos, sin, h)
+            big["fused_fp8_q_rel_rms_vs_bf16_rope"] = rel_rms(fq8.float() * fdq, q)
+            big["amax_fp8_q_rel_rms_vs_bf16_rope"] = rel_rms(q8.float() * dq, qt)
+            of = cudnn_fp8.attend_quantized(fq8.permute(0, 2, 1, 3), fdq, fk8.permute(0, 2, 1, 3), fdk, vt, torch.bfloat16)
+            big["fp8_fused_static_scale_rel_rms_vs_bf16"] = rel_rms(of, ref)
+            big["q_static_descale_over_amax_descale"] = float(fdq.flatten()[0] / dq.flatten()[0])
+    except Exception as exc:
+        big["error"] = f"{type(exc).__name__}: {exc}"[:800]
+        big["traceback_tail"] = traceback.format_exc()[-1500:]
+    print("wan 1.3b shape", big, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# wan-demo runtimes
+# --------------------------------------------------------------------------------------------
+
+CAPTURED: list[dict[str, Any]] = []
+
+
+class CapturePlugin:
+    """Registers ``capture-bf16``: ``sdpa-cudnn`` (or math on CPU) that keeps a copy of the
+    inputs of every self-attention call."""
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.on = False
+
+    @hookimpl
+    def omniloop_register_attention_backends(self, register: Any) -> None:
+        from omniloop.family import AttentionBackendSpec
+
+        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+            if self.on and q.shape[-2] == k.shape[-2]:
+                CAPTURED.append({"q": q.detach().cpu(), "k": k.detach().cpu(), "v": v.detach().cpu()})
+            return self.inner(q, k, v, **kw)
+
+        register(AttentionBackendSpec(name="capture-bf16", fn=fn, description="capture"))
+
+
+def demo_runtime(device: str, backend: str, rope: str, capture: CapturePlugin | None = None) -> Any:
+    import omniloop_attention.plugin as attn_plugin
+    import omniloop_wan.plugin as wan_plugin
+    from omniloop.runtime import Runtime
+    from omniloop.testing import make_manager
+    from omniloop_wan_demo.checkpoint_path import checkpoint_dir
+
+    plugins: list[tuple[str, Any]] = [("wan", wan_plugin), ("attention", attn_plugin)]
+    if capture is not None:
+        plugins.append(("capture", capture))
+    return Runtime.from_model(checkpoint_dir(), device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                              manager=make_manager(*plugins, toy=False), attention_backend=backend,
+                              options={"qk_norm_rope": rope})
+
+
+def clip(runtime: Any, prompt: str, seed: int, steps: int = 20) -> np.ndarray:
+    out = runtime.generate({"task": "t2v", "inputs": [{"type": "text", "text": prompt}],
+                            "diffusion": {"steps": steps, "guidance_scale": 5.0, "seed": seed, "frames": 17,
+                                          "height": 64, "width": 64}})
+    if not out.ok:
+        raise RuntimeError(f"{prompt!r}: {out.error}")
+    frames = out.artifacts["video"].frames
+    return np.asarray(frames.cpu() if hasattr(frames, "cpu") else frames, dtype=np.uint8)
+
+
+def _transformer() -> Any:
+    from diffusers import WanTransformer3DModel
+
+    found = [o for o in gc.get_objects() if isinstance(o, WanTransformer3DModel)]
+    return found[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. activations
+# --------------------------------------------------------------------------------------------
+
+
+def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
+    from omniloop_attention.backends import BACKENDS
+    from omniloop_attention.fp8 import cudnn_fp8, quantize, reference_fp8_attention
+
+    from omniloop_wan.fused import fp8_descale
+
+    by = {b.name: b for b in BACKENDS}
+    inner = by["sdpa-cudnn" if device == "cuda" else "sdpa-math"].fn
+    cap = CapturePlugin(inner)
+    rt = demo_runtime(device, "capture-bf16", "reference", cap)
+    cap.on = True
+    CAPTURED.clear()
+    from omniloop_wan_demo.evaluate import default_prompts
+
+    prompt = default_prompts()[0]
+    clip(rt, prompt, 0, steps=3 if smoke else 20)
+    cap.on = False
+    tf = _transformer()
+    n_layers = len(tf.blocks)
+    calls = CAPTURED if not smoke else CAPTURED[: 2 * n_layers]
+    kinds = ["bf16_cudnn", "fp8_kernel", "model_tensor", "model_head", "model_static", "model_qkv_only"]
+    per: dict[str, list[float]] = {k: [] for k in kinds}
+    per_layer: dict[int, list[float]] = {}
+    head_spread = []
+    for i, c in enumerate(calls):
+        layer = i % n_layers
+        q, k, v = (c[n].to(device) for n in ("q", "k", "v"))
+        ref = math_attention(q, k, v)
+        blk = tf.blocks[layer].attn1
+        if device == "cuda":
+            per["bf16_cudnn"].append(rel_rms(inner(q, k, v), ref))
+            try:
+                e = rel_rms(cudnn_fp8(q, k, v), ref)
+                per["fp8_kernel"].append(e)
+                per_layer.setdefault(layer, []).append(e)
+            except Exception as exc:
+                res.setdefault("activation_errors", str(exc)[:600])
+        qf, kf, vf = q.float(), k.float(), v.float()
+        per["model_tensor"].append(rel_rms(reference_fp8_attention(qf, kf, vf), ref))
+        per["model_head"].append(rel_rms(reference_fp8_attention(qf, kf, vf, granularity="head"), ref))
+        C = q.shape[1] * q.shape[-1]
+        sq = fp8_descale(blk.norm_q, C).to(device)
+        sk = fp8_descale(blk.norm_k, C).to(device)
+        q8 = ((qf / sq).clamp(-448, 448).to(torch.float8_e4m3fn), sq)
+        k8 = ((kf / sk).clamp(-448, 448).to(torch.float8_e4m3fn), sk)
+        per["model_static"].append(rel_rms(reference_fp8_attention(qf, kf, vf, q8=q8, k8=k8), ref))
+        per["model_qkv_only"].append(rel_rms(reference_fp8_attention(qf, kf, vf, quantize_p=False, quantize_o=False), ref))
+        amax_h = q.abs().amax(dim=(-2, -1)).float().flatten()
+        head_spread.append(float(amax_h.max() / amax_h.min().clamp_min(1e-12)))
+        if i == 0:
+            res["activation_example"] = {"q_shape": list(q.shape), "q_rms": float(qf.pow(2).mean().sqrt()),
+                                         "q_amax": float(qf.abs().max()), "static_over_amax_descale_q":
+                                         float(sq.flatten()[0] / quantize(q)[1].flatten()[0])}
+
+    def summ(xs: list[float]) -> dict[str, float] | None:
+        return {"mean": statistics.fmean(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+    res["activations"] = {
+        "source": f"wan-demo, prompt {prompt!r}, seed 0, {'3' if smoke else '20'} steps CFG 5, bf16 on {device}; "
+                  f"every self-attention call ({len(calls)} calls; q/k/v {list(calls[0]['q'].shape)})",
+        "metric": "relative RMS error of the attention output vs float32 math attention on the same bf16 inputs",
+        "rel_rms": {k: summ(v) for k, v in per.items()},
+        "fp8_kernel_by_layer_mean": {str(k): statistics.fmean(v) for k, v in sorted(per_layer.items())},
+        "per_head_amax_ratio_max_over_min": summ(head_spread),
+    }
+    print("activations", json.dumps(res["activations"], indent=1), flush=True)
+    del rt
+    gc.collect()
+
+
+# --------------------------------------------------------------------------------------------
+# 3. clips
+# --------------------------------------------------------------------------------------------
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean SSIM over frames and channels, 7x7 uniform window (Wang et al. constants)."""
+    x = torch.from_numpy(a).float().permute(0, 3, 1, 2)
+    y = torch.from_numpy(b).float().permute(0, 3, 1, 2)
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    pool = lambda t: F.avg_pool2d(t, 7, 1)  # noqa: E731
+    mx, my = pool(x), pool(y)
+    vx, vy, cxy = pool(x * x) - mx * mx, pool(y * y) - my * my, pool(x * y) - mx * my
+    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return float(s.mean())
+
+
+def part_clips(res: dict[str, Any], device: str, smoke: bool) -> None:
+    from omniloop_wan import attention as wan_attention
+    from omniloop_wan_demo.evaluate import DEFAULT_SEEDS, default_prompts, score
+
+    prompts = default_prompts()[: 2 if smoke else None]
+    pairs = [(p, s) for s in DEFAULT_SEEDS for p in prompts]
+    configs = [("bf16 sdpa-cudnn", "sdpa-cudnn", "fused", True),
+               ("cudnn-fp8, q/k quantised in the fused rope kernel", "cudnn-fp8", "fused", True),
+               ("cudnn-fp8, separate quantisation pass", "cudnn-fp8", "fused", False)]
+    videos: dict[str, list[np.ndarray]] = {}
+    table: dict[str, Any] = {}
+    for label, backend, rope, fuse_q in configs:
+        row: dict[str, Any] = {"attention_backend": backend, "qk_norm_rope": rope, "fp8_quant_in_rope_kernel": fuse_q}
+        try:
+            wan_attention.FUSE_FP8_QUANT = fuse_q
+            rt = demo_runtime(device, backend, rope)
+            clip(rt, prompts[0], 0, steps=2)  # warm-up
+            t = time.perf_counter()
+            vids = [clip(rt, p, s, steps=3 if smoke else 20) for p, s in pairs]
+            row["seconds"] = round(time.perf_counter() - t, 2)
+            acc, clips = score(vids, [p for p, _ in pairs], [s for _, s in pairs])
+            row["accuracy"] = acc
+            row["n"] = len(clips)
+            row["verdicts"] = [{k: c.ok[k] for k in ("color", "direction", "shape")} for c in clips]
+            videos[label] = vids
+            base = videos.get("bf16 sdpa-cudnn")
+            if base is not None and label != "bf16 sdpa-cudnn":
+                ps = [psnr(a, b) for a, b in zip(vids, base, strict=True)]
+                ss = [ssim(a, b) for a, b in zip(vids, base, strict=True)]
+                finite = [p for p in ps if math.isfinite(p)]
+                row["vs_bf16"] = {
+                    "psnr_db_mean": statistics.fmean(finite) if finite else float("inf"),
+                    "psnr_db_min": min(finite) if finite else float("inf"),
+                    "identical_clips": len(ps) - len(finite),
+                    "ssim_mean": statistics.fmean(ss), "ssim_min": min(ss),
+                }
+                bv = table["bf16 sdpa-cudnn"]["verdicts"]
+                row["verdict_changes_vs_bf16"] = {
+                    k: {"lost": sum(b[k] and not a[k] for a, b in zip(row["verdicts"], bv, strict=True)),
+                        "gained": sum(a[k] and not b[k] for a, b in zip(row["verdicts"], bv, strict=True))}
+                    for k in ("color", "direction", "shape")}
+            del rt
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:800]
+            row["traceback_tail"] = traceback.format_exc()[-1500:]
+        finally:
+            wan_attention.FUSE_FP8_QUANT = True
+        brief = {k: v for k, v in row.items() if k != "verdicts"}
+        print("clips", label, json.dumps(brief), flush=True)
+        table[label] = row
+        gc.collect()
+    res["clips"] = {"setup": f"wan-demo evaluator prompts x seeds {list(DEFAULT_SEEDS)}, 17x64x64, 20 steps, CFG 5, "
+                             f"bf16 on {device}, deploy qk_norm_rope fused; PSNR/SSIM of uint8 frames vs the bf16 clips",
+                    "configs": table}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="kernel,activations,clips")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU: the activation part on a few calls, numerical model only")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parts = [p for p in args.parts.split(",") if p]
+    if device == "cpu":
+        parts = [p for p in parts if p == "activations"]
+    date = dt.date.today().isoformat()
+    out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"attention_fp8-{date}{'-smoke' if args.smoke else ''}.json"
+    res: dict[str, Any] = {"bench": "attention_fp8_quality", "command": command_line("bench/attention_fp8_quality.py", argv),
+                           "date": date, "machine": {**machine(cudnn=torch.backends.cudnn.version() if device == "cuda" else None),
+                                                     **library_versions()}}
+    t0 = time.perf_counter()
+    for p in parts:
+        try:
+            {"kernel": lambda: part_kernel(res), "activations": lambda: part_activations(res, device, args.smoke),
+             "clips": lambda: part_clips(res, device, args.smoke)}[p]()
+        except Exception as exc:
+            res[f"{p}_error"] = f"{type(exc).__name__}: {exc}"[:800]
+            res[f"{p}_traceback"] = traceback.format_exc()[-2000:]
+            print(res[f"{p}_traceback"], flush=True)
+        res["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

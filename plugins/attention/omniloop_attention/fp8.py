@@ -1,0 +1,278 @@
+"""``cudnn-fp8``: attention with q/k/v in FP8 (e4m3) through cuDNN's ``sdpa_fp8`` graph (Hopper).
+
+What runs: q, k and v are scaled per tensor so that their largest magnitude maps to the top of
+e4m3 (448), rounded to e4m3 and handed to a cuDNN frontend graph (``nvidia-cudnn-frontend``)
+with their descales. The kernel rescales the logits, takes the softmax in float32, quantises the
+probabilities to e4m3 (scale 448: they lie in [0, 1]), multiplies by v in FP8 and — on Hopper the
+FP8 forward only writes FP8 — writes the output in e4m3 too (scaled by ``O_HEADROOM / amax(v)``:
+each output row is a convex combination of v rows, so ``|o| <= amax(v)``). The output is
+dequantised to the query's dtype.
+
+Why per tensor: e4m3 is a floating-point format, so a scale only sets where its ~17 octaves of
+range sit; precision (3 mantissa bits) is the same for every normal value. Per-head scales only
+help when heads differ by several octaves (``bench/attention_fp8_quality.py`` measures per tensor
+against per head on activations captured from a real wan-demo forward).
+
+Distribution-altering: refused for ``exact: true`` requests; never a fallback. Refused at load
+without CUDA, off Hopper (sm90) or without the ``cudnn`` module (``pip install
+'omniloop-attention[fp8]'``). A call with an attention mask or ``is_causal`` is an error.
+
+The graph call is a ``torch.library`` custom op (``omniloop_attention::cudnn_fp8_sdpa``) so that
+``torch.compile(fullgraph=True)`` keeps it in the graph; graphs are built once per shape and
+stride pattern and cached.
+
+The Wan family can hand over q and k already quantised by its fused QK-norm + rotary Triton
+kernel (:meth:`CudnnFP8Attention.attend_quantized`; ``omniloop_wan.attention``), saving the
+separate quantisation passes over q and k.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import threading
+from typing import Any
+
+import torch
+
+E4M3_MAX = 448.0
+#: output scale = O_HEADROOM / amax(v): below 448 so that rounding of the quantised
+#: probabilities (which can push a row's weights a few % above 1) never saturates
+O_HEADROOM = 384.0
+#: probabilities lie in [0, 1]: the kernel scales them by this before rounding to e4m3
+P_SCALE = E4M3_MAX
+_TINY = 1e-12
+
+
+def fp8_dtype() -> torch.dtype | None:
+    return getattr(torch, "float8_e4m3fn", None)
+
+
+def cudnn_fp8_available() -> str | None:
+    """None when the cuDNN FP8 attention graph can run here, else the reason it cannot."""
+    if fp8_dtype() is None:
+        return f"this torch ({torch.__version__}) has no float8_e4m3fn dtype"
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return (f"cuDNN FP8 attention is enabled for Hopper (sm90) only; this GPU is sm{major}{minor} "
+                "(pre-Hopper GPUs have no FP8 tensor cores; Blackwell is untested here)")
+    if importlib.util.find_spec("cudnn") is None:
+        return "the nvidia-cudnn-frontend package (module 'cudnn') is not installed (pip install 'omniloop-attention[fp8]')"
+    try:
+        import cudnn
+
+        version = int(cudnn.backend_version())
+    except Exception as exc:  # a broken install or a missing libcudnn: say so at load
+        return f"the cudnn frontend cannot load: {type(exc).__name__}: {exc}"
+    if version < 90100:
+        return f"cuDNN FP8 attention needs cuDNN >= 9.1 (this one is {version})"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# quantisation (eager torch; fused by torch.compile)
+# --------------------------------------------------------------------------------------------
+
+
+def quantize(x: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x8, descale)``: ``x8 = round_e4m3(x / descale)``, same shape and layout as ``x``.
+
+    ``granularity``: ``tensor`` (one scale, ``descale`` shaped ``[1, 1, 1, 1]``) or ``head``
+    (``x`` is ``[B, H, L, D]``; one scale per (batch, head), ``descale`` ``[B, H, 1, 1]``;
+    the cuDNN graph takes per-tensor descales only — ``head`` is for the numerical reference)."""
+    if granularity == "tensor":
+        amax = x.detach().abs().amax().float().reshape(1, 1, 1, 1)
+    elif granularity == "head":
+        amax = x.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
+    else:
+        raise ValueError(f"granularity must be 'tensor' or 'head', not {granularity!r}")
+    amax = amax.clamp_min(_TINY)
+    scale = E4M3_MAX / amax
+    x8 = (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(fp8_dtype())
+    return x8, amax / E4M3_MAX
+
+
+def reference_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, granularity: str = "tensor",
+                            q8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            k8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            quantize_p: bool = True, quantize_o: bool = True) -> torch.Tensor:
+    """The FP8 kernel's arithmetic in plain torch (float32 math on e4m3-rounded values), ``[B, H, L, D]``.
+
+    Not bit-equal to cuDNN's kernel (which keeps a running max over key tiles, so its
+    probabilities are rounded relative to the tile's running max, and whose accumulation order
+    differs): it is the numerical model used to choose scales and to bound the kernel in tests.
+    Memory is ``B*H*Lq*Lk`` floats: small shapes only."""
+    if q8 is None:
+        q8 = quantize(q, granularity)
+    if k8 is None:
+        k8 = quantize(k, granularity)
+    v8, dv = quantize(v, granularity)
+    qf = q8[0].float() * q8[1]
+    kf = k8[0].float() * k8[1]
+    vf = v8[0].float() * dv
+    s = (qf @ kf.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    p = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    denom = p.sum(dim=-1, keepdim=True)
+    if quantize_p:
+        p = (p * P_SCALE).to(fp8_dtype()).float() / P_SCALE
+    o = (p @ vf) / denom
+    if quantize_o:
+        amax_v = dv * E4M3_MAX
+        o_scale = O_HEADROOM / amax_v
+        o = (o * o_scale).clamp(-E4M3_MAX, E4M3_MAX).to(fp8_dtype()).float() / o_scale
+    return o.to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# the cuDNN graph, as a custom op
+# --------------------------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_HANDLES: dict[int, Any] = {}
+_GRAPHS: dict[tuple[Any, ...], Any] = {}
+
+# uids of the graph's tensors
+_Q, _K, _V, _O = 0, 1, 2, 3
+_DQ, _DK, _DV, _DS, _SS, _SO = 5, 6, 7, 8, 9, 10
+_AMAX_S, _AMAX_O = 11, 12
+
+
+def _handle(device: int) -> Any:
+    import cudnn
+
+    h = _HANDLES.get(device)
+    if h is None:
+        with torch.cuda.device(device):
+            h = _HANDLES[device] = cudnn.create_handle()
+    return h
+
+
+def _graph(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o_stride: tuple[int, ...], attn_scale: float) -> Any:
+    import cudnn
+
+    key = (q8.device.index, tuple(q8.shape), tuple(k8.shape), tuple(v8.shape), q8.stride(), k8.stride(), v8.stride(),
+           o_stride, attn_scale)
+    g = _GRAPHS.get(key)
+    if g is not None:
+        return g
+    with _LOCK:
+        g = _GRAPHS.get(key)
+        if g is not None:
+            return g
+        fp8 = cudnn.data_type.FP8_E4M3
+        f32 = cudnn.data_type.FLOAT
+        g = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=f32, compute_data_type=f32,
+                          handle=_handle(q8.device.index))
+        Q = g.tensor(uid=_Q, dim=tuple(q8.shape), stride=q8.stride(), data_type=fp8)
+        K = g.tensor(uid=_K, dim=tuple(k8.shape), stride=k8.stride(), data_type=fp8)
+        V = g.tensor(uid=_V, dim=tuple(v8.shape), stride=v8.stride(), data_type=fp8)
+        one = dict(dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=f32)
+        dq, dk, dv, ds, ss, so = (g.tensor(uid=u, **one) for u in (_DQ, _DK, _DV, _DS, _SS, _SO))
+        kw = dict(q=Q, k=K, v=V, descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss, scale_o=so,
+                  attn_scale=attn_scale, use_causal_mask=False)
+        try:
+            O, _stats, amax_s, amax_o = g.sdpa_fp8(generate_stats=False, **kw)
+        except TypeError:  # frontends before 1.13 call it is_inference
+            O, _stats, amax_s, amax_o = g.sdpa_fp8(is_inference=True, **kw)
+        B, H, Lq, _ = q8.shape
+        O.set_uid(_O).set_output(True).set_dim((B, H, Lq, v8.shape[-1])).set_stride(o_stride).set_data_type(fp8)
+        amax_o.set_uid(_AMAX_O).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
+        amax_s.set_uid(_AMAX_S).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
+        try:
+            g.validate()
+            g.build_operation_graph()
+            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            g.check_support()
+            g.build_plans()
+        except Exception as exc:
+            raise RuntimeError(
+                f"cudnn-fp8: cuDNN has no FP8 attention kernel for q {tuple(q8.shape)}, k {tuple(k8.shape)}, "
+                f"v {tuple(v8.shape)} (head_dim {q8.shape[-1]}) on this GPU: {type(exc).__name__}: {str(exc)[:300]}"
+            ) from exc
+        _GRAPHS[key] = g
+        return g
+
+
+def _bshd_stride(B: int, H: int, L: int, D: int) -> tuple[int, int, int, int]:
+    """Strides of a ``[B, H, L, D]`` view of a contiguous ``[B, L, H, D]`` tensor."""
+    return (L * H * D, D, H * D, 1)
+
+
+@torch.library.custom_op("omniloop_attention::cudnn_fp8_sdpa", mutates_args=())
+def cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
+                   descale_k: torch.Tensor, descale_v: torch.Tensor, scale_o: torch.Tensor,
+                   attn_scale: float) -> torch.Tensor:
+    """cuDNN FP8 SDPA: e4m3 ``[B, H, L, D]`` q/k/v (any strides, unit last stride) and float32
+    ``[1, 1, 1, 1]`` descales → the e4m3 output ``* scale_o`` as a contiguous ``[B, Lq, H, Dv]``."""
+    import cudnn
+
+    q8, k8, v8 = (x if x.stride(-1) == 1 else x.contiguous() for x in (q8, k8, v8))
+    B, H, Lq, _ = q8.shape
+    Dv = v8.shape[-1]
+    out = torch.empty((B, Lq, H, Dv), device=q8.device, dtype=q8.dtype)
+    o_view = out.permute(0, 2, 1, 3)
+    g = _graph(q8, k8, v8, o_view.stride(), attn_scale)
+    dev = q8.device
+    one = torch.ones((1, 1, 1, 1), device=dev, dtype=torch.float32)
+    pack = {
+        _Q: q8, _K: k8, _V: v8, _O: o_view,
+        _DQ: descale_q.reshape(1, 1, 1, 1).float(), _DK: descale_k.reshape(1, 1, 1, 1).float(),
+        _DV: descale_v.reshape(1, 1, 1, 1).float(),
+        _DS: one * (1.0 / P_SCALE), _SS: one * P_SCALE, _SO: scale_o.reshape(1, 1, 1, 1).float(),
+        _AMAX_S: torch.empty((1, 1, 1, 1), device=dev, dtype=torch.float32),
+        _AMAX_O: torch.empty((1, 1, 1, 1), device=dev, dtype=torch.float32),
+    }
+    ws = torch.empty(max(int(g.get_workspace_size()), 1), device=dev, dtype=torch.uint8)
+    handle = _handle(dev.index)
+    cudnn.set_stream(handle, torch.cuda.current_stream(dev).cuda_stream)
+    g.execute(pack, ws, handle=handle)
+    return out
+
+
+@cudnn_fp8_sdpa.register_fake
+def _cudnn_fp8_sdpa_fake(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, attn_scale):  # type: ignore[no-untyped-def]
+    B, H, Lq, _ = q8.shape
+    return q8.new_empty((B, Lq, H, v8.shape[-1]))
+
+
+class CudnnFP8Attention:
+    """The ``cudnn-fp8`` backend's callable: ``fn(q, k, v)`` with bf16/fp16 ``[B, H, L, D]``."""
+
+    #: the Wan processor may pass q and k already quantised (see attend_quantized)
+    accepts_quantized_qk = True
+
+    def _run(self, q8: torch.Tensor, dq: torch.Tensor, k8: torch.Tensor, dk: torch.Tensor, v: torch.Tensor,
+             out_dtype: torch.dtype) -> torch.Tensor:
+        v8, dv = quantize(v)
+        amax_v = dv * E4M3_MAX
+        scale_o = O_HEADROOM / amax_v
+        out8 = torch.ops.omniloop_attention.cudnn_fp8_sdpa(q8, k8, v8, dq, dk, dv, scale_o,
+                                                            1.0 / math.sqrt(q8.shape[-1]))
+        out = (out8.float() * (amax_v.reshape(()) / O_HEADROOM)).to(out_dtype)  # [B, L, H, D]
+        return out.permute(0, 2, 1, 3)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        if kw.get("attn_mask") is not None or kw.get("is_causal"):
+            raise ValueError("cudnn-fp8 backend takes no attention mask and no causal flag")
+        extra = sorted(k_ for k_, v_ in kw.items() if k_ not in ("attn_mask", "is_causal") and v_ is not None)
+        if extra:
+            raise ValueError(f"cudnn-fp8 backend does not take {', '.join(extra)}")
+        q8, dq = quantize(q)
+        k8, dk = quantize(k)
+        return self._run(q8, dq, k8, dk, v, q.dtype)
+
+    def attend_quantized(self, q8: torch.Tensor, descale_q: torch.Tensor, k8: torch.Tensor, descale_k: torch.Tensor,
+                         v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """q and k already e4m3 (``x ≈ x8 * descale``, scalar descales), v in ``out_dtype``; ``[B, H, L, D]``."""
+        return self._run(q8, descale_q, k8, descale_k, v, out_dtype)
+
+    def __repr__(self) -> str:
+        return "CudnnFP8Attention()"
+
+
+cudnn_fp8 = CudnnFP8Attention()
+
+__all__ = ["CudnnFP8Attention", "E4M3_MAX", "O_HEADROOM", "cudnn_fp8", "cudnn_fp8_available", "cudnn_fp8_sdpa",
+           "quantize", "reference_fp8_attention"]
