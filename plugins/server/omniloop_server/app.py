@@ -291,7 +291,8 @@ def create_app(
             yield b""
 
         try:
-            form = await MultiPartParser(request.headers, stream(), max_files=2, max_fields=64).parse()
+            form = await MultiPartParser(request.headers, stream(), max_files=2, max_fields=64,
+                                         max_part_size=MAX_BODY_BYTES).parse()  # a base64 image may be a text field
         except Exception as exc:  # python-multipart's and Starlette's errors alike
             raise RequestError("body", f"malformed multipart/form-data body: {show(getattr(exc, 'message', str(exc)), 200)}") from None
         try:
