@@ -28,9 +28,8 @@ from attrs import define
 
 from .errors import OmniloopError
 from .graph import Node, PipelineSpec
-from .interceptors import BlockInterceptor, StepInterceptor
+from .interceptors import BlockInterceptor, StepInterceptor, open_interceptor
 from .loop import LoopState, RequestState, StageContext, StepContext, StepResult
-from .interceptors import open_interceptor
 from .observers import ObserverBus
 from .request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status
 from .resolved import Resolved

@@ -7,7 +7,8 @@
   ``path`` is the dotted field path (``diffusion.steps``, ``inputs.0.text``).
 
 Strictness: ``"5"`` is not an int and ``1`` is not a bool. Ranges come from attrs field metadata
-(``ge``, ``gt``, ``le``, ``lt``, ``choices``, and for strings ``pattern``/``max_len``).
+(``ge``, ``gt``, ``le``, ``lt``, ``choices``, and for strings ``pattern``/``max_len``; ``check``: a
+callable returning a message for a value of the wrong shape, e.g. a window ``[start, end)``).
 
 Refused by the converter itself, for every schema it structures (requests, deploy files, plugin
 and node params), so no field can forget it:
@@ -276,7 +277,9 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[str, str]:
         keys = ", ".join(_clip(k, SHOW_CHARS) for k in extra[:10]) + (f", ... ({len(extra)} in all)" if len(extra) > 10 else "")
         p = ".".join(path)
         first = _clip(extra[0], SHOW_CHARS)
-        return (f"{p}.{first}" if p else first), f"unknown key{'s' if len(extra) > 1 else ''} ({keys})"
+        known = [f.name for f in attrs.fields(exc.cl)] if attrs.has(getattr(exc, "cl", None)) else []
+        hint = f"; known: {', '.join(known)}" if known else ""
+        return (f"{p}.{first}" if p else first), f"unknown key{'s' if len(extra) > 1 else ''} ({keys}){hint}"
     if isinstance(exc, (ClassValidationError, IterableValidationError)):
         for sub in exc.exceptions:
             note = _note_of(sub)
@@ -334,7 +337,7 @@ def structure(data: Any, cls: type[T], path: str = "") -> T:
 
 
 def check_ranges(obj: Any, path: str = "") -> None:
-    """Apply ``ge``/``gt``/``le``/``lt``/``choices``/``pattern``/``max_len`` field metadata recursively."""
+    """Apply ``ge``/``gt``/``le``/``lt``/``choices``/``pattern``/``max_len``/``check`` field metadata recursively."""
     if not attrs.has(type(obj)):
         return
     for f in attrs.fields(type(obj)):
@@ -359,6 +362,10 @@ def check_ranges(obj: Any, path: str = "") -> None:
             if "pattern" in md and not re.fullmatch(md["pattern"], v):
                 hint = md.get("pattern_hint", f"must match {md['pattern']}")
                 raise RequestError(p, f"{hint}, got {_short_repr(v)}")
+            if "check" in md:  # a shape rule ranges cannot say: check(value) -> message or None
+                problem = md["check"](v)
+                if problem:
+                    raise RequestError(p, str(problem))
         if attrs.has(type(v)):
             check_ranges(v, p)
         elif isinstance(v, list):

@@ -129,11 +129,11 @@ class Denoise:
 
     # -- init ---------------------------------------------------------------------------------
     def policies(self, ctx: StageContext, state: RequestState) -> Any:
-        """The request's DenoisePolicies (resolved by the validate node; else resolved here)."""
+        """The request's DenoisePolicies, resolved once with the request (``WanParams.policies``)."""
         p = _params(state)
-        if p.policies is not None:
-            return p.policies
-        return self.menu.resolve(state.request)
+        if p.policies is None:
+            raise RuntimeError(f"node {ctx.node.name!r}: the request's params carry no resolved denoise policies")
+        return p.policies
 
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         p = _params(state)

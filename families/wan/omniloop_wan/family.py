@@ -19,7 +19,7 @@ from . import checkpoint as ck
 from .defaults import defaults_for, model_kind, tasks_of
 from .options import WanOptions, parse_options
 from .policies import menu_for
-from .resolve import resolve
+from .resolve import WanParams, resolve
 from .stages import Denoise, ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2v
 
 
@@ -188,8 +188,16 @@ class WanFamily:
         return frozenset(model.config["tasks"])
 
     # -- requests -----------------------------------------------------------------------------
+    def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *,
+                node_params: Mapping[str, Any] | None = None) -> WanParams:
+        """The request resolved once (``Runtime.prepare`` calls this; the nodes read ``ctx.resolved``):
+        defaults, policies, sizes, the decoded conditioning image, warnings."""
+        params, _ = resolve(model, request, limits, menu=menu_for(model), node_params=node_params)
+        return params
+
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
-        _, warnings = resolve(model, request, limits, menu=menu_for(model))
+        """The warnings of :meth:`resolve` (without decoding the image)."""
+        _, warnings = resolve(model, request, limits, menu=menu_for(model), decode_image=False)
         return warnings
 
 

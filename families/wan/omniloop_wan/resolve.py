@@ -1,8 +1,13 @@
-"""Request validation and default resolution, shared by ``validate_request`` and the validate node.
+"""A Wan request resolved once: ``WanFamily.resolve`` → :class:`WanParams` (``ctx.resolved``).
 
-Every check raises :class:`omniloop.errors.RequestError` naming the field (``diffusion.frames``,
-``inputs[1].path``, ``task``) before any compute; soft problems (a truncated prompt, an image given
-to a text-to-video request) come back as warning strings.
+``Runtime.prepare`` calls it exactly once, after the core validated the request's fields and
+``node_params`` (ranges in the attrs metadata of ``DiffusionParams`` / ``DenoiseParams``, one
+cattrs converter). What is checked here needs the checkpoint: frame counts of the VAE's temporal
+scale, sizes multiple of its spatial scale, the step/size limits on resolved defaults, the
+image input of I2V, prompt length. Every check raises :class:`omniloop.errors.RequestError`
+naming the field (``diffusion.frames``, ``inputs[1].path``, ``task``) before any compute; soft
+problems (a truncated prompt, an image given to a text-to-video request) come back in
+``WanParams.warnings``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.media import read_image
 from omniloop.request import ImagePart, OmniRequest, TaskType
+from omniloop.resolved import Workload
 
 from .defaults import TEXT_LEN
 
@@ -41,6 +47,13 @@ class WanParams:
     #: the request's denoise policies (``omniloop_policies.DenoisePolicies``): sampler, CFG
     #: policy, router, scales — resolved from ``node_params.denoise`` > ``diffusion`` > defaults
     policies: Any = None
+    #: soft problems (truncated prompt, ignored image inputs)
+    warnings: tuple[str, ...] = ()
+
+    def workload(self) -> Workload:
+        """The scheduler's size of this request (guidance branches before the CFG policy's init)."""
+        return Workload(steps=self.steps, branches=2 if self.guidance_scale > 1.0 else 1, frames=self.frames,
+                        height=self.height, width=self.width)
 
 
 def _limit(limits: Any, name: str) -> int | None:
@@ -79,13 +92,16 @@ def count_tokens(tokenizer: Any, text: str) -> int:
 
 
 def resolve(
-    model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True, menu: Any = None
+    model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True, menu: Any = None,
+    node_params: Any = None,
 ) -> tuple[WanParams, list[str]]:
     """Check ``request`` against ``model`` and ``limits``; return its resolved params and warnings.
 
     ``menu`` is the model's policy menu (default: :func:`omniloop_wan.policies.menu_for`); the
     denoise policies are resolved and checked here too, so a bad ``node_params.denoise`` fails
-    before any compute with an error naming the node and the policy.
+    before any compute with an error naming the node and the policy. ``node_params`` are the
+    request's node params as the core validated them (``Runtime.prepare``); without them the
+    menu validates ``request.node_params`` with the same converter.
     """
     cfg = model.config
     warnings: list[str] = []
@@ -103,24 +119,19 @@ def resolve(
     if negative is None:
         negative = defaults.get("negative_prompt", "")
 
-    if d.steps is not None and d.steps < 1:
-        raise RequestError("diffusion.steps", f"must be at least 1, got {d.steps}")
-    if d.guidance_scale is not None and d.guidance_scale < 0:
-        raise RequestError("diffusion.guidance_scale", f"must be >= 0, got {d.guidance_scale}")
-    if d.shift is not None and d.shift <= 0:
-        raise RequestError("diffusion.shift", f"must be > 0, got {d.shift}")
-
     # the denoise policies: node_params.denoise > diffusion > the model's defaults
     if menu is None:
         from .policies import menu_for
 
         menu = menu_for(model)
-    policies = menu.resolve(request)
+    structured = (node_params or {}).get(menu.node)
+    policies = menu.resolve(request, structured)
     steps = policies.num_steps
     if steps is None:  # a fixed-schedule sampler (few-step): its schedule's length
         steps = len(policies.timesteps or policies.sampler.timesteps_list)
-    denoise_params = (request.node_params or {}).get(menu.node) or {}
-    steps_path = f"node_params.{menu.node}.steps" if denoise_params.get("steps") is not None else "diffusion.steps"
+    node_steps = getattr(structured, "steps", None) if structured is not None else (
+        (request.node_params or {}).get(menu.node) or {}).get("steps")
+    steps_path = f"node_params.{menu.node}.steps" if node_steps is not None else "diffusion.steps"
     max_steps = _limit(limits, "max_steps")
     if max_steps is not None and steps > max_steps:
         raise RequestError(steps_path, f"{steps} is above this deployment's limit of {max_steps}")
@@ -187,6 +198,6 @@ def resolve(
     params = WanParams(
         task=request.task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
         frames=frames, steps=int(steps), guidance_scale=float(guidance), shift=policies.requested_shift,
-        fps=float(fps), image=image, policies=policies,
+        fps=float(fps), image=image, policies=policies, warnings=tuple(warnings),
     )
     return params, warnings

@@ -50,18 +50,21 @@ def _module_device(module: Any) -> torch.device:
 
 
 class Validate:
-    """Resolve defaults and policies, and check the request again (cheap) into the ``params`` edge."""
+    """Publish the request's resolved params (``ctx.resolved``, resolved once by ``Runtime.prepare``)
+    on the ``params`` edge. Driven by hand outside a runtime, it resolves the request itself."""
 
     def __init__(self, model: Any, menu: Any = None) -> None:
         self.model = model
         self.menu = menu
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
-        limits = getattr(ctx.options.get("deploy"), "limits", None)
-        params, warnings = resolve(self.model, state.request, limits, menu=self.menu)
-        if warnings:
-            known = state.metrics.setdefault("warnings", [])
-            known.extend(w for w in warnings if w not in known)
+        params = ctx.resolved
+        if not isinstance(params, WanParams):
+            limits = getattr(ctx.options.get("deploy"), "limits", None)
+            params, warnings = resolve(self.model, state.request, limits, menu=self.menu)
+            if warnings:
+                known = state.metrics.setdefault("warnings", [])
+                known.extend(w for w in warnings if w not in known)
         state.write("params", Conditioning(values={"params": params}), ctx.node.name)
 
 

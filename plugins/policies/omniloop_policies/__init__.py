@@ -24,7 +24,7 @@ from .cfg import (
     stack_forward,
 )
 from .errors import PolicyError, SchedulerConfigError
-from .params import DenoiseParams, parse_denoise_params
+from .params import POLICY_KNOBS, DenoiseParams, accepts
 from .precision import PrecisionPolicy, parse_dtype
 from .routing import BoundaryRouter, ExpertRouter, SingleExpert
 from .samplers import (
@@ -41,6 +41,7 @@ from .shift import ConstantShift, ResolutionShift, ShiftPolicy, ShiftValue, calc
 
 __all__ = [
     "DMD_WAN_TIMESTEPS",
+    "POLICY_KNOBS",
     "AdaptiveGateCFG",
     "BoundaryRouter",
     "CFGPolicy",
@@ -68,12 +69,12 @@ __all__ = [
     "ShiftValue",
     "SingleExpert",
     "UniPCSampler",
+    "accepts",
     "calculate_shift",
     "forward_groups",
     "forward_name",
     "guided_prediction",
     "normalize_flow_config",
-    "parse_denoise_params",
     "parse_dtype",
     "predict_branches",
     "sampler_for_config",

@@ -8,7 +8,8 @@ fails loudly (for the default sampler) — never in a step.
 
 Per request, :meth:`PolicyMenu.resolve` validates ``node_params[node]`` and the request's
 diffusion knobs and returns the :class:`DenoisePolicies` this request runs with (immutable;
-choosing policies is a dict lookup plus an ``attrs.evolve`` for windows). Its :meth:`init`
+choosing policies is a dict lookup plus the chosen policy's ``tune(**knobs)`` for the knobs it
+``accepts``). Its :meth:`init`
 allocates the per-request state in ``LoopState.policy_state`` (``"sampler"``, ``"cfg"``) and
 declares the guidance branches in ``LoopState.branches``; the other methods are the step
 helpers the loop calls. A sketch of a denoise step::
@@ -27,29 +28,28 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 from attrs import define, field
 
 from omniloop.errors import RequestError
 from omniloop.family import PolicySpec
 from omniloop.loop import LoopState, StepContext
+from omniloop.schema import check_ranges, structure_params
 
 from .cfg import (
-    AdaptiveGateCFG,
+    CFG_CLASSES,
     CFGPolicy,
     CFGState,
     Forward,
     ForwardBatch,
-    IntervalCFG,
     Prediction,
     predict_branches,
 )
 from .errors import PolicyError, SchedulerConfigError
-from .params import DenoiseParams, parse_denoise_params
+from .params import POLICY_KNOBS, DenoiseParams, accepts
 from .precision import PrecisionPolicy
 from .routing import ExpertRouter, SingleExpert
-from .samplers import FewStepSampler, Sampler, SamplerState
+from .samplers import SAMPLER_CLASSES, Sampler, SamplerState
 from .shift import ConstantShift, ShiftPolicy
 
 SAMPLER_KEY = "sampler"
@@ -95,7 +95,7 @@ class DenoisePolicies:
         sv = self.shift.resolve(requested=self.requested_shift, seq_len=seq_len)
         extra: dict[str, Any] = {}
         if self.timesteps is not None:
-            if not isinstance(self.sampler, FewStepSampler):
+            if "timesteps" not in accepts(self.sampler):
                 raise PolicyError(f"sampler {self.sampler.name!r} has no timesteps option (few-step has)")
             extra["timesteps"] = self.timesteps
         sstate = self.sampler.init(
@@ -319,16 +319,52 @@ class PolicyMenu:
 
     # -- request time ---------------------------------------------------------------------------
     def parse(self, data: Mapping[str, Any] | DenoiseParams | None) -> DenoiseParams:
-        """Validate ``node_params[node]`` (raises ``RequestError`` with the dotted path)."""
-        return parse_denoise_params(
-            data,
-            node=self.node,
-            samplers=self.samplers,
-            cfgs=self.cfgs,
-            default_sampler=self.default_sampler,
-            default_cfg=self.default_cfg,
-            unavailable=self.unavailable,
-        )
+        """``node_params[node]`` validated for this node: the core's converter for types and ranges
+        (already done when ``data`` comes from ``Runtime.prepare``), then the node's own rules —
+        known policy names, knobs the chosen policies accept. Raises ``RequestError`` with the
+        dotted path and the node's name."""
+        path = f"node_params.{self.node}"
+        try:
+            if isinstance(data, DenoiseParams):
+                check_ranges(data, path)
+                p = data
+            elif data is None or isinstance(data, Mapping):
+                p = structure_params(DenoiseParams, data, path)
+            else:
+                raise RequestError(path, f"params must be an object, got {type(data).__name__}")
+        except RequestError as err:
+            raise RequestError(err.path, f"node {self.node!r}: {err.message}") from None
+        self._check_names(p, path)
+        return p
+
+    def _check_names(self, p: DenoiseParams, path: str) -> None:
+        def err(key: str, msg: str) -> RequestError:
+            return RequestError(f"{path}.{key}", f"node {self.node!r}: {msg}")
+
+        chosen: dict[str, Any] = {}
+        for role, table in (("sampler", self.samplers), ("cfg", self.cfgs)):
+            name = getattr(p, role)
+            if name is not None:
+                if name in self.unavailable:
+                    raise err(role, f"{role} {name!r} cannot run on this model: {self.unavailable[name]}")
+                if name not in table:
+                    raise err(role, f"unknown {role} {name!r}; available: {', '.join(sorted(table))}")
+            default = self.default_sampler if role == "sampler" else self.default_cfg
+            chosen[role] = (name or default, table[name or default])
+        for knob, role in POLICY_KNOBS.items():
+            if getattr(p, knob) is None:
+                continue
+            name, policy = chosen[role]
+            if knob in accepts(policy):
+                continue
+            table = self.samplers if role == "sampler" else self.cfgs
+            owners = sorted(n for n, pol in table.items() if knob in accepts(pol))
+            if not owners:  # none bound here: name the known policies that read it
+                known = SAMPLER_CLASSES if role == "sampler" else CFG_CLASSES
+                owners = sorted(n for n, cls in known.items() if knob in accepts(cls))
+            readers = " / ".join(owners) or "no bound"
+            fix = f"set {role}={owners[0]!r} or drop {knob}" if owners else f"drop {knob}"
+            raise err(knob, f"{knob} is read by the {readers} {role} policy, but this request uses {role} {name!r}; {fix}")
 
     def resolve(self, request: Any = None, params: Mapping[str, Any] | DenoiseParams | None = None) -> DenoisePolicies:
         """The policies for one request: ``node_params`` > ``request.diffusion`` > node defaults.
@@ -336,7 +372,7 @@ class PolicyMenu:
         ``params`` defaults to ``request.node_params.get(node)``. Raises ``RequestError``."""
         if params is None and request is not None:
             params = (getattr(request, "node_params", None) or {}).get(self.node)
-        p = params if isinstance(params, DenoiseParams) else self.parse(params)
+        p = self.parse(params)
         diffusion = getattr(request, "diffusion", None)
         path = f"node_params.{self.node}"
 
@@ -344,7 +380,7 @@ class PolicyMenu:
         sampler = self.samplers[sampler_name]
         cfg_name = p.cfg or self.default_cfg
         cfg = self.cfgs[cfg_name]
-        cfg = _tune_cfg(cfg, p, path, self.node)
+        cfg = _tune(cfg, p, path, self.node)
 
         requested_scale = _first(p.guidance_scale, getattr(diffusion, "guidance_scale", None))
         scale = _first(requested_scale, self.default_guidance_scale)
@@ -370,8 +406,8 @@ class PolicyMenu:
 
         steps_from_request = p.steps is not None
         steps = _first(p.steps, getattr(diffusion, "steps", None))
-        if isinstance(sampler, FewStepSampler):
-            n = len(p.timesteps) if p.timesteps is not None else len(sampler.timesteps_list)
+        if "timesteps" in accepts(sampler):  # a fixed, distilled schedule (few-step)
+            n = len(p.timesteps) if p.timesteps is not None else len(sampler.timesteps_list)  # type: ignore[attr-defined]
             if steps is not None and steps != n:
                 where = f"{path}.steps" if steps_from_request else "diffusion.steps"
                 raise RequestError(
@@ -460,18 +496,13 @@ def _spec(registry: Mapping[str, PolicySpec], name: str, kind: str) -> PolicySpe
     return spec
 
 
-def _tune_cfg(cfg: CFGPolicy, p: DenoiseParams, path: str, node: str) -> CFGPolicy:
-    changes: dict[str, Any] = {}
-    if p.cfg_window is not None and isinstance(cfg, (IntervalCFG, AdaptiveGateCFG)):
-        changes.update(start=p.cfg_window[0], end=p.cfg_window[1])
-    if isinstance(cfg, AdaptiveGateCFG):
-        if p.gate_every is not None:
-            changes["every"] = p.gate_every
-        if p.gate_threshold is not None:
-            changes["threshold"] = p.gate_threshold
-    if not changes:
-        return cfg
+def _tune(policy: Any, p: DenoiseParams, path: str, node: str) -> Any:
+    """``policy.tune(**knobs)`` with the knobs it accepts that the request set (a tuned copy)."""
+    knobs = {k: getattr(p, k) for k in accepts(policy) if k in POLICY_KNOBS and getattr(p, k) is not None}
+    tune = getattr(policy, "tune", None)
+    if not knobs or not callable(tune):
+        return policy
     try:
-        return attrs.evolve(cfg, **changes)  # type: ignore[misc]
+        return tune(**knobs)
     except PolicyError as err:
         raise RequestError(path, f"node {node!r}: {err}") from err

@@ -224,9 +224,14 @@ class IntervalCFG(_TwoBranchCFG):
     ``start``/``stop`` rule); one conditional forward outside the window."""
 
     name: ClassVar[str] = "interval"
+    #: the request knobs this policy reads (``DenoiseParams``), applied by :meth:`tune`
+    accepts: ClassVar[frozenset[str]] = frozenset({"cfg_window"})
 
     start: float = 0.0
     end: float = 1.0
+
+    def tune(self, *, cfg_window: tuple[float, float]) -> IntervalCFG:
+        return attrs.evolve(self, start=cfg_window[0], end=cfg_window[1])
 
     def __attrs_post_init__(self) -> None:
         check_window(self.name, self.start, self.end)
@@ -308,6 +313,8 @@ class PerModalityCFG(_TwoBranchCFG):
     ``scales`` gives per-modality scales; a modality without one uses the request's scale."""
 
     name: ClassVar[str] = "per-modality"
+    #: ``modality_scales`` reaches :meth:`init` (``DenoisePolicies`` passes it); nothing to tune
+    accepts: ClassVar[frozenset[str]] = frozenset({"modality_scales"})
 
     scales: dict[str, float] = field(factory=dict, converter=dict)
     layout: tuple[tuple[str, int], ...] | None = field(default=None, converter=_layout)
@@ -395,6 +402,18 @@ class AdaptiveGateCFG(_TwoBranchCFG):
     """
 
     name: ClassVar[str] = "adaptive-gate"
+    accepts: ClassVar[frozenset[str]] = frozenset({"cfg_window", "gate_every", "gate_threshold"})
+
+    def tune(self, *, cfg_window: tuple[float, float] | None = None, gate_every: int | None = None,
+             gate_threshold: float | None = None) -> AdaptiveGateCFG:
+        changes: dict[str, Any] = {}
+        if cfg_window is not None:
+            changes.update(start=cfg_window[0], end=cfg_window[1])
+        if gate_every is not None:
+            changes["every"] = gate_every
+        if gate_threshold is not None:
+            changes["threshold"] = gate_threshold
+        return attrs.evolve(self, **changes)
 
     every: int = 2
     threshold: float | None = None

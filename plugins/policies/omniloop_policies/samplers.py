@@ -393,6 +393,8 @@ class DiffusersFlowSampler:
 
     name: ClassVar[str] = ""
     scheduler_class: ClassVar[type]
+    #: request knobs this sampler reads: ``strength`` (a partial schedule, :meth:`truncate`)
+    accepts: ClassVar[frozenset[str]] = frozenset({"strength"})
 
     config: dict[str, Any] = field(converter=_freeze)
     step_dtype: torch.dtype | None = torch.float32
@@ -647,6 +649,8 @@ class FewStepSampler:
     """
 
     name: ClassVar[str] = "few-step"
+    #: a fixed distilled schedule the request may replace (``timesteps``, passed to :meth:`init`)
+    accepts: ClassVar[frozenset[str]] = frozenset({"timesteps"})
 
     timesteps_list: tuple[float, ...] = field(default=DMD_WAN_TIMESTEPS, converter=_positive_timesteps)
     grid_shift: float = 8.0
