@@ -214,3 +214,27 @@ def test_cache_dit_interceptor_runs_on_the_joint_blocks(tiny_ckpt, t2i_request):
     # an exact request runs without the distribution-altering cache: the baseline exactly
     baseline = completed_latents(plain.generate(req))
     assert torch.equal(completed_latents(rt.generate({**req, "exact": True})), baseline)
+
+
+def test_requests_are_resolved_once_with_their_workload(sd3_runtime, t2i_request, i2i_request, monkeypatch):
+    from omniloop_sd3 import resolve as resolve_mod
+    from omniloop_sd3.resolve import SD3Params
+
+    calls = []
+    real = resolve_mod.resolve
+
+    def counting(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr("omniloop_sd3.family.resolve", counting)
+    monkeypatch.setattr("omniloop_sd3.stages.resolve", counting)
+    rt = sd3_runtime()
+    ex = rt.prepare(i2i_request(steps=10, strength=0.5))
+    assert isinstance(ex.resolved, SD3Params) and len(calls) == 1
+    w = ex.resolved.workload()
+    assert (w.steps, w.branches, w.frames, w.height, w.width) == (5, 2, 1, 32, 32)
+    ex.run()
+    assert ex.output.status is Status.COMPLETED and len(calls) == 1  # the validate node reuses it
+    assert ex.output.metrics["steps"] == 5
+    assert rt.prepare(t2i_request(guidance_scale=1.0)).resolved.workload().branches == 1

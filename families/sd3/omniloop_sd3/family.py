@@ -18,7 +18,7 @@ from omniloop.request import OmniRequest, TaskType
 from . import checkpoint as ck
 from .defaults import defaults_for
 from .policies import menu_for
-from .resolve import SD3DenoiseParams, TextParams, resolve
+from .resolve import SD3DenoiseParams, SD3Params, TextParams, resolve
 from .stages import ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2i
 
 TASKS = frozenset({TaskType.T2I, TaskType.I2I})
@@ -152,6 +152,12 @@ class SD3Family:
 
     def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
         return dict(model.config["task_defaults"][TaskType(task)])
+
+    def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *, node_params: Any = None) -> SD3Params:
+        """The request resolved once, before any compute (``Runtime.prepare`` calls this; the
+        validate node passes it on). Raises ``RequestError`` naming the field."""
+        params, _ = resolve(model, request, limits)
+        return params
 
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
         _, warnings = resolve(model, request, limits)

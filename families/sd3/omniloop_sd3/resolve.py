@@ -48,7 +48,9 @@ class TextParams:
 
 @define(frozen=True)
 class SD3Params:
-    """A request's resolved parameters (defaults applied, sizes checked)."""
+    """A request's resolved parameters (defaults applied, sizes checked): the family's
+    ``omniloop.resolved.Resolved`` — ``Runtime.prepare`` resolves once (``SD3Family.resolve``) and
+    the stages read it from ``ctx.resolved``."""
 
     task: TaskType
     prompt: str
@@ -64,6 +66,22 @@ class SD3Params:
     image: torch.Tensor | None = None
     #: the request's ``omniloop_policies.DenoisePolicies``
     policies: Any = None
+    #: soft problems (a prompt longer than the encoders read, an ignored image)
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def steps_run(self) -> int:
+        """Denoise steps that actually run (i2i: ``n - int(n - n * strength)``, diffusers' cut)."""
+        if self.strength is None:
+            return self.steps
+        return self.steps - int(max(self.steps - min(self.steps * self.strength, self.steps), 0))
+
+    def workload(self) -> Any:
+        """The scheduler's prior: steps, forwards per step (2 with CFG), the output size."""
+        from omniloop.resolved import Workload
+
+        return Workload(steps=self.steps_run, branches=2 if self.guidance_scale > 1.0 else 1, frames=1,
+                        height=self.height, width=self.width)
 
 
 def _limit(limits: Any, name: str) -> int | None:
@@ -199,7 +217,7 @@ def resolve(
     params = SD3Params(
         task=task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
         steps=int(steps), guidance_scale=float(policies.guidance_scale), max_sequence_length=int(msl),
-        strength=strength, image=image, policies=policies,
+        strength=strength, image=image, policies=policies, warnings=tuple(warnings),
     )
     return params, warnings
 

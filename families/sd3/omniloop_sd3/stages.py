@@ -48,14 +48,18 @@ def _module_device(module: Any) -> torch.device:
 
 
 class Validate:
-    """Resolve defaults and policies (and decode the input image) into the ``params`` edge."""
+    """The request's resolved parameters (policies, decoded input image) onto the ``params`` edge."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
-        limits = getattr(ctx.options.get("deploy"), "limits", None)
-        params, warnings = resolve(self.model, state.request, limits)
+        resolved = getattr(ctx, "resolved", None)
+        if isinstance(resolved, SD3Params):  # Runtime.prepare resolved it once (SD3Family.resolve)
+            params, warnings = resolved, list(resolved.warnings)
+        else:  # driven outside a runtime
+            limits = getattr(ctx.options.get("deploy"), "limits", None)
+            params, warnings = resolve(self.model, state.request, limits)
         if warnings:
             known = state.metrics.setdefault("warnings", [])
             known.extend(w for w in warnings if w not in known)
