@@ -54,10 +54,11 @@ def _c(**constraints: Any) -> dict[str, Any]:
 
 @define(frozen=True)
 class TextPart:
-    """A piece of text. ``role`` says what it is for: ``prompt`` or ``negative_prompt``."""
+    """A piece of text. ``role`` says what it is for: ``prompt`` or ``negative_prompt``; for text
+    families, chat roles ``system`` / ``user`` / ``assistant`` (rendered with the chat template)."""
 
     text: str
-    role: Literal["prompt", "negative_prompt", "system"] = "prompt"
+    role: Literal["prompt", "negative_prompt", "system", "user", "assistant"] = "prompt"
     type: Literal["text"] = "text"
 
 
@@ -134,6 +135,25 @@ class SamplingParams:
     top_p: float = field(default=1.0, metadata=_c(gt=0.0, le=1.0))
     top_k: int = field(default=0, metadata=_c(ge=0))
     max_tokens: int | None = field(default=None, metadata=_c(ge=1))
+    #: the sampling generator's seed (None: the family's fallback, e.g. ``diffusion.seed``, else random)
+    seed: int | None = field(default=None, metadata=_c(ge=0, le=2**63 - 1))
+    #: stop strings: generation ends when the text contains one (the text ends before it)
+    stop: list[str] = field(factory=list, metadata=_c(check=lambda v: _check_stop(v)))
+
+
+#: at most this many stop strings, each at most this many characters
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1000
+
+
+def _check_stop(stops: list[str]) -> str | None:
+    if len(stops) > MAX_STOP_STRINGS:
+        return f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}"
+    for i, s in enumerate(stops):
+        if not s:
+            return f"stop string {i} is empty (a stop string must be non-empty)"
+        if len(s) > MAX_STOP_CHARS:
+            return f"stop string {i} is longer than {MAX_STOP_CHARS} characters ({len(s)})"
+    return None
 
 
 @define(frozen=True)
