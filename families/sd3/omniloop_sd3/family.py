@@ -96,8 +96,6 @@ class SD3Family:
             "size_multiple": vae_scale * patch,
             "max_size": int(tf.config.pos_embed_max_size or 96) * patch * vae_scale,
             "task_defaults": task_defaults,
-            #: flat t2i defaults, read by the step scheduler's cost/memory prediction (``family_defaults``)
-            "defaults": dict(task_defaults[TaskType.T2I]),
             "options": dict(options or {}),
         }
         model = LoadedModel(
