@@ -12,14 +12,15 @@ For end-to-end checks through a real runtime use :mod:`omniloop.testing.conforma
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..interceptors import BlockContext, run_blocks
+from ..interceptors import BlockContext, open_interceptor, run_blocks
 from ..loop import LoopState, StepContext
+from ..schema import structure_params
 
 DIM = 16
 TOKENS = 12
@@ -85,15 +86,15 @@ class ToyRun:
         self.guidance = guidance
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(1, TOKENS, DIM, generator=g)
-        extra: dict[str, Any] = {}
-        if params is not None and interceptor is not None:
-            extra["plugin_params"] = {interceptor.name: params}
-        self.loop = LoopState(step=0, total=steps, branches=branches, extra=extra)
+        schema = getattr(interceptor, "params_schema", None)
+        if isinstance(params, Mapping) and schema is not None:  # validated once, as the runtime does
+            params = structure_params(schema, params, f"plugin_params.{interceptor.name}")
+        self.loop = LoopState(step=0, total=steps, branches=branches)
         self.preds: list[torch.Tensor] = []
         if interceptor is not None:
             for b in branches:
                 sc = StepContext(request_id, node, 0, steps, 1.0, branch=b)
-                self.loop.plugin_state[(interceptor.name, b)] = interceptor.open(sc, self.loop)
+                self.loop.plugin_state[(interceptor.name, b)] = open_interceptor(interceptor, sc, self.loop, params)
 
     @property
     def done(self) -> bool:

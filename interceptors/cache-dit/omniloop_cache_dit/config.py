@@ -7,14 +7,10 @@ Range constraints live in field metadata (``ge`` / ``le``), the convention of
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from attrs import define, field
-
-from omniloop.errors import RequestError
-from omniloop.schema import check_ranges, structure_params
 
 #: cache-dit's own DBCacheConfig defaults (F8B0, R0.08, W8, unlimited cached steps)
 DEFAULTS: dict[str, Any] = {
@@ -99,19 +95,6 @@ class CacheDiTParams:
     )
     taylorseer: bool | None = _f("taylorseer", None, _DOCS["taylorseer"])
     taylorseer_order: int | None = _f("taylorseer_order", None, _DOCS["taylorseer_order"])
-
-
-def params_from(value: Any, path: str = "plugin_params.cache-dit") -> CacheDiTParams | None:
-    """Accept a validated :class:`CacheDiTParams`, a plain mapping, or None."""
-    if value is None:
-        return None
-    if isinstance(value, CacheDiTParams):
-        check_ranges(value, path)
-        return value
-    if isinstance(value, Mapping):
-        params: CacheDiTParams = structure_params(CacheDiTParams, value, path)
-        return params
-    raise RequestError(path, f"expected a mapping of parameters, got {type(value).__name__}")
 
 
 def resolve(config: CacheDiTConfig, params: CacheDiTParams | None) -> CacheDiTConfig:

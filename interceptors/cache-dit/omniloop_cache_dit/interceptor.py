@@ -38,7 +38,7 @@ from omniloop.loop import LoopState, StepContext
 from omniloop.schema import check_ranges, structure_params
 
 from . import _cachedit
-from .config import CacheDiTConfig, CacheDiTParams, params_from, resolve
+from .config import CacheDiTConfig, CacheDiTParams, resolve
 from .manager import OmniloopContextManager, group_is_active
 
 NAME = "cache-dit"
@@ -118,6 +118,8 @@ class CacheDiTInterceptor:
     """DBCache / TaylorSeer from cache-dit, one context per (request, guidance branch)."""
 
     name = NAME
+    #: the request-parameter schema (``plugin_params["cache-dit"]``), as registered
+    params_schema = CacheDiTParams
     graph_safe = False  # host-side decision with a .item() sync per forward
     distribution_altering = True  # outputs differ from the uncached model: refused for exact requests
     needs_eager = False  # the blocks may be compiled; only this wrapper stays in Python
@@ -159,16 +161,12 @@ class CacheDiTInterceptor:
     # BlockInterceptor protocol
     # ---------------------------------------------------------------------------------------
 
-    def open(self, step: StepContext, loop: LoopState, params: Any = None) -> CacheDiTState:
+    def open(self, step: StepContext, loop: LoopState, params: CacheDiTParams | None = None) -> CacheDiTState:
         """Resolve this request's settings and allocate the branch's state.
 
-        Per-request tuning comes from ``params`` when the runtime passes it, else from
-        ``loop.extra["plugin_params"]["cache-dit"]`` (a validated :class:`CacheDiTParams` or a
-        plain mapping, validated here).
-        """
-        if params is None:
-            params = (loop.extra.get("plugin_params") or {}).get(NAME)
-        settings = resolve(self.config, params_from(params))
+        ``params`` is the request's ``plugin_params["cache-dit"]``, validated once by the runtime
+        against :class:`CacheDiTParams` (None: the deploy's settings)."""
+        settings = resolve(self.config, params)
         branch = step.branch or "cond"
         num_steps = step.num_steps or loop.total or None
         key = f"{step.request_id}/{step.node}/{branch}#{next(self._seq)}"

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from attrs import define, field
 
-from omniloop.errors import PluginError, RequestError
+from omniloop.errors import PluginError
 from omniloop.interceptors import BlockCall, BlockContext
 from omniloop.loop import LoopState, StepContext
 from omniloop.schema import check_ranges, structure_params
@@ -59,6 +59,8 @@ class FirstBlockCache:
     """The block interceptor. One instance per deployment, shared by all requests."""
 
     name = NAME
+    #: the request-parameter schema (``plugin_params["fbcache"]``), as registered
+    params_schema = FBCacheParams
     #: the skip decision reads a tensor on the host (.item()), so it cannot live in a CUDA graph
     graph_safe = False
     #: cached steps approximate the model: exact requests bypass this interceptor
@@ -84,12 +86,8 @@ class FirstBlockCache:
 
     # -- the BlockInterceptor protocol ---------------------------------------------------------
 
-    def open(self, step: StepContext, loop: LoopState) -> FBCacheState:
-        params = (loop.extra.get("plugin_params") or {}).get(NAME)
-        if isinstance(params, Mapping):  # tests and direct callers may pass a plain dict
-            params = structure_params(FBCacheParams, params, f"plugin_params.{NAME}")
-        elif params is not None and not isinstance(params, FBCacheParams):
-            raise RequestError(f"plugin_params.{NAME}", f"expected parameters, got {type(params).__name__}")
+    def open(self, step: StepContext, loop: LoopState, params: FBCacheParams | None = None) -> FBCacheState:
+        """``params``: the request's ``plugin_params["fbcache"]``, validated once by the runtime."""
         return FBCacheState(branch=step.branch or "cond", settings=resolve(self.config, params))
 
     def run(self, blocks: Sequence[Any], hidden: torch.Tensor, ctx: BlockContext, call: BlockCall) -> torch.Tensor:
