@@ -94,6 +94,7 @@ class Execution:
         self.state.metrics["seed"] = seed
         #: the family's resolved form of the request (``Runtime.prepare`` resolves it once)
         self.resolved: Resolved | None = resolved
+        self.state.resolved = resolved
         if not warnings and resolved is not None:
             warnings = resolved.warnings
         if warnings:

@@ -89,6 +89,9 @@ class RequestState:
     metrics: dict[str, Any] = attrs.Factory(dict)
     #: typed per-family extension (the family decides what it stores here)
     ext: dict[str, Any] = attrs.Factory(dict)
+    #: the family's resolved form of the request (``omniloop.resolved.Resolved``), as on
+    #: ``StageContext.resolved`` — for stage methods that get no context (``kv_demand``)
+    resolved: Any = None
 
     def read(self, name: str, kind: type[A] | None = None) -> A:
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from omniloop.artifacts import Conditioning, Text
-from omniloop.errors import DeployError, RequestError
+from omniloop.errors import DeployError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.kvcache import CacheManager, KVLayout
@@ -29,7 +29,7 @@ from omniloop.request import OmniRequest, TaskType
 from . import FAMILY_NAME
 from .checkpoint import CheckpointInfo, load_checkpoint, load_tokenizer, looks_like_qwen, validate_checkpoint
 from .model import PagedQwen
-from .stages import Decode, DecodeParams, Prompt, decode_params, render_prompt, sampling_of, stop_strings
+from .stages import Decode, DecodeParams, Prompt, ReasonResolved, resolve_reason
 
 GIB = 1024**3
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,8 +108,8 @@ class QwenFamily:
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
         c = model.config
         decode = Decode(eos=c["eos_token_ids"], max_tokens=c["max_tokens"], max_positions=c["max_positions"],
-                        prefill_chunk=c["prefill_chunk"], cache=model.components["kv_cache"],
-                        tokenizer=model.components["tokenizer"])
+                        prefill_chunk=c["prefill_chunk"], cache=model.components.get("kv_cache"),
+                        tokenizer=model.components.get("tokenizer"))
         return PipelineSpec(
             family=self.name, task=task,
             nodes=(
@@ -120,27 +120,16 @@ class QwenFamily:
             outputs={"text": "text"},
         )
 
+    def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *,
+                node_params: Any = None) -> ReasonResolved:
+        """The request resolved once — tokenized, sizes, sampling values, stop strings and the KV
+        budget checked — before any compute (``Runtime.prepare``; on an inspected model too)."""
+        params = (node_params or {}).get("decode")
+        return resolve_reason(model.components["tokenizer"], model.config, request, params)
+
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
-        """Tokenize and check sizes, sampling values, stop strings and the KV budget — before any compute."""
-        if request.task is not TaskType.REASON:
-            raise RequestError("task", f"family {self.name!r} runs 'reason' requests, got {request.task.value!r}")
-        params = decode_params(request)
-        sampling_of(request)
-        stop_strings(request, params)
-        ids = render_prompt(model.components["tokenizer"], request, params)
-        c = model.config
-        decode = Decode(eos=c["eos_token_ids"], max_tokens=c["max_tokens"], max_positions=c["max_positions"],
-                        prefill_chunk=c["prefill_chunk"])
-        n = decode.resolve_max_tokens(request, len(ids))
-        kv = c["kv_cache"]
-        need = -(-(len(ids) + n) // kv["block_size"])
-        if need > kv["num_blocks"]:
-            raise RequestError(
-                "sampling.max_tokens",
-                f"a {len(ids)}-token prompt plus {n} new tokens needs {need} KV blocks; the pool holds {kv['num_blocks']} "
-                f"(deploy options.kv_cache_tokens)",
-            )
-        return []
+        """The warnings of :meth:`resolve`."""
+        return list(self.resolve(model, request, limits).warnings)
 
 
 def checkpoint_info(path: str | Path) -> CheckpointInfo:

@@ -26,7 +26,8 @@ from omniloop.artifacts import Conditioning, Text
 from omniloop.errors import RequestError
 from omniloop.kvcache import CacheFull, CacheManager
 from omniloop.loop import LoopState, RequestState, StageContext, StepResult
-from omniloop.request import OmniRequest, TextPart
+from omniloop.request import OmniRequest, TaskType, TextPart
+from omniloop.resolved import Workload
 
 from .sampling import Sampling, next_token
 
@@ -98,12 +99,78 @@ def sampling_of(request: OmniRequest) -> Sampling:
     return Sampling(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k))
 
 
+@define(frozen=True)
+class ReasonResolved:
+    """A ``reason`` request resolved once (``QwenFamily.resolve``; ``ctx.resolved`` in the nodes):
+    its prompt tokens, how many new tokens it may make, sampling, stop strings and seed."""
+
+    task: TaskType
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling
+    stops: tuple[str, ...]
+    seed: int | None = None
+    warnings: tuple[str, ...] = ()
+
+    def workload(self) -> Workload:
+        """One token sequence: ``max_tokens`` decode steps of one forward each (KV blocks are
+        admitted through the decode node's ``kv_demand``)."""
+        return Workload(steps=self.max_tokens, branches=1)
+
+
+def resolve_reason(tokenizer: Any, config: dict[str, Any], request: OmniRequest,
+                   params: DecodeParams | None = None) -> ReasonResolved:
+    """Check and resolve a ``reason`` request against a checkpoint's tokenizer and config (``eos``,
+    ``max_tokens``, ``max_positions``, ``kv_cache``): every refusal before any compute."""
+    if request.task is not TaskType.REASON:
+        raise RequestError("task", f"family 'qwen' runs 'reason' requests, got {request.task.value!r}")
+    if params is None:  # a stage driven by hand, outside a runtime: the same converter
+        params = decode_params(request)
+    sampling = sampling_of(request)
+    stops = stop_strings(request, params)
+    ids = render_prompt(tokenizer, request, params)
+    n = max_new_tokens(request, len(ids), max_positions=config["max_positions"], default=config["max_tokens"])
+    kv = config.get("kv_cache")
+    if kv:
+        need = -(-(len(ids) + n) // kv["block_size"])
+        if need > kv["num_blocks"]:
+            raise RequestError(
+                "sampling.max_tokens",
+                f"a {len(ids)}-token prompt plus {n} new tokens needs {need} KV blocks; the pool holds {kv['num_blocks']} "
+                f"(deploy options.kv_cache_tokens)",
+            )
+    seed = getattr(request.sampling, "seed", None)
+    return ReasonResolved(task=request.task, prompt_ids=tuple(ids), max_tokens=n, sampling=sampling,
+                          stops=tuple(stops), seed=params.seed if seed is None else seed)
+
+
+def max_new_tokens(request: OmniRequest, prompt_len: int, *, max_positions: int, default: int) -> int:
+    """``sampling.max_tokens`` checked against the context left after the prompt (default: the
+    checkpoint's ``max_tokens``, capped by that room)."""
+    room = max_positions - prompt_len
+    asked = request.sampling.max_tokens
+    if asked is not None:
+        if asked > room:
+            raise RequestError(
+                "sampling.max_tokens",
+                f"{asked} new tokens after a {prompt_len}-token prompt exceed the model's context of {max_positions}",
+            )
+        return int(asked)
+    if room < 1:
+        raise RequestError("inputs", f"the prompt ({prompt_len} tokens) fills the model's context of {max_positions}")
+    return min(default, room)
+
+
 class Prompt:
-    """Tokenize the request (chat template when it has roles) → ``prompt_ids``."""
+    """The request's resolved prompt tokens (chat template applied when it has roles) → ``prompt_ids``."""
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
-        params = ctx.params if isinstance(ctx.params, DecodeParams) else decode_params(state.request)
-        ids = render_prompt(ctx.components["tokenizer"], state.request, params)
+        r = ctx.resolved
+        if isinstance(r, ReasonResolved):
+            ids = list(r.prompt_ids)
+        else:
+            params = ctx.params if isinstance(ctx.params, DecodeParams) else decode_params(state.request)
+            ids = render_prompt(ctx.components["tokenizer"], state.request, params)
         # a tensor, not a list: schedulers walk artifacts to measure what a request holds
         state.write("prompt_ids", Conditioning(values={"ids": torch.tensor(ids, dtype=torch.long)}), ctx.node.name)
 
@@ -128,40 +195,39 @@ class Decode:
             return None
         blocks = state.ext.get("qwen.kv_blocks")
         if blocks is None:
-            req = state.request
-            prompt = state.get("prompt_ids")
-            n = int(prompt.values["ids"].numel()) if isinstance(prompt, Conditioning) else len(
-                render_prompt(self.tokenizer, req, decode_params(req)))
-            blocks = state.ext["qwen.kv_blocks"] = self.cache.blocks_for(n + self.resolve_max_tokens(req, n))
+            r = self._resolved(state, None)
+            blocks = state.ext["qwen.kv_blocks"] = self.cache.blocks_for(len(r.prompt_ids) + r.max_tokens)
         return self.cache, int(blocks)
 
     # -- per request -------------------------------------------------------------------------------
+    def _resolved(self, state: RequestState, params: Any) -> ReasonResolved:
+        r = state.resolved
+        if isinstance(r, ReasonResolved):
+            return r
+        # driven by hand, outside a runtime: resolve with the same function the family uses
+        config = {"max_positions": self.max_positions, "max_tokens": self.max_tokens}
+        return resolve_reason(self.tokenizer, config, state.request, params if isinstance(params, DecodeParams) else None)
+
     def resolve_max_tokens(self, request: OmniRequest, prompt_len: int) -> int:
-        room = self.max_positions - prompt_len
-        asked = request.sampling.max_tokens
-        if asked is not None:
-            if asked > room:
-                raise RequestError(
-                    "sampling.max_tokens",
-                    f"{asked} new tokens after a {prompt_len}-token prompt exceed the model's context of {self.max_positions}",
-                )
-            return int(asked)
-        if room < 1:
-            raise RequestError("inputs", f"the prompt ({prompt_len} tokens) fills the model's context of {self.max_positions}")
-        return min(self.max_tokens, room)
+        return max_new_tokens(request, prompt_len, max_positions=self.max_positions, default=self.max_tokens)
 
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         req = state.request
-        params = ctx.params if isinstance(ctx.params, DecodeParams) else decode_params(req)
         prompt = [int(t) for t in state.read("prompt_ids", Conditioning).values["ids"].tolist()]
-        max_tokens = self.resolve_max_tokens(req, len(prompt))
+        r = ctx.resolved if isinstance(ctx.resolved, ReasonResolved) else None
+        if r is None:
+            params = ctx.params if isinstance(ctx.params, DecodeParams) else decode_params(req)
+            max_tokens = self.resolve_max_tokens(req, len(prompt))
+            sampling, stops = sampling_of(req), stop_strings(req, params)
+            seed = getattr(req.sampling, "seed", None)
+            seed = params.seed if seed is None else seed
+        else:
+            max_tokens, sampling, stops, seed = r.max_tokens, r.sampling, list(r.stops), r.seed
         cache: CacheManager = ctx.components["kv_cache"]
         try:
             handle = cache.allocate(0, reserve_tokens=len(prompt) + max_tokens, tag=req.request_id)
         except CacheFull as exc:
             raise CacheFull(f"request {req.request_id}: {exc}") from None
-        seed = getattr(req.sampling, "seed", None)
-        seed = params.seed if seed is None else seed
         gen = state.generator
         if seed is not None:
             gen = torch.Generator(device="cpu")
@@ -172,7 +238,7 @@ class Decode:
         loop = LoopState(total=1 + chunks + max_tokens - 1)
         loop.extra.update(
             seq=handle, cache=cache, joined=False, pending=prompt, prompt_len=len(prompt), max_tokens=max_tokens, out=[], text="",
-            emitted=0, finish=None, gen=gen, sampling=sampling_of(req), stops=stop_strings(req, params),
+            emitted=0, finish=None, gen=gen, sampling=sampling, stops=stops,
         )
         # last resort: blocks come back when the loop state is collected (a dropped execution)
         weakref.finalize(loop, cache.free, handle)
