@@ -55,9 +55,11 @@ class DeployConfig:
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     scheduler: str = "serial"
+    #: how nodes exchange artifacts: only ``inproc`` has behaviour today (others are refused)
     transport: str = "inproc"
     attention_backend: str = "sdpa"
     compile: bool = False
+    #: component offload: only ``none`` has behaviour today (others are refused by the runtime)
     offload: Literal["none", "model", "sequential"] = "none"
     #: enabled plugins (interceptors, observers) by name, with their deploy-level config
     plugins: dict[str, dict[str, Any]] = attrs.Factory(dict)

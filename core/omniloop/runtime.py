@@ -55,6 +55,7 @@ class Deployment:
     def __init__(self, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
                  manager: PluginManager | None = None) -> None:
         deploy = load_deploy(deploy)
+        _refuse_unimplemented(deploy)
         self.deploy = deploy
         self.plugins = manager or default_manager()
         self.registry: Registry = self.plugins.registry()
@@ -442,6 +443,20 @@ def structure_node_params(spec: PipelineSpec, req: OmniRequest) -> dict[str, Any
         if name not in out and node.params_schema is not None:
             out[name] = structure_params(node.params_schema, {}, f"node_params.{name}")
     return out
+
+
+def _refuse_unimplemented(deploy: DeployConfig) -> None:
+    """Deploy fields that exist in the schema but have no behaviour yet are refused, never ignored."""
+    if deploy.transport != "inproc":
+        raise DeployError(
+            f"transport: {deploy.transport!r} is not implemented yet; only 'inproc' runs (every node in this "
+            "process) — remove the field or set it to 'inproc'"
+        )
+    if deploy.offload != "none":
+        raise DeployError(
+            f"offload: {deploy.offload!r} is not implemented yet; only 'none' runs (components stay on the "
+            "deploy's device) — remove the field or set it to 'none'"
+        )
 
 
 def _defaults_of(family: Any, model: LoadedModel, task: TaskType) -> dict[str, Any]:

@@ -177,3 +177,13 @@ def test_the_old_open_signature_still_works_and_warns(ckpt: Any) -> None:
     import torch
 
     assert torch.equal(outs[0].artifacts["video"].frames, outs[1].artifacts["video"].frames)
+
+
+# -- deploy fields without behaviour are refused, never accepted and ignored ------------------------
+@pytest.mark.parametrize("field,value", [("transport", "nccl"), ("offload", "model"), ("offload", "sequential")])
+def test_fields_without_behaviour_are_refused(ckpt: Any, field: str, value: str) -> None:
+    from omniloop.errors import DeployError
+
+    with pytest.raises(DeployError, match=f"^{field}: '{value}' is not implemented yet"):
+        Deployment({"model": {"path": str(ckpt)}, field: value}, manager=make_manager())
+    Deployment({"model": {"path": str(ckpt)}, "transport": "inproc", "offload": "none"}, manager=make_manager())
