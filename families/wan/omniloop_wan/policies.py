@@ -40,7 +40,7 @@ NODE = "denoise"
 
 def _registry_specs(options: Mapping[str, Any]) -> dict[str, PolicySpec]:
     """This package's policies, overridden by what the deployment's registry holds."""
-    from omniloop_policies.plugin import builtin_specs
+    from omniloop_policies import builtin_specs
 
     specs = {s.name: s for s in builtin_specs()}
     registry = options.get("registry")
@@ -76,6 +76,8 @@ def _deploy_policies(options: Mapping[str, Any]) -> dict[str, Any]:
 def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> Any:
     """The :class:`~omniloop_policies.PolicyMenu` of ``model`` (not cached; see :func:`menu_for`)."""
     from omniloop_policies import (
+        DEFAULT_CFGS,
+        DEFAULT_SAMPLERS,
         BoundaryRouter,
         PolicyError,
         PolicyMenu,
@@ -84,7 +86,6 @@ def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> 
         SingleExpert,
         parse_dtype,
     )
-    from omniloop_policies.bundle import DEFAULT_CFGS, DEFAULT_SAMPLERS
 
     options = options or {}
     cfg = model.config

@@ -6,7 +6,7 @@ lives in ``LoopState.policy_state`` (allocated by ``init``), never on the policy
 
 from __future__ import annotations
 
-from .bundle import DenoisePolicies, PolicyMenu, sampler_for_config
+from .bundle import DEFAULT_CFGS, DEFAULT_SAMPLERS, DenoisePolicies, PolicyMenu, sampler_for_config
 from .cfg import (
     AdaptiveGateCFG,
     CFGPolicy,
@@ -25,6 +25,7 @@ from .cfg import (
 )
 from .errors import PolicyError, SchedulerConfigError
 from .params import POLICY_KNOBS, DenoiseParams, accepts
+from .plugin import builtin_specs
 from .precision import PrecisionPolicy, parse_dtype
 from .routing import BoundaryRouter, ExpertRouter, SingleExpert
 from .samplers import (
@@ -40,6 +41,8 @@ from .samplers import (
 from .shift import ConstantShift, ResolutionShift, ShiftPolicy, ShiftValue, calculate_shift
 
 __all__ = [
+    "DEFAULT_CFGS",
+    "DEFAULT_SAMPLERS",
     "DMD_WAN_TIMESTEPS",
     "POLICY_KNOBS",
     "AdaptiveGateCFG",
@@ -70,6 +73,7 @@ __all__ = [
     "SingleExpert",
     "UniPCSampler",
     "accepts",
+    "builtin_specs",
     "calculate_shift",
     "forward_groups",
     "forward_name",

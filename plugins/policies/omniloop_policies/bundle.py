@@ -47,6 +47,7 @@ from .cfg import (
 )
 from .errors import PolicyError, SchedulerConfigError
 from .params import POLICY_KNOBS, DenoiseParams, accepts
+from .plugin import builtin_specs
 from .precision import PrecisionPolicy
 from .routing import ExpertRouter, SingleExpert
 from .samplers import SAMPLER_CLASSES, Sampler, SamplerState
@@ -278,8 +279,6 @@ class PolicyMenu:
         if default_sampler is None:
             default_sampler = sampler_for_config(scheduler_config)
         if registry is None:
-            from .plugin import builtin_specs
-
             registry = {s.name: s for s in builtin_specs()}
         precision = precision or PrecisionPolicy()
         sampler_options = sampler_options or {}
