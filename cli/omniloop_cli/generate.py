@@ -6,7 +6,8 @@ written → resolve the deployment without weights and run every request check t
 can inspect its checkpoint) → load the model → ``Runtime.prepare`` (node params and the family's
 full checks) → run through the deploy's scheduler, showing a progress bar per node and per step →
 write the output file: an mp4 for a video, a png/webp for an image (an ``Image`` artifact, or a
-video of one frame).
+video of one frame). A text task (``--task reason``) writes no file: its text goes to stdout (the
+summary to stderr).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .app import fail, get_manager
 VIDEO_SUFFIXES = (".mp4",)
 IMAGE_SUFFIXES = (".png", ".webp")
 IMAGE_TASKS = ("t2i", "i2i")
+#: tasks whose output is text: printed on stdout, no file
+TEXT_TASKS = ("reason",)
 
 
 class JsonScalar(click.ParamType):
@@ -125,7 +128,7 @@ def show_profile(runtime: Any, output: Any, json_path: Path, *, quiet: bool) -> 
 
 def build_request(
     prompt: str, *, task: str, negative_prompt: str | None, image: str | None, diffusion: dict[str, Any],
-    plugin_params: dict[str, dict[str, Any]], return_latents: bool,
+    plugin_params: dict[str, dict[str, Any]], return_latents: bool, sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     req: dict[str, Any] = {"task": parse_scalar(task), "prompt": prompt}
     if negative_prompt is not None:
@@ -139,6 +142,9 @@ def build_request(
         req["plugin_params"] = plugin_params
     if return_latents:
         req["outputs"] = {"return_latents": True}
+    s = {k: v for k, v in (sampling or {}).items() if v is not None}
+    if s:
+        req["sampling"] = s
     return req
 
 
@@ -184,6 +190,8 @@ def check_writable(path: Path) -> None:
 @click.option("--fps", type=JsonScalar("FLOAT"), help="Frame rate of the output video.")
 @click.option("--seed", type=JsonScalar("INT"), help="Random seed (random if omitted; reported in the output).")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An input image (i2v, i2i).")
+@click.option("--max-tokens", type=JsonScalar("INT"), help="Text tasks (reason): new tokens at most.")
+@click.option("--temperature", type=JsonScalar("FLOAT"), help="Text tasks (reason): sampling temperature (0: greedy).")
 @click.option("--plugin-param", "plugin_param", multiple=True, metavar="NAME.KEY=VALUE", help="Tune an enabled plugin for this request (repeatable).")
 @click.option("--device", help="cpu, cuda, cuda:1, ... (overrides the deploy file).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Overrides the deploy file.")
@@ -197,6 +205,7 @@ def generate(
     steps: Any, guidance: Any, negative_prompt: str | None, height: Any, width: Any, frames: Any,
     fps: Any, seed: Any, image: str | None, plugin_param: tuple[str, ...], device: str | None,
     dtype: str | None, out: str | None, return_latents: bool, as_json: bool, profile: bool,
+    max_tokens: Any = None, temperature: Any = None,
 ) -> None:
     """Generate a video (or image) from PROMPT and write it to a file.
 
@@ -213,10 +222,17 @@ def generate(
         diffusion={"steps": steps, "guidance_scale": guidance, "height": height, "width": width,
                    "frames": frames, "fps": fps, "seed": seed},
         plugin_params=parse_plugin_params(plugin_param), return_latents=return_latents,
+        sampling={"max_tokens": max_tokens, "temperature": temperature},
     )
     request = request_from_dict(req_dict)
-    path = output_path(out, request)
-    check_writable(path)
+    text_task = request.task.value in TEXT_TASKS
+    if text_task:
+        if out is not None:
+            fail(f"--out: a {request.task.value} request prints its text on stdout and writes no file")
+        path = Path("out") / f"{request.request_id}.txt"  # names the --profile report only
+    else:
+        path = output_path(out, request)
+        check_writable(path)
     deploy = build_deploy(deploy_file, model, device, dtype)
     profile_path = path.with_name(path.stem + ".profile.json") if profile else None
     if profile_path is not None:
@@ -244,7 +260,8 @@ def generate(
     # 4. write what came back
     from .output import summarize, write_outputs
 
-    files = write_outputs(output, path, latents=return_latents) if output.ok else {}
+    files = write_outputs(output, path, latents=return_latents) if output.ok and not text_task else {}
+    text = output.artifacts["text"].text if text_task and output.ok and "text" in output.artifacts else None
     if profile_path is not None:
         report = show_profile(runtime, output, profile_path, quiet=as_json)
         if report is not None:
@@ -256,9 +273,13 @@ def generate(
         doc["output_path"] = str(files["output"]) if "output" in files else None
         doc["files"] = {k: str(v) for k, v in files.items()}
         doc["load_seconds"] = round(load_seconds, 6)
+        if text is not None:
+            doc["text"] = text
         click.echo(json.dumps(doc, indent=2))
     else:
-        summarize(console(), output, files, load_seconds)
+        if text is not None:
+            click.echo(text)
+        summarize(console(stderr=text_task), output, files, load_seconds)
     if not output.ok:
         e = output.error
         where = f" in node {e.node!r}" + (f" at step {e.step}" if e.step is not None else "") if e and e.node else ""
