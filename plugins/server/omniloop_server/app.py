@@ -11,6 +11,9 @@
 ``POST /v1/videos/{id}/cancel``        cancel a queued/running job, keep its record
 ``DELETE /v1/videos/{id}``             delete a job (cancelling it first if it still runs)
 ``POST /v1/images/generations``        OpenAI-like; waits, returns ``data: [{b64_json}]`` (png)
+``POST /v1/images/edits``              i2i (multipart as the SDK sends it, or JSON); see :mod:`.images`
+``POST /v1/chat/completions``          text (``reason``) deployments; SSE chunks with ``stream``;
+``POST /v1/completions``               see :mod:`.chat`
 ``GET /v1/models[/{id}]``              the served model
 ``GET /health``                        liveness + queue state (503 when the engine died or drains)
 ``GET /metrics``                       Prometheus text
@@ -32,9 +35,7 @@ for ``shutdown_timeout`` seconds, cancel what still runs, and append every job's
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import io
 import json
 import logging
 import tempfile
@@ -55,12 +56,16 @@ from omniloop.request import TaskType
 from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, QueueFull
 
 from .bodies import MappedBody, check_tree, form_to_body, map_image_body, map_video_body, parse_json, show
+from .chat import text_routes
+from .images import image_edit_routes, images_response
 from .jobs import Job, JobStore
 from .metrics import render_metrics
 
 log = logging.getLogger("omniloop.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: uploaded files in one multipart body (images.edit: image[] + mask)
+MAX_FORM_FILES = 12
 SSE_KEEPALIVE_S = 15.0
 #: the longest error message / param sent back (client values inside are truncated already)
 MAX_MESSAGE_CHARS, MAX_PARAM_CHARS = 1000, 200
@@ -291,7 +296,7 @@ def create_app(
             yield b""
 
         try:
-            form = await MultiPartParser(request.headers, stream(), max_files=2, max_fields=64,
+            form = await MultiPartParser(request.headers, stream(), max_files=MAX_FORM_FILES, max_fields=64,
                                          max_part_size=MAX_BODY_BYTES).parse()  # a base64 image may be a text field
         except Exception as exc:  # python-multipart's and Starlette's errors alike
             raise RequestError("body", f"malformed multipart/form-data body: {show(getattr(exc, 'message', str(exc)), 200)}") from None
@@ -496,21 +501,7 @@ def create_app(
             handles = submit(mapped)
         except Exception as exc:
             return translate(exc, mapped)
-        outs = await asyncio.gather(*(h.result() for h in handles))
-        for h in handles:
-            engine.forget(h.request_id)
-        bad = next((o for o in outs if not o.ok), None)
-        if bad is not None:
-            msg = bad.error.message if bad.error else bad.status.value
-            return error(500, f"image generation {bad.status.value}: {msg}", type_="server_error", code=bad.status.value)
-        try:
-            data = await asyncio.to_thread(lambda: [{"b64_json": _png_b64(o)} for o in outs])
-        except Exception as exc:
-            return error(500, f"encoding the image failed: {exc}", type_="server_error")
-        resp: dict[str, Any] = {"created": int(time.time()), "data": data, "output_format": "png"}
-        if "size" in mapped.info:
-            resp["size"] = mapped.info["size"]
-        return JSONResponse(resp)
+        return await images_response(engine, handles, mapped)
 
     def model_object() -> dict[str, Any]:
         rt = state.runtime
@@ -564,10 +555,21 @@ def create_app(
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    # endpoints kept in their own modules, built on these helpers
+    api = _Helpers(state=state, engine=engine, read_request_body=read_request_body, submit=submit,
+                   translate=translate, closed=closed)
+    routes += [*text_routes(api), *image_edit_routes(api)]
     app = _App(routes=routes, lifespan=lifespan,
                exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.omniloop = state
     return app
+
+
+class _Helpers:
+    """What endpoint modules (:mod:`.chat`, :mod:`.images`) use of :func:`create_app`'s closure."""
+
+    def __init__(self, **helpers: Any) -> None:
+        self.__dict__.update(helpers)
 
 
 class _App(Starlette):
@@ -576,12 +578,3 @@ class _App(Starlette):
     def build_middleware_stack(self) -> Any:
         return _Guard(super().build_middleware_stack(), self.state.omniloop)
 
-
-def _png_b64(out: Any) -> str:
-    from omniloop.media import to_pil
-
-    art = out.artifacts.get("image")
-    pixels = art.pixels if art is not None else out.artifacts["video"].frames[0]
-    buf = io.BytesIO()
-    to_pil(pixels).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode("ascii")

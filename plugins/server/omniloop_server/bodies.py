@@ -197,7 +197,7 @@ _KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
 _INT = re.compile(r"^[+-]?\d{1,19}$")
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 _INT_FIELDS = {"steps", "num_inference_steps", "seed", "frames", "priority", "n"}
-_FLOAT_FIELDS = {"guidance_scale", "fps"}
+_FLOAT_FIELDS = {"guidance_scale", "fps", "strength"}
 #: leaves under ``omniloop[...]`` that stay text even when they look like numbers
 _TEXT_LEAVES = {"request_id", "prompt", "negative_prompt", "text", "data_b64", "role", "type"}
 MAX_FORM_FIELDS = 64

@@ -1,0 +1,169 @@
+"""``POST /v1/images/edits``: OpenAI's image edit → the family's ``i2i`` task (FLUX.1, SD3, ...).
+
+Takes ``multipart/form-data`` as the ``openai`` SDK's ``images.edit`` sends it (``image`` — one
+uploaded file, or ``image[]`` holding one —, ``prompt``, ``n``, ``size``, ``response_format``,
+``extra_body`` keys as more form fields, nested ones bracketed) and the same fields as JSON (the
+image as base64, a ``data:`` URL or ``{"image_url": "data:..."}``). Fields:
+
+* ``image`` → an image input part; the family resizes it to the output size (as diffusers does).
+* ``strength`` (``extra_body``; ``0 < strength <= 1``) → ``node_params.denoise.strength``: how much
+  of the schedule runs; the family's default when unset (diffusers' pipeline default).
+* ``prompt``, ``negative_prompt``, ``n`` (seeds ``seed + i``), ``size`` (``"WxH"`` or ``"auto"``:
+  the family's default size), ``steps``, ``guidance_scale``, ``seed``, ``omniloop`` as for
+  ``/v1/images/generations``; ``response_format`` is ``b64_json``; PNG out.
+* ``mask`` (inpainting) and more than one input image are refused with a 422 naming the field.
+
+The answer is the generations answer: ``{"created", "data": [{"b64_json"}], "output_format": "png"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omniloop.errors import RequestError
+from omniloop.request import TaskType
+
+from .bodies import (
+    COMMON_FIELDS,
+    INT_MAX,
+    MAX_IMAGES,
+    MappedBody,
+    _apply_omniloop_images,
+    _base,
+    _image_bytes,
+    _num,
+    show,
+)
+
+EDIT_FIELDS = COMMON_FIELDS | {
+    "image", "mask", "n", "response_format", "output_format", "strength", "quality", "background", "input_fidelity",
+    "output_compression", "safety_identifier", "moderation", "style",
+}
+#: the node whose ``strength`` knob i2i families read (FLUX.1, SD3)
+STRENGTH_NODE = "denoise"
+
+
+def _err(path: str, msg: str) -> RequestError:
+    return RequestError(path, msg)
+
+
+def _one_image(body: Mapping[str, Any]) -> bytes:
+    if "image" not in body:
+        raise _err("image", "missing required field (the image to edit)")
+    value = body["image"]
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise _err("image", f"exactly one input image is supported, got {len(value)}")
+        value = value[0]
+    return _image_bytes("image", value)
+
+
+def expand_n(body: Mapping[str, Any], d: dict[str, Any], origins: dict[str, str], info: dict[str, Any]) -> MappedBody:
+    """``n`` request dicts from one (request ids ``<id>_<i>``, seeds ``seed + i``)."""
+    n = 1
+    if "n" in body and body["n"] is not None:
+        n = _num(body, "n", integer=True)
+        if not 1 <= n <= MAX_IMAGES:
+            raise _err("n", f"must be between 1 and {MAX_IMAGES}, got {n}")
+    reqs = []
+    base_id = d["request_id"]
+    seed = d["diffusion"].get("seed") if isinstance(d.get("diffusion"), Mapping) else None
+    for i in range(n):
+        r = {**d, "request_id": f"{base_id}_{i}" if n > 1 else base_id}
+        if isinstance(d.get("diffusion"), Mapping):
+            r["diffusion"] = dict(d["diffusion"])
+            if isinstance(seed, int) and not isinstance(seed, bool) and seed + i <= INT_MAX:
+                r["diffusion"]["seed"] = seed + i
+        reqs.append(r)
+    info["n"] = n
+    return MappedBody(reqs, origins, info)
+
+
+def map_edit_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this model") -> MappedBody:
+    """``POST /v1/images/edits`` body → ``n`` i2i request dicts."""
+    if isinstance(body, Mapping) and body.get("size") == "auto":
+        body = {k: v for k, v in body.items() if k != "size"}
+    d, origins, info = _base(body, EDIT_FIELDS, TaskType.I2I, "imgedit")
+    if TaskType.I2I not in tasks:
+        does = ", ".join(sorted(t.value for t in tasks)) or "nothing"
+        raise _err("model", f"{model} does not edit images (no i2i task; it does: {does})")
+    if body.get("mask") is not None:
+        raise _err("mask", "masks (inpainting) are not supported; the whole image is re-generated from strength")
+    fmt = body.get("response_format") or "b64_json"
+    if fmt != "b64_json":
+        raise _err("response_format", f"only \"b64_json\" is supported, got {show(fmt)}")
+    ofmt = body.get("output_format") or "png"
+    if ofmt != "png":
+        raise _err("output_format", f"only \"png\" is supported, got {show(ofmt)}")
+    data = _one_image(body)
+    d["inputs"] = [*d.get("inputs", []), {"type": "image", "data_b64": base64.b64encode(data).decode("ascii"), "role": "image"}]
+    origins["inputs.0"] = "image"  # the prompt (a top-level convenience field) is appended after it
+    if body.get("strength") is not None:
+        strength = _num(body, "strength", allow_str=True)
+        d["node_params"] = {STRENGTH_NODE: {"strength": strength}}
+        origins[f"node_params.{STRENGTH_NODE}.strength"] = "strength"
+    d.setdefault("diffusion", {}).setdefault("frames", 1)
+    origins.setdefault("diffusion.frames", "omniloop.diffusion.frames")
+    _apply_omniloop_images(body, d, origins)
+    return expand_n(body, d, origins, info)
+
+
+def _png_b64(out: Any) -> str:
+    from omniloop.media import to_pil
+
+    art = out.artifacts.get("image")
+    pixels = art.pixels if art is not None else out.artifacts["video"].frames[0]
+    buf = io.BytesIO()
+    to_pil(pixels).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+async def images_response(engine: Any, handles: list[Any], mapped: MappedBody) -> Response:
+    """Wait for every image, then OpenAI's ``ImagesResponse`` (PNG, base64)."""
+    from .app import error
+
+    outs = await asyncio.gather(*(h.result() for h in handles))
+    for h in handles:
+        engine.forget(h.request_id)
+    bad = next((o for o in outs if not o.ok), None)
+    if bad is not None:
+        msg = bad.error.message if bad.error else bad.status.value
+        return error(500, f"image generation {bad.status.value}: {msg}", type_="server_error", code=bad.status.value)
+    try:
+        data = await asyncio.to_thread(lambda: [{"b64_json": _png_b64(o)} for o in outs])
+    except Exception as exc:
+        return error(500, f"encoding the image failed: {exc}", type_="server_error")
+    resp: dict[str, Any] = {"created": int(time.time()), "data": data, "output_format": "png"}
+    if "size" in mapped.info:
+        resp["size"] = mapped.info["size"]
+    return JSONResponse(resp)
+
+
+def image_edit_routes(api: Any) -> list[Any]:
+    """``POST /v1/images/edits`` on the app's helpers (see :func:`omniloop_server.app.create_app`)."""
+    from starlette.routing import Route
+
+    state, engine = api.state, api.engine
+
+    async def edit_images(request: Request) -> Response:
+        mapped = None
+        try:
+            body = await api.read_request_body(request, form=True)
+            if state.draining:
+                return api.closed()
+            mapped = map_edit_body(body, tasks=state.tasks, model=repr(state.model_id))
+            state.check_model(body)
+            handles = api.submit(mapped)
+        except Exception as exc:
+            return api.translate(exc, mapped)
+        return await images_response(engine, handles, mapped)
+
+    return [Route("/v1/images/edits", edit_images, methods=["POST"])]
