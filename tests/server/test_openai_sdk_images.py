@@ -1,0 +1,150 @@
+"""The official ``openai`` SDK's ``images.generate`` and ``images.edit`` against a real server on
+127.0.0.1 serving a tiny random FLUX.1 [dev] checkpoint through the ``step`` scheduler (issues 16, 23).
+
+``images.edit`` sends multipart/form-data (the image as a file, ``extra_body`` keys as form
+fields); the server maps it onto the family's ``i2i`` task. Each image is within one uint8 level
+of the Python API's image for the same request and seed (the server's images may be co-batched
+with others: the family's batching tolerance). The server README's image snippets are copied from here.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+pytest.importorskip("omniloop_flux")
+
+from openai import OpenAI  # noqa: E402
+
+T = 120.0
+
+
+def png(size: tuple[int, int] = (72, 80), seed: int = 0) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def decode(b64: str | None) -> np.ndarray:
+    from PIL import Image
+
+    assert b64 is not None
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def flux_manager() -> Any:
+    import omniloop_flux.plugin as flux_plugin
+    import omniloop_scheduler.plugin as scheduler_plugin
+    from omniloop.testing import make_manager
+
+    return make_manager(("flux", flux_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
+
+
+@pytest.fixture(scope="module")
+def flux_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omniloop_flux.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("sdk-flux") / "tiny-flux", variant="dev")
+
+
+@pytest.fixture(scope="module")
+def reference(flux_ckpt: Path) -> Any:
+    """The Python API on its own runtime (serial): ``reference(request) -> uint8 [H, W, 3]``."""
+    from omniloop.runtime import Runtime
+
+    rt = Runtime.from_model(flux_ckpt, manager=flux_manager(), device="cpu", dtype="float32")
+    return lambda req: rt.generate(req).artifacts["image"].pixels.numpy()
+
+
+@pytest.fixture(scope="module")
+def client(flux_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+    from omniloop.runtime import Runtime
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    rt = Runtime.from_model(flux_ckpt, manager=flux_manager(), device="cpu", dtype="float32", scheduler="step",
+                            limits={"max_steps": 8, "max_height": 128, "max_width": 128})
+    app = create_app(rt, output_dir=tmp_path_factory.mktemp("flux-out"), shutdown_timeout=0)
+    with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=T) as client:
+        yield client
+
+
+def close(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and int(np.abs(a.astype(int) - b.astype(int)).max()) <= 1
+
+
+def test_images_generate(client: OpenAI, reference: Any) -> None:
+    result = client.images.generate(model="tiny-flux", prompt="a red fox", n=2, size="64x48",
+                                    extra_body={"steps": 2, "seed": 5})
+    assert len(result.data) == 2 and result.output_format == "png" and result.size == "64x48"
+    for i, d in enumerate(result.data):
+        ref = reference({"task": "t2i", "prompt": "a red fox", "diffusion": {"steps": 2, "seed": 5 + i, "height": 48, "width": 64}})
+        assert close(decode(d.b64_json), ref), i
+
+
+def test_images_edit(client: OpenAI, reference: Any) -> None:
+    image = png()
+    result = client.images.edit(
+        model="tiny-flux",
+        image=("input.png", image, "image/png"),
+        prompt="a red fox in the snow",
+        size="64x64",
+        extra_body={"steps": 4, "seed": 3, "strength": 0.5},
+    )
+    assert len(result.data) == 1 and result.size == "64x64"
+    ref = reference({"task": "i2i", "prompt": "a red fox in the snow",
+                     "inputs": [{"type": "image", "data_b64": base64.b64encode(image).decode()}],
+                     "diffusion": {"steps": 4, "seed": 3, "height": 64, "width": 64},
+                     "node_params": {"denoise": {"strength": 0.5}}})
+    got = decode(result.data[0].b64_json)
+    assert close(got, ref)
+    # strength matters: the family default (0.6) gives another image
+    default = client.images.edit(model="tiny-flux", image=("input.png", image, "image/png"),
+                                 prompt="a red fox in the snow", size="64x64", extra_body={"steps": 4, "seed": 3})
+    assert not close(decode(default.data[0].b64_json), got)
+    # n images: seeds seed + i; the image as a list of one file (the SDK sends image[])
+    two = client.images.edit(model="tiny-flux", image=[("input.png", image, "image/png")], prompt="a red fox in the snow",
+                             n=2, size="64x64", extra_body={"steps": 4, "seed": 2, "strength": 0.5})
+    assert len(two.data) == 2 and close(decode(two.data[1].b64_json), got)
+
+
+def test_images_edit_errors(client: OpenAI) -> None:
+    image = ("input.png", png(), "image/png")
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"mask": ("mask.png", png(), "image/png")}, "mask", "not supported"),
+        ({"image": [image, image]}, "image", "exactly one"),
+        ({"image": ("notes.txt", b"not an image", "text/plain")}, "image", "not a readable image"),
+        ({"response_format": "url"}, "response_format", "b64_json"),
+        ({"n": 11}, "n", "between 1 and 10"),
+        ({"size": "big"}, "size", "WIDTHxHEIGHT"),
+        ({"extra_body": {"strength": 0}}, "strength", "> 0"),
+        ({"extra_body": {"strength": "strong"}}, "strength", "number"),
+        ({"extra_body": {"steps": 100}}, "steps", ""),
+        ({"model": "dall-e-2"}, "model", "unknown model"),
+    ]
+    for extra, param, fragment in cases:
+        kw: dict[str, Any] = {"model": "tiny-flux", "image": image, "prompt": "x", **extra}
+        with pytest.raises(openai.UnprocessableEntityError) as exc:
+            client.images.edit(**kw)
+        assert exc.value.body["param"] == param, (extra, exc.value.body)
+        assert fragment in exc.value.message, (extra, exc.value.message)
+
+
+def test_images_edit_on_a_model_without_i2i(server: Any) -> None:
+    url, _app = server
+    with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=T) as client:
+        with pytest.raises(openai.UnprocessableEntityError) as exc:
+            client.images.edit(model="ckpt", image=("input.png", png(), "image/png"), prompt="x")
+    assert exc.value.body["param"] == "model" and "no i2i task" in exc.value.message
