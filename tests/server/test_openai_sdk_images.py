@@ -148,3 +148,34 @@ def test_images_edit_on_a_model_without_i2i(server: Any) -> None:
         with pytest.raises(openai.UnprocessableEntityError) as exc:
             client.images.edit(model="ckpt", image=("input.png", png(), "image/png"), prompt="x")
     assert exc.value.body["param"] == "model" and "no i2i task" in exc.value.message
+
+
+def test_images_edit_on_sd3(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same endpoint drives SD3's i2i (classic CFG, three text encoders)."""
+    pytest.importorskip("omniloop_sd3")
+    import omniloop_scheduler.plugin as scheduler_plugin
+    import omniloop_sd3.plugin as sd3_plugin
+    from omniloop.runtime import Runtime
+    from omniloop.testing import make_manager
+    from omniloop_sd3.tiny import build_tiny_checkpoint
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("sdk-sd3") / "tiny-sd3")
+
+    def manager() -> Any:
+        return make_manager(("sd3", sd3_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
+
+    image = png(seed=1)
+    rt = Runtime.from_model(ckpt, manager=manager(), device="cpu", dtype="float32", scheduler="step")
+    app = create_app(rt, output_dir=tmp_path_factory.mktemp("sd3-out"), shutdown_timeout=0)
+    with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=T) as client:
+        result = client.images.edit(model="tiny-sd3", image=("input.png", image, "image/png"), prompt="a red fox",
+                                    size="64x64", extra_body={"steps": 4, "seed": 1, "strength": 0.75,
+                                                              "negative_prompt": "blurry"})
+    ref = Runtime.from_model(ckpt, manager=manager(), device="cpu", dtype="float32").generate({
+        "task": "i2i", "prompt": "a red fox", "negative_prompt": "blurry",
+        "inputs": [{"type": "image", "data_b64": base64.b64encode(image).decode()}],
+        "diffusion": {"steps": 4, "seed": 1, "height": 64, "width": 64}, "node_params": {"denoise": {"strength": 0.75}},
+    }).artifacts["image"].pixels.numpy()
+    assert close(decode(result.data[0].b64_json), ref)
