@@ -264,14 +264,17 @@ def test_i2v_with_input_reference(wan_i2v_server: str) -> None:
 
 
 def test_the_readme_snippets_are_copied_from_this_file() -> None:
-    """Every python block of the server README's SDK section is a run of lines of this file."""
+    """Every python block of the server README's SDK section is a run of lines of one of the SDK
+    test files (this one: videos; ``_text``: chat and completions; ``_images``: image edits)."""
     import re
 
     readme = (Path(__file__).parents[2] / "plugins/server/README.md").read_text()
     section = readme.split("## With the OpenAI SDK", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) >= 10
-    here = [line.strip() for line in Path(__file__).read_text().splitlines()]
+    assert len(blocks) >= 15
+    sources = [[line.strip() for line in p.read_text().splitlines()]
+               for p in sorted(Path(__file__).parent.glob("test_openai_sdk*.py"))]
+    assert len(sources) >= 3
     for block in blocks:
         lines = [line.strip() for line in block.strip().splitlines()]
-        assert any(here[i:i + len(lines)] == lines for i in range(len(here))), block
+        assert any(src[i:i + len(lines)] == lines for src in sources for i in range(len(src))), block
