@@ -151,13 +151,38 @@ def fp8_descale(norm: torch.nn.RMSNorm, channels: int) -> torch.Tensor:
     return (bound.clamp_min(1e-12) / 448.0).reshape(1, 1, 1, 1)
 
 
+@torch.library.custom_op("omniloop_wan::qk_norm_rope_e4m3", mutates_args=())
+def _qk_norm_rope_e4m3(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       scale: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+    # An opaque op for torch.compile: inductor's own compile of the user kernel's FP8-store
+    # variant failed in Triton's LLVM lowering on the H200 (torch 2.11, 2026-11-30), while the
+    # same kernel launched eagerly compiles and runs; as a custom op it is always launched eagerly.
+    B, L, C = x.shape
+    out = torch.empty((B, L, C), device=x.device, dtype=torch.float8_e4m3fn)
+    block = 1 << max(0, (C // 2 - 1).bit_length())
+    kernel = _KERNEL if _KERNEL is not None else _kernel()
+    kernel[(B * L,)](x, out, weight, cos, sin, scale, x.stride(1), L, eps,
+                     C=C, HALF_D=C // heads // 2, BLOCK=block, SCALED=True, num_warps=4 if block <= 1024 else 8)
+    return out
+
+
+@_qk_norm_rope_e4m3.register_fake
+def _qk_norm_rope_e4m3_fake(x, weight, cos, sin, scale, heads, eps):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+
+
 def qk_norm_rope_fp8(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                      heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`qk_norm_rope` written straight to e4m3: ``(x8 [B, L, heads, D], descale)`` with
     ``rotary(norm(x)) ≈ x8 * descale`` (scale from :func:`fp8_descale`). One pass, no amax."""
-    descale = fp8_descale(norm, x.shape[-1])
-    x8 = qk_norm_rope(x, norm, freqs_cos, freqs_sin, heads, out_scale=1.0 / descale, out_dtype=torch.float8_e4m3fn)
-    return x8, descale
+    B, L, C = x.shape
+    head_dim = C // heads
+    descale = fp8_descale(norm, C)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    cos = freqs_cos.reshape(L, head_dim).contiguous()
+    sin = freqs_sin.reshape(L, head_dim).contiguous()
+    x8 = torch.ops.omniloop_wan.qk_norm_rope_e4m3(x, norm.weight, cos, sin, (1.0 / descale).contiguous(), heads, float(eps))
+    return x8.unflatten(2, (heads, head_dim)), descale
 
 
 def reference(x: torch.Tensor, norm: torch.nn.Module, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
