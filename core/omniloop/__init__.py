@@ -23,6 +23,7 @@ if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .artifacts import Artifact, Audio, Conditioning, Embeddings, Image, KVRef, Latents, Tensors, Text, VideoFrames
+from .context import LoopStage, Stage, StageContext
 from .deploy import DeployConfig, Limits, ModelConfig, load_deploy
 from .errors import (
     CheckpointError,
@@ -38,7 +39,7 @@ from .graph import Node, PipelineSpec
 from .hookspecs import HOOK_API_VERSION, hookimpl
 from .interceptors import BlockContext, BlockInterceptor, StepInterceptor, call_model, run_blocks
 from .kvcache import CacheFull, CacheManager, KVHandle, KVLayout  # noqa: F401 (public: paged KV pools)
-from .loop import LoopStage, LoopState, RequestState, Stage, StageContext, StepContext, StepResult
+from .loop import LoopState, RequestState, StepContext, StepResult
 from .request import (
     DiffusionParams,
     ImagePart,

@@ -27,6 +27,7 @@ import attrs
 from attrs import define, field
 
 from .errors import DeployError, RequestError
+from .schema import structure
 
 
 @define(frozen=True)
@@ -76,8 +77,6 @@ class DeployConfig:
 
 
 def deploy_from_dict(data: Mapping[str, Any], source: str = "deploy config") -> DeployConfig:
-    from .schema import structure
-
     if not isinstance(data, Mapping):
         raise DeployError(f"{source}: expected a mapping at the top level")
     try:

@@ -26,13 +26,15 @@ import attrs
 import torch
 from attrs import define
 
+from .context import StageContext
 from .errors import OmniloopError
 from .graph import Node, PipelineSpec
 from .interceptors import BlockInterceptor, StepInterceptor, open_interceptor
-from .loop import LoopState, RequestState, StageContext, StepContext, StepResult
+from .loop import LoopState, RequestState, StepContext, StepResult
 from .observers import ObserverBus
 from .request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status
 from .resolved import Resolved
+from .scheduling import ScheduleDecision as ScheduleDecision  # re-exported (its first home)
 
 
 @define
@@ -54,17 +56,6 @@ class BuiltPipeline:
     def interceptors(self) -> tuple[Any, ...]:
         head = (self.block_interceptor,) if self.block_interceptor is not None else ()
         return head + self.step_interceptors
-
-
-@define
-class ScheduleDecision:
-    """What a scheduler ran and why (the ``omniloop_schedule_decision`` event payload)."""
-
-    scheduler: str
-    action: str  # "stage" | "step" | "batched_step" | "admit" | "wait" | "refuse" | "cancel"
-    request_ids: tuple[str, ...]
-    node: str | None = None
-    reason: str = ""
 
 
 class Execution:

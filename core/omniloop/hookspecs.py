@@ -5,7 +5,10 @@ Hook-API version: :data:`HOOK_API_VERSION`. Rules (pytest's way):
 * hooks grow, they never break: a new argument is added to a spec in a minor version; pluggy lets
   an implementation accept fewer arguments than the spec, so old plugins keep working;
 * removing or changing the meaning of an argument is a major version, after a minor version that
-  warns with :class:`omniloop.plugins.HookDeprecationWarning`;
+  warns with :class:`omniloop.errors.HookDeprecationWarning`: a renamed hook is listed in
+  :data:`RENAMED_HOOKS` (old name → new name) for that minor version, and a plugin implementing the
+  old name is registered under the new one with the warning; a changed plugin-method signature
+  (interceptors' ``open(step, loop)`` → ``open(step, loop, params)``) is adapted the same way;
 * every hook's docstring says what its return value means and ``Since:`` the version it exists.
 
 A plugin declares the range it supports with a module attribute, e.g.
@@ -22,9 +25,26 @@ observer implements is not called at all, so it costs nothing in the step loop.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pluggy
+
+from .deploy import DeployConfig
+from .family import (
+    AttentionBackendSpec,
+    Family,
+    ModelPreset,
+    PluginComponentSpec,
+    PolicySpec,
+    SchedulerSpec,
+    TransportSpec,
+)
+from .graph import PipelineSpec
+from .loop import LoopState, StepContext
+from .request import OmniOutput, OmniRequest
+from .scheduling import ScheduleDecision
 
 PROJECT = "omniloop"
 HOOK_API_VERSION = "1.0"
@@ -38,7 +58,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def omniloop_register_families(register: Any) -> None:
+def omniloop_register_families(register: Callable[[Family], None]) -> None:
     """Register model families: ``register(family)`` with an :class:`omniloop.family.Family`.
 
     Returns nothing. Since: 1.0
@@ -46,7 +66,7 @@ def omniloop_register_families(register: Any) -> None:
 
 
 @hookspec
-def omniloop_register_model_presets(register: Any) -> None:
+def omniloop_register_model_presets(register: Callable[[ModelPreset], None]) -> None:
     """Register named models: ``register(ModelPreset(name, family, path))``.
 
     A preset lets ``--model NAME`` resolve to a local checkpoint shipped as package data; its
@@ -56,7 +76,7 @@ def omniloop_register_model_presets(register: Any) -> None:
 
 
 @hookspec
-def omniloop_register_policies(register: Any) -> None:
+def omniloop_register_policies(register: Callable[[PolicySpec], None]) -> None:
     """Register policies (samplers, CFG policies, shift, routing): ``register(PolicySpec(...))``.
 
     Returns nothing. Since: 1.0
@@ -64,7 +84,7 @@ def omniloop_register_policies(register: Any) -> None:
 
 
 @hookspec
-def omniloop_register_interceptors(register: Any) -> None:
+def omniloop_register_interceptors(register: Callable[[PluginComponentSpec], None]) -> None:
     """Register block or step interceptors: ``register(PluginComponentSpec(kind=...))``.
 
     Only those a deploy config enables are instantiated. Returns nothing. Since: 1.0
@@ -72,7 +92,7 @@ def omniloop_register_interceptors(register: Any) -> None:
 
 
 @hookspec
-def omniloop_register_observers(register: Any) -> None:
+def omniloop_register_observers(register: Callable[[PluginComponentSpec], None]) -> None:
     """Register observers: ``register(PluginComponentSpec(kind="observer", ...))``.
 
     The factory returns an object whose methods implement the observer events below (decorated
@@ -82,7 +102,7 @@ def omniloop_register_observers(register: Any) -> None:
 
 
 @hookspec
-def omniloop_register_schedulers(register: Any) -> None:
+def omniloop_register_schedulers(register: Callable[[SchedulerSpec], None]) -> None:
     """Register execution schedulers: ``register(SchedulerSpec(name, factory))``.
 
     Returns nothing. Since: 1.0
@@ -90,7 +110,7 @@ def omniloop_register_schedulers(register: Any) -> None:
 
 
 @hookspec
-def omniloop_register_transports(register: Any) -> None:
+def omniloop_register_transports(register: Callable[[TransportSpec], None]) -> None:
     """Register transports for cross-process edges: ``register(TransportSpec(name, factory))``.
 
     Returns nothing. Since: 1.0
@@ -98,7 +118,7 @@ def omniloop_register_transports(register: Any) -> None:
 
 
 @hookspec
-def omniloop_register_attention_backends(register: Any) -> None:
+def omniloop_register_attention_backends(register: Callable[[AttentionBackendSpec], None]) -> None:
     """Register attention implementations: ``register(AttentionBackendSpec(name, fn, available))``.
 
     Returns nothing. Since: 1.0
@@ -108,6 +128,8 @@ def omniloop_register_attention_backends(register: Any) -> None:
 @hookspec
 def omniloop_register_commands(cli: Any) -> None:
     """Add subcommands to the ``omniloop`` click group ``cli`` (``cli.add_command(...)``).
+
+    (``cli`` is a ``click.Group``; typed ``Any`` because click is the CLI's dependency, not the core's.)
 
     Called for every discovered plugin when the CLI starts, failure-isolated per plugin.
     Returns nothing. Since: 1.0
@@ -120,24 +142,24 @@ def omniloop_register_commands(cli: Any) -> None:
 
 
 @hookspec
-def omniloop_request_start(request: Any, pipeline: Any, deploy: Any) -> None:
+def omniloop_request_start(request: OmniRequest, pipeline: PipelineSpec, deploy: DeployConfig | None) -> None:
     """A request starts executing ``pipeline`` (a ``PipelineSpec``) in a deployment whose
     ``DeployConfig`` is ``deploy`` (e.g. for recording what produced a run). Returns nothing.
     Since: 1.0"""
 
 
 @hookspec
-def omniloop_request_end(request: Any, output: Any) -> None:
+def omniloop_request_end(request: OmniRequest, output: OmniOutput) -> None:
     """A request reached a terminal status; ``output`` is its ``OmniOutput``. Returns nothing. Since: 1.0"""
 
 
 @hookspec
-def omniloop_node_start(request: Any, node: str) -> None:
+def omniloop_node_start(request: OmniRequest, node: str) -> None:
     """Node ``node`` starts for ``request``. Returns nothing. Since: 1.0"""
 
 
 @hookspec
-def omniloop_node_end(request: Any, node: str, seconds: float) -> None:
+def omniloop_node_end(request: OmniRequest, node: str, seconds: float) -> None:
     """Node ``node`` finished for ``request`` after ``seconds`` of wall time. Returns nothing. Since: 1.0"""
 
 
@@ -147,22 +169,22 @@ def omniloop_node_end(request: Any, node: str, seconds: float) -> None:
 
 
 @hookspec
-def omniloop_loop_init(request: Any, node: str, loop: Any) -> None:
+def omniloop_loop_init(request: OmniRequest, node: str, loop: LoopState) -> None:
     """A loop node's ``init`` returned ``loop`` (a ``LoopState``). Returns nothing. Since: 1.0"""
 
 
 @hookspec
-def omniloop_loop_finalize(request: Any, node: str, loop: Any) -> None:
+def omniloop_loop_finalize(request: OmniRequest, node: str, loop: LoopState) -> None:
     """A loop node finished (or was cancelled / failed) with ``loop``. Returns nothing. Since: 1.0"""
 
 
 @hookspec
-def omniloop_step_start(request: Any, node: str, step: int, total: int) -> None:
+def omniloop_step_start(request: OmniRequest, node: str, step: int, total: int) -> None:
     """Step ``step`` (0-based) of ``total`` is about to run. Returns nothing. Since: 1.0"""
 
 
 @hookspec
-def omniloop_step_end(request: Any, node: str, step: int, total: int, loop: Any, seconds: float) -> None:
+def omniloop_step_end(request: OmniRequest, node: str, step: int, total: int, loop: LoopState, seconds: float) -> None:
     """Step ``step`` finished in ``seconds`` (wall, not synchronized). Returns nothing. Since: 1.0"""
 
 
@@ -172,14 +194,14 @@ def omniloop_step_end(request: Any, node: str, step: int, total: int, loop: Any,
 
 
 @hookspec
-def omniloop_tap(request: Any, node: str, step: Any, name: str, value: Any) -> None:
+def omniloop_tap(request: OmniRequest, node: str, step: StepContext | None, name: str, value: Any) -> None:
     """A named value offered by a stage: ``step`` is a ``StepContext`` or None; ``name`` is e.g.
     ``noise_pred``, ``guided``, ``latents``, ``blocks.3``, ``video``. Observers must not modify
     ``value``. Returns nothing. Since: 1.0"""
 
 
 @hookspec
-def omniloop_wants_block_taps(node: str) -> Any:
+def omniloop_wants_block_taps(node: str) -> re.Pattern[str] | str | None:
     """Return a compiled regex (or pattern string) of block module names whose outputs this
     observer wants as taps, or None. Observers that answer need eager block execution.
     Since: 1.0"""
@@ -191,10 +213,14 @@ def omniloop_wants_block_taps(node: str) -> Any:
 
 
 @hookspec
-def omniloop_schedule_decision(decision: Any) -> None:
+def omniloop_schedule_decision(decision: ScheduleDecision) -> None:
     """The scheduler decided what runs next: ``decision`` is a ``ScheduleDecision``
     (what ran, which requests, why). Returns nothing. Since: 1.0"""
 
+
+#: hooks renamed in this major version: old name -> new name. A plugin implementing the old name
+#: still works until the next major version and warns HookDeprecationWarning when registered.
+RENAMED_HOOKS: dict[str, str] = {}
 
 REGISTRATION_HOOKS = (
     "omniloop_register_families",

@@ -18,6 +18,7 @@ import importlib.metadata as md
 import os
 import re
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,7 +27,7 @@ import attrs
 import pluggy
 from attrs import define
 
-from . import hookspecs
+from . import builtin, hookspecs
 from .errors import HookDeprecationWarning as HookDeprecationWarning  # re-exported (its old home)
 from .errors import PluginError
 from .family import (
@@ -190,8 +191,6 @@ class PluginManager:
         self.pm = new_pluggy_manager()
         self._discovered = not discover
         self._registry: Registry | None = None
-        from . import builtin
-
         self.add("core", builtin, distribution="omniloop")
 
     # -- discovery -------------------------------------------------------------------------
@@ -276,7 +275,7 @@ class PluginManager:
             )
             return rec
         try:
-            self.pm.register(obj, name=name)
+            self.pm.register(_renamed_hooks(obj, name), name=name)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # pluggy validation: wrong hook names or arguments
@@ -379,6 +378,27 @@ class PluginManager:
 
     def failed(self) -> list[PluginRecord]:
         return [r for r in self.records.values() if not r.ok]
+
+
+def _renamed_hooks(obj: Any, plugin: str) -> Any:
+    """``obj``, or a namespace registering its implementations of renamed hooks under their new
+    names (warning :class:`HookDeprecationWarning` once per hook) — see ``hookspecs.RENAMED_HOOKS``."""
+    renamed = {old: new for old, new in hookspecs.RENAMED_HOOKS.items()
+               if getattr(getattr(obj, old, None), f"{hookspecs.PROJECT}_impl", None) is not None}
+    if not renamed:
+        return obj
+    ns = types.SimpleNamespace()
+    for attr in dir(obj):
+        fn = getattr(obj, attr, None)
+        if getattr(fn, f"{hookspecs.PROJECT}_impl", None) is not None:
+            setattr(ns, renamed.get(attr, attr), fn)
+    for old, new in renamed.items():
+        warnings.warn(
+            f"plugin {plugin!r} implements hook {old!r}, renamed {new!r} in hook API "
+            f"{hookspecs.HOOK_API_VERSION}; the old name is removed in the next major version",
+            HookDeprecationWarning, stacklevel=3,
+        )
+    return ns
 
 
 def _entry_point_distributions(group: str) -> dict[tuple[str, str], tuple[str, str]]:

@@ -192,7 +192,9 @@ def test_hooks_json_lists_every_hook_with_signature_and_version() -> None:
     names = [h["name"] for h in doc["hooks"]]
     assert names == [*REGISTRATION_HOOKS, *OBSERVER_EVENTS]
     fam = doc["hooks"][0]
-    assert fam["signature"] == "omniloop_register_families(register: Any) -> None"
+    assert fam["signature"] == (
+        "omniloop_register_families(register: collections.abc.Callable[[omniloop.family.Family], None]) -> None"
+    )  # typed hooks (issue 15): the signature carries the real types
     assert all(h["since"] == "1.0" for h in doc["hooks"])
     assert all(h["summary"] for h in doc["hooks"])
 

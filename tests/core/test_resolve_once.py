@@ -187,3 +187,40 @@ def test_fields_without_behaviour_are_refused(ckpt: Any, field: str, value: str)
     with pytest.raises(DeployError, match=f"^{field}: '{value}' is not implemented yet"):
         Deployment({"model": {"path": str(ckpt)}, field: value}, manager=make_manager())
     Deployment({"model": {"path": str(ckpt)}, "transport": "inproc", "offload": "none"}, manager=make_manager())
+
+
+# -- a renamed hook keeps working for the minor version and warns -----------------------------------
+def test_a_renamed_hook_registers_under_its_new_name_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omniloop import hookspecs
+    from omniloop.plugins import PluginManager
+
+    monkeypatch.setitem(hookspecs.RENAMED_HOOKS, "omniloop_register_observer_types", "omniloop_register_observers")
+    seen: list[str] = []
+
+    class Old:
+        OMNILOOP_HOOK_API = ">=1.0,<2"
+
+        @hookimpl
+        def omniloop_register_observer_types(self, register: Any) -> None:  # the old name
+            seen.append("called")
+            register(PluginComponentSpec(name="old-observer", kind="observer", factory=lambda cfg: object()))
+
+    pm = PluginManager(discover=False)
+    with pytest.warns(HookDeprecationWarning, match="implements hook 'omniloop_register_observer_types', renamed"):
+        rec = pm.add("old", Old())
+    assert rec.ok, rec.error
+    assert "old-observer" in pm.registry().observers and seen == ["called"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HookDeprecationWarning)
+        assert PluginManager(discover=False).add("new", type("New", (), {"OMNILOOP_HOOK_API": ">=1.0,<2"})()).ok
+
+
+def test_hookspecs_carry_real_types() -> None:
+    import inspect
+
+    from omniloop import hookspecs
+
+    sig = inspect.signature(hookspecs.omniloop_step_end)
+    assert sig.parameters["request"].annotation == "OmniRequest" and sig.parameters["loop"].annotation == "LoopState"
+    assert inspect.signature(hookspecs.omniloop_register_families).parameters["register"].annotation == "Callable[[Family], None]"
+    assert inspect.signature(hookspecs.omniloop_schedule_decision).parameters["decision"].annotation == "ScheduleDecision"

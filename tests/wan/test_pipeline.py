@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 import torch
 
+from omniloop.context import StageContext
 from omniloop.family import PluginComponentSpec
 from omniloop.hookspecs import hookimpl
-from omniloop.loop import RequestState, StageContext, StepContext
+from omniloop.loop import RequestState, StepContext
 from omniloop.observers import ObserverBus
 from omniloop.request import Status, TaskType
 from omniloop.schema import request_from_dict

@@ -21,12 +21,13 @@ from attrs import define, field
 from torch import nn
 
 from ..artifacts import Embeddings, Latents, VideoFrames
+from ..context import StageContext
 from ..errors import CheckpointError, RequestError
 from ..family import LoadedModel
 from ..graph import Node, PipelineSpec
 from ..hookspecs import hookimpl
 from ..interceptors import call_model, run_blocks
-from ..loop import LoopState, RequestState, StageContext, StepContext, StepResult
+from ..loop import LoopState, RequestState, StepContext, StepResult
 from ..request import OmniRequest, TaskType
 from ..resolved import Workload
 

@@ -23,9 +23,10 @@ import torch
 from attrs import define, field
 
 from omniloop.artifacts import Conditioning, Text
+from omniloop.context import StageContext
 from omniloop.errors import RequestError
 from omniloop.kvcache import CacheFull, CacheManager
-from omniloop.loop import LoopState, RequestState, StageContext, StepResult
+from omniloop.loop import LoopState, RequestState, StepResult
 from omniloop.request import OmniRequest, TaskType, TextPart
 from omniloop.resolved import Workload
 

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from omniloop.artifacts import Embeddings, Tensors
-from omniloop.loop import LoopState, RequestState, StageContext, StepResult
+from omniloop.context import StageContext
+from omniloop.loop import LoopState, RequestState, StepResult
 
 from .denoise import _check_index, _note_expert, split_rows, stack_inputs
 

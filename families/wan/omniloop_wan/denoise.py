@@ -33,8 +33,9 @@ import torch
 from attrs import define
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
+from omniloop.context import StageContext
 from omniloop.interceptors import BlockContext, call_model
-from omniloop.loop import LoopState, RequestState, StageContext, StepContext, StepResult
+from omniloop.loop import LoopState, RequestState, StepContext, StepResult
 
 from .policies import latent_tokens
 from .resolve import WanParams

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
-from omniloop.loop import RequestState, StageContext
+from omniloop.context import StageContext
+from omniloop.loop import RequestState
 from omniloop.request import TaskType
 
 from .defaults import TEXT_LEN
