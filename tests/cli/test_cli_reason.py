@@ -13,7 +13,7 @@ from click.testing import CliRunner
 pytest.importorskip("transformers")
 pytest.importorskip("omniloop_qwen")
 
-from omniloop_cli import cli  # noqa: E402
+from omniloop_cli import cli
 
 
 def qwen_manager() -> Any:

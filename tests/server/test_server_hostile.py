@@ -4,7 +4,9 @@ on 127.0.0.1 (toy family, CPU), bounded in time.
 Bodies mix every accepted field name with hostile values (lone surrogates, huge and non-finite
 numbers, deep nesting, paths into a sandbox folder as request ids and input parts, wrong types at
 every level), in JSON, OpenAI's multipart form, raw/mangled bytes and wrong Content-Types, on
-``POST /v1/videos`` and ``POST /v1/images/generations``. The test fails on any 5xx, on any
+``POST /v1/videos``, ``POST /v1/images/generations`` and ``POST /v1/images/edits``; chat and
+text-completion bodies on ``POST /v1/chat/completions`` / ``/v1/completions`` of a tiny Qwen
+server (streamed answers are read to their end). The test fails on any 5xx, on any
 request taking over 10 s (the client's timeout), on a connection the server drops, and on any
 file created outside the output folder (a sandbox folder the bodies aim at, the working
 directory, and the output folder's own listing are checked).
@@ -77,7 +79,7 @@ def hostile(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 ALL_FIELDS = ["prompt", "negative_prompt", "model", "size", "steps", "num_inference_steps", "guidance_scale", "seed",
               "priority", "omniloop", "user", "seconds", "frames", "fps", "image", "input_reference", "n",
-              "response_format", "quality", "style", "background", "output_format", "moderation"]
+              "response_format", "quality", "style", "background", "output_format", "moderation", "strength", "mask"]
 OMNI_FIELDS = ["diffusion", "sampling", "outputs", "node_params", "plugin_params", "exact", "priority", "request_id",
                "inputs", "negative_prompt", "task", "schema_version"]
 DIFF_FIELDS = ["steps", "guidance_scale", "shift", "height", "width", "frames", "fps", "seed", "bogus"]
@@ -159,6 +161,7 @@ def bodies(sandbox: Path) -> st.SearchStrategy[Any]:
         "fps": st.one_of(st.floats(), v), "n": small_int, "omniloop": omniloop_objects(sandbox),
         "input_reference": st.one_of(hostile_strings(sandbox), v), "image": v,
         "response_format": v, "output_format": v, "user": v, "extra": v,
+        "strength": st.one_of(st.floats(), st.sampled_from(["0.5", "1", "0", "-1", "nan"]), v), "mask": v,
     }
     # a valid body with one field replaced or added (these get past parsing, into validation and jobs)
     valid = {"prompt": "a red fox", "steps": 2, "size": "16x16", "seed": 1}
@@ -196,18 +199,23 @@ def _text(v: Any) -> bytes:
     return s.encode("utf-8", "surrogatepass")
 
 
+FORM_PATHS = ("/v1/videos", "/v1/images/edits")
+MEDIA_PATHS = ("/v1/videos", "/v1/videos", "/v1/videos", "/v1/images/generations", "/v1/images/edits")
+
+
 @st.composite
-def _requests(draw: Any, body_strategy: st.SearchStrategy[Any]) -> tuple[str, bytes, str | None]:
-    path = draw(st.sampled_from(["/v1/videos", "/v1/videos", "/v1/videos", "/v1/images/generations"]))
+def _requests(draw: Any, body_strategy: st.SearchStrategy[Any],
+              paths: tuple[str, ...] = MEDIA_PATHS) -> tuple[str, bytes, str | None]:
+    path = draw(st.sampled_from(paths))
     body = draw(body_strategy)
     how = draw(st.sampled_from(["json", "json", "json", "form", "raw", "ctype", "deep"]))
-    if how == "json" or (how == "form" and (path != "/v1/videos" or not isinstance(body, dict))):
+    if how == "json" or (how == "form" and (path not in FORM_PATHS or not isinstance(body, dict))):
         raw = json.dumps(body, ensure_ascii=draw(st.booleans()), allow_nan=True).encode("utf-8", "surrogatepass")
         return path, raw, draw(st.sampled_from(["application/json", "application/json; charset=utf-8"]))
     if how == "form":
         fields: list[tuple[str, bytes, str | None]] = []
         for k, v in body.items():
-            if k == "input_reference" and draw(st.booleans()):
+            if k in ("input_reference", "image", "mask") and draw(st.booleans()):
                 fields.append((k, draw(st.sampled_from([PNG, b"", b"not an image", PNG[:40]])), "ref.png"))
                 continue
             for name, leaf in _flatten(k, v):
@@ -350,3 +358,187 @@ def test_hostile_ids_and_query_strings_on_the_other_endpoints(hostile: Any) -> N
         run()
     assert len(calls) >= 200
     assert not [p.name for p in out.iterdir() if not OUT_NAME.match(p.name)]
+
+
+# ---------------------------------------------------------------------------------------------
+# chat and text completions on a tiny Qwen server
+# ---------------------------------------------------------------------------------------------
+
+TEXT_EXAMPLES = int(os.environ.get("OMNILOOP_HOSTILE_TEXT_EXAMPLES", "400"))
+TEXT_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def text_bodies(sandbox: Path) -> st.SearchStrategy[Any]:
+    v = values(sandbox)
+    small = st.one_of(st.integers(min_value=-2, max_value=12), v)
+    part = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "bogus"])},
+                                           optional={"text": st.one_of(st.text(max_size=20), v), "image_url": v}), v)
+    content = st.one_of(st.text(max_size=30), hostile_strings(sandbox), st.lists(part, max_size=3), v)
+    roles = st.one_of(st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "bogus"]), v)
+    message = st.one_of(st.fixed_dictionaries({"role": roles}, optional={
+        "content": content, "name": v, "tool_calls": v, "tool_call_id": v, "extra": v}), v)
+    fields = {
+        "model": st.one_of(st.sampled_from(["tiny-qwen", "qwen", "other"]), v),
+        "messages": st.one_of(st.lists(message, max_size=4), v),
+        "prompt": st.one_of(st.text(max_size=30), st.lists(st.one_of(st.text(max_size=10), st.integers()), max_size=3), v),
+        "max_tokens": small, "max_completion_tokens": small, "top_k": small, "n": small,
+        "temperature": st.one_of(st.floats(), v), "top_p": st.one_of(st.floats(), v), "seed": st.one_of(st.integers(), v),
+        "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=20), v),
+        "stream": st.one_of(st.booleans(), v),
+        "stream_options": st.one_of(st.fixed_dictionaries({}, optional={"include_usage": st.one_of(st.booleans(), v),
+                                                                         "bogus": v}), v),
+        "frequency_penalty": st.one_of(st.floats(), v), "logprobs": v, "tools": v, "echo": v, "user": v, "bogus": v,
+        "omniloop": omniloop_objects(sandbox),
+    }
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+    plain = {"prompt": "hello", "max_tokens": 4}
+    valid = st.sampled_from([chat, plain, {**chat, "stream": True, "stream_options": {"include_usage": True}},
+                             {**plain, "stream": True}, {**chat, "stop": ["a", "e"], "seed": 3, "temperature": 0.9}])
+    mutated = st.builds(lambda base, extra: {**base, **extra}, valid,
+                        st.dictionaries(st.sampled_from(sorted(fields)), st.deferred(lambda: st.one_of(*fields.values())),
+                                        max_size=1))
+    return st.one_of(st.fixed_dictionaries({}, optional=fields), v, mutated, mutated, valid)
+
+
+@pytest.fixture(scope="module")
+def hostile_text(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Any]]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("omniloop_qwen")
+    import omniloop_qwen.plugin as qwen_plugin
+    from omniloop_qwen.tiny import build_tiny_checkpoint
+    from omniloop_scheduler.testing import make_runtime
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    root = tmp_path_factory.mktemp("hostile-text")
+    ckpt = build_tiny_checkpoint(root / "tiny-qwen", arch="qwen2")
+    sandbox = root / "sandbox"
+    sandbox.mkdir()
+    # a small KV pool: a valid request asking for many tokens is refused (422), so none runs long
+    rt = make_runtime(ckpt, ("qwen", qwen_plugin), scheduler="step", options={"kv_cache_tokens": 128},
+                      limits={"max_queue": 8})
+    app = create_app(rt, output_dir=root / "out", shutdown_timeout=0)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    try:
+        with serving(app) as url:
+            yield url, sandbox, app
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_hostile_chat_and_completion_bodies(hostile_text: Any) -> None:
+    url, sandbox, app = hostile_text
+    statuses: dict[int, int] = {}
+    streamed = 0
+    t_start = time.monotonic()
+
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT) as client:
+
+        @settings(max_examples=TEXT_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(req=_requests(text_bodies(sandbox), TEXT_PATHS))
+        def run(req: tuple[str, bytes, str | None]) -> None:
+            nonlocal streamed
+            path, raw, ctype = req
+            headers = {"content-type": ctype} if ctype is not None else {}
+            t0 = time.monotonic()
+            r = client.post(path, content=raw, headers=headers)  # reads a streamed answer to its end
+            assert time.monotonic() - t0 < REQUEST_TIMEOUT
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (r.status_code, r.text[:500], raw[:300], ctype)
+            if r.status_code >= 400:
+                err = r.json()["error"]
+                assert isinstance(err["message"], str) and err["type"] and len(r.content) < 8000
+            elif r.headers["content-type"].startswith("text/event-stream"):
+                streamed += 1
+                assert r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
+            else:
+                assert r.json()["object"] in ("chat.completion", "text_completion")
+            assert not any(sandbox.iterdir())
+
+        run()
+        engine = app.state.omniloop.engine
+        deadline = time.monotonic() + 30
+        while engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = client.get("/health")
+        metrics = client.get("/metrics").text
+    cache = engine.runtime.model.components["kv_cache"]
+    total = sum(statuses.values())
+    print(f"\nhostile text: {total} requests in {time.monotonic() - t_start:.1f} s, {streamed} streamed, "
+          f"statuses {sorted(statuses.items())}")
+    assert total >= TEXT_EXAMPLES * 0.9 and statuses.get(200), statuses
+    assert health.status_code == 200
+    assert re.search(r"omniloop_http_unhandled_exceptions_total 0\b", metrics)
+    assert cache.used_blocks == 0 and cache.reserved_blocks == 0  # every sequence gave its KV blocks back
+
+
+# ---------------------------------------------------------------------------------------------
+# image edits on a tiny FLUX.1 server (the i2i path past the parsing)
+# ---------------------------------------------------------------------------------------------
+
+EDIT_EXAMPLES = int(os.environ.get("OMNILOOP_HOSTILE_EDIT_EXAMPLES", "150"))
+
+
+@st.composite
+def edit_requests(draw: Any, sandbox: Path) -> tuple[str, bytes, str | None]:
+    import base64
+
+    body: dict[str, Any] = {"prompt": "a red fox", "steps": 2, "size": "32x32", "seed": 1, "strength": 0.5}
+    body.update(draw(st.dictionaries(st.sampled_from(ALL_FIELDS), values(sandbox), max_size=2)))
+    image = draw(st.sampled_from([PNG, PNG, PNG, b"", b"not an image", PNG[:40]]))
+    if draw(st.booleans()):  # multipart, the image as an uploaded file (or two, or image[])
+        fields: list[tuple[str, bytes, str | None]] = []
+        for k, v in body.items():
+            if k in ("image", "mask"):
+                continue
+            fields.extend((name, _text(leaf), None) for name, leaf in _flatten(k, v))
+        key = draw(st.sampled_from(["image", "image[]"]))
+        fields += [(key, image, "in.png")] * draw(st.sampled_from([1, 1, 1, 2]))
+        if draw(st.integers(0, 5)) == 0:
+            fields.append(("mask", PNG, "mask.png"))
+        raw, ctype = _multipart(fields[:80])
+        return "/v1/images/edits", raw, ctype
+    body.setdefault("image", "data:image/png;base64," + base64.b64encode(image).decode())
+    return "/v1/images/edits", json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass"), "application/json"
+
+
+def test_hostile_image_edits_on_an_i2i_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    pytest.importorskip("diffusers")
+    pytest.importorskip("omniloop_flux")
+    import omniloop_flux.plugin as flux_plugin
+    from omniloop_flux.tiny import build_tiny_checkpoint
+    from omniloop_scheduler.testing import make_runtime
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    root = tmp_path_factory.mktemp("hostile-edit")
+    sandbox = root / "sandbox"
+    sandbox.mkdir()
+    ckpt = build_tiny_checkpoint(root / "tiny-flux")
+    rt = make_runtime(ckpt, ("flux", flux_plugin), scheduler="step",
+                      limits={"max_steps": 2, "max_height": 32, "max_width": 32, "max_queue": 16})
+    app = create_app(rt, output_dir=root / "out", shutdown_timeout=0)
+    statuses: dict[int, int] = {}
+    with serving(app) as url, httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT) as client:
+
+        @settings(max_examples=EDIT_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(req=edit_requests(sandbox))
+        def run(req: tuple[str, bytes, str | None]) -> None:
+            path, raw, ctype = req
+            t0 = time.monotonic()
+            r = client.post(path, content=raw, headers={"content-type": ctype} if ctype else {})
+            assert time.monotonic() - t0 < REQUEST_TIMEOUT
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (r.status_code, r.text[:500], raw[:300])
+            if r.status_code >= 400:
+                assert isinstance(r.json()["error"]["message"], str)
+            else:
+                assert r.json()["data"][0]["b64_json"]
+            assert not any(sandbox.iterdir())
+
+        run()
+        metrics = client.get("/metrics").text
+    print(f"\nhostile edits: {sum(statuses.values())} requests, statuses {sorted(statuses.items())}")
+    assert statuses.get(200) and sum(statuses.values()) >= EDIT_EXAMPLES * 0.9, statuses
+    assert re.search(r"omniloop_http_unhandled_exceptions_total 0\b", metrics)
