@@ -110,4 +110,52 @@ def hooks_cmd(as_json: bool, markdown: bool) -> None:
     _console().print(table)
 
 
+@cli.command("schema")
+@click.option("--model", "-m", help="Also the node parameters of this model's pipeline (a preset or a checkpoint path).")
+@click.option("--deploy", "deploy_file", type=click.Path(dir_okay=False), help="A deploy file (instead of --model).")
+@click.option("--task", help="The pipeline whose node parameters to show (default: every task the model supports).")
+@click.pass_context
+def schema_cmd(ctx: click.Context, model: str | None, deploy_file: str | None, task: str | None) -> None:
+    """Print the JSON Schema (2020-12) of a request, generated from the schema's attrs classes.
+
+    Also the parameter schemas of every installed policy and plugin (``plugin_params.<name>``),
+    and with --model/--deploy the node parameters of that model's pipelines (``node_params.<node>``,
+    read from its config files when the family can build a pipeline without weights)."""
+    from omniloop.jsonschema import json_schema, request_schema
+
+    manager = get_manager(ctx)
+    reg = manager.registry()
+    doc: dict[str, Any] = {"request": request_schema(), "plugin_params": {}, "policy_params": {}}
+    for name, spec in sorted({**reg.interceptors, **reg.observers}.items()):
+        if spec.params_schema is not None:
+            doc["plugin_params"][name] = json_schema(spec.params_schema)
+    for spec in reg.policies.values():
+        if spec.params_schema is not None:
+            doc["policy_params"].setdefault(spec.params_schema.__name__, json_schema(spec.params_schema))
+    if model or deploy_file:
+        doc["node_params"] = _node_param_schemas(manager, model, deploy_file, task)
+    click.echo(json.dumps(doc, indent=2, sort_keys=False))
+
+
+def _node_param_schemas(manager: Any, model: str | None, deploy_file: str | None, task: str | None) -> dict[str, Any]:
+    from omniloop.jsonschema import json_schema
+    from omniloop.request import TaskType
+    from omniloop.runtime import Deployment, Runtime
+
+    from .generate import build_deploy
+
+    deploy = build_deploy(deploy_file, model, None, None)
+    dep: Any = Deployment(deploy, manager=manager)
+    tasks = [TaskType(task)] if task else sorted(dep.supported_tasks, key=lambda t: t.value)
+    model_obj = dep.inspect()
+    out: dict[str, Any] = {}
+    for t in tasks:
+        spec = dep._config_pipeline(model_obj, t) if model_obj is not None else None
+        if spec is None:  # the family needs its components to build the pipeline
+            dep = dep if isinstance(dep, Runtime) else Runtime(deploy, manager=manager)
+            spec = dep.pipeline(t).spec
+        out[t.value] = {n.name: json_schema(n.params_schema) for n in spec.nodes if n.params_schema is not None}
+    return out
+
+
 cli.add_command(generate)

@@ -176,22 +176,83 @@ def check_writable(path: Path) -> None:
         fail(f"--out: {exc}")
 
 
+#: request fields that get a flag of their own: ``--<field-name>`` from the schema's attrs classes
+#: (``DiffusionParams``, ``SamplingParams``), so a field added to the schema gets a flag; older
+#: short names stay as aliases
+FLAG_GROUPS = ("diffusion", "sampling")
+FLAG_ALIASES = {"diffusion.guidance_scale": ("--guidance",)}
+FLAG_HELP = {
+    "diffusion.steps": "Denoising steps (family default if omitted).",
+    "diffusion.guidance_scale": "Guidance scale.",
+    "diffusion.shift": "Flow-matching timestep shift (family default if omitted).",
+    "diffusion.height": "Output height in pixels.",
+    "diffusion.width": "Output width in pixels.",
+    "diffusion.frames": "Number of frames.",
+    "diffusion.fps": "Frame rate of the output video.",
+    "diffusion.seed": "Random seed (random if omitted; reported in the output).",
+    "sampling.temperature": "Text tasks (reason): sampling temperature (0: greedy).",
+    "sampling.top_p": "Text tasks (reason): nucleus sampling mass.",
+    "sampling.top_k": "Text tasks (reason): sample among the k most likely tokens (0: all).",
+    "sampling.max_tokens": "Text tasks (reason): new tokens at most.",
+    "sampling.seed": "Text tasks (reason): the sampling seed (default: --seed).",
+    "sampling.stop": "Text tasks (reason): a stop string.",
+}
+
+
+def request_flags() -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """(group, field, parameter name, flag names) for every flag derived from the request schema."""
+    import typing
+
+    import attrs
+
+    from omniloop.request import OmniRequest
+
+    out = []
+    taken: set[str] = set()
+    hints = typing.get_type_hints(OmniRequest)
+    for group in FLAG_GROUPS:
+        for f in attrs.fields(hints[group]):
+            path = f"{group}.{f.name}"
+            flag = f"--{f.name.replace('_', '-')}"
+            if flag in taken:  # a name two groups share: the later one is qualified (--sampling-seed)
+                flag = f"--{group}-{f.name.replace('_', '-')}"
+            taken.add(flag)
+            out.append((group, f.name, f"{group}__{f.name}", (flag, *FLAG_ALIASES.get(path, ()))))
+    return out
+
+
+def _field_kind(group: str, name: str) -> str:
+    import typing
+
+    from omniloop.request import OmniRequest
+
+    t = typing.get_type_hints(typing.get_type_hints(OmniRequest)[group]).get(name)
+    if t is list or typing.get_origin(t) is list:
+        return "LIST"
+    args = set(typing.get_args(t)) | {t}
+    return "INT" if int in args else "FLOAT" if float in args else "VALUE"
+
+
+def request_options(fn: Any) -> Any:
+    """Add one option per derived request flag (see :func:`request_flags`); a list field's flag repeats."""
+    for group, name, dest, flags in reversed(request_flags()):
+        kind = _field_kind(group, name)
+        help_text = FLAG_HELP.get(f"{group}.{name}", f"The request's {group}.{name}.")
+        if kind == "LIST":
+            fn = click.option(*flags, dest, multiple=True, help=help_text + " (repeatable)")(fn)
+        else:
+            fn = click.option(*flags, dest, type=JsonScalar(kind), default=None, help=help_text)(fn)
+    return fn
+
+
 @click.command("generate")
 @click.argument("prompt")
 @click.option("--model", "-m", help="A model preset name (e.g. wan-demo) or a checkpoint path.")
 @click.option("--deploy", "deploy_file", type=click.Path(dir_okay=False), help="A deploy file (.yaml/.toml/.json); --model/--device/--dtype override it.")
 @click.option("--task", default="t2v", show_default=True, help="The task, declared (t2v, i2v, t2i, ...).")
-@click.option("--steps", type=JsonScalar("INT"), help="Denoising steps (family default if omitted).")
-@click.option("--guidance", type=JsonScalar("FLOAT"), help="Guidance scale.")
+@request_options
 @click.option("--negative-prompt", help="What to steer away from.")
-@click.option("--height", type=JsonScalar("INT"), help="Output height in pixels.")
-@click.option("--width", type=JsonScalar("INT"), help="Output width in pixels.")
-@click.option("--frames", type=JsonScalar("INT"), help="Number of frames.")
-@click.option("--fps", type=JsonScalar("FLOAT"), help="Frame rate of the output video.")
-@click.option("--seed", type=JsonScalar("INT"), help="Random seed (random if omitted; reported in the output).")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An input image (i2v, i2i).")
-@click.option("--max-tokens", type=JsonScalar("INT"), help="Text tasks (reason): new tokens at most.")
-@click.option("--temperature", type=JsonScalar("FLOAT"), help="Text tasks (reason): sampling temperature (0: greedy).")
 @click.option("--plugin-param", "plugin_param", multiple=True, metavar="NAME.KEY=VALUE", help="Tune an enabled plugin for this request (repeatable).")
 @click.option("--device", help="cpu, cuda, cuda:1, ... (overrides the deploy file).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Overrides the deploy file.")
@@ -202,10 +263,9 @@ def check_writable(path: Path) -> None:
 @click.pass_context
 def generate(
     ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, task: str,
-    steps: Any, guidance: Any, negative_prompt: str | None, height: Any, width: Any, frames: Any,
-    fps: Any, seed: Any, image: str | None, plugin_param: tuple[str, ...], device: str | None,
+    negative_prompt: str | None, image: str | None, plugin_param: tuple[str, ...], device: str | None,
     dtype: str | None, out: str | None, return_latents: bool, as_json: bool, profile: bool,
-    max_tokens: Any = None, temperature: Any = None,
+    **fields: Any,
 ) -> None:
     """Generate a video (or image) from PROMPT and write it to a file.
 
@@ -217,12 +277,13 @@ def generate(
     from .progress import RunProgress, console
 
     # 1. the request, validated by the schema before anything is loaded
+    groups: dict[str, dict[str, Any]] = {g: {} for g in FLAG_GROUPS}
+    for group, name, dest, _ in request_flags():
+        value = fields.get(dest)
+        groups[group][name] = (list(value) or None) if isinstance(value, tuple) else value
     req_dict = build_request(
-        prompt, task=task, negative_prompt=negative_prompt, image=image,
-        diffusion={"steps": steps, "guidance_scale": guidance, "height": height, "width": width,
-                   "frames": frames, "fps": fps, "seed": seed},
-        plugin_params=parse_plugin_params(plugin_param), return_latents=return_latents,
-        sampling={"max_tokens": max_tokens, "temperature": temperature},
+        prompt, task=task, negative_prompt=negative_prompt, image=image, diffusion=groups["diffusion"],
+        plugin_params=parse_plugin_params(plugin_param), return_latents=return_latents, sampling=groups["sampling"],
     )
     request = request_from_dict(req_dict)
     text_task = request.task.value in TEXT_TASKS
