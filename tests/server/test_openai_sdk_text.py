@@ -201,6 +201,20 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(client: OpenAI, text_
     assert cache.used_blocks == 0 and cache.reserved_blocks == 0  # its KV blocks came back
 
 
+def test_a_client_that_leaves_before_the_answer_cancels_its_request(text_server: tuple[str, Any]) -> None:
+    url, app = text_server
+    engine = app.state.omniloop.engine
+    before = engine.stats()["finished"]["cancelled"]
+    with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=0.3) as impatient:
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "hello"}],
+                                              max_tokens=2000, temperature=0)
+    deadline = time.monotonic() + T
+    while engine.stats()["finished"]["cancelled"] == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["finished"]["cancelled"] == before + 1
+
+
 def test_typed_errors(client: OpenAI, text_server: tuple[str, Any]) -> None:
     _, app = text_server
     submitted = app.state.omniloop.engine.stats()["submitted"]
