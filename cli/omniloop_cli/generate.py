@@ -101,29 +101,39 @@ def build_deploy(deploy_file: str | None, model: str | None, device: str | None,
     return load_deploy(data)
 
 
-def enable_profiler(deploy: Any, manager: Any, json_path: Path) -> Any:
-    """The deploy with the ``profiler`` observer enabled, writing its JSON report to ``json_path``."""
-    import attrs
-
-    if "profiler" not in manager.registry().observers:
-        manager.require("profiler", "observer")
-        fail("--profile needs the profiler observer: pip install omniloop-profiler")
-    plugins = dict(deploy.plugins)
-    plugins["profiler"] = {**plugins.get("profiler", {}), "json": str(json_path)}
-    return attrs.evolve(deploy, plugins=plugins)
+#: flags that plugins add (``omniloop_register_run_options``) -> the distribution that adds them,
+#: so that a flag given without its plugin says what to install
+KNOWN_RUN_OPTIONS = {"profile": "omniloop-profiler"}
 
 
-def show_profile(runtime: Any, output: Any, json_path: Path, *, quiet: bool) -> Any:
-    """Print the profiler's summary of this request; return its report (None if it has none)."""
-    from omniloop_profiler import summary_table
+class GenerateCommand(click.Command):
+    """``generate`` plus one ``--<name>`` flag per installed plugin's :class:`RunOptionSpec`."""
 
-    from .progress import console
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        params = super().get_params(ctx)
+        have = {p.name for p in params}
+        extra = [
+            click.Option([f"--{name}", f"run_option__{name}"], is_flag=True, help=spec.help or f"Added by plugin {name!r}.")
+            for name, spec in sorted(run_options(ctx).items()) if f"run_option__{name}" not in have
+        ]
+        return params[:-1] + extra + params[-1:]  # before --help
 
-    prof = runtime.components_enabled["profiler"][1]
-    report = prof.get_report(output.request_id)
-    if report is not None and not quiet:
-        console().print(summary_table(report))
-    return report
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            name = (exc.option_name or "").lstrip("-")
+            if name in KNOWN_RUN_OPTIONS:
+                fail(f"--{name} needs the plugin that adds it: pip install {KNOWN_RUN_OPTIONS[name]}")
+            raise
+
+
+def run_options(ctx: click.Context) -> dict[str, Any]:
+    """The installed plugins' generate flags (none when discovery fails: the CLI still works)."""
+    try:
+        return dict(get_manager(ctx).registry().run_options)
+    except Exception:
+        return {}
 
 
 def build_request(
@@ -245,7 +255,7 @@ def request_options(fn: Any) -> Any:
     return fn
 
 
-@click.command("generate")
+@click.command("generate", cls=GenerateCommand)
 @click.argument("prompt")
 @click.option("--model", "-m", help="A model preset name (e.g. wan-demo) or a checkpoint path.")
 @click.option("--deploy", "deploy_file", type=click.Path(dir_okay=False), help="A deploy file (.yaml/.toml/.json); --model/--device/--dtype override it.")
@@ -259,13 +269,11 @@ def request_options(fn: Any) -> Any:
 @click.option("--out", "-o", "out", help="Output file (.mp4; .png or .webp for an image) or folder. Default: ./out/<request_id>.mp4 (.png for an image)")
 @click.option("--return-latents", is_flag=True, help="Also save the final latents (<out>.latents.pt).")
 @click.option("--json", "as_json", is_flag=True, help="Print the output's metadata as JSON on stdout.")
-@click.option("--profile", is_flag=True, help="Profile the run (omniloop-profiler): print a per-node/step table and write <out>.profile.json.")
 @click.pass_context
 def generate(
     ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, task: str,
     negative_prompt: str | None, image: str | None, plugin_param: tuple[str, ...], device: str | None,
-    dtype: str | None, out: str | None, return_latents: bool, as_json: bool, profile: bool,
-    **fields: Any,
+    dtype: str | None, out: str | None, return_latents: bool, as_json: bool, **fields: Any,
 ) -> None:
     """Generate a video (or image) from PROMPT and write it to a file.
 
@@ -290,14 +298,14 @@ def generate(
     if text_task:
         if out is not None:
             fail(f"--out: a {request.task.value} request prints its text on stdout and writes no file")
-        path = Path("out") / f"{request.request_id}.txt"  # names the --profile report only
+        path = Path("out") / f"{request.request_id}.txt"  # names plugin reports (--profile) only
     else:
         path = output_path(out, request)
         check_writable(path)
     deploy = build_deploy(deploy_file, model, device, dtype)
-    profile_path = path.with_name(path.stem + ".profile.json") if profile else None
-    if profile_path is not None:
-        deploy = enable_profiler(deploy, get_manager(ctx), profile_path)
+    chosen = [spec for name, spec in run_options(ctx).items() if fields.get(f"run_option__{name}")]
+    for spec in chosen:  # plugin flags (--profile): the plugin turns itself on for this run
+        deploy = spec.enable(deploy, path)
 
     # 2. the request against the deployment, without weights; then the model, and full validation
     Deployment(deploy, manager=get_manager(ctx)).check(request)
@@ -323,10 +331,9 @@ def generate(
 
     files = write_outputs(output, path, latents=return_latents) if output.ok and not text_task else {}
     text = output.artifacts["text"].text if text_task and output.ok and "text" in output.artifacts else None
-    if profile_path is not None:
-        report = show_profile(runtime, output, profile_path, quiet=as_json)
-        if report is not None:
-            files["profile"] = profile_path
+    for spec in chosen:
+        if spec.report is not None:
+            files.update(spec.report(runtime, output, path, as_json))
     if as_json:
         from omniloop.schema import output_to_dict
 

@@ -115,6 +115,20 @@ class PluginComponentSpec:
 
 
 @define(frozen=True)
+class RunOptionSpec:
+    """A flag a plugin adds to ``omniloop generate`` (``--<name>``), e.g. the profiler's ``--profile``.
+
+    ``enable(deploy, out)`` returns the deploy with the plugin enabled for this run (``out``: the
+    run's output file, to name a report beside it); ``report(runtime, output, out, quiet)`` runs
+    after the request and returns the files it wrote by label (it prints unless ``quiet``)."""
+
+    name: str
+    enable: Callable[[Any, Path], Any]
+    report: Callable[[Any, Any, Path, bool], dict[str, Path]] | None = None
+    help: str = ""
+
+
+@define(frozen=True)
 class SchedulerSpec:
     name: str
     factory: Callable[..., Any]

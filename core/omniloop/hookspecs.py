@@ -38,6 +38,7 @@ from .family import (
     ModelPreset,
     PluginComponentSpec,
     PolicySpec,
+    RunOptionSpec,
     SchedulerSpec,
     TransportSpec,
 )
@@ -122,6 +123,15 @@ def omniloop_register_attention_backends(register: Callable[[AttentionBackendSpe
     """Register attention implementations: ``register(AttentionBackendSpec(name, fn, available))``.
 
     Returns nothing. Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_run_options(register: Callable[[RunOptionSpec], None]) -> None:
+    """Add a flag to ``omniloop generate``: ``register(RunOptionSpec(name, enable, report))``.
+
+    The CLI shows ``--<name>`` only while the plugin is installed; ``enable`` turns the plugin on
+    in the run's deploy, ``report`` writes/prints what it measured. Returns nothing. Since: 1.0
     """
 
 
@@ -231,6 +241,7 @@ REGISTRATION_HOOKS = (
     "omniloop_register_schedulers",
     "omniloop_register_transports",
     "omniloop_register_attention_backends",
+    "omniloop_register_run_options",
     "omniloop_register_commands",
 )
 

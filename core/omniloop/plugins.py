@@ -35,6 +35,7 @@ from .family import (
     ModelPreset,
     PluginComponentSpec,
     PolicySpec,
+    RunOptionSpec,
     SchedulerSpec,
     TransportSpec,
 )
@@ -119,6 +120,8 @@ class Registry:
     schedulers: dict[str, SchedulerSpec] = attrs.Factory(dict)
     transports: dict[str, TransportSpec] = attrs.Factory(dict)
     attention_backends: dict[str, AttentionBackendSpec] = attrs.Factory(dict)
+    #: flags plugins add to ``omniloop generate``, by flag name
+    run_options: dict[str, RunOptionSpec] = attrs.Factory(dict)
     #: (kind, name) -> plugin that registered it
     providers: dict[tuple[str, str], str] = attrs.Factory(dict)
 
@@ -136,6 +139,7 @@ _KINDS: dict[str, tuple[str, str, type | tuple[type, ...] | None]] = {
     "omniloop_register_schedulers": ("schedulers", "scheduler", SchedulerSpec),
     "omniloop_register_transports": ("transports", "transport", TransportSpec),
     "omniloop_register_attention_backends": ("attention_backends", "attention_backend", AttentionBackendSpec),
+    "omniloop_register_run_options": ("run_options", "run_option", RunOptionSpec),
 }
 
 
