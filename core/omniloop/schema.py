@@ -460,7 +460,7 @@ def output_to_dict(out: OmniOutput) -> dict[str, Any]:
         "request_id": out.request_id,
         "status": out.status.value,
         "artifacts": arts,
-        "metrics": _jsonable(out.metrics),
+        "metrics": jsonable(out.metrics),
         "error": attrs.asdict(out.error) if isinstance(out.error, ErrorInfo) else None,
     }
 
@@ -480,11 +480,13 @@ def event_to_dict(ev: OmniEvent) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """``v`` as JSON-safe values (mappings, lists, scalars; enums by value; other objects as a
+    float when they convert, else their ``str``): what output metrics are reported as."""
     if isinstance(v, Mapping):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if isinstance(v, (int, float, str, bool)) or v is None:
         return v
     if isinstance(v, enum.Enum):
@@ -493,6 +495,10 @@ def _jsonable(v: Any) -> Any:
         return float(v)
     except (TypeError, ValueError):
         return str(v)
+
+
+#: the former private name (the server imported it); use :func:`jsonable`
+_jsonable = jsonable
 
 
 __all__ = [
@@ -504,6 +510,7 @@ __all__ = [
     "check_regex",
     "converter",
     "event_to_dict",
+    "jsonable",
     "output_to_dict",
     "request_from_dict",
     "request_to_dict",
