@@ -391,3 +391,70 @@ def test_the_worker_advertises_the_checkpoints_tasks(toy_runtime_factory) -> Non
     worker.metrics = WorkerMetrics("toy")
     worker._setup_model_facts()
     assert worker._tasks == {"t2i"} and worker.modalities() == ["image"]
+
+
+# ---------------------------------------------------------------------------------------------
+# omniloop serve's extra_body names (so one OpenAI SDK call works against both front ends)
+# ---------------------------------------------------------------------------------------------
+
+
+def _extra(**knobs: Any) -> dict[str, Any]:
+    return {"extra_args": {"media_passthrough": knobs}}
+
+
+def test_serve_style_extra_fields_fill_nvext() -> None:
+    r = map_image_request({"model": "m", "prompt": "x", "n": 2, **_extra(steps=3, seed=7, guidance_scale=2.5,
+                                                                         negative_prompt="blurry")},
+                          request_id="r").requests
+    assert [q.diffusion.seed for q in r] == [7, 8] and r[0].diffusion.steps == 3 and r[0].diffusion.guidance_scale == 2.5
+    assert r[0].negative_prompt == "blurry"
+    v = map_video_request({"model": "m", "prompt": "x", **_extra(num_inference_steps=2)}, request_id="r").requests[0]
+    assert v.diffusion.steps == 2
+    same = map_video_request({"model": "m", "prompt": "x", "nvext": {"num_inference_steps": 2}}, request_id="r")
+    assert same.requests[0].diffusion == v.diffusion
+
+
+def test_serve_style_extra_field_errors_name_the_field_the_client_wrote() -> None:
+    e = pytest.raises(InvalidRequest, map_video_request, {"model": "m", "prompt": "x", "nvext": {"seed": 1},
+                                                          **_extra(seed=2)}, request_id="r").value
+    assert e.field == "seed" and "given twice" in e.message
+    e = pytest.raises(InvalidRequest, map_video_request, {"model": "m", "prompt": "x", **_extra(steps=2, num_inference_steps=3)},
+                      request_id="r").value
+    assert e.field == "num_inference_steps" and "given twice: also set as steps" in e.message
+    e = pytest.raises(InvalidRequest, map_image_request, {"model": "m", "prompt": "x", **_extra(steps=-1)}, request_id="r").value
+    assert e.field == "steps"
+    e = pytest.raises(InvalidRequest, map_image_request, {"model": "m", "prompt": "x", **_extra(seed="7")}, request_id="r").value
+    assert e.field == "seed"
+
+
+def test_strength_is_i2i_only() -> None:
+    import base64 as b64
+
+    ref = "data:image/png;base64," + b64.b64encode(b"\x89PNG fake").decode()
+    r = map_image_request({"model": "m", "prompt": "x", "input_reference": ref, **_extra(strength=0.4)},
+                          request_id="r").requests[0]
+    assert r.task.value == "i2i" and r.node_params == {"denoise": {"strength": 0.4}}
+    r = map_image_request({"model": "m", "prompt": "x", "input_reference": ref,
+                           **_extra(strength=0.4, node_params={"denoise": {"cfg": "classic"}})}, request_id="r").requests[0]
+    assert r.node_params == {"denoise": {"cfg": "classic", "strength": 0.4}}
+    for req, field in [
+        ({"model": "m", "prompt": "x", **_extra(strength=0.4)}, "strength"),  # t2i
+        ({"model": "m", "prompt": "x", "input_reference": ref,
+          **_extra(strength=0.4, node_params={"denoise": {"strength": 0.5}})}, "strength"),
+    ]:
+        assert pytest.raises(InvalidRequest, map_image_request, req, request_id="r").value.field == field
+    e = pytest.raises(InvalidRequest, map_video_request, {"model": "m", "prompt": "x", **_extra(strength=0.4)},
+                      request_id="r").value
+    assert e.field == "strength" and "image-to-image" in e.message
+    assert api_field("node_params.denoise.strength") == "strength"
+
+
+def test_default_fps_comes_from_the_runtime_defaults(tmp_path) -> None:
+    from omniloop.runtime import Runtime
+    from omniloop.testing import build_toy_checkpoint, make_manager
+    from omniloop_dynamo.worker import default_fps
+
+    rt = Runtime.from_model(build_toy_checkpoint(tmp_path / "toy"), manager=make_manager())
+    assert default_fps(rt, {"t2v", "t2i"}) == rt.defaults("t2v")["fps"] == 8.0
+    m = map_video_request({"model": "m", "prompt": "x", "seconds": 1}, request_id="r", default_fps=8.0)
+    assert m.requests[0].diffusion.frames == 9  # seconds * fps + 1

@@ -40,8 +40,14 @@ from omniloop.schema import brief, request_from_dict
 #: the key Dynamo's frontend nests unknown top-level request fields under (``extra_args``)
 MEDIA_PASSTHROUGH_KEY = "media_passthrough"
 
-#: request knobs a client may send as extra top-level fields (OpenAI clients: ``extra_body``)
-PASSTHROUGH_KNOBS = ("shift", "priority", "exact", "node_params", "plugin_params")
+#: ``omniloop serve``'s extra fields, accepted here too so one OpenAI-SDK call works against both
+#: (``extra_body={"steps": 4, "seed": 1}``): alias -> the ``nvext`` field it fills
+NVEXT_ALIASES = {"steps": "num_inference_steps", "num_inference_steps": "num_inference_steps", "seed": "seed",
+                 "guidance_scale": "guidance_scale", "negative_prompt": "negative_prompt"}
+
+#: request knobs a client may send as extra top-level fields (OpenAI clients: ``extra_body``);
+#: ``strength`` is i2i's (images with ``input_reference``): ``node_params.denoise.strength``
+PASSTHROUGH_KNOBS = ("shift", "priority", "exact", "node_params", "plugin_params", *NVEXT_ALIASES, "strength")
 
 _VIDEO_FIELDS = frozenset({
     "prompt", "model", "input_reference", "seconds", "size", "user", "response_format",
@@ -66,6 +72,7 @@ _FIELD_NAMES = {
     "diffusion.width": "size",
     "diffusion.shift": "shift",
     "task": "input_reference",
+    "node_params.denoise.strength": "strength",
 }
 
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
@@ -226,6 +233,33 @@ def passthrough(request: Mapping[str, Any]) -> dict[str, Any]:
     return dict(knobs)
 
 
+def fold_aliases(request: Mapping[str, Any], knobs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Move the alias knobs (:data:`NVEXT_ALIASES`) into a copy of the request's ``nvext``.
+
+    Returns (the request with the merged ``nvext``, {``nvext.<field>``: the alias it came from}); a
+    field set both ways is an error naming the alias."""
+    nvext = request.get("nvext") or {}
+    if not isinstance(nvext, Mapping):
+        raise InvalidRequest("nvext", "expected an object")
+    merged, origin = dict(nvext), {}
+    for alias, target in NVEXT_ALIASES.items():
+        if alias in knobs:
+            value = knobs.pop(alias)
+            if merged.get(target) is not None:
+                also = origin.get(f"nvext.{target}", f"nvext.{target}")
+                raise InvalidRequest(alias, f"given twice: also set as {also}")
+            merged[target] = value
+            origin[f"nvext.{target}"] = alias
+    if not origin:
+        return dict(request), origin
+    return {**request, "nvext": merged}, origin
+
+
+def _renamed(exc: InvalidRequest, origin: Mapping[str, str]) -> InvalidRequest:
+    """An error about an aliased ``nvext`` field, named as the client wrote it."""
+    return InvalidRequest(origin[exc.field], exc.message) if exc.field in origin else exc
+
+
 def _response_format(request: Mapping[str, Any]) -> Literal["url", "b64_json"]:
     rf = request.get("response_format")
     if rf is None:
@@ -233,6 +267,25 @@ def _response_format(request: Mapping[str, Any]) -> Literal["url", "b64_json"]:
     if rf not in ("url", "b64_json"):
         raise InvalidRequest("response_format", f"must be 'url' or 'b64_json', got {brief(rf)}")
     return rf  # type: ignore[return-value]
+
+
+#: the node whose ``strength`` i2i families read (FLUX.1, SD3)
+STRENGTH_NODE = "denoise"
+
+
+def _with_strength(knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """``strength`` -> ``node_params.denoise.strength`` (merged with the client's node_params)."""
+    out = dict(knobs)
+    strength = out.pop("strength")
+    node_params = out.get("node_params") or {}
+    if not isinstance(node_params, Mapping) or not isinstance(node_params.get(STRENGTH_NODE, {}), Mapping):
+        raise InvalidRequest("node_params", "expected an object of node parameter objects")
+    denoise = dict(node_params.get(STRENGTH_NODE) or {})
+    if "strength" in denoise:
+        raise InvalidRequest("strength", f"given twice: also set as node_params.{STRENGTH_NODE}.strength")
+    denoise["strength"] = strength
+    out["node_params"] = {**node_params, STRENGTH_NODE: denoise}
+    return out
 
 
 def _build(data: dict[str, Any], knobs: Mapping[str, Any]) -> OmniRequest:
@@ -300,13 +353,27 @@ def map_video_request(
     Wan's 81 frames = 5 s at 16 fps) with ``fps`` from ``nvext.fps`` or the model's default;
     else the model's default frame count.
     """
+    knobs = passthrough(request)
+    request, origin = fold_aliases(request, knobs)
+    try:
+        return _map_video(request, knobs, request_id=request_id, allow_local_files=allow_local_files,
+                          default_fps=default_fps, video_tasks=video_tasks)
+    except InvalidRequest as exc:
+        raise _renamed(exc, origin) from None
+
+
+def _map_video(
+    request: Mapping[str, Any], knobs: dict[str, Any], *, request_id: str, allow_local_files: bool,
+    default_fps: float | None, video_tasks: tuple[str, str],
+) -> MappedRequest:
+    if "strength" in knobs:
+        raise InvalidRequest("strength", "applies to image-to-image requests (images with input_reference) only")
     model, nvext, inputs = _common_fields(request, "a video request", _VIDEO_NVEXT)
     for name in ("boundary_ratio", "guidance_scale_2"):
         if nvext.get(name) is not None:
             raise InvalidRequest(
                 f"nvext.{name}", "is not supported by omniloop workers (the expert boundary is the checkpoint's)"
             )
-    knobs = passthrough(request)
     width, height = parse_size(request.get("size"))
     fps = _opt_num(nvext, "fps", "nvext.fps", gt=0)
     frames = _opt_int(nvext, "num_frames", "nvext.num_frames", ge=1)
@@ -352,8 +419,18 @@ def map_image_request(
     request: Mapping[str, Any], *, request_id: str, allow_local_files: bool = False, max_n: int = 10,
 ) -> MappedRequest:
     """An ``NvCreateImageRequest`` dict -> ``n`` omniloop t2i/i2i requests (seeds ``seed``, ``seed+1``, ...)."""
-    model, nvext, inputs = _common_fields(request, "an image request", _IMAGE_NVEXT)
     knobs = passthrough(request)
+    request, origin = fold_aliases(request, knobs)
+    try:
+        return _map_image(request, knobs, request_id=request_id, allow_local_files=allow_local_files, max_n=max_n)
+    except InvalidRequest as exc:
+        raise _renamed(exc, origin) from None
+
+
+def _map_image(
+    request: Mapping[str, Any], knobs: dict[str, Any], *, request_id: str, allow_local_files: bool, max_n: int,
+) -> MappedRequest:
+    model, nvext, inputs = _common_fields(request, "an image request", _IMAGE_NVEXT)
     n = _opt_int(request, "n", "n", ge=1) or 1
     if n > max_n:
         raise InvalidRequest("n", f"must be <= {max_n}, got {n}")
@@ -368,6 +445,10 @@ def map_image_request(
         part["role"] = "image"
         inputs.append(part)
         task = "i2i"
+    if "strength" in knobs:
+        if task != "i2i":
+            raise InvalidRequest("strength", "applies to image-to-image requests only (give input_reference)")
+        knobs = _with_strength(knobs)
     seed = _opt_int(nvext, "seed", "nvext.seed", ge=0)
     base = {
         "steps": _opt_int(nvext, "num_inference_steps", "nvext.num_inference_steps", ge=1),

@@ -133,6 +133,26 @@ def media_path(media_dir: Path, suffix: str) -> Path:
     return path
 
 
+def default_fps(rt: Any, tasks: set[str]) -> float | None:
+    """The frame rate a video request gets when it sets none (``seconds`` -> frames uses it):
+    ``Runtime.defaults(task)`` (the family's per-task defaults), else the checkpoint config's or
+    the family's ``defaults``."""
+    fps = None
+    task = next((t for t in ("t2v", "i2v") if t in tasks), None)
+    if task is not None and callable(getattr(rt, "defaults", None)):
+        try:
+            fps = rt.defaults(task).get("fps")
+        except Exception:  # a family without per-task defaults
+            fps = None
+    if not fps:
+        cfg = getattr(rt.model, "config", None) or {}
+        defaults = cfg.get("defaults") if isinstance(cfg, dict) else None
+        if not isinstance(defaults, dict):
+            defaults = getattr(rt.family, "defaults", None) or {}
+        fps = defaults.get("fps") if isinstance(defaults, dict) else None
+    return float(fps) if isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0 else None
+
+
 def _load_object(spec: str) -> Any:
     mod, _, attr = spec.partition(":")
     if not mod or not attr:
@@ -199,15 +219,10 @@ class OmniloopDynamoWorker:
 
     def _setup_model_facts(self) -> None:
         rt = self.runtime
-        cfg = getattr(rt.model, "config", None) or {}
         # what the checkpoint can do (a t2v checkpoint of a family that also does i2v: t2v only)
         tasks = getattr(rt, "supported_tasks", None) or rt.tasks
         self._tasks = {getattr(t, "value", str(t)) for t in tasks}
-        defaults = cfg.get("defaults") if isinstance(cfg, dict) else None
-        if not isinstance(defaults, dict):
-            defaults = getattr(rt.family, "defaults", None) or {}
-        fps = defaults.get("fps") if isinstance(defaults, dict) else None
-        self._default_fps = float(fps) if fps else None
+        self._default_fps = default_fps(rt, self._tasks)
         if not self.model_name:
             m = rt.deploy.model
             self.model_name = m.preset or Path(str(rt.model_path)).name
