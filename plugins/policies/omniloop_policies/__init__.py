@@ -6,7 +6,7 @@ lives in ``LoopState.policy_state`` (allocated by ``init``), never on the policy
 
 from __future__ import annotations
 
-from .bundle import DEFAULT_CFGS, DEFAULT_SAMPLERS, DenoisePolicies, PolicyMenu, sampler_for_config
+from .bundle import DEFAULT_CFGS, DEFAULT_SAMPLERS, DenoisePolicies, PolicyMenu, sampler_for_config, strength_steps
 from .cfg import (
     AdaptiveGateCFG,
     CFGPolicy,
@@ -84,4 +84,5 @@ __all__ = [
     "sampler_for_config",
     "split_batch",
     "stack_forward",
+    "strength_steps",
 ]
