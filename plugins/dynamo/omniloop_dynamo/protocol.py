@@ -454,6 +454,7 @@ def _map_image(
         "steps": _opt_int(nvext, "num_inference_steps", "nvext.num_inference_steps", ge=1),
         "guidance_scale": _opt_num(nvext, "guidance_scale", "nvext.guidance_scale", ge=0),
         "width": width, "height": height,
+        "frames": 1,  # one picture (a family that does t2i by a video of frames makes one frame), as omniloop serve asks
     }
     reqs = []
     for i in range(n):
