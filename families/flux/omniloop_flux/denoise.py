@@ -27,8 +27,9 @@ import torch
 from attrs import define
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
+from omniloop.context import StageContext
 from omniloop.interceptors import BlockContext, call_model
-from omniloop.loop import LoopState, RequestState, StageContext, StepResult
+from omniloop.loop import LoopState, RequestState, StepResult
 
 from .resolve import FluxParams
 from .stages import vae_scale_factor

@@ -19,7 +19,7 @@ from . import checkpoint as ck
 from .defaults import TASKS, defaults_for, variant_of
 from .denoise import Denoise
 from .policies import menu_for
-from .resolve import TextParams, resolve
+from .resolve import FluxParams, TextParams, resolve
 from .stages import ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2i, vae_scale_factor
 
 log = logging.getLogger("omniloop_flux")
@@ -161,8 +161,14 @@ class FluxFamily:
         return out
 
     # -- requests -----------------------------------------------------------------------------
+    def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *,
+                node_params: Any = None) -> FluxParams:
+        """The request resolved once (``Runtime.prepare`` calls this; the nodes read ``ctx.resolved``)."""
+        params, _ = resolve(model, request, limits, menu=menu_for(model), node_params=node_params)
+        return params
+
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
-        _, warnings = resolve(model, request, limits, menu=menu_for(model))
+        _, warnings = resolve(model, request, limits, menu=menu_for(model), decode_image=False)
         return warnings
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 from typing import Any
 
 import attrs
@@ -20,6 +19,8 @@ from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.media import read_image
 from omniloop.request import ImagePart, OmniRequest, TaskType
+from omniloop.resolved import Workload
+from omniloop.schema import structure_params
 
 from .defaults import MAX_SEQUENCE_LENGTH
 
@@ -54,6 +55,19 @@ class FluxParams:
     embedded_guidance: float = 3.5
     #: the request's ``omniloop_policies.DenoisePolicies``
     policies: Any = None
+    #: soft problems (rounded sizes, truncated prompt, ignored inputs)
+    warnings: tuple[str, ...] = ()
+
+    def workload(self) -> Workload:
+        """The scheduler's size of this request: the steps the loop runs (i2i: the strength's
+        share), two forwards per step with true CFG (a negative prompt encoded), one image."""
+        steps = self.steps
+        if self.strength is not None:
+            from omniloop_policies import strength_steps
+
+            steps = strength_steps(steps, self.strength)
+        return Workload(steps=steps, branches=2 if self.negative_prompt is not None else 1, frames=1,
+                        height=self.height, width=self.width)
 
 
 def _limit(limits: Any, name: str) -> int | None:
@@ -85,20 +99,12 @@ def load_image_part(request: OmniRequest) -> torch.Tensor:
 
 
 def text_params(request: OmniRequest) -> TextParams:
-    raw = (request.node_params or {}).get("text_encode") or {}
+    """``node_params.text_encode`` through the core's converter (a stage driven outside a runtime)."""
+    raw = (request.node_params or {}).get("text_encode")
     if isinstance(raw, TextParams):
         return raw
-    if not isinstance(raw, dict):
-        raise RequestError("node_params.text_encode", f"expected an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - {"max_sequence_length"})
-    if unknown:
-        raise RequestError(f"node_params.text_encode.{unknown[0]}", "unknown parameter; known: max_sequence_length")
-    v = raw.get("max_sequence_length")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SEQUENCE_LENGTH):
-        raise RequestError(
-            "node_params.text_encode.max_sequence_length", f"must be an integer in [1, {MAX_SEQUENCE_LENGTH}], got {v!r}"
-        )
-    return TextParams(max_sequence_length=v)
+    params: TextParams = structure_params(TextParams, raw, "node_params.text_encode")
+    return params
 
 
 def count_tokens(tokenizer: Any, text: str) -> int:
@@ -106,9 +112,13 @@ def count_tokens(tokenizer: Any, text: str) -> int:
 
 
 def resolve(
-    model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True, menu: Any = None
+    model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True, menu: Any = None,
+    node_params: Any = None,
 ) -> tuple[FluxParams, list[str]]:
-    """Check ``request`` against ``model`` and ``limits``; return its resolved params and warnings."""
+    """Check ``request`` against ``model`` and ``limits``; return its resolved params and warnings.
+
+    ``node_params``: the request's node params as the core validated them (``Runtime.prepare``,
+    ``FluxFamily.resolve``); without them (a stage driven by hand) the same converter runs here."""
     cfg = model.config
     warnings: list[str] = []
     if request.task not in cfg["tasks"]:
@@ -123,17 +133,14 @@ def resolve(
         raise RequestError("inputs", "a text prompt (a text part with role 'prompt') is required")
     if d.frames not in (None, 1):
         raise RequestError("diffusion.frames", f"an image request makes one frame, got {d.frames}")
-    for name in ("guidance_scale", "shift", "fps"):
-        v = getattr(d, name)
-        if v is not None and not math.isfinite(v):
-            raise RequestError(f"diffusion.{name}", f"must be a finite number, got {v!r}")
 
     if menu is None:
         from .policies import menu_for
 
         menu = menu_for(model)
-    policies = menu.resolve(request)  # validates node_params.denoise (a RequestError naming the key)
-    denoise_params = (request.node_params or {}).get(menu.node) or {}
+    structured = (node_params or {}).get(menu.node)
+    policies = menu.resolve(request, structured)  # validates node_params.denoise (a RequestError naming the key)
+    denoise_params = _set_knobs(structured, (request.node_params or {}).get(menu.node))
     if policies.requested_shift is not None and cfg["dynamic_shifting"]:
         raise RequestError(
             "diffusion.shift" if denoise_params.get("shift") is None else f"node_params.{menu.node}.shift",
@@ -154,7 +161,7 @@ def resolve(
     if max_steps is not None and steps > max_steps:
         raise RequestError(steps_path, f"{steps} is above this deployment's limit of {max_steps}")
     if i2i:
-        from omniloop_policies.bundle import strength_steps
+        from omniloop_policies import strength_steps
 
         if strength_steps(steps, strength) < 1:
             raise RequestError(
@@ -190,7 +197,7 @@ def resolve(
             raise RequestError(f"diffusion.{name}", f"{rounded} is above this deployment's limit of {lim}")
         sizes[name] = rounded
 
-    tp = text_params(request)
+    tp = (node_params or {}).get("text_encode") or text_params(request)
     max_len = int(tp.max_sequence_length or defaults["max_sequence_length"])
 
     image = None
@@ -218,9 +225,16 @@ def resolve(
         task=request.task, prompt=prompt, height=sizes["height"], width=sizes["width"], steps=steps,
         guidance_scale=float(policies.guidance_scale), max_sequence_length=max_len,
         strength=strength if i2i else None, image=image, policies=policies, negative_prompt=negative,
-        embedded_guidance=embedded,
+        embedded_guidance=embedded, warnings=tuple(warnings),
     )
     return params, warnings
+
+
+def _set_knobs(structured: Any, raw: Any) -> dict[str, Any]:
+    """The denoise knobs the request set (validated object, or the raw mapping), as a dict."""
+    if structured is not None:
+        return {k: v for k, v in attrs.asdict(structured, recurse=False).items() if v is not None}
+    return dict(raw) if isinstance(raw, dict) else {}
 
 
 def _no_scale(request: OmniRequest, denoise_params: dict[str, Any]) -> bool:

@@ -17,7 +17,8 @@ import torch
 from attrs import define
 
 from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
-from omniloop.loop import RequestState, StageContext
+from omniloop.context import StageContext
+from omniloop.loop import RequestState
 from omniloop.request import TaskType
 
 from .resolve import FluxParams, resolve
@@ -56,11 +57,13 @@ class Validate:
         self.menu = menu
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
-        limits = getattr(ctx.options.get("deploy"), "limits", None)
-        params, warnings = resolve(self.model, state.request, limits, menu=self.menu)
-        if warnings:
-            known = state.metrics.setdefault("warnings", [])
-            known.extend(w for w in warnings if w not in known)
+        params = ctx.resolved  # resolved once by Runtime.prepare (FluxFamily.resolve)
+        if not isinstance(params, FluxParams):  # driven by hand, outside a runtime
+            limits = getattr(ctx.options.get("deploy"), "limits", None)
+            params, warnings = resolve(self.model, state.request, limits, menu=self.menu)
+            if warnings:
+                known = state.metrics.setdefault("warnings", [])
+                known.extend(w for w in warnings if w not in known)
         state.write("params", Conditioning(values={"params": params}), ctx.node.name)
 
 

@@ -29,8 +29,9 @@ import attrs
 import torch
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
+from omniloop.context import StageContext
 from omniloop.interceptors import BlockContext, call_model
-from omniloop.loop import LoopState, RequestState, StageContext, StepContext, StepResult
+from omniloop.loop import LoopState, RequestState, StepContext, StepResult
 
 from .resolve import SD3Params
 from .transformer import sd3_forward

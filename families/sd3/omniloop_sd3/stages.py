@@ -15,7 +15,8 @@ import torch
 from attrs import define
 
 from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
-from omniloop.loop import RequestState, StageContext
+from omniloop.context import StageContext
+from omniloop.loop import RequestState
 from omniloop.request import TaskType
 
 from .resolve import SD3Params, resolve
