@@ -1,0 +1,212 @@
+"""Causal chunk rollout: denoise a video chunk by chunk, each chunk attending to the clean K/V
+of the earlier ones, and hand each finished chunk (latents, and frames when a VAE is given) out
+as soon as it is done.
+
+Per chunk ``i`` (``chunk_frames`` latent frames, RoPE frames ``i*chunk_frames ..``):
+
+1. noise from a generator seeded by ``(seed, i)`` — a chunk's noise does not depend on how the
+   video was split into requests, so a session continued twice equals one long request;
+2. ``steps`` flow-Euler steps (sigmas ``linspace(1, 0, steps + 1)`` with the flow ``shift``,
+   timestep ``1000 * sigma``), each one :func:`.model.chunk_forward` over the chunk with the
+   cached slabs as context (no CFG: causal few-step checkpoints are guidance-distilled);
+3. one more forward of the clean chunk at ``context_timestep`` (0: clean) that records its K/V,
+   written once as the chunk's slab (:class:`.kv.ChunkKV`); the window slides;
+4. the chunk's latents are VAE-decoded incrementally (:class:`.vae.StreamingDecoder`).
+
+:meth:`CausalWan.reference` runs the same schedule without a cache: every step one
+:func:`.model.masked_forward` over all clean chunks so far plus the noisy one, with the
+block-causal (windowed) mask — the test oracle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from attrs import define, field
+
+from omniloop.kvcache import CacheManager
+
+from .kv import ChunkKV, chunk_layout, slabs_needed
+from .model import block_causal_mask, check_model, chunk_forward, masked_forward
+from .vae import StreamingDecoder
+
+
+def _pos_int(name: str) -> Any:
+    def check(_i: Any, _a: Any, v: Any) -> None:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"rollout.{name}: must be a positive integer, got {v!r}")
+    return check
+
+
+def _finite(name: str, lo: float, hi: float) -> Any:
+    def check(_i: Any, _a: Any, v: Any) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+            raise ValueError(f"rollout.{name}: must be a finite number in [{lo}, {hi}], got {v!r}")
+    return check
+
+
+def _window(_i: Any, _a: Any, v: Any) -> None:
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise ValueError(f"rollout.window: must be null or a positive integer (chunks, itself included), got {v!r}")
+
+
+def _sink(_i: Any, _a: Any, v: Any) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"rollout.sink: must be a non-negative integer (chunks), got {v!r}")
+
+
+@define(frozen=True)
+class CausalOptions:
+    """The deploy's ``rollout: causal`` settings (``options.rollout_options`` / ``omniloop.json``)."""
+
+    chunk_frames: int = field(default=3, validator=_pos_int("chunk_frames"))
+    steps: int = field(default=4, validator=_pos_int("steps"))
+    shift: float = field(default=5.0, validator=_finite("shift", 0.01, 100.0))
+    window: int | None = field(default=None, validator=_window)  # chunks attended, itself included
+    sink: int = field(default=0, validator=_sink)  # first chunks always kept when windowed
+    context_timestep: float = field(default=0.0, validator=_finite("context_timestep", 0.0, 1000.0))
+    max_sessions: int = field(default=4, validator=_pos_int("max_sessions"))
+    session_ttl_s: float = field(default=600.0, validator=_finite("session_ttl_s", 0.001, 86400.0 * 7))
+    kv_slabs: int = field(default=64, validator=_pos_int("kv_slabs"))  # the slab pool's size
+
+    def sigmas(self) -> list[float]:
+        base = torch.linspace(1.0, 0.0, self.steps + 1, dtype=torch.float64)
+        s = self.shift * base / (1 + (self.shift - 1) * base)
+        return [float(x) for x in s]
+
+
+@define
+class ChunkOut:
+    """One finished chunk: its index, latents ``[1, z, f, h, w]`` and, with a VAE, its frames
+    ``[1, 3, T, H, W]`` in [-1, 1] (``None`` without a decoder)."""
+
+    index: int
+    latents: torch.Tensor
+    video: torch.Tensor | None = None
+
+
+class Stream:
+    """One video in progress: its slabs, its VAE feature cache and where it has got to."""
+
+    def __init__(self, kv: ChunkKV, decoder: StreamingDecoder | None, seed: int) -> None:
+        self.kv = kv
+        self.decoder = decoder
+        self.seed = seed
+        self.next_chunk = 0
+
+    def free(self) -> None:
+        self.kv.free()
+        self.decoder = None
+
+
+def chunk_noise(seed: int, index: int, shape: Sequence[int]) -> torch.Tensor:
+    """The noise of chunk ``index`` (float32, CPU generator: the same on every device)."""
+    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + index) % (2**63))
+    return torch.randn(tuple(shape), generator=g, dtype=torch.float32)
+
+
+class CausalWan:
+    """Chunk rollout of one Wan transformer (+ optional VAE) at one latent size.
+
+    ``height`` / ``width`` are the *video* size; the slab pool (one :class:`CacheManager`,
+    ``options.kv_slabs`` chunks of ``tokens_per_chunk`` tokens) is sized for it.
+    """
+
+    def __init__(self, transformer: Any, vae: Any = None, *, options: CausalOptions | None = None,
+                 height: int, width: int, manager: CacheManager | None = None) -> None:
+        check_model(transformer)
+        self.model = transformer
+        self.vae = vae
+        self.options = options or CausalOptions()
+        sf = 8 if vae is None else int(getattr(vae.config, "scale_factor_spatial", 8))
+        _, ph, pw = transformer.config.patch_size
+        if height % (sf * ph) or width % (sf * pw) or height < 1 or width < 1:
+            raise ValueError(f"causal rollout: height and width must be positive multiples of {sf * ph}, got {height}x{width}")
+        self.height, self.width = height, width
+        self.latent_hw = (height // sf, width // sf)
+        self.channels = int(transformer.config.out_channels)
+        self.tokens_per_chunk = self.options.chunk_frames * (self.latent_hw[0] // ph) * (self.latent_hw[1] // pw)
+        self.manager = manager or CacheManager(
+            chunk_layout(transformer), block_size=self.tokens_per_chunk, num_blocks=self.options.kv_slabs, name="chunk-kv"
+        )
+        if self.manager.block_size != self.tokens_per_chunk:
+            raise ValueError(f"causal rollout: the slab pool holds {self.manager.block_size} tokens per block, "
+                             f"a chunk has {self.tokens_per_chunk}")
+
+    # -- streams ----------------------------------------------------------------------------------
+    def open_stream(self, seed: int, reserve_chunks: int = 0) -> Stream:
+        """A new stream (raises ``CacheFull`` when the pool cannot reserve its slabs)."""
+        o = self.options
+        kv = ChunkKV(self.manager, window=o.window, sink=o.sink, reserve_chunks=reserve_chunks)
+        return Stream(kv, StreamingDecoder(self.vae) if self.vae is not None else None, seed)
+
+    def slabs_for(self, chunks: int) -> int:
+        return slabs_needed(chunks, self.options.window, self.options.sink)
+
+    def chunk_shape(self) -> tuple[int, int, int, int, int]:
+        return (1, self.channels, self.options.chunk_frames, *self.latent_hw)
+
+    def _dev(self) -> tuple[torch.device, torch.dtype]:
+        p = next(self.model.parameters())
+        return p.device, p.dtype
+
+    @torch.no_grad()
+    def denoise_chunk(self, stream: Stream, text: torch.Tensor) -> torch.Tensor:
+        """Denoise the stream's next chunk with ``text`` states ``[1, L, D]``; commit its slab."""
+        o = self.options
+        dev, dt = self._dev()
+        i = stream.next_chunk
+        frame0 = i * o.chunk_frames
+        x = chunk_noise(stream.seed, i, self.chunk_shape()).to(dev, dt)
+        text = text.to(dev, dt)
+        sig = o.sigmas()
+        for s, s_next in itertools.pairwise(sig):
+            t = torch.full((1,), s * 1000.0, device=dev, dtype=dt)
+            v = chunk_forward(self.model, x, t, text, frame0, context=stream.kv.context)
+            x = (x.float() + (s_next - s) * v.float()).to(dt)
+        t_ctx = torch.full((1,), o.context_timestep, device=dev, dtype=dt)
+        chunk_forward(self.model, x, t_ctx, text, frame0, context=stream.kv.context, record=stream.kv.record)
+        stream.kv.commit()
+        stream.next_chunk += 1
+        return x
+
+    def run(self, stream: Stream, text: torch.Tensor, chunks: int, *, decode: bool = True) -> Iterator[ChunkOut]:
+        """Generate ``chunks`` more chunks of ``stream``, yielding each as soon as it is final."""
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks: must be a positive integer, got {chunks!r}")
+        for _ in range(chunks):
+            lat = self.denoise_chunk(stream, text)
+            video = stream.decoder.decode(lat) if decode and stream.decoder is not None else None
+            yield ChunkOut(stream.next_chunk - 1, lat, video)
+
+    # -- the uncached oracle ----------------------------------------------------------------------
+    @torch.no_grad()
+    def reference(self, text: torch.Tensor, chunks: int, seed: int) -> torch.Tensor:
+        """The same rollout of ``chunks`` chunks with ``text`` and no cache: every step is one
+        :func:`.model.masked_forward` over the clean chunks so far (at ``context_timestep``) plus
+        the noisy one (at the step's timestep), with the block-causal (windowed) mask. Returns
+        the latents ``[1, z, chunks*f, h, w]``."""
+        o = self.options
+        dev, dt = self._dev()
+        f = o.chunk_frames
+        n = self.tokens_per_chunk
+        text = text.to(dev, dt)
+        clean: list[torch.Tensor] = []
+        sig = o.sigmas()
+        for i in range(chunks):
+            x = chunk_noise(seed, i, self.chunk_shape()).to(dev, dt)
+            mask = block_causal_mask([n] * (i + 1), o.window, o.sink).to(dev)
+            for s, s_next in itertools.pairwise(sig):
+                seq = torch.cat([*clean, x], dim=2)
+                ts = torch.cat([torch.full((n * i,), o.context_timestep), torch.full((n,), s * 1000.0)])
+                v = masked_forward(self.model, seq, ts.to(dev, dt)[None], text, mask)[:, :, i * f :]
+                x = (x.float() + (s_next - s) * v.float()).to(dt)
+            clean.append(x)
+        return torch.cat(clean, dim=2)
+
+
+__all__ = ["CausalOptions", "CausalWan", "ChunkOut", "Stream", "chunk_noise"]
