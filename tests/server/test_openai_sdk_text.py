@@ -268,3 +268,35 @@ def sdk(server: Any) -> Iterator[tuple[OpenAI, Any]]:
     url, app = server
     with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=T) as client:
         yield client, app
+
+
+@pytest.mark.parametrize("grace", [30.0, 0.0])
+def test_a_stream_in_flight_at_shutdown_finishes_within_the_grace_period(qwen_ckpt: Path, tmp_path: Path,
+                                                                         python_api: Any, grace: float) -> None:
+    """Draining gives chat requests the video jobs' grace period (then cancels them: an error event)."""
+    from omniloop.runtime import Runtime
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    rt = Runtime.from_model(qwen_ckpt, manager=qwen_manager(), device="cpu", dtype="float32", scheduler="step")
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=grace)
+    state = app.state.omniloop
+    with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=T) as client:
+        stream = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "hello"}],
+                                                max_tokens=400, temperature=0, stream=True)
+        it = iter(stream)
+        first = next(it)
+        assert state.loop is not None
+        state.loop.call_soon_threadsafe(state.begin_drain)  # what SIGTERM does under omniloop serve
+        if grace:
+            chunks = [first, *it]
+            ref = python_api([{"type": "text", "text": "hello", "role": "user"}], max_tokens=400, temperature=0)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.artifacts["text"].text
+            assert chunks[-1].choices[0].finish_reason == ref.metrics["finish_reason"]
+            with pytest.raises(openai.InternalServerError) as exc:  # 503: no new work while draining
+                client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "x"}])
+            assert exc.value.status_code == 503
+        else:
+            with pytest.raises(openai.APIError) as err:
+                list(it)
+            assert "cancelled" in str(err.value)

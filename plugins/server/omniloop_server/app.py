@@ -106,6 +106,9 @@ class ServerState:
         self.shutdown_timeout = shutdown_timeout
         self.poll_after_ms = poll_after_ms
         self.draining = False
+        #: in-flight engine requests that are not video jobs (chat, completions, images): the drain
+        #: gives them the same grace period, then cancels them
+        self.requests: dict[str, Any] = {}
         self._drain_task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         rt = self.runtime
@@ -115,6 +118,13 @@ class ServerState:
         cfg = getattr(rt.model, "config", None) or {}
         ts = cfg.get("vae_scale_temporal") if isinstance(cfg, dict) else None
         self.temporal_scale = int(ts) if isinstance(ts, int) else None
+
+    def track(self, handles: list[Any]) -> None:
+        """Let the drain wait for (then cancel) these engine requests; each is dropped when it ends."""
+        for h in handles:
+            self.requests[h.request_id] = h
+            fut = asyncio.ensure_future(h.result())
+            fut.add_done_callback(lambda _f, rid=h.request_id: self.requests.pop(rid, None))
 
     def count_status(self, status: int) -> None:
         if status >= 400:
@@ -140,13 +150,15 @@ class ServerState:
     async def _drain(self) -> None:
         self.draining = True  # create_video / create_images answer 503 from now on
         grace = self.shutdown_timeout
-        n = len(self.jobs.in_flight())
+        n = len(self.jobs.in_flight()) + len(self.requests)
         self.jobs.shutdown_reason = f"the server shut down (it waits {grace:g} s for running jobs)"
         if n:
             log.warning("shutting down: %d job(s) in flight; finishing them for up to %g s, then cancelling", n, grace)
         await self._wait_jobs(grace)  # finishing includes writing the mp4
         for job in self.jobs.in_flight():
             self.engine.cancel(job.id)  # lands at the job's next step boundary
+        for rid in list(self.requests):
+            self.engine.cancel(rid)
         await self._wait_jobs(STOP_GRACE_S + WRITE_GRACE_S)
         stuck = [j for j in self.jobs.in_flight() if j.task is not None and not j.task.done()]
         for job in stuck:  # never leave a job unrecorded: its follower records it as it stops
@@ -165,7 +177,8 @@ class ServerState:
                                          self.jobs.output_dir / "jobs.jsonl")
 
     async def _wait_jobs(self, timeout: float) -> None:
-        tasks = [j.task for j in self.jobs.in_flight() if j.task is not None and not j.task.done()]
+        tasks: list[Any] = [j.task for j in self.jobs.in_flight() if j.task is not None and not j.task.done()]
+        tasks += [asyncio.ensure_future(h.result()) for h in self.requests.values() if not h.done()]
         if tasks and timeout > 0:
             await asyncio.wait(tasks, timeout=timeout)
 
@@ -501,6 +514,7 @@ def create_app(
             handles = submit(mapped)
         except Exception as exc:
             return translate(exc, mapped)
+        state.track(handles)
         return await images_response(engine, handles, mapped)
 
     def model_object() -> dict[str, Any]:

@@ -380,6 +380,7 @@ def text_routes(api: Any) -> list[Any]:
                 (handle,) = api.submit(mapped)
             except Exception as exc:
                 return api.translate(exc, mapped)
+            state.track([handle])
             model = state.model_id
             if mapped.info["stream"]:
                 return StreamingResponse(

@@ -164,6 +164,7 @@ def image_edit_routes(api: Any) -> list[Any]:
             handles = api.submit(mapped)
         except Exception as exc:
             return api.translate(exc, mapped)
+        state.track(handles)
         return await images_response(engine, handles, mapped)
 
     return [Route("/v1/images/edits", edit_images, methods=["POST"])]
