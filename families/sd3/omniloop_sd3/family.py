@@ -154,11 +154,11 @@ class SD3Family:
     def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *, node_params: Any = None) -> SD3Params:
         """The request resolved once, before any compute (``Runtime.prepare`` calls this; the
         validate node passes it on). Raises ``RequestError`` naming the field."""
-        params, _ = resolve(model, request, limits)
+        params, _ = resolve(model, request, limits, node_params=node_params)
         return params
 
     def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
-        _, warnings = resolve(model, request, limits)
+        _, warnings = resolve(model, request, limits, decode_image=False)
         return warnings
 
 

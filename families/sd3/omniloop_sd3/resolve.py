@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 from typing import Any
 
+import attrs
 import torch
 from attrs import define, field
 
@@ -24,6 +24,7 @@ from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.media import read_image
 from omniloop.request import ImagePart, OmniRequest, TaskType
+from omniloop.schema import structure_params
 from omniloop_policies import DenoiseParams
 
 from .policies import menu_for
@@ -113,9 +114,14 @@ def _token_count(tokenizer: Any, text: str) -> int:
 
 
 def resolve(
-    model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True
+    model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True,
+    node_params: Any = None,
 ) -> tuple[SD3Params, list[str]]:
-    """Check ``request`` against ``model`` and ``limits``; its resolved params and warnings."""
+    """Check ``request`` against ``model`` and ``limits``; its resolved params and warnings.
+
+    ``node_params``: the node params as the core validated them (``Runtime.prepare``); without
+    them the same converter validates ``request.node_params`` here (types and ranges live in the
+    attrs metadata of :class:`SD3DenoiseParams` / :class:`TextParams`, nowhere else)."""
     cfg = model.config
     task = request.task
     if task not in cfg["tasks"]:
@@ -132,22 +138,24 @@ def resolve(
     if negative is None:
         negative = str(defaults.get("negative_prompt") or "")
 
-    node_params = request.node_params or {}
-    raw = dict(node_params.get("denoise") or {})
-    strength_raw = raw.pop("strength", None)
-    text_raw = node_params.get("text_encode") or {}
-    if not isinstance(text_raw, dict):
-        raise RequestError("node_params.text_encode", "expected an object of parameters")
-    unknown = sorted(set(text_raw) - {"max_sequence_length"})
-    if unknown:
-        raise RequestError(f"node_params.text_encode.{unknown[0]}", "unknown parameter (known: max_sequence_length)")
+    given = node_params or {}
+    raw_params = request.node_params or {}
+    dp = given.get("denoise")
+    if dp is None:
+        dp = structure_params(SD3DenoiseParams, raw_params.get("denoise"), "node_params.denoise")
+    tp = given.get("text_encode")
+    if tp is None:
+        tp = structure_params(TextParams, raw_params.get("text_encode"), "node_params.text_encode")
+    strength_raw = dp.strength
+    # strength is this family's to apply (the i2i start), not the sampler's: the menu sees the rest
+    raw = attrs.evolve(dp, strength=None)
 
     menu = menu_for(model, task)
     policies = menu.resolve(request, params=raw)
     steps = policies.num_steps
     if steps is None:
         steps = len(policies.timesteps or policies.sampler.timesteps_list)
-    steps_path = "node_params.denoise.steps" if raw.get("steps") is not None else "diffusion.steps"
+    steps_path = "node_params.denoise.steps" if raw.steps is not None else "diffusion.steps"
     max_steps = _limit(limits, "max_steps")
     if max_steps is not None and steps > max_steps:
         raise RequestError(steps_path, f"{steps} is above this deployment's limit of {max_steps}")
@@ -174,21 +182,15 @@ def resolve(
     if d.frames not in (None, 1):
         raise RequestError("diffusion.frames", f"an image request makes one frame, got {d.frames}")
 
-    msl = text_raw.get("max_sequence_length")
+    msl = tp.max_sequence_length
     if msl is None:
         msl = int(defaults["max_sequence_length"])
-    elif isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= MAX_T5_TOKENS:
-        raise RequestError("node_params.text_encode.max_sequence_length", f"must be an integer in 1..{MAX_T5_TOKENS}, got {msl!r}")
 
     strength = None
     image = None
     images = [p for p in request.inputs if isinstance(p, ImagePart)]
     if task is TaskType.I2I:
-        strength = defaults.get("strength", 0.6) if strength_raw is None else strength_raw
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength) \
-                or not 0.0 < strength <= 1.0:
-            raise RequestError("node_params.denoise.strength", f"must be a number in (0, 1], got {strength!r}")
-        strength = float(strength)  # > 0 runs at least one step: n - int(n - n * strength) >= 1
+        strength = float(defaults.get("strength", 0.6) if strength_raw is None else strength_raw)  # > 0 runs at least one step: n - int(n - n * strength) >= 1
         if decode_image:
             image, _ = load_image_part(request)
         elif not any(p.role in IMAGE_ROLES for p in images):
