@@ -47,10 +47,15 @@ class Workload:
 class Resolved(Protocol):
     """The core's view of any family's resolved request (the family's class adds its own fields)."""
 
-    #: the request's task
-    task: TaskType
-    #: soft problems found while resolving (a truncated prompt, an ignored input)
-    warnings: tuple[str, ...]
+    @property
+    def task(self) -> TaskType:
+        """The request's task."""
+        ...
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Soft problems found while resolving (a truncated prompt, an ignored input)."""
+        ...
 
     def workload(self) -> Workload:
         """Steps, forwards per step and output size: the scheduler's cost and memory priors."""

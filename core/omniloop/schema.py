@@ -277,7 +277,8 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[str, str]:
         keys = ", ".join(_clip(k, SHOW_CHARS) for k in extra[:10]) + (f", ... ({len(extra)} in all)" if len(extra) > 10 else "")
         p = ".".join(path)
         first = _clip(extra[0], SHOW_CHARS)
-        known = [f.name for f in attrs.fields(exc.cl)] if attrs.has(getattr(exc, "cl", None)) else []
+        cl = getattr(exc, "cl", None)
+        known = [f.name for f in attrs.fields(cl)] if isinstance(cl, type) and attrs.has(cl) else []
         hint = f"; known: {', '.join(known)}" if known else ""
         return (f"{p}.{first}" if p else first), f"unknown key{'s' if len(extra) > 1 else ''} ({keys}){hint}"
     if isinstance(exc, (ClassValidationError, IterableValidationError)):
