@@ -10,13 +10,19 @@ requests. See ``families/wan/README.md`` (causal rollout).
 from .kv import ChunkKV, chunk_layout
 from .model import block_causal_mask, chunk_forward, chunk_visibility, masked_forward
 from .rollout import CausalOptions, CausalWan, ChunkOut, Stream, chunk_noise
+from .sessions import Cancelled, Session, SessionError, SessionLimit, SessionStore
 from .vae import StreamingDecoder
 
 __all__ = [
+    "Cancelled",
     "CausalOptions",
     "CausalWan",
     "ChunkKV",
     "ChunkOut",
+    "Session",
+    "SessionError",
+    "SessionLimit",
+    "SessionStore",
     "Stream",
     "StreamingDecoder",
     "block_causal_mask",

@@ -183,6 +183,12 @@ class CausalWan:
             video = stream.decoder.decode(lat) if decode and stream.decoder is not None else None
             yield ChunkOut(stream.next_chunk - 1, lat, video)
 
+    def run_schedule(self, stream: Stream, schedule: Sequence[tuple[torch.Tensor, int]], *,
+                     decode: bool = True) -> Iterator[ChunkOut]:
+        """One request over several prompts: ``schedule`` is ``[(text, chunks), ...]`` in order."""
+        for text, chunks in schedule:
+            yield from self.run(stream, text, chunks, decode=decode)
+
     # -- the uncached oracle ----------------------------------------------------------------------
     @torch.no_grad()
     def reference(self, text: torch.Tensor, chunks: int, seed: int) -> torch.Tensor:

@@ -1,0 +1,166 @@
+"""Sessions: a causal stream kept after its request, so a follow-up request (a new prompt)
+continues the same video.
+
+A :class:`SessionStore` belongs to one deployment (one :class:`~.rollout.CausalWan`): at most
+``max_sessions`` live at once, each expiring ``ttl_s`` seconds after its last use. A session keeps
+its chunk-KV slabs (in the engine's ``CacheManager``) and its VAE feature cache; closing,
+expiring or cancelling it frees both. Session ids are made here (``secrets``), never taken from
+a client, and never become file names.
+
+One session runs one request at a time. ``cancel`` during a request stops it at the next chunk
+boundary (the chunk being denoised finishes, then the slabs are freed); closing the iterator
+returned by :meth:`SessionStore.generate` (a client that went away) frees them at once.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from attrs import define, field
+
+from omniloop.errors import OmniloopError
+
+from .rollout import CausalWan, ChunkOut, Stream
+
+
+class SessionError(OmniloopError):
+    """An unknown, expired, closed or busy session."""
+
+
+class SessionLimit(OmniloopError):
+    """The deployment already holds its maximum number of sessions."""
+
+
+class Cancelled(OmniloopError):
+    """The session was cancelled during a request; its slabs are freed."""
+
+
+@define
+class Session:
+    id: str
+    stream: Stream
+    created: float
+    last_used: float
+    busy: bool = False
+    cancelled: bool = False
+    requests: int = 0
+    meta: dict[str, Any] = field(factory=dict)
+
+    @property
+    def chunks(self) -> int:
+        return self.stream.next_chunk
+
+
+class SessionStore:
+    """The sessions of one deployment; thread-safe accounting (one lock)."""
+
+    def __init__(self, engine: CausalWan, *, max_sessions: int | None = None, ttl_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.max_sessions = engine.options.max_sessions if max_sessions is None else max_sessions
+        self.ttl_s = engine.options.session_ttl_s if ttl_s is None else ttl_s
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions: must be >= 1, got {self.max_sessions}")
+        if not self.ttl_s > 0:
+            raise ValueError(f"ttl_s: must be > 0, got {self.ttl_s}")
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def create(self, seed: int, *, reserve_chunks: int = 0) -> Session:
+        """A new session (expired ones are freed first). Raises :class:`SessionLimit` or ``CacheFull``."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed: must be an integer in [0, 2**63), got {seed!r}")
+        with self._lock:
+            self.expire()
+            if len(self._sessions) >= self.max_sessions:
+                raise SessionLimit(f"this deployment holds its maximum of {self.max_sessions} sessions; close one or wait "
+                                   f"for one to expire ({self.ttl_s:g} s after its last use)")
+            stream = self.engine.open_stream(seed, reserve_chunks=reserve_chunks)
+            now = self.clock()
+            sid = "sess-" + secrets.token_hex(12)
+            s = Session(sid, stream, now, now)
+            self._sessions[sid] = s
+            return s
+
+    def get(self, session_id: str) -> Session:
+        with self._lock:
+            self.expire()
+            s = self._sessions.get(session_id) if isinstance(session_id, str) else None
+            if s is None:
+                raise SessionError("session: unknown or expired session id")
+            return s
+
+    def close(self, session_id: str) -> bool:
+        """Free the session's slabs and VAE cache; False when it was not there."""
+        with self._lock:
+            s = self._sessions.pop(session_id, None)
+        if s is None:
+            return False
+        if not s.busy:
+            s.stream.free()
+        else:  # freed by the running request when it reaches a chunk boundary / ends
+            s.cancelled = True
+        return True
+
+    def cancel(self, session_id: str) -> bool:
+        """Stop the session's running request (at the next chunk boundary) and free it."""
+        return self.close(session_id)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Free every idle session unused for ``ttl_s``; return their ids."""
+        t = self.clock() if now is None else now
+        with self._lock:
+            old = [sid for sid, s in self._sessions.items() if not s.busy and t - s.last_used >= self.ttl_s]
+        for sid in old:
+            self.close(sid)
+        return old
+
+    def generate(self, session_id: str, text: torch.Tensor, chunks: int, *, decode: bool = True) -> Iterator[ChunkOut]:
+        """Continue the session's video with ``chunks`` chunks conditioned on ``text``.
+
+        Validates before any compute; the returned iterator yields each chunk when final."""
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks: must be a positive integer, got {chunks!r}")
+        s = self.get(session_id)
+        return self._run(s, text, chunks, decode)
+
+    def _run(self, s: Session, text: torch.Tensor, chunks: int, decode: bool) -> Iterator[ChunkOut]:
+        with self._lock:  # claimed on the first next(): an iterator never started holds nothing
+            if s.busy:
+                raise SessionError("session: a request is already running on this session")
+            if self._sessions.get(s.id) is not s:
+                raise SessionError("session: unknown or expired session id")
+            s.busy = True
+            s.requests += 1
+        done = False
+        try:
+            for _ in range(chunks):
+                if s.cancelled:
+                    raise Cancelled("session: cancelled; its slabs are freed")
+                yield from self.engine.run(s.stream, text, 1, decode=decode)
+            done = True
+        finally:
+            with self._lock:
+                s.busy = False
+                s.last_used = self.clock()
+                if not done or s.cancelled:  # cancelled, failed or abandoned mid-stream: free it
+                    self._sessions.pop(s.id, None)
+                    s.stream.free()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"sessions": len(self._sessions), "max_sessions": self.max_sessions, "ttl_s": self.ttl_s,
+                    "kv": self.engine.manager.stats()}
+
+
+__all__ = ["Cancelled", "Session", "SessionError", "SessionLimit", "SessionStore"]
