@@ -156,6 +156,20 @@ def _check_stop(stops: list[str]) -> str | None:
     return None
 
 
+#: an adapter name in a request: the key the deploy declared it under (never a path)
+ADAPTER_NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,63}"
+
+
+@define(frozen=True)
+class AdapterRef:
+    """One LoRA adapter a request applies: a name the deployment declared (``adapters:`` in the
+    deploy file) and its scale (diffusers' ``set_adapters`` weight)."""
+
+    name: str = field(metadata=_c(max_len=64, pattern=ADAPTER_NAME_PATTERN,
+                                  pattern_hint="must be 1-64 letters, digits or _ . : @ + = - (a name the deployment declares)"))
+    scale: float = field(default=1.0, metadata=_c(ge=-100.0, le=100.0))
+
+
 @define(frozen=True)
 class OutputSpec:
     """What to return and how to stream it."""
@@ -178,6 +192,8 @@ class OmniRequest:
     outputs: OutputSpec = attrs.Factory(OutputSpec)
     node_params: dict[str, dict[str, Any]] = attrs.Factory(dict)
     plugin_params: dict[str, dict[str, Any]] = attrs.Factory(dict)
+    #: LoRA adapters to apply, stacked in this order (names the deployment declared)
+    adapters: list[AdapterRef] = attrs.Factory(list)
     exact: bool = False
     priority: int = field(default=0, metadata=_c(ge=-100, le=100))
     request_id: str = field(
