@@ -12,6 +12,7 @@ file and the dotted field path. Example (YAML)::
       cache-dit: {Fn: 8, residual_diff_threshold: 0.08}
       profiler: {}
     limits: {max_steps: 100, max_frames: 121, max_height: 1280, max_width: 1280, max_queue: 32}
+    adapters: {anime: /loras/anime.safetensors, detail: /loras/detail}   # LoRA, named by requests
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class Limits:
     max_height: int = field(default=2048, metadata={"ge": 1})
     max_width: int = field(default=2048, metadata={"ge": 1})
     max_queue: int = field(default=64, metadata={"ge": 1})
+    #: LoRA adapters kept in memory at once (least recently used out; read again on next use)
+    max_adapters: int = field(default=16, metadata={"ge": 1})
 
 
 @define(frozen=True)
@@ -71,6 +74,11 @@ class DeployConfig:
     limits: Limits = attrs.Factory(Limits)
     #: scheduler options (e.g. {"max_batch": 8, "memory_budget_gib": 60})
     scheduler_options: dict[str, Any] = attrs.Factory(dict)
+    #: LoRA adapters requests may name: {NAME: PATH} (a .safetensors file or a folder), read at load
+    #: (omniloop.adapters); requests refer to them by NAME only
+    adapters: dict[str, str] = attrs.Factory(dict)
+    #: fuse one declared adapter into the weights at load: {NAME: SCALE} (single-adapter deployments)
+    adapter_fuse: dict[str, float] = attrs.Factory(dict)
 
     def with_model(self, **changes: Any) -> DeployConfig:
         return attrs.evolve(self, model=attrs.evolve(self.model, **changes))
