@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import adapters as _adapters
 from .deploy import DeployConfig, load_deploy
 from .errors import DeployError, PluginError, RequestError
 from .execution import BuiltPipeline, Execution
@@ -66,6 +67,7 @@ class Deployment:
         #: enabled interceptors/observers: name -> (spec, validated deploy config)
         self.component_configs: dict[str, tuple[PluginComponentSpec, Any]] = self._component_configs()
         self._scheduler_spec = self._scheduler_spec_of()
+        _adapters.check_declared(deploy.adapters, deploy.adapter_fuse, self.family)  # LoRA: names, files
         self.options: dict[str, Any] = {
             "deploy": deploy, "registry": self.registry, "attention": self.attention,
             **self.preset_options, **deploy.options,
@@ -97,6 +99,7 @@ class Deployment:
         self._check_task(req, model)
         self._check_common(req)
         self._check_plugin_params(req)
+        _adapters.check_request(req.adapters, self.deploy.adapters, self.deploy.adapter_fuse)
         if model is not None:
             spec = self._config_pipeline(model, req.task)
             if spec is not None and callable(getattr(self.family, "resolve", None)):
@@ -293,6 +296,13 @@ class Runtime(Deployment):
             self.model_path, device=self.device, dtype=self.dtype, options=self.options
         )
         self._pipelines: dict[TaskType, BuiltPipeline] = {}
+        #: the deploy's LoRA adapters, read and hooked at load (None when it declares none)
+        self.adapters: _adapters.AdapterBank | None = None
+        if deploy.adapters:
+            self.adapters = _adapters.AdapterBank(
+                deploy.adapters, self.model.components, self.family.adapter_support,
+                max_loaded=deploy.limits.max_adapters, fuse=deploy.adapter_fuse, model=self.model, options=self.options,
+            )
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -389,10 +399,12 @@ class Runtime(Deployment):
         built = self.pipeline(req.task)
         node_params = structure_node_params(built.spec, req)
         plugin_params = self._check_plugin_params(req)
+        _adapters.check_request(req.adapters, self.deploy.adapters, self.deploy.adapter_fuse)
         active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
         resolved = self._resolve(self.model, req, node_params)  # the one resolution of this request
+        lora = self.adapters.active_set(req.adapters) if self.adapters is not None else ()
         return Execution(built, req, node_params=node_params, plugin_params=plugin_params,
-                         resolved=resolved, active_interceptors=active)
+                         resolved=resolved, active_interceptors=active, adapters=lora)
 
     def resolve(self, request: OmniRequest | Mapping[str, Any]) -> Resolved:
         """``request`` validated and resolved by its family, without an execution (what
@@ -424,6 +436,7 @@ class Runtime(Deployment):
             "plugins": sorted(self.components_enabled),
             "attention_backend": self.attention.name,
             "scheduler": self.deploy.scheduler,
+            "adapters": self.adapters.describe() if self.adapters is not None else [],
         }
 
 
