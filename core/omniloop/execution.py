@@ -26,6 +26,7 @@ import attrs
 import torch
 from attrs import define
 
+from . import adapters as _adapters
 from .context import StageContext
 from .errors import OmniloopError
 from .graph import Node, PipelineSpec
@@ -71,8 +72,11 @@ class Execution:
         warnings: Sequence[str] = (),
         active_interceptors: Sequence[Any] | None = None,
         resolved: Resolved | None = None,
+        adapters: _adapters.ActiveSet = (),
     ) -> None:
         self.pipeline = pipeline
+        #: the LoRA adapters (adapter, scale) this request runs with, activated around each unit
+        self.adapters: _adapters.ActiveSet = tuple(adapters)
         self.request = request
         self.bus = pipeline.bus
         seed = request.diffusion.seed
@@ -146,7 +150,10 @@ class Execution:
             return None
         assert self._ctx is not None
         key = node.stage.batch_key(self._ctx, self.state, self._loop)
-        return None if key is None else (id(self.pipeline), node.name, key)
+        if key is None:
+            return None
+        lora = _adapters.batch_key_of(self.adapters)  # a batch never mixes adapter sets
+        return (id(self.pipeline), node.name, key, lora) if lora else (id(self.pipeline), node.name, key)
 
     # -- driving -------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -177,7 +184,8 @@ class Execution:
             ctx = self._ctx
             assert ctx is not None
             if not node.is_loop:
-                node.stage.forward(ctx, self.state)
+                with _adapters.activate(self.adapters):  # this request's LoRA set, for this call only
+                    node.stage.forward(ctx, self.state)
                 self._leave(node, events)
             else:
                 if self._loop is None:
@@ -186,7 +194,8 @@ class Execution:
                 assert loop is not None
                 self._before_step(node, loop)
                 t0 = time.perf_counter()
-                result = node.stage.step(ctx, self.state, loop)
+                with _adapters.activate(self.adapters):
+                    result = node.stage.step(ctx, self.state, loop)
                 self._after_step(node, loop, result, time.perf_counter() - t0, events)
         except KeyboardInterrupt:  # Ctrl-C stops the process: close this request cleanly first
             if not self.done:
@@ -359,7 +368,8 @@ def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
         ex._before_step(node, loop)
     t0 = time.perf_counter()
     try:
-        results = node.stage.step_batch(ctxs, states, loops)
+        with _adapters.activate(executions[0].adapters):  # equal for the batch: part of batch_key
+            results = node.stage.step_batch(ctxs, states, loops)
     except KeyboardInterrupt:
         for ex, evs in zip(executions, out, strict=True):
             if not ex.done:
