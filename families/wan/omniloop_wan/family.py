@@ -17,6 +17,7 @@ from omniloop.request import OmniRequest, TaskType
 
 from . import checkpoint as ck
 from .defaults import defaults_for, model_kind, tasks_of
+from .lora import WAN_ADAPTERS
 from .options import WanOptions, parse_options
 from .policies import menu_for
 from .resolve import WanParams, resolve
@@ -29,6 +30,8 @@ class WanFamily:
     name = "wan"
     tasks = frozenset({TaskType.T2V, TaskType.I2V})
     supports_block_interceptors = True
+    #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
+    adapter_support = WAN_ADAPTERS
 
     # -- detect / load ------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:
