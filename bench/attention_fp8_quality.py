@@ -46,8 +46,8 @@ add_repo_packages()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from _common import command_line, library_versions, machine  # noqa: E402
+
 from omniloop.hookspecs import hookimpl  # noqa: E402
 
 
@@ -81,7 +81,6 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 def part_kernel(res: dict[str, Any]) -> None:
     from omniloop_attention.backends import BACKENDS
     from omniloop_attention.fp8 import cudnn_fp8, quantize, reference_fp8_attention
-
     from omniloop_wan import fused
 
     by = {b.name: b for b in BACKENDS}
@@ -235,7 +234,6 @@ def _transformer() -> Any:
 def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
     from omniloop_attention.backends import BACKENDS
     from omniloop_attention.fp8 import cudnn_fp8, quantize, reference_fp8_attention
-
     from omniloop_wan.fused import fp8_descale
 
     by = {b.name: b for b in BACKENDS}
@@ -290,7 +288,7 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
         return {"mean": statistics.fmean(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)} if xs else None
 
     res["activations"] = {
-        "source": f"wan-demo, prompt {prompt!r}, seed 0, {'3' if smoke else '20'} steps CFG 5, bf16 on {device}; "
+        "source": f"wan-demo, prompt {prompt!r}, seed 0, {'3' if smoke else '20'} steps CFG 5, {'bf16' if device == 'cuda' else 'float32'} on {device}; "
                   f"every self-attention call ({len(calls)} calls; q/k/v {list(calls[0]['q'].shape)})",
         "metric": "relative RMS error of the attention output vs float32 math attention on the same bf16 inputs",
         "rel_rms": {k: summ(v) for k, v in per.items()},

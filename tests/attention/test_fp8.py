@@ -18,7 +18,8 @@ SPEC = {b.name: b for b in BACKENDS}["cudnn-fp8"]
 
 
 def _rel(a, b):
-    return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
 
 
 def _hopper_with_frontend() -> bool:
@@ -59,12 +60,11 @@ def test_unavailable_is_an_error_at_load(toy_checkpoint):
 def test_exact_requests_are_refused(toy_checkpoint, monkeypatch):
     """With the backend loadable (availability patched; the toy never reaches the kernel), an
     exact request is refused before any compute, naming the backend."""
+    import attrs
+
     from omniloop.errors import RequestError
     from omniloop.runtime import Runtime
     from omniloop.testing import toy_request
-
-    import attrs
-
     from omniloop_attention import backends
 
     patched = attrs.evolve(SPEC, available=lambda: None)

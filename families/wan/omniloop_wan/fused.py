@@ -175,7 +175,7 @@ def qk_norm_rope_fp8(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.T
                      heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`qk_norm_rope` written straight to e4m3: ``(x8 [B, L, heads, D], descale)`` with
     ``rotary(norm(x)) ≈ x8 * descale`` (scale from :func:`fp8_descale`). One pass, no amax."""
-    B, L, C = x.shape
+    _, L, C = x.shape
     head_dim = C // heads
     descale = fp8_descale(norm, C)
     eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps

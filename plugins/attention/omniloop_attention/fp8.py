@@ -173,11 +173,11 @@ def _graph(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o_stride: tuple
         kw = dict(q=Q, k=K, v=V, descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss, scale_o=so,
                   attn_scale=attn_scale, use_causal_mask=False)
         try:
-            O, _stats, amax_s, amax_o = g.sdpa_fp8(generate_stats=False, **kw)
+            out, _stats, amax_s, amax_o = g.sdpa_fp8(generate_stats=False, **kw)
         except TypeError:  # frontends before 1.13 call it is_inference
-            O, _stats, amax_s, amax_o = g.sdpa_fp8(is_inference=True, **kw)
+            out, _stats, amax_s, amax_o = g.sdpa_fp8(is_inference=True, **kw)
         B, H, Lq, _ = q8.shape
-        O.set_uid(_O).set_output(True).set_dim((B, H, Lq, v8.shape[-1])).set_stride(o_stride).set_data_type(fp8)
+        out.set_uid(_O).set_output(True).set_dim((B, H, Lq, v8.shape[-1])).set_stride(o_stride).set_data_type(fp8)
         amax_o.set_uid(_AMAX_O).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
         try:  # an output of the graph in every frontend seen so far; tolerated if absent
             amax_s.set_uid(_AMAX_S).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
@@ -277,5 +277,13 @@ class CudnnFP8Attention:
 
 cudnn_fp8 = CudnnFP8Attention()
 
-__all__ = ["CudnnFP8Attention", "E4M3_MAX", "O_HEADROOM", "cudnn_fp8", "cudnn_fp8_available", "cudnn_fp8_sdpa",
-           "quantize", "reference_fp8_attention"]
+__all__ = [
+    "E4M3_MAX",
+    "O_HEADROOM",
+    "CudnnFP8Attention",
+    "cudnn_fp8",
+    "cudnn_fp8_available",
+    "cudnn_fp8_sdpa",
+    "quantize",
+    "reference_fp8_attention",
+]
