@@ -63,3 +63,21 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def flux_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny FLUX.1 [dev] checkpoint and two adapters written by ``FluxPipeline.save_lora_weights``:
+    ``a`` (rank 4, alpha 2: attention of both block kinds, FFNs, single blocks' proj_mlp/proj_out)
+    and ``b`` (rank 2, no metadata, q/k/v only)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from omniloop_flux.tiny import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("flux-lora")
+    ckpt = build_tiny_checkpoint(root / "ckpt", variant="dev")
+    a = write_lora(FluxPipeline, FluxTransformer2DModel, ckpt / "transformer", root / "a", rank=4, alpha=2,
+                   targets=["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "net.0.proj", "net.2",
+                            "proj_mlp", "proj_out"], seed=3)
+    b = write_lora(FluxPipeline, FluxTransformer2DModel, ckpt / "transformer", root / "b", rank=2, alpha=None,
+                   targets=["to_q", "to_k", "to_v"], seed=4, as_file="b.safetensors")
+    return {"ckpt": ckpt, "a": a, "b": b, "root": root}

@@ -18,6 +18,7 @@ from omniloop.request import OmniRequest, TaskType
 from . import checkpoint as ck
 from .defaults import TASKS, defaults_for, variant_of
 from .denoise import Denoise
+from .lora import FLUX_ADAPTERS
 from .policies import menu_for
 from .resolve import FluxParams, TextParams, resolve
 from .stages import ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2i, vae_scale_factor
@@ -44,6 +45,8 @@ class FluxFamily:
     name = "flux"
     tasks = TASKS
     supports_block_interceptors = True
+    #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
+    adapter_support = FLUX_ADAPTERS
 
     # -- detect / load ------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:
