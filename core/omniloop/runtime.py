@@ -112,9 +112,10 @@ class Deployment:
         """The pipeline spec built on a config-only model (its node param schemas), or None when the
         family needs loaded components to build it."""
         try:
-            return self.family.build_pipeline(model, task, self.options)
+            spec: PipelineSpec = self.family.build_pipeline(model, task, self.options)
         except (KeyError, AttributeError, TypeError):
             return None
+        return spec
 
     def _resolve(self, model: LoadedModel, req: OmniRequest, node_params: Mapping[str, Any]) -> Resolved:
         """The family's resolved form of ``req`` (``family.resolve``), or the core's generic one."""
