@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -202,8 +203,15 @@ def test_images_generate(sdk: Any) -> None:
     assert len(result.data) == 2 and result.output_format == "png"
     images = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in result.data]
     assert all(im.size == (16, 16) and im.format == "PNG" for im in images)
+    # as URLs of this server (server-made names in the output folder)
+    urls = client.images.generate(model="ckpt", prompt="a cat", n=2, size="16x16", response_format="url",
+                                  extra_body={"steps": 2, "seed": 3})
+    fetched = [client.get(d.url or "", cast_to=httpx.Response).content for d in urls.data]
+    assert [Image.open(io.BytesIO(b)).tobytes() for b in fetched] == [im.tobytes() for im in images]
+    with pytest.raises(openai.NotFoundError):
+        client.get((urls.data[0].url or "").replace(".png", "0.png"), cast_to=httpx.Response)
     with pytest.raises(openai.UnprocessableEntityError) as exc:
-        client.images.generate(model="ckpt", prompt="a cat", response_format="url")
+        client.images.generate(model="ckpt", prompt="a cat", response_format="gif")  # type: ignore[arg-type]
     assert exc.value.body["param"] == "response_format"
 
 

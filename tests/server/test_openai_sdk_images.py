@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -110,6 +111,11 @@ def test_images_edit(client: OpenAI, reference: Any) -> None:
                      "node_params": {"denoise": {"strength": 0.5}}})
     got = decode(result.data[0].b64_json)
     assert close(got, ref)
+    # the same edit answered with a URL of this server
+    as_url = client.images.edit(model="tiny-flux", image=("input.png", image, "image/png"), prompt="a red fox in the snow",
+                                size="64x64", response_format="url", extra_body={"steps": 4, "seed": 3, "strength": 0.5})
+    fetched = client.get(as_url.data[0].url or "", cast_to=httpx.Response).content
+    assert np.array_equal(decode(base64.b64encode(fetched).decode()), got)
     # strength matters: the family default (0.6) gives another image
     default = client.images.edit(model="tiny-flux", image=("input.png", image, "image/png"),
                                  prompt="a red fox in the snow", size="64x64", extra_body={"steps": 4, "seed": 3})
@@ -126,7 +132,7 @@ def test_images_edit_errors(client: OpenAI) -> None:
         ({"mask": ("mask.png", png(), "image/png")}, "mask", "not supported"),
         ({"image": [image, image]}, "image", "exactly one"),
         ({"image": ("notes.txt", b"not an image", "text/plain")}, "image", "not a readable image"),
-        ({"response_format": "url"}, "response_format", "b64_json"),
+        ({"response_format": "gif"}, "response_format", "b64_json"),
         ({"n": 11}, "n", "between 1 and 10"),
         ({"size": "big"}, "size", "WIDTHxHEIGHT"),
         ({"extra_body": {"strength": 0}}, "strength", "> 0"),

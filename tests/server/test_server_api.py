@@ -138,7 +138,7 @@ def test_images_generation_returns_png_b64(server: Any) -> None:
         assert len(data) == 2
         imgs = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in data]
         assert all(i.format == "PNG" and i.size == (16, 16) for i in imgs)
-        bad = c.post("/v1/images/generations", json={"prompt": "a cat", "response_format": "url"})
+        bad = c.post("/v1/images/generations", json={"prompt": "a cat", "response_format": "gif"})
         assert bad.status_code == 422 and bad.json()["error"]["param"] == "response_format"
         bad = c.post("/v1/images/generations", json={"prompt": "a cat", "n": 50})
         assert bad.status_code == 422 and bad.json()["error"]["param"] == "n"

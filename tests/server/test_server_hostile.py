@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 EXAMPLES = int(os.environ.get("OMNILOOP_HOSTILE_EXAMPLES", "1100"))
 REQUEST_TIMEOUT = 10.0
-OUT_NAME = re.compile(r"^([0-9a-f]{32}(\.mp4|\.thumbnail\.png|\.spritesheet\.png)|jobs\.jsonl)$")
+OUT_NAME = re.compile(r"^([0-9a-f]{32}(\.mp4|\.thumbnail\.png|\.spritesheet\.png|\.png)|jobs\.jsonl)$")
 
 
 def _png() -> bytes:

@@ -57,7 +57,7 @@ from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, Queu
 
 from .bodies import MappedBody, check_tree, form_to_body, map_image_body, map_video_body, parse_json, show
 from .chat import text_routes
-from .images import image_edit_routes, images_response
+from .images import base_url, image_edit_routes, images_response
 from .jobs import Job, JobStore
 from .metrics import render_metrics
 
@@ -515,7 +515,7 @@ def create_app(
         except Exception as exc:
             return translate(exc, mapped)
         state.track(handles)
-        return await images_response(engine, handles, mapped)
+        return await images_response(engine, handles, mapped, state=state, base_url=base_url(request))
 
     def model_object() -> dict[str, Any]:
         rt = state.runtime

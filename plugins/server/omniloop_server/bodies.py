@@ -544,9 +544,10 @@ def map_image_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this 
         n = _num(body, "n", integer=True)
         if not 1 <= n <= MAX_IMAGES:
             raise _err("n", f"must be between 1 and {MAX_IMAGES}, got {n}")
-    fmt = body.get("response_format", "b64_json")
-    if fmt != "b64_json":
-        raise _err("response_format", f"only \"b64_json\" is supported, got {show(fmt)}")
+    fmt = body.get("response_format") or "b64_json"
+    if fmt not in ("b64_json", "url"):
+        raise _err("response_format", f"expected \"b64_json\" or \"url\", got {show(fmt)}")
+    info["response_format"] = fmt
     ofmt = body.get("output_format", "png")
     if ofmt != "png":
         raise _err("output_format", f"only \"png\" is supported, got {show(ofmt)}")

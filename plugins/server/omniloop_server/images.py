@@ -10,10 +10,13 @@ image as base64, a ``data:`` URL or ``{"image_url": "data:..."}``). Fields:
   of the schedule runs; the family's default when unset (diffusers' pipeline default).
 * ``prompt``, ``negative_prompt``, ``n`` (seeds ``seed + i``), ``size`` (``"WxH"`` or ``"auto"``:
   the family's default size), ``steps``, ``guidance_scale``, ``seed``, ``omniloop`` as for
-  ``/v1/images/generations``; ``response_format`` is ``b64_json``; PNG out.
+  ``/v1/images/generations``; PNG out.
 * ``mask`` (inpainting) and more than one input image are refused with a 422 naming the field.
 
-The answer is the generations answer: ``{"created", "data": [{"b64_json"}], "output_format": "png"}``.
+The answer is the generations answer: ``{"created", "data": [{"b64_json"}], "output_format": "png"}``;
+with ``response_format: "url"`` each item is ``{"url"}`` instead, a ``GET /v1/images/files/<name>.png``
+of this server (both endpoints): the PNG is written to the output folder under a server-made name
+(32 hex digits), the newest :data:`MAX_IMAGE_FILES` are kept.
 """
 
 from __future__ import annotations
@@ -21,12 +24,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
+import re
 import time
+import uuid
+from collections import deque
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 
 from omniloop.errors import RequestError
 from omniloop.request import TaskType
@@ -49,6 +57,38 @@ EDIT_FIELDS = COMMON_FIELDS | {
 }
 #: the node whose ``strength`` knob i2i families read (FLUX.1, SD3)
 STRENGTH_NODE = "denoise"
+#: ``response_format: "url"`` images kept on disk (oldest deleted first)
+MAX_IMAGE_FILES = 1000
+IMAGE_FILE = re.compile(r"^[0-9a-f]{32}\.png$")
+
+
+class ImageFiles:
+    """PNG files served at ``/v1/images/files/<name>``: server-made names, inside one folder, bounded."""
+
+    def __init__(self, folder: Path, keep: int = MAX_IMAGE_FILES) -> None:
+        self.folder = Path(folder).resolve()
+        self.keep = keep
+        self.names: deque[str] = deque()
+
+    def add(self, data: bytes) -> str:
+        name = f"{uuid.uuid4().hex}.png"
+        path = (self.folder / name).resolve()
+        if path.parent != self.folder:  # never expected: the name is ours
+            raise OSError(f"{path} is not in {self.folder}")
+        tmp = path.with_name(f".{name}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        self.names.append(name)
+        while len(self.names) > self.keep:
+            (self.folder / self.names.popleft()).unlink(missing_ok=True)
+        return name
+
+    def path(self, name: str) -> Path | None:
+        """The file of a name this server made and still keeps, else None (any other string)."""
+        if not IMAGE_FILE.match(name) or name not in self.names:
+            return None
+        path = (self.folder / name).resolve()
+        return path if path.parent == self.folder and path.is_file() else None
 
 
 def _err(path: str, msg: str) -> RequestError:
@@ -98,8 +138,9 @@ def map_edit_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this m
     if body.get("mask") is not None:
         raise _err("mask", "masks (inpainting) are not supported; the whole image is re-generated from strength")
     fmt = body.get("response_format") or "b64_json"
-    if fmt != "b64_json":
-        raise _err("response_format", f"only \"b64_json\" is supported, got {show(fmt)}")
+    if fmt not in ("b64_json", "url"):
+        raise _err("response_format", f"expected \"b64_json\" or \"url\", got {show(fmt)}")
+    info["response_format"] = fmt
     ofmt = body.get("output_format") or "png"
     if ofmt != "png":
         raise _err("output_format", f"only \"png\" is supported, got {show(ofmt)}")
@@ -116,18 +157,27 @@ def map_edit_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this m
     return expand_n(body, d, origins, info)
 
 
-def _png_b64(out: Any) -> str:
+def _png(out: Any) -> bytes:
     from omniloop.media import to_pil
 
     art = out.artifacts.get("image")
     pixels = art.pixels if art is not None else out.artifacts["video"].frames[0]
     buf = io.BytesIO()
     to_pil(pixels).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return buf.getvalue()
 
 
-async def images_response(engine: Any, handles: list[Any], mapped: MappedBody) -> Response:
-    """Wait for every image, then OpenAI's ``ImagesResponse`` (PNG, base64)."""
+def image_files(state: Any) -> ImageFiles:
+    """The server's :class:`ImageFiles` (in its output folder), made on first use."""
+    files = getattr(state, "image_files", None)
+    if files is None:
+        files = state.image_files = ImageFiles(state.jobs.output_dir)
+    return files
+
+
+async def images_response(engine: Any, handles: list[Any], mapped: MappedBody, *, state: Any = None,
+                          base_url: str = "") -> Response:
+    """Wait for every image, then OpenAI's ``ImagesResponse`` (PNG; base64, or URLs of this server)."""
     from .app import error
 
     outs = await asyncio.gather(*(h.result() for h in handles))
@@ -137,8 +187,17 @@ async def images_response(engine: Any, handles: list[Any], mapped: MappedBody) -
     if bad is not None:
         msg = bad.error.message if bad.error else bad.status.value
         return error(500, f"image generation {bad.status.value}: {msg}", type_="server_error", code=bad.status.value)
+    as_url = mapped.info.get("response_format") == "url" and state is not None
+
+    def encode() -> list[dict[str, str]]:
+        pngs = [_png(o) for o in outs]
+        if as_url:
+            files = image_files(state)
+            return [{"url": f"{base_url}/v1/images/files/{files.add(p)}"} for p in pngs]
+        return [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs]
+
     try:
-        data = await asyncio.to_thread(lambda: [{"b64_json": _png_b64(o)} for o in outs])
+        data = await asyncio.to_thread(encode)
     except Exception as exc:
         return error(500, f"encoding the image failed: {exc}", type_="server_error")
     resp: dict[str, Any] = {"created": int(time.time()), "data": data, "output_format": "png"}
@@ -165,6 +224,22 @@ def image_edit_routes(api: Any) -> list[Any]:
         except Exception as exc:
             return api.translate(exc, mapped)
         state.track(handles)
-        return await images_response(engine, handles, mapped)
+        return await images_response(engine, handles, mapped, state=state, base_url=base_url(request))
 
-    return [Route("/v1/images/edits", edit_images, methods=["POST"])]
+    async def image_file(request: Request) -> Response:
+        from .app import error
+
+        name = request.path_params["name"]
+        path = image_files(state).path(name)
+        if path is None:
+            return error(404, f"no image file {show(name)}", type_="invalid_request_error", param="name",
+                         code="not_found")
+        return FileResponse(path, media_type="image/png")
+
+    return [Route("/v1/images/edits", edit_images, methods=["POST"]),
+            Route("/v1/images/files/{name}", image_file, methods=["GET"])]
+
+
+def base_url(request: Request) -> str:
+    """This server's URL as the client reached it (scheme, host, root path), without a trailing /."""
+    return str(request.base_url).rstrip("/")
