@@ -1,4 +1,5 @@
-"""Built-in commands: ``plugins``, ``hooks`` (here) and ``generate`` (:mod:`omniloop_cli.generate`)."""
+"""Built-in commands: ``plugins``, ``hooks`` (here), ``generate`` (:mod:`omniloop_cli.generate`) and
+``adapters`` (:mod:`omniloop_cli.adapters`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import click
 
+from . import adapters as _adapters  # noqa: F401  (attaches ``omniloop adapters``)
 from .app import OmniloopGroup, cli, get_manager
 from .generate import generate
 

@@ -264,6 +264,7 @@ def request_options(fn: Any) -> Any:
 @click.option("--negative-prompt", help="What to steer away from.")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An input image (i2v, i2i).")
 @click.option("--plugin-param", "plugin_param", multiple=True, metavar="NAME.KEY=VALUE", help="Tune an enabled plugin for this request (repeatable).")
+@click.option("--adapter", "adapter", multiple=True, metavar="NAME[=SCALE]", help="Apply a LoRA adapter the deployment declares (repeatable, stacked in order; scale 1 by default).")
 @click.option("--device", help="cpu, cuda, cuda:1, ... (overrides the deploy file).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Overrides the deploy file.")
 @click.option("--out", "-o", "out", help="Output file (.mp4; .png or .webp for an image) or folder. Default: ./out/<request_id>.mp4 (.png for an image)")
@@ -272,7 +273,7 @@ def request_options(fn: Any) -> Any:
 @click.pass_context
 def generate(
     ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, task: str,
-    negative_prompt: str | None, image: str | None, plugin_param: tuple[str, ...], device: str | None,
+    negative_prompt: str | None, image: str | None, plugin_param: tuple[str, ...], adapter: tuple[str, ...], device: str | None,
     dtype: str | None, out: str | None, return_latents: bool, as_json: bool, **fields: Any,
 ) -> None:
     """Generate a video (or image) from PROMPT and write it to a file.
@@ -293,6 +294,10 @@ def generate(
         prompt, task=task, negative_prompt=negative_prompt, image=image, diffusion=groups["diffusion"],
         plugin_params=parse_plugin_params(plugin_param), return_latents=return_latents, sampling=groups["sampling"],
     )
+    if adapter:
+        from .adapters import parse_adapters
+
+        req_dict["adapters"] = parse_adapters(adapter)
     request = request_from_dict(req_dict)
     text_task = request.task.value in TEXT_TASKS
     if text_task:
