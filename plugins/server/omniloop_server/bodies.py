@@ -50,7 +50,7 @@ IMAGE_FIELDS = COMMON_FIELDS | {"n", "response_format", "quality", "style", "bac
 IGNORED = {"user", "quality", "style", "background", "moderation"}
 #: fields of the ``omniloop`` object a client may set (OmniRequest fields; the endpoint sets the task)
 OMNILOOP_FIELDS = {"diffusion", "sampling", "outputs", "node_params", "plugin_params", "exact", "priority",
-                   "request_id", "inputs", "negative_prompt"}
+                   "request_id", "inputs", "negative_prompt", "adapters"}
 MAX_IMAGES = 10
 #: deepest nesting of a body (objects and arrays); real bodies are 4 deep
 MAX_DEPTH = 32
