@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 from attrs import define, field
 
@@ -38,25 +39,25 @@ from .vae import StreamingDecoder
 def _pos_int(name: str) -> Any:
     def check(_i: Any, _a: Any, v: Any) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"rollout.{name}: must be a positive integer, got {v!r}")
+            raise ValueError(f"rollout_options.{name}: must be a positive integer, got {v!r}")
     return check
 
 
 def _finite(name: str, lo: float, hi: float) -> Any:
     def check(_i: Any, _a: Any, v: Any) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-            raise ValueError(f"rollout.{name}: must be a finite number in [{lo}, {hi}], got {v!r}")
+            raise ValueError(f"rollout_options.{name}: must be a finite number in [{lo}, {hi}], got {v!r}")
     return check
 
 
 def _window(_i: Any, _a: Any, v: Any) -> None:
     if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-        raise ValueError(f"rollout.window: must be null or a positive integer (chunks, itself included), got {v!r}")
+        raise ValueError(f"rollout_options.window: must be null or a positive integer (chunks, itself included), got {v!r}")
 
 
 def _sink(_i: Any, _a: Any, v: Any) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"rollout.sink: must be a non-negative integer (chunks), got {v!r}")
+        raise ValueError(f"rollout_options.sink: must be a non-negative integer (chunks), got {v!r}")
 
 
 @define(frozen=True)
@@ -155,9 +156,10 @@ class CausalWan:
         return p.device, p.dtype
 
     @torch.no_grad()
-    def denoise_chunk(self, stream: Stream, text: torch.Tensor) -> torch.Tensor:
-        """Denoise the stream's next chunk with ``text`` states ``[1, L, D]``; commit its slab."""
-        o = self.options
+    def denoise_chunk(self, stream: Stream, text: torch.Tensor, steps: int | None = None) -> torch.Tensor:
+        """Denoise the stream's next chunk with ``text`` states ``[1, L, D]`` (``steps``: the
+        options' unless given); commit its slab."""
+        o = self.options if steps is None else attrs.evolve(self.options, steps=steps)
         dev, dt = self._dev()
         i = stream.next_chunk
         frame0 = i * o.chunk_frames
@@ -174,12 +176,13 @@ class CausalWan:
         stream.next_chunk += 1
         return x
 
-    def run(self, stream: Stream, text: torch.Tensor, chunks: int, *, decode: bool = True) -> Iterator[ChunkOut]:
+    def run(self, stream: Stream, text: torch.Tensor, chunks: int, *, decode: bool = True,
+            steps: int | None = None) -> Iterator[ChunkOut]:
         """Generate ``chunks`` more chunks of ``stream``, yielding each as soon as it is final."""
-        if not isinstance(chunks, int) or chunks < 1:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks: must be a positive integer, got {chunks!r}")
         for _ in range(chunks):
-            lat = self.denoise_chunk(stream, text)
+            lat = self.denoise_chunk(stream, text, steps)
             video = stream.decoder.decode(lat) if decode and stream.decoder is not None else None
             yield ChunkOut(stream.next_chunk - 1, lat, video)
 

@@ -1,0 +1,100 @@
+"""``options.rollout: causal`` through the Runtime: PARTIAL chunk events, sessions, errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from omniloop.errors import DeployError, RequestError
+from omniloop.request import EventKind
+from omniloop.runtime import Runtime
+from omniloop.testing import make_manager
+from omniloop_wan import plugin as wan_plugin
+from omniloop_wan.causal.pipeline import CausalDeployment
+from omniloop_wan.stages import encode_text, to_uint8_frames
+
+ROLLOUT = {"chunk_frames": 3, "steps": 2, "kv_slabs": 8, "max_sessions": 2}
+
+
+def _runtime(path, **rollout: Any) -> Runtime:
+    opts = {"rollout": "causal", "rollout_options": {**ROLLOUT, **rollout}}
+    return Runtime.from_model(path, manager=make_manager(("wan", wan_plugin), toy=False), options=opts)
+
+
+def _req(prompt: str, frames: int, seed: int = 3, **node: Any) -> dict[str, Any]:
+    r: dict[str, Any] = {"task": "t2v", "prompt": prompt, "diffusion": {"frames": frames, "seed": seed},
+                         "outputs": {"stream_partial": True}}
+    if node:
+        r["node_params"] = {"rollout": node}
+    return r
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_wan) -> Runtime:
+    return _runtime(tiny_wan)
+
+
+def _error(rt: Runtime, req: dict[str, Any]) -> str:
+    """The message of the request's ERROR event (errors raised by nodes are streamed, not raised)."""
+    try:
+        events = list(rt.stream(req))
+    except RequestError as exc:  # refused by Runtime.prepare
+        return str(exc)
+    errs = [e.message for e in events if e.kind is EventKind.ERROR]
+    assert errs, "expected an error event"
+    assert not any(e.kind is EventKind.PARTIAL for e in events)
+    return str(errs[0])
+
+
+def _dep(rt: Runtime) -> CausalDeployment:
+    return rt.model.config["causal"]
+
+
+
+
+def test_chunks_stream_as_partial_events(rt):
+    events = list(rt.stream(_req("a red fox runs", frames=33)))  # 9 latent frames = 3 chunks
+    parts = [e for e in events if e.kind is EventKind.PARTIAL]
+    assert [e.artifact for e in parts] == ["video_chunk"] * 3
+    assert [e.value.frames.shape[0] for e in parts] == [9, 12, 12]
+    final = next(e for e in events if e.kind is EventKind.FINAL).output
+    video = final.artifacts["video"].frames
+    assert video.shape == (33, 32, 32, 3) and video.dtype == torch.uint8
+    assert torch.equal(torch.cat([e.value.frames for e in parts]), video)
+    eng, _ = _dep(rt).engine(32, 32)
+    assert eng.manager.used_blocks == 0 and eng.manager.sequences == 0  # the request's slabs are back
+    eng.manager.check()
+    # the same frames as the engine driven by hand (same seed, the text encoder's prompt states)
+    comps = rt.model.components
+    text, _ = encode_text(comps["tokenizer"], comps["text_encoder"], "a red fox runs", torch.device("cpu"), torch.float32)
+    stream = eng.open_stream(seed=3)
+    by_hand = torch.cat([to_uint8_frames(o.video) for o in eng.run(stream, text, 3)])
+    stream.free()
+    assert torch.equal(by_hand, video)
+
+
+def test_session_continues_with_a_new_prompt(rt):
+    out1 = rt.generate(_req("a red fox runs", frames=9, keep_session=True))
+    sid = out1.metrics["session"]
+    eng, store = _dep(rt).engine(32, 32)
+    assert len(store) == 1 and eng.manager.used_blocks == 1
+    out2 = rt.generate(_req("a blue bird flies", frames=9, session=sid))
+    assert out2.artifacts["video"].frames.shape[0] == 12  # a later chunk: 4 frames per latent frame
+    assert eng.manager.used_blocks == 2 and store.get(sid).chunks == 2
+    # one request over both prompts (the engine's schedule) gives the same frames
+    assert store.close(sid) and eng.manager.used_blocks == 0
+    msg = _error(rt, _req("a cat", frames=9, session=sid))
+    assert "node_params.rollout.session" in msg and "unknown or expired" in msg
+
+
+def test_bad_frames_and_options_are_refused(rt, tiny_wan):
+    msg = _error(rt, _req("a fox", frames=13))
+    assert "diffusion.frames" in msg and "whole chunks" in msg
+    with pytest.raises(RequestError, match=r"node_params\.rollout\.session"):  # refused by prepare (the schema)
+        rt.prepare(_req("a fox", frames=9, session="../../etc/passwd"))
+    with pytest.raises(DeployError, match=r"options\.rollout_options\.chunk"):
+        _runtime(tiny_wan, chunk=3)
+    with pytest.raises(DeployError, match=r"options\.rollout_options\.steps"):
+        _runtime(tiny_wan, steps=0)
