@@ -16,6 +16,7 @@ from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 
 from . import checkpoint as ck
+from .causal.pipeline import build_causal_pipeline, causal_options, rollout_mode
 from .defaults import defaults_for, model_kind, tasks_of
 from .lora import WAN_ADAPTERS
 from .options import WanOptions, parse_options
@@ -137,6 +138,8 @@ class WanFamily:
                             device=device if device is not None else torch.device("cpu"), dtype=dtype,
                             weight_version=weight_version or f"in-memory:{id(components['transformer']):x}")
         configure(model, parse_options(options))
+        if rollout_mode(options) == "causal":
+            causal_options(options)  # bad rollout_options are refused at load, not at the first request
         # the denoise policies this checkpoint offers; an incompatible scheduler config fails here
         menu_for(model, options)
         return model
@@ -151,6 +154,8 @@ class WanFamily:
         if task not in cfg["tasks"]:
             have = ", ".join(sorted(t.value for t in cfg["tasks"]))
             raise RequestError("task", f"this {cfg['kind']} checkpoint does not do {task.value!r} (it does: {have})")
+        if rollout_mode(options) == "causal":  # options.rollout: causal — chunk streaming (issue 21)
+            return build_causal_pipeline(model, task, options, menu)
         image = task is TaskType.I2V
         nodes = [
             Node("validate", Validate(model, menu), writes={"params": Conditioning}),

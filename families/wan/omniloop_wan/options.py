@@ -26,6 +26,10 @@
                        ``inductor``; ``eager`` checks tracing without code generation)
 ``compile_mode``       e.g. ``max-autotune-no-cudagraphs`` (inductor only)
 ``compile_dynamic``    ``torch.compile(dynamic=...)`` (default ``false``: one graph per shape)
+``rollout``            ``bidirectional`` (default) or ``causal``: chunk-by-chunk streaming with a
+                       chunk-KV cache (:mod:`omniloop_wan.causal.pipeline`)
+``rollout_options``    the causal rollout's settings (``chunk_frames``, ``steps``, ``window``,
+                       ``sink``, ``max_sessions``, ...: ``omniloop_wan.causal.CausalOptions``)
 =====================  =====================================================================
 
 The runtime adds ``deploy``, ``registry`` and ``attention`` (the deploy's attention backend).
@@ -55,6 +59,7 @@ KNOWN = frozenset(
     {
         "vae_dtype", "text_cache", "vae_tiling", "vae_slicing", "vae_cpu_kernels", "qk_norm_rope", "ffn_gelu",
         "compile_backend", "compile_mode", "compile_dynamic",
+        "rollout", "rollout_options",  # read by omniloop_wan.causal.pipeline (rollout: causal)
     }
 )
 
