@@ -169,7 +169,8 @@ class Execution:
             self.t_start = time.perf_counter()
             if self.bus is not None and self.bus.request_start is not None:
                 self.bus.request_start(
-                    request=self.request, pipeline=self.pipeline.spec, deploy=self.pipeline.options.get("deploy")
+                    request=self.request, pipeline=self.pipeline.spec, deploy=self.pipeline.options.get("deploy"),
+                    plugin_params=self.plugin_params,
                 )
         if self._cancel_requested:
             self._finish(Status.CANCELLED, None, events)

@@ -26,7 +26,7 @@ observer implements is not called at all, so it costs nothing in the step loop.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pluggy
@@ -152,10 +152,14 @@ def omniloop_register_commands(cli: Any) -> None:
 
 
 @hookspec
-def omniloop_request_start(request: OmniRequest, pipeline: PipelineSpec, deploy: DeployConfig | None) -> None:
+def omniloop_request_start(
+    request: OmniRequest, pipeline: PipelineSpec, deploy: DeployConfig | None, plugin_params: Mapping[str, Any]
+) -> None:
     """A request starts executing ``pipeline`` (a ``PipelineSpec``) in a deployment whose
-    ``DeployConfig`` is ``deploy`` (e.g. for recording what produced a run). Returns nothing.
-    Since: 1.0"""
+    ``DeployConfig`` is ``deploy`` (e.g. for recording what produced a run). ``plugin_params`` are the
+    request's plugin params by plugin name, each validated once against that plugin's
+    ``params_schema`` (an observer reads its own: ``plugin_params.get("my-observer")``).
+    Returns nothing. Since: 1.0"""
 
 
 @hookspec

@@ -224,3 +224,34 @@ def test_hookspecs_carry_real_types() -> None:
     assert sig.parameters["request"].annotation == "OmniRequest" and sig.parameters["loop"].annotation == "LoopState"
     assert inspect.signature(hookspecs.omniloop_register_families).parameters["register"].annotation == "Callable[[Family], None]"
     assert inspect.signature(hookspecs.omniloop_schedule_decision).parameters["decision"].annotation == "ScheduleDecision"
+
+
+def test_observers_get_their_validated_params_at_request_start(ckpt: Any) -> None:
+    @attrs.define(frozen=True)
+    class WatchParams:
+        every: int = attrs.field(default=1, metadata={"ge": 1})
+
+    seen: list[Any] = []
+
+    class Watch:
+        needs_eager = False
+
+        @hookimpl
+        def omniloop_request_start(self, request: Any, plugin_params: Any) -> None:
+            seen.append(plugin_params.get("watch"))
+
+    class P:
+        OMNILOOP_HOOK_API = ">=1.0,<2"
+
+        @hookimpl
+        def omniloop_register_observers(self, register: Any) -> None:
+            register(PluginComponentSpec(name="watch", kind="observer", factory=lambda cfg: Watch(),
+                                         params_schema=WatchParams))
+
+    rt = toy_runtime(ckpt, ("watch", P()), plugins={"watch": {}})
+    assert rt.generate(toy_request(steps=1, plugin_params={"watch": {"every": 3}})).ok
+    assert rt.generate(toy_request(steps=1)).ok
+    assert seen == [WatchParams(every=3), WatchParams()]
+    with pytest.raises(RequestError) as err:
+        rt.prepare(toy_request(plugin_params={"watch": {"every": 0}}))
+    assert err.value.path == "plugin_params.watch.every"
