@@ -11,6 +11,7 @@ from omniloop.errors import DeployError, RequestError
 from omniloop.request import EventKind
 from omniloop.runtime import Runtime
 from omniloop.testing import make_manager
+from omniloop_scheduler import plugin as scheduler_plugin
 from omniloop_wan import plugin as wan_plugin
 from omniloop_wan.causal.pipeline import CausalDeployment
 from omniloop_wan.stages import encode_text, to_uint8_frames
@@ -98,3 +99,27 @@ def test_bad_frames_and_options_are_refused(rt, tiny_wan):
         _runtime(tiny_wan, chunk=3)
     with pytest.raises(DeployError, match=r"options\.rollout_options\.steps"):
         _runtime(tiny_wan, steps=0)
+
+
+def _step_runtime(path) -> Runtime:
+    manager = make_manager(("wan", wan_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
+    opts = {"rollout": "causal", "rollout_options": ROLLOUT}
+    return Runtime.from_model(path, manager=manager, options=opts, scheduler="step")
+
+
+@pytest.mark.parametrize("keep_session", [False, True])
+def test_cancel_mid_stream_frees_the_slabs(tiny_wan, keep_session):
+    rt = _step_runtime(tiny_wan)
+    s = rt.stream(_req("a red fox runs", frames=33, keep_session=keep_session))  # 3 chunks
+    got = 0
+    for ev in s:
+        if ev.kind is EventKind.PARTIAL:
+            got += 1
+            break
+    eng, store = _dep(rt).engine(32, 32)
+    assert got == 1 and eng.manager.used_blocks == 1 and eng.manager.reserved_blocks == 2
+    assert len(store) == int(keep_session)
+    s.close()  # the client went away mid-stream: the step scheduler cancels and releases the loop
+    assert eng.manager.used_blocks == 0 and eng.manager.reserved_blocks == 0 and eng.manager.sequences == 0
+    assert len(store) == 0  # a kept session cancelled mid-stream is closed too
+    eng.manager.check()
