@@ -267,7 +267,7 @@ def read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iteration)
+            sd = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
         raise AdapterFormatError(f"{path}: not a readable safetensors file ({exc})") from None
     parsed: dict[str, Any] = {}
@@ -480,9 +480,9 @@ class AdapterBank:
         with torch.no_grad():
             for mod, site in ad.targets.items():
                 comp, local = mod.split(".", 1)
-                lin = self.components[comp].get_submodule(local)
+                weight: torch.Tensor = self.components[comp].get_submodule(local).weight  # type: ignore[assignment]
                 layer = ad.layers[site]
-                lin.weight.add_((layer.up @ layer.down) * layer.scaling(scale))
+                weight.add_((layer.up @ layer.down) * layer.scaling(scale))
 
     def get(self, name: str) -> LoadedAdapter:
         """The loaded adapter (read again if it was evicted); most recently used last."""

@@ -299,10 +299,11 @@ class Runtime(Deployment):
         self._pipelines: dict[TaskType, BuiltPipeline] = {}
         #: the deploy's LoRA adapters, read and hooked at load (None when it declares none)
         self.adapters: _adapters.AdapterBank | None = None
-        if deploy.adapters:
+        if self.deploy.adapters:
+            d = self.deploy
             self.adapters = _adapters.AdapterBank(
-                deploy.adapters, self.model.components, self.family.adapter_support,
-                max_loaded=deploy.limits.max_adapters, fuse=deploy.adapter_fuse, model=self.model, options=self.options,
+                d.adapters, self.model.components, self.family.adapter_support,
+                max_loaded=d.limits.max_adapters, fuse=d.adapter_fuse, model=self.model, options=self.options,
             )
 
     # -- construction ------------------------------------------------------------------------
