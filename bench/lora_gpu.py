@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _repo_paths  # noqa: E402
+import _repo_paths
 
 _repo_paths.add_repo_packages()
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             switch_set_s.append(time.perf_counter() - t)
             sync()
             t = time.perf_counter()
-            _with(active, lambda: fwd(tf, cblocks if args.compile else None))  # noqa: B023
+            _with(active, lambda: fwd(tf, cblocks if args.compile else None))
             sync()
             first_after_switch.append(time.perf_counter() - t)
         if args.compile:

@@ -46,6 +46,7 @@ def wan_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Wan2.1 T2V checkpoint and two adapters: ``a`` (folder; rank 4, alpha 8, attention and
     FFN linears) and ``b`` (a .safetensors file; rank 2, no metadata: alpha = rank, q/v only)."""
     from diffusers import WanPipeline, WanTransformer3DModel
+
     from omniloop_wan.tiny import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("wan-lora")
@@ -71,6 +72,7 @@ def flux_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ``a`` (rank 4, alpha 2: attention of both block kinds, FFNs, single blocks' proj_mlp/proj_out)
     and ``b`` (rank 2, no metadata, q/k/v only)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
+
     from omniloop_flux.tiny import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("flux-lora")

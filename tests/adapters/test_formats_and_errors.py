@@ -8,7 +8,6 @@ holding the split parts (built here by hand) gives.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,7 +134,7 @@ def test_unknown_adapter_names_refused_before_compute(wan_setup):
                    manager=wan_manager()).check(wan_req([{"name": f"n{i}"} for i in range(9)]))
     dep.check(wan_req([{"name": "a", "scale": 0.5}]))  # a declared one passes
     # and the loaded runtime refuses in prepare, before any step
-    rt = Runtime.from_deploy(deploy, manager=wan_manager())
+    rt = Runtime(deploy, manager=wan_manager())  # a plain mapping, as a front end passes it
     with pytest.raises(RequestError, match="unknown adapter 'nope'"):
         rt.prepare(wan_req([{"name": "nope"}]))
 

@@ -145,3 +145,27 @@ def test_step_scheduler_batches_by_adapter_set(rt):
     for got, want in zip(outs, alone, strict=True):
         # a batched forward has other matmul row counts: equal within float32 roundoff, not bitwise
         assert (latents(got) - want).abs().max() <= 1e-5
+
+
+def test_two_threads_with_different_sets_each_equal_alone(rt):
+    """The active set belongs to the call (a ContextVar), not to the shared model: two threads running
+    forwards of the same modules at the same time with different sets each get their own result."""
+    import threading
+
+    sets = [[{"name": "a", "scale": 0.8}], [{"name": "b", "scale": -1.0}], []]
+    alone = [latents(rt.generate(request(s, seed=21))) for s in sets]
+    got: list[Any] = [None] * len(sets)
+    barrier = threading.Barrier(len(sets))
+
+    def run(i: int) -> None:
+        ex = rt.prepare(request(sets[i], seed=21))
+        barrier.wait()
+        got[i] = latents(ex.run())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for g, want in zip(got, alone, strict=True):
+        assert torch.equal(g, want)
