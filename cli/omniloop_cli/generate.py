@@ -270,11 +270,12 @@ def request_options(fn: Any) -> Any:
 @click.option("--out", "-o", "out", help="Output file (.mp4; .png or .webp for an image) or folder. Default: ./out/<request_id>.mp4 (.png for an image)")
 @click.option("--return-latents", is_flag=True, help="Also save the final latents (<out>.latents.pt).")
 @click.option("--json", "as_json", is_flag=True, help="Print the output's metadata as JSON on stdout.")
+@click.option("--stream", is_flag=True, help="Write frames as they come (a streaming deployment's chunks) as PNGs in <out stem>.frames/.")
 @click.pass_context
 def generate(
     ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, task: str,
     negative_prompt: str | None, image: str | None, plugin_param: tuple[str, ...], adapter: tuple[str, ...], device: str | None,
-    dtype: str | None, out: str | None, return_latents: bool, as_json: bool, **fields: Any,
+    dtype: str | None, out: str | None, return_latents: bool, as_json: bool, stream: bool = False, **fields: Any,
 ) -> None:
     """Generate a video (or image) from PROMPT and write it to a file.
 
@@ -284,6 +285,7 @@ def generate(
     from omniloop.schema import request_from_dict
 
     from .progress import RunProgress, console
+    from .stream import FrameStream
 
     # 1. the request, validated by the schema before anything is loaded
     groups: dict[str, dict[str, Any]] = {g: {} for g in FLAG_GROUPS}
@@ -298,6 +300,8 @@ def generate(
         from .adapters import parse_adapters
 
         req_dict["adapters"] = parse_adapters(adapter)
+    if stream:  # PARTIAL events carry each chunk's frames (omniloop_cli.stream)
+        req_dict.setdefault("outputs", {})["stream_partial"] = True
     request = request_from_dict(req_dict)
     text_task = request.task.value in TEXT_TASKS
     if text_task:
@@ -323,9 +327,12 @@ def generate(
 
     # 3. run, with progress per node and per step
     output = None
+    frame_stream = FrameStream(path) if stream and not text_task else None
     with RunProgress(err, execution) as progress:
         for event in runtime.scheduler.stream(execution):
             progress.update(event)
+            if frame_stream is not None:
+                frame_stream.update(event)
             if event.output is not None:
                 output = event.output
     if output is None:
@@ -335,6 +342,8 @@ def generate(
     from .output import summarize, write_outputs
 
     files = write_outputs(output, path, latents=return_latents) if output.ok and not text_task else {}
+    if frame_stream is not None and frame_stream.frames:
+        files["frames"] = frame_stream.folder
     text = output.artifacts["text"].text if text_task and output.ok and "text" in output.artifacts else None
     for spec in chosen:
         if spec.report is not None:
