@@ -70,6 +70,7 @@ def test_single_stacked_and_none_after_match_diffusers(rt, reference):
     assert (reference["ba"] - reference["a"]).abs().max() > 1e-2
     for k, v in got.items():
         diff = (v - reference[k]).abs().max().item()
+        print(f"{k}: max |latents - diffusers| = {diff:.3g}")  # recorded with pytest -s
         assert diff <= TOL, f"{k}: max |d| = {diff}"
     assert torch.equal(got["none"], reference["none"])
 
