@@ -83,3 +83,20 @@ def flux_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     b = write_lora(FluxPipeline, FluxTransformer2DModel, ckpt / "transformer", root / "b", rank=2, alpha=None,
                    targets=["to_q", "to_k", "to_v"], seed=4, as_file="b.safetensors")
     return {"ckpt": ckpt, "a": a, "b": b, "root": root}
+
+
+@pytest.fixture(scope="session")
+def sd3_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny SD3.5-medium checkpoint (with T5) and two adapters written by
+    ``StableDiffusion3Pipeline.save_lora_weights``."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from omniloop_sd3.tiny import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("sd3-lora")
+    ckpt = build_tiny_checkpoint(root / "ckpt")
+    a = write_lora(StableDiffusion3Pipeline, SD3Transformer2DModel, ckpt / "transformer", root / "a", rank=4, alpha=8,
+                   targets=["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "net.0.proj", "net.2"], seed=5)
+    b = write_lora(StableDiffusion3Pipeline, SD3Transformer2DModel, ckpt / "transformer", root / "b", rank=2, alpha=None,
+                   targets=["to_q", "to_v"], seed=6, as_file="b.safetensors")
+    return {"ckpt": ckpt, "a": a, "b": b, "root": root}

@@ -17,6 +17,7 @@ from omniloop.request import OmniRequest, TaskType
 
 from . import checkpoint as ck
 from .defaults import defaults_for
+from .lora import SD3_ADAPTERS
 from .policies import menu_for
 from .resolve import SD3DenoiseParams, SD3Params, TextParams, resolve
 from .stages import ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2i
@@ -30,6 +31,8 @@ class SD3Family:
     name = "sd3"
     tasks = TASKS
     supports_block_interceptors = True
+    #: LoRA adapters (omniloop.adapters): the transformer's linears, diffusers' files
+    adapter_support = SD3_ADAPTERS
 
     # -- detect / load ------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:

@@ -1,0 +1,27 @@
+"""LoRA adapters for SD3 / SD3.5: the family's opt-in (:data:`SD3_ADAPTERS`).
+
+The core applies adapters (:mod:`omniloop.adapters`) to the ``transformer``'s linears, read from
+diffusers' files (``StableDiffusion3Pipeline.save_lora_weights``: ``transformer.<module>.lora_A/
+lora_B.weight``). Other layouts are refused with the keys named (no kohya conversion for SD3 yet).
+``options.qkv: fused`` projects Q/K/V with one concatenated weight, bypassing the ``to_q``/
+``to_k``/``to_v`` linears an adapter hooks, so adapters refuse it at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omniloop.adapters import AdapterSupport
+from omniloop.errors import DeployError
+
+
+def check(model: Any, options: Mapping[str, Any]) -> None:
+    if options.get("qkv", "separate") == "fused":
+        raise DeployError("adapters: options.qkv 'fused' computes Q/K/V without the to_q/to_k/to_v linears an "
+                          "adapter hooks; use qkv 'separate' with adapters")
+
+
+SD3_ADAPTERS = AdapterSupport(components=("transformer",), check=check)
+
+__all__ = ["SD3_ADAPTERS", "check"]
