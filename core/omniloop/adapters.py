@@ -262,8 +262,10 @@ def adapter_file(path: str | Path) -> Path:
 
 def read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, the parsed ``lora_adapter_metadata`` or {}) of a safetensors LoRA file."""
-    from safetensors import SafetensorError, safe_open
-
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:  # installed with every family that opts into adapters (diffusers needs it)
+        raise AdapterFormatError(f"{path}: reading LoRA files needs safetensors (pip install safetensors)") from None
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
