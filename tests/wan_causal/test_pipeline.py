@@ -123,3 +123,53 @@ def test_cancel_mid_stream_frees_the_slabs(tiny_wan, keep_session):
     assert eng.manager.used_blocks == 0 and eng.manager.reserved_blocks == 0 and eng.manager.sequences == 0
     assert len(store) == 0  # a kept session cancelled mid-stream is closed too
     eng.manager.check()
+
+
+def test_a_session_continued_twice_equals_one_request_of_the_concatenated_schedule(tiny_wan):
+    rt = _runtime(tiny_wan)
+    prompts = [("a red fox runs", 21), ("a blue bird flies", 9), ("a cat sits in the snow", 21)]  # 2 + 1 + 2 chunks
+    first = rt.generate(_req(prompts[0][0], frames=prompts[0][1], seed=9, keep_session=True))
+    sid = first.metrics["session"]
+    videos = [first.artifacts["video"].frames]
+    for prompt, frames in prompts[1:]:
+        out = rt.generate(_req(prompt, frames=frames, seed=123, session=sid))  # the session's seed is kept
+        assert out.metrics["session"] == sid
+        videos.append(out.artifacts["video"].frames)
+    assert [v.shape[0] for v in videos] == [21, 12, 24]
+    eng, store = _dep(rt).engine(32, 32)
+    assert store.get(sid).chunks == 5 and eng.manager.used_blocks == 5
+    store.close(sid)
+    assert eng.manager.used_blocks == 0
+    # one stream over the concatenated schedule (prompt, chunks), with the text encoder's states
+    comps = rt.model.components
+    sched = [(encode_text(comps["tokenizer"], comps["text_encoder"], p, torch.device("cpu"), torch.float32)[0], n)
+             for p, n in zip([p for p, _ in prompts], [2, 1, 2], strict=True)]
+    stream = eng.open_stream(seed=9)
+    whole = torch.cat([to_uint8_frames(o.video) for o in eng.run_schedule(stream, sched)])
+    stream.free()
+    assert torch.equal(torch.cat(videos), whole)
+    eng.manager.check()
+
+
+def test_interleaved_causal_requests_each_equal_themselves_alone(tiny_wan):
+    rt = _step_runtime(tiny_wan)
+    alone = [rt.generate(_req(p, frames=33, seed=s)).artifacts["video"].frames
+             for p, s in (("a red fox runs", 1), ("a blue bird flies", 2))]
+    a = rt.stream(_req("a red fox runs", frames=33, seed=1))
+    b = rt.stream(_req("a blue bird flies", frames=33, seed=2))
+    order, finals = [], {}
+    pending = {"a": a, "b": b}
+    while pending:  # alternate one event of each stream: the pool interleaves their chunk steps
+        for name in list(pending):
+            ev = next(pending[name], None)
+            if ev is None:
+                del pending[name]
+                continue
+            if ev.kind is EventKind.PARTIAL:
+                order.append(name)
+            if ev.output is not None:
+                finals[name] = ev.output.artifacts["video"].frames
+    assert order.count("a") == order.count("b") == 3 and order != ["a"] * 3 + ["b"] * 3
+    assert torch.equal(finals["a"], alone[0]) and torch.equal(finals["b"], alone[1])
+    eng, _ = _dep(rt).engine(32, 32)
+    assert eng.manager.sequences == 0 and eng.manager.used_blocks == 0
