@@ -14,7 +14,7 @@ outside int64, non-finite numbers. Client-supplied strings never become file pat
 are named by server-made ids, see :mod:`omniloop_server.jobs`), and input parts that name a file
 on the server (``path``) are refused.
 
-``POST /v1/videos`` also takes ``multipart/form-data`` as OpenAI's SDK sends it
+``POST /v1/videos`` and ``POST /v1/images/edits`` also take ``multipart/form-data`` as OpenAI's SDK sends it
 (:func:`form_to_body`): bracketed keys (``omniloop[diffusion][shift]``) nest, numbers arrive as
 text and are converted, ``input_reference`` is an uploaded image file.
 """
