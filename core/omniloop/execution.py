@@ -190,7 +190,8 @@ class Execution:
                 self._leave(node, events)
             else:
                 if self._loop is None:
-                    self._init_loop(node, ctx)
+                    with _adapters.activate(self.adapters):
+                        self._init_loop(node, ctx)
                 loop = self._loop
                 assert loop is not None
                 self._before_step(node, loop)
