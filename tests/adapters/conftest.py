@@ -69,7 +69,8 @@ def _one_torch_thread():
 @pytest.fixture(scope="session")
 def flux_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny FLUX.1 [dev] checkpoint and two adapters written by ``FluxPipeline.save_lora_weights``:
-    ``a`` (rank 4, alpha 2: attention of both block kinds, FFNs, single blocks' proj_mlp/proj_out)
+    ``a`` (rank 4, alpha 2: attention of both block kinds, FFNs, single blocks' proj_mlp/proj_out, and
+    the top-level context_embedder / x_embedder / proj_out)
     and ``b`` (rank 2, no metadata, q/k/v only)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
@@ -79,7 +80,7 @@ def flux_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ckpt = build_tiny_checkpoint(root / "ckpt", variant="dev")
     a = write_lora(FluxPipeline, FluxTransformer2DModel, ckpt / "transformer", root / "a", rank=4, alpha=2,
                    targets=["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "net.0.proj", "net.2",
-                            "proj_mlp", "proj_out"], seed=3)
+                            "proj_mlp", "proj_out", "context_embedder", "x_embedder"], seed=3)
     b = write_lora(FluxPipeline, FluxTransformer2DModel, ckpt / "transformer", root / "b", rank=2, alpha=None,
                    targets=["to_q", "to_k", "to_v"], seed=4, as_file="b.safetensors")
     return {"ckpt": ckpt, "a": a, "b": b, "root": root}
