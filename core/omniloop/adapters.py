@@ -20,7 +20,9 @@ adapter set in its ``batch_key`` (:func:`batch_key_of`): a batch never mixes set
 **Compiled blocks.** Under ``torch.compile`` the hook calls one opaque custom op
 (``omniloop::lora_apply``) that reads the active set at run time, so switching adapters between
 requests does not recompile. What does trigger one: installing the hooks (deploy load, once per
-compiled shape as any first call) — never an adapter switch or a scale change.
+compiled shape as any first call) — never an adapter switch or a scale change. CUDA-graph compile
+modes (``reduce-overhead``, ``max-autotune``) would replay the kernels of one adapter set, so
+they are refused with unfused adapters (:func:`check_compile_mode`).
 
 **Fusing** (deploy ``adapter_fuse: {NAME: SCALE}``, one adapter only): ``W += scale·alpha/r·B@A``
 once at load; the deployment then *is* the adapted model and requests cannot choose adapters.
@@ -434,6 +436,22 @@ def check_request(refs: Sequence[Any], adapters: Mapping[str, str], fuse: Mappin
         seen.add(ref.name)
 
 
+#: torch.compile modes that capture CUDA graphs: a replay re-runs the kernels recorded for one
+#: adapter set, so an unfused switch would be silently ignored
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_compile_mode(options: Mapping[str, Any], fused: bool) -> None:
+    """Unfused adapters under a CUDA-graph compile mode are refused (fused ones change no control flow)."""
+    deploy = options.get("deploy")
+    mode = options.get("compile_mode")
+    if not fused and bool(getattr(deploy, "compile", False)) and mode in CUDAGRAPH_MODES:
+        raise DeployError(
+            f"adapters: options.compile_mode {mode!r} captures CUDA graphs, which would replay one adapter set "
+            "for every request; use 'max-autotune-no-cudagraphs' or 'default' (or adapter_fuse)"
+        )
+
+
 class AdapterBank:
     """The adapters of one loaded deployment: read and checked at load, at most ``max_loaded`` kept
     (LRU), hooks on every targeted linear; :meth:`active_set` turns a request's refs into the set
@@ -456,6 +474,7 @@ class AdapterBank:
         self.loads = 0
         if support.check is not None and self.declared:
             support.check(model, options or {})
+        check_compile_mode(options or {}, bool(self.fuse))
         targeted: dict[int, torch.nn.Module] = {}
         for name in self.declared:  # every file read and checked now; the first max_loaded are kept
             ad = self._read(name)

@@ -167,6 +167,8 @@ def test_bad_adapter_files_and_keys(wan_setup, tmp_path):
                "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.zeros(24, 2)}, str(tmp_path / "nan.safetensors"))
     _deploy_error(wan_setup, {"x": str(tmp_path / "nan.safetensors")}, r"non-finite")
     _deploy_error(wan_setup, {"bad/name": str(wan_setup["a"])}, r"an adapter name is")
+    _deploy_error(wan_setup, {"a": str(wan_setup["a"])}, r"compile_mode 'reduce-overhead' captures CUDA graphs",
+                  compile=True, options={"compile_backend": "inductor", "compile_mode": "reduce-overhead"})
     _deploy_error(wan_setup, {"a": str(wan_setup["a"]), "b": str(wan_setup["b"])}, r"adapter_fuse: fusing needs exactly one",
                   adapter_fuse={"a": 1.0})
 
