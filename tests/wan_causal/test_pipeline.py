@@ -11,6 +11,7 @@ from omniloop.errors import DeployError, RequestError
 from omniloop.request import EventKind
 from omniloop.runtime import Runtime
 from omniloop.testing import make_manager
+from omniloop_fbcache import plugin as fbcache_plugin
 from omniloop_scheduler import plugin as scheduler_plugin
 from omniloop_wan import plugin as wan_plugin
 from omniloop_wan.causal.pipeline import CausalDeployment
@@ -173,3 +174,11 @@ def test_interleaved_causal_requests_each_equal_themselves_alone(tiny_wan):
     assert torch.equal(finals["a"], alone[0]) and torch.equal(finals["b"], alone[1])
     eng, _ = _dep(rt).engine(32, 32)
     assert eng.manager.sequences == 0 and eng.manager.used_blocks == 0
+
+
+def test_an_interceptor_is_refused_not_ignored(tiny_wan):
+    manager = make_manager(("wan", wan_plugin), ("fbcache", fbcache_plugin), toy=False)
+    rt = Runtime.from_model(tiny_wan, manager=manager, plugins={"fbcache": {}},
+                            options={"rollout": "causal", "rollout_options": ROLLOUT})
+    with pytest.raises(DeployError, match=r"plugins\.fbcache: .*rollout: causal"):
+        rt.generate(_req("a fox", frames=9))

@@ -236,6 +236,19 @@ class CausalRollout:
             stream.free()
 
 
+def refuse_interceptors(options: Mapping[str, Any]) -> None:
+    """Block and step interceptors (caches, skippers) act on the bidirectional denoise loop's
+    forwards; the chunk forwards never call them, so a deploy enabling one is refused, not ignored."""
+    deploy, registry = options.get("deploy"), options.get("registry")
+    if deploy is None or registry is None:
+        return
+    for name in getattr(deploy, "plugins", {}) or {}:
+        spec = registry.interceptors.get(name)
+        if spec is not None:
+            raise DeployError(f"plugins.{name}: a {spec.kind} does not run in rollout: causal (the chunk forwards "
+                              "do not go through interceptors); remove it or use rollout: bidirectional")
+
+
 def build_causal_pipeline(model: LoadedModel, task: TaskType, options: Mapping[str, Any], menu: Any) -> PipelineSpec:
     """validate → rollout (checks, session) → text_encode → chunks (streams ``video_chunk``) → ``video``."""
     if task is not TaskType.T2V:
@@ -244,6 +257,7 @@ def build_causal_pipeline(model: LoadedModel, task: TaskType, options: Mapping[s
         raise DeployError("options.rollout: causal needs a one-transformer Wan checkpoint (not Wan2.2 A14B's two experts)")
     if model.config.get("expand_timesteps"):
         raise DeployError("options.rollout: causal does not support Wan2.2 TI2V (per-token timesteps)")
+    refuse_interceptors(options)
     dep = deployment(model, options)
     nodes = [
         Node("validate", Validate(model, menu), writes={"params": Conditioning}),
@@ -267,5 +281,6 @@ __all__ = [
     "build_causal_pipeline",
     "causal_options",
     "plan_chunks",
+    "refuse_interceptors",
     "rollout_mode",
 ]
