@@ -182,3 +182,21 @@ def test_an_interceptor_is_refused_not_ignored(tiny_wan):
                             options={"rollout": "causal", "rollout_options": ROLLOUT})
     with pytest.raises(DeployError, match=r"plugins\.fbcache: .*rollout: causal"):
         rt.generate(_req("a fox", frames=9))
+
+
+def test_steps_and_shift_of_the_request_drive_the_chunk_schedule_and_cfg_knobs_warn(rt):
+    req = _req("a red fox runs", frames=9, seed=5)
+    req["diffusion"].update(steps=3, shift=2.0, guidance_scale=5.0)
+    req["negative_prompt"] = "blurry"
+    out = rt.generate(req)
+    assert any("without CFG" in w and "guidance_scale" in w and "negative_prompt" in w for w in out.metrics["warnings"])
+    eng, _ = _dep(rt).engine(32, 32)
+    comps = rt.model.components
+    text, _ = encode_text(comps["tokenizer"], comps["text_encoder"], "a red fox runs", torch.device("cpu"), torch.float32)
+    s = eng.open_stream(seed=5)
+    want = to_uint8_frames(next(eng.run(s, text, 1, steps=3, shift=2.0)).video)
+    s.free()
+    assert torch.equal(out.artifacts["video"].frames, want)
+    bad = _req("a fox", frames=9)
+    bad["diffusion"]["shift"] = 1000.0
+    assert "diffusion.shift" in _error(rt, bad)

@@ -148,6 +148,17 @@ class RolloutCheck:
             _eng, store = self.dep.engine(p.height, p.width)
         except ValueError as exc:
             raise RequestError("diffusion.height", str(exc)) from None
+        d = state.request.diffusion
+        if d.shift is not None and not 0.01 <= d.shift <= 100.0:
+            raise RequestError("diffusion.shift", f"causal rollout: must be in [0.01, 100], got {d.shift!r}")
+        ignored = []
+        if d.guidance_scale is not None and d.guidance_scale != 1.0:
+            ignored.append("diffusion.guidance_scale")
+        if state.request.negative_prompt:
+            ignored.append("negative_prompt")
+        if ignored:
+            known = state.metrics.setdefault("warnings", [])
+            known.append(f"causal rollout runs without CFG: {', '.join(ignored)} ignored")
         rp = ctx.params if isinstance(ctx.params, RolloutParams) else RolloutParams()
         if rp.session is not None:
             try:
@@ -183,6 +194,7 @@ class CausalRollout:
         chunks = int(plan["chunks"])
         text = state.read("prompt_embeds", Embeddings).tensor
         steps = state.request.diffusion.steps or self.dep.options.steps
+        shift = state.request.diffusion.shift
         eng, store = self.dep.engine(p.height, p.width)
         seed = int(state.metrics.get("seed", 0))
         x: dict[str, Any] = {"frames": [], "fps": p.fps, "steps": steps}
@@ -192,14 +204,14 @@ class CausalRollout:
                 sid = store.create(seed, reserve_chunks=chunks).id
             x["session"] = sid
             try:
-                it: Iterator[ChunkOut] = store.generate(sid, text, chunks, steps=steps)
+                it: Iterator[ChunkOut] = store.generate(sid, text, chunks, steps=steps, shift=shift)
             except SessionError as exc:
                 raise RequestError("node_params.rollout.session", str(exc)) from None
             state.metrics["session"] = sid
         else:
             stream = eng.open_stream(seed, reserve_chunks=chunks)
             x["stream"] = stream
-            it = eng.run(stream, text, chunks, steps=steps)
+            it = eng.run(stream, text, chunks, steps=steps, shift=shift)
         x["it"] = it
         return LoopState(step=0, total=chunks, extra=x)
 

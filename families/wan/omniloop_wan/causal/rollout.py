@@ -156,10 +156,13 @@ class CausalWan:
         return p.device, p.dtype
 
     @torch.no_grad()
-    def denoise_chunk(self, stream: Stream, text: torch.Tensor, steps: int | None = None) -> torch.Tensor:
-        """Denoise the stream's next chunk with ``text`` states ``[1, L, D]`` (``steps``: the
-        options' unless given); commit its slab."""
-        o = self.options if steps is None else attrs.evolve(self.options, steps=steps)
+    def denoise_chunk(self, stream: Stream, text: torch.Tensor, steps: int | None = None,
+                      shift: float | None = None) -> torch.Tensor:
+        """Denoise the stream's next chunk with ``text`` states ``[1, L, D]`` (``steps``, ``shift``:
+        the options' unless given); commit its slab."""
+        o = self.options
+        if steps is not None or shift is not None:
+            o = attrs.evolve(o, steps=o.steps if steps is None else steps, shift=o.shift if shift is None else shift)
         dev, dt = self._dev()
         i = stream.next_chunk
         frame0 = i * o.chunk_frames
@@ -177,12 +180,12 @@ class CausalWan:
         return x
 
     def run(self, stream: Stream, text: torch.Tensor, chunks: int, *, decode: bool = True,
-            steps: int | None = None) -> Iterator[ChunkOut]:
+            steps: int | None = None, shift: float | None = None) -> Iterator[ChunkOut]:
         """Generate ``chunks`` more chunks of ``stream``, yielding each as soon as it is final."""
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks: must be a positive integer, got {chunks!r}")
         for _ in range(chunks):
-            lat = self.denoise_chunk(stream, text, steps)
+            lat = self.denoise_chunk(stream, text, steps, shift)
             video = stream.decoder.decode(lat) if decode and stream.decoder is not None else None
             yield ChunkOut(stream.next_chunk - 1, lat, video)
 

@@ -126,16 +126,17 @@ class SessionStore:
         return old
 
     def generate(self, session_id: str, text: torch.Tensor, chunks: int, *, decode: bool = True,
-                 steps: int | None = None) -> Iterator[ChunkOut]:
+                 steps: int | None = None, shift: float | None = None) -> Iterator[ChunkOut]:
         """Continue the session's video with ``chunks`` chunks conditioned on ``text``.
 
         Validates before any compute; the returned iterator yields each chunk when final."""
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks: must be a positive integer, got {chunks!r}")
         s = self.get(session_id)
-        return self._run(s, text, chunks, decode, steps)
+        return self._run(s, text, chunks, decode, steps, shift)
 
-    def _run(self, s: Session, text: torch.Tensor, chunks: int, decode: bool, steps: int | None) -> Iterator[ChunkOut]:
+    def _run(self, s: Session, text: torch.Tensor, chunks: int, decode: bool, steps: int | None,
+             shift: float | None) -> Iterator[ChunkOut]:
         with self._lock:  # claimed on the first next(): an iterator never started holds nothing
             if s.busy:
                 raise SessionError("session: a request is already running on this session")
@@ -148,7 +149,7 @@ class SessionStore:
             for _ in range(chunks):
                 if s.cancelled:
                     raise Cancelled("session: cancelled; its slabs are freed")
-                yield from self.engine.run(s.stream, text, 1, decode=decode, steps=steps)
+                yield from self.engine.run(s.stream, text, 1, decode=decode, steps=steps, shift=shift)
             done = True
         finally:
             with self._lock:
