@@ -45,7 +45,7 @@ def test_visibility():
     assert m.tolist() == [[True, True, False, False]] * 2 + [[True] * 4] * 2
 
 
-@pytest.mark.parametrize(("window", "sink", "chunks"), [(None, 0, 4), (2, 1, 5), (1, 0, 3)])
+@pytest.mark.parametrize(("window", "sink", "chunks"), [(None, 0, 4), (2, 1, 5), (1, 0, 3), (1, 2, 4)])
 def test_cached_rollout_equals_block_causal_reference(transformer, text, window, sink, chunks):
     opts = CausalOptions(chunk_frames=3, steps=4, window=window, sink=sink, kv_slabs=8)
     eng = CausalWan(transformer, options=opts, height=32, width=32)
