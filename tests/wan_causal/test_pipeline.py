@@ -200,3 +200,15 @@ def test_steps_and_shift_of_the_request_drive_the_chunk_schedule_and_cfg_knobs_w
     bad = _req("a fox", frames=9)
     bad["diffusion"]["shift"] = 1000.0
     assert "diffusion.shift" in _error(rt, bad)
+
+
+def test_more_chunks_than_the_pool_holds_are_refused_not_queued_forever(tiny_wan):
+    rt = _step_runtime(tiny_wan)  # kv_slabs 8, no window: a 9-chunk request cannot fit
+    msg = _error(rt, _req("a fox", frames=105))  # 27 latent frames = 9 chunks
+    assert "diffusion.frames" in msg and "8" in msg and "window" in msg
+    out = rt.generate(_req("a fox", frames=9, keep_session=True))  # a session of 1 chunk ...
+    msg = _error(rt, _req("a fox", frames=93, session=out.metrics["session"]))  # ... + 8 more = 9
+    assert "9 chunks need 9 slabs" in msg
+    eng, store = _dep(rt).engine(32, 32)
+    store.close(out.metrics["session"])
+    assert eng.manager.used_blocks == 0

@@ -145,7 +145,7 @@ class RolloutCheck:
             raise RequestError("task", "causal rollout does text-to-video only")
         chunks = plan_chunks(p.frames, self.dep.options.chunk_frames)
         try:
-            _eng, store = self.dep.engine(p.height, p.width)
+            eng, store = self.dep.engine(p.height, p.width)
         except ValueError as exc:
             raise RequestError("diffusion.height", str(exc)) from None
         d = state.request.diffusion
@@ -160,11 +160,17 @@ class RolloutCheck:
             known = state.metrics.setdefault("warnings", [])
             known.append(f"causal rollout runs without CFG: {', '.join(ignored)} ignored")
         rp = ctx.params if isinstance(ctx.params, RolloutParams) else RolloutParams()
+        before = 0
         if rp.session is not None:
             try:
-                store.get(rp.session)
+                before = store.get(rp.session).chunks
             except SessionError as exc:
                 raise RequestError("node_params.rollout.session", str(exc)) from None
+        need, have = eng.slabs_for(before + chunks), eng.manager.num_blocks
+        if need > have:
+            raise RequestError("diffusion.frames", f"causal rollout: {before + chunks} chunks need {need} slabs at once, "
+                               f"this deployment's pool holds {have} (rollout_options.kv_slabs); set "
+                               "rollout_options.window to stream longer videos")
         state.write("rollout_plan", Conditioning(values={"chunks": chunks, "rollout": rp}), ctx.node.name)
 
 
@@ -183,7 +189,9 @@ class CausalRollout:
             return None
         try:
             eng, _ = self.dep.engine(p.height, p.width)
-            return eng.manager, eng.slabs_for(plan_chunks(p.frames, self.dep.options.chunk_frames))
+            need = eng.slabs_for(plan_chunks(p.frames, self.dep.options.chunk_frames))
+            # more than the whole pool: admit it, and let the rollout node refuse it (never wait forever)
+            return (eng.manager, need) if need <= eng.manager.num_blocks else None
         except (ValueError, RequestError):
             return None
 
