@@ -291,8 +291,10 @@ def test_a_stream_in_flight_at_shutdown_finishes_within_the_grace_period(qwen_ck
     app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=grace)
     state = app.state.omniloop
     with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=T) as client:
-        stream = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "hello"}],
-                                                max_tokens=400, temperature=0, stream=True)
+        # greedy "hello" ends (EOS) after 266 tokens; this prompt's greedy text runs past 1000 without one
+        prompt = "hello" if grace else "write a short story about a cat"
+        stream = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=400 if grace else 1500, temperature=0, stream=True)
         it = iter(stream)
         first = next(it)
         assert state.loop is not None
