@@ -166,7 +166,7 @@ def test_concurrent_requests_are_batched_and_each_equals_itself_alone(
 
     def run(p: str) -> None:
         out = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": p}],
-                                             max_tokens=24, temperature=0)
+                                             max_tokens=64, temperature=0)
         results[p] = out.choices[0].message.content or ""
 
     try:
@@ -178,7 +178,7 @@ def test_concurrent_requests_are_batched_and_each_equals_itself_alone(
     finally:
         engine.decision_listeners.remove(listen)
     for p in prompts:
-        ref = python_api([{"type": "text", "text": p, "role": "user"}], max_tokens=24, temperature=0)
+        ref = python_api([{"type": "text", "text": p, "role": "user"}], max_tokens=64, temperature=0)
         assert results[p] == ref.artifacts["text"].text, p
     assert batched and max(batched) >= 2, batched  # decode steps of several sequences ran as one forward
 
@@ -188,8 +188,9 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(client: OpenAI, text_
     engine = app.state.omniloop.engine
     cache = engine.runtime.model.components["kv_cache"]
     before = engine.stats()["finished"]["cancelled"]
-    stream = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "hello"}],
-                                            max_tokens=2000, temperature=0, stream=True)
+    stream = client.chat.completions.create(  # greedy: no EOS for 1000+ tokens
+        model="tiny-qwen", messages=[{"role": "user", "content": "write a short story about a cat"}],
+        max_tokens=1500, temperature=0, stream=True)
     for _ in zip(range(3), stream, strict=False):
         pass
     stream.close()
@@ -210,8 +211,8 @@ def test_a_client_that_leaves_before_the_answer_cancels_its_request(text_server:
     url, app = text_server
     engine = app.state.omniloop.engine
     before, submitted = engine.stats()["finished"]["cancelled"], engine.stats()["submitted"]
-    body = json.dumps({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2000,
-                       "temperature": 0}).encode()
+    body = json.dumps({"model": "tiny-qwen", "messages": [{"role": "user", "content": "write a short story about a cat"}],
+                       "max_tokens": 1500, "temperature": 0}).encode()
     u = urlparse(url)
     with socket.create_connection((u.hostname, u.port), timeout=T) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
