@@ -13,6 +13,7 @@ file and the dotted field path. Example (YAML)::
       profiler: {}
     limits: {max_steps: 100, max_frames: 121, max_height: 1280, max_width: 1280, max_queue: 32}
     adapters: {anime: /loras/anime.safetensors, detail: /loras/detail}   # LoRA, named by requests
+    parallel: {sp: 2, cfg: 2}   # 4 worker processes (omniloop-parallel), checked before weights load
 """
 
 from __future__ import annotations
@@ -54,6 +55,22 @@ class Limits:
 
 
 @define(frozen=True)
+class ParallelConfig:
+    """How many processes run one request's compute (omniloop-parallel's worker pool, SPMD).
+
+    ``sp``: Ulysses sequence parallel over attention heads; ``cfg``: the cond and uncond branches
+    on different ranks. World size = ``sp * cfg``; checked before any weight loads
+    (:func:`omniloop.placement.check_parallel`)."""
+
+    sp: int = field(default=1, metadata={"ge": 1})
+    cfg: int = field(default=1, metadata={"ge": 1})
+
+    @property
+    def world_size(self) -> int:
+        return self.sp * self.cfg
+
+
+@define(frozen=True)
 class DeployConfig:
     model: ModelConfig = attrs.Factory(ModelConfig)
     device: str = "cpu"
@@ -79,6 +96,8 @@ class DeployConfig:
     adapters: dict[str, str] = attrs.Factory(dict)
     #: fuse one declared adapter into the weights at load: {NAME: SCALE} (single-adapter deployments)
     adapter_fuse: dict[str, float] = attrs.Factory(dict)
+    #: multi-process parallelism of one request's compute, e.g. {sp: 2, cfg: 2} (omniloop-parallel)
+    parallel: ParallelConfig = attrs.Factory(ParallelConfig)
 
     def with_model(self, **changes: Any) -> DeployConfig:
         return attrs.evolve(self, model=attrs.evolve(self.model, **changes))
