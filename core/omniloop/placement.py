@@ -1,0 +1,87 @@
+"""Placement checks: the deploy's ``parallel: {sp, cfg}`` validated before any weight loads.
+
+:func:`check_parallel` runs in :class:`~omniloop.runtime.Deployment` (so ``Deployment.check`` and
+every front end refuse a bad layout at once): the world size is the product of the axes, every
+axis above 1 must be declared by the family (``family.parallel_axes``), ``sp`` must divide the
+transformer's attention heads (``family.attention_heads(path)``), and the machine must have a
+device (CUDA) or a core (CPU) per rank. Each failure is one line naming ``parallel.<axis>``.
+
+:func:`check_in_pool` runs in :class:`~omniloop.runtime.Runtime`: a deploy with a world size
+above 1 only loads inside a process group of that size (omniloop-parallel's worker pool), never
+silently on one process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .deploy import DeployConfig
+from .errors import DeployError
+
+#: the axes the core knows; a family declares the subset it implements
+AXES = ("sp", "cfg")
+
+
+def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: torch.device,
+                   block_interceptors: tuple[str, ...] = ()) -> None:
+    """Raise :class:`DeployError` (one line) when ``deploy.parallel`` cannot run; nothing is loaded."""
+    par = deploy.parallel
+    world = par.world_size
+    if world == 1:
+        return
+    supported = frozenset(getattr(family, "parallel_axes", ()) or ())
+    for axis in AXES:
+        n = getattr(par, axis)
+        if n > 1 and axis not in supported:
+            have = ", ".join(sorted(supported)) or "none"
+            raise DeployError(
+                f"parallel.{axis}: family {family.name!r} does not support {axis!r} parallelism (it supports: {have})"
+            )
+    if par.sp > 1:
+        fn = getattr(family, "attention_heads", None)
+        heads = fn(model_path) if callable(fn) else None
+        if not isinstance(heads, int) or heads < 1:
+            raise DeployError(f"parallel.sp: family {family.name!r} cannot tell the attention heads of {model_path}")
+        if heads % par.sp:
+            raise DeployError(
+                f"parallel.sp: {par.sp} does not divide the transformer's {heads} attention heads "
+                f"(Ulysses splits the heads across ranks)"
+            )
+    if device.type == "cuda":
+        have = torch.cuda.device_count()
+        if world > have:
+            raise DeployError(f"parallel: {_axes(deploy)} needs {world} GPUs, this machine has {have}")
+    elif device.type == "cpu":
+        have = os.cpu_count() or 1
+        if world > have:
+            raise DeployError(f"parallel: {_axes(deploy)} needs {world} processes, this machine has {have} CPU cores")
+    else:
+        raise DeployError(f"parallel: device {device.type!r} has no multi-process support (use cuda or cpu)")
+    if block_interceptors:
+        raise DeployError(
+            f"plugins.{block_interceptors[0]}: block interceptors do not run under parallel: {_axes(deploy)} yet "
+            "(their skip decisions are not synchronised across ranks)"
+        )
+
+
+def check_in_pool(deploy: DeployConfig) -> None:
+    """A world above 1 loads only inside a ``torch.distributed`` group of that size."""
+    world = deploy.parallel.world_size
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world):
+        raise DeployError(
+            f"parallel: {_axes(deploy)} runs in {world} processes: load it through omniloop-parallel's worker "
+            "pool (omniloop_parallel.ParallelRuntime), not a single-process Runtime"
+        )
+
+
+def _axes(deploy: DeployConfig) -> str:
+    p = deploy.parallel
+    return "{" + f"sp: {p.sp}, cfg: {p.cfg}" + "}"
