@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import adapters as _adapters
+from . import placement as _placement
 from .deploy import DeployConfig, load_deploy
 from .errors import DeployError, PluginError, RequestError
 from .execution import BuiltPipeline, Execution
@@ -68,6 +69,8 @@ class Deployment:
         self.component_configs: dict[str, tuple[PluginComponentSpec, Any]] = self._component_configs()
         self._scheduler_spec = self._scheduler_spec_of()
         _adapters.check_declared(deploy.adapters, deploy.adapter_fuse, self.family)  # LoRA: names, files
+        blocks = tuple(n for n, (s, _) in self.component_configs.items() if s.kind == "block_interceptor")
+        _placement.check_parallel(deploy, self.family, self.model_path, self.device, blocks)  # parallel: {sp, cfg}
         self.options: dict[str, Any] = {
             "deploy": deploy, "registry": self.registry, "attention": self.attention,
             **self.preset_options, **deploy.options,
@@ -291,6 +294,7 @@ class Runtime(Deployment):
     def __init__(self, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
                  manager: PluginManager | None = None) -> None:
         super().__init__(deploy, manager=manager)
+        _placement.check_in_pool(self.deploy)  # a world above 1 loads only inside omniloop-parallel's pool
         self.components_enabled = self._build_components()
         self.scheduler = self._resolve_scheduler()
         self.model: LoadedModel = self.family.load(
