@@ -2,7 +2,8 @@
 
 :func:`check_parallel` runs in :class:`~omniloop.runtime.Deployment` (so ``Deployment.check`` and
 every front end refuse a bad layout at once): the world size is the product of the axes, every
-axis above 1 must be declared by the family (``family.parallel_axes``), ``sp`` must divide the
+axis above 1 must be declared by the family (``family.parallel_axes``) and stay within its
+``family.parallel_limits`` (Wan: ``cfg`` at most 2, one rank per guidance branch), ``sp`` must divide the
 transformer's attention heads (``family.attention_heads(path)``), and the machine must have a
 device (CUDA) or a core (CPU) per rank. Each failure is one line naming ``parallel.<axis>``.
 
@@ -41,6 +42,11 @@ def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: 
             raise DeployError(
                 f"parallel.{axis}: family {family.name!r} does not support {axis!r} parallelism (it supports: {have})"
             )
+    limits = dict(getattr(family, "parallel_limits", {}) or {})
+    for axis, most in limits.items():
+        n = getattr(par, axis, 1)
+        if n > most:
+            raise DeployError(f"parallel.{axis}: {n} is more than family {family.name!r} can use (at most {most})")
     if par.sp > 1:
         fn = getattr(family, "attention_heads", None)
         heads = fn(model_path) if callable(fn) else None

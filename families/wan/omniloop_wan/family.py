@@ -33,6 +33,15 @@ class WanFamily:
     supports_block_interceptors = True
     #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
     adapter_support = WAN_ADAPTERS
+    #: deploy parallel: {sp, cfg} — Ulysses sequence parallel and CFG-parallel (omniloop_wan.parallel)
+    parallel_axes = frozenset({"sp", "cfg"})
+    parallel_limits = {"cfg": 2}  # one rank per guidance branch (cond, uncond)
+
+    def attention_heads(self, path: Path) -> int | None:
+        """The transformer's attention heads from its config (``parallel.sp`` must divide them)."""
+        from .parallel import attention_heads
+
+        return attention_heads(path)
 
     # -- detect / load ------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:
@@ -172,7 +181,7 @@ class WanFamily:
             denoise_reads["image_cond"] = Tensors
         experts = ("transformer", "transformer_2") if cfg["boundary_ratio"] is not None else ("transformer",)
         nodes += [
-            Node("denoise", Denoise(cfg, menu), reads=denoise_reads, writes={"denoised": Latents},
+            Node("denoise", _denoise(cfg, menu, options), reads=denoise_reads, writes={"denoised": Latents},
                  optional_reads=frozenset({"image_cond"}), params_schema=DenoiseParams, uses=experts),
             Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
             Node("output", Output(), reads={"params": Conditioning, "decoded": Tensors, "denoised": Latents},
@@ -207,6 +216,16 @@ class WanFamily:
         """The warnings of :meth:`resolve` (without decoding the image)."""
         _, warnings = resolve(model, request, limits, menu=menu_for(model), decode_image=False)
         return warnings
+
+
+def _denoise(cfg: dict[str, Any], menu: Any, options: dict[str, Any]) -> Denoise:
+    """The denoise loop; under deploy ``parallel: {sp, cfg}`` the rank-aware one (omniloop_wan.parallel)."""
+    par = getattr(options.get("deploy"), "parallel", None)
+    if par is not None and par.world_size > 1:
+        from .parallel import ParallelDenoise
+
+        return ParallelDenoise(cfg, menu, sp=par.sp, cfg=par.cfg)
+    return Denoise(cfg, menu)
 
 
 def check_fused_options(opts: WanOptions, device: Any) -> None:

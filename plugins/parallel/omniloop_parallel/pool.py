@@ -1,0 +1,203 @@
+"""The front end of the worker pool: :class:`ParallelRuntime`.
+
+It validates the deploy with :class:`omniloop.runtime.Deployment` (``parallel: {sp, cfg}`` and
+everything else, no weights read), checks each request the same way before sending it, spawns the
+``sp * cfg`` workers and talks to rank 0 through a pipe. While it waits it watches every worker:
+one that exits (killed, out of memory, crashed) fails the request in flight with
+:class:`WorkerDied`'s message (status ``failed``), the remaining workers are stopped and the pool
+is started again for the next request. Every wait has a deadline; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from omniloop.deploy import DeployConfig, load_deploy
+from omniloop.errors import DeployError, OmniloopError
+from omniloop.request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status
+from omniloop.runtime import Deployment
+from omniloop.schema import request_from_dict
+
+from . import worker
+from .group import backend_for, free_port
+
+
+class WorkerDied(OmniloopError):
+    """A worker process of the pool exited while it was needed."""
+
+
+class ParallelRuntime:
+    """A deployment whose compute runs in ``parallel.sp * parallel.cfg`` worker processes.
+
+    ``manager``: ``"module:callable"`` returning the PluginManager the workers use (the workers are
+    fresh processes; default: the installed entry points). ``timeout_s``: the collective timeout
+    and the deadline of every wait for a worker (load, one unit of work)."""
+
+    def __init__(self, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
+                 manager: str | None = None, timeout_s: float = 120.0, threads: int = 1,
+                 tick_s: float = 0.5) -> None:
+        self.deploy = load_deploy(deploy)
+        self.manager_spec = manager
+        self.deployment = Deployment(self.deploy, manager=worker.load_manager(manager))  # validates; no weights
+        self.world = self.deploy.parallel.world_size
+        self.backend = backend_for(self.deploy.device)
+        self.timeout_s, self.threads, self.tick_s = timeout_s, threads, tick_s
+        self.restarts = 0
+        self._procs: list[Any] = []
+        self._conn: Any = None
+        self._start()
+
+    # -- pool lifecycle --------------------------------------------------------------------------
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        parent, child = ctx.Pipe(duplex=True)
+        self._procs = []
+        for rank in range(self.world):
+            p = ctx.Process(
+                target=worker.main, name=f"omniloop-parallel-rank{rank}", daemon=True,
+                args=(rank, self.world, port, self.backend, self.timeout_s, self.deploy, self.manager_spec,
+                      self.threads, self.tick_s, child if rank == 0 else None),
+            )
+            p.start()
+            self._procs.append(p)
+        child.close()
+        self._conn = parent
+        msg = self._recv(time.monotonic() + self.timeout_s, "loading the model")
+        if msg[0] != "ready":
+            self._stop_procs()
+            raise DeployError(f"parallel: the workers could not load the deployment: {msg[1]}")
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, rank by rank."""
+        return [int(p.pid) for p in self._procs]
+
+    def _dead(self) -> str | None:
+        for rank, p in enumerate(self._procs):
+            if p.exitcode is not None:
+                how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+                return f"worker rank {rank} (pid {p.pid}) died ({how})"
+        return None
+
+    def _recv(self, deadline: float, what: str) -> Any:
+        while True:
+            dead = self._dead()
+            if dead is not None:
+                raise WorkerDied(f"{dead} while {what}")
+            try:
+                if self._conn.poll(0.1):
+                    return self._conn.recv()
+            except (EOFError, OSError):
+                time.sleep(0.2)  # rank 0's end closed: it is exiting; name it on the next pass
+                if self._dead() is None:
+                    raise WorkerDied(f"worker rank 0 closed its pipe while {what}") from None
+                continue
+            if time.monotonic() > deadline:
+                raise WorkerDied(f"no answer from the workers for {self.timeout_s:g} s while {what}")
+
+    def _stop_procs(self) -> None:
+        for p in self._procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in self._procs:
+            p.join(5)
+            if p.exitcode is None and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._procs = []
+
+    def _restart(self) -> None:
+        self._stop_procs()
+        self.restarts += 1
+        self._start()
+
+    def close(self) -> None:
+        """Stop the workers (rank 0 is asked; any left after 5 s are terminated)."""
+        if self._conn is not None and self._dead() is None:
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+            for p in self._procs:
+                p.join(5)
+        self._stop_procs()
+
+    def __enter__(self) -> ParallelRuntime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        """Cancel ``request_id``: every rank cancels it at the next step boundary."""
+        if self._conn is not None:
+            self._conn.send(("abort", request_id))
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every rank's ``Runtime.describe()`` plus its self-attention processor, rank by rank."""
+        if self._dead() is not None or self._conn is None:
+            self._restart()
+        self._conn.send(("describe",))
+        msg = self._recv(time.monotonic() + self.timeout_s, "describing the workers")
+        return list(msg[1])
+
+    def stream(self, request: OmniRequest | Mapping[str, Any]) -> Iterator[OmniEvent]:
+        """Check ``request`` (no weights needed, before the workers see it), run it on every rank,
+        yield rank 0's events and a final event. A worker dying fails it (status ``failed``) and
+        restarts the pool."""
+        req = request if isinstance(request, OmniRequest) else request_from_dict(request)
+        req = self.deployment.check(req)
+        if self._dead() is not None or self._conn is None:
+            self._restart()
+        self._conn.send(("run", req))
+        while True:
+            try:
+                msg = self._recv(time.monotonic() + self.timeout_s, f"running request {req.request_id!r}")
+            except WorkerDied as exc:
+                self._stop_procs()
+                out = OmniOutput(request_id=req.request_id, status=Status.FAILED,
+                                 error=ErrorInfo(type="WorkerDied", message=str(exc)))
+                try:
+                    self.restarts += 1
+                    self._start()  # the pool is back for the next request
+                finally:
+                    yield OmniEvent(request_id=req.request_id, kind=EventKind.FINAL, output=out)
+                return
+            if msg[0] == "events":
+                yield from msg[2]
+            elif msg[0] == "refused":
+                raise DeployError(f"parallel: the workers refused the request: {msg[1]}")
+            elif msg[0] == "crash":
+                self._stop_procs()
+                raise WorkerDied(f"worker rank 0 crashed: {msg[1]}")
+            elif msg[0] == "output":
+                out = msg[2]
+                if not out.ok:  # a collective that failed because a peer died: name the death
+                    time.sleep(0.3)
+                    dead = self._dead()
+                    if dead is not None:
+                        self._stop_procs()
+                        out = OmniOutput(request_id=req.request_id, status=Status.FAILED,
+                                         error=ErrorInfo(type="WorkerDied", message=f"{dead} while running request {req.request_id!r}"))
+                        self.restarts += 1
+                        self._start()
+                yield OmniEvent(request_id=req.request_id, kind=EventKind.FINAL, output=out)
+                return
+
+    def generate(self, request: OmniRequest | Mapping[str, Any]) -> OmniOutput:
+        out: OmniOutput | None = None
+        for ev in self.stream(request):
+            if ev.output is not None:
+                out = ev.output
+        assert out is not None
+        return out

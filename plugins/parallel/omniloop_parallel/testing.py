@@ -1,0 +1,13 @@
+"""Plugin managers for tests and smoke runs, importable by spawned workers (``manager="omniloop_parallel.testing:wan_manager"``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def wan_manager() -> Any:
+    """Only the Wan family and the inline serial scheduler (no entry-point discovery)."""
+    import omniloop_wan.plugin as wan_plugin
+    from omniloop.testing import make_manager
+
+    return make_manager(("wan", wan_plugin), toy=False)
