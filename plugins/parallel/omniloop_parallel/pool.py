@@ -164,35 +164,43 @@ class ParallelRuntime:
             try:
                 msg = self._recv(time.monotonic() + self.timeout_s, f"running request {req.request_id!r}")
             except WorkerDied as exc:
-                self._stop_procs()
-                out = OmniOutput(request_id=req.request_id, status=Status.FAILED,
-                                 error=ErrorInfo(type="WorkerDied", message=str(exc)))
-                try:
-                    self.restarts += 1
-                    self._start()  # the pool is back for the next request
-                finally:
-                    yield OmniEvent(request_id=req.request_id, kind=EventKind.FINAL, output=out)
+                yield self._failed(req, str(exc))
                 return
             if msg[0] == "events":
                 yield from msg[2]
             elif msg[0] == "refused":
                 raise DeployError(f"parallel: the workers refused the request: {msg[1]}")
-            elif msg[0] == "crash":
-                self._stop_procs()
-                raise WorkerDied(f"worker rank 0 crashed: {msg[1]}")
+            elif msg[0] == "crash":  # rank 0 left its loop, most often because a peer died mid-collective
+                dead = self._wait_dead(2.0)
+                why = dead or f"worker rank 0 failed: {msg[1].strip().splitlines()[-1]}"
+                yield self._failed(req, f"{why} while running request {req.request_id!r}")
+                return
             elif msg[0] == "output":
                 out = msg[2]
-                if not out.ok:  # a collective that failed because a peer died: name the death
-                    time.sleep(0.3)
-                    dead = self._dead()
+                if not out.ok:  # a collective failed inside a step because a peer died: name the death
+                    dead = self._wait_dead(0.5)
                     if dead is not None:
-                        self._stop_procs()
-                        out = OmniOutput(request_id=req.request_id, status=Status.FAILED,
-                                         error=ErrorInfo(type="WorkerDied", message=f"{dead} while running request {req.request_id!r}"))
-                        self.restarts += 1
-                        self._start()
+                        yield self._failed(req, f"{dead} while running request {req.request_id!r}")
+                        return
                 yield OmniEvent(request_id=req.request_id, kind=EventKind.FINAL, output=out)
                 return
+
+    def _wait_dead(self, seconds: float) -> str | None:
+        deadline = time.monotonic() + seconds
+        while True:
+            dead = self._dead()
+            if dead is not None or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _failed(self, req: OmniRequest, message: str) -> OmniEvent:
+        """Fail ``req`` with ``message`` (WorkerDied), stop what is left of the pool and start it again."""
+        self._stop_procs()
+        out = OmniOutput(request_id=req.request_id, status=Status.FAILED,
+                         error=ErrorInfo(type="WorkerDied", message=message))
+        self.restarts += 1
+        self._start()  # the pool is back for the next request
+        return OmniEvent(request_id=req.request_id, kind=EventKind.FINAL, output=out)
 
     def generate(self, request: OmniRequest | Mapping[str, Any]) -> OmniOutput:
         out: OmniOutput | None = None
