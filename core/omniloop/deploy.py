@@ -76,7 +76,8 @@ class DeployConfig:
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     scheduler: str = "serial"
-    #: how nodes exchange artifacts: only ``inproc`` has behaviour today (others are refused)
+    #: how artifacts cross processes: ``inproc`` (default); a registered transport (omniloop-parallel:
+    #: ``shm``, ``torch.distributed``) with parallel world > 1; unknown names refused at load
     transport: str = "inproc"
     attention_backend: str = "sdpa"
     compile: bool = False

@@ -74,6 +74,26 @@ def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: 
         )
 
 
+def check_transport(deploy: DeployConfig, registry: Any) -> None:
+    """``deploy.transport`` names a registered transport (``inproc`` always exists) that fits the
+    deploy: any other than ``inproc`` carries artifacts between worker processes, so it needs a
+    world above 1. One :class:`DeployError` line otherwise, at load."""
+    name = deploy.transport
+    if name == "inproc":
+        return
+    known = sorted({"inproc", *getattr(registry, "transports", {})})
+    if name not in known:
+        raise DeployError(
+            f"transport: {name!r} is not implemented yet: no installed transport has that name "
+            f"(available: {', '.join(known)}; omniloop-parallel adds shm and torch.distributed)"
+        )
+    if deploy.parallel.world_size == 1:
+        raise DeployError(
+            f"transport: {name!r} carries artifacts between worker processes; this deploy runs in one process "
+            "(set parallel: {sp, cfg} or use 'inproc')"
+        )
+
+
 def check_in_pool(deploy: DeployConfig) -> None:
     """A world above 1 loads only inside a ``torch.distributed`` group of that size."""
     world = deploy.parallel.world_size

@@ -61,6 +61,7 @@ class Deployment:
         self.deploy = deploy
         self.plugins = manager or default_manager()
         self.registry: Registry = self.plugins.registry()
+        _placement.check_transport(deploy, self.registry)  # a registered transport that fits the deploy
         self.device = _device(deploy.device)
         self.dtype = _DTYPES[deploy.dtype]
         self.family, self.model_path = self._resolve_model()
@@ -466,11 +467,7 @@ def structure_node_params(spec: PipelineSpec, req: OmniRequest) -> dict[str, Any
 
 def _refuse_unimplemented(deploy: DeployConfig) -> None:
     """Deploy fields that exist in the schema but have no behaviour yet are refused, never ignored."""
-    if deploy.transport != "inproc":
-        raise DeployError(
-            f"transport: {deploy.transport!r} is not implemented yet; only 'inproc' runs (every node in this "
-            "process) — remove the field or set it to 'inproc'"
-        )
+    # transport: checked against the registered transports (omniloop.placement.check_transport)
     if deploy.offload != "none":
         raise DeployError(
             f"offload: {deploy.offload!r} is not implemented yet; only 'none' runs (components stay on the "

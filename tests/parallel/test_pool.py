@@ -61,7 +61,8 @@ def cfg_pool(wan_ckpt):
 
 @pytest.fixture(scope="module")
 def sp_pool(wan_ckpt):
-    with _pool(wan_ckpt, sp=2) as pool:
+    with ParallelRuntime({"model": {"path": str(wan_ckpt)}, "parallel": {"sp": 2}, "transport": "shm"},
+                         manager=MANAGER, timeout_s=90) as pool:
         yield pool
 
 
@@ -126,3 +127,10 @@ def test_sp2_within_tolerance_of_one_process(sp_pool, reference):
     print(f"sp=2 vs one process: max |d latents| = {diff:.3g}")
     assert diff <= SP_ATOL
     assert out.metrics["parallel"]["sp"] == 2
+    # transport shm: the latents arrive in shared memory (mapped, not copied through the pipe)
+    assert out.artifacts["latents"].tensor.is_shared()
+
+
+def test_inproc_transport_copies(cfg_pool):
+    out = cfg_pool.generate(wan_request(steps=1))
+    assert out.ok and not out.artifacts["latents"].tensor.is_shared()

@@ -25,6 +25,7 @@ from omniloop.schema import request_from_dict
 
 from . import worker
 from .group import backend_for, free_port
+from .transports import transport_for
 
 
 class WorkerDied(OmniloopError):
@@ -48,6 +49,7 @@ class ParallelRuntime:
         self.backend = backend_for(self.deploy.device)
         self.timeout_s, self.threads, self.tick_s = timeout_s, threads, tick_s
         self.restarts = 0
+        self.transport = transport_for(self.deploy.transport)
         self._procs: list[Any] = []
         self._conn: Any = None
         self._start()
@@ -176,7 +178,7 @@ class ParallelRuntime:
                 yield self._failed(req, f"{why} while running request {req.request_id!r}")
                 return
             elif msg[0] == "output":
-                out = msg[2]
+                out = self.transport.decode(msg[2])
                 if not out.ok:  # a collective failed inside a step because a peer died: name the death
                     dead = self._wait_dead(0.5)
                     if dead is not None:

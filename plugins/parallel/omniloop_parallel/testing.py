@@ -6,8 +6,10 @@ from typing import Any
 
 
 def wan_manager() -> Any:
-    """Only the Wan family and the inline serial scheduler (no entry-point discovery)."""
+    """Only the Wan family, omniloop-parallel's transports and the inline serial scheduler (no entry-point discovery)."""
     import omniloop_wan.plugin as wan_plugin
     from omniloop.testing import make_manager
 
-    return make_manager(("wan", wan_plugin), toy=False)
+    from . import plugin
+
+    return make_manager(("wan", wan_plugin), ("parallel", plugin), toy=False)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .group import init_group
+from .transports import transport_for
 
 
 def load_manager(spec: str | None) -> Any:
@@ -56,6 +57,7 @@ def main(rank: int, world: int, port: int, backend: str, timeout_s: float, deplo
         err = None
         try:
             runtime = Runtime(deploy, manager=load_manager(manager))
+            runtime.transport = transport_for(deploy.transport)  # how rank 0 hands the output over
         except Exception as exc:  # reported by rank 0 (every rank fails the same way)
             err = f"{type(exc).__name__}: {exc}"
         errors: list[Any] = [None] * world
@@ -129,7 +131,7 @@ def _run(runtime: Any, request: Any, lead: bool, conn: Any) -> None:
         if decision == "done":
             break
     if lead:
-        conn.send(("output", rid, execution.output))
+        conn.send(("output", rid, runtime.transport.encode(execution.output)))
 
 
 def _describe(runtime: Any, rank: int) -> dict[str, Any]:
