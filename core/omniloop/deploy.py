@@ -14,6 +14,13 @@ file and the dotted field path. Example (YAML)::
     limits: {max_steps: 100, max_frames: 121, max_height: 1280, max_width: 1280, max_queue: 32}
     adapters: {anime: /loras/anime.safetensors, detail: /loras/detail}   # LoRA, named by requests
     parallel: {sp: 2, cfg: 2}   # 4 worker processes (omniloop-parallel), checked before weights load
+
+A composed deployment names a registered pipeline and one model per role instead of ``model``
+(see :mod:`omniloop.compose`)::
+
+    pipeline: prompt-upsample
+    models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct}, video: {preset: wan-demo}}
+    pipeline_options: {max_tokens: 120}
 """
 
 from __future__ import annotations
@@ -99,6 +106,13 @@ class DeployConfig:
     adapter_fuse: dict[str, float] = attrs.Factory(dict)
     #: multi-process parallelism of one request's compute, e.g. {sp: 2, cfg: 2} (omniloop-parallel)
     parallel: ParallelConfig = attrs.Factory(ParallelConfig)
+    #: a composed pipeline by its registered name (``prompt-upsample``); with ``models`` instead of
+    #: ``model``: one model per role (omniloop.compose, ``Runtime.from_deploy`` builds it)
+    pipeline: str | None = None
+    #: the composed pipeline's models by role, e.g. {upsampler: {path: ...}, video: {preset: wan-demo}}
+    models: dict[str, ModelConfig] = attrs.Factory(dict)
+    #: the composed pipeline's own options (e.g. prompt-upsample's {instruction, max_tokens})
+    pipeline_options: dict[str, Any] = attrs.Factory(dict)
 
     def with_model(self, **changes: Any) -> DeployConfig:
         return attrs.evolve(self, model=attrs.evolve(self.model, **changes))
