@@ -36,6 +36,7 @@ class WanFamily:
     #: deploy parallel: {sp, cfg} — Ulysses sequence parallel and CFG-parallel (omniloop_wan.parallel)
     parallel_axes = frozenset({"sp", "cfg"})
     parallel_limits = {"cfg": 2}  # one rank per guidance branch (cond, uncond)
+    parallel_block_interceptors = True  # bound to the sp group (omniloop_wan.parallel.bind_block_interceptor)
 
     def attention_heads(self, path: Path) -> int | None:
         """The transformer's attention heads from its config (``parallel.sp`` must divide them)."""
