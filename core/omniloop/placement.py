@@ -5,7 +5,9 @@ every front end refuse a bad layout at once): the world size is the product of t
 axis above 1 must be declared by the family (``family.parallel_axes``) and stay within its
 ``family.parallel_limits`` (Wan: ``cfg`` at most 2, one rank per guidance branch), ``sp`` must divide the
 transformer's attention heads (``family.attention_heads(path)``), and the machine must have a
-device (CUDA) or a core (CPU) per rank. Each failure is one line naming ``parallel.<axis>``.
+device (CUDA) or a core (CPU) per rank; block interceptors (cache-dit, fbcache) run under
+parallelism only with a family that binds them to its sequence-parallel group
+(``family.parallel_block_interceptors``; Wan does), so every rank takes the same skip decision. Each failure is one line naming ``parallel.<axis>``.
 
 :func:`check_in_pool` runs in :class:`~omniloop.runtime.Runtime`: a deploy with a world size
 above 1 only loads inside a process group of that size (omniloop-parallel's worker pool), never
@@ -67,10 +69,10 @@ def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: 
             raise DeployError(f"parallel: {_axes(deploy)} needs {world} processes, this machine has {have} CPU cores")
     else:
         raise DeployError(f"parallel: device {device.type!r} has no multi-process support (use cuda or cpu)")
-    if block_interceptors:
+    if block_interceptors and not getattr(family, "parallel_block_interceptors", False):
         raise DeployError(
             f"plugins.{block_interceptors[0]}: block interceptors do not run under parallel: {_axes(deploy)} yet "
-            "(their skip decisions are not synchronised across ranks)"
+            f"with family {family.name!r} (it does not synchronise their skip decisions across ranks)"
         )
 
 

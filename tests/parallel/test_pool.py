@@ -134,3 +134,31 @@ def test_sp2_within_tolerance_of_one_process(sp_pool, reference):
 def test_inproc_transport_copies(cfg_pool):
     out = cfg_pool.generate(wan_request(steps=1))
     assert out.ok and not out.artifacts["latents"].tensor.is_shared()
+
+
+# -- cache-dit under sp: 2 -----------------------------------------------------------------------
+CACHE = {"Fn": 1, "Bn": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}
+
+
+def test_cache_dit_under_sp2_same_decisions_on_every_rank(wan_ckpt):
+    pytest.importorskip("omniloop_cache_dit")
+    from omniloop_parallel.testing import wan_cache_manager
+
+    req = wan_request(steps=8, seed=11)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = Runtime.from_model(wan_ckpt, manager=wan_cache_manager(), plugins={"cache-dit": CACHE}).generate(req)
+    finally:
+        torch.set_num_threads(threads)
+    deploy = {"model": {"path": str(wan_ckpt)}, "parallel": {"sp": 2}, "plugins": {"cache-dit": CACHE}}
+    with ParallelRuntime(deploy, manager="omniloop_parallel.testing:wan_cache_manager", timeout_s=90) as pool:
+        out = pool.generate(req)
+    assert out.ok, out.error
+    ranks = out.metrics["ranks"]
+    decisions = [{b: m["cached_steps"] for b, m in r["plugins"]["cache-dit"].items()} for r in ranks]
+    assert len(decisions) == 2 and decisions[0] == decisions[1]  # the residual comparison was reduced
+    want = {b: m["cached_steps"] for b, m in single.metrics["plugins"]["cache-dit"].items()}
+    assert decisions[0] == want and any(want.values())  # as one unsharded run, and it did cache
+    diff = (_latents(out) - _latents(single)).abs().max().item()
+    assert diff <= SP_ATOL

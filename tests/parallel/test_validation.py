@@ -67,19 +67,19 @@ def test_single_process_runtime_refuses_a_world_above_one(wan_ckpt):
         Runtime(deploy(wan_ckpt, cfg=2), manager=wan_manager())
 
 
-def test_block_interceptors_refused_under_parallel(wan_ckpt):
-    from omniloop.family import PluginComponentSpec
-    from omniloop.hookspecs import hookimpl
+def test_block_interceptors_need_a_family_that_binds_them(wan_ckpt):
+    import torch
 
-    class Blocks:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
+    from omniloop.deploy import load_deploy
+    from omniloop.placement import check_parallel
 
-        @hookimpl
-        def omniloop_register_interceptors(self, register):
-            register(PluginComponentSpec(name="blk", kind="block_interceptor", factory=lambda c: object()))
+    class Family:  # supports cfg, but does not bind block interceptors to its groups
+        name = "plain"
+        parallel_axes = frozenset({"cfg"})
 
-    import omniloop_wan.plugin as wan_plugin
-
-    manager = make_manager(("wan", wan_plugin), ("blk", Blocks()), toy=False)
-    d = {**deploy(wan_ckpt, sp=2), "plugins": {"blk": {}}}
-    assert refused(d, manager=manager).startswith("plugins.blk: block interceptors do not run under parallel")
+    d = load_deploy({"parallel": {"cfg": 2}})
+    with pytest.raises(DeployError, match=r"^plugins\.blk: block interceptors do not run under parallel"):
+        check_parallel(d, Family(), wan_ckpt, torch.device("cpu"), ("blk",))
+    check_parallel(d, Family(), wan_ckpt, torch.device("cpu"), ())
+    # Wan binds them (to its sp group): accepted before load
+    Deployment({"model": {"path": str(wan_ckpt)}, "parallel": {"sp": 2}, "plugins": {"cache-dit": {}}})

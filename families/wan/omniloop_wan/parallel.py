@@ -17,7 +17,9 @@ group is ``torch.distributed``'s default one). The ranks form a ``cfg x sp`` mes
   same math per head; what differs from one process is that the linear layers (projections, FFN)
   multiply ``L/sp``-row instead of ``L``-row matrices, which the BLAS may block and sum in a
   different order: fp32 results differ in the last bits (tests/parallel states the tolerance).
-  The token count must be divisible by ``sp`` (refused with one error otherwise).
+  The token count must be divisible by ``sp`` (refused with one error otherwise). A block
+  interceptor (cache-dit, fbcache) is bound to the sp group (``bind_process_group``): its residual
+  comparison is reduced over the ranks, so all ranks skip the same blocks.
 """
 
 from __future__ import annotations
@@ -120,6 +122,21 @@ def install_ulysses(model: torch.nn.Module, mesh: Mesh) -> None:
     model._omniloop_ulysses = mesh  # type: ignore[assignment]
 
 
+def bind_block_interceptor(icpt: Any, mesh: Mesh) -> None:
+    """A block interceptor (cache-dit, fbcache) compares residuals of its rank's token shard; bound
+    to the sp group it reduces them, so every sp rank takes the same skip decision (else one rank
+    would skip blocks — and their all-to-alls — while another runs them)."""
+    if icpt is None or getattr(icpt, "process_group", None) is mesh.sp_group:
+        return
+    bind = getattr(icpt, "bind_process_group", None)
+    if not callable(bind):
+        raise RuntimeError(
+            f"parallel.sp: block interceptor {getattr(icpt, 'name', icpt)!r} cannot reduce its decision over the "
+            "sequence-parallel group (it has no bind_process_group)"
+        )
+    bind(mesh.sp_group)
+
+
 def sp_forward(model: Any, mesh: Mesh, hidden_states: torch.Tensor, timestep: torch.Tensor,
                encoder_hidden_states: torch.Tensor, encoder_hidden_states_image: torch.Tensor | None,
                block_ctx: BlockContext | None) -> torch.Tensor:
@@ -190,6 +207,7 @@ class ParallelDenoise(Denoise):
             return super().forward(ctx, expert, batch, block_ctx)
         model = ctx.components[expert]
         install_ulysses(model, self.mesh)
+        bind_block_interceptor(ctx.block_interceptor, self.mesh)
         return sp_forward(model, self.mesh, batch["hidden_states"], batch["timestep"],
                           batch["encoder_hidden_states"], batch["encoder_hidden_states_image"], block_ctx)
 

@@ -13,3 +13,12 @@ def wan_manager() -> Any:
     from . import plugin
 
     return make_manager(("wan", wan_plugin), ("parallel", plugin), toy=False)
+
+
+def wan_cache_manager() -> Any:
+    """:func:`wan_manager` plus the cache-dit block interceptor."""
+    import omniloop_cache_dit.plugin as cache_plugin
+
+    pm = wan_manager()
+    pm.add("cache-dit", cache_plugin)
+    return pm

@@ -130,8 +130,15 @@ def _run(runtime: Any, request: Any, lead: bool, conn: Any) -> None:
             aborted = True
         if decision == "done":
             break
+    # every rank's view of the request (its plugins' metrics: e.g. cache-dit's decisions per rank)
+    out = execution.output
+    mine = {"rank": dist.get_rank(), "status": str(out.status), "plugins": out.metrics.get("plugins", {}),
+            "parallel": out.metrics.get("parallel")}
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, mine)
     if lead:
-        conn.send(("output", rid, runtime.transport.encode(execution.output)))
+        out.metrics["ranks"] = views
+        conn.send(("output", rid, runtime.transport.encode(out)))
 
 
 def _describe(runtime: Any, rank: int) -> dict[str, Any]:
