@@ -542,3 +542,148 @@ def test_hostile_image_edits_on_an_i2i_model(tmp_path_factory: pytest.TempPathFa
     print(f"\nhostile edits: {sum(statuses.values())} requests, statuses {sorted(statuses.items())}")
     assert statuses.get(200) and sum(statuses.values()) >= EDIT_EXAMPLES * 0.9, statuses
     assert re.search(r"omniloop_http_unhandled_exceptions_total 0\b", metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 15: a property-based fuzz driven by the server's own /openapi.json
+# ---------------------------------------------------------------------------------------------
+
+OPENAPI_EXAMPLES = int(os.environ.get("OMNILOOP_OPENAPI_EXAMPLES", "1050"))
+
+
+def _resolve_ref(spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in schema:
+        node: Any = spec
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            node = node[part]
+        schema = node
+    return schema
+
+
+def schema_errors(spec: dict[str, Any], schema: dict[str, Any], value: Any, where: str = "$") -> list[str]:
+    """Where ``value`` violates ``schema`` (the JSON Schema keywords our generated documents use)."""
+    schema = _resolve_ref(spec, schema)
+    errs: list[str] = []
+    if "anyOf" in schema or "oneOf" in schema:
+        options = schema.get("anyOf") or schema.get("oneOf")
+        if all(schema_errors(spec, o, value, where) for o in options):
+            errs.append(f"{where}: matches none of {len(options)} alternatives")
+        return errs
+    t = schema.get("type")
+    kinds = t if isinstance(t, list) else [t] if t else []
+    checks = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+              "null": lambda v: v is None,
+              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if kinds and not any(checks[k](value) for k in kinds):
+        return [f"{where}: expected {kinds}, got {type(value).__name__}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errs.append(f"{where}: {value!r} not in {schema['enum']}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for word, bad in (("minimum", lambda b: value < b), ("maximum", lambda b: value > b),
+                          ("exclusiveMinimum", lambda b: value <= b), ("exclusiveMaximum", lambda b: value >= b)):
+            if word in schema and bad(schema[word]):
+                errs.append(f"{where}: {value} violates {word} {schema[word]}")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for k in schema.get("required", []):
+            if k not in value:
+                errs.append(f"{where}: missing {k!r}")
+        for k, v in value.items():
+            if k in props:
+                errs += schema_errors(spec, props[k], v, f"{where}.{k}")
+            elif schema.get("additionalProperties") is False:
+                errs.append(f"{where}: unexpected {k!r}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                errs += schema_errors(spec, schema["additionalProperties"], v, f"{where}.{k}")
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(value):
+            errs += schema_errors(spec, schema["items"], v, f"{where}[{i}]")
+    return errs
+
+
+def from_schema(spec: dict[str, Any], schema: dict[str, Any], depth: int = 0) -> st.SearchStrategy[Any]:
+    """Values that conform to ``schema`` (hypothesis), for the keywords the generated document uses."""
+    schema = _resolve_ref(spec, schema)
+    if "anyOf" in schema or "oneOf" in schema:
+        return st.one_of([from_schema(spec, o, depth) for o in (schema.get("anyOf") or schema.get("oneOf"))])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    t = schema.get("type")
+    if isinstance(t, list):
+        return st.one_of([from_schema(spec, {**schema, "type": k}, depth) for k in t])
+    if t == "integer":
+        lo, hi = schema.get("minimum", -(2**31)), schema.get("maximum", 2**31)
+        return st.integers(min_value=lo, max_value=hi)
+    if t == "number":
+        lo = schema.get("minimum", schema.get("exclusiveMinimum", -1e6))
+        hi = schema.get("maximum", schema.get("exclusiveMaximum", 1e6))
+        return st.floats(min_value=lo, max_value=hi, allow_nan=False, allow_infinity=False,
+                         exclude_min="exclusiveMinimum" in schema, exclude_max="exclusiveMaximum" in schema)
+    if t == "string":
+        return st.text(max_size=12) if "pattern" not in schema else st.from_regex(schema["pattern"], fullmatch=True)
+    if t == "boolean":
+        return st.booleans()
+    if t == "null":
+        return st.none()
+    if t == "array":
+        if depth > 3:
+            return st.just([])
+        return st.lists(from_schema(spec, schema.get("items", {}), depth + 1), max_size=2)
+    if t == "object":
+        props = schema.get("properties")
+        if props is None or depth > 3:
+            return st.just({})
+        required = set(schema.get("required", []))
+        return st.fixed_dictionaries(
+            {k: from_schema(spec, v, depth + 1) for k, v in props.items() if k in required},
+            optional={k: from_schema(spec, v, depth + 1) for k, v in props.items() if k not in required},
+        )
+    return st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=5))
+
+
+def test_openapi_document_drives_a_fuzz_with_no_5xx_and_no_schema_violating_response(hostile: Any) -> None:
+    """>= 1,000 bodies generated from the server's own /openapi.json (conforming, or with one field
+    replaced by an arbitrary JSON value) on POST /v1/videos and /v1/images/generations: never a 5xx,
+    and every response conforms to the schema the document gives for its status."""
+    url, _out, _sandbox, app = hostile
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT) as client:
+        spec = client.get("/openapi.json").json()
+        assert spec["openapi"].startswith("3.1")
+        ops = [("/v1/videos", "post"), ("/v1/images/generations", "post")]
+        bodies = []
+        for path, method in ops:
+            op = spec["paths"][path][method]
+            body_schema = op["requestBody"]["content"]["application/json"]["schema"]
+            valid = from_schema(spec, body_schema).map(lambda b: {**b, "prompt": b.get("prompt") or "x"})
+            junk = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+                                          st.text(max_size=8)),
+                                lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=5), c, max_size=3)),
+                                max_leaves=6)
+            props = sorted(_resolve_ref(spec, body_schema)["properties"])
+            mutated = st.tuples(valid, st.sampled_from(props), junk).map(lambda t: {**t[0], t[1]: t[2]})
+            bodies.append(st.tuples(st.just((path, method, op)), st.one_of(valid, valid, mutated)))
+        statuses: dict[int, int] = {}
+
+        @settings(max_examples=OPENAPI_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=st.one_of(bodies))
+        def run(case: Any) -> None:
+            (path, _method, op), body = case
+            r = client.post(path, json=body)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (r.status_code, r.text[:300], body)
+            documented = op["responses"].get(str(r.status_code)) or op["responses"]["default"]
+            schema = documented["content"]["application/json"]["schema"]
+            problems = schema_errors(spec, schema, r.json())
+            assert not problems, (r.status_code, problems[:3], r.text[:300])
+
+        run()
+        state = app.state.omniloop
+        deadline = time.monotonic() + 30
+        while state.jobs.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    total = sum(statuses.values())
+    print(f"\nopenapi fuzz: {total} requests, statuses {sorted(statuses.items())}")
+    assert total >= min(OPENAPI_EXAMPLES, 1000)
+    assert statuses.get(200, 0) > 0 and any(s >= 400 for s in statuses)  # both paths exercised

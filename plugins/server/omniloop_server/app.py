@@ -48,7 +48,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from omniloop.errors import RequestError
@@ -60,6 +60,7 @@ from .chat import text_routes
 from .images import base_url, image_edit_routes, images_response
 from .jobs import Job, JobStore
 from .metrics import render_metrics
+from .openapi import docs_page, openapi_document
 
 log = logging.getLogger("omniloop.server")
 
@@ -184,12 +185,12 @@ class ServerState:
 
 
 def _defaults(rt: Any, task: TaskType) -> dict[str, Any]:
+    """The family's defaults for ``task`` (``Runtime.defaults``; none for a runtime without it)."""
+    fn = getattr(rt, "defaults", None)
     try:
-        return dict(rt.defaults(task))
-    except Exception:  # an older runtime without defaults(): the family's
-        from omniloop_scheduler.models import family_defaults
-
-        return family_defaults(rt)
+        return dict(fn(task)) if callable(fn) else {}
+    except Exception:  # a family whose task_defaults fails: no defaults (the request still validates)
+        return {}
 
 
 class _Guard:
@@ -539,6 +540,15 @@ def create_app(
                          type_="invalid_request_error", param="model", code="model_not_found")
         return JSONResponse(model_object())
 
+    spec = openapi_document()  # generated from the request schema's attrs classes and the body field sets
+    page = docs_page()
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(spec)
+
+    async def docs(request: Request) -> Response:
+        return HTMLResponse(page)
+
     async def health(request: Request) -> Response:
         s = engine.stats()
         ok = engine.worker_error is None and engine.accepting and not state.draining
@@ -571,6 +581,8 @@ def create_app(
         Route("/v1/models/{model_id}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/docs", docs, methods=["GET"]),
     ]
     # endpoints kept in their own modules, built on these helpers
     api = _Helpers(state=state, engine=engine, read_request_body=read_request_body, submit=submit,

@@ -215,9 +215,9 @@ class JobStore:
             self._evict()
 
     async def _finish(self, job: Job, out: Any) -> None:
-        from omniloop.schema import _jsonable
+        from omniloop.schema import jsonable
 
-        job.metrics = {k: _jsonable(out.metrics[k]) for k in ("steps", "total_seconds", "seed") if k in out.metrics}
+        job.metrics = {k: jsonable(out.metrics[k]) for k in ("steps", "total_seconds", "seed") if k in out.metrics}
         if out.status is Status.COMPLETED:
             video = out.artifacts.get("video")
             if video is None or getattr(video, "frames", None) is None:

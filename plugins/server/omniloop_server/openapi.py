@@ -1,0 +1,268 @@
+"""The server's OpenAPI 3.1 document (``GET /openapi.json``) and a docs page (``GET /docs``).
+
+Generated, not written: the ``omniloop`` object of every body is the request schema of
+:func:`omniloop.jsonschema.request_schema` (itself generated from the attrs classes the converter
+validates with) restricted to :data:`~omniloop_server.bodies.OMNILOOP_FIELDS`; the OpenAI-shaped
+aliases are the body field sets of :mod:`omniloop_server.bodies` / :mod:`.chat` / :mod:`.images`,
+typed by :data:`ALIAS_SCHEMAS` (a field in a set without a type here fails
+``tests/server/test_server_openapi.py``, as does a request field missing from either view).
+"""
+
+from __future__ import annotations
+
+import copy
+import html
+import json
+from typing import Any
+
+from omniloop.jsonschema import request_schema
+
+from .bodies import IMAGE_FIELDS, MAX_IMAGES, MAX_SECONDS, OMNILOOP_FIELDS, VIDEO_FIELDS
+from .chat import _IGNORED as _CHAT_IGNORED
+from .chat import _NOOP as _CHAT_NOOP
+from .chat import CHAT_FIELDS, COMPLETION_FIELDS
+from .images import EDIT_FIELDS
+
+OPENAPI_VERSION = "3.1.0"
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+_IMAGE = {"anyOf": [{"type": "string", "description": "base64 image data or a data: URL"},
+                    {"type": "object", "properties": {"image_url": {"type": "string"}}, "required": ["image_url"],
+                     "additionalProperties": False}]}
+_ANY: dict[str, Any] = {}
+
+#: the JSON Schema of every OpenAI-shaped body field (the ``omniloop`` object is generated)
+ALIAS_SCHEMAS: dict[str, dict[str, Any]] = {
+    "prompt": {"anyOf": [_STR, {"type": "array", "items": _STR}], "description": "The prompt (completions: a string or a list of one)."},
+    "negative_prompt": _STR,
+    "model": _STR,
+    "user": _STR,
+    "size": {"type": "string", "description": "WIDTHxHEIGHT, e.g. 832x480"},
+    "steps": {"type": "integer", "minimum": 1, "description": "diffusion.steps"},
+    "num_inference_steps": {"type": "integer", "minimum": 1, "description": "diffusion.steps (diffusers' name)"},
+    "guidance_scale": {"type": "number", "minimum": 0},
+    "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+    "priority": {"type": "integer", "minimum": -100, "maximum": 100},
+    "seconds": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SECONDS},
+                          {"type": "string", "description": "a number of seconds, as OpenAI's SDK sends it"}]},
+    "frames": {"type": "integer", "minimum": 1},
+    "fps": {"type": "number", "exclusiveMinimum": 0},
+    "image": _IMAGE,
+    "input_reference": _IMAGE,
+    "mask": _IMAGE,
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_IMAGES},
+    "response_format": _ANY,
+    "output_format": {"enum": ["png"]},
+    "strength": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    # accepted for OpenAI client compatibility (most without effect; see the server README)
+    **{k: _ANY for k in ("quality", "style", "background", "moderation", "input_fidelity", "output_compression",
+                          "safety_identifier")},
+    # text endpoints
+    "messages": {"type": "array", "items": {"type": "object", "properties": {
+        "role": _STR, "content": {"anyOf": [_STR, {"type": "array"}, {"type": "null"}]}, "name": _STR}}},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0},
+    "stop": {"anyOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]},
+    "stream": {"type": "boolean"},
+    "stream_options": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+    # accepted without effect, or only at their no-op value (chat.py says which)
+    **{k: _ANY for k in sorted(_CHAT_IGNORED | set(_CHAT_NOOP))},
+}
+
+#: body field sets per endpoint (from the modules that map them)
+BODIES = {
+    "VideoCreate": VIDEO_FIELDS,
+    "ImageCreate": IMAGE_FIELDS,
+    "ImageEdit": EDIT_FIELDS,
+    "ChatCompletionCreate": CHAT_FIELDS,
+    "CompletionCreate": COMPLETION_FIELDS,
+}
+_REQUIRED = {"VideoCreate": ["prompt"], "ImageCreate": ["prompt"], "ImageEdit": ["prompt", "image"],
+             "ChatCompletionCreate": ["messages"], "CompletionCreate": ["prompt"]}
+
+
+def _rebase(node: Any) -> Any:
+    """``#/$defs/X`` → ``#/components/schemas/X`` throughout."""
+    if isinstance(node, dict):
+        return {k: (v.replace("#/$defs/", "#/components/schemas/") if k == "$ref" and isinstance(v, str) else _rebase(v))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase(v) for v in node]
+    return node
+
+
+def schemas() -> dict[str, Any]:
+    """``components.schemas``: the request's classes, the ``omniloop`` object, bodies and replies."""
+    req = request_schema()
+    out: dict[str, Any] = {name: _rebase(s) for name, s in req["$defs"].items()}
+    props = _rebase(req["properties"])
+    out["OmniRequest"] = {k: _rebase(v) for k, v in req.items() if k not in ("$defs", "$schema")}
+    out["Omniloop"] = {
+        "type": "object", "additionalProperties": False,
+        "description": "OmniRequest fields passed through (the endpoint sets the task).",
+        "properties": {k: props[k] for k in sorted(OMNILOOP_FIELDS)},
+    }
+    for name, fields in BODIES.items():
+        body_props = {f: copy.deepcopy(ALIAS_SCHEMAS[f]) for f in sorted(fields) if f != "omniloop"}
+        if "omniloop" in fields:
+            body_props["omniloop"] = {"$ref": "#/components/schemas/Omniloop"}
+        out[name] = {"type": "object", "properties": body_props, "additionalProperties": False,
+                     "required": _REQUIRED[name]}
+    out["Error"] = {
+        "type": "object", "required": ["error"],
+        "properties": {
+            "error": {"type": "object", "required": ["message", "type"],
+                      "properties": {"message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
+                                     "code": {"type": ["string", "null"]}}},
+            "detail": {"type": "array", "items": {"type": "object"}},
+        },
+    }
+    out["Video"] = {
+        "type": "object", "required": ["id", "object", "status"],
+        "properties": {"id": _STR, "object": {"enum": ["video"]}, "model": _STR,
+                       "status": {"enum": ["queued", "in_progress", "completed", "failed", "cancelled"]},
+                       "progress": {"type": "integer", "minimum": 0, "maximum": 100},
+                       "created_at": _INT, "completed_at": {"type": ["integer", "null"]},
+                       "error": {"anyOf": [{"type": "object"}, {"type": "null"}]}},
+    }
+    out["VideoList"] = {"type": "object", "required": ["object", "data"],
+                        "properties": {"object": {"enum": ["list"]},
+                                       "data": {"type": "array", "items": {"$ref": "#/components/schemas/Video"}}}}
+    out["VideoDeleted"] = {"type": "object", "required": ["id", "object", "deleted"],
+                           "properties": {"id": _STR, "object": {"enum": ["video.deleted"]}, "deleted": {"type": "boolean"}}}
+    out["ImagesResponse"] = {"type": "object", "required": ["data"],
+                             "properties": {"created": _INT, "data": {"type": "array", "items": {
+                                 "type": "object", "properties": {"b64_json": _STR}}}}}
+    out["Model"] = {"type": "object", "required": ["id", "object"],
+                    "properties": {"id": _STR, "object": {"enum": ["model"]}, "owned_by": _STR, "created": _INT}}
+    out["ModelList"] = {"type": "object", "required": ["object", "data"],
+                        "properties": {"object": {"enum": ["list"]},
+                                       "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}}
+    out["Completion"] = {"type": "object", "required": ["id", "object"],
+                         "properties": {"id": _STR, "object": _STR, "choices": {"type": "array"}, "usage": {"type": "object"}}}
+    return out
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(name: str, description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+_ERRORS = {"default": {"description": "An error in OpenAI's shape (400 bad body, 404 unknown id, 409 conflict, "
+                                       "413 too large, 415 media type, 422 invalid field, 429 queue full, "
+                                       "503 shutting down)", "content": {"application/json": {"schema": _ref("Error")}}}}
+
+
+def _body(name: str, multipart: bool = False) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": _ref(name)}}
+    if multipart:
+        content["multipart/form-data"] = {"schema": {"type": "object", "description":
+                                                     f"{name} as form fields (bracketed keys nest; files upload images)"}}
+    return {"required": True, "content": content}
+
+
+def _id_param(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def openapi_document(*, title: str = "omniloop", version: str = "0.1.0") -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document."""
+    vid = [_id_param("video_id")]
+    paths: dict[str, Any] = {
+        "/v1/videos": {
+            "post": {"operationId": "createVideo", "summary": "Create a video job (t2v, or i2v with input_reference)",
+                     "requestBody": _body("VideoCreate", multipart=True),
+                     "responses": {"200": _json("Video", "The queued job"), **_ERRORS}},
+            "get": {"operationId": "listVideos", "summary": "List video jobs",
+                    "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}},
+                                   {"name": "after", "in": "query", "schema": _STR},
+                                   {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}}],
+                    "responses": {"200": _json("VideoList"), **_ERRORS}},
+        },
+        "/v1/videos/{video_id}": {
+            "get": {"operationId": "getVideo", "parameters": vid, "responses": {"200": _json("Video"), **_ERRORS}},
+            "delete": {"operationId": "deleteVideo", "parameters": vid,
+                       "responses": {"200": _json("VideoDeleted"), **_ERRORS}},
+        },
+        "/v1/videos/{video_id}/cancel": {
+            "post": {"operationId": "cancelVideo", "parameters": vid, "responses": {"200": _json("Video"), **_ERRORS}}},
+        "/v1/videos/{video_id}/content": {
+            "get": {"operationId": "getVideoContent",
+                    "parameters": [*vid, {"name": "variant", "in": "query",
+                                          "schema": {"enum": ["video", "thumbnail", "spritesheet"]}}],
+                    "responses": {"200": {"description": "The file", "content": {
+                        "video/mp4": {"schema": {"type": "string", "format": "binary"}},
+                        "image/png": {"schema": {"type": "string", "format": "binary"}}}}, **_ERRORS}}},
+        "/v1/videos/{video_id}/events": {
+            "get": {"operationId": "videoEvents", "parameters": vid,
+                    "responses": {"200": {"description": "Server-sent progress events",
+                                          "content": {"text/event-stream": {"schema": _STR}}}, **_ERRORS}}},
+        "/v1/images/generations": {
+            "post": {"operationId": "createImage", "requestBody": _body("ImageCreate"),
+                     "responses": {"200": _json("ImagesResponse"), **_ERRORS}}},
+        "/v1/images/edits": {
+            "post": {"operationId": "editImage", "requestBody": _body("ImageEdit", multipart=True),
+                     "responses": {"200": _json("ImagesResponse"), **_ERRORS}}},
+        "/v1/chat/completions": {
+            "post": {"operationId": "createChatCompletion", "requestBody": _body("ChatCompletionCreate"),
+                     "responses": {"200": {"description": "A completion, or server-sent chunks with stream: true",
+                                           "content": {"application/json": {"schema": _ref("Completion")},
+                                                       "text/event-stream": {"schema": _STR}}}, **_ERRORS}}},
+        "/v1/completions": {
+            "post": {"operationId": "createCompletion", "requestBody": _body("CompletionCreate"),
+                     "responses": {"200": {"description": "A completion, or server-sent chunks with stream: true",
+                                           "content": {"application/json": {"schema": _ref("Completion")},
+                                                       "text/event-stream": {"schema": _STR}}}, **_ERRORS}}},
+        "/v1/models": {"get": {"operationId": "listModels", "responses": {"200": _json("ModelList"), **_ERRORS}}},
+        "/v1/models/{model_id}": {"get": {"operationId": "getModel", "parameters": [_id_param("model_id")],
+                                          "responses": {"200": _json("Model"), **_ERRORS}}},
+        "/health": {"get": {"operationId": "health", "responses": {
+            "200": {"description": "Serving", "content": {"application/json": {"schema": {"type": "object"}}}},
+            "503": {"description": "Not serving", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        "/metrics": {"get": {"operationId": "metrics", "responses": {
+            "200": {"description": "Prometheus text", "content": {"text/plain": {"schema": _STR}}}}}},
+    }
+    return {
+        "openapi": OPENAPI_VERSION,
+        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        "info": {"title": title, "version": version,
+                 "description": "OpenAI-style endpoints of an omniloop deployment; every body's `omniloop` object "
+                                "takes OmniRequest fields (generated from omniloop's request schema)."},
+        "paths": paths,
+        "components": {"schemas": schemas()},
+    }
+
+
+def docs_page(spec_url: str = "/openapi.json") -> str:
+    """A self-contained docs page (no CDN: servers may run offline) listing the operations and schemas."""
+    doc = openapi_document()
+    rows = []
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            ref = body.get("$ref", "").rsplit("/", 1)[-1]
+            link = f'<a href="#{html.escape(ref)}">{html.escape(ref)}</a>' if ref else ""
+            rows.append(f"<tr><td><code>{method.upper()}</code></td><td><code>{html.escape(path)}</code></td>"
+                        f"<td>{html.escape(op.get('summary', op.get('operationId', '')))}</td><td>{link}</td></tr>")
+    schemas_html = "".join(
+        f'<h3 id="{html.escape(n)}">{html.escape(n)}</h3><pre>{html.escape(json.dumps(s, indent=2))}</pre>'
+        for n, s in doc["components"]["schemas"].items()
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>omniloop API</title>"
+        "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}td{padding:.2em .8em}"
+        "pre{background:#f4f4f4;padding:.5em;overflow:auto}</style></head><body>"
+        f"<h1>omniloop API</h1><p>OpenAPI {OPENAPI_VERSION}: <a href='{html.escape(spec_url)}'>{html.escape(spec_url)}</a></p>"
+        f"<table><tr><th>method</th><th>path</th><th>what</th><th>body</th></tr>{''.join(rows)}</table>"
+        f"<h2>Schemas</h2>{schemas_html}</body></html>"
+    )
+
+
+__all__ = ["ALIAS_SCHEMAS", "BODIES", "OPENAPI_VERSION", "docs_page", "openapi_document", "schemas"]

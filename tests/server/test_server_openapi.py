@@ -1,0 +1,90 @@
+"""Issue 15: the server serves OpenAPI 3.1 at /openapi.json (generated from the request schema's
+attrs classes and the body field sets) and a docs page at /docs; one source of truth for fields.
+
+The property-based fuzz driven by this document is in test_server_hostile.py (>= 1,000 cases)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from omniloop.jsonschema import request_schema
+from omniloop_server.bodies import IMAGE_FIELDS, OMNILOOP_FIELDS, VIDEO_FIELDS
+from omniloop_server.openapi import ALIAS_SCHEMAS, BODIES, openapi_document
+
+
+@pytest.fixture(scope="module")
+def served(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from omniloop_scheduler.testing import make_runtime
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    rt = make_runtime(server_checkpoint, scheduler="step")
+    app = create_app(rt, output_dir=tmp_path_factory.mktemp("out"), shutdown_timeout=0)
+    with serving(app) as url:
+        yield url
+
+
+def test_openapi_json_is_served_and_is_valid_openapi_3_1(served: str) -> None:
+    doc = httpx.get(f"{served}/openapi.json").json()
+    assert doc["openapi"] == "3.1.0" and doc == json.loads(json.dumps(openapi_document()))
+    validator = pytest.importorskip("openapi_spec_validator", reason="the full validator is optional")
+    validator.validate(doc)
+
+
+def test_every_ref_resolves_and_every_operation_documents_its_errors() -> None:
+    doc = openapi_document()
+    refs: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.append(node["$ref"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(doc)
+    names = set(doc["components"]["schemas"])
+    assert refs and all(r.startswith("#/components/schemas/") and r.rsplit("/", 1)[1] in names for r in refs)
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            assert "200" in op["responses"], (path, method)
+            if path not in ("/health", "/metrics"):
+                assert op["responses"]["default"]["content"]["application/json"]["schema"] == {
+                    "$ref": "#/components/schemas/Error"}
+
+
+def test_docs_page(served: str) -> None:
+    r = httpx.get(f"{served}/docs")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "/v1/videos" in r.text and "/openapi.json" in r.text and "VideoCreate" in r.text
+
+
+# -- one source of truth: a field in one view and not another fails here ---------------------------
+def test_the_omniloop_object_is_the_request_schema() -> None:
+    doc = openapi_document()
+    req = request_schema()
+    comp = doc["components"]["schemas"]
+    assert OMNILOOP_FIELDS <= set(req["properties"]), sorted(OMNILOOP_FIELDS - set(req["properties"]))
+    assert set(comp["Omniloop"]["properties"]) == OMNILOOP_FIELDS
+    for name in req["$defs"]:  # DiffusionParams, SamplingParams, input parts ... as generated
+        assert json.dumps(comp[name]).replace("#/components/schemas/", "#/$defs/") == json.dumps(req["$defs"][name])
+    assert set(comp["OmniRequest"]["properties"]) == set(req["properties"])
+
+
+def test_every_body_field_has_a_schema_and_every_schema_a_field() -> None:
+    comp = openapi_document()["components"]["schemas"]
+    for name, fields in BODIES.items():
+        assert set(comp[name]["properties"]) == set(fields), name
+        assert not (set(fields) - {"omniloop"} - set(ALIAS_SCHEMAS)), name
+    used = set().union(*BODIES.values()) - {"omniloop"}
+    assert set(ALIAS_SCHEMAS) == used, sorted(set(ALIAS_SCHEMAS) ^ used)  # no stale alias types
+    assert VIDEO_FIELDS <= set(comp["VideoCreate"]["properties"]) and IMAGE_FIELDS <= set(comp["ImageCreate"]["properties"])
