@@ -498,10 +498,6 @@ def jsonable(v: Any) -> Any:
         return str(v)
 
 
-#: the former private name (the server imported it); use :func:`jsonable`
-_jsonable = jsonable
-
-
 __all__ = [
     "MODAL_PART_TYPES",
     "PlainValueError",

@@ -55,16 +55,6 @@ class RequestShape:
         return f"{self.frames}x{self.height}x{self.width} {self.branches}br {self.steps}st"
 
 
-def family_defaults(runtime: Any) -> dict[str, Any]:
-    """Deprecated: use ``runtime.defaults(task)`` (the family's ``task_defaults``). Kept for the server
-    until it moves; the scheduler itself no longer reads defaults — it asks the resolved request."""
-    cfg = getattr(getattr(runtime, "model", None), "config", None)
-    if isinstance(cfg, Mapping) and isinstance(cfg.get("defaults"), Mapping):
-        return dict(cfg["defaults"])
-    d = getattr(getattr(runtime, "family", None), "defaults", None)
-    return dict(d) if isinstance(d, Mapping) else {}
-
-
 def model_name(runtime: Any) -> str:
     deploy = getattr(runtime, "deploy", None)
     if deploy is not None and deploy.model.preset:
