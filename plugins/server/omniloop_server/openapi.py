@@ -52,7 +52,7 @@ ALIAS_SCHEMAS: dict[str, dict[str, Any]] = {
     "input_reference": _IMAGE,
     "mask": _IMAGE,
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_IMAGES},
-    "response_format": _ANY,
+    "response_format": _ANY,  # images: "b64_json" | "url"; chat: {"type": "text"}
     "output_format": {"enum": ["png"]},
     "strength": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     # accepted for OpenAI client compatibility (most without effect; see the server README)
@@ -136,7 +136,7 @@ def schemas() -> dict[str, Any]:
                            "properties": {"id": _STR, "object": {"enum": ["video.deleted"]}, "deleted": {"type": "boolean"}}}
     out["ImagesResponse"] = {"type": "object", "required": ["data"],
                              "properties": {"created": _INT, "data": {"type": "array", "items": {
-                                 "type": "object", "properties": {"b64_json": _STR}}}}}
+                                 "type": "object", "properties": {"b64_json": _STR, "url": _STR}}}}}
     out["Model"] = {"type": "object", "required": ["id", "object"],
                     "properties": {"id": _STR, "object": {"enum": ["model"]}, "owned_by": _STR, "created": _INT}}
     out["ModelList"] = {"type": "object", "required": ["object", "data"],
@@ -210,6 +210,15 @@ def openapi_document(*, title: str = "omniloop", version: str = "0.1.0") -> dict
         "/v1/images/edits": {
             "post": {"operationId": "editImage", "requestBody": _body("ImageEdit", multipart=True),
                      "responses": {"200": _json("ImagesResponse"), **_ERRORS}}},
+        "/v1/images/files/{name}": {
+            "get": {"operationId": "getImageFile", "summary": "An image made with response_format 'url'",
+                    "parameters": [_id_param("name")],
+                    "responses": {"200": {"description": "The png", "content": {
+                        "image/png": {"schema": {"type": "string", "format": "binary"}}}}, **_ERRORS}}},
+        "/openapi.json": {"get": {"operationId": "openapi", "responses": {
+            "200": {"description": "This document", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        "/docs": {"get": {"operationId": "docs", "responses": {
+            "200": {"description": "The docs page", "content": {"text/html": {"schema": _STR}}}}}},
         "/v1/chat/completions": {
             "post": {"operationId": "createChatCompletion", "requestBody": _body("ChatCompletionCreate"),
                      "responses": {"200": {"description": "A completion, or server-sent chunks with stream: true",
