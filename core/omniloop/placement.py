@@ -40,9 +40,9 @@ def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: 
     for axis in AXES:
         n = getattr(par, axis)
         if n > 1 and axis not in supported:
-            have = ", ".join(sorted(supported)) or "none"
+            axes = ", ".join(sorted(supported)) or "none"
             raise DeployError(
-                f"parallel.{axis}: family {family.name!r} does not support {axis!r} parallelism (it supports: {have})"
+                f"parallel.{axis}: family {family.name!r} does not support {axis!r} parallelism (it supports: {axes})"
             )
     limits = dict(getattr(family, "parallel_limits", {}) or {})
     for axis, most in limits.items():
@@ -60,13 +60,13 @@ def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: 
                 f"(Ulysses splits the heads across ranks)"
             )
     if device.type == "cuda":
-        have = torch.cuda.device_count()
-        if world > have:
-            raise DeployError(f"parallel: {_axes(deploy)} needs {world} GPUs, this machine has {have}")
+        gpus = torch.cuda.device_count()
+        if world > gpus:
+            raise DeployError(f"parallel: {_axes(deploy)} needs {world} GPUs, this machine has {gpus}")
     elif device.type == "cpu":
-        have = os.cpu_count() or 1
-        if world > have:
-            raise DeployError(f"parallel: {_axes(deploy)} needs {world} processes, this machine has {have} CPU cores")
+        cores = os.cpu_count() or 1
+        if world > cores:
+            raise DeployError(f"parallel: {_axes(deploy)} needs {world} processes, this machine has {cores} CPU cores")
     else:
         raise DeployError(f"parallel: device {device.type!r} has no multi-process support (use cuda or cpu)")
     if block_interceptors and not getattr(family, "parallel_block_interceptors", False):
