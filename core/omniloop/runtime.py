@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import adapters as _adapters
+from . import compose as _compose
 from . import placement as _placement
 from .deploy import DeployConfig, load_deploy
 from .errors import DeployError, PluginError, RequestError
@@ -316,7 +317,10 @@ class Runtime(Deployment):
     def from_deploy(
         cls, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *, manager: PluginManager | None = None
     ) -> Runtime:
-        return cls(load_deploy(deploy), manager=manager)
+        cfg = load_deploy(deploy)
+        if _compose.is_composed(cfg):  # pipeline + models by role: several runtimes, one request
+            return _compose.ComposedRuntime(cfg, manager=manager)  # type: ignore[return-value]
+        return cls(cfg, manager=manager)
 
     @classmethod
     def from_model(
@@ -468,6 +472,11 @@ def structure_node_params(spec: PipelineSpec, req: OmniRequest) -> dict[str, Any
 def _refuse_unimplemented(deploy: DeployConfig) -> None:
     """Deploy fields that exist in the schema but have no behaviour yet are refused, never ignored."""
     # transport: checked against the registered transports (omniloop.placement.check_transport)
+    if _compose.is_composed(deploy):
+        raise DeployError(
+            f"pipeline: {deploy.pipeline!r} is a composed deploy (pipeline + models by role); load it with "
+            "Runtime.from_deploy or omniloop.compose.ComposedRuntime"
+        )
     if deploy.offload != "none":
         raise DeployError(
             f"offload: {deploy.offload!r} is not implemented yet; only 'none' runs (components stay on the "
