@@ -17,3 +17,11 @@ def omniloop_register_families(register: Any) -> None:
     from .family import QwenFamily
 
     register(QwenFamily())
+
+
+@hookimpl
+def omniloop_register_policies(register: Any) -> None:
+    """The ``prompt-upsample`` composition (``kind="pipeline"``, see :mod:`omniloop_qwen.upsample`)."""
+    from .upsample import SPEC
+
+    register(SPEC)
