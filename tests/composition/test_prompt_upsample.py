@@ -215,3 +215,51 @@ def test_output_types_checked_against_the_role_pipeline(no_weights: None, tiny_p
     manager = make_manager(("qwen", qwen_plugin), ("bad", Plugin()), toy=False)
     with pytest.raises(DeployError, match=r"models\.upsampler: node .up. publishes .text. as Latents, but the qwen pipeline writes it as Text"):
         Runtime.from_deploy({"pipeline": "bad-types", "models": {"upsampler": {"path": str(tiny_paths["qwen"])}}}, manager=manager)
+
+
+def test_yaml_deploy_file_and_step_scheduler(tmp_path: Any, tiny_paths: dict[str, Any], run: tuple[list[Any], Any]) -> None:
+    """The deploy as a YAML file, both roles under the step scheduler: the same expansion and video."""
+    pytest.importorskip("yaml")
+    import omniloop_qwen.plugin as qwen_plugin
+    import omniloop_scheduler.plugin as scheduler_plugin
+    import omniloop_wan.plugin as wan_plugin
+    from omniloop.testing import make_manager
+
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        "pipeline: prompt-upsample\n"
+        "scheduler: step\n"
+        "models:\n"
+        f"  upsampler: {{path: '{tiny_paths['qwen']}'}}\n"
+        f"  video: {{path: '{tiny_paths['wan']}', family: wan}}\n"
+        f"pipeline_options: {{instruction: '{INSTRUCTION}', max_tokens: 12}}\n"
+    )
+    manager = make_manager(("qwen", qwen_plugin), ("wan", wan_plugin), ("scheduler", scheduler_plugin),
+                           toy=False, scheduler=False)
+    rt = Runtime.from_deploy(path, manager=manager)
+    out = rt.generate(t2v())
+    _, ref = run
+    assert out.artifacts["expanded_prompt"].token_ids == ref.artifacts["expanded_prompt"].token_ids
+    assert torch.equal(out.artifacts["video"].frames, ref.artifacts["video"].frames)
+    assert rt.describe()["models"]["video"]["scheduler"] == "step"
+
+
+def test_a_failing_node_ends_the_request(composed: ComposedRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upsampler's failure is the request's failure, named by node; the video node never runs."""
+    from omniloop.request import ErrorInfo, OmniEvent, OmniOutput
+
+    def failing(request: Any) -> Any:
+        out = OmniOutput(request.request_id if hasattr(request, "request_id") else "x", Status.FAILED,
+                         error=ErrorInfo(type="RuntimeError", message="boom", node="decode", step=3))
+        yield OmniEvent(out.request_id, EventKind.FINAL, output=out)
+
+    def never(request: Any) -> Any:
+        raise AssertionError("the video node ran after a failed upsample")
+
+    monkeypatch.setattr(composed.runtimes["upsampler"], "stream", failing)
+    monkeypatch.setattr(composed.runtimes["video"], "stream", never)
+    events = list(composed.stream(t2v(request_id="req-fail")))
+    out = events[-1].output
+    assert out.status is Status.FAILED and out.request_id == "req-fail"
+    assert (out.error.node, out.error.step, out.error.message) == ("upsample/decode", 3, "boom")
+    assert [e.kind for e in events] == [EventKind.FINAL]
