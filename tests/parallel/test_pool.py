@@ -50,7 +50,9 @@ def reference(wan_ckpt):
 
 
 def _pool(ckpt, **parallel):
-    return ParallelRuntime({"model": {"path": str(ckpt)}, "parallel": parallel}, manager=MANAGER, timeout_s=90)
+    # a tiny step takes milliseconds: 10 s without a word from rank 0 means a stalled worker
+    return ParallelRuntime({"model": {"path": str(ckpt)}, "parallel": parallel}, manager=MANAGER,
+                           timeout_s=10, load_timeout_s=120)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +117,24 @@ def test_killed_worker_fails_its_request_and_the_pool_restarts(cfg_pool, referen
     assert f"worker rank 1 (pid {victim}) died (signal 9)" in final.error.message
     assert cfg_pool.restarts == before + 1 and victim not in cfg_pool.pids
     # the next request succeeds on the restarted pool, still equal to one process
+    assert torch.equal(_latents(cfg_pool.generate(wan_request())), _latents(reference()))
+
+
+def test_stalled_worker_fails_its_request_within_the_deadline(cfg_pool, reference):
+    before = cfg_pool.restarts
+    victim = cfg_pool.pids[1]
+    final = None
+    try:
+        for ev in cfg_pool.stream(wan_request(steps=150, seed=9)):
+            if ev.output is not None:
+                final = ev.output
+            elif ev.node == "denoise" and ev.step is not None and victim in cfg_pool.pids:
+                os.kill(victim, signal.SIGSTOP)  # alive but never answers: nothing may hang
+    finally:
+        if victim in cfg_pool.pids:
+            os.kill(victim, signal.SIGCONT)
+    assert final is not None and final.status is Status.FAILED and final.error.type == "WorkerDied"
+    assert cfg_pool.restarts == before + 1 and victim not in cfg_pool.pids
     assert torch.equal(_latents(cfg_pool.generate(wan_request())), _latents(reference()))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -36,18 +37,23 @@ class ParallelRuntime:
     """A deployment whose compute runs in ``parallel.sp * parallel.cfg`` worker processes.
 
     ``manager``: ``"module:callable"`` returning the PluginManager the workers use (the workers are
-    fresh processes; default: the installed entry points). ``timeout_s``: the collective timeout
-    and the deadline of every wait for a worker (load, one unit of work)."""
+    fresh processes; default: the installed entry points). ``timeout_s``: the deadline of every
+    wait for rank 0 during a request (one unit of work, i.e. one step): a worker that stalls longer
+    fails the request and the pool restarts. ``load_timeout_s``: the deadline for loading the model
+    and the collectives' own timeout (ranks may load at different speeds). Requests run one at a
+    time (callers from several threads are serialised)."""
 
     def __init__(self, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
-                 manager: str | None = None, timeout_s: float = 120.0, threads: int = 1,
-                 tick_s: float = 0.5) -> None:
+                 manager: str | None = None, timeout_s: float = 120.0, load_timeout_s: float = 600.0,
+                 threads: int = 1, tick_s: float = 0.5) -> None:
         self.deploy = load_deploy(deploy)
         self.manager_spec = manager
         self.deployment = Deployment(self.deploy, manager=worker.load_manager(manager))  # validates; no weights
         self.world = self.deploy.parallel.world_size
         self.backend = backend_for(self.deploy.device)
         self.timeout_s, self.threads, self.tick_s = timeout_s, threads, tick_s
+        self.load_timeout_s = max(load_timeout_s, timeout_s)
+        self._lock = threading.Lock()
         self.restarts = 0
         self.transport = transport_for(self.deploy.transport)
         self._procs: list[Any] = []
@@ -63,14 +69,14 @@ class ParallelRuntime:
         for rank in range(self.world):
             p = ctx.Process(
                 target=worker.main, name=f"omniloop-parallel-rank{rank}", daemon=True,
-                args=(rank, self.world, port, self.backend, self.timeout_s, self.deploy, self.manager_spec,
+                args=(rank, self.world, port, self.backend, self.load_timeout_s, self.deploy, self.manager_spec,
                       self.threads, self.tick_s, child if rank == 0 else None),
             )
             p.start()
             self._procs.append(p)
         child.close()
         self._conn = parent
-        msg = self._recv(time.monotonic() + self.timeout_s, "loading the model")
+        msg = self._recv(time.monotonic() + self.load_timeout_s, "loading the model", self.load_timeout_s)
         if msg[0] != "ready":
             self._stop_procs()
             raise DeployError(f"parallel: the workers could not load the deployment: {msg[1]}")
@@ -87,7 +93,7 @@ class ParallelRuntime:
                 return f"worker rank {rank} (pid {p.pid}) died ({how})"
         return None
 
-    def _recv(self, deadline: float, what: str) -> Any:
+    def _recv(self, deadline: float, what: str, limit: float | None = None) -> Any:
         while True:
             dead = self._dead()
             if dead is not None:
@@ -101,15 +107,15 @@ class ParallelRuntime:
                     raise WorkerDied(f"worker rank 0 closed its pipe while {what}") from None
                 continue
             if time.monotonic() > deadline:
-                raise WorkerDied(f"no answer from the workers for {self.timeout_s:g} s while {what}")
+                raise WorkerDied(f"no answer from the workers for {limit or self.timeout_s:g} s while {what}")
 
     def _stop_procs(self) -> None:
         for p in self._procs:
             if p.exitcode is None:
                 p.terminate()
         for p in self._procs:
-            p.join(5)
-            if p.exitcode is None and p.pid is not None:
+            p.join(2)
+            if p.exitcode is None and p.pid is not None:  # stopped or ignoring SIGTERM
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
         if self._conn is not None:
@@ -154,6 +160,11 @@ class ParallelRuntime:
         return list(msg[1])
 
     def stream(self, request: OmniRequest | Mapping[str, Any]) -> Iterator[OmniEvent]:
+        """Run ``request`` through the pool (one at a time; see :meth:`_stream`)."""
+        with self._lock:
+            yield from self._stream(request)
+
+    def _stream(self, request: OmniRequest | Mapping[str, Any]) -> Iterator[OmniEvent]:
         """Check ``request`` (no weights needed, before the workers see it), run it on every rank,
         yield rank 0's events and a final event. A worker dying fails it (status ``failed``) and
         restarts the pool."""
