@@ -19,7 +19,8 @@ A composed deployment names a registered pipeline and one model per role instead
 (see :mod:`omniloop.compose`)::
 
     pipeline: prompt-upsample
-    models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct}, video: {preset: wan-demo}}
+    models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct, options: {kv_cache_tokens: 8192}},
+             video: {preset: wan-demo}}
     pipeline_options: {max_tokens: 120}
 """
 
@@ -46,6 +47,14 @@ class ModelConfig:
     preset: str | None = None
     path: str | None = None
     family: str | None = None
+
+
+@define(frozen=True)
+class RoleModelConfig(ModelConfig):
+    """A composed deploy's model for one role (``models.<role>``): a model plus the family options
+    of that role only (over the deploy's shared ``options``)."""
+
+    options: dict[str, Any] = attrs.Factory(dict)
 
 
 @define(frozen=True)
@@ -110,7 +119,7 @@ class DeployConfig:
     #: ``model``: one model per role (omniloop.compose, ``Runtime.from_deploy`` builds it)
     pipeline: str | None = None
     #: the composed pipeline's models by role, e.g. {upsampler: {path: ...}, video: {preset: wan-demo}}
-    models: dict[str, ModelConfig] = attrs.Factory(dict)
+    models: dict[str, RoleModelConfig] = attrs.Factory(dict)
     #: the composed pipeline's own options (e.g. prompt-upsample's {instruction, max_tokens})
     pipeline_options: dict[str, Any] = attrs.Factory(dict)
 
