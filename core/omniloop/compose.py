@@ -3,8 +3,12 @@
 A deploy names a registered composition and one model per *role* instead of ``model``::
 
     pipeline: prompt-upsample
-    models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct}, video: {preset: wan-demo}}
+    models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct, options: {kv_cache_tokens: 8192}},
+             video: {preset: wan-demo}}
     pipeline_options: {max_tokens: 120}
+
+Shared fields (``device``, ``dtype``, ``scheduler``, ``limits``, ``options``...) apply to every
+role; ``models.<role>.options`` adds family options for that role only.
 
 A plugin registers a composition through the existing policy hook
 (``omniloop_register_policies``) as ``PolicySpec(name, kind="pipeline", factory=lambda:
@@ -47,7 +51,7 @@ import attrs
 from attrs import define, field
 
 from .artifacts import Artifact
-from .deploy import DeployConfig, load_deploy
+from .deploy import DeployConfig, ModelConfig, load_deploy
 from .errors import DeployError, GraphError, OmniloopError, RequestError
 from .graph import Node, validate_nodes
 from .plugins import PluginManager, default_manager
@@ -86,6 +90,10 @@ class ComposedNode:
     writes: dict[str, type[Artifact]] = field(factory=dict, converter=_typed_map)
     outputs: dict[str, str] = field(factory=dict)
     params_schema: type | None = None
+    #: where the role's refusals of the built request are reported: None when the role's request
+    #: is the user's own (its field paths are the user's); else a path (``node_params.upsample``)
+    #: the role's own path is appended to, for a request the node synthesizes
+    errors_at: str | None = None
 
 
 class _Stub:
@@ -138,7 +146,11 @@ def is_composed(deploy: DeployConfig) -> bool:
 
 
 def _role_deploy(deploy: DeployConfig, role: str) -> DeployConfig:
-    return attrs.evolve(deploy, model=deploy.models[role], pipeline=None, models={}, pipeline_options={})
+    """The single-model deploy of ``role``: the shared fields, its model, the shared ``options``
+    overridden key by key by ``models.<role>.options``."""
+    m = deploy.models[role]
+    return attrs.evolve(deploy, model=ModelConfig(preset=m.preset, path=m.path, family=m.family),
+                        options={**deploy.options, **m.options}, pipeline=None, models={}, pipeline_options={})
 
 
 class ComposedDeployment:
@@ -271,7 +283,14 @@ class ComposedDeployment:
                 if edge not in stand_in and same:
                     stand_in[edge] = same[0]
             if all(e in stand_in for e in node.reads):
-                self.roles[node.role].check(self.sub_request(node, req, stand_in, params))
+                sub = self.sub_request(node, req, stand_in, params)
+                try:
+                    self.roles[node.role].check(sub)
+                except RequestError as exc:
+                    if node.errors_at is None:
+                        raise
+                    raise RequestError(node.errors_at, f"the {node.role} model refuses the {sub.task.value} "
+                                                       f"request this node builds: {exc}") from None
         return req
 
 
@@ -305,15 +324,16 @@ class ComposedRuntime(ComposedDeployment):
         metrics: dict[str, Any] = {"pipeline": comp.name, "nodes": {}}
         t0 = time.perf_counter()
         for node in comp.nodes:
-            try:
+            try:  # the edges are real now: the role validates the built request again
                 sub = self.sub_request(node, req, edges, self.node_params(node, req))
+                events = self.runtimes[node.role].stream(sub)
             except OmniloopError as exc:
                 err = ErrorInfo(type=type(exc).__name__, message=str(exc), node=node.name)
                 yield OmniEvent(rid, EventKind.FINAL, node=node.name, message=str(exc),
                                 output=OmniOutput(rid, Status.FAILED, metrics=metrics, error=err))
                 return
             out: OmniOutput | None = None
-            for ev in self.runtimes[node.role].stream(sub):
+            for ev in events:
                 if ev.kind is EventKind.FINAL:
                     out = ev.output
                     break

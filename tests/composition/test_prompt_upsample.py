@@ -263,3 +263,36 @@ def test_a_failing_node_ends_the_request(composed: ComposedRuntime, monkeypatch:
     assert out.status is Status.FAILED and out.request_id == "req-fail"
     assert (out.error.node, out.error.step, out.error.message) == ("upsample/decode", 3, "boom")
     assert [e.kind for e in events] == [EventKind.FINAL]
+
+
+def test_role_options_reach_only_their_role(no_weights: None, tiny_paths: dict[str, Any], compose_manager: Any) -> None:
+    """``models.upsampler.options`` sizes the qwen KV pool (a request that cannot fit is refused
+    by ComposedDeployment.check, before any weights load); the video role does not get them."""
+    from omniloop.compose import ComposedDeployment
+
+    deploy = _deploy(tiny_paths, options={"vae_dtype": "float32"})
+    deploy["models"]["upsampler"]["options"] = {"kv_cache_tokens": 16, "kv_block_size": 16}
+    dep = ComposedDeployment(deploy, manager=compose_manager())
+    assert dep.roles["upsampler"].options["kv_cache_tokens"] == 16
+    assert "kv_cache_tokens" not in dep.roles["video"].options
+    assert dep.roles["video"].options["vae_dtype"] == "float32" == dep.roles["upsampler"].options["vae_dtype"]
+    with pytest.raises(RequestError) as exc:
+        dep.check(t2v())
+    assert str(exc.value).startswith("node_params.upsample: the upsampler model refuses the reason request this "
+                                     "node builds: sampling.max_tokens: ")
+    assert "KV blocks" in str(exc.value) and "options.kv_cache_tokens" in str(exc.value)
+
+
+def test_a_blank_expansion_fails_the_request_at_the_video_node(composed: ComposedRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    from omniloop.request import OmniEvent, OmniOutput
+
+    def blank(request: Any) -> Any:
+        out = OmniOutput(request.request_id, Status.COMPLETED, artifacts={"text": Text(text="  ", token_ids=[1])})
+        yield OmniEvent(out.request_id, EventKind.FINAL, output=out)
+
+    monkeypatch.setattr(composed.runtimes["upsampler"], "stream", blank)
+    out = composed.generate(t2v())
+    assert out.status is Status.FAILED
+    assert (out.error.node, out.error.type) == ("video", "RequestError")
+    assert out.error.message.startswith("node_params.upsample: the upsampler produced an empty prompt")
+    assert out.metrics["nodes"]["upsample"] == {}

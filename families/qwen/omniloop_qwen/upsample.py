@@ -102,7 +102,7 @@ def composition() -> CompositionSpec:
         nodes=(
             ComposedNode(name="upsample", role="upsampler", request=upsample_request, reads={"prompt": Text},
                          writes={"expanded_prompt": Text}, outputs={"text": "expanded_prompt"},
-                         params_schema=UpsampleParams),
+                         params_schema=UpsampleParams, errors_at="node_params.upsample"),
             ComposedNode(name="video", role="video", request=video_request, reads={"expanded_prompt": Text},
                          writes={"video": VideoFrames, "latents": Latents},
                          outputs={"video": "video", "latents": "latents"}),
