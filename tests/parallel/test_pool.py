@@ -61,10 +61,19 @@ def cfg_pool(wan_ckpt):
         yield pool
 
 
+#: cache-dit settings of the sp pool (requests turn caching off with residual_diff_threshold: 0)
+CACHE = {"Fn": 1, "Bn": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}
+NO_CACHE = {"plugin_params": {"cache-dit": {"residual_diff_threshold": 0.0}}}
+
+
 @pytest.fixture(scope="module")
 def sp_pool(wan_ckpt):
-    with ParallelRuntime({"model": {"path": str(wan_ckpt)}, "parallel": {"sp": 2}, "transport": "shm"},
-                         manager=MANAGER, timeout_s=90) as pool:
+    """sp=2 over shm with cache-dit enabled (one pool start serves the sp, transport and cache tests)."""
+    pytest.importorskip("omniloop_cache_dit")
+    deploy = {"model": {"path": str(wan_ckpt)}, "parallel": {"sp": 2}, "transport": "shm",
+              "plugins": {"cache-dit": CACHE}}
+    with ParallelRuntime(deploy, manager="omniloop_parallel.testing:wan_cache_manager", timeout_s=10,
+                         load_timeout_s=120) as pool:
         yield pool
 
 
@@ -139,7 +148,8 @@ def test_stalled_worker_fails_its_request_within_the_deadline(cfg_pool, referenc
 
 
 def test_sp2_within_tolerance_of_one_process(sp_pool, reference):
-    out = sp_pool.generate(wan_request())
+    out = sp_pool.generate({**wan_request(), **NO_CACHE})
+    assert out.metrics["plugins"]["cache-dit"]["cond"]["num_cached_steps"] == 0
     ranks = sp_pool.describe()  # the Ulysses processors go in at the first forward
     assert all("ulysses2" in r["self_attention"] for r in ranks), ranks
     ref = reference()
@@ -157,11 +167,7 @@ def test_inproc_transport_copies(cfg_pool):
 
 
 # -- cache-dit under sp: 2 -----------------------------------------------------------------------
-CACHE = {"Fn": 1, "Bn": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}
-
-
-def test_cache_dit_under_sp2_same_decisions_on_every_rank(wan_ckpt):
-    pytest.importorskip("omniloop_cache_dit")
+def test_cache_dit_under_sp2_same_decisions_on_every_rank(sp_pool, wan_ckpt):
     from omniloop_parallel.testing import wan_cache_manager
 
     req = wan_request(steps=8, seed=11)
@@ -171,9 +177,7 @@ def test_cache_dit_under_sp2_same_decisions_on_every_rank(wan_ckpt):
         single = Runtime.from_model(wan_ckpt, manager=wan_cache_manager(), plugins={"cache-dit": CACHE}).generate(req)
     finally:
         torch.set_num_threads(threads)
-    deploy = {"model": {"path": str(wan_ckpt)}, "parallel": {"sp": 2}, "plugins": {"cache-dit": CACHE}}
-    with ParallelRuntime(deploy, manager="omniloop_parallel.testing:wan_cache_manager", timeout_s=90) as pool:
-        out = pool.generate(req)
+    out = sp_pool.generate(req)
     assert out.ok, out.error
     ranks = out.metrics["ranks"]
     decisions = [{b: m["cached_steps"] for b, m in r["plugins"]["cache-dit"].items()} for r in ranks]
