@@ -80,6 +80,9 @@ def omniloop_register_model_presets(register: Callable[[ModelPreset], None]) -> 
 def omniloop_register_policies(register: Callable[[PolicySpec], None]) -> None:
     """Register policies (samplers, CFG policies, shift, routing): ``register(PolicySpec(...))``.
 
+    A ``PolicySpec`` of ``kind="pipeline"`` registers a composition a deploy names with
+    ``pipeline:`` (its factory returns an ``omniloop.compose.CompositionSpec``).
+
     Returns nothing. Since: 1.0
     """
 
