@@ -296,3 +296,35 @@ def test_a_blank_expansion_fails_the_request_at_the_video_node(composed: Compose
     assert (out.error.node, out.error.type) == ("video", "RequestError")
     assert out.error.message.startswith("node_params.upsample: the upsampler produced an empty prompt")
     assert out.metrics["nodes"]["upsample"] == {}
+
+
+def test_concurrent_composed_requests_each_equal_alone(composed_deploy: dict[str, Any]) -> None:
+    """Two composed requests from two threads under the step scheduler (their upsample and video
+    nodes may share steps in each role's scheduler) each equal that request run alone."""
+    import threading
+
+    import omniloop_qwen.plugin as qwen_plugin
+    import omniloop_scheduler.plugin as scheduler_plugin
+    import omniloop_wan.plugin as wan_plugin
+    from omniloop.testing import make_manager
+
+    manager = make_manager(("qwen", qwen_plugin), ("wan", wan_plugin), ("scheduler", scheduler_plugin),
+                           toy=False, scheduler=False)
+    rt = Runtime.from_deploy({**composed_deploy, "scheduler": "step"}, manager=manager)
+    prompts = (PROMPT, "a blue bird flies over the sea at night")
+    alone = [rt.generate(t2v(p)) for p in prompts]
+    together: list[Any] = [None, None]
+
+    def go(i: int) -> None:
+        together[i] = rt.generate(t2v(prompts[i]))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for a, b in zip(alone, together, strict=True):
+        assert b is not None and b.status is Status.COMPLETED
+        assert a.artifacts["expanded_prompt"].token_ids == b.artifacts["expanded_prompt"].token_ids
+        assert torch.equal(a.artifacts["video"].frames, b.artifacts["video"].frames)
+    assert alone[0].artifacts["expanded_prompt"].text != alone[1].artifacts["expanded_prompt"].text
