@@ -21,7 +21,7 @@ A composed deployment names a registered pipeline and one model per role instead
     pipeline: prompt-upsample
     models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct, options: {kv_cache_tokens: 8192}},
              video: {preset: wan-demo}}
-    pipeline_options: {max_tokens: 120}
+    pipeline_options: {upsample: {max_tokens: 120}}
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class DeployConfig:
     pipeline: str | None = None
     #: the composed pipeline's models by role, e.g. {upsampler: {path: ...}, video: {preset: wan-demo}}
     models: dict[str, RoleModelConfig] = attrs.Factory(dict)
-    #: the composed pipeline's own options (e.g. prompt-upsample's {instruction, max_tokens})
+    #: the composed pipeline's node options by node, e.g. {upsample: {instruction: ..., max_tokens: 120}}
     pipeline_options: dict[str, Any] = attrs.Factory(dict)
 
     def with_model(self, **changes: Any) -> DeployConfig:
