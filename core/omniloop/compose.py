@@ -5,7 +5,7 @@ A deploy names a registered composition and one model per *role* instead of ``mo
     pipeline: prompt-upsample
     models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct, options: {kv_cache_tokens: 8192}},
              video: {preset: wan-demo}}
-    pipeline_options: {max_tokens: 120}
+    pipeline_options: {upsample: {max_tokens: 120}}     # per node: that node's defaults
 
 Shared fields (``device``, ``dtype``, ``scheduler``, ``limits``, ``options``...) apply to every
 role; ``models.<role>.options`` adds family options for that role only.
@@ -80,8 +80,8 @@ class RoleSpec:
 class ComposedNode:
     """One role's pipeline as a node. ``request(user_request, edges, params) -> OmniRequest | dict``
     builds the role's request; ``outputs`` maps the role's output artifact names to edge names,
-    whose types ``writes`` declares; ``params_schema`` (attrs) types ``pipeline_options`` merged
-    with the request's ``node_params[name]``."""
+    whose types ``writes`` declares; ``params_schema`` (attrs) types ``pipeline_options[name]``
+    overridden by the request's ``node_params[name]``."""
 
     name: str
     role: str
@@ -186,15 +186,18 @@ class ComposedDeployment:
         extra = [r for r in deploy.models if r not in roles]
         if extra:
             raise DeployError(f"models.{extra[0]}: pipeline {comp.name!r} has no role {extra[0]!r} (roles: {', '.join(roles)})")
-        self.options: dict[str, Any] = {}
-        for node in comp.nodes:
-            if node.params_schema is not None:
-                try:
-                    structure_params(node.params_schema, dict(deploy.pipeline_options), "pipeline_options")
-                except RequestError as exc:
-                    raise DeployError(f"deploy config: {exc}") from None
-        if deploy.pipeline_options and not any(n.params_schema for n in comp.nodes):
-            raise DeployError(f"pipeline_options: pipeline {comp.name!r} takes no options")
+        nodes = {n.name: n for n in comp.nodes}
+        for name, opts in deploy.pipeline_options.items():  # {node: {param: value}}, the nodes' defaults
+            node = nodes.get(name)
+            if node is None or node.params_schema is None:
+                tunable = ", ".join(n for n, x in nodes.items() if x.params_schema is not None) or "none"
+                raise DeployError(f"pipeline_options.{name}: pipeline {comp.name!r} has no node {name!r} taking options (nodes with options: {tunable})")
+            if not isinstance(opts, Mapping):
+                raise DeployError(f"pipeline_options.{name}: expected a mapping of {name!r}'s options")
+            try:
+                structure_params(node.params_schema, dict(opts), f"pipeline_options.{name}")
+            except RequestError as exc:
+                raise DeployError(f"deploy config: {exc}") from None
         self.roles: dict[str, Any] = {}
         for role in comp.roles:
             try:
@@ -254,12 +257,12 @@ class ComposedDeployment:
 
     # -- requests ---------------------------------------------------------------------------
     def node_params(self, node: ComposedNode, req: OmniRequest) -> Any:
-        """The node's params: ``pipeline_options`` overridden by the request's ``node_params[name]``."""
+        """The node's params: ``pipeline_options[name]`` overridden key by key by the request's ``node_params[name]``."""
         if node.params_schema is None:
             if req.node_params.get(node.name):
                 raise RequestError(f"node_params.{node.name}", f"node {node.name!r} takes no parameters")
             return None
-        merged = {**self.deploy.pipeline_options, **req.node_params.get(node.name, {})}
+        merged = {**self.deploy.pipeline_options.get(node.name, {}), **req.node_params.get(node.name, {})}
         return structure_params(node.params_schema, merged, f"node_params.{node.name}")
 
     def sub_request(self, node: ComposedNode, req: OmniRequest, edges: Mapping[str, Artifact], params: Any) -> OmniRequest:

@@ -40,4 +40,5 @@ def tiny_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def composed_deploy(tiny_paths: dict[str, Path]) -> dict[str, Any]:
     return {"pipeline": "prompt-upsample",
             "models": {"upsampler": {"path": str(tiny_paths["qwen"])}, "video": {"path": str(tiny_paths["wan"])}},
-            "pipeline_options": {"instruction": "expand this prompt into a detailed video description", "max_tokens": 12}}
+            "pipeline_options": {"upsample": {"instruction": "expand this prompt into a detailed video description",
+                                              "max_tokens": 12}}}

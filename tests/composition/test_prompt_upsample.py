@@ -139,7 +139,10 @@ def _deploy(paths: dict[str, Any], **changes: Any) -> dict[str, Any]:
     ({"models": {"upsampler": {"path": "QWEN", "family": "nope"}, "video": {"path": "WAN"}}},
      "models.upsampler: model.family: unknown model family 'nope'"),
     ({"model": {"path": "WAN"}}, "model: a composed deploy (pipeline) names its models under models.<role>"),
-    ({"pipeline_options": {"max_tokens": -1}}, "pipeline_options.max_tokens"),
+    ({"pipeline_options": {"upsample": {"max_tokens": -1}}}, "pipeline_options.upsample.max_tokens"),
+    ({"pipeline_options": {"upsample": {"colour": 1}}}, "pipeline_options.upsample"),
+    ({"pipeline_options": {"max_tokens": 12}}, "pipeline_options.max_tokens: pipeline 'prompt-upsample' has no node 'max_tokens' taking options (nodes with options: upsample)"),
+    ({"pipeline_options": {"video": {}}}, "pipeline_options.video: pipeline 'prompt-upsample' has no node 'video' taking options"),
     ({"plugins": {"profiler": {}}}, "plugins: not supported in a composed deploy yet"),
 ])
 def test_bad_deploys_refused_before_weights_load(
@@ -232,7 +235,7 @@ def test_yaml_deploy_file_and_step_scheduler(tmp_path: Any, tiny_paths: dict[str
         "models:\n"
         f"  upsampler: {{path: '{tiny_paths['qwen']}'}}\n"
         f"  video: {{path: '{tiny_paths['wan']}', family: wan}}\n"
-        f"pipeline_options: {{instruction: '{INSTRUCTION}', max_tokens: 12}}\n"
+        f"pipeline_options: {{upsample: {{instruction: '{INSTRUCTION}', max_tokens: 12}}}}\n"
     )
     manager = make_manager(("qwen", qwen_plugin), ("wan", wan_plugin), ("scheduler", scheduler_plugin),
                            toy=False, scheduler=False)

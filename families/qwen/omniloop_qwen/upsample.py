@@ -5,7 +5,7 @@ Registered by this plugin through ``omniloop_register_policies`` as a ``kind="pi
 
     pipeline: prompt-upsample
     models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct}, video: {path: /models/Wan2.1-T2V-1.3B-Diffusers}}
-    pipeline_options: {max_tokens: 120}          # the upsample node's defaults (UpsampleParams)
+    pipeline_options: {upsample: {max_tokens: 120}}   # the upsample node's defaults (UpsampleParams)
 
 Nodes (a ``t2v`` request):
 
@@ -18,7 +18,7 @@ Nodes (a ``t2v`` request):
   ``node_params`` kept); writes ``video`` and ``latents``.
 
 Outputs: ``expanded_prompt``, ``video``, ``latents``. A request tunes the upsampler with
-``node_params.upsample`` (same fields as ``pipeline_options``).
+``node_params.upsample`` (same fields as ``pipeline_options.upsample``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _nonblank(_inst: Any, attribute: Any, value: str) -> None:
 
 @define(frozen=True)
 class UpsampleParams:
-    """The ``upsample`` node's knobs: ``pipeline_options`` in the deploy, ``node_params.upsample`` per request."""
+    """The ``upsample`` node's knobs: ``pipeline_options.upsample`` in the deploy, ``node_params.upsample`` per request."""
 
     instruction: str = field(default=DEFAULT_INSTRUCTION, validator=_nonblank, metadata={"max_len": 8000})
     max_tokens: int = field(default=128, metadata={"ge": 1, "le": 4096})
