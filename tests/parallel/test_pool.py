@@ -186,3 +186,13 @@ def test_cache_dit_under_sp2_same_decisions_on_every_rank(sp_pool, wan_ckpt):
     assert decisions[0] == want and any(want.values())  # as one unsharded run, and it did cache
     diff = (_latents(out) - _latents(single)).abs().max().item()
     assert diff <= SP_ATOL
+
+
+def test_sp2_refuses_a_token_count_it_cannot_split(sp_pool, reference):
+    # 9 frames at 48x48: 3 x 3 x 3 = 27 latent tokens; every rank refuses at the denoise init
+    out = sp_pool.generate({**wan_request(height=48, width=48), **NO_CACHE})
+    assert out.status is Status.FAILED and out.error.type == "RequestError"
+    assert out.error.message.startswith("diffusion.height: this size gives 27 latent tokens, not divisible by parallel.sp=2")
+    restarts = sp_pool.restarts
+    assert (_latents(sp_pool.generate({**wan_request(), **NO_CACHE})) - _latents(reference())).abs().max() <= SP_ATOL
+    assert sp_pool.restarts == restarts  # a refused request leaves the pool as it was

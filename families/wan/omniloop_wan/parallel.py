@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from omniloop.context import StageContext
+from omniloop.errors import RequestError
 from omniloop.interceptors import BlockContext, call_model, run_blocks
 from omniloop.loop import LoopState, RequestState, StepResult
 
@@ -201,6 +202,20 @@ class ParallelDenoise(Denoise):
     @property
     def mesh(self) -> Mesh:
         return mesh_for(self.sp, self.cfg)
+
+    def init(self, ctx: StageContext, state: RequestState) -> LoopState:
+        loop = super().init(ctx, state)
+        if self.sp > 1:  # refuse before the first forward: Ulysses splits the tokens evenly
+            _f, _c, frames, height, width = loop.tensors["latents"].shape
+            p_t, p_h, p_w = ctx.components["transformer"].config.patch_size
+            tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+            if tokens % self.sp:
+                raise RequestError(
+                    "diffusion.height",
+                    f"this size gives {tokens} latent tokens, not divisible by parallel.sp={self.sp} "
+                    "(choose frames/height/width giving a multiple)",
+                )
+        return loop
 
     def forward(self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
         if self.sp == 1:
