@@ -112,6 +112,17 @@ def test_abort_reaches_every_rank_at_a_step_boundary(cfg_pool, reference):
     assert torch.equal(_latents(cfg_pool.generate(wan_request())), _latents(reference()))
 
 
+def test_a_stream_left_early_is_aborted_and_the_pool_stays_clean(cfg_pool, reference):
+    restarts = cfg_pool.restarts
+    stream = cfg_pool.stream(wan_request(steps=150, seed=13))
+    for ev in stream:
+        if ev.node == "denoise" and ev.step is not None:
+            break  # the client goes away mid-request
+    stream.close()
+    assert torch.equal(_latents(cfg_pool.generate(wan_request())), _latents(reference()))
+    assert cfg_pool.restarts == restarts
+
+
 def test_killed_worker_fails_its_request_and_the_pool_restarts(cfg_pool, reference):
     before = cfg_pool.restarts
     victim = cfg_pool.pids[1]

@@ -180,7 +180,11 @@ class ParallelRuntime:
                 yield self._failed(req, str(exc))
                 return
             if msg[0] == "events":
-                yield from msg[2]
+                try:
+                    yield from msg[2]
+                except GeneratorExit:  # the caller left mid-request: abort it on every rank, then drain
+                    self._abandon(req)
+                    raise
             elif msg[0] == "refused":
                 raise DeployError(f"parallel: the workers refused the request: {msg[1]}")
             elif msg[0] == "crash":  # rank 0 left its loop, most often because a peer died mid-collective
@@ -197,6 +201,24 @@ class ParallelRuntime:
                         return
                 yield OmniEvent(request_id=req.request_id, kind=EventKind.FINAL, output=out)
                 return
+
+    def _abandon(self, req: OmniRequest) -> None:
+        """The stream of ``req`` was closed early: abort it (every rank, next step boundary) and read
+        what it still sends until its output, so the next request starts on a clean pipe."""
+        try:
+            self.abort(req.request_id)
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                msg = self._recv(deadline, f"aborting request {req.request_id!r}")
+                if msg[0] in ("output", "refused"):
+                    return
+                if msg[0] == "crash":
+                    raise WorkerDied(msg[1])
+                deadline = time.monotonic() + self.timeout_s
+        except (WorkerDied, OSError):
+            self._stop_procs()
+            self.restarts += 1
+            self._start()
 
     def _wait_dead(self, seconds: float) -> str | None:
         deadline = time.monotonic() + seconds
