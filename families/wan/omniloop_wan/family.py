@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -35,7 +35,7 @@ class WanFamily:
     adapter_support = WAN_ADAPTERS
     #: deploy parallel: {sp, cfg} — Ulysses sequence parallel and CFG-parallel (omniloop_wan.parallel)
     parallel_axes = frozenset({"sp", "cfg"})
-    parallel_limits = {"cfg": 2}  # one rank per guidance branch (cond, uncond)
+    parallel_limits: ClassVar[dict[str, int]] = {"cfg": 2}  # one rank per guidance branch (cond, uncond)
     parallel_block_interceptors = True  # bound to the sp group (omniloop_wan.parallel.bind_block_interceptor)
 
     def attention_heads(self, path: Path) -> int | None:
