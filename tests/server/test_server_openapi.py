@@ -61,7 +61,7 @@ def test_every_ref_resolves_and_every_operation_documents_its_errors() -> None:
     assert refs and all(r.startswith("#/components/schemas/") and r.rsplit("/", 1)[1] in names for r in refs)
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
-            assert "200" in op["responses"], (path, method)
+            assert ("101" if op.get("x-websocket") else "200") in op["responses"], (path, method)
             if path not in ("/health", "/metrics", "/openapi.json", "/docs"):
                 assert op["responses"]["default"]["content"]["application/json"]["schema"] == {
                     "$ref": "#/components/schemas/Error"}
@@ -96,10 +96,11 @@ def test_every_body_field_has_a_schema_and_every_schema_a_field() -> None:
 
 
 def test_every_route_of_the_app_is_documented(served_app: Any) -> None:
-    from starlette.routing import Route
+    from starlette.routing import Route, WebSocketRoute
 
     doc = openapi_document()
     routes = {(r.path, m.lower()) for r in served_app.routes if isinstance(r, Route) for m in (r.methods or ())
               if m != "HEAD"}
+    routes |= {(r.path, "get") for r in served_app.routes if isinstance(r, WebSocketRoute)}  # the upgrade is a GET
     documented = {(p, m) for p, ops in doc["paths"].items() for m in ops}
     assert routes == documented, sorted(routes ^ documented)

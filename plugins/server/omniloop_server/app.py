@@ -9,6 +9,8 @@
                                        unknown, 409 until the job completed (or: it was cancelled)
 ``GET /v1/videos/{id}/events``         server-sent events: ``status``, ``progress``..., ``done``
 ``POST /v1/videos/{id}/cancel``        cancel a queued/running job, keep its record
+``WS /v1/videos/stream``               WebSocket: frames of each chunk as it is decoded (causal
+                                       Wan), progress, continue a session; see :mod:`.ws`
 ``DELETE /v1/videos/{id}``             delete a job (cancelling it first if it still runs)
 ``POST /v1/images/generations``        OpenAI-like; waits, returns ``data: [{b64_json}]`` (png)
 ``POST /v1/images/edits``              i2i (multipart as the SDK sends it, or JSON); see :mod:`.images`
@@ -61,6 +63,7 @@ from .images import base_url, image_edit_routes, images_response
 from .jobs import Job, JobStore
 from .metrics import render_metrics
 from .openapi import docs_page, openapi_document
+from .ws import video_stream_routes
 
 log = logging.getLogger("omniloop.server")
 
@@ -587,7 +590,7 @@ def create_app(
     # endpoints kept in their own modules, built on these helpers
     api = _Helpers(state=state, engine=engine, read_request_body=read_request_body, submit=submit,
                    translate=translate, closed=closed)
-    routes += [*text_routes(api), *image_edit_routes(api)]
+    routes += [*text_routes(api), *image_edit_routes(api), *video_stream_routes(api)]
     app = _App(routes=routes, lifespan=lifespan,
                exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.omniloop = state

@@ -204,6 +204,16 @@ def openapi_document(*, title: str = "omniloop", version: str = "0.1.0") -> dict
             "get": {"operationId": "videoEvents", "parameters": vid,
                     "responses": {"200": {"description": "Server-sent progress events",
                                           "content": {"text/event-stream": {"schema": _STR}}}, **_ERRORS}}},
+        "/v1/videos/stream": {
+            "get": {"operationId": "streamVideo", "x-websocket": True,
+                    "summary": "WebSocket: a video streamed chunk by chunk (causal Wan), with session continue",
+                    "description": "Upgrade to a WebSocket. The client sends {type: start, ...VideoCreate fields}; "
+                                   "the server sends accepted, progress, chunk (JSON metadata {chunk, first_frame, "
+                                   "frames, height, width, fps, format: rgb24}, then one binary message of "
+                                   "frames*height*width*3 uint8 bytes) and done messages; the client may then send "
+                                   "{type: continue, prompt} (same session), {type: cancel} or {type: close}. A bad "
+                                   "message: {type: error, error: Error} then close (1008). See omniloop_server.ws.",
+                    "responses": {"101": {"description": "Switching protocols (WebSocket)"}, **_ERRORS}}},
         "/v1/images/generations": {
             "post": {"operationId": "createImage", "requestBody": _body("ImageCreate"),
                      "responses": {"200": _json("ImagesResponse"), **_ERRORS}}},

@@ -1,0 +1,181 @@
+"""Issue 21: ``WS /v1/videos/stream`` on a tiny causal Wan deployment, with a real WebSocket client
+(``websockets``) against uvicorn on a loopback socket: chunks arrive before the end, their frames
+equal the Python API's stream (torch.equal), continue keeps the session, bad start messages get
+an error then a close, a disconnect mid-stream frees the KV slabs."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("websockets")
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from omniloop.request import EventKind
+from omniloop.runtime import Runtime
+from omniloop.testing import make_manager
+
+ROLLOUT = {"chunk_frames": 3, "steps": 2, "kv_slabs": 8, "max_sessions": 2}
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omniloop_wan.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("wan-causal") / "t2v", variant="t2v", scheduler="flow_euler")
+
+
+def _runtime(path: Path, scheduler: str | None = None) -> Runtime:
+    from omniloop_scheduler import plugin as scheduler_plugin
+    from omniloop_wan import plugin as wan_plugin
+
+    opts = {"rollout": "causal", "rollout_options": ROLLOUT}
+    if scheduler is None:
+        return Runtime.from_model(path, manager=make_manager(("wan", wan_plugin), toy=False), options=opts)
+    manager = make_manager(("wan", wan_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
+    return Runtime.from_model(path, manager=manager, options=opts, scheduler=scheduler)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_wan: Path) -> dict[str, list[torch.Tensor]]:
+    """The Python API's chunks: one request of 21 frames (2 chunks), then a continue of 9 frames."""
+    rt = _runtime(tiny_wan)
+    req = {"task": "t2v", "prompt": "a red fox runs", "diffusion": {"frames": 21, "seed": 4},
+           "outputs": {"stream_partial": True}, "node_params": {"rollout": {"keep_session": True}}}
+    first, out = [], None
+    for ev in rt.stream(req):
+        if ev.kind is EventKind.PARTIAL:
+            first.append(ev.value.frames)
+        if ev.kind is EventKind.FINAL:
+            out = ev.output
+    sid = out.metrics["session"]
+    req2 = {"task": "t2v", "prompt": "a blue bird flies", "diffusion": {"frames": 9, "seed": 4},
+            "outputs": {"stream_partial": True}, "node_params": {"rollout": {"session": sid}}}
+    second = [ev.value.frames for ev in rt.stream(req2) if ev.kind is EventKind.PARTIAL]
+    return {"first": first, "second": second}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_wan: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    rt = _runtime(tiny_wan, scheduler="step")
+    app = create_app(rt, output_dir=tmp_path_factory.mktemp("out"), shutdown_timeout=0)
+    with serving(app) as url:
+        yield url.replace("http://", "ws://") + "/v1/videos/stream", rt
+
+
+def _pool(rt: Runtime):
+    from omniloop_wan.causal.pipeline import CausalDeployment
+
+    dep = rt.model.config["causal"]
+    assert isinstance(dep, CausalDeployment)
+    return dep.engine(32, 32)
+
+
+def _run(ws: Any) -> tuple[list[tuple[float, torch.Tensor]], dict[str, Any], list[dict[str, Any]]]:
+    """Read one request's messages up to its done: (arrival time, frames) per chunk, done, the rest."""
+    chunks, other = [], []
+    while True:
+        msg = json.loads(ws.recv(timeout=120))
+        if msg["type"] == "chunk":
+            data = ws.recv(timeout=120)
+            assert isinstance(data, bytes) and len(data) == msg["frames"] * msg["height"] * msg["width"] * 3
+            frames = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(msg["frames"], msg["height"], msg["width"], 3)
+            chunks.append((time.monotonic(), frames))
+        elif msg["type"] == "done":
+            return chunks, msg, other
+        else:
+            other.append(msg)
+
+
+def test_chunks_stream_equal_the_python_api_and_continue_keeps_the_session(served, reference) -> None:
+    url, rt = served
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps({"type": "start", "prompt": "a red fox runs", "frames": 21, "seed": 4}))
+        chunks, done, other = _run(ws)
+        done_at = time.monotonic()
+        eng, store = _pool(rt)  # made by the first request
+        assert other[0]["type"] == "accepted" and any(m["type"] == "progress" for m in other)
+        assert done["status"] == "completed" and done["frames"] == 21 and done["session"].startswith("sess-")
+        assert [c.shape[0] for _, c in chunks] == [9, 12]
+        assert chunks[0][0] < done_at  # the first chunk came before the end
+        for (_, got), want in zip(chunks, reference["first"], strict=True):
+            assert torch.equal(got, want)
+        assert len(store) == 1 and eng.manager.used_blocks == 2  # the session is kept for a continue
+
+        ws.send(json.dumps({"type": "continue", "prompt": "a blue bird flies", "frames": 9}))
+        chunks2, done2, _ = _run(ws)
+        assert done2["status"] == "completed" and done2["session"] == done["session"]
+        assert len(chunks2) == 1 and torch.equal(chunks2[0][1], reference["second"][0])
+        assert store.get(done["session"]).chunks == 3
+        ws.send(json.dumps({"type": "close"}))
+    deadline = time.monotonic() + 10
+    while len(store) and time.monotonic() < deadline:  # the server frees the session as the socket closes
+        time.sleep(0.05)
+    assert len(store) == 0 and eng.manager.used_blocks == 0
+    eng.manager.check()
+
+
+def test_disconnect_mid_stream_cancels_and_frees_the_slabs(served) -> None:
+    url, rt = served
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps({"prompt": "a red fox runs", "frames": 33, "seed": 1}))  # 3 chunks
+        while json.loads(ws.recv(timeout=120))["type"] != "chunk":
+            pass
+        eng, store = _pool(rt)
+        ws.close()  # gone after the first chunk
+    deadline = time.monotonic() + 30
+    while (eng.manager.used_blocks or eng.manager.reserved_blocks or len(store)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.manager.used_blocks == 0 and eng.manager.reserved_blocks == 0 and len(store) == 0
+    eng.manager.check()
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ("not json", "body"),
+    ('["a list"]', "body"),
+    ('{"type": "continue", "prompt": "x"}', "type"),
+    ('{"prompt": "a fox", "steps": "many"}', "steps"),
+    ('{"prompt": "a fox", "frames": 9, "seed": NaN}', "body"),
+    ('{"prompt": "a fox", "frames": 9, "omniloop": {"node_params": {"rollout": {"session": "../x"}}}}',
+     "omniloop.node_params.rollout"),
+    ('{"prompt": "a fox", "model": "gpt-4"}', "model"),
+])
+def test_a_bad_start_message_gets_an_error_then_a_close(served, message: str, param: str) -> None:
+    url, _ = served
+    with connect(url, max_size=None) as ws:
+        ws.send(message)
+        msg = json.loads(ws.recv(timeout=60))
+        assert msg["type"] == "error", msg
+        assert msg["error"]["param"] == param, msg
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=30)
+        assert ws.close_code == 1008
+
+
+def test_continue_without_a_session_and_unknown_fields_are_refused(served) -> None:
+    url, _ = served
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps({"prompt": "a fox", "frames": 9, "seed": 2}))
+        _, done, _ = _run(ws)
+        assert done["status"] == "completed"
+        ws.send(json.dumps({"type": "continue", "prompt": "a cat", "size": "64x64"}))
+        msg = json.loads(ws.recv(timeout=60))
+        assert msg["type"] == "error" and msg["error"]["param"] == "size"
+
+
+def test_a_request_the_pipeline_refuses_ends_with_a_failed_done_naming_the_field(served) -> None:
+    url, _ = served
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps({"prompt": "a fox", "frames": 13}))  # not whole chunks: refused at the rollout node
+        chunks, done, _ = _run(ws)
+        assert not chunks and done["status"] == "failed" and "diffusion.frames" in done["error"]["message"]
