@@ -316,27 +316,36 @@ def generate(
     for spec in chosen:  # plugin flags (--profile): the plugin turns itself on for this run
         deploy = spec.enable(deploy, path)
 
-    # 2. the request against the deployment, without weights; then the model, and full validation
-    Deployment(deploy, manager=get_manager(ctx)).check(request)
     err = console(stderr=True)
-    t0 = time.perf_counter()
-    with err.status("loading model ..."):
-        runtime = Runtime(deploy, manager=get_manager(ctx))
-    load_seconds = time.perf_counter() - t0
-    execution = runtime.prepare(request)
-
-    # 3. run, with progress per node and per step
-    output = None
     frame_stream = FrameStream(path) if stream and not text_task else None
-    with RunProgress(err, execution) as progress:
-        for event in runtime.scheduler.stream(execution):
-            progress.update(event)
-            if frame_stream is not None:
-                frame_stream.update(event)
-            if event.output is not None:
-                output = event.output
-    if output is None:
-        output = execution.output
+    from omniloop.compose import is_composed
+
+    if is_composed(deploy):  # pipeline + models by role (e.g. prompt-upsample): several runtimes
+        if model is not None:
+            fail("--model: a composed deploy (pipeline: ...) names its models under models.<role>; drop --model")
+        if chosen:
+            fail("run-option flags (e.g. --profile) are not supported with a composed deploy yet")
+        runtime, output, load_seconds = _run_composed(ctx, deploy, request, err, frame_stream, as_json)
+    else:
+        # 2. the request against the deployment, without weights; then the model, and full validation
+        Deployment(deploy, manager=get_manager(ctx)).check(request)
+        t0 = time.perf_counter()
+        with err.status("loading model ..."):
+            runtime = Runtime(deploy, manager=get_manager(ctx))
+        load_seconds = time.perf_counter() - t0
+        execution = runtime.prepare(request)
+
+        # 3. run, with progress per node and per step
+        output = None
+        with RunProgress(err, execution) as progress:
+            for event in runtime.scheduler.stream(execution):
+                progress.update(event)
+                if frame_stream is not None:
+                    frame_stream.update(event)
+                if event.output is not None:
+                    output = event.output
+        if output is None:
+            output = execution.output
 
     # 4. write what came back
     from .output import summarize, write_outputs
@@ -355,6 +364,8 @@ def generate(
         doc["output_path"] = str(files["output"]) if "output" in files else None
         doc["files"] = {k: str(v) for k, v in files.items()}
         doc["load_seconds"] = round(load_seconds, 6)
+        if not text_task:  # a composed deploy's text edges (prompt-upsample: expanded_prompt)
+            doc.update({k: v for k, v in _texts(output).items() if k not in doc})
         if text is not None:
             doc["text"] = text
         click.echo(json.dumps(doc, indent=2))
@@ -362,7 +373,47 @@ def generate(
         if text is not None:
             click.echo(text)
         summarize(console(stderr=text_task), output, files, load_seconds)
+        if not text_task:
+            for name, value in _texts(output).items():
+                err.print(f"  {name}: {value}", highlight=False, markup=False)
     if not output.ok:
         e = output.error
         where = f" in node {e.node!r}" + (f" at step {e.step}" if e.step is not None else "") if e and e.node else ""
         fail(f"request {output.status.value}{where}: {e.message if e else 'no error recorded'}", exit_code=1)
+
+
+def _texts(output: Any) -> dict[str, str]:
+    """The ``Text`` artifacts of a video/image output (a composed deploy's expanded prompt)."""
+    from omniloop.artifacts import Text
+
+    return {name: art.text for name, art in output.artifacts.items() if isinstance(art, Text)}
+
+
+def _run_composed(ctx: click.Context, deploy: Any, request: Any, err: Any, frame_stream: Any,
+                  as_json: bool) -> tuple[Any, Any, float]:
+    """A composed deploy (``omniloop.compose``): checked without weights, then every role loaded
+    and the request run node by node (each role through its own scheduler). A text edge a node
+    writes (prompt-upsample's ``expanded_prompt``) is printed on stderr as soon as it exists."""
+    from omniloop.artifacts import Text
+    from omniloop.compose import ComposedDeployment, ComposedRuntime
+    from omniloop.request import EventKind
+
+    ComposedDeployment(deploy, manager=get_manager(ctx)).check(request)
+    t0 = time.perf_counter()
+    with err.status("loading models ..."):
+        runtime = ComposedRuntime(deploy, manager=get_manager(ctx))
+    load_seconds = time.perf_counter() - t0
+    output = None
+    with err.status("running ...") as status:
+        for event in runtime.stream(request):
+            if event.kind is EventKind.PROGRESS:
+                if isinstance(event.value, Text) and not as_json:
+                    err.print(f"{event.node} wrote {event.artifact}: {event.value.text}", highlight=False, markup=False)
+                elif event.step is not None and event.total:
+                    status.update(f"{event.node}: step {event.step}/{event.total}")
+            if frame_stream is not None:
+                frame_stream.update(event)
+            if event.output is not None:
+                output = event.output
+    assert output is not None
+    return runtime, output, load_seconds
