@@ -53,7 +53,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from omniloop.errors import RequestError
+from omniloop.errors import DeployError, RequestError
 from omniloop.request import TaskType
 from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, QueueFull
 
@@ -96,6 +96,21 @@ def error(
         loc = ["body"] if param in (None, "", "body") else ["body", *param.split(".")]
         body["detail"] = [{"loc": loc, "msg": message, "type": "value_error"}]
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def refuse_composed(deploy: Any) -> None:
+    """A composed deploy (``pipeline`` + ``models`` by role) cannot be served yet: the async engine
+    drives one runtime's execution (``Runtime.prepare`` → step pool), and a composed runtime runs
+    its nodes through one runtime per role. Refused with one message (before weights load when
+    called on the deploy file by ``omniloop serve``)."""
+    from omniloop.compose import is_composed
+    from omniloop.deploy import DeployConfig
+
+    if isinstance(deploy, DeployConfig) and is_composed(deploy):
+        raise DeployError(
+            f"pipeline: omniloop serve cannot serve a composed deploy (pipeline {deploy.pipeline!r}) yet: its "
+            "step/serial engine drives one model's execution, a composed deploy runs one runtime per role; "
+            "use `omniloop generate --deploy` or Runtime.from_deploy(...) in Python")
 
 
 class ServerState:
@@ -254,6 +269,7 @@ def create_app(
     may still finish when the server stops (then they are cancelled). ``poll_after_ms``: the
     ``openai-poll-after-ms`` hint the SDK's ``poll()`` follows.
     """
+    refuse_composed(runtime.deploy)
     sched = scheduler or (runtime.deploy.scheduler if runtime.deploy.scheduler in ("step", "serial") else "step")
     engine = AsyncEngine(runtime, sched, **(engine_options or {}))
     out = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="omniloop-jobs-"))

@@ -62,6 +62,11 @@ def make_serve_command(manager: Any = None) -> click.Command:
         from .app import create_app
 
         try:
+            from omniloop.deploy import load_deploy
+
+            from .app import refuse_composed
+
+            refuse_composed(load_deploy(deploy_path))  # before any weights load
             runtime = Runtime.from_deploy(deploy_path, manager=manager)
             app = create_app(runtime, output_dir=output_dir, scheduler=scheduler, shutdown_timeout=shutdown_timeout)
         except OmniloopError as exc:
