@@ -687,3 +687,52 @@ def test_openapi_document_drives_a_fuzz_with_no_5xx_and_no_schema_violating_resp
     print(f"\nopenapi fuzz: {total} requests, statuses {sorted(statuses.items())}")
     assert total >= min(OPENAPI_EXAMPLES, 1000)
     assert statuses.get(200, 0) > 0 and any(s >= 400 for s in statuses)  # both paths exercised
+
+
+# ---------------------------------------------------------------------------------------------
+# WS /v1/videos/stream (issue 21): hostile start messages, bounded
+# ---------------------------------------------------------------------------------------------
+WS_EXAMPLES = int(os.environ.get("OMNILOOP_HOSTILE_WS_EXAMPLES", "60"))
+
+
+def test_hostile_websocket_start_messages_get_an_error_or_a_stream_never_a_crash(hostile: Any) -> None:
+    """Start messages drawn like the POST bodies above (and raw bytes): each gets an ``error``
+    message then a 1008/1009 close, or a stream ending in ``done``; never an internal-error close
+    (1011), a hang past the timeout, or a file outside the output folder."""
+    websockets = pytest.importorskip("websockets")
+    from websockets.sync.client import connect
+
+    url, out, sandbox, _app = hostile
+    ws_url = url.replace("http://", "ws://") + "/v1/videos/stream"
+    before = snapshot(sandbox)
+    seen = {"error": 0, "done": 0}
+
+    @settings(max_examples=WS_EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @given(msg=st.one_of(bodies(sandbox), st.binary(max_size=64), st.text(max_size=40)))
+    def check(msg: Any) -> None:
+        with connect(ws_url, max_size=None, open_timeout=REQUEST_TIMEOUT) as ws:
+            ws.send(msg if isinstance(msg, (bytes, str)) else json.dumps(msg))
+            deadline = time.monotonic() + REQUEST_TIMEOUT
+            while True:
+                try:
+                    got = ws.recv(timeout=max(0.1, deadline - time.monotonic()))
+                except websockets.exceptions.ConnectionClosed:
+                    assert ws.close_code in (1000, 1008, 1009, 1013), (msg, ws.close_code, ws.close_reason)
+                    return
+                if isinstance(got, bytes):
+                    continue
+                doc = json.loads(got)
+                if doc["type"] == "error":
+                    assert set(doc["error"]) == {"message", "type", "param", "code"}, doc
+                    seen["error"] += 1
+                elif doc["type"] == "done":
+                    assert doc["status"] in ("completed", "failed", "cancelled"), doc
+                    seen["done"] += 1
+                    return
+
+    check()
+    assert seen["error"] and seen["done"], seen  # both refusals and real streams were exercised
+    assert httpx.get(f"{url}/health", timeout=REQUEST_TIMEOUT).status_code == 200
+    assert snapshot(sandbox) == before
+    assert all(OUT_NAME.match(p.name) for p in out.iterdir())
