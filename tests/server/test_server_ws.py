@@ -179,3 +179,33 @@ def test_a_request_the_pipeline_refuses_ends_with_a_failed_done_naming_the_field
         ws.send(json.dumps({"prompt": "a fox", "frames": 13}))  # not whole chunks: refused at the rollout node
         chunks, done, _ = _run(ws)
         assert not chunks and done["status"] == "failed" and "diffusion.frames" in done["error"]["message"]
+
+
+def test_a_message_while_running_is_busy_cancel_stops_and_closes_the_session(served) -> None:
+    url, rt = served
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps({"prompt": "a red fox runs", "frames": 33, "seed": 5}))  # 3 chunks
+        while json.loads(ws.recv(timeout=120))["type"] != "chunk":
+            pass
+        ws.send(json.dumps({"type": "continue", "prompt": "too early"}))
+        ws.send(json.dumps({"type": "cancel"}))
+        busy = done = None
+        while done is None:
+            got = ws.recv(timeout=120)
+            if isinstance(got, bytes):
+                continue
+            msg = json.loads(got)
+            if msg["type"] == "error":
+                busy = msg
+            elif msg["type"] == "done":
+                done = msg
+        assert busy is not None and busy["error"]["code"] == "busy"  # the socket stayed open
+        assert done["status"] == "cancelled" and done["session"] is None
+        ws.send(json.dumps({"type": "continue", "prompt": "a cat"}))
+        msg = json.loads(ws.recv(timeout=60))
+        assert msg["type"] == "error" and msg["error"]["code"] == "no_session"
+    eng, store = _pool(rt)
+    deadline = time.monotonic() + 30
+    while (eng.manager.used_blocks or eng.manager.reserved_blocks or len(store)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.manager.used_blocks == 0 and eng.manager.reserved_blocks == 0 and len(store) == 0

@@ -186,7 +186,8 @@ def video_stream_routes(api: Any) -> list[Any]:
                 first = int(frames.shape[0])
             err = out.error
             return {"type": "done", "id": h.request_id, "status": out.status.value, "frames": first,
-                    "session": out.metrics.get("session"),
+                    # a request cancelled or failed mid-stream closed its session: none to continue
+                    "session": out.metrics.get("session") if out.ok else None,
                     "error": None if err is None else {"message": err.message, "type": err.type, "node": err.node}}
 
         async def fail(payload: dict[str, Any], close: int) -> None:
