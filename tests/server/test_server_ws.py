@@ -209,3 +209,25 @@ def test_a_message_while_running_is_busy_cancel_stops_and_closes_the_session(ser
     while (eng.manager.used_blocks or eng.manager.reserved_blocks or len(store)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert eng.manager.used_blocks == 0 and eng.manager.reserved_blocks == 0 and len(store) == 0
+
+
+def test_an_idle_socket_is_closed_when_the_server_drains(server_checkpoint: Path, tmp_path: Path) -> None:
+    """Toy family (not streaming): the whole clip comes as one chunk; then the drain closes the
+    socket idle between requests with a shutting_down error and 1001."""
+    from omniloop_scheduler.testing import make_runtime
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    rt = make_runtime(server_checkpoint, scheduler="step")
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0)
+    with serving(app) as url, connect(url.replace("http://", "ws://") + "/v1/videos/stream", max_size=None) as ws:
+        ws.send(json.dumps({"prompt": "a fox", "steps": 2, "size": "16x16", "seed": 1}))
+        chunks, done, _ = _run(ws)
+        assert done["status"] == "completed" and len(chunks) == 1 and done["session"] is None
+        state = app.state.omniloop
+        state.loop.call_soon_threadsafe(state.begin_drain)
+        msg = json.loads(ws.recv(timeout=30))
+        assert msg["type"] == "error" and msg["error"]["code"] == "shutting_down"
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=30)
+        assert ws.close_code == 1001

@@ -22,7 +22,8 @@ Protocol (JSON text messages, except the frames)::
 
 A bad message gets ``{"type": "error", "error": {message, type, param, code}}`` (OpenAI's error
 object; ``param`` the body field) and the socket is closed (code 1008; 1009 for a message over
-:data:`MAX_MESSAGE_BYTES`, 1013 when the server is draining). A message while a request runs that
+:data:`MAX_MESSAGE_BYTES`, 1013 when the server is draining). A socket idle between requests is closed (1001) when
+the server starts draining. A message while a request runs that
 is not "cancel" gets an error message without closing. A client that disconnects cancels its
 running request (it stops at the next chunk boundary; its KV slabs are freed) and its session is
 closed. The server owns ``node_params.rollout`` on this endpoint (a client value is refused).
@@ -52,6 +53,8 @@ MAX_MESSAGE_BYTES = 1024 * 1024
 #: requests (the start and its continues) on one connection
 MAX_REQUESTS = 32
 CONTINUE_FIELDS = {"prompt", "frames", "seconds"}
+#: how often a socket idle between requests checks whether the server drains (then it is closed, 1001)
+IDLE_POLL_S = 0.5
 
 
 class _Refused(Exception):
@@ -254,7 +257,15 @@ def video_stream_routes(api: Any) -> list[Any]:
                 elif sid is not None:  # cancelled / failed: the pipeline closed the session
                     sid = None
                 await send_json(done)
-                # the next message: continue, or close
+                # the next message: continue, or close (a draining server closes idle sockets)
+                if recv is None:
+                    recv = asyncio.ensure_future(ws.receive())
+                while not recv.done() and not state.draining:
+                    await asyncio.wait({recv}, timeout=IDLE_POLL_S)
+                if not recv.done():
+                    await fail({"message": "the server is shutting down; the stream ends here", "type": "server_error",
+                                "param": None, "code": "shutting_down"}, 1001)
+                    return
                 try:
                     msg = await read()
                 except (_Refused, RequestError) as exc:
