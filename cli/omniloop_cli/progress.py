@@ -45,10 +45,10 @@ class RunProgress:
 
     def update(self, event: Any) -> None:
         kind = getattr(event.kind, "value", event.kind)
-        if kind != "progress" or event.node not in self.tasks:
+        if kind not in ("progress", "node") or event.node not in self.tasks:
             return
         task = self.tasks[event.node]
-        if event.step is not None:  # one loop step finished
+        if kind == "progress":  # one loop step finished
             self.totals[event.node] = event.total or 1
             self.progress.update(task, total=event.total, completed=event.step)
             return

@@ -245,7 +245,7 @@ class Execution:
         self._ctx = None
         self._index += 1
         if self.request.outputs.stream_progress:
-            events.append(OmniEvent(self.request_id, EventKind.PROGRESS, node=node.name, message="done"))
+            events.append(OmniEvent(self.request_id, EventKind.NODE, node=node.name, message="done"))
 
     def _init_loop(self, node: Node, ctx: StageContext) -> None:
         loop = node.stage.init(ctx, self.state)

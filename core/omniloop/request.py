@@ -254,7 +254,11 @@ class OmniOutput:
 
 
 class EventKind(enum.StrEnum):
+    """``progress``: one loop step finished (``step``/``total`` set); ``node``: a node finished
+    (``node`` set, ``message="done"``); ``partial``: an artifact emitted mid-loop; ``final``: the output."""
+
     PROGRESS = "progress"
+    NODE = "node"
     PARTIAL = "partial"
     FINAL = "final"
     ERROR = "error"
@@ -262,7 +266,8 @@ class EventKind(enum.StrEnum):
 
 @define
 class OmniEvent:
-    """The stream unit. ``progress`` carries node/step/total; ``final`` carries the output."""
+    """The stream unit. ``progress`` carries node/step/total (both always set); ``node`` marks a
+    finished node; ``final`` carries the output."""
 
     request_id: str
     kind: EventKind
