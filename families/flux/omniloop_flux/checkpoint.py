@@ -27,22 +27,28 @@ or a sentencepiece model — whatever that class reads. A Hugging Face cache fol
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from omniloop import checkpoints
+from omniloop.checkpoints import (
+    DIFFUSERS_WEIGHTS,
+    TRANSFORMERS_WEIGHTS,
+    component_folder,
+    model_folder,
+    read_json,
+    read_model_index,
+    resolve_root,
+)
 from omniloop.errors import CheckpointError
 
 #: pipeline classes of the FLUX.1 text-to-image / image-to-image checkpoints this family runs
 PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline")
 REQUIRED = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
-TRANSFORMERS_WEIGHTS = "model"
 #: library each component's class must come from
 LIBRARY = {
     "transformer": "diffusers", "vae": "diffusers", "scheduler": "diffusers",
@@ -51,36 +57,6 @@ LIBRARY = {
 }
 #: files one of which a tokenizer folder must hold (what transformers' tokenizer classes read)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "spiece.model", "tokenizer.model", "vocab.txt")
-
-
-def resolve_root(path: str | Path) -> Path:
-    """The folder holding ``model_index.json``: ``path`` itself, or the snapshot a HF cache
-    folder (``models--Org--Name``) points at through ``refs/main`` (else its only snapshot)."""
-    root = Path(path).expanduser()
-    if (root / "model_index.json").exists() or not (root / "snapshots").is_dir():
-        return root
-    ref = root / "refs" / "main"
-    if ref.is_file():
-        snap = root / "snapshots" / ref.read_text().strip()
-        if snap.is_dir():
-            return snap
-    snaps = sorted(p for p in (root / "snapshots").iterdir() if p.is_dir())
-    return snaps[0] if len(snaps) == 1 else root
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Parse a JSON object or raise ``CheckpointError`` naming the file."""
-    if not path.exists():
-        if path.is_symlink():
-            raise CheckpointError(f"{path}: {what} is a link to a missing file (incomplete download?)")
-        raise CheckpointError(f"{path}: {what} is missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} must be a JSON object, not {type(data).__name__}")
-    return data
 
 
 def looks_like_flux(path: str | Path) -> bool:
@@ -122,10 +98,8 @@ def check_checkpoint(root: Path) -> dict[str, Any]:
     its header), that the classes ``model_index.json`` names exist in their library, and that the
     configs fit together (latent channels, text widths) — without loading any tensor.
     """
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: checkpoint folder does not exist")
     index_path = root / "model_index.json"
-    index = read_json(index_path, "model_index.json")
+    index = read_model_index(root)
     for name in REQUIRED:
         entry = index.get(name)
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[1]):
@@ -139,15 +113,11 @@ def check_checkpoint(root: Path) -> dict[str, Any]:
         _library_class(lib, str(entry[1]), f"{index_path}: component {name!r}")
     configs: dict[str, dict[str, Any]] = {}
     for name in REQUIRED:
-        folder = root / name
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder}: folder of component {name!r} is missing")
+        folder = component_folder(root, name)
         if name in ("transformer", "vae"):
-            configs[name] = read_json(folder / "config.json", f"{name} config")
-            weight_files(folder, DIFFUSERS_WEIGHTS)
+            configs[name] = model_folder(folder, name, DIFFUSERS_WEIGHTS, allow_bin=False)
         elif name.startswith("text_encoder"):
-            configs[name] = read_json(folder / "config.json", f"{name} config")
-            weight_files(folder, TRANSFORMERS_WEIGHTS)
+            configs[name] = model_folder(folder, name, TRANSFORMERS_WEIGHTS, allow_bin=False)
         elif name.startswith("tokenizer"):
             if not any((folder / f).exists() for f in TOKENIZER_FILES):
                 raise CheckpointError(f"{folder}: tokenizer has none of {', '.join(TOKENIZER_FILES)}")
@@ -204,66 +174,9 @@ def _library_class(lib: str, name: str, where: str) -> Any:
     return cls
 
 
-def weight_files(folder: Path, stem: str) -> list[Path]:
-    """The weight files of one component (checked), sharded or not."""
-    single = folder / f"{stem}.safetensors"
-    index = folder / f"{stem}.safetensors.index.json"
-    if single.exists() or single.is_symlink():
-        check_safetensors(single)
-        return [single]
-    if index.exists() or index.is_symlink():
-        data = read_json(index, "weight index")
-        wmap = data.get("weight_map")
-        if not isinstance(wmap, dict) or not wmap:
-            raise CheckpointError(f"{index}: weight index has no weight_map")
-        shards = [folder / s for s in sorted(set(wmap.values()))]
-        for shard in shards:
-            check_safetensors(shard)
-        return shards
-    raise CheckpointError(f"{folder}: no weights ({stem}.safetensors or {stem}.safetensors.index.json)")
-
-
-def check_safetensors(path: Path) -> None:
-    """Read the safetensors header and check that the file holds every byte it declares."""
-    if not path.exists():
-        raise CheckpointError(
-            f"{path}: weight file is missing" + (" (a link to a missing blob: incomplete download?)" if path.is_symlink() else "")
-        )
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, no safetensors header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100_000_000 or n > size - 8:
-                raise CheckpointError(f"{path}: weight file is truncated or not safetensors (header of {n} bytes, file {size})")
-            header = json.loads(fh.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: safetensors header is unreadable ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    end = 0
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            end = max(end, int(meta["data_offsets"][1]))
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise CheckpointError(f"{path}: safetensors header entry {key!r} is malformed") from None
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, the header declares {8 + n + end})")
-
-
 def weight_version(root: Path) -> str:
     """A cheap identity of the weights: names, sizes and modification times of the files."""
-    h = hashlib.sha256()
-    for name in REQUIRED:
-        for f in sorted((root / name).glob("*")):
-            if f.suffix in (".safetensors", ".bin", ".json"):
-                st = f.stat()
-                h.update(f"{name}/{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
+    return checkpoints.weight_version(root, REQUIRED)
 
 
 # --------------------------------------------------------------------------------------------

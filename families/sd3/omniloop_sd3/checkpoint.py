@@ -25,15 +25,23 @@ must be classes of the library it names.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from omniloop.checkpoints import (
+    DIFFUSERS_WEIGHTS,
+    TRANSFORMERS_WEIGHTS,
+    component_folder,
+    model_folder,
+    read_json,
+    read_model_index,
+    resolve_root,
+)
+from omniloop.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 from omniloop.errors import CheckpointError
 
 PIPELINES = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
@@ -42,43 +50,12 @@ REQUIRED = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer",
 OPTIONAL_PAIR = ("text_encoder_3", "tokenizer_3")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
-TRANSFORMERS_WEIGHTS = "model"
 LIBRARIES = ("diffusers", "transformers")
 
 
 # --------------------------------------------------------------------------------------------
 # Finding the checkpoint
 # --------------------------------------------------------------------------------------------
-
-
-def resolve_root(path: str | Path) -> Path:
-    """The folder holding ``model_index.json``: ``path`` itself or a HF cache folder's snapshot."""
-    root = Path(path).expanduser()
-    if (root / "model_index.json").exists() or not (root / "snapshots").is_dir():
-        return root
-    ref = root / "refs" / "main"
-    if ref.is_file():
-        snap = root / "snapshots" / ref.read_text().strip()
-        if snap.is_dir():
-            return snap
-    snaps = sorted(p for p in (root / "snapshots").iterdir() if p.is_dir())
-    return snaps[0] if len(snaps) == 1 else root
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Parse a JSON object or raise ``CheckpointError`` naming the file."""
-    if not path.exists():
-        if path.is_symlink():
-            raise CheckpointError(f"{path}: {what} is a link to a missing file (incomplete download?)")
-        raise CheckpointError(f"{path}: {what} is missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} must be a JSON object, not {type(data).__name__}")
-    return data
 
 
 def looks_like_sd3(path: str | Path) -> bool:
@@ -136,10 +113,8 @@ def check_checkpoint(root: Path) -> dict[str, Any]:
     """Validate the layout and the configs' consistency; return the parsed ``model_index.json``.
 
     Reads configs and safetensors headers only (a truncated weight file is caught here)."""
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: checkpoint folder does not exist")
     index_path = root / "model_index.json"
-    index = read_json(index_path, "model_index.json")
+    index = read_model_index(root)
     present = components_in(index)
     for name in REQUIRED:
         if name not in present:
@@ -150,15 +125,11 @@ def check_checkpoint(root: Path) -> dict[str, Any]:
         have, miss = ("text_encoder_3", "tokenizer_3") if "text_encoder_3" in present else ("tokenizer_3", "text_encoder_3")
         raise CheckpointError(f"{index_path}: {have!r} is declared but {miss!r} is not (T5 needs both)")
     for name in present:
-        folder = root / name
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder}: folder of component {name!r} is missing")
+        folder = component_folder(root, name)
         if name in ("transformer", "vae"):
-            read_json(folder / "config.json", f"{name} config")
-            weight_files(folder, DIFFUSERS_WEIGHTS)
+            model_folder(folder, name, DIFFUSERS_WEIGHTS)
         elif name in TEXT_ENCODERS:
-            read_json(folder / "config.json", f"{name} config")
-            weight_files(folder, TRANSFORMERS_WEIGHTS)
+            model_folder(folder, name, TRANSFORMERS_WEIGHTS)
         elif name in TOKENIZERS:
             check_tokenizer(folder)
         elif name == "scheduler":
@@ -220,75 +191,6 @@ def check_consistency(root: Path, index: dict[str, Any]) -> None:
         d = t5.get("d_model", t5.get("hidden_size"))
         if d != joint:
             raise CheckpointError(f"{path}: d_model={d} but the transformer's joint_attention_dim is {joint}")
-
-
-def weight_files(folder: Path, stem: str) -> list[Path]:
-    """The weight files of one component (checked), sharded or not."""
-    single = folder / f"{stem}.safetensors"
-    idx = folder / f"{stem}.safetensors.index.json"
-    if single.exists() or single.is_symlink():
-        check_safetensors(single)
-        return [single]
-    if idx.exists() or idx.is_symlink():
-        data = read_json(idx, "weight index")
-        wmap = data.get("weight_map")
-        if not isinstance(wmap, dict) or not wmap:
-            raise CheckpointError(f"{idx}: weight index has no weight_map")
-        shards = []
-        for s in sorted(set(wmap.values())):
-            if not isinstance(s, str) or "/" in s or "\\" in s or s.startswith("."):
-                raise CheckpointError(f"{idx}: weight_map names an invalid shard {s!r}")
-            shards.append(folder / s)
-        for shard in shards:
-            check_safetensors(shard)
-        return shards
-    bins = sorted(folder.glob("*.bin"))
-    if bins:
-        return bins
-    raise CheckpointError(f"{folder}: no weights ({stem}.safetensors or {stem}.safetensors.index.json)")
-
-
-def check_safetensors(path: Path) -> None:
-    """Read the safetensors header and check that the file holds every byte it declares."""
-    if not path.exists():
-        raise CheckpointError(
-            f"{path}: weight file is missing" + (" (a link to a missing blob: incomplete download?)" if path.is_symlink() else "")
-        )
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, no safetensors header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100_000_000 or n > size - 8:
-                raise CheckpointError(f"{path}: weight file is truncated or not safetensors ({size} bytes, header {n})")
-            header = json.loads(fh.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: safetensors header is unreadable ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    end = 0
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            end = max(end, int(meta["data_offsets"][1]))
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise CheckpointError(f"{path}: safetensors header entry {key!r} is malformed") from None
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, the header declares {8 + n + end})")
-
-
-def weight_version(root: Path, components: list[str]) -> str:
-    """A cheap identity of the weights: names, sizes and modification times of the files."""
-    h = hashlib.sha256()
-    for name in components:
-        for f in sorted((root / name).glob("*")):
-            if f.suffix in (".safetensors", ".bin", ".json"):
-                st = f.stat()
-                h.update(f"{name}/{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,59 +22,34 @@ A Hugging Face cache folder (``models--Org--Name``, or its ``snapshots/<hash>``)
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from omniloop.checkpoints import (
+    DIFFUSERS_WEIGHTS,
+    TRANSFORMERS_WEIGHTS,
+    component_folder,
+    model_folder,
+    read_json,
+    read_model_index,
+    resolve_root,
+    weight_files,
+)
+from omniloop.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 from omniloop.errors import CheckpointError
 
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 OPTIONAL = ("transformer_2", "image_encoder", "image_processor")
 WAN_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
-TRANSFORMERS_WEIGHTS = "model"
 
 
 # --------------------------------------------------------------------------------------------
 # Finding the checkpoint
 # --------------------------------------------------------------------------------------------
-
-
-def resolve_root(path: str | Path) -> Path:
-    """The folder holding ``model_index.json``: ``path`` itself, or the snapshot a HF cache
-    folder (``models--Org--Name``) points at through ``refs/main`` (else its only snapshot)."""
-    root = Path(path).expanduser()
-    if (root / "model_index.json").exists() or not (root / "snapshots").is_dir():
-        return root
-    ref = root / "refs" / "main"
-    if ref.is_file():
-        snap = root / "snapshots" / ref.read_text().strip()
-        if snap.is_dir():
-            return snap
-    snaps = sorted(p for p in (root / "snapshots").iterdir() if p.is_dir())
-    if len(snaps) == 1:
-        return snaps[0]
-    return root
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Parse a JSON object or raise ``CheckpointError`` naming the file."""
-    if not path.exists():
-        if path.is_symlink():
-            raise CheckpointError(f"{path}: {what} is a link to a missing file (incomplete download?)")
-        raise CheckpointError(f"{path}: {what} is missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} must be a JSON object, not {type(data).__name__}")
-    return data
 
 
 def looks_like_wan(path: str | Path) -> bool:
@@ -114,9 +89,7 @@ def check_checkpoint(root: Path) -> dict[str, Any]:
     Checks every declared component's folder, config and weight files (including a truncated
     safetensors file, from its header) without loading any tensor.
     """
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: checkpoint folder does not exist")
-    index = read_json(root / "model_index.json", "model_index.json")
+    index = read_model_index(root)
     present = components_in(index)
     for name in REQUIRED:
         if name not in present:
@@ -133,12 +106,9 @@ def check_checkpoint(root: Path) -> dict[str, Any]:
                 f"{root / 'model_index.json'}: boundary_ratio is set but no transformer_2 is declared"
             )
     for name in present:
-        folder = root / name
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder}: folder of component {name!r} is missing")
+        folder = component_folder(root, name)
         if name in ("transformer", "transformer_2", "vae"):
-            cfg = read_json(folder / "config.json", f"{name} config")
-            weight_files(folder, DIFFUSERS_WEIGHTS)
+            cfg = model_folder(folder, name, DIFFUSERS_WEIGHTS)
             if name.startswith("transformer") and cfg.get("_class_name", "WanTransformer3DModel") not in (
                 "WanTransformer3DModel",
             ):
@@ -146,8 +116,7 @@ def check_checkpoint(root: Path) -> dict[str, Any]:
                     f"{folder / 'config.json'}: expected a WanTransformer3DModel, found {cfg.get('_class_name')!r}"
                 )
         elif name in ("text_encoder", "image_encoder"):
-            read_json(folder / "config.json", f"{name} config")
-            weight_files(folder, TRANSFORMERS_WEIGHTS)
+            model_folder(folder, name, TRANSFORMERS_WEIGHTS)
         elif name == "tokenizer":
             if not any((folder / f).exists() for f in ("tokenizer.json", "spiece.model")):
                 raise CheckpointError(f"{folder}: tokenizer has neither tokenizer.json nor spiece.model")
@@ -158,77 +127,6 @@ def check_checkpoint(root: Path) -> dict[str, Any]:
         elif name == "image_processor":
             read_json(folder / "preprocessor_config.json", "image processor config")
     return index
-
-
-def weight_files(folder: Path, stem: str) -> list[Path]:
-    """The weight files of one component (checked), sharded or not."""
-    single = folder / f"{stem}.safetensors"
-    index = folder / f"{stem}.safetensors.index.json"
-    if single.exists() or single.is_symlink():
-        check_safetensors(single)
-        return [single]
-    if index.exists() or index.is_symlink():
-        data = read_json(index, "weight index")
-        wmap = data.get("weight_map")
-        if not isinstance(wmap, dict) or not wmap:
-            raise CheckpointError(f"{index}: weight index has no weight_map")
-        shards = [folder / s for s in sorted(set(wmap.values()))]
-        for shard in shards:
-            check_safetensors(shard)
-        return shards
-    bins = sorted(folder.glob("*.bin"))
-    if bins:
-        return bins
-    raise CheckpointError(f"{folder}: no weights ({stem}.safetensors or {stem}.safetensors.index.json)")
-
-
-def check_safetensors(path: Path) -> None:
-    """Read the safetensors header and check that the file holds every byte it declares."""
-    if not path.exists():
-        raise CheckpointError(
-            f"{path}: weight file is missing" + (" (a link to a missing blob: incomplete download?)" if path.is_symlink() else "")
-        )
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: weight file is truncated ({size} bytes, no safetensors header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100_000_000:
-                raise CheckpointError(f"{path}: not a safetensors file (header length {n} is not plausible)")
-            if n > size - 8:
-                raise CheckpointError(
-                    f"{path}: weight file is truncated ({size} bytes, shorter than its {n}-byte header); re-download it"
-                )
-            header = json.loads(fh.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: safetensors header is unreadable ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    end = 0
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            end = max(end, int(meta["data_offsets"][1]))
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise CheckpointError(f"{path}: safetensors header entry {key!r} is malformed") from None
-    if 8 + n + end > size:
-        raise CheckpointError(
-            f"{path}: weight file is truncated ({size} bytes, the header declares {8 + n + end}); re-download it"
-        )
-
-
-def weight_version(root: Path, components: list[str]) -> str:
-    """A cheap identity of the weights: names, sizes and modification times of the weight files."""
-    h = hashlib.sha256()
-    for name in components:
-        for f in sorted((root / name).glob("*")):
-            if f.suffix in (".safetensors", ".bin", ".json"):
-                st = f.stat()
-                h.update(f"{name}/{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,8 +258,7 @@ def _quiet_transformers() -> Iterator[None]:
 
 def load_transformers_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
     """Load a transformers model from ``folder`` (local files only), errors as ``CheckpointError``."""
-    read_json(folder / "config.json", f"{folder.name} config")
-    weight_files(folder, TRANSFORMERS_WEIGHTS)
+    model_folder(folder, folder.name, TRANSFORMERS_WEIGHTS)
     try:
         with _quiet_transformers():
             try:
