@@ -36,7 +36,7 @@ from .observers import ObserverBus
 from .plugins import PluginManager, Registry, default_manager
 from .request import OmniEvent, OmniOutput, OmniRequest, TaskType
 from .resolved import GenericResolved, Resolved
-from .schema import check_ranges, request_from_dict, structure_params
+from .schema import request_from_dict, structure_params
 
 log = logging.getLogger("omniloop")
 
@@ -99,7 +99,7 @@ class Deployment:
 
         Raises :class:`RequestError` naming the field. :meth:`Runtime.prepare` re-runs these and
         adds the checks that need the loaded model (node params, the family's full checks)."""
-        req = as_request(request)
+        req = request if isinstance(request, OmniRequest) else request_from_dict(request)
         model = self.inspect()
         self._check_task(req, model)
         self._check_common(req)
@@ -404,7 +404,7 @@ class Runtime(Deployment):
     # -- requests -------------------------------------------------------------------------------
     def prepare(self, request: OmniRequest | Mapping[str, Any]) -> Execution:
         """Validate ``request`` completely (before any compute) and return its execution."""
-        req = as_request(request)
+        req = request if isinstance(request, OmniRequest) else request_from_dict(request)
         self._check_task(req, self.model)
         self._check_common(req)
         built = self.pipeline(req.task)
@@ -467,15 +467,6 @@ def structure_node_params(spec: PipelineSpec, req: OmniRequest) -> dict[str, Any
         if name not in out and node.params_schema is not None:
             out[name] = structure_params(node.params_schema, {}, f"node_params.{name}")
     return out
-
-
-def as_request(request: OmniRequest | Mapping[str, Any]) -> OmniRequest:
-    """A validated request: a dict through the converter; an ``OmniRequest`` built in Python (which
-    skipped the converter) through the same field-metadata rules (ranges, finite numbers, patterns)."""
-    if isinstance(request, OmniRequest):
-        check_ranges(request)
-        return request
-    return request_from_dict(request)
 
 
 def _refuse_unimplemented(deploy: DeployConfig) -> None:

@@ -255,18 +255,3 @@ def test_observers_get_their_validated_params_at_request_start(ckpt: Any) -> Non
     with pytest.raises(RequestError) as err:
         rt.prepare(toy_request(plugin_params={"watch": {"every": 0}}))
     assert err.value.path == "plugin_params.watch.every"
-
-
-def test_a_request_built_in_python_meets_the_same_field_rules(ckpt: Any) -> None:
-    """An OmniRequest object skips the converter; prepare and check apply the same metadata rules."""
-    from omniloop.request import DiffusionParams, OmniRequest, SamplingParams, TaskType, TextPart
-
-    rt = toy_runtime(ckpt)
-    for bad, path in ((OmniRequest(task=TaskType.T2V, inputs=[TextPart("x")], diffusion=DiffusionParams(steps=0)),
-                       "diffusion.steps"),
-                      (OmniRequest(task=TaskType.T2V, inputs=[TextPart("x")],
-                                   sampling=SamplingParams(temperature=float("nan"))), "sampling.temperature")):
-        for fn in (rt.prepare, Deployment({"model": {"path": str(ckpt)}}, manager=make_manager()).check):
-            with pytest.raises(RequestError) as err:
-                fn(bad)
-            assert err.value.path == path

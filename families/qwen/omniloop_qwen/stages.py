@@ -14,6 +14,7 @@ the loop state is garbage collected, as a last resort).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -91,9 +92,11 @@ def render_prompt(tokenizer: Any, request: OmniRequest, params: DecodeParams) ->
 
 
 def sampling_of(request: OmniRequest) -> Sampling:
-    """The request's sampling knobs (types, ranges and finiteness checked by the core's converter,
-    or by ``Runtime.prepare``'s ``check_ranges`` for a request built in Python)."""
     s = request.sampling
+    for name in ("temperature", "top_p"):
+        v = getattr(s, name)
+        if not math.isfinite(v):
+            raise RequestError(f"sampling.{name}", f"must be a finite number, got {v}")
     return Sampling(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k))
 
 
