@@ -9,6 +9,7 @@ the helpers here do the parts every family shares:
 
 - :func:`resolve_root`: a checkpoint folder or a Hugging Face cache folder → the folder holding
   ``model_index.json``;
+- :func:`peek_json`, :func:`looks_like`: cheap, never-raising detection of a family's checkpoint;
 - :func:`read_json`, :func:`read_model_index`, :func:`component_folder`: read a JSON object,
   the index, a component's folder;
 - :func:`model_folder`: a model component's config and checked weight files;
@@ -26,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,9 @@ __all__ = [
     "TRANSFORMERS_WEIGHTS",
     "check_safetensors",
     "component_folder",
+    "looks_like",
     "model_folder",
+    "peek_json",
     "read_json",
     "read_model_index",
     "resolve_root",
@@ -70,6 +74,42 @@ def resolve_root(path: str | Path) -> Path:
             return snap
     snaps = sorted(p for p in (root / "snapshots").iterdir() if p.is_dir())
     return snaps[0] if len(snaps) == 1 else root
+
+
+def peek_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when it is missing, unreadable or not an object (never raises)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def looks_like(
+    path: str | Path,
+    pipelines: tuple[str, ...],
+    transformer_class: str,
+    accept: Callable[[Path, dict[str, Any], dict[str, Any]], bool] | None = None,
+) -> bool:
+    """Cheap detection of a family's checkpoint (never raises): ``model_index.json`` names one of
+    ``pipelines``; or — a checkpoint saved by another pipeline class — ``transformer/config.json``
+    names ``transformer_class`` and ``accept(root, index, transformer_config)`` (when given) agrees."""
+    try:
+        root = resolve_root(path)
+    except OSError:
+        return False
+    index = peek_json(root / "model_index.json")
+    if index is None:
+        return False
+    if index.get("_class_name") in pipelines:
+        return True
+    tf = peek_json(root / "transformer" / "config.json")
+    if tf is None or tf.get("_class_name") != transformer_class:
+        return False
+    try:
+        return accept is None or bool(accept(root, index, tf))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

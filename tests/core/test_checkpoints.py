@@ -12,7 +12,9 @@ import pytest
 from omniloop.checkpoints import (
     check_safetensors,
     component_folder,
+    looks_like,
     model_folder,
+    peek_json,
     read_json,
     read_model_index,
     resolve_root,
@@ -129,3 +131,21 @@ def test_resolve_root_follows_a_hf_cache_folder(tmp_path: Path) -> None:
     assert resolve_root(cache) == cache / "snapshots" / "def"
     (tmp_path / "plain").mkdir()
     assert resolve_root(tmp_path / "plain") == tmp_path / "plain"
+
+
+def test_peek_json_and_looks_like(tmp_path: Path) -> None:
+    assert peek_json(tmp_path / "model_index.json") is None
+    assert not looks_like(tmp_path, ("XPipeline",), "XModel")
+    assert not looks_like(tmp_path / "nope", ("XPipeline",), "XModel")
+    (tmp_path / "model_index.json").write_text("[]")
+    assert peek_json(tmp_path / "model_index.json") is None
+    (tmp_path / "model_index.json").write_text('{"_class_name": "XPipeline"}')
+    assert looks_like(tmp_path, ("XPipeline",), "XModel")
+    (tmp_path / "model_index.json").write_text('{"_class_name": "OtherPipeline"}')
+    assert not looks_like(tmp_path, ("XPipeline",), "XModel")  # no transformer config
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text('{"_class_name": "XModel", "in_channels": "wide"}')
+    assert looks_like(tmp_path, ("XPipeline",), "XModel")
+    assert not looks_like(tmp_path, ("XPipeline",), "YModel")
+    assert not looks_like(tmp_path, ("XPipeline",), "XModel", lambda root, index, tf: int(tf["in_channels"]) > 0)
+    assert looks_like(tmp_path, ("XPipeline",), "XModel", lambda root, index, tf: index["_class_name"] == "OtherPipeline")

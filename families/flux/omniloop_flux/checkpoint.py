@@ -27,7 +27,6 @@ or a sentencepiece model — whatever that class reads. A Hugging Face cache fol
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,11 +38,13 @@ from omniloop.checkpoints import (
     DIFFUSERS_WEIGHTS,
     TRANSFORMERS_WEIGHTS,
     component_folder,
+    looks_like,
     model_folder,
+    peek_json,
     read_json,
     read_model_index,
-    resolve_root,
 )
+from omniloop.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 from omniloop.errors import CheckpointError
 
 #: pipeline classes of the FLUX.1 text-to-image / image-to-image checkpoints this family runs
@@ -61,24 +62,18 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "spiece.model", "tokenizer.mo
 
 def looks_like_flux(path: str | Path) -> bool:
     """Cheap detection: reads ``model_index.json`` (and ``transformer/config.json``) only."""
-    try:
-        root = resolve_root(path)
-        index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
-        if not isinstance(index, dict):
-            return False
-        if index.get("_class_name") in PIPELINES:
-            return True
-        # a checkpoint saved by another pipeline class: judge by the transformer (FLUX.1 Fill /
-        # Control / Kontext transformers take other inputs, recognised by their in_channels)
-        tf = json.loads((root / "transformer" / "config.json").read_text(encoding="utf-8"))
-        vae = json.loads((root / "vae" / "config.json").read_text(encoding="utf-8"))
-        return (
-            isinstance(tf, dict) and isinstance(vae, dict) and tf.get("_class_name") == "FluxTransformer2DModel"
-            and int(tf.get("in_channels", 64)) == 4 * int(vae.get("latent_channels", 16))
-            and not str(index.get("_class_name", "")).startswith(("FluxFill", "FluxControl", "FluxKontext"))
-        )
-    except (OSError, ValueError):
-        return False
+    return looks_like(path, PIPELINES, "FluxTransformer2DModel", _plain_flux)
+
+
+def _plain_flux(root: Path, index: dict[str, Any], tf: dict[str, Any]) -> bool:
+    """A checkpoint saved by another pipeline class, judged by its transformer: FLUX.1 Fill /
+    Control / Kontext transformers take other inputs, recognised by their in_channels."""
+    vae = peek_json(root / "vae" / "config.json")
+    return (
+        vae is not None
+        and int(tf.get("in_channels", 64)) == 4 * int(vae.get("latent_channels", 16))
+        and not str(index.get("_class_name", "")).startswith(("FluxFill", "FluxControl", "FluxKontext"))
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ must be classes of the library it names.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,12 @@ from omniloop.checkpoints import (
     DIFFUSERS_WEIGHTS,
     TRANSFORMERS_WEIGHTS,
     component_folder,
+    looks_like,
     model_folder,
     read_json,
     read_model_index,
-    resolve_root,
 )
+from omniloop.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 from omniloop.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 from omniloop.errors import CheckpointError
 
@@ -60,17 +60,7 @@ LIBRARIES = ("diffusers", "transformers")
 
 def looks_like_sd3(path: str | Path) -> bool:
     """Cheap detection: reads ``model_index.json`` (and ``transformer/config.json``) only."""
-    try:
-        root = resolve_root(path)
-        index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
-        if not isinstance(index, dict):
-            return False
-        if index.get("_class_name") in PIPELINES:
-            return True
-        tf = json.loads((root / "transformer" / "config.json").read_text(encoding="utf-8"))
-        return isinstance(tf, dict) and tf.get("_class_name") == "SD3Transformer2DModel"
-    except (OSError, ValueError):
-        return False
+    return looks_like(path, PIPELINES, "SD3Transformer2DModel")
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ A Hugging Face cache folder (``models--Org--Name``, or its ``snapshots/<hash>``)
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,13 @@ from omniloop.checkpoints import (
     DIFFUSERS_WEIGHTS,
     TRANSFORMERS_WEIGHTS,
     component_folder,
+    looks_like,
     model_folder,
     read_json,
     read_model_index,
-    resolve_root,
     weight_files,
 )
+from omniloop.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 from omniloop.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 from omniloop.errors import CheckpointError
 
@@ -53,19 +53,9 @@ WAN_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
 
 
 def looks_like_wan(path: str | Path) -> bool:
-    """Cheap detection: reads ``model_index.json`` and ``transformer/config.json`` only."""
-    try:
-        root = resolve_root(path)
-        index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
-        if not isinstance(index, dict):
-            return False
-        if index.get("_class_name") in WAN_PIPELINES:
-            return True
-        # a checkpoint saved by another Wan pipeline class: judge by the transformer
-        tf = json.loads((root / "transformer" / "config.json").read_text(encoding="utf-8"))
-        return isinstance(tf, dict) and tf.get("_class_name") == "WanTransformer3DModel"
-    except (OSError, ValueError):
-        return False
+    """Cheap detection: reads ``model_index.json`` and ``transformer/config.json`` only (a
+    checkpoint saved by another Wan pipeline class is judged by its transformer)."""
+    return looks_like(path, WAN_PIPELINES, "WanTransformer3DModel")
 
 
 # --------------------------------------------------------------------------------------------
