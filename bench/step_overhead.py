@@ -39,7 +39,8 @@ from omniloop.family import LoadedModel, PluginComponentSpec
 from omniloop.graph import Node, PipelineSpec
 from omniloop.hookspecs import hookimpl
 from omniloop.interceptors import call_model
-from omniloop.loop import LoopState, RequestState, StageContext, StepContext, StepResult
+from omniloop.context import StageContext
+from omniloop.loop import LoopState, RequestState, StepContext, StepResult
 from omniloop.request import OmniRequest, TaskType
 from omniloop.runtime import Runtime
 from omniloop.testing import build_toy_checkpoint, make_manager

@@ -8,8 +8,8 @@ This one runs every block unchanged and counts the calls, which makes it a safe 
   back as ``ctx.state``);
 * ``metrics(state)`` is merged into ``OmniOutput.metrics["plugins"]["block-counter"][branch]``;
   ``close(state)`` runs at finalize, cancel and failure, always;
-* a request tunes it with ``plugin_params["block-counter"]`` (validated against
-  :class:`BlockCounterParams`), found in ``loop.extra["plugin_params"]`` when ``open`` runs.
+* a request tunes it with ``plugin_params["block-counter"]``: the runtime validates it once against
+  :class:`BlockCounterParams` and passes it to ``open`` as ``params`` (None when the request sent none).
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ class BlockCounter:
     distribution_altering = False
     needs_eager = False
 
-    def open(self, step: StepContext, loop: LoopState) -> CounterState:
-        params = loop.extra.get("plugin_params", {}).get(self.name) or BlockCounterParams()
-        return CounterState(per_block=params.per_block)
+    def open(self, step: StepContext, loop: LoopState, params: BlockCounterParams | None = None) -> CounterState:
+        return CounterState(per_block=(params or BlockCounterParams()).per_block)
 
     def run(self, blocks: Sequence[Any], hidden: Any, ctx: BlockContext, call: BlockCall) -> Any:
         state: CounterState = ctx.state
