@@ -54,12 +54,15 @@ STALE_TEMP_SECONDS = 3600.0
 _TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp\.(mp4|png|webp)$")
 
 
-def clean_stale_temp_files(folder: str | os.PathLike[str], *, older_than: float = STALE_TEMP_SECONDS) -> list[Path]:
-    """Remove this module's temporary files left in ``folder`` by killed writes; return them.
+def clean_stale_temp_files(
+    folder: str | os.PathLike[str], *, older_than: float = STALE_TEMP_SECONDS, pattern: re.Pattern[str] = _TEMP_NAME
+) -> list[Path]:
+    """Remove temporary files left in ``folder`` by killed writes; return them.
 
-    Only regular files whose name matches our pattern exactly and whose modification time is more
-    than ``older_than`` seconds ago; never follows links, never looks into sub-folders, and any
-    file that cannot be removed is skipped."""
+    Only regular files whose name matches ``pattern`` exactly (by default this module's own
+    temp-file names; another writer passes the pattern of its names) and whose modification time
+    is more than ``older_than`` seconds ago; never follows links, never looks into sub-folders,
+    and any file that cannot be removed is skipped."""
     removed: list[Path] = []
     now = time.time()
     try:
@@ -67,7 +70,7 @@ def clean_stale_temp_files(folder: str | os.PathLike[str], *, older_than: float 
     except OSError:
         return removed
     for entry in entries:
-        if not _TEMP_NAME.match(entry.name):
+        if not pattern.match(entry.name):
             continue
         try:
             st = entry.stat(follow_symlinks=False)

@@ -33,6 +33,8 @@ from attrs import define
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from omniloop import media
+
 from .config import ParityError
 
 FORMAT = "omniloop-parity/1"
@@ -195,25 +197,7 @@ STALE_TEMP_SECONDS = 3600.0
 
 def clean_stale_temp_files(folder: Path, older_than: float = STALE_TEMP_SECONDS) -> list[Path]:
     """Remove temporary files of killed :func:`write_atomic` calls in ``folder``; return them."""
-    import time
-
-    removed: list[Path] = []
-    now = time.time()
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for entry in entries:
-        if not _TEMP_NAME.match(entry.name):
-            continue
-        try:
-            if not entry.is_file(follow_symlinks=False) or now - entry.stat(follow_symlinks=False).st_mtime <= older_than:
-                continue
-            os.unlink(entry.path)
-        except OSError:
-            continue
-        removed.append(Path(entry.path))
-    return removed
+    return media.clean_stale_temp_files(folder, older_than=older_than, pattern=_TEMP_NAME)
 
 
 def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> None:
