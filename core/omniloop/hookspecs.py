@@ -48,7 +48,24 @@ from .request import OmniOutput, OmniRequest
 from .scheduling import ScheduleDecision
 
 PROJECT = "omniloop"
-HOOK_API_VERSION = "1.0"
+#: this core's hook-API version; bump the minor for every hook or hook argument added (see
+#: :data:`HOOK_API_HISTORY`), the major only to remove one after a minor version that warned
+HOOK_API_VERSION = "1.1"
+
+#: what each hook-API version added (newest last); a version's entry says what a plugin that
+#: declares ``>=<version>`` may rely on
+HOOK_API_HISTORY: dict[str, str] = {
+    "1.0": "the registration hooks and observer events of this module",
+    "1.1": "omniloop_request_start(..., plugin_params); omniloop_register_run_options; interceptors' "
+           "open(step, loop, params) (open(step, loop) warns HookDeprecationWarning)",
+}
+
+#: hook arguments added after their hook: hook -> {argument: the version that added it}. An
+#: implementation taking one of these needs that version: declare ``OMNILOOP_HOOK_API = ">=1.1,<2"``
+#: (a core before it would refuse the implementation's signature)
+ARGUMENTS_SINCE: dict[str, dict[str, str]] = {
+    "omniloop_request_start": {"plugin_params": "1.1"},
+}
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -134,7 +151,7 @@ def omniloop_register_run_options(register: Callable[[RunOptionSpec], None]) -> 
     """Add a flag to ``omniloop generate``: ``register(RunOptionSpec(name, enable, report))``.
 
     The CLI shows ``--<name>`` only while the plugin is installed; ``enable`` turns the plugin on
-    in the run's deploy, ``report`` writes/prints what it measured. Returns nothing. Since: 1.0
+    in the run's deploy, ``report`` writes/prints what it measured. Returns nothing. Since: 1.1
     """
 
 
@@ -161,8 +178,8 @@ def omniloop_request_start(
     """A request starts executing ``pipeline`` (a ``PipelineSpec``) in a deployment whose
     ``DeployConfig`` is ``deploy`` (e.g. for recording what produced a run). ``plugin_params`` are the
     request's plugin params by plugin name, each validated once against that plugin's
-    ``params_schema`` (an observer reads its own: ``plugin_params.get("my-observer")``).
-    Returns nothing. Since: 1.0"""
+    ``params_schema`` (an observer reads its own: ``plugin_params.get("my-observer")``; argument
+    since 1.1, so an implementation taking it declares ``>=1.1``). Returns nothing. Since: 1.0"""
 
 
 @hookspec

@@ -195,7 +195,9 @@ def test_hooks_json_lists_every_hook_with_signature_and_version() -> None:
     assert fam["signature"] == (
         "omniloop_register_families(register: collections.abc.Callable[[omniloop.family.Family], None]) -> None"
     )  # typed hooks (issue 15): the signature carries the real types
-    assert all(h["since"] == "1.0" for h in doc["hooks"])
+    since = {h["name"]: h["since"] for h in doc["hooks"]}
+    assert since["omniloop_register_run_options"] == "1.1"  # added in hook API 1.1 (issue 15)
+    assert all(v == "1.0" for k, v in since.items() if k != "omniloop_register_run_options")
     assert all(h["summary"] for h in doc["hooks"])
 
 
