@@ -113,3 +113,29 @@ def check_in_pool(deploy: DeployConfig) -> None:
 def _axes(deploy: DeployConfig) -> str:
     p = deploy.parallel
     return "{" + f"sp: {p.sp}, cfg: {p.cfg}" + "}"
+
+
+def check_offload(deploy: DeployConfig, family: Any, device: torch.device) -> None:
+    """``deploy.offload`` (``model`` / ``sequential``, :mod:`omniloop.offload`) can run: the family
+    declares what moves (``family.offload_components``), the device is ``cuda`` (or ``cpu``, where
+    storage and device are the same and only the machinery runs), and nothing the offloader cannot
+    follow is enabled — LoRA adapters (their weights sit on the load device), ``compile`` (the
+    compiled blocks would see weights change device), a parallel world above 1. One
+    :class:`DeployError` line, before any weight loads."""
+    mode = deploy.offload
+    if mode == "none":
+        return
+    decl = getattr(family, "offload_components", None)
+    if not decl:
+        raise DeployError(
+            f"offload: family {family.name!r} does not support offload (it declares no offload_components); "
+            "remove the field or set it to 'none'"
+        )
+    if device.type not in ("cuda", "cpu"):
+        raise DeployError(f"offload: {mode!r} moves weights between host memory and a CUDA device, not {device.type!r}")
+    if deploy.parallel.world_size > 1:
+        raise DeployError(f"offload: {mode!r} runs in one process; it does not combine with parallel: {_axes(deploy)} yet")
+    if deploy.adapters:
+        raise DeployError(f"offload: {mode!r} does not combine with LoRA adapters yet (adapters: {', '.join(sorted(deploy.adapters))})")
+    if deploy.compile:
+        raise DeployError(f"offload: {mode!r} does not combine with compile: true yet (compiled blocks would see their weights move)")

@@ -1,0 +1,368 @@
+"""Component offload for a GPU smaller than the model: deploy ``offload: model | sequential``.
+
+Weights live in host memory (the *storage*: CPU, pinned when the execution device is CUDA) and
+are copied to the execution device only while they compute:
+
+``model``
+    A pipeline node moves the components it ``uses`` (``Node.uses``) onto the device before any
+    of its calls (``forward``, a loop's ``init`` / ``step`` / ``finalize``) and every other
+    resident component back to storage — lazily: a denoise loop keeps its transformer resident
+    across steps, and the transformer leaves when the VAE decode needs the room. At most one
+    node's components are on the device at a time.
+``sequential``
+    As ``model``, but a component whose family declares a block stack (Wan's transformer:
+    ``blocks``; the UMT5 text encoder: ``encoder.block``) moves only its *shell* (embeddings,
+    norms, projections) with the node; the blocks are streamed one by one by forward hooks on
+    each block: entering block ``i`` waits for its copy, starts copying block ``i+1`` (wrapping to
+    block 0 for the next forward) on a side CUDA stream from pinned memory, and leaving block
+    ``i`` drops it — so at most two blocks of a stack are on the device, and the next block's
+    copy overlaps the current block's compute.
+
+"Back to storage" copies nothing: weights are read-only at inference, so each tensor keeps one
+host *master* copy and an evicted parameter simply points at it again; a load is one host-to-device
+copy of the master. LoRA adapters, compiled blocks and parallel worker pools are refused with
+offload at load (:func:`omniloop.placement.check_offload`).
+
+A family opts in with ``offload_components``: ``{component name: dotted path of its block
+ModuleList or None}`` — the components that may move (tokenizers, schedulers are not modules and
+stay), and for sequential mode which of them stream blocks. A component it does not list never
+moves (and a node using it under offload fails with a device mismatch, so families list every
+module they compute with).
+
+On a CPU deployment storage and execution device are both ``cpu``: the machinery (hooks, the
+schedule) runs and nothing is copied — what the CPU tests exercise, with a :class:`Mover` that
+parks evicted weights on the ``meta`` device so a weight used while not loaded fails loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from .errors import DeployError
+
+#: the deploy's ``offload`` values
+MODES = ("none", "model", "sequential")
+
+
+class Mover:
+    """How a tensor moves between storage and the execution device (the default: real copies).
+
+    ``store(t)`` makes the host master of a tensor (pinned for a CUDA device); ``fetch(master)``
+    the device copy (asynchronous when called under a side stream); ``park(master)`` what an
+    evicted parameter holds (the master itself: nothing is copied back). Tests subclass it to
+    record or to make an unloaded weight unusable."""
+
+    def __init__(self, device: torch.device, *, pin: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cuda" if pin is None else pin
+
+    def store(self, t: torch.Tensor) -> torch.Tensor:
+        host = t.detach().to("cpu")
+        if self.pin and not host.is_pinned():
+            host = host.pin_memory()
+        return host
+
+    def fetch(self, master: torch.Tensor) -> torch.Tensor:
+        return master.to(self.device, non_blocking=self.pin)
+
+    def park(self, master: torch.Tensor) -> torch.Tensor:
+        return master
+
+
+@attrs.define(eq=False)
+class _Unit:
+    """A group of tensors that moves together: a component (its shell in sequential mode) or a block."""
+
+    name: str
+    #: (module, attribute name, is a parameter)
+    slots: list[tuple[torch.nn.Module, str, bool]]
+    masters: list[torch.Tensor]
+    on_device: bool = False
+    #: the side-stream copy event of a prefetched block (CUDA only)
+    event: Any = None
+    nbytes: int = 0
+
+
+@attrs.define(eq=False)
+class _Stack:
+    """One component's streamed block list (sequential mode)."""
+
+    component: str
+    units: list[_Unit]
+
+
+class Offloader:
+    """Moves a loaded model's components (and, sequentially, their blocks) as its nodes run.
+
+    Build it with :func:`install`; :func:`wrap_pipeline` makes a pipeline's nodes call
+    :meth:`activate`. ``trace`` (a list, when given) receives ``(event, name, resident names)``
+    tuples — ``load``, ``prefetch``, ``evict``, ``run`` (a block about to compute), ``stage`` —
+    the schedule the tests check."""
+
+    def __init__(self, components: Mapping[str, Any], blocks: Mapping[str, str | None], mode: str,
+                 device: torch.device, *, mover: Mover | None = None, trace: list[tuple[str, str, tuple[str, ...]]] | None = None,
+                 ) -> None:
+        if mode not in ("model", "sequential"):
+            raise DeployError(f"offload: {mode!r} is not an offload mode (model, sequential)")
+        self.mode = mode
+        self.device = torch.device(device)
+        self.mover = mover or Mover(self.device)
+        self.trace = trace
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.mover.pin else None
+        self._hooks: list[Any] = []
+        self.shells: dict[str, _Unit] = {}
+        self.stacks: dict[str, _Stack] = {}
+        self._block_of: dict[int, tuple[_Stack, int]] = {}
+        for name, module in components.items():
+            if not isinstance(module, torch.nn.Module):
+                continue
+            path = blocks.get(name) if mode == "sequential" else None
+            block_mods: list[torch.nn.Module] = []
+            if path:
+                seq = _submodule(module, path, name)
+                block_mods = list(seq)
+            skip = {id(m) for b in block_mods for m in b.modules()}
+            self.shells[name] = self._unit(name, module, skip)
+            if block_mods:
+                stack = _Stack(name, [self._unit(f"{name}.{path}.{i}", b, set()) for i, b in enumerate(block_mods)])
+                self.stacks[name] = stack
+                for i, b in enumerate(block_mods):
+                    self._block_of[id(b)] = (stack, i)
+                    self._hooks.append(b.register_forward_pre_hook(self._enter_block))
+                    self._hooks.append(b.register_forward_hook(self._leave_block))
+        for unit in self._all_units():  # everything starts in storage
+            self._park(unit)
+
+    # -- what is where ---------------------------------------------------------------------------
+    def resident(self) -> tuple[str, ...]:
+        """Names of the units on the execution device now (shells and blocks)."""
+        return tuple(u.name for u in self._all_units() if u.on_device)
+
+    def resident_bytes(self) -> int:
+        return sum(u.nbytes for u in self._all_units() if u.on_device)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode, "device": str(self.device), "pinned": self.mover.pin, "side_stream": self._stream is not None,
+            "components": {n: {"bytes": u.nbytes, "blocks": len(self.stacks[n].units) if n in self.stacks else 0,
+                               "block_bytes": sum(b.nbytes for b in self.stacks[n].units) if n in self.stacks else 0}
+                           for n, u in self.shells.items()},
+        }
+
+    # -- node-level moves ------------------------------------------------------------------------
+    def activate(self, uses: Iterable[str], node: str = "") -> None:
+        """Make the components in ``uses`` (those this offloader moves) resident, every other one
+        parked. A node using none of them moves nothing."""
+        want = [n for n in uses if n in self.shells]
+        if not want:
+            return
+        for name, shell in self.shells.items():
+            if name not in want:
+                self._evict_component(name)
+        for name in want:
+            self._load(self.shells[name])
+        self._note("stage", node)
+
+    def evict_all(self) -> None:
+        """Every component back to storage (e.g. before handing the device to something else)."""
+        for name in self.shells:
+            self._evict_component(name)
+
+    def remove(self) -> None:
+        """Remove the hooks; every tensor is left in storage (its master)."""
+        self.evict_all()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # -- block streaming (sequential) ------------------------------------------------------------
+    def _enter_block(self, module: torch.nn.Module, args: Any) -> None:
+        stack, i = self._block_of[id(module)]
+        self._load(self.shells[stack.component])  # the shell normally is already (its node loaded it)
+        unit = stack.units[i]
+        for j, other in enumerate(stack.units):  # a block skipped (cache interceptors) or a stale prefetch
+            if j != i and other.on_device:
+                self._park(other)
+        if unit.on_device:
+            self._wait(unit)
+        else:
+            self._load(unit)
+        nxt = stack.units[(i + 1) % len(stack.units)]
+        if nxt is not unit:
+            self._prefetch(nxt)
+        self._note("run", unit.name)
+
+    def _leave_block(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack, i = self._block_of[id(module)]
+        self._park(stack.units[i])
+
+    # -- internals -------------------------------------------------------------------------------
+    def _all_units(self) -> list[_Unit]:
+        return [*self.shells.values(), *(u for s in self.stacks.values() for u in s.units)]
+
+    def _unit(self, name: str, module: torch.nn.Module, skip: set[int]) -> _Unit:
+        slots: list[tuple[torch.nn.Module, str, bool]] = []
+        masters: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for mod in module.modules():
+            if id(mod) in skip:
+                continue
+            for attr, t in list(mod._parameters.items()):
+                if t is None or id(t) in seen:  # a tied parameter moves once
+                    continue
+                seen.add(id(t))
+                slots.append((mod, attr, True))
+                masters.append(self.mover.store(t))
+            for attr, t in list(mod._buffers.items()):
+                if t is None:
+                    continue
+                slots.append((mod, attr, False))
+                masters.append(self.mover.store(t))
+        nbytes = sum(m.numel() * m.element_size() for m in masters)
+        return _Unit(name, slots, masters, nbytes=nbytes)
+
+    def _set(self, unit: _Unit, tensors: Sequence[torch.Tensor]) -> None:
+        for (mod, attr, is_param), t in zip(unit.slots, tensors, strict=True):
+            if is_param:
+                mod._parameters[attr].data = t  # type: ignore[union-attr]
+            else:
+                mod._buffers[attr] = t
+
+    def _load(self, unit: _Unit) -> None:
+        if unit.on_device:
+            return
+        self._set(unit, [self.mover.fetch(m) for m in unit.masters])
+        unit.on_device = True
+        unit.event = None
+        self._note("load", unit.name)
+
+    def _prefetch(self, unit: _Unit) -> None:
+        if unit.on_device:
+            return
+        if self._stream is None:
+            self._load(unit)
+        else:
+            with torch.cuda.stream(self._stream):
+                tensors = [self.mover.fetch(m) for m in unit.masters]
+                unit.event = torch.cuda.Event()
+                unit.event.record(self._stream)
+            self._set(unit, tensors)
+            unit.on_device = True
+        self._note("prefetch", unit.name)
+
+    def _wait(self, unit: _Unit) -> None:
+        """The compute stream waits for ``unit``'s side-stream copy; its memory is then tied to the
+        compute stream too (so the allocator does not reuse it while a kernel may still read it)."""
+        if unit.event is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(unit.event)
+        for mod, attr, is_param in unit.slots:
+            t = mod._parameters[attr] if is_param else mod._buffers[attr]
+            t.data.record_stream(current)  # type: ignore[union-attr]
+        unit.event = None
+
+    def _park(self, unit: _Unit) -> None:
+        self._set(unit, [self.mover.park(m) for m in unit.masters])
+        was = unit.on_device
+        unit.on_device = False
+        unit.event = None
+        if was:
+            self._note("evict", unit.name)
+
+    def _evict_component(self, name: str) -> None:
+        stack = self.stacks.get(name)
+        if stack is not None:
+            for u in stack.units:
+                if u.on_device:
+                    self._park(u)
+        if self.shells[name].on_device:
+            self._park(self.shells[name])
+
+    def _note(self, event: str, name: str) -> None:
+        if self.trace is not None:
+            self.trace.append((event, name, self.resident()))
+
+
+def _submodule(module: torch.nn.Module, path: str, component: str) -> torch.nn.ModuleList | Sequence[torch.nn.Module]:
+    try:
+        seq = module.get_submodule(path)
+    except AttributeError:
+        raise DeployError(f"offload: component {component!r} has no block list {path!r} (the family's offload_components)") from None
+    if not isinstance(seq, (torch.nn.ModuleList, torch.nn.Sequential)) or len(seq) == 0:
+        raise DeployError(f"offload: {component}.{path} is not a non-empty ModuleList (the family's offload_components)")
+    return seq
+
+
+def family_blocks(family: Any) -> dict[str, str | None] | None:
+    """The family's ``offload_components`` declaration, or None when it declares none."""
+    decl = getattr(family, "offload_components", None)
+    if decl is None:
+        return None
+    return dict(decl)
+
+
+def storage_device(mode: str, device: torch.device) -> torch.device:
+    """Where a family loads its weights: host memory when offloading, else ``device``."""
+    return torch.device("cpu") if mode != "none" else device
+
+
+def install(model: Any, family: Any, mode: str, device: torch.device, *, mover: Mover | None = None,
+            trace: list[tuple[str, str, tuple[str, ...]]] | None = None) -> Offloader | None:
+    """Put ``model``'s declared components under ``mode`` offload to ``device`` (None for ``none``).
+
+    Every declared module present in ``model.components`` goes to storage; :func:`wrap_pipeline`
+    then makes the pipeline's nodes bring them back as they run."""
+    if mode == "none":
+        return None
+    decl = family_blocks(family)
+    if decl is None:
+        raise DeployError(f"offload: family {getattr(family, 'name', family)!r} does not declare offload_components")
+    comps = {n: model.components[n] for n in decl if n in model.components}
+    return Offloader(comps, decl, mode, device, mover=mover, trace=trace)
+
+
+class OffloadedStage:
+    """A node's stage behind an :class:`Offloader`: every call first makes the node's components
+    resident. Other attributes pass through (``batch_key``, a family's own methods)."""
+
+    _CALLS = frozenset({"forward", "init", "step", "finalize", "step_batch"})
+
+    def __init__(self, stage: Any, offloader: Offloader, uses: tuple[str, ...], node: str) -> None:
+        self._stage = stage
+        self._offloader = offloader
+        self._uses = uses
+        self._node = node
+
+    @property
+    def inner(self) -> Any:
+        return self._stage
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._stage, name)
+        if name in OffloadedStage._CALLS and callable(attr):
+            return self._wrap(attr)
+        return attr
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._offloader.activate(self._uses, self._node)
+            return fn(*args, **kwargs)
+
+        return call
+
+
+def wrap_pipeline(spec: Any, offloader: Offloader | None) -> Any:
+    """``spec`` with each node that uses a moved component behind :class:`OffloadedStage`."""
+    if offloader is None:
+        return spec
+    nodes = []
+    for node in spec.nodes:
+        if any(u in offloader.shells for u in node.uses) and not isinstance(node.stage, OffloadedStage):
+            node = attrs.evolve(node, stage=OffloadedStage(node.stage, offloader, tuple(node.uses), node.name))
+        nodes.append(node)
+    return attrs.evolve(spec, nodes=nodes)
