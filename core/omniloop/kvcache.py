@@ -19,7 +19,9 @@ Accounting (pure Python, no tensors needed)::
 
 Storage (when a :class:`KVLayout` is given): ``k[layer]`` / ``v[layer]`` of shape
 ``[num_blocks * block_size, kv_heads, head_dim]``; :meth:`write` stores new tokens at their
-slots, :meth:`gather` reads a padded batch ``[B, L, kv_heads, head_dim]`` from a slot table.
+slots, :meth:`gather` reads a padded batch ``[B, L, kv_heads, head_dim]`` from a slot table;
+a paged-attention kernel reads the storage directly through :meth:`block_tables` (int32 block
+table + held lengths; e.g. ``omniloop_qwen.paged_attention``).
 A token's slot is ``block * block_size + offset``.
 
 *Reservations* make admission safe without preemption: a sequence allocated with
@@ -306,6 +308,20 @@ class CacheManager:
         pos = torch.arange(width)
         slots = table[:, pos // bs] * bs + pos % bs if width else torch.zeros((len(seqs), 0), dtype=torch.long)
         return slots.masked_fill(pos[None, :] >= lengths[:, None], pad), lengths
+
+    def block_tables(self, handles: Sequence[KVHandle], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks each of ``handles`` holds, in slot order, padded with ``pad``: (int32
+        ``[B, max_blocks]``, held tokens int32 ``[B]``) — what a paged-attention kernel reads
+        (token ``i`` of sequence ``b`` is at slot ``table[b, i // block_size] * block_size + i %
+        block_size``; the same order as :meth:`slot_table`)."""
+        with self._lock:
+            seqs = [self._seq(h) for h in handles]
+            bs = self.block_size
+            held = [s.length - s.dropped * bs for s in seqs]
+            nb = max((len(s.blocks) for s in seqs), default=0)
+            rows = [s.blocks + [pad] * (nb - len(s.blocks)) for s in seqs]
+        table = torch.tensor(rows, dtype=torch.int32).view(len(seqs), nb)
+        return table, torch.tensor(held, dtype=torch.int32)
 
     def drop_front(self, handle: KVHandle, n_blocks: int, *, keep: int = 0) -> None:
         """Release the oldest ``n_blocks`` full blocks after the first ``keep`` (out-of-window

@@ -8,7 +8,10 @@ Deploy options (``options:`` in the deploy file, all optional):
 * ``prefill_chunk`` — prompt tokens per prefill step (default 512): a long prompt is prefilled
   over several steps so it does not stall the decode steps of other sequences;
 * ``max_tokens`` — new tokens when a request leaves ``sampling.max_tokens`` unset (default:
-  ``generation_config.json``'s ``max_new_tokens``, else 256).
+  ``generation_config.json``'s ``max_new_tokens``, else 256);
+* ``paged_attention`` — ``auto`` (default: the Triton kernel on CUDA when ``triton`` imports, else
+  the torch path), ``torch`` or ``triton`` (refused at load where it cannot run); see
+  :mod:`omniloop_qwen.paged_attention`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from omniloop.request import OmniRequest, TaskType
 from . import FAMILY_NAME
 from .checkpoint import CheckpointInfo, load_checkpoint, load_tokenizer, looks_like_qwen, validate_checkpoint
 from .model import PagedQwen
+from .paged_attention import BACKENDS, resolve_backend
 from .stages import Decode, DecodeParams, Prompt, ReasonResolved, resolve_reason
 
 GIB = 1024**3
@@ -62,6 +66,9 @@ class QwenFamily:
             raise DeployError(f"options.kv_cache_gib: must be a positive number, got {gib!r}")
         if gib is not None and opts["kv_cache_tokens"] is not None:
             raise DeployError("options: give kv_cache_tokens or kv_cache_gib, not both")
+        attention = options.get("paged_attention", "auto")
+        if attention not in BACKENDS:
+            raise DeployError(f"options.paged_attention: must be one of {', '.join(BACKENDS)}, got {attention!r}")
         info = validate_checkpoint(Path(path))  # every file checked before any weight loads
         layout = KVLayout(layers=int(info.config["num_hidden_layers"]), kv_heads=info.kv_heads, head_dim=info.head_dim,
                           dtype=dtype)
@@ -79,7 +86,7 @@ class QwenFamily:
             "model_type": info.model_type, "max_positions": info.max_positions, "eos_token_ids": list(info.eos_token_ids),
             "max_tokens": max_tokens, "prefill_chunk": opts["prefill_chunk"] or 512,
             "kv_cache": {"block_size": block, "num_blocks": blocks, "bytes_per_block": layout.bytes_per_token * block},
-            "tasks": [TaskType.REASON.value],
+            "tasks": [TaskType.REASON.value], "paged_attention": attention,
         }
         return info, config
 
@@ -95,8 +102,12 @@ class QwenFamily:
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
         info, config = self._resolve(Path(path), options, dtype)
+        try:  # the backend that runs: 'auto' resolved for this device (before any weight loads)
+            config["paged_attention"] = resolve_backend(config["paged_attention"], device)
+        except ValueError as exc:
+            raise DeployError(f"options.paged_attention: {exc}") from None
         tokenizer, hf = load_checkpoint(info, device=device, dtype=dtype)
-        paged = PagedQwen(hf)
+        paged = PagedQwen(hf, attention=config["paged_attention"])
         kv = config["kv_cache"]
         cache = CacheManager(paged.layout(), block_size=kv["block_size"], num_blocks=kv["num_blocks"], name="text-kv")
         return LoadedModel(

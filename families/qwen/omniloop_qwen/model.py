@@ -8,6 +8,14 @@ gives, then every query attends over K/V gathered from the cache through the pad
 RMS norm before RoPE). One call runs any mix of sequences, each with any number of new tokens
 (a prefill chunk or one decode token), padded to the longest; padded queries attend to a valid
 key and are dropped.
+
+Two attention backends (``attention=``; the family's ``options.paged_attention`` picks one):
+
+* ``torch`` — the reference above (K/V gathered into a padded ``[B, L]`` batch, SDPA with a mask);
+* ``triton`` — :func:`omniloop_qwen.paged_attention.paged_attention`: a Triton kernel that reads
+  the cache's block table and per-row lengths itself (no gather copy, no mask), one query row per
+  new token (a decode step is one row per sequence; a prefill chunk is causal rows). CUDA, or
+  Triton's CPU interpreter under ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import torch.nn.functional as F
 
 from omniloop.kvcache import CacheManager, KVHandle, KVLayout
 
+from .paged_attention import attention_rows, paged_attention
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
@@ -29,7 +39,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class PagedQwen:
     """A transformers Qwen2/Qwen3 ``*ForCausalLM`` run with attention over a paged KV cache."""
 
-    def __init__(self, hf_model: Any) -> None:
+    def __init__(self, hf_model: Any, attention: str = "torch") -> None:
+        if attention not in ("torch", "triton"):
+            raise ValueError(f"attention: expected 'torch' or 'triton', got {attention!r}")
+        self.attention = attention
         self.hf = hf_model
         base = hf_model.model
         self.embed = base.embed_tokens
@@ -61,19 +74,28 @@ class PagedQwen:
             raise ValueError("forward: every sequence needs at least one new token")
         past = [cache.length(h) for h in handles]
         t_max = max(n)
+        dev = self.device
         ids = torch.tensor([[*t, *([0] * (t_max - len(t)))] for t in tokens], dtype=torch.long)
         # padding repeats the last position (its output is dropped)
         pos = torch.tensor([[p0 + min(j, ni - 1) for j in range(t_max)] for p0, ni in zip(past, n, strict=True)],
                            dtype=torch.long)
-        new_slots = torch.cat([cache.append(h, ni) for h, ni in zip(handles, n, strict=True)]).to(self.device)
-        table, ctx_len = cache.slot_table(handles)
-        table = table.to(self.device)
-        start = torch.tensor([cache.start(h) for h in handles])
-        key_pos = start[:, None] + torch.arange(table.shape[1])[None, :]  # [B, L] absolute positions
-        mask = (key_pos[:, None, :] <= pos[:, :, None]) & (torch.arange(table.shape[1])[None, None, :] < ctx_len[:, None, None])
-        mask = mask[:, None].to(self.device)  # [B, 1, T, L]
-        valid = (torch.arange(t_max)[None, :] < torch.tensor(n)[:, None]).to(self.device)  # [B, T]
-        ids, pos = ids.to(self.device), pos.to(self.device)
+        new_slots = torch.cat([cache.append(h, ni) for h, ni in zip(handles, n, strict=True)]).to(dev)
+        decode = t_max == 1  # one new token per sequence: no padding, every query row valid
+        valid = None if decode else (torch.arange(t_max)[None, :] < torch.tensor(n)[:, None]).to(dev)  # [B, T]
+        if self.attention == "triton":
+            blocks, held = cache.block_tables(handles)
+            held_list = held.tolist()
+            row_seq, kv_lens = attention_rows(held_list, n)
+            rows = torch.tensor([row_seq, kv_lens], dtype=torch.int32).to(dev)
+            blocks, max_len = blocks.to(dev), max(held_list)
+        else:
+            table, ctx_len = cache.slot_table(handles)
+            table = table.to(dev)
+            start = torch.tensor([cache.start(h) for h in handles])
+            key_pos = start[:, None] + torch.arange(table.shape[1])[None, :]  # [B, L] absolute positions
+            mask = (key_pos[:, None, :] <= pos[:, :, None]) & (torch.arange(table.shape[1])[None, None, :] < ctx_len[:, None, None])
+            mask = mask[:, None].to(dev)  # [B, 1, T, L]
+        ids, pos = ids.to(dev), pos.to(dev)
 
         h = self.embed(ids)
         cos, sin = self.rotary(h, pos)
@@ -90,14 +112,30 @@ class PagedQwen:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
-            cache.write(li, new_slots, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid])
-            kc, vc = cache.gather(li, table)  # [B, L, Hkv, D]
-            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scaling, enable_gqa=self.groups > 1)
-            o = o.transpose(1, 2).reshape(b, t_max, -1)
+            k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)  # [B, T, Hkv, D]
+            if decode:
+                cache.write(li, new_slots, k_new.reshape(b, -1, self.head_dim), v_new.reshape(b, -1, self.head_dim))
+            else:
+                cache.write(li, new_slots, k_new[valid], v_new[valid])
+            if self.attention == "triton":
+                q_rows = q.reshape(b, -1, self.head_dim) if decode else q.transpose(1, 2)[valid]  # [R, Hq, D]
+                o_rows = paged_attention(q_rows, cache.k[li], cache.v[li], blocks, rows[1], rows[0],
+                                         block_size=cache.block_size, scale=self.scaling, max_len=max_len)
+                if decode:
+                    o = o_rows.view(b, 1, -1)
+                else:
+                    o = o_rows.new_zeros((b, t_max, self.num_heads, self.head_dim))
+                    o[valid] = o_rows
+                    o = o.view(b, t_max, -1)
+            else:
+                kc, vc = cache.gather(li, table)  # [B, L, Hkv, D]
+                kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scaling,
+                                                   enable_gqa=self.groups > 1)
+                o = o.transpose(1, 2).reshape(b, t_max, -1)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        last = h[torch.arange(b, device=self.device), torch.tensor(n, device=self.device) - 1]
+        last = h[:, 0] if decode else h[torch.arange(b, device=dev), torch.tensor(n, device=dev) - 1]
         logits: torch.Tensor = self.lm_head(self.norm(last)).float()
         return logits
 

@@ -301,13 +301,16 @@ class Decode:
                 sampling_rows.append(True)
         logits = comps["paged"].forward(cache, [lp.extra["seq"] for lp in loops], feeds)
         tok = comps["tokenizer"]
+        # greedy rows: one argmax over the batch, one device->host copy (not one sync per sequence)
+        greedy = [i for i, lp in enumerate(loops) if sampling_rows[i] and lp.extra["sampling"].greedy]
+        argmax = dict(zip(greedy, logits[greedy].argmax(-1).tolist(), strict=True)) if greedy else {}
         results = []
         for i, lp in enumerate(loops):
             if not sampling_rows[i]:
                 results.append(StepResult(done=False))
                 continue
             x = lp.extra
-            t = next_token(logits[i], x["sampling"], x["gen"])
+            t = argmax[i] if i in argmax else next_token(logits[i], x["sampling"], x["gen"])
             x["out"].append(t)
             results.append(self._after_token(lp, t, tok))
         return results

@@ -1,0 +1,319 @@
+"""Paged attention over the :class:`~omniloop.kvcache.CacheManager`'s storage: a Triton kernel that
+reads the block table itself, and the torch reference it is tested against.
+
+Nothing here is Qwen-specific: the inputs are the manager's per-layer K/V tensors
+(``[num_blocks * block_size, kv_heads, head_dim]``, a token's slot is ``block * block_size +
+offset``), a block table and per-row lengths, so any family that keeps K/V in a ``CacheManager``
+(the causal video's chunk slabs included) can call :func:`paged_attention`.
+
+**Query rows.** The kernel attends ``R`` query rows, each of one token and ``q_heads`` heads
+(``q: [R, q_heads, head_dim]``). Row ``r`` belongs to sequence ``row_seq[r]`` (a row of
+``block_table``) and attends to the first ``kv_lens[r]`` tokens that sequence holds, in slot order.
+
+* A decode step is one row per sequence with ``kv_lens`` = the tokens held (the new one included).
+* A prefill chunk of ``n`` tokens appended to a sequence holding ``L`` tokens afterwards is ``n``
+  rows with ``kv_lens = L - n + 1 .. L``: the causal mask is a prefix in slot order (new tokens are
+  appended last), also after ``drop_front``.
+
+**GQA.** One program serves every query head of one KV head (``q_heads / kv_heads`` of them, padded
+to 16 for ``tl.dot``), so a K/V tile is loaded once per group, not once per query head.
+
+**Split-K (flash-decoding).** With few rows (batch 1) the ``rows × kv_heads`` programs cannot fill
+the GPU, so the context is cut into ``splits`` equal ranges, each program reduces one range to a
+partial (max, sum, weighted V) in float32, and a second kernel merges the partials. The host picks
+``splits`` from the row count, the longest ``kv_lens`` and the device's SM count (no device sync:
+the lengths come from the cache manager's bookkeeping).
+
+**Numerics.** Scores, softmax statistics and the accumulator are float32; ``P @ V`` runs in the
+cache's dtype (bf16 on GPU), as flash-attention kernels do. Not bit-equal to SDPA: the tests state
+the tolerance (float32: ~1e-5 relative; bf16: the bf16 rounding of P and of the output).
+
+**Backends.** ``triton`` needs CUDA tensors, or ``TRITON_INTERPRET=1`` (Triton's interpreter runs
+the same kernel on CPU tensors, slowly: what the CPU tests do). :func:`triton_unavailable`
+says why the kernel cannot run for a device. The ``torch`` reference gathers each row's K/V
+through the block table and runs a float32 softmax.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+#: values of the qwen family's ``attention`` deploy option
+BACKENDS = ("auto", "torch", "triton")
+
+#: tokens per K/V tile of the kernel's inner loop
+BLOCK_N = 64
+#: most context splits of one row (the merge kernel loads them all at once)
+MAX_SPLITS = 64
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def triton_unavailable(device: str | torch.device) -> str | None:
+    """Why the Triton kernel cannot run for tensors on ``device`` (None when it can)."""
+    if not triton_available():
+        return "the 'triton' package is not installed"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return None if torch.cuda.is_available() else "CUDA is not available on this machine"
+    if interpreting():
+        return None
+    return f"it needs a CUDA device (got {str(dev)!r}; or TRITON_INTERPRET=1 for Triton's CPU interpreter)"
+
+
+def resolve_backend(choice: str, device: str | torch.device) -> str:
+    """``auto`` → ``triton`` on CUDA when Triton imports, else ``torch``; ``triton`` where it cannot
+    run raises ``ValueError`` saying why; ``torch`` as is."""
+    if choice not in BACKENDS:
+        raise ValueError(f"must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    if choice == "torch":
+        return "torch"
+    why = triton_unavailable(device)
+    if choice == "triton":
+        if why is not None:
+            raise ValueError(f"'triton' cannot run: {why}")
+        return "triton"
+    return "triton" if why is None and torch.device(device).type == "cuda" else "torch"
+
+
+# ------------------------------------------------------------------------------------------------
+# the torch reference
+# ------------------------------------------------------------------------------------------------
+
+
+def paged_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    kv_lens: torch.Tensor, row_seq: torch.Tensor, *, block_size: int, scale: float,
+) -> torch.Tensor:
+    """The reference of :func:`paged_attention` (same arguments): each row's K/V gathered through
+    the block table, a float32 softmax over its ``kv_lens`` tokens, the output in ``q.dtype``."""
+    r, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    width = int(kv_lens.max()) if r else 0
+    pos = torch.arange(width, device=q.device)
+    table = block_table.long()[row_seq.long()]  # [R, blocks]
+    slots = table[:, pos // block_size] * block_size + pos % block_size  # [R, W]
+    valid = pos[None, :] < kv_lens.long()[:, None]
+    slots = slots.masked_fill(~valid, 0)
+    k = k_cache[slots].float().repeat_interleave(hq // hkv, dim=2)  # [R, W, Hq, D]
+    v = v_cache[slots].float().repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("rhd,rwhd->rhw", q.float(), k) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("rhw,rwhd->rhd", p, v).to(q.dtype).view(r, hq, d)
+
+
+# ------------------------------------------------------------------------------------------------
+# the Triton kernels (defined on first use: TRITON_INTERPRET is read when a kernel is defined)
+# ------------------------------------------------------------------------------------------------
+
+_KERNELS: dict[bool, tuple[Any, Any]] = {}
+
+
+def _kernels() -> tuple[Any, Any]:
+    mode = interpreting()
+    if mode in _KERNELS:
+        return _KERNELS[mode]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_attn_kernel(
+        q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, rowseq_ptr,
+        out_ptr, part_ptr, stats_ptr,
+        stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
+        stride_or, stride_oh, split_tokens, scale,
+        GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, FP32: tl.constexpr,
+    ):
+        # FP32: both dots in float32 (IEEE); else Q·K and P·V in the cache dtype, accumulated in float32
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq = tl.load(rowseq_ptr + row)
+        length = tl.load(lens_ptr + row)
+        lo = split * split_tokens
+        hi = tl.minimum(length, lo + split_tokens)
+
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        gmask = g < GROUPS
+        dmask = d < D
+        heads = kvh * GROUPS + g
+        q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G_PAD, D_PAD]
+
+        m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        l_sum = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        n_off = tl.arange(0, BLOCK)
+        start = lo
+        while start < hi:  # (a while loop: Triton's interpreter cannot range() over loaded bounds)
+            n = start + n_off
+            nmask = n < hi
+            page = tl.load(table_ptr + seq * stride_tb + n // PAGE, mask=nmask, other=0)
+            slot = (page * PAGE + n % PAGE).to(tl.int64)
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+            if FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(nmask[None, :], s * scale, float("-inf"))  # [G_PAD, BLOCK]
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            if FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+            start += BLOCK
+
+        out_mask = gmask[:, None] & dmask[None, :]
+        if SPLITS == 1:
+            o = acc / l_sum[:, None]
+            tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # partials: part [R, Hq, SPLITS, D_PAD], stats [R, Hq, SPLITS, 2] (max, sum), float32
+            n_heads = tl.num_programs(1) * GROUPS
+            base = (row * n_heads + heads) * SPLITS + split  # [G_PAD]
+            tl.store(part_ptr + base[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
+            tl.store(stats_ptr + base * 2, m, mask=gmask)
+            tl.store(stats_ptr + base * 2 + 1, l_sum, mask=gmask)
+
+    @triton.jit
+    def merge_kernel(
+        part_ptr, stats_ptr, out_ptr, stride_or, stride_oh,
+        D: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        n_heads = tl.num_programs(1)
+        sp = tl.arange(0, S_PAD)
+        d = tl.arange(0, D_PAD)
+        smask = sp < SPLITS
+        base = (row * n_heads + head) * SPLITS + sp
+        m = tl.load(stats_ptr + base * 2, mask=smask, other=float("-inf"))
+        l_sum = tl.load(stats_ptr + base * 2 + 1, mask=smask, other=0.0)
+        m_all = tl.max(m, axis=0)  # split 0 always holds a token, so this is finite
+        w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+        part = tl.load(part_ptr + base[:, None] * D_PAD + d[None, :], mask=smask[:, None], other=0.0)
+        o = tl.sum(part * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+        tl.store(out_ptr + row * stride_or + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
+
+    _KERNELS[mode] = (paged_attn_kernel, merge_kernel)
+    return _KERNELS[mode]
+
+
+def prepare() -> None:
+    """Define the kernels now (outside any timed region or ``torch.compile`` trace)."""
+    _kernels()
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Context splits per row: enough programs for about two waves over the SMs, each split at
+    least one ``BLOCK_N`` tile, at most ``MAX_SPLITS``."""
+    programs = max(1, rows * kv_heads)
+    want = -(-2 * _sm_count(device) // programs)
+    return max(1, min(want, -(-max_len // BLOCK_N), MAX_SPLITS))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    kv_lens: torch.Tensor, row_seq: torch.Tensor, *, block_size: int, scale: float,
+    max_len: int | None = None, splits: int | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` (``[R, q_heads, head_dim]``) over paged K/V, by the Triton kernel.
+
+    ``k_cache`` / ``v_cache``: ``[slots, kv_heads, head_dim]`` (a ``CacheManager`` layer; the last
+    dim contiguous); ``block_table``: int32 ``[B, blocks]`` (row ``b``: the blocks sequence ``b``
+    holds, in order; padding is never read); ``kv_lens``: int32 ``[R]``, each ``>= 1``; ``row_seq``:
+    int32 ``[R]`` (rows of ``block_table``). ``max_len``: ``max(kv_lens)`` when the caller knows it
+    (host side, saves a device sync); ``splits``: context splits (default :func:`choose_splits`).
+    Returns ``[R, q_heads, head_dim]`` in ``q.dtype`` (into ``out`` when given)."""
+    r, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv:
+        raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hkv})")
+    if k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"K/V caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q's head_dim {d}")
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension")
+    if out is None:
+        out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
+    if r == 0:
+        return out
+    if max_len is None:
+        max_len = int(kv_lens.max())
+    groups = hq // hkv
+    s = splits or choose_splits(r, hkv, max_len, q.device)
+    s = max(1, min(int(s), MAX_SPLITS, -(-max_len // BLOCK_N)))
+    split_tokens = -(-max_len // s)
+    split_tokens = -(-split_tokens // BLOCK_N) * BLOCK_N  # whole tiles per split
+    s = -(-max_len // split_tokens)
+    d_pad = _pow2(d, 16)
+    attn, merge = _kernels()
+    if s > 1:
+        part = torch.empty((r, hq, s, d_pad), dtype=torch.float32, device=q.device)
+        stats = torch.empty((r, hq, s, 2), dtype=torch.float32, device=q.device)
+    else:
+        part = stats = out  # unused
+    attn[(r, hkv, s)](
+        q, k_cache, v_cache, block_table, kv_lens, row_seq, out, part, stats,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), split_tokens, float(scale),
+        GROUPS=groups, G_PAD=_pow2(groups, 16), D=d, D_PAD=d_pad, PAGE=block_size, BLOCK=BLOCK_N, SPLITS=s,
+        FP32=q.dtype == torch.float32 or interpreting(),  # the interpreter's bf16 tl.dot is wrong: dot in float32 there
+    )
+    if s > 1:
+        merge[(r, hq)](part, stats, out, out.stride(0), out.stride(1), D=d, D_PAD=d_pad, SPLITS=s, S_PAD=_pow2(s))
+    return out
+
+
+def attention_rows(lengths_after: list[int], new_tokens: list[int]) -> tuple[list[int], list[int]]:
+    """(``row_seq``, ``kv_lens``) of a forward that appends ``new_tokens[b]`` tokens to sequence
+    ``b``, which then holds ``lengths_after[b]`` tokens: one row per new token, causal."""
+    row_seq: list[int] = []
+    kv_lens: list[int] = []
+    for b, (held, n) in enumerate(zip(lengths_after, new_tokens, strict=True)):
+        row_seq.extend([b] * n)
+        kv_lens.extend(range(held - n + 1, held + 1))
+    return row_seq, kv_lens
+
+
+__all__ = [
+    "BACKENDS", "attention_rows", "choose_splits", "interpreting", "paged_attention", "paged_attention_torch",
+    "prepare", "resolve_backend", "triton_available", "triton_unavailable",
+]
