@@ -87,6 +87,16 @@ class ParallelConfig:
 
 
 @define(frozen=True)
+class RolePlacement:
+    """Where one component's stages run (``placement.<component>``): ``devices`` names the worker
+    processes, one per device (``cpu``, ``cuda:1``); components placed on the same device share that
+    worker. omniloop-parallel's role pools run them; checked before any weight loads
+    (:func:`omniloop.placement.check_roles`)."""
+
+    devices: list[str] = attrs.Factory(list)
+
+
+@define(frozen=True)
 class DeployConfig:
     model: ModelConfig = attrs.Factory(ModelConfig)
     device: str = "cpu"
@@ -97,7 +107,9 @@ class DeployConfig:
     transport: str = "inproc"
     attention_backend: str = "sdpa"
     compile: bool = False
-    #: component offload: only ``none`` has behaviour today (others are refused by the runtime)
+    #: component offload for a GPU smaller than the model (omniloop.offload): ``model`` moves each node's
+    #: components to the device as it runs, ``sequential`` also streams their blocks one by one; the
+    #: family must declare ``offload_components`` (checked at load: omniloop.placement.check_offload)
     offload: Literal["none", "model", "sequential"] = "none"
     #: enabled plugins (interceptors, observers) by name, with their deploy-level config
     plugins: dict[str, dict[str, Any]] = attrs.Factory(dict)
@@ -115,6 +127,9 @@ class DeployConfig:
     adapter_fuse: dict[str, float] = attrs.Factory(dict)
     #: multi-process parallelism of one request's compute, e.g. {sp: 2, cfg: 2} (omniloop-parallel)
     parallel: ParallelConfig = attrs.Factory(ParallelConfig)
+    #: role pools: components whose stages run in worker processes, e.g. {vae: {devices: [cpu]}} (VAE
+    #: decode of one request overlaps another's denoise; omniloop-parallel; omniloop.placement.check_roles)
+    placement: dict[str, RolePlacement] = attrs.Factory(dict)
     #: a composed pipeline by its registered name (``prompt-upsample``); with ``models`` instead of
     #: ``model``: one model per role (omniloop.compose, ``Runtime.from_deploy`` builds it)
     pipeline: str | None = None

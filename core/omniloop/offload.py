@@ -24,14 +24,15 @@ copy of the master. LoRA adapters, compiled blocks and parallel worker pools are
 offload at load (:func:`omniloop.placement.check_offload`).
 
 A family opts in with ``offload_components``: ``{component name: dotted path of its block
-ModuleList or None}`` — the components that may move (tokenizers, schedulers are not modules and
+ModuleList (or a tuple of alternatives, the first present wins: library versions differ) or
+None}`` — the components that may move (tokenizers, schedulers are not modules and
 stay), and for sequential mode which of them stream blocks. A component it does not list never
 moves (and a node using it under offload fails with a device mismatch, so families list every
 module they compute with).
 
 On a CPU deployment storage and execution device are both ``cpu``: the machinery (hooks, the
 schedule) runs and nothing is copied — what the CPU tests exercise, with a :class:`Mover` that
-parks evicted weights on the ``meta`` device so a weight used while not loaded fails loudly.
+poisons evicted weights (NaN) so a weight used while not loaded shows in the output.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class Offloader:
     tuples — ``load``, ``prefetch``, ``evict``, ``run`` (a block about to compute), ``stage`` —
     the schedule the tests check."""
 
-    def __init__(self, components: Mapping[str, Any], blocks: Mapping[str, str | None], mode: str,
+    def __init__(self, components: Mapping[str, Any], blocks: Mapping[str, str | tuple[str, ...] | None], mode: str,
                  device: torch.device, *, mover: Mover | None = None, trace: list[tuple[str, str, tuple[str, ...]]] | None = None,
                  ) -> None:
         if mode not in ("model", "sequential"):
@@ -120,10 +121,11 @@ class Offloader:
         for name, module in components.items():
             if not isinstance(module, torch.nn.Module):
                 continue
-            path = blocks.get(name) if mode == "sequential" else None
+            paths = blocks.get(name) if mode == "sequential" else None
             block_mods: list[torch.nn.Module] = []
-            if path:
-                seq = _submodule(module, path, name)
+            path = ""
+            if paths:
+                path, seq = _submodule(module, paths, name)
                 block_mods = list(seq)
             skip = {id(m) for b in block_mods for m in b.modules()}
             self.shells[name] = self._unit(name, module, skip)
@@ -288,17 +290,22 @@ class Offloader:
             self.trace.append((event, name, self.resident()))
 
 
-def _submodule(module: torch.nn.Module, path: str, component: str) -> torch.nn.ModuleList | Sequence[torch.nn.Module]:
-    try:
-        seq = module.get_submodule(path)
-    except AttributeError:
-        raise DeployError(f"offload: component {component!r} has no block list {path!r} (the family's offload_components)") from None
-    if not isinstance(seq, (torch.nn.ModuleList, torch.nn.Sequential)) or len(seq) == 0:
-        raise DeployError(f"offload: {component}.{path} is not a non-empty ModuleList (the family's offload_components)")
-    return seq
+def _submodule(module: torch.nn.Module, paths: str | Sequence[str], component: str) -> tuple[str, Sequence[torch.nn.Module]]:
+    """The first of ``paths`` (one dotted path, or alternatives across library versions) that
+    names a non-empty block list of ``module``."""
+    for path in (paths,) if isinstance(paths, str) else tuple(paths):
+        try:
+            seq = module.get_submodule(path)
+        except AttributeError:
+            continue
+        if not isinstance(seq, (torch.nn.ModuleList, torch.nn.Sequential)) or len(seq) == 0:
+            raise DeployError(f"offload: {component}.{path} is not a non-empty ModuleList (the family's offload_components)")
+        return path, seq
+    shown = paths if isinstance(paths, str) else " or ".join(paths)
+    raise DeployError(f"offload: component {component!r} has no block list {shown!r} (the family's offload_components)")
 
 
-def family_blocks(family: Any) -> dict[str, str | None] | None:
+def family_blocks(family: Any) -> dict[str, str | tuple[str, ...] | None] | None:
     """The family's ``offload_components`` declaration, or None when it declares none."""
     decl = getattr(family, "offload_components", None)
     if decl is None:

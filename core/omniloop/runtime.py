@@ -26,6 +26,7 @@ import torch
 
 from . import adapters as _adapters
 from . import compose as _compose
+from . import offload as _offload
 from . import placement as _placement
 from .deploy import DeployConfig, load_deploy
 from .errors import DeployError, PluginError, RequestError
@@ -36,7 +37,7 @@ from .observers import ObserverBus
 from .plugins import PluginManager, Registry, default_manager
 from .request import OmniEvent, OmniOutput, OmniRequest, TaskType
 from .resolved import GenericResolved, Resolved
-from .schema import request_from_dict, structure_params
+from .schema import as_request, structure_params
 
 log = logging.getLogger("omniloop")
 
@@ -70,9 +71,11 @@ class Deployment:
         #: enabled interceptors/observers: name -> (spec, validated deploy config)
         self.component_configs: dict[str, tuple[PluginComponentSpec, Any]] = self._component_configs()
         self._scheduler_spec = self._scheduler_spec_of()
+        _placement.check_offload(deploy, self.family, self.device)  # offload: model | sequential
         _adapters.check_declared(deploy.adapters, deploy.adapter_fuse, self.family)  # LoRA: names, files
         blocks = tuple(n for n, (s, _) in self.component_configs.items() if s.kind == "block_interceptor")
         _placement.check_parallel(deploy, self.family, self.model_path, self.device, blocks)  # parallel: {sp, cfg}
+        _placement.check_roles(deploy, self.family, self.model_path, self.device)  # placement: role workers
         self.options: dict[str, Any] = {
             "deploy": deploy, "registry": self.registry, "attention": self.attention,
             **self.preset_options, **deploy.options,
@@ -99,7 +102,7 @@ class Deployment:
 
         Raises :class:`RequestError` naming the field. :meth:`Runtime.prepare` re-runs these and
         adds the checks that need the loaded model (node params, the family's full checks)."""
-        req = request if isinstance(request, OmniRequest) else request_from_dict(request)
+        req = as_request(request)  # a Python-built OmniRequest meets the converter's rules too
         model = self.inspect()
         self._check_task(req, model)
         self._check_common(req)
@@ -297,10 +300,12 @@ class Runtime(Deployment):
                  manager: PluginManager | None = None) -> None:
         super().__init__(deploy, manager=manager)
         _placement.check_in_pool(self.deploy)  # a world above 1 loads only inside omniloop-parallel's pool
+        _placement.check_roles_in_pool(self.deploy)  # placement: only through omniloop-parallel's role pools
         self.components_enabled = self._build_components()
         self.scheduler = self._resolve_scheduler()
-        self.model: LoadedModel = self.family.load(
-            self.model_path, device=self.device, dtype=self.dtype, options=self.options
+        self.model: LoadedModel = self.family.load(  # offload: loaded into host memory (omniloop.offload)
+            self.model_path, device=_offload.storage_device(self.deploy.offload, self.device), dtype=self.dtype,
+            options=self.options,
         )
         self._pipelines: dict[TaskType, BuiltPipeline] = {}
         #: the deploy's LoRA adapters, read and hooked at load (None when it declares none)
@@ -311,6 +316,8 @@ class Runtime(Deployment):
                 d.adapters, self.model.components, self.family.adapter_support,
                 max_loaded=d.limits.max_adapters, fuse=d.adapter_fuse, model=self.model, options=self.options,
             )
+        #: offload: model | sequential — moves components to the device as nodes run (None: everything stays)
+        self.offload = _offload.install(self.model, self.family, self.deploy.offload, self.device)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -320,6 +327,9 @@ class Runtime(Deployment):
         cfg = load_deploy(deploy)
         if _compose.is_composed(cfg):  # pipeline + models by role: several runtimes, one request
             return _compose.ComposedRuntime(cfg, manager=manager)  # type: ignore[return-value]
+        pool = _placement.pool_factory(cfg)  # parallel / placement: omniloop-parallel's worker processes
+        if pool is not None:
+            return pool(cfg, manager=manager)  # type: ignore[no-any-return]
         return cls(cfg, manager=manager)
 
     @classmethod
@@ -378,7 +388,7 @@ class Runtime(Deployment):
         return built
 
     def _build(self, task: TaskType) -> BuiltPipeline:
-        spec: PipelineSpec = self.family.build_pipeline(self.model, task, self.options)
+        spec: PipelineSpec = _offload.wrap_pipeline(self.family.build_pipeline(self.model, task, self.options), self.offload)
         observers = [(n, obj) for n, (s, obj) in self.components_enabled.items() if s.kind == "observer"]
         bus = ObserverBus(observers) if observers else None
         block = [obj for s, obj in self.components_enabled.values() if s.kind == "block_interceptor"]
@@ -404,7 +414,7 @@ class Runtime(Deployment):
     # -- requests -------------------------------------------------------------------------------
     def prepare(self, request: OmniRequest | Mapping[str, Any]) -> Execution:
         """Validate ``request`` completely (before any compute) and return its execution."""
-        req = request if isinstance(request, OmniRequest) else request_from_dict(request)
+        req = as_request(request)  # a Python-built OmniRequest meets the converter's rules too
         self._check_task(req, self.model)
         self._check_common(req)
         built = self.pipeline(req.task)
@@ -476,11 +486,6 @@ def _refuse_unimplemented(deploy: DeployConfig) -> None:
         raise DeployError(
             f"pipeline: {deploy.pipeline!r} is a composed deploy (pipeline + models by role); load it with "
             "Runtime.from_deploy or omniloop.compose.ComposedRuntime"
-        )
-    if deploy.offload != "none":
-        raise DeployError(
-            f"offload: {deploy.offload!r} is not implemented yet; only 'none' runs (components stay on the "
-            "deploy's device) — remove the field or set it to 'none'"
         )
 
 

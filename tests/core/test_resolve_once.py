@@ -180,7 +180,7 @@ def test_the_old_open_signature_still_works_and_warns(ckpt: Any) -> None:
 
 
 # -- deploy fields without behaviour are refused, never accepted and ignored ------------------------
-@pytest.mark.parametrize("field,value", [("transport", "nccl"), ("offload", "model"), ("offload", "sequential")])
+@pytest.mark.parametrize("field,value", [("transport", "nccl")])  # offload: tests/core/test_offload.py
 def test_fields_without_behaviour_are_refused(ckpt: Any, field: str, value: str) -> None:
     from omniloop.errors import DeployError
 

@@ -37,6 +37,15 @@ class WanFamily:
     parallel_axes = frozenset({"sp", "cfg"})
     parallel_limits: ClassVar[dict[str, int]] = {"cfg": 2}  # one rank per guidance branch (cond, uncond)
     parallel_block_interceptors = True  # bound to the sp group (omniloop_wan.parallel.bind_block_interceptor)
+    #: deploy placement (role pools, omniloop-parallel): components whose stages may run in a worker process
+    role_components = frozenset({"text_encoder", "image_encoder", "vae"})
+    #: deploy offload: model | sequential (omniloop.offload) — the modules that move, and the block list
+    #: each streams one block at a time under ``sequential`` (the VAE moves whole; CLIP's layers moved
+    #: from ``vision_model.encoder`` to ``encoder`` in transformers 5: both spellings)
+    offload_components: ClassVar[dict[str, str | tuple[str, ...] | None]] = {
+        "transformer": "blocks", "transformer_2": "blocks", "text_encoder": "encoder.block",
+        "image_encoder": ("encoder.layers", "vision_model.encoder.layers"), "vae": None,
+    }
 
     def attention_heads(self, path: Path) -> int | None:
         """The transformer's attention heads from its config (``parallel.sp`` must divide them)."""
