@@ -1,6 +1,8 @@
 """One cattrs converter for the request plane, with strict types and dotted-path errors.
 
-* ``request_from_dict`` / ``request_to_dict`` — JSON round trip of :class:`OmniRequest`.
+* ``request_from_dict`` / ``request_to_dict`` — JSON round trip of :class:`OmniRequest`;
+  ``as_request`` / ``validate_request`` — the same rules for an ``OmniRequest`` built in Python
+  (``Runtime.prepare`` and ``Deployment.check`` call ``as_request`` on entry).
 * ``structure_params(cls, data, path)`` — validate a plugin's or node's parameter dict against
   its attrs schema; ``check_regex`` is a field validator for regex-valued options.
 * Errors: unknown keys, wrong types and out-of-range values raise :class:`RequestError` whose
@@ -41,6 +43,7 @@ from cattrs.strategies import configure_tagged_union
 from .errors import RequestError
 from .request import (
     MODAL_PART_TYPES,
+    AdapterRef,
     ErrorInfo,
     ImagePart,
     ModalPart,
@@ -446,6 +449,45 @@ def request_to_dict(req: OmniRequest) -> dict[str, Any]:
     return typing.cast(dict[str, Any], converter.unstructure(req))
 
 
+_REQUEST_HINTS = typing.get_type_hints(OmniRequest)
+
+
+def validate_request(req: OmniRequest) -> None:
+    """Hold an :class:`OmniRequest` built in Python (which skipped the converter) to every rule
+    :func:`request_from_dict` enforces — types, ranges, patterns (``request_id``), finite numbers,
+    valid text, the image-part rule — by passing its JSON form through the converter: one rule set,
+    the same :class:`RequestError` naming the dotted field (``diffusion.steps``) as the CLI and HTTP."""
+    if not isinstance(req, OmniRequest):
+        raise RequestError("", f"expected an OmniRequest or a JSON object, got {_show(req)}")
+    for name, want in _REQUEST_HINTS.items():  # a nested field holding the wrong kind of object
+        v = getattr(req, name)
+        if isinstance(want, type) and attrs.has(want) and not isinstance(v, want):
+            raise RequestError(name, f"expected {want.__name__}, got {_show(v)}")
+    for name, kinds in (("inputs", MODAL_PART_TYPES), ("adapters", (AdapterRef,))):
+        items = getattr(req, name)
+        if not isinstance(items, (list, tuple)):
+            raise RequestError(name, f"expected a list, got {_show(items)}")
+        for i, item in enumerate(items):
+            if not isinstance(item, kinds):
+                names = ", ".join(k.__name__ for k in kinds)
+                raise RequestError(f"{name}.{i}", f"expected {'one of ' if len(kinds) > 1 else ''}{names}, got {_show(item)}")
+    try:
+        data = request_to_dict(req)
+    except Exception as exc:  # something in it the converter cannot even read back
+        raise RequestError("", f"not a request the schema can read ({type(exc).__name__}: {_clip(str(exc), 200)})") from None
+    request_from_dict(data)
+
+
+def as_request(request: OmniRequest | Mapping[str, Any]) -> OmniRequest:
+    """The entry check of every request (``Runtime.prepare``, ``Deployment.check``): a JSON-like
+    dict through :func:`request_from_dict`, an ``OmniRequest`` object through :func:`validate_request`
+    (returned as it is). Raises :class:`RequestError` naming the dotted field."""
+    if isinstance(request, OmniRequest):
+        validate_request(request)
+        return request
+    return request_from_dict(request)
+
+
 def structure_params(cls: type[T], data: Mapping[str, Any] | None, path: str) -> T:
     """Validate a parameter dict against an attrs schema (``None`` → all defaults)."""
     return structure(dict(data or {}), cls, path)
@@ -500,6 +542,7 @@ def jsonable(v: Any) -> Any:
 
 __all__ = [
     "MODAL_PART_TYPES",
+    "as_request",
     "PlainValueError",
     "brief",
     "check_plain",
@@ -513,4 +556,5 @@ __all__ = [
     "request_to_dict",
     "structure",
     "structure_params",
+    "validate_request",
 ]

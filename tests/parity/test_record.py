@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -199,27 +200,42 @@ def test_out_templates_are_checked_at_deploy(ckpt, template, words):
         toy_runtime(ckpt, ("parity", plugin), plugins={"parity": {"out": template}})
 
 
-@pytest.mark.parametrize("rid", ["../../escape", "/abs/x", "..", "a/b\x00c", ".hidden"])
+@pytest.mark.parametrize("rid", ["../../escape", "/abs/x", "..", "a/b\x00c", ".hidden", "\ud800"])
 def test_a_hostile_request_id_stays_in_the_recording_folder(tmp_path, rid):
+    """The recorder's own line of defence (the core already refuses these ids on every entry)."""
     from omniloop_parity.config import out_path
 
     folder = tmp_path / "recs"
     path = out_path(str(folder / "rec-{request_id}.safetensors"), rid)
     assert path.parent == folder and "/" not in path.name[len("rec-"):] and "\x00" not in str(path)
     assert path.name.startswith("rec-") and path.name.endswith(".safetensors")
+    assert re.search(r"-[0-9a-f]{8}\.safetensors$", path.name)  # a changed id carries its hash
 
 
-def test_a_request_built_in_python_with_a_path_like_id_writes_inside_the_folder(h, recording_runtime, tmp_path):
+def test_ids_that_sanitise_alike_get_different_files(tmp_path):
+    from omniloop_parity.config import out_path
+
+    t = str(tmp_path / "rec-{request_id}.safetensors")
+    assert out_path(t, "a_b").name == "rec-a_b.safetensors"  # a valid id is used as it is
+    names = {out_path(t, rid).name for rid in ("a_b", "a/b", "a\\b", "a b")}
+    assert len(names) == 4
+
+
+def test_a_request_built_in_python_with_a_path_like_id_is_refused_before_anything_runs(h, recording_runtime, tmp_path):
+    """An OmniRequest object skips the converter, but Runtime.prepare holds it to the same rules:
+    the path-like id is refused naming request_id, and no recording is written anywhere."""
     import attrs
 
+    from omniloop.errors import RequestError
     from omniloop.schema import request_from_dict
 
     folder = tmp_path / "recs"
     rt = recording_runtime(out=str(folder / "rec-{request_id}.safetensors"))
     req = attrs.evolve(request_from_dict(h.REQUEST), request_id="../../escaped")  # skips the schema
-    assert rt.generate(req).ok
-    written = list(folder.iterdir())
-    assert len(written) == 1 and written[0].name == "rec-_.._escaped.safetensors"
+    with pytest.raises(RequestError) as err:
+        rt.generate(req)
+    assert err.value.path == "request_id" and "../../escaped" in str(err.value)
+    assert not folder.exists() or not list(folder.iterdir())
     assert not list(tmp_path.glob("escaped*")) and not list(tmp_path.parent.glob("escaped*"))
 
 

@@ -43,16 +43,18 @@ def error(menu, node=None, **diffusion) -> RequestError:
             "node_params.denoise.sampler",
             "unknown sampler 'euler-a'; available: dpmpp, few-step, flow-euler, unipc",
         ),
-        ({"sampler": 3}, "node_params.denoise.sampler", "expected a string"),
+        ({"sampler": 3}, "node_params.denoise.sampler", "expected a string, got int 3"),
         (
             {"cfg": "pag"},
             "node_params.denoise.cfg",
             "unknown cfg 'pag'; available: adaptive-gate, batched, classic, interval",
         ),
-        ({"guidance_scale": -1}, "node_params.denoise.guidance_scale", "must be >= 0"),
-        ({"guidance_scale": "high"}, "node_params.denoise.guidance_scale", "expected a number"),
-        ({"shift": 0}, "node_params.denoise.shift", "must be > 0"),
-        ({"steps": 0}, "node_params.denoise.steps", "must be >= 1"),
+        ({"guidance_scale": -1}, "node_params.denoise.guidance_scale", "must be >= 0.0, got -1.0"),
+        ({"guidance_scale": "high"}, "node_params.denoise.guidance_scale", "expected a number, got str 'high'"),
+        ({"guidance_scale": float("nan")}, "node_params.denoise.guidance_scale", "must be a finite number, got float nan"),
+        ({"shift": 0}, "node_params.denoise.shift", "must be > 0.0, got 0.0"),
+        ({"steps": 0}, "node_params.denoise.steps", "must be >= 1, got 0"),
+        ({"steps": 2.5}, "node_params.denoise.steps", "expected an integer, got float 2.5"),
         ({"cfg": "interval", "cfg_window": [0.8, 0.2]}, "node_params.denoise.cfg_window", "0 <= start < end <= 1"),
         ({"cfg": "interval", "cfg_window": [0.1]}, "node_params.denoise.cfg_window", "[start, end)"),
         (
@@ -65,7 +67,7 @@ def error(menu, node=None, **diffusion) -> RequestError:
             "node_params.denoise.gate_every",
             "read by the adaptive-gate cfg policy, but this request uses cfg 'classic'; set cfg='adaptive-gate'",
         ),
-        ({"cfg": "adaptive-gate", "gate_every": 0}, "node_params.denoise.gate_every", "must be >= 1"),
+        ({"cfg": "adaptive-gate", "gate_every": 0}, "node_params.denoise.gate_every", "must be >= 1, got 0"),
         (
             {"timesteps": [1000, 500]},
             "node_params.denoise.timesteps",
@@ -78,14 +80,17 @@ def error(menu, node=None, **diffusion) -> RequestError:
 def test_invalid_params_name_the_node_the_path_and_the_policy(menu, node, path, fragment):
     err = error(menu, node)
     assert err.path == path
-    assert "node 'denoise'" in str(err) and fragment in str(err), str(err)
+    # one line: the dotted path, the node, then what is wrong (with the value, cut short)
+    assert str(err).startswith(f"{path}: node 'denoise': ") and "\n" not in str(err), str(err)
+    assert fragment in str(err), str(err)
 
 
 def test_few_step_with_a_different_step_count_names_the_field_it_came_from(menu):
     err = error(menu, {"sampler": "few-step"}, steps=20)
     assert err.path == "diffusion.steps" and "exactly its 3 distilled timesteps" in str(err)
+    assert "steps=20 was asked" in str(err)
     err = error(menu, {"sampler": "few-step", "steps": 4})
-    assert err.path == "node_params.denoise.steps"
+    assert err.path == "node_params.denoise.steps" and "steps=4 was asked" in str(err)
     pol = menu.resolve(req({"sampler": "few-step"}))  # the family's default step count does not apply
     assert pol.num_steps is None
     pol = menu.resolve(req({"sampler": "few-step", "timesteps": [999, 500], "steps": 2}))
@@ -148,8 +153,11 @@ def test_a_custom_node_name_is_used_in_paths():
 
 
 def test_params_must_be_an_object(menu):
-    with pytest.raises(RequestError, match="params must be an object"):
+    with pytest.raises(RequestError, match="params must be an object, got list") as info:
         menu.parse(["unipc"])
+    assert info.value.path == "node_params.denoise"
+    err = error(menu, "unipc")
+    assert err.path == "node_params.denoise" and "params must be an object, got str" in str(err)
 
 
 def test_parse_accepts_an_already_built_params_object(menu):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import string
 from pathlib import Path
@@ -17,8 +18,8 @@ class ParityError(OmniloopError):
     """A recording is missing, malformed, or a parity run could not be made."""
 
 
-#: what ``{request_id}`` becomes in a file name: request ids are validated identifiers, but a
-#: request built in Python skips that, so anything else is replaced here too
+#: what ``{request_id}`` becomes in a file name: request ids are validated identifiers (for
+#: requests built in Python too), and anything else is still replaced here, as a second line
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@+=-]")
 
 
@@ -40,8 +41,15 @@ def check_out_template(_inst: object, attr: Any, value: str | None) -> None:
 
 def out_path(template: str, request_id: str) -> Path:
     """The recording file of ``request_id`` under the ``out`` template: the id reduced to safe
-    characters (never ``/``, never a leading ``.``), and checked to land in the template's folder."""
+    characters (never ``/``, never a leading ``.``), and checked to land in the template's folder.
+
+    The core refuses such ids on every entry (``omniloop.schema.as_request``), so this is a second
+    line: an id that had to be changed gets ``-<8 hex digits of its SHA-256>`` appended, so two
+    different ids never share a file (``a/b`` and ``a_b``)."""
     safe = _UNSAFE.sub("_", request_id)[:128].lstrip(".") or "request"
+    if safe != request_id:
+        digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        safe = f"{safe[:119]}-{digest}"
     path = Path(template.format(request_id=safe))
     folder = Path(template).parent
     if path.parent.resolve() != folder.resolve():
