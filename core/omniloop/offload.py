@@ -113,7 +113,9 @@ class Offloader:
         self.device = torch.device(device)
         self.mover = mover or Mover(self.device)
         self.trace = trace
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.mover.pin else None
+        self._stream: Any = (
+            torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.mover.pin else None  # type: ignore[no-untyped-call]
+        )
         self._hooks: list[Any] = []
         self.shells: dict[str, _Unit] = {}
         self.stacks: dict[str, _Stack] = {}
@@ -162,7 +164,7 @@ class Offloader:
         want = [n for n in uses if n in self.shells]
         if not want:
             return
-        for name, shell in self.shells.items():
+        for name in self.shells:
             if name not in want:
                 self._evict_component(name)
         for name in want:
@@ -175,8 +177,11 @@ class Offloader:
             self._evict_component(name)
 
     def remove(self) -> None:
-        """Remove the hooks; every tensor is left in storage (its master)."""
+        """Remove the hooks; every tensor is left in storage: its host master (the module works
+        there again, e.g. to ``.to()`` it somewhere else)."""
         self.evict_all()
+        for unit in self._all_units():
+            self._set(unit, unit.masters)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -213,12 +218,12 @@ class Offloader:
         for mod in module.modules():
             if id(mod) in skip:
                 continue
-            for attr, t in list(mod._parameters.items()):
-                if t is None or id(t) in seen:  # a tied parameter moves once
+            for attr, p in list(mod._parameters.items()):
+                if p is None or id(p) in seen:  # a tied parameter moves once
                     continue
-                seen.add(id(t))
+                seen.add(id(p))
                 slots.append((mod, attr, True))
-                masters.append(self.mover.store(t))
+                masters.append(self.mover.store(p))
             for attr, t in list(mod._buffers.items()):
                 if t is None:
                     continue
@@ -250,7 +255,7 @@ class Offloader:
         else:
             with torch.cuda.stream(self._stream):
                 tensors = [self.mover.fetch(m) for m in unit.masters]
-                unit.event = torch.cuda.Event()
+                unit.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 unit.event.record(self._stream)
             self._set(unit, tensors)
             unit.on_device = True
@@ -300,7 +305,7 @@ def _submodule(module: torch.nn.Module, paths: str | Sequence[str], component: s
             continue
         if not isinstance(seq, (torch.nn.ModuleList, torch.nn.Sequential)) or len(seq) == 0:
             raise DeployError(f"offload: {component}.{path} is not a non-empty ModuleList (the family's offload_components)")
-        return path, seq
+        return path, list(seq)
     shown = paths if isinstance(paths, str) else " or ".join(paths)
     raise DeployError(f"offload: component {component!r} has no block list {shown!r} (the family's offload_components)")
 

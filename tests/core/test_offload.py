@@ -1,0 +1,318 @@
+"""omniloop.offload: the move / stream schedule of ``offload: model | sequential``, recorded.
+
+The toy family (its transformer has a ``blocks`` ModuleList) opts in through a subclass declaring
+``offload_components``. On CPU storage and execution device are both ``cpu``; a recording mover
+counts every copy and poisons evicted weights with NaN, so a weight computed with while it is not
+loaded would show in the output (which must stay ``torch.equal`` to the unoffloaded run). The CUDA
+tests (skipped without a GPU) run the pinned-memory / side-stream path for real.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import torch
+from torch import nn
+
+from omniloop.deploy import load_deploy
+from omniloop.errors import DeployError
+from omniloop.hookspecs import hookimpl
+from omniloop.loop import is_batched, is_loop_stage
+from omniloop.offload import Mover, OffloadedStage, Offloader, install, wrap_pipeline
+from omniloop.placement import check_offload
+from omniloop.runtime import Deployment, Runtime
+from omniloop.testing import build_toy_checkpoint, make_manager, toy_request
+from omniloop.testing.toy import ToyFamily
+
+Trace = list[tuple[str, str, tuple[str, ...]]]
+
+
+class OffloadToyFamily(ToyFamily):
+    offload_components: ClassVar[dict[str, str | None]] = {"text_encoder": None, "transformer": "blocks", "decoder": None}
+
+
+class _Plugin:
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @hookimpl
+    def omniloop_register_families(self, register: Any) -> None:
+        register(OffloadToyFamily())
+
+
+def manager() -> Any:
+    return make_manager(("toy-offload", _Plugin()), toy=False)
+
+
+class RecordingMover(Mover):
+    """Counts fetches per tensor and parks evicted weights as NaN (integer buffers: empty)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, pin=False)
+        self.fetches = 0
+
+    def fetch(self, master: torch.Tensor) -> torch.Tensor:
+        self.fetches += 1
+        return master  # no copy: a copy at another address may round differently in CPU GEMMs
+
+    def park(self, master: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(master, float("nan")) if master.is_floating_point() else master.new_empty(0)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return build_toy_checkpoint(tmp_path_factory.mktemp("toy-offload"), layers=5)
+
+
+def _strict(rt: Runtime, mode: str) -> tuple[Trace, RecordingMover]:
+    trace: Trace = []
+    mover = RecordingMover(rt.device)
+    rt.offload.remove()
+    rt.offload = install(rt.model, rt.family, mode, rt.device, mover=mover, trace=trace)
+    rt._pipelines.clear()
+    return trace, mover
+
+
+def _latents(out: Any) -> torch.Tensor:
+    assert out.status.value == "completed", out.error
+    return out.artifacts["latents"].tensor
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    out = Runtime.from_model(ckpt, manager=manager()).generate(toy_request(steps=3))
+    return _latents(out), out.artifacts["video"].frames
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential"])
+def test_runtime_offload_equals_no_offload(ckpt: Any, reference: Any, mode: str) -> None:
+    rt = Runtime.from_model(ckpt, manager=manager(), offload=mode)
+    out = rt.generate(toy_request(steps=3))
+    assert torch.equal(_latents(out), reference[0]) and torch.equal(out.artifacts["video"].frames, reference[1])
+
+
+def test_model_mode_schedule(ckpt: Any, reference: Any) -> None:
+    """One node's components on the device at a time; the transformer loads once for the whole
+    denoise loop (lazy eviction), not once per step."""
+    rt = Runtime.from_model(ckpt, manager=manager(), offload="model")
+    trace, mover = _strict(rt, "model")
+    assert rt.offload.resident() == ()
+    assert torch.equal(_latents(rt.generate(toy_request(steps=3))), reference[0])
+    moves = [(ev, name) for ev, name, _ in trace if ev in ("load", "evict")]
+    assert moves == [("load", "text_encoder"), ("evict", "text_encoder"), ("load", "transformer"),
+                     ("evict", "transformer"), ("load", "decoder")]
+    for ev, name, res in trace:
+        if ev == "stage":
+            assert res == ({"text_encode": "text_encoder", "denoise": "transformer", "decode": "decoder"}[name],)
+    n_tensors = sum(len(u.masters) for u in rt.offload.shells.values())
+    assert mover.fetches == n_tensors  # every tensor copied exactly once for the request
+
+
+def test_sequential_schedule(ckpt: Any, reference: Any) -> None:
+    """Each block loads when it runs, the next one is prefetched as it starts (wrapping to block 0),
+    it leaves when it is done: at most two blocks resident, never a block while the decoder runs."""
+    rt = Runtime.from_model(ckpt, manager=manager(), offload="sequential")
+    trace, mover = _strict(rt, "sequential")
+    assert torch.equal(_latents(rt.generate(toy_request(steps=3))), reference[0])
+    n = len(rt.model.components["transformer"].blocks)
+    runs = [(name, res) for ev, name, res in trace if ev == "run"]
+    forwards = len(runs) // n
+    assert forwards >= 3 and [r for r, _ in runs] == [f"transformer.blocks.{i}" for i in range(n)] * forwards
+    for name, res in runs:
+        blocks = [r for r in res if r.startswith("transformer.blocks.")]
+        assert name in res and len(blocks) <= 2 and "transformer" in res
+        assert "decoder" not in res and "text_encoder" not in res
+    # block i runs after block i+1's prefetch was started and before block i was evicted
+    for k, (ev, name, _) in enumerate(trace):
+        if ev == "run":
+            i = int(name.rsplit(".", 1)[1])
+            assert trace[k - 1][:2] == ("prefetch", f"transformer.blocks.{(i + 1) % n}")
+            assert ("evict", name) == next(t[:2] for t in trace[k + 1:] if t[1] == name)
+    stages = {name: res for ev, name, res in trace if ev == "stage"}
+    assert stages["decode"] == ("decoder",)
+    # the shell moves once for the loop; each block once per forward, plus the wrapped-around prefetch
+    shell = len(rt.offload.shells["transformer"].masters)
+    per_block = len(rt.offload.stacks["transformer"].units[0].masters)
+    enc, dec = len(rt.offload.shells["text_encoder"].masters), len(rt.offload.shells["decoder"].masters)
+    assert mover.fetches == enc + shell + per_block * (n * forwards + 1) + dec
+
+
+def test_skipped_blocks_keep_the_bound() -> None:
+    """A caller that runs only some blocks (a cache interceptor) leaves a stale prefetch behind:
+    the next block entered drops it, so no more than two blocks are ever resident."""
+    blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+    trace: Trace = []
+    off = Offloader({"net": nn.ModuleDict({"blocks": blocks})}, {"net": "blocks"}, "sequential", torch.device("cpu"),
+                    mover=RecordingMover(torch.device("cpu")), trace=trace)
+    off.activate(["net"])
+    x = torch.randn(2, 4)
+    ref = x
+    with torch.no_grad():
+        for i in (0, 1, 4, 5, 0, 3):
+            x = blocks[i](x)
+    off.remove()
+    with torch.no_grad():
+        for i in (0, 1, 4, 5, 0, 3):
+            ref = blocks[i](ref)
+    assert torch.equal(x, ref)
+    for ev, name, res in trace:
+        if ev == "run":
+            assert name in res and len([r for r in res if ".blocks." in r]) <= 2
+
+
+def test_model_mode_keeps_what_the_node_uses_and_ignores_the_rest() -> None:
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    off = Offloader({"a": a, "b": b, "tokenizer": object()}, {}, "model", torch.device("cpu"),
+                    mover=RecordingMover(torch.device("cpu")))
+    assert "tokenizer" not in off.shells and off.resident() == ()
+    assert torch.isnan(a.weight).all()  # parked: poisoned by the recording mover
+    off.activate(["a", "tokenizer"])
+    assert off.resident() == ("a",) and not torch.isnan(a.weight).any()
+    off.activate(["tokenizer"])  # a node using nothing that moves moves nothing
+    assert off.resident() == ("a",)
+    off.activate(["b"])
+    assert off.resident() == ("b",) and torch.isnan(a.weight).all()
+    off.remove()
+    assert off.resident() == () and not torch.isnan(a.weight).any()  # removed: the masters again
+
+
+def test_tied_parameters_move_once() -> None:
+    enc = nn.Module()
+    enc.embed = nn.Embedding(5, 3)
+    enc.head = nn.Linear(3, 5, bias=False)
+    enc.head.weight = enc.embed.weight
+    off = Offloader({"enc": enc}, {}, "model", torch.device("cpu"))
+    assert len(off.shells["enc"].masters) == 1
+
+
+def test_wrapped_stage_keeps_its_shape(ckpt: Any) -> None:
+    """The wrapped denoise is still a (batched) loop stage; each call activates its components."""
+    from omniloop.request import TaskType
+
+    rt = Runtime.from_model(ckpt, manager=manager(), offload="model")
+    spec = rt.pipeline(TaskType.T2V).spec
+    den = spec.node("denoise")
+    assert isinstance(den.stage, OffloadedStage) and is_loop_stage(den.stage) and is_batched(den.stage)
+    assert not isinstance(den.stage.inner, OffloadedStage)
+    assert wrap_pipeline(spec, rt.offload).node("denoise").stage is den.stage  # never wrapped twice
+    assert wrap_pipeline(spec, None) is spec
+
+
+def _run_batched(rt: Runtime) -> list[torch.Tensor]:
+    from omniloop.execution import advance_batch
+
+    execs = [rt.prepare(toy_request(steps=3, seed=1)), rt.prepare(toy_request(steps=3, seed=2))]
+    batched = 0
+    while not all(e.done for e in execs):
+        keys = {e.batch_key() for e in execs}
+        if len(keys) == 1 and None not in keys:
+            advance_batch(execs)
+            batched += 1
+        else:
+            for e in execs:
+                e.advance()
+    assert batched >= 2
+    return [_latents(e.output) for e in execs]
+
+
+def test_step_batch_of_two_requests_equal(ckpt: Any) -> None:
+    """Two requests co-batched (``advance_batch``, the step scheduler's path) through the wrapped
+    stage equal the same batched run without offload (a batch of two rounds differently from two
+    requests alone, so the reference is batched too)."""
+    ref = _run_batched(Runtime.from_model(ckpt, manager=manager()))
+    rt = Runtime.from_model(ckpt, manager=manager(), offload="sequential")
+    _strict(rt, "sequential")
+    got = _run_batched(rt)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+# -- refused at load, one line ------------------------------------------------------------------
+@attrs.define
+class _Fam:
+    name: str = "fam"
+    offload_components: dict[str, Any] | None = attrs.Factory(lambda: {"x": None})
+
+
+@pytest.mark.parametrize("deploy,family,device,match", [
+    ({"offload": "model"}, _Fam(offload_components=None), "cpu", r"^offload: family 'fam' does not support offload"),
+    ({"offload": "sequential"}, _Fam(), "meta", r"^offload: 'sequential' moves weights between host memory and a CUDA device, not 'meta'$"),
+    ({"offload": "model", "parallel": {"sp": 2}}, _Fam(), "cpu", r"^offload: 'model' runs in one process"),
+    ({"offload": "model", "adapters": {"x": "/a"}}, _Fam(), "cpu", r"^offload: 'model' does not combine with LoRA adapters yet \(adapters: x\)$"),
+    ({"offload": "sequential", "compile": True}, _Fam(), "cpu", r"^offload: 'sequential' does not combine with compile: true"),
+])
+def test_check_offload_refusals(deploy: dict[str, Any], family: Any, device: str, match: str) -> None:
+    with pytest.raises(DeployError, match=match) as info:
+        check_offload(load_deploy(deploy), family, torch.device(device))
+    assert "\n" not in str(info.value)
+    check_offload(load_deploy({}), family, torch.device(device))  # offload: none always passes
+
+
+def test_family_without_declaration_refused_before_weights(ckpt: Any) -> None:
+    with pytest.raises(DeployError, match=r"^offload: family 'toy' does not support offload"):
+        Deployment({"model": {"path": str(ckpt)}, "offload": "model"}, manager=make_manager())
+
+
+@pytest.mark.parametrize("value", ["Model", "all", "1"])
+def test_bad_offload_value_is_one_line(ckpt: Any, value: str) -> None:
+    with pytest.raises(DeployError, match=r"offload") as info:
+        Deployment({"model": {"path": str(ckpt)}, "offload": value}, manager=manager())
+    assert "\n" not in str(info.value)
+
+
+def test_bad_block_path_declared() -> None:
+    net = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(DeployError, match=r"^offload: component 'net' has no block list 'layers'"):
+        Offloader({"net": net}, {"net": "layers"}, "sequential", torch.device("cpu"))
+    holder = nn.Module()
+    holder.layers = nn.ModuleList()
+    with pytest.raises(DeployError, match=r"^offload: net.layers is not a non-empty ModuleList"):
+        Offloader({"net": holder}, {"net": "layers"}, "sequential", torch.device("cpu"))
+    Offloader({"net": net}, {"net": "layers"}, "model", torch.device("cpu"))  # model mode ignores block lists
+
+
+# -- CUDA: pinned host masters, a side stream, the memory bound (marked gpu: skipped without CUDA) --
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["model", "sequential"])
+def test_cuda_runtime_offload_equals_resident(ckpt: Any, mode: str) -> None:
+    ref = Runtime.from_model(ckpt, device="cuda", manager=manager()).generate(toy_request(steps=3))
+    rt = Runtime.from_model(ckpt, device="cuda", manager=manager(), offload=mode)
+    out = rt.generate(toy_request(steps=3))
+    assert torch.equal(_latents(out).cpu(), _latents(ref).cpu())
+    assert rt.offload.mover.pin and all(m.is_pinned() for u in rt.offload.shells.values() for m in u.masters)
+    assert (rt.offload._stream is not None) == True  # noqa: E712 — the side stream exists on CUDA
+
+
+@pytest.mark.gpu
+def test_cuda_sequential_memory_bound_and_overlap() -> None:
+    """A 12-block stack of 8 MiB blocks: while a block runs at most two blocks are allocated;
+    the output equals the resident stack's."""
+    torch.manual_seed(0)
+    dim = 1024
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim)) for _ in range(12))
+    net = nn.ModuleDict({"blocks": blocks}).eval()
+    x = torch.randn(64, dim)
+    with torch.no_grad():
+        ref = x
+        for b in blocks:
+            ref = b(ref)
+        dev = torch.device("cuda")
+        off = Offloader({"net": net}, {"net": "blocks"}, "sequential", dev)
+        off.activate(["net"])
+        block_bytes = off.stacks["net"].units[0].nbytes
+        peaks: list[int] = []
+        probe = [b.register_forward_pre_hook(lambda m, a: peaks.append(torch.cuda.memory_allocated())) for b in blocks]
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        h = x.to(dev)
+        for _ in range(2):
+            y = h
+            for b in blocks:
+                y = b(y)
+        torch.cuda.synchronize()
+        for p in probe:
+            p.remove()
+        off.remove()
+    assert torch.allclose(y.cpu(), ref, atol=1e-4, rtol=1e-4)  # GPU vs CPU matmul, not bitwise
+    assert max(peaks) - base <= 2 * block_bytes + 4 * 64 * dim * 4 * 4
+    assert all(p.device.type == "cpu" for p in net.parameters())
