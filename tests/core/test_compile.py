@@ -119,7 +119,7 @@ def test_a_graph_break_inside_a_block_fails_at_its_first_call():
 
     model = torch.nn.Module()
     cb = compile_blocks(model, [Breaks()], backend="eager")
-    with pytest.raises(Exception, match="(?i)graph.break"):
+    with pytest.raises(Exception, match=r"(?i)graph.break"):
         cb.blocks[0](torch.zeros(2))
 
 

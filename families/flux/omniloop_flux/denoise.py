@@ -5,7 +5,8 @@ patches (``[1, N, 4C]``), resolves the request's policies and lets them allocate
 scheduler (``mu`` from ``N`` for FLUX.1 [dev]; for i2i the schedule is cut by ``strength`` and the
 image latents are noised to its first timestep with ``scale_noise``). A step then is one
 transformer forward per planned branch — ``cond`` only with embedded guidance, ``cond`` and
-``uncond`` (the negative prompt) with true CFG (``classic``) — the CFG combine, the sampler step, taps.
+``uncond`` (the negative prompt) with true CFG (``classic``) — the CFG combine, the sampler step, taps
+(``omniloop_policies.stepping``: ``begin_step``, ``branch_predictions``, ``finish_step``).
 
 Batched steps across requests (``batch_key`` / ``step_batch``): requests whose latents, text
 shapes, step index, timestep and dtype agree run their step as one forward over the stacked batch
@@ -28,8 +29,9 @@ from attrs import define
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
 from omniloop.context import StageContext
-from omniloop.interceptors import BlockContext, call_model
+from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState, StepResult
+from omniloop_policies.stepping import begin_step, branch_predictions, finish_step
 
 from .resolve import FluxParams
 from .stages import vae_scale_factor
@@ -167,36 +169,17 @@ class Denoise:
         return flux_forward(model, block_ctx=block_ctx, blocks=blocks_for(model, ctx), **batch)
 
     def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
-        pol = loop.policy_state["policies"]
-        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
-        if step.step_index != loop.step:
-            raise RuntimeError(
-                f"node {ctx.node.name!r}: the sampler is at step {step.step_index} but the loop at {loop.step}"
-            )
-        taps = ctx.taps_enabled
+        pol, step = begin_step(ctx, state, loop)
         with torch.no_grad():
-            latents = loop.tensors["latents"]
             inp = self.step_inputs(ctx, state, loop)
-            preds = {}
-            for branch in pol.plan(step, loop):
-                sc = step.with_branch(branch)
-                batch = stack([inp], branch)
-                bctx = ctx.block_context(sc, loop, prefix="transformer.blocks")
-
-                def compute(batch: dict[str, Any] = batch, bctx: BlockContext | None = bctx) -> torch.Tensor:
-                    return self.forward(ctx, batch, bctx)
-
-                preds[branch] = call_model(ctx.step_interceptors, sc, loop, batch, compute)
-                if taps:
-                    ctx.tap("noise_pred", preds[branch], sc)
-            guided = pol.combine(step, loop, preds)
-            if taps:
-                ctx.tap("guided", guided, step)
-            latents = pol.advance(step, loop, guided, latents)
-        loop.tensors["latents"] = latents
-        if taps:
-            ctx.tap("latents", latents, step)
-        return StepResult(done=pol.done(loop))
+            preds = branch_predictions(
+                ctx, step, loop, [(branch,) for branch in pol.plan(step, loop)],  # one forward per branch
+                batch=lambda group: stack([inp], group[0]),
+                forward=lambda batch, bctx: self.forward(ctx, batch, bctx),
+                split=lambda out, group: {group[0]: out},
+                prefix="transformer.blocks",
+            )
+        return finish_step(ctx, pol, step, loop, preds)
 
     def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
         lh, lw = loop.extra["latent_hw"]
@@ -251,15 +234,11 @@ class Denoise:
             pol.step_context(lp, request_id=st.request.request_id, node=ctx.node.name)
             for pol, lp, st, ctx in zip(pols, loops, states, ctxs, strict=True)
         ]
-        results = []
         with torch.no_grad():
             inputs = [self.step_inputs(ctx, st, lp) for ctx, st, lp in zip(ctxs, states, loops, strict=True)]
             for pol, s, lp in zip(pols, steps, loops, strict=True):
                 pol.plan(s, lp)
             out = self.forward(ctx0, stack(inputs), None)
             chunks = out.split([i.x.shape[0] for i in inputs], dim=0) if len(inputs) > 1 else (out,)
-            for pol, s, lp, pred in zip(pols, steps, loops, chunks, strict=True):
-                guided = pol.combine(s, lp, {"cond": pred})
-                lp.tensors["latents"] = pol.advance(s, lp, guided, lp.tensors["latents"])
-                results.append(StepResult(done=pol.done(lp)))
-        return results
+        return [finish_step(None, pol, s, lp, {"cond": pred})
+                for pol, s, lp, pred in zip(pols, steps, loops, chunks, strict=True)]

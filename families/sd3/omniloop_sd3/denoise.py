@@ -15,6 +15,9 @@ A step::
     guided = pol.combine(step, loop, preds)   # uncond + s * (cond - uncond)
     latents = pol.advance(step, loop, guided, latents)
 
+(``omniloop_policies.stepping``: ``begin_step``, ``branch_predictions``, ``finish_step``; SD3's own
+parts are its inputs, the uncond-first stacking and the forward.)
+
 Batched steps across requests (the ``step`` scheduler): ``batch_key`` / ``step_batch`` stack every
 request's rows into one forward; each request then combines and steps its own scheduler.
 """
@@ -30,8 +33,10 @@ import torch
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
 from omniloop.context import StageContext
-from omniloop.interceptors import BlockContext, call_model
-from omniloop.loop import LoopState, RequestState, StepContext, StepResult
+from omniloop.interceptors import BlockContext
+from omniloop.loop import LoopState, RequestState, StepResult
+from omniloop_policies import forward_groups
+from omniloop_policies.stepping import begin_step, branch_predictions, check_index, finish_step
 
 from .resolve import SD3Params
 from .transformer import sd3_forward
@@ -193,37 +198,17 @@ class Denoise:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
-        from omniloop_policies import forward_groups, forward_name
-
-        pol = loop.policy_state["policies"]
-        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
-        _check_index(loop, step)
-        taps = ctx.taps_enabled
+        pol, step = begin_step(ctx, state, loop)
         with torch.no_grad():
-            latents = loop.tensors["latents"]
-            inp = self.step_inputs(state, latents, pol.timestep(loop))
-            preds: dict[str, torch.Tensor] = {}
-            for group in forward_groups(pol.cfg, pol.plan(step, loop)):
-                sc = step.with_branch(forward_name(group))
-                batch = stack_inputs([inp], group)
-                bctx = ctx.block_context(sc, loop, prefix="transformer.transformer_blocks")
-
-                def compute(batch: dict[str, Any] = batch, bctx: BlockContext | None = bctx) -> torch.Tensor:
-                    return self.forward(ctx, batch, bctx)
-
-                out = call_model(ctx.step_interceptors, sc, loop, batch, compute)
-                for b, pred in split_rows(out, [inp], group)[0].items():
-                    preds[b] = pred
-                    if taps:
-                        ctx.tap("noise_pred", pred, step.with_branch(b))
-            guided = pol.combine(step, loop, preds)
-            if taps:
-                ctx.tap("guided", guided, step)
-            latents = pol.advance(step, loop, guided, latents)
-        loop.tensors["latents"] = latents
-        if taps:
-            ctx.tap("latents", latents, step)
-        return StepResult(done=pol.done(loop))
+            inp = self.step_inputs(state, loop.tensors["latents"], pol.timestep(loop))
+            preds = branch_predictions(
+                ctx, step, loop, forward_groups(pol.cfg, pol.plan(step, loop)),
+                batch=lambda group: stack_inputs([inp], group),
+                forward=lambda batch, bctx: self.forward(ctx, batch, bctx),
+                split=lambda out, group: split_rows(out, [inp], group)[0],
+                prefix="transformer.transformer_blocks",
+            )
+        return finish_step(ctx, pol, step, loop, preds)
 
     def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
         pol = loop.policy_state.get("policies")
@@ -277,15 +262,13 @@ class Denoise:
 
     def step_batch(self, ctxs: Sequence[StageContext], states: Sequence[RequestState],
                    loops: Sequence[LoopState]) -> list[StepResult]:
-        from omniloop_policies import forward_groups
-
         if not loops:
             return []
         pols = [lp.policy_state["policies"] for lp in loops]
         steps = [pol.step_context(lp, request_id=st.request.request_id, node=c.node.name)
                  for pol, lp, st, c in zip(pols, loops, states, ctxs, strict=True)]
         for lp, s in zip(loops, steps, strict=True):
-            _check_index(lp, s)
+            check_index(lp, s)
         plans = [pol.plan(s, lp) for pol, s, lp in zip(pols, steps, loops, strict=True)]
         if len(set(plans)) != 1:
             raise RuntimeError(f"step_batch: requests plan different branches {plans}")
@@ -297,20 +280,7 @@ class Denoise:
                 out = self.forward(ctxs[0], stack_inputs(inputs, group), None)
                 for mine, parts in zip(preds, split_rows(out, inputs, group), strict=True):
                     mine.update(parts)
-            results = []
-            for pol, s, lp, mine in zip(pols, steps, loops, preds, strict=True):
-                guided = pol.combine(s, lp, mine)
-                lp.tensors["latents"] = pol.advance(s, lp, guided, lp.tensors["latents"])
-                results.append(StepResult(done=pol.done(lp)))
-        return results
-
-
-def _check_index(loop: LoopState, step: StepContext) -> None:
-    if step.step_index != loop.step:
-        raise RuntimeError(
-            f"node {step.node!r}: the sampler is at step {step.step_index} but the loop at {loop.step}; "
-            "loop.step is advanced by the runtime after step() returns, never by the stage"
-        )
+        return [finish_step(None, pol, s, lp, mine) for pol, s, lp, mine in zip(pols, steps, loops, preds, strict=True)]
 
 
 __all__ = ["Denoise", "StepInputs", "split_rows", "stack_inputs", "start_at_strength"]

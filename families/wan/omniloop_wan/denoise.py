@@ -13,7 +13,9 @@ a fresh diffusers scheduler instance, the CFG state — and declare the guidance
 
 The family calls the pieces rather than ``pol.predict`` so that each model forward hands step
 interceptors the inputs *of that forward* (its text embeddings, the stacked batch of a batched
-group) and taps each branch's prediction right after its forward.
+group) and taps each branch's prediction right after its forward — through
+:mod:`omniloop_policies.stepping` (``begin_step``, ``branch_predictions``, ``finish_step``), which
+SD3 and Flux use too; Wan's own parts are its inputs, its stacking and the expert's forward.
 
 ``loop.step`` is advanced by the runtime after ``step()`` returns (``Execution._after_step``);
 the sampler keeps its own index and the two are checked against each other every step.
@@ -34,8 +36,10 @@ from attrs import define
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
 from omniloop.context import StageContext
-from omniloop.interceptors import BlockContext, call_model
-from omniloop.loop import LoopState, RequestState, StepContext, StepResult
+from omniloop.interceptors import BlockContext
+from omniloop.loop import LoopState, RequestState, StepResult
+from omniloop_policies import forward_groups
+from omniloop_policies.stepping import begin_step, branch_predictions, check_index, finish_step
 
 from .policies import latent_tokens
 from .resolve import WanParams
@@ -192,39 +196,19 @@ class Denoise:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
-        from omniloop_policies import forward_groups, forward_name
-
-        pol = loop.policy_state["policies"]
-        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
-        _check_index(loop, step)
+        pol, step = begin_step(ctx, state, loop)
         expert = step.expert
         _note_expert(loop, expert)
-        taps = ctx.taps_enabled
         with torch.no_grad():
-            latents = loop.tensors["latents"]
-            inp = self.step_inputs(state, latents, pol.timestep(loop), pol.precision.dtype_for(expert))
-            preds: dict[str, torch.Tensor] = {}
-            for group in forward_groups(pol.cfg, pol.plan(step, loop)):
-                sc = step.with_branch(forward_name(group))
-                batch = stack_inputs([inp], group)
-                bctx = ctx.block_context(sc, loop, prefix=f"{expert}.blocks")
-
-                def compute(batch: dict[str, Any] = batch, bctx: BlockContext | None = bctx) -> torch.Tensor:
-                    return self.forward(ctx, expert, batch, bctx)
-
-                out = call_model(ctx.step_interceptors, sc, loop, batch, compute)
-                for b, pred in split_rows(out, [inp], group)[0].items():
-                    preds[b] = pred
-                    if taps:
-                        ctx.tap("noise_pred", pred, step.with_branch(b))
-            guided = pol.combine(step, loop, preds)
-            if taps:
-                ctx.tap("guided", guided, step)
-            latents = pol.advance(step, loop, guided, latents)
-        loop.tensors["latents"] = latents
-        if taps:
-            ctx.tap("latents", latents, step)
-        return StepResult(done=pol.done(loop))
+            inp = self.step_inputs(state, loop.tensors["latents"], pol.timestep(loop), pol.precision.dtype_for(expert))
+            preds = branch_predictions(
+                ctx, step, loop, forward_groups(pol.cfg, pol.plan(step, loop)),
+                batch=lambda group: stack_inputs([inp], group),
+                forward=lambda batch, bctx: self.forward(ctx, expert, batch, bctx),
+                split=lambda out, group: split_rows(out, [inp], group)[0],
+                prefix=f"{expert}.blocks",
+            )
+        return finish_step(ctx, pol, step, loop, preds)
 
     # -- finalize -----------------------------------------------------------------------------
     def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
@@ -257,12 +241,8 @@ class Denoise:
         return step_batch(self, ctxs, states, loops)
 
 
-def _check_index(loop: LoopState, step: StepContext) -> None:
-    if step.step_index != loop.step:
-        raise RuntimeError(
-            f"node {step.node!r}: the sampler is at step {step.step_index} but the loop at {loop.step}; "
-            "loop.step is advanced by the runtime after step() returns, never by the stage"
-        )
+#: kept under its old name for omniloop_wan.batching / omniloop_wan.parallel
+_check_index = check_index
 
 
 def _note_expert(loop: LoopState, expert: str | None) -> None:

@@ -1,0 +1,136 @@
+"""omniloop_policies.stepping: the shared body of a family's denoise step (begin, forwards, finish).
+
+Checked against the policies' own ``pol.predict`` + ``pol.advance`` (bit for bit: the helpers only
+order the calls), with the step interceptors seeing each forward's inputs and the taps' order."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from omniloop.interceptors import BlockContext
+from omniloop.loop import LoopState, StepContext
+from omniloop.request import DiffusionParams, OmniRequest, TaskType
+from omniloop_policies import PolicyMenu, forward_groups
+from omniloop_policies.stepping import begin_step, branch_predictions, check_index, finish_step
+from omniloop_policies.testing import WAN_UNIPC_CONFIG, ToyDenoiser
+
+EMBEDS = {"cond": torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(1)),
+          "uncond": torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(2))}
+
+
+class Recorder:
+    """A step interceptor that records (branch, input keys, batch rows) and computes."""
+
+    name = "rec"
+    graph_safe = True
+    distribution_altering = False
+    needs_eager = False
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, int]] = []
+
+    def forward(self, step: StepContext, state: Any, inputs: dict[str, Any], compute: Any) -> torch.Tensor:
+        self.seen.append((step.branch, int(inputs["x"].shape[0])))
+        return compute()
+
+
+def fake_ctx(*, interceptors: tuple = (), taps: bool = False) -> SimpleNamespace:
+    tapped: list[tuple[str, str | None]] = []
+    prefixes: list[tuple[str | None, str]] = []
+
+    def block_context(step: StepContext, loop: LoopState, prefix: str = "blocks") -> BlockContext | None:
+        prefixes.append((step.branch, prefix))
+        return None
+
+    return SimpleNamespace(
+        node=SimpleNamespace(name="denoise"), step_interceptors=interceptors, taps_enabled=taps,
+        tap=lambda name, value, step=None: tapped.append((name, None if step is None else step.branch)),
+        block_context=block_context, tapped=tapped, prefixes=prefixes,
+    )
+
+
+def start(cfg: str) -> tuple[Any, LoopState, SimpleNamespace]:
+    menu = PolicyMenu.build(WAN_UNIPC_CONFIG, default_cfg=cfg)
+    req = OmniRequest(task=TaskType.T2V, diffusion=DiffusionParams(steps=4, guidance_scale=5.0))
+    pol = menu.resolve(req)
+    loop = LoopState()
+    loop.tensors["latents"] = torch.randn(1, 4, 2, 3, 3, generator=torch.Generator().manual_seed(0))
+    pol.init(loop, device="cpu")
+    return pol, loop, SimpleNamespace(request=SimpleNamespace(request_id="r1"))
+
+
+def run_with_helpers(cfg: str, ctx: SimpleNamespace) -> torch.Tensor:
+    model = ToyDenoiser()
+    pol, loop, state = start(cfg)
+    while True:
+        pol_, step = begin_step(ctx, state, loop)
+        assert pol_ is pol and step.node == "denoise" and step.request_id == "r1"
+        t = pol.timestep(loop)
+        with torch.no_grad():
+            x = loop.tensors["latents"]
+            preds = branch_predictions(
+                ctx, step, loop, forward_groups(pol.cfg, pol.plan(step, loop)),
+                batch=lambda group, x=x: {"x": torch.cat([x] * len(group)),
+                                          "e": torch.cat([EMBEDS[b] for b in group])},
+                forward=lambda batch, bctx, t=t: model(batch["x"], t, batch["e"]),
+                split=lambda out, group: dict(zip(group, out.chunk(len(group)), strict=True)),
+                prefix="transformer.blocks",
+            )
+        result = finish_step(ctx, pol, step, loop, preds)
+        loop.step += 1
+        if result.done:
+            return loop.tensors["latents"]
+
+
+def run_reference(cfg: str) -> torch.Tensor:
+    model = ToyDenoiser()
+    pol, loop, _ = start(cfg)
+    while not pol.done(loop):
+        step = pol.step_context(loop, request_id="r1", node="denoise")
+        t = pol.timestep(loop)
+        x = loop.tensors["latents"]
+        with torch.no_grad():
+            guided = pol.predict(
+                step, loop, forward=lambda s, x=x, t=t: model(x, t, EMBEDS[s.branch]),
+                forward_batch=lambda s, group, x=x, t=t: model(torch.cat([x] * len(group)), t,
+                                                                torch.cat([EMBEDS[b] for b in group])),
+            )
+            loop.tensors["latents"] = pol.advance(step, loop, guided, x)
+        loop.step += 1
+    return loop.tensors["latents"]
+
+
+@pytest.mark.parametrize("cfg", ["classic", "batched"])
+def test_the_helpers_equal_the_policies_own_predict_bit_for_bit(cfg):
+    assert torch.equal(run_with_helpers(cfg, fake_ctx()), run_reference(cfg))
+
+
+@pytest.mark.parametrize(("cfg", "forwards"), [("classic", [("cond", 1), ("uncond", 1)]), ("batched", [("cond+uncond", 2)])])
+def test_interceptors_see_each_forward_and_taps_come_in_order(cfg, forwards):
+    rec = Recorder()
+    ctx = fake_ctx(interceptors=(rec,), taps=True)
+    run_with_helpers(cfg, ctx)
+    assert rec.seen == forwards * 4  # 4 steps, the forward's own inputs (a stacked group: 2 rows)
+    names = [f[0] for f in forwards]
+    assert ctx.prefixes == [(n, "transformer.blocks") for n in names] * 4
+    one_step = [("noise_pred", "cond"), ("noise_pred", "uncond"), ("guided", None), ("latents", None)]
+    assert ctx.tapped == one_step * 4
+
+
+def test_finish_step_without_a_context_and_the_index_check():
+    pol, loop, state = start("classic")
+    ctx = fake_ctx()
+    _, step = begin_step(ctx, state, loop)
+    x = loop.tensors["latents"]
+    result = finish_step(None, pol, step, loop, {"cond": torch.zeros_like(x), "uncond": torch.zeros_like(x)})
+    assert result.done is False and loop.tensors["latents"] is not x
+    # the runtime did not advance loop.step, so the sampler (now at 1) and the loop (0) disagree
+    with pytest.raises(RuntimeError, match=r"node 'denoise': the sampler is at step 1 but the loop at 0; "
+                                           r"loop.step is advanced by the runtime"):
+        begin_step(ctx, state, loop)
+    loop.step = 1
+    check_index(loop, pol.step_context(loop, request_id="r1", node="denoise"))
