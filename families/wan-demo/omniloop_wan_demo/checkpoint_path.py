@@ -15,3 +15,32 @@ def checkpoint_dir() -> Path:
 def tokenizer_dir() -> Path:
     """The tokenizer over the demo vocabulary (also copied into ``checkpoint/tokenizer``)."""
     return PACKAGE_DIR / "tokenizer"
+
+
+#: the ``rollout_options`` ``wan-demo-causal`` runs with unless its ``omniloop.json`` names others:
+#: chunks of one latent frame (a 17-frame clip is 5 latent frames: 1 + 4 + 4 + 4 + 4 video frames),
+#: 4 flow-Euler steps per chunk at wan-demo's flow shift 3.0, CFG 5.0 (wan-demo's default scale)
+CAUSAL_ROLLOUT_OPTIONS: dict[str, object] = {"chunk_frames": 1, "steps": 4, "shift": 3.0, "guidance_scale": 5.0}
+
+#: what ``checkpoint_causal/`` shares with ``checkpoint/`` (relative links, not copies)
+CAUSAL_SHARED = ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.json")
+
+
+def causal_checkpoint_dir() -> Path:
+    """The ``wan-demo-causal`` folder: its own ``transformer/`` and ``omniloop.json``; the rest are
+    links to wan-demo's (:data:`CAUSAL_SHARED`)."""
+    return PACKAGE_DIR / "checkpoint_causal"
+
+
+def causal_checkpoint_missing(folder: Path | None = None) -> str | None:
+    """Why the trained causal checkpoint cannot be used yet (``None`` when it can)."""
+    folder = folder or causal_checkpoint_dir()
+    need = [folder / "transformer" / "config.json", folder / "transformer" / "diffusion_pytorch_model.safetensors",
+            *(folder / n for n in CAUSAL_SHARED)]
+    missing = [str(p.relative_to(folder)) for p in need if not p.exists()]
+    if not missing:
+        return None
+    return (f"the wan-demo-causal weights are not installed ({folder.name}/{missing[0]} is missing"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); train them with "
+            "python -m omniloop_wan_demo.training.train_causal --out DIR, then install them with "
+            "python -m omniloop_wan_demo.training.train_causal --ship DIR")

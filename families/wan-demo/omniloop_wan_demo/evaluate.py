@@ -340,6 +340,115 @@ class FamilyLoopGenerator:
         return out
 
 
+class StreamingRuntimeGenerator:
+    """Streamed clips through omniloop's runtime: ``Runtime.stream(request)`` of a deployment with
+    ``rollout: causal`` (the ``wan-demo-causal`` preset, or a checkpoint path plus ``options``);
+    the clip scored is the concatenation of the PARTIAL ``video_chunk`` artifacts as they were
+    emitted (checked against the final ``video``). ``steps`` are the sampler steps *per chunk*;
+    ``guidance_scale`` other than 1 runs causal CFG. ``self.timings`` keeps each clip's time to
+    first chunk and total seconds."""
+
+    name = "runtime-stream"
+
+    def __init__(self, model: str = "wan-demo-causal", *, device: str = "cpu", dtype: str = "float32",
+                 options: dict[str, Any] | None = None, frames: int = 17, height: int = 64, width: int = 64):
+        from omniloop.runtime import Runtime
+
+        extra = {"options": dict(options)} if options else {}
+        self.runtime = Runtime.from_model(model, device=device, dtype=dtype, **extra)
+        self.frames, self.height, self.width = frames, height, width
+        self.timings: list[dict[str, float]] = []
+
+    def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
+        out = []
+        for p, s in zip(prompts, seeds, strict=True):
+            request = {
+                "task": "t2v",
+                "inputs": [{"type": "text", "text": p}],
+                "diffusion": {"steps": int(steps), "guidance_scale": float(guidance_scale), "seed": int(s),
+                              "frames": self.frames, "height": self.height, "width": self.width},
+                "outputs": {"stream_partial": True},
+            }
+            chunks: list[np.ndarray] = []
+            final = None
+            t0 = time.perf_counter()
+            first = None
+            for ev in self.runtime.stream(request):
+                if ev.kind == "partial" and ev.artifact == "video_chunk":
+                    chunks.append(np.asarray(ev.value.frames.cpu(), dtype=np.uint8))
+                    if first is None:
+                        first = time.perf_counter() - t0
+                elif ev.kind == "error":
+                    raise RuntimeError(f"runtime failed on {p!r}: {ev.message}")
+                elif ev.kind == "final":
+                    final = ev
+            if final is None or not chunks:
+                raise RuntimeError(f"runtime stream of {p!r} ended without {'a final event' if final is None else 'chunks'}")
+            output = getattr(final, "output", None)
+            if output is not None and not output.ok:
+                raise RuntimeError(f"runtime failed on {p!r}: {output.error}")
+            clip = np.concatenate(chunks, axis=0)
+            if output is not None and "video" in output.artifacts:
+                whole = np.asarray(output.artifacts["video"].frames.cpu(), dtype=np.uint8)
+                if not np.array_equal(whole, clip):
+                    raise RuntimeError(f"streamed chunks of {p!r} differ from the final video")
+            self.timings.append({"first_chunk_s": round(first or 0.0, 4), "total_s": round(time.perf_counter() - t0, 4)})
+            out.append(clip)
+        return out
+
+
+class CausalRolloutGenerator:
+    """Causal chunk rollouts of modules in memory (``omniloop_wan.causal.CausalWan``, no runtime):
+    what ``train_causal`` checks on the training machine. ``components`` holds ``transformer``,
+    ``vae``, ``text_encoder``, ``tokenizer``; ``options`` are ``rollout_options`` (their ``steps``
+    and ``guidance_scale`` are replaced by the evaluator's per call)."""
+
+    name = "causal-rollout"
+
+    def __init__(self, components: dict[str, Any], *, device: Any = "cpu", options: dict[str, Any] | None = None,
+                 frames: int = 17, height: int = 64, width: int = 64):
+        import torch
+        from omniloop_wan.causal import CausalOptions, CausalWan
+
+        self.device = torch.device(device)
+        self.components = components
+        self.options = dict(options or {})
+        known = {a.name for a in CausalOptions.__attrs_attrs__}  # type: ignore[attr-defined]
+        self.engine = CausalWan(components["transformer"], components["vae"],
+                                options=CausalOptions(**{k: v for k, v in self.options.items() if k in known}),
+                                height=height, width=width)
+        latent = (frames - 1) // int(components["vae"].config.scale_factor_temporal) + 1
+        if latent % self.engine.options.chunk_frames:
+            raise ValueError(f"{frames} frames are {latent} latent frames: not whole chunks of {self.engine.options.chunk_frames}")
+        self.chunks = latent // self.engine.options.chunk_frames
+
+    def _text(self, prompt: str) -> Any:
+        from omniloop_wan.stages import encode_text
+
+        c = self.components
+        dtype = next(c["transformer"].parameters()).dtype
+        return encode_text(c["tokenizer"], c["text_encoder"], prompt, self.device, dtype)[0]
+
+    def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
+        import torch
+
+        from omniloop_wan.stages import to_uint8_frames
+
+        out = []
+        cfg = float(guidance_scale) != 1.0
+        with torch.no_grad():
+            uncond = self._text("") if cfg else None
+            for p, s in zip(prompts, seeds, strict=True):
+                stream = self.engine.open_stream(int(s), reserve_chunks=self.chunks, cfg=cfg)
+                try:
+                    chunks = [to_uint8_frames(o.video.float()).cpu() for o in self.engine.run(
+                        stream, self._text(p), self.chunks, steps=int(steps), uncond=uncond, guidance=float(guidance_scale))]
+                finally:
+                    stream.free()
+                out.append(np.asarray(torch.cat(chunks, dim=0), dtype=np.uint8))
+        return out
+
+
 def make_generator(backend: str = "auto", *, model: str = "wan-demo", device: str = "cpu", dtype: str = "float32",
                    batch_size: int = 48) -> tuple[Generate, str, str | None]:
     """``(generate, backend_name, note)``. ``auto`` uses the runtime when it can load ``model``

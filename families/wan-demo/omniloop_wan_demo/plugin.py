@@ -1,13 +1,17 @@
-"""omniloop hooks of omniloop-wan-demo: the ``wan-demo`` model preset and ``omniloop eval adherence``."""
+"""omniloop hooks of omniloop-wan-demo: the ``wan-demo`` and ``wan-demo-causal`` model presets and
+``omniloop eval adherence``."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from omniloop.errors import DeployError
 from omniloop.family import ModelPreset
 from omniloop.hookspecs import hookimpl
 
-from .checkpoint_path import checkpoint_dir
+from .checkpoint_path import CAUSAL_ROLLOUT_OPTIONS, causal_checkpoint_dir, causal_checkpoint_missing, checkpoint_dir
 
 OMNILOOP_HOOK_API = ">=1.0,<2"
 
@@ -22,9 +26,39 @@ PRESET = ModelPreset(
 )
 
 
+def causal_path() -> Path:
+    """The ``wan-demo-causal`` folder; one clear :class:`DeployError` until its weights are installed."""
+    why = causal_checkpoint_missing()
+    if why is not None:
+        raise DeployError(f"model: preset 'wan-demo-causal': {why}")
+    return causal_checkpoint_dir()
+
+
+def causal_rollout_options() -> dict[str, Any]:
+    """The checkpoint's own ``omniloop.json`` ``rollout_options`` (written by ``train_causal``),
+    else :data:`CAUSAL_ROLLOUT_OPTIONS`; a deployment's ``options.rollout_options`` replaces them."""
+    f = causal_checkpoint_dir() / "omniloop.json"
+    try:
+        got = json.loads(f.read_text(encoding="utf-8")).get("rollout_options")
+    except (OSError, ValueError, AttributeError):
+        got = None
+    return dict(got) if isinstance(got, dict) else dict(CAUSAL_ROLLOUT_OPTIONS)
+
+
+CAUSAL_PRESET = ModelPreset(
+    name="wan-demo-causal",
+    family="wan",
+    path=causal_path,
+    description="wan-demo fine-tuned block-causally (rollout: causal, 1-latent-frame chunks, streamed); "
+    "same VAE / text encoder as wan-demo",
+    options={"vae_cpu_kernels": "fast", "rollout": "causal", "rollout_options": causal_rollout_options()},
+)
+
+
 @hookimpl
 def omniloop_register_model_presets(register: Any) -> None:
     register(PRESET)
+    register(CAUSAL_PRESET)
 
 
 @hookimpl

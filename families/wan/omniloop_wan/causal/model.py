@@ -66,6 +66,27 @@ def rope(model: Any, frame0: int, frames: int, pph: int, ppw: int) -> tuple[torc
     return out[0], out[1]
 
 
+def rope_at(model: Any, frames: Sequence[int], pph: int, ppw: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (cos, sin) like :func:`rope` for an arbitrary list of latent-frame positions (a
+    frame index may repeat: training puts a clean and a noisy copy of a chunk at the same
+    positions, see ``omniloop_wan_demo.training.train_causal``)."""
+    r = model.rope
+    pos = torch.as_tensor(list(frames), dtype=torch.long)
+    if pos.numel() == 0 or int(pos.min()) < 0 or int(pos.max()) >= r.freqs_cos.shape[0]:
+        raise ValueError(f"causal rollout: frame positions must lie in [0, {r.freqs_cos.shape[0]}), "
+                         "the transformer's rope_max_seq_len")
+    n = pos.numel()
+    split = [r.t_dim, r.h_dim, r.w_dim]
+    out = []
+    for table in (r.freqs_cos, r.freqs_sin):
+        t, h, w = table.split(split, dim=1)
+        ft = t[pos.to(t.device)].view(n, 1, 1, -1).expand(n, pph, ppw, -1)
+        fh = h[:pph].view(1, pph, 1, -1).expand(n, pph, ppw, -1)
+        fw = w[:ppw].view(1, 1, ppw, -1).expand(n, pph, ppw, -1)
+        out.append(torch.cat([ft, fh, fw], dim=-1).reshape(1, n * pph * ppw, 1, -1))
+    return out[0], out[1]
+
+
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # the same ops as diffusers' WanAttnProcessor.apply_rotary_emb
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
@@ -150,11 +171,17 @@ def _forward(
     context: Context | None,
     record: Recorder | None,
     mask: torch.Tensor | None,
+    positions: Sequence[int] | None = None,
 ) -> torch.Tensor:
     b, _c, frames, height, width = latents.shape
     p_t, p_h, p_w = model.config.patch_size
     pph, ppw = height // p_h, width // p_w
-    rotary = rope(model, frame0, frames, pph, ppw)
+    if positions is None:
+        rotary = rope(model, frame0, frames, pph, ppw)
+    else:
+        if len(positions) != frames:
+            raise ValueError(f"positions: one per latent frame ({frames}), got {len(positions)}")
+        rotary = rope_at(model, positions, pph, ppw)
     rotary = (rotary[0].to(latents.device), rotary[1].to(latents.device))
     hidden = model.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
     if timestep.ndim == 2:
@@ -195,11 +222,14 @@ def chunk_forward(
 
 
 def masked_forward(
-    model: Any, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, mask: torch.Tensor
+    model: Any, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, mask: torch.Tensor,
+    *, positions: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The whole sequence ``[B, C, F, H, W]`` at once with per-token ``timestep`` ``[B, S]`` and
-    a boolean self-attention ``mask`` ``[S, S]`` (True = may attend): the uncached reference."""
-    return _forward(model, latents, timestep, text, 0, context=None, record=None, mask=mask)
+    a boolean self-attention ``mask`` ``[S, S]`` (True = may attend): the uncached reference.
+    ``positions`` (one RoPE latent-frame index per frame; default ``0..F-1``) lets a sequence
+    hold two copies of the same frames (teacher-forcing training)."""
+    return _forward(model, latents, timestep, text, 0, context=None, record=None, mask=mask, positions=positions)
 
 
 def chunk_visibility(n_chunks: int, window: int | None = None, sink: int = 0) -> torch.Tensor:
@@ -230,5 +260,6 @@ __all__ = [
     "chunk_visibility",
     "masked_forward",
     "rope",
+    "rope_at",
     "self_attention",
 ]

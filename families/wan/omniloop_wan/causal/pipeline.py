@@ -15,7 +15,10 @@ the ``video`` artifact (every frame, at finalize).
 A request's ``diffusion.frames`` (``4k+1`` as for every Wan request) fixes its chunks: its latent
 frames ``(frames-1)/4+1`` must be a multiple of ``chunk_frames``; a first chunk gives
 ``1 + 4*(chunk_frames-1)`` frames, every later chunk ``4*chunk_frames``. ``diffusion.steps``
-(else ``rollout_options.steps``) is the few-step sampler's steps per chunk; no CFG.
+(else ``rollout_options.steps``) is the few-step sampler's steps per chunk.
+``diffusion.guidance_scale`` (else ``rollout_options.guidance_scale``, default 1: none) other
+than 1 runs classifier-free guidance per chunk against the negative prompt, the unconditional
+branch with its own slabs (twice the slabs); a session keeps the CFG mode it started with.
 
 Sessions (``node_params.rollout``): ``keep_session: true`` keeps the stream after the request
 (its id in ``output.metrics["session"]``); ``session: <id>`` continues it with this request's
@@ -126,6 +129,12 @@ def plan_chunks(frames: int, chunk_frames: int, t_scale: int = 4) -> int:
     return latent // chunk_frames
 
 
+def guidance_of(request: Any, options: CausalOptions) -> float:
+    """The request's ``diffusion.guidance_scale``, else the deployment's ``rollout_options``'."""
+    g = getattr(getattr(request, "diffusion", None), "guidance_scale", None)
+    return float(options.guidance_scale if g is None else g)
+
+
 def _node_params(state: RequestState, node: str) -> Mapping[str, Any]:
     raw = getattr(state.request, "node_params", None) or {}
     got = raw.get(node) if isinstance(raw, Mapping) else None
@@ -151,27 +160,32 @@ class RolloutCheck:
         d = state.request.diffusion
         if d.shift is not None and not 0.01 <= d.shift <= 100.0:
             raise RequestError("diffusion.shift", f"causal rollout: must be in [0.01, 100], got {d.shift!r}")
-        ignored = []
-        if d.guidance_scale is not None and d.guidance_scale != 1.0:
-            ignored.append("diffusion.guidance_scale")
-        if state.request.negative_prompt:
-            ignored.append("negative_prompt")
-        if ignored:
-            known = state.metrics.setdefault("warnings", [])
-            known.append(f"causal rollout runs without CFG: {', '.join(ignored)} ignored")
+        g = guidance_of(state.request, self.dep.options)
+        if not 0.0 <= g <= 100.0:
+            raise RequestError("diffusion.guidance_scale", f"causal rollout: must be in [0, 100], got {g!r}")
+        cfg = g != 1.0
+        if state.request.negative_prompt and not cfg:
+            state.metrics.setdefault("warnings", []).append(
+                "causal rollout runs without CFG at guidance_scale 1: negative_prompt ignored")
         rp = ctx.params if isinstance(ctx.params, RolloutParams) else RolloutParams()
         before = 0
         if rp.session is not None:
             try:
-                before = store.get(rp.session).chunks
+                sess = store.get(rp.session)
             except SessionError as exc:
                 raise RequestError("node_params.rollout.session", str(exc)) from None
-        need, have = eng.slabs_for(before + chunks), eng.manager.num_blocks
+            before = sess.chunks
+            if cfg and not sess.stream.cfg:
+                raise RequestError("diffusion.guidance_scale", f"causal rollout: session {rp.session} was started "
+                                   "without CFG (guidance_scale 1); continue it with guidance_scale 1 or start a new session")
+            cfg = sess.stream.cfg  # a CFG session keeps both branches' slabs up to date
+        need, have = eng.slabs_for(before + chunks, cfg), eng.manager.num_blocks
         if need > have:
             raise RequestError("diffusion.frames", f"causal rollout: {before + chunks} chunks need {need} slabs at once, "
                                f"this deployment's pool holds {have} (rollout_options.kv_slabs); set "
                                "rollout_options.window to stream longer videos")
-        state.write("rollout_plan", Conditioning(values={"chunks": chunks, "rollout": rp}), ctx.node.name)
+        state.write("rollout_plan", Conditioning(values={"chunks": chunks, "rollout": rp, "guidance": g, "cfg": cfg}),
+                    ctx.node.name)
 
 
 class CausalRollout:
@@ -189,7 +203,8 @@ class CausalRollout:
             return None
         try:
             eng, _ = self.dep.engine(p.height, p.width)
-            need = eng.slabs_for(plan_chunks(p.frames, self.dep.options.chunk_frames))
+            cfg = guidance_of(state.request, self.dep.options) != 1.0
+            need = eng.slabs_for(plan_chunks(p.frames, self.dep.options.chunk_frames), cfg)
             # more than the whole pool: admit it, and let the rollout node refuse it (never wait forever)
             return (eng.manager, need) if need <= eng.manager.num_blocks else None
         except (ValueError, RequestError):
@@ -201,6 +216,8 @@ class CausalRollout:
         rp: RolloutParams = plan["rollout"]
         chunks = int(plan["chunks"])
         text = state.read("prompt_embeds", Embeddings).tensor
+        cfg, guidance = bool(plan.get("cfg", False)), float(plan.get("guidance", 1.0))
+        uncond = state.read("negative_embeds", Embeddings).tensor if cfg else None
         steps = state.request.diffusion.steps or self.dep.options.steps
         shift = state.request.diffusion.shift
         eng, store = self.dep.engine(p.height, p.width)
@@ -209,17 +226,18 @@ class CausalRollout:
         if rp.session is not None or rp.keep_session:
             sid = rp.session
             if sid is None:
-                sid = store.create(seed, reserve_chunks=chunks).id
+                sid = store.create(seed, reserve_chunks=chunks, cfg=cfg).id
             x["session"] = sid
             try:
-                it: Iterator[ChunkOut] = store.generate(sid, text, chunks, steps=steps, shift=shift)
+                it: Iterator[ChunkOut] = store.generate(sid, text, chunks, steps=steps, shift=shift,
+                                                        uncond=uncond, guidance=guidance)
             except SessionError as exc:
                 raise RequestError("node_params.rollout.session", str(exc)) from None
             state.metrics["session"] = sid
         else:
-            stream = eng.open_stream(seed, reserve_chunks=chunks)
+            stream = eng.open_stream(seed, reserve_chunks=chunks, cfg=cfg)
             x["stream"] = stream
-            it = eng.run(stream, text, chunks, steps=steps, shift=shift)
+            it = eng.run(stream, text, chunks, steps=steps, shift=shift, uncond=uncond, guidance=guidance)
         x["it"] = it
         return LoopState(step=0, total=chunks, extra=x)
 
@@ -286,7 +304,7 @@ def build_causal_pipeline(model: LoadedModel, task: TaskType, options: Mapping[s
         Node("text_encode", TextEncode(model.config.get("text_cache")), reads={"params": Conditioning},
              writes={"prompt_embeds": Embeddings, "negative_embeds": Embeddings}, uses=("text_encoder",)),
         Node("chunks", CausalRollout(dep), reads={"params": Conditioning, "prompt_embeds": Embeddings,
-                                                  "rollout_plan": Conditioning},
+                                                  "negative_embeds": Embeddings, "rollout_plan": Conditioning},
              writes={"video": VideoFrames}, uses=("transformer", "vae")),
     ]
     return PipelineSpec(family="wan", task=task, nodes=nodes, outputs={"video": "video"})

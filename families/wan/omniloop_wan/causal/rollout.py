@@ -8,9 +8,17 @@ Per chunk ``i`` (``chunk_frames`` latent frames, RoPE frames ``i*chunk_frames ..
    video was split into requests, so a session continued twice equals one long request;
 2. ``steps`` flow-Euler steps (sigmas ``linspace(1, 0, steps + 1)`` with the flow ``shift``,
    timestep ``1000 * sigma``), each one :func:`.model.chunk_forward` over the chunk with the
-   cached slabs as context (no CFG: causal few-step checkpoints are guidance-distilled);
+   cached slabs as context;
 3. one more forward of the clean chunk at ``context_timestep`` (0: clean) that records its K/V,
    written once as the chunk's slab (:class:`.kv.ChunkKV`); the window slides;
+
+With classifier-free guidance (a stream opened with ``cfg=True``; guidance-distilled causal
+checkpoints run without, the default ``guidance_scale`` 1) every chunk runs a conditional and an
+unconditional branch, each with **its own slabs**: the unconditional branch's context is the
+clean chunks' K/V computed with the negative prompt's text states. Both branches go through one
+batch-2 forward when the two text states have the same shape (else two forwards); the step uses
+``v = v_uncond + g * (v_cond - v_uncond)`` (diffusers' ``WanPipeline`` combination) and the
+clean chunk both branches record is the guided one.
 4. the chunk's latents are VAE-decoded incrementally (:class:`.vae.StreamingDecoder`).
 
 :meth:`CausalWan.reference` runs the same schedule without a cache: every step one
@@ -70,6 +78,8 @@ class CausalOptions:
     window: int | None = field(default=None, validator=_window)  # chunks attended, itself included
     sink: int = field(default=0, validator=_sink)  # first chunks always kept when windowed
     context_timestep: float = field(default=0.0, validator=_finite("context_timestep", 0.0, 1000.0))
+    #: the CFG scale when a request gives none (1: no CFG, what guidance-distilled checkpoints want)
+    guidance_scale: float = field(default=1.0, validator=_finite("guidance_scale", 0.0, 100.0))
     max_sessions: int = field(default=4, validator=_pos_int("max_sessions"))
     session_ttl_s: float = field(default=600.0, validator=_finite("session_ttl_s", 0.001, 86400.0 * 7))
     kv_slabs: int = field(default=64, validator=_pos_int("kv_slabs"))  # the slab pool's size
@@ -91,17 +101,44 @@ class ChunkOut:
 
 
 class Stream:
-    """One video in progress: its slabs, its VAE feature cache and where it has got to."""
+    """One video in progress: its slabs (and, with CFG, the unconditional branch's slabs), its
+    VAE feature cache and where it has got to."""
 
-    def __init__(self, kv: ChunkKV, decoder: StreamingDecoder | None, seed: int) -> None:
+    def __init__(self, kv: ChunkKV, decoder: StreamingDecoder | None, seed: int,
+                 kv_uncond: ChunkKV | None = None) -> None:
         self.kv = kv
+        self.kv_uncond = kv_uncond
         self.decoder = decoder
         self.seed = seed
         self.next_chunk = 0
 
+    @property
+    def cfg(self) -> bool:
+        """Was the stream opened with classifier-free guidance (two sets of slabs)?"""
+        return self.kv_uncond is not None
+
     def free(self) -> None:
         self.kv.free()
+        if self.kv_uncond is not None:
+            self.kv_uncond.free()
         self.decoder = None
+
+
+def _pair_context(a: ChunkKV, b: ChunkKV) -> Any:
+    """A context for a batch-2 forward: row 0 reads ``a``'s slabs, row 1 ``b``'s."""
+    def context(layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        ca, cb = a.context(layer), b.context(layer)
+        if ca is None or cb is None:
+            return None
+        return torch.cat([ca[0], cb[0]], dim=0), torch.cat([ca[1], cb[1]], dim=0)
+    return context
+
+
+def _pair_record(a: ChunkKV, b: ChunkKV) -> Any:
+    def record(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        a.record(layer, k[:1], v[:1])
+        b.record(layer, k[1:], v[1:])
+    return record
 
 
 def chunk_noise(seed: int, index: int, shape: Sequence[int]) -> torch.Tensor:
@@ -139,14 +176,22 @@ class CausalWan:
                              f"a chunk has {self.tokens_per_chunk}")
 
     # -- streams ----------------------------------------------------------------------------------
-    def open_stream(self, seed: int, reserve_chunks: int = 0) -> Stream:
-        """A new stream (raises ``CacheFull`` when the pool cannot reserve its slabs)."""
+    def open_stream(self, seed: int, reserve_chunks: int = 0, *, cfg: bool = False) -> Stream:
+        """A new stream; ``cfg`` gives it a second set of slabs for the unconditional branch
+        (raises ``CacheFull`` when the pool cannot reserve its slabs)."""
         o = self.options
         kv = ChunkKV(self.manager, window=o.window, sink=o.sink, reserve_chunks=reserve_chunks)
-        return Stream(kv, StreamingDecoder(self.vae) if self.vae is not None else None, seed)
+        kv_u = None
+        if cfg:
+            try:
+                kv_u = ChunkKV(self.manager, window=o.window, sink=o.sink, reserve_chunks=reserve_chunks)
+            except BaseException:
+                kv.free()
+                raise
+        return Stream(kv, StreamingDecoder(self.vae) if self.vae is not None else None, seed, kv_u)
 
-    def slabs_for(self, chunks: int) -> int:
-        return slabs_needed(chunks, self.options.window, self.options.sink)
+    def slabs_for(self, chunks: int, cfg: bool = False) -> int:
+        return slabs_needed(chunks, self.options.window, self.options.sink) * (2 if cfg else 1)
 
     def chunk_shape(self) -> tuple[int, int, int, int, int]:
         return (1, self.channels, self.options.chunk_frames, *self.latent_hw)
@@ -155,53 +200,105 @@ class CausalWan:
         p = next(self.model.parameters())
         return p.device, p.dtype
 
+    def check_guidance(self, stream: Stream, uncond: torch.Tensor | None, guidance: float | None) -> float:
+        """The guidance scale this chunk runs with; refuses what the stream cannot do (before compute)."""
+        g = self.options.guidance_scale if guidance is None else guidance
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or not 0.0 <= g <= 100.0:
+            raise ValueError(f"guidance_scale: must be a finite number in [0, 100], got {g!r}")
+        if stream.cfg and uncond is None:
+            raise ValueError("causal rollout: this stream runs classifier-free guidance; give the unconditional text states (uncond)")
+        if not stream.cfg and g != 1.0:
+            raise ValueError(f"causal rollout: guidance_scale {g:g} needs a stream opened with cfg=True "
+                             "(its unconditional branch has its own slabs from the first chunk on)")
+        return float(g)
+
     @torch.no_grad()
     def denoise_chunk(self, stream: Stream, text: torch.Tensor, steps: int | None = None,
-                      shift: float | None = None) -> torch.Tensor:
-        """Denoise the stream's next chunk with ``text`` states ``[1, L, D]`` (``steps``, ``shift``:
-        the options' unless given); commit its slab."""
+                      shift: float | None = None, *, uncond: torch.Tensor | None = None,
+                      guidance: float | None = None) -> torch.Tensor:
+        """Denoise the stream's next chunk with ``text`` states ``[1, L, D]`` (``steps``, ``shift``,
+        ``guidance``: the options' unless given; ``uncond``: the negative prompt's states, needed
+        by a CFG stream); commit its slab(s)."""
         o = self.options
         if steps is not None or shift is not None:
             o = attrs.evolve(o, steps=o.steps if steps is None else steps, shift=o.shift if shift is None else shift)
+        g = self.check_guidance(stream, uncond, guidance)
         dev, dt = self._dev()
         i = stream.next_chunk
         frame0 = i * o.chunk_frames
         x = chunk_noise(stream.seed, i, self.chunk_shape()).to(dev, dt)
         text = text.to(dev, dt)
         sig = o.sigmas()
-        for s, s_next in itertools.pairwise(sig):
-            t = torch.full((1,), s * 1000.0, device=dev, dtype=dt)
-            v = chunk_forward(self.model, x, t, text, frame0, context=stream.kv.context)
-            x = (x.float() + (s_next - s) * v.float()).to(dt)
         t_ctx = torch.full((1,), o.context_timestep, device=dev, dtype=dt)
-        chunk_forward(self.model, x, t_ctx, text, frame0, context=stream.kv.context, record=stream.kv.record)
-        stream.kv.commit()
+        if not stream.cfg:
+            for s, s_next in itertools.pairwise(sig):
+                t = torch.full((1,), s * 1000.0, device=dev, dtype=dt)
+                v = chunk_forward(self.model, x, t, text, frame0, context=stream.kv.context)
+                x = (x.float() + (s_next - s) * v.float()).to(dt)
+            chunk_forward(self.model, x, t_ctx, text, frame0, context=stream.kv.context, record=stream.kv.record)
+            stream.kv.commit()
+        else:
+            assert uncond is not None and stream.kv_uncond is not None
+            kc, ku = stream.kv, stream.kv_uncond
+            uncond = uncond.to(dev, dt)
+            batched = uncond.shape == text.shape
+            both = torch.cat([text, uncond], dim=0) if batched else None
+            for s, s_next in itertools.pairwise(sig):
+                if batched:
+                    t = torch.full((2,), s * 1000.0, device=dev, dtype=dt)
+                    v_c, v_u = chunk_forward(self.model, torch.cat([x, x], dim=0), t, both, frame0,
+                                             context=_pair_context(kc, ku)).float().chunk(2, dim=0)
+                else:
+                    t = torch.full((1,), s * 1000.0, device=dev, dtype=dt)
+                    v_c = chunk_forward(self.model, x, t, text, frame0, context=kc.context).float()
+                    v_u = chunk_forward(self.model, x, t, uncond, frame0, context=ku.context).float()
+                v = v_u + g * (v_c - v_u)
+                x = (x.float() + (s_next - s) * v).to(dt)
+            if batched:
+                chunk_forward(self.model, torch.cat([x, x], dim=0), t_ctx.expand(2), both, frame0,
+                              context=_pair_context(kc, ku), record=_pair_record(kc, ku))
+            else:
+                chunk_forward(self.model, x, t_ctx, text, frame0, context=kc.context, record=kc.record)
+                chunk_forward(self.model, x, t_ctx, uncond, frame0, context=ku.context, record=ku.record)
+            kc.commit()
+            ku.commit()
         stream.next_chunk += 1
         return x
 
     def run(self, stream: Stream, text: torch.Tensor, chunks: int, *, decode: bool = True,
-            steps: int | None = None, shift: float | None = None) -> Iterator[ChunkOut]:
+            steps: int | None = None, shift: float | None = None, uncond: torch.Tensor | None = None,
+            guidance: float | None = None) -> Iterator[ChunkOut]:
         """Generate ``chunks`` more chunks of ``stream``, yielding each as soon as it is final."""
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks: must be a positive integer, got {chunks!r}")
+        self.check_guidance(stream, uncond, guidance)
+        return self._run(stream, text, chunks, decode, steps, shift, uncond, guidance)
+
+    def _run(self, stream: Stream, text: torch.Tensor, chunks: int, decode: bool, steps: int | None,
+             shift: float | None, uncond: torch.Tensor | None, guidance: float | None) -> Iterator[ChunkOut]:
         for _ in range(chunks):
-            lat = self.denoise_chunk(stream, text, steps, shift)
+            lat = self.denoise_chunk(stream, text, steps, shift, uncond=uncond, guidance=guidance)
             video = stream.decoder.decode(lat) if decode and stream.decoder is not None else None
             yield ChunkOut(stream.next_chunk - 1, lat, video)
 
     def run_schedule(self, stream: Stream, schedule: Sequence[tuple[torch.Tensor, int]], *,
-                     decode: bool = True) -> Iterator[ChunkOut]:
+                     decode: bool = True, uncond: torch.Tensor | None = None,
+                     guidance: float | None = None) -> Iterator[ChunkOut]:
         """One request over several prompts: ``schedule`` is ``[(text, chunks), ...]`` in order."""
         for text, chunks in schedule:
-            yield from self.run(stream, text, chunks, decode=decode)
+            yield from self.run(stream, text, chunks, decode=decode, uncond=uncond, guidance=guidance)
 
     # -- the uncached oracle ----------------------------------------------------------------------
     @torch.no_grad()
-    def reference(self, text: torch.Tensor, chunks: int, seed: int) -> torch.Tensor:
+    def reference(self, text: torch.Tensor, chunks: int, seed: int, *, uncond: torch.Tensor | None = None,
+                  guidance: float | None = None) -> torch.Tensor:
         """The same rollout of ``chunks`` chunks with ``text`` and no cache: every step is one
         :func:`.model.masked_forward` over the clean chunks so far (at ``context_timestep``) plus
-        the noisy one (at the step's timestep), with the block-causal (windowed) mask. Returns
-        the latents ``[1, z, chunks*f, h, w]``."""
+        the noisy one (at the step's timestep), with the block-causal (windowed) mask. With
+        ``uncond`` (CFG) a second masked forward over the same sequence with the unconditional
+        text gives ``v_uncond`` (its clean chunks' keys are the unconditional branch's), combined
+        as ``v_uncond + g (v_cond - v_uncond)``. Returns the latents ``[1, z, chunks*f, h, w]``."""
+        g = self.options.guidance_scale if guidance is None else float(guidance)
         o = self.options
         dev, dt = self._dev()
         f = o.chunk_frames
@@ -215,8 +312,11 @@ class CausalWan:
             for s, s_next in itertools.pairwise(sig):
                 seq = torch.cat([*clean, x], dim=2)
                 ts = torch.cat([torch.full((n * i,), o.context_timestep), torch.full((n,), s * 1000.0)])
-                v = masked_forward(self.model, seq, ts.to(dev, dt)[None], text, mask)[:, :, i * f :]
-                x = (x.float() + (s_next - s) * v.float()).to(dt)
+                v = masked_forward(self.model, seq, ts.to(dev, dt)[None], text, mask)[:, :, i * f :].float()
+                if uncond is not None:
+                    v_u = masked_forward(self.model, seq, ts.to(dev, dt)[None], uncond.to(dev, dt), mask)[:, :, i * f :].float()
+                    v = v_u + g * (v - v_u)
+                x = (x.float() + (s_next - s) * v).to(dt)
             clean.append(x)
         return torch.cat(clean, dim=2)
 

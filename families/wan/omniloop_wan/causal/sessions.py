@@ -76,8 +76,9 @@ class SessionStore:
         with self._lock:
             return len(self._sessions)
 
-    def create(self, seed: int, *, reserve_chunks: int = 0) -> Session:
-        """A new session (expired ones are freed first). Raises :class:`SessionLimit` or ``CacheFull``."""
+    def create(self, seed: int, *, reserve_chunks: int = 0, cfg: bool = False) -> Session:
+        """A new session (expired ones are freed first); ``cfg``: it keeps the unconditional
+        branch's slabs too (classifier-free guidance). Raises :class:`SessionLimit` or ``CacheFull``."""
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError(f"seed: must be an integer in [0, 2**63), got {seed!r}")
         with self._lock:
@@ -85,7 +86,7 @@ class SessionStore:
             if len(self._sessions) >= self.max_sessions:
                 raise SessionLimit(f"this deployment holds its maximum of {self.max_sessions} sessions; close one or wait "
                                    f"for one to expire ({self.ttl_s:g} s after its last use)")
-            stream = self.engine.open_stream(seed, reserve_chunks=reserve_chunks)
+            stream = self.engine.open_stream(seed, reserve_chunks=reserve_chunks, cfg=cfg)
             now = self.clock()
             sid = "sess-" + secrets.token_hex(12)
             s = Session(sid, stream, now, now)
@@ -126,17 +127,24 @@ class SessionStore:
         return old
 
     def generate(self, session_id: str, text: torch.Tensor, chunks: int, *, decode: bool = True,
-                 steps: int | None = None, shift: float | None = None) -> Iterator[ChunkOut]:
-        """Continue the session's video with ``chunks`` chunks conditioned on ``text``.
+                 steps: int | None = None, shift: float | None = None, uncond: torch.Tensor | None = None,
+                 guidance: float | None = None) -> Iterator[ChunkOut]:
+        """Continue the session's video with ``chunks`` chunks conditioned on ``text`` (a CFG
+        session also takes the negative prompt's ``uncond`` states and ``guidance``).
 
         Validates before any compute; the returned iterator yields each chunk when final."""
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks: must be a positive integer, got {chunks!r}")
         s = self.get(session_id)
-        return self._run(s, text, chunks, decode, steps, shift)
+        try:
+            self.engine.check_guidance(s.stream, uncond, guidance)
+        except ValueError as exc:
+            raise SessionError(f"session: {exc}") from None
+        return self._run(s, text, chunks, decode, steps, shift, uncond, guidance)
 
     def _run(self, s: Session, text: torch.Tensor, chunks: int, decode: bool, steps: int | None,
-             shift: float | None) -> Iterator[ChunkOut]:
+             shift: float | None, uncond: torch.Tensor | None = None,
+             guidance: float | None = None) -> Iterator[ChunkOut]:
         with self._lock:  # claimed on the first next(): an iterator never started holds nothing
             if s.busy:
                 raise SessionError("session: a request is already running on this session")
@@ -149,7 +157,8 @@ class SessionStore:
             for _ in range(chunks):
                 if s.cancelled:
                     raise Cancelled("session: cancelled; its slabs are freed")
-                yield from self.engine.run(s.stream, text, 1, decode=decode, steps=steps, shift=shift)
+                yield from self.engine.run(s.stream, text, 1, decode=decode, steps=steps, shift=shift,
+                                           uncond=uncond, guidance=guidance)
             done = True
         finally:
             with self._lock:
