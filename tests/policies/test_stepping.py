@@ -23,12 +23,10 @@ EMBEDS = {"cond": torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(1
 
 
 class Recorder:
-    """A step interceptor that records (branch, input keys, batch rows) and computes."""
+    """A step interceptor (what ``call_model`` uses of one: ``name``, ``forward``) recording
+    (branch, rows of its forward's input) and computing."""
 
     name = "rec"
-    graph_safe = True
-    distribution_altering = False
-    needs_eager = False
 
     def __init__(self) -> None:
         self.seen: list[tuple[str | None, int]] = []
