@@ -12,6 +12,10 @@ parallelism only with a family that binds them to its sequence-parallel group
 :func:`check_in_pool` runs in :class:`~omniloop.runtime.Runtime`: a deploy with a world size
 above 1 only loads inside a process group of that size (omniloop-parallel's worker pool), never
 silently on one process.
+
+Role pools (``placement: {vae: {devices: [cpu]}}``): :func:`check_roles` (in ``Deployment``),
+:func:`check_roles_in_pool` (a plain ``Runtime`` refuses them) and :func:`pool_factory` (the loader
+``Runtime.from_deploy`` hands a multi-process deploy to: omniloop-parallel).
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: 
 def check_transport(deploy: DeployConfig, registry: Any) -> None:
     """``deploy.transport`` names a registered transport (``inproc`` always exists) that fits the
     deploy: any other than ``inproc`` carries artifacts between worker processes, so it needs a
-    world above 1. One :class:`DeployError` line otherwise, at load."""
+    world above 1 or role workers (``placement``). One :class:`DeployError` line otherwise, at load."""
     name = deploy.transport
     if name == "inproc":
         return
@@ -89,10 +93,10 @@ def check_transport(deploy: DeployConfig, registry: Any) -> None:
             f"transport: {name!r} is not implemented yet: no installed transport has that name "
             f"(available: {', '.join(known)}; omniloop-parallel adds shm and torch.distributed)"
         )
-    if deploy.parallel.world_size == 1:
+    if deploy.parallel.world_size == 1 and not deploy.placement:
         raise DeployError(
             f"transport: {name!r} carries artifacts between worker processes; this deploy runs in one process "
-            "(set parallel: {sp, cfg} or use 'inproc')"
+            "(set parallel: {sp, cfg} or placement, or use 'inproc')"
         )
 
 
@@ -139,3 +143,103 @@ def check_offload(deploy: DeployConfig, family: Any, device: torch.device) -> No
         raise DeployError(f"offload: {mode!r} does not combine with LoRA adapters yet (adapters: {', '.join(sorted(deploy.adapters))})")
     if deploy.compile:
         raise DeployError(f"offload: {mode!r} does not combine with compile: true yet (compiled blocks would see their weights move)")
+
+
+# -- role pools (``placement``: components whose stages run in worker processes) -------------------
+
+
+def check_roles(deploy: DeployConfig, family: Any, model_path: Path, device: torch.device) -> None:
+    """``deploy.placement`` (role pools, omniloop-parallel) can run, before any weight loads.
+
+    Each key names a component the family lets run outside the scheduler's process
+    (``family.role_components``; Wan: ``text_encoder``, ``image_encoder``, ``vae`` — the denoise loop's
+    transformer stays where the scheduler steps it) that the checkpoint has (``model_index.json``
+    when there is one); ``devices`` lists at least one device, each once, each one this machine has
+    (``cpu`` or an existing ``cuda:N``); one worker process per distinct device, and on a CPU
+    deploy one core per process (the scheduler's plus the workers). Role pools do not combine with
+    ``parallel`` yet. One :class:`DeployError` line naming ``placement.<component>`` otherwise."""
+    roles = deploy.placement
+    if not roles:
+        return
+    if deploy.parallel.world_size > 1:
+        raise DeployError(f"placement: role workers do not combine with parallel: {_axes(deploy)} yet (use one or the other)")
+    placeable = frozenset(getattr(family, "role_components", ()) or ())
+    if not placeable:
+        raise DeployError(f"placement: family {family.name!r} declares no components that can run in role workers")
+    index = _model_index_components(model_path)
+    workers: set[str] = set()
+    for comp, role in roles.items():
+        if comp not in placeable:
+            raise DeployError(
+                f"placement.{comp}: family {family.name!r} cannot run {comp!r} in a role worker "
+                f"(placeable: {', '.join(sorted(placeable))})"
+            )
+        if index is not None and comp not in index:
+            raise DeployError(f"placement.{comp}: the checkpoint at {model_path} has no {comp!r} component")
+        if not role.devices:
+            raise DeployError(f"placement.{comp}.devices: give at least one device (e.g. [cpu] or [cuda:1])")
+        seen: set[str] = set()
+        for i, name in enumerate(role.devices):
+            dev = role_device(name, f"placement.{comp}.devices[{i}]")
+            if str(dev) in seen:
+                raise DeployError(f"placement.{comp}.devices[{i}]: {str(dev)!r} is listed twice (one worker per device)")
+            seen.add(str(dev))
+        workers |= seen
+    if device.type == "cpu" and all(w == "cpu" for w in workers):
+        cores = os.cpu_count() or 1
+        if 1 + len(workers) > cores:
+            raise DeployError(f"placement: {len(workers)} role worker(s) plus the scheduler's process need "
+                              f"{1 + len(workers)} CPU cores, this machine has {cores}")
+
+
+def role_device(name: str, where: str) -> torch.device:
+    """The device a role worker runs on (``cpu``, ``cuda``, ``cuda:N``; ``cuda`` means ``cuda:0``)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise DeployError(f"{where}: {name!r} is not a device (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise DeployError(f"{where}: role workers run on cpu or cuda devices, not {dev.type!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = 0 if dev.index is None else dev.index
+    if index >= gpus:
+        raise DeployError(f"{where}: {name!r} requested but this machine has {gpus} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def _model_index_components(model_path: Path) -> frozenset[str] | None:
+    """The components a diffusers-format checkpoint lists (``model_index.json``), or None."""
+    import json
+
+    try:
+        data = json.loads((Path(model_path) / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return frozenset(k for k in data if not k.startswith("_")) if isinstance(data, dict) else None
+
+
+def check_roles_in_pool(deploy: DeployConfig) -> None:
+    """A deploy with ``placement`` loads only through omniloop-parallel's role pools, never silently
+    in one process (which would ignore the placement)."""
+    if deploy.placement:
+        raise DeployError(
+            f"placement: {', '.join(sorted(deploy.placement))} run in role worker processes: load the deploy with "
+            "Runtime.from_deploy (omniloop-parallel's RolePoolRuntime), not a plain Runtime"
+        )
+
+
+def pool_factory(deploy: DeployConfig) -> Any:
+    """The loader of a deploy that needs worker processes (``parallel`` world above 1, or
+    ``placement``): omniloop-parallel's ``runtime_for(deploy, manager=...)``; None for a one-process
+    deploy. :meth:`omniloop.runtime.Runtime.from_deploy` calls it (and so every front end that loads
+    through it)."""
+    if deploy.parallel.world_size == 1 and not deploy.placement:
+        return None
+    try:
+        from omniloop_parallel import runtime_for
+    except ImportError:
+        what = "placement" if deploy.placement else f"parallel: {_axes(deploy)}"
+        raise DeployError(f"{what}: needs worker processes: pip install omniloop-parallel (plugins/parallel)") from None
+    return runtime_for
