@@ -4,9 +4,12 @@
 weights, then starts ``sp * cfg`` workers in one ``torch.distributed`` process group (gloo on CPU,
 NCCL on CUDA; :mod:`omniloop_parallel.group`). Every rank loads the model and runs the same request
 unit by unit; rank 0 owns scheduling and broadcasts each decision (run, go on, abort, stop)
-(:mod:`omniloop_parallel.worker`). See README.md.
+(:mod:`omniloop_parallel.worker`). ``RolePoolRuntime(deploy)`` runs a deploy's ``placement`` (role
+pools: e.g. the VAE decode in its own worker, overlapping other requests' denoise;
+:mod:`omniloop_parallel.roles`). See README.md.
 """
 
 from .pool import ParallelRuntime, WorkerDied
+from .roles import RoleError, RolePoolRuntime, RoleWorker, RemoteStage, runtime_for
 
-__all__ = ["ParallelRuntime", "WorkerDied"]
+__all__ = ["ParallelRuntime", "RemoteStage", "RoleError", "RolePoolRuntime", "RoleWorker", "WorkerDied", "runtime_for"]

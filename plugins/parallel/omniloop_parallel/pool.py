@@ -37,18 +37,20 @@ class ParallelRuntime:
     """A deployment whose compute runs in ``parallel.sp * parallel.cfg`` worker processes.
 
     ``manager``: ``"module:callable"`` returning the PluginManager the workers use (the workers are
-    fresh processes; default: the installed entry points). ``timeout_s``: the deadline of every
+    fresh processes; default: the installed entry points), or a PluginManager object (used for the
+    front's checks only; the workers then discover the installed entry points). ``timeout_s``: the deadline of every
     wait for rank 0 during a request (one unit of work, i.e. one step): a worker that stalls longer
     fails the request and the pool restarts. ``load_timeout_s``: the deadline for loading the model
     and the collectives' own timeout (ranks may load at different speeds). Requests run one at a
     time (callers from several threads are serialised)."""
 
     def __init__(self, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
-                 manager: str | None = None, timeout_s: float = 120.0, load_timeout_s: float = 600.0,
+                 manager: Any = None, timeout_s: float = 120.0, load_timeout_s: float = 600.0,
                  threads: int = 1, tick_s: float = 0.5) -> None:
         self.deploy = load_deploy(deploy)
-        self.manager_spec = manager
-        self.deployment = Deployment(self.deploy, manager=worker.load_manager(manager))  # validates; no weights
+        self.manager_spec = manager if isinstance(manager, str) else None  # what the workers load
+        pm = worker.load_manager(manager) if isinstance(manager, str) else manager
+        self.deployment = Deployment(self.deploy, manager=pm)  # validates; no weights
         self.world = self.deploy.parallel.world_size
         self.backend = backend_for(self.deploy.device)
         self.timeout_s, self.threads, self.tick_s = timeout_s, threads, tick_s
