@@ -18,6 +18,9 @@ waiting, and which unit runs next (one stage, one loop step, or one batched loop
 * **Step**: round-robin over the running executions, one unit each; the execution at the head
   of the rotation runs, co-batched with every running execution whose ``batch_key()`` equals its
   own (up to ``max_batch``), so a 4-step request is never stuck behind a 50-step one.
+* **Remote stages** (role pools, omniloop-parallel's ``placement``): a request whose next node runs
+  in another process is dispatched there and parked while the others keep stepping; it rejoins
+  the rotation at the front when the result is back (the serial policy just waits for it).
 
 ``SerialPolicy`` is the request-level FIFO baseline: one request at a time, to completion.
 """
@@ -49,6 +52,10 @@ class Plan:
     #: the unit to run now: one ticket, or several sharing a batch key
     run: list[Ticket] = attrs.Factory(list)
     action: str = ""
+    #: requests whose next node is a remote stage (role pools) to send to its worker now
+    dispatch: list[Ticket] = attrs.Factory(list)
+    #: requests waiting for a remote stage to come back (not in the rotation)
+    parked: list[Ticket] = attrs.Factory(list)
 
 
 def _gib(n: float) -> str:
@@ -225,13 +232,50 @@ class StepPolicy:
         admitted = {id(t) for t in plan.admit}
         refused = {id(t) for t, _ in plan.refuse}
         rotation = [*running, *(t for t in waiting if id(t) in admitted and id(t) not in refused)]
+        if self.interleave:
+            rotation = self._remote_stages(rotation, plan)
         self._next_unit(rotation, batch_key, plan)
         return plan
+
+    def _remote_stages(self, rotation: Sequence[Ticket], plan: Plan) -> list[Ticket]:
+        """Role pools: a request whose next node runs in another process (``stage.remote``) is
+        dispatched to it and parked — out of the rotation, so the others keep stepping — until the
+        result is back; then it goes first (collecting is cheap and frees its slot soonest)."""
+        back: list[Ticket] = []
+        rest: list[Ticket] = []
+        for t in rotation:
+            stage = remote_stage(t)
+            if stage is None:
+                rest.append(t)
+                continue
+            node = t.execution.current_node
+            name = node.name if node is not None else None
+            if not stage.dispatched(t.request_id):
+                plan.dispatch.append(t)
+                plan.parked.append(t)
+                plan.decisions.append(self._d("dispatch", [t], f"node {name!r} runs in {stage!r}; parked until it is back", name))
+            elif stage.ready(t.request_id):
+                back.append(t)
+            else:
+                plan.parked.append(t)
+        return [*back, *rest]
 
     def _d(self, action: str, tickets: Sequence[Ticket], reason: str, node: str | None = None) -> ScheduleDecision:
         return ScheduleDecision(
             scheduler=self.name, action=action, request_ids=tuple(t.request_id for t in tickets), node=node, reason=reason,
         )
+
+
+def remote_stage(ticket: Ticket) -> Any:
+    """The stage of ``ticket``'s next node when it runs in another process (a stage with
+    ``remote = True`` and ``dispatch``/``dispatched``/``ready``/``wait``, e.g. omniloop-parallel's
+    role pools), else None."""
+    ex = ticket.execution
+    node = None if ex.done else ex.current_node
+    if node is None or node.is_loop:
+        return None
+    stage = node.stage
+    return stage if getattr(stage, "remote", False) is True and callable(getattr(stage, "dispatch", None)) else None
 
 
 class SerialPolicy(StepPolicy):

@@ -202,9 +202,32 @@ class StepPool:
             t.admitted_at = time.perf_counter()
             self.running.append(t)
             self.listener.on_admit(t)
+        for t in plan.dispatch:
+            self._dispatch(t)
         if plan.run:
             self._run(plan)
+        elif plan.parked and not plan.dispatch:  # every runnable request waits on a remote stage
+            self._wait_remote(plan.parked)
         return True
+
+    def _dispatch(self, t: Ticket) -> None:
+        """Send ``t``'s next node to the process that runs it (role pools); a failure fails ``t``."""
+        node = t.execution.current_node
+        try:
+            node.stage.dispatch(t.execution)  # type: ignore[union-attr]
+        except Exception as exc:
+            log.exception("dispatch of %s failed", t.request_id)
+            self._deliver(t, t.execution.fail(exc))
+
+    def _wait_remote(self, parked: Sequence[Ticket], seconds: float = 0.05) -> None:
+        """Nothing to run here: wait (briefly, so new requests and cancels are seen) for a remote stage."""
+        for t in parked:
+            node = t.execution.current_node
+            stage = getattr(node, "stage", None)
+            if stage is not None and callable(getattr(stage, "wait", None)):
+                stage.wait(t.request_id, seconds)
+                return
+        time.sleep(seconds)
 
     def _batch_key(self, t: Ticket) -> Hashable | None:
         try:
@@ -308,6 +331,10 @@ class StepPool:
         out = t.execution.output
         if not out.ok:  # a cancelled or failed loop gives its cache blocks back now, not at GC
             release_loops(t.execution)
+            for node in t.execution.nodes:  # and a remote stage forgets a job still in flight
+                discard = getattr(node.stage, "discard", None)
+                if callable(discard):
+                    discard(t.request_id)
         if self.options.calibrate and out.ok and t.max_resident:
             self.memory.observe_resident(t.shape, t.max_resident)
 
