@@ -88,6 +88,10 @@ def inputs(smoke: bool, device: torch.device, dtype: torch.dtype) -> dict[str, t
     }
 
 
+def _rel_rms(got: Any, ref: Any) -> float:
+    return float(((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny transformer on the CPU (checks the script)")
@@ -155,8 +159,15 @@ def main(argv: list[str] | None = None) -> int:
             fn()
         # numerics: fused vs unfused (the same adapter), and idle hooks vs base (must be equal)
         ref, got = configs["unfused"]().float(), configs["fused"]().float()
-        fused_rel_rms = ((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+        fused_rel_rms = _rel_rms(got, ref)
         idle_equal = bool(torch.equal(configs["hooked-idle"](), configs["base"]()))
+        base_out = configs["base"]().float()
+        numerics = {"fused_vs_unfused_rel_rms": fused_rel_rms, "hooked_idle_equals_base": idle_equal,
+                    # the adapter really changes the output (a rank-32 delta of random weights)
+                    "unfused_vs_base_rel_rms": _rel_rms(ref, base_out)}
+        if args.compile:  # the compiled blocks apply the same adapter (the custom op reads the set at run time)
+            numerics["unfused_compile_vs_unfused_rel_rms"] = _rel_rms(configs["unfused-compile"]().float(), ref)
+            numerics["base_compile_vs_base_rel_rms"] = _rel_rms(configs["base-compile"]().float(), base_out)
         if args.compile:
             from torch._dynamo.utils import counters
 
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             "unfused_steady_forward_s_median": round(med["unfused-compile" if args.compile else "unfused"], 6),
             "fused_unfuse_then_fuse_s_median": round(statistics.median(fused_switch_s), 6),
         },
-        "numerics": {"fused_vs_unfused_rel_rms": fused_rel_rms, "hooked_idle_equals_base": idle_equal},
+        "numerics": numerics,
         "load_s": {"unfused_two_adapters": round(load_s, 4), "fused_one_adapter": round(fuse_load_s, 4)},
         "adapter": {"rank": args.rank, "alpha": args.rank, "targets_per_block": list(TARGETS),
                     "modules": len(bank.get("a").layers), "mbytes": round(bank.get("a").nbytes / 2**20, 2)},

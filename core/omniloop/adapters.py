@@ -19,8 +19,10 @@ adapter set in its ``batch_key`` (:func:`batch_key_of`): a batch never mixes set
 
 **Compiled blocks.** Under ``torch.compile`` the hook calls one opaque custom op
 (``omniloop::lora_apply``) that reads the active set at run time, so switching adapters between
-requests does not recompile. What does trigger one: installing the hooks (deploy load, once per
-compiled shape as any first call) — never an adapter switch or a scale change. CUDA-graph compile
+requests does not recompile. What does trigger one: installing the hooks (deploy load; the first
+hook in a process also turns on dynamo's module-hook guards and, if something was compiled
+before, drops dynamo's caches once, see :func:`_guard_hooks`) — never an adapter switch or a
+scale change. CUDA-graph compile
 modes (``reduce-overhead``, ``max-autotune``) would replay the kernels of one adapter set, so
 they are refused with unfused adapters (:func:`check_compile_mode`).
 
@@ -214,10 +216,32 @@ _HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyD
 _HOOKS_LOCK = threading.Lock()
 
 
+def _guard_hooks() -> None:
+    """Make ``torch.compile`` see hooks that come and go, before the first adapter hook goes in.
+
+    Dynamo by default assumes module hooks never change after a module was compiled
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``): code compiled before the hooks existed —
+    blocks warmed up before an adapter was loaded, or another instance of the same block class
+    compiled earlier in the process (the compiled code is shared by the class's ``forward``) —
+    would run without them and silently drop the adapter. So the first hook turns those guards
+    on and, if anything was compiled already, drops dynamo's caches once (those callers recompile
+    on their next call, now guarded on their hooks). Adapter switches never touch hooks.
+    """
+    cfg = torch._dynamo.config
+    if not cfg.skip_nnmodule_hook_guards:
+        return
+    cfg.skip_nnmodule_hook_guards = False
+    from torch._dynamo.utils import counters
+
+    if counters["stats"]["unique_graphs"]:
+        torch._dynamo.reset()
+
+
 def _install(module: torch.nn.Module) -> None:
     with _HOOKS_LOCK:
         have = _HOOKS.get(module)
         if have is None:
+            _guard_hooks()
             _HOOKS[module] = [module.register_forward_hook(_hook(id(module))), 1]
         else:
             have[1] += 1

@@ -227,3 +227,24 @@ def test_compiled_blocks_switch_adapters_without_recompiling(wan_setup):
         got = lat(rt.generate(wan_req(s)))
         assert (got - lat(eager.generate(wan_req(s)))).abs().max() <= 1e-5
     assert counters["stats"]["unique_graphs"] == frames  # no recompilation on a switch
+
+
+def test_adapters_apply_in_blocks_compiled_before_their_hooks(wan_setup, monkeypatch):
+    """Dynamo shares compiled code between instances of a block class and, by default, does not
+    guard on module hooks: blocks of a deployment without adapters compiled first would be reused
+    by a later deployment's hooked blocks and the adapter silently dropped (seen on the H200 bench:
+    "unfused-compile" as fast as the base). The first adapter hook turns the hook guards on."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)  # a fresh process
+    plain = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), compile=True, options={"compile_backend": "eager"})
+    base = lat(plain.generate(wan_req()))  # compiles the block class's forward, no hooks anywhere
+    eager = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), adapters={"a": str(wan_setup["a"])})
+    rt = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), compile=True, options={"compile_backend": "eager"},
+                            adapters={"a": str(wan_setup["a"])})
+    want = lat(eager.generate(wan_req([{"name": "a", "scale": 1.0}])))
+    assert (want - base).abs().max() > 1e-3  # the adapter moves the output
+    got = lat(rt.generate(wan_req([{"name": "a", "scale": 1.0}])))
+    assert (got - want).abs().max() <= 1e-5
+    assert torch.equal(lat(plain.generate(wan_req())), base)  # the plain deployment still runs without adapters
