@@ -15,7 +15,14 @@ from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, StepContext
 from omniloop.request import DiffusionParams, OmniRequest, TaskType
 from omniloop_policies import PolicyMenu, forward_groups
-from omniloop_policies.stepping import begin_step, branch_predictions, check_index, finish_step
+from omniloop_policies.stepping import (
+    begin_step,
+    branch_predictions,
+    check_index,
+    finish_step,
+    stack_rows,
+    unstack_rows,
+)
 from omniloop_policies.testing import WAN_UNIPC_CONFIG, ToyDenoiser
 
 EMBEDS = {"cond": torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(1)),
@@ -132,3 +139,30 @@ def test_finish_step_without_a_context_and_the_index_check():
         begin_step(ctx, state, loop)
     loop.step = 1
     check_index(loop, pol.step_context(loop, request_id="r1", node="denoise"))
+
+
+def test_stack_rows_is_request_major_then_branch_and_unstack_undoes_it():
+    a = {"x": torch.full((1, 2), 1.0), "e": {"cond": torch.full((1, 3), 10.0), "uncond": torch.full((1, 3), 20.0)}}
+    b = {"x": torch.full((2, 2), 2.0), "e": {"cond": torch.full((2, 3), 30.0), "uncond": torch.full((2, 3), 40.0)}}
+
+    def row(inp, br):
+        return {"x": inp["x"], "e": inp["e"][br], "image": None}
+
+    batch = stack_rows([a, b], ("uncond", "cond"), row)
+    assert list(batch) == ["x", "e", "image"] and batch["image"] is None
+    assert batch["e"][:, 0].tolist() == [20.0, 10.0, 40.0, 40.0, 30.0, 30.0]
+    assert batch["x"][:, 0].tolist() == [1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    back = unstack_rows(batch["e"], [1, 2], ("uncond", "cond"))
+    for inp, parts in zip([a, b], back, strict=True):
+        assert parts.keys() == {"uncond", "cond"}
+        for br, t in parts.items():
+            assert torch.equal(t, inp["e"][br])
+    # one request, one branch: the tensors themselves, no copy
+    one = stack_rows([a], ("cond",), row)
+    assert one["e"] is a["e"]["cond"] and one["x"] is a["x"]
+    assert unstack_rows(one["x"], [1], ("cond",))[0]["cond"] is one["x"]
+
+
+def test_stack_rows_refuses_an_input_present_for_some_rows_only():
+    with pytest.raises(ValueError, match="'image' is None for some rows and a tensor for others"):
+        stack_rows([0, 1], ("cond",), lambda i, b: {"image": None if i else torch.zeros(1)})

@@ -31,7 +31,7 @@ from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
 from omniloop.context import StageContext
 from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState, StepResult
-from omniloop_policies.stepping import begin_step, branch_predictions, finish_step
+from omniloop_policies.stepping import begin_step, branch_predictions, finish_step, stack_rows, unstack_rows
 
 from .resolve import FluxParams
 from .stages import vae_scale_factor
@@ -81,18 +81,12 @@ class StepInputs:
 
 def stack(inputs: Sequence[StepInputs], branch: str = "cond") -> dict[str, Any]:
     """The batch of one forward of ``branch`` (request-major); one request passes its tensors untouched."""
-    def cat(ts: list[torch.Tensor]) -> torch.Tensor:
-        return ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
-
-    first = inputs[0]
-    return {
-        "hidden_states": cat([i.x for i in inputs]),
-        "timestep": cat([i.timestep for i in inputs]),
-        "guidance": None if first.guidance is None else cat([i.guidance for i in inputs]),  # type: ignore[misc]
-        "context": cat([i.context[branch] for i in inputs]),
-        "pooled_projections": cat([i.pooled[branch] for i in inputs]),
-        "image_rotary_emb": first.rotary,
-    }
+    batch = stack_rows(inputs, (branch,), lambda inp, b: {
+        "hidden_states": inp.x, "timestep": inp.timestep, "guidance": inp.guidance, "context": inp.context[b],
+        "pooled_projections": inp.pooled[b],
+    })
+    batch["image_rotary_emb"] = inputs[0].rotary  # the same positions for every request of a batch
+    return batch
 
 
 class Denoise:
@@ -239,6 +233,5 @@ class Denoise:
             for pol, s, lp in zip(pols, steps, loops, strict=True):
                 pol.plan(s, lp)
             out = self.forward(ctx0, stack(inputs), None)
-            chunks = out.split([i.x.shape[0] for i in inputs], dim=0) if len(inputs) > 1 else (out,)
-        return [finish_step(None, pol, s, lp, {"cond": pred})
-                for pol, s, lp, pred in zip(pols, steps, loops, chunks, strict=True)]
+        return [finish_step(None, pol, s, lp, pred) for pol, s, lp, pred
+                in zip(pols, steps, loops, unstack_rows(out, [i.x.shape[0] for i in inputs], ("cond",)), strict=True)]

@@ -36,7 +36,14 @@ from omniloop.context import StageContext
 from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState, StepResult
 from omniloop_policies import forward_groups
-from omniloop_policies.stepping import begin_step, branch_predictions, check_index, finish_step
+from omniloop_policies.stepping import (
+    begin_step,
+    branch_predictions,
+    check_index,
+    finish_step,
+    stack_rows,
+    unstack_rows,
+)
 
 from .resolve import SD3Params
 from .transformer import sd3_forward
@@ -98,42 +105,21 @@ class StepInputs:
     pooled: dict[str, torch.Tensor]
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-
-
 def ordered(group: Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted(group, key=lambda b: ROW_ORDER.get(b, len(ROW_ORDER))))
 
 
-def stack_inputs(inputs: Sequence[StepInputs], group: Sequence[str]) -> dict[str, torch.Tensor]:
+def stack_inputs(inputs: Sequence[StepInputs], group: Sequence[str]) -> dict[str, Any]:
     """The stacked batch of one forward: request-major, then the group's branches (uncond first)."""
-    rows = ordered(group)
-    xs, ts, es, ps = [], [], [], []
-    for inp in inputs:
-        for b in rows:
-            xs.append(inp.latents)
-            ts.append(inp.timestep)
-            es.append(inp.text[b])
-            ps.append(inp.pooled[b])
-    return {"hidden_states": _cat(xs), "timestep": _cat(ts), "encoder_hidden_states": _cat(es),
-            "pooled_projections": _cat(ps)}
+    return stack_rows(inputs, ordered(group), lambda inp, b: {
+        "hidden_states": inp.latents, "timestep": inp.timestep, "encoder_hidden_states": inp.text[b],
+        "pooled_projections": inp.pooled[b],
+    })
 
 
 def split_rows(out: torch.Tensor, inputs: Sequence[StepInputs], group: Sequence[str]) -> list[dict[str, torch.Tensor]]:
     """Undo :func:`stack_inputs` on a prediction: per request, ``{branch: prediction}``."""
-    rows = ordered(group)
-    n = len(inputs) * len(rows)
-    chunks = out.chunk(n) if n > 1 else (out,)
-    res: list[dict[str, torch.Tensor]] = []
-    k = 0
-    for _ in inputs:
-        d = {}
-        for b in rows:
-            d[b] = chunks[k]
-            k += 1
-        res.append(d)
-    return res
+    return unstack_rows(out, [inp.latents.shape[0] for inp in inputs], ordered(group))
 
 
 class Denoise:
@@ -189,7 +175,7 @@ class Denoise:
             pooled={"cond": pos.extra["pooled"], "uncond": neg.extra["pooled"]},
         )
 
-    def forward(self, ctx: StageContext, batch: dict[str, torch.Tensor], block_ctx: BlockContext | None) -> torch.Tensor:
+    def forward(self, ctx: StageContext, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
         from .compile import blocks_for
 
         model = ctx.components["transformer"]

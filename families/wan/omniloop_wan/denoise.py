@@ -39,7 +39,14 @@ from omniloop.context import StageContext
 from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState, StepResult
 from omniloop_policies import forward_groups
-from omniloop_policies.stepping import begin_step, branch_predictions, check_index, finish_step
+from omniloop_policies.stepping import (
+    begin_step,
+    branch_predictions,
+    check_index,
+    finish_step,
+    stack_rows,
+    unstack_rows,
+)
 
 from .policies import latent_tokens
 from .resolve import WanParams
@@ -71,44 +78,20 @@ class StepInputs:
     image_embeds: torch.Tensor | None
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-
-
 def stack_inputs(inputs: Sequence[StepInputs], group: tuple[str, ...]) -> dict[str, Any]:
     """The stacked batch of one model forward: request-major, then the group's branches.
 
     Row blocks are ``[(r0, b0), (r0, b1), (r1, b0), ...]``; with one request and one branch the
     tensors are passed through untouched (no copy), which keeps the default path bit-exact."""
-    xs, ts, es, ims = [], [], [], []
-    for inp in inputs:
-        for b in group:
-            xs.append(inp.x)
-            ts.append(inp.timestep)
-            es.append(inp.text[b])
-            if inp.image_embeds is not None:
-                ims.append(inp.image_embeds)
-    return {
-        "hidden_states": _cat(xs),
-        "timestep": _cat(ts),
-        "encoder_hidden_states": _cat(es),
-        "encoder_hidden_states_image": _cat(ims) if ims else None,
-    }
+    return stack_rows(inputs, group, lambda inp, b: {
+        "hidden_states": inp.x, "timestep": inp.timestep, "encoder_hidden_states": inp.text[b],
+        "encoder_hidden_states_image": inp.image_embeds,
+    })
 
 
 def split_rows(out: torch.Tensor, inputs: Sequence[StepInputs], group: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
     """Undo :func:`stack_inputs` on a prediction: per request, ``{branch: prediction}``."""
-    sizes = [inp.x.shape[0] for inp in inputs for _ in group]
-    chunks = out.split(sizes, dim=0) if len(sizes) > 1 else (out,)
-    res: list[dict[str, torch.Tensor]] = []
-    k = 0
-    for _ in inputs:
-        d = {}
-        for b in group:
-            d[b] = chunks[k]
-            k += 1
-        res.append(d)
-    return res
+    return unstack_rows(out, [inp.x.shape[0] for inp in inputs], group)
 
 
 class Denoise:

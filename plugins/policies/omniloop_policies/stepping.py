@@ -17,6 +17,11 @@ instead; these helpers are those pieces, shared by the Wan, SD3 and Flux familie
         )
     return finish_step(ctx, pol, step, loop, preds)   # combine, advance, taps, StepResult
 
+For a batched CFG group, or several requests in one forward, :func:`stack_rows` concatenates the
+inputs request-major, then branch by branch in the order given (``[(r0, b0), (r0, b1), (r1, b0),
+...]``), and :func:`unstack_rows` splits a prediction back the same way; with one request and one
+branch both pass the tensors through untouched (no copy).
+
 The helpers only order calls the family would make itself — no arithmetic of their own — so a
 family keeps its diffusers parity bit for bit: the CFG formula is the policy's ``combine``, the
 stacking and splitting of a batched group are the family's (SD3 stacks ``uncond`` first, as
@@ -28,7 +33,7 @@ the step), ``guided`` after the combine, ``latents`` after the sampler step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +50,7 @@ ForwardFn = Callable[[dict[str, Any], BlockContext | None], torch.Tensor]
 #: ``split(prediction, group) -> {branch: prediction}``
 SplitFn = Callable[[torch.Tensor, tuple[str, ...]], Mapping[str, torch.Tensor]]
 
-__all__ = ["begin_step", "branch_predictions", "check_index", "finish_step"]
+__all__ = ["begin_step", "branch_predictions", "check_index", "finish_step", "stack_rows", "unstack_rows"]
 
 
 def check_index(loop: LoopState, step: StepContext) -> None:
@@ -111,3 +116,39 @@ def finish_step(ctx: Any, pol: Any, step: StepContext, loop: LoopState, preds: M
     if taps:
         ctx.tap("latents", latents, step)
     return StepResult(done=pol.done(loop))
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def stack_rows(
+    inputs: Sequence[Any], group: Sequence[str], row: Callable[[Any, str], Mapping[str, torch.Tensor | None]]
+) -> dict[str, torch.Tensor | None]:
+    """The stacked inputs of one forward: ``row(request_inputs, branch)`` gives one row block's
+    tensors by name; each name is concatenated along dim 0, request-major, then in ``group``
+    order. A name that is None in every row block stays None (an optional input)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    absent: set[str] = set()
+    for inp in inputs:
+        for b in group:
+            for name, value in row(inp, b).items():
+                if value is None:
+                    absent.add(name)
+                else:
+                    parts.setdefault(name, []).append(value)
+    mixed = sorted(absent & parts.keys())
+    if mixed:
+        raise ValueError(f"stack_rows: {mixed[0]!r} is None for some rows and a tensor for others")
+    out: dict[str, torch.Tensor | None] = {name: _cat(p) for name, p in parts.items()}
+    out.update(dict.fromkeys(absent))
+    return out
+
+
+def unstack_rows(out: torch.Tensor, rows: Sequence[int], group: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+    """Undo :func:`stack_rows` on a prediction. ``rows``: each request's batch rows (dim 0 of its
+    inputs); returns per request ``{branch: prediction}`` (views of ``out``)."""
+    sizes = [n for n in rows for _ in group]
+    chunks = out.split(sizes, dim=0) if len(sizes) > 1 else (out,)
+    it = iter(chunks)
+    return [{b: next(it) for b in group} for _ in rows]
