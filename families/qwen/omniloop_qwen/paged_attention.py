@@ -24,9 +24,11 @@ partial (max, sum, weighted V) in float32, and a second kernel merges the partia
 ``splits`` from the row count, the longest ``kv_lens`` and the device's SM count (no device sync:
 the lengths come from the cache manager's bookkeeping).
 
-**Numerics.** Scores, softmax statistics and the accumulator are float32; ``P @ V`` runs in the
-cache's dtype (bf16 on GPU), as flash-attention kernels do. Not bit-equal to SDPA: the tests state
-the tolerance (float32: ~1e-5 relative; bf16: the bf16 rounding of P and of the output).
+**Numerics.** Scores, softmax statistics and the accumulator are float32; with a float32 cache
+both dots are IEEE float32, with bf16/fp16 ``Q·K`` and ``P·V`` run on the tensor cores in the
+cache's dtype (P rounded to it), as flash-attention kernels do. Not bit-equal to SDPA: the tests
+state the tolerance (float32 2e-5 absolute; bf16 2e-2, about one bf16 ulp of the output). Under
+Triton's interpreter the dots always run in float32 (its bf16 ``tl.dot`` is wrong in triton 3.6).
 
 **Backends.** ``triton`` needs CUDA tensors, or ``TRITON_INTERPRET=1`` (Triton's interpreter runs
 the same kernel on CPU tensors, slowly: what the CPU tests do). :func:`triton_unavailable`
@@ -133,10 +135,11 @@ def _kernels() -> tuple[Any, Any]:
         q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, rowseq_ptr,
         out_ptr, part_ptr, stats_ptr,
         stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
-        stride_or, stride_oh, split_tokens, scale,
+        stride_or, stride_oh, split_tokens, n_splits, scale,
         GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, FP32: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr, FP32: tl.constexpr,
     ):
+        # (n_splits is a runtime value, so a growing context never recompiles; DIRECT: one split, no merge)
         # FP32: both dots in float32 (IEEE); else Q·K and P·V in the cache dtype, accumulated in float32
         row = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -185,30 +188,30 @@ def _kernels() -> tuple[Any, Any]:
             start += BLOCK
 
         out_mask = gmask[:, None] & dmask[None, :]
-        if SPLITS == 1:
+        if DIRECT:
             o = acc / l_sum[:, None]
             tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
-            # partials: part [R, Hq, SPLITS, D_PAD], stats [R, Hq, SPLITS, 2] (max, sum), float32
+            # partials: part [R, Hq, n_splits, D_PAD], stats [R, Hq, n_splits, 2] (max, sum), float32
             n_heads = tl.num_programs(1) * GROUPS
-            base = (row * n_heads + heads) * SPLITS + split  # [G_PAD]
+            base = (row * n_heads + heads) * n_splits + split  # [G_PAD]
             tl.store(part_ptr + base[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
             tl.store(stats_ptr + base * 2, m, mask=gmask)
             tl.store(stats_ptr + base * 2 + 1, l_sum, mask=gmask)
 
     @triton.jit
     def merge_kernel(
-        part_ptr, stats_ptr, out_ptr, stride_or, stride_oh,
-        D: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+        part_ptr, stats_ptr, out_ptr, stride_or, stride_oh, n_splits,
+        D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
         n_heads = tl.num_programs(1)
         sp = tl.arange(0, S_PAD)
         d = tl.arange(0, D_PAD)
-        smask = sp < SPLITS
-        base = (row * n_heads + head) * SPLITS + sp
+        smask = sp < n_splits
+        base = (row * n_heads + head) * n_splits + sp
         m = tl.load(stats_ptr + base * 2, mask=smask, other=float("-inf"))
         l_sum = tl.load(stats_ptr + base * 2 + 1, mask=smask, other=0.0)
         m_all = tl.max(m, axis=0)  # split 0 always holds a token, so this is finite
@@ -273,6 +276,8 @@ def paged_attention(
         raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension")
     if out is None:
         out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out: expected shape {tuple(q.shape)} with a contiguous last dimension")
     if r == 0:
         return out
     if max_len is None:
@@ -293,12 +298,12 @@ def paged_attention(
     attn[(r, hkv, s)](
         q, k_cache, v_cache, block_table, kv_lens, row_seq, out, part, stats,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_table.stride(0), out.stride(0), out.stride(1), split_tokens, float(scale),
-        GROUPS=groups, G_PAD=_pow2(groups, 16), D=d, D_PAD=d_pad, PAGE=block_size, BLOCK=BLOCK_N, SPLITS=s,
+        block_table.stride(0), out.stride(0), out.stride(1), split_tokens, s, float(scale),
+        GROUPS=groups, G_PAD=_pow2(groups, 16), D=d, D_PAD=d_pad, PAGE=block_size, BLOCK=BLOCK_N, DIRECT=s == 1,
         FP32=q.dtype == torch.float32 or interpreting(),  # the interpreter's bf16 tl.dot is wrong: dot in float32 there
     )
     if s > 1:
-        merge[(r, hq)](part, stats, out, out.stride(0), out.stride(1), D=d, D_PAD=d_pad, SPLITS=s, S_PAD=_pow2(s))
+        merge[(r, hq)](part, stats, out, out.stride(0), out.stride(1), s, D=d, D_PAD=d_pad, S_PAD=_pow2(s))
     return out
 
 
