@@ -1,32 +1,50 @@
-"""CPU bench of the Qwen family's decode loop (issue 20) on a small random Qwen2-architecture model.
+"""Bench of the Qwen family's decode loop (issue 20): CPU on a small random Qwen2 model, or CUDA on
+the Qwen2.5-0.5B architecture (random weights, bf16), against transformers in the same run.
 
-Two measurements, each side by side in one process:
+Sections (each variant side by side in one process, interleaved; a variant that fails is recorded
+with its error and the others go on):
 
-1. **Throughput** at batch 1 / 16 / 64: ``batch`` greedy requests of ``--new-tokens`` new tokens
-   each (3 to 14 words of the tiny tokenizer's corpus), through ``Runtime`` with the ``step`` scheduler
-   (``max_batch = max_running = batch``: prefill per sequence, then every decode step batched) vs
+1. **kernel** (CUDA, or CPU under ``TRITON_INTERPRET=1``): one layer's paged attention for one new
+   token per sequence at ``--context`` tokens, batch 1/16/64 — the Triton kernel
+   (``omniloop_qwen.paged_attention``, reads the block table) vs the torch path (gather through the
+   slot table + SDPA with a mask, what ``paged_attention: torch`` runs), time per call and the
+   largest output difference.
+2. **throughput** at batch 1 / 16 / 64: ``batch`` greedy requests of ``--new-tokens`` new tokens
+   each (3 to 14 words of the tiny tokenizer's corpus) through ``Runtime`` with the ``step``
+   scheduler (``max_batch = max_running =`` the largest batch: prefill per sequence, then every
+   decode step batched), once per attention backend (``--variants``: ``triton``, ``torch``), vs
    transformers ``generate(do_sample=False)`` on the same prompts left-padded into one batch
-   (``min_new_tokens`` so both make the same number of tokens). Tokens/s = new tokens / wall time,
-   median over ``--repeats`` interleaved repeats.
-2. **Decode vs re-prefill at ``--context`` tokens**: one decode step of our paged forward (one new
-   token attending over the cached context) vs re-running the whole context without a cache (what
-   a loop without KV does per token), and transformers' own cached decode step for reference,
-   interleaved (4 decode steps of each, then one re-prefill, repeated), medians.
+   (``min_new_tokens`` so every side makes the same tokens). Tokens/s = new tokens / wall time,
+   median over ``--repeats`` interleaved repeats after one warm-up run of each.
+3. **decode vs re-prefill** at ``--context`` tokens, batch ``--decode-batches``: one decode step of
+   our paged forward (every sequence appends one token over its cached context) vs re-running the
+   whole contexts without a cache (what a loop without KV does per token: one transformers forward
+   of ``[batch, context]``, ``use_cache=False``, last-position logits only), and transformers' own
+   cached decode step, interleaved, medians. Speedup = re-prefill time / decode step time (per
+   token the batch cancels).
 
-    python bench/text_decode.py                       # -> bench/results/text_decode-cpu-<date>.json
-    python bench/text_decode.py --batches 1,4 --new-tokens 8 --context 256 --repeats 1   # quick
+    python bench/text_decode.py                     # CPU -> results/text_decode-cpu-<date>.json
+    python bench/text_decode.py --device cuda       # H200: Qwen2.5-0.5B arch, bf16, ~2-3 min
+    python bench/text_decode.py --smoke             # toy sizes, CPU, seconds (CI-sized check)
+
+``--budget-s`` bounds the run: once it is spent, what is left is recorded as skipped; the JSON is
+rewritten after every section, so a killed run still leaves what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import inspect
 import json
 import random
 import statistics
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +56,44 @@ _repo_paths.add_repo_packages()
 import torch  # noqa: E402
 from _common import command_line, library_versions, machine, write_record  # noqa: E402
 
-#: the bench model: Qwen2 layout (q/k/v bias, tied embeddings, GQA 8/2), small enough for a CPU
+#: the CPU bench model: Qwen2 layout (q/k/v bias, tied embeddings, GQA 8/2), small enough for a CPU
 BENCH_MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
                "num_key_value_heads": 2, "max_position_embeddings": 4096, "initializer_range": 0.02}
+#: Qwen2.5-0.5B: hidden 896, 24 layers, 14 query / 2 KV heads (head_dim 64), intermediate 4864,
+#: vocab 151936, tied embeddings, rope theta 1e6 (omniloop_qwen.tiny.QWEN25_05B)
+PRESETS = ("tiny", "qwen2.5-0.5b")
+#: --smoke sizes of each preset (the same layout: GQA, tied embeddings; a vocab larger than the tokenizer's)
+SMOKE_MODELS = {
+    "tiny": {**BENCH_MODEL, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "qwen2.5-0.5b": {"hidden_size": 224, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 4096,
+                     "rope_theta": 1000000.0, "tie_word_embeddings": True, "initializer_range": 0.02},
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_model(out: Path, seed: int) -> Path:
+def log(*parts: Any) -> None:
+    print(*parts, flush=True)
+
+
+def model_config(preset: str, smoke: bool) -> dict[str, Any]:
+    if smoke:
+        return dict(SMOKE_MODELS[preset])
+    if preset == "tiny":
+        return dict(BENCH_MODEL)
+    from omniloop_qwen.tiny import QWEN25_05B
+
+    return {**QWEN25_05B, "initializer_range": 0.02}
+
+
+def build_model(out: Path, seed: int, config: dict[str, Any]) -> Path:
+    """A random Qwen2-layout checkpoint of ``config`` (the tiny tokenizer; no EOS, so every request
+    makes exactly the tokens asked for)."""
     from omniloop_qwen.tiny import build_tiny_checkpoint
 
-    path = build_tiny_checkpoint(out, arch="qwen2", seed=seed, **BENCH_MODEL)
+    path = build_tiny_checkpoint(out, arch="qwen2", seed=seed, **config)
     gen = json.loads((path / "generation_config.json").read_text())
-    gen["eos_token_id"] = []  # no EOS: every request makes exactly the tokens asked for
+    gen["eos_token_id"] = []
     (path / "generation_config.json").write_text(json.dumps(gen))
     return path
 
@@ -62,137 +107,497 @@ def prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 14))) for _ in range(n)]
 
 
-def run_omniloop(rt: Any, texts: list[str], new_tokens: int) -> tuple[float, int]:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def error_of(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:600]
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.t0, self.seconds = time.time(), seconds
+
+    @property
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def hf_model(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    m.requires_grad_(False)
+    return m
+
+
+def qwen_runtime(path: Path, device: torch.device, dtype: str, backend: str, max_batch: int, kv_tokens: int) -> Any:
+    """A runtime over the qwen family and the step scheduler, without entry points (the GPU
+    machine runs from a bare checkout)."""
+    import omniloop_qwen.plugin as qwen_plugin
+    import omniloop_scheduler.plugin as scheduler_plugin
+
+    from omniloop import Runtime
+    from omniloop.testing import make_manager
+
+    manager = make_manager(("qwen", qwen_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
+    return Runtime.from_model(path, device=str(device), dtype=dtype, manager=manager, scheduler="step",
+                              scheduler_options={"max_batch": max_batch, "max_running": max_batch},
+                              options={"kv_cache_tokens": kv_tokens, "paged_attention": backend})
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. the kernel alone
+# ------------------------------------------------------------------------------------------------
+
+
+def kernel_bench(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, batches: list[int], context: int,
+                 iters: int, budget: Budget) -> list[dict[str, Any]]:
+    import torch.nn.functional as F
+
+    from omniloop.kvcache import CacheManager, KVLayout
+    from omniloop_qwen import paged_attention as pa
+
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // hq
+    scale = d**-0.5
+    rows = []
+    for b in batches:
+        if budget.left() < 0:
+            rows.append({"batch": b, "skipped": "budget"})
+            continue
+        row: dict[str, Any] = {"batch": b, "context_tokens": context, "q_heads": hq, "kv_heads": hkv, "head_dim": d}
+        try:
+            bs = 16
+            cache = CacheManager(KVLayout(layers=1, kv_heads=hkv, head_dim=d, dtype=dtype, device=device), block_size=bs,
+                                 num_blocks=b * (-(-context // bs)) + b)
+            g = torch.Generator(device="cpu").manual_seed(b)
+            cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g).to(dtype))
+            cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g).to(dtype))
+            # interleave the sequences' blocks (as a running server's pool would be)
+            handles = [cache.allocate() for _ in range(b)]
+            for _ in range(-(-context // bs)):
+                for h in handles:
+                    cache.append(h, min(bs, context - cache.length(h)))
+            table, held = cache.block_tables(handles)
+            row_seq, kv_lens = pa.attention_rows(held.tolist(), [1] * b)
+            meta = torch.tensor([row_seq, kv_lens], dtype=torch.int32, device=device)
+            table = table.to(device)
+            q = torch.randn(b, hq, d, generator=g).to(dtype).to(device)
+            slots, lengths = cache.slot_table(handles)
+            slots = slots.to(device)
+            mask = (torch.arange(slots.shape[1])[None, :] < lengths[:, None])[:, None, None, :].to(device)  # [B,1,1,L]
+
+            def triton_call() -> torch.Tensor:
+                return pa.paged_attention(q, cache.k[0], cache.v[0], table, meta[1], meta[0], block_size=bs, scale=scale,
+                                          max_len=context)
+
+            def torch_call() -> torch.Tensor:  # what PagedQwen's torch path does per layer
+                kc, vc = cache.gather(0, slots)
+                o = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask,
+                                                   scale=scale, enable_gqa=hq != hkv)
+                return o[:, :, 0]
+
+            ref = pa.paged_attention_torch(q, cache.k[0], cache.v[0], table, meta[1], meta[0], block_size=bs, scale=scale)
+            times: dict[str, list[float]] = {"triton": [], "torch": []}
+            outs = {"triton": triton_call(), "torch": torch_call()}  # warm-up (compiles the kernel)
+            for _ in range(5):
+                for name, fn in (("triton", triton_call), ("torch", torch_call)):
+                    dt, _ = timed(device, lambda fn=fn: [fn() for _ in range(iters)])
+                    times[name].append(dt / iters)
+            kv_bytes = 2 * b * context * hkv * d * torch.empty((), dtype=dtype).element_size()
+            for name in times:
+                t = statistics.median(times[name])
+                row[f"{name}_us"] = round(t * 1e6, 2)
+                row[f"{name}_kv_gb_per_s"] = round(kv_bytes / t / 1e9, 1)
+                row[f"{name}_max_abs_diff_vs_fp32_reference"] = float((outs[name].float() - ref.float()).abs().max())
+            row["speedup_triton_over_torch"] = round(row["torch_us"] / row["triton_us"], 2)
+            row["splits"] = pa.choose_splits(b, hkv, context, device)
+        except Exception as exc:
+            row["error"] = error_of(exc)
+            traceback.print_exc()
+        log(json.dumps({"kernel": row}))
+        rows.append(row)
+        free_memory(device)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. throughput through the runtime vs transformers generate
+# ------------------------------------------------------------------------------------------------
+
+
+def run_omniloop(rt: Any, texts: list[str], new_tokens: int) -> tuple[float, int, set[str]]:
     reqs = [{"task": "reason", "inputs": [{"type": "text", "text": t}],
              "sampling": {"max_tokens": new_tokens, "temperature": 0.0}} for t in texts]
+    device = torch.device(rt.model.device) if rt.model.device is not None else torch.device("cpu")
+    sync(device)
     t0 = time.perf_counter()
     streams = [rt.stream(r) for r in reqs]
-    made = 0
+    made, ids = 0, set()
     for s in streams:
         out = [e for e in s if e.output is not None][-1].output
-        assert out.ok, out.error
+        if not out.ok:
+            raise RuntimeError(f"omniloop request failed: {out.error}")
         made += len(out.artifacts["text"].token_ids)
-    return time.perf_counter() - t0, made
+        ids.add(out.request_id)
+    sync(device)
+    return time.perf_counter() - t0, made, ids
 
 
 def run_transformers(hf: Any, tok: Any, texts: list[str], new_tokens: int) -> tuple[float, int]:
     batch_prompts = [tok(t)["input_ids"] for t in texts]
     width = max(len(p) for p in batch_prompts)
     pad = tok.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
+    dev = hf.device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=dev)
+    sync(dev)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, pad_token_id=pad)
+    sync(dev)
     return time.perf_counter() - t0, int((out.shape[1] - width) * len(batch_prompts))
 
 
-def throughput(path: Path, batches: list[int], new_tokens: int, repeats: int, seed: int) -> list[dict[str, Any]]:
-    from transformers import AutoModelForCausalLM
+def throughput(path: Path, device: torch.device, dtype: str, variants: list[str], batches: list[int], new_tokens: int,
+               repeats: int, seed: int, budget: Budget, hf: Any) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    top = max(batches)
+    runtimes: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for v in variants:
+        try:
+            rt = qwen_runtime(path, device, dtype, v, top, kv_tokens=top * (64 + new_tokens) + 64 * 16)
+            got = rt.model.config.get("paged_attention")
+            if got != v:
+                raise RuntimeError(f"asked for paged_attention {v!r}, the runtime runs {got!r}")
+            runtimes[v] = rt
+            log(f"[throughput] runtime {v} loaded ({budget.elapsed:.0f} s)")
+        except Exception as exc:
+            errors[v] = error_of(exc)
+            traceback.print_exc()
+    tok = next(iter(runtimes.values())).model.components["tokenizer"] if runtimes else None
+    if tok is None:
+        from transformers import AutoTokenizer
 
-    from omniloop import Runtime
+        tok = AutoTokenizer.from_pretrained(path)
+    sides: list[tuple[str, Callable[[list[str]], tuple[float, int]]]] = []
+    for v, rt in runtimes.items():
+        def ours(texts: list[str], rt: Any = rt, v: str = v) -> tuple[float, int]:
+            dt, n, ids = run_omniloop(rt, texts, new_tokens)
+            last_ids[v] = ids
+            return dt, n
 
-    rows = []
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        sides.append((f"omniloop_{v}", ours))
+    sides.append(("transformers", lambda texts: run_transformers(hf, tok, texts, new_tokens)))
+    last_ids: dict[str, set[str]] = {}
     for b in batches:
-        rt = Runtime.from_model(path, scheduler="step", scheduler_options={"max_batch": b, "max_running": b},
-                                options={"kv_cache_tokens": b * (40 + new_tokens) + 64 * 16})
-        tok = rt.model.components["tokenizer"]
+        row: dict[str, Any] = {"batch": b, "new_tokens_per_request": new_tokens, "repeats": repeats}
+        for v, e in errors.items():
+            row[f"omniloop_{v}_error"] = e
+        if budget.left() < 0:
+            row["skipped"] = "budget"
+            rows.append(row)
+            log(json.dumps({"throughput": row}))
+            continue
         ps = prompts(b, seed + b)
-        run_omniloop(rt, ps[:1], 2)  # warm-up
-        run_transformers(hf, tok, ps[:1], 2)
-        ours, theirs = [], []
-        for _ in range(repeats):  # interleaved
-            dt, n = run_omniloop(rt, ps, new_tokens)
-            ours.append(n / dt)
-            dt, n = run_transformers(hf, tok, ps, new_tokens)
-            theirs.append(n / dt)
-        sizes = [len(d.request_ids) for d in rt.scheduler.trace if d.action == "batched_step"]
-        row = {"batch": b, "new_tokens_per_request": new_tokens,
-               "omniloop_tokens_per_s": round(statistics.median(ours), 2),
-               "transformers_tokens_per_s": round(statistics.median(theirs), 2),
-               "ratio_omniloop_over_transformers": round(statistics.median(ours) / statistics.median(theirs), 3),
-               "largest_decode_batch": max(sizes, default=1), "repeats": repeats}
-        print(json.dumps(row), flush=True)
+        rates: dict[str, list[float]] = {name: [] for name, _ in sides}
+        failed: dict[str, str] = {}
+        for name, fn in sides:  # warm-up: the whole batch once (kernel variants compile here)
+            try:
+                fn(ps)
+            except Exception as exc:
+                failed[name] = error_of(exc)
+                traceback.print_exc()
+        for rep in range(repeats):  # interleaved
+            if rep and budget.left() < 0:
+                row["repeats_cut_by_budget"] = rep
+                break
+            for name, fn in sides:
+                if name in failed:
+                    continue
+                try:
+                    dt, n = fn(ps)
+                    rates[name].append(n / dt)
+                except Exception as exc:
+                    failed[name] = error_of(exc)
+                    traceback.print_exc()
+        for name, _ in sides:
+            if name in failed:
+                row[f"{name}_error"] = failed[name]
+            if rates[name]:
+                row[f"{name}_tokens_per_s"] = round(statistics.median(rates[name]), 2)
+        base = row.get("transformers_tokens_per_s")
+        for v in runtimes:
+            ours_rate = row.get(f"omniloop_{v}_tokens_per_s")
+            if ours_rate and base:
+                row[f"ratio_omniloop_{v}_over_transformers"] = round(ours_rate / base, 3)
+            with_ids = last_ids.get(v, set())
+            try:
+                sizes = [len(d.request_ids) for d in runtimes[v].scheduler.trace
+                         if d.action == "batched_step" and with_ids & set(d.request_ids)]
+                row[f"omniloop_{v}_largest_decode_batch"] = max(sizes, default=1)
+            except Exception as exc:  # (the trace is a scheduler detail; never fail the bench on it)
+                row[f"omniloop_{v}_largest_decode_batch"] = error_of(exc)
+        log(json.dumps({"throughput": row}))
+        rows.append(row)
+    runtimes.clear()
+    free_memory(device)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. decode step vs re-prefilling the whole context
+# ------------------------------------------------------------------------------------------------
+
+
+def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batches: list[int], context: int,
+                        steps: int, seed: int, budget: Budget) -> list[dict[str, Any]]:
+    from omniloop.kvcache import CacheManager
+    from omniloop_qwen.model import PagedQwen
+
+    vocab = hf.config.vocab_size
+    fwd = inspect.signature(hf.forward).parameters
+    past_kw = "cache" if "cache" in fwd else "past_key_values"  # transformers >= 5.2x renamed it
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in fwd else {}
+    rows: list[dict[str, Any]] = []
+    rng = random.Random(seed)
+    rounds = max(2, steps // 4)
+    for b in batches:
+        row: dict[str, Any] = {"batch": b, "context_tokens": context, "target_speedup": 10.0}
+        if budget.left() < 0:
+            row["skipped"] = "budget"
+            rows.append(row)
+            log(json.dumps({"decode_vs_reprefill": row}))
+            continue
+        ctxs = [[rng.randrange(3, min(vocab, 100000)) for _ in range(context)] for _ in range(b)]
+        ids = torch.tensor(ctxs, device=device)
+        state: dict[str, Any] = {}
+        times: dict[str, list[float]] = {}
+        failed: dict[str, str] = {}
+
+        # set-up of every side: transformers' cache, and each backend's paged cache, prefilled
+        with torch.no_grad():
+            try:
+                out = hf(ids, use_cache=True, **keep)
+                state["hf"] = [out.past_key_values, out.logits[:, -1:].argmax(-1)]
+                del out
+                timed(device, lambda: hf(ids, use_cache=False, **keep))  # warm-up
+                times["reprefill"], times["hf_step"] = [], []
+            except Exception as exc:
+                failed["transformers"] = error_of(exc)
+                traceback.print_exc()
+            for v in variants:
+                try:
+                    model = PagedQwen(hf, attention=v)
+                    cache = CacheManager(model.layout(), block_size=16,
+                                         num_blocks=b * (-(-(context + 4 * rounds + 8) // 16)))
+                    hs = [cache.allocate() for _ in range(b)]
+                    chunk = max(1, 8192 // context)
+                    toks: list[list[int]] = []
+                    for i in range(0, b, chunk):  # prefill, a few sequences per forward
+                        logits = model.forward(cache, hs[i : i + chunk], ctxs[i : i + chunk])
+                        toks += [[t] for t in logits.argmax(-1).tolist()]
+                    for _ in range(2):  # warm-up
+                        toks = [[t] for t in model.forward(cache, hs, toks).argmax(-1).tolist()]
+                    state[v] = [model, cache, hs, toks]
+                    times[v] = []
+                except Exception as exc:
+                    failed[f"omniloop_{v}"] = error_of(exc)
+                    traceback.print_exc()
+
+            # interleaved: 4 decode steps of each side, then one re-prefill, repeated
+            for _ in range(rounds):
+                if budget.left() < 0:
+                    row["rounds_cut_by_budget"] = True
+                    break
+                for v in variants:
+                    if v not in state or f"omniloop_{v}" in failed:
+                        continue
+                    model, cache, hs, toks = state[v]
+                    try:
+                        for _ in range(4):
+                            dt, logits = timed(device, lambda: model.forward(cache, hs, toks))
+                            times[v].append(dt)
+                            toks = [[t] for t in logits.argmax(-1).tolist()]
+                        state[v][3] = toks
+                    except Exception as exc:
+                        failed[f"omniloop_{v}"] = error_of(exc)
+                        traceback.print_exc()
+                if "hf" in state and "transformers" not in failed:
+                    try:
+                        past, nxt = state["hf"]
+                        for _ in range(4):
+                            dt, out = timed(device, lambda: hf(nxt, use_cache=True, **{past_kw: past}))
+                            times["hf_step"].append(dt)
+                            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                        state["hf"] = [past, nxt]
+                        del out
+                        dt, _ = timed(device, lambda: hf(ids, use_cache=False, **keep))
+                        times["reprefill"].append(dt)
+                    except Exception as exc:
+                        failed["transformers"] = error_of(exc)
+                        traceback.print_exc()
+        state.clear()
+        free_memory(device)
+
+        for side, err in failed.items():
+            row[f"{side}_error"] = err
+        r = statistics.median(times["reprefill"]) if times.get("reprefill") else None
+        if r is not None:
+            row.update(reprefill_ms=round(r * 1e3, 3), reprefill_ms_per_token=round(r * 1e3 / b, 4),
+                       reprefills=len(times["reprefill"]))
+        if times.get("hf_step"):
+            row["transformers_cached_decode_ms"] = round(statistics.median(times["hf_step"]) * 1e3, 3)
+        for v in variants:
+            if not times.get(v):
+                continue
+            dd = statistics.median(times[v])
+            row[f"omniloop_{v}_decode_ms"] = round(dd * 1e3, 3)
+            row[f"omniloop_{v}_decode_ms_per_token"] = round(dd * 1e3 / b, 4)
+            row[f"omniloop_{v}_decode_steps"] = len(times[v])
+            if r is not None:
+                row[f"speedup_{v}_decode_vs_reprefill"] = round(r / dd, 2)
+                row[f"target_met_{v}"] = r / dd >= 10.0
+        log(json.dumps({"decode_vs_reprefill": row}))
         rows.append(row)
     return rows
 
 
-def decode_vs_reprefill(path: Path, context: int, steps: int, seed: int) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    from omniloop.kvcache import CacheManager
-    from omniloop_qwen.model import PagedQwen
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    paged = PagedQwen(hf)
-    cache = CacheManager(paged.layout(), block_size=16, num_blocks=-(-(context + 4 * max(4, steps // 4) + 16) // 16))
-    rng = random.Random(seed)
-    ctx = [rng.randrange(3, hf.config.vocab_size) for _ in range(context)]
-    import inspect
-
-    kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # transformers >= 5.2x
-    h = cache.allocate()
-    paged.forward(cache, [h], [ctx])  # prefill
-    with torch.no_grad():
-        out = hf(torch.tensor([ctx]), use_cache=True)
-    past, nxt, tok = out.past_key_values, torch.tensor([[ctx[-1]]]), ctx[-1]
-    decode, reprefill, hf_steps = [], [], []
-    rounds = max(4, steps // 4)
-    for _ in range(rounds):  # interleaved: 4 decode steps each side, then one re-prefill
-        for _ in range(4):
-            t0 = time.perf_counter()
-            logits = paged.forward(cache, [h], [[tok]])
-            decode.append(time.perf_counter() - t0)
-            tok = int(logits[0].argmax())
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                out = hf(nxt, use_cache=True, **{kw: past})
-            hf_steps.append(time.perf_counter() - t0)
-            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
-        paged.full_logits(ctx)
-        reprefill.append(time.perf_counter() - t0)
-    d, r, hfd = statistics.median(decode), statistics.median(reprefill), statistics.median(hf_steps)
-    row = {"context_tokens": context, "decode_steps": len(decode), "reprefills": len(reprefill),
-           "omniloop_decode_ms_per_token": round(d * 1e3, 3), "reprefill_ms_per_token": round(r * 1e3, 3),
-           "speedup_decode_vs_reprefill": round(r / d, 1), "transformers_cached_decode_ms_per_token": round(hfd * 1e3, 3),
-           "target_speedup": 10.0, "target_met": r / d >= 10.0}
-    print(json.dumps(row), flush=True)
-    return row
+# ------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--preset", choices=PRESETS, default=None,
+                    help="model: 'tiny' (CPU default: hidden 256, 4 layers) or 'qwen2.5-0.5b' (CUDA default)")
+    ap.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--variants", default=None,
+                    help="omniloop attention backends, comma-separated from triton,torch (default: both on CUDA; "
+                         "torch on CPU, plus triton under TRITON_INTERPRET=1)")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--decode-batches", default=None, help="batches of the decode-vs-re-prefill section (default: --batches)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 32 (CPU) / 64 (CUDA)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kernel-iters", type=int, default=50)
+    ap.add_argument("--sections", default="kernel,throughput,reprefill")
+    ap.add_argument("--budget-s", type=float, default=220.0,
+                    help="wall-clock budget: sections/variants not started by then are recorded as skipped")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="toy sizes of the preset, 1 repeat: checks the script, seconds")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
+
+    from omniloop_qwen import paged_attention as pa
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available")
+    preset = args.preset or ("qwen2.5-0.5b" if device.type == "cuda" else "tiny")
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = _DTYPES[dtype_name]
+    kernel_ok = pa.triton_unavailable(device) is None
+    variants = (args.variants.split(",") if args.variants else (["triton", "torch"] if kernel_ok else ["torch"]))
+    bad = [v for v in variants if v not in ("triton", "torch")]
+    if bad:
+        ap.error(f"--variants: unknown {bad}")
+    batches = [int(b) for b in args.batches.split(",")]
+    decode_batches = [int(b) for b in (args.decode_batches or args.batches).split(",")]
+    new_tokens = args.new_tokens or (64 if device.type == "cuda" else 32)
+    context, repeats, steps, iters = args.context, args.repeats, args.decode_steps, args.kernel_iters
+    if args.smoke:
+        batches, decode_batches = [b for b in batches if b <= 2] or [1, 2], [1, 2]
+        new_tokens, context, repeats, steps, iters = min(new_tokens, 4), min(context, 80), 1, 4, 2
+    sections = set(args.sections.split(","))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    t0 = time.time()
-    path = build_model(Path(tempfile.mkdtemp()) / "qwen2-bench", args.seed)
-    batches = [int(b) for b in args.batches.split(",")]
-    rows = throughput(path, batches, args.new_tokens, args.repeats, args.seed)
-    reprefill = decode_vs_reprefill(path, args.context, args.decode_steps, args.seed)
-    record = {
-        "bench": "text_decode-cpu", "date": datetime.date.today().isoformat(),
+    budget = Budget(args.budget_s)
+
+    cfg = model_config(preset, args.smoke)
+    name = f"text_decode-{device.type}" + ("" if preset == "tiny" else f"-{preset}") + ("-smoke" if args.smoke else "")
+    record: dict[str, Any] = {
+        "bench": name, "date": datetime.date.today().isoformat(),
         "command": command_line("bench/text_decode.py", argv),
-        "machine": machine(torch_threads=torch.get_num_threads(), **library_versions()),
-        "model": {"arch": "qwen2", "weights": f"random (seed {args.seed})", "dtype": "float32", **BENCH_MODEL},
-        "throughput": rows, "decode_vs_reprefill": reprefill, "seconds": round(time.time() - t0, 1),
-        "notes": ("omniloop: Runtime + step scheduler (events, per-request sampling, text detokenized every token); "
-                  "transformers: generate on one left-padded batch. Decode vs re-prefill: our paged forward alone."),
+        "machine": machine(torch_threads=torch.get_num_threads(), **library_versions(),
+                           triton=_triton_version()),
+        "model": {"arch": "qwen2", "preset": preset, "weights": f"random (seed {args.seed})", "dtype": dtype_name, **cfg},
+        "variants": variants, "budget_s": args.budget_s,
+        "notes": ("omniloop_<backend>: Runtime + step scheduler (events, per-request sampling, text detokenized every "
+                  "token) with options.paged_attention = <backend>; transformers: generate on one left-padded batch "
+                  "(sdpa). decode_vs_reprefill: our paged forward alone vs transformers forward of the whole "
+                  "[batch, context] with use_cache=False (last-position logits)."),
     }
-    print(f"wrote {write_record(record, args.out)}")
+
+    def save() -> None:
+        record["seconds"] = round(budget.elapsed, 1)
+        log(f"wrote {write_record(record, args.out)}")
+
+    log(f"[text_decode] device={device} preset={preset} dtype={dtype_name} variants={variants} batches={batches} "
+        f"new_tokens={new_tokens} context={context} budget={args.budget_s}s")
+    t_build = time.time()
+    path = build_model(Path(tempfile.mkdtemp()) / f"qwen2-{preset}", args.seed, cfg)
+    record["build_s"] = round(time.time() - t_build, 1)
+    log(f"[text_decode] checkpoint built in {record['build_s']} s")
+
+    if "kernel" in sections:
+        if kernel_ok:
+            record["kernel"] = kernel_bench(cfg, device, dtype, batches, context, iters, budget)
+        else:
+            record["kernel"] = {"skipped": f"the Triton kernel cannot run here: {pa.triton_unavailable(device)}"}
+        save()
+    hf = None
+    try:
+        hf = hf_model(path, device, dtype)
+    except Exception as exc:
+        record["transformers_error"] = error_of(exc)
+        traceback.print_exc()
+    if "throughput" in sections and hf is not None:
+        record["throughput"] = throughput(path, device, dtype_name, variants, batches, new_tokens, repeats, args.seed,
+                                          budget, hf)
+        save()
+    if "reprefill" in sections and hf is not None:
+        record["decode_vs_reprefill"] = decode_vs_reprefill(hf, device, variants, decode_batches, context, steps,
+                                                            args.seed, budget)
+        save()
+    if device.type == "cuda":
+        record["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    save()
     return 0
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return str(triton.__version__)
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

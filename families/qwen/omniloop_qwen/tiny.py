@@ -99,7 +99,9 @@ def build_tiny_checkpoint(path: str | Path, *, arch: str = "qwen2", seed: int = 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(path)
-    vocab = tok.get_vocab_size()
+    vocab = int(overrides.pop("vocab_size", tok.get_vocab_size()))  # a larger model vocab (the bench's presets) is fine
+    if vocab < tok.get_vocab_size():
+        raise ValueError(f"vocab_size: at least the tokenizer's {tok.get_vocab_size()} tokens, got {vocab}")
     endoftext, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
     cfg = tiny_config(arch, vocab, eos_token_id=im_end, pad_token_id=endoftext, **overrides)
     torch.manual_seed(seed)
