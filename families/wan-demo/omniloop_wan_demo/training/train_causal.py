@@ -31,13 +31,14 @@ saved. The prompt is dropped to ``""`` ``cfg_drop`` of the time so causal CFG ke
     # CPU check of the whole script (a few steps, tiny batch; what the fast test runs)
     python -m omniloop_wan_demo.training.train_causal --out /tmp/causal-smoke --smoke
 
-Writes ``--out``: a complete diffusers-format ``WanPipeline`` folder (``transformer/`` fp16
-safetensors, same layout as wan-demo; ``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``
-and ``model_index.json`` copied from the source checkpoint; ``omniloop.json`` naming the variant
-and its rollout settings) plus ``train_causal.json`` (recipe, log, timings, and a quick
-adherence check of the causal rollout when not ``--no-eval``). ``--ship`` installs the
-trained ``transformer/`` + ``omniloop.json`` into the package's ``checkpoint_causal/`` (see
-:func:`ship`).
+Writes ``--out``: a diffusers-format ``WanPipeline`` folder whose own files are ``transformer/``
+(``config.json`` + fp16 ``diffusion_pytorch_model.safetensors``, same layout as wan-demo) and
+``omniloop.json`` (the variant and its ``rollout_options``); ``vae``, ``text_encoder``,
+``tokenizer``, ``scheduler`` and ``model_index.json`` are links to the source's (frozen, shared),
+so the folder loads as it is; plus ``train_causal.json`` (recipe, log, timings, and a quick
+adherence check of the causal rollout unless ``--no-eval``). Four files travel back from a GPU
+machine. ``--ship DIR`` installs ``DIR``'s ``transformer/`` + ``omniloop.json`` as the package's
+``checkpoint_causal/`` (:func:`ship`), where the shared parts are committed links to wan-demo's.
 """
 
 from __future__ import annotations
@@ -61,10 +62,6 @@ PROMPTS = all_prompts()
 
 #: the rollout settings written to the checkpoint's ``omniloop.json`` (the preset reads them)
 ROLLOUT_OPTIONS: dict[str, Any] = dict(CAUSAL_ROLLOUT_OPTIONS)
-
-#: what the shared (frozen) components are; copied from the source checkpoint
-SHARED = ("vae", "text_encoder", "tokenizer", "scheduler")
-
 
 def teacher_forcing_mask(n_chunks: int, chunk_tokens: int) -> torch.Tensor:
     """``[2S, 2S]`` bool attention mask (True = may attend) over ``[clean chunks | noisy chunks]``,
@@ -250,15 +247,20 @@ def train_causal(
 
 def save_checkpoint(comps: dict[str, Any], src: Path, out: Path, info: dict[str, Any],
                     rollout_options: dict[str, Any] | None = None) -> Path:
-    """``out``: the diffusers folder (fp16 transformer; shared components copied from ``src``)."""
+    """``out``: a diffusers folder whose own files are ``transformer/`` (fp16) and ``omniloop.json``;
+    the shared, frozen components (``vae``, ``text_encoder``, ``tokenizer``, ``scheduler``,
+    ``model_index.json``) are links to ``src``'s, so the folder loads as it is here while only the
+    new files travel back from a GPU machine (a file-count-limited transfer leaves links out)."""
     import copy
 
     out.mkdir(parents=True, exist_ok=True)
-    for name in SHARED:
-        if (out / name).exists():
-            shutil.rmtree(out / name)
-        shutil.copytree(src / name, out / name)
-    shutil.copy(src / "model_index.json", out / "model_index.json")
+    for name in CAUSAL_SHARED:
+        link = out / name
+        if link.is_symlink() or link.is_file():
+            link.unlink()
+        elif link.is_dir():
+            shutil.rmtree(link)
+        link.symlink_to((src / name).resolve())
     tdir = out / "transformer"
     if tdir.exists():
         shutil.rmtree(tdir)
@@ -283,12 +285,13 @@ def ship(trained: Path, dest: Path | None = None) -> Path:
     package folder points at wan-demo's through relative links."""
     dest = dest or causal_checkpoint_dir()
     src = checkpoint_dir()
-    for name in SHARED:
-        for f in sorted((trained / name).rglob("*")):
-            if f.is_file():
-                rel = f.relative_to(trained)
-                if not (src / rel).is_file() or (src / rel).read_bytes() != f.read_bytes():
-                    raise ValueError(f"ship: {rel} differs from wan-demo's; the causal checkpoint must share wan-demo's {name}")
+    for name in CAUSAL_SHARED:  # absent (left behind by the transfer) is fine; present must be wan-demo's
+        got = trained / name
+        files = [got] if got.is_file() else sorted(f for f in got.rglob("*") if f.is_file()) if got.is_dir() else []
+        for f in files:
+            rel = f.relative_to(trained)
+            if not (src / rel).is_file() or (src / rel).read_bytes() != f.read_bytes():
+                raise ValueError(f"ship: {rel} differs from wan-demo's; the causal checkpoint must share wan-demo's {name}")
     if not (trained / "transformer" / "diffusion_pytorch_model.safetensors").is_file():
         raise ValueError(f"ship: {trained}/transformer/diffusion_pytorch_model.safetensors is missing")
     dest.mkdir(parents=True, exist_ok=True)
