@@ -52,20 +52,51 @@ MODES = ("none", "model", "sequential")
 class Mover:
     """How a tensor moves between storage and the execution device (the default: real copies).
 
-    ``store(t)`` makes the host master of a tensor (pinned for a CUDA device); ``fetch(master)``
-    the device copy (asynchronous when called under a side stream); ``park(master)`` what an
-    evicted parameter holds (the master itself: nothing is copied back). Tests subclass it to
-    record or to make an unloaded weight unusable."""
+    ``store(t)`` makes the host master of a tensor; ``fetch(master)`` the device copy
+    (asynchronous when called under a side stream); ``park(master)`` what an evicted parameter
+    holds (the master itself: nothing is copied back). Tests subclass it to record or to make an
+    unloaded weight unusable.
 
-    def __init__(self, device: torch.device, *, pin: bool | None = None) -> None:
+    For a CUDA device the masters are packed into pinned *slabs* of ``slab_bytes`` (a power of
+    two), 256-byte aligned: PyTorch's pinned allocator rounds every allocation up to a power of two,
+    which for a 141 MB feed-forward weight would pin 256 MB — one slab per tensor could nearly double
+    the host memory a large model pins. A tensor larger than a slab stays in ordinary (pageable)
+    memory: its copies are synchronous, correct, and rare (an embedding table in a shell)."""
+
+    def __init__(self, device: torch.device, *, pin: bool | None = None, slab_bytes: int = 1 << 30) -> None:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda" if pin is None else pin
+        if slab_bytes <= 0 or slab_bytes & (slab_bytes - 1):
+            raise ValueError(f"slab_bytes must be a power of two, not {slab_bytes}")
+        self.slab_bytes = slab_bytes
+        self._slab: torch.Tensor | None = None
+        self._used = 0
+        #: host bytes pinned (whole slabs) and kept pageable (tensors larger than a slab)
+        self.pinned_bytes = 0
+        self.pageable_bytes = 0
 
     def store(self, t: torch.Tensor) -> torch.Tensor:
-        host = t.detach().to("cpu")
-        if self.pin and not host.is_pinned():
-            host = host.pin_memory()
+        src = t.detach()
+        n = src.numel() * src.element_size()
+        if self.pin and src.device.type == "cpu" and src.is_pinned():  # already a master (offload installed again)
+            return src
+        if not self.pin or n > self.slab_bytes:
+            host = src.to("cpu")
+            if self.pin:
+                self.pageable_bytes += n
+            return host
+        off = (self._used + 255) & ~255
+        if self._slab is None or off + n > self.slab_bytes:
+            self._slab = self._new_slab()
+            self.pinned_bytes += self.slab_bytes
+            off = 0
+        host = self._slab[off:off + n].view(src.dtype).view(src.shape)
+        host.copy_(src)
+        self._used = off + n
         return host
+
+    def _new_slab(self) -> torch.Tensor:
+        return torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=True)
 
     def fetch(self, master: torch.Tensor) -> torch.Tensor:
         return master.to(self.device, non_blocking=self.pin)
@@ -106,15 +137,19 @@ class Offloader:
 
     def __init__(self, components: Mapping[str, Any], blocks: Mapping[str, str | tuple[str, ...] | None], mode: str,
                  device: torch.device, *, mover: Mover | None = None, trace: list[tuple[str, str, tuple[str, ...]]] | None = None,
-                 ) -> None:
+                 overlap: bool = True) -> None:
         if mode not in ("model", "sequential"):
             raise DeployError(f"offload: {mode!r} is not an offload mode (model, sequential)")
         self.mode = mode
         self.device = torch.device(device)
         self.mover = mover or Mover(self.device)
         self.trace = trace
+        #: sequential: prefetch the next block while the current one runs (False: each block is copied
+        #: when it is entered, on the compute stream — what the overlap saves, for benchmarks)
+        self.overlap = overlap
         self._stream: Any = (
-            torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.mover.pin else None  # type: ignore[no-untyped-call]
+            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            if overlap and self.device.type == "cuda" and self.mover.pin else None
         )
         self._hooks: list[Any] = []
         self.shells: dict[str, _Unit] = {}
@@ -130,16 +165,15 @@ class Offloader:
                 path, seq = _submodule(module, paths, name)
                 block_mods = list(seq)
             skip = {id(m) for b in block_mods for m in b.modules()}
-            self.shells[name] = self._unit(name, module, skip)
+            self.shells[name] = self._parked(self._unit(name, module, skip))
             if block_mods:
-                stack = _Stack(name, [self._unit(f"{name}.{path}.{i}", b, set()) for i, b in enumerate(block_mods)])
+                stack = _Stack(name, [self._parked(self._unit(f"{name}.{path}.{i}", b, set()))
+                                      for i, b in enumerate(block_mods)])
                 self.stacks[name] = stack
                 for i, b in enumerate(block_mods):
                     self._block_of[id(b)] = (stack, i)
                     self._hooks.append(b.register_forward_pre_hook(self._enter_block))
                     self._hooks.append(b.register_forward_hook(self._leave_block))
-        for unit in self._all_units():  # everything starts in storage
-            self._park(unit)
 
     # -- what is where ---------------------------------------------------------------------------
     def resident(self) -> tuple[str, ...]:
@@ -151,7 +185,10 @@ class Offloader:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "mode": self.mode, "device": str(self.device), "pinned": self.mover.pin, "side_stream": self._stream is not None,
+            "mode": self.mode, "device": str(self.device), "pinned": self.mover.pin, "overlap": self.overlap,
+            "host_pinned_bytes": getattr(self.mover, "pinned_bytes", None),
+            "host_pageable_bytes": getattr(self.mover, "pageable_bytes", None),
+            "side_stream": self._stream is not None,
             "components": {n: {"bytes": u.nbytes, "blocks": len(self.stacks[n].units) if n in self.stacks else 0,
                                "block_bytes": sum(b.nbytes for b in self.stacks[n].units) if n in self.stacks else 0}
                            for n, u in self.shells.items()},
@@ -199,7 +236,7 @@ class Offloader:
         else:
             self._load(unit)
         nxt = stack.units[(i + 1) % len(stack.units)]
-        if nxt is not unit:
+        if nxt is not unit and self.overlap:
             self._prefetch(nxt)
         self._note("run", unit.name)
 
@@ -273,6 +310,12 @@ class Offloader:
             t.data.record_stream(current)  # type: ignore[union-attr]
         unit.event = None
 
+    def _parked(self, unit: _Unit) -> _Unit:
+        """``unit`` in storage from the start (its tensors on the load device are freed now, one unit
+        at a time, so installing never holds two copies of the whole model)."""
+        self._park(unit)
+        return unit
+
     def _park(self, unit: _Unit) -> None:
         self._set(unit, [self.mover.park(m) for m in unit.masters])
         was = unit.on_device
@@ -324,7 +367,7 @@ def storage_device(mode: str, device: torch.device) -> torch.device:
 
 
 def install(model: Any, family: Any, mode: str, device: torch.device, *, mover: Mover | None = None,
-            trace: list[tuple[str, str, tuple[str, ...]]] | None = None) -> Offloader | None:
+            trace: list[tuple[str, str, tuple[str, ...]]] | None = None, overlap: bool = True) -> Offloader | None:
     """Put ``model``'s declared components under ``mode`` offload to ``device`` (None for ``none``).
 
     Every declared module present in ``model.components`` goes to storage; :func:`wrap_pipeline`
@@ -335,7 +378,7 @@ def install(model: Any, family: Any, mode: str, device: torch.device, *, mover: 
     if decl is None:
         raise DeployError(f"offload: family {getattr(family, 'name', family)!r} does not declare offload_components")
     comps = {n: model.components[n] for n in decl if n in model.components}
-    return Offloader(comps, decl, mode, device, mover=mover, trace=trace)
+    return Offloader(comps, decl, mode, device, mover=mover, trace=trace, overlap=overlap)
 
 
 class OffloadedStage:

@@ -227,6 +227,43 @@ def test_step_batch_of_two_requests_equal(ckpt: Any) -> None:
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
 
 
+def test_host_masters_packed_into_slabs() -> None:
+    """With pinning on, masters are 256-byte-aligned views into power-of-two slabs (not one rounded
+    pinned allocation each); a tensor larger than a slab stays pageable. (Slabs are plain CPU
+    memory here: pinning needs CUDA.)"""
+
+    class Unpinned(Mover):
+        def _new_slab(self) -> torch.Tensor:
+            return torch.empty(self.slab_bytes, dtype=torch.uint8)
+
+    mover = Unpinned(torch.device("cpu"), pin=True, slab_bytes=1024)
+    xs = [torch.randn(10), torch.randn(3, 5).to(torch.bfloat16), torch.tensor(7), torch.randn(100), torch.randn(300)]
+    hosts = [mover.store(x) for x in xs]
+    assert all(torch.equal(x, h) and x.shape == h.shape and x.dtype == h.dtype for x, h in zip(xs, hosts, strict=True))
+    slab0 = hosts[0].untyped_storage().data_ptr()
+    assert [h.untyped_storage().data_ptr() == slab0 for h in hosts[:3]] == [True] * 3  # packed together
+    assert all((h.data_ptr() - slab0) % 256 == 0 for h in hosts[:3])
+    assert hosts[3].untyped_storage().data_ptr() != slab0  # 400 bytes did not fit after the first three
+    assert mover.pinned_bytes == 2 * 1024 and mover.pageable_bytes == 300 * 4  # the 1200-byte one: pageable
+    with pytest.raises(ValueError, match="power of two"):
+        Mover(torch.device("cpu"), slab_bytes=1000)
+
+
+def test_no_overlap_streams_without_prefetch() -> None:
+    blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    trace: Trace = []
+    off = Offloader({"net": nn.ModuleDict({"blocks": blocks})}, {"net": "blocks"}, "sequential", torch.device("cpu"),
+                    mover=RecordingMover(torch.device("cpu")), trace=trace, overlap=False)
+    off.activate(["net"])
+    with torch.no_grad():
+        x = torch.randn(2, 4)
+        for b in blocks:
+            x = b(x)
+    assert not any(ev == "prefetch" for ev, *_ in trace)
+    assert all(len([r for r in res if ".blocks." in r]) == 1 for ev, _, res in trace if ev == "run")
+    assert not torch.isnan(x).any()
+
+
 # -- refused at load, one line ------------------------------------------------------------------
 @attrs.define
 class _Fam:
