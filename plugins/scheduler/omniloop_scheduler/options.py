@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 from attrs import define, field
@@ -46,6 +46,11 @@ class SchedulerOptions:
     ema_alpha: float = field(default=0.3, metadata={"gt": 0.0, "le": 1.0})
     #: safety factor applied to memory predictions
     memory_margin: float = field(default=1.2, metadata={"ge": 1.0})
+    #: which running request takes the next unit: ``round_robin`` (each in turn) or
+    #: ``fewest_steps_left`` (the one closest to done first: short requests finish without waiting
+    #: for the rounds of long ones), with aging: one that has not run for ``order_max_wait_s`` goes first
+    order: Literal["round_robin", "fewest_steps_left"] = "round_robin"
+    order_max_wait_s: float = field(default=10.0, metadata={"gt": 0.0})
 
 
 def parse_options(options: Mapping[str, Any] | SchedulerOptions | None) -> SchedulerOptions:

@@ -18,6 +18,8 @@ waiting, and which unit runs next (one stage, one loop step, or one batched loop
 * **Step**: round-robin over the running executions, one unit each; the execution at the head
   of the rotation runs, co-batched with every running execution whose ``batch_key()`` equals its
   own (up to ``max_batch``), so a 4-step request is never stuck behind a 50-step one.
+* **Order** (``order``): ``round_robin`` by default; ``fewest_steps_left`` gives the next unit to
+  the running request closest to done (aging: one idle for ``order_max_wait_s`` goes first).
 * **Remote stages** (role pools, omniloop-parallel's ``placement``): a request whose next node runs
   in another process is dispatched there and parked while the others keep stepping; it rejoins
   the rotation at the front when the result is back (the serial policy just waits for it).
@@ -184,9 +186,26 @@ class StepPolicy:
         self._waiting_reason.pop(request_id, None)
 
     # -- the next unit ---------------------------------------------------------------------------
+    def _order(self, running: Sequence[Ticket]) -> tuple[Sequence[Ticket], str]:
+        """``order: fewest_steps_left``: the running request with the fewest loop steps left goes
+        first (ties: submission order) — unless one has not run for ``order_max_wait_s``, which goes
+        first (bounded starvation of long requests). ``round_robin``: the rotation as it is."""
+        if not self.interleave or self.options.order != "fewest_steps_left" or len(running) < 2:
+            return running, ""
+        now = time.perf_counter()
+        starved = [t for t in running if now - t.last_unit_at > self.options.order_max_wait_s]
+        if starved:
+            head = starved[0]
+            why = f"; waited over order_max_wait_s {self.options.order_max_wait_s:g}s"
+        else:
+            head = min(running, key=lambda t: (steps_left(t), t.seq))
+            why = f"; fewest steps left ({steps_left(head)})"
+        return [head, *(t for t in running if t is not head)], why
+
     def _next_unit(self, running: Sequence[Ticket], batch_key: Callable[[Ticket], Hashable | None], plan: Plan) -> None:
         if not running:
             return
+        running, order_why = self._order(running)
         head = running[0]
         group = [head]
         key = batch_key(head) if self.batch and self.options.max_batch > 1 else None
@@ -212,6 +231,7 @@ class StepPolicy:
             )
             if is_loop:
                 reason += f"; predicted {self.cost.step_seconds(head.shape):.4g}s/step"
+            reason += order_why
         plan.run = group
         plan.decisions.append(self._d(plan.action, group, reason, node_name))
 
@@ -264,6 +284,11 @@ class StepPolicy:
         return ScheduleDecision(
             scheduler=self.name, action=action, request_ids=tuple(t.request_id for t in tickets), node=node, reason=reason,
         )
+
+
+def steps_left(ticket: Ticket) -> int:
+    """Loop steps ``ticket`` still has to run (its predicted steps minus those done)."""
+    return max(0, int(ticket.shape.steps) - int(ticket.execution.steps_done))
 
 
 def remote_stage(ticket: Ticket) -> Any:

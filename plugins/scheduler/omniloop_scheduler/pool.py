@@ -42,6 +42,7 @@ class Ticket:
         "finished",
         "finished_at",
         "internal",
+        "last_unit_at",
         "max_resident",
         "memory",
         "priority",
@@ -65,6 +66,8 @@ class Ticket:
         self.sink = sink
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None
+        #: when it last ran a unit (or was admitted): the ``fewest_steps_left`` order's aging
+        self.last_unit_at = 0.0
         self.finished_at: float | None = None
         self.cancel_requested = False
         self.max_resident = 0
@@ -199,7 +202,7 @@ class StepPool:
         for t in plan.admit:
             if t in self.waiting:
                 self.waiting.remove(t)
-            t.admitted_at = time.perf_counter()
+            t.admitted_at = t.last_unit_at = time.perf_counter()
             self.running.append(t)
             self.listener.on_admit(t)
         for t in plan.dispatch:
@@ -256,6 +259,8 @@ class StepPool:
                 results.append(evs)
         seconds = time.perf_counter() - t0
         n = len(tickets)
+        for t in tickets:
+            t.last_unit_at = t0 + seconds
         if is_loop and self.options.calibrate:
             peak = self._cuda_end(base)
             if had_loop:  # a unit that ran the loop's init is not a typical step
