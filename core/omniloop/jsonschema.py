@@ -7,6 +7,9 @@ One source of truth (PROPOSAL §6.6): :func:`request_schema` is derived from
 flags cannot drift from what :func:`omniloop.schema.request_from_dict` accepts. :func:`json_schema`
 does the same for any params class (node params, plugin params, deploy configs).
 
+Field metadata the schema reads besides the ranges: ``description``, and ``json_schema`` — the
+schema of a free-form (``Any``) field whose accepted shapes the converter checks with ``check``.
+
 Rules that are not expressible as a JSON Schema keyword (a ``check`` metadata callable, the
 converter's refusal of non-finite numbers) are enforced by the converter only; the schema is a
 description of the accepted shape, the converter the judge.
@@ -57,9 +60,14 @@ def _object(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
     required: list[str] = []
     hints = typing.get_type_hints(cls)
     for f in attrs.fields(cls):
-        prop = _type(hints.get(f.name, Any), defs)
-        extra = _constraints(f.metadata, prop)  # (applied inside anyOf for a nullable field)
-        prop = {**prop, **extra}
+        if "json_schema" in f.metadata:  # a free-form (Any) field that describes its accepted shapes
+            prop = dict(f.metadata["json_schema"])
+        else:
+            prop = _type(hints.get(f.name, Any), defs)
+            extra = _constraints(f.metadata, prop)  # (applied inside anyOf for a nullable field)
+            prop = {**prop, **extra}
+        if f.metadata.get("description"):
+            prop["description"] = f.metadata["description"]
         if f.default is attrs.NOTHING:
             required.append(f.name)
         elif not isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]

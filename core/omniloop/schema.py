@@ -10,7 +10,8 @@
 
 Strictness: ``"5"`` is not an int and ``1`` is not a bool. Ranges come from attrs field metadata
 (``ge``, ``gt``, ``le``, ``lt``, ``choices``, and for strings ``pattern``/``max_len``; ``check``: a
-callable returning a message for a value of the wrong shape, e.g. a window ``[start, end)``).
+callable returning a message for a value of the wrong shape, e.g. a window ``[start, end)``;
+``range_hint``/``pattern_hint``: the message for a failed range/pattern).
 
 Refused by the converter itself, for every schema it structures (requests, deploy files, plugin
 and node params), so no field can forget it:
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import re
 import typing
 from collections.abc import Callable, Mapping
@@ -340,6 +342,10 @@ def structure(data: Any, cls: type[T], path: str = "") -> T:
     return obj
 
 
+#: range metadata: (key, the rule as written, "the value breaks it")
+_RANGES = (("ge", ">=", operator.lt), ("gt", ">", operator.le), ("le", "<=", operator.gt), ("lt", "<", operator.ge))
+
+
 def check_ranges(obj: Any, path: str = "") -> None:
     """Apply ``ge``/``gt``/``le``/``lt``/``choices``/``pattern``/``max_len``/``check`` field metadata recursively."""
     if not attrs.has(type(obj)):
@@ -351,14 +357,11 @@ def check_ranges(obj: Any, path: str = "") -> None:
         if v is not None and md:
             if isinstance(v, float) and not math.isfinite(v):  # objects built in Python skip the converter
                 raise RequestError(p, f"must be a finite number, got {_short_repr(v)}")
-            if "ge" in md and v < md["ge"]:
-                raise RequestError(p, f"must be >= {md['ge']}, got {_short_repr(v)}")
-            if "gt" in md and v <= md["gt"]:
-                raise RequestError(p, f"must be > {md['gt']}, got {_short_repr(v)}")
-            if "le" in md and v > md["le"]:
-                raise RequestError(p, f"must be <= {md['le']}, got {_short_repr(v)}")
-            if "lt" in md and v >= md["lt"]:
-                raise RequestError(p, f"must be < {md['lt']}, got {_short_repr(v)}")
+            for key, op, bad in _RANGES:
+                if key in md and bad(v, md[key]):
+                    # range_hint: one message for a two-sided range ("must be between 1 and 10")
+                    rule = md.get("range_hint") or f"must be {op} {md[key]}"
+                    raise RequestError(p, f"{rule}, got {_short_repr(v)}")
             if "choices" in md and v not in md["choices"]:
                 raise RequestError(p, f"must be one of {', '.join(map(repr, md['choices']))}, got {_short_repr(v)}")
             if "max_len" in md and len(v) > md["max_len"]:

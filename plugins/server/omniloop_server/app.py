@@ -58,6 +58,7 @@ from omniloop.request import TaskType
 from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, QueueFull
 
 from .bodies import MappedBody, check_tree, form_to_body, map_image_body, map_video_body, parse_json, show
+from .body_schema import InvalidBody
 from .chat import text_routes
 from .images import base_url, image_edit_routes, images_response
 from .jobs import Job, JobStore
@@ -121,6 +122,8 @@ class ServerState:
         self.jobs = JobStore(output_dir, max_finished_jobs)
         self.started_at = time.time()
         self.http_errors: dict[int, int] = {}
+        #: bodies refused by their schema (omniloop_server.body_schema) before reaching the engine
+        self.invalid_bodies = 0
         self.unhandled_errors = 0
         self.shutdown_timeout = shutdown_timeout
         self.poll_after_ms = poll_after_ms
@@ -371,6 +374,8 @@ def create_app(
         if isinstance(exc, AdmissionRefused):
             return error(422, str(exc.message), type_="invalid_request_error", param="size", code="too_large")
         if isinstance(exc, RequestError):
+            if isinstance(exc, InvalidBody):  # refused by the body's schema: never reached the engine
+                state.invalid_bodies += 1
             param = mapped.body_path(exc.path) if mapped is not None else (exc.path or "body")
             return error(422, exc.message, type_="invalid_request_error", param=param)
         if isinstance(exc, QueueFull):

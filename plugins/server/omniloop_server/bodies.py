@@ -1,10 +1,13 @@
 """OpenAI-style request bodies → omniloop request dicts, with errors naming the *body's* field.
 
-A body's OpenAI fields (``prompt``, ``size: "WxH"``, ``seconds``, ``n`` ...) are mapped onto an
-:class:`~omniloop.request.OmniRequest` dict; an ``omniloop`` sub-object is passed through as
-OmniRequest fields (``diffusion``, ``plugin_params``, ``node_params``, ``outputs``, ``exact``,
-``priority`` ...). Every mapped request field remembers the body field it came from, so a
-:class:`RequestError` raised anywhere later (schema, limits, family validation) is reported with
+A body is validated first, against its attrs class in :mod:`.body_schema` — the classes
+``/openapi.json`` is generated from, structured by the core's converter (types, ranges, unknown
+fields; ``omniloop.diffusion.shift``-style paths). What is left here is the OpenAI-specific mapping:
+``size: "WxH"`` → height/width, ``seconds`` → frames at the model's fps, an input image → an image
+part, ``n`` → ``n`` requests; every *alias* (``steps``, ``guidance_scale``, ``seed``...) goes to the
+OmniRequest field it names (:func:`.body_schema.alias_values`), and the ``omniloop`` object is merged
+in as OmniRequest fields. Every mapped request field remembers the body field it came from, so a
+:class:`RequestError` raised later (the core's schema, limits, family validation) is reported with
 the path the client wrote: ``steps``, ``size``, ``omniloop.diffusion.shift``.
 
 Hostile input is refused here, before anything else looks at it (:func:`check_tree`): nesting
@@ -12,7 +15,7 @@ deeper than :data:`MAX_DEPTH`, strings that are not valid Unicode (lone surrogat
 outside int64, non-finite numbers. Client-supplied strings never become file paths: the
 ``request_id`` a client may give is metadata checked against a short safe character set (files
 are named by server-made ids, see :mod:`omniloop_server.jobs`), and input parts that name a file
-on the server (``path``) are refused.
+on the server (``path``) are refused (:func:`.body_schema.check_http_inputs`).
 
 ``POST /v1/videos`` and ``POST /v1/images/edits`` also take ``multipart/form-data`` as OpenAI's SDK sends it
 (:func:`form_to_body`): bracketed keys (``omniloop[diffusion][shift]``) nest, numbers arrive as
@@ -36,28 +39,33 @@ from attrs import define, field
 from omniloop.errors import RequestError
 from omniloop.request import TaskType
 
-_SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
-#: a client-given job id: short and safe (it is metadata and a URL segment, never a file name)
-REQUEST_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,63}$")
+from .body_schema import MAX_IMAGES as MAX_IMAGES  # re-exported (their old home)
+from .body_schema import MAX_SECONDS as MAX_SECONDS
+from .body_schema import OMNILOOP_FIELDS as OMNILOOP_FIELDS
+from .body_schema import REQUEST_ID as REQUEST_ID
+from .body_schema import (
+    SIZE_PATTERN,
+    DiffusionBody,
+    ImageCreate,
+    ImageEdit,
+    VideoCreate,
+    alias_values,
+    fields_of,
+    numeric_form_fields,
+    parse_body,
+    seconds_value,
+)
 
-COMMON_FIELDS = {
-    "prompt", "negative_prompt", "model", "size", "steps", "num_inference_steps", "guidance_scale",
-    "seed", "priority", "omniloop", "user",
-}
-VIDEO_FIELDS = COMMON_FIELDS | {"seconds", "frames", "fps", "image", "input_reference"}
-IMAGE_FIELDS = COMMON_FIELDS | {"n", "response_format", "quality", "style", "background", "output_format", "moderation"}
-#: accepted for OpenAI client compatibility, without effect
-IGNORED = {"user", "quality", "style", "background", "moderation"}
-#: fields of the ``omniloop`` object a client may set (OmniRequest fields; the endpoint sets the task)
-OMNILOOP_FIELDS = {"diffusion", "sampling", "outputs", "node_params", "plugin_params", "exact", "priority",
-                   "request_id", "inputs", "negative_prompt", "adapters"}
-MAX_IMAGES = 10
+_SIZE = re.compile(f"^{SIZE_PATTERN}$")
+
+#: the body fields of each endpoint (its attrs class in :mod:`.body_schema` is the definition)
+VIDEO_FIELDS = fields_of(VideoCreate)
+IMAGE_FIELDS = fields_of(ImageCreate)
+COMMON_FIELDS = fields_of(DiffusionBody)
 #: deepest nesting of a body (objects and arrays); real bodies are 4 deep
 MAX_DEPTH = 32
 #: integers must fit int64 (seeds are the largest: < 2**63)
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
-#: the longest clip a body may ask for in seconds (the deploy's max_frames applies after)
-MAX_SECONDS = 3600.0
 #: the largest input image accepted (bytes, decoded)
 MAX_IMAGE_BYTES = 16 * 1024 * 1024
 #: the longest string echoed back in an error message
@@ -196,8 +204,8 @@ def _valid_unicode(s: str) -> bool:
 _KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
 _INT = re.compile(r"^[+-]?\d{1,19}$")
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
-_INT_FIELDS = {"steps", "num_inference_steps", "seed", "frames", "priority", "n"}
-_FLOAT_FIELDS = {"guidance_scale", "fps", "strength"}
+#: top-level form fields converted from text: those the body classes type int / float
+_INT_FIELDS, _FLOAT_FIELDS = numeric_form_fields(VideoCreate, ImageCreate, ImageEdit)
 #: leaves under ``omniloop[...]`` that stay text even when they look like numbers
 _TEXT_LEAVES = {"request_id", "prompt", "negative_prompt", "text", "data_b64", "role", "type"}
 MAX_FORM_FIELDS = 64
@@ -302,27 +310,10 @@ def _insert(body: dict[str, Any], keys: list[str], value: Any, original: str) ->
 # --------------------------------------------------------------------------------------------
 
 
-def _num(body: Mapping[str, Any], name: str, *, integer: bool = False, allow_str: bool = False) -> Any:
-    v = body[name]
-    if allow_str and isinstance(v, str):
-        try:
-            v = float(v.strip()) if _FLOAT.match(v.strip()) else float("nan")
-        except ValueError:
-            v = float("nan")
-        if not math.isfinite(v):
-            raise _err(name, f"expected a number, got {show(body[name])}")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise _err(name, f"expected {'an integer' if integer else 'a number'}, got {type(v).__name__} {show(v)}")
-    if isinstance(v, float) and not math.isfinite(v):
-        raise _err(name, "expected a finite number")
-    return v
-
-
-def _size(body: Mapping[str, Any]) -> tuple[int, int]:
-    v = body["size"]
-    m = _SIZE.match(v) if isinstance(v, str) else None
-    if not m:
-        raise _err("size", f"expected \"WIDTHxHEIGHT\" (e.g. \"832x480\"), got {show(v)}")
+def _size(value: str) -> tuple[int, int]:
+    m = _SIZE.match(value)
+    if not m:  # never expected: the schema's pattern matched
+        raise _err("size", f"expected \"WIDTHxHEIGHT\" (e.g. \"832x480\"), got {show(value)}")
     w, h = int(m.group(1)), int(m.group(2))
     if w < 1 or h < 1:
         raise _err("size", "width and height must be positive")
@@ -336,106 +327,50 @@ def _merge(into: dict[str, Any], extra: Mapping[str, Any], origins: dict[str, st
         if k in into and isinstance(into[k], dict) and isinstance(v, Mapping):
             _merge(into[k], v, origins, path)
             continue
-        if k in into and isinstance(into[k], dict) and not into[k] and not isinstance(v, Mapping):
-            raise _err(f"omniloop.{path}", f"expected an object, got {type(v).__name__} {show(v)}")
         if k in into:
             raise _err(f"omniloop.{path}", f"given twice: also set by the body field {origins.get(path, path)!r}")
         into[k] = dict(v) if isinstance(v, Mapping) else v
         origins[path] = f"omniloop.{path}"
 
 
-def _text(body: Mapping[str, Any], name: str) -> str:
-    v = body[name]
-    if not isinstance(v, str):
-        raise _err(name, f"expected a string, got {type(v).__name__} {show(v)}")
-    return v
+def _set(d: dict[str, Any], target: str, value: Any) -> None:
+    *parents, leaf = target.split(".")
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[leaf] = value
 
 
-def _base(body: Any, allowed: set[str], task: TaskType, id_prefix: str) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
-    if body is None:
-        raise _err("body", "the body is empty; expected a JSON object")
-    if not isinstance(body, Mapping):
-        raise _err("body", f"expected a JSON object, got {'an array' if isinstance(body, list) else type(body).__name__}")
-    unknown = sorted(k for k in body if k not in allowed)
-    if unknown:
-        raise _err(name_of(unknown[0]), f"unknown field (accepted: {', '.join(sorted(allowed))})")
-    if "prompt" not in body:
-        raise _err("prompt", "missing required field")
-    d: dict[str, Any] = {"task": task.value, "request_id": f"{id_prefix}_{uuid.uuid4().hex[:24]}"}
-    origins: dict[str, str] = {"inputs": "prompt", "task": "model"}
-    diff: dict[str, Any] = {}
-    info: dict[str, Any] = {}
-    for name in ("prompt", "negative_prompt"):
-        if name in body:
-            d[name] = _text(body, name)
-            origins[name] = name
-    info["prompt"] = d["prompt"]
-    if "model" in body:
-        _text(body, "model")
-    if "size" in body:
-        w, h = _size(body)
-        diff["width"], diff["height"] = w, h
+def _base(body: Any, cls: type, task: TaskType, id_prefix: str) -> tuple[dict[str, Any], dict[str, str], dict[str, Any], Any]:
+    """Validate ``body`` against its class, then map what every diffusion body has: the prompts,
+    ``size`` and the aliases (each to its OmniRequest field, remembered in ``origins``)."""
+    b = parse_body(body, cls)
+    d: dict[str, Any] = {"task": task.value, "request_id": f"{id_prefix}_{uuid.uuid4().hex[:24]}", "prompt": b.prompt}
+    origins: dict[str, str] = {"inputs": "prompt", "task": "model", "prompt": "prompt"}
+    info: dict[str, Any] = {"prompt": b.prompt}
+    if b.negative_prompt is not None:
+        d["negative_prompt"] = b.negative_prompt
+        origins["negative_prompt"] = "negative_prompt"
+    if b.size is not None:
+        w, h = _size(b.size)
+        d["diffusion"] = {"width": w, "height": h}
         origins["diffusion.width"] = origins["diffusion.height"] = "size"
         info["size"] = f"{w}x{h}"
-    for name in ("steps", "num_inference_steps"):
-        if name in body:
-            if "steps" in diff:
-                raise _err(name, "given twice (steps and num_inference_steps)")
-            diff["steps"] = body[name]
-            origins["diffusion.steps"] = name
-    for name, key in (("guidance_scale", "guidance_scale"), ("seed", "seed")):
-        if name in body:
-            diff[key] = body[name]
-            origins[f"diffusion.{key}"] = name
-    if "priority" in body:
-        d["priority"] = body["priority"]
-        origins["priority"] = "priority"
-    if diff:
-        d["diffusion"] = diff
-    return d, origins, info
+    for name, target, value in alias_values(b):
+        _set(d, target, value)
+        origins[target] = name
+    return d, origins, info, b
 
 
 def _apply_omniloop(body: Mapping[str, Any], d: dict[str, Any], origins: dict[str, str]) -> None:
+    """Merge the body's ``omniloop`` object (validated with the body: :class:`.body_schema.Omniloop`;
+    ``null`` fields are not given) into the request dict."""
     extra = body.get("omniloop")
-    if extra is None:
-        return
     if not isinstance(extra, Mapping):
-        raise _err("omniloop", f"expected an object of OmniRequest fields, got {type(extra).__name__} {show(extra)}")
-    if "task" in extra:
-        raise _err("omniloop.task", "the endpoint decides the task")
-    unknown = sorted(k for k in extra if k not in OMNILOOP_FIELDS)
-    if unknown:
-        raise _err(f"omniloop.{name_of(unknown[0])}", f"unknown field (accepted: {', '.join(sorted(OMNILOOP_FIELDS))})")
-    for name in ("diffusion", "sampling", "outputs", "node_params", "plugin_params"):
-        if name in extra and not isinstance(extra[name], Mapping):
-            raise _err(f"omniloop.{name}", f"expected an object, got {type(extra[name]).__name__} {show(extra[name])}")
-    for name in ("node_params", "plugin_params"):
-        for k, v in (extra.get(name) or {}).items():
-            if not isinstance(v, Mapping):
-                raise _err(f"omniloop.{name}.{name_of(k)}", f"expected an object, got {type(v).__name__} {show(v)}")
-    if "inputs" in extra:
-        _check_inputs(extra["inputs"])
-    if "request_id" in extra:
-        rid = extra["request_id"]
-        if not isinstance(rid, str) or not REQUEST_ID.match(rid):
-            raise _err("omniloop.request_id", "must be 1-64 letters, digits or _ . : @ + = - (not starting with "
-                       f"'.' or '-'), got {show(rid)}")
+        return
+    given = {k: v for k, v in extra.items() if v is not None}
+    if "request_id" in given:
         d.pop("request_id", None)  # the client names its job (an id, never a file name)
-    _merge(d, extra, origins)
-
-
-def _check_inputs(inputs: Any) -> None:
-    """Input parts from a client: data only, never a path on the server."""
-    if not isinstance(inputs, list):
-        raise _err("omniloop.inputs", f"expected a list of input parts, got {type(inputs).__name__} {show(inputs)}")
-    for i, part in enumerate(inputs):
-        if not isinstance(part, Mapping):
-            raise _err(f"omniloop.inputs.{i}", f"expected an object, got {type(part).__name__} {show(part)}")
-        if "path" in part:
-            raise _err(f"omniloop.inputs.{i}.path", "file paths on the server are not accepted over HTTP; send the "
-                       "data (an image as data_b64, or input_reference)")
-        if part.get("type") not in ("text", "image", "action"):
-            raise _err(f"omniloop.inputs.{i}.type", "over HTTP an input part is text, image (data_b64) or action")
+    _merge(d, given, origins)
 
 
 def _image_bytes(name: str, value: Any) -> bytes:
@@ -492,12 +427,13 @@ def map_video_body(
     model: str = "this model",
 ) -> MappedBody:
     """``POST /v1/videos`` body → one request dict (t2v, or i2v with ``input_reference``/``image``)."""
-    has_image = isinstance(body, Mapping) and ("image" in body or "input_reference" in body)
-    task = TaskType.I2V if has_image else TaskType.T2V
-    d, origins, info = _base(body, VIDEO_FIELDS, task, "video")
-    if "image" in body and "input_reference" in body:
+    d, origins, info, b = _base(body, VideoCreate, TaskType.T2V, "video")
+    if b.image is not None and b.input_reference is not None:
         raise _err("image", "give input_reference or image, not both")
-    image_field = "image" if "image" in body else "input_reference"
+    has_image = b.image is not None or b.input_reference is not None
+    task = TaskType.I2V if has_image else TaskType.T2V
+    d["task"] = task.value
+    image_field = "image" if b.image is not None else "input_reference"
     if task not in tasks:
         does = ", ".join(sorted(t.value for t in tasks)) or "nothing"
         if has_image:
@@ -505,25 +441,18 @@ def map_video_body(
                        "serve an image-to-video checkpoint for input_reference")
         raise _err("model", f"{model} does not do t2v (it does: {does})")
     diff = d.setdefault("diffusion", {})
-    if "fps" in body:
-        diff["fps"] = _num(body, "fps")
-        origins["diffusion.fps"] = "fps"
-    if "seconds" in body and "frames" in body:
+    if b.seconds is not None and b.frames is not None:
         raise _err("frames", "give seconds or frames, not both")
-    if "frames" in body:
-        diff["frames"] = body["frames"]
-        origins["diffusion.frames"] = "frames"
-    elif "seconds" in body:
-        seconds = _num(body, "seconds", allow_str=True)
-        if not 0 < seconds <= MAX_SECONDS:
-            raise _err("seconds", f"must be > 0 and at most {MAX_SECONDS:g}, got {show(body['seconds'])}")
+    if b.seconds is not None:
+        seconds = seconds_value(b.seconds)  # the schema checked it is a number in (0, MAX_SECONDS]
+        assert seconds is not None
         fps = _fps_hint(body, diff, defaults)
         frames = max(1, round(seconds * fps))
         if temporal_scale and temporal_scale > 1:  # e.g. Wan: 4k+1 frames
             frames = max(1, round((frames - 1) / temporal_scale)) * temporal_scale + 1
         diff["frames"] = frames
         origins["diffusion.frames"] = "seconds"
-        info["seconds"] = body["seconds"] if isinstance(body["seconds"], str) else f"{seconds:g}"
+        info["seconds"] = b.seconds if isinstance(b.seconds, str) else f"{seconds:g}"
     if has_image:
         data = _image_bytes(image_field, body[image_field])
         d["inputs"] = [{"type": "image", "data_b64": base64.b64encode(data).decode("ascii"), "role": "first_frame"}]
@@ -534,26 +463,9 @@ def map_video_body(
     return MappedBody([d], origins, info)
 
 
-def map_image_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this model") -> MappedBody:
-    """``POST /v1/images/generations`` body → ``n`` t2i request dicts (seeds ``seed + i``)."""
-    d, origins, info = _base(body, IMAGE_FIELDS, TaskType.T2I, "img")
-    if TaskType.T2I not in tasks:
-        raise _err("model", f"{model} does not generate images (no t2i task)")
-    n = 1
-    if "n" in body:
-        n = _num(body, "n", integer=True)
-        if not 1 <= n <= MAX_IMAGES:
-            raise _err("n", f"must be between 1 and {MAX_IMAGES}, got {n}")
-    fmt = body.get("response_format") or "b64_json"
-    if fmt not in ("b64_json", "url"):
-        raise _err("response_format", f"expected \"b64_json\" or \"url\", got {show(fmt)}")
-    info["response_format"] = fmt
-    ofmt = body.get("output_format", "png")
-    if ofmt != "png":
-        raise _err("output_format", f"only \"png\" is supported, got {show(ofmt)}")
-    d.setdefault("diffusion", {}).setdefault("frames", 1)
-    origins.setdefault("diffusion.frames", "omniloop.diffusion.frames")
-    _apply_omniloop_images(body, d, origins)
+def expand_n(n: int | None, d: dict[str, Any], origins: dict[str, str], info: dict[str, Any]) -> MappedBody:
+    """``n`` request dicts from one (request ids ``<id>_<i>``, seeds ``seed + i``)."""
+    n = n or 1
     reqs = []
     base_id = d["request_id"]
     seed = d["diffusion"].get("seed") if isinstance(d.get("diffusion"), Mapping) else None
@@ -561,11 +473,23 @@ def map_image_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this 
         r = {**d, "request_id": f"{base_id}_{i}" if n > 1 else base_id}
         if isinstance(d.get("diffusion"), Mapping):
             r["diffusion"] = dict(d["diffusion"])
-            if seed is not None and isinstance(seed, int) and not isinstance(seed, bool) and seed + i <= INT_MAX:
+            if isinstance(seed, int) and not isinstance(seed, bool) and seed + i <= INT_MAX:
                 r["diffusion"]["seed"] = seed + i
         reqs.append(r)
     info["n"] = n
     return MappedBody(reqs, origins, info)
+
+
+def map_image_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this model") -> MappedBody:
+    """``POST /v1/images/generations`` body → ``n`` t2i request dicts (seeds ``seed + i``)."""
+    d, origins, info, b = _base(body, ImageCreate, TaskType.T2I, "img")
+    if TaskType.T2I not in tasks:
+        raise _err("model", f"{model} does not generate images (no t2i task)")
+    info["response_format"] = b.response_format or "b64_json"
+    d.setdefault("diffusion", {}).setdefault("frames", 1)
+    origins.setdefault("diffusion.frames", "omniloop.diffusion.frames")
+    _apply_omniloop_images(body, d, origins)
+    return expand_n(b.n, d, origins, info)
 
 
 def _apply_omniloop_images(body: Mapping[str, Any], d: dict[str, Any], origins: dict[str, str]) -> None:

@@ -47,6 +47,7 @@ from omniloop.errors import RequestError
 from omniloop.request import EventKind, Status, TaskType
 
 from .bodies import MappedBody, _apply_omniloop, name_of, show
+from .body_schema import ChatCompletionCreate, CompletionCreate, alias_values, fields_of, parse_body
 
 #: a chat may hold at most this many messages, a message this many content parts
 MAX_MESSAGES, MAX_CONTENT_PARTS = 2048, 256
@@ -74,14 +75,9 @@ _NOOP = {
     "suffix": lambda v: v in (None, ""),
     "best_of": lambda v: v in (None, 1),
 }
-_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-           "stream_options", "omniloop", *_IGNORED}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "frequency_penalty", "presence_penalty", "logprobs",
-                         "top_logprobs", "logit_bias", "tools", "tool_choice", "functions", "function_call",
-                         "response_format"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "frequency_penalty", "presence_penalty", "logprobs", "logit_bias", "echo",
-                               "suffix", "best_of"}
+#: the body fields of each endpoint (their classes in :mod:`.body_schema` are the definition)
+CHAT_FIELDS = fields_of(ChatCompletionCreate)
+COMPLETION_FIELDS = fields_of(CompletionCreate)
 _MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "function_call"}
 
 
@@ -164,11 +160,7 @@ def _prompt(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise _err("stream", f"expected true or false, got {type(stream).__name__} {show(stream)}")
+    stream = bool(body.get("stream"))  # a bool or null: the schema checked it
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:
@@ -191,17 +183,11 @@ def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
 def map_text_body(body: Any, *, chat: bool, tasks: frozenset[TaskType], model: str = "this model") -> MappedBody:
     """A chat (``chat=True``) or completions body → one ``reason`` request dict.
 
+    The body is validated against :class:`.body_schema.ChatCompletionCreate` /
+    :class:`.body_schema.CompletionCreate` (types, ranges of the sampling aliases, unknown fields);
     ``info`` carries ``stream``, ``include_usage`` and the response ``id``."""
-    if body is None:
-        raise _err("body", "the body is empty; expected a JSON object")
-    if not isinstance(body, Mapping):
-        raise _err("body", f"expected a JSON object, got {'an array' if isinstance(body, list) else type(body).__name__}")
+    b = parse_body(body, ChatCompletionCreate if chat else CompletionCreate)
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    unknown = sorted(k for k in body if k not in allowed)
-    if unknown:
-        raise _err(name_of(unknown[0]), f"unknown field (accepted: {', '.join(sorted(allowed))})")
-    if "model" in body and not isinstance(body["model"], str):
-        raise _err("model", f"expected a string, got {type(body['model']).__name__} {show(body['model'])}")
     if TaskType.REASON not in tasks:
         does = ", ".join(sorted(t.value for t in tasks)) or "nothing"
         what = "chat completions" if chat else "text completions"
@@ -209,28 +195,19 @@ def map_text_body(body: Any, *, chat: bool, tasks: frozenset[TaskType], model: s
     for name, ok in _NOOP.items():
         if name in body and name in allowed and not ok(body[name]):
             raise _err(name, f"not supported by this server (got {show(body[name])}; only its default is accepted)")
-    n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or n != 1 or not isinstance(n, int)):
-        raise _err("n", f"only n=1 is supported, got {show(n)}")
+    if b.n is not None and (isinstance(b.n, bool) or b.n != 1 or not isinstance(b.n, int)):
+        raise _err("n", f"only n=1 is supported, got {show(b.n)}")
     stream, include_usage = _stream_flags(body)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     inputs = _messages(body) if chat else _prompt(body)
     d: dict[str, Any] = {"task": TaskType.REASON.value, "request_id": rid, "inputs": inputs}
     origins: dict[str, str] = {"inputs": "messages" if chat else "prompt", "task": "model", "request_id": "body"}
     sampling: dict[str, Any] = {}
-    tokens = [k for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
-    if len(tokens) > 1:
-        raise _err("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
-    if tokens:
-        sampling["max_tokens"] = body[tokens[0]]
-        origins["sampling.max_tokens"] = tokens[0]
-    for name, key in _SAMPLING.items():
-        if body.get(name) is not None:
-            sampling[key] = body[name]
-            origins[f"sampling.{key}"] = name
-    if body.get("stop") is not None:
-        stop = body["stop"]
-        sampling["stop"] = [stop] if isinstance(stop, str) else stop
+    for name, target, value in alias_values(b):  # max_tokens, temperature, top_p, top_k, seed
+        sampling[target.split(".", 1)[1]] = value
+        origins[target] = name
+    if b.stop is not None:
+        sampling["stop"] = [b.stop] if isinstance(b.stop, str) else b.stop
         origins["sampling.stop"] = "stop"
     if sampling:
         d["sampling"] = sampling

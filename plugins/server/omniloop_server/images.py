@@ -40,21 +40,17 @@ from omniloop.errors import RequestError
 from omniloop.request import TaskType
 
 from .bodies import (
-    COMMON_FIELDS,
-    INT_MAX,
-    MAX_IMAGES,
     MappedBody,
     _apply_omniloop_images,
     _base,
     _image_bytes,
-    _num,
+    expand_n,
     show,
 )
+from .body_schema import ImageEdit, fields_of
 
-EDIT_FIELDS = COMMON_FIELDS | {
-    "image", "mask", "n", "response_format", "output_format", "strength", "quality", "background", "input_fidelity",
-    "output_compression", "safety_identifier", "moderation", "style",
-}
+#: the body fields of ``POST /v1/images/edits`` (its class, :class:`.body_schema.ImageEdit`, is the definition)
+EDIT_FIELDS = fields_of(ImageEdit)
 #: the node whose ``strength`` knob i2i families read (FLUX.1, SD3)
 STRENGTH_NODE = "denoise"
 #: ``response_format: "url"`` images kept on disk (oldest deleted first)
@@ -106,55 +102,27 @@ def _one_image(body: Mapping[str, Any]) -> bytes:
     return _image_bytes("image", value)
 
 
-def expand_n(body: Mapping[str, Any], d: dict[str, Any], origins: dict[str, str], info: dict[str, Any]) -> MappedBody:
-    """``n`` request dicts from one (request ids ``<id>_<i>``, seeds ``seed + i``)."""
-    n = 1
-    if "n" in body and body["n"] is not None:
-        n = _num(body, "n", integer=True)
-        if not 1 <= n <= MAX_IMAGES:
-            raise _err("n", f"must be between 1 and {MAX_IMAGES}, got {n}")
-    reqs = []
-    base_id = d["request_id"]
-    seed = d["diffusion"].get("seed") if isinstance(d.get("diffusion"), Mapping) else None
-    for i in range(n):
-        r = {**d, "request_id": f"{base_id}_{i}" if n > 1 else base_id}
-        if isinstance(d.get("diffusion"), Mapping):
-            r["diffusion"] = dict(d["diffusion"])
-            if isinstance(seed, int) and not isinstance(seed, bool) and seed + i <= INT_MAX:
-                r["diffusion"]["seed"] = seed + i
-        reqs.append(r)
-    info["n"] = n
-    return MappedBody(reqs, origins, info)
-
-
 def map_edit_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this model") -> MappedBody:
     """``POST /v1/images/edits`` body → ``n`` i2i request dicts."""
     if isinstance(body, Mapping) and body.get("size") == "auto":
         body = {k: v for k, v in body.items() if k != "size"}
-    d, origins, info = _base(body, EDIT_FIELDS, TaskType.I2I, "imgedit")
+    d, origins, info, b = _base(body, ImageEdit, TaskType.I2I, "imgedit")
     if TaskType.I2I not in tasks:
         does = ", ".join(sorted(t.value for t in tasks)) or "nothing"
         raise _err("model", f"{model} does not edit images (no i2i task; it does: {does})")
-    if body.get("mask") is not None:
+    if b.mask is not None:
         raise _err("mask", "masks (inpainting) are not supported; the whole image is re-generated from strength")
-    fmt = body.get("response_format") or "b64_json"
-    if fmt not in ("b64_json", "url"):
-        raise _err("response_format", f"expected \"b64_json\" or \"url\", got {show(fmt)}")
-    info["response_format"] = fmt
-    ofmt = body.get("output_format") or "png"
-    if ofmt != "png":
-        raise _err("output_format", f"only \"png\" is supported, got {show(ofmt)}")
+    info["response_format"] = b.response_format or "b64_json"
     data = _one_image(body)
     d["inputs"] = [*d.get("inputs", []), {"type": "image", "data_b64": base64.b64encode(data).decode("ascii"), "role": "image"}]
     origins["inputs.0"] = "image"  # the prompt (a top-level convenience field) is appended after it
-    if body.get("strength") is not None:
-        strength = _num(body, "strength", allow_str=True)
-        d["node_params"] = {STRENGTH_NODE: {"strength": strength}}
+    if b.strength is not None:
+        d["node_params"] = {STRENGTH_NODE: {"strength": b.strength}}
         origins[f"node_params.{STRENGTH_NODE}.strength"] = "strength"
     d.setdefault("diffusion", {}).setdefault("frames", 1)
     origins.setdefault("diffusion.frames", "omniloop.diffusion.frames")
     _apply_omniloop_images(body, d, origins)
-    return expand_n(body, d, origins, info)
+    return expand_n(b.n, d, origins, info)
 
 
 def _png(out: Any) -> bytes:

@@ -45,8 +45,12 @@ def render_metrics(s: dict[str, Any], state: Any) -> str:
              [({"status": k}, v) for k, v in sorted(s["finished"].items())])
     o.metric("omniloop_request_failures_total", "counter", "Requests that failed (exception or NaN in a step).",
              [({}, s["finished"].get("failed", 0))])
-    o.metric("omniloop_requests_rejected_total", "counter", "Requests refused at submit.",
-             [({"reason": k}, v) for k, v in sorted(s["rejected"].items())])
+    rejected = dict(s["rejected"])
+    if getattr(state, "invalid_bodies", 0):  # refused by the body schema, before the engine saw them
+        rejected["invalid"] = rejected.get("invalid", 0) + state.invalid_bodies
+    o.metric("omniloop_requests_rejected_total", "counter",
+             "Requests refused: invalid (by the body's schema or at submit), or over the limits.",
+             [({"reason": k}, v) for k, v in sorted(rejected.items())])
     o.metric("omniloop_step_forwards_total", "counter", "Loop-step forwards run (a batched forward counts once).",
              [({}, s["step_forwards"])])
     o.metric("omniloop_batched_forwards_total", "counter", "Forwards that ran several requests' steps as one batch.",

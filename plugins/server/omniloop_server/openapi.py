@@ -1,88 +1,32 @@
 """The server's OpenAPI 3.1 document (``GET /openapi.json``) and a docs page (``GET /docs``).
 
-Generated, not written: the ``omniloop`` object of every body is the request schema of
-:func:`omniloop.jsonschema.request_schema` (itself generated from the attrs classes the converter
-validates with) restricted to :data:`~omniloop_server.bodies.OMNILOOP_FIELDS`; the OpenAI-shaped
-aliases are the body field sets of :mod:`omniloop_server.bodies` / :mod:`.chat` / :mod:`.images`,
-typed by :data:`ALIAS_SCHEMAS` (a field in a set without a type here fails
-``tests/server/test_server_openapi.py``, as does a request field missing from either view).
+Generated, not written: every request body's schema is :func:`omniloop.jsonschema.json_schema` of
+its attrs class in :mod:`.body_schema` — the classes the server validates bodies with (through the
+core's converter), whose ``omniloop`` object is generated from ``OmniRequest`` and whose aliases
+(``steps`` → ``diffusion.steps``) carry their target's ranges. ``OmniRequest`` and its parts are
+:func:`omniloop.jsonschema.request_schema`. A field validated and not documented, or documented and
+not validated, cannot happen: both come from the same class (``tests/server/test_server_openapi.py``).
 """
 
 from __future__ import annotations
 
-import copy
 import html
 import json
 from typing import Any
 
-from omniloop.jsonschema import request_schema
+import attrs
 
-from .bodies import IMAGE_FIELDS, MAX_IMAGES, MAX_SECONDS, OMNILOOP_FIELDS, VIDEO_FIELDS
-from .chat import _IGNORED as _CHAT_IGNORED
-from .chat import _NOOP as _CHAT_NOOP
-from .chat import CHAT_FIELDS, COMPLETION_FIELDS
-from .images import EDIT_FIELDS
+from omniloop.jsonschema import json_schema, request_schema
+
+from .body_schema import BODY_CLASSES
 
 OPENAPI_VERSION = "3.1.0"
 
 _STR = {"type": "string"}
 _INT = {"type": "integer"}
-_IMAGE = {"anyOf": [{"type": "string", "description": "base64 image data or a data: URL"},
-                    {"type": "object", "properties": {"image_url": {"type": "string"}}, "required": ["image_url"],
-                     "additionalProperties": False}]}
-_ANY: dict[str, Any] = {}
 
-#: the JSON Schema of every OpenAI-shaped body field (the ``omniloop`` object is generated)
-ALIAS_SCHEMAS: dict[str, dict[str, Any]] = {
-    "prompt": {"anyOf": [_STR, {"type": "array", "items": _STR}], "description": "The prompt (completions: a string or a list of one)."},
-    "negative_prompt": _STR,
-    "model": _STR,
-    "user": _STR,
-    "size": {"type": "string", "description": "WIDTHxHEIGHT, e.g. 832x480"},
-    "steps": {"type": "integer", "minimum": 1, "description": "diffusion.steps"},
-    "num_inference_steps": {"type": "integer", "minimum": 1, "description": "diffusion.steps (diffusers' name)"},
-    "guidance_scale": {"type": "number", "minimum": 0},
-    "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
-    "priority": {"type": "integer", "minimum": -100, "maximum": 100},
-    "seconds": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SECONDS},
-                          {"type": "string", "description": "a number of seconds, as OpenAI's SDK sends it"}]},
-    "frames": {"type": "integer", "minimum": 1},
-    "fps": {"type": "number", "exclusiveMinimum": 0},
-    "image": _IMAGE,
-    "input_reference": _IMAGE,
-    "mask": _IMAGE,
-    "n": {"type": "integer", "minimum": 1, "maximum": MAX_IMAGES},
-    "response_format": _ANY,  # images: "b64_json" | "url"; chat: {"type": "text"}
-    "output_format": {"enum": ["png"]},
-    "strength": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    # accepted for OpenAI client compatibility (most without effect; see the server README)
-    **{k: _ANY for k in ("quality", "style", "background", "moderation", "input_fidelity", "output_compression",
-                          "safety_identifier")},
-    # text endpoints
-    "messages": {"type": "array", "items": {"type": "object", "properties": {
-        "role": _STR, "content": {"anyOf": [_STR, {"type": "array"}, {"type": "null"}]}, "name": _STR}}},
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "max_completion_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0},
-    "stop": {"anyOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]},
-    "stream": {"type": "boolean"},
-    "stream_options": {"anyOf": [{"type": "object"}, {"type": "null"}]},
-    # accepted without effect, or only at their no-op value (chat.py says which)
-    **{k: _ANY for k in sorted(_CHAT_IGNORED | set(_CHAT_NOOP))},
-}
-
-#: body field sets per endpoint (from the modules that map them)
-BODIES = {
-    "VideoCreate": VIDEO_FIELDS,
-    "ImageCreate": IMAGE_FIELDS,
-    "ImageEdit": EDIT_FIELDS,
-    "ChatCompletionCreate": CHAT_FIELDS,
-    "CompletionCreate": COMPLETION_FIELDS,
-}
-_REQUIRED = {"VideoCreate": ["prompt"], "ImageCreate": ["prompt"], "ImageEdit": ["prompt", "image"],
-             "ChatCompletionCreate": ["messages"], "CompletionCreate": ["prompt"]}
+#: body schema name -> the set of its fields (from the classes)
+BODIES: dict[str, frozenset[str]] = {name: frozenset(f.name for f in attrs.fields(cls)) for name, cls in BODY_CLASSES.items()}
 
 
 def _rebase(node: Any) -> Any:
@@ -99,19 +43,15 @@ def schemas() -> dict[str, Any]:
     """``components.schemas``: the request's classes, the ``omniloop`` object, bodies and replies."""
     req = request_schema()
     out: dict[str, Any] = {name: _rebase(s) for name, s in req["$defs"].items()}
-    props = _rebase(req["properties"])
     out["OmniRequest"] = {k: _rebase(v) for k, v in req.items() if k not in ("$defs", "$schema")}
-    out["Omniloop"] = {
-        "type": "object", "additionalProperties": False,
-        "description": "OmniRequest fields passed through (the endpoint sets the task).",
-        "properties": {k: props[k] for k in sorted(OMNILOOP_FIELDS)},
-    }
-    for name, fields in BODIES.items():
-        body_props = {f: copy.deepcopy(ALIAS_SCHEMAS[f]) for f in sorted(fields) if f != "omniloop"}
-        if "omniloop" in fields:
-            body_props["omniloop"] = {"$ref": "#/components/schemas/Omniloop"}
-        out[name] = {"type": "object", "properties": body_props, "additionalProperties": False,
-                     "required": _REQUIRED[name]}
+    for name, cls in BODY_CLASSES.items():
+        defs: dict[str, Any] = {}
+        body = _rebase(json_schema(cls, defs=defs))
+        for dname, d in defs.items():  # Omniloop, and the request classes it holds (generated alike)
+            d = _rebase(d)
+            if out.setdefault(dname, d) != d:
+                raise AssertionError(f"two different schemas named {dname}")  # never expected
+        out[name] = body
     out["Error"] = {
         "type": "object", "required": ["error"],
         "properties": {
@@ -284,4 +224,4 @@ def docs_page(spec_url: str = "/openapi.json") -> str:
     )
 
 
-__all__ = ["ALIAS_SCHEMAS", "BODIES", "OPENAPI_VERSION", "docs_page", "openapi_document", "schemas"]
+__all__ = ["BODIES", "OPENAPI_VERSION", "docs_page", "openapi_document", "schemas"]
