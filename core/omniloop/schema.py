@@ -545,8 +545,8 @@ def jsonable(v: Any) -> Any:
 
 __all__ = [
     "MODAL_PART_TYPES",
-    "as_request",
     "PlainValueError",
+    "as_request",
     "brief",
     "check_plain",
     "check_ranges",
