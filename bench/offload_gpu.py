@@ -55,8 +55,18 @@ import _repo_paths
 _repo_paths.add_repo_packages()
 
 from _common import (  # noqa: E402
-    CFG_13B, SMOKE_TE, SMOKE_TF, SMOKE_VAE, UMT5_XXL, command_line, library_versions, machine, omniloop_request,
-    wan_components, write_record,
+    CFG_13B,
+    SMOKE_TE,
+    SMOKE_TF,
+    SMOKE_VAE,
+    UMT5_XXL,
+    command_line,
+    library_versions,
+    machine,
+    omniloop_request,
+    step_times,
+    wan_components,
+    write_record,
 )
 
 CFG_14B = dict(CFG_13B, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40)
@@ -152,7 +162,7 @@ def run_request(built: Any, body: dict[str, Any], *, stop_after_denoise: bool = 
     if not stop_after_denoise and not out.ok:
         raise RuntimeError(f"request failed: {out.error}")
     whole_peak = max(whole_peak, peak() or 0)
-    steps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    steps = step_times(marks)
     latents = ex.state.artifacts.get("denoised")
     return {
         "total": total, "steps": steps, "node_seconds": out.metrics.get("node_seconds"),

@@ -119,13 +119,16 @@ def _axes(deploy: DeployConfig) -> str:
     return "{" + f"sp: {p.sp}, cfg: {p.cfg}" + "}"
 
 
-def check_offload(deploy: DeployConfig, family: Any, device: torch.device) -> None:
+def check_offload(deploy: DeployConfig, family: Any, device: torch.device,
+                  options: dict[str, Any] | None = None) -> None:
     """``deploy.offload`` (``model`` / ``sequential``, :mod:`omniloop.offload`) can run: the family
     declares what moves (``family.offload_components``), the device is ``cuda`` (or ``cpu``, where
     storage and device are the same and only the machinery runs), and nothing the offloader cannot
     follow is enabled — LoRA adapters (their weights sit on the load device), ``compile`` (the
-    compiled blocks would see weights change device), a parallel world above 1. One
-    :class:`DeployError` line, before any weight loads."""
+    compiled blocks would see weights change device), a parallel world above 1 — and the family's
+    own ``offload_refusal(mode, options)`` (a reason string or None; Wan: a causal rollout calls
+    its blocks functionally, so it cannot stream them) has no objection to the family ``options``.
+    One :class:`DeployError` line, before any weight loads."""
     mode = deploy.offload
     if mode == "none":
         return
@@ -143,6 +146,10 @@ def check_offload(deploy: DeployConfig, family: Any, device: torch.device) -> No
         raise DeployError(f"offload: {mode!r} does not combine with LoRA adapters yet (adapters: {', '.join(sorted(deploy.adapters))})")
     if deploy.compile:
         raise DeployError(f"offload: {mode!r} does not combine with compile: true yet (compiled blocks would see their weights move)")
+    refusal = getattr(family, "offload_refusal", None)
+    why = refusal(mode, dict(options if options is not None else deploy.options)) if callable(refusal) else None
+    if why:
+        raise DeployError(f"offload: {mode!r} {why}")
 
 
 # -- role pools (``placement``: components whose stages run in worker processes) -------------------

@@ -71,7 +71,7 @@ class Deployment:
         #: enabled interceptors/observers: name -> (spec, validated deploy config)
         self.component_configs: dict[str, tuple[PluginComponentSpec, Any]] = self._component_configs()
         self._scheduler_spec = self._scheduler_spec_of()
-        _placement.check_offload(deploy, self.family, self.device)  # offload: model | sequential
+        _placement.check_offload(deploy, self.family, self.device, {**self.preset_options, **deploy.options})  # offload
         _adapters.check_declared(deploy.adapters, deploy.adapter_fuse, self.family)  # LoRA: names, files
         blocks = tuple(n for n, (s, _) in self.component_configs.items() if s.kind == "block_interceptor")
         _placement.check_parallel(deploy, self.family, self.model_path, self.device, blocks)  # parallel: {sp, cfg}

@@ -170,3 +170,37 @@ def test_cuda_offload_equals_resident(tiny_ckpt, t2v_request, mode: str) -> None
     # weights are back in pinned host memory except the last node's components
     tf = rt.model.components["transformer"]
     assert all(p.device.type == "cpu" for p in tf.parameters())
+
+
+CAUSAL = {"rollout": "causal", "rollout_options": {"chunk_frames": 3, "steps": 2, "kv_slabs": 8, "max_sessions": 2}}
+
+
+def test_causal_rollout_model_offload_equals(tmp_path) -> None:
+    """options.rollout: causal under offload: model (its node uses transformer and vae together)."""
+    from omniloop_wan.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "causal", variant="t2v", scheduler="flow_euler")
+    req = {"task": "t2v", "prompt": "a fox", "diffusion": {"frames": 21, "seed": 3}}
+    ref = Runtime.from_model(path, manager=wan_manager(), options=CAUSAL).generate(req)
+    rt = Runtime.from_model(path, manager=wan_manager(), options=CAUSAL, offload="model")
+    _strict(rt, "model")
+    out = rt.generate(req)
+    assert out.status.value == "completed", out.error
+    assert torch.equal(out.artifacts["video"].frames, ref.artifacts["video"].frames)
+
+
+def test_causal_rollout_sequential_refused_at_load(tiny_ckpt) -> None:
+    with pytest.raises(DeployError, match=r"^offload: 'sequential' cannot stream the blocks of options.rollout: causal") as info:
+        Deployment({"model": {"path": str(tiny_ckpt())}, "offload": "sequential", "options": CAUSAL}, manager=wan_manager())
+    assert "\n" not in str(info.value)
+
+
+def test_compute_device_is_the_deploy_device_under_offload() -> None:
+    """The fused-kernel checks look at where the model computes, not the host memory it loads into."""
+    from omniloop.deploy import load_deploy
+    from omniloop_wan.family import compute_device
+
+    cpu = torch.device("cpu")
+    assert compute_device({"deploy": load_deploy({"device": "cuda", "offload": "model"})}, cpu) == torch.device("cuda")
+    assert compute_device({"deploy": load_deploy({"device": "cuda"})}, cpu) == cpu
+    assert compute_device({}, cpu) == cpu

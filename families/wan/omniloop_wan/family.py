@@ -47,6 +47,13 @@ class WanFamily:
         "image_encoder": ("encoder.layers", "vision_model.encoder.layers"), "vae": None,
     }
 
+    def offload_refusal(self, mode: str, options: Mapping[str, Any]) -> str | None:
+        """Why ``offload: mode`` cannot run with these family options (omniloop.placement.check_offload)."""
+        if mode == "sequential" and options.get("rollout") == "causal":
+            return ("cannot stream the blocks of options.rollout: causal (its chunk forward calls each block's "
+                    "layers directly, so no block hook runs); use offload: model")
+        return None
+
     def attention_heads(self, path: Path) -> int | None:
         """The transformer's attention heads from its config (``parallel.sp`` must divide them)."""
         from .parallel import attention_heads
@@ -66,7 +73,7 @@ class WanFamily:
         from transformers import UMT5EncoderModel
 
         opts = parse_options(options)
-        check_fused_options(opts, device)
+        check_fused_options(opts, compute_device(options, device))
         root = ck.resolve_root(path)
         index = ck.check_checkpoint(root)
         present = ck.components_in(index)
@@ -156,7 +163,7 @@ class WanFamily:
         model = LoadedModel(family=self.name, path=path, components=components, config=config,
                             device=device if device is not None else torch.device("cpu"), dtype=dtype,
                             weight_version=weight_version or f"in-memory:{id(components['transformer']):x}")
-        configure(model, parse_options(options))
+        configure(model, parse_options(options), device=compute_device(options, model.device))
         if rollout_mode(options) == "causal":
             causal_options(options)  # bad rollout_options are refused at load, not at the first request
         # the denoise policies this checkpoint offers; an incompatible scheduler config fails here
@@ -252,14 +259,24 @@ def check_fused_options(opts: WanOptions, device: Any) -> None:
             raise DeployError(f"options.{key}: 'fused' cannot run here: {why}")
 
 
-def configure(model: LoadedModel, opts: WanOptions) -> None:
+def compute_device(options: Mapping[str, Any] | None, device: Any) -> Any:
+    """Where the model computes: the deploy's device under ``offload`` (the weights were loaded into
+    host memory and move to it as nodes run, omniloop.offload), else the load device."""
+    deploy = (options or {}).get("deploy")
+    if deploy is not None and getattr(deploy, "offload", "none") != "none":
+        return torch.device(deploy.device)
+    return device
+
+
+def configure(model: LoadedModel, opts: WanOptions, device: Any = None) -> None:
     """Set up the loaded modules for a deployment: attention processors, compiled blocks, VAE
-    tiling/slicing/CPU kernels, the text-embedding cache (``model.config["text_cache"]``)."""
+    tiling/slicing/CPU kernels, the text-embedding cache (``model.config["text_cache"]``).
+    ``device``: where the model computes (default: ``model.device``)."""
     from .attention import install
     from .compile import compile_blocks
     from .textcache import TextEmbeddingCache
 
-    check_fused_options(opts, model.device)
+    check_fused_options(opts, model.device if device is None else device)
     comps = model.components
     experts = [comps[n] for n in ("transformer", "transformer_2") if n in comps]
     if opts.attention is not None:
