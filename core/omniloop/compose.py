@@ -56,7 +56,7 @@ from .errors import DeployError, GraphError, OmniloopError, RequestError
 from .graph import Node, validate_nodes
 from .plugins import PluginManager, default_manager
 from .request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status, TaskType
-from .schema import request_from_dict, structure_params
+from .schema import as_request, request_from_dict, structure_params
 
 #: the PolicySpec kind a composition registers under
 PIPELINE_KIND = "pipeline"
@@ -273,7 +273,7 @@ class ComposedDeployment:
     def check(self, request: OmniRequest | Mapping[str, Any]) -> OmniRequest:
         """Every check needing no weights: the task, each node's params, and each role's request
         (built with the request's own inputs standing in for edges not produced yet)."""
-        req = request if isinstance(request, OmniRequest) else request_from_dict(request)
+        req = as_request(request)  # an OmniRequest built in Python meets the converter's rules too
         comp = self.composition
         if req.task is not comp.task:
             raise RequestError("task", f"{req.task.value!r}: pipeline {comp.name!r} serves {comp.task.value!r} requests")
