@@ -5,15 +5,16 @@ Random weights, the real Wan2.1 architectures (timing does not depend on the val
 ==========  ==================  ===============================================================
 arch        size (F x H x W)     modes
 ==========  ==================  ===============================================================
-``1.3B``    81 x 480 x 832       ``single`` (1 GPU), ``cfg`` (cfg=2), ``sp`` (sp=2, Ulysses)
-``14B``     81 x 720 x 1280      ``single`` (1 GPU), ``sp`` (sp=2)
+``1.3B``    81 x 480 x 832       ``single`` (1 GPU), ``cfg`` (cfg=2), ``sp-g1``, ``sp`` (sp=2, Ulysses)
+``14B``     81 x 720 x 1280      ``single`` (1 GPU), ``sp-g1``, ``sp`` (sp=2)
 ==========  ==================  ===============================================================
 
 A step is one CFG step: the cond and the uncond transformer forward (512 text tokens each).
 ``single`` runs both on rank 0 while rank 1 waits; ``cfg`` runs one branch per rank and
 all-gathers the predictions (omniloop_wan.parallel's ParallelDenoise exchange); ``sp`` runs both
 forwards with the token sequence split over the 2 ranks (omniloop_wan.parallel.sp_forward,
-Ulysses all-to-all in every self-attention). All in one run, one process group (NCCL), the
+Ulysses all-to-all in every self-attention; ``sp`` pipelines the exchange over head groups,
+``sp-g1`` is the same with one group, nothing overlapped). All in one run, one process group (NCCL), the
 same weights on every rank; medians over ``--repeats`` timed steps after ``--warmup``; speedup =
 single / parallel. Targets (issue 18): cfg >= 1.9x, sp >= 1.85x (1.3B), 14B sp >= 1.9x. The
 record also holds the largest difference of each parallel prediction to the single one.
@@ -49,10 +50,10 @@ from _common import CFG_13B, SMOKE_TF, command_line, library_versions, machine, 
 CFG_14B = dict(CFG_13B, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40)
 #: arch -> (transformer config, (frames, height, width), modes)
 CASES: dict[str, tuple[dict[str, Any], tuple[int, int, int], tuple[str, ...]]] = {
-    "1.3B": (CFG_13B, (81, 480, 832), ("single", "cfg", "sp")),
-    "14B": (CFG_14B, (81, 720, 1280), ("single", "sp")),
+    "1.3B": (CFG_13B, (81, 480, 832), ("single", "cfg", "sp-g1", "sp")),
+    "14B": (CFG_14B, (81, 720, 1280), ("single", "sp-g1", "sp")),
 }
-SMOKE = {"smoke": (SMOKE_TF, (9, 32, 32), ("single", "cfg", "sp"))}
+SMOKE = {"smoke": (SMOKE_TF, (9, 32, 32), ("single", "cfg", "sp-g1", "sp"))}
 TARGETS = {("1.3B", "cfg"): 1.9, ("1.3B", "sp"): 1.85, ("14B", "sp"): 1.9}
 
 
@@ -102,7 +103,12 @@ def _bench_case(arch: str, tf_cfg: dict[str, Any], size: tuple[int, int, int], m
         install_ulysses(tf, mesh)
         return {b: sp_forward(tf, mesh, x, t, text[b], None, None) for b in ("cond", "uncond")}
 
-    fns = {"single": single, "cfg": cfg, "sp": sp}
+    def sp_g1() -> dict[str, torch.Tensor]:  # the exchange not pipelined (one head group)
+        mesh = mesh_for(2, 1)
+        install_ulysses(tf, mesh, groups=1)
+        return {b: sp_forward(tf, mesh, x, t, text[b], None, None) for b in ("cond", "uncond")}
+
+    fns = {"single": single, "cfg": cfg, "sp-g1": sp_g1, "sp": sp}
     out: dict[str, Any] = {"size": list(size), "latents": list(x.shape), "times_s": {}, "max_abs_diff_vs_single": {}}
     ref: dict[str, torch.Tensor] = {}
     with torch.no_grad():

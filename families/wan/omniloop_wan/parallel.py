@@ -79,48 +79,94 @@ def mesh_for(sp: int, cfg: int) -> Mesh:
 
 
 # -- Ulysses ------------------------------------------------------------------------------------
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Any, n: int) -> torch.Tensor:
-    """Split ``x`` in ``n`` along ``scatter_dim``, send part ``i`` to rank ``i``, concatenate what
-    arrives along ``gather_dim``. NCCL: ``all_to_all``; gloo (CPU): ``all_gather`` then keep own part
-    (same result, more traffic)."""
-    parts = [p.contiguous() for p in x.chunk(n, dim=scatter_dim)]
-    if dist.get_backend(group) == "nccl":
-        out = [torch.empty_like(p) for p in parts]
-        dist.all_to_all(out, parts, group=group)
-        return torch.cat(out, dim=gather_dim)
-    me = dist.get_rank(group)
-    full = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(full, x.contiguous(), group=group)
-    return torch.cat([f.chunk(n, dim=scatter_dim)[me] for f in full], dim=gather_dim)
+class _Exchange:
+    """One all-to-all in flight: ``x`` split in ``n`` along ``scatter_dim``, part ``i`` sent to rank
+    ``i``, what arrives concatenated along ``gather_dim`` (in rank order) by :meth:`wait`.
+
+    NCCL: one ``all_to_all_single`` on the communication stream (``async_op``), so the compute
+    stream keeps running until :meth:`wait`. gloo (CPU, tests): ``all_gather`` of the whole tensor,
+    then each rank keeps its part (same result, more traffic)."""
+
+    def __init__(self, x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Any, n: int) -> None:
+        self.scatter_dim, self.gather_dim, self.n = scatter_dim, gather_dim, n
+        self.nccl = dist.get_backend(group) == "nccl"
+        if self.nccl:
+            # [n, *x.shape with scatter_dim / n]: part i first-axis i (no copy when the parts are
+            # already contiguous blocks, e.g. heads of a batch-of-one tensor)
+            self.send = x.unflatten(scatter_dim, (n, -1)).movedim(scatter_dim, 0).contiguous()
+            self.recv = torch.empty_like(self.send)
+            self.work = dist.all_to_all_single(self.recv, self.send, group=group, async_op=True)
+        else:
+            self.me = dist.get_rank(group)
+            self.send = x.contiguous()
+            self.full = [torch.empty_like(self.send) for _ in range(n)]
+            self.work = dist.all_gather(self.full, self.send, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        if not self.nccl:
+            return torch.cat([f.chunk(self.n, dim=self.scatter_dim)[self.me] for f in self.full], dim=self.gather_dim)
+        # recv[i] is rank i's part: put that axis just outside gather_dim and merge the two
+        return self.recv.movedim(0, self.gather_dim).flatten(self.gather_dim, self.gather_dim + 1)
 
 
-def ulysses(fn: Any, mesh: Mesh) -> Any:
-    """``fn(q, k, v)`` on ``[B, H, L/sp, D]`` shards computed over the whole sequence for ``H/sp`` heads."""
+def head_groups(heads: int, sp: int, most: int = 4) -> int:
+    """How many head groups :func:`ulysses` pipelines: the most (up to ``most``) that split the heads
+    evenly with every group still divisible by ``sp``."""
+    return max((g for g in range(1, most + 1) if heads % (g * sp) == 0), default=1)
+
+
+def ulysses(fn: Any, mesh: Mesh, groups: int = 1) -> Any:
+    """``fn(q, k, v)`` on ``[B, H, L/sp, D]`` shards computed over the whole sequence for ``H/sp`` heads.
+
+    With ``groups > 1`` the heads go in that many groups, pipelined: group ``g + 1``'s q/k/v
+    exchange and group ``g - 1``'s output exchange are in flight (NCCL's stream) while group ``g``
+    attends (the compute stream), so only the first group's inbound and the last group's outbound
+    exchange are exposed. The attention is per head, so the result is the same as ``groups=1``."""
     n, group = mesh.sp, mesh.sp_group
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
-        q, k, v = (_all_to_all(t, 1, 2, group, n) for t in (q, k, v))  # heads out, sequence in
-        out = fn(q, k, v, **kw)
-        return _all_to_all(out, 2, 1, group, n)  # sequence out, heads in
+        heads = q.shape[1]
+        g_n = groups if heads % (groups * n) == 0 else 1
+        step = heads // g_n
+
+        def send(i: int) -> list[_Exchange]:  # heads out, sequence in
+            sl = slice(i * step, (i + 1) * step)
+            return [_Exchange(t[:, sl], 1, 2, group, n) for t in (q, k, v)]
+
+        inbound = send(0)
+        outbound: list[_Exchange] = []
+        for i in range(g_n):
+            nxt = send(i + 1) if i + 1 < g_n else None
+            qi, ki, vi = (x.wait() for x in inbound)
+            outbound.append(_Exchange(fn(qi, ki, vi, **kw), 2, 1, group, n))  # sequence out, heads in
+            if nxt is not None:
+                inbound = nxt
+        outs = [x.wait() for x in outbound]
+        return outs[0] if g_n == 1 else torch.cat(outs, dim=1)
 
     return attend
 
 
-def install_ulysses(model: torch.nn.Module, mesh: Mesh) -> None:
-    """Give every self-attention (``attn1``) of ``model`` a processor whose attention is Ulysses'."""
+def install_ulysses(model: torch.nn.Module, mesh: Mesh, groups: int | None = None) -> None:
+    """Give every self-attention (``attn1``) of ``model`` a processor whose attention is Ulysses'
+    (``groups``: head groups to pipeline, default :func:`head_groups`)."""
     from .attention import WanBackendAttnProcessor
 
-    if getattr(model, "_omniloop_ulysses", None) is mesh:
+    if getattr(model, "_omniloop_ulysses", None) == (mesh, groups):
         return
     for block in model.blocks:
         proc = block.attn1.processor
         if not isinstance(proc, WanBackendAttnProcessor):
             raise RuntimeError(f"Wan sp: self-attention runs {type(proc).__name__}, not omniloop's processor")
         fn = getattr(proc, "_omniloop_local_fn", proc.fn)
-        new = WanBackendAttnProcessor(ulysses(fn, mesh), f"{proc.backend}+ulysses{mesh.sp}", "reference")
+        backend = getattr(proc, "_omniloop_local_backend", proc.backend)
+        g = groups if groups is not None else head_groups(block.attn1.heads, mesh.sp)
+        new = WanBackendAttnProcessor(ulysses(fn, mesh, g), f"{backend}+ulysses{mesh.sp}", "reference")
         new._omniloop_local_fn = fn  # type: ignore[attr-defined]
+        new._omniloop_local_backend = backend  # type: ignore[attr-defined]
         block.attn1.set_processor(new)
-    model._omniloop_ulysses = mesh  # type: ignore[assignment]
+    model._omniloop_ulysses = (mesh, groups)  # type: ignore[assignment]
 
 
 def bind_block_interceptor(icpt: Any, mesh: Mesh) -> None:
