@@ -114,6 +114,21 @@ def refuse_composed(deploy: Any) -> None:
             "use `omniloop generate --deploy` or Runtime.from_deploy(...) in Python")
 
 
+def refuse_parallel(deploy: Any) -> None:
+    """A deploy with ``parallel`` above one process cannot be served yet: the async engine drives
+    executions in the server's process, the SPMD pool (omniloop-parallel's ParallelRuntime) runs a
+    request in its workers, one at a time. Refused with one message before weights load. (A deploy
+    with ``placement`` — role pools — is served: its runtime is a Runtime.)"""
+    from omniloop.deploy import DeployConfig
+
+    if isinstance(deploy, DeployConfig) and deploy.parallel.world_size > 1:
+        p = deploy.parallel
+        raise DeployError(
+            f"parallel: omniloop serve cannot serve a parallel deploy (sp {p.sp}, cfg {p.cfg}) yet: its engine steps "
+            "requests in this process, the worker pool runs them in its workers; use `omniloop generate --deploy` "
+            "or omniloop_parallel.ParallelRuntime in Python")
+
+
 class ServerState:
     def __init__(self, engine: AsyncEngine, output_dir: Path, max_finished_jobs: int, shutdown_timeout: float,
                  poll_after_ms: int) -> None:

@@ -64,9 +64,10 @@ def make_serve_command(manager: Any = None) -> click.Command:
         try:
             from omniloop.deploy import load_deploy
 
-            from .app import refuse_composed
+            from .app import refuse_composed, refuse_parallel
 
             refuse_composed(load_deploy(deploy_path))  # before any weights load
+            refuse_parallel(load_deploy(deploy_path))
             runtime = Runtime.from_deploy(deploy_path, manager=manager)
             app = create_app(runtime, output_dir=output_dir, scheduler=scheduler, shutdown_timeout=shutdown_timeout)
         except OmniloopError as exc:
