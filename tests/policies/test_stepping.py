@@ -16,10 +16,14 @@ from omniloop.loop import LoopState, StepContext
 from omniloop.request import DiffusionParams, OmniRequest, TaskType
 from omniloop_policies import PolicyMenu, forward_groups
 from omniloop_policies.stepping import (
+    batchable,
     begin_step,
+    begin_steps,
     branch_predictions,
     check_index,
     finish_step,
+    peek_plan,
+    plan_together,
     stack_rows,
     unstack_rows,
 )
@@ -166,3 +170,54 @@ def test_stack_rows_is_request_major_then_branch_and_unstack_undoes_it():
 def test_stack_rows_refuses_an_input_present_for_some_rows_only():
     with pytest.raises(ValueError, match="'image' is None for some rows and a tensor for others"):
         stack_rows([0, 1], ("cond",), lambda i, b: {"image": None if i else torch.zeros(1)})
+
+
+def batch_ctx(**over: Any) -> SimpleNamespace:
+    ctx = fake_ctx()
+    ctx.block_interceptor, ctx.block_taps = None, None
+    for k, v in over.items():
+        setattr(ctx, k, v)
+    return ctx
+
+
+def test_batchable_only_when_nothing_watches_one_request():
+    pol, loop, state = start("classic")
+    state.request.exact = False
+    got = batchable(batch_ctx(), state, loop)
+    assert got is not None and got[0] is pol and got[1].step_index == 0
+    for over in ({"block_interceptor": object()}, {"step_interceptors": (Recorder(),)}, {"block_taps": object()},
+                 {"taps_enabled": True}):
+        assert batchable(batch_ctx(**over), state, loop) is None
+    state.request.exact = True
+    assert batchable(batch_ctx(), state, loop) is None
+    state.request.exact = False
+    loop.step = 1  # the sampler is still at 0
+    assert batchable(batch_ctx(), state, loop) is None
+
+
+@pytest.mark.parametrize(("cfg", "scale", "want"), [("classic", 5.0, ("cond", "uncond")), ("classic", 1.0, ("cond",)),
+                                                    ("batched", 5.0, ("cond", "uncond")), ("adaptive-gate", 5.0, None)])
+def test_peek_plan_equals_the_plan_without_counting_it(cfg, scale, want):
+    menu = PolicyMenu.build(WAN_UNIPC_CONFIG, default_cfg=cfg)
+    pol = menu.resolve(OmniRequest(task=TaskType.T2V, diffusion=DiffusionParams(steps=4, guidance_scale=scale)))
+    loop = LoopState()
+    pol.init(loop, device="cpu")
+    step = pol.step_context(loop, request_id="r", node="denoise")
+    before = pol.metrics(loop)
+    assert peek_plan(pol, step, loop) == want
+    assert pol.metrics(loop) == before  # nothing counted
+    if want is not None:
+        assert tuple(pol.plan(step, loop)) == want
+
+
+def test_begin_steps_and_plan_together():
+    (p1, l1, s1), (p2, l2, s2) = start("classic"), start("classic")
+    ctxs = [fake_ctx(), fake_ctx()]
+    pols, steps = begin_steps(ctxs, [s1, s2], [l1, l2])
+    assert pols == [p1, p2] and [s.step_index for s in steps] == [0, 0]
+    assert plan_together(pols, steps, [l1, l2]) == ("cond", "uncond")
+    _, l3, s3 = start("classic")
+    l3.policy_state["cfg"].enabled = False  # guidance off for this one: it plans cond only
+    pols, steps = begin_steps([fake_ctx(), fake_ctx()], [s1, s3], [l1, l3])
+    with pytest.raises(RuntimeError, match="step_batch: requests plan different branches"):
+        plan_together(pols, steps, [l1, l3])

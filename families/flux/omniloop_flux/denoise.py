@@ -31,7 +31,16 @@ from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
 from omniloop.context import StageContext
 from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState, StepResult
-from omniloop_policies.stepping import begin_step, branch_predictions, finish_step, stack_rows, unstack_rows
+from omniloop_policies.stepping import (
+    batchable,
+    begin_step,
+    begin_steps,
+    branch_predictions,
+    finish_step,
+    plan_together,
+    stack_rows,
+    unstack_rows,
+)
 
 from .resolve import FluxParams
 from .stages import vae_scale_factor
@@ -200,16 +209,10 @@ class Denoise:
 
     # -- batched steps ----------------------------------------------------------------------------
     def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
-        if ctx.block_interceptor is not None or ctx.step_interceptors or ctx.block_taps is not None or ctx.taps_enabled:
+        got = batchable(ctx, state, loop)
+        if got is None or got[0].cfg.name != "embedded":  # true CFG runs alone
             return None
-        if state.request.exact:
-            return None
-        pol = loop.policy_state.get("policies")
-        if pol is None or pol.done(loop) or pol.cfg.name != "embedded":  # true CFG runs alone
-            return None
-        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
-        if step.step_index != loop.step:
-            return None
+        pol, step = got
         emb = state.read("prompt_embeds", Embeddings)
         lat = loop.tensors["latents"]
         return (
@@ -223,15 +226,10 @@ class Denoise:
         if not loops:
             return []
         ctx0 = ctxs[0]
-        pols = [lp.policy_state["policies"] for lp in loops]
-        steps = [
-            pol.step_context(lp, request_id=st.request.request_id, node=ctx.node.name)
-            for pol, lp, st, ctx in zip(pols, loops, states, ctxs, strict=True)
-        ]
+        pols, steps = begin_steps(ctxs, states, loops)
         with torch.no_grad():
             inputs = [self.step_inputs(ctx, st, lp) for ctx, st, lp in zip(ctxs, states, loops, strict=True)]
-            for pol, s, lp in zip(pols, steps, loops, strict=True):
-                pol.plan(s, lp)
+            plan_together(pols, steps, loops)  # ("cond",): embedded guidance (batch_key)
             out = self.forward(ctx0, stack(inputs), None)
         return [finish_step(None, pol, s, lp, pred) for pol, s, lp, pred
                 in zip(pols, steps, loops, unstack_rows(out, [i.x.shape[0] for i in inputs], ("cond",)), strict=True)]

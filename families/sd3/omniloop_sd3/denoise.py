@@ -37,10 +37,13 @@ from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState, StepResult
 from omniloop_policies import forward_groups
 from omniloop_policies.stepping import (
+    batchable,
     begin_step,
+    begin_steps,
     branch_predictions,
-    check_index,
     finish_step,
+    peek_plan,
+    plan_together,
     stack_rows,
     unstack_rows,
 )
@@ -220,49 +223,31 @@ class Denoise:
         Not batched: a bound interceptor, taps, ``exact`` requests (a stacked batch changes GEMM
         shapes, so the last bits differ from running alone), CFG policies whose plan depends on
         per-request cached state (only ``classic``, ``batched`` and ``interval`` batch)."""
-        from omniloop_policies import ClassicCFG, IntervalCFG
-
-        if ctx.block_interceptor is not None or ctx.step_interceptors or ctx.block_taps is not None or ctx.taps_enabled:
+        got = batchable(ctx, state, loop)
+        if got is None:
             return None
-        if state.request.exact:
-            return None
-        pol = loop.policy_state.get("policies")
-        if pol is None or pol.done(loop):
-            return None
-        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
-        if step.step_index != loop.step:
-            return None
-        cfg, cstate = pol.cfg, pol.cfg_state(loop)
-        if type(cfg) is ClassicCFG:
-            plan: tuple[str, ...] = ("cond", "uncond") if cstate.enabled else ("cond",)
-        elif type(cfg) is IntervalCFG:
-            plan = ("cond", "uncond") if cstate.enabled and cfg.in_window(step) else ("cond",)
-        else:
+        pol, step = got
+        plan = peek_plan(pol, step, loop)
+        if plan is None:
             return None
         names = self.policy_names(pol)
         lat = loop.tensors["latents"]
         text = state.read("prompt_embeds", Embeddings).tensor
         return ("sd3-denoise", tuple(lat.shape), str(lat.dtype), str(lat.device), tuple(text.shape),
                 step.step_index, step.num_steps, step.timestep, names["sampler"], names["cfg"], plan,
-                float(cstate.scale_for(step)))
+                float(pol.cfg_state(loop).scale_for(step)))
 
     def step_batch(self, ctxs: Sequence[StageContext], states: Sequence[RequestState],
                    loops: Sequence[LoopState]) -> list[StepResult]:
         if not loops:
             return []
-        pols = [lp.policy_state["policies"] for lp in loops]
-        steps = [pol.step_context(lp, request_id=st.request.request_id, node=c.node.name)
-                 for pol, lp, st, c in zip(pols, loops, states, ctxs, strict=True)]
-        for lp, s in zip(loops, steps, strict=True):
-            check_index(lp, s)
-        plans = [pol.plan(s, lp) for pol, s, lp in zip(pols, steps, loops, strict=True)]
-        if len(set(plans)) != 1:
-            raise RuntimeError(f"step_batch: requests plan different branches {plans}")
+        pols, steps = begin_steps(ctxs, states, loops)
+        plan = plan_together(pols, steps, loops)
         with torch.no_grad():
             inputs = [self.step_inputs(st, lp.tensors["latents"], pol.timestep(lp))
                       for st, lp, pol in zip(states, loops, pols, strict=True)]
             preds: list[dict[str, torch.Tensor]] = [{} for _ in loops]
-            for group in forward_groups(pols[0].cfg, plans[0]):
+            for group in forward_groups(pols[0].cfg, plan):
                 out = self.forward(ctxs[0], stack_inputs(inputs, group), None)
                 for mine, parts in zip(preds, split_rows(out, inputs, group), strict=True):
                     mine.update(parts)

@@ -22,6 +22,12 @@ inputs request-major, then branch by branch in the order given (``[(r0, b0), (r0
 ...]``), and :func:`unstack_rows` splits a prediction back the same way; with one request and one
 branch both pass the tensors through untouched (no copy).
 
+Batched steps across requests (a family's ``batch_key`` / ``step_batch``): :func:`batchable` says
+whether a request's next step may join one (and gives its policies and step context),
+:func:`peek_plan` the branches it will compute without counting them (for the key),
+:func:`begin_steps` / :func:`plan_together` start the batched step; each request then ends with
+:func:`finish_step` (``ctx=None``: no taps in a batched step).
+
 The helpers only order calls the family would make itself — no arithmetic of their own — so a
 family keeps its diffusers parity bit for bit: the CFG formula is the policy's ``combine``, the
 stacking and splitting of a batched group are the family's (SD3 stacks ``uncond`` first, as
@@ -41,7 +47,7 @@ import torch
 from omniloop.interceptors import BlockContext, call_model
 from omniloop.loop import LoopState, StepContext, StepResult
 
-from .cfg import Prediction, forward_name
+from .cfg import ClassicCFG, IntervalCFG, Prediction, forward_name
 
 #: ``batch(group) -> the inputs of one model forward computing ``group`` (what step interceptors see)``
 BatchFor = Callable[[tuple[str, ...]], dict[str, Any]]
@@ -50,7 +56,18 @@ ForwardFn = Callable[[dict[str, Any], BlockContext | None], torch.Tensor]
 #: ``split(prediction, group) -> {branch: prediction}``
 SplitFn = Callable[[torch.Tensor, tuple[str, ...]], Mapping[str, torch.Tensor]]
 
-__all__ = ["begin_step", "branch_predictions", "check_index", "finish_step", "stack_rows", "unstack_rows"]
+__all__ = [
+    "batchable",
+    "begin_step",
+    "begin_steps",
+    "branch_predictions",
+    "check_index",
+    "finish_step",
+    "peek_plan",
+    "plan_together",
+    "stack_rows",
+    "unstack_rows",
+]
 
 
 def check_index(loop: LoopState, step: StepContext) -> None:
@@ -152,3 +169,55 @@ def unstack_rows(out: torch.Tensor, rows: Sequence[int], group: Sequence[str]) -
     chunks = out.split(sizes, dim=0) if len(sizes) > 1 else (out,)
     it = iter(chunks)
     return [{b: next(it) for b in group} for _ in rows]
+
+
+# -- batched steps across requests ---------------------------------------------------------------
+
+
+def batchable(ctx: Any, state: Any, loop: LoopState) -> tuple[Any, StepContext] | None:
+    """``(policies, step context)`` when this request's next step may run in one forward with
+    other requests', else None: not with a bound block or step interceptor or any taps (they watch
+    one request's forward), not for ``exact`` requests (a stacked batch changes GEMM shapes, so the
+    last bits differ from running alone), not when the loop is done or the sampler and
+    ``loop.step`` disagree."""
+    if ctx.block_interceptor is not None or ctx.step_interceptors or ctx.block_taps is not None or ctx.taps_enabled:
+        return None
+    if state.request.exact:
+        return None
+    pol = loop.policy_state.get("policies")
+    if pol is None or pol.done(loop):
+        return None
+    step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
+    if step.step_index != loop.step:
+        return None
+    return pol, step
+
+
+def peek_plan(pol: Any, step: StepContext, loop: LoopState) -> tuple[str, ...] | None:
+    """The branches ``pol.plan`` will return at this step, without planning (policies count their
+    plans), for CFG policies whose plan depends on the step alone — ``classic`` (and ``batched``)
+    and ``interval``; None for the others (their plan reads per-request cached state)."""
+    cfg, cstate = pol.cfg, pol.cfg_state(loop)
+    if type(cfg) is ClassicCFG:
+        return ("cond", "uncond") if cstate.enabled else ("cond",)
+    if type(cfg) is IntervalCFG:
+        return ("cond", "uncond") if cstate.enabled and cfg.in_window(step) else ("cond",)
+    return None
+
+
+def begin_steps(ctxs: Sequence[Any], states: Sequence[Any], loops: Sequence[LoopState]) -> tuple[list[Any], list[StepContext]]:
+    """:func:`begin_step` for every request of a batched step: their policies and step contexts."""
+    pols = [lp.policy_state["policies"] for lp in loops]
+    steps = [pol.step_context(lp, request_id=st.request.request_id, node=c.node.name)
+             for pol, lp, st, c in zip(pols, loops, states, ctxs, strict=True)]
+    for lp, s in zip(loops, steps, strict=True):
+        check_index(lp, s)
+    return pols, steps
+
+
+def plan_together(pols: Sequence[Any], steps: Sequence[StepContext], loops: Sequence[LoopState]) -> tuple[str, ...]:
+    """Plan every request's step (once each: policies count it); they must plan the same branches."""
+    plans = [tuple(pol.plan(s, lp)) for pol, s, lp in zip(pols, steps, loops, strict=True)]
+    if len(set(plans)) != 1:
+        raise RuntimeError(f"step_batch: requests plan different branches {plans}")
+    return plans[0]
