@@ -23,9 +23,10 @@ host *master* copy and an evicted parameter simply points at it again; a load is
 copy of the master. LoRA adapters, compiled blocks and parallel worker pools are refused with
 offload at load (:func:`omniloop.placement.check_offload`).
 
-A family opts in with ``offload_components``: ``{component name: dotted path of its block
-ModuleList (or a tuple of alternatives, the first present wins: library versions differ) or
-None}`` — the components that may move (tokenizers, schedulers are not modules and
+A family opts in with ``offload_components``: ``{component name: its block list(s) or None}`` —
+a dotted path of a ModuleList, ``a|b`` for alternatives (the first present wins: library versions
+differ), or a tuple of such paths streamed as one stack in that order (Flux: the double-stream then
+the single-stream blocks) — the components that may move (tokenizers, schedulers are not modules and
 stay), and for sequential mode which of them stream blocks. A component it does not list never
 moves (and a node using it under offload fails with a device mismatch, so families list every
 module they compute with).
@@ -135,7 +136,7 @@ class Offloader:
     tuples — ``load``, ``prefetch``, ``evict``, ``run`` (a block about to compute), ``stage`` —
     the schedule the tests check."""
 
-    def __init__(self, components: Mapping[str, Any], blocks: Mapping[str, str | tuple[str, ...] | None], mode: str,
+    def __init__(self, components: Mapping[str, Any], blocks: Mapping[str, str | Sequence[str] | None], mode: str,
                  device: torch.device, *, mover: Mover | None = None, trace: list[tuple[str, str, tuple[str, ...]]] | None = None,
                  overlap: bool = True) -> None:
         if mode not in ("model", "sequential"):
@@ -158,17 +159,16 @@ class Offloader:
         for name, module in components.items():
             if not isinstance(module, torch.nn.Module):
                 continue
-            paths = blocks.get(name) if mode == "sequential" else None
-            block_mods: list[torch.nn.Module] = []
-            path = ""
-            if paths:
-                path, seq = _submodule(module, paths, name)
-                block_mods = list(seq)
+            decl = blocks.get(name) if mode == "sequential" else None
+            named: list[tuple[str, torch.nn.Module]] = []  # (unit name, block), in stack order
+            for spec in (() if not decl else (decl,) if isinstance(decl, str) else tuple(decl)):
+                path, seq = _submodule(module, spec, name)
+                named += [(f"{name}.{path}.{i}", b) for i, b in enumerate(seq)]
+            block_mods = [b for _, b in named]
             skip = {id(m) for b in block_mods for m in b.modules()}
             self.shells[name] = self._parked(self._unit(name, module, skip))
             if block_mods:
-                stack = _Stack(name, [self._parked(self._unit(f"{name}.{path}.{i}", b, set()))
-                                      for i, b in enumerate(block_mods)])
+                stack = _Stack(name, [self._parked(self._unit(n, b, set())) for n, b in named])
                 self.stacks[name] = stack
                 for i, b in enumerate(block_mods):
                     self._block_of[id(b)] = (stack, i)
@@ -338,10 +338,10 @@ class Offloader:
             self.trace.append((event, name, self.resident()))
 
 
-def _submodule(module: torch.nn.Module, paths: str | Sequence[str], component: str) -> tuple[str, Sequence[torch.nn.Module]]:
-    """The first of ``paths`` (one dotted path, or alternatives across library versions) that
-    names a non-empty block list of ``module``."""
-    for path in (paths,) if isinstance(paths, str) else tuple(paths):
+def _submodule(module: torch.nn.Module, spec: str, component: str) -> tuple[str, Sequence[torch.nn.Module]]:
+    """The block list ``spec`` names in ``module``: a dotted path, or alternatives ``a|b`` (library
+    versions differ) of which the first present wins."""
+    for path in spec.split("|"):
         try:
             seq = module.get_submodule(path)
         except AttributeError:
@@ -349,11 +349,10 @@ def _submodule(module: torch.nn.Module, paths: str | Sequence[str], component: s
         if not isinstance(seq, (torch.nn.ModuleList, torch.nn.Sequential)) or len(seq) == 0:
             raise DeployError(f"offload: {component}.{path} is not a non-empty ModuleList (the family's offload_components)")
         return path, list(seq)
-    shown = paths if isinstance(paths, str) else " or ".join(paths)
-    raise DeployError(f"offload: component {component!r} has no block list {shown!r} (the family's offload_components)")
+    raise DeployError(f"offload: component {component!r} has no block list {spec!r} (the family's offload_components)")
 
 
-def family_blocks(family: Any) -> dict[str, str | tuple[str, ...] | None] | None:
+def family_blocks(family: Any) -> dict[str, str | Sequence[str] | None] | None:
     """The family's ``offload_components`` declaration, or None when it declares none."""
     decl = getattr(family, "offload_components", None)
     if decl is None:

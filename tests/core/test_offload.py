@@ -306,6 +306,29 @@ def test_bad_block_path_declared() -> None:
     with pytest.raises(DeployError, match=r"^offload: net.layers is not a non-empty ModuleList"):
         Offloader({"net": holder}, {"net": "layers"}, "sequential", torch.device("cpu"))
     Offloader({"net": net}, {"net": "layers"}, "model", torch.device("cpu"))  # model mode ignores block lists
+    with pytest.raises(DeployError, match=r"^offload: component 'net' has no block list 'a\|b'"):
+        Offloader({"net": net}, {"net": "a|b"}, "sequential", torch.device("cpu"))
+
+
+def test_alternatives_and_several_lists_as_one_stack() -> None:
+    """``a|b``: the first present; a tuple: one stack in order (the prefetch after the last block
+    of the first list is the first block of the second)."""
+    net = nn.Module()
+    net.doubles = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    net.singles = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    trace: Trace = []
+    off = Offloader({"net": net}, {"net": ("missing|doubles", "singles")}, "sequential", torch.device("cpu"),
+                    mover=RecordingMover(torch.device("cpu")), trace=trace)
+    assert [u.name for u in off.stacks["net"].units] == [
+        "net.doubles.0", "net.doubles.1", "net.singles.0", "net.singles.1", "net.singles.2"]
+    off.activate(["net"])
+    x = torch.randn(1, 2)
+    with torch.no_grad():
+        for b in [*net.doubles, *net.singles]:
+            x = b(x)
+    k = next(i for i, t in enumerate(trace) if t[:2] == ("run", "net.doubles.1"))
+    assert trace[k - 1][:2] == ("prefetch", "net.singles.0")
+    assert not torch.isnan(x).any()
 
 
 # -- CUDA: pinned host masters, a side stream, the memory bound (marked gpu: skipped without CUDA) --

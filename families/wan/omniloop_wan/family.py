@@ -42,9 +42,9 @@ class WanFamily:
     #: deploy offload: model | sequential (omniloop.offload) — the modules that move, and the block list
     #: each streams one block at a time under ``sequential`` (the VAE moves whole; CLIP's layers moved
     #: from ``vision_model.encoder`` to ``encoder`` in transformers 5: both spellings)
-    offload_components: ClassVar[dict[str, str | tuple[str, ...] | None]] = {
+    offload_components: ClassVar[dict[str, str | None]] = {
         "transformer": "blocks", "transformer_2": "blocks", "text_encoder": "encoder.block",
-        "image_encoder": ("encoder.layers", "vision_model.encoder.layers"), "vae": None,
+        "image_encoder": "encoder.layers|vision_model.encoder.layers", "vae": None,
     }
 
     def offload_refusal(self, mode: str, options: Mapping[str, Any]) -> str | None:
