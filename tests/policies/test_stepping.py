@@ -24,6 +24,7 @@ from omniloop_policies.stepping import (
     finish_step,
     peek_plan,
     plan_together,
+    policy_names,
     stack_rows,
     unstack_rows,
 )
@@ -221,3 +222,12 @@ def test_begin_steps_and_plan_together():
     pols, steps = begin_steps([fake_ctx(), fake_ctx()], [s1, s3], [l1, l3])
     with pytest.raises(RuntimeError, match="step_batch: requests plan different branches"):
         plan_together(pols, steps, [l1, l3])
+
+
+@pytest.mark.parametrize("cfg", ["classic", "batched", "interval"])
+def test_policy_names_are_the_menu_names(cfg):
+    menu = PolicyMenu.build(WAN_UNIPC_CONFIG, default_cfg=cfg)
+    pol = menu.resolve(OmniRequest(task=TaskType.T2V, diffusion=DiffusionParams(steps=4)))
+    names = policy_names(menu, pol)
+    assert names["cfg"] == cfg  # "batched" is ClassicCFG(batched=True), named "classic" by its class
+    assert names["sampler"] in menu.samplers

@@ -44,6 +44,7 @@ from omniloop_policies.stepping import (
     finish_step,
     peek_plan,
     plan_together,
+    policy_names,
     stack_rows,
     unstack_rows,
 )
@@ -132,13 +133,8 @@ class Denoise:
         self.menu = menu
 
     def policy_names(self, pol: Any) -> dict[str, str]:
-        out = {}
-        for role, table in (("sampler", self.menu.samplers), ("cfg", self.menu.cfgs)):
-            obj = getattr(pol, role)
-            out[role] = next((k for k, v in table.items() if v is obj), None) or next(
-                (k for k, v in table.items() if v == obj), obj.name
-            )
-        return out
+        """The menu names of a request's sampler and CFG policy (:func:`omniloop_policies.stepping.policy_names`)."""
+        return policy_names(self.menu, pol)
 
     # -- init ---------------------------------------------------------------------------------
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:

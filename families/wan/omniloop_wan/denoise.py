@@ -44,6 +44,7 @@ from omniloop_policies.stepping import (
     branch_predictions,
     check_index,
     finish_step,
+    policy_names,
     stack_rows,
     unstack_rows,
 )
@@ -105,15 +106,8 @@ class Denoise:
         self.expand_timesteps = bool(model_config.get("expand_timesteps"))
 
     def policy_names(self, pol: Any) -> dict[str, str]:
-        """The menu names of a request's sampler and CFG policy (``batched`` is ``ClassicCFG(batched=True)``,
-        whose class name is ``classic``)."""
-        out = {}
-        for role, table in (("sampler", self.menu.samplers), ("cfg", self.menu.cfgs)):
-            obj = getattr(pol, role)
-            out[role] = next((k for k, v in table.items() if v is obj), None) or next(
-                (k for k, v in table.items() if v == obj), obj.name
-            )
-        return out
+        """The menu names of a request's sampler and CFG policy (:func:`omniloop_policies.stepping.policy_names`)."""
+        return policy_names(self.menu, pol)
 
     # -- init ---------------------------------------------------------------------------------
     def policies(self, ctx: StageContext, state: RequestState) -> Any:

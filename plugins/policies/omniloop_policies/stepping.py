@@ -65,6 +65,7 @@ __all__ = [
     "finish_step",
     "peek_plan",
     "plan_together",
+    "policy_names",
     "stack_rows",
     "unstack_rows",
 ]
@@ -221,3 +222,16 @@ def plan_together(pols: Sequence[Any], steps: Sequence[StepContext], loops: Sequ
     if len(set(plans)) != 1:
         raise RuntimeError(f"step_batch: requests plan different branches {plans}")
     return plans[0]
+
+
+def policy_names(menu: Any, pol: Any) -> dict[str, str]:
+    """The menu names of a request's sampler and CFG policy, for metrics and batch keys (``batched``
+    is ``ClassicCFG(batched=True)``, whose class name is ``classic``): the entry holding that very
+    object, else an equal one, else the policy's own name."""
+    out = {}
+    for role, table in (("sampler", menu.samplers), ("cfg", menu.cfgs)):
+        obj = getattr(pol, role)
+        out[role] = next((k for k, v in table.items() if v is obj), None) or next(
+            (k for k, v in table.items() if v == obj), obj.name
+        )
+    return out
