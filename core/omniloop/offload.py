@@ -32,8 +32,8 @@ moves (and a node using it under offload fails with a device mismatch, so famili
 module they compute with).
 
 On a CPU deployment storage and execution device are both ``cpu``: the machinery (hooks, the
-schedule) runs and nothing is copied — what the CPU tests exercise, with a :class:`Mover` that
-poisons evicted weights (NaN) so a weight used while not loaded shows in the output.
+schedule) runs and nothing is copied — what the CPU tests exercise, with :class:`PoisonMover`
+(evicted weights are NaN, so a weight used while not loaded shows in the output).
 """
 
 from __future__ import annotations
@@ -104,6 +104,24 @@ class Mover:
 
     def park(self, master: torch.Tensor) -> torch.Tensor:
         return master
+
+
+class PoisonMover(Mover):
+    """For tests (and a family checking its ``offload_components``): an evicted weight holds NaN
+    (an integer buffer: an empty tensor), so computing with a weight that is not loaded shows in the
+    output; a load hands back the master itself (on a CPU a copy at another address may round
+    differently in GEMM kernels, which would hide what this checks)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, pin=False)
+
+    def fetch(self, master: torch.Tensor) -> torch.Tensor:
+        return master
+
+    def park(self, master: torch.Tensor) -> torch.Tensor:
+        if master.is_floating_point() or master.is_complex():
+            return torch.full_like(master, float("nan"))
+        return master.new_empty(0)
 
 
 @attrs.define(eq=False)

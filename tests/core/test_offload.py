@@ -20,7 +20,7 @@ from omniloop.deploy import load_deploy
 from omniloop.errors import DeployError
 from omniloop.hookspecs import hookimpl
 from omniloop.loop import is_batched, is_loop_stage
-from omniloop.offload import Mover, OffloadedStage, Offloader, install, wrap_pipeline
+from omniloop.offload import Mover, OffloadedStage, Offloader, PoisonMover, install, wrap_pipeline
 from omniloop.placement import check_offload
 from omniloop.runtime import Deployment, Runtime
 from omniloop.testing import build_toy_checkpoint, make_manager, toy_request
@@ -45,19 +45,16 @@ def manager() -> Any:
     return make_manager(("toy-offload", _Plugin()), toy=False)
 
 
-class RecordingMover(Mover):
-    """Counts fetches per tensor and parks evicted weights as NaN (integer buffers: empty)."""
+class RecordingMover(PoisonMover):
+    """Counts fetches; evicted weights are NaN (omniloop.offload.PoisonMover)."""
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__(device, pin=False)
+        super().__init__(device)
         self.fetches = 0
 
     def fetch(self, master: torch.Tensor) -> torch.Tensor:
         self.fetches += 1
-        return master  # no copy: a copy at another address may round differently in CPU GEMMs
-
-    def park(self, master: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(master, float("nan")) if master.is_floating_point() else master.new_empty(0)
+        return super().fetch(master)
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,9 @@
 
 On CPU the storage and the execution device are both ``cpu``: the offload machinery (node-driven
 moves, block hooks, the prefetch schedule) runs and outputs must be ``torch.equal`` to the
-unoffloaded runtime's. The strict tests swap in a mover that parks evicted weights on the
-NaN, so any weight a node or block computes with while it is not loaded shows in the output, and
-record where every component is when each node and block runs. The CUDA test runs the real
+unoffloaded runtime's. The strict tests swap in ``omniloop.offload.PoisonMover`` (an evicted
+weight is NaN, so any weight a node or block computes with while it is not loaded shows in the
+output) and record where every component is when each node and block runs. The CUDA test runs the real
 pinned-memory / side-stream path and skips without a GPU.
 """
 
@@ -16,26 +16,10 @@ import pytest
 import torch
 
 from omniloop.errors import DeployError
-from omniloop.offload import Mover, install
+from omniloop.offload import PoisonMover, install
 from omniloop.runtime import Deployment, Runtime
 
 from .conftest import _t2v_request, wan_manager
-
-
-class StrictMover(Mover):
-    """An evicted weight is poisoned (NaN; an empty tensor for integer buffers), so computing with a
-    weight that is not loaded shows in the output. A load hands back the master itself: a copy
-    (``clone``) lands at another address, and CPU GEMM kernels may then round differently (the
-    difference seen: 2e-6 on the latents), which would hide what this test checks — that no weight
-    is used while evicted; the CUDA test copies for real."""
-
-    def fetch(self, master: torch.Tensor) -> torch.Tensor:
-        return master
-
-    def park(self, master: torch.Tensor) -> torch.Tensor:
-        if master.is_floating_point() or master.is_complex():
-            return torch.full_like(master, float("nan"))
-        return master.new_empty(0)
 
 
 def _strict(rt: Runtime, mode: str) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -43,7 +27,7 @@ def _strict(rt: Runtime, mode: str) -> list[tuple[str, str, tuple[str, ...]]]:
     trace: list[tuple[str, str, tuple[str, ...]]] = []
     if rt.offload is not None:
         rt.offload.remove()
-    rt.offload = install(rt.model, rt.family, mode, rt.device, mover=StrictMover(rt.device), trace=trace)
+    rt.offload = install(rt.model, rt.family, mode, rt.device, mover=PoisonMover(rt.device), trace=trace)
     rt._pipelines.clear()
     return trace
 

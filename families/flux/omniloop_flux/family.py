@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,6 +47,13 @@ class FluxFamily:
     supports_block_interceptors = True
     #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
     adapter_support = FLUX_ADAPTERS
+    #: deploy offload: model | sequential (omniloop.offload) — the modules that move; under sequential
+    #: the transformer streams its double- then single-stream blocks as one stack, the text encoders
+    #: their layers (CLIP's moved from text_model.encoder to encoder in transformers 5); the VAE moves whole
+    offload_components: ClassVar[dict[str, str | tuple[str, ...] | None]] = {
+        "transformer": ("transformer_blocks", "single_transformer_blocks"),
+        "text_encoder": "text_model.encoder.layers|encoder.layers", "text_encoder_2": "encoder.block", "vae": None,
+    }
 
     # -- detect / load ------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:

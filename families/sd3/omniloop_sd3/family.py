@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,6 +33,13 @@ class SD3Family:
     supports_block_interceptors = True
     #: LoRA adapters (omniloop.adapters): the transformer's linears, diffusers' files
     adapter_support = SD3_ADAPTERS
+    #: deploy offload: model | sequential (omniloop.offload) — the modules that move; under sequential
+    #: the transformer and the three text encoders stream their blocks (CLIP's layers moved from
+    #: text_model.encoder to encoder in transformers 5 for some classes); the VAE moves whole
+    offload_components: ClassVar[dict[str, str | None]] = {
+        "transformer": "transformer_blocks", "text_encoder": "text_model.encoder.layers|encoder.layers",
+        "text_encoder_2": "text_model.encoder.layers|encoder.layers", "text_encoder_3": "encoder.block", "vae": None,
+    }
 
     # -- detect / load ------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:

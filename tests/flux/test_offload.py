@@ -1,0 +1,41 @@
+"""Deploy ``offload: model | sequential`` on the tiny FLUX.1 checkpoint (omniloop.offload).
+
+CPU: storage and execution device are both ``cpu``; :class:`omniloop.offload.PoisonMover` makes an
+evicted weight NaN, so an output ``torch.equal`` to the unoffloaded runtime's means every weight
+was loaded when it computed. Sequential streams the double- then single-stream blocks as one stack.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omniloop.offload import PoisonMover, install
+from omniloop.runtime import Runtime
+
+from .conftest import flux_manager, t2i
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential"])
+def test_flux_offload_equals_no_offload(flux_ckpt, mode: str) -> None:
+    ref = Runtime.from_model(flux_ckpt(), manager=flux_manager()).generate(t2i())
+    rt = Runtime.from_model(flux_ckpt(), manager=flux_manager(), offload=mode)
+    trace: list = []
+    rt.offload.remove()
+    rt.offload = install(rt.model, rt.family, mode, rt.device, mover=PoisonMover(rt.device), trace=trace)
+    rt._pipelines.clear()
+    out = rt.generate(t2i())
+    assert out.status.value == "completed", out.error
+    assert torch.equal(out.artifacts["latents"].tensor, ref.artifacts["latents"].tensor)
+    assert torch.equal(out.artifacts["image"].pixels, ref.artifacts["image"].pixels)
+    runs = [(name, res) for ev, name, res in trace if ev == "run" and name.startswith("transformer.")]
+    if mode == "sequential":
+        tf = rt.model.components["transformer"]
+        n = len(tf.transformer_blocks) + len(tf.single_transformer_blocks)
+        assert len(runs) >= n and all(len([r for r in res if r.startswith("transformer.")]) <= 2 for _, res in runs)
+        # the single-stream stack follows the double-stream one: its first block was prefetched
+        last_double = f"transformer.transformer_blocks.{len(tf.transformer_blocks) - 1}"
+        k = next(i for i, t in enumerate(trace) if t[:2] == ("run", last_double))
+        assert trace[k - 1][:2] == ("prefetch", "transformer.single_transformer_blocks.0")
+    else:
+        assert runs == []
