@@ -251,9 +251,13 @@ def bench_arch(arch: str, tf_cfg: dict[str, Any], shared: tuple[Any, Any], args:
                 row["step_time_vs_none"] = round(med / base, 3)
             res["modes"][mode] = row
             log(f"{arch} {mode}: {json.dumps({k: row[k] for k in ('s_per_step_median', 's_end_to_end', 'peak_gpu_gib', 'peak_gpu_denoise_gib')})}")
-        except torch.cuda.OutOfMemoryError as exc:  # recorded, the next mode still runs
-            res["modes"][mode] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
-            log(f"{arch} {mode}: out of memory")
+        except Exception as exc:  # recorded (out of memory, or a bug), the next mode still runs
+            import traceback
+
+            traceback.print_exc()
+            first = (str(exc).splitlines() or [""])[0]
+            res["modes"][mode] = {"error": f"{type(exc).__name__}: {first}"}
+            log(f"{arch} {mode}: failed: {type(exc).__name__}: {first}")
         finally:
             if off is not None:
                 off.remove()  # the weights stay in pinned host memory for the next offload mode
