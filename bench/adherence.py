@@ -3,6 +3,13 @@
     python bench/adherence.py                         # runtime on CPU, 50/20/8/4 steps, 24 prompts x seeds 0,1
     python bench/adherence.py --backend diffusers --device cuda --prompts full --seeds 0,1,2,3
     python bench/adherence.py --smoke                 # 2 prompts, 2 steps: checks the script
+    python bench/adherence.py --model wan-demo-causal --rollout causal --steps 4,8   # streamed clips
+
+``--rollout causal`` scores **streamed** clips: each request goes through ``Runtime.stream`` with
+``rollout: causal`` and the clip scored is the concatenation of its PARTIAL ``video_chunk``
+events (checked equal to the final video); ``--steps`` are then sampler steps per chunk and the
+JSON also holds time to first chunk per clip. ``--model`` is the ``wan-demo-causal`` preset or a
+checkpoint folder (its ``omniloop.json`` ``rollout_options`` are used, else the preset's).
 
 Writes ``bench/results/adherence-<model>-<backend>-<device>-<date>.json`` (per-clip tables
 included) unless ``--no-write``. Same machinery as ``omniloop eval adherence``
@@ -16,10 +23,31 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+def causal_generator(model: str, device: str):
+    """``(StreamingRuntimeGenerator, backend, note)`` for ``--rollout causal``: the preset as it
+    is registered, or a checkpoint folder with its ``omniloop.json`` rollout_options."""
+    from omniloop_wan_demo.checkpoint_path import CAUSAL_ROLLOUT_OPTIONS
+    from omniloop_wan_demo.evaluate import StreamingRuntimeGenerator
+
+    path = Path(model)
+    if path.is_dir():
+        meta = json.loads((path / "omniloop.json").read_text()) if (path / "omniloop.json").is_file() else {}
+        ro = dict(meta.get("rollout_options") or CAUSAL_ROLLOUT_OPTIONS)
+        gen = StreamingRuntimeGenerator(str(path), device=device, options={"rollout": "causal", "rollout_options": ro})
+    else:
+        gen = StreamingRuntimeGenerator(model, device=device)
+        ro = dict(gen.runtime.options.get("rollout_options") or {})
+        if gen.runtime.options.get("rollout") != "causal":
+            raise SystemExit(f"--rollout causal: the preset {model!r} does not deploy rollout: causal")
+    gen.rollout_options = ro
+    return gen, "runtime-stream", None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="wan-demo")
-    ap.add_argument("--steps", default="50,20,8,4")
+    ap.add_argument("--rollout", choices=["bidirectional", "causal"], default=None,
+                    help="causal: streamed chunk rollout (default: causal for wan-demo-causal, else bidirectional)")
+    ap.add_argument("--steps", default=None, help="comma list (default 50,20,8,4; causal: 4,8)")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--guidance", type=float, default=5.0)
     ap.add_argument("--prompts", default="default", choices=["default", "full"])
@@ -38,27 +68,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
 
-    steps = [int(s) for s in a.steps.split(",")]
+    rollout = a.rollout or ("causal" if a.model == "wan-demo-causal" else "bidirectional")
+    steps = [int(s) for s in (a.steps or ("4,8" if rollout == "causal" else "50,20,8,4")).split(",")]
     seeds = [int(s) for s in a.seeds.split(",")]
     prompts = default_prompts() if a.prompts == "default" else full_prompts()
     if a.smoke:
         steps, seeds, prompts = [2], [0], prompts[:2]
-    gen, backend, note = make_generator(a.backend, model=a.model, device=a.device)
+    timings = None
+    if rollout == "causal":
+        gen, backend, note = causal_generator(a.model, a.device)
+        timings = gen.timings
+    else:
+        gen, backend, note = make_generator(a.backend, model=a.model, device=a.device)
     reports = []
     for n in steps:
+        start = len(timings) if timings is not None else 0
         rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=n, guidance_scale=a.guidance, backend=backend)
-        print(json.dumps({"steps": n, "n": rep.n, "accuracy": rep.accuracy, "seconds": round(rep.seconds, 1)}), flush=True)
+        if timings is not None:
+            t = timings[start:]
+            rep.extra["first_chunk_s_median"] = round(statistics.median(x["first_chunk_s"] for x in t), 4)
+            rep.extra["clip_s_median"] = round(statistics.median(x["total_s"] for x in t), 4)
+            rep.extra["timings"] = t
+        print(json.dumps({"steps": n, "n": rep.n, "accuracy": rep.accuracy, "seconds": round(rep.seconds, 1),
+                          **{k: v for k, v in rep.extra.items() if k != "timings"}}), flush=True)
         reports.append(rep.to_dict())
     result = {
-        "model": a.model, "backend": backend, "note": note, "device": a.device, "guidance_scale": a.guidance,
+        "model": a.model, "rollout": rollout, "rollout_options": getattr(gen, "rollout_options", None),
+        "backend": backend, "note": note, "device": a.device, "guidance_scale": a.guidance,
         "prompt_set": a.prompts, "seeds": seeds, "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "date": dt.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
         "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "summary": [{"steps": r["steps"], "n": r["n"], **r["accuracy"], "seconds": round(r["seconds"], 1)} for r in reports],
+        "summary": [{"steps": r["steps"], "n": r["n"], **r["accuracy"], "seconds": round(r["seconds"], 1),
+                     **{k: v for k, v in r["extra"].items() if k != "timings"}} for r in reports],
         "reports": reports,
     }
     if not a.no_write and not a.smoke:
-        out = Path(a.out) / f"adherence-{Path(a.model).name}-{backend}-{a.device}-{result['date']}.json"
+        name = Path(a.model).name if Path(a.model).name != "causal" else "causal-" + Path(a.model).parent.name
+        out = Path(a.out) / f"adherence-{name}-{backend}-{a.device}-{result['date']}.json"
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
     return 0

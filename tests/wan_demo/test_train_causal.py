@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from omniloop.kvcache import CacheManager
 from omniloop_wan.causal import ChunkKV, chunk_forward, chunk_layout
 from omniloop_wan_demo.training.train_causal import main, ship, teacher_forcing_forward, teacher_forcing_mask
-
-from omniloop.kvcache import CacheManager
 
 # the teacher-forcing forward attends over one [clean | noisy] sequence with a boolean mask; the
 # rollout reads the clean chunks' K/V from slabs. Same math, different key order / softmax length

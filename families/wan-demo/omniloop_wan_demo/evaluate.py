@@ -408,6 +408,7 @@ class CausalRolloutGenerator:
     def __init__(self, components: dict[str, Any], *, device: Any = "cpu", options: dict[str, Any] | None = None,
                  frames: int = 17, height: int = 64, width: int = 64):
         import torch
+
         from omniloop_wan.causal import CausalOptions, CausalWan
 
         self.device = torch.device(device)

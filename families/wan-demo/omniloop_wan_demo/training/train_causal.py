@@ -300,9 +300,9 @@ def ship(trained: Path, dest: Path | None = None) -> Path:
         if not link.exists() and not link.is_symlink():
             link.symlink_to(os.path.relpath(src / name, dest))
     (dest / "transformer").mkdir(exist_ok=True)
-    for f in ("config.json", "diffusion_pytorch_model.safetensors"):
-        shutil.copy(trained / "transformer" / f, dest / "transformer" / f)
-    shutil.copy(trained / "omniloop.json", dest / "omniloop.json")
+    for f in ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors", "omniloop.json"):
+        shutil.copyfile(trained / f, dest / f)
+        os.chmod(dest / f, 0o644)  # package data: readable by everyone, whatever the transfer left
     return dest
 
 
