@@ -82,7 +82,7 @@ def test_refusals_come_before_any_compute(transformer, text):
     for bad in (float("nan"), float("inf"), -1.0, 101.0, True):
         with pytest.raises(ValueError, match=r"guidance_scale: must be a finite number in \[0, 100\]"):
             eng.run(cfg, text, 1, uncond=text, guidance=bad)
-    with pytest.raises(ValueError, match="rollout_options.guidance_scale"):
+    with pytest.raises(ValueError, match=r"rollout_options\.guidance_scale"):
         CausalOptions(guidance_scale=float("nan"))
     assert plain.next_chunk == cfg.next_chunk == 0 and eng.manager.used_blocks == 0
     plain.free()
