@@ -106,6 +106,33 @@ class Mover:
         return master
 
 
+class CudaStreams:
+    """The side stream block prefetches copy on (sequential mode on CUDA). Tests substitute an
+    object with the same three methods to record the stream schedule on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def copying(self) -> Any:
+        """A context: allocations and copies inside it go on the side stream."""
+        return torch.cuda.stream(self.side)
+
+    def record(self) -> Any:
+        """An event marking the copies issued so far on the side stream."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.side)
+        return event
+
+    def wait(self, event: Any, tensors: Sequence[torch.Tensor]) -> None:
+        """The compute stream waits for ``event``; ``tensors`` (made on the side stream) are tied to
+        the compute stream too, so the allocator does not reuse them while a kernel may read them."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        for t in tensors:
+            t.record_stream(current)
+
+
 class PoisonMover(Mover):
     """For tests (and a family checking its ``offload_components``): an evicted weight holds NaN
     (an integer buffer: an empty tensor), so computing with a weight that is not loaded shows in the
@@ -151,12 +178,12 @@ class Offloader:
 
     Build it with :func:`install`; :func:`wrap_pipeline` makes a pipeline's nodes call
     :meth:`activate`. ``trace`` (a list, when given) receives ``(event, name, resident names)``
-    tuples — ``load``, ``prefetch``, ``evict``, ``run`` (a block about to compute), ``stage`` —
-    the schedule the tests check."""
+    tuples — ``load``, ``prefetch``, ``wait`` (the compute stream waits for a prefetch), ``evict``,
+    ``run`` (a block about to compute), ``stage`` — the schedule the tests check."""
 
     def __init__(self, components: Mapping[str, Any], blocks: Mapping[str, str | Sequence[str] | None], mode: str,
                  device: torch.device, *, mover: Mover | None = None, trace: list[tuple[str, str, tuple[str, ...]]] | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, streams: Any = None) -> None:
         if mode not in ("model", "sequential"):
             raise DeployError(f"offload: {mode!r} is not an offload mode (model, sequential)")
         self.mode = mode
@@ -166,9 +193,10 @@ class Offloader:
         #: sequential: prefetch the next block while the current one runs (False: each block is copied
         #: when it is entered, on the compute stream — what the overlap saves, for benchmarks)
         self.overlap = overlap
-        self._stream: Any = (
-            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            if overlap and self.device.type == "cuda" and self.mover.pin else None
+        #: the side stream of prefetches (CUDA with pinned masters; ``streams`` replaces it in tests);
+        #: None: a prefetch is a plain load
+        self.streams: Any = streams if streams is not None else (
+            CudaStreams(self.device) if overlap and self.device.type == "cuda" and self.mover.pin else None
         )
         self._hooks: list[Any] = []
         self.shells: dict[str, _Unit] = {}
@@ -206,7 +234,7 @@ class Offloader:
             "mode": self.mode, "device": str(self.device), "pinned": self.mover.pin, "overlap": self.overlap,
             "host_pinned_bytes": getattr(self.mover, "pinned_bytes", None),
             "host_pageable_bytes": getattr(self.mover, "pageable_bytes", None),
-            "side_stream": self._stream is not None,
+            "side_stream": self.streams is not None,
             "components": {n: {"bytes": u.nbytes, "blocks": len(self.stacks[n].units) if n in self.stacks else 0,
                                "block_bytes": sum(b.nbytes for b in self.stacks[n].units) if n in self.stacks else 0}
                            for n, u in self.shells.items()},
@@ -305,28 +333,24 @@ class Offloader:
     def _prefetch(self, unit: _Unit) -> None:
         if unit.on_device:
             return
-        if self._stream is None:
+        if self.streams is None:  # a plain load (CPU, or no pinned masters)
             self._load(unit)
         else:
-            with torch.cuda.stream(self._stream):
+            with self.streams.copying():
                 tensors = [self.mover.fetch(m) for m in unit.masters]
-                unit.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                unit.event.record(self._stream)
+                unit.event = self.streams.record()
             self._set(unit, tensors)
             unit.on_device = True
         self._note("prefetch", unit.name)
 
     def _wait(self, unit: _Unit) -> None:
-        """The compute stream waits for ``unit``'s side-stream copy; its memory is then tied to the
-        compute stream too (so the allocator does not reuse it while a kernel may still read it)."""
+        """The compute stream waits for ``unit``'s side-stream copy (:meth:`CudaStreams.wait`)."""
         if unit.event is None:
             return
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(unit.event)
-        for mod, attr, is_param in unit.slots:
-            t = mod._parameters[attr] if is_param else mod._buffers[attr]
-            t.data.record_stream(current)  # type: ignore[union-attr]
+        tensors = [mod._parameters[attr] if is_param else mod._buffers[attr] for mod, attr, is_param in unit.slots]
+        self.streams.wait(unit.event, [t.data for t in tensors if t is not None])
         unit.event = None
+        self._note("wait", unit.name)
 
     def _parked(self, unit: _Unit) -> _Unit:
         """``unit`` in storage from the start (its tensors on the load device are freed now, one unit
@@ -384,7 +408,8 @@ def storage_device(mode: str, device: torch.device) -> torch.device:
 
 
 def install(model: Any, family: Any, mode: str, device: torch.device, *, mover: Mover | None = None,
-            trace: list[tuple[str, str, tuple[str, ...]]] | None = None, overlap: bool = True) -> Offloader | None:
+            trace: list[tuple[str, str, tuple[str, ...]]] | None = None, overlap: bool = True,
+            streams: Any = None) -> Offloader | None:
     """Put ``model``'s declared components under ``mode`` offload to ``device`` (None for ``none``).
 
     Every declared module present in ``model.components`` goes to storage; :func:`wrap_pipeline`
@@ -395,7 +420,7 @@ def install(model: Any, family: Any, mode: str, device: torch.device, *, mover: 
     if decl is None:
         raise DeployError(f"offload: family {getattr(family, 'name', family)!r} does not declare offload_components")
     comps = {n: model.components[n] for n in decl if n in model.components}
-    return Offloader(comps, decl, mode, device, mover=mover, trace=trace, overlap=overlap)
+    return Offloader(comps, decl, mode, device, mover=mover, trace=trace, overlap=overlap, streams=streams)
 
 
 class OffloadedStage:

@@ -9,6 +9,7 @@ tests (skipped without a GPU) run the pinned-memory / side-stream path for real.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import attrs
@@ -244,6 +245,72 @@ def test_host_masters_packed_into_slabs() -> None:
     assert mover.pinned_bytes == 2 * 1024 and mover.pageable_bytes == 300 * 4  # the 1200-byte one: pageable
     with pytest.raises(ValueError, match="power of two"):
         Mover(torch.device("cpu"), slab_bytes=1000)
+
+
+class FakeStreams:
+    """Stands in for :class:`omniloop.offload.CudaStreams` on a CPU: records which copies were
+    issued on the side stream, the events, and the compute stream's waits."""
+
+    def __init__(self, log: list[tuple[str, Any]]) -> None:
+        self.log = log
+        self.on_side = False
+        self.events = 0
+
+    @contextlib.contextmanager
+    def copying(self) -> Any:
+        self.on_side = True
+        try:
+            yield
+        finally:
+            self.on_side = False
+
+    def record(self) -> int:
+        assert self.on_side
+        self.events += 1
+        self.log.append(("record", self.events))
+        return self.events
+
+    def wait(self, event: int, tensors: list[torch.Tensor]) -> None:
+        assert not self.on_side and tensors
+        self.log.append(("wait", event))
+
+
+def test_side_stream_schedule_recorded() -> None:
+    """With a side stream: block i+1's copies are issued inside the side-stream context and an
+    event recorded after them; the compute stream waits on exactly that event before block i+1
+    runs (and ties its tensors to the compute stream); block 0's first load is a plain load."""
+    log: list[tuple[str, Any]] = []
+    streams = FakeStreams(log)
+
+    class SideMover(PoisonMover):
+        def fetch(self, master: torch.Tensor) -> torch.Tensor:
+            log.append(("copy", "side" if streams.on_side else "compute"))
+            return super().fetch(master)
+
+    net = nn.ModuleDict({"blocks": nn.ModuleList(nn.Linear(4, 4) for _ in range(3))})
+    trace: Trace = []
+    off = Offloader({"net": net}, {"net": "blocks"}, "sequential", torch.device("cpu"),
+                    mover=SideMover(torch.device("cpu")), trace=trace, streams=streams)
+    assert off.describe()["side_stream"]
+    off.activate(["net"])
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(2):
+            for b in net["blocks"]:
+                x = b(x)
+    assert not torch.isnan(x).any()
+    events = [(ev, name) for ev, name, _ in trace if ev in ("load", "prefetch", "wait", "run") and ".blocks." in name]
+    assert events[:4] == [("load", "net.blocks.0"), ("prefetch", "net.blocks.1"), ("run", "net.blocks.0"),
+                          ("wait", "net.blocks.1")]
+    # every run after the first is preceded by the wait for its own prefetch
+    for k, (ev, name) in enumerate(events):
+        if ev == "run" and k > 2:
+            assert ("wait", name) in events[:k] and events[k - 2] == ("wait", name)
+    copies = [c for c in log if c[0] == "copy"]
+    assert copies[:2] == [("copy", "compute")] * 2  # block 0's weight and bias, loaded on the compute stream
+    assert all(c == ("copy", "side") for c in copies[2:])
+    waits = [e for tag, e in log if tag == "wait"]
+    assert waits == list(range(1, streams.events + 1))[: len(waits)] and len(waits) == 5  # 2 forwards x 3 blocks - 1
 
 
 def test_no_overlap_streams_without_prefetch() -> None:
