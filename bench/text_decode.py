@@ -112,10 +112,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+def timed(device: torch.device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, Any]:
+    """(seconds, ``fn(*args, **kwargs)``), the device synchronized before and after."""
     sync(device)
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(*args, **kwargs)
     sync(device)
     return time.perf_counter() - t0, out
 
@@ -155,7 +156,6 @@ def qwen_runtime(path: Path, device: torch.device, dtype: str, backend: str, max
     machine runs from a bare checkout)."""
     import omniloop_qwen.plugin as qwen_plugin
     import omniloop_scheduler.plugin as scheduler_plugin
-
     from omniloop import Runtime
     from omniloop.testing import make_manager
 
@@ -172,6 +172,25 @@ def qwen_runtime(path: Path, device: torch.device, dtype: str, backend: str, max
 
 def kernel_bench(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, batches: list[int], context: int,
                  iters: int, budget: Budget) -> list[dict[str, Any]]:
+    rows = []
+    for b in batches:
+        if budget.left() < 0:
+            rows.append({"batch": b, "skipped": "budget"})
+            continue
+        row: dict[str, Any] = {"batch": b, "context_tokens": context}
+        try:
+            row.update(_kernel_row(cfg, device, dtype, b, context, iters))
+        except Exception as exc:
+            row["error"] = error_of(exc)
+            traceback.print_exc()
+        log(json.dumps({"kernel": row}))
+        rows.append(row)
+        free_memory(device)
+    return rows
+
+
+def _kernel_row(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, b: int, context: int,
+                iters: int) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from omniloop.kvcache import CacheManager, KVLayout
@@ -180,65 +199,58 @@ def kernel_bench(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, 
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // hq
     scale = d**-0.5
-    rows = []
-    for b in batches:
-        if budget.left() < 0:
-            rows.append({"batch": b, "skipped": "budget"})
-            continue
-        row: dict[str, Any] = {"batch": b, "context_tokens": context, "q_heads": hq, "kv_heads": hkv, "head_dim": d}
-        try:
-            bs = 16
-            cache = CacheManager(KVLayout(layers=1, kv_heads=hkv, head_dim=d, dtype=dtype, device=device), block_size=bs,
-                                 num_blocks=b * (-(-context // bs)) + b)
-            g = torch.Generator(device="cpu").manual_seed(b)
-            cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g).to(dtype))
-            cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g).to(dtype))
-            # interleave the sequences' blocks (as a running server's pool would be)
-            handles = [cache.allocate() for _ in range(b)]
-            for _ in range(-(-context // bs)):
-                for h in handles:
-                    cache.append(h, min(bs, context - cache.length(h)))
-            table, held = cache.block_tables(handles)
-            row_seq, kv_lens = pa.attention_rows(held.tolist(), [1] * b)
-            meta = torch.tensor([row_seq, kv_lens], dtype=torch.int32, device=device)
-            table = table.to(device)
-            q = torch.randn(b, hq, d, generator=g).to(dtype).to(device)
-            slots, lengths = cache.slot_table(handles)
-            slots = slots.to(device)
-            mask = (torch.arange(slots.shape[1])[None, :] < lengths[:, None])[:, None, None, :].to(device)  # [B,1,1,L]
+    row: dict[str, Any] = {"q_heads": hq, "kv_heads": hkv, "head_dim": d}
+    bs = 16
+    cache = CacheManager(KVLayout(layers=1, kv_heads=hkv, head_dim=d, dtype=dtype, device=device), block_size=bs,
+                         num_blocks=b * (-(-context // bs)) + b)
+    g = torch.Generator(device="cpu").manual_seed(b)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g).to(dtype))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g).to(dtype))
+    # interleave the sequences' blocks (as a running server's pool would be)
+    handles = [cache.allocate() for _ in range(b)]
+    for _ in range(-(-context // bs)):
+        for h in handles:
+            cache.append(h, min(bs, context - cache.length(h)))
+    table, held = cache.block_tables(handles)
+    row_seq, kv_lens = pa.attention_rows(held.tolist(), [1] * b)
+    meta = torch.tensor([row_seq, kv_lens], dtype=torch.int32, device=device)
+    table = table.to(device)
+    q = torch.randn(b, hq, d, generator=g).to(dtype).to(device)
+    slots, lengths = cache.slot_table(handles)
+    slots = slots.to(device)
+    mask = (torch.arange(slots.shape[1])[None, :] < lengths[:, None])[:, None, None, :].to(device)  # [B,1,1,L]
 
-            def triton_call() -> torch.Tensor:
-                return pa.paged_attention(q, cache.k[0], cache.v[0], table, meta[1], meta[0], block_size=bs, scale=scale,
-                                          max_len=context)
+    def triton_call() -> torch.Tensor:
+        return pa.paged_attention(q, cache.k[0], cache.v[0], table, meta[1], meta[0], block_size=bs, scale=scale,
+                                  max_len=context)
 
-            def torch_call() -> torch.Tensor:  # what PagedQwen's torch path does per layer
-                kc, vc = cache.gather(0, slots)
-                o = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask,
-                                                   scale=scale, enable_gqa=hq != hkv)
-                return o[:, :, 0]
+    def torch_call() -> torch.Tensor:  # what PagedQwen's torch path does per layer
+        kc, vc = cache.gather(0, slots)
+        o = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask,
+                                           scale=scale, enable_gqa=hq != hkv)
+        return o[:, :, 0]
 
-            ref = pa.paged_attention_torch(q, cache.k[0], cache.v[0], table, meta[1], meta[0], block_size=bs, scale=scale)
-            times: dict[str, list[float]] = {"triton": [], "torch": []}
-            outs = {"triton": triton_call(), "torch": torch_call()}  # warm-up (compiles the kernel)
-            for _ in range(5):
-                for name, fn in (("triton", triton_call), ("torch", torch_call)):
-                    dt, _ = timed(device, lambda fn=fn: [fn() for _ in range(iters)])
-                    times[name].append(dt / iters)
-            kv_bytes = 2 * b * context * hkv * d * torch.empty((), dtype=dtype).element_size()
-            for name in times:
-                t = statistics.median(times[name])
-                row[f"{name}_us"] = round(t * 1e6, 2)
-                row[f"{name}_kv_gb_per_s"] = round(kv_bytes / t / 1e9, 1)
-                row[f"{name}_max_abs_diff_vs_fp32_reference"] = float((outs[name].float() - ref.float()).abs().max())
-            row["speedup_triton_over_torch"] = round(row["torch_us"] / row["triton_us"], 2)
-            row["splits"] = pa.choose_splits(b, hkv, context, device)
-        except Exception as exc:
-            row["error"] = error_of(exc)
-            traceback.print_exc()
-        log(json.dumps({"kernel": row}))
-        rows.append(row)
-        free_memory(device)
-    return rows
+    ref = pa.paged_attention_torch(q, cache.k[0], cache.v[0], table, meta[1], meta[0], block_size=bs, scale=scale)
+    times: dict[str, list[float]] = {"triton": [], "torch": []}
+    outs = {"triton": triton_call(), "torch": torch_call()}  # warm-up (compiles the kernel)
+    for _ in range(5):
+        for name, fn in (("triton", triton_call), ("torch", torch_call)):
+            dt, _ = timed(device, _repeat, fn, iters)
+            times[name].append(dt / iters)
+    kv_bytes = 2 * b * context * hkv * d * torch.empty((), dtype=dtype).element_size()
+    for name in times:
+        t = statistics.median(times[name])
+        row[f"{name}_us"] = round(t * 1e6, 2)
+        row[f"{name}_kv_gb_per_s"] = round(kv_bytes / t / 1e9, 1)
+        row[f"{name}_max_abs_diff_vs_fp32_reference"] = float((outs[name].float() - ref.float()).abs().max())
+    row["speedup_triton_over_torch"] = round(row["torch_us"] / row["triton_us"], 2)
+    row["splits"] = pa.choose_splits(b, hkv, context, device)
+    return row
+
+
+def _repeat(fn: Callable[[], Any], n: int) -> None:
+    for _ in range(n):
+        fn()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -403,7 +415,7 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                 out = hf(ids, use_cache=True, **keep)
                 state["hf"] = [out.past_key_values, out.logits[:, -1:].argmax(-1)]
                 del out
-                timed(device, lambda: hf(ids, use_cache=False, **keep))  # warm-up
+                timed(device, hf, ids, use_cache=False, **keep)  # warm-up
                 times["reprefill"], times["hf_step"] = [], []
             except Exception as exc:
                 failed["transformers"] = error_of(exc)
@@ -438,7 +450,7 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                     model, cache, hs, toks = state[v]
                     try:
                         for _ in range(4):
-                            dt, logits = timed(device, lambda: model.forward(cache, hs, toks))
+                            dt, logits = timed(device, model.forward, cache, hs, toks)
                             times[v].append(dt)
                             toks = [[t] for t in logits.argmax(-1).tolist()]
                         state[v][3] = toks
@@ -449,12 +461,12 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                     try:
                         past, nxt = state["hf"]
                         for _ in range(4):
-                            dt, out = timed(device, lambda: hf(nxt, use_cache=True, **{past_kw: past}))
+                            dt, out = timed(device, hf, nxt, use_cache=True, **{past_kw: past})
                             times["hf_step"].append(dt)
                             past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
                         state["hf"] = [past, nxt]
                         del out
-                        dt, _ = timed(device, lambda: hf(ids, use_cache=False, **keep))
+                        dt, _ = timed(device, hf, ids, use_cache=False, **keep)
                         times["reprefill"].append(dt)
                     except Exception as exc:
                         failed["transformers"] = error_of(exc)

@@ -2,8 +2,9 @@
 
 * Always: ``CacheManager.block_tables`` agrees with ``slot_table`` (after fork and drop_front); the
   torch reference equals dense attention per row; the option's values and refusals.
-* When ``triton`` imports: the Triton kernel runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``)
-  against the torch reference — float32 within 2e-5 absolute (float32 scores and softmax, IEEE
+* When ``triton`` imports: the Triton kernel runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``;
+  in a child pytest process unless this one started with it: the interpreter needs the variable set
+  before ``triton`` is first imported, and other tests may import it earlier) against the torch reference — float32 within 2e-5 absolute (float32 scores and softmax, IEEE
   dots; the order of the sums differs), bfloat16 within 2e-2 (P is rounded to bf16 before P·V and
   the output to bf16: about one bf16 ulp of an O(1) value) — and a runtime deployed with
   ``paged_attention: triton`` on CPU float32 (interpreted) decodes greedily token-exact vs
@@ -14,6 +15,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +32,13 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the kernel tests need it; "
                                                            "pip install triton to run them in its CPU interpreter)")
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+#: this process started under Triton's interpreter (set before triton's first import, as it must be)
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(
+    not (HAS_TRITON and IN_INTERPRETER),
+    reason="triton is not installed" if not HAS_TRITON else
+    "runs in a child process started with TRITON_INTERPRET=1 (test_interpreted_tests_in_a_child_process)",
+)
 
 
 @pytest.fixture
@@ -117,7 +129,7 @@ CASES = [  # (q heads, kv heads, head dim, block size, dtype, context splits)
 ]
 
 
-@needs_triton
+@interpreted
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs", "dtype", "splits"), CASES)
 def test_kernel_matches_torch_reference_interpreted(interpret, hq, hkv, d, bs, dtype, splits) -> None:
     cache = _cache(hkv, d, bs, 96, dtype)
@@ -141,7 +153,7 @@ def _greedy(rt, req, prompt: str, n: int) -> list[int]:
     return out.artifacts["text"].token_ids
 
 
-@needs_triton
+@interpreted
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_runtime_with_the_kernel_matches_transformers_interpreted(
     interpret, arch, tiny_qwen, runtime_at, hf_reference, req, prompts,
@@ -156,7 +168,7 @@ def test_runtime_with_the_kernel_matches_transformers_interpreted(
     assert cache.used_blocks == 0 and cache.sequences == 0
 
 
-@needs_triton
+@interpreted
 def test_batched_decode_with_the_kernel_each_equals_alone_interpreted(
     interpret, tiny_qwen, runtime_at, hf_reference, req, prompts,
 ) -> None:
@@ -170,6 +182,21 @@ def test_batched_decode_with_the_kernel_each_equals_alone_interpreted(
         assert out.artifacts["text"].token_ids == hf_reference("qwen2", tok(p)["input_ids"], 4 + 2 * i), p
     sizes = [len(d.request_ids) for d in rt.scheduler.trace if d.action == "batched_step"]
     assert max(sizes) == len(prompts)
+
+
+@needs_triton
+@pytest.mark.skipif(IN_INTERPRETER, reason="this process is the interpreter run")
+def test_interpreted_tests_in_a_child_process() -> None:
+    """The ``*_interpreted`` tests above, in a fresh pytest process started with TRITON_INTERPRET=1."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-k", "interpreted and not child_process",
+         "-p", "no:cacheprovider", "-W", "ignore"],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in tail and "skipped" not in tail and "deselected" in tail, tail
 
 
 # -- the deploy option ---------------------------------------------------------------------------
