@@ -27,12 +27,16 @@ runs after the 1.3B one when ``--arch`` names it and the time budget allows.
 would not finish; the JSON record is rewritten after every mode, so a run cut short keeps what it
 measured. Progress is printed as it goes (flushed).
 
-Results go to ``$OUT`` if set, else ``bench/results/``, as ``offload_gpu-<date>[-smoke].json`` with
-the command line and the machine.
+Results go to ``$OUT`` if set, else ``bench/results/``, as ``offload_gpu-<archs>-<date>[-smoke].json``
+(e.g. ``offload_gpu-1.3B-14B-2026-12-01.json``) with the command line and the machine.
 
-    python bench/offload_gpu.py                       # 1 GPU: 1.3B then 14B (~6-8 min, estimate; not yet run)
-    python bench/offload_gpu.py --arch 1.3B           # ~2 min (estimate)
+    python bench/offload_gpu.py --arch 1.3B           # 1 GPU: ~2-3 min (estimate; not yet run)
+    python bench/offload_gpu.py --arch 14B            # ~4-6 min (estimate: ~10 s per CFG step)
+    python bench/offload_gpu.py                       # both in one run (the budget may skip 14B modes)
     python bench/offload_gpu.py --smoke               # tiny models on a CPU: checks the script
+
+Memory: the 14B run builds the transformer on the GPU (fp32 init, ~56 GB, then bf16) and pins
+~45 GB of host memory (14B + UMT5-XXL) for the offload modes.
 """
 
 from __future__ import annotations
@@ -66,7 +70,6 @@ from _common import (  # noqa: E402
     omniloop_request,
     step_times,
     wan_components,
-    write_record,
 )
 
 CFG_14B = dict(CFG_13B, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40)
@@ -301,13 +304,16 @@ def main(argv: list[str] | None = None) -> int:
         "budget_s": args.budget_s, "steps": args.steps, "modes": args.modes, "results": {},
     }
 
+    archs = {"smoke": SMOKE_TF} if smoke else {a: ARCHS[a] for a in args.arch}
+    path = Path(args.out) / f"offload_gpu-{'-'.join(archs)}-{date}.json"  # one file per set of archs
+
     def save() -> None:
         record["elapsed_s"] = round(time.monotonic() - T0, 1)
-        write_record(record, args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
 
     log(f"building the VAE and text encoder on {device}")
     shared = build_shared(device, dtype, smoke)
-    archs = {"smoke": SMOKE_TF} if smoke else {a: ARCHS[a] for a in args.arch}
     for arch, cfg in archs.items():
         if time.monotonic() - T0 > args.budget_s * 0.5 and arch != next(iter(archs)):
             log(f"{arch}: skipped (half the time budget is spent)")
@@ -316,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
             continue
         bench_arch(arch, cfg, shared, args, device, dtype, record, save)
     save()
-    path = Path(args.out) / f"offload_gpu-{date}.json"
     for arch, res in record["results"].items():
         for mode, row in res.get("modes", {}).items():
             print(arch, mode, {k: row.get(k) for k in ("s_per_step_median", "peak_gpu_gib", "peak_gpu_denoise_gib",

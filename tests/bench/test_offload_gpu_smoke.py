@@ -21,7 +21,7 @@ def test_offload_gpu_smoke(tmp_path):
     spec.loader.exec_module(mod)
     modes = ["sequential", "none", "model", "sequential-nooverlap"]  # none is run first whatever the order
     assert mod.main(["--smoke", "--steps", "3", "--modes", *modes, "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("offload_gpu-*-smoke.json")
+    (path,) = tmp_path.glob("offload_gpu-smoke-*-smoke.json")
     rec = json.loads(path.read_text())
     assert rec["command"].startswith("python bench/offload_gpu.py --smoke")
     rows = rec["results"]["smoke"]["modes"]
