@@ -440,7 +440,10 @@ class OffloadedStage:
         return self._stage
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._stage, name)
+        stage = self.__dict__.get("_stage")
+        if stage is None:  # not initialised (copy, unpickling): no recursion through __getattr__
+            raise AttributeError(name)
+        attr = getattr(stage, name)
         if name in OffloadedStage._CALLS and callable(attr):
             return self._wrap(attr)
         return attr

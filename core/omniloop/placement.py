@@ -125,7 +125,8 @@ def check_offload(deploy: DeployConfig, family: Any, device: torch.device,
     declares what moves (``family.offload_components``), the device is ``cuda`` (or ``cpu``, where
     storage and device are the same and only the machinery runs), and nothing the offloader cannot
     follow is enabled — LoRA adapters (their weights sit on the load device), ``compile`` (the
-    compiled blocks would see weights change device), a parallel world above 1 — and the family's
+    compiled blocks would see weights change device), a parallel world above 1, role pools
+    (``placement``) — and the family's
     own ``offload_refusal(mode, options)`` (a reason string or None; Wan: a causal rollout calls
     its blocks functionally, so it cannot stream them) has no objection to the family ``options``.
     One :class:`DeployError` line, before any weight loads."""
@@ -144,6 +145,8 @@ def check_offload(deploy: DeployConfig, family: Any, device: torch.device,
         raise DeployError(f"offload: {mode!r} runs in one process; it does not combine with parallel: {_axes(deploy)} yet")
     if deploy.adapters:
         raise DeployError(f"offload: {mode!r} does not combine with LoRA adapters yet (adapters: {', '.join(sorted(deploy.adapters))})")
+    if getattr(deploy, "placement", None):
+        raise DeployError(f"offload: {mode!r} does not combine with placement (role pools) yet")
     if deploy.compile:
         raise DeployError(f"offload: {mode!r} does not combine with compile: true yet (compiled blocks would see their weights move)")
     refusal = getattr(family, "offload_refusal", None)

@@ -341,6 +341,8 @@ class _Fam:
     ({"offload": "model", "parallel": {"sp": 2}}, _Fam(), "cpu", r"^offload: 'model' runs in one process"),
     ({"offload": "model", "adapters": {"x": "/a"}}, _Fam(), "cpu", r"^offload: 'model' does not combine with LoRA adapters yet \(adapters: x\)$"),
     ({"offload": "sequential", "compile": True}, _Fam(), "cpu", r"^offload: 'sequential' does not combine with compile: true"),
+    ({"offload": "model", "placement": {"vae": {"devices": ["cpu"]}}}, _Fam(), "cpu",
+     r"^offload: 'model' does not combine with placement \(role pools\) yet$"),
 ])
 def test_check_offload_refusals(deploy: dict[str, Any], family: Any, device: str, match: str) -> None:
     with pytest.raises(DeployError, match=match) as info:
