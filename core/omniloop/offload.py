@@ -232,6 +232,9 @@ class Offloader:
     def describe(self) -> dict[str, Any]:
         return {
             "mode": self.mode, "device": str(self.device), "pinned": self.mover.pin, "overlap": self.overlap,
+            #: the weights' host masters, and what this offloader's mover newly pinned (whole slabs; 0 when
+            #: it reused masters an earlier offloader pinned) or kept pageable (tensors above a slab)
+            "host_bytes": sum(u.nbytes for u in self._all_units()),
             "host_pinned_bytes": getattr(self.mover, "pinned_bytes", None),
             "host_pageable_bytes": getattr(self.mover, "pageable_bytes", None),
             "side_stream": self.streams is not None,
