@@ -130,7 +130,8 @@ class CudaStreams:
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
         for t in tensors:
-            t.record_stream(current)
+            if t.numel():  # an empty tensor has no memory to keep
+                t.record_stream(current)
 
 
 class PoisonMover(Mover):
