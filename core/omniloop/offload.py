@@ -20,8 +20,11 @@ are copied to the execution device only while they compute:
 
 "Back to storage" copies nothing: weights are read-only at inference, so each tensor keeps one
 host *master* copy and an evicted parameter simply points at it again; a load is one host-to-device
-copy of the master. LoRA adapters, compiled blocks and parallel worker pools are refused with
-offload at load (:func:`omniloop.placement.check_offload`).
+copy of the master. LoRA adapters, compiled blocks, parallel worker pools and role pools are
+refused with offload at load, as is whatever the family vetoes (``offload_refusal``; Wan: sequential
+with a causal rollout) — :func:`omniloop.placement.check_offload`. The Runtime loads the family
+into host memory, :func:`install`\s the offloader after its adapters, and wraps every pipeline it
+builds with :func:`wrap_pipeline`.
 
 A family opts in with ``offload_components``: ``{component name: its block list(s) or None}`` —
 a dotted path of a ModuleList, ``a|b`` for alternatives (the first present wins: library versions
