@@ -370,7 +370,10 @@ def check_ranges(obj: Any, path: str = "") -> None:
                 hint = md.get("pattern_hint", f"must match {md['pattern']}")
                 raise RequestError(p, f"{hint}, got {_short_repr(v)}")
             if "check" in md:  # a shape rule ranges cannot say: check(value) -> message or None
-                problem = md["check"](v)
+                try:
+                    problem = md["check"](v)
+                except (TypeError, ValueError, ArithmeticError) as exc:  # a check that chokes on the value
+                    problem = f"invalid value {_short_repr(v)} ({type(exc).__name__})"
                 if problem:
                     raise RequestError(p, str(problem))
         if attrs.has(type(v)):

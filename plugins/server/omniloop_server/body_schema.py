@@ -44,7 +44,7 @@ SIZE_PATTERN = r"\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*"
 MAX_IMAGES = 10
 #: the longest clip a body may ask for in seconds (the deploy's max_frames applies after)
 MAX_SECONDS = 3600.0
-_NUMBER_TEXT = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
+_NUMBER_TEXT = re.compile(r"^ *[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)? *$")
 
 _OWNERS: dict[str, type] = {"": OmniRequest, "diffusion": DiffusionParams, "sampling": SamplingParams}
 
@@ -71,12 +71,16 @@ _IMAGE_SCHEMA = {"anyOf": [{"type": "string", "description": "base64 image data 
 
 
 def seconds_value(v: Any) -> float | None:
-    """``seconds`` as a number: a JSON number or a numeric string (OpenAI's SDK sends ``"4"``)."""
+    """``seconds`` as a number: a JSON number or a numeric string (OpenAI's SDK sends ``"4"``);
+    None if it is neither (numeric text too large for a float is ``inf``: out of range, not "not a number")."""
     if isinstance(v, bool):
         return None
     if isinstance(v, str):
-        v = float(v) if _NUMBER_TEXT.match(v) else None
-    if not isinstance(v, (int, float)) or not math.isfinite(v):
+        try:
+            v = float(v) if _NUMBER_TEXT.match(v) else None
+        except ValueError:  # never expected: the pattern is float()'s syntax
+            v = None
+    if not isinstance(v, (int, float)) or math.isnan(v):
         return None
     return float(v)
 
@@ -160,7 +164,8 @@ class VideoCreate(DiffusionBody):
     seconds: Any = field(default=None, metadata={
         "check": _check_seconds, "description": "clip length; frames = seconds x fps",
         "json_schema": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SECONDS},
-                                  {"type": "string", "description": "a number of seconds, as OpenAI's SDK sends it"}]}})
+                                  {"type": "string", "pattern": _NUMBER_TEXT.pattern,
+                                   "description": "a number of seconds in (0, 3600] as text, as OpenAI's SDK sends it"}]}})
     frames: int | None = alias("diffusion.frames")
     fps: float | None = alias("diffusion.fps")
     image: Any = field(default=None, metadata={"json_schema": _IMAGE_SCHEMA})
