@@ -8,12 +8,20 @@ and p95 latency of the short requests (submit → final event), makespan and thr
 and loop steps per second). Ratios: short p50/p95 serial ÷ step (target ≥ 5), throughput
 step ÷ serial (target ≥ 0.95).
 
+With ``--roles vae`` (comma-separated components) a third variant runs in the same repeats: the
+step scheduler on a role-pool runtime (omniloop-parallel's ``RolePoolRuntime``, deploy
+``placement: {vae: {devices: [cpu]}}``): the placed stages (VAE decode) run in one worker process
+while the scheduler's process keeps stepping other requests. Ratios: short p95 serial ÷ roles
+(issue 18 target ≥ 3), throughput roles ÷ serial (target ≥ 0.95). Serial (FIFO) and step run
+in-process, as before.
+
 Scenario B (image batching): ``--images`` same-size t2i requests submitted at once; throughput with
 the step scheduler (co-batched forwards, ``max_batch`` = images) vs sequential (serial), and vs
 step with ``max_batch=1`` (interleaved, unbatched) to separate batching from interleaving.
 
     python bench/scheduler_latency.py                   # toy family, CPU; writes bench/results/scheduler_latency-<date>.json
     python bench/scheduler_latency.py --model wan-demo  # the demo checkpoint (preset), when installed
+    python bench/scheduler_latency.py --model wan-demo --roles vae --skip-images   # + the role-pool variant
     python bench/scheduler_latency.py --no-write
 """
 
@@ -87,8 +95,9 @@ async def _timed(handle: Any, done: dict[str, float]) -> Any:
     return out
 
 
-async def latency_run(rt: Runtime, scheduler: str, args: argparse.Namespace, gap: float, rep: int) -> dict[str, Any]:
-    engine = AsyncEngine(rt, scheduler, max_batch=args.max_batch)
+async def latency_run(rt: Runtime, scheduler: str, args: argparse.Namespace, gap: float, rep: int,
+                      order: str = "round_robin") -> dict[str, Any]:
+    engine = AsyncEngine(rt, scheduler, max_batch=args.max_batch, order=order)
     await engine.start()
     done: dict[str, float] = {}
     submitted: dict[str, float] = {}
@@ -141,9 +150,21 @@ def med(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-async def bench(rt: Runtime, args: argparse.Namespace) -> dict[str, Any]:
+def make_role_runtime(model: str, components: list[str], max_steps: int, threads: int) -> Any:
+    """The role-pool runtime: ``components`` placed on one CPU worker process."""
+    from omniloop.runtime import deploy_for_model
+    from omniloop_parallel import RolePoolRuntime
+
+    limits = {"max_steps": max(max_steps, 200), "max_queue": 1024}
+    deploy = deploy_for_model(model, limits=limits, placement={c: {"devices": ["cpu"]} for c in components})
+    return RolePoolRuntime(deploy, threads=threads)
+
+
+async def bench(rt: Runtime, args: argparse.Namespace, role_rt: Any = None) -> dict[str, Any]:
     # warm both paths once, then measure the long request alone for the arrival interval
     await latency_warm(rt, args)
+    if role_rt is not None:
+        await latency_warm(role_rt, args, ("step",), images=False)
     eng = AsyncEngine(rt, "serial")
     await eng.start()
     t = time.perf_counter()
@@ -153,12 +174,23 @@ async def bench(rt: Runtime, args: argparse.Namespace) -> dict[str, Any]:
     gap = args.arrival_span * long_solo / max(1, args.shorts)
 
     runs: dict[str, list[dict[str, Any]]] = {"serial": [], "step": []}
+    variants = ["serial", "step", *args.extra_variants]
+    if role_rt is not None:
+        variants.append(args.role_variant)
+    for v in variants:
+        runs.setdefault(v, [])
     for rep in range(args.repeats):
-        order = ("serial", "step") if rep % 2 == 0 else ("step", "serial")
+        order = variants if rep % 2 == 0 else variants[::-1]
         for sched in order:
-            runs[sched].append(await latency_run(rt, sched, args, gap, rep))
+            name, _, how = sched.partition(":")  # "step:fewest" / "roles:fewest": order fewest_steps_left
+            ordering = "fewest_steps_left" if how == "fewest" else "round_robin"
+            if name == "roles":
+                runs[sched].append(await latency_run(role_rt, "step", args, gap, rep, ordering))
+                runs[sched][-1]["scheduler"] = f"step+roles ({ordering})"
+            else:
+                runs[sched].append(await latency_run(rt, name, args, gap, rep, ordering))
             r = runs[sched][-1]
-            print(f"  rep {rep} {sched:<6} short p50 {r['short_p50_s']:.3f}s p95 {r['short_p95_s']:.3f}s "
+            print(f"  rep {rep} {sched:<12} short p50 {r['short_p50_s']:.3f}s p95 {r['short_p95_s']:.3f}s "
                   f"makespan {r['makespan_s']:.3f}s (steps {r['step_units_s']:.3f}s, stages {r['stage_units_s']:.3f}s)",
                   flush=True)
     summary_latency = {
@@ -174,6 +206,22 @@ async def bench(rt: Runtime, args: argparse.Namespace) -> dict[str, Any]:
         "cpu_throughput_step_over_serial": stp["steps_per_cpu_s"] / ser["steps_per_cpu_s"],
         "long_latency_step_over_serial": stp["long_latency_s"] / ser["long_latency_s"],
     }
+    targets = {
+        "short_p95_serial_over_step >= 5": ratios["short_p95_serial_over_step"] >= 5,
+        "throughput_step_over_serial >= 0.95": ratios["throughput_step_over_serial"] >= 0.95,
+    }
+    for v in variants[2:]:
+        rol = summary_latency[v]
+        ratios.update({
+            f"short_p50_serial_over_{v}": ser["short_p50_s"] / rol["short_p50_s"],
+            f"short_p95_serial_over_{v}": ser["short_p95_s"] / rol["short_p95_s"],
+            f"short_p95_step_over_{v}": stp["short_p95_s"] / rol["short_p95_s"],
+            f"throughput_{v}_over_serial": rol["steps_per_s"] / ser["steps_per_s"],
+            f"long_latency_{v}_over_serial": rol["long_latency_s"] / ser["long_latency_s"],
+        })
+        if v.startswith("roles"):
+            targets[f"short_p95_serial_over_{v} >= 3"] = ratios[f"short_p95_serial_over_{v}"] >= 3
+            targets[f"throughput_{v}_over_serial >= 0.95"] = ratios[f"throughput_{v}_over_serial"] >= 0.95
 
     img: dict[str, list[dict[str, Any]]] = {"sequential": [], "step_batched": [], "step_unbatched": []}
     variants = [("sequential", "serial", 1), ("step_batched", "step", args.images), ("step_unbatched", "step", 1)]
@@ -192,19 +240,17 @@ async def bench(rt: Runtime, args: argparse.Namespace) -> dict[str, Any]:
         "latency": {"median": summary_latency, "runs": runs},
         "images": {"median": img_summary, "runs": img},
         "ratios": ratios,
-        "targets": {
-            "short_p95_serial_over_step >= 5": ratios["short_p95_serial_over_step"] >= 5,
-            "throughput_step_over_serial >= 0.95": ratios["throughput_step_over_serial"] >= 0.95,
-        },
+        "targets": targets,
     }
 
 
-async def latency_warm(rt: Runtime, args: argparse.Namespace) -> None:
-    for sched in ("serial", "step"):
+async def latency_warm(rt: Runtime, args: argparse.Namespace, scheds: tuple[str, ...] = ("serial", "step"),
+                       images: bool = True) -> None:
+    for sched in scheds:
         eng = AsyncEngine(rt, sched, max_batch=args.max_batch)
         await eng.start()
         hs = [eng.submit(video_req(args, 3, i)) for i in range(2)]
-        if not args.skip_images:
+        if images and not args.skip_images:
             hs.append(eng.submit(image_req(args, 0)))
         await asyncio.gather(*(h.result(timeout=3600) for h in hs))
         await eng.shutdown()
@@ -226,10 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-images", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise)")
+    p.add_argument("--roles", default="", help="components to place in a CPU role worker (e.g. 'vae'): adds the "
+                                              "role-pool variant (omniloop-parallel)")
+    p.add_argument("--role-order", choices=("round_robin", "fewest"), default="round_robin",
+                   help="the role-pool variant's step order (fewest: scheduler_options order fewest_steps_left)")
+    p.add_argument("--extra-variants", default="", help="more in-process variants, e.g. 'step:fewest'")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
     p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
+    args.extra_variants = [v.strip() for v in args.extra_variants.split(",") if v.strip()]
+    args.role_variant = "roles:fewest" if args.role_order == "fewest" else "roles"
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,12 +292,23 @@ def main(argv: list[str] | None = None) -> int:
             IMAGE_TASK = "t2v"  # one-frame t2v requests are the image-sized ones
         if args.frames == 0:
             args.frames = None
-        result = asyncio.run(bench(rt, args))
+        role_rt = None
+        if args.roles:
+            role_rt = make_role_runtime(args.model, [c.strip() for c in args.roles.split(",") if c.strip()],
+                                        args.long_steps, args.threads)
+        try:
+            result = asyncio.run(bench(rt, args, role_rt))
+        finally:
+            if role_rt is not None:
+                role_rt.close()
 
     r = result["ratios"]
     print(f"short p50 serial/step {r['short_p50_serial_over_step']:.2f}x, p95 {r['short_p95_serial_over_step']:.2f}x "
           f"(target >= 5); throughput step/serial {r['throughput_step_over_serial']:.3f} (target >= 0.95), "
           f"per CPU-second {r['cpu_throughput_step_over_serial']:.3f}")
+    for v in [*args.extra_variants, *([args.role_variant] if args.roles else [])]:
+        print(f"{v}: short p50 serial/{v} {r[f'short_p50_serial_over_{v}']:.2f}x, p95 {r[f'short_p95_serial_over_{v}']:.2f}x "
+              f"(roles target >= 3); throughput {v}/serial {r[f'throughput_{v}_over_serial']:.3f} (target >= 0.95)")
     if "images_batched_over_sequential" in r:
         print(f"images: batched/sequential {r['images_batched_over_sequential']:.2f}x, "
               f"batched/unbatched-interleaved {r['images_batched_over_unbatched']:.2f}x")

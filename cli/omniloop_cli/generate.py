@@ -281,10 +281,10 @@ def generate(
 
     Bad input (a request field, the deploy, an unwritable --out) is refused before the model
     loads; Ctrl-C stops the run and exits 130."""
-    from omniloop.runtime import Deployment, Runtime
+    from omniloop.runtime import Deployment
     from omniloop.schema import request_from_dict
 
-    from .progress import RunProgress, console
+    from .progress import console
     from .stream import FrameStream
 
     # 1. the request, validated by the schema before anything is loaded
@@ -329,23 +329,18 @@ def generate(
     else:
         # 2. the request against the deployment, without weights; then the model, and full validation
         Deployment(deploy, manager=get_manager(ctx)).check(request)
+        if chosen and deploy.parallel.world_size > 1:
+            fail("run-option flags (e.g. --profile) are not supported with a parallel deploy yet")
         t0 = time.perf_counter()
         with err.status("loading model ..."):
-            runtime = Runtime(deploy, manager=get_manager(ctx))
+            runtime = load_runtime(deploy, get_manager(ctx))
         load_seconds = time.perf_counter() - t0
-        execution = runtime.prepare(request)
-
-        # 3. run, with progress per node and per step
-        output = None
-        with RunProgress(err, execution) as progress:
-            for event in runtime.scheduler.stream(execution):
-                progress.update(event)
-                if frame_stream is not None:
-                    frame_stream.update(event)
-                if event.output is not None:
-                    output = event.output
-        if output is None:
-            output = execution.output
+        try:
+            output = _run_one(runtime, request, err, frame_stream)
+        finally:
+            close = getattr(runtime, "close", None)  # worker processes (parallel / placement) stop here
+            if callable(close):
+                close()
 
     # 4. write what came back
     from .output import summarize, write_outputs
@@ -380,6 +375,45 @@ def generate(
         e = output.error
         where = f" in node {e.node!r}" + (f" at step {e.step}" if e.step is not None else "") if e and e.node else ""
         fail(f"request {output.status.value}{where}: {e.message if e else 'no error recorded'}", exit_code=1)
+
+
+def load_runtime(deploy: Any, manager: Any) -> Any:
+    """The deploy's runtime through :meth:`omniloop.runtime.Runtime.from_deploy`, the one factory:
+    a plain ``Runtime``, or — for ``parallel`` above one process or ``placement`` — omniloop-parallel's
+    ``ParallelRuntime`` / ``RolePoolRuntime`` (worker processes)."""
+    from omniloop.runtime import Runtime
+
+    return Runtime.from_deploy(deploy, manager=manager)
+
+
+def _run_one(runtime: Any, request: Any, err: Any, frame_stream: Any) -> Any:
+    """Run ``request``: node by node with progress bars on a runtime that prepares executions here,
+    else (the SPMD pool: rank 0 runs it) through ``runtime.stream`` with a status line."""
+    from .progress import RunProgress
+
+    if not callable(getattr(runtime, "prepare", None)):
+        output = None
+        with err.status("running on the worker pool ...") as status:
+            for event in runtime.stream(request):
+                if event.step is not None and event.total:
+                    status.update(f"{event.node}: step {event.step}/{event.total}")
+                if frame_stream is not None:
+                    frame_stream.update(event)
+                if event.output is not None:
+                    output = event.output
+        assert output is not None
+        return output
+    execution = runtime.prepare(request)
+    # 3. run, with progress per node and per step
+    output = None
+    with RunProgress(err, execution) as progress:
+        for event in runtime.scheduler.stream(execution):
+            progress.update(event)
+            if frame_stream is not None:
+                frame_stream.update(event)
+            if event.output is not None:
+                output = event.output
+    return output if output is not None else execution.output
 
 
 def _texts(output: Any) -> dict[str, str]:

@@ -220,6 +220,7 @@ class RoleWorker:
             self.load_error = str(msg[2])
             _kill(proc)
             parent.close()
+            self._ready.set()  # settled: submit() fails at once with load_error (no process)
             return
         self.load_error = None
         with self._lock:
@@ -273,7 +274,11 @@ class RoleWorker:
             return job
         with self._lock:
             conn, job.pid = self._conn, self.pid
-            self._jobs[job.id] = job
+            if conn is not None:
+                self._jobs[job.id] = job
+        if conn is None:  # the last start failed
+            job.finish(error=_worker_died()(f"the role worker on {self.device} is not running: {self.load_error}"))
+            return job
         try:
             conn.send(("run", job.id, request, node, payload))
         except (OSError, AttributeError) as exc:
