@@ -12,7 +12,9 @@ with its error and the others go on):
 2. **throughput** at batch 1 / 16 / 64: ``batch`` greedy requests of ``--new-tokens`` new tokens
    each (3 to 14 words of the tiny tokenizer's corpus) through ``Runtime`` with the ``step``
    scheduler (``max_batch = max_running =`` the largest batch: prefill per sequence, then every
-   decode step batched), once per attention backend (``--variants``: ``triton``, ``torch``), vs
+   decode step batched), once per variant (``--variants``: ``triton``, ``triton-graphs`` — the
+   kernel with decode steps replayed as CUDA graphs, deploy ``decode_cuda_graphs: true`` — and
+   ``torch``), vs
    transformers ``generate(do_sample=False)`` on the same prompts left-padded into one batch
    (``min_new_tokens`` so every side makes the same tokens). Tokens/s = new tokens / wall time,
    median over ``--repeats`` interleaved repeats after one warm-up run of each.
@@ -151,7 +153,11 @@ def hf_model(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
     return m
 
 
-def qwen_runtime(path: Path, device: torch.device, dtype: str, backend: str, max_batch: int, kv_tokens: int) -> Any:
+#: bench variant -> (paged_attention, decode_cuda_graphs)
+VARIANTS = {"triton": ("triton", False), "triton-graphs": ("triton", True), "torch": ("torch", False)}
+
+
+def qwen_runtime(path: Path, device: torch.device, dtype: str, variant: str, max_batch: int, kv_tokens: int) -> Any:
     """A runtime over the qwen family and the step scheduler, without entry points (the GPU
     machine runs from a bare checkout)."""
     import omniloop_qwen.plugin as qwen_plugin
@@ -162,7 +168,8 @@ def qwen_runtime(path: Path, device: torch.device, dtype: str, backend: str, max
     manager = make_manager(("qwen", qwen_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
     return Runtime.from_model(path, device=str(device), dtype=dtype, manager=manager, scheduler="step",
                               scheduler_options={"max_batch": max_batch, "max_running": max_batch},
-                              options={"kv_cache_tokens": kv_tokens, "paged_attention": backend})
+                              options={"kv_cache_tokens": kv_tokens, "paged_attention": VARIANTS[variant][0],
+                                       "decode_cuda_graphs": VARIANTS[variant][1]})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -301,9 +308,9 @@ def throughput(path: Path, device: torch.device, dtype: str, variants: list[str]
     for v in variants:
         try:
             rt = qwen_runtime(path, device, dtype, v, top, kv_tokens=top * (64 + new_tokens) + 64 * 16)
-            got = rt.model.config.get("paged_attention")
-            if got != v:
-                raise RuntimeError(f"asked for paged_attention {v!r}, the runtime runs {got!r}")
+            got = (rt.model.config.get("paged_attention"), rt.model.config.get("decode_cuda_graphs"))
+            if got != VARIANTS[v]:
+                raise RuntimeError(f"asked for {VARIANTS[v]} (paged_attention, decode_cuda_graphs), the runtime runs {got}")
             runtimes[v] = rt
             log(f"[throughput] runtime {v} loaded ({budget.elapsed:.0f} s)")
         except Exception as exc:
@@ -422,7 +429,7 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                 traceback.print_exc()
             for v in variants:
                 try:
-                    model = PagedQwen(hf, attention=v)
+                    model = PagedQwen(hf, attention=VARIANTS[v][0], cuda_graphs=VARIANTS[v][1])
                     cache = CacheManager(model.layout(), block_size=16,
                                          num_blocks=b * (-(-(context + 4 * rounds + 8) // 16)))
                     hs = [cache.allocate() for _ in range(b)]
@@ -471,6 +478,10 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                     except Exception as exc:
                         failed["transformers"] = error_of(exc)
                         traceback.print_exc()
+        for v in variants:
+            graphs = getattr(state.get(v, [None])[0], "graphs", None)
+            if graphs is not None:
+                row[f"omniloop_{v}_graph_captures"], row[f"omniloop_{v}_graph_replays"] = graphs.captures, graphs.replays
         state.clear()
         free_memory(device)
 
@@ -508,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="model: 'tiny' (CPU default: hidden 256, 4 layers) or 'qwen2.5-0.5b' (CUDA default)")
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--variants", default=None,
-                    help="omniloop attention backends, comma-separated from triton,torch (default: both on CUDA; "
-                         "torch on CPU, plus triton under TRITON_INTERPRET=1)")
+                    help="omniloop variants, comma-separated from triton,triton-graphs,torch (default: all three on "
+                         "CUDA; torch on CPU, plus triton under TRITON_INTERPRET=1)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--decode-batches", default=None, help="batches of the decode-vs-re-prefill section (default: --batches)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 32 (CPU) / 64 (CUDA)")
@@ -535,8 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = _DTYPES[dtype_name]
     kernel_ok = pa.triton_unavailable(device) is None
-    variants = (args.variants.split(",") if args.variants else (["triton", "torch"] if kernel_ok else ["torch"]))
-    bad = [v for v in variants if v not in ("triton", "torch")]
+    default = ["triton", "triton-graphs", "torch"] if device.type == "cuda" else ["triton", "torch"] if kernel_ok else ["torch"]
+    variants = args.variants.split(",") if args.variants else default
+    bad = [v for v in variants if v not in VARIANTS]
     if bad:
         ap.error(f"--variants: unknown {bad}")
     batches = [int(b) for b in args.batches.split(",")]
@@ -560,8 +572,9 @@ def main(argv: list[str] | None = None) -> int:
                            triton=_triton_version()),
         "model": {"arch": "qwen2", "preset": preset, "weights": f"random (seed {args.seed})", "dtype": dtype_name, **cfg},
         "variants": variants, "budget_s": args.budget_s,
-        "notes": ("omniloop_<backend>: Runtime + step scheduler (events, per-request sampling, text detokenized every "
-                  "token) with options.paged_attention = <backend>; transformers: generate on one left-padded batch "
+        "notes": ("omniloop_<variant>: Runtime + step scheduler (events, per-request sampling, text detokenized every "
+                  "token) with options.paged_attention = triton|torch (triton-graphs: triton + decode_cuda_graphs); "
+                  "transformers: generate on one left-padded batch "
                   "(sdpa). decode_vs_reprefill: our paged forward alone vs transformers forward of the whole "
                   "[batch, context] with use_cache=False (last-position logits)."),
     }

@@ -184,6 +184,60 @@ def test_batched_decode_with_the_kernel_each_equals_alone_interpreted(
     assert max(sizes) == len(prompts)
 
 
+class _EagerGraphs:
+    """Stands in for a CUDA graph on CPU: ``replay`` runs the captured function eagerly."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+@interpreted
+def test_decode_graph_inputs_match_the_eager_step_interpreted(interpret, tiny_qwen, monkeypatch) -> None:
+    """DecodeGraphs' static inputs (buckets, padding rows, block table columns, a growing context
+    crossing buckets) give the eager triton step's tokens and logits: the graph is replaced by an
+    eager replay of ``decode_static`` (CPU), everything else is the CUDA path's code."""
+    from transformers import AutoModelForCausalLM
+
+    from omniloop_qwen import model as qm
+
+    monkeypatch.setattr(qm, "MIN_GRAPH_CONTEXT", 16)  # small buckets, so the context crosses two
+
+    def fake_capture(self, cache, host, ctx_tokens):
+        m = self.model
+        meta = host.clone()
+        row_seq = torch.arange(host.shape[0], dtype=torch.int32)
+        splits = pa.choose_splits(host.shape[0], m.kv_heads, ctx_tokens, m.device)
+        logits = m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
+        self.captures += 1
+        return _EagerGraphs(lambda: logits.copy_(m.decode_static(cache, meta, row_seq, ctx_tokens, splits))), meta, logits, cache
+
+    monkeypatch.setattr(qm.DecodeGraphs, "_capture", fake_capture)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen("qwen3"), dtype=torch.float32).eval()
+    eager, graphed = qm.PagedQwen(hf, attention="triton"), qm.PagedQwen(hf, attention="triton")
+    graphed.graphs = qm.DecodeGraphs(graphed)
+    caches = [CacheManager(eager.layout(), block_size=4, num_blocks=64) for _ in range(2)]
+    prompts = [[5, 9, 13], list(range(20, 31)), [7]]
+    toks = []
+    handles = []
+    for model, cache in zip((eager, graphed), caches, strict=True):
+        hs = [cache.allocate() for _ in prompts]
+        logits = model.forward(cache, hs, prompts)
+        handles.append(hs)
+        toks.append([[int(t)] for t in logits.argmax(-1)])
+    assert toks[0] == toks[1]
+    for _ in range(12):
+        a = eager.forward(caches[0], handles[0], toks[0])
+        b = graphed.forward(caches[1], handles[1], toks[1])
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+        toks = [[[int(t)] for t in x.argmax(-1)] for x in (a, b)]
+        assert toks[0] == toks[1]
+    assert graphed.graphs.replays == 12 and graphed.graphs.captures == 2  # 3 rows -> bucket 4; contexts 16, then 32
+    for li in range(len(eager.layers)):  # the same K/V landed at the same slots
+        for h0, h1 in zip(*handles, strict=True):
+            s0, s1 = caches[0].slots(h0), caches[1].slots(h1)
+            torch.testing.assert_close(caches[1].k[li][s1], caches[0].k[li][s0], rtol=0, atol=2e-5)
+
+
 @needs_triton
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process is the interpreter run")
 def test_interpreted_tests_in_a_child_process() -> None:
@@ -211,6 +265,10 @@ def test_option_auto_is_torch_on_cpu_and_bad_values_are_refused(tiny_qwen, runti
         runtime_at(path, options={"paged_attention": "flash"})
     with pytest.raises(DeployError, match=r"options\.paged_attention: 'triton' cannot run: "):
         runtime_at(path, options={"paged_attention": "triton"})  # CPU, no interpreter
+    with pytest.raises(DeployError, match=r"options\.decode_cuda_graphs: needs a CUDA device and paged_attention triton"):
+        runtime_at(path, options={"decode_cuda_graphs": True})
+    with pytest.raises(DeployError, match=r"options\.decode_cuda_graphs: must be true or false, got 'yes'"):
+        runtime_at(path, options={"decode_cuda_graphs": "yes"})
 
 
 def test_resolve_backend() -> None:
@@ -254,13 +312,20 @@ def test_cuda_runtime_kernel_vs_torch_and_transformers(monkeypatch, arch, tiny_q
     path = tiny_qwen(arch)
     kern = runtime_at(path, device="cuda", scheduler="step", scheduler_options={"max_batch": 8})
     ref_rt = runtime_at(path, device="cuda", options={"paged_attention": "torch"})
+    graphs = runtime_at(path, device="cuda", scheduler="step", scheduler_options={"max_batch": 8},
+                        options={"decode_cuda_graphs": True})
     assert kern.model.config["paged_attention"] == "triton"
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     tok = kern.model.components["tokenizer"]
     streams = [kern.stream(req(p, max_tokens=12)) for p in prompts]
     outs = [[e for e in s if e.output is not None][-1].output for s in streams]
-    for p, out in zip(prompts, outs, strict=True):
+    g_streams = [graphs.stream(req(p, max_tokens=12)) for p in prompts]
+    g_outs = [[e for e in s if e.output is not None][-1].output for s in g_streams]
+    assert graphs.model.components["paged"].graphs.replays > 0
+    for p, out, g_out in zip(prompts, outs, g_outs, strict=True):
         assert out.status is Status.COMPLETED, out.error
+        assert g_out.status is Status.COMPLETED, g_out.error
+        assert g_out.artifacts["text"].token_ids == out.artifacts["text"].token_ids, p
         ids = torch.tensor([tok(p)["input_ids"]], device="cuda")
         with torch.no_grad():
             want = hf.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1]:].tolist()

@@ -11,7 +11,9 @@ Deploy options (``options:`` in the deploy file, all optional):
   ``generation_config.json``'s ``max_new_tokens``, else 256);
 * ``paged_attention`` — ``auto`` (default: the Triton kernel on CUDA when ``triton`` imports, else
   the torch path), ``torch`` or ``triton`` (refused at load where it cannot run); see
-  :mod:`omniloop_qwen.paged_attention`.
+  :mod:`omniloop_qwen.paged_attention`;
+* ``decode_cuda_graphs`` — ``true``: decode steps replay CUDA graphs (needs CUDA and the triton
+  backend; default ``false``); see :class:`omniloop_qwen.model.DecodeGraphs`.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class QwenFamily:
         attention = options.get("paged_attention", "auto")
         if attention not in BACKENDS:
             raise DeployError(f"options.paged_attention: must be one of {', '.join(BACKENDS)}, got {attention!r}")
+        graphs = options.get("decode_cuda_graphs", False)
+        if not isinstance(graphs, bool):
+            raise DeployError(f"options.decode_cuda_graphs: must be true or false, got {graphs!r}")
         info = validate_checkpoint(Path(path))  # every file checked before any weight loads
         layout = KVLayout(layers=int(info.config["num_hidden_layers"]), kv_heads=info.kv_heads, head_dim=info.head_dim,
                           dtype=dtype)
@@ -86,7 +91,7 @@ class QwenFamily:
             "model_type": info.model_type, "max_positions": info.max_positions, "eos_token_ids": list(info.eos_token_ids),
             "max_tokens": max_tokens, "prefill_chunk": opts["prefill_chunk"] or 512,
             "kv_cache": {"block_size": block, "num_blocks": blocks, "bytes_per_block": layout.bytes_per_token * block},
-            "tasks": [TaskType.REASON.value], "paged_attention": attention,
+            "tasks": [TaskType.REASON.value], "paged_attention": attention, "decode_cuda_graphs": graphs,
         }
         return info, config
 
@@ -106,8 +111,11 @@ class QwenFamily:
             config["paged_attention"] = resolve_backend(config["paged_attention"], device)
         except ValueError as exc:
             raise DeployError(f"options.paged_attention: {exc}") from None
+        if config["decode_cuda_graphs"] and (config["paged_attention"] != "triton" or torch.device(device).type != "cuda"):
+            raise DeployError(f"options.decode_cuda_graphs: needs a CUDA device and paged_attention triton "
+                              f"(device {str(device)!r}, paged_attention {config['paged_attention']!r})")
         tokenizer, hf = load_checkpoint(info, device=device, dtype=dtype)
-        paged = PagedQwen(hf, attention=config["paged_attention"])
+        paged = PagedQwen(hf, attention=config["paged_attention"], cuda_graphs=config["decode_cuda_graphs"])
         kv = config["kv_cache"]
         cache = CacheManager(paged.layout(), block_size=kv["block_size"], num_blocks=kv["num_blocks"], name="text-kv")
         return LoadedModel(

@@ -16,6 +16,14 @@ Two attention backends (``attention=``; the family's ``options.paged_attention``
   the cache's block table and per-row lengths itself (no gather copy, no mask), one query row per
   new token (a decode step is one row per sequence; a prefill chunk is causal rows). CUDA, or
   Triton's CPU interpreter under ``TRITON_INTERPRET=1`` (tests).
+
+**CUDA graphs** (``cuda_graphs=True``, triton on CUDA; the family's ``options.decode_cuda_graphs``):
+a decode step (one token per sequence) replays a captured graph instead of launching ~40 kernels
+per layer from Python. Graphs are captured lazily, one per (batch bucket, context bucket) — powers
+of two — over static inputs: one int32 row per sequence ``[token, position, new slot, kv length,
+block table...]``, copied to the device in one transfer per step. A batch padded up to its bucket
+repeats its first row (the same token written to the same slot: identical values), whose outputs
+are dropped. Batches above ``MAX_GRAPH_BATCH`` or contexts above the model's positions run eagerly.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class PagedQwen:
     """A transformers Qwen2/Qwen3 ``*ForCausalLM`` run with attention over a paged KV cache."""
 
-    def __init__(self, hf_model: Any, attention: str = "torch") -> None:
+    def __init__(self, hf_model: Any, attention: str = "torch", cuda_graphs: bool = False) -> None:
         if attention not in ("torch", "triton"):
             raise ValueError(f"attention: expected 'torch' or 'triton', got {attention!r}")
         self.attention = attention
@@ -59,6 +67,10 @@ class PagedQwen:
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         p = next(hf_model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 32768)
+        if cuda_graphs and (attention != "triton" or self.device.type != "cuda"):
+            raise ValueError("cuda_graphs: needs the triton attention on a CUDA device")
+        self.graphs: DecodeGraphs | None = DecodeGraphs(self) if cuda_graphs else None
 
     def layout(self) -> KVLayout:
         return KVLayout(layers=len(self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim,
@@ -79,8 +91,14 @@ class PagedQwen:
         # padding repeats the last position (its output is dropped)
         pos = torch.tensor([[p0 + min(j, ni - 1) for j in range(t_max)] for p0, ni in zip(past, n, strict=True)],
                            dtype=torch.long)
-        new_slots = torch.cat([cache.append(h, ni) for h, ni in zip(handles, n, strict=True)]).to(dev)
+        new_slots = torch.cat([cache.append(h, ni) for h, ni in zip(handles, n, strict=True)])
         decode = t_max == 1  # one new token per sequence: no padding, every query row valid
+        if decode and self.graphs is not None:
+            blocks, held = cache.block_tables(handles)
+            logits = self.graphs.run(cache, ids[:, 0], pos[:, 0], new_slots, held, blocks)
+            if logits is not None:
+                return logits
+        new_slots = new_slots.to(dev)
         valid = None if decode else (torch.arange(t_max)[None, :] < torch.tensor(n)[:, None]).to(dev)  # [B, T]
         if self.attention == "triton":
             blocks, held = cache.block_tables(handles)
@@ -102,16 +120,7 @@ class PagedQwen:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            shape = (b, t_max, -1, self.head_dim)
-            q = attn.q_proj(x).view(shape)
-            k = attn.k_proj(x).view(shape)
-            v = attn.v_proj(x).view(shape)
-            if self.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            q, k, v = self._qkv(layer, h, cos, sin)
             k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)  # [B, T, Hkv, D]
             if decode:
                 cache.write(li, new_slots, k_new.reshape(b, -1, self.head_dim), v_new.reshape(b, -1, self.head_dim))
@@ -139,6 +148,42 @@ class PagedQwen:
         logits: torch.Tensor = self.lm_head(self.norm(last)).float()
         return logits
 
+    def _qkv(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v ``[B, heads, T, D]`` of ``layer`` for hidden states ``h`` ``[B, T, hidden]``, RoPE applied."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        shape = (h.shape[0], h.shape[1], -1, self.head_dim)
+        q = attn.q_proj(x).view(shape)
+        k = attn.k_proj(x).view(shape)
+        v = attn.v_proj(x).view(shape)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = (q * cos) + (_rotate_half(q) * sin)
+        k = (k * cos) + (_rotate_half(k) * sin)
+        return q, k, v
+
+    def decode_static(self, cache: CacheManager, meta: torch.Tensor, row_seq: torch.Tensor, max_len: int,
+                      splits: int) -> torch.Tensor:
+        """A decode step from device tensors only (what :class:`DecodeGraphs` captures): ``meta``
+        int32 ``[B, 4 + blocks]`` rows ``[token, position, new slot, kv length, block table...]``;
+        float32 logits ``[B, vocab]``."""
+        b = meta.shape[0]
+        ids, pos, slots = meta[:, 0:1].long(), meta[:, 1:2].long(), meta[:, 2].long()
+        kv_lens, table = meta[:, 3].contiguous(), meta[:, 4:]
+        h = self.embed(ids)  # [B, 1, hidden]
+        cos, sin = self.rotary(h, pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, h, cos, sin)
+            cache.write(li, slots, k.reshape(b, -1, self.head_dim), v.reshape(b, -1, self.head_dim))
+            o = paged_attention(q.reshape(b, -1, self.head_dim), cache.k[li], cache.v[li], table, kv_lens, row_seq,
+                                block_size=cache.block_size, scale=self.scaling, max_len=max_len, splits=splits)
+            h = h + layer.self_attn.o_proj(o.view(b, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits: torch.Tensor = self.lm_head(self.norm(h[:, 0])).float()
+        return logits
+
     @torch.no_grad()
     def full_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Logits of the last token when the whole context is re-run without a cache (the
@@ -146,3 +191,75 @@ class PagedQwen:
         out = self.hf(torch.tensor([list(ids)], device=self.device), use_cache=False)
         logits: torch.Tensor = out.logits[0, -1].float()
         return logits
+
+
+#: the largest batch a decode graph is captured for (larger batches run eagerly)
+MAX_GRAPH_BATCH = 256
+#: the smallest context bucket of a decode graph, in tokens
+MIN_GRAPH_CONTEXT = 256
+
+
+class DecodeGraphs:
+    """CUDA graphs of :meth:`PagedQwen.decode_static`, one per (batch, context) bucket; see the module docstring."""
+
+    def __init__(self, model: PagedQwen) -> None:
+        self.model = model
+        # (cache id, batch bucket, blocks) -> (graph, static meta, static logits, the cache: kept alive with its graph)
+        self.graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor, CacheManager]] = {}
+        self.pool: Any = None
+        self.captures = 0
+        self.replays = 0
+
+    @staticmethod
+    def _bucket(n: int, floor: int = 1) -> int:
+        return max(floor, 1 << max(0, n - 1).bit_length())
+
+    def run(self, cache: CacheManager, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+            held: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[B, vocab]`` of one decode step through a graph (None: run it eagerly)."""
+        b = int(ids.shape[0])
+        bs = cache.block_size
+        ctx_tokens = self._bucket(int(held.max()), MIN_GRAPH_CONTEXT)
+        if b > MAX_GRAPH_BATCH or ctx_tokens > self._bucket(self.model.max_positions, MIN_GRAPH_CONTEXT):
+            return None
+        bb, width = self._bucket(b), -(-ctx_tokens // bs)
+        if blocks.shape[1] > width:
+            return None
+        host = torch.empty((bb, 4 + width), dtype=torch.int32)
+        host[:b, 0], host[:b, 1], host[:b, 2], host[:b, 3] = ids, pos, slots, held
+        host[:b, 4:].zero_()
+        host[:b, 4 : 4 + blocks.shape[1]] = blocks
+        host[b:] = host[0]  # padding rows repeat row 0: the same K/V to the same slot, outputs dropped
+        key = (id(cache), bb, width)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(cache, host, ctx_tokens)
+            self.graphs[key] = entry
+        graph, meta, logits, _ = entry
+        meta.copy_(host)  # one small host-to-device copy per step
+        graph.replay()
+        self.replays += 1
+        return logits[:b].clone()
+
+    def _capture(self, cache: CacheManager, host: torch.Tensor,
+                 ctx_tokens: int) -> tuple[Any, torch.Tensor, torch.Tensor, CacheManager]:
+        from .paged_attention import choose_splits
+
+        m = self.model
+        bb = host.shape[0]
+        meta = host.to(m.device)
+        row_seq = torch.arange(bb, dtype=torch.int32, device=m.device)
+        splits = choose_splits(bb, m.kv_heads, ctx_tokens, m.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device=m.device)
+        side.wait_stream(torch.cuda.current_stream(m.device))
+        with torch.no_grad(), torch.cuda.stream(side):  # warm-up: compiles the kernels, writes this step's K/V
+            for _ in range(2):
+                m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
+        torch.cuda.current_stream(m.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
+        self.captures += 1
+        return graph, meta, logits, cache
