@@ -9,7 +9,7 @@ requests. See ``families/wan/README.md`` (causal rollout).
 
 from .kv import ChunkKV, chunk_layout
 from .model import block_causal_mask, chunk_forward, chunk_visibility, masked_forward
-from .rollout import CausalOptions, CausalWan, ChunkOut, Stream, chunk_noise
+from .rollout import CausalOptions, CausalWan, ChunkOut, Stream, chunk_noise, encode_first_frame
 from .sessions import Cancelled, Session, SessionError, SessionLimit, SessionStore
 from .vae import StreamingDecoder
 
@@ -30,5 +30,6 @@ __all__ = [
     "chunk_layout",
     "chunk_noise",
     "chunk_visibility",
+    "encode_first_frame",
     "masked_forward",
 ]

@@ -19,6 +19,15 @@ clean chunks' K/V computed with the negative prompt's text states. Both branches
 batch-2 forward when the two text states have the same shape (else two forwards); the step uses
 ``v = v_uncond + g * (v_cond - v_uncond)`` (diffusers' ``WanPipeline`` combination) and the
 clean chunk both branches record is the guided one.
+
+Image conditioning of the first chunk (engine level, :meth:`CausalWan.open_stream`'s
+``first_latents``): the first ``p`` latent frames of chunk 0 are given clean latents (an image
+encoded by the causal VAE is one latent frame, :func:`encode_first_frame`); they stay fixed
+through the chunk's steps with their tokens at ``context_timestep`` (Wan2.2 TI2V's
+``expand_timesteps`` scheme: ``x = mask * x + (1 - mask) * condition``, per-token timesteps). When
+``p == chunk_frames`` chunk 0 *is* the image: no sampler step runs, its context forward writes its
+slab and the decoder reconstructs the image as frame 0. The runtime's ``rollout: causal`` pipeline
+does not expose it (text-to-video only).
 4. the chunk's latents are VAE-decoded incrementally (:class:`.vae.StreamingDecoder`).
 
 :meth:`CausalWan.reference` runs the same schedule without a cache: every step one
@@ -105,9 +114,10 @@ class Stream:
     VAE feature cache and where it has got to."""
 
     def __init__(self, kv: ChunkKV, decoder: StreamingDecoder | None, seed: int,
-                 kv_uncond: ChunkKV | None = None) -> None:
+                 kv_uncond: ChunkKV | None = None, first_latents: torch.Tensor | None = None) -> None:
         self.kv = kv
         self.kv_uncond = kv_uncond
+        self.first_latents = first_latents  # clean latents fixed at the start of chunk 0 (image conditioning)
         self.decoder = decoder
         self.seed = seed
         self.next_chunk = 0
@@ -122,6 +132,23 @@ class Stream:
         if self.kv_uncond is not None:
             self.kv_uncond.free()
         self.decoder = None
+
+
+def encode_first_frame(vae: Any, image: torch.Tensor) -> torch.Tensor:
+    """The normalised latents ``[1, z, 1, h, w]`` (as the transformer sees them) of one image
+    ``[1, 3, H, W]`` in [-1, 1]: the causal VAE encodes a first frame on its own (posterior mode,
+    then ``(z - latents_mean) / latents_std`` as the Wan pipelines do)."""
+    if image.ndim != 4 or image.shape[0] != 1 or image.shape[1] != 3:
+        raise ValueError(f"image: expected [1, 3, H, W] in [-1, 1], got {list(image.shape)}")
+    if not torch.isfinite(image).all():
+        raise ValueError("image: has non-finite values")
+    p = next(vae.parameters())
+    with torch.no_grad():
+        z = vae.encode(image[:, :, None].to(p.device, p.dtype)).latent_dist.mode()
+    cfg = vae.config
+    mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+    std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+    return (z - mean) / std
 
 
 def _pair_context(a: ChunkKV, b: ChunkKV) -> Any:
@@ -176,10 +203,21 @@ class CausalWan:
                              f"a chunk has {self.tokens_per_chunk}")
 
     # -- streams ----------------------------------------------------------------------------------
-    def open_stream(self, seed: int, reserve_chunks: int = 0, *, cfg: bool = False) -> Stream:
-        """A new stream; ``cfg`` gives it a second set of slabs for the unconditional branch
-        (raises ``CacheFull`` when the pool cannot reserve its slabs)."""
+    def open_stream(self, seed: int, reserve_chunks: int = 0, *, cfg: bool = False,
+                    first_latents: torch.Tensor | None = None) -> Stream:
+        """A new stream; ``cfg`` gives it a second set of slabs for the unconditional branch;
+        ``first_latents`` ``[1, z, p, h, w]`` (``1 <= p <= chunk_frames``, normalised, e.g.
+        :func:`encode_first_frame`) conditions the first chunk on them (raises ``CacheFull`` when
+        the pool cannot reserve its slabs)."""
         o = self.options
+        if first_latents is not None:
+            want = (1, self.channels, *self.latent_hw)
+            got = tuple(first_latents.shape)
+            if first_latents.ndim != 5 or (got[0], got[1], got[3], got[4]) != want or not 1 <= got[2] <= o.chunk_frames:
+                raise ValueError(f"first_latents: expected [1, {self.channels}, 1..{o.chunk_frames}, "
+                                 f"{self.latent_hw[0]}, {self.latent_hw[1]}], got {list(got)}")
+            if not torch.isfinite(first_latents).all():
+                raise ValueError("first_latents: has non-finite values")
         kv = ChunkKV(self.manager, window=o.window, sink=o.sink, reserve_chunks=reserve_chunks)
         kv_u = None
         if cfg:
@@ -188,7 +226,8 @@ class CausalWan:
             except BaseException:
                 kv.free()
                 raise
-        return Stream(kv, StreamingDecoder(self.vae) if self.vae is not None else None, seed, kv_u)
+        return Stream(kv, StreamingDecoder(self.vae) if self.vae is not None else None, seed, kv_u,
+                      None if first_latents is None else first_latents.detach().clone())
 
     def slabs_for(self, chunks: int, cfg: bool = False) -> int:
         return slabs_needed(chunks, self.options.window, self.options.sink) * (2 if cfg else 1)
@@ -230,11 +269,30 @@ class CausalWan:
         text = text.to(dev, dt)
         sig = o.sigmas()
         t_ctx = torch.full((1,), o.context_timestep, device=dev, dtype=dt)
+        fixed = stream.first_latents.to(dev, dt) if i == 0 and stream.first_latents is not None else None
+        p = 0 if fixed is None else fixed.shape[2]
+        if fixed is not None:
+            x[:, :, :p] = fixed
+            if p == o.chunk_frames:
+                sig = []  # the whole chunk is given: nothing to denoise
+
+        def step_t(s: float, batch: int) -> torch.Tensor:
+            if fixed is None:
+                return torch.full((batch,), s * 1000.0, device=dev, dtype=dt)
+            per = self.tokens_per_chunk // o.chunk_frames
+            t = torch.full((batch, self.tokens_per_chunk), s * 1000.0, device=dev, dtype=dt)
+            t[:, : p * per] = o.context_timestep
+            return t
+
+        def refix(x: torch.Tensor) -> torch.Tensor:
+            if fixed is not None:
+                x[:, :, :p] = fixed
+            return x
+
         if not stream.cfg:
             for s, s_next in itertools.pairwise(sig):
-                t = torch.full((1,), s * 1000.0, device=dev, dtype=dt)
-                v = chunk_forward(self.model, x, t, text, frame0, context=stream.kv.context)
-                x = (x.float() + (s_next - s) * v.float()).to(dt)
+                v = chunk_forward(self.model, x, step_t(s, 1), text, frame0, context=stream.kv.context)
+                x = refix((x.float() + (s_next - s) * v.float()).to(dt))
             chunk_forward(self.model, x, t_ctx, text, frame0, context=stream.kv.context, record=stream.kv.record)
             stream.kv.commit()
         else:
@@ -245,15 +303,14 @@ class CausalWan:
             both = torch.cat([text, uncond], dim=0) if batched else None
             for s, s_next in itertools.pairwise(sig):
                 if batched:
-                    t = torch.full((2,), s * 1000.0, device=dev, dtype=dt)
-                    v_c, v_u = chunk_forward(self.model, torch.cat([x, x], dim=0), t, both, frame0,
+                    v_c, v_u = chunk_forward(self.model, torch.cat([x, x], dim=0), step_t(s, 2), both, frame0,
                                              context=_pair_context(kc, ku)).float().chunk(2, dim=0)
                 else:
-                    t = torch.full((1,), s * 1000.0, device=dev, dtype=dt)
+                    t = step_t(s, 1)
                     v_c = chunk_forward(self.model, x, t, text, frame0, context=kc.context).float()
                     v_u = chunk_forward(self.model, x, t, uncond, frame0, context=ku.context).float()
                 v = v_u + g * (v_c - v_u)
-                x = (x.float() + (s_next - s) * v).to(dt)
+                x = refix((x.float() + (s_next - s) * v).to(dt))
             if batched:
                 chunk_forward(self.model, torch.cat([x, x], dim=0), t_ctx.expand(2), both, frame0,
                               context=_pair_context(kc, ku), record=_pair_record(kc, ku))
@@ -291,7 +348,7 @@ class CausalWan:
     # -- the uncached oracle ----------------------------------------------------------------------
     @torch.no_grad()
     def reference(self, text: torch.Tensor, chunks: int, seed: int, *, uncond: torch.Tensor | None = None,
-                  guidance: float | None = None) -> torch.Tensor:
+                  guidance: float | None = None, first_latents: torch.Tensor | None = None) -> torch.Tensor:
         """The same rollout of ``chunks`` chunks with ``text`` and no cache: every step is one
         :func:`.model.masked_forward` over the clean chunks so far (at ``context_timestep``) plus
         the noisy one (at the step's timestep), with the block-causal (windowed) mask. With
@@ -308,17 +365,23 @@ class CausalWan:
         sig = o.sigmas()
         for i in range(chunks):
             x = chunk_noise(seed, i, self.chunk_shape()).to(dev, dt)
+            p = first_latents.shape[2] if i == 0 and first_latents is not None else 0
+            if p:
+                x[:, :, :p] = first_latents.to(dev, dt)
             mask = block_causal_mask([n] * (i + 1), o.window, o.sink).to(dev)
-            for s, s_next in itertools.pairwise(sig):
+            for s, s_next in (itertools.pairwise(sig) if p < f else ()):
                 seq = torch.cat([*clean, x], dim=2)
                 ts = torch.cat([torch.full((n * i,), o.context_timestep), torch.full((n,), s * 1000.0)])
+                ts[: p * (n // f)] = o.context_timestep  # the given frames' tokens are clean
                 v = masked_forward(self.model, seq, ts.to(dev, dt)[None], text, mask)[:, :, i * f :].float()
                 if uncond is not None:
                     v_u = masked_forward(self.model, seq, ts.to(dev, dt)[None], uncond.to(dev, dt), mask)[:, :, i * f :].float()
                     v = v_u + g * (v - v_u)
                 x = (x.float() + (s_next - s) * v).to(dt)
+                if p:
+                    x[:, :, :p] = first_latents.to(dev, dt)
             clean.append(x)
         return torch.cat(clean, dim=2)
 
 
-__all__ = ["CausalOptions", "CausalWan", "ChunkOut", "Stream", "chunk_noise"]
+__all__ = ["CausalOptions", "CausalWan", "ChunkOut", "Stream", "chunk_noise", "encode_first_frame"]

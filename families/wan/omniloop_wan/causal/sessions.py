@@ -76,9 +76,11 @@ class SessionStore:
         with self._lock:
             return len(self._sessions)
 
-    def create(self, seed: int, *, reserve_chunks: int = 0, cfg: bool = False) -> Session:
+    def create(self, seed: int, *, reserve_chunks: int = 0, cfg: bool = False,
+               first_latents: torch.Tensor | None = None) -> Session:
         """A new session (expired ones are freed first); ``cfg``: it keeps the unconditional
-        branch's slabs too (classifier-free guidance). Raises :class:`SessionLimit` or ``CacheFull``."""
+        branch's slabs too (classifier-free guidance); ``first_latents`` conditions its first chunk
+        (:meth:`~.rollout.CausalWan.open_stream`). Raises :class:`SessionLimit` or ``CacheFull``."""
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError(f"seed: must be an integer in [0, 2**63), got {seed!r}")
         with self._lock:
@@ -86,7 +88,7 @@ class SessionStore:
             if len(self._sessions) >= self.max_sessions:
                 raise SessionLimit(f"this deployment holds its maximum of {self.max_sessions} sessions; close one or wait "
                                    f"for one to expire ({self.ttl_s:g} s after its last use)")
-            stream = self.engine.open_stream(seed, reserve_chunks=reserve_chunks, cfg=cfg)
+            stream = self.engine.open_stream(seed, reserve_chunks=reserve_chunks, cfg=cfg, first_latents=first_latents)
             now = self.clock()
             sid = "sess-" + secrets.token_hex(12)
             s = Session(sid, stream, now, now)
