@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 from omniloop.errors import DeployError
 from omniloop.request import Status, TaskType
 from omniloop.runtime import Deployment, Runtime
-from omniloop_parallel import RolePoolRuntime, RemoteStage
+from omniloop_parallel import RemoteStage, RolePoolRuntime
 from omniloop_parallel.testing import wan_manager
 from omniloop_scheduler import AsyncEngine
 
@@ -98,26 +97,34 @@ def test_step_scheduler_overlaps_and_stays_exact(roles, reference):
     assert len(dispatched) == 6  # each request: text encode and decode sent to the worker once
 
 
-def test_dying_vae_worker_fails_the_request_and_the_next_succeeds(roles, reference):
+def test_dying_vae_worker_fails_the_request_and_the_next_succeeds(roles, reference, monkeypatch):
     worker = roles.workers["cpu"]
     pid = worker.pid
-    os.kill(pid, signal.SIGSTOP)  # hold the worker so the job is in flight when it dies
+    decode = next(n.stage for n in roles.pipeline(TaskType.T2V).spec.nodes if n.name == "vae_decode")
+    send = decode._submit
+
+    sent = threading.Event()
+
+    def held(request, state):  # stop the worker just before the decode is sent: it is in flight when it dies
+        os.kill(pid, signal.SIGSTOP)
+        send(request, state)
+        sent.set()
+
+    monkeypatch.setattr(decode, "_submit", held)
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("out", roles.generate(wan_request())))
     try:
         t.start()
-        deadline = time.monotonic() + 60
-        while worker.pending == 0 and time.monotonic() < deadline:  # text_encode is the first job
-            time.sleep(0.02)
+        assert sent.wait(60)
         assert worker.pending == 1
         os.kill(pid, signal.SIGKILL)
     finally:
         t.join(120)
+    monkeypatch.undo()
     out = box["out"]
     assert out.status is Status.FAILED
-    assert out.error.type == "WorkerDied"
-    assert f"role worker on cpu (pid {pid}) died (signal 9)" in out.error.message
-    assert "text_encode" in out.error.message
+    assert out.error.type == "WorkerDied" and out.error.node == "vae_decode"
+    assert out.error.message.startswith(f"the role worker on cpu (pid {pid}) died (signal 9) while running node 'vae_decode'")
     nxt = roles.generate(wan_request())  # the worker is started again for it
     _equal(nxt, reference())
     assert worker.pid != pid and worker.restarts >= 1
@@ -156,6 +163,6 @@ def test_plain_runtime_refuses_placement(wan_ckpt, monkeypatch):
 
 
 def test_transport_shm_needs_workers(wan_ckpt):
-    with pytest.raises(DeployError, match="set parallel: {sp, cfg} or placement"):
+    with pytest.raises(DeployError, match=r"set parallel: \{sp, cfg\} or placement"):
         Deployment({"model": {"path": str(wan_ckpt)}, "transport": "shm"}, manager=wan_manager())
     Deployment(_deploy(wan_ckpt, {"vae": {"devices": ["cpu"]}}, transport="shm"), manager=wan_manager())
