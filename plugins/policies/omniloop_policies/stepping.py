@@ -167,7 +167,7 @@ def unstack_rows(out: torch.Tensor, rows: Sequence[int], group: Sequence[str]) -
     """Undo :func:`stack_rows` on a prediction. ``rows``: each request's batch rows (dim 0 of its
     inputs); returns per request ``{branch: prediction}`` (views of ``out``)."""
     sizes = [n for n in rows for _ in group]
-    chunks = out.split(sizes, dim=0) if len(sizes) > 1 else (out,)
+    chunks = torch.split(out, sizes, dim=0) if len(sizes) > 1 else (out,)
     it = iter(chunks)
     return [{b: next(it) for b in group} for _ in rows]
 
