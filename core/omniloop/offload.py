@@ -23,7 +23,7 @@ host *master* copy and an evicted parameter simply points at it again; a load is
 copy of the master. LoRA adapters, compiled blocks, parallel worker pools and role pools are
 refused with offload at load, as is whatever the family vetoes (``offload_refusal``; Wan: sequential
 with a causal rollout) — :func:`omniloop.placement.check_offload`. The Runtime loads the family
-into host memory, :func:`install`\s the offloader after its adapters, and wraps every pipeline it
+into host memory, installs the offloader (:func:`install`) after its adapters, and wraps every pipeline it
 builds with :func:`wrap_pipeline`.
 
 A family opts in with ``offload_components``: ``{component name: its block list(s) or None}`` —
