@@ -10,6 +10,7 @@ Latents are compared (the mp4 is lossy): ``torch.equal`` to one process with one
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,30 @@ def test_serve_refuses_a_parallel_deploy_before_loading(wan_ckpt, tmp_path, monk
     res = CliRunner().invoke(make_serve_command(wan_manager()), ["--deploy", str(path)])
     assert res.exit_code != 0
     assert "parallel: omniloop serve cannot serve a parallel deploy (sp 1, cfg 2) yet" in res.output
+
+
+def test_serve_runs_a_placement_deploy_on_the_role_worker(wan_ckpt, tmp_path, one_thread):
+    import httpx
+
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    from .conftest import MANAGER
+
+    rt = Runtime.from_deploy({"model": {"path": str(wan_ckpt)}, "placement": {"vae": {"devices": ["cpu"]}}},
+                             manager=MANAGER)
+    try:
+        app = create_app(rt, output_dir=tmp_path / "out", scheduler="step", shutdown_timeout=0, poll_after_ms=50)
+        with serving(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+            job = c.post("/v1/videos", json={"prompt": "a red fox", "size": "32x32", "frames": 9, "steps": 2,
+                                              "seed": 1}).json()
+            deadline = time.monotonic() + 120
+            while (done := c.get(f"/v1/videos/{job['id']}").json())["status"] not in ("completed", "failed"):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert done["status"] == "completed", done
+            assert c.get(f"/v1/videos/{job['id']}/content").content[4:8] == b"ftyp"
+        trace = app.state.omniloop.engine.pool.trace
+        assert [d.node for d in trace if d.action == "dispatch"] == ["vae_decode"]
+    finally:
+        rt.close()
