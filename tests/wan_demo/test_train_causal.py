@@ -134,6 +134,14 @@ def test_smoke_cli_writes_a_loadable_causal_checkpoint(tiny, tmp_path):
     assert sum(e.kind == "partial" for e in events) == 3  # 9 frames = 3 latent frames = 3 chunks
     assert events[-1].kind == "final" and events[-1].output.ok
 
+    # bench/adherence.py --rollout causal scores streamed clips of this folder (its omniloop.json's options)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("adherence_bench", Path(__file__).resolve().parents[2] / "bench" / "adherence.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", str(out), "--rollout", "causal", "--smoke"]) == 0
+
 
 def test_ship_installs_the_transformer_and_links_the_rest(tmp_path):
     from omniloop_wan_demo.checkpoint_path import causal_checkpoint_missing, checkpoint_dir
