@@ -414,6 +414,7 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
         ids = torch.tensor(ctxs, device=device)
         state: dict[str, Any] = {}
         times: dict[str, list[float]] = {}
+        first_logits: dict[str, torch.Tensor] = {}
         failed: dict[str, str] = {}
 
         # set-up of every side: transformers' cache, and each backend's paged cache, prefilled
@@ -436,10 +437,12 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                     chunk = max(1, 8192 // context)
                     toks: list[list[int]] = []
                     for i in range(0, b, chunk):  # prefill, a few sequences per forward
-                        logits = model.forward(cache, hs[i : i + chunk], ctxs[i : i + chunk])
-                        toks += [[t] for t in logits.argmax(-1).tolist()]
-                    for _ in range(2):  # warm-up
-                        toks = [[t] for t in model.forward(cache, hs, toks).argmax(-1).tolist()]
+                        model.forward(cache, hs[i : i + chunk], ctxs[i : i + chunk])
+                    # warm-up; the first step's input is the same for every variant, so its logits compare
+                    first = model.forward(cache, hs, [[c[-1]] for c in ctxs])
+                    first_logits[v] = first.float().cpu()
+                    toks = [[t] for t in first.argmax(-1).tolist()]
+                    toks = [[t] for t in model.forward(cache, hs, toks).argmax(-1).tolist()]
                     state[v] = [model, cache, hs, toks]
                     times[v] = []
                 except Exception as exc:
@@ -487,6 +490,12 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
 
         for side, err in failed.items():
             row[f"{side}_error"] = err
+        ref_logits = first_logits.get("triton")
+        for v, lg in first_logits.items():  # numerics of the first decode step vs the eager kernel path
+            if ref_logits is not None and v != "triton":
+                row[f"omniloop_{v}_first_step_max_abs_logit_diff_vs_triton"] = round(float((lg - ref_logits).abs().max()), 5)
+                row[f"omniloop_{v}_first_step_argmax_agree_vs_triton"] = float(
+                    (lg.argmax(-1) == ref_logits.argmax(-1)).float().mean())
         r = statistics.median(times["reprefill"]) if times.get("reprefill") else None
         if r is not None:
             row.update(reprefill_ms=round(r * 1e3, 3), reprefill_ms_per_token=round(r * 1e3 / b, 4),
@@ -559,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         batches, decode_batches = [b for b in batches if b <= 2] or [1, 2], [1, 2]
         new_tokens, context, repeats, steps, iters = min(new_tokens, 4), min(context, 80), 1, 4, 2
     sections = set(args.sections.split(","))
-    torch.set_num_threads(args.threads)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     budget = Budget(args.budget_s)
 
