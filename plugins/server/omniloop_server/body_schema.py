@@ -216,6 +216,16 @@ def _noop() -> Any:
 
 
 @define(frozen=True, kw_only=True)
+class StreamOptions:
+    """``stream_options`` of a streamed completion (only with ``stream: true``)."""
+
+    include_usage: bool | None = field(default=None, metadata={"description": "a last chunk with usage"})
+    include_obfuscation: bool | None = field(default=None, metadata={"description": "accepted, without effect"})
+    continuous_usage_stats: bool | None = field(default=None, metadata={
+        "description": "refused when true: usage comes in the last chunk"})
+
+
+@define(frozen=True, kw_only=True)
 class TextBody:
     """The fields both text endpoints take."""
 
@@ -229,7 +239,7 @@ class TextBody:
     n: Any = field(default=None, metadata={"json_schema": {"anyOf": [{"enum": [1]}, {"type": "null"}]},
                                            "description": "only 1"})
     stream: bool | None = None
-    stream_options: Any = field(default=None, metadata={"json_schema": {"anyOf": [{"type": "object"}, {"type": "null"}]}})
+    stream_options: StreamOptions | None = None
     omniloop: Omniloop | None = None  # type: ignore[valid-type]
     user: Any = _ignored()
     metadata: Any = _ignored()
@@ -374,6 +384,6 @@ def numeric_form_fields(*classes: type) -> tuple[frozenset[str], frozenset[str]]
 
 __all__ = [
     "BODY_CLASSES", "MAX_IMAGES", "MAX_SECONDS", "OMNILOOP_FIELDS", "REQUEST_ID", "ChatCompletionCreate",
-    "CompletionCreate", "DiffusionBody", "ImageCreate", "ImageEdit", "InvalidBody", "Omniloop", "TextBody", "VideoCreate", "alias",
+    "CompletionCreate", "DiffusionBody", "ImageCreate", "ImageEdit", "InvalidBody", "Omniloop", "StreamOptions", "TextBody", "VideoCreate", "alias",
     "alias_values", "check_http_inputs", "fields_of", "numeric_form_fields", "parse_body", "seconds_value",
 ]

@@ -159,25 +159,16 @@ def _prompt(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{"type": "text", "text": p, "role": "prompt"}]
 
 
-def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    stream = bool(body.get("stream"))  # a bool or null: the schema checked it
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not stream:
-            raise _err("stream_options", "only allowed when stream is true")
-        if not isinstance(opts, Mapping):
-            raise _err("stream_options", f"expected an object, got {type(opts).__name__} {show(opts)}")
-        unknown = sorted(k for k in opts if k not in ("include_usage", "include_obfuscation", "continuous_usage_stats"))
-        if unknown:
-            raise _err(f"stream_options.{name_of(unknown[0])}", "unknown field (accepted: include_usage)")
-        for k in ("include_usage", "include_obfuscation", "continuous_usage_stats"):
-            if k in opts and not isinstance(opts[k], bool):
-                raise _err(f"stream_options.{k}", f"expected true or false, got {show(opts[k])}")
-        if opts.get("continuous_usage_stats"):
-            raise _err("stream_options.continuous_usage_stats", "not supported (usage comes in the last chunk)")
-        include_usage = bool(opts.get("include_usage", False))
-    return stream, include_usage
+def _stream_flags(b: Any) -> tuple[bool, bool]:
+    """``(stream, include_usage)`` of a validated text body (its types are the schema's)."""
+    stream, opts = bool(b.stream), b.stream_options
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise _err("stream_options", "only allowed when stream is true")
+    if opts.continuous_usage_stats:
+        raise _err("stream_options.continuous_usage_stats", "not supported (usage comes in the last chunk)")
+    return stream, bool(opts.include_usage)
 
 
 def map_text_body(body: Any, *, chat: bool, tasks: frozenset[TaskType], model: str = "this model") -> MappedBody:
@@ -197,7 +188,7 @@ def map_text_body(body: Any, *, chat: bool, tasks: frozenset[TaskType], model: s
             raise _err(name, f"not supported by this server (got {show(body[name])}; only its default is accepted)")
     if b.n is not None and (isinstance(b.n, bool) or b.n != 1 or not isinstance(b.n, int)):
         raise _err("n", f"only n=1 is supported, got {show(b.n)}")
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage = _stream_flags(b)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     inputs = _messages(body) if chat else _prompt(body)
     d: dict[str, Any] = {"task": TaskType.REASON.value, "request_id": rid, "inputs": inputs}
