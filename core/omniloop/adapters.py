@@ -21,7 +21,7 @@ adapter set in its ``batch_key`` (:func:`batch_key_of`): a batch never mixes set
 (``omniloop::lora_apply``) that reads the active set at run time, so switching adapters between
 requests does not recompile. What does trigger one: installing the hooks (deploy load; the first
 hook in a process also turns on dynamo's module-hook guards and, if something was compiled
-before, drops dynamo's caches once, see :func:`_guard_hooks`) — never an adapter switch or a
+before, drops dynamo's compiled code once, see :func:`_guard_hooks`) — never an adapter switch or a
 scale change. CUDA-graph compile
 modes (``reduce-overhead``, ``max-autotune``) would replay the kernels of one adapter set, so
 they are refused with unfused adapters (:func:`check_compile_mode`).
@@ -224,7 +224,7 @@ def _guard_hooks() -> None:
     blocks warmed up before an adapter was loaded, or another instance of the same block class
     compiled earlier in the process (the compiled code is shared by the class's ``forward``) —
     would run without them and silently drop the adapter. So the first hook turns those guards
-    on and, if anything was compiled already, drops dynamo's caches once (those callers recompile
+    on and, if anything was compiled already, drops dynamo's compiled code once (those callers recompile
     on their next call, now guarded on their hooks). Adapter switches never touch hooks.
     """
     cfg = torch._dynamo.config
@@ -234,7 +234,7 @@ def _guard_hooks() -> None:
     from torch._dynamo.utils import counters
 
     if counters["stats"]["unique_graphs"]:
-        torch._dynamo.reset()
+        torch._dynamo.reset_code_caches()  # compiled code only (a full reset() also resets backends)
 
 
 def _install(module: torch.nn.Module) -> None:
