@@ -62,6 +62,8 @@ def _object(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
     for f in attrs.fields(cls):
         if "json_schema" in f.metadata:  # a free-form (Any) field that describes its accepted shapes
             prop = dict(f.metadata["json_schema"])
+            if f.default is None and prop and not _allows_null(prop):  # its default must be valid too
+                prop = {"anyOf": [prop, {"type": "null"}]}
         else:
             prop = _type(hints.get(f.name, Any), defs)
             extra = _constraints(f.metadata, prop)  # (applied inside anyOf for a nullable field)
@@ -82,6 +84,13 @@ def _object(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
     if doc:
         out["description"] = " ".join(doc.split())
     return out
+
+
+def _allows_null(schema: Mapping[str, Any]) -> bool:
+    t = schema.get("type")
+    if t == "null" or (isinstance(t, list) and "null" in t):
+        return True
+    return any(_allows_null(s) for s in schema.get("anyOf", schema.get("oneOf", [])))
 
 
 def _ref(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
