@@ -138,6 +138,8 @@ def test_kernel_matches_torch_reference_interpreted(interpret, hq, hkv, d, bs, d
     long = cache.allocate()
     cache.append(long, 2 * pa.BLOCK_N + 5)
     handles, new = [*handles, long], [*new, 1]
+    if splits:  # split-K on two decode rows (a forked sequence, the long one): the interpreter is slow per program
+        handles, new = [handles[2], long], [1, 1]
     q, table, kv_lens, row_seq = _inputs(cache, handles, new, hq=hq)
     kw = {"block_size": bs, "scale": d**-0.5}
     ref = pa.paged_attention_torch(q, cache.k[0], cache.v[0], table, kv_lens, row_seq, **kw)
@@ -161,8 +163,8 @@ def test_runtime_with_the_kernel_matches_transformers_interpreted(
     rt = runtime_at(tiny_qwen(arch), options={"paged_attention": "triton", "prefill_chunk": 5, "kv_block_size": 4})
     assert rt.model.config["paged_attention"] == "triton" and rt.model.components["paged"].attention == "triton"
     tok = rt.model.components["tokenizer"]
-    for prompt in (prompts[0], prompts[2]):  # one chunk; several 5-token chunks over 4-token blocks
-        assert _greedy(rt, req, prompt, 8) == hf_reference(arch, tok(prompt)["input_ids"], 8), prompt
+    prompt = prompts[2] if arch == "qwen2" else prompts[0]  # several 5-token chunks over 4-token blocks; one chunk
+    assert _greedy(rt, req, prompt, 8) == hf_reference(arch, tok(prompt)["input_ids"], 8), prompt
     cache = rt.model.components["kv_cache"]
     cache.check()
     assert cache.used_blocks == 0 and cache.sequences == 0
@@ -225,13 +227,13 @@ def test_decode_graph_inputs_match_the_eager_step_interpreted(interpret, tiny_qw
         handles.append(hs)
         toks.append([[int(t)] for t in logits.argmax(-1)])
     assert toks[0] == toks[1]
-    for _ in range(12):
+    for _ in range(8):
         a = eager.forward(caches[0], handles[0], toks[0])
         b = graphed.forward(caches[1], handles[1], toks[1])
         torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
         toks = [[[int(t)] for t in x.argmax(-1)] for x in (a, b)]
         assert toks[0] == toks[1]
-    assert graphed.graphs.replays == 12 and graphed.graphs.captures == 2  # 3 rows -> bucket 4; contexts 16, then 32
+    assert graphed.graphs.replays == 8 and graphed.graphs.captures == 2  # 3 rows -> bucket 4; contexts 16, then 32
     for li in range(len(eager.layers)):  # the same K/V landed at the same slots
         for h0, h1 in zip(*handles, strict=True):
             s0, s1 = caches[0].slots(h0), caches[1].slots(h1)
