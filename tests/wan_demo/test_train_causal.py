@@ -111,6 +111,7 @@ def test_smoke_cli_writes_a_loadable_causal_checkpoint(tiny, tmp_path):
     meta = json.loads((out / "omniloop.json").read_text())
     assert meta["variant"] == "wan-demo-causal" and meta["rollout"] == "causal"
     assert meta["rollout_options"]["chunk_frames"] == 1
+    assert meta["defaults"]["steps"] == meta["rollout_options"]["steps"] == 4
     with safe_open(str(out / "transformer" / "diffusion_pytorch_model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
     for name in ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.json"):  # frozen: links to the source's

@@ -266,11 +266,14 @@ def save_checkpoint(comps: dict[str, Any], src: Path, out: Path, info: dict[str,
         shutil.rmtree(tdir)
     copy.deepcopy(comps["transformer"]).to("cpu", torch.float16).save_pretrained(str(tdir), safe_serialization=True)
     base = json.loads((src / "omniloop.json").read_text()) if (src / "omniloop.json").exists() else {}
+    ro = dict(rollout_options or ROLLOUT_OPTIONS)
+    # request defaults agree with the rollout: steps are per chunk, guidance is the causal CFG scale
+    defaults = dict(base.get("defaults", {}), steps=ro["steps"], guidance_scale=ro["guidance_scale"])
     meta = {
         "variant": "wan-demo-causal",
-        "defaults": dict(base.get("defaults", {})),
+        "defaults": defaults,
         "rollout": "causal",
-        "rollout_options": dict(rollout_options or ROLLOUT_OPTIONS),
+        "rollout_options": ro,
         "training": {"steps": info.get("steps"), "seconds": info.get("seconds"), "recipe": info.get("recipe"),
                      "from": "wan-demo", "from_trained_steps": base.get("training", {}).get("trained_steps")},
     }
