@@ -206,7 +206,6 @@ class DecodeGraphs:
         self.model = model
         # (cache id, batch bucket, blocks) -> (graph, static meta, static logits, the cache: kept alive with its graph)
         self.graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor, CacheManager]] = {}
-        self.pool: Any = None
         self.captures = 0
         self.replays = 0
 
@@ -250,8 +249,6 @@ class DecodeGraphs:
         meta = host.to(m.device)
         row_seq = torch.arange(bb, dtype=torch.int32, device=m.device)
         splits = choose_splits(bb, m.kv_heads, ctx_tokens, m.device)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device=m.device)
         side.wait_stream(torch.cuda.current_stream(m.device))
         with torch.no_grad(), torch.cuda.stream(side):  # warm-up: compiles the kernels, writes this step's K/V
@@ -259,7 +256,8 @@ class DecodeGraphs:
                 m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
         torch.cuda.current_stream(m.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        # each graph its own memory pool (a few MB of activations plus its logits): replays in any order stay safe
+        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
         self.captures += 1
         return graph, meta, logits, cache
