@@ -24,8 +24,8 @@ def test_parallel_gpu_smoke(tmp_path):
     rec = json.loads(path.read_text())
     assert rec["command"].startswith("python bench/parallel_gpu.py --smoke")
     res = rec["results"]["smoke"]
-    assert set(res["s_per_step_median"]) == {"single", "cfg", "sp"}
+    assert set(res["s_per_step_median"]) == {"single", "cfg", "sp", "sp-g1"}  # sp-g1: one head group (5f5d779)
     assert all(v > 0 for v in res["s_per_step_median"].values())
-    assert set(res["speedup_vs_single"]) == {"cfg", "sp"}
+    assert set(res["speedup_vs_single"]) >= {"cfg", "sp"}
     assert res["max_abs_diff_vs_single"]["cfg"] == 0.0  # one branch per rank: the same forward
     assert res["max_abs_diff_vs_single"]["sp"] <= 1e-5  # fp32 CPU, see tests/parallel/test_pool.py
