@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -202,3 +203,37 @@ def test_preset_streams_with_causal_cfg_when_installed(tmp_path, monkeypatch):
     assert len(gen.timings) == 1 and 0 < gen.timings[0]["first_chunk_s"] <= gen.timings[0]["total_s"]
     eng, _ = gen.runtime.model.config["causal"].engine(64, 64)
     assert eng.manager.used_blocks == 0  # both branches' slabs freed after the request
+
+
+def test_cli_eval_adherence_scores_streamed_clips_of_a_causal_checkpoint(tmp_path, monkeypatch):
+    """``omniloop eval adherence --model <causal folder>`` picks rollout: causal from its
+    omniloop.json (streamed clips, its steps/guidance defaults, its rollout_options)."""
+    from click.testing import CliRunner
+
+    from omniloop_wan_demo import cli
+    from omniloop_wan_demo import evaluate as ev
+
+    folder = tmp_path / "causal"
+    folder.mkdir()
+    (folder / "omniloop.json").write_text(json.dumps({
+        "rollout": "causal", "defaults": {"steps": 4, "guidance_scale": 5.0},
+        "rollout_options": {"chunk_frames": 1, "steps": 4, "guidance_scale": 5.0}}))
+    made: list[dict] = []
+
+    class Fake:
+        def __init__(self, model, **kw):
+            made.append({"model": model, **kw})
+
+        def __call__(self, prompts, seeds, *, steps, guidance_scale):
+            made.append({"steps": steps, "guidance_scale": guidance_scale})
+            return [np.zeros((17, 64, 64, 3), np.uint8) for _ in prompts]
+
+    monkeypatch.setattr(ev, "StreamingRuntimeGenerator", Fake)
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", str(folder), "--seeds", "0", "--json", str(out),
+                                        "--no-table"])
+    assert res.exit_code == 0, res.output
+    assert made[0]["model"] == str(folder)
+    assert made[0]["options"] == {"rollout": "causal", "rollout_options": {"chunk_frames": 1, "steps": 4, "guidance_scale": 5.0}}
+    assert made[1] == {"steps": 4, "guidance_scale": 5.0}
+    assert json.loads(out.read_text())["reports"][0]["backend"] == "runtime-stream"

@@ -2,6 +2,7 @@
 
     omniloop eval adherence --model wan-demo --steps 20 --seeds 0,1
     omniloop eval adherence --steps 50,20,8,4 --prompts full --json adherence.json
+    omniloop eval adherence --model wan-demo-causal --steps 4,8      # streamed clips (rollout: causal)
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ def _ints(value: str) -> list[int]:
               help="default: 6 colors x 4 directions (24); full: x 3 shapes (72)")
 @click.option("--backend", default="auto", type=click.Choice(["auto", "runtime", "diffusers"]), show_default=True,
               help="auto: omniloop's runtime when it can load the model, else diffusers' WanPipeline")
+@click.option("--rollout", default="auto", type=click.Choice(["auto", "bidirectional", "causal"]), show_default=True,
+              help="causal: score streamed clips (Runtime.stream, PARTIAL chunks; steps are per chunk); "
+              "auto: causal for a checkpoint whose omniloop.json says rollout: causal (wan-demo-causal)")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--batch-size", default=48, show_default=True, type=int)
 @click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="write the full report here")
 @click.option("--table/--no-table", default=True, show_default=True, help="print the per-clip table")
 def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float | None, prompt_set: str, backend: str,
-              device: str, dtype: str, batch_size: int, json_out: str | None, table: bool) -> None:
+              rollout: str, device: str, dtype: str, batch_size: int, json_out: str | None, table: bool) -> None:
     """Generate a fixed set of prompts x seeds, detect color and motion direction, report accuracy."""
     from rich.console import Console
     from rich.table import Table
@@ -40,10 +44,20 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
     from .evaluate import default_prompts, evaluate, format_table, full_prompts, make_generator, wilson
 
     console = Console()
-    defaults = _checkpoint_defaults(model)
+    meta = _checkpoint_meta(model)
+    defaults = dict(meta.get("defaults") or {})
     step_list = _ints(steps) if steps else [int(defaults.get("steps", 20))]
     g = guidance_scale if guidance_scale is not None else float(defaults.get("guidance_scale", 5.0))
-    gen, used, note = make_generator(backend, model=model, device=device, dtype=dtype, batch_size=batch_size)
+    if rollout == "auto":
+        rollout = "causal" if meta.get("rollout") == "causal" or model == "wan-demo-causal" else "bidirectional"
+    if rollout == "causal":
+        from .evaluate import StreamingRuntimeGenerator
+
+        opts = None if model == "wan-demo-causal" or not Path(model).is_dir() else {
+            "rollout": "causal", "rollout_options": dict(meta.get("rollout_options") or {})}
+        gen, used, note = StreamingRuntimeGenerator(model, device=device, dtype=dtype, options=opts), "runtime-stream", None
+    else:
+        gen, used, note = make_generator(backend, model=model, device=device, dtype=dtype, batch_size=batch_size)
     if note:
         console.print(f"[yellow]note:[/] {note}")
     prompts = default_prompts() if prompt_set == "default" else full_prompts()
@@ -75,15 +89,20 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
         console.print(f"wrote {json_out}")
 
 
-def _checkpoint_defaults(model: str) -> dict[str, Any]:
-    from .checkpoint_path import checkpoint_dir
+def _checkpoint_meta(model: str) -> dict[str, Any]:
+    """The ``omniloop.json`` of ``model`` (a folder, ``wan-demo-causal`` or else wan-demo's)."""
+    from .checkpoint_path import causal_checkpoint_dir, checkpoint_dir
 
-    path = Path(model) if Path(model).is_dir() else checkpoint_dir()
+    if Path(model).is_dir():
+        path = Path(model)
+    else:
+        path = causal_checkpoint_dir() if model == "wan-demo-causal" else checkpoint_dir()
     f = path / "omniloop.json"
     try:
-        return dict(json.loads(f.read_text()).get("defaults", {}))
+        got = json.loads(f.read_text())
     except (OSError, ValueError):
         return {}
+    return dict(got) if isinstance(got, dict) else {}
 
 
 def add_to(cli: click.Group) -> None:
