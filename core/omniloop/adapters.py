@@ -187,33 +187,51 @@ def _apply(site: int, x: torch.Tensor, out: torch.Tensor, active: ActiveSet) -> 
 
 
 @torch.library.custom_op("omniloop::lora_apply", mutates_args=())
-def _lora_apply_op(x: torch.Tensor, out: torch.Tensor, site: int) -> torch.Tensor:
-    """The compiled path's hook body: reads the active set when it runs, not when it is traced."""
+def _lora_apply_op(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The compiled path's hook body: reads the active set when it runs, not when it is traced.
+
+    The module is found from its ``weight`` (a graph input), not from a constant baked into the
+    graph: every block's linears then trace to the same graph, so dynamo compiles a block class
+    once, not once per block."""
     active = _ACTIVE.get()
-    res = _apply(site, x, out, active) if active else out
+    site = _site_of(weight) if active else None
+    res = _apply(site, x, out, active) if site is not None else out
     return res.clone() if res is out else res
 
 
 @_lora_apply_op.register_fake
-def _(x: torch.Tensor, out: torch.Tensor, site: int) -> torch.Tensor:
+def _(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(out)
 
 
-def _hook(site: int) -> Callable[[torch.nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor | None]:
-    def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
-        if torch.compiler.is_compiling():
-            return _lora_apply_op(args[0], output, site)  # type: ignore[no-any-return]
-        active = _ACTIVE.get()
-        if not active:
-            return None  # the base output, untouched
-        return _apply(site, args[0], output, active)
-
-    return hook
+def _hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+    """The one forward hook every adapted linear gets (one function object, no per-module state:
+    dynamo's hook guards then match across blocks)."""
+    if torch.compiler.is_compiling():
+        return _lora_apply_op(args[0], output, module.weight)  # type: ignore[arg-type,no-any-return]
+    active = _ACTIVE.get()
+    if not active:
+        return None  # the base output, untouched
+    return _apply(id(module), args[0], output, active)
 
 
 #: one hook per module, shared by every adapter and runtime: module -> [handle, users]
 _HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 _HOOKS_LOCK = threading.Lock()
+#: a hooked module's weight storage -> the module's site (``id(module)``); rebuilt on a miss
+#: (weights moved to another device get new storage)
+_SITES: dict[int, int] = {}
+
+
+def _site_of(weight: torch.Tensor) -> int | None:
+    ptr = weight.data_ptr()
+    site = _SITES.get(ptr)
+    if site is None:
+        with _HOOKS_LOCK:
+            _SITES.clear()
+            _SITES.update({m.weight.data_ptr(): id(m) for m in list(_HOOKS)})  # type: ignore[union-attr]
+            site = _SITES.get(ptr)
+    return site
 
 
 def _guard_hooks() -> None:
@@ -242,7 +260,7 @@ def _install(module: torch.nn.Module) -> None:
         have = _HOOKS.get(module)
         if have is None:
             _guard_hooks()
-            _HOOKS[module] = [module.register_forward_hook(_hook(id(module))), 1]
+            _HOOKS[module] = [module.register_forward_hook(_hook), 1]
         else:
             have[1] += 1
 

@@ -210,26 +210,29 @@ def test_lru_bound_reloads_evicted_adapters(wan_setup):
 
 def test_compiled_blocks_switch_adapters_without_recompiling(wan_setup):
     """compile: true (backend 'eager': dynamo traces the blocks, fullgraph) — the hook's custom op
-    reads the active set at run time, so a switch of adapters compiles nothing new."""
+    reads the active set at run time, so a switch of adapters compiles nothing new; and the hooks
+    carry no per-module constant, so all blocks share one graph (a recompile limit of 1 with 2
+    blocks: a per-block specialisation fails the fullgraph compile, as it did on the H200)."""
     import torch._dynamo
-
-    torch._dynamo.reset()
-    eager = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), adapters={"a": str(wan_setup["a"]), "b": str(wan_setup["b"])})
-    rt = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), compile=True, options={"compile_backend": "eager"},
-                            adapters={"a": str(wan_setup["a"]), "b": str(wan_setup["b"])})
-    sets = [[{"name": "a", "scale": 0.8}], [], [{"name": "b", "scale": 1.0}, {"name": "a", "scale": 0.2}]]
-    rt.generate(wan_req(sets[0]))  # first call of the shape compiles
     from torch._dynamo.utils import counters
 
-    frames = counters["stats"]["unique_graphs"]
-    assert frames > 0  # the blocks did compile
-    for s in sets:
-        got = lat(rt.generate(wan_req(s)))
-        assert (got - lat(eager.generate(wan_req(s)))).abs().max() <= 1e-5
-    assert counters["stats"]["unique_graphs"] == frames  # no recompilation on a switch
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(cache_size_limit=1):  # recompile_limit's alias on every torch
+        eager = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(),
+                                   adapters={"a": str(wan_setup["a"]), "b": str(wan_setup["b"])})
+        rt = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), compile=True, options={"compile_backend": "eager"},
+                                adapters={"a": str(wan_setup["a"]), "b": str(wan_setup["b"])})
+        sets = [[{"name": "a", "scale": 0.8}], [], [{"name": "b", "scale": 1.0}, {"name": "a", "scale": 0.2}]]
+        rt.generate(wan_req(sets[0]))  # first call of the shape compiles
+        frames = counters["stats"]["unique_graphs"]
+        assert frames > 0  # the blocks did compile
+        for s in sets:
+            got = lat(rt.generate(wan_req(s)))
+            assert (got - lat(eager.generate(wan_req(s)))).abs().max() <= 1e-5
+        assert counters["stats"]["unique_graphs"] == frames  # no recompilation on a switch
 
 
-def test_adapters_apply_in_blocks_compiled_before_their_hooks(wan_setup, monkeypatch):
+def test_adapters_apply_in_blocks_compiled_before_their_hooks(wan_setup):
     """Dynamo shares compiled code between instances of a block class and, by default, does not
     guard on module hooks: blocks of a deployment without adapters compiled first would be reused
     by a later deployment's hooked blocks and the adapter silently dropped (seen on the H200 bench:
@@ -237,14 +240,16 @@ def test_adapters_apply_in_blocks_compiled_before_their_hooks(wan_setup, monkeyp
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)  # a fresh process
-    plain = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), compile=True, options={"compile_backend": "eager"})
-    base = lat(plain.generate(wan_req()))  # compiles the block class's forward, no hooks anywhere
-    eager = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), adapters={"a": str(wan_setup["a"])})
-    rt = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), compile=True, options={"compile_backend": "eager"},
-                            adapters={"a": str(wan_setup["a"])})
-    want = lat(eager.generate(wan_req([{"name": "a", "scale": 1.0}])))
-    assert (want - base).abs().max() > 1e-3  # the adapter moves the output
-    got = lat(rt.generate(wan_req([{"name": "a", "scale": 1.0}])))
-    assert (got - want).abs().max() <= 1e-5
-    assert torch.equal(lat(plain.generate(wan_req())), base)  # the plain deployment still runs without adapters
+    # a fresh process (hook guards off), at most 2 graphs: the plain blocks' and the hooked blocks'
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True, cache_size_limit=2):
+        plain = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), compile=True,
+                                   options={"compile_backend": "eager"})
+        base = lat(plain.generate(wan_req()))  # compiles the block class's forward, no hooks anywhere
+        eager = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), adapters={"a": str(wan_setup["a"])})
+        rt = Runtime.from_model(wan_setup["ckpt"], manager=wan_manager(), compile=True,
+                                options={"compile_backend": "eager"}, adapters={"a": str(wan_setup["a"])})
+        want = lat(eager.generate(wan_req([{"name": "a", "scale": 1.0}])))
+        assert (want - base).abs().max() > 1e-3  # the adapter moves the output
+        got = lat(rt.generate(wan_req([{"name": "a", "scale": 1.0}])))
+        assert (got - want).abs().max() <= 1e-5
+        assert torch.equal(lat(plain.generate(wan_req())), base)  # the plain deployment still runs without adapters
