@@ -7,8 +7,10 @@ One source of truth (PROPOSAL §6.6): :func:`request_schema` is derived from
 flags cannot drift from what :func:`omniloop.schema.request_from_dict` accepts. :func:`json_schema`
 does the same for any params class (node params, plugin params, deploy configs).
 
-Field metadata the schema reads besides the ranges: ``description``, and ``json_schema`` — the
-schema of a free-form (``Any``) field whose accepted shapes the converter checks with ``check``.
+Field metadata the schema reads besides the ranges: ``description``; ``json_schema`` — the
+schema of a free-form (``Any``) field whose accepted shapes the converter checks with ``check``;
+``json_schema_extra`` — keywords added to the generated schema for a rule a ``check`` enforces
+(``{"minItems": 1}``).
 
 Rules that are not expressible as a JSON Schema keyword (a ``check`` metadata callable, the
 converter's refusal of non-finite numbers) are enforced by the converter only; the schema is a
@@ -68,6 +70,9 @@ def _object(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
             prop = _type(hints.get(f.name, Any), defs)
             extra = _constraints(f.metadata, prop)  # (applied inside anyOf for a nullable field)
             prop = {**prop, **extra}
+        if "json_schema_extra" in f.metadata:  # keywords stating a rule a ``check`` enforces (minItems ...)
+            target = prop["anyOf"][0] if "anyOf" in prop and _allows_null(prop) and "json_schema" not in f.metadata else prop
+            target.update(f.metadata["json_schema_extra"])
         if f.metadata.get("description"):
             prop["description"] = f.metadata["description"]
         if f.default is attrs.NOTHING:

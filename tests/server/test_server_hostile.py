@@ -630,7 +630,9 @@ def from_schema(spec: dict[str, Any], schema: dict[str, Any], depth: int = 0) ->
     if t == "array":
         if depth > 3:
             return st.just([])
-        return st.lists(from_schema(spec, schema.get("items", {}), depth + 1), max_size=2)
+        lo = schema.get("minItems", 0)
+        return st.lists(from_schema(spec, schema.get("items", {}), depth + 1), min_size=lo,
+                        max_size=min(max(lo, 2), schema.get("maxItems", 2)))
     if t == "object":
         props = schema.get("properties")
         if props is None or depth > 3:

@@ -215,6 +215,52 @@ def _noop() -> Any:
     return field(default=None, metadata={"json_schema": {}, "description": _NOOP_DESCRIPTION})
 
 
+#: chat roles this server reads (``developer`` is ``system``), and how many messages a chat may hold
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_MESSAGES = 2048
+
+
+def _check_role(role: str) -> str | None:
+    if role in ("tool", "function"):
+        return f"{role} messages are not supported (this server does no tool calling)"
+    if role not in CHAT_ROLES:
+        return f"expected one of {', '.join(CHAT_ROLES)}, got {_show(role)}"
+    return None
+
+
+def _no_tool_calls(v: Any) -> str | None:
+    return None if v in (None, []) else "tool calls are not supported by this server"
+
+
+def _check_messages(msgs: list[Any]) -> str | None:
+    if not msgs:
+        return "at least one message is required"
+    if len(msgs) > MAX_MESSAGES:
+        return f"at most {MAX_MESSAGES} messages, got {len(msgs)}"
+    return None
+
+
+_NO_TOOLS = {"description": "refused unless empty: no tool calling", "check": _no_tool_calls,
+             "json_schema": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}}
+
+
+@define(frozen=True, kw_only=True)
+class ChatMessage:
+    """One chat message: text only (``content`` a string or a list of ``text`` parts), no tool calls."""
+
+    role: str = field(metadata={"check": _check_role, "json_schema": {"enum": list(CHAT_ROLES)}})
+    content: Any = field(default=None, metadata={
+        "description": "a string or a list of {type: text, text} parts; null only for an assistant message",
+        "json_schema": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+            "required": ["type", "text"], "additionalProperties": False}}, {"type": "null"}]}})
+    name: str | None = None
+    tool_calls: Any = field(default=None, metadata=_NO_TOOLS)
+    tool_call_id: Any = field(default=None, metadata={**_NO_TOOLS, "json_schema": {"type": "null"}})
+    function_call: Any = field(default=None, metadata={**_NO_TOOLS, "json_schema": {"type": "null"}})
+    refusal: Any = _ignored()
+
+
 @define(frozen=True, kw_only=True)
 class StreamOptions:
     """``stream_options`` of a streamed completion (only with ``stream: true``)."""
@@ -258,9 +304,8 @@ class TextBody:
 class ChatCompletionCreate(TextBody):
     """``POST /v1/chat/completions``."""
 
-    messages: Any = field(metadata={"json_schema": {"type": "array", "items": {"type": "object", "properties": {
-        "role": {"type": "string"}, "content": {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]},
-        "name": {"type": "string"}}}}})
+    messages: list[ChatMessage] = field(metadata={"check": _check_messages,
+                                                  "json_schema_extra": {"minItems": 1, "maxItems": MAX_MESSAGES}})
     max_completion_tokens: int | None = alias("sampling.max_tokens", "sampling.max_tokens (OpenAI's newer name)")
     top_logprobs: Any = _noop()
     tools: Any = _noop()
@@ -331,6 +376,11 @@ def parse_body(body: Any, cls: type) -> Any:
                 raise RequestError("omniloop.task", "the endpoint decides the task")
             if omni.get("inputs") is not None:
                 check_http_inputs(omni["inputs"])
+        for f in attrs.fields(cls):  # a list over its cap is refused before its items are structured
+            cap = f.metadata.get("json_schema_extra", {}).get("maxItems")
+            v = body.get(f.name)
+            if cap is not None and isinstance(v, list) and len(v) > cap:
+                raise RequestError(f.name, f.metadata["check"](v) if "check" in f.metadata else f"at most {cap} items")
         return structure(body, cls)
     except RequestError as exc:
         raise InvalidBody(exc.path, exc.message) from None
@@ -383,7 +433,7 @@ def numeric_form_fields(*classes: type) -> tuple[frozenset[str], frozenset[str]]
 
 
 __all__ = [
-    "BODY_CLASSES", "MAX_IMAGES", "MAX_SECONDS", "OMNILOOP_FIELDS", "REQUEST_ID", "ChatCompletionCreate",
+    "BODY_CLASSES", "CHAT_ROLES", "MAX_IMAGES", "MAX_MESSAGES", "MAX_SECONDS", "OMNILOOP_FIELDS", "REQUEST_ID", "ChatCompletionCreate", "ChatMessage",
     "CompletionCreate", "DiffusionBody", "ImageCreate", "ImageEdit", "InvalidBody", "Omniloop", "StreamOptions", "TextBody", "VideoCreate", "alias",
     "alias_values", "check_http_inputs", "fields_of", "numeric_form_fields", "parse_body", "seconds_value",
 ]

@@ -49,8 +49,8 @@ from omniloop.request import EventKind, Status, TaskType
 from .bodies import MappedBody, _apply_omniloop, name_of, show
 from .body_schema import ChatCompletionCreate, CompletionCreate, alias_values, fields_of, parse_body
 
-#: a chat may hold at most this many messages, a message this many content parts
-MAX_MESSAGES, MAX_CONTENT_PARTS = 2048, 256
+#: a message may hold at most this many content parts (the message count: body_schema.MAX_MESSAGES)
+MAX_CONTENT_PARTS = 256
 SSE_KEEPALIVE_S = 15.0
 #: how often a non-streaming request checks that its client is still there
 DISCONNECT_POLL_S = 0.5
@@ -78,7 +78,6 @@ _NOOP = {
 #: the body fields of each endpoint (their classes in :mod:`.body_schema` are the definition)
 CHAT_FIELDS = fields_of(ChatCompletionCreate)
 COMPLETION_FIELDS = fields_of(CompletionCreate)
-_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "function_call"}
 
 
 def _err(path: str, msg: str) -> RequestError:
@@ -110,39 +109,16 @@ def _content_text(i: int, content: Any) -> str:
     raise _err(where, f"expected a string or a list of text parts, got {type(content).__name__} {show(content)}")
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    if "messages" not in body:
-        raise _err("messages", "missing required field")
-    msgs = body["messages"]
-    if not isinstance(msgs, list):
-        raise _err("messages", f"expected a list of messages, got {type(msgs).__name__} {show(msgs)}")
-    if not msgs:
-        raise _err("messages", "at least one message is required")
-    if len(msgs) > MAX_MESSAGES:
-        raise _err("messages", f"at most {MAX_MESSAGES} messages, got {len(msgs)}")
+def _messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Validated :class:`.body_schema.ChatMessage` objects → text parts (the chat template's roles)."""
     parts = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, Mapping):
-            raise _err(f"messages.{i}", f"expected a message object, got {type(m).__name__} {show(m)}")
-        unknown = sorted(k for k in m if k not in _MESSAGE_FIELDS)
-        if unknown:
-            raise _err(f"messages.{i}.{name_of(unknown[0])}", f"unknown message field (accepted: {', '.join(sorted(_MESSAGE_FIELDS))})")
-        role = m.get("role")
-        if role in ("tool", "function"):
-            raise _err(f"messages.{i}.role", f"{role} messages are not supported (this server does no tool calling)")
-        if role not in _ROLES:
-            raise _err(f"messages.{i}.role", f"expected one of system, developer, user, assistant, got {show(role)}")
-        for name in ("tool_calls", "function_call", "tool_call_id"):
-            if m.get(name) not in (None, []):
-                raise _err(f"messages.{i}.{name}", "tool calls are not supported by this server")
-        if "name" in m and not isinstance(m["name"], str):
-            raise _err(f"messages.{i}.name", f"expected a string, got {type(m['name']).__name__} {show(m['name'])}")
-        content = m.get("content")
+    for i, m in enumerate(messages):
+        content = m.content
         if content is None:
-            if role != "assistant":
+            if m.role != "assistant":
                 raise _err(f"messages.{i}.content", "missing required field")
             content = ""
-        parts.append({"type": "text", "text": _content_text(i, content), "role": _ROLES[role]})
+        parts.append({"type": "text", "text": _content_text(i, content), "role": _ROLES[m.role]})
     return parts
 
 
@@ -190,7 +166,7 @@ def map_text_body(body: Any, *, chat: bool, tasks: frozenset[TaskType], model: s
         raise _err("n", f"only n=1 is supported, got {show(b.n)}")
     stream, include_usage = _stream_flags(b)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    inputs = _messages(body) if chat else _prompt(body)
+    inputs = _messages(b.messages) if chat else _prompt(body)
     d: dict[str, Any] = {"task": TaskType.REASON.value, "request_id": rid, "inputs": inputs}
     origins: dict[str, str] = {"inputs": "messages" if chat else "prompt", "task": "model", "request_id": "body"}
     sampling: dict[str, Any] = {}
