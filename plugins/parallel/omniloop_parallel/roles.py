@@ -166,7 +166,7 @@ class RoleWorker:
     answers; a death fails the jobs in flight and starts the process again in the background."""
 
     def __init__(self, device: str, hosted: frozenset[str], deploy: DeployConfig, *, manager: str | None,
-                 threads: int, load_timeout_s: float) -> None:
+                 threads: int, load_timeout_s: float, wait: bool = True) -> None:
         self.device, self.hosted = device, hosted
         self.deploy = attrs.evolve(deploy, device=device, placement={}, transport="inproc")
         self.transport_name = deploy.transport
@@ -181,9 +181,18 @@ class RoleWorker:
         self.proc: Any = None
         self._conn: Any = None
         self.load_error: str | None = None
-        self._start()
+        self._spawned = self._spawn()
+        if wait:
+            self.wait_loaded()
+
+    def wait_loaded(self) -> None:
+        """Wait for the first start (``wait=False`` lets the front load its model meanwhile);
+        a worker that could not load raises :class:`DeployError`."""
+        if self._spawned is not None:
+            spawned, self._spawned = self._spawned, None
+            self._await(*spawned)
         if self.load_error is not None:
-            raise DeployError(f"placement: the role worker on {device} could not load the deployment: {self.load_error}")
+            raise DeployError(f"placement: the role worker on {self.device} could not load the deployment: {self.load_error}")
 
     @property
     def pid(self) -> int | None:
@@ -195,12 +204,18 @@ class RoleWorker:
 
     def _start(self) -> None:
         """Spawn the process and wait until it has loaded (or failed, or died, or timed out)."""
+        self._await(*self._spawn())
+
+    def _spawn(self) -> tuple[Any, Any]:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=role_main, name=f"omniloop-role-{self.device}", daemon=True,
                            args=(child, self.deploy, self.hosted, self.manager, self.threads, self.transport_name))
         proc.start()
         child.close()
+        return proc, parent
+
+    def _await(self, proc: Any, parent: Any) -> None:
         deadline = time.monotonic() + self.load_timeout_s
         msg: Any = None
         while msg is None:
@@ -299,6 +314,11 @@ class RoleWorker:
 
     def close(self) -> None:
         self._closing = True
+        if self._spawned is not None:  # never waited for: stop it
+            proc, conn = self._spawned
+            self._spawned = None
+            _kill(proc)
+            conn.close()
         with self._lock:
             proc, conn = self.proc, self._conn
         if conn is not None:
@@ -422,22 +442,24 @@ class RolePoolRuntime(Runtime):
         Deployment(full, manager=pm)  # the whole deploy, placement included, checked before any weight loads
         if not full.placement:
             raise DeployError("placement: RolePoolRuntime needs a deploy with placement (e.g. {vae: {devices: [cpu]}})")
-        super().__init__(attrs.evolve(full, placement={}, transport="inproc"), manager=pm)
-        self.deploy = full
-        self.timeout_s = timeout_s
-        self.role_transport = transport_for(full.transport)
         hosts: dict[str, set[str]] = {}
         for comp, role in full.placement.items():
             for i, name in enumerate(role.devices):
                 hosts.setdefault(str(role_device(name, f"placement.{comp}.devices[{i}]")), set()).add(comp)
         self.workers: dict[str, RoleWorker] = {}
-        try:
+        try:  # the workers load while this process loads its own model
             for dev, comps in hosts.items():
-                self.workers[dev] = RoleWorker(dev, frozenset(comps), attrs.evolve(full, placement={}),
-                                               manager=spec, threads=threads, load_timeout_s=load_timeout_s)
+                self.workers[dev] = RoleWorker(dev, frozenset(comps), attrs.evolve(full, placement={}), manager=spec,
+                                               threads=threads, load_timeout_s=load_timeout_s, wait=False)
+            super().__init__(attrs.evolve(full, placement={}, transport="inproc"), manager=pm)
+            for w in self.workers.values():
+                w.wait_loaded()
         except BaseException:
             self.close()
             raise
+        self.deploy = full
+        self.timeout_s = timeout_s
+        self.role_transport = transport_for(full.transport)
 
     def _build(self, task: Any) -> Any:
         built = super()._build(task)
