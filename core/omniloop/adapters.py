@@ -208,7 +208,7 @@ def _hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) 
     """The one forward hook every adapted linear gets (one function object, no per-module state:
     dynamo's hook guards then match across blocks)."""
     if torch.compiler.is_compiling():
-        return _lora_apply_op(args[0], output, module.weight)  # type: ignore[arg-type,no-any-return]
+        return _lora_apply_op(args[0], output, _weight_of(module))  # type: ignore[no-any-return]
     active = _ACTIVE.get()
     if not active:
         return None  # the base output, untouched
@@ -223,13 +223,18 @@ _HOOKS_LOCK = threading.Lock()
 _SITES: dict[int, int] = {}
 
 
+def _weight_of(module: torch.nn.Module) -> torch.Tensor:
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    return weight
+
+
 def _site_of(weight: torch.Tensor) -> int | None:
     ptr = weight.data_ptr()
     site = _SITES.get(ptr)
     if site is None:
         with _HOOKS_LOCK:
             _SITES.clear()
-            _SITES.update({m.weight.data_ptr(): id(m) for m in list(_HOOKS)})  # type: ignore[union-attr]
+            _SITES.update({_weight_of(m).data_ptr(): id(m) for m in list(_HOOKS)})
             site = _SITES.get(ptr)
     return site
 
