@@ -211,7 +211,9 @@ def test_decode_graph_inputs_match_the_eager_step_interpreted(interpret, tiny_qw
         splits = pa.choose_splits(host.shape[0], m.kv_heads, ctx_tokens, m.device)
         logits = m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
         self.captures += 1
-        return _EagerGraphs(lambda: logits.copy_(m.decode_static(cache, meta, row_seq, ctx_tokens, splits))), meta, logits, cache
+        replay = _EagerGraphs(lambda: logits.copy_(m.decode_static(cache, meta, row_seq, ctx_tokens, splits)))
+        return qm._DecodeGraph(graph=replay, meta=meta, row_seq=row_seq, logits=logits, cache=cache,
+                               ctx_tokens=ctx_tokens, splits=splits)
 
     monkeypatch.setattr(qm.DecodeGraphs, "_capture", fake_capture)
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen("qwen3"), dtype=torch.float32).eval()
@@ -238,6 +240,32 @@ def test_decode_graph_inputs_match_the_eager_step_interpreted(interpret, tiny_qw
         for h0, h1 in zip(*handles, strict=True):
             s0, s1 = caches[0].slots(h0), caches[1].slots(h1)
             torch.testing.assert_close(caches[1].k[li][s1], caches[0].k[li][s0], rtol=0, atol=2e-5)
+
+
+@interpreted
+def test_kernel_with_padded_tables_at_block_edges_interpreted(interpret) -> None:
+    """The shapes the runtime makes, on the kernel: batch-1 decode after a short prefill, a table
+    wider than a sequence's blocks (padded with -1: never read, and clamped into the pool if it
+    were), lengths an exact multiple of the block size and one past it, causal prefill rows."""
+    bs = 4
+    cache = _cache(2, 16, bs, 24, torch.float32)
+    a, b, c = cache.allocate(), cache.allocate(), cache.allocate()
+    cache.append(a, 3)  # a short prompt's prefill
+    cache.append(b, 2 * bs - 1)
+    cache.append(c, 5 * bs)
+    for handles, new in (([a], [1]), ([a, b, c], [1, 1, 1]), ([a, b, c], [1, 1, 1]), ([b], [3])):
+        for h, n in zip(handles, new, strict=True):
+            cache.append(h, n)
+        table, held = cache.block_tables(handles, pad=-1)
+        row_seq, kv_lens = pa.attention_rows(held.tolist(), new)
+        q = torch.randn(len(row_seq), 4, 16, generator=torch.Generator().manual_seed(len(row_seq)))
+        meta = torch.tensor([row_seq, kv_lens], dtype=torch.int32)
+        pa.check_bounds(q, cache.k[0], cache.v[0], table, meta[1], meta[0], block_size=bs)
+        kw = {"block_size": bs, "scale": 0.25}
+        ref = pa.paged_attention_torch(q, cache.k[0], cache.v[0], table.clamp(min=0), meta[1], meta[0], **kw)
+        out = pa.paged_attention(q, cache.k[0], cache.v[0], table, meta[1], meta[0], **kw)
+        assert (out - ref).abs().max().item() <= 2e-5, (held.tolist(), new)
+    assert held.tolist() == [2 * bs + 2] and cache.length(c) == 5 * bs + 2  # one past, then crossing again
 
 
 @needs_triton

@@ -204,8 +204,8 @@ class DecodeGraphs:
 
     def __init__(self, model: PagedQwen) -> None:
         self.model = model
-        # (cache id, batch bucket, blocks) -> (graph, static meta, static logits, the cache: kept alive with its graph)
-        self.graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor, CacheManager]] = {}
+        # (cache id, batch bucket, blocks) -> the graph and everything its replays read or write
+        self.graphs: dict[tuple[int, int, int], _DecodeGraph] = {}
         self.captures = 0
         self.replays = 0
 
@@ -234,18 +234,22 @@ class DecodeGraphs:
         if entry is None:
             entry = self._capture(cache, host, ctx_tokens)
             self.graphs[key] = entry
-        graph, meta, logits, _ = entry
-        meta.copy_(host)  # one small host-to-device copy per step
-        graph.replay()
+        if tuple(entry.meta.shape) != tuple(host.shape):  # (the key fixes the shape; never replay past a buffer)
+            raise RuntimeError(f"decode graph {key}: static meta {tuple(entry.meta.shape)} != step {tuple(host.shape)}")
+        entry.meta.copy_(host)  # one small host-to-device copy per step
+        entry.graph.replay()
         self.replays += 1
-        return logits[:b].clone()
+        return entry.logits[:b].clone()
 
-    def _capture(self, cache: CacheManager, host: torch.Tensor,
-                 ctx_tokens: int) -> tuple[Any, torch.Tensor, torch.Tensor, CacheManager]:
+    def _capture(self, cache: CacheManager, host: torch.Tensor, ctx_tokens: int) -> _DecodeGraph:
         from .paged_attention import choose_splits
 
         m = self.model
         bb = host.shape[0]
+        # the static inputs are allocated before the capture, outside the graph's pool: the entry
+        # must hold every one of them for as long as the graph may replay (a replay reads their
+        # addresses; a freed, reused row_seq once made every replay index the block table with
+        # garbage: an illegal memory access on the H200)
         meta = host.to(m.device)
         row_seq = torch.arange(bb, dtype=torch.int32, device=m.device)
         splits = choose_splits(bb, m.kv_heads, ctx_tokens, m.device)
@@ -260,4 +264,18 @@ class DecodeGraphs:
         with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
         self.captures += 1
-        return graph, meta, logits, cache
+        return _DecodeGraph(graph=graph, meta=meta, row_seq=row_seq, logits=logits, cache=cache,
+                            ctx_tokens=ctx_tokens, splits=splits)
+
+
+class _DecodeGraph:
+    """One captured decode graph and what it reads or writes by address: the static ``meta`` and
+    ``row_seq`` inputs, the output ``logits`` (in the graph's pool) and the cache whose K/V it
+    writes — all kept alive with the graph."""
+
+    __slots__ = ("cache", "ctx_tokens", "graph", "logits", "meta", "row_seq", "splits")
+
+    def __init__(self, *, graph: Any, meta: torch.Tensor, row_seq: torch.Tensor, logits: torch.Tensor,
+                 cache: CacheManager, ctx_tokens: int, splits: int) -> None:
+        self.graph, self.meta, self.row_seq, self.logits = graph, meta, row_seq, logits
+        self.cache, self.ctx_tokens, self.splits = cache, ctx_tokens, splits

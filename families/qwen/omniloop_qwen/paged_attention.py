@@ -135,17 +135,21 @@ def _kernels() -> tuple[Any, Any]:
         q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, rowseq_ptr,
         out_ptr, part_ptr, stats_ptr,
         stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
-        stride_or, stride_oh, split_tokens, n_splits, scale,
+        stride_or, stride_oh, split_tokens, n_splits, scale, n_seqs, table_width, num_pages,
         GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         PAGE: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr, FP32: tl.constexpr,
     ):
         # (n_splits is a runtime value, so a growing context never recompiles; DIRECT: one split, no merge)
         # FP32: both dots in float32 (IEEE); else Q·K and P·V in the cache dtype, accumulated in float32
-        row = tl.program_id(0)
+        # every index that forms an address is clamped into its buffer (defence in depth: the host
+        # checks shapes and dtypes, not values, which would cost a device sync); offsets are int64
+        row = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        seq = tl.load(rowseq_ptr + row)
+        seq = tl.load(rowseq_ptr + row).to(tl.int64)
+        seq = tl.minimum(tl.maximum(seq, 0), n_seqs - 1)
         length = tl.load(lens_ptr + row)
+        length = tl.minimum(length, table_width * PAGE)  # never past the table's last column
         lo = split * split_tokens
         hi = tl.minimum(length, lo + split_tokens)
 
@@ -165,8 +169,10 @@ def _kernels() -> tuple[Any, Any]:
         while start < hi:  # (a while loop: Triton's interpreter cannot range() over loaded bounds)
             n = start + n_off
             nmask = n < hi
-            page = tl.load(table_ptr + seq * stride_tb + n // PAGE, mask=nmask, other=0)
-            slot = (page * PAGE + n % PAGE).to(tl.int64)
+            col = tl.minimum(n // PAGE, table_width - 1)
+            page = tl.load(table_ptr + seq * stride_tb + col, mask=nmask, other=0)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # a pad/-1 entry stays in the pool
+            slot = page * PAGE + n % PAGE
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
@@ -195,7 +201,7 @@ def _kernels() -> tuple[Any, Any]:
         else:
             # partials: part [R, Hq, n_splits, D_PAD], stats [R, Hq, n_splits, 2] (max, sum), float32
             n_heads = tl.num_programs(1) * GROUPS
-            base = (row * n_heads + heads) * n_splits + split  # [G_PAD]
+            base = (row * n_heads + heads.to(tl.int64)) * n_splits + split  # [G_PAD]
             tl.store(part_ptr + base[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
             tl.store(stats_ptr + base * 2, m, mask=gmask)
             tl.store(stats_ptr + base * 2 + 1, l_sum, mask=gmask)
@@ -205,7 +211,7 @@ def _kernels() -> tuple[Any, Any]:
         part_ptr, stats_ptr, out_ptr, stride_or, stride_oh, n_splits,
         D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         n_heads = tl.num_programs(1)
         sp = tl.arange(0, S_PAD)
@@ -274,6 +280,7 @@ def paged_attention(
         raise ValueError(f"K/V caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q's head_dim {d}")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension")
+    _check_index_tensors(q, k_cache, block_table, kv_lens, row_seq, block_size)
     if out is None:
         out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.stride(2) != 1:
@@ -289,6 +296,8 @@ def paged_attention(
     split_tokens = -(-split_tokens // BLOCK_N) * BLOCK_N  # whole tiles per split
     s = -(-max_len // split_tokens)
     d_pad = _pow2(d, 16)
+    if _DEBUG_BOUNDS and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        check_bounds(q, k_cache, v_cache, block_table, kv_lens, row_seq, block_size=block_size, out=out)
     attn, merge = _kernels()
     if s > 1:
         part = torch.empty((r, hq, s, d_pad), dtype=torch.float32, device=q.device)
@@ -299,12 +308,95 @@ def paged_attention(
         q, k_cache, v_cache, block_table, kv_lens, row_seq, out, part, stats,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), split_tokens, s, float(scale),
+        block_table.shape[0], block_table.shape[1], k_cache.shape[0] // block_size,
         GROUPS=groups, G_PAD=_pow2(groups, 16), D=d, D_PAD=d_pad, PAGE=block_size, BLOCK=BLOCK_N, DIRECT=s == 1,
         FP32=q.dtype == torch.float32 or interpreting(),  # the interpreter's bf16 tl.dot is wrong: dot in float32 there
     )
     if s > 1:
         merge[(r, hq)](part, stats, out, out.stride(0), out.stride(1), s, D=d, D_PAD=d_pad, S_PAD=_pow2(s))
     return out
+
+
+#: ``OMNILOOP_PAGED_ATTENTION_CHECK=1``: every :func:`paged_attention` call outside a CUDA-graph
+#: capture first runs :func:`check_bounds` (a device sync and a host copy per call: debugging only)
+_DEBUG_BOUNDS = os.environ.get("OMNILOOP_PAGED_ATTENTION_CHECK", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _check_index_tensors(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, kv_lens: torch.Tensor,
+                         row_seq: torch.Tensor, block_size: int) -> None:
+    """What the kernel assumes of its index tensors, checked from metadata only (no device sync)."""
+    r = q.shape[0]
+    for name, t in (("block_table", block_table), ("kv_lens", kv_lens), ("row_seq", row_seq)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name}: expected int32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, q on {q.device}")
+    if k_cache.device != q.device:
+        raise ValueError(f"k_cache/v_cache: on {k_cache.device}, q on {q.device}")
+    if kv_lens.shape != (r,) or row_seq.shape != (r,):
+        raise ValueError(f"kv_lens {tuple(kv_lens.shape)} / row_seq {tuple(row_seq.shape)}: expected ({r},), one per q row")
+    if r > 1 and (kv_lens.stride(0) != 1 or row_seq.stride(0) != 1):  # (one row: any stride reads index 0)
+        raise ValueError("kv_lens and row_seq must be contiguous")
+    if block_table.dim() != 2 or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
+        raise ValueError(f"block_table: expected [sequences, blocks] with contiguous rows, got shape "
+                         f"{tuple(block_table.shape)} strides {block_table.stride()}")
+    if r and (block_table.shape[0] < 1 or block_table.shape[1] < 1):
+        raise ValueError(f"block_table: {tuple(block_table.shape)} holds no block for {r} rows")
+    if k_cache.shape[0] % block_size:
+        raise ValueError(f"k_cache: {k_cache.shape[0]} slots is not a whole number of {block_size}-token blocks")
+
+
+def check_bounds(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, kv_lens: torch.Tensor,
+    row_seq: torch.Tensor, *, block_size: int, out: torch.Tensor | None = None,
+) -> dict[str, int]:
+    """Every address :func:`paged_attention` would touch, computed on the host from the block table,
+    lengths and strides; raises ``AssertionError`` naming the first index that leaves its buffer.
+
+    Checks (without relying on the kernel's clamps): each ``row_seq`` names a row of
+    ``block_table``; each ``kv_lens`` is ``>= 1`` and fits that row's columns; every block id read
+    (columns ``0 .. ceil(kv_lens / block_size) - 1``) is a block of the pool; the largest element
+    offset of K, V, Q and ``out`` is inside its tensor's storage. Returns the largest offsets (tests
+    print them). Used by the tests on the shapes the runtime produces; ``OMNILOOP_PAGED_ATTENTION_CHECK=1``
+    runs it before every kernel launch."""
+    r, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    table = block_table.detach().cpu().long()
+    lens = kv_lens.detach().cpu().long()
+    seqs = row_seq.detach().cpu().long()
+    n_seqs, width = table.shape
+    num_pages = k_cache.shape[0] // block_size
+    max_slot = -1
+    for i in range(r):
+        s_, n = int(seqs[i]), int(lens[i])
+        assert 0 <= s_ < n_seqs, f"row {i}: row_seq {s_} is not a row of the {n_seqs}-row block table"
+        assert n >= 1, f"row {i}: kv_lens {n} < 1"
+        cols = -(-n // block_size)
+        assert cols <= width, f"row {i}: kv_lens {n} needs {cols} blocks, the table has {width} columns"
+        pages = table[s_, :cols]
+        bad = pages[(pages < 0) | (pages >= num_pages)]
+        assert bad.numel() == 0, f"row {i}: block id {int(bad[0])} read, the pool has {num_pages} blocks"
+        pos = torch.arange(n)
+        max_slot = max(max_slot, int((pages[pos // block_size] * block_size + pos % block_size).max()))
+
+    def last(t: torch.Tensor, idx: tuple[int, ...]) -> int:
+        return t.storage_offset() + sum(i * st for i, st in zip(idx, t.stride(), strict=True))
+
+    def inside(name: str, t: torch.Tensor, off: int) -> None:
+        room = t.untyped_storage().nbytes() // t.element_size()
+        assert off < room, f"{name}: element offset {off} past its storage of {room} elements"
+
+    found = {"max_slot": max_slot}
+    if r:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            found[name] = last(t, (max_slot, hkv - 1, d - 1))
+            inside(name, t, found[name])
+        found["q"] = last(q, (r - 1, hq - 1, d - 1))
+        inside("q", q, found["q"])
+        if out is not None:
+            found["out"] = last(out, (r - 1, hq - 1, d - 1))
+            inside("out", out, found["out"])
+    return found
 
 
 def attention_rows(lengths_after: list[int], new_tokens: list[int]) -> tuple[list[int], list[int]]:
@@ -319,6 +411,6 @@ def attention_rows(lengths_after: list[int], new_tokens: list[int]) -> tuple[lis
 
 
 __all__ = [
-    "BACKENDS", "attention_rows", "choose_splits", "interpreting", "paged_attention", "paged_attention_torch",
+    "BACKENDS", "attention_rows", "check_bounds", "choose_splits", "interpreting", "paged_attention", "paged_attention_torch",
     "prepare", "resolve_backend", "triton_available", "triton_unavailable",
 ]
