@@ -130,6 +130,40 @@ def test_dying_vae_worker_fails_the_request_and_the_next_succeeds(roles, referen
     assert worker.pid != pid and worker.restarts >= 1
 
 
+def test_a_node_failing_in_the_worker_is_a_role_error_and_the_worker_stays(roles, reference):
+    from omniloop_parallel import RoleError
+
+    worker = roles.workers["cpu"]
+    pid = worker.pid
+    job = worker.submit(roles.prepare(wan_request()).request, "vae_decode",
+                        roles.role_transport.encode({"reads": {}, "gen": None}))  # no latents to decode
+    assert job.event.wait(60)
+    assert isinstance(job.error, RoleError)
+    assert str(job.error).startswith("node 'vae_decode' failed in the role worker on cpu: GraphError: artifact 'denoised'")
+    _equal(roles.generate(wan_request()), reference())
+    assert worker.pid == pid  # an exception in a node does not cost the worker
+
+
+def test_a_stalled_worker_times_out_and_comes_back(roles, reference, monkeypatch):
+    worker = roles.workers["cpu"]
+    pid = worker.pid
+    decode = next(n.stage for n in roles.pipeline(TaskType.T2V).spec.nodes if n.name == "vae_decode")
+    send = decode._submit
+
+    def held(request, state):
+        os.kill(pid, signal.SIGSTOP)  # alive but silent
+        send(request, state)
+
+    monkeypatch.setattr(decode, "_submit", held)
+    monkeypatch.setattr(decode, "timeout_s", 2.0)
+    out = roles.generate(wan_request())
+    monkeypatch.undo()
+    assert out.status is Status.FAILED and out.error.type == "WorkerDied"
+    assert out.error.message.startswith(f"no answer from the role worker on cpu (pid {pid}) for 2 s while running node 'vae_decode'")
+    _equal(roles.generate(wan_request()), reference())  # killed and started again
+    assert worker.pid != pid
+
+
 @pytest.mark.parametrize(("placement", "extra", "message"), [
     ({"transformer": {"devices": ["cpu"]}}, {},
      "placement.transformer: family 'wan' cannot run 'transformer' in a role worker (placeable: image_encoder, text_encoder, vae)"),

@@ -307,8 +307,11 @@ class RoleWorker:
             self._jobs.pop(job.id, None)
 
     def kill(self) -> None:
-        """Kill the process (a stalled worker): its jobs fail, the reader starts it again."""
-        proc = self.proc
+        """Kill the process (a stalled worker): its jobs fail, the reader starts it again; until
+        then new jobs wait for the restart (none is sent to the dying process)."""
+        with self._lock:
+            proc = self.proc
+            self._ready.clear()
         if proc is not None and proc.pid is not None and proc.exitcode is None:
             os.kill(proc.pid, signal.SIGKILL)
 
