@@ -218,9 +218,9 @@ def _hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) 
 #: one hook per module, shared by every adapter and runtime: module -> [handle, users]
 _HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 _HOOKS_LOCK = threading.Lock()
-#: a hooked module's weight storage -> the module's site (``id(module)``); rebuilt on a miss
-#: (weights moved to another device get new storage)
-_SITES: dict[int, int] = {}
+#: a hooked module's weight address -> the module; checked on every hit (a freed module's address
+#: can be reused by another's weights) and rebuilt on a miss (weights moved get new addresses)
+_SITES: dict[int, weakref.ref[torch.nn.Module]] = {}
 
 
 def _weight_of(module: torch.nn.Module) -> torch.Tensor:
@@ -228,14 +228,23 @@ def _weight_of(module: torch.nn.Module) -> torch.Tensor:
     return weight
 
 
+def _live_site(ptr: int) -> int | None:
+    ref = _SITES.get(ptr)
+    m = ref() if ref is not None else None
+    if m is None or m not in _HOOKS or _weight_of(m).data_ptr() != ptr:
+        return None
+    return id(m)
+
+
 def _site_of(weight: torch.Tensor) -> int | None:
+    """The site (``id(module)``) of the hooked module whose weight this is, or None."""
     ptr = weight.data_ptr()
-    site = _SITES.get(ptr)
+    site = _live_site(ptr)
     if site is None:
         with _HOOKS_LOCK:
             _SITES.clear()
-            _SITES.update({_weight_of(m).data_ptr(): id(m) for m in list(_HOOKS)})
-            site = _SITES.get(ptr)
+            _SITES.update({_weight_of(m).data_ptr(): weakref.ref(m) for m in list(_HOOKS)})
+            site = _live_site(ptr)
     return site
 
 
