@@ -200,3 +200,15 @@ def test_transport_shm_needs_workers(wan_ckpt):
     with pytest.raises(DeployError, match=r"set parallel: \{sp, cfg\} or placement"):
         Deployment({"model": {"path": str(wan_ckpt)}, "transport": "shm"}, manager=wan_manager())
     Deployment(_deploy(wan_ckpt, {"vae": {"devices": ["cpu"]}}, transport="shm"), manager=wan_manager())
+
+
+def test_shm_transport_carries_the_role_payloads_exactly(wan_ckpt, reference):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with RolePoolRuntime(_deploy(wan_ckpt, {"vae": {"devices": ["cpu"]}}, transport="shm"), manager=MANAGER,
+                             timeout_s=60, load_timeout_s=180) as rt:
+            assert type(rt.role_transport).__name__ == "ShmTransport"
+            _equal(rt.generate(wan_request()), reference())
+    finally:
+        torch.set_num_threads(threads)
