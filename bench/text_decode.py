@@ -1,8 +1,12 @@
 """Bench of the Qwen family's decode loop (issue 20): CPU on a small random Qwen2 model, or CUDA on
 the Qwen2.5-0.5B architecture (random weights, bf16), against transformers in the same run.
 
-Sections (each variant side by side in one process, interleaved; a variant that fails is recorded
-with its error and the others go on):
+Sections (a variant that fails is recorded with its error and the others go on). On CUDA
+(``--isolate auto``/``yes``) the kernel section, each omniloop variant and transformers each run in
+their own child process (this script with ``--child``; the parent merges their rows by batch and
+computes the cross-side ratios), so a fault that poisons a CUDA context (an illegal memory access)
+costs only that side's rows, recorded as ``<side>_error``; sides then run one after the other, not
+interleaved. On CPU (``--isolate auto``/``no``) everything runs in one process, interleaved:
 
 1. **kernel** (CUDA, or CPU under ``TRITON_INTERPRET=1``): one layer's paged attention for one new
    token per sequence at ``--context`` tokens, batch 1/16/64 — the Triton kernel
@@ -40,6 +44,7 @@ import datetime
 import gc
 import inspect
 import json
+import os
 import random
 import statistics
 import sys
@@ -300,7 +305,7 @@ def run_transformers(hf: Any, tok: Any, texts: list[str], new_tokens: int) -> tu
 
 
 def throughput(path: Path, device: torch.device, dtype: str, variants: list[str], batches: list[int], new_tokens: int,
-               repeats: int, seed: int, budget: Budget, hf: Any) -> list[dict[str, Any]]:
+               repeats: int, seed: int, budget: Budget, hf: Any, with_hf: bool = True) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     top = max(batches)
     runtimes: dict[str, Any] = {}
@@ -329,7 +334,8 @@ def throughput(path: Path, device: torch.device, dtype: str, variants: list[str]
             return dt, n
 
         sides.append((f"omniloop_{v}", ours))
-    sides.append(("transformers", lambda texts: run_transformers(hf, tok, texts, new_tokens)))
+    if with_hf:
+        sides.append(("transformers", lambda texts: run_transformers(hf, tok, texts, new_tokens)))
     last_ids: dict[str, set[str]] = {}
     for b in batches:
         row: dict[str, Any] = {"batch": b, "new_tokens_per_request": new_tokens, "repeats": repeats}
@@ -391,8 +397,12 @@ def throughput(path: Path, device: torch.device, dtype: str, variants: list[str]
 # ------------------------------------------------------------------------------------------------
 
 
+#: the first decode step's logits of each (batch, variant) (a child process saves them for the parent to compare)
+FIRST_LOGITS: dict[tuple[int, str], torch.Tensor] = {}
+
+
 def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batches: list[int], context: int,
-                        steps: int, seed: int, budget: Budget) -> list[dict[str, Any]]:
+                        steps: int, seed: int, budget: Budget, with_hf: bool = True) -> list[dict[str, Any]]:
     from omniloop.kvcache import CacheManager
     from omniloop_qwen.model import PagedQwen
 
@@ -420,11 +430,15 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
         # set-up of every side: transformers' cache, and each backend's paged cache, prefilled
         with torch.no_grad():
             try:
+                if not with_hf:
+                    raise _Skip
                 out = hf(ids, use_cache=True, **keep)
                 state["hf"] = [out.past_key_values, out.logits[:, -1:].argmax(-1)]
                 del out
                 timed(device, hf, ids, use_cache=False, **keep)  # warm-up
                 times["reprefill"], times["hf_step"] = [], []
+            except _Skip:
+                pass
             except Exception as exc:
                 failed["transformers"] = error_of(exc)
                 traceback.print_exc()
@@ -440,7 +454,7 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                         model.forward(cache, hs[i : i + chunk], ctxs[i : i + chunk])
                     # warm-up; the first step's input is the same for every variant, so its logits compare
                     first = model.forward(cache, hs, [[c[-1]] for c in ctxs])
-                    first_logits[v] = first.float().cpu()
+                    first_logits[v] = FIRST_LOGITS[(b, v)] = first.float().cpu()
                     toks = [[t] for t in first.argmax(-1).tolist()]
                     toks = [[t] for t in model.forward(cache, hs, toks).argmax(-1).tolist()]
                     state[v] = [model, cache, hs, toks]
@@ -520,6 +534,144 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
 # ------------------------------------------------------------------------------------------------
 
 
+class _Skip(Exception):
+    """A side left out of this process (run in another child)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# isolation: each variant in its own child process
+# ------------------------------------------------------------------------------------------------
+
+#: keys a child's row shares with the other children's rows of the same batch
+_COMMON = ("batch", "context_tokens", "new_tokens_per_request", "repeats", "target_speedup", "q_heads", "kv_heads",
+           "head_dim")
+#: test hook: the child running this side aborts at once (stands in for a CUDA fault that kills the process)
+FAULT_ENV = "TEXT_DECODE_BENCH_FAULT"
+
+
+def _merge_rows(dst: list[dict[str, Any]], src: list[dict[str, Any]], side: str) -> None:
+    """Merge a child's rows (one side) into ``dst`` by batch: side keys as they are, its skips prefixed."""
+    for row in src:
+        into = next((r for r in dst if r.get("batch") == row.get("batch")), None)
+        if into is None:
+            into = {k: row[k] for k in _COMMON if k in row}
+            dst.append(into)
+        for k, val in row.items():
+            if k in _COMMON:
+                into.setdefault(k, val)
+            elif k in ("skipped", "repeats_cut_by_budget", "rounds_cut_by_budget"):
+                into[f"{side}_{k}"] = val
+            else:
+                into[k] = val
+    dst.sort(key=lambda r: r.get("batch", 0))
+
+
+def _derive(record: dict[str, Any], variants: list[str], first: dict[tuple[int, str], torch.Tensor]) -> None:
+    """The cross-side figures of merged rows (each side ran in its own process)."""
+    for row in record.get("throughput") or []:
+        base = row.get("transformers_tokens_per_s")
+        for v in variants:
+            ours = row.get(f"omniloop_{v}_tokens_per_s")
+            if ours and base:
+                row[f"ratio_omniloop_{v}_over_transformers"] = round(ours / base, 3)
+    for row in record.get("decode_vs_reprefill") or []:
+        r = row.get("reprefill_ms")
+        for v in variants:
+            dd = row.get(f"omniloop_{v}_decode_ms")
+            if r and dd:
+                row[f"speedup_{v}_decode_vs_reprefill"] = round(r / dd, 2)
+                row[f"target_met_{v}"] = r / dd >= 10.0
+            ref, lg = first.get((row.get("batch"), "triton")), first.get((row.get("batch"), v))
+            if v != "triton" and ref is not None and lg is not None and ref.shape == lg.shape:
+                row[f"omniloop_{v}_first_step_max_abs_logit_diff_vs_triton"] = round(float((lg - ref).abs().max()), 5)
+                row[f"omniloop_{v}_first_step_argmax_agree_vs_triton"] = float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
+
+
+def _run_children(args: argparse.Namespace, path: Path, variants: list[str], sections: set[str], budget: Budget,
+                  record: dict[str, Any], save: Callable[[], None], with_kernel: bool,
+                  batches_of: dict[str, list[int]]) -> None:
+    """Each side in its own process (``--child``): the kernel section, each omniloop variant's
+    throughput + re-prefill rows, then transformers' — a fault (an illegal memory access poisons a
+    CUDA context for good) costs only that side's rows, recorded as errors."""
+    import subprocess
+
+    side_sections = [s for s in ("throughput", "reprefill") if s in sections]
+    jobs: list[tuple[str, list[str]]] = []
+    if with_kernel:
+        jobs.append(("kernel", ["--sections", "kernel", "--variants", "none", "--no-transformers"]))
+    if side_sections:
+        for v in variants:
+            jobs.append((f"omniloop_{v}", ["--sections", ",".join(side_sections), "--variants", v, "--no-transformers"]))
+        jobs.append(("transformers", ["--sections", ",".join(side_sections), "--variants", "none"]))
+    passed = ["--device", args.device, "--batches", args.batches, "--context", str(args.context),
+              "--decode-steps", str(args.decode_steps), "--repeats", str(args.repeats), "--kernel-iters",
+              str(args.kernel_iters), "--threads", str(args.threads), "--seed", str(args.seed), "--isolate", "no",
+              "--model-path", str(path)]
+    for flag, val in (("--preset", args.preset), ("--dtype", args.dtype), ("--decode-batches", args.decode_batches),
+                      ("--new-tokens", args.new_tokens)):
+        if val is not None:
+            passed += [flag, str(val)]
+    if args.smoke:
+        passed.append("--smoke")
+    first: dict[tuple[int, str], torch.Tensor] = {}
+    record["children"] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="text_decode-children-"))
+    for i, (side, extra) in enumerate(jobs):
+        left = len(jobs) - i
+        share = max(5.0, (budget.left() - 8.0 * left) / left)  # (~8 s of start-up per child: imports, CUDA init)
+        out = tmp / f"{i}-{side}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *passed, *extra, "--budget-s", f"{share:.1f}",
+               "--child", str(out)]
+        info: dict[str, Any] = {"budget_s": round(share, 1)}
+        t0 = time.time()
+        if budget.left() < 0:
+            info["skipped"] = "budget"
+            rc, tail = None, ""
+        else:
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=share + 60, check=False)
+                rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2500:]
+            except subprocess.TimeoutExpired as exc:
+                rc, tail = "timeout", (str(exc.stdout or "") + str(exc.stderr or ""))[-2500:]
+            sys.stdout.write(tail if rc != 0 else "")
+            info.update(rc=rc, seconds=round(time.time() - t0, 1))
+        sub = json.loads(out.read_text()) if out.exists() else {}
+        logits = out.with_suffix(".logits.pt")
+        if logits.exists():
+            first.update(torch.load(logits))
+        if "max_memory_allocated_gib" in sub:
+            info["max_memory_allocated_gib"] = sub["max_memory_allocated_gib"]
+        err = None if rc in (0, None) else f"child process for {side} died (exit {rc}): " + (tail[-400:] or "no output")
+        if side == "kernel":
+            record["kernel"] = sub.get("kernel") or ({"error": err} if err else {"skipped": info.get("skipped", "no rows")})
+            if err and isinstance(record["kernel"], list):
+                record["kernel"].append({"error": err})
+        else:
+            for sec, key in (("throughput", "throughput"), ("reprefill", "decode_vs_reprefill")):
+                if sec not in side_sections:
+                    continue
+                rows = record.setdefault(key, [])
+                _merge_rows(rows, sub.get(key) or [], side)
+                if err is None and not info.get("skipped"):
+                    continue
+                # every batch this side did not measure says why
+                note_key, note = (f"{side}_error", err) if err else (f"{side}_skipped", "budget")
+                measured = ("transformers_tokens_per_s" if sec == "throughput" else "reprefill_ms") if side == "transformers" \
+                    else f"{side}_tokens_per_s" if sec == "throughput" else f"{side}_decode_ms"
+                want = batches_of[sec]
+                for b in want:
+                    row = next((r for r in rows if r.get("batch") == b), None)
+                    if row is None:
+                        rows.append(row := {"batch": b})
+                    if measured not in row and note_key not in row:
+                        row[note_key] = note
+                rows.sort(key=lambda r: r.get("batch", 0))
+        info["error"] = err
+        record["children"][side] = info
+        _derive(record, variants, first)
+        save()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -544,6 +696,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="toy sizes of the preset, 1 repeat: checks the script, seconds")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
+                    help="run the kernel section and each variant (and transformers) in its own child process, so a "
+                         "CUDA fault costs only that side's rows (auto: yes on CUDA, no on CPU)")
+    # internal (the parent's children): write the record here as JSON, reuse the parent's checkpoint, no transformers side
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-transformers", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     from omniloop_qwen import paged_attention as pa
@@ -556,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = _DTYPES[dtype_name]
     kernel_ok = pa.triton_unavailable(device) is None
     default = ["triton", "triton-graphs", "torch"] if device.type == "cuda" else ["triton", "torch"] if kernel_ok else ["torch"]
-    variants = args.variants.split(",") if args.variants else default
+    variants = [] if args.variants == "none" else args.variants.split(",") if args.variants else default
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         ap.error(f"--variants: unknown {bad}")
@@ -591,14 +750,37 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         record["seconds"] = round(budget.elapsed, 1)
+        if args.child:  # a child: the parent merges this (and the first decode steps' logits, compared across sides)
+            Path(args.child).write_text(json.dumps(record, default=str))
+            if FIRST_LOGITS:
+                torch.save(dict(FIRST_LOGITS), Path(args.child).with_suffix(".logits.pt"))
+            return
         log(f"wrote {write_record(record, args.out)}")
+
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and device.type == "cuda")
+    if args.child:
+        isolate = False
+        side = "transformers" if not variants and not args.no_transformers else (variants or ["kernel"])[0]
+        if os.environ.get(FAULT_ENV) == side:
+            os.abort()  # (test hook: what a fatal CUDA fault does to the process)
 
     log(f"[text_decode] device={device} preset={preset} dtype={dtype_name} variants={variants} batches={batches} "
         f"new_tokens={new_tokens} context={context} budget={args.budget_s}s")
     t_build = time.time()
-    path = build_model(Path(tempfile.mkdtemp()) / f"qwen2-{preset}", args.seed, cfg)
-    record["build_s"] = round(time.time() - t_build, 1)
-    log(f"[text_decode] checkpoint built in {record['build_s']} s")
+    if args.model_path:
+        path = Path(args.model_path)
+    else:
+        path = build_model(Path(tempfile.mkdtemp()) / f"qwen2-{preset}", args.seed, cfg)
+        record["build_s"] = round(time.time() - t_build, 1)
+        log(f"[text_decode] checkpoint built in {record['build_s']} s")
+    if isolate:
+        record["isolation"] = "each side in its own child process (kernel, every omniloop variant, transformers)"
+        if "kernel" in sections and not kernel_ok:
+            record["kernel"] = {"skipped": f"the Triton kernel cannot run here: {pa.triton_unavailable(device)}"}
+        _run_children(args, path, variants, sections, budget, record, save, with_kernel="kernel" in sections and kernel_ok,
+                      batches_of={"throughput": batches, "reprefill": decode_batches})
+        save()
+        return 0
 
     if "kernel" in sections:
         if kernel_ok:
@@ -608,17 +790,23 @@ def main(argv: list[str] | None = None) -> int:
         save()
     hf = None
     try:
-        hf = hf_model(path, device, dtype)
+        if sections & {"throughput", "reprefill"}:
+            hf = hf_model(path, device, dtype)
     except Exception as exc:
         record["transformers_error"] = error_of(exc)
         traceback.print_exc()
+    with_hf = not args.no_transformers
+    both = {"throughput", "reprefill"} <= sections
+    # a child's share: throughput may use 60 % of it, so its re-prefill rows are not all skipped
+    tp_budget = Budget(args.budget_s * 0.6) if args.child and both else budget
     if "throughput" in sections and hf is not None:
         record["throughput"] = throughput(path, device, dtype_name, variants, batches, new_tokens, repeats, args.seed,
-                                          budget, hf)
+                                          tp_budget, hf, with_hf=with_hf)
         save()
     if "reprefill" in sections and hf is not None:
+        rp_budget = Budget(max(budget.left(), args.budget_s * 0.4)) if args.child and both else budget
         record["decode_vs_reprefill"] = decode_vs_reprefill(hf, device, variants, decode_batches, context, steps,
-                                                            args.seed, budget)
+                                                            args.seed, rp_budget, with_hf=with_hf)
         save()
     if device.type == "cuda":
         record["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

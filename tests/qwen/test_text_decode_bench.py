@@ -55,3 +55,24 @@ def test_spent_budget_records_skips(tmp_path, monkeypatch) -> None:
     (path,) = tmp_path.glob("text_decode-cpu-smoke-*.json")
     rec = json.loads(path.read_text())
     assert all(r.get("skipped") == "budget" for r in rec["throughput"] + rec["decode_vs_reprefill"])
+
+
+@pytest.mark.skipif(not BENCH.exists(), reason="bench/text_decode.py not in this checkout")
+def test_isolated_sides_survive_a_dead_child(tmp_path, monkeypatch) -> None:
+    """--isolate yes (the CUDA default): every side runs in its own child process; a child that dies
+    (os.abort, as a CUDA illegal memory access kills it) records an error for its side's rows and the
+    other sides still measure."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    bench = _load()
+    monkeypatch.setenv(bench.FAULT_ENV, "transformers")
+    assert bench.main(["--smoke", "--isolate", "yes", "--batches", "1", "--sections", "throughput,reprefill",
+                       "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("text_decode-cpu-smoke-*.json")
+    rec = json.loads(path.read_text())
+    assert set(rec["children"]) == {"omniloop_torch", "transformers"}
+    assert rec["children"]["omniloop_torch"]["rc"] == 0 and rec["children"]["transformers"]["rc"] != 0
+    (row,) = rec["throughput"]
+    assert row["omniloop_torch_tokens_per_s"] > 0 and "died" in row["transformers_error"], row
+    assert [r["batch"] for r in rec["decode_vs_reprefill"]] == [1, 2]
+    for row in rec["decode_vs_reprefill"]:
+        assert row["omniloop_torch_decode_ms"] > 0 and "died" in row["transformers_error"], row
