@@ -633,8 +633,9 @@ def _run_children(args: argparse.Namespace, path: Path, variants: list[str], sec
                 rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2500:]
             except subprocess.TimeoutExpired as exc:
                 rc, tail = "timeout", (str(exc.stdout or "") + str(exc.stderr or ""))[-2500:]
-            sys.stdout.write(tail if rc != 0 else "")
             info.update(rc=rc, seconds=round(time.time() - t0, 1))
+            log(f"[text_decode] child {side}: exit {rc} after {info['seconds']} s (budget {share:.0f} s); its output's tail:\n"
+                + tail[-1500:])
         sub = json.loads(out.read_text()) if out.exists() else {}
         logits = out.with_suffix(".logits.pt")
         if logits.exists():
@@ -680,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="model: 'tiny' (CPU default: hidden 256, 4 layers) or 'qwen2.5-0.5b' (CUDA default)")
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--variants", default=None,
-                    help="omniloop variants, comma-separated from triton,triton-graphs,torch (default: all three on "
+                    help="omniloop variants, comma-separated from triton,triton-graphs,torch, or none (default: all three on "
                          "CUDA; torch on CPU, plus triton under TRITON_INTERPRET=1)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--decode-batches", default=None, help="batches of the decode-vs-re-prefill section (default: --batches)")
