@@ -10,6 +10,6 @@ pools: e.g. the VAE decode in its own worker, overlapping other requests' denois
 """
 
 from .pool import ParallelRuntime, WorkerDied
-from .roles import RoleError, RolePoolRuntime, RoleWorker, RemoteStage, runtime_for
+from .roles import RemoteStage, RoleError, RolePoolRuntime, RoleWorker, runtime_for
 
 __all__ = ["ParallelRuntime", "RemoteStage", "RoleError", "RolePoolRuntime", "RoleWorker", "WorkerDied", "runtime_for"]
