@@ -52,5 +52,5 @@ def test_aging_lets_a_waiting_request_run(runtime: Any) -> None:
 def test_round_robin_is_the_default_and_unknown_orders_are_refused(runtime: Any) -> None:
     engine, _ = _run(runtime, [req(4, rid="a"), req(4, seed=1, rid="b", height=32)])
     assert _steps(engine)[:4] == ["a", "b", "a", "b"]
-    with pytest.raises(DeployError, match="scheduler_options.order"):
+    with pytest.raises(DeployError, match=r"scheduler_options\.order"):
         AsyncEngine(runtime, "step", order="shortest")
