@@ -181,7 +181,7 @@ class RoleWorker:
         self.proc: Any = None
         self._conn: Any = None
         self.load_error: str | None = None
-        self._spawned = self._spawn()
+        self._spawned: tuple[Any, Any] | None = self._spawn()
         if wait:
             self.wait_loaded()
 
