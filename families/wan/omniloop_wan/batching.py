@@ -31,25 +31,13 @@ import torch
 from omniloop.artifacts import Embeddings, Tensors
 from omniloop.context import StageContext
 from omniloop.loop import LoopState, RequestState, StepResult
+from omniloop_policies import forward_groups
+from omniloop_policies.stepping import batchable, begin_steps, finish_step, peek_plan, plan_together
 
-from .denoise import _check_index, _note_expert, split_rows, stack_inputs
+from .denoise import _note_expert, split_rows, stack_inputs
 
 if TYPE_CHECKING:
     from .denoise import Denoise
-
-
-def _pure_plan(pol: Any, step: Any, loop: LoopState) -> tuple[str, ...] | None:
-    """This step's branches for CFG policies whose plan depends only on the step, else None."""
-    from omniloop_policies import ClassicCFG, IntervalCFG
-
-    cfg = pol.cfg
-    state = pol.cfg_state(loop)
-    both = ("cond", "uncond")
-    if type(cfg) is ClassicCFG:
-        return both if state.enabled else ("cond",)
-    if type(cfg) is IntervalCFG:
-        return both if state.enabled and cfg.in_window(step) else ("cond",)
-    return None
 
 
 def _shape(t: torch.Tensor | None) -> tuple[Any, ...] | None:
@@ -58,17 +46,11 @@ def _shape(t: torch.Tensor | None) -> tuple[Any, ...] | None:
 
 def batch_key(stage: Denoise, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
     """Equal for requests whose next step may run as one batched forward, else None."""
-    if ctx.block_interceptor is not None or ctx.step_interceptors or ctx.block_taps is not None or ctx.taps_enabled:
+    got = batchable(ctx, state, loop)
+    if got is None:
         return None
-    if state.request.exact:
-        return None
-    pol = loop.policy_state.get("policies")
-    if pol is None or pol.done(loop):
-        return None
-    step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
-    if step.step_index != loop.step:
-        return None
-    plan = _pure_plan(pol, step, loop)
+    pol, step = got
+    plan = peek_plan(pol, step, loop)
     if plan is None:
         return None
     names = stage.policy_names(pol)
@@ -98,43 +80,31 @@ def step_batch(
 ) -> list[StepResult]:
     """One step of every request: one forward per forward group over all of them, then each
     request's own combine and scheduler step."""
-    from omniloop_policies import forward_groups
-
     if not loops:
         return []
     ctx0 = ctxs[0]
-    pols = [lp.policy_state["policies"] for lp in loops]
-    steps = [
-        pol.step_context(lp, request_id=st.request.request_id, node=ctx.node.name)
-        for pol, lp, st, ctx in zip(pols, loops, states, ctxs, strict=True)
-    ]
-    for lp, s in zip(loops, steps, strict=True):
-        _check_index(lp, s)
+    pols, steps = begin_steps(ctxs, states, loops)
     experts = {s.expert for s in steps}
     if len(experts) != 1:
         raise RuntimeError(f"step_batch: requests route to different experts {sorted(map(str, experts))}")
     expert = steps[0].expert
     assert expert is not None
-    plans = [pol.plan(s, lp) for pol, s, lp in zip(pols, steps, loops, strict=True)]
-    if len(set(plans)) != 1:
-        raise RuntimeError(f"step_batch: requests plan different branches {plans}")
+    plan = plan_together(pols, steps, loops)
     dtype = pols[0].precision.dtype_for(expert)
-    results: list[StepResult] = []
     with torch.no_grad():
         inputs = [
             stage.step_inputs(st, lp.tensors["latents"], pol.timestep(lp), dtype)
             for st, lp, pol in zip(states, loops, pols, strict=True)
         ]
         preds: list[dict[str, torch.Tensor]] = [{} for _ in loops]
-        for group in forward_groups(pols[0].cfg, plans[0]):
+        for group in forward_groups(pols[0].cfg, plan):
             out = stage.forward(ctx0, expert, stack_inputs(inputs, group), None)
             for mine, parts in zip(preds, split_rows(out, inputs, group), strict=True):
                 mine.update(parts)
-        for pol, s, lp, mine in zip(pols, steps, loops, preds, strict=True):
-            guided = pol.combine(s, lp, mine)
-            lp.tensors["latents"] = pol.advance(s, lp, guided, lp.tensors["latents"])
-            _note_expert(lp, expert)
-            results.append(StepResult(done=pol.done(lp)))
+    results: list[StepResult] = []
+    for pol, s, lp, mine in zip(pols, steps, loops, preds, strict=True):
+        _note_expert(lp, expert)
+        results.append(finish_step(None, pol, s, lp, mine))
     return results
 
 
