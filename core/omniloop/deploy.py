@@ -155,6 +155,28 @@ def deploy_from_dict(data: Mapping[str, Any], source: str = "deploy config") -> 
     return cfg
 
 
+def check_in_process(deploy: DeployConfig, front_end: str) -> None:
+    """Refuse, with one :class:`DeployError`, a deploy that an in-process engine cannot drive.
+
+    Front ends built on an async engine that steps one :class:`~omniloop.runtime.Runtime`'s
+    executions in their own process (``omniloop serve``, the Dynamo worker) call this on the deploy
+    before any weights load. Refused: a composed deploy (``pipeline`` / ``models``: one runtime per
+    role) and ``parallel`` above one process (omniloop-parallel's SPMD pool runs each request in its
+    workers, one at a time). A ``placement`` deploy (role pools) is fine: its runtime is a Runtime.
+    """
+    if deploy.pipeline is not None or deploy.models:
+        raise DeployError(
+            f"pipeline: {front_end} cannot serve a composed deploy (pipeline {deploy.pipeline!r}) yet: its "
+            "step/serial engine drives one model's execution, a composed deploy runs one runtime per role; "
+            "use `omniloop generate --deploy` or Runtime.from_deploy(...) in Python")
+    if deploy.parallel.world_size > 1:
+        p = deploy.parallel
+        raise DeployError(
+            f"parallel: {front_end} cannot serve a parallel deploy (sp {p.sp}, cfg {p.cfg}) yet: its engine steps "
+            "requests in this process, the worker pool runs them in its workers; use `omniloop generate --deploy` "
+            "or omniloop_parallel.ParallelRuntime in Python")
+
+
 def load_deploy(source: str | os.PathLike[str] | Mapping[str, Any] | DeployConfig) -> DeployConfig:
     """Load a deploy config from a file (``.yaml``/``.yml``/``.toml``/``.json``), a dict, or pass one through."""
     if isinstance(source, DeployConfig):

@@ -212,10 +212,13 @@ class OmniloopDynamoWorker:
         await self._drained.wait() if self._draining else None
 
     def _load_runtime(self) -> Any:
+        from omniloop.deploy import check_in_process, load_deploy
         from omniloop.runtime import Runtime
 
         manager = _load_object(self.options.manager_factory)() if self.options.manager_factory else None
-        return Runtime.from_deploy(self.options.deploy, manager=manager)
+        deploy = load_deploy(self.options.deploy)
+        check_in_process(deploy, "the omniloop Dynamo worker")  # before any weights load
+        return Runtime.from_deploy(deploy, manager=manager)
 
     def _setup_model_facts(self) -> None:
         rt = self.runtime

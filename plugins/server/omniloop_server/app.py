@@ -53,7 +53,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from omniloop.errors import DeployError, RequestError
+from omniloop.errors import RequestError
 from omniloop.request import TaskType
 from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, QueueFull
 
@@ -99,34 +99,13 @@ def error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def refuse_composed(deploy: Any) -> None:
-    """A composed deploy (``pipeline`` + ``models`` by role) cannot be served yet: the async engine
-    drives one runtime's execution (``Runtime.prepare`` → step pool), and a composed runtime runs
-    its nodes through one runtime per role. Refused with one message (before weights load when
-    called on the deploy file by ``omniloop serve``)."""
-    from omniloop.compose import is_composed
-    from omniloop.deploy import DeployConfig
+def refuse_in_process(deploy: Any) -> None:
+    """What ``omniloop serve`` cannot drive in its process (a composed or a parallel deploy), refused
+    with one message — :func:`omniloop.deploy.check_in_process`, shared with the Dynamo worker."""
+    from omniloop.deploy import DeployConfig, check_in_process
 
-    if isinstance(deploy, DeployConfig) and is_composed(deploy):
-        raise DeployError(
-            f"pipeline: omniloop serve cannot serve a composed deploy (pipeline {deploy.pipeline!r}) yet: its "
-            "step/serial engine drives one model's execution, a composed deploy runs one runtime per role; "
-            "use `omniloop generate --deploy` or Runtime.from_deploy(...) in Python")
-
-
-def refuse_parallel(deploy: Any) -> None:
-    """A deploy with ``parallel`` above one process cannot be served yet: the async engine drives
-    executions in the server's process, the SPMD pool (omniloop-parallel's ParallelRuntime) runs a
-    request in its workers, one at a time. Refused with one message before weights load. (A deploy
-    with ``placement`` — role pools — is served: its runtime is a Runtime.)"""
-    from omniloop.deploy import DeployConfig
-
-    if isinstance(deploy, DeployConfig) and deploy.parallel.world_size > 1:
-        p = deploy.parallel
-        raise DeployError(
-            f"parallel: omniloop serve cannot serve a parallel deploy (sp {p.sp}, cfg {p.cfg}) yet: its engine steps "
-            "requests in this process, the worker pool runs them in its workers; use `omniloop generate --deploy` "
-            "or omniloop_parallel.ParallelRuntime in Python")
+    if isinstance(deploy, DeployConfig):
+        check_in_process(deploy, "omniloop serve")
 
 
 class ServerState:
@@ -287,7 +266,7 @@ def create_app(
     may still finish when the server stops (then they are cancelled). ``poll_after_ms``: the
     ``openai-poll-after-ms`` hint the SDK's ``poll()`` follows.
     """
-    refuse_composed(runtime.deploy)
+    refuse_in_process(runtime.deploy)
     sched = scheduler or (runtime.deploy.scheduler if runtime.deploy.scheduler in ("step", "serial") else "step")
     engine = AsyncEngine(runtime, sched, **(engine_options or {}))
     out = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="omniloop-jobs-"))

@@ -62,12 +62,9 @@ def make_serve_command(manager: Any = None) -> click.Command:
         from .app import create_app
 
         try:
-            from omniloop.deploy import load_deploy
+            from omniloop.deploy import check_in_process, load_deploy
 
-            from .app import refuse_composed, refuse_parallel
-
-            refuse_composed(load_deploy(deploy_path))  # before any weights load
-            refuse_parallel(load_deploy(deploy_path))
+            check_in_process(load_deploy(deploy_path), "omniloop serve")  # before any weights load
             runtime = Runtime.from_deploy(deploy_path, manager=manager)
             app = create_app(runtime, output_dir=output_dir, scheduler=scheduler, shutdown_timeout=shutdown_timeout)
         except OmniloopError as exc:
