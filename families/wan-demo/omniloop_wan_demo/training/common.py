@@ -1,5 +1,6 @@
 """Shared pieces of the demo recipe: vocabulary/tokenizer, model configs, text encoding exactly as
-diffusers' ``WanPipeline`` does it, pipeline assembly and checkpoint I/O.
+diffusers' ``WanPipeline`` does it, the training loop's learning-rate schedule, batch sampling and
+optimizer step, pipeline assembly and checkpoint I/O.
 
 Heavy imports (torch, diffusers, transformers) happen inside functions so that importing this
 module stays cheap.
@@ -194,6 +195,51 @@ def encode_tokens(text_encoder, ids, mask, pad_to: int):
     if emb.shape[1] < pad_to:
         emb = torch.cat([emb, emb.new_zeros(emb.shape[0], pad_to - emb.shape[1], emb.shape[2])], dim=1)
     return emb[:, :pad_to]
+
+
+# ------------------------------------------------------------------------------------------
+# Training-loop pieces (train_dit and train_causal)
+# ------------------------------------------------------------------------------------------
+
+
+def schedule_lr(opt, lr: float, *, step: int, elapsed: float, budget_s: float, max_steps: int | None,
+                warmup: int, decay_frac: float) -> None:
+    """Set every param group's learning rate: linear warm-up over ``warmup`` steps, flat, then a
+    linear decay over the last ``decay_frac`` of the run (floored at 0.1x). The run's progress is
+    ``step / max_steps`` when a step count is set, else ``elapsed / budget_s``."""
+    frac = elapsed / budget_s if max_steps is None else step / max_steps
+    w = min(1.0, (step + 1) / warmup)
+    dec = 1.0 if frac < 1 - decay_frac else max(0.1, (1 - frac) / decay_frac)
+    for g in opt.param_groups:
+        g["lr"] = lr * w * dec
+
+
+def sample_batch(lat, pid, batch: int, *, uncond: int, cfg_drop: float, gen, device: str):
+    """``(x0, prompt ids, pad_to)``: ``batch`` latents and their prompt ids drawn with replacement,
+    each id replaced by ``uncond`` with probability ``cfg_drop``, and the text length to pad to
+    (512 as the pipeline pads, half the time; else 8 to 64 tokens). Draws from ``gen`` in a fixed
+    order, so a seeded run is reproducible."""
+    import torch
+
+    idx = torch.randint(0, lat.shape[0], (batch,), device=device, generator=gen)
+    x0 = lat[idx]
+    p = pid[idx]
+    drop = torch.rand(batch, device=device, generator=gen) < cfg_drop
+    p = torch.where(drop, torch.full_like(p, uncond), p)
+    pad_to = 512 if torch.rand((), generator=gen, device=device).item() < 0.5 else int(
+        torch.randint(8, 65, (), generator=gen, device=device).item())
+    return x0, p, pad_to
+
+
+def optimizer_step(opt, params, loss, ema, ema_step: int) -> None:
+    """Backward ``loss``, clip the gradient norm of ``params`` to 1, step ``opt`` and update the EMA."""
+    import torch
+
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    ema.update(ema_step)
 
 
 # ------------------------------------------------------------------------------------------

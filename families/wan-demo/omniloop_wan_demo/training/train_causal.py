@@ -55,7 +55,7 @@ import torch
 
 from ..checkpoint_path import CAUSAL_ROLLOUT_OPTIONS, CAUSAL_SHARED, causal_checkpoint_dir, checkpoint_dir
 from ..data import all_prompts
-from .common import FLOW_SHIFT, encode_tokens, tokenize
+from .common import FLOW_SHIFT, encode_tokens, optimizer_step, sample_batch, schedule_lr, tokenize
 from .train_dit import EMA, encode_dataset, sample_sigmas
 
 PROMPTS = all_prompts()
@@ -186,7 +186,6 @@ def train_causal(
     params = [p for p in tf.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01)
     gen = torch.Generator(device).manual_seed(seed + 4242)
-    n = lat.shape[0]
 
     t0 = time.perf_counter()
     step = 0
@@ -196,19 +195,9 @@ def train_causal(
         el = time.perf_counter() - t0
         if el >= budget_s or (max_steps is not None and step >= max_steps):
             break
-        frac = el / budget_s if max_steps is None else step / max_steps
-        w = min(1.0, (step + 1) / warmup)
-        dec = 1.0 if frac < 1 - decay_frac else max(0.1, (1 - frac) / decay_frac)
-        for g in opt.param_groups:
-            g["lr"] = lr * w * dec
-
-        idx = torch.randint(0, n, (batch,), device=device, generator=gen)
-        x0 = lat[idx]
-        p = pid[idx]
-        drop = torch.rand(batch, device=device, generator=gen) < cfg_drop
-        p = torch.where(drop, torch.full_like(p, uncond), p)
-        pad_to = 512 if torch.rand((), generator=gen, device=device).item() < 0.5 else int(
-            torch.randint(8, 65, (), generator=gen, device=device).item())
+        schedule_lr(opt, lr, step=step, elapsed=el, budget_s=budget_s, max_steps=max_steps, warmup=warmup,
+                    decay_frac=decay_frac)
+        x0, p, pad_to = sample_batch(lat, pid, batch, uncond=uncond, cfg_drop=cfg_drop, gen=gen, device=device)
         emb = table[p][:, :pad_to]
         s = sample_sigmas(batch * n_chunks, mode="logit_normal", shift=shift, device=device, gen=gen).view(batch, n_chunks)
         noise = torch.randn(x0.shape, device=device, generator=gen)
@@ -218,11 +207,7 @@ def train_causal(
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             pred = teacher_forcing_forward(tf, x0, xt, s, emb, chunk_frames, mask)
         loss = torch.nn.functional.mse_loss(pred.float(), target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        ema.update(step)
+        optimizer_step(opt, params, loss, ema, step)
         run_loss += loss.detach()
         run_n += 1
         step += 1

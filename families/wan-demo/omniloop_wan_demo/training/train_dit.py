@@ -45,8 +45,11 @@ from .common import (
     encode_tokens,
     load_split,
     load_tokenizer,
+    optimizer_step,
     param_count,
+    sample_batch,
     save_split,
+    schedule_lr,
     tokenize,
 )
 
@@ -201,7 +204,6 @@ def train_dit(
     ids, mask = ids.to(device), mask.to(device)
     uncond = len(PROMPTS)
     gen = torch.Generator(device).manual_seed(seed + 1000 + start_step)
-    n = lat.shape[0]
 
     t0 = time.perf_counter()
     last_eval = t0
@@ -212,18 +214,9 @@ def train_dit(
         el = time.perf_counter() - t0
         if el >= seconds or (max_steps is not None and step >= max_steps):
             break
-        frac = el / seconds if max_steps is None else step / max_steps
-        w = min(1.0, (step + 1) / warmup)
-        dec = 1.0 if frac < 1 - decay_frac else max(0.1, (1 - frac) / decay_frac)
-        for g in opt.param_groups:
-            g["lr"] = lr * w * dec
-
-        idx = torch.randint(0, n, (batch,), device=device, generator=gen)
-        x0 = lat[idx]
-        p = pid[idx]
-        drop = torch.rand(batch, device=device, generator=gen) < cfg_drop
-        p = torch.where(drop, torch.full_like(p, uncond), p)
-        pad_to = 512 if torch.rand((), generator=gen, device=device).item() < 0.5 else int(torch.randint(8, 65, (), generator=gen, device=device).item())
+        schedule_lr(opt, lr, step=step, elapsed=el, budget_s=seconds, max_steps=max_steps, warmup=warmup,
+                    decay_frac=decay_frac)
+        x0, p, pad_to = sample_batch(lat, pid, batch, uncond=uncond, cfg_drop=cfg_drop, gen=gen, device=device)
         s = sample_sigmas(batch, mode=timestep_sampling, shift=shift, device=device, gen=gen)
         noise = torch.randn(x0.shape, device=device, generator=gen)
         sb = s.view(-1, 1, 1, 1, 1)
@@ -233,11 +226,7 @@ def train_dit(
             emb = encode_tokens(text_encoder, ids[p], mask[p], pad_to)
             pred = transformer(hidden_states=xt, timestep=s * 1000.0, encoder_hidden_states=emb, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred.float(), target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        ema.update(start_step + step)
+        optimizer_step(opt, params, loss, ema, start_step + step)
         run_loss += loss.detach()
         run_n += 1
         step += 1
