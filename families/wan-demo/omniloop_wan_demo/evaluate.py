@@ -255,6 +255,17 @@ class DiffusersGenerator:
         return out
 
 
+def _t2v_request(prompt: str, seed: int, steps: int, guidance_scale: float, frames: int, height: int,
+                 width: int) -> dict[str, Any]:
+    """The omniloop request of one clip (the runtime generators')."""
+    return {
+        "task": "t2v",
+        "inputs": [{"type": "text", "text": prompt}],
+        "diffusion": {"steps": int(steps), "guidance_scale": float(guidance_scale), "seed": int(seed),
+                      "frames": frames, "height": height, "width": width},
+    }
+
+
 class RuntimeGenerator:
     """Generation through omniloop's runtime (``Runtime.from_model(model)``), one request per clip."""
 
@@ -270,19 +281,7 @@ class RuntimeGenerator:
     def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
         out = []
         for p, s in zip(prompts, seeds, strict=True):
-            request = {
-                "task": "t2v",
-                "inputs": [{"type": "text", "text": p}],
-                "diffusion": {
-                    "steps": int(steps),
-                    "guidance_scale": float(guidance_scale),
-                    "seed": int(s),
-                    "frames": self.frames,
-                    "height": self.height,
-                    "width": self.width,
-                },
-            }
-            output = self.runtime.generate(request)
+            output = self.runtime.generate(_t2v_request(p, s, steps, guidance_scale, self.frames, self.height, self.width))
             if not output.ok:
                 raise RuntimeError(f"runtime failed on {p!r}: {output.error}")
             video = output.artifacts["video"]
@@ -362,13 +361,8 @@ class StreamingRuntimeGenerator:
     def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
         out = []
         for p, s in zip(prompts, seeds, strict=True):
-            request = {
-                "task": "t2v",
-                "inputs": [{"type": "text", "text": p}],
-                "diffusion": {"steps": int(steps), "guidance_scale": float(guidance_scale), "seed": int(s),
-                              "frames": self.frames, "height": self.height, "width": self.width},
-                "outputs": {"stream_partial": True},
-            }
+            request = _t2v_request(p, s, steps, guidance_scale, self.frames, self.height, self.width)
+            request["outputs"] = {"stream_partial": True}
             chunks: list[np.ndarray] = []
             final = None
             t0 = time.perf_counter()
