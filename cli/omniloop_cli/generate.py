@@ -386,23 +386,33 @@ def load_runtime(deploy: Any, manager: Any) -> Any:
     return Runtime.from_deploy(deploy, manager=manager)
 
 
+def _follow(events: Any, status: Any, frame_stream: Any, announce: Any = None) -> Any:
+    """Drain a runtime's event stream: each loop step on the ``status`` line (``node: step i/n``;
+    only progress events carry ``total``), each event to ``frame_stream`` when one is open; an
+    event ``announce(event)`` handles (returns True) skips the status line. The output of the last
+    event that carries one."""
+    output = None
+    for event in events:
+        if announce is not None and announce(event):
+            pass
+        elif event.step is not None and event.total:
+            status.update(f"{event.node}: step {event.step}/{event.total}")
+        if frame_stream is not None:
+            frame_stream.update(event)
+        if event.output is not None:
+            output = event.output
+    assert output is not None
+    return output
+
+
 def _run_one(runtime: Any, request: Any, err: Any, frame_stream: Any) -> Any:
     """Run ``request``: node by node with progress bars on a runtime that prepares executions here,
     else (the SPMD pool: rank 0 runs it) through ``runtime.stream`` with a status line."""
     from .progress import RunProgress
 
     if not callable(getattr(runtime, "prepare", None)):
-        output = None
         with err.status("running on the worker pool ...") as status:
-            for event in runtime.stream(request):
-                if event.step is not None and event.total:
-                    status.update(f"{event.node}: step {event.step}/{event.total}")
-                if frame_stream is not None:
-                    frame_stream.update(event)
-                if event.output is not None:
-                    output = event.output
-        assert output is not None
-        return output
+            return _follow(runtime.stream(request), status, frame_stream)
     execution = runtime.prepare(request)
     # 3. run, with progress per node and per step
     output = None
@@ -437,17 +447,13 @@ def _run_composed(ctx: click.Context, deploy: Any, request: Any, err: Any, frame
     with err.status("loading models ..."):
         runtime = ComposedRuntime(deploy, manager=get_manager(ctx))
     load_seconds = time.perf_counter() - t0
-    output = None
+
+    def announce(event: Any) -> bool:
+        if event.kind is EventKind.PROGRESS and isinstance(event.value, Text) and not as_json:
+            err.print(f"{event.node} wrote {event.artifact}: {event.value.text}", highlight=False, markup=False)
+            return True
+        return False
+
     with err.status("running ...") as status:
-        for event in runtime.stream(request):
-            if event.kind is EventKind.PROGRESS:
-                if isinstance(event.value, Text) and not as_json:
-                    err.print(f"{event.node} wrote {event.artifact}: {event.value.text}", highlight=False, markup=False)
-                elif event.step is not None and event.total:
-                    status.update(f"{event.node}: step {event.step}/{event.total}")
-            if frame_stream is not None:
-                frame_stream.update(event)
-            if event.output is not None:
-                output = event.output
-    assert output is not None
+        output = _follow(runtime.stream(request), status, frame_stream, announce)
     return runtime, output, load_seconds
