@@ -17,7 +17,6 @@ from omniloop.errors import RequestError
 from omniloop.request import Status
 from omniloop.runtime import Runtime
 from omniloop_parallel import ParallelRuntime
-from omniloop_parallel.testing import wan_manager
 
 from .conftest import MANAGER, wan_request
 
@@ -25,28 +24,6 @@ from .conftest import MANAGER, wan_request
 #: multiply L/2-row instead of L-row matrices, which the BLAS may sum in another order. Observed 0.0
 #: on the tiny model (torch 2.13 CPU); the contract is this bound.
 SP_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def reference(wan_ckpt):
-    """Single-process outputs, one thread like the workers (CPU BLAS results depend on the thread count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rt = Runtime.from_model(wan_ckpt, manager=wan_manager())
-        cache: dict = {}
-
-        def get(**kw):
-            key = tuple(sorted(kw.items()))
-            if key not in cache:
-                out = rt.generate(wan_request(**kw))
-                assert out.ok, out.error
-                cache[key] = out
-            return cache[key]
-
-        yield get
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _pool(ckpt, **parallel):

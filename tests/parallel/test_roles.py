@@ -30,27 +30,6 @@ def _deploy(ckpt, placement, **extra):
 
 
 @pytest.fixture(scope="module")
-def reference(wan_ckpt):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the role worker's thread count: CPU BLAS sums depend on it
-    try:
-        rt = Runtime.from_model(wan_ckpt, manager=wan_manager())
-        cache: dict = {}
-
-        def get(**kw):
-            key = tuple(sorted(kw.items()))
-            if key not in cache:
-                out = rt.generate(wan_request(**kw))
-                assert out.ok, out.error
-                cache[key] = out
-            return cache[key]
-
-        yield get
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def roles(wan_ckpt):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
