@@ -1,8 +1,9 @@
 """Deploy ``offload: model | sequential`` on the tiny FLUX.1 checkpoint (omniloop.offload).
 
-CPU: storage and execution device are both ``cpu``; :class:`omniloop.offload.PoisonMover` makes an
-evicted weight NaN, so an output ``torch.equal`` to the unoffloaded runtime's means every weight
-was loaded when it computed. Sequential streams the double- then single-stream blocks as one stack.
+CPU: storage and execution device are both ``cpu``; :func:`omniloop.testing.offload.offload_run`
+runs under :class:`omniloop.offload.PoisonMover` (an evicted weight is NaN), so an output
+``torch.equal`` to the unoffloaded runtime's means every weight was loaded when it computed.
+Sequential streams the double- then single-stream blocks as one stack.
 """
 
 from __future__ import annotations
@@ -10,22 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omniloop.offload import PoisonMover, install
 from omniloop.runtime import Runtime
+from omniloop.testing.offload import offload_run
 
 from .conftest import flux_manager, t2i
 
 
 @pytest.mark.parametrize("mode", ["model", "sequential"])
 def test_flux_offload_equals_no_offload(flux_ckpt, mode: str) -> None:
-    ref = Runtime.from_model(flux_ckpt(), manager=flux_manager()).generate(t2i())
-    rt = Runtime.from_model(flux_ckpt(), manager=flux_manager(), offload=mode)
-    trace: list = []
-    rt.offload.remove()
-    rt.offload = install(rt.model, rt.family, mode, rt.device, mover=PoisonMover(rt.device), trace=trace)
-    rt._pipelines.clear()
-    out = rt.generate(t2i())
-    assert out.status.value == "completed", out.error
+    rt, out, ref, trace = offload_run(lambda **kw: Runtime.from_model(flux_ckpt(), manager=flux_manager(), **kw), t2i, mode)
     assert torch.equal(out.artifacts["latents"].tensor, ref.artifacts["latents"].tensor)
     assert torch.equal(out.artifacts["image"].pixels, ref.artifacts["image"].pixels)
     runs = [(name, res) for ev, name, res in trace if ev == "run" and name.startswith("transformer.")]
