@@ -3,23 +3,15 @@ trained wan-demo checkpoint at 4 steps (the script does not rot)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from omniloop.testing.scripts import load_script, run_script
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "cache_demo.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("cache_demo_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _checkpoint_installed() -> bool:
@@ -39,7 +31,7 @@ def _pair() -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/cache_demo.py not in this checkout")
 def test_ssim_psnr_match_scikit_image():
-    mod = _load()
+    mod = load_script(BENCH)
     c, d = _pair()
     # scikit-image 0.26: mean over frames of structural_similarity(c[t], d[t], gaussian_weights=True,
     # sigma=1.5, use_sample_covariance=False, data_range=255, channel_axis=-1); peak_signal_noise_ratio
@@ -52,7 +44,7 @@ def test_ssim_psnr_match_scikit_image():
 
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/cache_demo.py not in this checkout")
 def test_setting_tags():
-    mod = _load()
+    mod = load_script(BENCH)
     assert mod.parse_setting("baseline") == (None, {})
     assert mod.parse_setting("cache-dit:F1B0_R0.2_W2_T1") == (
         "cache-dit",
@@ -84,10 +76,7 @@ def test_setting_tags():
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/cache_demo.py not in this checkout")
 @pytest.mark.skipif(not _checkpoint_installed(), reason="omniloop_wan_demo's checkpoint is not installed")
 def test_cache_demo_smoke(tmp_path):
-    mod = _load()
-    assert mod.main(["--smoke", "--steps", "4", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("cache_demo-*-smoke.json")
-    doc = json.loads(path.read_text())
+    doc = run_script(BENCH, ["--smoke", "--steps", "4"], tmp_path, "cache_demo-*-smoke.json")
     assert doc["command"].startswith("python bench/cache_demo.py --smoke")
     assert doc["clips"] == 2 and doc["machine"]["torch_threads"] >= 1
     base, cached = doc["settings"]

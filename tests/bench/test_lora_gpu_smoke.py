@@ -4,24 +4,20 @@ record is complete — and that switching adapters under compile made no new gra
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from pathlib import Path
 
 import pytest
+
+from omniloop.testing.scripts import load_script, run_script
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "lora_gpu.py"
 
 
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/lora_gpu.py not in this checkout")
 def test_lora_gpu_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("lora_gpu_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--smoke", "--repeats", "2", "--forwards", "1", "--rank", "4", "--compile", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("lora_gpu-*-smoke.json")
-    rec = json.loads(path.read_text())
+    mod = load_script(BENCH)
+    rec = run_script(mod, ["--smoke", "--repeats", "2", "--forwards", "1", "--rank", "4", "--compile"], tmp_path,
+                     "lora_gpu-*-smoke.json")
     assert rec["command"].startswith("python bench/lora_gpu.py --smoke")
     res = rec["results"]
     assert set(res["s_per_forward_median"]) == {"base", "hooked-idle", "unfused", "unfused-x2", "fused",

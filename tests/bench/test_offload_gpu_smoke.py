@@ -3,11 +3,11 @@ No timing is asserted; every mode ran, the record is complete, offloaded latents
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from pathlib import Path
 
 import pytest
+
+from omniloop.testing.scripts import run_script
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "offload_gpu.py"
 
@@ -15,14 +15,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "offload_gpu.py"
 @pytest.mark.slow
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/offload_gpu.py not in this checkout")
 def test_offload_gpu_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("offload_gpu_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     modes = ["sequential", "none", "model", "sequential-nooverlap"]  # none is run first whatever the order
-    assert mod.main(["--smoke", "--steps", "3", "--modes", *modes, "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("offload_gpu-smoke-*-smoke.json")
-    rec = json.loads(path.read_text())
+    rec = run_script(BENCH, ["--smoke", "--steps", "3", "--modes", *modes], tmp_path, "offload_gpu-smoke-*-smoke.json")
     assert rec["command"].startswith("python bench/offload_gpu.py --smoke")
     rows = rec["results"]["smoke"]["modes"]
     assert list(rows) == ["none", "sequential", "model", "sequential-nooverlap"]

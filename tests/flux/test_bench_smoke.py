@@ -3,11 +3,11 @@ the script does not rot, and its omniloop sides equal diffusers' bit for bit."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from pathlib import Path
 
 import pytest
+
+from omniloop.testing.scripts import run_script
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "flux_gpu.py"
 
@@ -15,15 +15,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "flux_gpu.py"
 @pytest.mark.slow
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/flux_gpu.py not in this checkout")
 def test_flux_gpu_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("flux_gpu_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    argv = ["--smoke", "--device", "cpu", "--steps", "3", "--repeats", "1", "--compile-backend", "eager",
-            "--out", str(tmp_path)]
-    assert mod.main(argv) == 0
-    (path,) = tmp_path.glob("flux_gpu-*-smoke-*.json")
-    rec = json.loads(path.read_text())
+    argv = ["--smoke", "--device", "cpu", "--steps", "3", "--repeats", "1", "--compile-backend", "eager"]
+    rec = run_script(BENCH, argv, tmp_path, "flux_gpu-*-smoke-*.json")
     assert rec["command"].startswith("python bench/flux_gpu.py --smoke")
     assert set(rec["results"]) == {"diffusers", "diffusers-compile", "omniloop", "omniloop-compile"}
     assert all(r["s_per_step"] > 0 for r in rec["results"].values())

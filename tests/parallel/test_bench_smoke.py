@@ -4,24 +4,18 @@ ran on both ranks and the record is complete — and that cfg and sp predictions
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from pathlib import Path
 
 import pytest
+
+from omniloop.testing.scripts import run_script
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "parallel_gpu.py"
 
 
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/parallel_gpu.py not in this checkout")
 def test_parallel_gpu_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("parallel_gpu_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--smoke", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("parallel_gpu-*-smoke.json")
-    rec = json.loads(path.read_text())
+    rec = run_script(BENCH, ["--smoke", "--repeats", "2", "--warmup", "1"], tmp_path, "parallel_gpu-*-smoke.json")
     assert rec["command"].startswith("python bench/parallel_gpu.py --smoke")
     res = rec["results"]["smoke"]
     assert set(res["s_per_step_median"]) == {"single", "cfg", "sp", "sp-g1"}  # sp-g1: one head group (5f5d779)

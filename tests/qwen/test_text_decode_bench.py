@@ -3,11 +3,11 @@ its rows, the CUDA-only kernel section says why it was skipped, a spent budget s
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from pathlib import Path
 
 import pytest
+
+from omniloop.testing.scripts import load_script, run_script
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "text_decode.py"
 
@@ -21,21 +21,11 @@ def _keep_threads():
     torch.set_num_threads(n)
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("text_decode_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/text_decode.py not in this checkout")
 def test_smoke_writes_every_section(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch backend only: seconds
-    bench = _load()
-    assert bench.main(["--smoke", "--preset", "qwen2.5-0.5b", "--batches", "1,2", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("text_decode-cpu-qwen2.5-0.5b-smoke-*.json")
-    rec = json.loads(path.read_text())
+    rec = run_script(BENCH, ["--smoke", "--preset", "qwen2.5-0.5b", "--batches", "1,2"], tmp_path,
+                     "text_decode-cpu-qwen2.5-0.5b-smoke-*.json")
     assert rec["variants"] == ["torch"] and rec["model"]["num_attention_heads"] == 14
     assert "cannot run here" in rec["kernel"]["skipped"]
     assert [r["batch"] for r in rec["throughput"]] == [1, 2]
@@ -50,10 +40,8 @@ def test_smoke_writes_every_section(tmp_path, monkeypatch) -> None:
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/text_decode.py not in this checkout")
 def test_spent_budget_records_skips(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    bench = _load()
-    assert bench.main(["--smoke", "--budget-s", "0", "--sections", "throughput,reprefill", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("text_decode-cpu-smoke-*.json")
-    rec = json.loads(path.read_text())
+    rec = run_script(BENCH, ["--smoke", "--budget-s", "0", "--sections", "throughput,reprefill"], tmp_path,
+                     "text_decode-cpu-smoke-*.json")
     assert all(r.get("skipped") == "budget" for r in rec["throughput"] + rec["decode_vs_reprefill"])
 
 
@@ -63,12 +51,10 @@ def test_isolated_sides_survive_a_dead_child(tmp_path, monkeypatch) -> None:
     (os.abort, as a CUDA illegal memory access kills it) records an error for its side's rows and the
     other sides still measure."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    bench = _load()
+    bench = load_script(BENCH)
     monkeypatch.setenv(bench.FAULT_ENV, "transformers")
-    assert bench.main(["--smoke", "--isolate", "yes", "--batches", "1", "--sections", "throughput,reprefill",
-                       "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("text_decode-cpu-smoke-*.json")
-    rec = json.loads(path.read_text())
+    rec = run_script(bench, ["--smoke", "--isolate", "yes", "--batches", "1", "--sections", "throughput,reprefill"],
+                     tmp_path, "text_decode-cpu-smoke-*.json")
     assert set(rec["children"]) == {"omniloop_torch", "transformers"}
     assert rec["children"]["omniloop_torch"]["rc"] == 0 and rec["children"]["transformers"]["rc"] != 0
     (row,) = rec["throughput"]

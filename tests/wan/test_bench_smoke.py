@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from pathlib import Path
 
 import pytest
+
+from omniloop.testing.scripts import run_script
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "wan_gpu.py"
 
 
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/wan_gpu.py not in this checkout")
 def test_wan_gpu_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("wan_gpu_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     only = "omniloop-sdpa-compile-batched,diffusers,omniloop-sdpa,omniloop-cudnn"
-    assert mod.main(["--smoke", "--out", str(tmp_path), "--only", only]) == 0
-    (path,) = tmp_path.glob("wan_gpu-*-smoke.json")
-    rec = json.loads(path.read_text())
+    rec = run_script(BENCH, ["--smoke", "--only", only], tmp_path, "wan_gpu-*-smoke.json")
     assert rec["command"].startswith("python bench/wan_gpu.py --smoke")
     rows = {(r["model"], r["config"]): r for r in rec["results"]}
     assert [c for m, c in rows if m == "1.3b"] == ["diffusers", "omniloop-sdpa-compile-batched", "omniloop-sdpa",
