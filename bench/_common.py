@@ -32,6 +32,8 @@ CFG_13B = dict(
     text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
 )
+#: Wan2.1 T2V 14B transformer (the 1.3B's layout, wider and deeper)
+CFG_14B = dict(CFG_13B, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40)
 #: a UMT5-XXL-sized text encoder
 UMT5_XXL = dict(
     vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,

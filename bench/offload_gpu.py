@@ -60,6 +60,7 @@ _repo_paths.add_repo_packages()
 
 from _common import (  # noqa: E402
     CFG_13B,
+    CFG_14B,
     SMOKE_TE,
     SMOKE_TF,
     SMOKE_VAE,
@@ -72,7 +73,6 @@ from _common import (  # noqa: E402
     wan_components,
 )
 
-CFG_14B = dict(CFG_13B, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40)
 ARCHS: dict[str, dict[str, Any]] = {"1.3B": CFG_13B, "14B": CFG_14B}
 MODES = ("none", "model", "sequential", "sequential-nooverlap")
 SEED = 42

@@ -75,6 +75,7 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 from _common import (  # noqa: E402
     CFG_13B,
+    CFG_14B,
     GUIDANCE,
     SMOKE_TE,
     SMOKE_TF,
@@ -91,7 +92,6 @@ from _common import (  # noqa: E402
     wan_pipeline,
 )
 
-CFG_14B = dict(CFG_13B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
 SMOKE_TF_14B = dict(SMOKE_TF, num_attention_heads=4, ffn_dim=48, num_layers=3)
 
 SEED = 42
