@@ -45,9 +45,8 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import CFG_13B, SMOKE_TF, command_line, library_versions, machine, write_record  # noqa: E402
+from _common import CFG_13B, CFG_14B, SMOKE_TF, command_line, library_versions, machine, write_record  # noqa: E402
 
-CFG_14B = dict(CFG_13B, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40)
 #: arch -> (transformer config, (frames, height, width), modes)
 CASES: dict[str, tuple[dict[str, Any], tuple[int, int, int], tuple[str, ...]]] = {
     "1.3B": (CFG_13B, (81, 480, 832), ("single", "cfg", "sp-g1", "sp")),

@@ -218,7 +218,7 @@ class Denoise:
         return step_batch(self, ctxs, states, loops)
 
 
-#: kept under its old name for omniloop_wan.batching / omniloop_wan.parallel
+#: kept under its old name for omniloop_wan.parallel
 _check_index = check_index
 
 
