@@ -42,7 +42,6 @@ from omniloop_policies import forward_groups
 from omniloop_policies.stepping import (
     begin_step,
     branch_predictions,
-    check_index,
     finish_step,
     policy_names,
     stack_rows,
@@ -217,9 +216,6 @@ class Denoise:
 
         return step_batch(self, ctxs, states, loops)
 
-
-#: kept under its old name for omniloop_wan.parallel
-_check_index = check_index
 
 
 def _note_expert(loop: LoopState, expert: str | None) -> None:

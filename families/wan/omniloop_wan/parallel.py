@@ -34,7 +34,7 @@ from omniloop.errors import RequestError
 from omniloop.interceptors import BlockContext, call_model, run_blocks
 from omniloop.loop import LoopState, RequestState, StepResult
 
-from .denoise import Denoise, _check_index, _note_expert, split_rows, stack_inputs
+from .denoise import Denoise, _note_expert, split_rows, stack_inputs
 
 #: the axes Wan implements (``family.parallel_axes``)
 AXES = frozenset({"sp", "cfg"})
@@ -274,22 +274,19 @@ class ParallelDenoise(Denoise):
 
     def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
         from omniloop_policies import forward_groups, forward_name
+        from omniloop_policies.stepping import begin_step, finish_step
 
-        pol = loop.policy_state["policies"]
-        step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
-        _check_index(loop, step)
+        pol, step = begin_step(ctx, state, loop)
         expert = step.expert
         _note_expert(loop, expert)
         plan = tuple(pol.plan(step, loop))  # planned once (policies count their branches)
         split = self.cfg > 1 and len(plan) == self.cfg
         mesh = self.mesh
         groups = ((plan[mesh.cfg_rank],),) if split else forward_groups(pol.cfg, plan)
-        taps = ctx.taps_enabled
         with torch.no_grad():
-            latents = loop.tensors["latents"]
-            inp = self.step_inputs(state, latents, pol.timestep(loop), pol.precision.dtype_for(expert))
+            inp = self.step_inputs(state, loop.tensors["latents"], pol.timestep(loop), pol.precision.dtype_for(expert))
             preds: dict[str, torch.Tensor] = {}
-            for group in groups:
+            for group in groups:  # this rank's forwards (one branch each under cfg parallel)
                 sc = step.with_branch(forward_name(group))
                 batch = stack_inputs([inp], group)
                 bctx = ctx.block_context(sc, loop, prefix=f"{expert}.blocks")
@@ -306,17 +303,10 @@ class ParallelDenoise(Denoise):
                 gathered = [torch.empty_like(pred) for _ in range(self.cfg)]
                 dist.all_gather(gathered, pred, group=mesh.cfg_group)
                 preds = dict(zip(plan, gathered, strict=True))
-            if taps:
+            if ctx.taps_enabled:
                 for b, p in preds.items():
                     ctx.tap("noise_pred", p, step.with_branch(b))
-            guided = pol.combine(step, loop, preds)
-            if taps:
-                ctx.tap("guided", guided, step)
-            latents = pol.advance(step, loop, guided, latents)
-        loop.tensors["latents"] = latents
-        if taps:
-            ctx.tap("latents", latents, step)
-        return StepResult(done=pol.done(loop))
+        return finish_step(ctx, pol, step, loop, preds)
 
     def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
         mesh = self.mesh
