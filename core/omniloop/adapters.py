@@ -320,16 +320,9 @@ def adapter_file(path: str | Path) -> Path:
 
 def read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, the parsed ``lora_adapter_metadata`` or {}) of a safetensors LoRA file."""
-    try:
-        from safetensors import SafetensorError, safe_open
-    except ImportError:  # installed with every family that opts into adapters (diffusers needs it)
-        raise AdapterFormatError(f"{path}: reading LoRA files needs safetensors (pip install safetensors)") from None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            sd = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterFormatError(f"{path}: not a readable safetensors file ({exc})") from None
+    from .checkpoints import read_safetensors
+
+    sd, meta = read_safetensors(path, AdapterFormatError)
     parsed: dict[str, Any] = {}
     raw = meta.get(METADATA_KEY)
     if raw:

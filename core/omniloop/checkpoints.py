@@ -186,6 +186,21 @@ def weight_files(folder: Path, stem: str, *, allow_bin: bool = True) -> list[Pat
     raise CheckpointError(f"{folder}: no weights ({stem}.safetensors or {stem}.safetensors.index.json)")
 
 
+def read_safetensors(path: str | Path, error: type[Exception] = CheckpointError) -> tuple[dict[str, Any], dict[str, str]]:
+    """(tensors by name, the header's string metadata) of a ``.safetensors`` file, on the CPU; a
+    file safetensors cannot read raises one ``error`` naming the path (LoRA files, parity
+    recordings)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise error(f"{path}: not a readable safetensors file ({exc})") from None
+    return tensors, meta
+
+
 def check_safetensors(path: Path) -> dict[str, Any]:
     """Read a safetensors file's header and check that the file holds every byte it declares.
 

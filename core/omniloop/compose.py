@@ -57,6 +57,7 @@ from .graph import Node, validate_nodes
 from .plugins import PluginManager, default_manager
 from .request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status, TaskType
 from .schema import as_request, request_from_dict, structure_params
+from .streams import final_output
 
 #: the PolicySpec kind a composition registers under
 PIPELINE_KIND = "pipeline"
@@ -368,12 +369,7 @@ class ComposedRuntime(ComposedDeployment):
         yield OmniEvent(rid, EventKind.FINAL, output=OmniOutput(rid, Status.COMPLETED, artifacts=artifacts, metrics=metrics))
 
     def generate(self, request: OmniRequest | Mapping[str, Any]) -> OmniOutput:
-        out: OmniOutput | None = None
-        for ev in self.stream(request):
-            if ev.output is not None:
-                out = ev.output
-        assert out is not None
-        return out
+        return final_output(self.stream(request))
 
     def describe(self) -> dict[str, Any]:
         return {"pipeline": self.composition.name, "task": self.composition.task.value,

@@ -38,6 +38,7 @@ from .plugins import PluginManager, Registry, default_manager
 from .request import OmniEvent, OmniOutput, OmniRequest, TaskType
 from .resolved import GenericResolved, Resolved
 from .schema import as_request, structure_params
+from .streams import final_output
 
 log = logging.getLogger("omniloop")
 
@@ -434,12 +435,7 @@ class Runtime(Deployment):
 
     def generate(self, request: OmniRequest | Mapping[str, Any]) -> OmniOutput:
         """Run ``request`` to completion with the deploy's scheduler and return its output."""
-        out: OmniOutput | None = None
-        for ev in self.stream(request):
-            if ev.output is not None:
-                out = ev.output
-        assert out is not None
-        return out
+        return final_output(self.stream(request))
 
     def stream(self, request: OmniRequest | Mapping[str, Any]) -> Iterator[OmniEvent]:
         """Validate, then run ``request``, yielding progress events and a final event."""

@@ -10,7 +10,7 @@ any number of :meth:`EventStream.events` iterators (late ones replay from the st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from .request import EventKind, OmniEvent, OmniOutput
 
@@ -56,4 +56,16 @@ class EventStream:
             await changed.wait()
 
 
-__all__ = ["EventStream"]
+def final_output(events: Iterable[OmniEvent]) -> OmniOutput:
+    """Drain a synchronous event stream (``Runtime.stream`` and the runtimes built like it) and
+    return its final output — what every ``generate(request)`` is."""
+    out: OmniOutput | None = None
+    for ev in events:
+        if ev.output is not None:
+            out = ev.output
+    if out is None:
+        raise RuntimeError("the event stream ended without a final output")
+    return out
+
+
+__all__ = ["EventStream", "final_output"]

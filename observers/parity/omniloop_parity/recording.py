@@ -30,10 +30,10 @@ from typing import Any
 import attrs
 import torch
 from attrs import define
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from omniloop import media
+from omniloop.checkpoints import read_safetensors
 
 from .config import ParityError
 
@@ -159,12 +159,7 @@ class Recording:
         p = Path(path)
         if not p.is_file():
             raise ParityError(f"{p}: recording not found")
-        try:
-            with safe_open(str(p), framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ParityError(f"{p}: not a readable safetensors file: {exc}") from None
+        tensors, meta = read_safetensors(p, ParityError)
         raw = meta.get(META_KEY)
         if raw is None:
             raise ParityError(f"{p}: a safetensors file, but not a parity recording (no {META_KEY!r} manifest)")

@@ -23,6 +23,7 @@ from omniloop.errors import DeployError, OmniloopError
 from omniloop.request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status
 from omniloop.runtime import Deployment
 from omniloop.schema import request_from_dict
+from omniloop.streams import final_output
 
 from . import worker
 from .group import backend_for, free_port
@@ -240,9 +241,4 @@ class ParallelRuntime:
         return OmniEvent(request_id=req.request_id, kind=EventKind.FINAL, output=out)
 
     def generate(self, request: OmniRequest | Mapping[str, Any]) -> OmniOutput:
-        out: OmniOutput | None = None
-        for ev in self.stream(request):
-            if ev.output is not None:
-                out = ev.output
-        assert out is not None
-        return out
+        return final_output(self.stream(request))
