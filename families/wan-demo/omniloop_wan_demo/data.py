@@ -1,8 +1,14 @@
-"""Deterministic synthetic clips: a colored shape crossing the frame in a named direction.
+"""Deterministic synthetic data: a colored shape crossing the frame (clips) or placed at one of 9
+positions (images).
 
-A clip is ``FRAMES`` frames of ``SIZE``x``SIZE`` RGB: one shape (circle, square, triangle) in one
-named color moving left/right/up/down at 2.0-2.5 px/frame over a plain or lightly textured,
-static, low-saturation background. The prompt is ``"a {color} {shape} moving {direction}"``.
+A clip is ``FRAMES`` frames of ``SIZE``x``SIZE`` RGB: one shape (circle, square, triangle, star)
+in one named color moving left/right/up/down at 2.0-2.5 px/frame over a plain or lightly
+textured, static, low-saturation background. The prompt is ``"a {color} {shape} moving {direction}"``.
+
+An image (:func:`render_images`) is one ``size``x``size`` RGB frame with the same background and
+anti-aliasing: one shape in one color centred on one of the 9 :data:`POSITIONS` (a 3x3 grid at
+0.25/0.5/0.75 of the frame) up to a small jitter. The prompt is
+``"a {color} {shape} at the {position}"`` (:func:`image_prompt_for`).
 
 Objects *cross* the frame: a shape moving left starts near the right edge (with jitter), so the
 16-frame travel (32-40 px) is always inside the frame and motion is large. Perpendicular
@@ -15,6 +21,8 @@ seed gives the same clips on CPU and GPU (up to float rounding).
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +40,8 @@ COLORS: dict[str, tuple[float, float, float]] = {
     "cyan": (0.10, 0.85, 0.90),
     "magenta": (0.90, 0.15, 0.85),
 }
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+#: appended in this order: a shape's index is stable (the star came last)
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star")
 DIRECTIONS: tuple[str, ...] = ("left", "right", "up", "down")
 #: unit motion per direction in image coordinates (x right, y down)
 DIRECTION_VECTORS: dict[str, tuple[float, float]] = {
@@ -42,9 +51,31 @@ DIRECTION_VECTORS: dict[str, tuple[float, float]] = {
     "down": (0.0, 1.0),
 }
 COLOR_NAMES: tuple[str, ...] = tuple(COLORS)
+#: image positions, name -> (fx, fy): the object's centre as a fraction of the frame (x right, y down)
+POSITIONS: dict[str, tuple[float, float]] = {
+    "top left": (0.25, 0.25),
+    "top": (0.5, 0.25),
+    "top right": (0.75, 0.25),
+    "left": (0.25, 0.5),
+    "center": (0.5, 0.5),
+    "right": (0.75, 0.5),
+    "bottom left": (0.25, 0.75),
+    "bottom": (0.5, 0.75),
+    "bottom right": (0.75, 0.75),
+}
+POSITION_NAMES: tuple[str, ...] = tuple(POSITIONS)
 
 RADIUS_RANGE = (8.0, 10.0)
 SPEED_RANGE = (2.0, 2.5)  # px / frame
+#: images: smaller objects, so that the largest one (+ jitter) stays inside its position's zone
+IMAGE_RADIUS_RANGE = (7.0, 10.0)
+IMAGE_JITTER = 2.5  # px, uniform in [-jitter, jitter] on each axis
+
+#: star geometry: outer (tip) radius and inner (notch) radius as multiples of ``r``
+STAR_OUTER = 1.3
+STAR_INNER = 0.65
+#: how far each shape reaches from its centre, in multiples of ``r`` (square: its corner)
+SHAPE_EXTENT: dict[str, float] = {"circle": 1.0, "square": 0.86 * 2**0.5, "triangle": 1.25, "star": STAR_OUTER}
 
 
 def prompt_for(color: str, shape: str, direction: str) -> str:
@@ -64,6 +95,63 @@ def parse_prompt(prompt: str) -> tuple[str, str, str]:
 
 def all_prompts() -> list[str]:
     return [prompt_for(c, s, d) for c in COLORS for s in SHAPES for d in DIRECTIONS]
+
+
+def image_prompt_for(color: str, shape: str, position: str) -> str:
+    """``("red", "star", "top left")`` -> ``"a red star at the top left"``."""
+    return f"a {color} {shape} at the {position}"
+
+
+_VERTICAL = ("top", "bottom")
+_HORIZONTAL = ("left", "right")
+
+
+def parse_image_prompt(prompt: str) -> tuple[str, str, str]:
+    """``"a red star at the top left"`` -> ``("red", "star", "top left")``.
+
+    Lenient about filler words and punctuation, strict about the attributes: exactly one color,
+    one shape and one position (at most one of top/bottom, one of left/right, or ``center``
+    alone); anything else is a ``ValueError`` naming what is wrong."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"an image prompt must be a string, got {type(prompt).__name__}")
+    words = re.findall(r"[a-z]+", prompt.lower())
+    colors = [w for w in words if w in COLORS]
+    shapes = [w for w in words if w in SHAPES]
+    vert = [w for w in words if w in _VERTICAL]
+    horiz = [w for w in words if w in _HORIZONTAL]
+    center = [w for w in words if w == "center"]
+    problems = []
+    if len(colors) != 1:
+        problems.append(f"{'no' if not colors else 'more than one'} color (one of {', '.join(COLORS)})")
+    if len(shapes) != 1:
+        problems.append(f"{'no' if not shapes else 'more than one'} shape (one of {', '.join(SHAPES)})")
+    if len(vert) > 1 or len(horiz) > 1 or (center and (vert or horiz or len(center) > 1)) or not (vert or horiz or center):
+        problems.append(f"no single position (one of {', '.join(POSITIONS)})")
+    if problems:
+        raise ValueError(f"not a demo image prompt ({'; '.join(problems)}): {prompt[:120]!r}")
+    position = "center" if center else " ".join(vert + horiz)
+    return colors[0], shapes[0], position
+
+
+def all_image_prompts() -> list[str]:
+    """Every color x shape x position (6 x 4 x 9 = 216 prompts)."""
+    return [image_prompt_for(c, s, p) for c in COLORS for s in SHAPES for p in POSITIONS]
+
+
+def vocabulary_words(kind: str = "video") -> list[str]:
+    """The words the demo models' prompts are made of (sorted): what a checkpoint's
+    ``omniloop.json`` declares as ``"vocabulary"`` so that ``omniloop generate`` warns about
+    words the model never saw. ``kind``: ``"video"`` (wan-demo: ``a {color} {shape} moving
+    {direction}``) or ``"image"`` (``a {color} {shape} at the {position}``)."""
+    if kind == "video":
+        words = {"a", "moving", *COLORS, *SHAPES, *DIRECTIONS}
+    elif kind == "image":
+        words = {"a", "at", "the", *COLORS, *SHAPES}
+        for p in POSITIONS:
+            words.update(p.split())
+    else:
+        raise ValueError(f"vocabulary kind must be 'video' or 'image', got {kind!r}")
+    return sorted(words)
 
 
 @dataclass
@@ -117,7 +205,9 @@ def sample_params(
     radius = rng.uniform(*RADIUS_RANGE, n)
     speed = rng.uniform(*SPEED_RANGE, n)
     travel = speed * (frames - 1)
-    margin = radius + 1.5
+    # the star reaches past r (its tips): keep its margin so the whole object stays in the frame
+    reach = np.where(si == SHAPES.index("star"), STAR_OUTER, 1.0)
+    margin = radius * reach + 1.5
     # position along the motion axis: start on the side the object comes from
     lo = margin
     hi = size - margin - travel
@@ -133,20 +223,14 @@ def sample_params(
         else:
             y0[i] = along[i] if dy > 0 else size - along[i]
             x0[i] = perp[i]
-    # low-saturation background: gray in [0.22, 0.55] with a slight tint
-    gray = rng.uniform(0.22, 0.55, n)
-    tint = rng.uniform(-0.04, 0.04, (n, 3))
-    bg = np.clip(gray[:, None] + tint, 0, 1)
-    textured = rng.uniform(0, 1, n) < 0.5
-    texture = np.where(textured, rng.uniform(0.02, 0.05, n), 0.0)
-    tex_freq = rng.uniform(0.05, 0.3, (n, 2))
-    tex_phase = rng.uniform(0, 2 * np.pi, (n, 2))
-    noise_seed = rng.integers(0, 2**31 - 1, n)
+    bg, texture, tex_freq, tex_phase, noise_seed = _sample_backgrounds(rng, n)
     return ClipParams(ci, si, di, radius, speed, x0, y0, bg, texture, tex_freq, tex_phase, noise_seed)
 
 
-def _shape_alpha(shape: torch.Tensor, dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Anti-aliased coverage in [0, 1]; dx, dy: [B, T, H, W] offsets from the center."""
+def shape_alpha(shape: torch.Tensor, dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Anti-aliased coverage in [0, 1] of shape index ``shape`` (into :data:`SHAPES`) of size
+    ``r``; ``dx``, ``dy``: pixel-centre offsets from the object's centre (x right, y down). All
+    arguments broadcast (clips: ``[B, T, H, W]``, images: ``[B, H, W]``)."""
     d_circle = torch.sqrt(dx * dx + dy * dy) - r
     s = r * 0.86  # half side: similar area to the circle
     d_square = torch.maximum(dx.abs(), dy.abs()) - s
@@ -159,7 +243,75 @@ def _shape_alpha(shape: torch.Tensor, dx: torch.Tensor, dy: torch.Tensor, r: tor
     e3 = k * dx - 0.5 * dy - R / 2
     d_tri = torch.maximum(e1, torch.maximum(e2, e3))
     d = torch.where(shape == 0, d_circle, torch.where(shape == 1, d_square, d_tri))
+    d = torch.where(shape == 3, _star_distance(dx, dy, r), d)
     return (0.5 - d).clamp(0.0, 1.0)
+
+
+def _star_distance(dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Signed distance (px, negative inside) to a 5-pointed star pointing up: tips at
+    ``STAR_OUTER * r``, notches at ``STAR_INNER * r``. The angle from "up" is folded into one
+    half-arm (``[0, pi/5]``), where the boundary is the single edge from the tip to the notch."""
+    half = math.pi / 5
+    rho = torch.sqrt(dx * dx + dy * dy)
+    theta = torch.atan2(dx, -dy)  # 0 = up, clockwise in image coordinates
+    theta = torch.remainder(theta, 2 * half)  # one arm: [0, 2pi/5)
+    theta = torch.minimum(theta, 2 * half - theta)  # mirror: [0, pi/5]
+    px, py = rho * torch.cos(theta), rho * torch.sin(theta)  # tip on +x
+    ax, ay = STAR_OUTER * r, torch.zeros_like(r)
+    bx, by = STAR_INNER * r * math.cos(half), STAR_INNER * r * math.sin(half)
+    ex, ey = bx - ax, by - ay
+    t = (((px - ax) * ex + (py - ay) * ey) / (ex * ex + ey * ey)).clamp(0.0, 1.0)
+    dist = torch.sqrt((px - ax - t * ex) ** 2 + (py - ay - t * ey) ** 2)
+    # inside: on the centre's side of the edge's line (cross product sign)
+    outside = (ex * (py - ay) - ey * (px - ax)) < 0
+    return torch.where(outside, dist, -dist)
+
+
+#: the old private name (kept for importers)
+_shape_alpha = shape_alpha
+
+
+def _backgrounds(
+    bg: np.ndarray,
+    texture: np.ndarray,
+    tex_freq: np.ndarray,
+    tex_phase: np.ndarray,
+    noise_seed: np.ndarray,
+    xx: torch.Tensor,
+    yy: torch.Tensor,
+    device: torch.device,
+) -> torch.Tensor:
+    """``[B, 3, H, W]``: base color + optional low-frequency texture + faint static noise."""
+    n, size = len(bg), xx.shape[0]
+
+    def col(a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(a, dtype=np.float32), device=device)
+
+    out = col(bg)[:, :, None, None].expand(n, 3, size, size)
+    fx, fy = col(tex_freq[:, 0]), col(tex_freq[:, 1])
+    px, py = col(tex_phase[:, 0]), col(tex_phase[:, 1])
+    pattern = torch.sin(fx[:, None, None] * xx[None] + px[:, None, None]) * torch.sin(
+        fy[:, None, None] * yy[None] + py[:, None, None]
+    )
+    out = out + col(texture)[:, None, None, None] * pattern[:, None]
+    noise = torch.stack(
+        [torch.randn(3, size, size, generator=torch.Generator().manual_seed(int(s))) for s in noise_seed]
+    ).to(device)
+    return out + noise * (col(texture)[:, None, None, None] > 0) * 0.012
+
+
+def _sample_backgrounds(rng: np.random.Generator, n: int) -> tuple[np.ndarray, ...]:
+    """``(bg [n,3], texture [n], tex_freq [n,2], tex_phase [n,2], noise_seed [n])``."""
+    # low-saturation background: gray in [0.22, 0.55] with a slight tint
+    gray = rng.uniform(0.22, 0.55, n)
+    tint = rng.uniform(-0.04, 0.04, (n, 3))
+    bg = np.clip(gray[:, None] + tint, 0, 1)
+    textured = rng.uniform(0, 1, n) < 0.5
+    texture = np.where(textured, rng.uniform(0.02, 0.05, n), 0.0)
+    tex_freq = rng.uniform(0.05, 0.3, (n, 2))
+    tex_phase = rng.uniform(0, 2 * np.pi, (n, 2))
+    noise_seed = rng.integers(0, 2**31 - 1, n)
+    return bg, texture, tex_freq, tex_phase, noise_seed
 
 
 def render(
@@ -189,23 +341,8 @@ def render(
     dy = yy[None, None] - cy[:, :, None, None]
     r = col(params.radius)[:, None, None, None]
     shape = torch.as_tensor(np.asarray(params.shape), device=device)[:, None, None, None]
-    alpha = _shape_alpha(shape, dx, dy, r)  # [B, T, H, W]
-
-    # background [B, 3, H, W]: base + optional low-frequency texture + faint static noise
-    bg = col(params.bg)[:, :, None, None].expand(n, 3, size, size)
-    fx, fy = col(params.tex_freq[:, 0]), col(params.tex_freq[:, 1])
-    px, py = col(params.tex_phase[:, 0]), col(params.tex_phase[:, 1])
-    pattern = torch.sin(fx[:, None, None] * xx[None] + px[:, None, None]) * torch.sin(
-        fy[:, None, None] * yy[None] + py[:, None, None]
-    )
-    bg = bg + col(params.texture)[:, None, None, None] * pattern[:, None]
-    noise = torch.stack(
-        [
-            torch.randn(3, size, size, generator=torch.Generator().manual_seed(int(s)))
-            for s in params.noise_seed
-        ]
-    ).to(device)
-    bg = bg + noise * (col(params.texture)[:, None, None, None] > 0) * 0.012
+    alpha = shape_alpha(shape, dx, dy, r)  # [B, T, H, W]
+    bg = _backgrounds(params.bg, params.texture, params.tex_freq, params.tex_phase, params.noise_seed, xx, yy, device)
 
     color = torch.as_tensor(
         np.array([COLORS[COLOR_NAMES[c]] for c in params.color], dtype=np.float32).reshape(n, 3), device=device
@@ -224,6 +361,161 @@ def make_clips(
     """Convenience: ``(video [B,3,T,H,W] in [0,1], prompts, labels)``."""
     p = sample_params(n, seed, **fixed)
     return render(p, device=device), p.prompts(), p.labels()
+
+
+# ------------------------------------------------------------------------------------------
+# Images: one shape at one of 9 positions
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ImageParams:
+    """Parameters of a batch of images (numpy arrays of length B)."""
+
+    color: np.ndarray  # int index into COLOR_NAMES
+    shape: np.ndarray  # int index into SHAPES
+    position: np.ndarray  # int index into POSITION_NAMES
+    radius: np.ndarray
+    x: np.ndarray  # object centre (pixels, x right)
+    y: np.ndarray  # (pixels, y down)
+    bg: np.ndarray  # [B, 3]
+    texture: np.ndarray  # [B]
+    tex_freq: np.ndarray  # [B, 2]
+    tex_phase: np.ndarray  # [B, 2]
+    noise_seed: np.ndarray  # [B]
+    size: int = SIZE
+
+    def __len__(self) -> int:
+        return len(self.color)
+
+    def labels(self) -> list[tuple[str, str, str]]:
+        """``(color, shape, position)`` per image."""
+        return [
+            (COLOR_NAMES[c], SHAPES[s], POSITION_NAMES[q])
+            for c, s, q in zip(self.color, self.shape, self.position, strict=True)
+        ]
+
+    def prompts(self) -> list[str]:
+        return [image_prompt_for(*lab) for lab in self.labels()]
+
+
+def _check_range(name: str, lo: float, hi: float) -> None:
+    if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+        raise ValueError(f"{name} must be finite with 0 < low <= high, got ({lo}, {hi})")
+
+
+def sample_image_params(
+    n: int,
+    seed: int,
+    *,
+    color: str | None = None,
+    shape: str | None = None,
+    position: str | None = None,
+    size: int = SIZE,
+    radius_range: tuple[float, float] = IMAGE_RADIUS_RANGE,
+    jitter: float = IMAGE_JITTER,
+) -> ImageParams:
+    """Draw ``n`` images' parameters from ``seed``; fixing color/shape/position is optional.
+
+    The centre is the position's grid point plus a uniform jitter in ``[-jitter, jitter]`` px per
+    axis. Refused (ValueError): a jitter that could move an object past the midpoint to the next
+    grid point, or an object (its largest shape's reach + jitter) that could leave the frame."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 16:
+        raise ValueError(f"size must be an int >= 16, got {size!r}")
+    lo_r, hi_r = (float(v) for v in radius_range)
+    _check_range("radius_range", lo_r, hi_r)
+    jitter = float(jitter)
+    if not (math.isfinite(jitter) and jitter >= 0):
+        raise ValueError(f"jitter must be finite and >= 0, got {jitter}")
+    spacing = 0.25 * size
+    if jitter >= spacing / 2:
+        raise ValueError(f"jitter {jitter} px would blur positions {spacing:g} px apart (must be < {spacing / 2:g})")
+    reach = hi_r * max(SHAPE_EXTENT.values()) + jitter
+    if reach > spacing:
+        raise ValueError(
+            f"radius_range {radius_range} with jitter {jitter} reaches {reach:.1f} px from the centre: "
+            f"past the frame edge ({spacing:g} px from the outer positions)"
+        )
+    for name, value, names in (("color", color, COLOR_NAMES), ("shape", shape, SHAPES), ("position", position, POSITION_NAMES)):
+        if value is not None and value not in names:
+            raise ValueError(f"unknown {name} {value!r} (one of {', '.join(names)})")
+    rng = np.random.Generator(np.random.PCG64(seed))
+    ci = np.full(n, COLOR_NAMES.index(color)) if color else rng.integers(0, len(COLORS), n)
+    si = np.full(n, SHAPES.index(shape)) if shape else rng.integers(0, len(SHAPES), n)
+    qi = np.full(n, POSITION_NAMES.index(position)) if position else rng.integers(0, len(POSITIONS), n)
+    radius = rng.uniform(lo_r, hi_r, n)
+    grid = np.array([POSITIONS[POSITION_NAMES[q]] for q in qi], dtype=np.float64).reshape(n, 2) * size
+    offset = rng.uniform(-jitter, jitter, (n, 2))
+    bg, texture, tex_freq, tex_phase, noise_seed = _sample_backgrounds(rng, n)
+    return ImageParams(ci, si, qi, radius, grid[:, 0] + offset[:, 0], grid[:, 1] + offset[:, 1],
+                       bg, texture, tex_freq, tex_phase, noise_seed, int(size))
+
+
+def render_image_params(
+    params: ImageParams, *, device: torch.device | str = "cpu", return_mask: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Images as float ``[B, 3, H, W]`` in ``[0, 1]`` (and object coverage ``[B, 1, H, W]``)."""
+    device = torch.device(device)
+    n, size = len(params), params.size
+    f32 = dict(device=device, dtype=torch.float32)
+
+    def col(a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(a, dtype=np.float32), device=device)
+
+    yy, xx = torch.meshgrid(torch.arange(size, **f32) + 0.5, torch.arange(size, **f32) + 0.5, indexing="ij")
+    dx = xx[None] - col(params.x)[:, None, None]  # [B, H, W]
+    dy = yy[None] - col(params.y)[:, None, None]
+    r = col(params.radius)[:, None, None]
+    shape = torch.as_tensor(np.asarray(params.shape), device=device)[:, None, None]
+    a = shape_alpha(shape, dx, dy, r)[:, None]  # [B, 1, H, W]
+    bg = _backgrounds(params.bg, params.texture, params.tex_freq, params.tex_phase, params.noise_seed, xx, yy, device)
+    color = torch.as_tensor(
+        np.array([COLORS[COLOR_NAMES[c]] for c in params.color], dtype=np.float32).reshape(n, 3), device=device
+    )
+    images = (bg * (1 - a) + color[:, :, None, None] * a).clamp(0.0, 1.0)
+    if return_mask:
+        return images, a
+    return images
+
+
+def render_images(
+    n: int,
+    *,
+    seed: int | None = None,
+    generator: np.random.Generator | torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    size: int = SIZE,
+    radius_range: tuple[float, float] = IMAGE_RADIUS_RANGE,
+    jitter: float = IMAGE_JITTER,
+    color: str | None = None,
+    shape: str | None = None,
+    position: str | None = None,
+) -> tuple[torch.Tensor, list[tuple[str, str, str]]]:
+    """``(images [n, 3, size, size] float in [0, 1] on device, labels [(color, shape, position)])``.
+
+    Deterministic: give ``seed`` (an int), or ``generator`` (a numpy ``Generator`` or a torch
+    ``Generator``; one int is drawn from it, so successive calls give fresh batches and the same
+    generator state gives the same batch). Parameters are drawn on the CPU (numpy), pixels are
+    drawn with torch on ``device``, so a seed gives the same images on CPU and GPU up to float
+    rounding. The prompt of a label is :func:`image_prompt_for` ``(*label)``."""
+    if (seed is None) == (generator is None):
+        raise ValueError("render_images needs exactly one of seed= or generator=")
+    if generator is not None:
+        if isinstance(generator, torch.Generator):
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+        elif isinstance(generator, np.random.Generator):
+            seed = int(generator.integers(0, 2**62))
+        else:
+            raise ValueError(f"generator must be a numpy or torch Generator, got {type(generator).__name__}")
+    elif not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    p = sample_image_params(n, int(seed), color=color, shape=shape, position=position, size=size,
+                            radius_range=radius_range, jitter=jitter)
+    images = render_image_params(p, device=device)
+    assert isinstance(images, torch.Tensor)
+    return images, p.labels()
 
 
 def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
