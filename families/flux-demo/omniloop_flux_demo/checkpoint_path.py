@@ -1,0 +1,34 @@
+"""Where the shipped checkpoint lives (package data), and whether it is there yet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+#: what a usable checkpoint folder holds (the FluxPipeline layout + omniloop.json)
+REQUIRED_FILES = (
+    "model_index.json", "omniloop.json", "scheduler/scheduler_config.json",
+    "transformer/config.json", "transformer/diffusion_pytorch_model.safetensors",
+    "vae/config.json", "vae/diffusion_pytorch_model.safetensors",
+    "text_encoder/config.json", "text_encoder/model.safetensors",
+    "text_encoder_2/config.json", "text_encoder_2/model.safetensors",
+    "tokenizer/tokenizer.json", "tokenizer_2/tokenizer.json",
+)
+
+
+def checkpoint_dir() -> Path:
+    """The diffusers-format FluxPipeline folder shipped with this package."""
+    return PACKAGE_DIR / "checkpoint"
+
+
+def checkpoint_missing(folder: Path | None = None) -> str | None:
+    """Why the trained checkpoint cannot be used yet (``None`` when it can)."""
+    folder = folder or checkpoint_dir()
+    missing = [f for f in REQUIRED_FILES if not (folder / f).is_file()]
+    if not missing:
+        return None
+    return (f"the flux-demo weights are not installed ({folder.name}/{missing[0]} is missing"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); train them with "
+            "bash families/flux-demo/scripts/gpu_session.sh (or python -m omniloop_flux_demo.training.gpu_run --out DIR), "
+            "then install them with python -m omniloop_flux_demo.training.ship DIR")

@@ -1,0 +1,1 @@
+"""Training, evaluation and installation of the flux-demo checkpoint (heavy imports inside)."""
