@@ -106,6 +106,9 @@ class DeployConfig:
     #: ``shm``, ``torch.distributed``) with parallel world > 1; unknown names refused at load
     transport: str = "inproc"
     attention_backend: str = "sdpa"
+    #: the attention backend's options, e.g. {density: 0.3} for ``sparse-tile`` (checked against the
+    #: backend's ``options_schema`` at load; a backend without one takes none)
+    attention_options: dict[str, Any] = attrs.Factory(dict)
     compile: bool = False
     #: component offload for a GPU smaller than the model (omniloop.offload): ``model`` moves each node's
     #: components to the device as it runs, ``sequential`` also streams their blocks one by one; the

@@ -155,3 +155,9 @@ class AttentionBackendSpec:
     available: Callable[[], str | None] = lambda: None
     distribution_altering: bool = False
     description: str = ""
+    #: attrs class of the deploy's ``attention_options`` for this backend (None: it takes none);
+    #: validated at load like plugin configs (ranges in field metadata)
+    options_schema: type | None = None
+    #: ``configure(options) -> fn``: the callable for the validated ``attention_options`` (at load;
+    #: the runtime's spec then carries it as ``fn``). A ``ValueError`` is a deploy error.
+    configure: Callable[[Any], Callable[..., torch.Tensor]] | None = None

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from . import adapters as _adapters
@@ -239,7 +240,19 @@ class Deployment:
         reason = spec.available()
         if reason:
             raise DeployError(f"attention_backend: {name!r} cannot run here: {reason}")
-        return spec
+        options = self.deploy.attention_options
+        if spec.options_schema is None:
+            if options:
+                raise DeployError(f"attention_options: backend {name!r} takes no options, got {sorted(options)}")
+            return spec
+        try:
+            config = structure_params(spec.options_schema, options, "attention_options")
+            fn = spec.configure(config) if spec.configure is not None else spec.fn
+        except RequestError as exc:
+            raise DeployError(f"deploy config: {exc}") from None
+        except ValueError as exc:
+            raise DeployError(str(exc)) from None
+        return attrs.evolve(spec, fn=fn)
 
     def _component_configs(self) -> dict[str, tuple[PluginComponentSpec, Any]]:
         out: dict[str, tuple[PluginComponentSpec, Any]] = {}

@@ -5,7 +5,9 @@ projections (fused or not), QK RMS-norm, rotary embedding, the I2V image key/val
 I2V cross-attention — with the same tensor operations in the same order, but computes attention
 with the deployment's backend (``AttentionBackendSpec.fn(q, k, v)``, ``[B, heads, L, D]``)
 instead of diffusers' dispatcher (FP8 backends such as ``cudnn-fp8`` with ``qk_norm_rope: fused``
-receive q and k already in e4m3 from the fused kernel: ``attend_quantized``). With the core ``sdpa`` backend the block outputs are
+receive q and k already in e4m3 from the fused kernel: ``attend_quantized``; backends declaring
+``accepts_grid``, such as ``sparse-tile``, get the self-attention token grid as ``grid=(T, H, W)``,
+set per forward by :func:`set_token_grid`). With the core ``sdpa`` backend the block outputs are
 ``torch.equal`` to diffusers' (tests/wan/test_attention.py): diffusers' native backend is the same
 ``scaled_dot_product_attention`` call on the same ``[B, H, L, D]`` views.
 
@@ -34,6 +36,8 @@ log = logging.getLogger("omniloop_wan")
 TEXT_CONTEXT = 512
 
 _INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+#: per model: the installed processors whose backend takes the token grid (``accepts_grid``)
+_GRID_PROCESSORS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 #: with ``qk_norm_rope: fused`` and a backend that takes quantised q/k (``cudnn-fp8``), the fused
 #: Triton kernel writes q and k in e4m3 directly; False: the backend quantises them itself (a
@@ -62,12 +66,18 @@ class WanBackendAttnProcessor:
         self.qk_norm_rope = qk_norm_rope
         if qk_norm_rope == "fused" and fused_kernels.triton_available():
             fused_kernels.prepare()
+        #: the backend takes ``grid=(T, H, W)`` on self-attention calls (e.g. ``sparse-tile``)
+        self.wants_grid = bool(getattr(fn, "accepts_grid", False))
+        #: the latent token grid of the current forward (set by :func:`set_token_grid`)
+        self.grid: tuple[int, int, int] | None = None
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
         """``[B, L, H, D]`` in and out, like diffusers' dispatcher; the backend sees ``[B, H, L, D]``."""
         q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-        if attention_mask is None:
+        if grid is not None and attention_mask is None:
+            out = self.fn(q, k, v, grid=grid)
+        elif attention_mask is None:
             out = self.fn(q, k, v)
         else:
             if attention_mask.ndim == 2 and attention_mask.shape[0] == q.shape[0]:
@@ -147,7 +157,8 @@ class WanBackendAttnProcessor:
             hidden_states_img = hidden_states_img.flatten(2, 3)
             hidden_states_img = hidden_states_img.type_as(query)
 
-        hidden_states = self._attend(query, key, value, attention_mask)
+        grid = self.grid if self.wants_grid and encoder_hidden_states is None else None
+        hidden_states = self._attend(query, key, value, attention_mask, grid)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.type_as(query)
 
@@ -180,10 +191,36 @@ def install(model: torch.nn.Module, backend: Any, qk_norm_rope: str = "reference
             "these modules now runs %r", previous, name, name,
         )
     mods = _attention_modules(model)
+    procs = []
     for m in mods:
-        m.set_processor(WanBackendAttnProcessor(backend.fn, name, qk_norm_rope))
+        proc = WanBackendAttnProcessor(backend.fn, name, qk_norm_rope)
+        m.set_processor(proc)
+        if proc.wants_grid and not m.is_cross_attention:
+            procs.append(proc)
     _INSTALLED[model] = name
+    if procs:
+        _GRID_PROCESSORS[model] = procs
+    else:
+        _GRID_PROCESSORS.pop(model, None)
     return len(mods)
+
+
+def set_token_grid(model: torch.nn.Module, grid: tuple[int, int, int], device: Any) -> None:
+    """Tell ``model``'s self-attention processors the latent token grid ``(frames, rows, columns)``
+    of the forward about to run (``wan_forward`` calls this; eager, before the blocks, so a
+    backend's per-grid set-up — ``fn.prepare_grid(grid, device)`` — happens outside compiled code).
+    A no-op unless the installed backend takes a grid (``accepts_grid``)."""
+    procs = _GRID_PROCESSORS.get(model)
+    if not procs:
+        return
+    grid = (int(grid[0]), int(grid[1]), int(grid[2]))
+    prepared: set[int] = set()
+    for proc in procs:
+        proc.grid = grid
+        prepare = getattr(proc.fn, "prepare_grid", None)
+        if prepare is not None and id(proc.fn) not in prepared:
+            prepare(grid, device)
+            prepared.add(id(proc.fn))
 
 
 def installed(model: torch.nn.Module) -> str | None:
@@ -208,4 +245,4 @@ def diffusers_attention(*models: torch.nn.Module) -> Iterator[None]:
             m.set_processor(proc)
 
 
-__all__ = ["WanBackendAttnProcessor", "diffusers_attention", "install", "installed"]
+__all__ = ["WanBackendAttnProcessor", "diffusers_attention", "install", "installed", "set_token_grid"]

@@ -20,6 +20,8 @@ import torch
 
 from omniloop.interceptors import BlockContext, run_blocks
 
+from .attention import set_token_grid
+
 
 def wan_forward(
     model: Any,
@@ -44,7 +46,8 @@ def wan_forward(
     post_patch_height = height // p_h
     post_patch_width = width // p_w
 
-    # 1. rotary embedding and patch embedding
+    # 1. rotary embedding and patch embedding (backends that take the token grid are told it)
+    set_token_grid(model, (post_patch_num_frames, post_patch_height, post_patch_width), hidden_states.device)
     rotary_emb = model.rope(hidden_states)
     hidden_states = model.patch_embedding(hidden_states)
     hidden_states = hidden_states.flatten(2).transpose(1, 2).contiguous()

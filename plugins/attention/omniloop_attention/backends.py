@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from omniloop.family import AttentionBackendSpec
 
 from .fp8 import cudnn_fp8, cudnn_fp8_available
+from .sparse import SparseTileOptions, configure, flex_available, sparse_tile
 
 _KERNELS = {
     "sdpa-cudnn": (SDPBackend.CUDNN_ATTENTION, "cuDNN attention"),
@@ -82,6 +83,12 @@ def _specs() -> list[AttentionBackendSpec]:
     specs.append(AttentionBackendSpec(
         name="cudnn-fp8", fn=cudnn_fp8, available=cudnn_fp8_available, distribution_altering=True,
         description="cuDNN FP8 (e4m3) attention, per-tensor scales, FP8 output dequantised (Hopper; alters outputs)",
+    ))
+    specs.append(AttentionBackendSpec(
+        name="sparse-tile", fn=sparse_tile, available=flex_available, distribution_altering=True,
+        description="sliding-tile sparse attention over the (T, H, W) token grid (flex_attention; "
+                    "attention_options: density, tile, global_frames; alters outputs)",
+        options_schema=SparseTileOptions, configure=configure,
     ))
     return specs
 
