@@ -62,10 +62,10 @@ def vocabulary() -> list[str]:
 
 
 def build_tokenizer(kind: str, save_dir: str | Path | None = None) -> Any:
-    """A word-level fast tokenizer over :func:`vocabulary` (lower-cased, whitespace/punctuation
-    split; unknown words -> ``<unk>``). ``kind``: ``"clip"`` (BOS/EOS around the words,
+    """A word-level fast tokenizer over :func:`vocabulary` (lower-cased, punctuation dropped,
+    whitespace split; unknown words -> ``<unk>``). ``kind``: ``"clip"`` (BOS/EOS around the words,
     ``model_max_length`` :data:`TEXT_LEN`) or ``"t5"`` (EOS appended)."""
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
@@ -74,7 +74,9 @@ def build_tokenizer(kind: str, save_dir: str | Path | None = None) -> Any:
     special = CLIP_SPECIAL if kind == "clip" else T5_SPECIAL
     vocab = {w: i for i, w in enumerate([*special, *vocabulary()])}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    # punctuation is a word separator ("top-left", "star,"), as in the prompt parser of wan-demo's data
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase(),
+                                           normalizers.Replace(Regex(r"[^a-z0-9\s]"), " ")])
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if kind == "clip":
         bos, eos = "<|startoftext|>", "<|endoftext|>"
