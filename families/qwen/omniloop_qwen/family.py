@@ -13,7 +13,10 @@ Deploy options (``options:`` in the deploy file, all optional):
   the torch path), ``torch`` or ``triton`` (refused at load where it cannot run); see
   :mod:`omniloop_qwen.paged_attention`;
 * ``decode_cuda_graphs`` — ``true``: decode steps replay CUDA graphs (needs CUDA and the triton
-  backend; default ``false``); see :class:`omniloop_qwen.model.DecodeGraphs`.
+  backend; default ``false``); see :class:`omniloop_qwen.model.DecodeGraphs`;
+* ``decode_fused`` — ``true``: decode steps run the fused kernels of :mod:`omniloop_qwen.fused`
+  (~10 launches per layer instead of ~45; with or without graphs; needs the triton backend;
+  default ``false``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class QwenFamily:
         graphs = options.get("decode_cuda_graphs", False)
         if not isinstance(graphs, bool):
             raise DeployError(f"options.decode_cuda_graphs: must be true or false, got {graphs!r}")
+        fused = options.get("decode_fused", False)
+        if not isinstance(fused, bool):
+            raise DeployError(f"options.decode_fused: must be true or false, got {fused!r}")
         info = validate_checkpoint(Path(path))  # every file checked before any weight loads
         layout = KVLayout(layers=int(info.config["num_hidden_layers"]), kv_heads=info.kv_heads, head_dim=info.head_dim,
                           dtype=dtype)
@@ -92,6 +98,7 @@ class QwenFamily:
             "max_tokens": max_tokens, "prefill_chunk": opts["prefill_chunk"] or 512,
             "kv_cache": {"block_size": block, "num_blocks": blocks, "bytes_per_block": layout.bytes_per_token * block},
             "tasks": [TaskType.REASON.value], "paged_attention": attention, "decode_cuda_graphs": graphs,
+            "decode_fused": fused,
         }
         return info, config
 
@@ -114,8 +121,11 @@ class QwenFamily:
         if config["decode_cuda_graphs"] and (config["paged_attention"] != "triton" or torch.device(device).type != "cuda"):
             raise DeployError(f"options.decode_cuda_graphs: needs a CUDA device and paged_attention triton "
                               f"(device {str(device)!r}, paged_attention {config['paged_attention']!r})")
+        if config["decode_fused"] and config["paged_attention"] != "triton":
+            raise DeployError(f"options.decode_fused: needs paged_attention triton (paged_attention {config['paged_attention']!r})")
         tokenizer, hf = load_checkpoint(info, device=device, dtype=dtype)
-        paged = PagedQwen(hf, attention=config["paged_attention"], cuda_graphs=config["decode_cuda_graphs"])
+        paged = PagedQwen(hf, attention=config["paged_attention"], cuda_graphs=config["decode_cuda_graphs"],
+                          fused=config["decode_fused"])
         kv = config["kv_cache"]
         cache = CacheManager(paged.layout(), block_size=kv["block_size"], num_blocks=kv["num_blocks"], name="text-kv")
         return LoadedModel(

@@ -29,7 +29,7 @@ are dropped. Batches above ``MAX_GRAPH_BATCH`` or contexts above the model's pos
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ import torch.nn.functional as F
 from omniloop.kvcache import CacheManager, KVHandle, KVLayout
 
 from .paged_attention import attention_rows, paged_attention
+
+if TYPE_CHECKING:
+    from .fused import FusedWeights
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +50,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class PagedQwen:
     """A transformers Qwen2/Qwen3 ``*ForCausalLM`` run with attention over a paged KV cache."""
 
-    def __init__(self, hf_model: Any, attention: str = "torch", cuda_graphs: bool = False) -> None:
+    def __init__(self, hf_model: Any, attention: str = "torch", cuda_graphs: bool = False, fused: bool = False) -> None:
         if attention not in ("torch", "triton"):
             raise ValueError(f"attention: expected 'torch' or 'triton', got {attention!r}")
+        if fused and attention != "triton":
+            raise ValueError("fused: the fused decode step needs the triton attention")
         self.attention = attention
         self.hf = hf_model
         base = hf_model.model
@@ -71,6 +76,11 @@ class PagedQwen:
         if cuda_graphs and (attention != "triton" or self.device.type != "cuda"):
             raise ValueError("cuda_graphs: needs the triton attention on a CUDA device")
         self.graphs: DecodeGraphs | None = DecodeGraphs(self) if cuda_graphs else None
+        self.fused: FusedWeights | None = None
+        if fused:
+            from .fused import FusedWeights
+
+            self.fused = FusedWeights(self)
 
     def layout(self) -> KVLayout:
         return KVLayout(layers=len(self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim,
@@ -98,6 +108,13 @@ class PagedQwen:
             logits = self.graphs.run(cache, ids[:, 0], pos[:, 0], new_slots, held, blocks)
             if logits is not None:
                 return logits
+        if decode and self.fused is not None:  # the fused step, eagerly (no graph, or a batch above the graphs')
+            blocks, held = cache.block_tables(handles)
+            meta = torch.empty((b, 4 + blocks.shape[1]), dtype=torch.int32)
+            meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = ids[:, 0], pos[:, 0], new_slots, held
+            meta[:, 4:] = blocks
+            row_seq = torch.arange(b, dtype=torch.int32, device=dev)
+            return self.decode_static(cache, meta.to(dev), row_seq, int(held.max()), None)
         new_slots = new_slots.to(dev)
         valid = None if decode else (torch.arange(t_max)[None, :] < torch.tensor(n)[:, None]).to(dev)  # [B, T]
         if self.attention == "triton":
@@ -164,10 +181,14 @@ class PagedQwen:
         return q, k, v
 
     def decode_static(self, cache: CacheManager, meta: torch.Tensor, row_seq: torch.Tensor, max_len: int,
-                      splits: int) -> torch.Tensor:
+                      splits: int | None) -> torch.Tensor:
         """A decode step from device tensors only (what :class:`DecodeGraphs` captures): ``meta``
         int32 ``[B, 4 + blocks]`` rows ``[token, position, new slot, kv length, block table...]``;
-        float32 logits ``[B, vocab]``."""
+        float32 logits ``[B, vocab]``. With ``fused``: :func:`omniloop_qwen.fused.fused_decode_static`."""
+        if self.fused is not None:
+            from .fused import fused_decode_static
+
+            return fused_decode_static(self, self.fused, cache, meta, row_seq, max_len, splits)
         b = meta.shape[0]
         ids, pos, slots = meta[:, 0:1].long(), meta[:, 1:2].long(), meta[:, 2].long()
         kv_lens, table = meta[:, 3].contiguous(), meta[:, 4:]

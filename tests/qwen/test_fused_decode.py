@@ -1,0 +1,265 @@
+"""The fused decode step (``omniloop_qwen.fused``; deploy ``options.decode_fused``).
+
+* Always: the option's values and refusals.
+* When ``triton`` imports, in Triton's CPU interpreter (a child pytest process started with
+  ``TRITON_INTERPRET=1``, as ``test_paged_attention.py`` does), float32:
+  - each kernel against the transformers module it replaces (``Qwen2RMSNorm`` with and without
+    the residual add, ``q_norm``/``k_norm`` + ``apply_rotary_pos_emb`` + the cache write, SiLU·mul):
+    within 1e-6 absolute (float32; the norm's sum order and rsqrt differ; exp's last bit: 1e-6
+    relative for SiLU), RoPE without the norm and the V write bit-exact;
+  - a runtime deployed with ``decode_fused: true`` decodes greedily token-exact vs transformers
+    ``generate`` (Qwen2 and Qwen3), batched sequences each equal to themselves alone, no block leaked;
+  - the fused step behind ``DecodeGraphs`` (the graph replaced by an eager replay on CPU) gives the
+    unfused eager step's logits within 2e-5 and the same tokens, and the same K/V in the cache.
+  (bf16 is not checked in the interpreter: its float32 -> bf16 cast truncates instead of rounding
+  to nearest even, so no bf16 kernel matches torch there.)
+* CUDA only: bf16 fused vs unfused decode steps — logits within 0.1 absolute (about two bf16 ulps
+  of O(10) logits: merged GEMMs and the norm's float32 sum order may flip a bf16 rounding), the same
+  argmax for nearly every row — and greedy tokens vs transformers in float32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from omniloop.errors import DeployError
+from omniloop.kvcache import CacheManager
+from omniloop.request import Status
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(
+    not (HAS_TRITON and IN_INTERPRETER),
+    reason="triton is not installed" if not HAS_TRITON else
+    "runs in a child process started with TRITON_INTERPRET=1 (test_fused_interpreted_tests_in_a_child_process)",
+)
+needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+
+
+def _hf(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+# -- the deploy option ----------------------------------------------------------------------------
+
+
+def test_option_values_are_checked(tiny_qwen, runtime_at, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    path = tiny_qwen("qwen2")
+    with pytest.raises(DeployError, match=r"options\.decode_fused: must be true or false, got 'yes'"):
+        runtime_at(path, options={"decode_fused": "yes"})
+    with pytest.raises(DeployError, match=r"options\.decode_fused: needs paged_attention triton \(paged_attention 'torch'\)"):
+        runtime_at(path, options={"decode_fused": True})  # CPU: auto resolves to torch
+    rt = runtime_at(path)
+    assert rt.model.config["decode_fused"] is False and rt.model.components["paged"].fused is None
+
+
+# -- the kernels, interpreted ---------------------------------------------------------------------
+
+
+@interpreted
+def test_norm_kernel_matches_the_module_interpreted() -> None:
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from omniloop_qwen import fused
+
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(3, 96, generator=g), torch.randn(3, 96, generator=g)
+    norm = Qwen2RMSNorm(96, eps=1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(96, generator=g)
+    torch.testing.assert_close(fused.add_rms_norm(x, norm.weight, 1e-6), norm(x), rtol=0, atol=1e-6)
+    res = r.clone()
+    out = fused.add_rms_norm(x, norm.weight, 1e-6, residual=res)
+    assert torch.equal(res, r + x)  # the residual stream: one float32 add, as torch's
+    torch.testing.assert_close(out, norm(r + x), rtol=0, atol=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_write_matches_transformers_interpreted(qk_norm) -> None:
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from omniloop_qwen import fused
+
+    hq, hkv, d, rows = 14, 2, 64, 3
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=g)
+    angles = torch.randn(rows, d // 2, generator=g) * 3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    qn, kn = Qwen3RMSNorm(d, eps=1e-6), Qwen3RMSNorm(d, eps=1e-6)
+    qn.weight.data, kn.weight.data = 1 + 0.1 * torch.randn(d, generator=g), 1 + 0.1 * torch.randn(d, generator=g)
+    k_cache, v_cache = torch.zeros(40, hkv, d), torch.zeros(40, hkv, d)
+    slots = torch.tensor([7, 31, 2], dtype=torch.int32)
+    q_out = fused.rope_write(qkv, cos, sin, slots, k_cache, v_cache, q_heads=hq, kv_heads=hkv, head_dim=d,
+                             qk_norm=torch.stack([qn.weight, kn.weight]) if qk_norm else None, eps=1e-6)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(rows, 1, hq, d), k.view(rows, 1, hkv, d), v.view(rows, hkv, d)
+    if qk_norm:
+        q, k = qn(q), kn(k)
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos[:, None], sin[:, None])
+    tol = 1e-6 if qk_norm else 0.0  # without the norm: the same float32 products and sums
+    torch.testing.assert_close(q_out, q_ref[:, :, 0], rtol=0, atol=tol)
+    torch.testing.assert_close(k_cache[slots.long()], k_ref[:, :, 0], rtol=0, atol=tol)
+    assert torch.equal(v_cache[slots.long()], v)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@interpreted
+def test_silu_mul_matches_the_mlp_activation_interpreted() -> None:
+    from omniloop_qwen import fused
+
+    g = torch.Generator().manual_seed(2)
+    gu = torch.randn(2, 2 * 1500, generator=g) * 4  # 1500 columns: two programs per row, the second masked
+    ref = torch.nn.functional.silu(gu[:, :1500]) * gu[:, 1500:]
+    # within about one float32 ulp: the interpreter's exp and torch's round their last bit differently
+    torch.testing.assert_close(fused.silu_mul(gu), ref, rtol=1e-6, atol=1e-6)
+
+
+# -- the runtime, interpreted ---------------------------------------------------------------------
+
+
+def _greedy(rt, req, prompt: str, n: int) -> list[int]:
+    out = rt.generate(req(prompt, max_tokens=n))
+    assert out.status is Status.COMPLETED, out.error
+    return out.artifacts["text"].token_ids
+
+
+@interpreted
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_runtime_fused_matches_transformers_interpreted(arch, tiny_qwen, runtime_at, hf_reference, req, prompts) -> None:
+    rt = runtime_at(tiny_qwen(arch), options={"paged_attention": "triton", "decode_fused": True, "kv_block_size": 4})
+    assert rt.model.config["decode_fused"] is True and rt.model.components["paged"].fused is not None
+    tok = rt.model.components["tokenizer"]
+    prompt = prompts[0]
+    assert _greedy(rt, req, prompt, 8) == hf_reference(arch, tok(prompt)["input_ids"], 8), prompt
+    cache = rt.model.components["kv_cache"]
+    cache.check()
+    assert cache.used_blocks == 0 and cache.sequences == 0
+
+
+@interpreted
+def test_batched_fused_decode_each_equals_alone_interpreted(tiny_qwen, runtime_at, hf_reference, req, prompts) -> None:
+    rt = runtime_at(tiny_qwen("qwen2"), scheduler="step", scheduler_options={"max_batch": 8},
+                    options={"paged_attention": "triton", "decode_fused": True})
+    tok = rt.model.components["tokenizer"]
+    streams = [rt.stream(req(p, max_tokens=3 + i)) for i, p in enumerate(prompts)]
+    outs = [[e for e in s if e.output is not None][-1].output for s in streams]
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        assert out.status is Status.COMPLETED, out.error
+        assert out.artifacts["text"].token_ids == hf_reference("qwen2", tok(p)["input_ids"], 3 + i), p
+    assert max(len(d.request_ids) for d in rt.scheduler.trace if d.action == "batched_step") == len(prompts)
+    assert rt.model.components["kv_cache"].used_blocks == 0
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph on CPU: ``replay`` runs the captured function eagerly."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+@interpreted
+def test_fused_step_behind_decode_graphs_matches_the_unfused_step_interpreted(tiny_qwen, monkeypatch) -> None:
+    from omniloop_qwen import model as qm
+    from omniloop_qwen import paged_attention as pa
+
+    monkeypatch.setattr(qm, "MIN_GRAPH_CONTEXT", 16)  # small buckets, so the context crosses two
+
+    def fake_capture(self, cache, host, ctx_tokens):
+        m = self.model
+        meta = host.clone()
+        row_seq = torch.arange(host.shape[0], dtype=torch.int32)
+        splits = pa.choose_splits(host.shape[0], m.kv_heads, ctx_tokens, m.device)
+        logits = m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
+        self.captures += 1
+        replay = _EagerGraph(lambda: logits.copy_(m.decode_static(cache, meta, row_seq, ctx_tokens, splits)))
+        return qm._DecodeGraph(graph=replay, meta=meta, row_seq=row_seq, logits=logits, cache=cache,
+                               ctx_tokens=ctx_tokens, splits=splits)
+
+    monkeypatch.setattr(qm.DecodeGraphs, "_capture", fake_capture)
+    hf = _hf(tiny_qwen("qwen3"))
+    eager, graphed = qm.PagedQwen(hf, attention="triton"), qm.PagedQwen(hf, attention="triton", fused=True)
+    graphed.graphs = qm.DecodeGraphs(graphed)
+    caches = [CacheManager(eager.layout(), block_size=4, num_blocks=64) for _ in range(2)]
+    prompts = [[5, 9, 13], list(range(20, 31)), [7]]
+    handles, toks = [], []
+    for model, cache in zip((eager, graphed), caches, strict=True):
+        hs = [cache.allocate() for _ in prompts]
+        logits = model.forward(cache, hs, prompts)  # prefill: the unfused path in both
+        handles.append(hs)
+        toks.append([[int(t)] for t in logits.argmax(-1)])
+    for _ in range(7):
+        a = eager.forward(caches[0], handles[0], toks[0])
+        b = graphed.forward(caches[1], handles[1], toks[1])
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+        toks = [[[int(t)] for t in x.argmax(-1)] for x in (a, b)]
+        assert toks[0] == toks[1]
+    assert graphed.graphs.replays == 7 and graphed.graphs.captures == 2
+    for li in range(len(eager.layers)):
+        for h0, h1 in zip(*handles, strict=True):
+            s0, s1 = caches[0].slots(h0), caches[1].slots(h1)
+            torch.testing.assert_close(caches[1].k[li][s1], caches[0].k[li][s0], rtol=0, atol=2e-5)
+            torch.testing.assert_close(caches[1].v[li][s1], caches[0].v[li][s0], rtol=0, atol=2e-5)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(IN_INTERPRETER, reason="this process is the interpreter run")
+def test_fused_interpreted_tests_in_a_child_process() -> None:
+    """The ``*_interpreted`` tests above, in a fresh pytest process started with TRITON_INTERPRET=1."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-k", "interpreted and not child_process",
+         "-p", "no:cacheprovider", "-W", "ignore"],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in tail and "skipped" not in tail and "deselected" in tail, tail
+
+
+# -- CUDA -------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_cuda_fused_graph_step_vs_unfused_bf16(arch, tiny_qwen, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from omniloop_qwen.model import PagedQwen
+
+    hf = _hf(tiny_qwen(arch), torch.bfloat16, "cuda")
+    ref, fast = PagedQwen(hf, attention="triton"), PagedQwen(hf, attention="triton", cuda_graphs=True, fused=True)
+    caches = [CacheManager(ref.layout(), block_size=16, num_blocks=64) for _ in range(2)]
+    prompts = [[5, 9, 13], list(range(20, 61)), [7]]
+    handles = [[c.allocate() for _ in prompts] for c in caches]
+    toks = [[int(t)] for t in ref.forward(caches[0], handles[0], prompts).argmax(-1)]
+    fast.forward(caches[1], handles[1], prompts)
+    agree = total = 0
+    for _ in range(6):
+        a, b = ref.forward(caches[0], handles[0], toks), fast.forward(caches[1], handles[1], toks)
+        assert (a - b).abs().max().item() <= 0.1
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+        toks = [[int(t)] for t in a.argmax(-1)]  # both follow the reference's tokens
+    assert agree >= total - 1
+    assert fast.graphs is not None and fast.graphs.replays == 6
+
+
+@needs_cuda
+def test_cuda_runtime_fused_matches_transformers_float32(tiny_qwen, runtime_at, hf_reference, req, prompts, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rt = runtime_at(tiny_qwen("qwen2"), device="cuda", options={"paged_attention": "triton", "decode_fused": True,
+                                                                 "decode_cuda_graphs": True})
+    tok = rt.model.components["tokenizer"]
+    for p in prompts[:2]:
+        assert _greedy(rt, req, p, 8) == hf_reference("qwen2", tok(p)["input_ids"], 8), p
