@@ -1,9 +1,17 @@
-"""Prompt adherence of the wan-demo checkpoint vs denoising steps (color and motion direction).
+"""Prompt adherence of a demo model vs denoising steps (video clips or images).
+
+Video: color, direction, shape; image: color, shape, position.
 
     python bench/adherence.py                         # runtime on CPU, 50/20/8/4 steps, 24 prompts x seeds 0,1
     python bench/adherence.py --backend diffusers --device cuda --prompts full --seeds 0,1,2,3
     python bench/adherence.py --smoke                 # 2 prompts, 2 steps: checks the script
     python bench/adherence.py --model wan-demo-causal --rollout causal --steps 4,8   # streamed clips
+    python bench/adherence.py --model flux-demo       # an image model (omniloop.json adherence.kind: image)
+
+An image model (its ``omniloop.json`` holds ``"adherence": {"kind": "image"}``) is scored on image
+prompts (``a {color} {shape} at the {position}``) generated as ``t2i`` requests through the
+runtime; ``--steps`` then defaults to the checkpoint's own default steps and ``--guidance`` to its
+default guidance (else 3.5).
 
 ``--rollout causal`` scores **streamed** clips: each request goes through ``Runtime.stream`` with
 ``rollout: causal`` and the clip scored is the concatenation of its PARTIAL ``video_chunk``
@@ -51,7 +59,8 @@ def causal_generator(model: str, device: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from omniloop_wan_demo.evaluate import default_prompts, evaluate, full_prompts, make_generator
+    from omniloop_wan_demo.cli import _checkpoint_meta
+    from omniloop_wan_demo.evaluate import adherence_kind, evaluate, make_generator, prompt_set
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="wan-demo")
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="causal: streamed chunk rollout (default: causal for wan-demo-causal, else bidirectional)")
     ap.add_argument("--steps", default=None, help="comma list (default 50,20,8,4; causal: 4,8)")
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--guidance", type=float, default=5.0)
+    ap.add_argument("--guidance", type=float, default=None, help="default: the checkpoint's (video 5.0, image 3.5)")
     ap.add_argument("--prompts", default="default", choices=["default", "full"])
     ap.add_argument("--backend", default="runtime", choices=["auto", "runtime", "diffusers"])
     ap.add_argument("--device", default="cpu")
@@ -68,10 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
 
+    meta = _checkpoint_meta(a.model)
+    kind = adherence_kind(meta)
+    defaults = dict(meta.get("defaults") or {})
+    if kind == "image" and a.rollout == "causal":
+        ap.error(f"--rollout causal: {a.model} is an image model")
     rollout = a.rollout or ("causal" if a.model == "wan-demo-causal" else "bidirectional")
-    steps = [int(s) for s in (a.steps or ("4,8" if rollout == "causal" else "50,20,8,4")).split(",")]
+    default_steps = str(defaults.get("steps", 20)) if kind == "image" else ("4,8" if rollout == "causal" else "50,20,8,4")
+    steps = [int(s) for s in (a.steps or default_steps).split(",")]
     seeds = [int(s) for s in a.seeds.split(",")]
-    prompts = default_prompts() if a.prompts == "default" else full_prompts()
+    if a.guidance is None:
+        a.guidance = float(defaults.get("guidance_scale", 3.5)) if kind == "image" else 5.0
+    prompts = prompt_set(kind, a.prompts)
     if a.smoke:
         steps, seeds, prompts = [2], [0], prompts[:2]
     timings = None
@@ -79,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         gen, backend, note = causal_generator(a.model, a.device)
         timings = gen.timings
     else:
-        gen, backend, note = make_generator(a.backend, model=a.model, device=a.device)
+        gen, backend, note = make_generator(a.backend, model=a.model, device=a.device, kind=kind)
     reports = []
     for n in steps:
         start = len(timings) if timings is not None else 0
-        rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=n, guidance_scale=a.guidance, backend=backend)
+        rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=n, guidance_scale=a.guidance, backend=backend, kind=kind)
         if timings is not None:
             t = timings[start:]
             rep.extra["first_chunk_s_median"] = round(statistics.median(x["first_chunk_s"] for x in t), 4)
@@ -93,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                           **{k: v for k, v in rep.extra.items() if k != "timings"}}), flush=True)
         reports.append(rep.to_dict())
     result = {
-        "model": a.model, "rollout": rollout, "rollout_options": getattr(gen, "rollout_options", None),
+        "model": a.model, "kind": kind, "rollout": rollout, "rollout_options": getattr(gen, "rollout_options", None),
         "backend": backend, "note": note, "device": a.device, "guidance_scale": a.guidance,
         "prompt_set": a.prompts, "seeds": seeds, "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "date": dt.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),

@@ -3,6 +3,11 @@
     omniloop eval adherence --model wan-demo --steps 20 --seeds 0,1
     omniloop eval adherence --steps 50,20,8,4 --prompts full --json adherence.json
     omniloop eval adherence --model wan-demo-causal --steps 4,8      # streamed clips (rollout: causal)
+    omniloop eval adherence --model flux-demo                        # an image model: color, shape, position
+
+A video model is scored on color, direction and shape; a checkpoint whose ``omniloop.json`` holds
+``"adherence": {"kind": "image"}`` is an image model: image prompts (``a {color} {shape} at the
+{position}``) go through the runtime as ``t2i`` requests and color, shape and position are scored.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ def _ints(value: str) -> list[int]:
 @click.option("--seeds", default="0,1", show_default=True, help="comma-separated seeds")
 @click.option("--guidance", "guidance_scale", default=None, type=float, help="CFG scale (default: the checkpoint's, 5.0)")
 @click.option("--prompts", "prompt_set", default="default", type=click.Choice(["default", "full"]), show_default=True,
-              help="default: 6 colors x 4 directions (24); full: x 3 shapes (72)")
+              help="video: default 6 colors x 4 directions, shapes rotating (24), full x 4 shapes (96); "
+              "image: default 6 colors x 9 positions, shapes rotating (54), full x 4 shapes (216)")
 @click.option("--backend", default="auto", type=click.Choice(["auto", "runtime", "diffusers"]), show_default=True,
               help="auto: omniloop's runtime when it can load the model, else diffusers' WanPipeline")
 @click.option("--rollout", default="auto", type=click.Choice(["auto", "bidirectional", "causal"]), show_default=True,
@@ -37,17 +43,28 @@ def _ints(value: str) -> list[int]:
 @click.option("--table/--no-table", default=True, show_default=True, help="print the per-clip table")
 def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float | None, prompt_set: str, backend: str,
               rollout: str, device: str, dtype: str, batch_size: int, json_out: str | None, table: bool) -> None:
-    """Generate a fixed set of prompts x seeds, detect color and motion direction, report accuracy."""
+    """Generate a fixed set of prompts x seeds, detect color, shape and motion direction (video) or
+    position (image), report accuracy with 95 % Wilson intervals."""
     from rich.console import Console
     from rich.table import Table
 
-    from .evaluate import default_prompts, evaluate, format_table, full_prompts, make_generator, wilson
+    from .evaluate import adherence_kind, evaluate, format_table, make_generator, prompt_set as prompts_of, table_columns, wilson
 
     console = Console()
     meta = _checkpoint_meta(model)
+    try:
+        kind = adherence_kind(meta)
+    except ValueError as e:
+        raise click.UsageError(f"--model {model}: {e}") from None
     defaults = dict(meta.get("defaults") or {})
     step_list = _ints(steps) if steps else [int(defaults.get("steps", 20))]
-    g = guidance_scale if guidance_scale is not None else float(defaults.get("guidance_scale", 5.0))
+    g = guidance_scale if guidance_scale is not None else float(defaults.get("guidance_scale", 5.0 if kind == "video" else 3.5))
+    if kind == "image":
+        if rollout == "causal":
+            raise click.UsageError(f"--rollout causal: {model} is an image model (omniloop.json adherence.kind: image)")
+        if backend == "diffusers":
+            raise click.UsageError(f"--backend diffusers: {model} is an image model; it runs through the runtime")
+        rollout = "bidirectional"
     if rollout == "auto":
         rollout = "causal" if meta.get("rollout") == "causal" or model == "wan-demo-causal" else "bidirectional"
     if rollout == "causal":
@@ -57,52 +74,69 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
             "rollout": "causal", "rollout_options": dict(meta.get("rollout_options") or {})}
         gen, used, note = StreamingRuntimeGenerator(model, device=device, dtype=dtype, options=opts), "runtime-stream", None
     else:
-        gen, used, note = make_generator(backend, model=model, device=device, dtype=dtype, batch_size=batch_size)
+        gen, used, note = make_generator(backend, model=model, device=device, dtype=dtype, batch_size=batch_size, kind=kind)
     if note:
         console.print(f"[yellow]note:[/] {note}")
-    prompts = default_prompts() if prompt_set == "default" else full_prompts()
+    prompts = prompts_of(kind, prompt_set)
     reports = []
     for n_steps in step_list:
-        rep = evaluate(gen, prompts=prompts, seeds=_ints(seeds), steps=n_steps, guidance_scale=g, backend=used)
+        rep = evaluate(gen, prompts=prompts, seeds=_ints(seeds), steps=n_steps, guidance_scale=g, backend=used, kind=kind)
         if note:
             rep.extra["note"] = note
         reports.append(rep)
         if table:
             t = Table(title=f"{model}: {n_steps} steps, guidance {g}, backend {used}")
-            for col in ("prompt", "seed", "color", "direction", "shape", "travel px"):
+            for col in table_columns(kind):
                 t.add_column(col)
             for row in format_table(rep):
                 t.add_row(*row)
             console.print(t)
-    s = Table(title=f"prompt adherence of {model} ({len(prompts)} prompts x seeds {seeds})")
-    for col in ("steps", "n", "color", "direction", "color+direction", "shape", "seconds"):
+    # summary columns: (title, accuracy key)
+    summary = ([("color", "color"), ("shape", "shape"), ("position", "position"), ("all three", "all")] if kind == "image"
+               else [("color", "color"), ("direction", "direction"), ("color+direction", "all"), ("shape", "shape")])
+    s = Table(title=f"prompt adherence of {model} ({kind}: {len(prompts)} prompts x seeds {seeds})")
+    for col in ("steps", "n", *(title for title, _ in summary), "seconds"):
         s.add_column(col, justify="right")
     for rep in reports:
         def cell(k: str, rep: Any = rep) -> str:
             lo, hi = wilson(rep.accuracy[k], rep.n)
             return f"{rep.accuracy[k]:.1%} [{lo:.0%}-{hi:.0%}]"
 
-        s.add_row(str(rep.steps), str(rep.n), cell("color"), cell("direction"), cell("all"), cell("shape"), f"{rep.seconds:.1f}")
+        s.add_row(str(rep.steps), str(rep.n), *(cell(k) for _, k in summary), f"{rep.seconds:.1f}")
     console.print(s)
     if json_out:
-        Path(json_out).write_text(json.dumps({"model": model, "reports": [r.to_dict() for r in reports]}, indent=1))
+        Path(json_out).write_text(json.dumps({"model": model, "kind": kind, "reports": [r.to_dict() for r in reports]}, indent=1))
         console.print(f"wrote {json_out}")
 
 
 def _checkpoint_meta(model: str) -> dict[str, Any]:
-    """The ``omniloop.json`` of ``model`` (a folder, ``wan-demo-causal`` or else wan-demo's)."""
+    """The ``omniloop.json`` of ``model``: a folder, an installed preset's folder (e.g.
+    ``flux-demo``), ``wan-demo-causal``'s, or else wan-demo's."""
     from .checkpoint_path import causal_checkpoint_dir, checkpoint_dir
 
     if Path(model).is_dir():
         path = Path(model)
+    elif model == "wan-demo-causal":
+        path = causal_checkpoint_dir()
     else:
-        path = causal_checkpoint_dir() if model == "wan-demo-causal" else checkpoint_dir()
+        path = _preset_dir(model) or checkpoint_dir()
     f = path / "omniloop.json"
     try:
         got = json.loads(f.read_text())
     except (OSError, ValueError):
         return {}
     return dict(got) if isinstance(got, dict) else {}
+
+
+def _preset_dir(name: str) -> Path | None:
+    """The checkpoint folder of an installed model preset (``None``: unknown, or not installed yet)."""
+    try:
+        from omniloop.plugins import default_manager
+
+        preset = default_manager().registry().presets.get(name)
+        return Path(preset.path()) if preset is not None else None
+    except Exception:  # a preset whose weights are missing raises; the runtime names it later
+        return None
 
 
 def add_to(cli: click.Group) -> None:
