@@ -44,3 +44,28 @@ def causal_checkpoint_missing(folder: Path | None = None) -> str | None:
             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); train them with "
             "python -m omniloop_wan_demo.training.train_causal --out DIR, then install them with "
             "python -m omniloop_wan_demo.training.train_causal --ship DIR")
+
+
+#: what ``checkpoint_fast/`` shares with ``checkpoint/`` (relative links): the student was distilled
+#: from wan-demo v2 with its VAE, text encoder and tokenizer frozen
+FAST_SHARED = ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.json")
+
+
+def fast_checkpoint_dir() -> Path:
+    """The ``wan-demo-fast`` folder: its own ``transformer/`` and ``omniloop.json`` (the few-step
+    schedule, guidance 1.0); the rest are links to wan-demo's (:data:`FAST_SHARED`)."""
+    return PACKAGE_DIR / "checkpoint_fast"
+
+
+def fast_checkpoint_missing(folder: Path | None = None) -> str | None:
+    """Why the distilled checkpoint cannot be used yet (``None`` when it can)."""
+    folder = folder or fast_checkpoint_dir()
+    need = [folder / "transformer" / "config.json", folder / "transformer" / "diffusion_pytorch_model.safetensors",
+            folder / "omniloop.json", *(folder / n for n in FAST_SHARED)]
+    missing = [n.relative_to(folder).as_posix() for n in need if not n.exists()]
+    if not missing:
+        return None
+    return (f"the wan-demo-fast weights are not installed ({folder.name}/{missing[0]} is missing"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); distill them with "
+            "python -m omniloop_wan_demo.training.v2 --phases distill,eval --resume DIR --out OUT, then install "
+            "them with python -m omniloop_wan_demo.training.v2 --ship OUT")

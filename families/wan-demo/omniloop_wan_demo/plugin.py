@@ -1,5 +1,5 @@
-"""omniloop hooks of omniloop-wan-demo: the ``wan-demo`` and ``wan-demo-causal`` model presets and
-``omniloop eval adherence``."""
+"""omniloop hooks of omniloop-wan-demo: the ``wan-demo``, ``wan-demo-causal`` and ``wan-demo-fast``
+model presets and ``omniloop eval adherence``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from omniloop.errors import DeployError
 from omniloop.family import ModelPreset
 from omniloop.hookspecs import hookimpl
 
-from .checkpoint_path import CAUSAL_ROLLOUT_OPTIONS, causal_checkpoint_dir, causal_checkpoint_missing, checkpoint_dir
+from .checkpoint_path import (
+    CAUSAL_ROLLOUT_OPTIONS,
+    causal_checkpoint_dir,
+    causal_checkpoint_missing,
+    checkpoint_dir,
+    fast_checkpoint_dir,
+    fast_checkpoint_missing,
+)
 
 OMNILOOP_HOOK_API = ">=1.0,<2"
 
@@ -55,10 +62,39 @@ CAUSAL_PRESET = ModelPreset(
 )
 
 
+def fast_path() -> Path:
+    """The ``wan-demo-fast`` folder; one clear :class:`DeployError` until its weights are installed."""
+    why = fast_checkpoint_missing()
+    if why is not None:
+        raise DeployError(f"model: preset 'wan-demo-fast': {why}")
+    return fast_checkpoint_dir()
+
+
+def fast_schedule() -> dict[str, Any]:
+    """The distilled schedule from ``checkpoint_fast/omniloop.json`` (``policies``: sampler
+    ``few-step`` and its ``timesteps``), ``{}`` before it is installed."""
+    try:
+        got = json.loads((fast_checkpoint_dir() / "omniloop.json").read_text(encoding="utf-8")).get("policies")
+    except (OSError, ValueError, AttributeError):
+        got = None
+    return dict(got) if isinstance(got, dict) else {}
+
+
+FAST_PRESET = ModelPreset(
+    name="wan-demo-fast",
+    family="wan",
+    path=fast_path,
+    description="wan-demo v2 distilled to 4 steps (few-step sampler, guidance 1.0: one forward per step); "
+    "same VAE / text encoder as wan-demo",
+    options={"vae_cpu_kernels": "fast"},
+)
+
+
 @hookimpl
 def omniloop_register_model_presets(register: Any) -> None:
     register(PRESET)
     register(CAUSAL_PRESET)
+    register(FAST_PRESET)
 
 
 @hookimpl

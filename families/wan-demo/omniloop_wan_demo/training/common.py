@@ -21,8 +21,15 @@ from ..data import COLORS, DIRECTIONS, SHAPES
 # ------------------------------------------------------------------------------------------
 
 SPECIAL = ["<pad>", "</s>", "<unk>"]
-WORDS = ["a", "an", "the", "moving", "to", "towards", "is", "shape", ".", ",", *COLORS, *SHAPES, *DIRECTIONS]
+#: wan-demo v1's words, in v1's token-id order (v1's text encoder has exactly these 26 rows)
+V1_WORDS = ["a", "an", "the", "moving", "to", "towards", "is", "shape", ".", ",",
+            "red", "green", "blue", "yellow", "cyan", "magenta", "circle", "square", "triangle",
+            "left", "right", "up", "down"]
+#: words the data vocabulary added since v1 (e.g. ``star``) get ids after v1's, so a v1 text
+#: encoder's embedding rows keep their meaning (:func:`grow_text_encoder`)
+WORDS = V1_WORDS + [w for w in (*COLORS, *SHAPES, *DIRECTIONS) if w not in V1_WORDS]
 VOCAB: list[str] = SPECIAL + WORDS
+V1_VOCAB_SIZE = len(SPECIAL) + len(V1_WORDS)
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 
 
@@ -332,3 +339,29 @@ def load_split(prefix: str | Path) -> dict[str, Any]:
     if not state:
         raise FileNotFoundError(f"no {prefix}-*.safetensors")
     return state
+
+
+def grow_text_encoder(text_encoder, vocab_size: int | None = None):
+    """``text_encoder`` with its (tied) token embedding grown to ``vocab_size`` rows (default
+    ``len(VOCAB)``): existing rows unchanged, each new row the mean of the rows of the words of
+    its kind (a new shape starts as the mean shape word). Returns a new ``UMT5EncoderModel``."""
+    import torch
+
+    vocab_size = vocab_size or len(VOCAB)
+    old = text_encoder.get_input_embeddings().weight.detach()
+    if old.shape[0] >= vocab_size:
+        return text_encoder
+    cfg = dict(TEXT_ENCODER_CONFIG, vocab_size=vocab_size)
+    new = build_text_encoder(cfg)
+    state = {k: v for k, v in text_encoder.state_dict().items() if v.shape == new.state_dict()[k].shape}
+    new.load_state_dict(state, strict=False)
+    emb = torch.empty(vocab_size, old.shape[1], dtype=old.dtype)
+    emb[: old.shape[0]] = old
+    for i in range(old.shape[0], vocab_size):
+        word = VOCAB[i]
+        kind = next((k for k in (COLORS, SHAPES, DIRECTIONS) if word in k), None)
+        peers = [VOCAB.index(w) for w in (kind or ()) if w != word and VOCAB.index(w) < old.shape[0]]
+        emb[i] = old[peers].mean(0) if peers else old.mean(0)
+    new.set_input_embeddings(torch.nn.Embedding.from_pretrained(emb, freeze=False))
+    new.encoder.embed_tokens = new.shared
+    return new.to(old.device)
