@@ -17,8 +17,9 @@ interleaved. On CPU (``--isolate auto``/``no``) everything runs in one process, 
    each (3 to 14 words of the tiny tokenizer's corpus) through ``Runtime`` with the ``step``
    scheduler (``max_batch = max_running =`` the largest batch: prefill per sequence, then every
    decode step batched), once per variant (``--variants``: ``triton``, ``triton-graphs`` — the
-   kernel with decode steps replayed as CUDA graphs, deploy ``decode_cuda_graphs: true`` — and
-   ``torch``), vs
+   kernel with decode steps replayed as CUDA graphs, deploy ``decode_cuda_graphs: true`` —,
+   ``triton-fused`` — the graphs over the fused decode step, ``decode_fused: true``
+   (``omniloop_qwen.fused``) — and ``torch``), vs
    transformers ``generate(do_sample=False)`` on the same prompts left-padded into one batch
    (``min_new_tokens`` so every side makes the same tokens). Tokens/s = new tokens / wall time,
    median over ``--repeats`` interleaved repeats after one warm-up run of each.
@@ -27,10 +28,14 @@ interleaved. On CPU (``--isolate auto``/``no``) everything runs in one process, 
    whole contexts without a cache (what a loop without KV does per token: one transformers forward
    of ``[batch, context]``, ``use_cache=False``, last-position logits only), and transformers' own
    cached decode step, interleaved, medians. Speedup = re-prefill time / decode step time (per
-   token the batch cancels).
+   token the batch cancels). ``--profile``: at the smallest batch, each omniloop side's decode step
+   (``PROFILE_STEPS`` of them) and the re-prefill also run under ``torch.profiler``: wall, host and
+   GPU-kernel time per step, kernels and launches per step, the top kernels and host ops (on CUDA
+   this says whether a step is launch-bound or kernel-bound, and how honest the re-prefill is).
 
     python bench/text_decode.py                     # CPU -> results/text_decode-cpu-<date>.json
     python bench/text_decode.py --device cuda       # H200: Qwen2.5-0.5B arch, bf16, ~2-3 min
+    python bench/text_decode.py --device cuda --variants triton,triton-graphs,triton-fused --profile
     python bench/text_decode.py --smoke             # toy sizes, CPU, seconds (CI-sized check)
 
 ``--budget-s`` bounds the run: once it is spent, what is left is recorded as skipped; the JSON is
@@ -158,8 +163,9 @@ def hf_model(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
     return m
 
 
-#: bench variant -> (paged_attention, decode_cuda_graphs)
-VARIANTS = {"triton": ("triton", False), "triton-graphs": ("triton", True), "torch": ("torch", False)}
+#: bench variant -> (paged_attention, decode_cuda_graphs, decode_fused)
+VARIANTS = {"triton": ("triton", False, False), "triton-graphs": ("triton", True, False),
+            "triton-fused": ("triton", True, True), "torch": ("torch", False, False)}
 
 
 def qwen_runtime(path: Path, device: torch.device, dtype: str, variant: str, max_batch: int, kv_tokens: int) -> Any:
@@ -174,7 +180,7 @@ def qwen_runtime(path: Path, device: torch.device, dtype: str, variant: str, max
     return Runtime.from_model(path, device=str(device), dtype=dtype, manager=manager, scheduler="step",
                               scheduler_options={"max_batch": max_batch, "max_running": max_batch},
                               options={"kv_cache_tokens": kv_tokens, "paged_attention": VARIANTS[variant][0],
-                                       "decode_cuda_graphs": VARIANTS[variant][1]})
+                                       "decode_cuda_graphs": VARIANTS[variant][1], "decode_fused": VARIANTS[variant][2]})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,9 +319,10 @@ def throughput(path: Path, device: torch.device, dtype: str, variants: list[str]
     for v in variants:
         try:
             rt = qwen_runtime(path, device, dtype, v, top, kv_tokens=top * (64 + new_tokens) + 64 * 16)
-            got = (rt.model.config.get("paged_attention"), rt.model.config.get("decode_cuda_graphs"))
+            got = tuple(rt.model.config.get(k) for k in ("paged_attention", "decode_cuda_graphs", "decode_fused"))
             if got != VARIANTS[v]:
-                raise RuntimeError(f"asked for {VARIANTS[v]} (paged_attention, decode_cuda_graphs), the runtime runs {got}")
+                raise RuntimeError(f"asked for {VARIANTS[v]} (paged_attention, decode_cuda_graphs, decode_fused), "
+                                   f"the runtime runs {got}")
             runtimes[v] = rt
             log(f"[throughput] runtime {v} loaded ({budget.elapsed:.0f} s)")
         except Exception as exc:
@@ -402,7 +409,8 @@ FIRST_LOGITS: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batches: list[int], context: int,
-                        steps: int, seed: int, budget: Budget, with_hf: bool = True) -> list[dict[str, Any]]:
+                        steps: int, seed: int, budget: Budget, with_hf: bool = True,
+                        profile: bool = False) -> list[dict[str, Any]]:
     from omniloop.kvcache import CacheManager
     from omniloop_qwen.model import PagedQwen
 
@@ -444,9 +452,9 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                 traceback.print_exc()
             for v in variants:
                 try:
-                    model = PagedQwen(hf, attention=VARIANTS[v][0], cuda_graphs=VARIANTS[v][1])
-                    cache = CacheManager(model.layout(), block_size=16,
-                                         num_blocks=b * (-(-(context + 4 * rounds + 8) // 16)))
+                    model = PagedQwen(hf, attention=VARIANTS[v][0], cuda_graphs=VARIANTS[v][1], fused=VARIANTS[v][2])
+                    room = context + 4 * rounds + 8 + (PROFILE_STEPS + 4 if profile else 0)
+                    cache = CacheManager(model.layout(), block_size=16, num_blocks=b * (-(-room // 16)))
                     hs = [cache.allocate() for _ in range(b)]
                     chunk = max(1, 8192 // context)
                     toks: list[list[int]] = []
@@ -495,6 +503,8 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                     except Exception as exc:
                         failed["transformers"] = error_of(exc)
                         traceback.print_exc()
+            if profile and b == min(batches) and budget.left() > 0:  # explain the smallest batch's step
+                _profile_sides(row, state, variants, failed, hf, ids, keep, device)
         for v in variants:
             graphs = getattr(state.get(v, [None])[0], "graphs", None)
             if graphs is not None:
@@ -504,11 +514,12 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
 
         for side, err in failed.items():
             row[f"{side}_error"] = err
-        ref_logits = first_logits.get("triton")
+        ref_side = "triton" if "triton" in first_logits else "triton-graphs"  # (no eager kernel side: the unfused graphs)
+        ref_logits = first_logits.get(ref_side)
         for v, lg in first_logits.items():  # numerics of the first decode step vs the eager kernel path
-            if ref_logits is not None and v != "triton":
-                row[f"omniloop_{v}_first_step_max_abs_logit_diff_vs_triton"] = round(float((lg - ref_logits).abs().max()), 5)
-                row[f"omniloop_{v}_first_step_argmax_agree_vs_triton"] = float(
+            if ref_logits is not None and lg is not ref_logits:
+                row[f"omniloop_{v}_first_step_max_abs_logit_diff_vs_{ref_side}"] = round(float((lg - ref_logits).abs().max()), 5)
+                row[f"omniloop_{v}_first_step_argmax_agree_vs_{ref_side}"] = float(
                     (lg.argmax(-1) == ref_logits.argmax(-1)).float().mean())
         r = statistics.median(times["reprefill"]) if times.get("reprefill") else None
         if r is not None:
@@ -529,6 +540,92 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
         log(json.dumps({"decode_vs_reprefill": row}))
         rows.append(row)
     return rows
+
+
+#: decode steps each omniloop side runs under torch.profiler with --profile (re-prefills: PROFILE_REPREFILLS)
+PROFILE_STEPS = 20
+PROFILE_REPREFILLS = 3
+#: host-side CUDA runtime / driver calls counted per step (launches, copies, syncs)
+_API_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+              "cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+              "cudaEventSynchronize", "cudaStreamWaitEvent", "cudaEventRecord")
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def _us(avg: Any, *names: str) -> float:
+    for n in names:
+        v = getattr(avg, n, None)
+        if v is not None:
+            return float(v)
+    return 0.0
+
+
+def profile_summary(device: torch.device, fn: Callable[[], Any], steps: int) -> dict[str, Any]:
+    """``fn`` run ``steps`` times under torch.profiler (CPU, plus CUDA activity on CUDA), each run
+    synchronized: wall and host (CPU) time per step, GPU kernel time and kernels per step, the CUDA
+    API calls per step (launches, copies, syncs), the top kernels by GPU time and the top CPU ops by
+    self CPU time. Kernels replayed from a CUDA graph are counted as kernels, their one
+    ``cudaGraphLaunch`` as one launch."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    walls: list[float] = []
+    fn()  # (one unprofiled call: a lazy capture or compile stays out of the trace)
+    sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            with record_function("bench_step"):
+                fn()
+            sync(device)
+            walls.append(time.perf_counter() - t0)
+    avgs = prof.key_averages()
+    out: dict[str, Any] = {"steps": steps, "wall_ms_per_step": round(statistics.median(walls) * 1e3, 4)}
+    step = next((a for a in avgs if a.key == "bench_step"), None)
+    if step is not None:  # host time issuing one step (launches, Python, any sync inside the step)
+        out["cpu_ms_per_step"] = round(_us(step, "cpu_time_total") / steps / 1e3, 4)
+    gpu = [a for a in avgs if getattr(a, "device_type", None) == DeviceType.CUDA]
+    if device.type == "cuda":
+        kern_us = sum(_us(a, "self_device_time_total", "self_cuda_time_total") for a in gpu)
+        out["gpu_kernel_ms_per_step"] = round(kern_us / steps / 1e3, 4)
+        out["gpu_kernels_per_step"] = round(sum(a.count for a in gpu) / steps, 2)
+        top = sorted(gpu, key=lambda a: -_us(a, "self_device_time_total", "self_cuda_time_total"))[:12]
+        out["top_kernels"] = [{"name": a.key[:100], "calls_per_step": round(a.count / steps, 2),
+                               "us_per_step": round(_us(a, "self_device_time_total", "self_cuda_time_total") / steps, 2),
+                               "us_per_call": round(_us(a, "self_device_time_total", "self_cuda_time_total") / max(1, a.count), 2)}
+                              for a in top]
+    calls = {a.key: a.count for a in avgs if a.key in _API_CALLS}
+    out["api_calls_per_step"] = {k: round(v / steps, 2) for k, v in sorted(calls.items())}
+    out["launches_per_step"] = round(sum(calls.get(k, 0) for k in _LAUNCHES) / steps, 2)
+    cpu_ops = [a for a in avgs if getattr(a, "device_type", None) != DeviceType.CUDA and a.key not in ("bench_step",)]
+    cpu_ops.sort(key=lambda a: -_us(a, "self_cpu_time_total"))
+    out["top_cpu_ops"] = [{"name": a.key[:100], "calls_per_step": round(a.count / steps, 2),
+                           "self_us_per_step": round(_us(a, "self_cpu_time_total") / steps, 2)} for a in cpu_ops[:12]]
+    out["note"] = ("wall includes the bench's synchronize after each step; cpu_ms_per_step is the host time inside the "
+                   "step (Python, launches, any sync it makes); the sync itself is cudaDeviceSynchronize (1 per step)")
+    return out
+
+
+def _profile_sides(row: dict[str, Any], state: dict[str, Any], variants: list[str], failed: dict[str, str], hf: Any,
+                   ids: torch.Tensor, keep: dict[str, Any], device: torch.device) -> None:
+    """``--profile``: each omniloop side's decode step (``PROFILE_STEPS`` of them) and transformers'
+    re-prefill into ``row`` (``omniloop_<v>_profile``, ``reprefill_profile``); a failure is recorded, never raised."""
+    for v in variants:
+        if v not in state or f"omniloop_{v}" in failed:
+            continue
+        model, cache, hs, toks = state[v]
+        try:
+            row[f"omniloop_{v}_profile"] = profile_summary(device, lambda: model.forward(cache, hs, toks), PROFILE_STEPS)
+        except Exception as exc:
+            row[f"omniloop_{v}_profile_error"] = error_of(exc)
+            traceback.print_exc()
+    if "hf" in state and "transformers" not in failed:
+        try:
+            row["reprefill_profile"] = profile_summary(device, lambda: hf(ids, use_cache=False, **keep), PROFILE_REPREFILLS)
+        except Exception as exc:
+            row["reprefill_profile_error"] = error_of(exc)
+            traceback.print_exc()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -581,10 +678,11 @@ def _derive(record: dict[str, Any], variants: list[str], first: dict[tuple[int, 
             if r and dd:
                 row[f"speedup_{v}_decode_vs_reprefill"] = round(r / dd, 2)
                 row[f"target_met_{v}"] = r / dd >= 10.0
-            ref, lg = first.get((row.get("batch"), "triton")), first.get((row.get("batch"), v))
-            if v != "triton" and ref is not None and lg is not None and ref.shape == lg.shape:
-                row[f"omniloop_{v}_first_step_max_abs_logit_diff_vs_triton"] = round(float((lg - ref).abs().max()), 5)
-                row[f"omniloop_{v}_first_step_argmax_agree_vs_triton"] = float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
+            ref_side = "triton" if (row.get("batch"), "triton") in first else "triton-graphs"
+            ref, lg = first.get((row.get("batch"), ref_side)), first.get((row.get("batch"), v))
+            if v != ref_side and ref is not None and lg is not None and ref.shape == lg.shape:
+                row[f"omniloop_{v}_first_step_max_abs_logit_diff_vs_{ref_side}"] = round(float((lg - ref).abs().max()), 5)
+                row[f"omniloop_{v}_first_step_argmax_agree_vs_{ref_side}"] = float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
 
 
 def _run_children(args: argparse.Namespace, path: Path, variants: list[str], sections: set[str], budget: Budget,
@@ -613,6 +711,8 @@ def _run_children(args: argparse.Namespace, path: Path, variants: list[str], sec
             passed += [flag, str(val)]
     if args.smoke:
         passed.append("--smoke")
+    if args.profile:
+        passed.append("--profile")
     first: dict[tuple[int, str], torch.Tensor] = {}
     record["children"] = {}
     tmp = Path(tempfile.mkdtemp(prefix="text_decode-children-"))
@@ -681,8 +781,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="model: 'tiny' (CPU default: hidden 256, 4 layers) or 'qwen2.5-0.5b' (CUDA default)")
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--variants", default=None,
-                    help="omniloop variants, comma-separated from triton,triton-graphs,torch, or none (default: all three on "
-                         "CUDA; torch on CPU, plus triton under TRITON_INTERPRET=1)")
+                    help="omniloop variants, comma-separated from triton,triton-graphs,triton-fused,torch, or none (default: "
+                         "all four on CUDA; torch on CPU, plus triton under TRITON_INTERPRET=1)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--decode-batches", default=None, help="batches of the decode-vs-re-prefill section (default: --batches)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 32 (CPU) / 64 (CUDA)")
@@ -696,6 +796,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="toy sizes of the preset, 1 repeat: checks the script, seconds")
+    ap.add_argument("--profile", action="store_true",
+                    help=f"decode vs re-prefill: also run {PROFILE_STEPS} decode steps of each side at the smallest batch under "
+                         "torch.profiler (kernels, GPU time, launches and host time per step) into the JSON")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                     help="run the kernel section and each variant (and transformers) in its own child process, so a "
@@ -715,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = _DTYPES[dtype_name]
     kernel_ok = pa.triton_unavailable(device) is None
-    default = ["triton", "triton-graphs", "torch"] if device.type == "cuda" else ["triton", "torch"] if kernel_ok else ["torch"]
+    default = ["triton", "triton-graphs", "triton-fused", "torch"] if device.type == "cuda" else ["triton", "torch"] if kernel_ok else ["torch"]
     variants = [] if args.variants == "none" else args.variants.split(",") if args.variants else default
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
@@ -743,10 +846,13 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"arch": "qwen2", "preset": preset, "weights": f"random (seed {args.seed})", "dtype": dtype_name, **cfg},
         "variants": variants, "budget_s": args.budget_s,
         "notes": ("omniloop_<variant>: Runtime + step scheduler (events, per-request sampling, text detokenized every "
-                  "token) with options.paged_attention = triton|torch (triton-graphs: triton + decode_cuda_graphs); "
+                  "token) with options.paged_attention = triton|torch (triton-graphs: triton + decode_cuda_graphs; triton-fused: "
+                  "triton + decode_cuda_graphs + decode_fused); "
                   "transformers: generate on one left-padded batch "
                   "(sdpa). decode_vs_reprefill: our paged forward alone vs transformers forward of the whole "
-                  "[batch, context] with use_cache=False (last-position logits)."),
+                  "[batch, context] with use_cache=False (last-position logits), bf16 sdpa, warmed up; both timed with a "
+                  "synchronize after each call. --profile: <side>_profile / reprefill_profile (torch.profiler at the "
+                  "smallest batch) say how much of each wall time is GPU kernel time."),
     }
 
     def save() -> None:
@@ -807,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
     if "reprefill" in sections and hf is not None:
         rp_budget = Budget(max(budget.left(), args.budget_s * 0.4)) if args.child and both else budget
         record["decode_vs_reprefill"] = decode_vs_reprefill(hf, device, variants, decode_batches, context, steps,
-                                                            args.seed, rp_budget, with_hf=with_hf)
+                                                            args.seed, rp_budget, with_hf=with_hf, profile=args.profile)
         save()
     if device.type == "cuda":
         record["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

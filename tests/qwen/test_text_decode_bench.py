@@ -62,3 +62,22 @@ def test_isolated_sides_survive_a_dead_child(tmp_path, monkeypatch) -> None:
     assert [r["batch"] for r in rec["decode_vs_reprefill"]] == [1, 2]
     for row in rec["decode_vs_reprefill"]:
         assert row["omniloop_torch_decode_ms"] > 0 and "died" in row["transformers_error"], row
+
+
+@pytest.mark.skipif(not BENCH.exists(), reason="bench/text_decode.py not in this checkout")
+def test_profile_explains_the_smallest_batch_through_the_children(tmp_path, monkeypatch) -> None:
+    """--profile (passed on to each side's child): the smallest batch's decode-vs-re-prefill row gets
+    each side's torch.profiler summary (host time per step, top host ops; the CUDA-only kernel and
+    launch counts are absent on CPU), the larger batch none."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    bench = load_script(BENCH)
+    rec = run_script(bench, ["--smoke", "--profile", "--isolate", "yes", "--sections", "reprefill"], tmp_path,
+                     "text_decode-cpu-smoke-*.json")
+    one, two = rec["decode_vs_reprefill"]
+    for key in ("omniloop_torch_profile", "reprefill_profile"):
+        prof = one[key]
+        assert prof["steps"] == (bench.PROFILE_STEPS if key.startswith("omniloop") else bench.PROFILE_REPREFILLS)
+        assert prof["wall_ms_per_step"] > 0 and prof["cpu_ms_per_step"] > 0 and prof["top_cpu_ops"], prof
+        assert "gpu_kernel_ms_per_step" not in prof and prof["launches_per_step"] == 0
+        assert key not in two
+    assert one["omniloop_torch_decode_ms"] > 0 and one["reprefill_ms"] > 0
