@@ -328,7 +328,11 @@ def generate(
         runtime, output, load_seconds = _run_composed(ctx, deploy, request, err, frame_stream, as_json)
     else:
         # 2. the request against the deployment, without weights; then the model, and full validation
-        Deployment(deploy, manager=get_manager(ctx)).check(request)
+        deployment = Deployment(deploy, manager=get_manager(ctx))
+        deployment.check(request)
+        from .vocabulary import warn_vocabulary  # a checkpoint's omniloop.json "vocabulary": one warning line
+
+        warn_vocabulary(err, deployment.model_path, prompt, deploy.model.preset or deployment.model_path.name)
         if chosen and deploy.parallel.world_size > 1:
             fail("run-option flags (e.g. --profile) are not supported with a parallel deploy yet")
         t0 = time.perf_counter()
