@@ -16,7 +16,7 @@ from omniloop.errors import DeployError, RequestError
 from omniloop.testing import make_manager
 from omniloop_attention import plugin
 from omniloop_attention.backends import BACKENDS
-from omniloop_attention.sparse import SparseTileAttention, TileLayout, choose_window
+from omniloop_attention.sparse import SparseTileAttention, TileLayout
 
 SPEC = {b.name: b for b in BACKENDS}["sparse-tile"]
 
@@ -31,74 +31,80 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def brute_force_mask(grid, tile, window, global_frames=0):
-    """The definition, token by token in frame-major order: query token q attends key token k iff
-    k's tile lies, in every dimension, inside the k-wide window of q's tile (slid inward at the
-    edges), or k's tile starts within the first ``global_frames`` frames."""
+def brute_force_mask(grid, tile, density, global_frames=0, block=128):
+    """The definition, in plain Python: tokens in tile order (tiles in a 3-D snake, each tile
+    frame-major), cut into blocks; query block i keeps the round(density * blocks) key blocks
+    whose centroid (in tiles) is nearest — Chebyshev, then Euclidean, then index — plus the blocks
+    holding a token of the first ``global_frames`` frames. Returned per token, frame-major."""
     T, H, W = grid
-    ns = [math.ceil(g / t) for g, t in zip(grid, tile, strict=True)]
-    coords = list(itertools.product(range(T), range(H), range(W)))
-    tiles = [tuple(c // t for c, t in zip(xyz, tile, strict=True)) for xyz in coords]
+    tile = [min(a, b) for a, b in zip(tile, grid, strict=True)]
+    nh, nw = math.ceil(H / tile[1]), math.ceil(W / tile[2])
 
-    def window_of(i, n, k):
-        start = min(max(i - k // 2, 0), n - k)
-        return range(start, start + k)
+    def key(xyz):
+        t, h, w = xyz
+        it, ih, iw = t // tile[0], h // tile[1], w // tile[2]
+        row = it * nh + (nh - 1 - ih if it % 2 else ih)
+        rank = row * nw + (nw - 1 - iw if row % 2 else iw)
+        inner = ((t % tile[0]) * tile[1] + h % tile[1]) * tile[2] + w % tile[2]
+        return (rank, inner)
 
-    L = len(coords)
-    m = torch.zeros(L, L, dtype=torch.bool)
-    for a in range(L):
-        wins = [window_of(i, n, k) for i, n, k in zip(tiles[a], ns, window, strict=True)]
-        for b in range(L):
-            inside = all(j in w for j, w in zip(tiles[b], wins, strict=True))
-            sink = tiles[b][0] * tile[0] < global_frames
-            m[a, b] = inside or sink
-    return m
+    order = sorted(itertools.product(range(T), range(H), range(W)), key=key)
+    blocks = [order[i:i + block] for i in range(0, len(order), block)]
+    nb = len(blocks)
+    cent = [[sum(x[d] for x in blk) / len(blk) / tile[d] for d in range(3)] for blk in blocks]
+    keep = max(1, min(nb, round(density * nb)))
+    allowed = [[False] * nb for _ in range(nb)]
+    for i in range(nb):
+        def dist(j, i=i):
+            diff = [abs(cent[i][d] - cent[j][d]) for d in range(3)]
+            return (max(diff), sum(x * x for x in diff), j)
+        for j in sorted(range(nb), key=dist)[:keep]:
+            allowed[i][j] = True
+        for j, blk in enumerate(blocks):
+            if any(x[0] < global_frames for x in blk):
+                allowed[i][j] = True
+    block_of = {xyz: i // block for i, xyz in enumerate(order)}
+    raw = [block_of[xyz] for xyz in itertools.product(range(T), range(H), range(W))]
+    return torch.tensor([[allowed[a][b] for b in raw] for a in raw])
 
 
-@pytest.mark.parametrize("grid,tile,density,global_frames", [
-    ((4, 6, 10), (2, 3, 4), 0.5, 0),
-    ((5, 5, 7), (2, 2, 3), 0.2, 0),   # uneven edge tiles in every dimension
-    ((5, 4, 6), (1, 2, 2), 0.3, 2),   # plus the first two frames as global keys
-    ((3, 4, 4), (1, 1, 1), 1.0, 0),
+@pytest.mark.parametrize("grid,tile,density,global_frames,block", [
+    ((4, 6, 10), (2, 3, 4), 0.5, 0, 16),
+    ((5, 5, 7), (2, 2, 3), 0.2, 0, 8),    # uneven edge tiles in every dimension: blocks span tiles
+    ((5, 4, 6), (1, 2, 2), 0.3, 2, 4),    # plus the first two frames as global keys
+    ((3, 4, 4), (1, 1, 1), 1.0, 0, 8),
 ])
-def test_token_mask_matches_brute_force(grid, tile, density, global_frames):
-    lay = TileLayout(grid, tile, density, global_frames)
-    ref = brute_force_mask(grid, lay.tile, lay.window, global_frames)
+def test_token_mask_matches_brute_force(grid, tile, density, global_frames, block):
+    lay = TileLayout(grid, tile, density, global_frames, block=block)
+    ref = brute_force_mask(grid, tile, density, global_frames, block)
     assert torch.equal(lay.token_mask(), ref)
     assert lay.density == pytest.approx(ref.double().mean().item(), abs=1e-12)
     if density == 1.0:
         assert ref.all()
+    else:
+        assert not ref.all()
 
 
 @pytest.mark.parametrize("block", [8, 16, 128])
 def test_block_tables_reproduce_the_token_mask(block):
-    """What the GPU kernel computes: empty blocks skipped, full blocks unmasked, partial blocks
-    through mask_mod. Rebuilt from the BlockMask's tables, that is exactly the token mask (in
-    tile-major order); and each block's kind is the brute-force any/all of the mask over it."""
+    """What the GPU kernel computes: empty blocks skipped, full blocks without a mask (there are
+    no partial blocks: a tile is a block). Rebuilt from the BlockMask's tables that is exactly the
+    token mask, and the eager path's mask_mod says the same token by token."""
     lay = TileLayout((5, 5, 7), (2, 2, 3), 0.3, block=block)
     L, nb = lay.length, lay.n_blocks
     perm_mask = lay.token_mask()[lay.perm_cpu][:, lay.perm_cpu]
     bm = lay.block_mask
+    assert int(bm.kv_num_blocks.sum()) == 0  # no partial blocks
     rebuilt = torch.zeros(nb * block, nb * block, dtype=torch.bool)
-    q_idx = torch.arange(nb * block).view(-1, 1)
-    kv_idx = torch.arange(nb * block).view(1, -1)
-    mod = bm.mask_mod(0, 0, q_idx, kv_idx)
     for qb in range(nb):
-        rows = slice(qb * block, (qb + 1) * block)
-        for j in range(int(bm.kv_num_blocks[0, 0, qb])):
-            kb = int(bm.kv_indices[0, 0, qb, j])
-            cols = slice(kb * block, (kb + 1) * block)
-            rebuilt[rows, cols] = mod[rows, cols]
         for j in range(int(bm.full_kv_num_blocks[0, 0, qb])):
             kb = int(bm.full_kv_indices[0, 0, qb, j])
-            rebuilt[rows, kb * block:(kb + 1) * block] = True
+            rebuilt[qb * block:(qb + 1) * block, kb * block:(kb + 1) * block] = True
     assert torch.equal(rebuilt[:L, :L], perm_mask)
-    for qb, kb in itertools.product(range(nb), range(nb)):
-        sub = perm_mask[qb * block:(qb + 1) * block, kb * block:(kb + 1) * block]
-        want = 0 if not sub.any() else (2 if sub.all() else 1)
-        assert int(lay.block_kind[qb, kb]) == want
-    if block == 8:
-        assert (lay.block_kind == 0).any() and (lay.block_kind == 2).any()  # really sparse, really full
+    idx = torch.arange(L)
+    assert torch.equal(bm.mask_mod(0, 0, idx.view(-1, 1), idx.view(1, -1)), perm_mask)
+    counts = bm.full_kv_num_blocks[0, 0]
+    assert (counts == lay.keep).all() and 0 < lay.keep < nb  # every query block keeps the same number
 
 
 @pytest.mark.parametrize("density", [0.5, 0.25])
@@ -137,21 +143,20 @@ def test_without_grid_it_is_dense_sdpa_and_a_wrong_grid_is_an_error():
         fn(q, k, v, grid=(2, 3, 4), attn_mask=torch.ones(24, 24, dtype=torch.bool))
 
 
-def test_window_choice():
-    assert choose_window((7, 4, 7), 1.0) == (7, 4, 7)
-    assert choose_window((4, 4, 4), 0.125) == (2, 2, 2)
-    kt, kh, kw = choose_window((7, 4, 7), 0.3)
-    assert abs(kt * kh * kw / 196 - 0.3) < 0.02
-
-
 def test_wan_480p_layout_density():
-    """The Wan 1.3B 480x832x81 grid (21x30x52 tokens) at the default tile: the kept fraction of
-    token pairs is close to the requested density, and the skipped 128-blocks track it."""
+    """The Wan 1.3B 480x832x81 grid (21x30x52 tokens) at the default tile: the kernel visits the
+    requested fraction of blocks (to one block per row), and each block is a compact region."""
     for density in (0.5, 0.3, 0.15):
-        lay = TileLayout((21, 30, 52), (3, 8, 8), density)
-        assert abs(lay.density - density) < 0.05, lay
-        computed = (lay.block_kind > 0).double().mean().item()
-        assert density - 0.05 < computed < density + 0.12, (lay, computed)
+        lay = TileLayout((21, 30, 52), (2, 8, 8), density)
+        assert abs(lay.block_density - density) <= 1 / lay.n_blocks, lay
+        assert abs(lay.density - density) < 0.01, lay
+    T, H, W = lay.grid
+    for b in range(lay.n_blocks):
+        p = lay.perm_cpu[b * 128:(b + 1) * 128]
+        t, h, w = p // (H * W), (p // W) % H, p % W
+        extent = [int(x.max() - x.min() + 1) for x in (t, h, w)]
+        # compact: its bounding box holds at most 3x its 128 tokens (frame-major 128-token runs: 1x3x52)
+        assert extent[0] * extent[1] * extent[2] <= 3 * 128, (b, extent)
 
 
 # -------------------------------------------------------------------------------------------
@@ -241,10 +246,14 @@ def _wan_runtime(ckpt, **deploy):
     return Runtime.from_model(ckpt, manager=make_manager(("wan", wan_plugin), ("attention", plugin), toy=False), **deploy)
 
 
-def test_wan_tiny_runs_end_to_end(wan_ckpt):
-    """9 frames at 32x64: a 3x2x4 latent token grid. tile [1, 1, 1] and density 0.25 make the
-    self-attention really sparse; density 1.0 gives the dense (sdpa) result within float32
+def test_wan_tiny_runs_end_to_end(wan_ckpt, monkeypatch):
+    """9 frames at 32x64: a 3x2x4 latent token grid (24 tokens). With 4-token blocks (the module's
+    BLOCK, patched: 128 would make this grid one block), tile [1, 1, 1] and density 0.25 the
+    self-attention is really sparse; density 1.0 gives the dense (sdpa) result within float32
     rounding; exact requests are refused on the sparse deployment."""
+    from omniloop_attention import sparse
+
+    monkeypatch.setattr(sparse, "BLOCK", 4)
     lat_dense = _wan_runtime(wan_ckpt).generate(_wan_request()).artifacts["latents"].tensor
 
     sparse_rt = _wan_runtime(wan_ckpt, attention_backend="sparse-tile",
@@ -254,7 +263,7 @@ def test_wan_tiny_runs_end_to_end(wan_ckpt):
     assert out.status.value == "completed"
     assert list(fn._layouts) == [((3, 2, 4), "cpu", None)]  # the processor passed the self-attention grid
     lay = next(iter(fn._layouts.values()))
-    assert lay.window != lay.tiles and lay.density < 0.5
+    assert lay.n_blocks == 6 and lay.keep == 2 and lay.density < 0.5
     lat_sparse = out.artifacts["latents"].tensor
     assert torch.isfinite(lat_sparse).all()
     assert (lat_sparse - lat_dense).abs().max() > 1e-4  # sparse attention changed the sample

@@ -1,26 +1,29 @@
 """``sparse-tile``: training-free sliding-tile attention over a video's (T, H, W) token grid.
 
 What runs: the tokens of one self-attention call — a ``T x H x W`` latent grid in frame-major
-order (frames, then rows, then columns: Wan's order after patchify) — are cut into 3-D tiles of
-``tile = (tt, th, tw)`` tokens (the last tile of a dimension may be smaller). Each query tile
-attends to the key tiles inside a ``kt x kh x kw`` window of tiles around it; at the grid's edges
-the window slides inward instead of shrinking, so every query tile keeps the same number of key
-tiles (sliding-tile attention, as in Zhang et al., "Fast Video Generation with Sliding Tile
-Attention", 2025). ``global_frames`` > 0 adds the tiles holding the first frames to every
-query's keys (an attention sink; rounded up to whole tiles).
+order (frames, then rows, then columns: Wan's order after patchify) — are gathered into
+tile-major order: 3-D tiles of ``tile = (tt, th, tw)`` tokens (default ``2 x 8 x 8`` = 128, the
+attention kernel's block), each tile's tokens contiguous. Every run of 128 consecutive tokens of
+that order is one attention tile (a whole ``tile`` wherever the grid divides evenly, else the
+pieces of two neighbouring edge tiles — still a compact 3-D region). Each query tile attends to
+the ``density`` fraction of key tiles nearest to it in the grid (distance between the tiles'
+centroids, measured in tiles: Chebyshev, ties by Euclidean distance, then order) — a 3-D window
+around the query tile that slides inward at the grid's edges instead of shrinking, so every
+query tile keeps the same number of key tiles (sliding-tile attention, as in Zhang et al., "Fast
+Video Generation with Sliding Tile Attention", 2025). ``global_frames`` > 0 adds the tiles
+holding the first frames to every query's keys (an attention sink).
 
-``density`` (the deploy knob, ``attention_options: {density: 0.3}``) is the fraction of key
-tiles each query tile keeps: the window is the ``(kt, kh, kw)`` whose ``kt*kh*kw / tiles`` is
-closest to it (ties: the window most like the grid's shape). ``density: 1.0`` keeps every tile,
-i.e. dense attention computed by the sparse kernel (equal to SDPA within float rounding).
+Because a tile *is* a kernel block, every (query tile, key tile) pair is computed in full or
+skipped: the kernel visits exactly the kept fraction of blocks and never evaluates a mask inside
+a block. ``density`` is the deploy knob (``attention_options: {density: 0.3}``): the fraction of
+key tiles kept per query tile (rounded to whole tiles); ``density: 1.0`` keeps every tile, i.e.
+dense attention computed by the sparse kernel (equal to SDPA within float rounding).
 :attr:`TileLayout.density` is the fraction of (query, key) token pairs actually computed.
 
-How: the tokens are gathered into tile-major order (each tile's tokens contiguous), attention is
-``torch.nn.attention.flex_attention`` with a ``BlockMask`` (128-token blocks; a block pair is
-skipped when none of its tile pairs is in a window, computed without a mask when all are) built
-once per (grid, device) and cached, and the output is scattered back to frame-major order. On
-CUDA ``flex_attention`` is ``torch.compile``-d (a Triton kernel); on the CPU it runs eager (a
-reference: materialises the scores; tests and small shapes only).
+How: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built once per (grid, device)
+and cached; the output is scattered back to frame-major order. On CUDA ``flex_attention`` is
+``torch.compile``-d (a Triton kernel); on the CPU it runs eager (a reference: it materialises
+the scores and applies the same mask token by token; tests and small shapes only).
 
 Where the grid comes from: the backend callable declares ``accepts_grid = True``; a family that
 knows its token grid passes ``grid=(T, H, W)`` to self-attention calls (Wan does:
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from attrs import define, field
 
-#: flex_attention's block size: the granularity at which key blocks are skipped
+#: flex_attention's block size: one attention tile (the granularity at which keys are skipped)
 BLOCK = 128
-DEFAULT_TILE = (3, 8, 8)
+DEFAULT_TILE = (2, 8, 8)
 
 
 @define(frozen=True)
@@ -54,7 +58,7 @@ class SparseTileOptions:
 
     #: fraction of key tiles each query tile attends to, in (0, 1]; 1.0 is dense
     density: float = field(default=0.5, metadata={"gt": 0, "le": 1})
-    #: tile size in latent tokens (frames, rows, columns)
+    #: the tiles that order the tokens, in latent tokens (frames, rows, columns); 128 tokens fill a block
     tile: list[int] = field(factory=lambda: list(DEFAULT_TILE))
     #: the first N latent frames' tiles are keys of every query (0: none)
     global_frames: int = field(default=0, metadata={"ge": 0})
@@ -85,101 +89,72 @@ def check_options(density: Any, tile: Any, global_frames: Any) -> tuple[float, t
     return float(density), (t, h, w), int(global_frames)
 
 
-def choose_window(tiles: tuple[int, int, int], density: float) -> tuple[int, int, int]:
-    """The window ``(kt, kh, kw)`` (in tiles) whose share of all tiles is closest to ``density``;
-    ties go to the window whose per-dimension fractions ``k/n`` are most alike."""
-    nt, nh, nw = tiles
-    total = nt * nh * nw
-    best: tuple[float, float, tuple[int, int, int]] | None = None
-    for kt in range(1, nt + 1):
-        for kh in range(1, nh + 1):
-            for kw in range(1, nw + 1):
-                err = abs(kt * kh * kw / total - density)
-                logs = [math.log(k / n) for k, n in ((kt, nt), (kh, nh), (kw, nw))]
-                mean = sum(logs) / 3
-                shape = sum((x - mean) ** 2 for x in logs)
-                cand = (round(err, 12), shape, (kt, kh, kw))
-                if best is None or cand < best:
-                    best = cand
-    assert best is not None
-    return best[2]
-
-
-def _starts(n: int, k: int) -> torch.Tensor:
-    """Per tile index ``i`` of a dimension with ``n`` tiles: the first tile of its ``k``-wide window."""
-    i = torch.arange(n)
-    return (i - k // 2).clamp(min=0).clamp(max=n - k)
+def tile_order(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> torch.Tensor:
+    """``perm``: frame-major token indices in tile-major order — tile by tile, each tile's tokens
+    frame-major. The tiles follow a 3-D snake (columns of tiles alternate direction from one row of
+    tiles to the next, rows from one frame of tiles to the next), so consecutive tiles are always
+    neighbours: a block that spans two edge tiles is still one compact region."""
+    T, H, W = grid
+    tt, th, tw = tile
+    nh, nw = -(-H // th), -(-W // tw)
+    t = torch.arange(T).view(T, 1, 1).expand(T, H, W).reshape(-1)
+    h = torch.arange(H).view(1, H, 1).expand(T, H, W).reshape(-1)
+    w = torch.arange(W).view(1, 1, W).expand(T, H, W).reshape(-1)
+    it, ih, iw = t // tt, h // th, w // tw
+    row = it * nh + torch.where(it % 2 == 1, nh - 1 - ih, ih)
+    rank = row * nw + torch.where(row % 2 == 1, nw - 1 - iw, iw)
+    inner = ((t % tt) * th + h % th) * tw + w % tw
+    return torch.argsort(rank * (tt * th * tw) + inner)
 
 
 class TileLayout:
-    """Everything one (grid, tile, window) needs: the token permutation, the tile-level mask and
-    the flex ``BlockMask`` (built on the CPU, moved to ``device``)."""
+    """Everything one (grid, tile, density) needs: the token permutation, the block-level mask
+    (``allowed[query block, key block]``) and the flex ``BlockMask`` (built on the CPU, moved to
+    ``device``)."""
 
     def __init__(self, grid: tuple[int, int, int], tile: tuple[int, int, int], density: float,
                  global_frames: int = 0, device: torch.device | str = "cpu", block: int = BLOCK) -> None:
-        T, H, W = grid
-        tt, th, tw = (min(a, b) for a, b in zip(tile, grid, strict=True))
-        self.grid, self.tile, self.block = (T, H, W), (tt, th, tw), block
-        nt, nh, nw = -(-T // tt), -(-H // th), -(-W // tw)
-        self.tiles = (nt, nh, nw)
-        self.window = choose_window(self.tiles, density)
-        kt, kh, kw = self.window
+        T, H, W = (int(x) for x in grid)
+        tile = tuple(min(a, b) for a, b in zip(tile, (T, H, W), strict=True))  # type: ignore[assignment]
+        self.grid, self.tile, self.block = (T, H, W), tile, block
         L = T * H * W
         self.length = L
-        # token -> tile, and the tile-major order (tile id, then position inside the tile)
-        t = torch.arange(T).view(T, 1, 1).expand(T, H, W).reshape(-1)
-        h = torch.arange(H).view(1, H, 1).expand(T, H, W).reshape(-1)
-        w = torch.arange(W).view(1, 1, W).expand(T, H, W).reshape(-1)
-        tile_id = ((t // tt) * nh + h // th) * nw + w // tw
-        inner = ((t % tt) * th + h % th) * tw + w % tw
-        perm = torch.argsort(tile_id * (tt * th * tw) + inner)
+        perm = tile_order(self.grid, tile)
         self.perm_cpu = perm
         self.inv_cpu = torch.argsort(perm)
-        self.tile_of = tile_id[perm]  # tile of each token in tile-major order (non-decreasing)
-        # tile-level mask: allowed[query tile, key tile]
-        n_tiles = nt * nh * nw
-        idx = torch.arange(n_tiles)
-        it, ih, iw = idx // (nh * nw), (idx // nw) % nh, idx % nw
-        st, sh, sw = _starts(nt, kt)[it], _starts(nh, kh)[ih], _starts(nw, kw)[iw]
-
-        def inside(start: torch.Tensor, k: int, j: torch.Tensor) -> torch.Tensor:
-            return (j.view(1, -1) >= start.view(-1, 1)) & (j.view(1, -1) < start.view(-1, 1) + k)
-
-        allowed = inside(st, kt, it) & inside(sh, kh, ih) & inside(sw, kw, iw)
+        nb = -(-L // block)
+        self.n_blocks = nb
+        # each block's centroid, in tiles
+        coords = torch.stack([perm // (H * W), (perm // W) % H, perm % W], dim=1).double()
+        block_of = torch.arange(L) // block
+        sizes = torch.bincount(block_of, minlength=nb).double()
+        centroid = torch.zeros(nb, 3, dtype=torch.float64).index_add_(0, block_of, coords) / sizes.view(-1, 1)
+        centroid = centroid / torch.tensor(tile, dtype=torch.float64)
+        diff = (centroid.view(nb, 1, 3) - centroid.view(1, nb, 3)).abs()
+        cheb = diff.amax(dim=-1)
+        eucl = diff.pow(2).sum(dim=-1)
+        # rank key blocks per query block: Chebyshev distance, then Euclidean, then index (stable sorts)
+        order = torch.argsort(eucl, dim=1, stable=True)
+        order = order.gather(1, torch.argsort(cheb.gather(1, order), dim=1, stable=True))
+        self.keep = max(1, min(nb, round(density * nb)))
+        allowed = torch.zeros(nb, nb, dtype=torch.bool)
+        allowed.scatter_(1, order[:, :self.keep], True)
         if global_frames > 0:
-            allowed |= (it < -(-min(global_frames, T) // tt)).view(1, -1)
+            first = torch.zeros(nb, dtype=torch.bool)
+            first[block_of[coords[:, 0] < global_frames]] = True
+            allowed |= first.view(1, -1)
         self.allowed = allowed
-        sizes = torch.bincount(tile_id, minlength=n_tiles).double()
         #: fraction of (query, key) token pairs computed
         self.density = float((sizes.view(-1, 1) * allowed.double() * sizes.view(1, -1)).sum() / (L * L))
-        self._block_tables()
+        #: fraction of (query block, key block) pairs the kernel visits
+        self.block_density = float(allowed.double().mean())
+        counts = allowed.sum(dim=1).to(torch.int32)
+        # kept blocks first, nearest first (the kernel reads the first ``count`` of each row)
+        kept_first = torch.argsort((~allowed).to(torch.int8), dim=1, stable=True).to(torch.int32)
+        self._full = (counts.view(1, 1, nb), kept_first.view(1, 1, nb, nb))
+        self._partial = (torch.zeros(1, 1, nb, dtype=torch.int32), torch.zeros(1, 1, nb, nb, dtype=torch.int32))
         self._device_state: dict[str, Any] = {}
         self.to(device)
-
-    def _block_tables(self) -> None:
-        L, B = self.length, self.block
-        nb = -(-L // B)
-        n_tiles = self.allowed.shape[0]
-        pos = torch.arange(L)
-        inc = torch.zeros(nb, n_tiles, dtype=torch.float64)
-        inc[pos // B, self.tile_of] = 1.0  # block touches tile
-        allowed = self.allowed.double()
-        any_ = (inc @ allowed @ inc.T) > 0
-        none_bad = (inc @ (1.0 - allowed) @ inc.T) == 0
-        full = any_ & none_bad
-        partial = any_ & ~full
-        #: per (query block, key block): 0 skipped, 1 partial (mask applied), 2 full
-        self.block_kind = partial.to(torch.int8) + 2 * full.to(torch.int8)
-        self.n_blocks = nb
-
-        def table(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            counts = sel.sum(dim=1).to(torch.int32)
-            # indices of the selected blocks first (stable), the rest after (ignored by flex)
-            order = torch.argsort((~sel).to(torch.int8), dim=1, stable=True).to(torch.int32)
-            return counts.view(1, 1, nb), order.view(1, 1, nb, nb)
-
-        self._partial = table(partial)
-        self._full = table(full)
 
     def to(self, device: torch.device | str) -> TileLayout:
         device = torch.device(device)
@@ -194,16 +169,13 @@ class TileLayout:
     def _make_block_mask(self, device: torch.device) -> Any:
         from torch.nn.attention.flex_attention import BlockMask
 
-        B, L = self.block, self.length
-        padded = self.n_blocks * B
-        # per-token tile ids, padded to whole blocks (the kernel masks positions past L itself)
-        tile_of = torch.zeros(padded, dtype=torch.int32)
-        tile_of[:L] = self.tile_of.to(torch.int32)
-        tile_of = tile_of.to(device)
-        allowed = self.allowed.to(device)
+        B, L, nb = self.block, self.length, self.n_blocks
+        allowed = self.allowed.reshape(-1).to(device)  # flat [query block * nb + key block]
 
+        # Every kept block is a full block: the CUDA kernel never calls this. The eager (CPU)
+        # flex_attention applies it token by token, so it must say the same thing.
         def mask_mod(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-            return allowed[tile_of[q_idx], tile_of[kv_idx]]
+            return allowed[(q_idx // B).clamp(max=nb - 1) * nb + (kv_idx // B).clamp(max=nb - 1)]
 
         kv_num, kv_idx = (x.to(device) for x in self._partial)
         full_num, full_idx = (x.to(device) for x in self._full)
@@ -212,11 +184,11 @@ class TileLayout:
 
     def token_mask(self) -> torch.Tensor:
         """The ``[L, L]`` boolean mask in frame-major token order (reference and tests; small grids only)."""
-        tile_raw = self.tile_of[self.inv_cpu]
-        return self.allowed[tile_raw.view(-1, 1), tile_raw.view(1, -1)]
+        block_raw = self.inv_cpu // self.block  # block of each frame-major token
+        return self.allowed[block_raw.view(-1, 1), block_raw.view(1, -1)]
 
     def __repr__(self) -> str:
-        return (f"TileLayout(grid={self.grid}, tile={self.tile}, tiles={self.tiles}, window={self.window}, "
+        return (f"TileLayout(grid={self.grid}, tile={self.tile}, blocks={self.n_blocks}, keep={self.keep}, "
                 f"density={self.density:.3f})")
 
 
@@ -225,10 +197,11 @@ _COMPILED: dict[str, Any] = {}
 
 
 def _flex_for(device: torch.device) -> Any:
-    """flex_attention: compiled (Triton) on CUDA, eager elsewhere."""
+    """flex_attention: compiled (Triton) on CUDA, eager elsewhere; inside a compiled region (Wan's
+    ``compile: true`` blocks) the plain function, which the enclosing graph compiles."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.compiler.is_compiling():
         return flex_attention
     fn = _COMPILED.get("cuda")
     if fn is None:
@@ -247,9 +220,9 @@ class SparseTileAttention:
     accepts_grid = True
 
     def __init__(self, density: float = 0.5, tile: Sequence[int] = DEFAULT_TILE, global_frames: int = 0,
-                 block: int = BLOCK) -> None:
+                 block: int | None = None) -> None:
         self.density, self.tile, self.global_frames = check_options(density, list(tile), global_frames)
-        self.block = block
+        self.block = BLOCK if block is None else int(block)
         self._layouts: dict[tuple[Any, ...], TileLayout] = {}
         self._lock = threading.Lock()
 
@@ -290,7 +263,12 @@ class SparseTileAttention:
                              f"{q.shape[-2]}/{k.shape[-2]}/{v.shape[-2]}")
         lay = self.layout((T, H, W), q.device)
         qp, kp, vp = (x.index_select(-2, lay.perm) for x in (q, k, v))
-        out = _flex_for(q.device)(qp, kp, vp, block_mask=lay.block_mask)
+        if q.device.type == "cuda":
+            out = _flex_for(q.device)(qp, kp, vp, block_mask=lay.block_mask)
+        else:
+            with warnings.catch_warnings():  # eager flex on the CPU: a reference, and it says so each call
+                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+                out = _flex_for(q.device)(qp, kp, vp, block_mask=lay.block_mask)
         return out.index_select(-2, lay.inv)
 
     def __repr__(self) -> str:
@@ -312,8 +290,8 @@ __all__ = [
     "SparseTileOptions",
     "TileLayout",
     "check_options",
-    "choose_window",
     "configure",
     "flex_available",
     "sparse_tile",
+    "tile_order",
 ]
