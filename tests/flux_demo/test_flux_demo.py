@@ -35,7 +35,7 @@ def session(tmp_path_factory) -> Path:
 def pipeline(session, tmp_path_factory) -> Path:
     into = tmp_path_factory.mktemp("flux-demo-pipeline")
     with tarfile.open(session / "pipeline.tar") as tar:
-        tar.extractall(into)  # noqa: S202 - our own file
+        tar.extractall(into)
     return into / "pipeline"
 
 
@@ -127,6 +127,7 @@ def test_batched_sampler_matches_the_runtime(pipeline):
 
 def test_cli_generate_writes_a_png(pipeline, tmp_path):
     from click.testing import CliRunner
+
     from omniloop_cli import cli
 
     out = tmp_path / "star.png"
@@ -173,11 +174,27 @@ def test_ship_refuses_what_is_not_a_pipeline(tmp_path, capsys):
     (["--dit-batch", "0"], "--dit-batch must be >= 1"),
     (["--resume", "/nonexistent-flux-demo"], "not a session folder"),
     (["--vae-seconds", "0"], "--vae-seconds 0 needs --resume"),
+    (["--resume", "RESUME", "--vae-seconds", "5"], "--resume keeps the VAE"),
 ])
 def test_gpu_run_refuses_bad_arguments_before_any_work(tmp_path, capsys, argv, message):
-    from omniloop_flux_demo.training.gpu_run import main
+    from omniloop_flux_demo.training.gpu_run import RESUME_FILES, main
 
+    if "RESUME" in argv:  # a complete (if empty) session folder
+        for f in RESUME_FILES:
+            (tmp_path / f).write_text("{}")
+        argv = [str(tmp_path) if a == "RESUME" else a for a in argv]
     assert main(["--out", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_resume_continues_the_dit_and_keeps_the_vae_normalisation(session, tmp_path):
+    from omniloop_flux_demo.training.gpu_run import main
+
+    out = tmp_path / "second"
+    assert main(["--out", str(out), "--smoke", "--device", "cpu", "--resume", str(session), "--vae-seconds", "0"]) == 0
+    first, second = (json.loads((d / "train.json").read_text()) for d in (session, out))
+    assert second["sessions"] == 2 and second["dit_total_steps"] == first["dit_total_steps"] + 3
+    assert second["latent_stats"]["scaling_factor"] == first["latent_stats"]["scaling_factor"]
+    assert (out / "vae.safetensors").read_bytes() == (session / "vae.safetensors").read_bytes()

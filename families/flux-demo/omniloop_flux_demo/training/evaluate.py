@@ -62,11 +62,16 @@ def load_folder(folder: Path, device: torch.device) -> dict[str, Any]:
 
 def runtime_check(folder: Path, comps: dict[str, Any], device: torch.device, prompts: Sequence[str], steps: int) -> dict[str, Any]:
     """The same prompts through ``omniloop.Runtime`` (seed 0) vs the batched sampler: max |diff| of uint8 pixels."""
+    import omniloop_flux.plugin as flux_plugin
     from omniloop import Runtime
+    from omniloop.testing import make_manager
 
     from .train import sample
 
-    rt = Runtime.from_model(str(folder), device=str(device), dtype="float32")
+    # an explicit manager (the flux family alone): on the GPU machine the packages are on
+    # PYTHONPATH, not installed, so entry-point discovery would find no family
+    manager = make_manager(("flux", flux_plugin), toy=False)
+    rt = Runtime.from_model(str(folder), device=str(device), dtype="float32", manager=manager)
     ours = sample(comps, prompts, [0] * len(prompts), steps=steps)
     ours_u8 = (ours * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
     diffs = []
@@ -116,7 +121,7 @@ def evaluate_folder(folder: Path, *, device: torch.device | str, seeds: Sequence
         report["runtime_check"] = runtime_check(folder, comps, device, prompts[:: max(1, len(prompts) // 4)][:4],
                                                 steps=2 if smoke else 20)
         log(f"runtime check: {report['runtime_check']['max_abs_uint8_diff']}")
-    except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+    except Exception as exc:
         report["runtime_check"] = {"error": f"{type(exc).__name__}: {exc}"}
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report

@@ -1,7 +1,7 @@
 """One time-boxed training session: data pool -> VAE -> transformer + text encoders -> evaluation.
 
     python -m omniloop_flux_demo.training.gpu_run --out $OUT --vae-seconds 90 --dit-seconds 240
-    python -m omniloop_flux_demo.training.gpu_run --out $OUT --resume DIR --dit-seconds 240
+    python -m omniloop_flux_demo.training.gpu_run --out $OUT --resume DIR --vae-seconds 0 --dit-seconds 240
     python -m omniloop_flux_demo.training.gpu_run --out /tmp/fd --smoke          # CPU, every phase, < 2 min
 
 Writes into ``--out`` (8 files at most, each < 16 MiB, no sub-folders — what the GPU tool brings
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny everything on the CPU (tests)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pool", type=int, default=65536, help="training images rendered once")
+    p.add_argument("--pool", type=int, default=32768, help="training images rendered once")
     p.add_argument("--vae-batch", type=int, default=128)
     p.add_argument("--dit-batch", type=int, default=1024)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         missing = [f for f in RESUME_FILES if not (args.resume / f).is_file()]
         if missing:
             raise UsageError(f"--resume {args.resume}: not a session folder ({', '.join(missing)} missing)")
+        if args.vae_seconds > 0:
+            raise UsageError("--resume keeps the VAE (the DiT learned its latents): pass --vae-seconds 0")
     elif args.vae_seconds == 0 and not args.smoke:
         raise UsageError("--vae-seconds 0 needs --resume (a trained VAE to start from)")
     if args.out.exists() and not args.out.is_dir():

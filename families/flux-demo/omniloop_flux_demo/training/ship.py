@@ -31,7 +31,7 @@ def _extract(tar_path: Path, into: Path) -> Path:
             p = Path(m.name)
             if p.is_absolute() or ".." in p.parts or not (m.isfile() or m.isdir()) or p.parts[0] != "pipeline":
                 raise ShipError(f"{tar_path}: unexpected member {m.name!r} (only pipeline/... files are installed)")
-        tar.extractall(into, filter="data") if sys.version_info >= (3, 12) else tar.extractall(into)  # noqa: S202 (checked above)
+        tar.extractall(into, filter="data") if sys.version_info >= (3, 12) else tar.extractall(into)
     return into / "pipeline"
 
 
@@ -72,7 +72,7 @@ def ship(source: Path, dest: Path | None = None) -> Path:
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-        for rel in REQUIRED_FILES + ("tokenizer/tokenizer_config.json", "tokenizer_2/tokenizer_config.json"):
+        for rel in (*REQUIRED_FILES, "tokenizer/tokenizer_config.json", "tokenizer_2/tokenizer_config.json"):
             if (folder / rel).is_file():
                 (staging / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(folder / rel, staging / rel)

@@ -280,7 +280,7 @@ def sample(comps: dict[str, Any], prompts: Sequence[str], seeds: Sequence[int], 
     f = 2 ** (len(vae.config.block_out_channels) - 1)
     h = w = size // f
     c = vae.config.latent_channels
-    sigmas = torch.linspace(1.0, 1.0 / steps, steps).tolist() + [0.0]
+    sigmas = [*torch.linspace(1.0, 1.0 / steps, steps).tolist(), 0.0]
     ids = image_ids(h, w, device)
     out = []
     for i in range(0, len(prompts), batch):
