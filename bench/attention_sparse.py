@@ -11,6 +11,8 @@ backend). Side by side in one run, interleaved and repeated (median):
 * ``flex-kernel-<density>``: the flex kernel alone on pre-gathered inputs (the gather's cost is the
   difference).
 
+The default tile is the backend's (2 x 8 x 8 = 128 tokens = one kernel block).
+
 Per variant: ms, effective TFLOP/s (dense attention FLOPs ``4 B H L^2 D`` / time — what the call
 replaces), computed TFLOP/s (FLOPs of the 128 x 128 blocks the kernel actually visits / time),
 the layout (tiles, window, kept token pairs, visited blocks), and the relative RMS error of the
@@ -21,8 +23,9 @@ output vs the dense cuDNN output on two inputs:
   Fourier features, so q·k decays with distance) plus noise — attention concentrated near each
   token, as in a video DiT's self-attention; v ~ N(0, 1).
 
-A kernel check (``check``) compares the backend with SDPA given the same mask as a dense boolean
-``attn_mask`` (memory-efficient kernel) at a smaller grid, so a wrong block table would show.
+A kernel check (``check``) compares the backend with float32 SDPA given the same mask as a dense
+boolean ``attn_mask``, on a small grid at each density and on the full grid at 0.3, so a wrong
+block table would show (bf16 masked SDPA's own error is recorded beside it).
 
     python bench/attention_sparse.py --out $OUT          # H200: ~1 min
     python bench/attention_sparse.py --smoke --out /tmp  # CPU, tiny grid: checks the script
@@ -117,10 +120,6 @@ def make_inputs(kind: str, grid: tuple[int, int, int], heads: int, d: int, devic
     return tuple(x.to(device=device, dtype=dtype).transpose(1, 2) for x in (q, k, v))  # type: ignore[return-value]
 
 
-def visited_fraction(layout: Any) -> float:
-    return float((layout.block_kind > 0).double().mean())
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -128,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--densities", default="0.5,0.3,0.15")
-    ap.add_argument("--tile", default="3,8,8", help="tile size T,H,W in tokens")
+    ap.add_argument("--tile", default="2,8,8", help="tile size T,H,W in tokens (the backend's default)")
+    ap.add_argument("--block", type=int, default=128, help="attention block (the backend's BLOCK; --smoke: 8)")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per variant per round")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over all)")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results)")
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = (3, 4, 6) if args.smoke else tuple(int(x) for x in args.grid.split(","))
     heads, d = (2, 16) if args.smoke else (args.heads, args.head_dim)
     tile = (1, 2, 2) if args.smoke else tuple(int(x) for x in args.tile.split(","))
+    block = 8 if args.smoke else args.block
     reps, rounds = (1, 1) if args.smoke else (args.reps, args.rounds)
     densities = [float(x) for x in args.densities.split(",")]
     L = grid[0] * grid[1] * grid[2]
@@ -167,30 +168,32 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"torch {torch.__version__} on {device}; grid {grid} ({L} tokens); writing {path}", flush=True)
     dense = dense_fn(cuda)
-    backends = {dens: SparseTileAttention(dens, tile=tile) for dens in [*densities, 1.0]}
+    backends = {dens: SparseTileAttention(dens, tile=tile, block=block) for dens in [*densities, 1.0]}
     layouts = {}
     for dens, fn in backends.items():
         t = time.perf_counter()
         lay = fn.layout(grid, device)
-        layouts[dens] = {"tiles": list(lay.tiles), "window": list(lay.window), "kept_token_pairs": round(lay.density, 4),
-                         "visited_blocks": round(visited_fraction(lay), 4),
+        layouts[dens] = {"blocks": lay.n_blocks, "kept_blocks_per_query_block": lay.keep,
+                         "kept_token_pairs": round(lay.density, 4), "visited_blocks": round(lay.block_density, 4),
                          "layout_build_s": round(time.perf_counter() - t, 3)}
     record["layouts"] = {str(k): v for k, v in layouts.items()}
     write()
 
     # ---- kernel check against a dense boolean mask, smaller grid -------------------------------
     try:
-        cgrid = grid if args.smoke else (6, 10, 16)
-        cq, ck, cv = make_inputs("structured", cgrid, heads, d, device, dtype, seed=3)
         checks = {}
-        for dens in densities:
-            fn = SparseTileAttention(dens, tile=tile)
+        cases = [((6, 10, 16), dens) for dens in densities] + [(grid, 0.3)] if cuda else [(grid, x) for x in densities]
+        for cgrid, dens in cases:
+            cq, ck, cv = make_inputs("structured", cgrid, heads, d, device, dtype, seed=3)
+            fn = SparseTileAttention(dens, tile=tile, block=block)
             mask = fn.layout(cgrid, "cpu").token_mask().to(device)
             ref = F.scaled_dot_product_attention(cq.float(), ck.float(), cv.float(), attn_mask=mask)
             out = fn(cq, ck, cv, grid=cgrid)
             masked_lowp = F.scaled_dot_product_attention(cq, ck, cv, attn_mask=mask)
-            checks[str(dens)] = {"grid": list(cgrid), "rel_rms_vs_masked_fp32": rel_rms(out, ref),
-                                 "masked_sdpa_same_dtype_rel_rms_vs_masked_fp32": rel_rms(masked_lowp, ref)}
+            checks[f"{'x'.join(map(str, cgrid))}@{dens}"] = {
+                "rel_rms_vs_masked_fp32": rel_rms(out, ref),
+                "masked_sdpa_same_dtype_rel_rms_vs_masked_fp32": rel_rms(masked_lowp, ref)}
+            del cq, ck, cv, mask, ref, out, masked_lowp
         record["check"] = checks
         print("check", json.dumps(checks), flush=True)
     except Exception as exc:

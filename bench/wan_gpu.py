@@ -22,7 +22,9 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       the kernel), ``cudnn`` (omniloop-attention
                                       ``sdpa-cudnn``) or ``fp8`` (``cudnn-fp8``: FP8 attention,
                                       distribution-altering; with ``-fused`` q/k are quantised
-                                      in the rope kernel, ``-sepq``: by a separate pass);
+                                      in the rope kernel, ``-sepq``: by a separate pass),
+                                      ``sparse50``/``sparse30``/``sparse15`` (``sparse-tile``
+                                      at density 0.5/0.3/0.15, distribution-altering);
                                       ``-compile``: deploy ``compile: true``
                                       (regional, each block ``fullgraph=True``); ``-batched``:
                                       batched CFG (cond+uncond in one forward)
@@ -99,7 +101,9 @@ BF16_PEAK_TFLOPS = 790.0  # H200 dense bf16, for the "share of peak" column
 #: bf16 tolerance of the final latents against diffusers eager (relative RMS, after the run)
 BF16_REL_RMS_TOL = 5e-2
 
-BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn", "fp8": "cudnn-fp8"}
+BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn", "fp8": "cudnn-fp8",
+            # sparse-tile at a density (attention_options.density; distribution-altering)
+            "sparse50": "sparse-tile@0.5", "sparse30": "sparse-tile@0.3", "sparse15": "sparse-tile@0.15"}
 #: the default subset (~7 min on one H200 with max-autotune compiles); --only picks any
 DEFAULT = {
     "1.3b": ["diffusers", "diffusers-compile", "omniloop-sdpa", "omniloop-cudnn-compile",
@@ -225,7 +229,12 @@ def backend_spec(name: str) -> tuple[Any, str | None]:
         return AttentionBackendSpec(name="sdpa", fn=sdpa), None
     from omniloop_attention.backends import BACKENDS as SPECS
 
-    spec = next(s for s in SPECS if s.name == name)
+    base, _, density = name.partition("@")
+    spec = next(s for s in SPECS if s.name == base)
+    if density:  # the deploy's attention_options, as the runtime applies them at load
+        import attrs
+
+        spec = attrs.evolve(spec, fn=spec.configure(spec.options_schema(density=float(density))))
     return spec, spec.available()
 
 

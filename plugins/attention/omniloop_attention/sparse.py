@@ -263,7 +263,7 @@ class SparseTileAttention:
                              f"{q.shape[-2]}/{k.shape[-2]}/{v.shape[-2]}")
         lay = self.layout((T, H, W), q.device)
         qp, kp, vp = (x.index_select(-2, lay.perm) for x in (q, k, v))
-        if q.device.type == "cuda":
+        if q.device.type == "cuda" or torch.compiler.is_compiling():
             out = _flex_for(q.device)(qp, kp, vp, block_mask=lay.block_mask)
         else:
             with warnings.catch_warnings():  # eager flex on the CPU: a reference, and it says so each call
