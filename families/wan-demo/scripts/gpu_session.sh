@@ -6,7 +6,7 @@
 # Wheels for what the machine lacks (diffusers, cattrs, ...) are carried in .whl/.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/diffusers-0.42.1-py3-none-any.whl .whl/importlib_metadata-*.whl .whl/cattrs-*.whl .whl/attrs-*.whl || exit 1
+  .whl/diffusers-*.whl .whl/cattrs-*.whl .whl/attrs-*.whl .whl/stevedore-*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/core:$PWD/plugins/policies:$PWD/families/wan:$PWD/families/wan-demo PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, diffusers, transformers, accelerate, cattrs, omniloop_policies, omniloop_wan.family; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" || exit 1

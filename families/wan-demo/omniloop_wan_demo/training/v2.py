@@ -145,7 +145,7 @@ def vae_phase(a: argparse.Namespace, init_vae, dev: str) -> tuple[Any, dict[str,
                             "edge_weight": a.edge_weight, "frame0_weight": a.frame0_weight, "kl_weight": 1e-5,
                             "gate": {"shape": a.gate_shape, "color": 0.98, "direction": 0.98, "psnr_frame0": a.gate_psnr0},
                             "log": [], "checks": []}
-    n_check = 8 if a.smoke else 128
+    n_check = 4 if a.smoke else 128
     if not a.smoke:
         rep = recon_report(vae.eval(), n=n_check, device=dev)
         rep.update(step=0, t=0.0)
@@ -155,7 +155,7 @@ def vae_phase(a: argparse.Namespace, init_vae, dev: str) -> tuple[Any, dict[str,
     t0 = time.perf_counter()
     last_check = t0
     step = 0
-    max_steps = 2 if a.smoke else None
+    max_steps = 1 if a.smoke else None
     amp = dev.startswith("cuda")
     while True:
         el = time.perf_counter() - t0
@@ -393,7 +393,7 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
     from .train_dit import pipeline_eval
 
     res: dict[str, Any] = {"detector": "omniloop_wan_demo.evaluate.detect (color, direction, shape)", "runs": []}
-    prompts = full_prompts()[:3] if a.smoke else full_prompts()
+    prompts = full_prompts()[:2] if a.smoke else full_prompts()
     seeds = [0] if a.smoke else [int(s) for s in a.eval_seeds.split(",")]
     t0 = time.perf_counter()
     previews: list[np.ndarray] = []

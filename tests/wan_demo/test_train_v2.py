@@ -1,0 +1,149 @@
+"""wan-demo v2 / wan-demo-fast training (omniloop_wan_demo.training.v2, .distill, .ship): the pieces
+a GPU session depends on, checked on CPU in a few seconds (the VAE and eval phases are too slow for
+CI on a CPU; ``python -m omniloop_wan_demo.training.v2 --smoke --vae-init fresh --dit-init fresh``
+runs them all)."""
+
+import json
+import os
+import tarfile
+
+import pytest
+import torch
+
+from omniloop_wan_demo import checkpoint_path
+from omniloop_wan_demo.training import distill, v2
+from omniloop_wan_demo.training.common import V1_VOCAB_SIZE, VOCAB, grow_text_encoder
+from omniloop_wan_demo.training.ship import ship
+
+torch.set_num_threads(2)
+CKPT = checkpoint_path.checkpoint_dir()
+
+
+def test_fast_sigmas_are_the_few_step_samplers_own():
+    from omniloop_policies.samplers import FewStepSampler
+
+    ts, sigmas = FewStepSampler(timesteps_list=distill.FAST_TIMESTEPS, grid_shift=distill.GRID_SHIFT).schedule()
+    assert list(ts) == [float(t) for t in distill.FAST_TIMESTEPS]
+    assert distill.fast_sigmas() == list(sigmas[:-1])
+    assert distill.GRID_SHIFT == FewStepSampler().grid_shift  # a request only has to name the timesteps
+
+
+def test_loss_weights_mark_edges_objects_and_frame_zero():
+    cov = torch.zeros(1, 1, 3, 16, 16)
+    cov[..., 4:12, 4:12] = 1.0
+    w = v2.loss_weights(cov, object_weight=2.0, edge_weight=10.0, frame0_weight=3.0)
+    assert w.shape == cov.shape
+    f1 = w[0, 0, 1]
+    assert f1[0, 0] == 1.0  # background far from the object
+    assert f1[8, 8] == 3.0  # object interior: 1 + 2
+    assert f1[4, 4] == 13.0 and f1[3, 4] == 11.0  # the outline, inside and outside
+    assert torch.equal(w[0, 0, 0], 3.0 * f1)  # frame 0 weighted
+
+
+def test_new_words_get_ids_after_v1s_and_the_grown_encoder_is_v1_on_v1_prompts():
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    old = json.loads((checkpoint_path.tokenizer_dir() / "tokenizer.json").read_text())["model"]["vocab"]
+    if len(old) != V1_VOCAB_SIZE:
+        pytest.skip("the package tokenizer is no longer v1's")
+    assert all(old[w] == i for i, w in enumerate(VOCAB[:V1_VOCAB_SIZE]))
+    te = UMT5EncoderModel.from_pretrained(str(v2.v1_dir() / "text_encoder"), torch_dtype=torch.float32)
+    if te.config.vocab_size != V1_VOCAB_SIZE:
+        pytest.skip("no v1 text encoder in the package")
+    grown = grow_text_encoder(te)
+    assert grown.get_input_embeddings().weight.shape[0] == len(VOCAB)
+    tok = AutoTokenizer.from_pretrained(str(checkpoint_path.tokenizer_dir()))
+    ids = tok(["a red circle moving left", ""], padding="longest", return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(te(ids.input_ids, ids.attention_mask).last_hidden_state,
+                           grown(ids.input_ids, ids.attention_mask).last_hidden_state)
+
+
+def test_bad_arguments_are_refused_before_any_work(capsys):
+    for argv in (["--out", "x", "--phases", "vae,train"], ["--out", "x", "--dit-seconds", "nan"],
+                 ["--out", "x", "--vae-seconds", "-1"], ["--phases", "dit"]):
+        with pytest.raises(SystemExit) as e:
+            v2.parse_args(argv)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown phase 'train'" in err and "--dit-seconds: must be a finite number > 0" in err
+
+
+def _folder(root, files):
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+PARTS = ("vae/config.json", "transformer/config.json", "text_encoder/config.json", "tokenizer/tokenizer.json",
+         "scheduler/scheduler_config.json", "model_index.json", "omniloop.json")
+
+
+def test_ship_installs_v2_and_fast_and_keeps_v1_parts_for_the_causal_variant(tmp_path):
+    pkg = tmp_path / "pkg"
+    _folder(pkg / "checkpoint", {p: f"v1 {p}" for p in PARTS})
+    _folder(pkg / "tokenizer", {"tokenizer.json": "v1 tok"})
+    _folder(pkg / "checkpoint_causal", {"transformer/config.json": "causal", "omniloop.json": "causal"})
+    for name in checkpoint_path.CAUSAL_SHARED:
+        (pkg / "checkpoint_causal" / name).symlink_to(os.path.relpath(pkg / "checkpoint" / name, pkg / "checkpoint_causal"))
+    src = tmp_path / "files"
+    _folder(src / "pipeline", {p: f"v2 {p}" for p in PARTS})
+    _folder(src / "fast", {"transformer/config.json": "fast", "transformer/diffusion_pytorch_model.safetensors": "w",
+                           "omniloop.json": "{}"})
+    src2 = tmp_path / "tars"
+    src2.mkdir()
+    for name in ("pipeline", "fast"):
+        with tarfile.open(src2 / f"{name}.tar", "w") as tf:
+            tf.add(src / name, arcname=name)
+    done = ship(src2, pkg)
+    assert sorted(done) == ["checkpoint", "checkpoint_causal_kept_v1", "checkpoint_fast"]
+    causal = pkg / "checkpoint_causal"
+    for name in checkpoint_path.CAUSAL_SHARED:
+        assert not (causal / name).is_symlink()
+    assert (causal / "vae" / "config.json").read_text() == "v1 vae/config.json"
+    assert (causal / "model_index.json").read_text() == "v1 model_index.json"
+    assert (pkg / "checkpoint" / "vae" / "config.json").read_text() == "v2 vae/config.json"
+    assert (pkg / "tokenizer" / "tokenizer.json").read_text() == "v2 tokenizer/tokenizer.json"
+    fast = pkg / "checkpoint_fast"
+    assert checkpoint_path.fast_checkpoint_missing(fast) is None
+    for name in checkpoint_path.FAST_SHARED:
+        assert (fast / name).is_symlink() and not os.path.isabs(os.readlink(fast / name))
+    assert (fast / "vae" / "config.json").read_text() == "v2 vae/config.json"
+    # shipping again (e.g. a later v2) leaves the causal variant's v1 copies alone
+    ship(src, pkg)
+    assert (causal / "vae" / "config.json").read_text() == "v1 vae/config.json"
+    with pytest.raises(ValueError, match="neither pipeline.tar nor fast.tar"):
+        ship(tmp_path / "pkg" / "tokenizer", pkg)
+
+
+def test_fast_preset_is_refused_with_one_line_until_installed(tmp_path, monkeypatch):
+    from omniloop.errors import DeployError
+
+    from omniloop_wan_demo import plugin
+
+    monkeypatch.setattr(checkpoint_path, "PACKAGE_DIR", tmp_path)
+    with pytest.raises(DeployError) as e:
+        plugin.fast_path()
+    msg = str(e.value)
+    assert "\n" not in msg and "wan-demo-fast" in msg and "--ship" in msg
+    assert plugin.FAST_PRESET.name == "wan-demo-fast" and plugin.fast_schedule() == {}
+
+
+def test_smoke_session_trains_dit_and_student_and_resumes(tmp_path):
+    """--smoke with tiny fresh models, phases dit + distill (CPU: the VAE is v1's, for encoding)."""
+    out = tmp_path / "run1"
+    assert v2.main(["--out", str(out), "--smoke", "--phases", "dit,distill", "--dit-init", "fresh"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["fast.tar", "pipeline.tar", "raw-0.safetensors", "run.json"]
+    assert all(p.stat().st_size < 16 * 2**20 for p in out.iterdir())
+    run = json.loads((out / "run.json").read_text())
+    assert run["state"] == {"step": 2} and [h["phase"] for h in run["history"]] == ["dit", "distill"]
+    with tarfile.open(out / "fast.tar") as tf:
+        meta = json.load(tf.extractfile("fast/omniloop.json"))
+    assert meta["policies"]["sampler"] == "few-step" and meta["defaults"]["guidance_scale"] == 1.0
+    assert meta["policies"]["sampler_options"]["few-step"]["timesteps"] == list(distill.FAST_TIMESTEPS)
+    out2 = tmp_path / "run2"
+    assert v2.main(["--out", str(out2), "--smoke", "--phases", "dit", "--resume", str(out)]) == 0
+    run2 = json.loads((out2 / "run.json").read_text())
+    assert run2["state"] == {"step": 4} and "raw weights from raw" in run2["phases"]["dit"]["init"]
