@@ -7,6 +7,7 @@ Video: color, direction, shape; image: color, shape, position.
     python bench/adherence.py --smoke                 # 2 prompts, 2 steps: checks the script
     python bench/adherence.py --model wan-demo-causal --rollout causal --steps 4,8   # streamed clips
     python bench/adherence.py --model flux-demo       # an image model (omniloop.json adherence.kind: image)
+    python bench/adherence.py --detector-check        # the detector itself on rendered ground truth (no model)
 
 An image model (its ``omniloop.json`` holds ``"adherence": {"kind": "image"}``) is scored on image
 prompts (``a {color} {shape} at the {position}``) generated as ``t2i`` requests through the
@@ -75,7 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("RESULTS_DIR", str(HERE / "results")))
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--detector-check", action="store_true",
+                    help="score the detector on rendered ground-truth images and clips (clean, blurred, noisy) and exit")
     a = ap.parse_args(argv)
+    if a.detector_check:
+        from omniloop_wan_demo.evaluate import detector_check
+
+        n_img, n_clip = (30, 6) if a.smoke else (1000, 200)
+        print(json.dumps({"detector_check": detector_check(n_img, n_clip),
+                          "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}, indent=1))
+        return 0
 
     meta = _checkpoint_meta(a.model)
     kind = adherence_kind(meta)

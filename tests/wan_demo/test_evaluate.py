@@ -260,3 +260,10 @@ def test_cli_adherence(monkeypatch, tmp_path):
 def test_wilson():
     lo, hi = ev.wilson(0.9, 100)
     assert 0.82 < lo < 0.9 < hi < 0.95
+
+
+def test_detector_check_reports_every_condition():
+    got = ev.detector_check(n_images=12, n_clips=2, seed=3)
+    assert set(got) == {f"{k} {name}" for k in ("image", "video") for name, _, _ in ev.DEGRADATIONS}
+    assert got["image clean"] == {"color": 1.0, "shape": 1.0, "position": 1.0, "n": 12}
+    assert got["video clean"] == {"color": 1.0, "direction": 1.0, "shape": 1.0, "n": 2}
