@@ -168,7 +168,7 @@ def test_render_images_deterministic_and_labelled():
     n1, _ = render_images(4, generator=np.random.default_rng(3))
     n2, _ = render_images(4, generator=np.random.default_rng(3))
     assert torch.equal(n1, n2)
-    fixed, labels = render_images(3, seed=0, color="red", shape="star", position="top right")
+    _, labels = render_images(3, seed=0, color="red", shape="star", position="top right")
     assert labels == [("red", "star", "top right")] * 3
 
 
@@ -176,7 +176,7 @@ def test_render_images_object_in_its_zone():
     """Every object lies wholly inside the frame and its centroid is nearest its position's grid
     point (by a clear margin), for every shape at the largest radius."""
     p = sample_image_params(400, seed=2)
-    imgs, cov = render_image_params(p, return_mask=True)
+    _, cov = render_image_params(p, return_mask=True)
     cov = cov[:, 0]
     ys, xs = torch.meshgrid(torch.arange(SIZE) + 0.5, torch.arange(SIZE) + 0.5, indexing="ij")
     # nothing touches the border rows/columns

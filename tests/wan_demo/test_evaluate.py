@@ -69,7 +69,7 @@ def test_every_shape_is_detected_in_clips():
     and the majority over frames keeps it exact under blur + noise."""
     g = torch.Generator().manual_seed(1)
     for shape in SHAPES:
-        v, prompts, labels = make_clips(12, seed=20 + SHAPES.index(shape), shape=shape)
+        v, prompts, _ = make_clips(12, seed=20 + SHAPES.index(shape), shape=shape)
         for i in range(len(prompts)):
             d = ev.detect(to_uint8_frames(v[i]))
             assert d.shape == shape and sum(d.shape_votes.values()) == d.frames_found, (prompts[i], d.shape_votes)
@@ -194,7 +194,7 @@ def test_image_prompt_sets_and_adherence_kind():
     assert ev.prompt_set("image", "full") == f and ev.prompt_set("video", "default") == ev.default_prompts()
     assert ev.adherence_kind({}) == "video" and ev.adherence_kind(None) == "video"
     assert ev.adherence_kind({"adherence": {"kind": "image"}}) == "image"
-    with pytest.raises(ValueError, match="adherence.kind"):
+    with pytest.raises(ValueError, match=r"adherence\.kind"):
         ev.adherence_kind({"adherence": {"kind": "audio"}})
     with pytest.raises(ValueError, match="adherence: expected an object"):
         ev.adherence_kind({"adherence": "image"})

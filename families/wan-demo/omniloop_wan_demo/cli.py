@@ -48,7 +48,8 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
     from rich.console import Console
     from rich.table import Table
 
-    from .evaluate import adherence_kind, evaluate, format_table, make_generator, prompt_set as prompts_of, table_columns, wilson
+    from .evaluate import adherence_kind, evaluate, format_table, make_generator, table_columns, wilson
+    from .evaluate import prompt_set as prompts_of
 
     console = Console()
     meta = _checkpoint_meta(model)
