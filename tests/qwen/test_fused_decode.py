@@ -49,20 +49,6 @@ def _hf(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-# -- the deploy option ----------------------------------------------------------------------------
-
-
-def test_option_values_are_checked(tiny_qwen, runtime_at, monkeypatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    path = tiny_qwen("qwen2")
-    with pytest.raises(DeployError, match=r"options\.decode_fused: must be true or false, got 'yes'"):
-        runtime_at(path, options={"decode_fused": "yes"})
-    with pytest.raises(DeployError, match=r"options\.decode_fused: needs paged_attention triton \(paged_attention 'torch'\)"):
-        runtime_at(path, options={"decode_fused": True})  # CPU: auto resolves to torch
-    rt = runtime_at(path)
-    assert rt.model.config["decode_fused"] is False and rt.model.components["paged"].fused is None
-
-
 # -- the kernels, interpreted ---------------------------------------------------------------------
 
 
@@ -226,6 +212,21 @@ def test_fused_interpreted_tests_in_a_child_process() -> None:
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, tail
     assert " passed" in tail and "skipped" not in tail and "deselected" in tail, tail
+
+
+# -- the deploy option (after the interpreted tests: it unsets TRITON_INTERPRET, and triton first imported
+# without it stays out of the interpreter in this process) ---------------------------------------------
+
+
+def test_option_values_are_checked(tiny_qwen, runtime_at, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    path = tiny_qwen("qwen2")
+    with pytest.raises(DeployError, match=r"options\.decode_fused: must be true or false, got 'yes'"):
+        runtime_at(path, options={"decode_fused": "yes"})
+    with pytest.raises(DeployError, match=r"options\.decode_fused: needs paged_attention triton \(paged_attention 'torch'\)"):
+        runtime_at(path, options={"decode_fused": True})  # CPU: auto resolves to torch
+    rt = runtime_at(path)
+    assert rt.model.config["decode_fused"] is False and rt.model.components["paged"].fused is None
 
 
 # -- CUDA -------------------------------------------------------------------------------------------
