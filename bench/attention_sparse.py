@@ -120,6 +120,13 @@ def make_inputs(kind: str, grid: tuple[int, int, int], heads: int, d: int, devic
     return tuple(x.to(device=device, dtype=dtype).transpose(1, 2) for x in (q, k, v))  # type: ignore[return-value]
 
 
+#: exploratory flex kernel options, timed on the random input at the middle density (GPU only)
+KERNEL_VARIANTS = {
+    "tma": {"USE_TMA": True},
+    "m128n128w8s2": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -182,10 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     # ---- kernel check against a dense boolean mask, smaller grid -------------------------------
     try:
         checks = {}
-        cases = [((6, 10, 16), dens) for dens in densities] + [(grid, 0.3)] if cuda else [(grid, x) for x in densities]
+        # on the GPU: a small grid, and the full grid at the middle density (the timed backend object:
+        # each new layout is one more compile of the kernel)
+        mid = densities[len(densities) // 2]
+        cases = [((6, 10, 16), mid), (grid, mid)] if cuda else [(grid, x) for x in densities]
         for cgrid, dens in cases:
             cq, ck, cv = make_inputs("structured", cgrid, heads, d, device, dtype, seed=3)
-            fn = SparseTileAttention(dens, tile=tile, block=block)
+            fn = backends[dens] if cgrid == grid else SparseTileAttention(dens, tile=tile, block=block)
             mask = fn.layout(cgrid, "cpu").token_mask().to(device)
             ref = F.scaled_dot_product_attention(cq.float(), ck.float(), cv.float(), attn_mask=mask)
             out = fn(cq, ck, cv, grid=cgrid)
@@ -211,6 +221,16 @@ def main(argv: list[str] | None = None) -> int:
             outs: dict[str, torch.Tensor] = {}
             for dens, fn in backends.items():
                 variants[f"sparse-{dens}"] = (lambda fn=fn: fn(q, k, v, grid=grid))
+                if kind == "random" and cuda and dens == mid:  # kernel options other than torch's defaults
+                    lay = fn.layout(grid, device)
+                    qp, kp, vp = (x.index_select(-2, lay.perm) for x in (q, k, v))
+                    from omniloop_attention.sparse import _flex_for
+
+                    flex = _flex_for(torch.device(device))
+                    for tag, opts in KERNEL_VARIANTS.items():
+                        variants[f"flex-kernel-{tag}-{dens}"] = (
+                            lambda qp=qp, kp=kp, vp=vp, lay=lay, flex=flex, opts=opts:
+                            flex(qp, kp, vp, block_mask=lay.block_mask, kernel_options=opts))
                 if kind == "random":  # the kernel alone: once is enough (speed does not depend on values)
                     lay = fn.layout(grid, device)
                     qp, kp, vp = (x.index_select(-2, lay.perm) for x in (q, k, v))
@@ -220,13 +240,22 @@ def main(argv: list[str] | None = None) -> int:
                     variants[f"flex-kernel-{dens}"] = (lambda qp=qp, kp=kp, vp=vp, lay=lay, flex=flex:
                                                        flex(qp, kp, vp, block_mask=lay.block_mask))
             warm: dict[str, float] = {}
-            for name, fn_ in variants.items():  # warm-up: compiles
+            for name, fn_ in list(variants.items()):  # warm-up: compiles
                 t = time.perf_counter()
-                o = fn_()
-                sync()
+                try:
+                    o = fn_()
+                    sync()
+                except Exception as exc:  # an exploratory kernel option the kernel refuses: record, drop
+                    record["errors"].append({"part": f"{kind}/{name}", "error": f"{type(exc).__name__}: {exc}"[:600]})
+                    del variants[name]
+                    continue
                 warm[name] = round(time.perf_counter() - t, 2)
                 if name.startswith("sparse-"):
                     outs[name] = o
+                elif name.startswith("flex-kernel-") and not name.startswith("flex-kernel-0") \
+                        and not name.startswith("flex-kernel-1"):
+                    ref_k = variants[f"flex-kernel-{name.rsplit('-', 1)[-1]}"]()
+                    record.setdefault("kernel_option_checks", {})[name] = rel_rms(o, ref_k)
             times: dict[str, list[float]] = {n: [] for n in variants}
             for _ in range(rounds):  # interleaved
                 for name, fn_ in variants.items():

@@ -275,3 +275,44 @@ def test_wan_tiny_runs_end_to_end(wan_ckpt, monkeypatch):
 
     with pytest.raises(RequestError, match="exact requests cannot use it"):
         sparse_rt.generate(_wan_request(exact=True))
+
+
+def test_wan_processor_passes_the_grid_to_self_attention_only():
+    """A backend declaring ``accepts_grid`` gets ``grid=(T, H, W)`` on every self-attention call of a
+    Wan forward and never on cross-attention; a backend without it is called as before."""
+    pytest.importorskip("diffusers")
+    from diffusers import WanTransformer3DModel
+
+    from omniloop.builtin import sdpa
+    from omniloop.family import AttentionBackendSpec
+    from omniloop_wan import attention
+    from omniloop_wan.transformer import wan_forward
+
+    class Spy:
+        accepts_grid = True
+
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, q, k, v, grid=None, **kw):
+            self.calls.append((q.shape[-2], k.shape[-2], grid))
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        text_dim=8, freq_dim=16, ffn_dim=16, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        eps=1e-6, rope_max_seq_len=32,
+    ).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 4, 3, 4, 8, generator=g)  # latent grid 3 x 2 x 4 after 2x2 patches
+    text = torch.randn(1, 512, 8, generator=g)
+    attention.install(model, AttentionBackendSpec(name="sdpa", fn=sdpa))
+    with torch.no_grad():
+        ref = wan_forward(model, x, torch.tensor([500.0]), text, None, None)
+    spy = Spy()
+    attention.install(model, AttentionBackendSpec(name="spy", fn=spy))
+    with torch.no_grad():
+        out = wan_forward(model, x, torch.tensor([500.0]), text, None, None)
+    assert sorted(spy.calls, key=str) == sorted([(24, 24, (3, 2, 4))] * 2 + [(24, 512, None)] * 2, key=str)
+    assert torch.equal(out, ref)  # the spy computes what sdpa does

@@ -50,6 +50,9 @@ from attrs import define, field
 #: flex_attention's block size: one attention tile (the granularity at which keys are skipped)
 BLOCK = 128
 DEFAULT_TILE = (2, 8, 8)
+#: ``kernel_options`` for the CUDA flex kernel (None: torch's defaults for the GPU and head dim);
+#: ``bench/attention_sparse.py`` times alternatives
+KERNEL_OPTIONS: dict[str, Any] | None = None
 
 
 @define(frozen=True)
@@ -263,7 +266,9 @@ class SparseTileAttention:
                              f"{q.shape[-2]}/{k.shape[-2]}/{v.shape[-2]}")
         lay = self.layout((T, H, W), q.device)
         qp, kp, vp = (x.index_select(-2, lay.perm) for x in (q, k, v))
-        if q.device.type == "cuda" or torch.compiler.is_compiling():
+        if q.device.type == "cuda":
+            out = _flex_for(q.device)(qp, kp, vp, block_mask=lay.block_mask, kernel_options=KERNEL_OPTIONS)
+        elif torch.compiler.is_compiling():
             out = _flex_for(q.device)(qp, kp, vp, block_mask=lay.block_mask)
         else:
             with warnings.catch_warnings():  # eager flex on the CPU: a reference, and it says so each call
