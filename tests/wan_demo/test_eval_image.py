@@ -81,3 +81,25 @@ def test_bench_adherence_smoke_on_an_image_model(image_ckpt, capsys):
     assert bench.main(["--model", str(image_ckpt), "--smoke"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["n"] == 2 and set(line["accuracy"]) == {"color", "shape", "position", "all"}
+
+
+def test_cli_resolves_an_installed_preset_and_names_a_missing_one(image_ckpt, monkeypatch, tmp_path):
+    """A preset's own omniloop.json decides the kind; a preset whose weights are not installed is
+    one usage error with its reason (never a silent fallback to wan-demo)."""
+    from omniloop.errors import DeployError
+    from omniloop.family import ModelPreset
+    from omniloop.plugins import default_manager
+
+    presets = default_manager().registry().presets
+
+    def missing():
+        raise DeployError("model: preset 'img-missing': the weights are not installed")
+
+    monkeypatch.setitem(presets, "img-demo-test", ModelPreset(name="img-demo-test", family="flux", path=lambda: image_ckpt))
+    monkeypatch.setitem(presets, "img-missing", ModelPreset(name="img-missing", family="flux", path=missing))
+    assert cli._checkpoint_meta("img-demo-test")["adherence"] == {"kind": "image"}
+    assert cli._checkpoint_meta("no-such-preset") == {}
+    res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", "img-missing"])
+    assert res.exit_code == 2 and "the weights are not installed" in res.output
+    with pytest.raises(Exception, match="no-such-preset"):  # the runtime's own error, no diffusers stand-in
+        ev.make_generator("auto", model="no-such-preset")

@@ -119,8 +119,13 @@ def _checkpoint_meta(model: str) -> dict[str, Any]:
         path = Path(model)
     elif model == "wan-demo-causal":
         path = causal_checkpoint_dir()
+    elif model == "wan-demo":
+        path = checkpoint_dir()
     else:
-        path = _preset_dir(model) or checkpoint_dir()
+        found = _preset_dir(model)
+        if found is None:
+            return {}  # not a folder nor an installed preset: loading it names the problem
+        path = found
     f = path / "omniloop.json"
     try:
         got = json.loads(f.read_text())
@@ -130,14 +135,19 @@ def _checkpoint_meta(model: str) -> dict[str, Any]:
 
 
 def _preset_dir(name: str) -> Path | None:
-    """The checkpoint folder of an installed model preset (``None``: unknown, or not installed yet)."""
-    try:
-        from omniloop.plugins import default_manager
+    """The checkpoint folder of an installed model preset (``None``: no such preset). A preset
+    whose weights are not installed (its ``path()`` raises, e.g. flux-demo before shipping) is a
+    usage error with the preset's own one-line reason."""
+    from omniloop.errors import OmniloopError
+    from omniloop.plugins import default_manager
 
-        preset = default_manager().registry().presets.get(name)
-        return Path(preset.path()) if preset is not None else None
-    except Exception:  # a preset whose weights are missing raises; the runtime names it later
+    preset = default_manager().registry().presets.get(name)
+    if preset is None:
         return None
+    try:
+        return Path(preset.path())
+    except OmniloopError as e:
+        raise click.UsageError(f"--model {name}: {e}") from None
 
 
 def add_to(cli: click.Group) -> None:

@@ -779,19 +779,23 @@ def make_generator(backend: str = "auto", *, model: str = "wan-demo", device: st
         if backend == "diffusers":
             raise ValueError("--backend diffusers generates video only; image models run through the runtime")
         return ImageRuntimeGenerator(model, device=device, dtype=dtype), "runtime", None
+    from pathlib import Path
+
+    from .checkpoint_path import checkpoint_dir
+
+    # diffusers' WanPipeline can stand in only for a folder or the shipped wan-demo checkpoint
+    fallback = Path(model) if Path(model).is_dir() else (checkpoint_dir() if model == "wan-demo" else None)
     note = None
     if backend in ("auto", "runtime"):
         try:
             return RuntimeGenerator(model, device=device, dtype=dtype), "runtime", None
         except Exception as e:  # the runtime or the Wan family may not exist yet
-            if backend == "runtime":
+            if backend == "runtime" or fallback is None:
                 raise
             note = f"runtime unavailable ({type(e).__name__}: {e}); used diffusers WanPipeline"
-    from pathlib import Path
-
-    from .checkpoint_path import checkpoint_dir
-
-    path = Path(model) if Path(model).is_dir() else checkpoint_dir()
+    if fallback is None:
+        raise ValueError(f"--backend diffusers needs a checkpoint folder or wan-demo, got {model!r}")
+    path = fallback
     return DiffusersGenerator(path, device=device, dtype=dtype, batch_size=batch_size), "diffusers", note
 
 
