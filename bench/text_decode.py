@@ -409,8 +409,8 @@ FIRST_LOGITS: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batches: list[int], context: int,
-                        steps: int, seed: int, budget: Budget, with_hf: bool = True,
-                        profile: bool = False) -> list[dict[str, Any]]:
+                        steps: int, seed: int, budget: Budget, with_hf: bool = True, profile: bool = False,
+                        on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     from omniloop.kvcache import CacheManager
     from omniloop_qwen.model import PagedQwen
 
@@ -503,14 +503,10 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                     except Exception as exc:
                         failed["transformers"] = error_of(exc)
                         traceback.print_exc()
-            if profile and b == min(batches) and budget.left() > 0:  # explain the smallest batch's step
-                _profile_sides(row, state, variants, failed, hf, ids, keep, device)
         for v in variants:
             graphs = getattr(state.get(v, [None])[0], "graphs", None)
             if graphs is not None:
                 row[f"omniloop_{v}_graph_captures"], row[f"omniloop_{v}_graph_replays"] = graphs.captures, graphs.replays
-        state.clear()
-        free_memory(device)
 
         for side, err in failed.items():
             row[f"{side}_error"] = err
@@ -539,6 +535,16 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
                 row[f"target_met_{v}"] = r / dd >= 10.0
         log(json.dumps({"decode_vs_reprefill": row}))
         rows.append(row)
+        if profile and b == min(batches) and budget.left() > 0:  # explain the smallest batch's step
+            if on_rows is not None:  # the measured row is saved first: a profiler fault cannot cost it
+                on_rows(rows)
+            with torch.no_grad():
+                _profile_sides(row, state, variants, failed, hf, ids, keep, device)
+            log(json.dumps({"decode_vs_reprefill_profiled_batch": b}))
+            if on_rows is not None:
+                on_rows(rows)
+        state.clear()
+        free_memory(device)
     return rows
 
 
@@ -913,7 +919,9 @@ def main(argv: list[str] | None = None) -> int:
     if "reprefill" in sections and hf is not None:
         rp_budget = Budget(max(budget.left(), args.budget_s * 0.4)) if args.child and both else budget
         record["decode_vs_reprefill"] = decode_vs_reprefill(hf, device, variants, decode_batches, context, steps,
-                                                            args.seed, rp_budget, with_hf=with_hf, profile=args.profile)
+                                                            args.seed, rp_budget, with_hf=with_hf, profile=args.profile,
+                                                            on_rows=lambda rows: (record.__setitem__("decode_vs_reprefill", rows),
+                                                                                  save()))
         save()
     if device.type == "cuda":
         record["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
