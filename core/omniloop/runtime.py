@@ -246,7 +246,7 @@ class Deployment:
                 raise DeployError(f"attention_options: backend {name!r} takes no options, got {sorted(options)}")
             return spec
         try:
-            config = structure_params(spec.options_schema, options, "attention_options")
+            config: Any = structure_params(spec.options_schema, options, "attention_options")
             fn = spec.configure(config) if spec.configure is not None else spec.fn
         except RequestError as exc:
             raise DeployError(f"deploy config: {exc}") from None

@@ -150,7 +150,7 @@ def test_wan_480p_layout_density():
         lay = TileLayout((21, 30, 52), (2, 8, 8), density)
         assert abs(lay.block_density - density) <= 1 / lay.n_blocks, lay
         assert abs(lay.density - density) < 0.01, lay
-    T, H, W = lay.grid
+    _, H, W = lay.grid
     for b in range(lay.n_blocks):
         p = lay.perm_cpu[b * 128:(b + 1) * 128]
         t, h, w = p // (H * W), (p // W) % H, p % W
@@ -240,7 +240,6 @@ def _wan_request(**extra):
 
 def _wan_runtime(ckpt, **deploy):
     import omniloop_wan.plugin as wan_plugin
-
     from omniloop.runtime import Runtime
 
     return Runtime.from_model(ckpt, manager=make_manager(("wan", wan_plugin), ("attention", plugin), toy=False), **deploy)
