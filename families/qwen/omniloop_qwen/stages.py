@@ -303,7 +303,9 @@ class Decode:
         tok = comps["tokenizer"]
         # greedy rows: one argmax over the batch, one device->host copy (not one sync per sequence)
         greedy = [i for i, lp in enumerate(loops) if sampling_rows[i] and lp.extra["sampling"].greedy]
-        argmax = dict(zip(greedy, logits[greedy].argmax(-1).tolist(), strict=True)) if greedy else {}
+        # (every row greedy, the usual decode batch: no index copy to the device first)
+        rows = logits if len(greedy) == len(loops) else logits[greedy]
+        argmax = dict(zip(greedy, rows.argmax(-1).tolist(), strict=True)) if greedy else {}
         results = []
         for i, lp in enumerate(loops):
             if not sampling_rows[i]:
