@@ -84,6 +84,8 @@ def test_smoke_session_writes_every_file(session):
     assert len(names) <= 8 and all(p.stat().st_size < 16 * 2**20 for p in session.iterdir())
     rec = json.loads((session / "train.json").read_text())
     assert rec["dit"]["steps"] == 3 and rec["vae"]["steps"] == 3 and rec["sessions"] == 1
+    # the quick EMA evaluation during DiT training ran (every step in a smoke run)
+    assert len(rec["dit"]["evals"]) == 3 and set(rec["dit"]["evals"][0]["accuracy"]) >= {"color", "shape", "position"}
     assert {"shift_factor", "scaling_factor"} <= set(rec["latent_stats"])
     assert "done in" in (session / "log.txt").read_text()
 
@@ -172,6 +174,7 @@ def test_ship_refuses_what_is_not_a_pipeline(tmp_path, capsys):
     (["--vae-seconds", "nan"], "--vae-seconds must be a finite number"),
     (["--dit-seconds", "-5"], "--dit-seconds must be a finite number"),
     (["--dit-batch", "0"], "--dit-batch must be >= 1"),
+    (["--eval-every", "inf"], "--eval-every must be a finite number"),
     (["--resume", "/nonexistent-flux-demo"], "not a session folder"),
     (["--vae-seconds", "0"], "--vae-seconds 0 needs --resume"),
     (["--resume", "RESUME", "--vae-seconds", "5"], "--resume keeps the VAE"),

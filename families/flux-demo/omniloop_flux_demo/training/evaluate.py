@@ -41,6 +41,19 @@ def score(images: torch.Tensor, labels: Sequence[tuple[str, str, str]]) -> tuple
     return acc, rows
 
 
+def quick_eval(comps: dict[str, Any], *, steps: int = 20, seed: int = 0, smoke: bool = False) -> dict[str, float]:
+    """Accuracy of in-memory ``comps`` on every prompt (216; 6 with ``smoke``) at one seed (training-time check)."""
+    from omniloop_wan_demo.data import COLORS, POSITIONS, SHAPES, image_prompt_for
+
+    from .train import sample
+
+    labels = [(c, s, p) for c in COLORS for s in SHAPES for p in POSITIONS]
+    if smoke:
+        labels = labels[::37]
+    imgs = sample(comps, [image_prompt_for(*lab) for lab in labels], [seed] * len(labels), steps=steps)
+    return score(imgs, labels)[0]
+
+
 def grid_png(images: torch.Tensor, path: Path, cols: int) -> None:
     from PIL import Image
 

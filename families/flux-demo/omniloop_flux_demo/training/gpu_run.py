@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dit-batch", type=int, default=1024)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--eval-seeds", type=int, default=2, help="seeds per prompt in the final evaluation (216 prompts)")
+    p.add_argument("--eval-every", type=float, default=60.0, help="seconds of DiT training between quick EMA evaluations (0: none)")
     args = p.parse_args(argv)
-    for name in ("vae_seconds", "dit_seconds", "lr"):
+    for name in ("vae_seconds", "dit_seconds", "lr", "eval_every"):
         _positive_seconds("--" + name.replace("_", "-"), getattr(args, name))
     for name in ("pool", "vae_batch", "dit_batch", "eval_seeds"):
         if getattr(args, name) < 1:
@@ -166,10 +167,20 @@ def main(argv: list[str] | None = None) -> int:
         ema = EMA({k: comps[k] for k in DIT_KEYS}, 0.999)
         for k in DIT_KEYS:
             ema.modules[k].load_state_dict({n[len(k) + 1:]: t for n, t in ema_sd.items() if n.startswith(k + ".")})
+    def tick(step: int, ema: EMA) -> dict[str, Any]:
+        """EMA weights, 216 prompts x seed 0, 20 steps, no CFG (in-memory fp32 modules)."""
+        from .evaluate import quick_eval
+
+        acc = quick_eval({**comps, **ema.modules, "vae": vae}, steps=1 if args.smoke else 20, smoke=args.smoke)
+        log(f"dit step {step}: EMA eval {acc}")
+        return {"accuracy": acc}
+
     ema, rec["dit"] = train_dit(comps, latents, prompts, seconds=args.dit_seconds, batch=args.dit_batch, lr=args.lr,
                                 ema=ema, seed=args.seed + prev.get("sessions", 0), max_steps=3 if args.smoke else None,
                                 log=log, step0=int(prev.get("dit_total_steps", 0)),
-                                warmup=20 if args.resume is not None else 200)
+                                warmup=20 if args.resume is not None else 200,
+                                tick=tick if args.eval_every > 0 else None,
+                                tick_seconds=0.0 if args.smoke else args.eval_every)
     rec["dit_total_steps"] = rec["dit"]["total_steps"]
     rec["sessions"] = prev.get("sessions", 0) + 1
     del latents

@@ -205,9 +205,11 @@ class EMA:
 def train_dit(comps: dict[str, Any], latents: torch.Tensor, prompts: Sequence[str], *, seconds: float, batch: int,
               lr: float = 5e-4, warmup: int = 200, ema: EMA | None = None, ema_decay: float = 0.999,
               drop_prompt: float = 0.1, seed: int = 0, max_steps: int | None = None, log: Log = print,
-              step0: int = 0) -> tuple[EMA, dict[str, Any]]:
+              step0: int = 0, tick: Callable[[int, EMA], dict[str, Any]] | None = None,
+              tick_seconds: float = 60.0) -> tuple[EMA, dict[str, Any]]:
     """Train transformer + text encoders of ``comps`` in place on normalized ``latents`` and their
-    ``prompts``; returns the EMA (fresh unless ``ema``) and a log."""
+    ``prompts``; returns the EMA (fresh unless ``ema``) and a log. ``tick(step, ema)`` (a quick
+    evaluation) runs every ``tick_seconds`` of the time box (its time counts in the box)."""
     device = latents.device
     train_names = ("transformer", "text_encoder", "text_encoder_2")
     mods = {k: comps[k].to(device).float().train().requires_grad_(True) for k in train_names}
@@ -224,11 +226,16 @@ def train_dit(comps: dict[str, Any], latents: torch.Tensor, prompts: Sequence[st
     clip_null, t5_null = tokenize(comps, [""], device)
     _, _, h, w = latents.shape
     ids = image_ids(h, w, device)
-    t0, step, losses = time.perf_counter(), 0, []
+    t0, step, losses, ticks = time.perf_counter(), 0, [], []
+    next_tick = tick_seconds
     while True:
-        frac = (time.perf_counter() - t0) / max(seconds, 1e-6)
+        elapsed = time.perf_counter() - t0
+        frac = elapsed / max(seconds, 1e-6)
         if (max_steps is not None and step >= max_steps) or (max_steps is None and frac >= 1.0):
             break
+        if tick is not None and elapsed >= next_tick and (max_steps is not None or frac < 0.97):
+            next_tick += tick_seconds
+            ticks.append({"step": step + step0, "elapsed_s": round(elapsed, 1), **tick(step + step0, ema)})
         idx = torch.randint(0, latents.shape[0], (batch,), device=device, generator=g)
         x0 = latents[idx]
         drop = torch.rand(batch, device=device, generator=g) < drop_prompt
@@ -259,7 +266,8 @@ def train_dit(comps: dict[str, Any], latents: torch.Tensor, prompts: Sequence[st
         m.eval().requires_grad_(False)
     return ema, {"steps": step, "total_steps": step + step0, "seconds": round(time.perf_counter() - t0, 1),
                  "batch": batch, "lr": lr, "warmup": warmup, "ema_decay": ema.decay, "drop_prompt": drop_prompt,
-                 "loss_every_100": losses}
+                 "steps_per_s": round(step / max(time.perf_counter() - t0, 1e-6), 2), "loss_every_100": losses,
+                 "evals": ticks}
 
 
 # ------------------------------------------------------------------------------------------
