@@ -113,13 +113,12 @@ def test_ship_installs_v2_and_fast_and_keeps_v1_parts_for_the_causal_variant(tmp
     # shipping again (e.g. a later v2) leaves the causal variant's v1 copies alone
     ship(src, pkg)
     assert (causal / "vae" / "config.json").read_text() == "v1 vae/config.json"
-    with pytest.raises(ValueError, match="neither pipeline.tar nor fast.tar"):
+    with pytest.raises(ValueError, match=r"neither pipeline\.tar nor fast\.tar"):
         ship(tmp_path / "pkg" / "tokenizer", pkg)
 
 
 def test_fast_preset_is_refused_with_one_line_until_installed(tmp_path, monkeypatch):
     from omniloop.errors import DeployError
-
     from omniloop_wan_demo import plugin
 
     monkeypatch.setattr(checkpoint_path, "PACKAGE_DIR", tmp_path)
@@ -141,9 +140,66 @@ def test_smoke_session_trains_dit_and_student_and_resumes(tmp_path):
     assert run["state"] == {"step": 2} and [h["phase"] for h in run["history"]] == ["dit", "distill"]
     with tarfile.open(out / "fast.tar") as tf:
         meta = json.load(tf.extractfile("fast/omniloop.json"))
-    assert meta["policies"]["sampler"] == "few-step" and meta["defaults"]["guidance_scale"] == 1.0
-    assert meta["policies"]["sampler_options"]["few-step"]["timesteps"] == list(distill.FAST_TIMESTEPS)
+    assert meta["defaults"]["sampler"] == "few-step" and meta["defaults"]["guidance_scale"] == 1.0
+    assert meta["defaults"]["sampler_options"]["few-step"]["timesteps"] == list(distill.FAST_TIMESTEPS)
     out2 = tmp_path / "run2"
     assert v2.main(["--out", str(out2), "--smoke", "--phases", "dit", "--resume", str(out)]) == 0
     run2 = json.loads((out2 / "run.json").read_text())
     assert run2["state"] == {"step": 4} and "raw weights from raw" in run2["phases"]["dit"]["init"]
+
+
+@pytest.fixture
+def fake_fast_package(tmp_path, monkeypatch):
+    """A package folder whose ``checkpoint_fast/`` holds the shipped transformer as a stand-in
+    student (links only) and the omniloop.json the distill phase writes."""
+    if not (CKPT / "model_index.json").exists():
+        pytest.skip("no shipped checkpoint")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "checkpoint").symlink_to(CKPT)
+    fast = pkg / "checkpoint_fast"
+    fast.mkdir()
+    (fast / "transformer").symlink_to(CKPT / "transformer")
+    for name in checkpoint_path.FAST_SHARED:
+        (fast / name).symlink_to(os.path.relpath(pkg / "checkpoint" / name, fast))
+    from omniloop_wan_demo.training.common import DEMO_DEFAULTS
+
+    meta = {"variant": "wan-demo-fast", "defaults": dict(
+        DEMO_DEFAULTS, steps=4, guidance_scale=1.0, sampler="few-step",
+        sampler_options={"few-step": {"timesteps": list(distill.FAST_TIMESTEPS), "grid_shift": distill.GRID_SHIFT}})}
+    (fast / "omniloop.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(checkpoint_path, "PACKAGE_DIR", pkg)
+    return fast
+
+
+def test_fast_preset_runs_the_few_step_schedule_from_its_omniloop_json(fake_fast_package):
+    runtime = pytest.importorskip("omniloop.runtime")
+    from omniloop_wan_demo import plugin
+
+    assert plugin.fast_schedule()["sampler"] == "few-step"
+    rt = runtime.Runtime.from_model("wan-demo-fast")
+    out = rt.generate({"task": "t2v", "prompt": "a red star moving left", "diffusion": {"seed": 0}})
+    assert out.ok, out.error
+    assert out.metrics["steps"] == 4 and out.metrics["policies"]["sampler"] == "few-step"
+    assert tuple(out.artifacts["video"].frames.shape) == (17, 64, 64, 3)
+
+
+def test_gpu_eval_generator_is_the_runtimes_few_step_sampler(fake_fast_package):
+    """distill.FewStepGenerator (what eval.json measures) = the runtime's few-step sampler, on a
+    1-step schedule (no re-noise, whose draws differ): same initial noise, same x0, same decode."""
+    runtime = pytest.importorskip("omniloop.runtime")
+    from diffusers import WanPipeline
+
+    from omniloop_wan_demo.training.common import load_tokenizer
+
+    rt = runtime.Runtime.from_model(str(fake_fast_package))  # a path: diffusers' VAE kernels
+    req = {"task": "t2v", "prompt": "a blue square moving up", "diffusion": {"seed": 3, "steps": 1},
+           "node_params": {"denoise": {"sampler": "few-step", "timesteps": [1000]}}}
+    out = rt.generate(req)
+    assert out.ok, out.error
+    pipe = WanPipeline.from_pretrained(str(fake_fast_package), torch_dtype=torch.float32)
+    gen = distill.FewStepGenerator(pipe.transformer, pipe.text_encoder, load_tokenizer(fake_fast_package / "tokenizer"),
+                                   pipe.vae, device="cpu", timesteps=(1000,))
+    (video,) = gen(["a blue square moving up"], [3], steps=1, guidance_scale=1.0)
+    diff = (torch.as_tensor(video).int() - out.artifacts["video"].frames.int()).abs()
+    assert diff.max() <= 1, int(diff.max())

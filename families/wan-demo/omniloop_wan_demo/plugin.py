@@ -71,13 +71,15 @@ def fast_path() -> Path:
 
 
 def fast_schedule() -> dict[str, Any]:
-    """The distilled schedule from ``checkpoint_fast/omniloop.json`` (``policies``: sampler
-    ``few-step`` and its ``timesteps``), ``{}`` before it is installed."""
+    """The distilled schedule from ``checkpoint_fast/omniloop.json`` (its ``defaults``' ``sampler``
+    — ``few-step`` — and ``sampler_options``, which the Wan family applies), ``{}`` before it is
+    installed."""
     try:
-        got = json.loads((fast_checkpoint_dir() / "omniloop.json").read_text(encoding="utf-8")).get("policies")
+        got = json.loads((fast_checkpoint_dir() / "omniloop.json").read_text(encoding="utf-8")).get("defaults")
     except (OSError, ValueError, AttributeError):
         got = None
-    return dict(got) if isinstance(got, dict) else {}
+    got = got if isinstance(got, dict) else {}
+    return {k: got[k] for k in ("sampler", "sampler_options", "steps", "guidance_scale") if k in got}
 
 
 FAST_PRESET = ModelPreset(

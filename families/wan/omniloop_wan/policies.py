@@ -113,9 +113,11 @@ def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> 
             registry=_registry_specs(options),
             samplers=list(dict.fromkeys([*DEFAULT_SAMPLERS, *deploy.get("samplers", ())])),
             cfgs=list(dict.fromkeys([*DEFAULT_CFGS, *deploy.get("cfgs", ())])),
-            sampler_options=deploy.get("sampler_options"),
+            # a checkpoint's omniloop.json defaults may name its sampler (a distilled few-step
+            # schedule); the deploy's policies win
+            sampler_options={**(defaults.get("sampler_options") or {}), **(deploy.get("sampler_options") or {})} or None,
             cfg_options=deploy.get("cfg_options"),
-            default_sampler=deploy.get("sampler"),
+            default_sampler=deploy.get("sampler", defaults.get("sampler")),
             default_cfg=deploy.get("cfg", "classic"),
             router=router,
             precision=precision,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -73,7 +74,7 @@ def teacher_ode(transformer, x: torch.Tensor, sigma0: float, emb_c: torch.Tensor
     amp = x.is_cuda
     b = x.shape[0]
     emb = torch.cat([emb_c, emb_u])
-    for s, s_next in zip(sig[:-1], sig[1:], strict=True):
+    for s, s_next in itertools.pairwise(sig):
         t = torch.full((2 * b,), s * 1000.0, device=x.device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             v = transformer(hidden_states=torch.cat([x, x]), timestep=t, encoder_hidden_states=emb, return_dict=False)[0]
@@ -102,7 +103,7 @@ def make_targets(teacher, emb_all: torch.Tensor, emb_u: torch.Tensor, *, n: int,
             k = max(2, round(steps * s / (3.0 - 2.0 * s)))  # as many steps as the full grid has below s
             row_in.append(xi)
             row_tg.append(teacher_ode(teacher, xi, s, ec, eu, steps=k, guidance=guidance))
-        ins.append(torch.stack(row_in, 1).to(torch.bfloat16 if device.startswith("cuda") else torch.float32))
+        ins.append(torch.stack(row_in, 1).to(torch.float16 if device.startswith("cuda") else torch.float32))
         tgs.append(torch.stack(row_tg, 1).to(ins[-1].dtype))
         pids.append(p)
         done += b
@@ -194,9 +195,9 @@ def distill_phase(a: argparse.Namespace, ckpt: Path, out_dir: Path, dev: str) ->
     ema.shadow["transformer"].to("cpu").half().save_pretrained(str(out_dir / "transformer"), safe_serialization=True)
     meta = {
         "variant": "wan-demo-fast",
-        "defaults": dict(DEMO_DEFAULTS, steps=len(timesteps), guidance_scale=1.0),
-        "policies": {"sampler": "few-step", "sampler_options": {"few-step": {"timesteps": list(timesteps),
-                                                                              "grid_shift": GRID_SHIFT}}},
+        # the Wan family reads a checkpoint's default sampler and its options from here
+        "defaults": dict(DEMO_DEFAULTS, steps=len(timesteps), guidance_scale=1.0, sampler="few-step",
+                         sampler_options={"few-step": {"timesteps": list(timesteps), "grid_shift": GRID_SHIFT}}),
         "training": {"from": "wan-demo v2", "method": "trajectory distillation (teacher CFG ODE targets at the "
                      "few-step sampler's inputs), guidance baked in", **{k: v for k, v in info.items() if k != "log"}},
     }
