@@ -152,11 +152,10 @@ class TileLayout:
         #: fraction of (query block, key block) pairs the kernel visits
         self.block_density = float(allowed.double().mean())
         counts = allowed.sum(dim=1).to(torch.int32)
-        # kept blocks first, nearest first (the kernel reads the first ``count`` of each row)
+        # each row: the kept blocks first, in index order (the kernel reads the first ``count``)
         kept_first = torch.argsort((~allowed).to(torch.int8), dim=1, stable=True).to(torch.int32)
         self._full = (counts.view(1, 1, nb), kept_first.view(1, 1, nb, nb))
         self._partial = (torch.zeros(1, 1, nb, dtype=torch.int32), torch.zeros(1, 1, nb, nb, dtype=torch.int32))
-        self._device_state: dict[str, Any] = {}
         self.to(device)
 
     def to(self, device: torch.device | str) -> TileLayout:
