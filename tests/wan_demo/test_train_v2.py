@@ -61,7 +61,7 @@ def test_new_words_get_ids_after_v1s_and_the_grown_encoder_is_v1_on_v1_prompts()
 
 def test_bad_arguments_are_refused_before_any_work(capsys):
     for argv in (["--out", "x", "--phases", "vae,train"], ["--out", "x", "--dit-seconds", "nan"],
-                 ["--out", "x", "--vae-seconds", "-1"], ["--phases", "dit"]):
+                 ["--out", "x", "--vae-seconds", "-1"], ["--out", "x", "--session-seconds", "inf"], ["--phases", "dit"]):
         with pytest.raises(SystemExit) as e:
             v2.parse_args(argv)
         assert e.value.code == 2
@@ -143,7 +143,7 @@ def test_smoke_session_trains_dit_and_student_and_resumes(tmp_path):
     assert meta["defaults"]["sampler"] == "few-step" and meta["defaults"]["guidance_scale"] == 1.0
     assert meta["defaults"]["sampler_options"]["few-step"]["timesteps"] == list(distill.FAST_TIMESTEPS)
     out2 = tmp_path / "run2"
-    assert v2.main(["--out", str(out2), "--smoke", "--phases", "dit", "--resume", str(out)]) == 0
+    assert v2.main(["--out", str(out2), "--smoke", "--phases", "dit", "--resume", str(out), "--session-seconds", "400"]) == 0
     run2 = json.loads((out2 / "run.json").read_text())
     assert run2["state"] == {"step": 4} and "raw weights from raw" in run2["phases"]["dit"]["init"]
 

@@ -458,6 +458,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--radius", help="LO,HI object radius range in px (default: data.RADIUS_RANGE)")
+    ap.add_argument("--session-seconds", type=float, default=None,
+                    help="whole-session budget: the DiT (or, with distill, the student) trains for what is left "
+                         "after the earlier phases, keeping --eval-seconds for the evaluation (overrides "
+                         "--dit-seconds / --distill-seconds)")
     g = ap.add_argument_group("vae")
     g.add_argument("--vae-init", default="v1", choices=["v1", "fresh"])
     g.add_argument("--vae-seconds", type=float, default=150)
@@ -508,6 +512,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         v = getattr(a, k)
         if not math.isfinite(v) or v <= 0:
             ap.error(f"--{k.replace('_', '-')}: must be a finite number > 0, got {v}")
+    if a.session_seconds is not None and (not math.isfinite(a.session_seconds) or a.session_seconds <= 0):
+        ap.error(f"--session-seconds: must be a finite number > 0, got {a.session_seconds}")
     if not a.ship and not a.out:
         ap.error("--out is required (or --ship DIR)")
     if a.smoke:
@@ -589,6 +595,13 @@ def main(argv: list[str] | None = None) -> int:
         if "vae" in a.phase_list:
             stats = None  # a new VAE: new latent statistics
         init = load_init(a, rdir if "vae" not in a.phase_list else None)
+        if a.session_seconds and "distill" not in a.phase_list:
+            # the DiT takes what the session has left (a VAE gate passed early gives it more);
+            # encoding (<= --encode-seconds), saving and the evaluation are kept aside
+            left = a.session_seconds - (time.perf_counter() - t_start) - a.encode_seconds - 20
+            left -= a.eval_seconds if "eval" in a.phase_list else 0
+            a.dit_seconds = max(30.0, left)
+            _log(f"dit: {a.dit_seconds:.0f}s left in the {a.session_seconds:.0f}s session")
         modules, dinfo = dit_phase(a, vae, tok, stats=stats, init=init, dev=dev)
         run["phases"]["dit"] = dinfo
         history.append({"phase": "dit", "steps": dinfo["steps"], "seconds": dinfo["seconds"], "batch": a.dit_batch,
@@ -627,8 +640,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--phases distill needs a teacher: the dit phase or --resume DIR")
         from .distill import distill_phase
 
+        if a.session_seconds:
+            left = a.session_seconds - (time.perf_counter() - t_start) - a.distill_gen_seconds - 20
+            left -= a.eval_seconds if "eval" in a.phase_list else 0
+            a.distill_seconds = max(30.0, left)
+            _log(f"distill: {a.distill_seconds:.0f}s of training left in the {a.session_seconds:.0f}s session")
         fast, finfo = distill_phase(a, ckpt, work / "fast", dev)
         tar_dir(fast, out / "fast.tar")
+        if "dit" not in a.phase_list and rdir is not None and (rdir / "pipeline.tar").is_file():
+            shutil.copy(rdir / "pipeline.tar", out / "pipeline.tar")  # the teacher, so that $OUT ships alone
         run["phases"]["distill"] = finfo
         history.append({"phase": "distill", "steps": finfo["steps"], "seconds": finfo["seconds"]})
         run["history"] = history
