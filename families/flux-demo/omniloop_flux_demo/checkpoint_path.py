@@ -13,7 +13,8 @@ REQUIRED_FILES = (
     "vae/config.json", "vae/diffusion_pytorch_model.safetensors",
     "text_encoder/config.json", "text_encoder/model.safetensors",
     "text_encoder_2/config.json", "text_encoder_2/model.safetensors",
-    "tokenizer/tokenizer.json", "tokenizer_2/tokenizer.json",
+    "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
+    "tokenizer_2/tokenizer.json", "tokenizer_2/tokenizer_config.json",
 )
 
 

@@ -18,7 +18,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..checkpoint_path import REQUIRED_FILES, checkpoint_dir, checkpoint_missing
+from ..checkpoint_path import checkpoint_dir, checkpoint_missing
 
 
 class ShipError(ValueError):
@@ -72,10 +72,15 @@ def ship(source: Path, dest: Path | None = None) -> Path:
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-        for rel in (*REQUIRED_FILES, "tokenizer/tokenizer_config.json", "tokenizer_2/tokenizer_config.json"):
-            if (folder / rel).is_file():
+        # every config / tokenizer / weight file of the folder and its component folders (what the
+        # package data globs include), nothing else
+        for f in [*folder.glob("*.json"), *folder.glob("*/*.json"), *folder.glob("*/*.safetensors")]:
+            if f.is_file() and not f.is_symlink():
+                rel = f.relative_to(folder)
                 (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(folder / rel, staging / rel)
+                shutil.copy2(f, staging / rel)
+        if checkpoint_missing(staging) is not None:
+            raise ShipError(f"{folder}: copying it left an incomplete folder ({checkpoint_missing(staging)})")
         if dest.exists():
             shutil.rmtree(dest)
         staging.rename(dest)
