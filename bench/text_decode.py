@@ -12,7 +12,8 @@ interleaved. On CPU (``--isolate auto``/``no``) everything runs in one process, 
    token per sequence at ``--context`` tokens, batch 1/16/64 — the Triton kernel
    (``omniloop_qwen.paged_attention``, reads the block table) vs the torch path (gather through the
    slot table + SDPA with a mask, what ``paged_attention: torch`` runs), time per call and the
-   largest output difference.
+   largest output difference; on CUDA also ``triton_graph_us``: the same calls replayed from one
+   CUDA graph (the kernels' own time, without the host's launch cost).
 2. **throughput** at batch 1 / 16 / 64: ``batch`` greedy requests of ``--new-tokens`` new tokens
    each (3 to 14 words of the tiny tokenizer's corpus) through ``Runtime`` with the ``step``
    scheduler (``max_batch = max_running =`` the largest batch: prefill per sequence, then every
@@ -263,6 +264,24 @@ def _kernel_row(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, b
         row[f"{name}_max_abs_diff_vs_fp32_reference"] = float((outs[name].float() - ref.float()).abs().max())
     row["speedup_triton_over_torch"] = round(row["torch_us"] / row["triton_us"], 2)
     row["splits"] = pa.choose_splits(b, hkv, context, device)
+    if device.type == "cuda":  # the kernel's own time: iters calls replayed from one CUDA graph (no host launch cost)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _repeat(triton_call, iters)
+            graph.replay()
+            reps = []
+            for _ in range(5):
+                dt, _ = timed(device, graph.replay)
+                reps.append(dt / iters)
+            t = statistics.median(reps)
+            row["triton_graph_us"] = round(t * 1e6, 2)
+            row["triton_graph_kv_gb_per_s"] = round(kv_bytes / t / 1e9, 1)
+            row["triton_launch_overhead_us"] = round(row["triton_us"] - t * 1e6, 2)
+            del graph
+        except Exception as exc:
+            row["triton_graph_error"] = error_of(exc)
+            traceback.print_exc()
     return row
 
 
@@ -622,7 +641,10 @@ def _profile_sides(row: dict[str, Any], state: dict[str, Any], variants: list[st
             continue
         model, cache, hs, toks = state[v]
         try:
-            row[f"omniloop_{v}_profile"] = profile_summary(device, lambda: model.forward(cache, hs, toks), PROFILE_STEPS)
+            def step(model: Any = model, cache: Any = cache, hs: Any = hs, toks: Any = toks) -> Any:
+                return model.forward(cache, hs, toks)
+
+            row[f"omniloop_{v}_profile"] = profile_summary(device, step, PROFILE_STEPS)
         except Exception as exc:
             row[f"omniloop_{v}_profile_error"] = error_of(exc)
             traceback.print_exc()

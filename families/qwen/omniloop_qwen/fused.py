@@ -237,7 +237,7 @@ class FusedWeights:
                 biases = [p.bias for p in projs]
                 if any(b is not None for b in biases) and not all(b is not None for b in biases):
                     raise ValueError("fused decode: q/k/v projections mix biased and unbiased layers")
-                self.qkv_b.append(torch.cat(biases).contiguous() if biases[0] is not None else None)  # type: ignore[arg-type]
+                self.qkv_b.append(torch.cat(biases).contiguous() if biases[0] is not None else None)
                 mlp = layer.mlp
                 plain = all(getattr(getattr(mlp, n, None), "bias", 1) is None for n in ("gate_proj", "up_proj"))
                 self.gate_up.append(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()

@@ -103,9 +103,9 @@ class PagedQwen:
             slot_list = [cache.append(h, 1) for h in handles]
             new_slots = slot_list[0] if b == 1 else torch.cat(slot_list)
             blocks, held = cache.block_tables(handles)
-            logits = self.graphs.run(cache, [t[0] for t in tokens], past, new_slots, held, blocks)
-            if logits is not None:
-                return logits
+            replayed = self.graphs.run(cache, [t[0] for t in tokens], past, new_slots, held, blocks)
+            if replayed is not None:
+                return replayed
             ids = torch.tensor([[t[0]] for t in tokens], dtype=torch.long)
             pos = torch.tensor([[p0] for p0 in past], dtype=torch.long)
         else:
@@ -119,8 +119,8 @@ class PagedQwen:
             meta = torch.empty((b, 4 + blocks.shape[1]), dtype=torch.int32)
             meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = ids[:, 0], pos[:, 0], new_slots, held
             meta[:, 4:] = blocks
-            row_seq = torch.arange(b, dtype=torch.int32, device=dev)
-            return self.decode_static(cache, meta.to(dev), row_seq, int(held.max()), None)
+            return self.decode_static(cache, meta.to(dev), torch.arange(b, dtype=torch.int32, device=dev),
+                                      int(held.max()), None)
         new_slots = new_slots.to(dev)
         valid = None if decode else (torch.arange(t_max)[None, :] < torch.tensor(n)[:, None]).to(dev)  # [B, T]
         if self.attention == "triton":
@@ -308,7 +308,7 @@ class DecodeGraphs:
         host_buf, copied = None, None
         if m.device.type == "cuda":
             host_buf = torch.empty(tuple(host.shape), dtype=torch.int32, pin_memory=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         return _DecodeGraph(graph=graph, meta=meta, row_seq=row_seq, logits=logits, cache=cache,
                             ctx_tokens=ctx_tokens, splits=splits, host=host_buf, copied=copied)
 
