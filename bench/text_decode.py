@@ -29,7 +29,8 @@ interleaved. On CPU (``--isolate auto``/``no``) everything runs in one process, 
    whole contexts without a cache (what a loop without KV does per token: one transformers forward
    of ``[batch, context]``, ``use_cache=False``, last-position logits only), and transformers' own
    cached decode step, interleaved, medians. Speedup = re-prefill time / decode step time (per
-   token the batch cancels). ``--profile``: at the smallest batch, each omniloop side's decode step
+   token the batch cancels). Graph variants also record ``graph_replay_ms``: the step's CUDA
+   graph replayed back to back (its GPU time without the per-step host work). ``--profile``: at the smallest batch, each omniloop side's decode step
    (``PROFILE_STEPS`` of them) and the re-prefill also run under ``torch.profiler``: wall, host and
    GPU-kernel time per step, kernels and launches per step, the top kernels and host ops (on CUDA
    this says whether a step is launch-bound or kernel-bound, and how honest the re-prefill is).
@@ -526,6 +527,17 @@ def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batc
             graphs = getattr(state.get(v, [None])[0], "graphs", None)
             if graphs is not None:
                 row[f"omniloop_{v}_graph_captures"], row[f"omniloop_{v}_graph_replays"] = graphs.captures, graphs.replays
+                if graphs.graphs and budget.left() > 0:  # the step's GPU time alone: its graph replayed back to back
+                    try:
+                        entry = list(graphs.graphs.values())[-1]  # (re-writes the last step's K/V: the same values)
+                        reps = []
+                        for _ in range(3):
+                            dt, _ = timed(device, _repeat, entry.graph.replay, 10)
+                            reps.append(dt / 10)
+                        row[f"omniloop_{v}_graph_replay_ms"] = round(statistics.median(reps) * 1e3, 4)
+                    except Exception as exc:
+                        row[f"omniloop_{v}_graph_replay_error"] = error_of(exc)
+                        traceback.print_exc()
 
         for side, err in failed.items():
             row[f"{side}_error"] = err
