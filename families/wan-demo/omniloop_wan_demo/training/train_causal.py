@@ -285,6 +285,10 @@ def ship(trained: Path, dest: Path | None = None) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     for name in CAUSAL_SHARED:  # the package's folder has these links committed; a new dest gets them
         link = dest / name
+        if link.exists() and not link.is_symlink():
+            # v1's parts, kept as copies by training.ship when wan-demo v2 replaced them: a causal
+            # transformer trained now is trained on wan-demo's current VAE / text encoder
+            shutil.rmtree(link) if link.is_dir() else link.unlink()
         if not link.exists() and not link.is_symlink():
             link.symlink_to(os.path.relpath(src / name, dest))
     (dest / "transformer").mkdir(exist_ok=True)
