@@ -2,7 +2,7 @@
 # One time-boxed flux-demo training session on a lent GPU machine (run from the repo root with .whl/
 # carried; $OUT = the folder whose files come back). Extra arguments go to
 # omniloop_flux_demo.training.gpu_run, e.g.
-#   bash families/flux-demo/scripts/gpu_session.sh --vae-seconds 90 --dit-seconds 240
+#   bash families/flux-demo/scripts/gpu_session.sh --vae-seconds 75 --dit-seconds 240
 #   bash families/flux-demo/scripts/gpu_session.sh --resume DIR --vae-seconds 0 --dit-seconds 300
 #   OUT=/tmp/fd bash families/flux-demo/scripts/gpu_session.sh --smoke --device cpu   # CPU check (no install)
 set -u

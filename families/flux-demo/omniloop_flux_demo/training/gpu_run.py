@@ -1,6 +1,6 @@
 """One time-boxed training session: data pool -> VAE -> transformer + text encoders -> evaluation.
 
-    python -m omniloop_flux_demo.training.gpu_run --out $OUT --vae-seconds 90 --dit-seconds 240
+    python -m omniloop_flux_demo.training.gpu_run --out $OUT --vae-seconds 75 --dit-seconds 240
     python -m omniloop_flux_demo.training.gpu_run --out $OUT --resume DIR --vae-seconds 0 --dit-seconds 240
     python -m omniloop_flux_demo.training.gpu_run --out /tmp/fd --smoke          # CPU, every phase, < 2 min
 
@@ -43,7 +43,7 @@ def _positive_seconds(name: str, value: float) -> float:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m omniloop_flux_demo.training.gpu_run", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (created; files land directly in it)")
-    p.add_argument("--vae-seconds", type=float, default=90.0)
+    p.add_argument("--vae-seconds", type=float, default=75.0)
     p.add_argument("--dit-seconds", type=float, default=240.0)
     p.add_argument("--resume", type=Path, default=None, help="a previous session's --out (its VAE is reused)")
     p.add_argument("--smoke", action="store_true", help="tiny everything on the CPU (tests)")
