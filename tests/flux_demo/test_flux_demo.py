@@ -201,3 +201,18 @@ def test_resume_continues_the_dit_and_keeps_the_vae_normalisation(session, tmp_p
     assert second["sessions"] == 2 and second["dit_total_steps"] == first["dit_total_steps"] + 3
     assert second["latent_stats"]["scaling_factor"] == first["latent_stats"]["scaling_factor"]
     assert (out / "vae.safetensors").read_bytes() == (session / "vae.safetensors").read_bytes()
+
+
+def test_eval_adherence_scores_the_folder_as_an_image_model(pipeline, tmp_path):
+    """``"adherence": {"kind": "image"}`` in omniloop.json: ``omniloop eval adherence`` scores
+    colour, shape and position of t2i images (wan-demo's evaluator)."""
+    from click.testing import CliRunner
+
+    from omniloop_cli import cli
+
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(cli, ["eval", "adherence", "--model", str(pipeline), "--seeds", "0", "--steps", "1",
+                                   "--json", str(out), "--no-table"])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert all(k in text for k in ('"color"', '"shape"', '"position"'))
