@@ -49,8 +49,12 @@ def render_pool(n: int, seed: int, device: torch.device | str, chunk: int = 4096
 
     images, prompts = [], []
     for k, start in enumerate(range(0, n, chunk)):
-        imgs, labels = render_images(min(chunk, n - start), seed=seed * 1000 + k, device=device)
-        images.append(imgs.float() * 2 - 1)
+        try:
+            imgs, labels = render_images(min(chunk, n - start), seed=seed * 1000 + k, device=device)
+        except RuntimeError as exc:  # the renderer on this device failed: the same images drawn on the CPU
+            print(f"render_images on {device} failed ({exc}); rendering on the CPU", flush=True)
+            imgs, labels = render_images(min(chunk, n - start), seed=seed * 1000 + k, device="cpu")
+        images.append(imgs.to(device).float() * 2 - 1)
         prompts += [image_prompt_for(*lab) for lab in labels]
     return torch.cat(images), prompts
 
