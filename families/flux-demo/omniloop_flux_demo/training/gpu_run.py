@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tarfile
 import tempfile
@@ -113,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        # The first H200 session (2026-12-01) died in the DiT's first backward with
+        # CUBLAS_STATUS_EXECUTION_FAILED (an asynchronous fault from an earlier kernel). cuDNN's
+        # SDPA is the suspect (80-token sequences, batch x heads 4096); it stays off here.
+        # OMNILOOP_FD_SDPA=math falls back to the math kernel (the session script's retry).
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        if os.environ.get("OMNILOOP_FD_SDPA") == "math":
+            torch.backends.cuda.enable_flash_sdp(False)
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
     torch.manual_seed(args.seed)
 
     def log(msg: str) -> None:
