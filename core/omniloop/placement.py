@@ -253,3 +253,27 @@ def pool_factory(deploy: DeployConfig) -> Any:
         what = "placement" if deploy.placement else f"parallel: {_axes(deploy)}"
         raise DeployError(f"{what}: needs worker processes: pip install omniloop-parallel (plugins/parallel)") from None
     return runtime_for
+
+
+# -- attention backends that need the token grid (``accepts_grid``, e.g. sparse-tile) -------------
+
+
+def check_attention_grid(deploy: DeployConfig, family: Any, attention: Any, options: dict[str, Any]) -> None:
+    """A backend whose callable declares ``accepts_grid`` (``sparse-tile``) computes its pattern only
+    on calls where the family passes the self-attention token grid; anywhere else it computes dense
+    attention. Such a deploy loads only when the family declares ``attention_grid_refusal(deploy,
+    options)`` (a reason string or None) and it has no objection (Wan objects to ``parallel.sp > 1``
+    and the causal rollout) — never a silent dense fallback under a sparse name. One
+    :class:`DeployError` line, before any weight loads."""
+    if attention is None or not getattr(attention.fn, "accepts_grid", False):
+        return
+    name = getattr(attention, "name", "?")
+    refusal = getattr(family, "attention_grid_refusal", None)
+    if not callable(refusal):
+        raise DeployError(
+            f"attention_backend: {name!r} needs each self-attention call's token grid, and family "
+            f"{family.name!r} passes none: it would compute dense attention; use another backend"
+        )
+    why = refusal(deploy, options)
+    if why:
+        raise DeployError(f"attention_backend: {name!r} needs each self-attention call's token grid, and {why}")

@@ -75,6 +75,7 @@ class Deployment:
         self._scheduler_spec = self._scheduler_spec_of()
         _placement.check_offload(deploy, self.family, self.device, {**self.preset_options, **deploy.options})  # offload
         _adapters.check_declared(deploy.adapters, deploy.adapter_fuse, self.family)  # LoRA: names, files
+        _placement.check_attention_grid(deploy, self.family, self.attention, {**self.preset_options, **deploy.options})
         blocks = tuple(n for n, (s, _) in self.component_configs.items() if s.kind == "block_interceptor")
         _placement.check_parallel(deploy, self.family, self.model_path, self.device, blocks)  # parallel: {sp, cfg}
         _placement.check_roles(deploy, self.family, self.model_path, self.device)  # placement: role workers

@@ -204,17 +204,15 @@ def test_refused_at_load_without_flex_attention(toy_checkpoint, monkeypatch):
                    manager=make_manager(("attention", plugin)))
 
 
-def test_options_reach_the_backend_and_exact_requests_are_refused(toy_checkpoint):
-    from omniloop.runtime import Runtime
-    from omniloop.testing import toy_request
-
-    rt = Runtime.from_model(toy_checkpoint, manager=make_manager(("attention", plugin)), attention_backend="sparse-tile",
-                            attention_options={"density": 0.25, "tile": [1, 2, 2], "global_frames": 1})
+def test_options_reach_the_backend_and_exact_requests_are_refused(wan_ckpt):
+    """(The toy family passes no token grid, so sparse-tile is refused there: test_sparse_refusals.py.)"""
+    rt = _wan_runtime(wan_ckpt, attention_backend="sparse-tile",
+                      attention_options={"density": 0.25, "tile": [1, 2, 2], "global_frames": 1})
     fn = rt.attention.fn
     assert isinstance(fn, SparseTileAttention) and (fn.density, fn.tile, fn.global_frames) == (0.25, (1, 2, 2), 1)
     assert rt.attention.distribution_altering
     with pytest.raises(RequestError, match="attention backend 'sparse-tile' alters outputs; exact requests cannot use it"):
-        rt.generate(toy_request(exact=True))
+        rt.generate(_wan_request(exact=True))
 
 
 # -------------------------------------------------------------------------------------------

@@ -54,6 +54,20 @@ class WanFamily:
                     "layers directly, so no block hook runs); use offload: model")
         return None
 
+    def attention_grid_refusal(self, deploy: Any, options: Mapping[str, Any]) -> str | None:
+        """Why a backend taking the token grid (``accepts_grid``: ``sparse-tile``) would not get it
+        (omniloop.placement.check_attention_grid): the bidirectional forward passes it
+        (``attention.set_token_grid``); Ulysses' all-to-all wrapper and the causal rollout's chunk
+        attention do not, so their self-attention would run dense."""
+        sp = int(getattr(getattr(deploy, "parallel", None), "sp", 1) or 1)
+        if sp > 1:
+            return (f"parallel.sp={sp} (Ulysses) passes none: it would compute dense attention; "
+                    "use parallel.sp: 1 or another backend")
+        if rollout_mode(options) == "causal":
+            return ("options.rollout: causal (chunk attention) passes none: it would compute dense attention; "
+                    "use the bidirectional rollout or another backend")
+        return None
+
     def attention_heads(self, path: Path) -> int | None:
         """The transformer's attention heads from its config (``parallel.sp`` must divide them)."""
         from .parallel import attention_heads
