@@ -43,10 +43,13 @@ def test_loss_weights_mark_edges_objects_and_frame_zero():
 def test_new_words_get_ids_after_v1s_and_the_grown_encoder_is_v1_on_v1_prompts():
     from transformers import AutoTokenizer, UMT5EncoderModel
 
-    old = json.loads((checkpoint_path.tokenizer_dir() / "tokenizer.json").read_text())["model"]["vocab"]
+    # v1's tokenizer: the package's until v2 shipped, then checkpoint_causal's own copy (v2.v1_dir)
+    old = json.loads((v2.v1_dir() / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
     if len(old) != V1_VOCAB_SIZE:
-        pytest.skip("the package tokenizer is no longer v1's")
+        pytest.skip("no v1 tokenizer in the package")
     assert all(old[w] == i for i, w in enumerate(VOCAB[:V1_VOCAB_SIZE]))
+    new = json.loads((checkpoint_path.tokenizer_dir() / "tokenizer.json").read_text())["model"]["vocab"]
+    assert all(new[w] == i for i, w in enumerate(VOCAB))  # the shipped (v2) tokenizer: v1's ids, new words after
     te = UMT5EncoderModel.from_pretrained(str(v2.v1_dir() / "text_encoder"), torch_dtype=torch.float32)
     if te.config.vocab_size != V1_VOCAB_SIZE:
         pytest.skip("no v1 text encoder in the package")
