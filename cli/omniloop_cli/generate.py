@@ -259,7 +259,7 @@ def request_options(fn: Any) -> Any:
 @click.argument("prompt")
 @click.option("--model", "-m", help="A model preset name (e.g. wan-demo) or a checkpoint path.")
 @click.option("--deploy", "deploy_file", type=click.Path(dir_okay=False), help="A deploy file (.yaml/.toml/.json); --model/--device/--dtype override it.")
-@click.option("--task", default="t2v", show_default=True, help="The task, declared (t2v, i2v, t2i, ...).")
+@click.option("--task", default=None, help="The task, declared (t2v, i2v, t2i, ...). Default: t2v, or t2i for an image-only model.")
 @request_options
 @click.option("--negative-prompt", help="What to steer away from.")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An input image (i2v, i2i).")
@@ -273,7 +273,7 @@ def request_options(fn: Any) -> Any:
 @click.option("--stream", is_flag=True, help="Write frames as they come (a streaming deployment's chunks) as PNGs in <out stem>.frames/.")
 @click.pass_context
 def generate(
-    ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, task: str,
+    ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, task: str | None,
     negative_prompt: str | None, image: str | None, plugin_param: tuple[str, ...], adapter: tuple[str, ...], device: str | None,
     dtype: str | None, out: str | None, return_latents: bool, as_json: bool, stream: bool = False, **fields: Any,
 ) -> None:
@@ -287,6 +287,10 @@ def generate(
     from .progress import console
     from .stream import FrameStream
 
+    if task is None:  # the model's own prompt-only task (omniloop_cli.default_task)
+        from .default_task import default_task
+
+        task = default_task(deploy_file, model, device, dtype, get_manager(ctx))
     # 1. the request, validated by the schema before anything is loaded
     groups: dict[str, dict[str, Any]] = {g: {} for g in FLAG_GROUPS}
     for group, name, dest, _ in request_flags():

@@ -1,0 +1,37 @@
+"""``omniloop generate`` without ``--task``: the model's own prompt-only task.
+
+The task is still declared, never inferred from the inputs: when ``--task`` is omitted the CLI
+declares the first of :data:`PREFERRED` that the deployment's checkpoint supports (known without
+its weights: ``Deployment.supported_tasks``, i.e. the family's config-only view), so a video model
+gets ``t2v`` as before and an image-only model (flux-demo) gets ``t2i``. When the deployment
+cannot be resolved here (no ``--model``, a bad deploy, a composed deploy) the answer is ``t2v``
+and the usual checks report the problem exactly as they did before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: prompt-only tasks in order of preference
+PREFERRED = ("t2v", "t2i")
+FALLBACK = "t2v"
+
+
+def default_task(deploy_file: str | None, model: str | None, device: str | None, dtype: str | None,
+                 manager: Any) -> str:
+    """The task ``omniloop generate`` declares when ``--task`` is not given."""
+    if deploy_file is None and model is None:
+        return FALLBACK
+    try:
+        from omniloop.compose import is_composed
+        from omniloop.runtime import Deployment
+
+        from .generate import build_deploy
+
+        deploy = build_deploy(deploy_file, model, device, dtype)
+        if is_composed(deploy):
+            return FALLBACK
+        supported = {t.value for t in Deployment(deploy, manager=manager).supported_tasks}
+    except Exception:  # reported by the regular path, in its usual order
+        return FALLBACK
+    return next((t for t in PREFERRED if t in supported), FALLBACK)
