@@ -96,7 +96,7 @@ endif
 	@echo "      omniloop generate \"a magenta star moving up\" --model wan-demo --seed 1 --steps 8    # fewer steps: faster, rougher"
 	@echo "      omniloop eval adherence --model wan-demo    # colour / direction / shape accuracy over 48 clips"
 ifneq ($(FLUX_DEMO_WEIGHTS),)
-	@echo "      omniloop generate \"a red star at the top left\" --model flux-demo --task t2i --out out/star.png    # the image demo"
+	@echo "      omniloop generate \"a red star at the top left\" --model flux-demo --out out/star.png    # the image demo (64x64, trained shapes at 9 positions)"
 endif
 
 lint: $(STAMP)
