@@ -221,12 +221,55 @@ def test_fused_interpreted_tests_in_a_child_process() -> None:
 def test_option_values_are_checked(tiny_qwen, runtime_at, monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     path = tiny_qwen("qwen2")
-    with pytest.raises(DeployError, match=r"options\.decode_fused: must be true or false, got 'yes'"):
+    with pytest.raises(DeployError, match=r"options\.decode_fused: must be true, false or 'auto', got 'yes'"):
         runtime_at(path, options={"decode_fused": "yes"})
     with pytest.raises(DeployError, match=r"options\.decode_fused: needs paged_attention triton \(paged_attention 'torch'\)"):
         runtime_at(path, options={"decode_fused": True})  # CPU: auto resolves to torch
-    rt = runtime_at(path)
-    assert rt.model.config["decode_fused"] is False and rt.model.components["paged"].fused is None
+    for options in ({}, {"decode_fused": "auto"}, {"decode_fused": False}):  # auto without graphs: off
+        rt = runtime_at(path, options=options)
+        assert rt.model.config["decode_fused"] is False and rt.model.components["paged"].fused is None
+
+
+def test_auto_is_on_exactly_with_cuda_graphs() -> None:
+    """The default (``auto``) follows ``decode_cuda_graphs`` — the combination measured on the H200
+    (``decode_cuda_graphs`` itself already needs CUDA and the triton backend); ``false`` opts out."""
+    from omniloop_qwen.family import resolve_fused
+
+    assert resolve_fused("auto", graphs=True) is True and resolve_fused("auto", graphs=False) is False
+    assert resolve_fused(False, graphs=True) is False and resolve_fused(True, graphs=False) is True
+
+
+def test_fused_weights_share_the_modules_storage(tiny_qwen) -> None:
+    """The merged q/k/v and gate/up weights are the modules' own storage (no second copy): each
+    module's weight and bias is a row slice of the merged tensor, values unchanged, and transformers'
+    forward over the rebound modules gives bit-identical logits (CPU float32; no Triton needed)."""
+    from omniloop_qwen.model import PagedQwen
+
+    for arch in ("qwen2", "qwen3"):
+        hf = _hf(tiny_qwen(arch))
+        ids = torch.tensor([[5, 9, 13, 200, 7]])
+        before = {n: p.detach().clone() for n, p in hf.named_parameters()}
+        logits = hf(ids).logits
+        fw = PagedQwen(hf, attention="triton", fused=True).fused
+        assert fw is not None
+        for n, p in hf.named_parameters():
+            assert torch.equal(p, before[n]), n
+        assert torch.equal(hf(ids).logits, logits)
+        for li, layer in enumerate(hf.model.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            pairs = [(fw.qkv_w[li], [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                     (fw.gate_up[li], [mlp.gate_proj.weight, mlp.up_proj.weight])]
+            if fw.qkv_b[li] is not None:
+                pairs.append((fw.qkv_b[li], [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+            for merged, parts in pairs:
+                assert merged is not None
+                offset = 0
+                for part in parts:
+                    assert part.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
+                    assert part.storage_offset() == offset and part.is_contiguous()
+                    offset += part.numel()
+                assert offset == merged.numel()
+        assert (fw.qkv_b[0] is not None) == (arch == "qwen2")  # Qwen2's q/k/v have biases, Qwen3's none
 
 
 # -- CUDA -------------------------------------------------------------------------------------------

@@ -335,7 +335,8 @@ def test_kernel_matches_torch_reference_cuda(monkeypatch, dtype) -> None:
 @needs_cuda
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_cuda_runtime_kernel_vs_torch_and_transformers(monkeypatch, arch, tiny_qwen, runtime_at, req, prompts) -> None:
-    """float32 on CUDA: the kernel (auto) and the torch path give transformers' greedy tokens."""
+    """float32 on CUDA: the kernel (auto) and the torch path give transformers' greedy tokens; the
+    decode graphs, unfused (``decode_fused: false``) and fused (graphs' default), the kernel's."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -343,19 +344,26 @@ def test_cuda_runtime_kernel_vs_torch_and_transformers(monkeypatch, arch, tiny_q
     kern = runtime_at(path, device="cuda", scheduler="step", scheduler_options={"max_batch": 8})
     ref_rt = runtime_at(path, device="cuda", options={"paged_attention": "torch"})
     graphs = runtime_at(path, device="cuda", scheduler="step", scheduler_options={"max_batch": 8},
-                        options={"decode_cuda_graphs": True})
+                        options={"decode_cuda_graphs": True, "decode_fused": False})
+    fused = runtime_at(path, device="cuda", scheduler="step", scheduler_options={"max_batch": 8},
+                       options={"decode_cuda_graphs": True})
     assert kern.model.config["paged_attention"] == "triton"
+    assert graphs.model.components["paged"].fused is None and fused.model.components["paged"].fused is not None
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     tok = kern.model.components["tokenizer"]
     streams = [kern.stream(req(p, max_tokens=12)) for p in prompts]
     outs = [[e for e in s if e.output is not None][-1].output for s in streams]
     g_streams = [graphs.stream(req(p, max_tokens=12)) for p in prompts]
     g_outs = [[e for e in s if e.output is not None][-1].output for s in g_streams]
-    assert graphs.model.components["paged"].graphs.replays > 0
-    for p, out, g_out in zip(prompts, outs, g_outs, strict=True):
+    f_streams = [fused.stream(req(p, max_tokens=12)) for p in prompts]
+    f_outs = [[e for e in s if e.output is not None][-1].output for s in f_streams]
+    assert graphs.model.components["paged"].graphs.replays > 0 and fused.model.components["paged"].graphs.replays > 0
+    for p, out, g_out, f_out in zip(prompts, outs, g_outs, f_outs, strict=True):
         assert out.status is Status.COMPLETED, out.error
         assert g_out.status is Status.COMPLETED, g_out.error
+        assert f_out.status is Status.COMPLETED, f_out.error
         assert g_out.artifacts["text"].token_ids == out.artifacts["text"].token_ids, p
+        assert f_out.artifacts["text"].token_ids == out.artifacts["text"].token_ids, p
         ids = torch.tensor([tok(p)["input_ids"]], device="cuda")
         with torch.no_grad():
             want = hf.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1]:].tolist()

@@ -14,9 +14,11 @@ Deploy options (``options:`` in the deploy file, all optional):
   :mod:`omniloop_qwen.paged_attention`;
 * ``decode_cuda_graphs`` — ``true``: decode steps replay CUDA graphs (needs CUDA and the triton
   backend; default ``false``); see :class:`omniloop_qwen.model.DecodeGraphs`;
-* ``decode_fused`` — ``true``: decode steps run the fused kernels of :mod:`omniloop_qwen.fused`
-  (~10 launches per layer instead of ~45; with or without graphs; needs the triton backend;
-  default ``false``).
+* ``decode_fused`` — decode steps run the fused kernels of :mod:`omniloop_qwen.fused` (~11
+  launches per layer instead of ~45; needs the triton backend). ``auto`` (default): on exactly when
+  ``decode_cuda_graphs`` is on (the combination measured on the H200: 14.2x faster than a 1k-token
+  re-prefill at batch 1, vs 6.2x for the unfused graphs); ``false`` opts out; ``true`` also runs
+  it without graphs (eager fused step).
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ def _int_option(options: dict[str, Any], name: str, default: int | None) -> int 
     return v
 
 
+def resolve_fused(value: bool | str, *, graphs: bool) -> bool:
+    """``options.decode_fused`` as it runs: ``auto`` is on exactly when the decode steps replay CUDA
+    graphs (which already needs CUDA and the triton backend); ``true`` / ``false`` as given."""
+    return graphs if value == "auto" else bool(value)
+
+
 class QwenFamily:
     name = FAMILY_NAME
     tasks = frozenset({TaskType.REASON})
@@ -77,9 +85,9 @@ class QwenFamily:
         graphs = options.get("decode_cuda_graphs", False)
         if not isinstance(graphs, bool):
             raise DeployError(f"options.decode_cuda_graphs: must be true or false, got {graphs!r}")
-        fused = options.get("decode_fused", False)
-        if not isinstance(fused, bool):
-            raise DeployError(f"options.decode_fused: must be true or false, got {fused!r}")
+        fused = options.get("decode_fused", "auto")
+        if not isinstance(fused, bool) and fused != "auto":
+            raise DeployError(f"options.decode_fused: must be true, false or 'auto', got {fused!r}")
         info = validate_checkpoint(Path(path))  # every file checked before any weight loads
         layout = KVLayout(layers=int(info.config["num_hidden_layers"]), kv_heads=info.kv_heads, head_dim=info.head_dim,
                           dtype=dtype)
@@ -121,6 +129,7 @@ class QwenFamily:
         if config["decode_cuda_graphs"] and (config["paged_attention"] != "triton" or torch.device(device).type != "cuda"):
             raise DeployError(f"options.decode_cuda_graphs: needs a CUDA device and paged_attention triton "
                               f"(device {str(device)!r}, paged_attention {config['paged_attention']!r})")
+        config["decode_fused"] = resolve_fused(config["decode_fused"], graphs=config["decode_cuda_graphs"])
         if config["decode_fused"] and config["paged_attention"] != "triton":
             raise DeployError(f"options.decode_fused: needs paged_attention triton (paged_attention {config['paged_attention']!r})")
         tokenizer, hf = load_checkpoint(info, device=device, dtype=dtype)
