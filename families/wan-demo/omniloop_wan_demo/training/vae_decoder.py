@@ -120,10 +120,13 @@ def join(pipeline: Path, vae_tar: Path) -> Path:
         with tarfile.open(vae_tar) as t:
             t.extractall(tmp, filter="data")
         new = Path(tmp) / "vae"
+        for what, weights in (("PIPELINE_DIR", pipeline / "vae"), ("--vae-tar", new)):
+            if not (weights / "diffusion_pytorch_model.safetensors").is_file():
+                raise SystemExit(f"--join: {what} has no vae/diffusion_pytorch_model.safetensors")
         old_sd = load_file(str(pipeline / "vae" / "diffusion_pytorch_model.safetensors"))
         new_sd = load_file(str(new / "diffusion_pytorch_model.safetensors"))
         for k, v in old_sd.items():
-            if k.startswith(ENCODER_PREFIXES) and not torch.equal(v, new_sd[k]):
+            if k.startswith(ENCODER_PREFIXES) and (k not in new_sd or not torch.equal(v, new_sd[k])):
                 raise SystemExit(f"--join: encoder weight {k} differs: {vae_tar} was not tuned from {pipeline}'s VAE")
         shutil.rmtree(pipeline / "vae")
         shutil.copytree(new, pipeline / "vae")
@@ -147,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.join:
         if not a.vae_tar:
             ap.error("--join needs --vae-tar")
+        if not Path(a.vae_tar).is_file():
+            ap.error(f"--vae-tar {a.vae_tar}: no such file")
         print(join(Path(a.join), Path(a.vae_tar)))
         return 0
     if not a.src or not a.out:
