@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from omniloop_wan_demo import checkpoint_path
+from omniloop_wan_demo.data import vocabulary_words
 from omniloop_wan_demo.training import distill, v2
 from omniloop_wan_demo.training.common import V1_VOCAB_SIZE, VOCAB, grow_text_encoder
 from omniloop_wan_demo.training.ship import ship
@@ -91,7 +92,7 @@ def test_ship_installs_v2_and_fast_and_keeps_v1_parts_for_the_causal_variant(tmp
     for name in checkpoint_path.CAUSAL_SHARED:
         (pkg / "checkpoint_causal" / name).symlink_to(os.path.relpath(pkg / "checkpoint" / name, pkg / "checkpoint_causal"))
     src = tmp_path / "files"
-    _folder(src / "pipeline", {p: f"v2 {p}" for p in PARTS})
+    _folder(src / "pipeline", {**{p: f"v2 {p}" for p in PARTS}, "omniloop.json": '{"variant": "wan-demo"}'})
     _folder(src / "fast", {"transformer/config.json": "fast", "transformer/diffusion_pytorch_model.safetensors": "w",
                            "omniloop.json": "{}"})
     src2 = tmp_path / "tars"
@@ -113,6 +114,10 @@ def test_ship_installs_v2_and_fast_and_keeps_v1_parts_for_the_causal_variant(tmp
     for name in checkpoint_path.FAST_SHARED:
         assert (fast / name).is_symlink() and not os.path.isabs(os.readlink(fast / name))
     assert (fast / "vae" / "config.json").read_text() == "v2 vae/config.json"
+    words = sorted(vocabulary_words("video"))
+    assert len(words) == 16 and "star" in words
+    for meta in (pkg / "checkpoint" / "omniloop.json", fast / "omniloop.json"):  # the CLI's out-of-vocabulary warning
+        assert json.loads(meta.read_text())["vocabulary"] == words
     # shipping again (e.g. a later v2) leaves the causal variant's v1 copies alone
     ship(src, pkg)
     assert (causal / "vae" / "config.json").read_text() == "v1 vae/config.json"
@@ -206,3 +211,13 @@ def test_gpu_eval_generator_is_the_runtimes_few_step_sampler(fake_fast_package):
     (video,) = gen(["a blue square moving up"], [3], steps=1, guidance_scale=1.0)
     diff = (torch.as_tensor(video).int() - out.artifacts["video"].frames.int()).abs()
     assert diff.max() <= 1, int(diff.max())
+
+
+def test_shipped_v2_and_fast_declare_the_video_vocabulary():
+    """wan-demo and wan-demo-fast name their 16 words, so `omniloop generate` warns on others."""
+    words = sorted(vocabulary_words("video"))
+    for folder in (CKPT, checkpoint_path.fast_checkpoint_dir()):
+        meta = json.loads((folder / "omniloop.json").read_text())
+        if meta.get("version") != 2 and meta.get("variant") != "wan-demo-fast":
+            pytest.skip("wan-demo v2 is not installed")
+        assert meta["vocabulary"] == words

@@ -9,10 +9,13 @@
   The package's ``tokenizer/`` gets v2's tokenizer (v1's ids unchanged, new words appended).
 * ``fast.tar`` -> ``checkpoint_fast/``: its own ``transformer/`` and ``omniloop.json``; the rest
   are relative links to ``checkpoint/`` (:data:`~..checkpoint_path.FAST_SHARED`).
+* Both installed ``omniloop.json`` files get ``"vocabulary"`` (the 16 words of the video prompts,
+  ``data.vocabulary_words("video")``) unless they already name one: the CLI warns on other words.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -40,6 +43,17 @@ def _copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
     for f in [dst, *dst.rglob("*")] if dst.is_dir() else [dst]:
         os.chmod(f, 0o755 if f.is_dir() else 0o644)  # package data: readable by everyone
+
+
+def _add_vocabulary(meta: Path) -> None:
+    from ..data import vocabulary_words
+
+    info = json.loads(meta.read_text())
+    if not isinstance(info, dict):
+        raise ValueError(f"ship: {meta} is not a JSON object")
+    if "vocabulary" not in info:
+        info["vocabulary"] = sorted(vocabulary_words("video"))
+        meta.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
 def _extract(src: Path, name: str, tmp: Path) -> Path | None:
@@ -82,6 +96,7 @@ def ship(src: Path, package: Path | None = None) -> dict[str, Any]:
             for name in PIPELINE_PARTS:
                 _copy(pipe / name, ck / name)
             _copy(pipe / "tokenizer", pkg / "tokenizer")
+            _add_vocabulary(ck / "omniloop.json")
             done["checkpoint"] = str(ck)
         if fast is not None:
             for f in ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors", "omniloop.json"):
@@ -90,6 +105,7 @@ def ship(src: Path, package: Path | None = None) -> dict[str, Any]:
             fast_dst.mkdir(exist_ok=True)
             _copy(fast / "transformer", fast_dst / "transformer")
             _copy(fast / "omniloop.json", fast_dst / "omniloop.json")
+            _add_vocabulary(fast_dst / "omniloop.json")
             for name in FAST_SHARED:
                 link = fast_dst / name
                 _remove(link)
