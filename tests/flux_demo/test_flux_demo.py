@@ -73,6 +73,23 @@ def test_the_shipped_preset_draws_what_the_prompt_says():
         assert f"a {d.color} {d.shape} at the {d.position}" == prompt
 
 
+def test_true_cfg_per_request_on_the_shipped_preset():
+    """True CFG (``node_params.denoise.cfg: classic``, scale 3.0, negative ``""``) runs on the preset
+    from a plain request, as the README shows: "a green circle at the top" at seed 0 — a circle read
+    as a square without CFG (one of the 33 misses) — is drawn as a circle with it."""
+    from omniloop import Runtime
+    from omniloop_wan_demo.evaluate import detect_image
+
+    rt = Runtime.from_model("flux-demo", device="cpu", dtype="float32")
+    prompt = "a green circle at the top"
+    plain = rt.generate({"task": "t2i", "prompt": prompt, "diffusion": {"seed": 0}}).artifacts["image"].pixels
+    cfg = rt.generate({"task": "t2i", "prompt": prompt, "diffusion": {"seed": 0, "guidance_scale": 3.0},
+                       "node_params": {"denoise": {"cfg": "classic"}}}).artifacts["image"].pixels
+    assert not torch.equal(plain, cfg)
+    d = detect_image(cfg.numpy())
+    assert (d.color, d.shape, d.position) == ("green", "circle", "top")
+
+
 def test_cli_generate_on_the_preset_needs_no_task_flag(tmp_path):
     """``omniloop generate PROMPT --model flux-demo --out x.png``: an image-only model gets t2i
     (omniloop_cli.default_task); a video model keeps t2v; unresolvable deploys fall back to t2v."""

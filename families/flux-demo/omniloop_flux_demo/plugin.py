@@ -26,7 +26,7 @@ PRESET = ModelPreset(
     name="flux-demo",
     family="flux",
     path=preset_path,
-    description="~3.8 M-param FLUX.1-architecture t2i model (schnell-style, 64x64) trained on coloured shapes "
+    description="~4.0 M-param FLUX.1-architecture t2i model (schnell-style, 64x64) trained on coloured shapes "
     "at 9 named positions ('a red star at the top left'), shipped with omniloop-flux-demo",
 )
 
