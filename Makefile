@@ -38,7 +38,7 @@ PYTEST_ARGS ?=
 # The demo model: the small Wan-architecture checkpoint trained by this project and shipped as
 # package data of omniloop-wan-demo (families/wan-demo). DEMO_MODEL=toy uses the core's toy family.
 DEMO_MODEL ?= wan-demo
-DEMO_PROMPT ?= a blue square moving right
+DEMO_PROMPT ?= a yellow triangle moving right
 DEMO_OUT ?= out/demo.mp4
 # a fixed default seed: the README's demo output is reproducible (make demo DEMO_SEED=3 for another)
 DEMO_SEED ?= 0
@@ -93,7 +93,7 @@ else
 endif
 	@echo "==> the demo video is at $(abspath $(DEMO_OUT))"
 	@echo "==> try next (source $(VENV)/bin/activate): any 'a <red|green|blue|yellow|cyan|magenta> <circle|square|triangle|star> moving <left|right|up|down>'"
-	@echo "      omniloop generate \"a magenta star moving up\" --model wan-demo --seed 1 --steps 8    # fewer steps: faster, rougher"
+	@echo "      omniloop generate \"a magenta circle moving up\" --model wan-demo-fast --seed 1    # the 4-step distilled variant: about 4x faster"
 	@echo "      omniloop eval adherence --model wan-demo    # colour / direction / shape accuracy over 48 clips"
 ifneq ($(FLUX_DEMO_WEIGHTS),)
 	@echo "      omniloop generate \"a red star at the top left\" --model flux-demo --out out/star.png    # the image demo (64x64, trained shapes at 9 positions)"
