@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -201,17 +199,9 @@ def test_fused_step_behind_decode_graphs_matches_the_unfused_step_interpreted(ti
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process is the interpreter run")
-def test_fused_interpreted_tests_in_a_child_process() -> None:
+def test_fused_interpreted_tests_in_a_child_process(run_interpreted_child) -> None:
     """The ``*_interpreted`` tests above, in a fresh pytest process started with TRITON_INTERPRET=1."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-k", "interpreted and not child_process",
-         "-p", "no:cacheprovider", "-W", "ignore"],
-        env=env, capture_output=True, text=True, timeout=900, check=False,
-    )
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and "skipped" not in tail and "deselected" in tail, tail
+    run_interpreted_child(__file__)
 
 
 # -- the deploy option (after the interpreted tests: it unsets TRITON_INTERPRET, and triton first imported
