@@ -86,6 +86,18 @@ def latent_stats(lat: torch.Tensor) -> tuple[list[float], list[float]]:
     return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
 
 
+def normalize_latents(vae, lat: torch.Tensor, stats: tuple[list[float], list[float]] | None
+                      ) -> tuple[torch.Tensor, tuple[list[float], list[float]]]:
+    """Per-channel normalised latents; without ``stats`` they are measured on ``lat`` and written
+    into the VAE config (WanPipeline de-normalises with ``z * std + mean``)."""
+    if stats is None:
+        stats = latent_stats(lat)
+        vae.register_to_config(latents_mean=stats[0], latents_std=stats[1])
+    mean = torch.tensor(stats[0], device=lat.device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(stats[1], device=lat.device).view(1, -1, 1, 1, 1)
+    return (lat - mean) / std, stats
+
+
 def sample_sigmas(b: int, *, mode: str, shift: float, device: str, gen: torch.Generator) -> torch.Tensor:
     if mode == "logit_normal":
         u = torch.sigmoid(torch.randn(b, device=device, generator=gen))
@@ -164,13 +176,8 @@ def train_dit(
     lat, pid = encode_dataset(vae, n=n_clips, seed=seed + 17, device=device, max_seconds=encode_seconds)
     info["encode_seconds"] = round(time.perf_counter() - t_enc, 1)
     info["n_clips"] = int(lat.shape[0])
-    if stats is None:
-        stats = latent_stats(lat)
-        vae.register_to_config(latents_mean=stats[0], latents_std=stats[1])
+    lat, stats = normalize_latents(vae, lat, stats)
     info["latents_mean"], info["latents_std"] = stats
-    mean = torch.tensor(stats[0], device=device).view(1, -1, 1, 1, 1)
-    std = torch.tensor(stats[1], device=device).view(1, -1, 1, 1, 1)
-    lat = (lat - mean) / std
     print(f"dit: {lat.shape[0]} latents encoded in {info['encode_seconds']}s; normalized std {float(lat.std()):.3f}", flush=True)
 
     transformer = build_transformer().to(device)

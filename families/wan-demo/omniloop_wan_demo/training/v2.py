@@ -212,7 +212,7 @@ def vae_phase(a: argparse.Namespace, init_vae, dev: str) -> tuple[Any, dict[str,
 
 def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], dev: str) -> tuple[dict[str, Any], dict[str, Any]]:
     from .common import encode_tokens, param_count, tokenize
-    from .train_dit import EMA, PROMPTS, encode_dataset, latent_stats, sample_sigmas
+    from .train_dit import EMA, PROMPTS, encode_dataset, normalize_latents, sample_sigmas
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -222,13 +222,8 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
                               batch=256, max_seconds=a.encode_seconds)
     info["encode_seconds"] = round(time.perf_counter() - t_enc, 1)
     info["n_clips"] = int(lat.shape[0])
-    if stats is None:
-        stats = latent_stats(lat)
-        vae.register_to_config(latents_mean=stats[0], latents_std=stats[1])
+    lat, stats = normalize_latents(vae, lat, stats)
     info["latents_mean"], info["latents_std"] = stats
-    mean = torch.tensor(stats[0], device=dev).view(1, -1, 1, 1, 1)
-    std = torch.tensor(stats[1], device=dev).view(1, -1, 1, 1, 1)
-    lat = (lat - mean) / std
     _log(f"dit: {lat.shape[0]} latents in {info['encode_seconds']}s; normalized std {float(lat.std()):.3f}")
 
     transformer, text_encoder = init["transformer"].to(dev).train(), init["text_encoder"].to(dev).train()
