@@ -55,6 +55,41 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMS error of ``a`` against ``ref`` (float32, on the CPU)."""
+    a, ref = a.float().cpu(), ref.float().cpu()
+    return float((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12))
+
+
+def frames_psnr(a: Any, b: Any) -> float:
+    """PSNR (dB) of two uint8 frame stacks ``[T, H, W, C]``; inf when equal."""
+    import math
+
+    import numpy as np
+
+    mse = float(((np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def frames_ssim(a: Any, b: Any) -> float:
+    """Mean SSIM of two uint8 frame stacks ``[T, H, W, C]`` over frames and channels: a 7x7
+    uniform window with Wang et al.'s constants (the attention quality benches' measure;
+    bench/cache_demo.py has the Gaussian-window one checked against scikit-image)."""
+    import torch.nn.functional as F
+
+    x = torch.as_tensor(a).float().permute(0, 3, 1, 2)
+    y = torch.as_tensor(b).float().permute(0, 3, 1, 2)
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+
+    def pool(t: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool2d(t, 7, 1)
+
+    mx, my = pool(x), pool(y)
+    vx, vy, cxy = pool(x * x) - mx * mx, pool(y * y) - my * my, pool(x * y) - mx * my
+    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return float(s.mean())
+
+
 # --------------------------------------------------------------------------------------------
 # the model
 # --------------------------------------------------------------------------------------------

@@ -46,14 +46,9 @@ add_repo_packages()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import command_line, library_versions, machine  # noqa: E402
+from _common import command_line, frames_psnr, frames_ssim, library_versions, machine, rel_rms  # noqa: E402
 
 from omniloop.hookspecs import hookimpl  # noqa: E402
-
-
-def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.float(), ref.float()
-    return float((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12))
 
 
 def bench(fn: Any, n: int = 10) -> float:
@@ -305,21 +300,6 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
-
-
-def ssim(a: np.ndarray, b: np.ndarray) -> float:
-    """Mean SSIM over frames and channels, 7x7 uniform window (Wang et al. constants)."""
-    x = torch.from_numpy(a).float().permute(0, 3, 1, 2)
-    y = torch.from_numpy(b).float().permute(0, 3, 1, 2)
-    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
-    pool = lambda t: F.avg_pool2d(t, 7, 1)  # noqa: E731
-    mx, my = pool(x), pool(y)
-    vx, vy, cxy = pool(x * x) - mx * mx, pool(y * y) - my * my, pool(x * y) - mx * my
-    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
-    return float(s.mean())
 
 
 def part_clips(res: dict[str, Any], device: str, smoke: bool) -> None:
@@ -349,8 +329,8 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool) -> None:
             videos[label] = vids
             base = videos.get("bf16 sdpa-cudnn")
             if base is not None and label != "bf16 sdpa-cudnn":
-                ps = [psnr(a, b) for a, b in zip(vids, base, strict=True)]
-                ss = [ssim(a, b) for a, b in zip(vids, base, strict=True)]
+                ps = [frames_psnr(a, b) for a, b in zip(vids, base, strict=True)]
+                ss = [frames_ssim(a, b) for a, b in zip(vids, base, strict=True)]
                 finite = [p for p in ps if math.isfinite(p)]
                 row["vs_bf16"] = {
                     "psnr_db_mean": statistics.fmean(finite) if finite else float("inf"),

@@ -55,17 +55,7 @@ add_repo_packages()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import command_line, library_versions, machine  # noqa: E402
-
-
-def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.float(), ref.float()
-    return float((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12))
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from _common import command_line, library_versions, machine, rel_rms, sync  # noqa: E402
 
 
 def time_once(fn: Any) -> float:

@@ -45,28 +45,11 @@ add_repo_packages()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from _common import command_line, library_versions, machine  # noqa: E402
+from _common import command_line, frames_psnr, frames_ssim, library_versions, machine  # noqa: E402
 
 ATTRS = ("color", "direction", "shape")
 
 
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
-
-
-def ssim(a: np.ndarray, b: np.ndarray) -> float:
-    """Mean SSIM over frames and channels, 7x7 uniform window (Wang et al.'s constants)."""
-    x = torch.from_numpy(a).float().permute(0, 3, 1, 2)
-    y = torch.from_numpy(b).float().permute(0, 3, 1, 2)
-    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
-    mx, my = F.avg_pool2d(x, 7, 1), F.avg_pool2d(y, 7, 1)
-    vx = F.avg_pool2d(x * x, 7, 1) - mx * mx
-    vy = F.avg_pool2d(y * y, 7, 1) - my * my
-    cxy = F.avg_pool2d(x * y, 7, 1) - mx * my
-    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
-    return float(s.mean())
 
 
 def demo_runtime(device: str, backend: str, options: dict[str, Any] | None) -> Any:
@@ -187,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                 base, base_verdicts = vids, verdicts
             else:
                 assert base_verdicts is not None
-                ps = [psnr(a, b) for a, b in zip(vids, base, strict=True)]
-                ss = [ssim(a, b) for a, b in zip(vids, base, strict=True)]
+                ps = [frames_psnr(a, b) for a, b in zip(vids, base, strict=True)]
+                ss = [frames_ssim(a, b) for a, b in zip(vids, base, strict=True)]
                 finite = [p for p in ps if math.isfinite(p)]
                 row["vs_dense"] = {
                     "psnr_db_mean": round(statistics.fmean(finite), 2) if finite else float("inf"),

@@ -52,7 +52,7 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import command_line, library_versions, machine, run_omniloop, step_times, sync  # noqa: E402
+from _common import command_line, library_versions, machine, rel_rms, run_omniloop, step_times, sync  # noqa: E402
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
 NEGATIVE = "blurry, low quality, watermark"
@@ -213,10 +213,6 @@ class OmniloopSide:
         return {"total": run.total, "steps": run.steps, "latents": run.result.state.read("denoised", Latents).tensor,
                 "image": out.artifacts["image"].pixels, "metrics": {"denoise": out.metrics.get("denoise")}}
 
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,6 +87,7 @@ from _common import (  # noqa: E402
     library_versions,
     machine,
     omniloop_request,
+    rel_rms,
     run_diffusers,
     run_omniloop,
     sync,
@@ -197,10 +198,6 @@ def free() -> None:
     if cuda():
         torch.cuda.empty_cache()
 
-
-def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.float().cpu(), ref.float().cpu()
-    return float((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12))
 
 
 def numerics(lat: torch.Tensor | None, ref: torch.Tensor | None, frames: torch.Tensor | None = None,

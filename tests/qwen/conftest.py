@@ -119,3 +119,63 @@ def run_interpreted_child():
         assert " passed" in tail and "skipped" not in tail and "deselected" in tail, tail
 
     return run
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph on CPU: ``replay`` runs the captured function eagerly."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+@pytest.fixture
+def graphed_vs_eager(monkeypatch):
+    """Run ``graphed`` (a PagedQwen given ``DecodeGraphs``) beside ``eager`` on the same prompts:
+    the CUDA graph is replaced by an eager replay of ``decode_static`` (CPU); everything else —
+    buckets, padding rows, block-table columns, a context growing across two buckets — is the CUDA
+    path's code. Every decode step's logits, the greedy tokens and the K/V written at each
+    sequence's slots must agree; returns the ``DecodeGraphs`` for counts."""
+    from omniloop.kvcache import CacheManager
+    from omniloop_qwen import model as qm
+    from omniloop_qwen import paged_attention as pa
+
+    monkeypatch.setattr(qm, "MIN_GRAPH_CONTEXT", 16)  # small buckets, so the context crosses two
+
+    def fake_capture(self, cache, host, ctx_tokens):
+        m = self.model
+        meta = host.clone()
+        row_seq = torch.arange(host.shape[0], dtype=torch.int32)
+        splits = pa.choose_splits(host.shape[0], m.kv_heads, ctx_tokens, m.device)
+        logits = m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
+        self.captures += 1
+        replay = _EagerGraph(lambda: logits.copy_(m.decode_static(cache, meta, row_seq, ctx_tokens, splits)))
+        return qm._DecodeGraph(graph=replay, meta=meta, row_seq=row_seq, logits=logits, cache=cache,
+                               ctx_tokens=ctx_tokens, splits=splits)
+
+    monkeypatch.setattr(qm.DecodeGraphs, "_capture", fake_capture)
+
+    def run(eager, graphed, steps: int):
+        graphed.graphs = qm.DecodeGraphs(graphed)
+        caches = [CacheManager(eager.layout(), block_size=4, num_blocks=64) for _ in range(2)]
+        prompts = [[5, 9, 13], list(range(20, 31)), [7]]
+        handles, toks = [], []
+        for model, cache in zip((eager, graphed), caches, strict=True):
+            hs = [cache.allocate() for _ in prompts]
+            logits = model.forward(cache, hs, prompts)  # prefill: the eager path in both
+            handles.append(hs)
+            toks.append([[int(t)] for t in logits.argmax(-1)])
+        assert toks[0] == toks[1]
+        for _ in range(steps):
+            a = eager.forward(caches[0], handles[0], toks[0])
+            b = graphed.forward(caches[1], handles[1], toks[1])
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+            toks = [[[int(t)] for t in x.argmax(-1)] for x in (a, b)]
+            assert toks[0] == toks[1]
+        for li in range(len(eager.layers)):  # the same K/V landed at the same slots
+            for h0, h1 in zip(*handles, strict=True):
+                s0, s1 = caches[0].slots(h0), caches[1].slots(h1)
+                torch.testing.assert_close(caches[1].k[li][s1], caches[0].k[li][s0], rtol=0, atol=2e-5)
+                torch.testing.assert_close(caches[1].v[li][s1], caches[0].v[li][s0], rtol=0, atol=2e-5)
+        return graphed.graphs
+
+    return run

@@ -146,55 +146,16 @@ def test_batched_fused_decode_each_equals_alone_interpreted(tiny_qwen, runtime_a
     assert rt.model.components["kv_cache"].used_blocks == 0
 
 
-class _EagerGraph:
-    """Stands in for a CUDA graph on CPU: ``replay`` runs the captured function eagerly."""
-
-    def __init__(self, fn):
-        self.replay = fn
-
-
 @interpreted
-def test_fused_step_behind_decode_graphs_matches_the_unfused_step_interpreted(tiny_qwen, monkeypatch) -> None:
+def test_fused_step_behind_decode_graphs_matches_the_unfused_step_interpreted(tiny_qwen, graphed_vs_eager) -> None:
+    """The fused decode step behind DecodeGraphs (the graph replayed eagerly on CPU) gives the
+    unfused eager step's logits, tokens and K/V over a context crossing two graph buckets."""
     from omniloop_qwen import model as qm
-    from omniloop_qwen import paged_attention as pa
 
-    monkeypatch.setattr(qm, "MIN_GRAPH_CONTEXT", 16)  # small buckets, so the context crosses two
-
-    def fake_capture(self, cache, host, ctx_tokens):
-        m = self.model
-        meta = host.clone()
-        row_seq = torch.arange(host.shape[0], dtype=torch.int32)
-        splits = pa.choose_splits(host.shape[0], m.kv_heads, ctx_tokens, m.device)
-        logits = m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
-        self.captures += 1
-        replay = _EagerGraph(lambda: logits.copy_(m.decode_static(cache, meta, row_seq, ctx_tokens, splits)))
-        return qm._DecodeGraph(graph=replay, meta=meta, row_seq=row_seq, logits=logits, cache=cache,
-                               ctx_tokens=ctx_tokens, splits=splits)
-
-    monkeypatch.setattr(qm.DecodeGraphs, "_capture", fake_capture)
     hf = _hf(tiny_qwen("qwen3"))
     eager, graphed = qm.PagedQwen(hf, attention="triton"), qm.PagedQwen(hf, attention="triton", fused=True)
-    graphed.graphs = qm.DecodeGraphs(graphed)
-    caches = [CacheManager(eager.layout(), block_size=4, num_blocks=64) for _ in range(2)]
-    prompts = [[5, 9, 13], list(range(20, 31)), [7]]
-    handles, toks = [], []
-    for model, cache in zip((eager, graphed), caches, strict=True):
-        hs = [cache.allocate() for _ in prompts]
-        logits = model.forward(cache, hs, prompts)  # prefill: the unfused path in both
-        handles.append(hs)
-        toks.append([[int(t)] for t in logits.argmax(-1)])
-    for _ in range(7):
-        a = eager.forward(caches[0], handles[0], toks[0])
-        b = graphed.forward(caches[1], handles[1], toks[1])
-        torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
-        toks = [[[int(t)] for t in x.argmax(-1)] for x in (a, b)]
-        assert toks[0] == toks[1]
-    assert graphed.graphs.replays == 7 and graphed.graphs.captures == 2
-    for li in range(len(eager.layers)):
-        for h0, h1 in zip(*handles, strict=True):
-            s0, s1 = caches[0].slots(h0), caches[1].slots(h1)
-            torch.testing.assert_close(caches[1].k[li][s1], caches[0].k[li][s0], rtol=0, atol=2e-5)
-            torch.testing.assert_close(caches[1].v[li][s1], caches[0].v[li][s0], rtol=0, atol=2e-5)
+    graphs = graphed_vs_eager(eager, graphed, steps=7)
+    assert graphs.replays == 7 and graphs.captures == 2
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -183,15 +183,8 @@ def test_batched_decode_with_the_kernel_each_equals_alone_interpreted(
     assert max(sizes) == len(prompts)
 
 
-class _EagerGraphs:
-    """Stands in for a CUDA graph on CPU: ``replay`` runs the captured function eagerly."""
-
-    def __init__(self, fn):
-        self.replay = fn
-
-
 @interpreted
-def test_decode_graph_inputs_match_the_eager_step_interpreted(interpret, tiny_qwen, monkeypatch) -> None:
+def test_decode_graph_inputs_match_the_eager_step_interpreted(interpret, tiny_qwen, graphed_vs_eager) -> None:
     """DecodeGraphs' static inputs (buckets, padding rows, block table columns, a growing context
     crossing buckets) give the eager triton step's tokens and logits: the graph is replaced by an
     eager replay of ``decode_static`` (CPU), everything else is the CUDA path's code."""
@@ -199,44 +192,10 @@ def test_decode_graph_inputs_match_the_eager_step_interpreted(interpret, tiny_qw
 
     from omniloop_qwen import model as qm
 
-    monkeypatch.setattr(qm, "MIN_GRAPH_CONTEXT", 16)  # small buckets, so the context crosses two
-
-    def fake_capture(self, cache, host, ctx_tokens):
-        m = self.model
-        meta = host.clone()
-        row_seq = torch.arange(host.shape[0], dtype=torch.int32)
-        splits = pa.choose_splits(host.shape[0], m.kv_heads, ctx_tokens, m.device)
-        logits = m.decode_static(cache, meta, row_seq, ctx_tokens, splits)
-        self.captures += 1
-        replay = _EagerGraphs(lambda: logits.copy_(m.decode_static(cache, meta, row_seq, ctx_tokens, splits)))
-        return qm._DecodeGraph(graph=replay, meta=meta, row_seq=row_seq, logits=logits, cache=cache,
-                               ctx_tokens=ctx_tokens, splits=splits)
-
-    monkeypatch.setattr(qm.DecodeGraphs, "_capture", fake_capture)
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen("qwen3"), dtype=torch.float32).eval()
     eager, graphed = qm.PagedQwen(hf, attention="triton"), qm.PagedQwen(hf, attention="triton")
-    graphed.graphs = qm.DecodeGraphs(graphed)
-    caches = [CacheManager(eager.layout(), block_size=4, num_blocks=64) for _ in range(2)]
-    prompts = [[5, 9, 13], list(range(20, 31)), [7]]
-    toks = []
-    handles = []
-    for model, cache in zip((eager, graphed), caches, strict=True):
-        hs = [cache.allocate() for _ in prompts]
-        logits = model.forward(cache, hs, prompts)
-        handles.append(hs)
-        toks.append([[int(t)] for t in logits.argmax(-1)])
-    assert toks[0] == toks[1]
-    for _ in range(8):
-        a = eager.forward(caches[0], handles[0], toks[0])
-        b = graphed.forward(caches[1], handles[1], toks[1])
-        torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
-        toks = [[[int(t)] for t in x.argmax(-1)] for x in (a, b)]
-        assert toks[0] == toks[1]
-    assert graphed.graphs.replays == 8 and graphed.graphs.captures == 2  # 3 rows -> bucket 4; contexts 16, then 32
-    for li in range(len(eager.layers)):  # the same K/V landed at the same slots
-        for h0, h1 in zip(*handles, strict=True):
-            s0, s1 = caches[0].slots(h0), caches[1].slots(h1)
-            torch.testing.assert_close(caches[1].k[li][s1], caches[0].k[li][s0], rtol=0, atol=2e-5)
+    graphs = graphed_vs_eager(eager, graphed, steps=8)
+    assert graphs.replays == 8 and graphs.captures == 2  # 3 rows -> bucket 4; contexts 16, then 32
 
 
 @interpreted
