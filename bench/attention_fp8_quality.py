@@ -46,7 +46,7 @@ add_repo_packages()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import command_line, frames_psnr, frames_ssim, library_versions, machine, rel_rms  # noqa: E402
+from _common import command_line, frames_psnr, frames_ssim, library_versions, machine, rel_rms, wan_demo_clip  # noqa: E402
 
 from omniloop.hookspecs import hookimpl  # noqa: E402
 
@@ -204,15 +204,6 @@ def demo_runtime(device: str, backend: str, rope: str, capture: CapturePlugin | 
                               options={"qk_norm_rope": rope})
 
 
-def clip(runtime: Any, prompt: str, seed: int, steps: int = 20) -> np.ndarray:
-    out = runtime.generate({"task": "t2v", "inputs": [{"type": "text", "text": prompt}],
-                            "diffusion": {"steps": steps, "guidance_scale": 5.0, "seed": seed, "frames": 17,
-                                          "height": 64, "width": 64}})
-    if not out.ok:
-        raise RuntimeError(f"{prompt!r}: {out.error}")
-    frames = out.artifacts["video"].frames
-    return np.asarray(frames.cpu() if hasattr(frames, "cpu") else frames, dtype=np.uint8)
-
 
 def _transformer() -> Any:
     from diffusers import WanTransformer3DModel
@@ -240,7 +231,7 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
     from omniloop_wan_demo.evaluate import default_prompts
 
     prompt = default_prompts()[0]
-    clip(rt, prompt, 0, steps=3 if smoke else 20)
+    wan_demo_clip(rt, prompt, 0, steps=3 if smoke else 20)
     cap.on = False
     tf = _transformer()
     n_layers = len(tf.blocks)
@@ -318,9 +309,9 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool) -> None:
         try:
             wan_attention.FUSE_FP8_QUANT = fuse_q
             rt = demo_runtime(device, backend, rope)
-            clip(rt, prompts[0], 0, steps=2)  # warm-up
+            wan_demo_clip(rt, prompts[0], 0, steps=2)  # warm-up
             t = time.perf_counter()
-            vids = [clip(rt, p, s, steps=3 if smoke else 20) for p, s in pairs]
+            vids = [wan_demo_clip(rt, p, s, steps=3 if smoke else 20) for p, s in pairs]
             row["seconds"] = round(time.perf_counter() - t, 2)
             acc, clips = score(vids, [p for p, _ in pairs], [s for _, s in pairs])
             row["accuracy"] = acc

@@ -45,7 +45,7 @@ add_repo_packages()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import command_line, frames_psnr, frames_ssim, library_versions, machine  # noqa: E402
+from _common import command_line, frames_psnr, frames_ssim, library_versions, machine, wan_demo_clip  # noqa: E402
 
 ATTRS = ("color", "direction", "shape")
 
@@ -64,15 +64,6 @@ def demo_runtime(device: str, backend: str, options: dict[str, Any] | None) -> A
                               manager=make_manager(("wan", wan_plugin), ("attention", attn_plugin), toy=False),
                               attention_backend=backend, **extra)
 
-
-def clip(runtime: Any, prompt: str, seed: int, steps: int) -> np.ndarray:
-    out = runtime.generate({"task": "t2v", "inputs": [{"type": "text", "text": prompt}],
-                            "diffusion": {"steps": steps, "guidance_scale": 5.0, "seed": seed, "frames": 17,
-                                          "height": 64, "width": 64}})
-    if not out.ok:
-        raise RuntimeError(f"{prompt!r}: {out.error}")
-    frames = out.artifacts["video"].frames
-    return np.asarray(frames.cpu() if hasattr(frames, "cpu") else frames, dtype=np.uint8)
 
 
 def weights_id() -> dict[str, Any]:
@@ -156,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             rt = demo_runtime(args.device, backend, options)
             fn = rt.attention.fn
             t = time.perf_counter()
-            vids = [clip(rt, p, s, steps) for p, s in pairs]
+            vids = [wan_demo_clip(rt, p, s, steps) for p, s in pairs]
             row["seconds"] = round(time.perf_counter() - t, 2)
             if hasattr(fn, "_layouts"):
                 row["layouts"] = [{"grid": list(lay.grid), "blocks": lay.n_blocks, "kept_blocks_per_query_block": lay.keep,

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from omniloop.artifacts import Latents
+from omniloop.context import StageContext
 from omniloop.family import LoadedModel, PluginComponentSpec
 from omniloop.graph import Node, PipelineSpec
 from omniloop.hookspecs import hookimpl
 from omniloop.interceptors import call_model
-from omniloop.context import StageContext
 from omniloop.loop import LoopState, RequestState, StepContext, StepResult
 from omniloop.request import OmniRequest, TaskType
 from omniloop.runtime import Runtime

@@ -20,15 +20,9 @@ from omniloop_attention.sparse import SparseTileAttention, TileLayout
 
 SPEC = {b.name: b for b in BACKENDS}["sparse-tile"]
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+              pytest.mark.usefixtures("one_thread")]
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def brute_force_mask(grid, tile, density, global_frames=0, block=128):

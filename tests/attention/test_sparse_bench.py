@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def _load(name: str):
@@ -25,13 +25,6 @@ def _load(name: str):
     spec.loader.exec_module(mod)
     return mod
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.slow  # imports the library stack for the machine record; the work itself is a 72-token grid
