@@ -221,3 +221,19 @@ def test_shipped_v2_and_fast_declare_the_video_vocabulary():
         if meta.get("version") != 2 and meta.get("variant") != "wan-demo-fast":
             pytest.skip("wan-demo v2 is not installed")
         assert meta["vocabulary"] == words
+
+
+def test_latent_coverage_follows_the_vae_grid_and_dilates():
+    from omniloop_wan_demo.training.train_dit import latent_coverage
+
+    mask = torch.zeros(1, 1, 17, 64, 64)
+    mask[0, 0, 5, 20, 40] = 0.3  # frame 5 -> latent frame 2 (frames 5..8); pixel (20, 40) -> cell (5, 10)
+    exact = latent_coverage(mask, dilate=0)
+    assert exact.shape == (1, 1, 5, 16, 16) and exact.dtype == torch.bool
+    assert exact.sum() == 1 and bool(exact[0, 0, 2, 5, 10])
+    grown = latent_coverage(mask)
+    assert grown.sum() == 9 and bool(grown[0, 0, 2, 4:7, 9:12].all())
+    mask[0, 0, 0, 0, 0] = 1.0  # frame 0 is a latent frame of its own
+    assert bool(latent_coverage(mask, dilate=0)[0, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="1\\+4k frames"):
+        latent_coverage(torch.zeros(1, 1, 16, 64, 64))

@@ -61,22 +61,45 @@ def prompt_index(params) -> np.ndarray:
     return np.array([idx[p] for p in params.prompts()], dtype=np.int64)
 
 
+def latent_coverage(mask: torch.Tensor, *, dilate: int = 1) -> torch.Tensor:
+    """Object coverage ``[B, 1, 17, 64, 64]`` (pixels) -> a boolean mask on the latent grid
+    ``[B, 1, 5, 16, 16]``: Wan's VAE keeps frame 0 alone and folds frames 1..16 in fours, and
+    downsamples 4x spatially; a latent cell is "object" when any pixel of its group is, then the
+    mask grows by ``dilate`` cells so the object's outline and surroundings count too."""
+    b, c, t, h, w = mask.shape
+    if (t - 1) % 4 or h % 4 or w % 4:
+        raise ValueError(f"latent_coverage: need 1+4k frames and sides divisible by 4, got {tuple(mask.shape)}")
+    m = mask > 0
+    groups = torch.cat([m[:, :, :1], m[:, :, 1:].reshape(b, c, (t - 1) // 4, 4, h, w).any(dim=3)], dim=2)
+    flat = groups.transpose(1, 2).reshape(-1, c, h, w).float()
+    cells = torch.nn.functional.max_pool2d(flat, 4, 4)
+    if dilate:
+        cells = torch.nn.functional.max_pool2d(cells, 2 * dilate + 1, 1, dilate)
+    return (cells > 0).reshape(b, groups.shape[2], c, h // 4, w // 4).transpose(1, 2)
+
+
 @torch.no_grad()
-def encode_dataset(vae, *, n: int, seed: int, device: str, batch: int = 256, max_seconds: float = 60.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Posterior-mode latents ``[N, 16, 5, 16, 16]`` (fp32, on ``device``) and prompt indices."""
-    lats, pids = [], []
+def encode_dataset(vae, *, n: int, seed: int, device: str, batch: int = 256, max_seconds: float = 60.0,
+                   coverage: bool = False) -> tuple[torch.Tensor, ...]:
+    """Posterior-mode latents ``[N, 16, 5, 16, 16]`` (fp32, on ``device``) and prompt indices;
+    with ``coverage`` also the object's boolean mask on the latent grid (:func:`latent_coverage`)."""
+    lats, pids, covs = [], [], []
     t0 = time.perf_counter()
     done = 0
     i = 0
     while done < n and time.perf_counter() - t0 < max_seconds:
         p = sample_params(min(batch, n - done), seed * 7919 + i)
-        x = render(p, device=device) * 2 - 1
+        x, mask = render(p, device=device, return_mask=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
-            z = vae.encode(x).latent_dist.mode()
+            z = vae.encode(x * 2 - 1).latent_dist.mode()
         lats.append(z.float())
         pids.append(torch.as_tensor(prompt_index(p), device=device))
+        if coverage:
+            covs.append(latent_coverage(mask))
         done += len(p)
         i += 1
+    if coverage:
+        return torch.cat(lats), torch.cat(pids), torch.cat(covs)
     return torch.cat(lats), torch.cat(pids)
 
 

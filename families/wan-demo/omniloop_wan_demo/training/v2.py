@@ -218,8 +218,8 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
     torch.backends.cudnn.allow_tf32 = True
     info: dict[str, Any] = {"log": [], "init": init["note"]}
     t_enc = time.perf_counter()
-    lat, pid = encode_dataset(vae, n=a.n_clips, seed=a.seed + 17 + 1000 * a.data_round, device=dev,
-                              batch=256, max_seconds=a.encode_seconds)
+    lat, pid, cov = encode_dataset(vae, n=a.n_clips, seed=a.seed + 17 + 1000 * a.data_round, device=dev,
+                                   batch=256, max_seconds=a.encode_seconds, coverage=True)
     info["encode_seconds"] = round(time.perf_counter() - t_enc, 1)
     info["n_clips"] = int(lat.shape[0])
     lat, stats = normalize_latents(vae, lat, stats)
@@ -256,6 +256,7 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
             g["lr"] = a.dit_lr * w * dec
         idx = torch.randint(0, lat.shape[0], (batch,), device=dev, generator=gen)
         x0, p = lat[idx], pid[idx]
+        wts = 1.0 + a.dit_object_weight * cov[idx].to(x0.dtype)  # [B, 1, T, H, W]
         drop = torch.rand(batch, device=dev, generator=gen) < 0.1
         p = torch.where(drop, torch.full_like(p, uncond), p)
         pad_to = 512 if host.random() < a.pad512 else 64  # two fixed lengths: no recompiles, no sync
@@ -266,7 +267,8 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             emb = encode_tokens(text_encoder, ids[p], mask[p], pad_to)
             pred = fwd_fn(hidden_states=xt, timestep=s * 1000.0, encoder_hidden_states=emb, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred.float(), noise - x0)
+        # object cells up-weighted (shape lives in a few cells); normalised so the scale matches plain MSE
+        loss = (wts * (pred.float() - (noise - x0)).square()).mean() / wts.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -311,7 +313,7 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
     info["seconds"] = round(time.perf_counter() - t0, 1)
     info["samples"] = step * batch
     info["recipe"] = dict(batch=batch, lr=a.dit_lr, cfg_drop=0.1, shift=3.0, timestep_sampling="logit_normal",
-                          ema_decay=a.ema_decay, warmup=a.warmup, decay_frac=0.2, pad512=a.pad512,
+                          object_weight=a.dit_object_weight, ema_decay=a.ema_decay, warmup=a.warmup, decay_frac=0.2, pad512=a.pad512,
                           compile=a.compile, n_clips=info["n_clips"])
     modules = {"transformer": transformer.eval(), "text_encoder": text_encoder.eval(),
                "ema_transformer": ema.shadow["transformer"], "ema_text_encoder": ema.shadow["text_encoder"]}
@@ -476,6 +478,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--dit-batch", type=int, default=1024)
     g.add_argument("--dit-lr", type=float, default=4e-4)
     g.add_argument("--warmup", type=int, default=100)
+    g.add_argument("--dit-object-weight", type=float, default=4.0,
+                   help="loss weight 1 + W on latent cells the object covers (dilated one cell); 0 = plain MSE")
     g.add_argument("--ema-decay", type=float, default=0.999)
     g.add_argument("--n-clips", type=int, default=49152)
     g.add_argument("--encode-seconds", type=float, default=45)
@@ -503,6 +507,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.fast_timesteps_list = tuple(int(t) for t in a.fast_timesteps.split(","))
     if a.data_round is None:
         a.data_round = 1 if a.resume else 0
+    if not math.isfinite(a.dit_object_weight) or a.dit_object_weight < 0:
+        ap.error(f"--dit-object-weight: must be a finite number >= 0, got {a.dit_object_weight}")
     for k in ("vae_seconds", "dit_seconds", "distill_seconds", "distill_gen_seconds", "eval_seconds", "dit_lr", "vae_lr"):
         v = getattr(a, k)
         if not math.isfinite(v) or v <= 0:
