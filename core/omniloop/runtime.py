@@ -27,6 +27,7 @@ import torch
 
 from . import adapters as _adapters
 from . import compose as _compose
+from . import linears as _linears
 from . import offload as _offload
 from . import placement as _placement
 from .deploy import DeployConfig, load_deploy
@@ -70,6 +71,7 @@ class Deployment:
         self.dtype = _DTYPES[deploy.dtype]
         self.family, self.model_path = self._resolve_model()
         self.attention = self._resolve_attention()
+        _linears.check(deploy, self.family, self.device, self.dtype)  # linear_precision: fp8 (omniloop-quant)
         #: enabled interceptors/observers: name -> (spec, validated deploy config)
         self.component_configs: dict[str, tuple[PluginComponentSpec, Any]] = self._component_configs()
         self._scheduler_spec = self._scheduler_spec_of()
@@ -162,6 +164,7 @@ class Deployment:
                 raise RequestError("inputs", f"a {req.task.value} request needs a non-empty prompt (a text part with role 'prompt')")
         if req.exact and self.attention.distribution_altering:
             raise RequestError("exact", f"attention backend {self.attention.name!r} alters outputs; exact requests cannot use it")
+        _linears.check_request(req, self.deploy)
 
     def _check_limits(self, req: OmniRequest) -> None:
         d, lim = req.diffusion, self.deploy.limits
@@ -322,6 +325,8 @@ class Runtime(Deployment):
             self.model_path, device=_offload.storage_device(self.deploy.offload, self.device), dtype=self.dtype,
             options=self.options,
         )
+        #: linear_precision: fp8 — the denoiser blocks' linears swapped for e4m3 GEMMs (None: dtype)
+        self.linears = _linears.apply(self.model, self.family, self.deploy)
         self._pipelines: dict[TaskType, BuiltPipeline] = {}
         #: the deploy's LoRA adapters, read and hooked at load (None when it declares none)
         self.adapters: _adapters.AdapterBank | None = None
@@ -466,6 +471,7 @@ class Runtime(Deployment):
             "tasks": sorted(t.value for t in self.tasks),
             "plugins": sorted(self.components_enabled),
             "attention_backend": self.attention.name,
+            "linear_precision": self.deploy.linear_precision,
             "scheduler": self.deploy.scheduler,
             "adapters": self.adapters.describe() if self.adapters is not None else [],
         }

@@ -1,0 +1,125 @@
+"""omniloop-quant: lower-precision compute for a model's denoiser, chosen in the deploy file.
+
+Deploy ``linear_precision: fp8`` (a core field, :class:`omniloop.deploy.DeployConfig`; the default
+``dtype`` computes every linear in the deploy's dtype) swaps the ``nn.Linear`` layers inside the
+denoiser's transformer blocks for e4m3 GEMMs (:mod:`omniloop_quant.fp8`): weights quantised once at
+load per output channel, activations per token on every call, bias and scales applied in the
+GEMM's epilogue, output in the model dtype. Embeddings, the timestep MLP, text projections and the
+final ``proj_out`` live outside the blocks and stay in the model dtype.
+
+The core calls :func:`check_deploy` before any weight loads (device, dtype and combinations) and
+:func:`apply` right after the family loads its components (before any compiled block is traced).
+Which modules are "the denoiser's blocks" is family-independent: a family may declare
+``quant_blocks = {component: "attr.path|other.path"}``; otherwise the components LoRA adapters
+target (``adapter_support.components``), else the ``transformer*`` entries of
+``offload_components``, with their declared block lists (``blocks``, ``transformer_blocks``,
+``single_transformer_blocks`` when none is declared).
+
+FP8 linears change outputs (distribution-altering): ``exact: true`` requests are refused by the
+core while a deploy uses them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from omniloop.errors import DeployError
+
+from .fp8 import (
+    ALIGN,
+    E4M3_MAX,
+    MIN_CAPABILITY,
+    FP8GeluProjection,
+    FP8Linear,
+    install,
+    installed,
+    quantize_rows,
+    quantize_weight,
+    reference_output,
+    restore,
+    shape_ok,
+    unavailable_reason,
+)
+
+log = logging.getLogger("omniloop.quant")
+
+#: values of the deploy's ``linear_precision``
+MODES = ("dtype", "fp8")
+_DEFAULT_BLOCK_LISTS = "blocks|transformer_blocks|single_transformer_blocks"
+
+
+def denoiser_blocks(components: Mapping[str, Any], family: Any) -> list[tuple[str, nn.Module]]:
+    """``(label, block)`` for every transformer block of the family's denoiser components present
+    in ``components`` (see the module docstring for how they are found)."""
+    declared = getattr(family, "quant_blocks", None)
+    if not declared:
+        offload = dict(getattr(family, "offload_components", None) or {})
+        support = getattr(family, "adapter_support", None)
+        comps = (tuple(getattr(support, "components", ()) or ())
+                 or tuple(n for n in offload if n.startswith("transformer")) or ("transformer",))
+        declared = {c: offload.get(c) or _DEFAULT_BLOCK_LISTS for c in comps}
+    out: list[tuple[str, nn.Module]] = []
+    for comp, paths in declared.items():
+        module = components.get(comp)
+        if not isinstance(module, nn.Module):
+            continue
+        for path in str(paths).split("|"):
+            obj: Any = module
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+                if obj is None:
+                    break
+            if isinstance(obj, (nn.ModuleList, nn.Sequential)):
+                out += [(f"{comp}.{path}.{i}", block) for i, block in enumerate(obj)]
+    return out
+
+
+def check_deploy(deploy: Any, family: Any, device: Any, dtype: Any) -> None:
+    """Refuse, with one :class:`DeployError`, a ``linear_precision`` that cannot run in this
+    deployment — before any weight loads."""
+    mode = getattr(deploy, "linear_precision", "dtype")
+    if mode == "dtype":
+        return
+    if mode not in MODES:
+        raise DeployError(f"linear_precision: must be one of {', '.join(MODES)}, not {mode!r}")
+    why = unavailable_reason(device, dtype)
+    if why:
+        raise DeployError(f"linear_precision: 'fp8' cannot run here: {why}")
+    if getattr(deploy, "adapters", None):
+        raise DeployError("linear_precision: 'fp8' does not combine with adapters (LoRA) yet: the adapters hook "
+                          "and fuse into the bf16 linears that FP8 replaces; use linear_precision: dtype")
+    if getattr(deploy, "offload", "none") != "none":
+        raise DeployError(f"linear_precision: 'fp8' does not combine with offload: {deploy.offload!r} yet (untested); "
+                          "use offload: none")
+
+
+def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
+    """Swap the denoiser blocks' linears of a loaded ``model`` (a ``LoadedModel``) for FP8 ones,
+    in place, keeping no bf16 copy; records ``model.config["linear_precision"]`` and returns the
+    report (None for ``linear_precision: dtype``)."""
+    mode = getattr(deploy, "linear_precision", "dtype")
+    if mode == "dtype":
+        return None
+    blocks = denoiser_blocks(model.components, family)
+    if not blocks:
+        raise DeployError(f"linear_precision: 'fp8': family {getattr(family, 'name', '?')!r} has no transformer "
+                          "blocks to quantise (declare quant_blocks = {component: 'blocks'})")
+    report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks])
+    report = {"mode": mode, "blocks": len(blocks), **report}
+    model.config["linear_precision"] = report
+    if report["skipped"]:
+        log.warning("linear_precision fp8: %d linear(s) kept in the model dtype (dimensions not multiples of %d): %s",
+                    len(report["skipped"]), ALIGN, ", ".join(report["skipped"][:6]))
+    log.info("linear_precision fp8: %d linears in %d blocks quantised", report["quantized"], len(blocks))
+    return report
+
+
+__all__ = [
+    "ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy",
+    "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore",
+    "shape_ok", "unavailable_reason",
+]

@@ -1,0 +1,260 @@
+"""FP8 (e4m3) linears: ``torch._scaled_mm`` with per-output-channel weight scales and per-token
+activation scales.
+
+:class:`FP8Linear` stands in for an ``nn.Linear``:
+
+* the weight is quantised **once**, when the module is built: per output channel,
+  ``scale_w[n] = max_k |W[n, k]| / 448`` and ``Wq = round_e4m3(W / scale_w)`` (a ``[out, in]``
+  e4m3 buffer plus a ``[1, out]`` float32 buffer);
+* the activation is quantised **per row** (per token) on every call:
+  ``scale_x[m] = max_k |x[m, k]| / 448``, ``xq = round_e4m3(clamp(x / scale_x, ±448))`` — one
+  row-wise reduction and one elementwise pass, written as plain torch ops so that inside a
+  ``torch.compile``'d block (deploy ``compile: true``, ``fullgraph=True``) inductor fuses them
+  with the elementwise ops before the linear (no graph break: :func:`quantize_rows` and
+  ``torch._scaled_mm`` are both traceable);
+* ``torch._scaled_mm(xq, Wq.T, scale_a=scale_x, scale_b=scale_w, bias=b, out_dtype=x.dtype)``:
+  the GEMM accumulates in float32, applies both scales and the bias in its epilogue and writes
+  the input's dtype (bf16 on the GPU).
+
+So the output is ``(xq * scale_x) @ (Wq * scale_w).T + b`` computed in float32, i.e. exactly the
+float32 product of the two dequantised operands (:func:`reference_output` computes that model).
+
+Shapes: ``_scaled_mm`` needs ``in_features`` and ``out_features`` to be multiples of 16. A linear
+that is not is **left as it was** (computed in the model's dtype) and listed in the install
+report's ``skipped`` — no padding (padding K or N would cost a copy of the activation per call
+for layers too small to gain from FP8; every linear in Wan's blocks is a multiple of 16).
+
+:func:`install` swaps the linears under some root modules in place and remembers what it
+replaced; :func:`restore` puts the originals back (benchmarks run FP8 and bf16 configurations on
+shared modules). diffusers' ``GELU`` (a ``proj`` linear then the activation) needs nothing
+special: its ``proj`` is swapped like any linear. omniloop-wan's ``FusedGeluProjection``
+(``options.ffn_gelu: fused``) reads ``proj.weight`` itself for its cuBLASLt GELU epilogue, so it
+is replaced as a whole by :class:`FP8GeluProjection` (the FP8 GEMM, then tanh-GELU — fused by
+inductor with the next linear's activation quantisation).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+#: largest finite e4m3 (``torch.float8_e4m3fn``) magnitude
+E4M3_MAX = 448.0
+#: the smallest amax a scale is computed from (an all-zero row or channel quantises to zeros)
+_TINY_AMAX = 1e-12
+#: ``_scaled_mm`` wants both GEMM dimensions of the weight to be multiples of this
+ALIGN = 16
+#: CUDA compute capability FP8 tensor-core GEMMs need (Ada 8.9, Hopper 9.0 and later)
+MIN_CAPABILITY = (8, 9)
+
+FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wq [out, in] e4m3, scale [1, out] float32)`` with ``W ≈ Wq * scale.T`` (per output channel)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1, keepdim=True).clamp(min=_TINY_AMAX)
+    scale = amax / E4M3_MAX
+    q = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return q.contiguous(), scale.reshape(1, -1).contiguous()
+
+
+def quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(aq [M, K] e4m3, scale [M, 1] float32)`` with ``a ≈ aq * scale`` (per row, i.e. per token).
+
+    Plain torch ops, traceable by dynamo without a break: under ``torch.compile`` inductor emits one
+    row-reduction kernel fused with the producer of ``a``."""
+    af = a.float()
+    scale = af.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY_AMAX) / E4M3_MAX
+    q = (af / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def shape_ok(linear: nn.Linear) -> bool:
+    """Whether ``_scaled_mm`` takes this linear's weight (both dimensions multiples of 16)."""
+    return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
+
+
+class FP8Linear(nn.Module):
+    """An ``nn.Linear`` computed as an e4m3 GEMM (see the module docstring). Built from a linear,
+    whose weight it quantises once; the bias is shared with it (not copied)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if not shape_ok(linear):
+            raise ValueError(f"FP8Linear: in_features {linear.in_features} and out_features {linear.out_features} "
+                             f"must be multiples of {ALIGN}")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        qweight, scale = quantize_weight(linear.weight)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("weight_scale", scale)
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        xq, sx = quantize_rows(x.reshape(-1, self.in_features))
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        out = torch._scaled_mm(xq, self.qweight.t(), scale_a=sx, scale_b=self.weight_scale, bias=bias,
+                               out_dtype=x.dtype)
+        return out.reshape(*lead, self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight this layer actually multiplies by (``Wq * scale``)."""
+        return self.qweight.float() * self.weight_scale.reshape(-1, 1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3"
+
+
+class FP8GeluProjection(nn.Module):
+    """``gelu(FP8Linear(x), approximate)``: stands in for a fused GELU projection (``proj`` + activation)."""
+
+    def __init__(self, proj: nn.Linear, approximate: str) -> None:
+        super().__init__()
+        self.proj = FP8Linear(proj)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.proj(x), approximate=self.approximate)
+
+
+def reference_output(layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The numerical model of ``layer(x)`` in float32: dequantised activation @ dequantised weight + bias."""
+    a = x.reshape(-1, layer.in_features)
+    xq, sx = quantize_rows(a)
+    out = (xq.float() * sx) @ layer.dequantized_weight().t()
+    if layer.bias is not None:
+        out = out + layer.bias.float()
+    return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+def unavailable_reason(device: str | torch.device, dtype: torch.dtype | None = None) -> str | None:
+    """Why FP8 linears cannot run on ``device`` with model ``dtype`` (None when they can).
+
+    CUDA needs compute capability >= 8.9 (FP8 tensor cores: Ada, Hopper and later) and bf16 weights
+    (cuBLASLt's row-wise scaled FP8 GEMM writes bf16). The CPU is allowed: torch's CPU
+    ``_scaled_mm`` computes the same math (slowly) — for tests and references, not for speed."""
+    if FP8_DTYPE is None or not hasattr(torch, "_scaled_mm"):
+        return f"this torch ({torch.__version__}) has no float8_e4m3fn / _scaled_mm"
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return f"FP8 GEMMs run on CUDA (capability >= 8.9) or the CPU, not on {dev.type!r}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    cap = torch.cuda.get_device_capability(dev)
+    if tuple(cap) < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(dev)
+        return (f"FP8 GEMMs need CUDA compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                f"(Ada/Hopper); {name} is {cap[0]}.{cap[1]}")
+    if dtype is not None and dtype != torch.bfloat16:
+        return f"on CUDA the FP8 GEMM writes bfloat16: deploy dtype must be bfloat16, not {str(dtype).removeprefix('torch.')}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# swapping modules in place
+# --------------------------------------------------------------------------------------------
+
+#: root module -> [(parent, attribute name, original, replacement)]
+_SWAPS: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, str, nn.Module | None, nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _is_fused_gelu(module: nn.Module) -> bool:
+    """omniloop-wan's ``FusedGeluProjection`` (reads ``proj.weight`` itself), recognised by shape:
+    a ``proj`` linear and an ``approximate`` mode, named so."""
+    return (type(module).__name__ == "FusedGeluProjection" and isinstance(getattr(module, "proj", None), nn.Linear)
+            and isinstance(getattr(module, "approximate", None), str))
+
+
+def _children(module: nn.Module, prefix: str = "") -> Iterable[tuple[nn.Module, str, nn.Module, str]]:
+    """(parent, name, child, dotted path) for every module under ``module``, parents before
+    children; nothing below a module that will be replaced."""
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        yield module, name, child, path
+        if not isinstance(child, nn.Linear) and not _is_fused_gelu(child):
+            yield from _children(child, f"{path}.")
+
+
+def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: Iterable[str] | None = None
+            ) -> dict[str, Any]:
+    """Swap every ``nn.Linear`` under each of ``roots`` (e.g. a transformer's blocks) for an
+    :class:`FP8Linear`, in place; returns ``{"quantized": n, "skipped": [names and shapes]}``.
+
+    ``names``: one label per root for the report (default ``root<i>``). A root already installed
+    is left as it is. ``keep_original=False`` keeps no reference to the
+    replaced modules (their bf16 weights can be freed; :func:`restore` then cannot undo)."""
+    quantized = 0
+    skipped: list[str] = []
+    labels = list(names) if names is not None else None
+    for i, root in enumerate(roots):
+        label = labels[i] if labels is not None else f"root{i}"
+        if root in _SWAPS:
+            quantized += sum(1 for *_, new in _SWAPS[root] if new is not None)
+            continue
+        swaps: list[tuple[nn.Module, str, nn.Module | None, nn.Module]] = []
+        for parent, name, child, path in list(_children(root)):
+            new: nn.Module | None = None
+            if _is_fused_gelu(child):
+                if shape_ok(child.proj):
+                    new = FP8GeluProjection(child.proj, child.approximate)
+                else:
+                    skipped.append(f"{label}.{path}.proj {child.proj.in_features}->{child.proj.out_features}")
+            elif isinstance(child, nn.Linear):
+                if shape_ok(child):
+                    new = FP8Linear(child)
+                else:
+                    skipped.append(f"{label}.{path} {child.in_features}->{child.out_features}")
+            if new is None:
+                continue
+            if isinstance(parent, (nn.ModuleList, nn.Sequential)) and name.isdigit():
+                parent[int(name)] = new
+            else:
+                setattr(parent, name, new)
+            swaps.append((parent, name, child if keep_original else None, new))
+            quantized += 1
+        _SWAPS[root] = swaps
+    return {"quantized": quantized, "skipped": skipped}
+
+
+def restore(roots: Iterable[nn.Module]) -> int:
+    """Put back the modules :func:`install` replaced under ``roots`` (where the FP8 module is still
+    in place); returns how many. Raises ``RuntimeError`` for a root installed with
+    ``keep_original=False``."""
+    n = 0
+    for root in roots:
+        swaps = _SWAPS.pop(root, [])
+        if any(orig is None for _, _, orig, _ in swaps):
+            _SWAPS[root] = swaps
+            raise RuntimeError("restore: these FP8 linears were installed with keep_original=False")
+        for parent, name, original, new in reversed(swaps):
+            current = parent[int(name)] if isinstance(parent, (nn.ModuleList, nn.Sequential)) and name.isdigit() \
+                else getattr(parent, name)
+            if current is not new:
+                continue
+            if isinstance(parent, (nn.ModuleList, nn.Sequential)) and name.isdigit():
+                parent[int(name)] = original
+            else:
+                setattr(parent, name, original)
+            n += 1
+    return n
+
+
+def installed(root: nn.Module) -> bool:
+    return root in _SWAPS
+
+
+__all__ = ["ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "FP8GeluProjection", "FP8Linear", "install", "installed",
+           "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"]

@@ -1,0 +1,109 @@
+"""Deploy ``linear_precision: fp8`` end to end on the CPU: validation at load, exact requests
+refused, the tiny Wan (every linear misaligned: all kept, output unchanged) and the trained
+wan-demo (every block linear quantised) generating through the runtime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+import omniloop_wan.plugin as wan_plugin
+from omniloop.errors import DeployError, RequestError
+from omniloop.runtime import Deployment, Runtime
+from omniloop.testing import make_manager
+from omniloop_quant import FP8Linear
+from omniloop_wan.tiny import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-wan"), variant="t2v")
+
+
+def manager() -> Any:
+    return make_manager(("wan", wan_plugin), toy=False)
+
+
+def request(**kw: Any) -> dict[str, Any]:
+    return {"task": "t2v", "inputs": [{"type": "text", "text": "a red fox"}],
+            "diffusion": {"steps": 2, "guidance_scale": 5.0, "seed": 3, "height": 32, "width": 32, "frames": 9},
+            "outputs": {"return_latents": True}, **kw}
+
+
+def test_bad_value_refused_at_load(tiny):
+    with pytest.raises(DeployError, match=r"linear_precision.*must be one of.*'int4'") as info:
+        Deployment({"model": {"path": str(tiny)}, "linear_precision": "int4"}, manager=manager())
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("extra", "what"), [
+    ({"adapters": {"x": "/nonexistent.safetensors"}}, "adapters"),
+    ({"offload": "model"}, "offload"),
+])
+def test_combinations_refused_at_load(tiny, extra, what):
+    with pytest.raises(DeployError, match=rf"^linear_precision: 'fp8' does not combine with {what}"):
+        Deployment({"model": {"path": str(tiny)}, "linear_precision": "fp8", **extra}, manager=manager())
+
+
+def test_exact_requests_refused(tiny):
+    dep = Deployment({"model": {"path": str(tiny)}, "linear_precision": "fp8"}, manager=manager())
+    dep.check(request())
+    with pytest.raises(RequestError, match="linear_precision 'fp8' alters outputs") as info:
+        dep.check(request(exact=True))
+    assert info.value.path == "exact"
+    Deployment({"model": {"path": str(tiny)}}, manager=manager()).check(request(exact=True))  # default: fine
+
+
+def test_tiny_wan_misaligned_linears_kept(tiny):
+    """The tiny Wan's widths (24, 32 with 24-wide inputs) fit no FP8 GEMM: every block linear stays,
+    the report says so, and the output is bit-identical to the default deploy."""
+    base = Runtime.from_model(tiny, manager=manager())
+    rt = Runtime.from_model(tiny, manager=manager(), linear_precision="fp8")
+    assert rt.linears["quantized"] == 0 and rt.linears["blocks"] == 2 and len(rt.linears["skipped"]) > 0
+    assert rt.model.config["linear_precision"] is rt.linears and rt.describe()["linear_precision"] == "fp8"
+    a, b = base.generate(request()), rt.generate(request())
+    assert a.ok and b.ok
+    assert torch.equal(a.artifacts["latents"].tensor, b.artifacts["latents"].tensor)
+
+
+def test_wan_demo_generates_with_fp8_linears():
+    """wan-demo (dim 160, FFN 640: all aligned): all 100 block linears quantised (4 self-attn, 4
+    cross-attn, 2 FFN per block x 10), embeddings / time MLP / proj_out untouched; a clip
+    generates and stays close to the float32 clip of the same seed (PSNR > 20 dB: e4m3 linears
+    move pixels, not the picture)."""
+    demo = pytest.importorskip("omniloop_wan_demo.checkpoint_path")
+    import omniloop_wan_demo.plugin as demo_plugin
+
+    path = demo.checkpoint_dir()
+    mgr = make_manager(("wan", wan_plugin), ("wan-demo", demo_plugin), toy=False)
+    body = {"task": "t2v", "inputs": [{"type": "text", "text": "a yellow triangle moving right"}],
+            "diffusion": {"steps": 4, "guidance_scale": 5.0, "seed": 0, "frames": 9, "height": 64, "width": 64}}
+    base = Runtime.from_model(path, manager=mgr)
+    rt = Runtime.from_model(path, manager=mgr, linear_precision="fp8")
+    assert rt.linears["quantized"] == 100 and rt.linears["skipped"] == []
+    tf = rt.model.components["transformer"]
+    assert sum(isinstance(m, FP8Linear) for m in tf.modules()) == 100
+    assert isinstance(tf.proj_out, torch.nn.Linear) and not isinstance(tf.proj_out, FP8Linear)
+    assert not any(isinstance(m, FP8Linear) for m in tf.condition_embedder.modules())
+    a, b = base.generate(body), rt.generate(body)
+    assert a.ok and b.ok
+    fa, fb = (np.asarray(o.artifacts["video"].frames, dtype=np.float64) for o in (a, b))
+    assert fa.shape == fb.shape and not np.array_equal(fa, fb)
+    mse = float(((fa - fb) ** 2).mean())
+    psnr = 10 * np.log10(255.0**2 / max(mse, 1e-12))
+    print(f"wan-demo fp8 linears vs float32: PSNR {psnr:.1f} dB")
+    assert psnr > 20.0
