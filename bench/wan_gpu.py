@@ -27,7 +27,10 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       at density 0.5/0.3/0.15, distribution-altering);
                                       ``-compile``: deploy ``compile: true``
                                       (regional, each block ``fullgraph=True``); ``-batched``:
-                                      batched CFG (cond+uncond in one forward)
+                                      batched CFG (cond+uncond in one forward); ``-fp8lin``:
+                                      deploy ``linear_precision: fp8`` (omniloop-quant: the
+                                      blocks' linears as e4m3 ``_scaled_mm`` GEMMs,
+                                      distribution-altering)
 ====================================  ===========================================================
 
 Numerics: every configuration's final latents (and frames) are compared with diffusers eager on
@@ -123,21 +126,36 @@ def all_configs() -> list[str]:
     out += [f"omniloop-{be}-compile-{f}" for be in BACKENDS for f in ("rope", "ffn", "fused")]
     # -sepq (fp8 only): q/k quantised by a separate pass instead of inside the fused rope kernel
     out += ["omniloop-fp8-compile-fused-sepq"]
+    # -fp8lin (any omniloop config): deploy linear_precision: fp8 (omniloop-quant, e4m3 block linears)
+    out += [f"omniloop-{be}-compile-fused-fp8lin" for be in ("fp8", "cudnn")] + ["omniloop-sdpa-compile-fp8lin"]
     return out
 
 
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
-                "rope": False, "ffn": False, "sepq": False}
+                "rope": False, "ffn": False, "sepq": False, "fp8lin": False}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq"}:
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin"}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
-            "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest}
+            "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest,
+            "fp8lin": "fp8lin" in rest}
+
+
+def fp8_linears(transformer: Any) -> tuple[list[Any], dict[str, Any]]:
+    """Deploy ``linear_precision: fp8`` on shared modules: the transformer's blocks' linears swapped for
+    e4m3 ones (omniloop-quant; the originals kept, so :func:`omniloop_quant.restore` undoes it)."""
+    import omniloop_quant
+    from omniloop_wan.family import WanFamily
+
+    found = omniloop_quant.denoiser_blocks({"transformer": transformer}, WanFamily())
+    blocks = [b for _, b in found]
+    report = omniloop_quant.install(blocks, keep_original=True, names=[n for n, _ in found])
+    return blocks, {"quantized": report["quantized"], "skipped": len(report["skipped"]), "blocks": len(blocks)}
 
 
 @contextlib.contextmanager
@@ -299,13 +317,14 @@ class DiffusersPipelineSide:
 class OmniloopPipelineSide:
     def __init__(self, comps: dict[str, Any], backend: Any, compiled: bool, batched: bool, compile_mode: str | None,
                  compile_backend: str, device: torch.device, dtype: torch.dtype, rope: bool = False,
-                 ffn: bool = False) -> None:
+                 ffn: bool = False, fp8lin: bool = False) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
         from omniloop_wan.family import WanFamily
 
-        deploy = DeployConfig(device=str(device), dtype="bfloat16", compile=compiled, attention_backend=backend.name)
+        deploy = DeployConfig(device=str(device), dtype="bfloat16", compile=compiled, attention_backend=backend.name,
+                              linear_precision="fp8" if fp8lin else "dtype")
         options: dict[str, Any] = {"deploy": deploy, "attention": backend, "compile_backend": compile_backend,
                                    "qk_norm_rope": "fused" if rope else "reference",
                                    "ffn_gelu": "fused" if ffn else "reference"}
@@ -317,13 +336,17 @@ class OmniloopPipelineSide:
         self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, options=options)
         self.batched = batched
         self.transformer = comps["transformer"]
+        # linear_precision: fp8 after the family's set-up (fused GELU, lazy compile), as the runtime does
+        self.fp8_blocks, self.fp8_report = fp8_linears(self.transformer) if fp8lin else ([], None)
 
     def __enter__(self) -> OmniloopPipelineSide:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        import omniloop_quant
         from omniloop_wan import ffn
 
+        omniloop_quant.restore(self.fp8_blocks)  # first: it puts back the fused GELU modules it replaced
         ffn.restore(self.transformer)  # the next configuration starts from diffusers' modules
 
     def run(self, steps: int, size: tuple[int, int, int]) -> dict[str, Any]:
@@ -356,7 +379,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
         c = parse_config(name)
         row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
                                "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
-                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn")},
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
         if rec.over_budget():
             rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -370,7 +393,10 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                     rec.add({**row, "skipped": f"attention backend {c['backend']!r}: {why}"})
                     continue
                 side = OmniloopPipelineSide(comps, spec, c["compile"], c["batched"], args.compile_mode,
-                                            args.compile_backend, device, dtype, rope=c["rope"], ffn=c["ffn"])
+                                            args.compile_backend, device, dtype, rope=c["rope"], ffn=c["ffn"],
+                                            fp8lin=c["fp8lin"])
+                if side.fp8_report is not None:
+                    row["fp8_linears"] = side.fp8_report
             with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"]):
                 t = time.perf_counter()
                 side.run(2, size)  # warm-up: kernels, allocator, compilation (+ autotuning)
@@ -507,10 +533,11 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     ref_out = None
     ref_step = ref_compiled_step = None
     warm, reps = (1, 1) if args.smoke else (2, 3)
+    fp8_blocks: list[Any] = []
     for name in rec.selected(model):
         c = parse_config(name)
         row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
-                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn")},
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
         if rec.over_budget():
@@ -532,6 +559,8 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
                     install(tf, spec, qk_norm_rope="fused" if c["rope"] else "reference")
                     if c["ffn"]:
                         ffn.install(tf)
+                    if c["fp8lin"]:  # deploy linear_precision: fp8, after the fused GELU (as the runtime)
+                        fp8_blocks, row["fp8_linears"] = fp8_linears(tf)
                     blocks = tf.blocks
                     if c["compile"]:
                         kw = {"backend": args.compile_backend, "dynamic": False,
@@ -573,6 +602,10 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
             row["error"] = f"{type(exc).__name__}: {exc}"[:800]
             row["traceback_tail"] = traceback.format_exc()[-1500:]
         finally:
+            import omniloop_quant
+
+            omniloop_quant.restore(fp8_blocks)  # before ffn.restore: it puts back the fused GELU it replaced
+            fp8_blocks = []
             ffn.restore(tf)  # the next configuration starts from diffusers' modules
         rec.add(row)
         free()
