@@ -14,12 +14,18 @@ Three parts, one JSON (``$OUT`` or ``bench/results/attention_fp8-<date>.json``, 
    the fused kernel's static scale (``omniloop_wan.fused.fp8_descale``), and with P/O kept exact
    (how much of the error is q/k/v rounding).
 3. **clips** (GPU): the wan-demo evaluator's 48 clips (24 prompts x seeds 0, 1; 20 steps, CFG 5)
-   with bf16 ``sdpa-cudnn`` and with ``cudnn-fp8`` (fused quantisation, and the separate pass):
+   with bf16 ``sdpa-cudnn`` and with ``cudnn-fp8`` (fused quantisation, and the separate pass),
+   each also with deploy ``linear_precision: fp8`` (omniloop-quant's e4m3 block linears):
    color / direction / shape adherence, clips whose verdict changed, PSNR / SSIM of the frames vs
    the bf16 frames.
+4. **linears** (GPU or CPU): FP8 linears (``omniloop_quant.FP8Linear``) on the inputs every block
+   linear of one real wan-demo clip receives (bf16 run, 20 steps, CFG: 100 linears x 40 calls) —
+   per layer the relative RMS error of the output vs the float32 linear, beside the bf16 linear's
+   own; on the GPU also the time of bf16 vs FP8 GEMMs on Wan 1.3B / 14B linear shapes
+   (32,760 tokens).
 
-    python bench/attention_fp8_quality.py              # GPU: all three (~1-2 min on one H200)
-    python bench/attention_fp8_quality.py --smoke      # CPU: part 2 on a few calls with the model only
+    python bench/attention_fp8_quality.py              # GPU: all four (~2-3 min on one H200)
+    python bench/attention_fp8_quality.py --smoke      # CPU: parts 2 and 4 on a few calls / steps
 """
 
 from __future__ import annotations
@@ -189,7 +195,8 @@ class CapturePlugin:
         register(AttentionBackendSpec(name="capture-bf16", fn=fn, description="capture"))
 
 
-def demo_runtime(device: str, backend: str, rope: str, capture: CapturePlugin | None = None) -> Any:
+def demo_runtime(device: str, backend: str, rope: str, capture: CapturePlugin | None = None,
+                 linear_precision: str = "dtype") -> Any:
     import omniloop_attention.plugin as attn_plugin
     import omniloop_wan.plugin as wan_plugin
     from omniloop.runtime import Runtime
@@ -201,7 +208,7 @@ def demo_runtime(device: str, backend: str, rope: str, capture: CapturePlugin | 
         plugins.append(("capture", capture))
     return Runtime.from_model(checkpoint_dir(), device=device, dtype="bfloat16" if device == "cuda" else "float32",
                               manager=make_manager(*plugins, toy=False), attention_backend=backend,
-                              options={"qk_norm_rope": rope})
+                              options={"qk_norm_rope": rope}, linear_precision=linear_precision)
 
 
 
@@ -299,16 +306,21 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool) -> None:
 
     prompts = default_prompts()[: 2 if smoke else None]
     pairs = [(p, s) for s in DEFAULT_SEEDS for p in prompts]
-    configs = [("bf16 sdpa-cudnn", "sdpa-cudnn", "fused", True),
-               ("cudnn-fp8, q/k quantised in the fused rope kernel", "cudnn-fp8", "fused", True),
-               ("cudnn-fp8, separate quantisation pass", "cudnn-fp8", "fused", False)]
+    configs = [("bf16 sdpa-cudnn", "sdpa-cudnn", "fused", True, "dtype"),
+               ("cudnn-fp8, q/k quantised in the fused rope kernel", "cudnn-fp8", "fused", True, "dtype"),
+               ("cudnn-fp8, separate quantisation pass", "cudnn-fp8", "fused", False, "dtype"),
+               ("bf16 sdpa-cudnn + fp8 linears", "sdpa-cudnn", "fused", True, "fp8"),
+               ("cudnn-fp8 (fused q/k) + fp8 linears", "cudnn-fp8", "fused", True, "fp8")]
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}
-    for label, backend, rope, fuse_q in configs:
-        row: dict[str, Any] = {"attention_backend": backend, "qk_norm_rope": rope, "fp8_quant_in_rope_kernel": fuse_q}
+    for label, backend, rope, fuse_q, linears in configs:
+        row: dict[str, Any] = {"attention_backend": backend, "qk_norm_rope": rope, "fp8_quant_in_rope_kernel": fuse_q,
+                               "linear_precision": linears}
         try:
             wan_attention.FUSE_FP8_QUANT = fuse_q
-            rt = demo_runtime(device, backend, rope)
+            rt = demo_runtime(device, backend, rope, linear_precision=linears)
+            if rt.linears is not None:
+                row["fp8_linears"] = {k: rt.linears[k] for k in ("quantized", "blocks")} | {"skipped": len(rt.linears["skipped"])}
             wan_demo_clip(rt, prompts[0], 0, steps=2)  # warm-up
             t = time.perf_counter()
             vids = [wan_demo_clip(rt, p, s, steps=3 if smoke else 20) for p, s in pairs]
@@ -349,17 +361,134 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool) -> None:
                     "configs": table}
 
 
+# --------------------------------------------------------------------------------------------
+# 4. linears
+# --------------------------------------------------------------------------------------------
+
+#: Wan linear shapes (in, out) at 480x832x81 (32,760 tokens): 1.3B dim 1536 / FFN 8960, 14B 5120 / 13824
+GEMM_SHAPES = {"1.3b qkvo": (1536, 1536), "1.3b ffn up": (1536, 8960), "1.3b ffn down": (8960, 1536),
+               "14b qkvo": (5120, 5120), "14b ffn up": (5120, 13824), "14b ffn down": (13824, 5120)}
+
+
+def part_linears(res: dict[str, Any], device: str, smoke: bool) -> None:
+    """FP8 linears on captured wan-demo activations (per layer) and, on the GPU, GEMM timings."""
+    import omniloop_quant
+    from omniloop_quant import FP8Linear
+
+    out: dict[str, Any] = {}
+    res["linears"] = out
+    rt = demo_runtime(device, "sdpa", "reference")
+    tf = rt.model.components["transformer"]
+    stats: dict[str, dict[str, list[float]]] = {}
+    fp8_layers: dict[str, FP8Linear] = {}
+    hooks = []
+
+    def hook_for(name: str, lin: torch.nn.Linear) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            x = args[0]
+            with torch.no_grad():
+                ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+                if name not in fp8_layers:
+                    fp8_layers[name] = FP8Linear(lin)
+                st = stats.setdefault(name, {"fp8": [], "dtype": []})
+                st["fp8"].append(rel_rms(fp8_layers[name](x), ref))
+                st["dtype"].append(rel_rms(output, ref))
+        return hook
+
+    for i, block in enumerate(tf.blocks):
+        for name, mod in block.named_modules():
+            if isinstance(mod, torch.nn.Linear) and omniloop_quant.shape_ok(mod):
+                hooks.append(mod.register_forward_hook(hook_for(f"blocks.{i}.{name}", mod)))
+    from omniloop_wan_demo.evaluate import default_prompts
+
+    prompt = default_prompts()[0]
+    try:
+        wan_demo_clip(rt, prompt, 0, steps=2 if smoke else 20)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def summ(xs: list[float]) -> dict[str, float]:
+        return {"mean": statistics.fmean(xs), "max": max(xs), "n": len(xs)}
+
+    by_kind: dict[str, dict[str, list[float]]] = {}
+    for name, st in stats.items():
+        kind = name.split(".", 2)[2]
+        for k, v in st.items():
+            by_kind.setdefault(kind, {}).setdefault(k, []).extend(v)
+    every = [e for st in stats.values() for e in st["fp8"]]
+    out["activations"] = {
+        "source": f"wan-demo, prompt {prompt!r}, seed 0, {2 if smoke else 20} steps CFG 5, "
+                  f"{'bf16' if device == 'cuda' else 'float32'} on {device}; the input of every call of every "
+                  f"block linear ({len(stats)} linears, {len(every)} calls)",
+        "metric": "relative RMS error of the linear's output vs the float32 linear on the same input: 'fp8' = "
+                  "omniloop_quant.FP8Linear (per-channel weight, per-token activation e4m3), 'dtype' = the model's "
+                  "own linear",
+        "all_fp8": summ(every) if every else None,
+        "by_kind": {k: {m: summ(v) for m, v in d.items()} for k, d in sorted(by_kind.items())},
+        "by_layer_fp8_mean": {n: statistics.fmean(st["fp8"]) for n, st in stats.items()},
+    }
+    print("linears", json.dumps({k: v for k, v in out["activations"].items() if k != "by_layer_fp8_mean"}, indent=1),
+          flush=True)
+    del rt
+    gc.collect()
+    if device != "cuda":
+        return
+    gemm: dict[str, Any] = {}
+    out["gemm_h200"] = gemm
+    tokens = 32760
+    for label, (k, n) in GEMM_SHAPES.items():
+        row: dict[str, Any] = {"tokens": tokens, "in": k, "out": n}
+        try:
+            row.update(gemm_timing(tokens, k, n))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:600]
+        print("gemm", label, row, flush=True)
+        gemm[label] = row
+        free_cuda()
+
+
+def gemm_timing(tokens: int, k: int, n: int) -> dict[str, float]:
+    """bf16 ``nn.Linear`` vs the FP8 GEMM alone (operands pre-quantised) vs ``FP8Linear`` eager (with
+    its per-token quantisation pass) on one ``[tokens, k] x [k, n]`` shape."""
+    import omniloop_quant
+    from omniloop_quant import FP8Linear
+
+    g = torch.Generator("cuda").manual_seed(0)
+    lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    layer = FP8Linear(lin)
+    xq, sx = omniloop_quant.quantize_rows(x)
+    flops = 2 * tokens * k * n
+    with torch.no_grad():
+        t_bf16 = bench(lambda: lin(x))
+        t_gemm = bench(lambda: torch._scaled_mm(xq, layer.qweight.t(), scale_a=sx, scale_b=layer.weight_scale,
+                                               bias=layer.bias, out_dtype=torch.bfloat16))
+        t_eager = bench(lambda: layer(x))
+        t_quant = bench(lambda: omniloop_quant.quantize_rows(x))
+        return {"bf16_ms": t_bf16 * 1e3, "fp8_gemm_ms": t_gemm * 1e3, "fp8_layer_eager_ms": t_eager * 1e3,
+                "quant_pass_eager_ms": t_quant * 1e3, "bf16_tflops": flops / t_bf16 / 1e12,
+                "fp8_gemm_tflops": flops / t_gemm / 1e12, "gemm_speedup": t_bf16 / t_gemm,
+                "layer_eager_speedup": t_bf16 / t_eager, "rel_rms_vs_bf16": rel_rms(layer(x), lin(x))}
+
+
+def free_cuda() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="kernel,activations,clips")
+    ap.add_argument("--parts", default="kernel,activations,clips,linears")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU: the activation part on a few calls, numerical model only")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     parts = [p for p in args.parts.split(",") if p]
     if device == "cpu":
-        parts = [p for p in parts if p == "activations"]
+        parts = [p for p in parts if p in ("activations", "linears")]
     date = dt.date.today().isoformat()
     out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -371,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in parts:
         try:
             {"kernel": lambda: part_kernel(res), "activations": lambda: part_activations(res, device, args.smoke),
-             "clips": lambda: part_clips(res, device, args.smoke)}[p]()
+             "clips": lambda: part_clips(res, device, args.smoke),
+             "linears": lambda: part_linears(res, device, args.smoke)}[p]()
         except Exception as exc:
             res[f"{p}_error"] = f"{type(exc).__name__}: {exc}"[:800]
             res[f"{p}_traceback"] = traceback.format_exc()[-2000:]
