@@ -1,0 +1,48 @@
+"""The FP8-linear rows of bench/wan_gpu.py and bench/attention_fp8_quality.py run on the CPU (``--smoke``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omniloop.testing.scripts import run_script
+
+pytest.importorskip("diffusers")
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not (BENCH / "wan_gpu.py").exists(), reason="bench/ not in this checkout")
+def test_wan_gpu_fp8lin_smoke(tmp_path):
+    """14b smoke (48-wide, 3 blocks): all 30 block linears quantised, close to diffusers, and the
+    shared modules restored afterwards (the next configuration is diffusers' again: bit-equal)."""
+    only = "diffusers,omniloop-sdpa-compile-fp8lin,omniloop-sdpa"
+    rec = run_script(BENCH / "wan_gpu.py", ["--smoke", "--models", "14b", "--only", only], tmp_path,
+                     "wan_gpu-*-smoke.json")
+    rows = {r["config"]: r for r in rec["results"]}
+    fp8 = rows["omniloop-sdpa-compile-fp8lin"]
+    assert "error" not in fp8, fp8
+    assert fp8["fp8lin"] and fp8["fp8_linears"] == {"quantized": 30, "skipped": 0, "blocks": 3}
+    assert not fp8["vs_diffusers_eager"]["bit_equal"] and fp8["vs_diffusers_eager"]["rel_rms"] < 0.06
+    assert rows["omniloop-sdpa"]["vs_diffusers_eager"]["bit_equal"]  # restored
+
+
+@pytest.mark.skipif(not (BENCH / "attention_fp8_quality.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_quality_linears_smoke(tmp_path):
+    pytest.importorskip("omniloop_wan_demo")
+    rec = run_script(BENCH / "attention_fp8_quality.py", ["--smoke", "--parts", "linears"], tmp_path,
+                     "attention_fp8-*-smoke.json")
+    acts = rec["linears"]["activations"]
+    assert "linears_error" not in rec
+    assert len(acts["by_layer_fp8_mean"]) == 100 and acts["all_fp8"]["n"] == 400  # 100 linears x 2 steps x 2 branches
+    assert 0.005 < acts["all_fp8"]["mean"] < 0.06
+    assert acts["by_kind"]["ffn.net.2"]["dtype"]["max"] < 1e-5  # float32 on the CPU: the model's own is the reference
