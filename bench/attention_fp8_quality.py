@@ -300,17 +300,24 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
 
 
 
-def part_clips(res: dict[str, Any], device: str, smoke: bool) -> None:
+#: ``--clip-configs`` keys -> the clips part's configurations (label, backend, rope, q/k quantised in the rope kernel, linears)
+CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4}
+
+
+def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | None = None,
+               seeds: list[int] | None = None) -> None:
     from omniloop_wan import attention as wan_attention
     from omniloop_wan_demo.evaluate import DEFAULT_SEEDS, default_prompts, score
 
     prompts = default_prompts()[: 2 if smoke else None]
-    pairs = [(p, s) for s in DEFAULT_SEEDS for p in prompts]
+    seeds = list(seeds or DEFAULT_SEEDS)
+    pairs = [(p, s) for s in seeds for p in prompts]
     configs = [("bf16 sdpa-cudnn", "sdpa-cudnn", "fused", True, "dtype"),
                ("cudnn-fp8, q/k quantised in the fused rope kernel", "cudnn-fp8", "fused", True, "dtype"),
                ("cudnn-fp8, separate quantisation pass", "cudnn-fp8", "fused", False, "dtype"),
                ("bf16 sdpa-cudnn + fp8 linears", "sdpa-cudnn", "fused", True, "fp8"),
                ("cudnn-fp8 (fused q/k) + fp8 linears", "cudnn-fp8", "fused", True, "fp8")]
+    configs = [configs[CLIP_CONFIGS[k]] for k in (keys or CLIP_CONFIGS)]  # bf16 (the reference) must be first
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}
     for label, backend, rope, fuse_q, linears in configs:
@@ -356,7 +363,7 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool) -> None:
         print("clips", label, json.dumps(brief), flush=True)
         table[label] = row
         gc.collect()
-    res["clips"] = {"setup": f"wan-demo evaluator prompts x seeds {list(DEFAULT_SEEDS)}, 17x64x64, 20 steps, CFG 5, "
+    res["clips"] = {"setup": f"wan-demo evaluator prompts x seeds {seeds}, 17x64x64, 20 steps, CFG 5, "
                              f"bf16 on {device}, deploy qk_norm_rope fused; PSNR/SSIM of uint8 frames vs the bf16 clips",
                     "configs": table}
 
@@ -483,10 +490,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="kernel,activations,clips,linears")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--clip-configs", default=",".join(CLIP_CONFIGS),
+                    help=f"clips part: comma list of {', '.join(CLIP_CONFIGS)} (bf16, the reference, first)")
+    ap.add_argument("--seeds", default="", help="clips part: comma list of seeds (default: the evaluator's)")
     ap.add_argument("--smoke", action="store_true", help="CPU: the activation part on a few calls, numerical model only")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     parts = [p for p in args.parts.split(",") if p]
+    keys = [k for k in args.clip_configs.split(",") if k]
+    if not keys or keys[0] != "bf16" or set(keys) - set(CLIP_CONFIGS):
+        raise SystemExit(f"--clip-configs: a comma list of {', '.join(CLIP_CONFIGS)} starting with bf16, got {args.clip_configs!r}")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or None
     if device == "cpu":
         parts = [p for p in parts if p in ("activations", "linears")]
     date = dt.date.today().isoformat()
@@ -500,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in parts:
         try:
             {"kernel": lambda: part_kernel(res), "activations": lambda: part_activations(res, device, args.smoke),
-             "clips": lambda: part_clips(res, device, args.smoke),
+             "clips": lambda: part_clips(res, device, args.smoke, keys, seeds),
              "linears": lambda: part_linears(res, device, args.smoke)}[p]()
         except Exception as exc:
             res[f"{p}_error"] = f"{type(exc).__name__}: {exc}"[:800]
