@@ -11,6 +11,8 @@ bf16's 2^-9 on top.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -190,3 +192,38 @@ def test_device_checks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     assert unavailable_reason("cuda", torch.bfloat16) is None
     assert "must be bfloat16, not float32" in unavailable_reason("cuda", torch.float32)
+
+
+def test_denoiser_blocks_from_family_declarations():
+    """Which blocks: ``quant_blocks`` when declared, else the LoRA components with their offload
+    block lists (a tuple for FLUX's two stacks, ``|`` alternatives), text encoders never."""
+    from omniloop_quant import denoiser_blocks
+
+    class Tf(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer_blocks = nn.ModuleList([nn.Linear(16, 16)])
+            self.single_transformer_blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+            self.proj_out = nn.Linear(16, 16)
+
+    class Support:
+        components = ("transformer",)
+
+    class FluxLike:
+        adapter_support = Support()
+        offload_components: ClassVar[dict[str, Any]] = {"transformer": ("transformer_blocks", "single_transformer_blocks"),
+                              "text_encoder": "encoder.layers", "vae": None}
+
+    class Declared:
+        quant_blocks: ClassVar[dict[str, str]] = {"transformer": "single_transformer_blocks|missing"}
+
+    comps = {"transformer": Tf(), "text_encoder": nn.Module(), "vae": nn.Module()}
+    assert [n for n, _ in denoiser_blocks(comps, FluxLike())] == [
+        "transformer.transformer_blocks.0", "transformer.single_transformer_blocks.0",
+        "transformer.single_transformer_blocks.1"]
+    assert [n for n, _ in denoiser_blocks(comps, Declared())] == [
+        "transformer.single_transformer_blocks.0", "transformer.single_transformer_blocks.1"]
+    assert [n for n, _ in denoiser_blocks(comps, object())] == [  # nothing declared: the default lists
+        "transformer.transformer_blocks.0", "transformer.single_transformer_blocks.0",
+        "transformer.single_transformer_blocks.1"]
+    assert denoiser_blocks({"unet": Tf()}, object()) == []

@@ -63,17 +63,20 @@ def denoiser_blocks(components: Mapping[str, Any], family: Any) -> list[tuple[st
                  or tuple(n for n in offload if n.startswith("transformer")) or ("transformer",))
         declared = {c: offload.get(c) or _DEFAULT_BLOCK_LISTS for c in comps}
     out: list[tuple[str, nn.Module]] = []
+    seen: list[nn.Module] = []
     for comp, paths in declared.items():
         module = components.get(comp)
         if not isinstance(module, nn.Module):
             continue
-        for path in str(paths).split("|"):
+        listed = [paths] if isinstance(paths, str) else list(paths)  # FLUX declares a tuple of block lists
+        for path in (p for entry in listed for p in str(entry).split("|")):
             obj: Any = module
             for part in path.split("."):
                 obj = getattr(obj, part, None)
                 if obj is None:
                     break
-            if isinstance(obj, (nn.ModuleList, nn.Sequential)):
+            if isinstance(obj, (nn.ModuleList, nn.Sequential)) and not any(obj is b for b in seen):
+                seen.append(obj)
                 out += [(f"{comp}.{path}.{i}", block) for i, block in enumerate(obj)]
     return out
 
