@@ -305,7 +305,9 @@ CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8li
 
 
 def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | None = None,
-               seeds: list[int] | None = None) -> None:
+               seeds: list[int] | None = None, save: Any = None) -> None:
+    """``save()``, when given, writes the record after each configuration (a time-boxed run keeps
+    what finished)."""
     from omniloop_wan import attention as wan_attention
     from omniloop_wan_demo.evaluate import DEFAULT_SEEDS, default_prompts, score
 
@@ -363,9 +365,11 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
         print("clips", label, json.dumps(brief), flush=True)
         table[label] = row
         gc.collect()
-    res["clips"] = {"setup": f"wan-demo evaluator prompts x seeds {seeds}, 17x64x64, 20 steps, CFG 5, "
-                             f"bf16 on {device}, deploy qk_norm_rope fused; PSNR/SSIM of uint8 frames vs the bf16 clips",
-                    "configs": table}
+        res["clips"] = {"setup": f"wan-demo evaluator prompts x seeds {seeds}, 17x64x64, 20 steps, CFG 5, "
+                                 f"bf16 on {device}, deploy qk_norm_rope fused; PSNR/SSIM of uint8 frames vs the bf16 clips",
+                        "configs": table}
+        if save is not None:
+            save()
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,17 +515,21 @@ def main(argv: list[str] | None = None) -> int:
                            "date": date, "machine": {**machine(cudnn=torch.backends.cudnn.version() if device == "cuda" else None),
                                                      **library_versions()}}
     t0 = time.perf_counter()
+
+    def save() -> None:
+        res["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+
     for p in parts:
         try:
             {"kernel": lambda: part_kernel(res), "activations": lambda: part_activations(res, device, args.smoke),
-             "clips": lambda: part_clips(res, device, args.smoke, keys, seeds),
+             "clips": lambda: part_clips(res, device, args.smoke, keys, seeds, save),
              "linears": lambda: part_linears(res, device, args.smoke)}[p]()
         except Exception as exc:
             res[f"{p}_error"] = f"{type(exc).__name__}: {exc}"[:800]
             res[f"{p}_traceback"] = traceback.format_exc()[-2000:]
             print(res[f"{p}_traceback"], flush=True)
-        res["elapsed_s"] = round(time.perf_counter() - t0, 1)
-        path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+        save()
     print(f"wrote {path}")
     return 0
 
