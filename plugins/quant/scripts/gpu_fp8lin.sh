@@ -12,18 +12,20 @@
 #   log.txt                   everything printed
 # Each step is bounded (--budget-s: no new configuration after it; timeout for the quality script),
 # so one failing part does not sink the others. Expected: 1.3b ~130 s, 14b ~75 s, quality ~115 s,
-# installs and imports ~40 s.
+# installs and imports ~40 s. SMOKE=1 adds --smoke everywhere (a CPU check of the script).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/13b" "$OUT/14b" "$OUT/q"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if [ -z "${SMOKE:-}" ]; then  # the GPU machine lacks these (a CPU smoke uses the venv's)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | tee "$OUT/log.txt"
 filter() { grep --line-buffered -v -E "should be kept in float32|it/s\]|s/it\]" | tee -a "$OUT/log.txt"; }
-python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s 120 --out "$OUT/13b" \
+python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s 120 --out "$OUT/13b" ${SMOKE:+--smoke} \
   --only diffusers,omniloop-fp8-compile-fused,omniloop-fp8-compile-fused-fp8lin,omniloop-cudnn-compile-fused,omniloop-cudnn-compile-fused-fp8lin 2>&1 | filter
-python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s 70 --out "$OUT/14b" \
+python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s 70 --out "$OUT/14b" ${SMOKE:+--smoke} \
   --only diffusers,omniloop-fp8-compile-fused,omniloop-fp8-compile-fused-fp8lin 2>&1 | filter
 timeout 140 python3 bench/attention_fp8_quality.py --parts linears,clips --clip-configs bf16,bf16+fp8lin,fp8+fp8lin \
-  --seeds 0 --out "$OUT/q" 2>&1 | filter
+  --seeds 0 --out "$OUT/q" ${SMOKE:+--smoke} 2>&1 | filter
 echo "exit codes: ${PIPESTATUS[*]}; files:" | tee -a "$OUT/log.txt"; ls -R "$OUT" | tee -a "$OUT/log.txt"
