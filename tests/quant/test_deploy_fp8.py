@@ -94,7 +94,7 @@ def test_wan_demo_generates_with_fp8_linears():
             "diffusion": {"steps": 4, "guidance_scale": 5.0, "seed": 0, "frames": 9, "height": 64, "width": 64}}
     base = Runtime.from_model(path, manager=mgr)
     rt = Runtime.from_model(path, manager=mgr, linear_precision="fp8")
-    assert rt.linears["quantized"] == 100 and rt.linears["skipped"] == []
+    assert rt.linears["quantized"] == 100 and rt.linears["skipped"] == [] and rt.linears["stray_weights"] == []
     tf = rt.model.components["transformer"]
     assert sum(isinstance(m, FP8Linear) for m in tf.modules()) == 100
     assert isinstance(tf.proj_out, torch.nn.Linear) and not isinstance(tf.proj_out, FP8Linear)

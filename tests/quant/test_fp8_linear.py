@@ -227,3 +227,15 @@ def test_denoiser_blocks_from_family_declarations():
         "transformer.transformer_blocks.0", "transformer.single_transformer_blocks.0",
         "transformer.single_transformer_blocks.1"]
     assert denoiser_blocks({"unet": Tf()}, object()) == []
+
+
+def test_stray_weight_buffers_are_reported():
+    """A block that multiplies by a copy of its linears' weights (SD3's fused q/k/v buffer) bypasses
+    the FP8 modules: the copy is named in the report, the FP8 layers' own buffers are not."""
+    from omniloop_quant import stray_weights
+
+    block = _Block()
+    block.register_buffer("omniloop_qkv_weight", torch.cat([block.to_q.weight] * 3), persistent=False)
+    install([block])
+    assert stray_weights([("blocks.0", block)]) == ["blocks.0.omniloop_qkv_weight"]
+    restore([block])

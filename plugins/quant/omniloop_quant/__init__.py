@@ -81,6 +81,21 @@ def denoiser_blocks(components: Mapping[str, Any], family: Any) -> list[tuple[st
     return out
 
 
+def stray_weights(blocks: list[tuple[str, nn.Module]]) -> list[str]:
+    """Floating-point 2-D buffers named ``*weight*`` inside the blocks, outside any FP8 module: weights a
+    family copied out of its linears (e.g. SD3's ``options.qkv: fused`` concatenates q/k/v into one
+    buffer and multiplies by it directly). FP8 cannot reach them; :func:`apply` reports and warns."""
+    out: list[str] = []
+    for label, block in blocks:
+        for path, module in block.named_modules():
+            if isinstance(module, (FP8Linear, FP8GeluProjection)):
+                continue
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.dim() == 2 and buf.is_floating_point() and "weight" in name:
+                    out.append(f"{label}.{path + '.' if path else ''}{name}")
+    return out
+
+
 def check_deploy(deploy: Any, family: Any, device: Any, dtype: Any) -> None:
     """Refuse, with one :class:`DeployError`, a ``linear_precision`` that cannot run in this
     deployment — before any weight loads."""
@@ -112,8 +127,12 @@ def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
         raise DeployError(f"linear_precision: 'fp8': family {getattr(family, 'name', '?')!r} has no transformer "
                           "blocks to quantise (declare quant_blocks = {component: 'blocks'})")
     report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks])
-    report = {"mode": mode, "blocks": len(blocks), **report}
+    report = {"mode": mode, "blocks": len(blocks), **report, "stray_weights": stray_weights(blocks)}
     model.config["linear_precision"] = report
+    if report["stray_weights"]:
+        log.warning("linear_precision fp8: %d weight buffer(s) used outside nn.Linear stay in the model dtype "
+                    "(a family option that copies the linears' weights, e.g. SD3 qkv: fused): %s",
+                    len(report["stray_weights"]), ", ".join(report["stray_weights"][:4]))
     if report["skipped"]:
         log.warning("linear_precision fp8: %d linear(s) kept in the model dtype (dimensions not multiples of %d): %s",
                     len(report["skipped"]), ALIGN, ", ".join(report["skipped"][:6]))
@@ -124,5 +143,5 @@ def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
 __all__ = [
     "ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy",
     "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore",
-    "shape_ok", "unavailable_reason",
+    "shape_ok", "stray_weights", "unavailable_reason",
 ]
