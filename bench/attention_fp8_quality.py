@@ -460,8 +460,9 @@ def part_linears(res: dict[str, Any], device: str, smoke: bool) -> None:
 
 
 def gemm_timing(tokens: int, k: int, n: int) -> dict[str, float]:
-    """bf16 ``nn.Linear`` vs the FP8 GEMM alone (operands pre-quantised) vs ``FP8Linear`` eager (with
-    its per-token quantisation pass) on one ``[tokens, k] x [k, n]`` shape."""
+    """bf16 ``nn.Linear`` vs the FP8 GEMM alone (operands pre-quantised; also with cuBLAS/CUTLASS
+    fast accumulation, which ``FP8Linear`` does not use) vs ``FP8Linear`` eager (with its per-token
+    quantisation pass) on one ``[tokens, k] x [k, n]`` shape."""
     import omniloop_quant
     from omniloop_quant import FP8Linear
 
@@ -475,11 +476,14 @@ def gemm_timing(tokens: int, k: int, n: int) -> dict[str, float]:
         t_bf16 = bench(lambda: lin(x))
         t_gemm = bench(lambda: torch._scaled_mm(xq, layer.qweight.t(), scale_a=sx, scale_b=layer.weight_scale,
                                                bias=layer.bias, out_dtype=torch.bfloat16))
+        t_fast = bench(lambda: torch._scaled_mm(xq, layer.qweight.t(), scale_a=sx, scale_b=layer.weight_scale,
+                                               bias=layer.bias, out_dtype=torch.bfloat16, use_fast_accum=True))
         t_eager = bench(lambda: layer(x))
         t_quant = bench(lambda: omniloop_quant.quantize_rows(x))
         return {"bf16_ms": t_bf16 * 1e3, "fp8_gemm_ms": t_gemm * 1e3, "fp8_layer_eager_ms": t_eager * 1e3,
                 "quant_pass_eager_ms": t_quant * 1e3, "bf16_tflops": flops / t_bf16 / 1e12,
                 "fp8_gemm_tflops": flops / t_gemm / 1e12, "gemm_speedup": t_bf16 / t_gemm,
+                "fp8_gemm_fast_accum_ms": t_fast * 1e3, "gemm_fast_accum_speedup": t_bf16 / t_fast,
                 "layer_eager_speedup": t_bf16 / t_eager, "rel_rms_vs_bf16": rel_rms(layer(x), lin(x))}
 
 
