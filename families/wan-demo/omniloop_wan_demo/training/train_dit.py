@@ -159,7 +159,8 @@ def pipeline_eval(pipe, *, prompts: list[str], seeds: list[int], steps: int, gui
     gen = DiffusersGenerator(pipe, batch_size=batch)
     rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=steps, guidance_scale=guidance, backend="diffusers")
     return rep.to_dict(with_clips=False) | {"clips": [
-        {"p": c.prompt, "s": c.seed, "d": c.detected["direction"], "c": c.detected["color"], "tr": c.detected["travel"]}
+        {"p": c.prompt, "s": c.seed, "d": c.detected["direction"], "c": c.detected["color"],
+         "sh": c.detected.get("shape"), "tr": c.detected["travel"]}
         for c in rep.clips]}
 
 
