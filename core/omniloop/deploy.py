@@ -111,9 +111,9 @@ class DeployConfig:
     attention_options: dict[str, Any] = attrs.Factory(dict)
     compile: bool = False
     #: precision of the linears in the denoiser's transformer blocks: ``dtype`` (the deploy's dtype) or
-    #: ``fp8`` (e4m3 GEMMs, omniloop-quant; CUDA capability >= 8.9 or the CPU; distribution-altering:
-    #: exact requests refused; omniloop.linears)
-    linear_precision: Literal["dtype", "fp8"] = "dtype"
+    #: a name a plugin registered (``omniloop_register_linear_precisions``; e.g. omniloop-quant's
+    #: ``fp8``: e4m3 GEMMs, distribution-altering) — checked at load by omniloop.linears
+    linear_precision: str = "dtype"
     #: component offload for a GPU smaller than the model (omniloop.offload): ``model`` moves each node's
     #: components to the device as it runs, ``sequential`` also streams their blocks one by one; the
     #: family must declare ``offload_components`` (checked at load: omniloop.placement.check_offload)

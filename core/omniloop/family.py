@@ -143,6 +143,25 @@ class TransportSpec:
 
 
 @define(frozen=True)
+class LinearPrecisionSpec:
+    """A way to compute the denoiser's linear layers, named by the deploy's ``linear_precision``
+    (``dtype``, the deploy's own dtype, is built in and needs no spec).
+
+    ``check(deploy, family, device, dtype)`` raises one :class:`~omniloop.errors.DeployError` when it
+    cannot run in that deployment (called at load, before any weight is read); ``apply(model,
+    family, deploy)`` converts the loaded model in place right after the family loads it (before
+    any block is compiled) and returns a JSON-able report. A ``distribution_altering`` precision
+    (anything but exact arithmetic) is refused for ``exact: true`` requests.
+    """
+
+    name: str
+    check: Callable[[Any, Any, Any, Any], None]
+    apply: Callable[[Any, Any, Any], dict[str, Any] | None]
+    distribution_altering: bool = True
+    description: str = ""
+
+
+@define(frozen=True)
 class AttentionBackendSpec:
     """An attention implementation: ``fn(q, k, v) -> out`` with q/k/v ``[B, heads, L, D]``.
 

@@ -35,6 +35,7 @@ from .deploy import DeployConfig
 from .family import (
     AttentionBackendSpec,
     Family,
+    LinearPrecisionSpec,
     ModelPreset,
     PluginComponentSpec,
     PolicySpec,
@@ -50,7 +51,7 @@ from .scheduling import ScheduleDecision
 PROJECT = "omniloop"
 #: this core's hook-API version; bump the minor for every hook or hook argument added (see
 #: :data:`HOOK_API_HISTORY`), the major only to remove one after a minor version that warned
-HOOK_API_VERSION = "1.1"
+HOOK_API_VERSION = "1.2"
 
 #: what each hook-API version added (newest last); a version's entry says what a plugin that
 #: declares ``>=<version>`` may rely on
@@ -58,6 +59,7 @@ HOOK_API_HISTORY: dict[str, str] = {
     "1.0": "the registration hooks and observer events of this module",
     "1.1": "omniloop_request_start(..., plugin_params); omniloop_register_run_options; interceptors' "
            "open(step, loop, params) (open(step, loop) warns HookDeprecationWarning)",
+    "1.2": "omniloop_register_linear_precisions (the deploy's linear_precision: e.g. omniloop-quant's fp8)",
 }
 
 #: hook arguments added after their hook: hook -> {argument: the version that added it}. An
@@ -143,6 +145,15 @@ def omniloop_register_attention_backends(register: Callable[[AttentionBackendSpe
     """Register attention implementations: ``register(AttentionBackendSpec(name, fn, available))``.
 
     Returns nothing. Since: 1.0
+    """
+
+
+@hookspec
+def omniloop_register_linear_precisions(register: Callable[[LinearPrecisionSpec], None]) -> None:
+    """Register ways to compute the denoiser's linears, chosen by the deploy's ``linear_precision``:
+    ``register(LinearPrecisionSpec(name, check, apply))`` (``dtype`` is built in).
+
+    Returns nothing. Since: 1.2
     """
 
 
@@ -265,6 +276,7 @@ REGISTRATION_HOOKS = (
     "omniloop_register_schedulers",
     "omniloop_register_transports",
     "omniloop_register_attention_backends",
+    "omniloop_register_linear_precisions",
     "omniloop_register_run_options",
     "omniloop_register_commands",
 )

@@ -1,10 +1,10 @@
-"""Deploy ``linear_precision``: the precision of the denoiser's linear layers.
+"""Deploy ``linear_precision``: how the denoiser's linear layers compute.
 
-``dtype`` (default): every linear computes in the deploy's dtype. ``fp8``: the linears inside the
-denoiser's transformer blocks run as e4m3 GEMMs (omniloop-quant, ``plugins/quant``) — faster on
-GPUs with FP8 tensor cores (CUDA capability >= 8.9), distribution-altering, so ``exact: true``
-requests are refused. The core only calls the package: :func:`check` before any weight loads,
-:func:`apply` right after the family loaded its components, :func:`check_request` per request.
+``dtype`` (the default, built in): every linear computes in the deploy's dtype. Any other name is a
+:class:`~omniloop.family.LinearPrecisionSpec` a plugin registered through
+``omniloop_register_linear_precisions`` (omniloop-quant registers ``fp8``: e4m3 GEMMs in the
+transformer blocks). The runtime calls :func:`resolve` at load (before any weight is read),
+:func:`apply` right after the family loaded its components, and :func:`check_request` per request.
 """
 
 from __future__ import annotations
@@ -12,32 +12,36 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import DeployError, RequestError
+from .family import LinearPrecisionSpec
+
+#: the built-in precision: the deploy's own dtype
+BUILTIN = "dtype"
 
 
-def _quant() -> Any:
-    try:
-        import omniloop_quant
-    except ImportError:
-        raise DeployError("linear_precision: 'fp8' needs omniloop-quant: pip install -e plugins/quant") from None
-    return omniloop_quant
-
-
-def check(deploy: Any, family: Any, device: Any, dtype: Any) -> None:
-    """One :class:`DeployError` when the deploy's ``linear_precision`` cannot run here."""
-    if deploy.linear_precision != "dtype":
-        _quant().check_deploy(deploy, family, device, dtype)
-
-
-def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
-    """Apply ``linear_precision`` to a loaded model (in place); its report, or None for ``dtype``."""
-    if deploy.linear_precision == "dtype":
+def resolve(deployment: Any) -> LinearPrecisionSpec | None:
+    """The deploy's precision spec (None for ``dtype``), after its own ``check`` passed; one
+    :class:`DeployError` for an unknown name or a precision that cannot run in this deployment."""
+    deploy = deployment.deploy
+    name = deploy.linear_precision
+    if name == BUILTIN:
         return None
-    report: dict[str, Any] | None = _quant().apply(model, family, deploy)
-    return report
+    spec: LinearPrecisionSpec | None = deployment.registry.linear_precisions.get(name)
+    if spec is None:
+        deployment.plugins.require(name, "linear precision")
+        known = ", ".join([BUILTIN, *sorted(deployment.registry.linear_precisions)])
+        hint = " (fp8 comes with omniloop-quant: pip install -e plugins/quant)" if name == "fp8" else ""
+        raise DeployError(f"linear_precision: unknown value {name!r} (available: {known}){hint}")
+    spec.check(deploy, deployment.family, deployment.device, deployment.dtype)
+    return spec
 
 
-def check_request(req: Any, deploy: Any) -> None:
+def apply(spec: LinearPrecisionSpec | None, model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
+    """Convert a loaded model in place; the precision's report, or None for ``dtype``."""
+    return None if spec is None else spec.apply(model, family, deploy)
+
+
+def check_request(req: Any, spec: LinearPrecisionSpec | None) -> None:
     """Exact requests cannot run on linears whose precision alters outputs."""
-    if req.exact and deploy.linear_precision != "dtype":
-        raise RequestError("exact", f"linear_precision {deploy.linear_precision!r} alters outputs; exact requests "
-                                    "cannot use it (deploy linear_precision: dtype)")
+    if req.exact and spec is not None and spec.distribution_altering:
+        raise RequestError("exact", f"linear_precision {spec.name!r} alters outputs; exact requests cannot use it "
+                                    "(deploy linear_precision: dtype)")

@@ -32,6 +32,7 @@ from .errors import HookDeprecationWarning as HookDeprecationWarning  # re-expor
 from .errors import PluginError
 from .family import (
     AttentionBackendSpec,
+    LinearPrecisionSpec,
     ModelPreset,
     PluginComponentSpec,
     PolicySpec,
@@ -120,6 +121,8 @@ class Registry:
     schedulers: dict[str, SchedulerSpec] = attrs.Factory(dict)
     transports: dict[str, TransportSpec] = attrs.Factory(dict)
     attention_backends: dict[str, AttentionBackendSpec] = attrs.Factory(dict)
+    #: the deploy's ``linear_precision`` values beyond the built-in ``dtype``
+    linear_precisions: dict[str, LinearPrecisionSpec] = attrs.Factory(dict)
     #: flags plugins add to ``omniloop generate``, by flag name
     run_options: dict[str, RunOptionSpec] = attrs.Factory(dict)
     #: (kind, name) -> plugin that registered it
@@ -139,6 +142,7 @@ _KINDS: dict[str, tuple[str, str, type | tuple[type, ...] | None]] = {
     "omniloop_register_schedulers": ("schedulers", "scheduler", SchedulerSpec),
     "omniloop_register_transports": ("transports", "transport", TransportSpec),
     "omniloop_register_attention_backends": ("attention_backends", "attention_backend", AttentionBackendSpec),
+    "omniloop_register_linear_precisions": ("linear_precisions", "linear_precision", LinearPrecisionSpec),
     "omniloop_register_run_options": ("run_options", "run_option", RunOptionSpec),
 }
 

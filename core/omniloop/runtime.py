@@ -71,7 +71,8 @@ class Deployment:
         self.dtype = _DTYPES[deploy.dtype]
         self.family, self.model_path = self._resolve_model()
         self.attention = self._resolve_attention()
-        _linears.check(deploy, self.family, self.device, self.dtype)  # linear_precision: fp8 (omniloop-quant)
+        #: the deploy's linear_precision (None: the dtype itself; else a plugin's spec, checked here)
+        self.linear_precision = _linears.resolve(self)
         #: enabled interceptors/observers: name -> (spec, validated deploy config)
         self.component_configs: dict[str, tuple[PluginComponentSpec, Any]] = self._component_configs()
         self._scheduler_spec = self._scheduler_spec_of()
@@ -164,7 +165,7 @@ class Deployment:
                 raise RequestError("inputs", f"a {req.task.value} request needs a non-empty prompt (a text part with role 'prompt')")
         if req.exact and self.attention.distribution_altering:
             raise RequestError("exact", f"attention backend {self.attention.name!r} alters outputs; exact requests cannot use it")
-        _linears.check_request(req, self.deploy)
+        _linears.check_request(req, self.linear_precision)
 
     def _check_limits(self, req: OmniRequest) -> None:
         d, lim = req.diffusion, self.deploy.limits
@@ -326,7 +327,7 @@ class Runtime(Deployment):
             options=self.options,
         )
         #: linear_precision: fp8 — the denoiser blocks' linears swapped for e4m3 GEMMs (None: dtype)
-        self.linears = _linears.apply(self.model, self.family, self.deploy)
+        self.linears = _linears.apply(self.linear_precision, self.model, self.family, self.deploy)
         self._pipelines: dict[TaskType, BuiltPipeline] = {}
         #: the deploy's LoRA adapters, read and hooked at load (None when it declares none)
         self.adapters: _adapters.AdapterBank | None = None

@@ -1,4 +1,4 @@
-"""Hook API 1.1 (issue 15): the version was bumped for the hook and argument added in it
+"""Hook API 1.1 (issue 15; 1.2 added omniloop_register_linear_precisions): the version was bumped for the hook and argument added in it
 (``omniloop_register_run_options``, ``omniloop_request_start(..., plugin_params)``), plugins that
 declare 1.0 still load and still get called without the new argument, plugins that need 1.1 say so
 and load, and every argument added after its hook is documented with the version that added it."""
@@ -24,7 +24,7 @@ def _v(s: str) -> tuple[int, ...]:
 
 
 def test_the_version_is_the_newest_in_the_history() -> None:
-    assert hookspecs.HOOK_API_VERSION == "1.1"
+    assert hookspecs.HOOK_API_VERSION == "1.2"
     versions = list(hookspecs.HOOK_API_HISTORY)
     assert versions == sorted(versions, key=_v) and versions[-1] == hookspecs.HOOK_API_VERSION
 
@@ -34,6 +34,7 @@ def test_every_hook_since_is_a_released_version() -> None:
         since = re.search(r"Since:\s*(\d+(?:\.\d+)*)", inspect.getdoc(getattr(hookspecs, name)) or "")
         assert since and since.group(1) in hookspecs.HOOK_API_HISTORY, name
     assert "Since: 1.1" in (inspect.getdoc(hookspecs.omniloop_register_run_options) or "")
+    assert "Since: 1.2" in (inspect.getdoc(hookspecs.omniloop_register_linear_precisions) or "")
 
 
 def test_arguments_added_later_are_in_the_spec_and_documented_with_their_version() -> None:
@@ -50,13 +51,14 @@ def test_arguments_added_later_are_in_the_spec_and_documented_with_their_version
 
 
 @pytest.mark.parametrize(("declared", "loads"), [
-    (">=1.0,<2", True),   # every plugin written for 1.0 keeps loading on 1.1
+    (">=1.0,<2", True),   # every plugin written for 1.0 keeps loading on 1.1 and 1.2
     (">=1.1,<2", True),   # a plugin that takes plugin_params declares it needs 1.1
+    (">=1.2,<2", True),   # a plugin registering a linear precision (1.2) says so
     ("==1.0", False),     # pinned to exactly 1.0: refused, and the message says what we provide
-    (">=1.2", False),
+    (">=1.3", False),
     ("<1.1", False),
 ])
-def test_declared_ranges_against_1_1(declared: str, loads: bool) -> None:
+def test_declared_ranges_against_this_version(declared: str, loads: bool) -> None:
     assert api_supported(declared) is loads
     pm = make_manager()
 
@@ -70,7 +72,7 @@ def test_declared_ranges_against_1_1(declared: str, loads: bool) -> None:
     rec = pm.add("p", Plugin())
     assert rec.ok is loads, rec.error
     if not loads:
-        assert rec.status == "refused" and declared in (rec.error or "") and "1.1" in (rec.error or "")
+        assert rec.status == "refused" and declared in (rec.error or "") and hookspecs.HOOK_API_VERSION in (rec.error or "")
 
 
 @pytest.fixture(scope="module")

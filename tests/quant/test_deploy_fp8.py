@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+import omniloop_quant.plugin as quant_plugin
 import omniloop_wan.plugin as wan_plugin
 from omniloop.errors import DeployError, RequestError
 from omniloop.runtime import Deployment, Runtime
@@ -35,7 +36,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
 
 
 def manager() -> Any:
-    return make_manager(("wan", wan_plugin), toy=False)
+    return make_manager(("wan", wan_plugin), ("quant", quant_plugin), toy=False)
 
 
 def request(**kw: Any) -> dict[str, Any]:
@@ -45,9 +46,18 @@ def request(**kw: Any) -> dict[str, Any]:
 
 
 def test_bad_value_refused_at_load(tiny):
-    with pytest.raises(DeployError, match=r"linear_precision.*must be one of.*'int4'") as info:
+    with pytest.raises(DeployError, match=r"^linear_precision: unknown value 'int4' \(available: dtype, fp8\)$") as info:
         Deployment({"model": {"path": str(tiny)}, "linear_precision": "int4"}, manager=manager())
     assert "\n" not in str(info.value)
+
+
+def test_fp8_is_the_plugins_not_the_cores(tiny):
+    """The core knows only ``dtype``: ``fp8`` exists because omniloop-quant's entry point registers it
+    (``omniloop_register_linear_precisions``); without the plugin the deploy is refused, with a hint."""
+    assert quant_plugin.FP8.distribution_altering and manager().registry().linear_precisions["fp8"] is quant_plugin.FP8
+    without = make_manager(("wan", wan_plugin), toy=False)
+    with pytest.raises(DeployError, match=r"unknown value 'fp8' \(available: dtype\).*pip install -e plugins/quant"):
+        Deployment({"model": {"path": str(tiny)}, "linear_precision": "fp8"}, manager=without)
 
 
 @pytest.mark.parametrize(("extra", "what"), [
@@ -89,7 +99,7 @@ def test_wan_demo_generates_with_fp8_linears():
     import omniloop_wan_demo.plugin as demo_plugin
 
     path = demo.checkpoint_dir()
-    mgr = make_manager(("wan", wan_plugin), ("wan-demo", demo_plugin), toy=False)
+    mgr = make_manager(("wan", wan_plugin), ("wan-demo", demo_plugin), ("quant", quant_plugin), toy=False)
     body = {"task": "t2v", "inputs": [{"type": "text", "text": "a yellow triangle moving right"}],
             "diffusion": {"steps": 4, "guidance_scale": 5.0, "seed": 0, "frames": 9, "height": 64, "width": 64}}
     base = Runtime.from_model(path, manager=mgr)
@@ -117,7 +127,7 @@ def test_wan_demo_compiled_blocks_trace_fp8_linears_fullgraph():
     import omniloop_wan_demo.plugin as demo_plugin
 
     path = demo.checkpoint_dir()
-    mgr = make_manager(("wan", wan_plugin), ("wan-demo", demo_plugin), toy=False)
+    mgr = make_manager(("wan", wan_plugin), ("wan-demo", demo_plugin), ("quant", quant_plugin), toy=False)
     body = {"task": "t2v", "inputs": [{"type": "text", "text": "a red circle moving left"}],
             "diffusion": {"steps": 2, "guidance_scale": 5.0, "seed": 1, "frames": 9, "height": 64, "width": 64}}
     torch._dynamo.reset()

@@ -1,0 +1,30 @@
+"""Entry point of omniloop-quant: registers the deploy's ``linear_precision: fp8``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omniloop.family import LinearPrecisionSpec
+from omniloop.hookspecs import hookimpl
+
+OMNILOOP_HOOK_API = ">=1.2,<2"
+
+FP8 = LinearPrecisionSpec(
+    name="fp8",
+    check=lambda deploy, family, device, dtype: _quant().check_deploy(deploy, family, device, dtype),
+    apply=lambda model, family, deploy: _quant().apply(model, family, deploy),
+    distribution_altering=True,
+    description="e4m3 GEMMs for the linears in the denoiser's transformer blocks (per-channel weight, "
+                "per-token activation scales; CUDA capability >= 8.9, or the CPU)",
+)
+
+
+def _quant() -> Any:  # the package (and torch) load only when a deploy names fp8
+    import omniloop_quant
+
+    return omniloop_quant
+
+
+@hookimpl
+def omniloop_register_linear_precisions(register: Any) -> None:
+    register(FP8)
