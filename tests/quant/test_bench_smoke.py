@@ -5,20 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from omniloop.testing.scripts import run_script
 
 pytest.importorskip("diffusers")
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(not (BENCH / "wan_gpu.py").exists(), reason="bench/ not in this checkout")

@@ -22,14 +22,6 @@ from omniloop_quant import FP8Linear
 from omniloop_wan.tiny import build_tiny_checkpoint
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-wan"), variant="t2v")

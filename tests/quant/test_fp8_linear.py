@@ -36,14 +36,6 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @torch.no_grad()
 def test_output_vs_float32_reference_and_numerical_model():
     torch.manual_seed(0)
