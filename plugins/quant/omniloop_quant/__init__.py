@@ -110,7 +110,7 @@ def check_deploy(deploy: Any, family: Any, device: Any, dtype: Any) -> None:
         raise DeployError(f"linear_precision: 'fp8' cannot run here: {why}")
     if getattr(deploy, "adapters", None):
         raise DeployError("linear_precision: 'fp8' does not combine with adapters (LoRA) yet: the adapters hook "
-                          "and fuse into the bf16 linears that FP8 replaces; use linear_precision: dtype")
+                          "and fuse into the linears (in the deploy dtype) that FP8 replaces; use linear_precision: dtype")
     if getattr(deploy, "offload", "none") != "none":
         raise DeployError(f"linear_precision: 'fp8' does not combine with offload: {deploy.offload!r} yet (untested); "
                           "use offload: none")
