@@ -351,7 +351,7 @@ def generate(
                 close()
 
     # 4. write what came back
-    from .output import summarize, write_outputs
+    from .output import compute_settings, summarize, write_outputs
 
     files = write_outputs(output, path, latents=return_latents) if output.ok and not text_task else {}
     if frame_stream is not None and frame_stream.frames:
@@ -367,6 +367,7 @@ def generate(
         doc["output_path"] = str(files["output"]) if "output" in files else None
         doc["files"] = {k: str(v) for k, v in files.items()}
         doc["load_seconds"] = round(load_seconds, 6)
+        doc["compute"] = compute_settings(runtime)
         if not text_task:  # a composed deploy's text edges (prompt-upsample: expanded_prompt)
             doc.update({k: v for k, v in _texts(output).items() if k not in doc})
         if text is not None:
@@ -375,7 +376,7 @@ def generate(
     else:
         if text is not None:
             click.echo(text)
-        summarize(console(stderr=text_task), output, files, load_seconds)
+        summarize(console(stderr=text_task), output, files, load_seconds, compute_settings(runtime))
         if not text_task:
             for name, value in _texts(output).items():
                 err.print(f"  {name}: {value}", highlight=False, markup=False)

@@ -60,7 +60,22 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def summarize(con: Console, output: Any, files: dict[str, Path], load_seconds: float) -> None:
+#: the deploy's compute settings and their defaults: the summary names those changed from these
+COMPUTE_DEFAULTS: dict[str, Any] = {"attention_backend": "sdpa", "linear_precision": "dtype", "compile": False}
+
+
+def compute_settings(runtime: Any) -> dict[str, Any]:
+    """How the deploy computes (``dtype``, attention backend, linear precision, compile): reported
+    with every ``omniloop generate`` (``compute`` in ``--json``), since they change speed and, for
+    distribution-altering choices such as ``linear_precision: fp8``, the output itself."""
+    deploy = getattr(runtime, "deploy", None)
+    if deploy is None:
+        return {}
+    return {"dtype": getattr(deploy, "dtype", None), **{k: getattr(deploy, k, v) for k, v in COMPUTE_DEFAULTS.items()}}
+
+
+def summarize(con: Console, output: Any, files: dict[str, Path], load_seconds: float,
+              compute: dict[str, Any] | None = None) -> None:
     m = output.metrics
     if "output" in files:
         picture = _primary_frames(output)
@@ -80,6 +95,11 @@ def summarize(con: Console, output: Any, files: dict[str, Path], load_seconds: f
         parts.append(f"seed {m['seed']}")
     parts.append(f"load {load_seconds:.3g} s")
     con.print("  " + " · ".join(parts))
+    changed = {k: v for k, v in (compute or {}).items() if k in COMPUTE_DEFAULTS and v != COMPUTE_DEFAULTS[k]}
+    if changed:
+        names = {"attention_backend": "attention", "linear_precision": "linears"}
+        con.print("  compute: " + " · ".join("compile" if k == "compile" else f"{names[k]} {escape(str(v))}"
+                                           for k, v in changed.items()), highlight=False)
     if m.get("node_seconds"):
         con.print("  nodes: " + ", ".join(f"{escape(n)} {s:.3g} s" for n, s in m["node_seconds"].items()))
     for name, per_branch in (m.get("plugins") or {}).items():

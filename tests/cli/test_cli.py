@@ -274,6 +274,31 @@ def test_generate_json_prints_output_metadata(cwd: Path, toy_checkpoint: Path) -
     assert doc["output_path"] == "clips/fox.mp4" and (cwd / "clips" / "fox.mp4").is_file()
     assert doc["artifacts"]["video"]["frames"]["shape"] == [2, 8, 12, 3]
     assert doc["metrics"]["steps"] == 2 and doc["metrics"]["seed"] == 1
+    assert doc["compute"] == {"dtype": "float32", "attention_backend": "sdpa", "linear_precision": "dtype",
+                              "compile": False}
+
+
+def test_summary_names_compute_settings_that_differ_from_the_defaults() -> None:
+    """A run on FP8 linears (or another attention backend, or compiled) says so in its summary;
+    a default run prints no compute line."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    from omniloop_cli.output import compute_settings, summarize
+
+    out = types.SimpleNamespace(metrics={"total_seconds": 1.0, "steps": 2}, status=types.SimpleNamespace(value="completed"),
+                                ok=True, artifacts={})
+    deploy = types.SimpleNamespace(dtype="bfloat16", attention_backend="cudnn-fp8", linear_precision="fp8", compile=True)
+    for settings, line in [
+        (compute_settings(types.SimpleNamespace(deploy=deploy)), "compute: attention cudnn-fp8 · linears fp8 · compile"),
+        ({"dtype": "float32", "attention_backend": "sdpa", "linear_precision": "dtype", "compile": False}, None),
+    ]:
+        buf = io.StringIO()
+        summarize(Console(file=buf, width=200), out, {}, 0.5, settings)
+        text = buf.getvalue()
+        assert (line in text) if line else ("compute:" not in text), text
 
 
 def test_generate_same_seed_same_video(cwd: Path, toy_checkpoint: Path) -> None:
