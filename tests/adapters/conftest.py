@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from omniloop.testing import torch_threads
+
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
@@ -60,10 +62,8 @@ def wan_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")

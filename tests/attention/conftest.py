@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+from omniloop.testing import torch_threads
 
 
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test (flex_attention's eager CPU path), restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield

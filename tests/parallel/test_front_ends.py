@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from omniloop.runtime import Runtime
+from omniloop.testing import torch_threads
 from omniloop_cli import cli
 from omniloop_parallel.testing import wan_manager
 
@@ -29,10 +30,8 @@ ARGS = ["a red fox in the snow", "--negative-prompt", "blurry", "--steps", "3", 
 
 @pytest.fixture(scope="module")
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers' thread count: CPU BLAS sums depend on it
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):  # the workers' thread count: CPU BLAS sums depend on it
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,11 @@ slow and gain nothing from threads that other test files would then contend for)
 from __future__ import annotations
 
 import pytest
-import torch
+
+from omniloop.testing import torch_threads
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield

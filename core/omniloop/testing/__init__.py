@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,21 @@ def toy_runtime(checkpoint: str | Path, *plugins: tuple[str, Any], **deploy: Any
     return Runtime.from_model(checkpoint, manager=make_manager(*plugins), **deploy)
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside the block, restored after it (tests that
+    compare CPU sums whose order depends on the thread count, or that should not contend for
+    CI's two cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 __all__ = [
     "InlineSerialScheduler",
     "ToyFamily",
@@ -104,6 +120,7 @@ __all__ = [
     "completed_latents",
     "make_manager",
     "run_interleaved",
+    "torch_threads",
     "toy_request",
     "toy_runtime",
 ]
