@@ -65,12 +65,23 @@ def test_new_words_get_ids_after_v1s_and_the_grown_encoder_is_v1_on_v1_prompts()
 
 def test_bad_arguments_are_refused_before_any_work(capsys):
     for argv in (["--out", "x", "--phases", "vae,train"], ["--out", "x", "--dit-seconds", "nan"],
-                 ["--out", "x", "--vae-seconds", "-1"], ["--out", "x", "--session-seconds", "inf"], ["--phases", "dit"]):
+                 ["--out", "x", "--vae-seconds", "-1"], ["--out", "x", "--session-seconds", "inf"], ["--phases", "dit"],
+                 ["--out", "x", "--dit-shifts", "1,nan"], ["--out", "x", "--dit-shifts", "one"],
+                 ["--out", "x", "--eval-v2", "20"], ["--out", "x", "--eval-v2", "20/5/0"]):
         with pytest.raises(SystemExit) as e:
             v2.parse_args(argv)
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "unknown phase 'train'" in err and "--dit-seconds: must be a finite number > 0" in err
+    assert "--dit-shifts: every shift must be a finite number > 0" in err and "--dit-shifts: a comma list" in err
+    assert "--eval-v2: '20' is not STEPS/GUIDANCE[/SHIFT]" in err and "--eval-v2: '20/5/0': steps >= 1" in err
+
+
+def test_eval_plan_and_training_shifts_parse():
+    a = v2.parse_args(["--out", "x", "--eval-v2", "20/5, 50/5/1,4/3", "--dit-shifts", "1,3"])
+    assert a.eval_v2_plan == [(20, 5.0, None), (50, 5.0, 1.0), (4, 3.0, None)]
+    assert a.dit_shift_list == (1.0, 3.0)
+    assert v2.parse_args(["--out", "x"]).dit_shift_list == (3.0,)  # the recipe of sessions A-E
 
 
 def _folder(root, files):
@@ -151,9 +162,11 @@ def test_smoke_session_trains_dit_and_student_and_resumes(tmp_path):
     assert meta["defaults"]["sampler"] == "few-step" and meta["defaults"]["guidance_scale"] == 1.0
     assert meta["defaults"]["sampler_options"]["few-step"]["timesteps"] == list(distill.FAST_TIMESTEPS)
     out2 = tmp_path / "run2"
-    assert v2.main(["--out", str(out2), "--smoke", "--phases", "dit", "--resume", str(out), "--session-seconds", "400"]) == 0
+    assert v2.main(["--out", str(out2), "--smoke", "--phases", "dit", "--resume", str(out), "--session-seconds", "400",
+                    "--dit-shifts", "1,3"]) == 0
     run2 = json.loads((out2 / "run.json").read_text())
     assert run2["state"] == {"step": 4} and "raw weights from raw" in run2["phases"]["dit"]["init"]
+    assert run2["phases"]["dit"]["recipe"]["shift"] == [1.0, 3.0]
 
 
 @pytest.fixture

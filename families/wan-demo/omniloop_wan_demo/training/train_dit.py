@@ -121,7 +121,7 @@ def normalize_latents(vae, lat: torch.Tensor, stats: tuple[list[float], list[flo
     return (lat - mean) / std, stats
 
 
-def sample_sigmas(b: int, *, mode: str, shift: float, device: str, gen: torch.Generator) -> torch.Tensor:
+def sample_sigmas(b: int, *, mode: str, shift: float | torch.Tensor, device: str, gen: torch.Generator) -> torch.Tensor:
     if mode == "logit_normal":
         u = torch.sigmoid(torch.randn(b, device=device, generator=gen))
     elif mode == "uniform":

@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,7 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
     batch = a.dit_batch
     max_steps = 2 if a.smoke else None
     amp = dev.startswith("cuda")
+    shifts = torch.tensor(a.dit_shift_list, device=dev)
 
     def one_step(step: int, fwd_fn) -> torch.Tensor:
         el = time.perf_counter() - t0
@@ -260,7 +262,9 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
         drop = torch.rand(batch, device=dev, generator=gen) < 0.1
         p = torch.where(drop, torch.full_like(p, uncond), p)
         pad_to = 512 if host.random() < a.pad512 else 64  # two fixed lengths: no recompiles, no sync
-        s = sample_sigmas(batch, mode="logit_normal", shift=3.0, device=dev, gen=gen)
+        # each sample's flow shift drawn from --dit-shifts (one value: plain shifted logit-normal)
+        sh = shifts[0] if len(shifts) == 1 else shifts[torch.randint(0, len(shifts), (batch,), device=dev, generator=gen)]
+        s = sample_sigmas(batch, mode="logit_normal", shift=sh, device=dev, gen=gen)
         noise = torch.randn(x0.shape, device=dev, generator=gen)
         sb = s.view(-1, 1, 1, 1, 1)
         xt = (1 - sb) * x0 + sb * noise
@@ -312,7 +316,9 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
     info["total_steps"] = start_step + step
     info["seconds"] = round(time.perf_counter() - t0, 1)
     info["samples"] = step * batch
-    info["recipe"] = dict(batch=batch, lr=a.dit_lr, cfg_drop=0.1, shift=3.0, timestep_sampling="logit_normal",
+    info["recipe"] = dict(batch=batch, lr=a.dit_lr, cfg_drop=0.1,
+                          shift=a.dit_shift_list[0] if len(a.dit_shift_list) == 1 else list(a.dit_shift_list),
+                          timestep_sampling="logit_normal",
                           object_weight=a.dit_object_weight, ema_decay=a.ema_decay, warmup=a.warmup, decay_frac=0.2, pad512=a.pad512,
                           compile=a.compile, n_clips=info["n_clips"])
     modules = {"transformer": transformer.eval(), "text_encoder": text_encoder.eval(),
@@ -397,18 +403,22 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
     if ckpt is None:
         return res
     pipe = WanPipeline.from_pretrained(str(ckpt), torch_dtype=torch.float32).to(dev)
-    plan: list[tuple[str, int, float]] = [("v2", 2 if a.smoke else 20, 5.0)]
+    shipped_scheduler = pipe.scheduler
+    plan: list[tuple[str, int, float, float | None]] = [
+        ("v2", 2 if a.smoke else steps, g, shift) for steps, g, shift in a.eval_v2_plan]
     if fast is not None:
-        plan.append(("fast", 4, 1.0))
-    plan.append(("v2", 2 if a.smoke else 4, 5.0))
-    for name, steps, g in plan:
+        plan.insert(1, ("fast", 4, 1.0, None))
+    for name, steps, g, shift in plan:
         if time.perf_counter() - t0 > a.eval_seconds and res["runs"]:
             res["truncated"] = True
             break
         t1 = time.perf_counter()
         if name == "v2":
+            from .common import build_scheduler
+
+            pipe.scheduler = shipped_scheduler if shift is None else build_scheduler("unipc", shift)
             r = pipeline_eval(pipe, prompts=prompts, seeds=seeds, steps=steps, guidance=g)
-            r.update(model="v2", sampler="unipc")
+            r.update(model="v2", sampler="unipc", flow_shift=float(pipe.scheduler.config.flow_shift))
         else:
             from .common import load_tokenizer
             from .distill import load_student
@@ -431,7 +441,7 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
             vids = DiffusersGenerator(pipe, batch_size=8)(sub, [0] * len(sub), steps=steps, guidance_scale=g)
             previews.append(np.concatenate([np.concatenate([v[i] for i in (0, 4, 8, 12, 16)], axis=1) for v in vids], axis=0))
         res["runs"].append(r)
-        _log("eval", name, steps, g, r["n"], json.dumps(r["accuracy"]), r["wall_s"])
+        _log("eval", name, steps, g, shift, r["n"], json.dumps(r["accuracy"]), r["wall_s"])
     if previews:
         from PIL import Image
 
@@ -443,6 +453,27 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
 # ------------------------------------------------------------------------------------------
 # The session
 # ------------------------------------------------------------------------------------------
+
+
+def parse_eval_plan(text: str, error: Callable[[str], Any]) -> list[tuple[int, float, float | None]]:
+    """``"20/5,50/5/1"`` -> ``[(20, 5.0, None), (50, 5.0, 1.0)]`` (steps, guidance, flow shift)."""
+    plan = []
+    for item in (t.strip() for t in text.split(",")):
+        parts = item.split("/")
+        try:
+            if len(parts) not in (2, 3):
+                raise ValueError
+            steps, g = int(parts[0]), float(parts[1])
+            shift = float(parts[2]) if len(parts) == 3 else None
+        except ValueError:
+            error(f"--eval-v2: {item!r} is not STEPS/GUIDANCE[/SHIFT]")
+            raise
+        if steps < 1 or not math.isfinite(g) or g < 0 or (shift is not None and (not math.isfinite(shift) or shift <= 0)):
+            error(f"--eval-v2: {item!r}: steps >= 1, guidance >= 0 and shift > 0, all finite")
+        plan.append((steps, g, shift))
+    if not plan:
+        error("--eval-v2: at least one STEPS/GUIDANCE entry")
+    return plan
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -480,6 +511,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--warmup", type=int, default=100)
     g.add_argument("--dit-object-weight", type=float, default=4.0,
                    help="loss weight 1 + W on latent cells the object covers (dilated one cell); 0 = plain MSE")
+    g.add_argument("--dit-shifts", default="3",
+                   help="flow shift(s) of the training timesteps (logit-normal, then shifted), comma list: "
+                        "each sample draws one; smaller values train more on the low-noise steps")
     g.add_argument("--ema-decay", type=float, default=0.999)
     g.add_argument("--n-clips", type=int, default=49152)
     g.add_argument("--encode-seconds", type=float, default=45)
@@ -499,6 +533,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = ap.add_argument_group("eval")
     g.add_argument("--eval-seconds", type=float, default=60)
     g.add_argument("--eval-seeds", default="0,1,2,3")
+    g.add_argument("--eval-v2", default="20/5,4/5",
+                   help="v2's runs, comma list of STEPS/GUIDANCE[/SHIFT] (UniPC; SHIFT defaults to the "
+                        "pipeline scheduler's flow shift); wan-demo-fast runs after the first")
     a = ap.parse_args(argv)
     a.phase_list = [p.strip() for p in a.phases.split(",") if p.strip()]
     bad = [p for p in a.phase_list if p not in PHASES]
@@ -507,6 +544,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.fast_timesteps_list = tuple(int(t) for t in a.fast_timesteps.split(","))
     if a.data_round is None:
         a.data_round = 1 if a.resume else 0
+    try:
+        a.dit_shift_list = tuple(float(v) for v in a.dit_shifts.split(","))
+    except ValueError:
+        ap.error(f"--dit-shifts: a comma list of numbers, got {a.dit_shifts!r}")
+    if not all(math.isfinite(v) and v > 0 for v in a.dit_shift_list):
+        ap.error(f"--dit-shifts: every shift must be a finite number > 0, got {a.dit_shifts!r}")
+    a.eval_v2_plan = parse_eval_plan(a.eval_v2, ap.error)
     if not math.isfinite(a.dit_object_weight) or a.dit_object_weight < 0:
         ap.error(f"--dit-object-weight: must be a finite number >= 0, got {a.dit_object_weight}")
     for k in ("vae_seconds", "dit_seconds", "distill_seconds", "distill_gen_seconds", "eval_seconds", "dit_lr", "vae_lr"):
