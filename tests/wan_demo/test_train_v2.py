@@ -169,6 +169,28 @@ def test_smoke_session_trains_dit_and_student_and_resumes(tmp_path):
     assert run2["phases"]["dit"]["recipe"]["shift"] == [1.0, 3.0]
 
 
+def test_previous_run_comes_from_run_json_else_the_checkpoints_training_record(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "omniloop.json").write_text(json.dumps(
+        {"training": {"trained_steps": 7, "history": [{"phase": "dit", "steps": 7}]}}))
+    assert v2.previous_run(tmp_path) == {"state": {"step": 7}, "history": [{"phase": "dit", "steps": 7}]}
+    (tmp_path / "run.json").write_text(json.dumps({"state": {"step": 9}, "history": [], "args": {}}))
+    assert v2.previous_run(tmp_path) == {"state": {"step": 9}, "history": []}
+
+
+def test_resume_package_continues_the_shipped_checkpoint(tmp_path):
+    """--resume package: the shipped v2's EMA weights, step count and history (2 smoke steps, CPU)."""
+    if not (CKPT / "model_index.json").exists():
+        pytest.skip("no shipped checkpoint")
+    shipped = json.loads((CKPT / "omniloop.json").read_text())["training"]
+    out = tmp_path / "run"
+    assert v2.main(["--out", str(out), "--smoke", "--phases", "dit", "--resume", "package"]) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["state"] == {"step": shipped["trained_steps"] + 2}
+    assert run["history"][:-1] == shipped["history"] and run["history"][-1]["total_steps"] == shipped["trained_steps"] + 2
+    assert "EMA from pipeline/" in run["phases"]["dit"]["init"]
+
+
 @pytest.fixture
 def fake_fast_package(tmp_path, monkeypatch):
     """A package folder whose ``checkpoint_fast/`` holds the shipped transformer as a stand-in

@@ -86,5 +86,5 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             vae_decoder.main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="no pipeline/, vae/ or pipeline.tar"):
+    with pytest.raises(SystemExit, match=r"no pipeline/, vae/ or pipeline\.tar"):
         vae_decoder.main(["--from", str(tmp_path), "--out", str(tmp_path / "o"), "--smoke", "--device", "cpu"])

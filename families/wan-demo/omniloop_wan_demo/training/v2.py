@@ -39,7 +39,9 @@ Files written to ``--out`` (the run tool returns at most 8 files of <= 16 MiB, t
 fp16, to resume from), ``fast.tar`` (the student transformer + ``omniloop.json``), ``run.json``
 (args, recipe, timings, logs, VAE gate, state), ``eval.json``, ``preview.png``; the shell script
 adds ``log.txt``. ``--resume DIR`` reads ``pipeline.tar`` (or ``pipeline/``), ``raw-*.safetensors``
-(optional: without them the raw weights restart from the EMA weights) and ``run.json``.
+(optional: without them the raw weights restart from the EMA weights) and ``run.json``;
+``--resume package`` continues from the shipped ``checkpoint/`` itself (EMA weights; step count and
+history from its ``omniloop.json``), so a GPU session needs nothing carried but the wheels.
 """
 
 from __future__ import annotations
@@ -342,6 +344,17 @@ def v1_dir() -> Path:
     return checkpoint_dir()
 
 
+def previous_run(rdir: Path) -> dict[str, Any]:
+    """``{"state": {"step": N}, "history": [...]}`` of the run being resumed: its ``run.json``, else
+    the ``training`` record a shipped checkpoint's ``omniloop.json`` keeps (``--resume package``)."""
+    if (rdir / "run.json").exists():
+        prev = json.loads((rdir / "run.json").read_text())
+        return {"state": prev.get("state") or {}, "history": list(prev.get("history") or [])}
+    meta = rdir / "pipeline" / "omniloop.json"
+    training = json.loads(meta.read_text()).get("training", {}) if meta.exists() else {}
+    return {"state": {"step": int(training.get("trained_steps", 0))}, "history": list(training.get("history") or [])}
+
+
 def load_init(a: argparse.Namespace, rdir: Path | None) -> dict[str, Any]:
     """Transformer / text encoder to start from: ``--resume`` (raw + EMA), else v1's shipped
     weights (``--dit-init v1``), else fresh."""
@@ -365,8 +378,7 @@ def load_init(a: argparse.Namespace, rdir: Path | None) -> dict[str, Any]:
             note += ", raw weights from raw-*.safetensors"
         else:
             note += ", raw weights restarted from the EMA weights (no raw-*.safetensors)"
-        prev = rdir / "run.json"
-        step = json.loads(prev.read_text()).get("state", {}).get("step", 0) if prev.exists() else 0
+        step = previous_run(rdir)["state"].get("step", 0)
         return {"transformer": t, "text_encoder": te, "ema_transformer": ema_t, "ema_text_encoder": ema_te,
                 "step": step, "note": note}
     if a.dit_init == "v1":
@@ -481,7 +493,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", help="output folder ($OUT)")
     ap.add_argument("--ship", metavar="DIR", help="install DIR's pipeline.tar / fast.tar into the package and exit")
     ap.add_argument("--phases", default="vae,dit,eval", help=f"comma list of {', '.join(PHASES)}")
-    ap.add_argument("--resume", help="folder with pipeline.tar (or pipeline/), optional raw-*.safetensors, run.json")
+    ap.add_argument("--resume", help="folder with pipeline.tar (or pipeline/), optional raw-*.safetensors, run.json; "
+                                     "'package': the checkpoint/ this package ships (its EMA weights and training history)")
     ap.add_argument("--smoke", action="store_true", help="every phase tiny (CPU check, < 2 min)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -603,13 +616,16 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         pass
     rdir = Path(a.resume) if a.resume else None
+    if a.resume == "package":
+        rdir = work / "resume"  # the shipped checkpoint/ (wan-demo v2's EMA weights), read in place
+        rdir.mkdir()
+        (rdir / "pipeline").symlink_to(checkpoint_dir().resolve(), target_is_directory=True)
     if rdir is not None and not (rdir / "pipeline").exists():
         if not (rdir / "pipeline.tar").exists():
             raise SystemExit(f"--resume {rdir}: neither pipeline/ nor pipeline.tar there")
         untar(rdir / "pipeline.tar", rdir)
-    if rdir is not None and (rdir / "run.json").exists():
-        prev = json.loads((rdir / "run.json").read_text())
-        run["previous"] = {k: prev.get(k) for k in ("state", "history")}
+    if rdir is not None:
+        run["previous"] = previous_run(rdir)
     history = list((run.get("previous") or {}).get("history") or [])
     tok = build_tokenizer(work / "tokenizer")
     ckpt: Path | None = rdir / "pipeline" if rdir is not None else None
