@@ -27,7 +27,7 @@ def _ints(value: str) -> list[int]:
 @click.option("--model", default="wan-demo", show_default=True, help="preset name or checkpoint folder")
 @click.option("--steps", default=None, help="denoising steps; a comma list sweeps (default: the checkpoint's, 20)")
 @click.option("--seeds", default="0,1", show_default=True, help="comma-separated seeds")
-@click.option("--guidance", "guidance_scale", default=None, type=float, help="CFG scale (default: the checkpoint's, 5.0)")
+@click.option("--guidance", "guidance_scale", default=None, type=float, help="CFG scale (default: the checkpoint's omniloop.json, e.g. 3.0 for wan-demo)")
 @click.option("--prompts", "prompt_set", default="default", type=click.Choice(["default", "full"]), show_default=True,
               help="video: default 6 colors x 4 directions, shapes rotating (24), full x 4 shapes (96); "
               "image: default 6 colors x 9 positions, shapes rotating (54), full x 4 shapes (216)")
