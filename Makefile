@@ -94,7 +94,7 @@ endif
 	@echo "==> the demo video is at $(abspath $(DEMO_OUT))"
 	@echo "==> try next (source $(VENV)/bin/activate): any 'a <red|green|blue|yellow|cyan|magenta> <circle|square|triangle|star> moving <left|right|up|down>'"
 	@echo "      omniloop generate \"a magenta circle moving up\" --model wan-demo-fast --seed 1    # the 4-step distilled variant: about 4x faster"
-	@echo "      omniloop eval adherence --model wan-demo    # colour / direction / shape accuracy over 48 clips"
+	@echo "      omniloop eval adherence --model wan-demo    # colour / direction / shape accuracy and ghost-free share over 48 clips"
 ifneq ($(FLUX_DEMO_WEIGHTS),)
 	@echo "      omniloop generate \"a red star at the top left\" --model flux-demo --out out/star.png    # the image demo (64x64, trained shapes at 9 positions)"
 endif

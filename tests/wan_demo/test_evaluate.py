@@ -102,6 +102,36 @@ def test_largest_component_drops_specks():
     assert ev.largest_component(np.zeros((4, 4), bool)).sum() == 0
 
 
+def test_ghost_regions_count_second_objects_apart_from_the_object():
+    m = np.zeros((32, 32), bool)
+    m[4:12, 4:12] = True  # the object, 64 px
+    assert ev.ghost_regions(ev.regions(m)) == 0
+    m[20:23, 20:23] = True  # 9 px far away: a ghost
+    m[28, 2] = m[28, 3] = True  # a 2-px speck: too small
+    assert ev.ghost_regions(ev.regions(m)) == 1
+    m[4:7, 13:16] = True  # 9 px within 2 px of the object's box: a fragment of it, not a ghost
+    assert ev.ghost_regions(ev.regions(m)) == 1
+    assert [len(r) for r in ev.regions(m)] == [64, 9, 9, 2]
+    assert ev.ghost_regions([]) == 0
+
+
+def test_a_duplicated_object_makes_a_clip_unclean():
+    """A clip whose every frame holds a copy of the object far from it (the ghost issue 22 reported)."""
+    v, prompts, labels = make_clips(4, seed=9)
+    clean = [to_uint8_frames(v[i]) for i in range(4)]
+    assert all(ev.detect(c).ghost_frames == 0 for c in clean)
+    twin = clean[0].copy()
+    obj = ev.object_masks(twin.astype(np.float32) / 255.0)
+    for t in range(twin.shape[0]):  # paste the object's pixels 32 px away (wrapping round the frame)
+        ys, xs = np.nonzero(obj[t])
+        twin[t, (ys + 32) % 64, (xs + 32) % 64] = twin[t, ys, xs]
+    d = ev.detect(twin)
+    assert d.ghost_frames >= 15 and d.color == labels[0]["color"] and 0.9 <= d.ghost_size <= 1.0  # a full copy
+    assert ev.detect(clean[1]).ghost_size == 0.0
+    acc, rows = ev.score([twin, *clean[1:]], prompts, [0] * 4)
+    assert acc["clean"] == 0.75 and [r.detected["ghost_frames"] for r in rows][1:] == [0, 0, 0]
+
+
 # ------------------------------------------------------------------------------------------
 # images
 # ------------------------------------------------------------------------------------------
@@ -266,4 +296,4 @@ def test_detector_check_reports_every_condition():
     got = ev.detector_check(n_images=12, n_clips=2, seed=3)
     assert set(got) == {f"{k} {name}" for k in ("image", "video") for name, _, _ in ev.DEGRADATIONS}
     assert got["image clean"] == {"color": 1.0, "shape": 1.0, "position": 1.0, "n": 12}
-    assert got["video clean"] == {"color": 1.0, "direction": 1.0, "shape": 1.0, "n": 2}
+    assert got["video clean"] == {"color": 1.0, "direction": 1.0, "shape": 1.0, "clean": 1.0, "n": 2}

@@ -94,12 +94,15 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
             console.print(t)
     # summary columns: (title, accuracy key)
     summary = ([("color", "color"), ("shape", "shape"), ("position", "position"), ("all three", "all")] if kind == "image"
-               else [("color", "color"), ("direction", "direction"), ("color+direction", "all"), ("shape", "shape")])
+               else [("color", "color"), ("direction", "direction"), ("color+direction", "all"), ("shape", "shape"),
+                     ("no ghost", "clean")])
     s = Table(title=f"prompt adherence of {model} ({kind}: {len(prompts)} prompts x seeds {seeds})")
     for col in ("steps", "n", *(title for title, _ in summary), "seconds"):
         s.add_column(col, justify="right")
     for rep in reports:
         def cell(k: str, rep: Any = rep) -> str:
+            if k not in rep.accuracy:  # e.g. "clean" from a generator that reports no ghosts
+                return "-"
             lo, hi = wilson(rep.accuracy[k], rep.n)
             return f"{rep.accuracy[k]:.1%} [{lo:.0%}-{hi:.0%}]"
 

@@ -19,6 +19,12 @@ pentagon; the others are told apart by ``fill + hull_fill`` (triangle ~1.0, circ
 (tests/wan_demo/test_evaluate.py): every shape exact on clean data, >= 98 % per image with a 3x3
 blur plus noise.
 
+Ghosts (:func:`ghost_regions`): a frame holds a ghost when, besides the object (its largest
+region), an object region of at least 8 pixels lies apart from it (no pixel within 2 px of the
+object's bounding box) — a duplicate object, a trail, a fading blob. A clip is *clean* when no
+frame holds one; ``accuracy["clean"]`` is the share of clean clips (video only; not a prompt
+attribute). Rendered ground truth is 100 % clean, also blurred and noised.
+
 Evaluator (:func:`evaluate`): a fixed list of prompts x seeds goes through a pluggable
 ``generate(prompts, seeds, *, steps, guidance_scale)`` returning uint8 ``[T, H, W, 3]`` clips
 (``kind="video"``: color, direction, shape) or uint8 ``[H, W, 3]`` images (``kind="image"``:
@@ -66,6 +72,11 @@ class Detection:
     frames_found: int
     #: frames voting for each shape (the shape is the majority)
     shape_votes: dict[str, int] = field(default_factory=dict)
+    #: frames holding a ghost (:func:`ghost_regions`): a clip is clean when this is 0
+    ghost_frames: int = 0
+    #: the largest ghost over the clip as a share of its frame's object area (0 when clean): about
+    #: 1 for a duplicate object, small for a speck or a thin trail
+    ghost_size: float = 0.0
 
 
 @dataclass
@@ -115,12 +126,13 @@ TRIANGLE_BELOW = 1.44
 SQUARE_FROM = 1.76
 
 
-def largest_component(mask: np.ndarray) -> np.ndarray:
-    """The largest 4-connected region of a boolean ``[H, W]`` mask (stray pixels and ghosts go)."""
+def regions(mask: np.ndarray) -> list[np.ndarray]:
+    """The 4-connected regions of a boolean ``[H, W]`` mask, largest first, each as an ``[N, 2]``
+    array of ``(y, x)`` pixels (a tie keeps scan order)."""
     m = np.asarray(mask, dtype=bool)
     h, w = m.shape
     seen = np.zeros_like(m)
-    best: list[tuple[int, int]] = []
+    found: list[np.ndarray] = []
     for y0, x0 in zip(*np.nonzero(m), strict=True):
         if seen[y0, x0]:
             continue
@@ -133,13 +145,43 @@ def largest_component(mask: np.ndarray) -> np.ndarray:
                 if 0 <= yy < h and 0 <= xx < w and m[yy, xx] and not seen[yy, xx]:
                     seen[yy, xx] = True
                     stack.append((yy, xx))
-        if len(comp) > len(best):
-            best = comp
-    out = np.zeros_like(m)
-    if best:
-        idx = np.asarray(best)
-        out[idx[:, 0], idx[:, 1]] = True
+        found.append(np.asarray(comp))
+    return sorted(found, key=len, reverse=True)
+
+
+def _region_mask(shape: tuple[int, ...], region: np.ndarray | None) -> np.ndarray:
+    out = np.zeros(shape, dtype=bool)
+    if region is not None and len(region):
+        out[region[:, 0], region[:, 1]] = True
     return out
+
+
+def largest_component(mask: np.ndarray) -> np.ndarray:
+    """The largest 4-connected region of a boolean ``[H, W]`` mask (stray pixels and ghosts go)."""
+    found = regions(mask)
+    return _region_mask(np.shape(mask), found[0] if found else None)
+
+
+#: a ghost: a second object region of at least GHOST_MIN_AREA pixels with no pixel within
+#: GHOST_GAP pixels of the object's bounding box (so fragments of the object itself do not count)
+GHOST_MIN_AREA = 8
+GHOST_GAP = 2
+
+
+def ghosts(found: Sequence[np.ndarray], *, min_area: int = GHOST_MIN_AREA, gap: int = GHOST_GAP) -> list[np.ndarray]:
+    """The ghosts among ``found`` (:func:`regions`, largest first = the object): regions of
+    ``min_area`` pixels or more lying apart from the object (no pixel within ``gap`` pixels of its
+    bounding box) — a duplicate object, a trail left behind, a blob that fades."""
+    if len(found) < 2:
+        return []
+    (y0, x0), (y1, x1) = found[0].min(0) - gap, found[0].max(0) + gap
+    return [r for r in found[1:] if len(r) >= min_area and not (
+        (r[:, 0] >= y0) & (r[:, 0] <= y1) & (r[:, 1] >= x0) & (r[:, 1] <= x1)).any()]
+
+
+def ghost_regions(found: Sequence[np.ndarray], *, min_area: int = GHOST_MIN_AREA, gap: int = GHOST_GAP) -> int:
+    """How many of ``found`` are ghosts (:func:`ghosts`)."""
+    return len(ghosts(found, min_area=min_area, gap=gap))
 
 
 def _hull_area(points: list[tuple[int, int]]) -> float:
@@ -193,9 +235,11 @@ def classify_shape(features: dict[str, float] | None) -> str | None:
     return "square" if both >= SQUARE_FROM else "circle"
 
 
-def frame_shape(mask: np.ndarray) -> tuple[str | None, dict[str, float] | None]:
-    """Shape of one frame's object mask: its largest region, classified."""
-    feats = shape_features(largest_component(mask))
+def frame_shape(mask: np.ndarray, found: Sequence[np.ndarray] | None = None) -> tuple[str | None, dict[str, float] | None]:
+    """Shape of one frame's object mask: its largest region (of ``found``, the mask's
+    :func:`regions` when already computed), classified."""
+    found = regions(mask) if found is None else found
+    feats = shape_features(_region_mask(np.shape(mask), found[0] if found else None))
     return classify_shape(feats), feats
 
 
@@ -215,12 +259,18 @@ def detect(video: np.ndarray, *, threshold: float = 0.22, min_travel: float = 6.
     ys, xs = np.mgrid[0 : frames.shape[1], 0 : frames.shape[2]]
     ts, cxs, cys = [], [], []
     votes: dict[str, int] = {}
+    ghost_frames, ghost_size = 0, 0.0
     for t in np.nonzero(found)[0]:
         m = masks[t]
         ts.append(t)
         cxs.append(xs[m].mean())
         cys.append(ys[m].mean())
-        shape_t, _ = frame_shape(m)
+        parts = regions(m)
+        extra = ghosts(parts)
+        if extra:
+            ghost_frames += 1
+            ghost_size = max(ghost_size, max(len(r) for r in extra) / len(parts[0]))
+        shape_t, _ = frame_shape(m, parts)
         if shape_t is not None:
             votes[shape_t] = votes.get(shape_t, 0) + 1
     ts_a = np.asarray(ts, dtype=np.float64)
@@ -248,6 +298,8 @@ def detect(video: np.ndarray, *, threshold: float = 0.22, min_travel: float = 6.
         area=float(areas.mean()),
         frames_found=int(found.sum()),
         shape_votes=votes,
+        ghost_frames=int(ghost_frames),
+        ghost_size=float(ghost_size),
     )
 
 
@@ -327,11 +379,12 @@ def detector_check(n_images: int = 1000, n_clips: int = 200, seed: int = 101) ->
         out[f"image {name}"] = {a: float(np.mean([getattr(d, a) == lab[k] for d, lab in zip(dets, labels, strict=True)]))
                                 for k, a in enumerate(IMAGE_ATTRIBUTES)} | {"n": n_images}
         v, _, clip_labels = make_clips(n_clips, seed=seed + 1)
-        ok = dict.fromkeys(ATTRIBUTES, 0)
+        ok = dict.fromkeys((*ATTRIBUTES, "clean"), 0)
         for i in range(n_clips):
             d = detect(to_uint8_frames(degrade(v[i].permute(1, 0, 2, 3), g, blur, noise).permute(1, 0, 2, 3)))
             for a in ATTRIBUTES:
                 ok[a] += getattr(d, a) == clip_labels[i][a]
+            ok["clean"] += d.ghost_frames == 0
         out[f"video {name}"] = {a: c / max(n_clips, 1) for a, c in ok.items()} | {"n": n_clips}
     return out
 
@@ -443,11 +496,14 @@ def score(videos: Sequence[np.ndarray], prompts: Sequence[str], seeds: Sequence[
         expected = {"color": color, "direction": direction, "shape": shape}
         got = {"color": det.color, "direction": det.direction, "shape": det.shape}
         ok = {k: got[k] == expected[k] for k in ATTRIBUTES}
-        detected = dict(got, velocity=[round(v, 3) for v in det.velocity], travel=round(det.travel, 2), area=round(det.area, 1))
+        detected = dict(got, velocity=[round(v, 3) for v in det.velocity], travel=round(det.travel, 2), area=round(det.area, 1),
+                        ghost_frames=det.ghost_frames, ghost_size=round(det.ghost_size, 3))
         clips.append(ClipResult(prompt, int(seed), expected, detected, ok))
     n = max(len(clips), 1)
     acc = {k: sum(c.ok[k] for c in clips) / n for k in ATTRIBUTES}
     acc["all"] = sum(all(c.ok[k] for k in ("color", "direction")) for c in clips) / n
+    # not an attribute of the prompt: the share of clips with no ghost in any frame
+    acc["clean"] = sum(c.detected["ghost_frames"] == 0 for c in clips) / n
     return acc, clips
 
 
