@@ -122,13 +122,16 @@ def test_make_demo_prompt_is_drawn_as_asked():
 
 def test_shipped_training_record_and_the_causal_variants_v1_parts():
     """omniloop.json records the shipped v2's history (object-weighted DiT sessions on top of the
-    decoder fine-tunes); checkpoint_causal/ keeps real copies of v1's parts, not links to v2's."""
+    decoder fine-tunes, then a trail-weighted decoder fine-tune); checkpoint_causal/ keeps real copies of v1's parts, not links to v2's."""
     from omniloop_wan_demo.checkpoint_path import CAUSAL_SHARED, causal_checkpoint_dir
 
     training = json.loads((CKPT / "omniloop.json").read_text())["training"]
     phases = [h["phase"] for h in training["history"]]
-    assert phases.count("vae_decoder") == 2 and phases[-1] == "dit"
-    assert training["trained_steps"] == training["history"][-1]["total_steps"] >= 2731  # 2026-12-01b: 2731
+    assert phases.count("vae_decoder") == 3 and phases[-2] == "dit"
+    last_dit = [h for h in training["history"] if h["phase"] == "dit"][-1]
+    assert training["trained_steps"] == last_dit["total_steps"] >= 2731  # 2026-12-01b: 2731
+    # 2026-12-02: the decoder re-tuned with the trail weight (the DiT's latents unchanged: encoder frozen)
+    assert training["history"][-1]["trail_weight"] == 60.0 and training["history"][-1]["recon_clean"] >= 0.95
     assert training["recipe"]["object_weight"] == 4.0
     causal = causal_checkpoint_dir()
     if not (causal / "transformer").is_dir():

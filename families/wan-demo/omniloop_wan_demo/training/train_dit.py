@@ -160,7 +160,8 @@ def pipeline_eval(pipe, *, prompts: list[str], seeds: list[int], steps: int, gui
     rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=steps, guidance_scale=guidance, backend="diffusers")
     return rep.to_dict(with_clips=False) | {"clips": [
         {"p": c.prompt, "s": c.seed, "d": c.detected["direction"], "c": c.detected["color"],
-         "sh": c.detected.get("shape"), "tr": c.detected["travel"]}
+         "sh": c.detected.get("shape"), "tr": c.detected["travel"],
+         "g": c.detected.get("ghost_frames", 0)}
         for c in rep.clips]}
 
 

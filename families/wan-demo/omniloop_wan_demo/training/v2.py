@@ -25,14 +25,22 @@ Phases (in this order, each skipped unless named in ``--phases``):
     v1 (``train_dit``), but batch 1024 by default (v1's 256 ran launch-bound at ~8 steps/s, so a
     4x batch costs about the same per step), fused AdamW, text padded to two fixed lengths (512 as
     the pipelines pad, or 64), optional ``--compile``.
+``decoder``
+    The pipeline's (``dit``'s or ``--resume``'s) VAE decoder fine-tuned alone (encoder frozen, so
+    the DiT stays valid; :mod:`.vae_decoder`) for ``--decoder-seconds``, with the loss also
+    weighted ``--trail-weight`` on the object's path away from the object — where the decoder leaves
+    the trails the evaluator counts as ghosts. Held-out checks report ghost-free clips beside
+    color / direction / shape / PSNR; ``pipeline.tar`` gets the new VAE and a history entry.
 ``distill``
     wan-demo-fast (:mod:`.distill`): a student initialised from the v2 transformer, trained to map
     the few-step sampler's inputs at its 4 timesteps straight to the teacher's CFG-5 ODE solution
     (guidance baked in: it runs at guidance 1.0, one forward per step).
 ``eval``
-    On the GPU with W1's detector (color / direction / shape): v2 at 20 UniPC steps, CFG 5 (and
-    at 4 steps), and wan-demo-fast with the few-step sampler at its 4 timesteps, guidance 1, on
-    ``full_prompts() x --eval-seeds`` (96 prompts x 4 seeds = 384 clips by default).
+    On the GPU with W1's detector (color / direction / shape, and ghost-free clips): v2's
+    ``--eval-v2`` runs (UniPC steps / CFG) and wan-demo-fast with the few-step sampler at its 4
+    timesteps, guidance 1 (this session's student, ``--resume``'s ``fast.tar``, or with ``--resume
+    package`` the shipped one), on ``full_prompts() x --eval-seeds`` (96 prompts x 4 seeds = 384
+    clips by default).
 
 Files written to ``--out`` (the run tool returns at most 8 files of <= 16 MiB, two folders deep):
 ``pipeline.tar`` (v2, diffusers format, fp16 EMA weights), ``raw-0.safetensors`` (raw weights,
@@ -62,7 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
-PHASES = ("vae", "dit", "distill", "eval")
+PHASES = ("vae", "dit", "decoder", "distill", "eval")
 
 #: ``--smoke`` with ``--vae-init fresh`` / ``--dit-init fresh``: models small enough for a CI check
 TINY_VAE = {"base_dim": 8, "dim_mult": [1, 2, 2]}
@@ -82,16 +90,22 @@ def _log(*args: Any) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def loss_weights(cov: torch.Tensor, *, object_weight: float, edge_weight: float, frame0_weight: float) -> torch.Tensor:
+def loss_weights(cov: torch.Tensor, *, object_weight: float, edge_weight: float, frame0_weight: float,
+                 trail_weight: float = 0.0) -> torch.Tensor:
     """Per-pixel reconstruction weights ``[B, 1, T, H, W]``: ``(1 + object_weight * coverage +
-    edge_weight * edge) * (frame0_weight on frame 0, else 1)``; ``edge`` is 1 within a pixel of
-    the shape's outline (3x3 max minus min of the coverage)."""
+    edge_weight * edge + trail_weight * trail) * (frame0_weight on frame 0, else 1)``; ``edge`` is
+    1 within a pixel of the shape's outline (3x3 max minus min of the coverage), ``trail`` is the
+    object's path over the clip where the object is not in this frame (the clip's max coverage
+    minus the frame's): where the causal VAE's decoder leaves the trails the evaluator counts as
+    ghosts (a latent frame codes 4 video frames, the object at 4 places)."""
     b, c, t, h, w = cov.shape
     flat = cov.transpose(1, 2).reshape(b * t, c, h, w)
     hi = torch.nn.functional.max_pool2d(flat, 3, 1, 1)
     lo = -torch.nn.functional.max_pool2d(-flat, 3, 1, 1)
     edge = (hi - lo).clamp(0, 1).reshape(b, t, c, h, w).transpose(1, 2)
     wts = 1.0 + object_weight * cov + edge_weight * edge
+    if trail_weight:
+        wts = wts + trail_weight * (cov.amax(dim=2, keepdim=True) - cov).clamp(0, 1)
     fw = torch.ones(t, device=cov.device)
     fw[0] = frame0_weight
     return wts * fw.view(1, 1, t, 1, 1)
@@ -99,13 +113,15 @@ def loss_weights(cov: torch.Tensor, *, object_weight: float, edge_weight: float,
 
 @torch.no_grad()
 def recon_report(vae, *, n: int = 128, seed: int = 999, device: str = "cuda", batch: int = 64) -> dict[str, Any]:
-    """Held-out reconstructions (posterior mode): detector accuracy, PSNR, PSNR of frame 0."""
+    """Held-out reconstructions (posterior mode): detector accuracy (``clean``: the share of clips
+    with no ghost, :func:`~..evaluate.ghost_regions`), ghost frames in all, PSNR, PSNR of frame 0."""
     from ..data import render, sample_params, to_uint8_frames
     from ..evaluate import detect
 
     p = sample_params(n, seed)
     labels = p.labels()
-    ok = {"color": 0, "direction": 0, "shape": 0}
+    ok = {"color": 0, "direction": 0, "shape": 0, "clean": 0}
+    ghost_frames = 0
     per_shape: dict[str, list[int]] = {}
     se = se0 = 0.0
     for i in range(0, n, batch):
@@ -118,15 +134,17 @@ def recon_report(vae, *, n: int = 128, seed: int = 999, device: str = "cuda", ba
         for j in range(len(sub)):
             d = detect(to_uint8_frames((xr[j] + 1) / 2))
             lab = labels[i + j]
-            for k in ok:
+            for k in ("color", "direction", "shape"):
                 ok[k] += getattr(d, k) == lab[k]
+            ok["clean"] += d.ghost_frames == 0
+            ghost_frames += d.ghost_frames
             per_shape.setdefault(lab["shape"], []).append(int(d.shape == lab["shape"]))
 
     def psnr(mse: float) -> float:
         return round(float(10 * np.log10(4.0 / max(mse, 1e-12))), 2)
 
     return {"n": n, "psnr": psnr(se / n), "psnr_frame0": psnr(se0 / n),
-            "accuracy": {k: v / n for k, v in ok.items()},
+            "accuracy": {k: v / n for k, v in ok.items()}, "ghost_frames": ghost_frames,
             "shape_by_label": {k: round(sum(v) / len(v), 3) for k, v in sorted(per_shape.items())}}
 
 
@@ -534,6 +552,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--pad512", type=float, default=0.75, help="share of batches with text padded to 512 (else 64)")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer (eager fallback)")
     g.add_argument("--log-every", type=int, default=100)
+    g = ap.add_argument_group("decoder")
+    g.add_argument("--decoder-seconds", type=float, default=240)
+    g.add_argument("--decoder-batch", type=int, default=96)
+    g.add_argument("--decoder-lr", type=float, default=2e-4)
+    g.add_argument("--decoder-check-every", type=float, default=60)
+    g.add_argument("--trail-weight", type=float, default=20.0,
+                   help="decoder loss weight on the object's path away from the object (where trails, "
+                        "i.e. ghosts, appear); 0 = sessions B and C's loss")
     g = ap.add_argument_group("distill")
     g.add_argument("--distill-seconds", type=float, default=240)
     g.add_argument("--distill-gen-seconds", type=float, default=90, help="cap on generating teacher targets")
@@ -564,9 +590,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not all(math.isfinite(v) and v > 0 for v in a.dit_shift_list):
         ap.error(f"--dit-shifts: every shift must be a finite number > 0, got {a.dit_shifts!r}")
     a.eval_v2_plan = parse_eval_plan(a.eval_v2, ap.error)
+    if not math.isfinite(a.trail_weight) or a.trail_weight < 0:
+        ap.error(f"--trail-weight: must be a finite number >= 0, got {a.trail_weight}")
+    if a.decoder_batch < 1:
+        ap.error(f"--decoder-batch: must be >= 1, got {a.decoder_batch}")
     if not math.isfinite(a.dit_object_weight) or a.dit_object_weight < 0:
         ap.error(f"--dit-object-weight: must be a finite number >= 0, got {a.dit_object_weight}")
-    for k in ("vae_seconds", "dit_seconds", "distill_seconds", "distill_gen_seconds", "eval_seconds", "dit_lr", "vae_lr"):
+    for k in ("vae_seconds", "dit_seconds", "decoder_seconds", "decoder_lr", "distill_seconds", "distill_gen_seconds",
+              "eval_seconds", "dit_lr", "vae_lr"):
         v = getattr(a, k)
         if not math.isfinite(v) or v <= 0:
             ap.error(f"--{k.replace('_', '-')}: must be a finite number > 0, got {v}")
@@ -589,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from diffusers import AutoencoderKLWan
 
-    from ..checkpoint_path import checkpoint_dir
+    from ..checkpoint_path import checkpoint_dir, fast_checkpoint_dir
     from .common import VAE_CONFIG, build_tokenizer, build_vae, load_split, save_pipeline, save_split, tar_dir, untar
     from .train_dit import make_pipeline
 
@@ -695,6 +726,20 @@ def main(argv: list[str] | None = None) -> int:
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
 
+    # ---- decoder ----------------------------------------------------------------------------
+    if "decoder" in a.phase_list:
+        if ckpt is None:
+            raise SystemExit("--phases decoder needs a pipeline: the dit phase or --resume DIR")
+        ckpt, entry = decoder_phase(a, ckpt, work / "decoder" / "pipeline", dev)  # tarred as pipeline/
+        run["phases"]["decoder"] = entry.pop("info")
+        history.append(entry)
+        run["history"] = history
+        _set_history(ckpt, history)
+        tar_dir(ckpt, out / "pipeline.tar")
+        save_run()
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+
     # ---- distill -----------------------------------------------------------------------------
     if "distill" in a.phase_list:
         if ckpt is None:
@@ -717,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     elif rdir is not None and (rdir / "fast.tar").exists():
         untar(rdir / "fast.tar", work)
         fast = work / "fast"
+    elif a.resume == "package" and (fast_checkpoint_dir() / "transformer").is_dir():
+        fast = fast_checkpoint_dir()  # the shipped student (the eval decodes it with ckpt's VAE)
 
     # ---- eval --------------------------------------------------------------------------------
     if "eval" in a.phase_list and ckpt is not None:
@@ -731,6 +778,42 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"done in {run['total_s']}s; files: {sorted(p.name for p in out.iterdir())}")
     del checkpoint_dir, load_split
     return 0
+
+
+def decoder_phase(a: argparse.Namespace, ckpt: Path, dest: Path, dev: str) -> tuple[Path, dict[str, Any]]:
+    """Fine-tune ``ckpt``'s VAE decoder (:func:`.vae_decoder.finetune_decoder`: encoder frozen, so
+    the DiT's latents stay valid) with ``--trail-weight``; ``dest`` = a copy of ``ckpt`` (links
+    followed) with that VAE. Returns ``dest`` and the history entry (its ``info``: the full log)."""
+    from diffusers import AutoencoderKLWan
+
+    from .vae_decoder import finetune_decoder
+
+    vae = AutoencoderKLWan.from_pretrained(str(ckpt / "vae"), torch_dtype=torch.float32)
+    info = finetune_decoder(vae, seconds=a.decoder_seconds, batch=2 if a.smoke else a.decoder_batch, lr=a.decoder_lr,
+                            seed=a.seed, device=dev, check_every=0 if a.smoke else a.decoder_check_every,
+                            max_steps=2 if a.smoke else None, n_check=4 if a.smoke else 256,
+                            trail_weight=a.trail_weight)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(ckpt, dest, symlinks=False)
+    shutil.rmtree(dest / "vae")
+    vae.half().save_pretrained(str(dest / "vae"))
+    final = info["final"]
+    entry = {"phase": "vae_decoder", "steps": info["steps"], "seconds": info["seconds"], "batch": info["batch"],
+             "lr": a.decoder_lr, "trail_weight": a.trail_weight, "trained": "decoder + post_quant_conv (encoder frozen)",
+             "recon_shape": final["accuracy"]["shape"], "recon_clean": final["accuracy"]["clean"],
+             "recon_psnr_frame0": final["psnr_frame0"], "info": info}
+    _log("decoder: recon before", json.dumps(info["checks"][0]["accuracy"]), "after", json.dumps(final["accuracy"]))
+    return dest, entry
+
+
+def _set_history(ckpt: Path, history: list[dict[str, Any]]) -> None:
+    """Write ``history`` into ``ckpt/omniloop.json``'s training record."""
+    f = ckpt / "omniloop.json"
+    info = json.loads(f.read_text())
+    info.setdefault("training", {})["history"] = history
+    f.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
 def _fix_omniloop_json(ckpt: Path, history: list[dict[str, Any]]) -> None:

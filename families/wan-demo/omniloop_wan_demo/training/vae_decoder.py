@@ -48,7 +48,12 @@ def _pipeline_dir(src: Path) -> Path:
 
 
 def finetune_decoder(vae, *, seconds: float, batch: int, lr: float, seed: int, device: str, check_every: float,
-                     max_steps: int | None = None, n_check: int = 128) -> dict[str, Any]:
+                     max_steps: int | None = None, n_check: int = 128, trail_weight: float = 0.0) -> dict[str, Any]:
+    """Train ``vae``'s decoder and ``post_quant_conv`` for ``seconds`` (or ``max_steps``) on fresh
+    clips; held-out checks (:func:`~.v2.recon_report`: detector accuracy incl. ghost-free clips,
+    PSNR) every ``check_every`` seconds, outside the budget. ``trail_weight`` adds that weight on
+    the object's path away from the object (:func:`~.v2.loss_weights`). Returns the log; ``vae``
+    ends fp16-rounded, as it ships."""
     from ..data import render, sample_params
     from .train_vae import lr_at
     from .v2 import loss_weights, recon_report
@@ -60,7 +65,8 @@ def finetune_decoder(vae, *, seconds: float, batch: int, lr: float, seed: int, d
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=1e-4, fused=device.startswith("cuda"))
     gen = torch.Generator(device).manual_seed(seed + 5)
     amp = device.startswith("cuda")
-    info: dict[str, Any] = {"batch": batch, "lr": lr, "trained": "decoder + post_quant_conv", "log": [], "checks": []}
+    info: dict[str, Any] = {"batch": batch, "lr": lr, "trail_weight": trail_weight, "trained": "decoder + post_quant_conv",
+                            "log": [], "checks": []}
     rep = recon_report(vae.eval(), n=n_check, device=device)
     info["checks"].append({**rep, "step": 0})
     print("vae-dec check", json.dumps(info["checks"][-1]), flush=True)
@@ -75,7 +81,7 @@ def finetune_decoder(vae, *, seconds: float, batch: int, lr: float, seed: int, d
         p = sample_params(batch, (seed + 23) * 1_000_003 + step)
         x, cov = render(p, device=device, return_mask=True)
         x = x * 2 - 1
-        w = loss_weights(cov, object_weight=20.0, edge_weight=30.0, frame0_weight=3.0)
+        w = loss_weights(cov, object_weight=20.0, edge_weight=30.0, frame0_weight=3.0, trail_weight=trail_weight)
         vae.train()
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             z = vae.encode(x).latent_dist.sample(generator=gen)
@@ -100,6 +106,7 @@ def finetune_decoder(vae, *, seconds: float, batch: int, lr: float, seed: int, d
             print("vae-dec check", json.dumps(info["checks"][-1]), flush=True)
             t0 += time.perf_counter() - tc
             last = time.perf_counter()
+    info["seconds"] = round(time.perf_counter() - t0, 1)
     vae = vae.half().float().eval()
     rep = recon_report(vae, n=n_check, device=device)
     info["final"] = {**rep, "step": step, "fp16_rounded": True}
@@ -142,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-every", type=float, default=60)
+    ap.add_argument("--trail-weight", type=float, default=0.0,
+                    help="extra loss weight on the object's path away from the object, where decoder trails "
+                         "(ghosts) appear; sessions B and C ran with 0")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="two steps, 4 check clips (CPU test)")
     ap.add_argument("--join", metavar="PIPELINE_DIR")
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(a, name)
         if not math.isfinite(v) or v <= 0:
             ap.error(f"--{name} must be a finite number > 0, got {v}")
+    if not math.isfinite(a.trail_weight) or a.trail_weight < 0:
+        ap.error(f"--trail-weight must be a finite number >= 0, got {a.trail_weight}")
     if a.batch < 1:
         ap.error(f"--batch must be >= 1, got {a.batch}")
     from diffusers import AutoencoderKLWan
@@ -168,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     vae = AutoencoderKLWan.from_pretrained(str(pipe / "vae"), torch_dtype=torch.float32)
     info = finetune_decoder(vae, seconds=a.seconds, batch=2 if a.smoke else a.batch, lr=a.lr, seed=a.seed,
                             device=a.device, check_every=0 if a.smoke else a.check_every,
-                            max_steps=2 if a.smoke else None, n_check=4 if a.smoke else 128)
+                            max_steps=2 if a.smoke else None, n_check=4 if a.smoke else 128,
+                            trail_weight=a.trail_weight)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
