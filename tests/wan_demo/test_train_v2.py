@@ -41,6 +41,20 @@ def test_loss_weights_mark_edges_objects_and_frame_zero():
     assert torch.equal(w[0, 0, 0], 3.0 * f1)  # frame 0 weighted
 
 
+def test_trail_weight_marks_the_objects_path_away_from_the_object():
+    cov = torch.zeros(1, 1, 3, 16, 16)
+    for t in range(3):  # a 4 px square moving right 4 px a frame
+        cov[0, 0, t, 6:10, 2 + 4 * t:6 + 4 * t] = 1.0
+    base = v2.loss_weights(cov, object_weight=2.0, edge_weight=0.0, frame0_weight=1.0)
+    w = v2.loss_weights(cov, object_weight=2.0, edge_weight=0.0, frame0_weight=1.0, trail_weight=5.0)
+    extra = w - base
+    assert torch.equal(extra[0, 0, 1, 6:10, 2:6], torch.full((4, 4), 5.0))  # where it was at frame 0
+    assert torch.equal(extra[0, 0, 1, 6:10, 10:14], torch.full((4, 4), 5.0))  # where it will be at frame 2
+    assert torch.equal(extra[0, 0, 1, 6:10, 6:10], torch.zeros(4, 4))  # the object itself
+    assert extra[0, 0, :, :6].abs().sum() == 0 and extra[0, 0, :, 10:].abs().sum() == 0  # off its path
+    assert torch.equal(v2.loss_weights(cov, object_weight=2.0, edge_weight=0.0, frame0_weight=1.0, trail_weight=0.0), base)
+
+
 def test_new_words_get_ids_after_v1s_and_the_grown_encoder_is_v1_on_v1_prompts():
     from transformers import AutoTokenizer, UMT5EncoderModel
 
@@ -67,7 +81,9 @@ def test_bad_arguments_are_refused_before_any_work(capsys):
     for argv in (["--out", "x", "--phases", "vae,train"], ["--out", "x", "--dit-seconds", "nan"],
                  ["--out", "x", "--vae-seconds", "-1"], ["--out", "x", "--session-seconds", "inf"], ["--phases", "dit"],
                  ["--out", "x", "--dit-shifts", "1,nan"], ["--out", "x", "--dit-shifts", "one"],
-                 ["--out", "x", "--eval-v2", "20"], ["--out", "x", "--eval-v2", "20/5/0"]):
+                 ["--out", "x", "--eval-v2", "20"], ["--out", "x", "--eval-v2", "20/5/0"],
+                 ["--out", "x", "--trail-weight", "-1"], ["--out", "x", "--trail-weight", "nan"],
+                 ["--out", "x", "--decoder-batch", "0"], ["--out", "x", "--decoder-lr", "inf"]):
         with pytest.raises(SystemExit) as e:
             v2.parse_args(argv)
         assert e.value.code == 2
@@ -75,6 +91,8 @@ def test_bad_arguments_are_refused_before_any_work(capsys):
     assert "unknown phase 'train'" in err and "--dit-seconds: must be a finite number > 0" in err
     assert "--dit-shifts: every shift must be a finite number > 0" in err and "--dit-shifts: a comma list" in err
     assert "--eval-v2: '20' is not STEPS/GUIDANCE[/SHIFT]" in err and "--eval-v2: '20/5/0': steps >= 1" in err
+    assert "--trail-weight: must be a finite number >= 0, got -1.0" in err and "got nan" in err
+    assert "--decoder-batch: must be >= 1" in err and "--decoder-lr: must be a finite number > 0" in err
 
 
 def test_eval_plan_and_training_shifts_parse():
@@ -189,6 +207,36 @@ def test_resume_package_continues_the_shipped_checkpoint(tmp_path):
     assert run["state"] == {"step": shipped["trained_steps"] + 2}
     assert run["history"][:-1] == shipped["history"] and run["history"][-1]["total_steps"] == shipped["trained_steps"] + 2
     assert "EMA from pipeline/" in run["phases"]["dit"]["init"]
+
+
+def test_decoder_phase_tunes_the_shipped_decoder_and_records_it(tmp_path):
+    """--phases decoder --resume package (2 smoke steps, CPU): pipeline.tar = the shipped pipeline
+    with a new decoder (encoder, transformer untouched) and a history entry naming the trail weight."""
+    from safetensors.torch import load_file
+
+    if not (CKPT / "model_index.json").exists():
+        pytest.skip("no shipped checkpoint")
+    shipped = json.loads((CKPT / "omniloop.json").read_text())["training"]
+    out = tmp_path / "run"
+    assert v2.main(["--out", str(out), "--smoke", "--phases", "decoder", "--resume", "package",
+                    "--trail-weight", "7", "--decoder-lr", "0.05"]) == 0
+    with tarfile.open(out / "pipeline.tar") as t:
+        t.extractall(tmp_path / "x", filter="data")
+    pipe = tmp_path / "x" / "pipeline"
+    entry = json.loads((pipe / "omniloop.json").read_text())["training"]["history"][-1]
+    assert entry["phase"] == "vae_decoder" and entry["trail_weight"] == 7.0 and entry["steps"] == 2
+    assert {"recon_clean", "recon_shape", "recon_psnr_frame0"} <= entry.keys()
+    run = json.loads((out / "run.json").read_text())
+    assert run["history"][:-1] == shipped["history"] and run["history"][-1] == entry
+    assert run["phases"]["decoder"]["trail_weight"] == 7.0 and "clean" in run["phases"]["decoder"]["final"]["accuracy"]
+    old = load_file(str(CKPT / "vae" / "diffusion_pytorch_model.safetensors"))
+    new = load_file(str(pipe / "vae" / "diffusion_pytorch_model.safetensors"))
+    from omniloop_wan_demo.training.vae_decoder import ENCODER_PREFIXES
+
+    assert all(torch.equal(old[k], new[k]) for k in old if k.startswith(ENCODER_PREFIXES))
+    assert any(not torch.equal(old[k], new[k]) for k in old if k.startswith("decoder."))
+    name = "diffusion_pytorch_model.safetensors"
+    assert (pipe / "transformer" / name).read_bytes() == (CKPT / "transformer" / name).read_bytes()
 
 
 @pytest.fixture

@@ -82,7 +82,9 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys):
                       (["--join", str(tmp_path), "--vae-tar", str(tmp_path / "none.tar")], "no such file"),
                       (["--out", str(tmp_path)], "--from and --out are required"),
                       (["--from", str(tmp_path), "--out", str(tmp_path), "--seconds", "nan"], "--seconds must be a finite"),
-                      (["--from", str(tmp_path), "--out", str(tmp_path), "--batch", "0"], "--batch must be >= 1")):
+                      (["--from", str(tmp_path), "--out", str(tmp_path), "--batch", "0"], "--batch must be >= 1"),
+                      (["--from", str(tmp_path), "--out", str(tmp_path), "--trail-weight", "-2"],
+                       "--trail-weight must be a finite number >= 0")):
         with pytest.raises(SystemExit) as e:
             vae_decoder.main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
