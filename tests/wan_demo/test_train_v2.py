@@ -210,15 +210,16 @@ def test_resume_package_continues_the_shipped_checkpoint(tmp_path):
 
 
 def test_decoder_phase_tunes_the_shipped_decoder_and_records_it(tmp_path):
-    """--phases decoder --resume package (2 smoke steps, CPU): pipeline.tar = the shipped pipeline
-    with a new decoder (encoder, transformer untouched) and a history entry naming the trail weight."""
+    """--phases decoder,eval --resume package (2 smoke steps, CPU): pipeline.tar = the shipped
+    pipeline with a new decoder (encoder, transformer untouched) and a history entry naming the
+    trail weight; eval.json keeps per-clip records (with ghost frames) for v2 and the shipped fast."""
     from safetensors.torch import load_file
 
     if not (CKPT / "model_index.json").exists():
         pytest.skip("no shipped checkpoint")
     shipped = json.loads((CKPT / "omniloop.json").read_text())["training"]
     out = tmp_path / "run"
-    assert v2.main(["--out", str(out), "--smoke", "--phases", "decoder", "--resume", "package",
+    assert v2.main(["--out", str(out), "--smoke", "--phases", "decoder,eval", "--resume", "package",
                     "--trail-weight", "7", "--decoder-lr", "0.05"]) == 0
     with tarfile.open(out / "pipeline.tar") as t:
         t.extractall(tmp_path / "x", filter="data")
@@ -237,6 +238,12 @@ def test_decoder_phase_tunes_the_shipped_decoder_and_records_it(tmp_path):
     assert any(not torch.equal(old[k], new[k]) for k in old if k.startswith("decoder."))
     name = "diffusion_pytorch_model.safetensors"
     assert (pipe / "transformer" / name).read_bytes() == (CKPT / "transformer" / name).read_bytes()
+    runs = json.loads((out / "eval.json").read_text())["runs"]
+    if (checkpoint_path.fast_checkpoint_dir() / "transformer").is_dir():
+        assert {r["model"] for r in runs} == {"v2", "fast"}
+    for r in runs:
+        assert len(r["clips"]) == r["n"] == 2 and {"p", "s", "c", "d", "sh", "g"} <= r["clips"][0].keys()
+        assert "clean" in r["accuracy"]
 
 
 @pytest.fixture

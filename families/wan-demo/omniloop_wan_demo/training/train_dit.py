@@ -158,11 +158,15 @@ def pipeline_eval(pipe, *, prompts: list[str], seeds: list[int], steps: int, gui
 
     gen = DiffusersGenerator(pipe, batch_size=batch)
     rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=steps, guidance_scale=guidance, backend="diffusers")
-    return rep.to_dict(with_clips=False) | {"clips": [
-        {"p": c.prompt, "s": c.seed, "d": c.detected["direction"], "c": c.detected["color"],
-         "sh": c.detected.get("shape"), "tr": c.detected["travel"],
-         "g": c.detected.get("ghost_frames", 0)}
-        for c in rep.clips]}
+    return rep.to_dict(with_clips=False) | {"clips": clip_records(rep)}
+
+
+def clip_records(rep) -> list[dict[str, Any]]:
+    """A report's clips, compactly: prompt, seed, detected direction / colour / shape, travel (px)
+    and frames with a ghost — what a GPU session's ``eval.json`` keeps per clip."""
+    return [{"p": c.prompt, "s": c.seed, "d": c.detected["direction"], "c": c.detected["color"],
+             "sh": c.detected.get("shape"), "tr": c.detected["travel"], "g": c.detected.get("ghost_frames", 0)}
+            for c in rep.clips]
 
 
 def train_dit(

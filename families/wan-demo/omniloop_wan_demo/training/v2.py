@@ -423,7 +423,7 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
 
     from ..evaluate import evaluate, full_prompts
     from .distill import FewStepGenerator
-    from .train_dit import pipeline_eval
+    from .train_dit import clip_records, pipeline_eval
 
     res: dict[str, Any] = {"detector": "omniloop_wan_demo.evaluate.detect (color, direction, shape)", "runs": []}
     prompts = full_prompts()[:2] if a.smoke else full_prompts()
@@ -458,7 +458,7 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
                                    timesteps=a.fast_timesteps_list)
             rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=len(a.fast_timesteps_list), guidance_scale=1.0,
                            backend="few-step (GPU, diffusers modules)")
-            r = rep.to_dict(with_clips=False)
+            r = rep.to_dict(with_clips=False) | {"clips": clip_records(rep)}
             r.update(model="fast", sampler="few-step", timesteps=list(a.fast_timesteps_list))
             if len(previews) < 2:
                 vids = gen(prompts[:: max(1, len(prompts) // 8)][:8], [0] * min(8, len(prompts)), steps=4, guidance_scale=1.0)
