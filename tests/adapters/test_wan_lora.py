@@ -144,8 +144,10 @@ def test_step_scheduler_batches_by_adapter_set(rt):
     batched = [d for d in engine.trace if d.action == "batched_step"]
     assert batched and all(set(d.request_ids) == {"r1", "r2"} for d in batched), batched
     for got, want in zip(outs, alone, strict=True):
-        # a batched forward has other matmul row counts: equal within float32 roundoff, not bitwise
-        assert (latents(got) - want).abs().max() <= 1e-5
+        # a batched forward has other matmul row counts: equal within float32 roundoff, not bitwise;
+        # the roundoff depends on the CPU's kernels (max |d| 1.4e-5 on an AVX-512 Xeon, latents ~2),
+        # so the bound is 5e-5, well under the 1e-4 LoRA contract of this file
+        assert (latents(got) - want).abs().max() <= 5e-5
 
 
 def test_two_threads_with_different_sets_each_equal_alone(rt):
