@@ -83,7 +83,9 @@ def test_bad_arguments_are_refused_before_any_work(capsys):
                  ["--out", "x", "--dit-shifts", "1,nan"], ["--out", "x", "--dit-shifts", "one"],
                  ["--out", "x", "--eval-v2", "20"], ["--out", "x", "--eval-v2", "20/5/0"],
                  ["--out", "x", "--trail-weight", "-1"], ["--out", "x", "--trail-weight", "nan"],
-                 ["--out", "x", "--decoder-batch", "0"], ["--out", "x", "--decoder-lr", "inf"]):
+                 ["--out", "x", "--decoder-batch", "0"], ["--out", "x", "--decoder-lr", "inf"],
+                 ["--out", "x", "--dit-reflow-clips", "-1"], ["--out", "x", "--dit-reflow-share", "1"],
+                 ["--out", "x", "--dit-reflow-ghost-share", "nan"], ["--out", "x", "--dit-reflow-guidance", "0.5"]):
         with pytest.raises(SystemExit) as e:
             v2.parse_args(argv)
         assert e.value.code == 2
@@ -93,6 +95,9 @@ def test_bad_arguments_are_refused_before_any_work(capsys):
     assert "--eval-v2: '20' is not STEPS/GUIDANCE[/SHIFT]" in err and "--eval-v2: '20/5/0': steps >= 1" in err
     assert "--trail-weight: must be a finite number >= 0, got -1.0" in err and "got nan" in err
     assert "--decoder-batch: must be >= 1" in err and "--decoder-lr: must be a finite number > 0" in err
+    assert "--dit-reflow-clips: must be >= 0" in err and "--dit-reflow-share: must be a finite number in (0, 1)" in err
+    assert "--dit-reflow-ghost-share: must be a finite number in [0, 1], got nan" in err
+    assert "--dit-reflow-guidance: must be a finite number >= 1" in err
 
 
 def test_eval_plan_and_training_shifts_parse():
@@ -207,6 +212,23 @@ def test_resume_package_continues_the_shipped_checkpoint(tmp_path):
     assert run["state"] == {"step": shipped["trained_steps"] + 2}
     assert run["history"][:-1] == shipped["history"] and run["history"][-1]["total_steps"] == shipped["trained_steps"] + 2
     assert "EMA from pipeline/" in run["phases"]["dit"]["init"]
+
+
+def test_reflow_pairs_come_from_the_shipped_teacher_and_enter_the_dit_batches(tmp_path):
+    """--dit-reflow-clips (training/reflow.py): the shipped v2 generates 8 clips (4 Euler steps,
+    CPU), each is fitted and re-rendered, and the DiT's smoke steps draw half their samples from
+    the pairs; the recipe records it."""
+    if not (CKPT / "model_index.json").exists():
+        pytest.skip("no shipped checkpoint")
+    out = tmp_path / "run"
+    assert v2.main(["--out", str(out), "--smoke", "--phases", "dit", "--resume", "package", "--dit-reflow-clips", "8",
+                    "--dit-reflow-steps", "4", "--dit-reflow-share", "0.5", "--dit-reflow-ghost-share", "0.5",
+                    "--workers", "1"]) == 0
+    dit = json.loads((out / "run.json").read_text())["phases"]["dit"]
+    info = dit["reflow"]
+    assert info["generated"] == 8 and info["fitted"] == info["pairs"] >= 6  # a trained teacher: objects to fit
+    assert dit["recipe"]["reflow"]["pairs"] == info["pairs"] and dit["recipe"]["reflow"]["share"] == 0.5
+    assert dit["steps"] == 2
 
 
 def test_decoder_phase_tunes_the_shipped_decoder_and_records_it(tmp_path):

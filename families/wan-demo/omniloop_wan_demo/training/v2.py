@@ -24,7 +24,12 @@ Phases (in this order, each skipped unless named in ``--phases``):
     grown by one row per new word, :func:`~.common.grow_text_encoder`). Rectified flow exactly as
     v1 (``train_dit``), but batch 1024 by default (v1's 256 ran launch-bound at ~8 steps/s, so a
     4x batch costs about the same per step), fused AdamW, text padded to two fixed lengths (512 as
-    the pipelines pad, or 64), optional ``--compile``.
+    the pipelines pad, or 64), optional ``--compile``. ``--dit-reflow-clips N`` (an experiment
+    against duplicate objects, 2026-12-02: it did not remove them, see the wan-demo README) first
+    makes ``N`` reflow pairs with the starting weights (:mod:`.reflow`: the teacher's clip
+    re-rendered clean where it put its object) and draws ``--dit-reflow-share`` of each batch from
+    them (their own noise, no prompt drop), ``--dit-reflow-ghost-share`` of those from the pairs
+    whose teacher clip held a ghost.
 ``decoder``
     The pipeline's (``dit``'s or ``--resume``'s) VAE decoder fine-tuned alone (encoder frozen, so
     the DiT stays valid; :mod:`.vae_decoder`) for ``--decoder-seconds``, with the loss also
@@ -58,6 +63,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -248,6 +254,25 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
     _log(f"dit: {lat.shape[0]} latents in {info['encode_seconds']}s; normalized std {float(lat.std()):.3f}")
 
     transformer, text_encoder = init["transformer"].to(dev).train(), init["text_encoder"].to(dev).train()
+    pairs = None
+    if a.dit_reflow_clips:
+        # reflow pairs from the starting weights (the EMA ones when resuming): reflow.py says why
+        from .reflow import make_pairs
+
+        teacher = init["ema_transformer"] if init.get("ema_transformer") is not None else transformer
+        teacher_te = init["ema_text_encoder"] if init.get("ema_text_encoder") is not None else text_encoder
+        teacher, teacher_te = teacher.to(dev).eval(), teacher_te.to(dev).eval()
+        pairs = make_pairs(teacher, teacher_te, tok, vae, n=a.dit_reflow_clips, guidance=a.dit_reflow_guidance,
+                           steps=a.dit_reflow_steps, device=dev, seed=a.seed + 31337 + 1000 * a.data_round,
+                           budget_s=a.dit_reflow_seconds, stats=stats, workers=a.workers)
+        teacher.train(transformer is teacher)
+        teacher_te.train(text_encoder is teacher_te)
+        info["reflow"] = pairs.pop("info")
+        info["reflow"]["pairs"] = int(pairs["x0"].shape[0])
+        _log("dit: reflow pairs", json.dumps(info["reflow"]))
+        if not info["reflow"]["pairs"]:
+            _log("dit: WARNING no reflow pair (no generated clip could be fitted): plain training")
+            pairs = None
     ema = EMA({"transformer": transformer, "text_encoder": text_encoder}, a.ema_decay)
     if init.get("ema_transformer") is not None:
         ema.shadow["transformer"].load_state_dict(init["ema_transformer"].state_dict())
@@ -268,6 +293,9 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
     max_steps = 2 if a.smoke else None
     amp = dev.startswith("cuda")
     shifts = torch.tensor(a.dit_shift_list, device=dev)
+    n_pairs = 0 if pairs is None else max(1, round(batch * a.dit_reflow_share))
+    ghost_idx = None if pairs is None else torch.nonzero(pairs["ghost"]).flatten()
+    n_ghost = 0 if ghost_idx is None or not len(ghost_idx) else round(n_pairs * a.dit_reflow_ghost_share)
 
     def one_step(step: int, fwd_fn) -> torch.Tensor:
         el = time.perf_counter() - t0
@@ -276,16 +304,23 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
         dec = 1.0 if frac < 0.8 else max(0.1, (1 - frac) / 0.2)
         for g in opt.param_groups:
             g["lr"] = a.dit_lr * w * dec
-        idx = torch.randint(0, lat.shape[0], (batch,), device=dev, generator=gen)
-        x0, p = lat[idx], pid[idx]
-        wts = 1.0 + a.dit_object_weight * cov[idx].to(x0.dtype)  # [B, 1, T, H, W]
-        drop = torch.rand(batch, device=dev, generator=gen) < 0.1
+        idx = torch.randint(0, lat.shape[0], (batch - n_pairs,), device=dev, generator=gen)
+        x0, p, c = lat[idx], pid[idx], cov[idx]
+        drop = torch.rand(batch - n_pairs, device=dev, generator=gen) < 0.1
         p = torch.where(drop, torch.full_like(p, uncond), p)
+        noise = torch.randn(x0.shape, device=dev, generator=gen)
+        if n_pairs:  # reflow pairs: their own noise and prompt (no prompt drop)
+            j = torch.randint(0, pairs["x0"].shape[0], (n_pairs,), device=dev, generator=gen)
+            if n_ghost:  # the first n_ghost of them from the pairs that correct a ghost
+                j[:n_ghost] = ghost_idx[torch.randint(0, ghost_idx.shape[0], (n_ghost,), device=dev, generator=gen)]
+            x0 = torch.cat([x0, pairs["x0"][j].float()])
+            noise = torch.cat([noise, pairs["noise"][j].float()])
+            p, c = torch.cat([p, pairs["pid"][j]]), torch.cat([c, pairs["cov"][j]])
+        wts = 1.0 + a.dit_object_weight * c.to(x0.dtype)  # [B, 1, T, H, W]
         pad_to = 512 if host.random() < a.pad512 else 64  # two fixed lengths: no recompiles, no sync
         # each sample's flow shift drawn from --dit-shifts (one value: plain shifted logit-normal)
         sh = shifts[0] if len(shifts) == 1 else shifts[torch.randint(0, len(shifts), (batch,), device=dev, generator=gen)]
         s = sample_sigmas(batch, mode="logit_normal", shift=sh, device=dev, gen=gen)
-        noise = torch.randn(x0.shape, device=dev, generator=gen)
         sb = s.view(-1, 1, 1, 1, 1)
         xt = (1 - sb) * x0 + sb * noise
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
@@ -340,7 +375,11 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
                           shift=a.dit_shift_list[0] if len(a.dit_shift_list) == 1 else list(a.dit_shift_list),
                           timestep_sampling="logit_normal",
                           object_weight=a.dit_object_weight, ema_decay=a.ema_decay, warmup=a.warmup, decay_frac=0.2, pad512=a.pad512,
-                          compile=a.compile, n_clips=info["n_clips"])
+                          compile=a.compile, n_clips=info["n_clips"],
+                          reflow=None if pairs is None else dict(pairs=info["reflow"]["pairs"], share=a.dit_reflow_share,
+                                                                   ghost_share=a.dit_reflow_ghost_share if n_ghost else 0.0,
+                                                                   guidance=a.dit_reflow_guidance,
+                                                                   teacher_steps=a.dit_reflow_steps))
     modules = {"transformer": transformer.eval(), "text_encoder": text_encoder.eval(),
                "ema_transformer": ema.shadow["transformer"], "ema_text_encoder": ema.shadow["text_encoder"]}
     return modules, info
@@ -550,6 +589,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--encode-seconds", type=float, default=45)
     g.add_argument("--data-round", type=int, default=None, help="data seed offset (default: 1 when resuming, else 0)")
     g.add_argument("--pad512", type=float, default=0.75, help="share of batches with text padded to 512 (else 64)")
+    g.add_argument("--dit-reflow-clips", type=int, default=0,
+                   help="reflow pairs from the starting weights with re-rendered endpoints (training/reflow.py; 0: off)")
+    g.add_argument("--dit-reflow-share", type=float, default=0.25, help="share of each DiT batch drawn from the reflow pairs")
+    g.add_argument("--dit-reflow-ghost-share", type=float, default=0.0,
+                   help="share of the reflow samples drawn from the pairs whose teacher clip held a ghost")
+    g.add_argument("--dit-reflow-guidance", type=float, default=3.0, help="the teacher's CFG scale for the reflow pairs")
+    g.add_argument("--dit-reflow-steps", type=int, default=20, help="flow-Euler steps of the teacher for the reflow pairs")
+    g.add_argument("--dit-reflow-seconds", type=float, default=150, help="cap on making the reflow pairs")
+    g.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                   help="processes that fit the reflow clips (CPU)")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer (eager fallback)")
     g.add_argument("--log-every", type=int, default=100)
     g = ap.add_argument_group("decoder")
@@ -596,7 +645,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--decoder-batch: must be >= 1, got {a.decoder_batch}")
     if not math.isfinite(a.dit_object_weight) or a.dit_object_weight < 0:
         ap.error(f"--dit-object-weight: must be a finite number >= 0, got {a.dit_object_weight}")
-    for k in ("vae_seconds", "dit_seconds", "decoder_seconds", "decoder_lr", "distill_seconds", "distill_gen_seconds",
+    if a.dit_reflow_clips < 0:
+        ap.error(f"--dit-reflow-clips: must be >= 0, got {a.dit_reflow_clips}")
+    if not math.isfinite(a.dit_reflow_share) or not 0 < a.dit_reflow_share < 1:
+        ap.error(f"--dit-reflow-share: must be a finite number in (0, 1), got {a.dit_reflow_share}")
+    if not math.isfinite(a.dit_reflow_ghost_share) or not 0 <= a.dit_reflow_ghost_share <= 1:
+        ap.error(f"--dit-reflow-ghost-share: must be a finite number in [0, 1], got {a.dit_reflow_ghost_share}")
+    if not math.isfinite(a.dit_reflow_guidance) or a.dit_reflow_guidance < 1:
+        ap.error(f"--dit-reflow-guidance: must be a finite number >= 1, got {a.dit_reflow_guidance}")
+    if a.dit_reflow_steps < 1 or a.workers < 1:
+        ap.error("--dit-reflow-steps and --workers: must be >= 1")
+    for k in ("vae_seconds", "dit_seconds", "dit_reflow_seconds", "decoder_seconds", "decoder_lr", "distill_seconds", "distill_gen_seconds",
               "eval_seconds", "dit_lr", "vae_lr"):
         v = getattr(a, k)
         if not math.isfinite(v) or v <= 0:
