@@ -226,3 +226,35 @@ def test_in_memory_components_default_to_their_scheduler_class(wan_runtime):
     comps["scheduler"] = UniPCMultistepScheduler(**config)
     model = WanFamily().from_components(comps)
     assert menu_for(model).default_sampler == "unipc"
+
+
+def test_checkpoint_default_shift_applies_when_the_request_gives_none(tiny_ckpt, wan_runtime, t2v_request, tmp_path):
+    """``omniloop.json`` ``defaults.shift`` (wan-demo v2 samples at shift 5 while its scheduler config
+    keeps diffusers' 3): an untuned request runs it, a request's own shift wins, a bad value is one
+    DeployError naming the file before any compute."""
+    import json
+    import shutil
+
+    from omniloop.runtime import Runtime
+
+    from .conftest import wan_manager
+
+    src = tiny_ckpt("t2v")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    meta = json.loads((ck / "omniloop.json").read_text())
+    meta["defaults"]["shift"] = 7.0
+    (ck / "omniloop.json").write_text(json.dumps(meta))
+    rt = Runtime.from_model(ck, manager=wan_manager())
+    base = wan_runtime("t2v")
+    assert torch.equal(latents(rt.generate(t2v_request(steps=2))), latents(base.generate(t2v_request(steps=2, shift=7.0))))
+    assert torch.equal(latents(rt.generate(t2v_request(steps=2, shift=2.0))),
+                       latents(base.generate(t2v_request(steps=2, shift=2.0))))
+    assert not torch.equal(latents(rt.generate(t2v_request(steps=2))), latents(base.generate(t2v_request(steps=2))))
+    for bad in ("high", -1.0, True):
+        meta["defaults"]["shift"] = bad
+        (ck / "omniloop.json").write_text(json.dumps(meta))
+        with pytest.raises(DeployError) as info:
+            Runtime.from_model(ck, manager=wan_manager())
+        msg = str(info.value)
+        assert "omniloop.json" in msg and "defaults.shift" in msg and "\n" not in msg

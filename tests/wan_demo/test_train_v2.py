@@ -13,7 +13,7 @@ import torch
 from omniloop_wan_demo import checkpoint_path
 from omniloop_wan_demo.data import vocabulary_words
 from omniloop_wan_demo.training import distill, v2
-from omniloop_wan_demo.training.common import V1_VOCAB_SIZE, VOCAB, grow_text_encoder
+from omniloop_wan_demo.training.common import DEMO_DEFAULTS, V1_VOCAB_SIZE, V2_SAMPLING, VOCAB, grow_text_encoder
 from omniloop_wan_demo.training.ship import ship
 
 torch.set_num_threads(2)
@@ -85,14 +85,19 @@ def test_bad_arguments_are_refused_before_any_work(capsys):
                  ["--out", "x", "--trail-weight", "-1"], ["--out", "x", "--trail-weight", "nan"],
                  ["--out", "x", "--decoder-batch", "0"], ["--out", "x", "--decoder-lr", "inf"],
                  ["--out", "x", "--dit-reflow-clips", "-1"], ["--out", "x", "--dit-reflow-share", "1"],
-                 ["--out", "x", "--dit-reflow-ghost-share", "nan"], ["--out", "x", "--dit-reflow-guidance", "0.5"]):
+                 ["--out", "x", "--dit-reflow-ghost-share", "nan"], ["--out", "x", "--dit-reflow-guidance", "0.5"],
+                 ["--out", "x", "--eval-v2", "20/2@ddim"], ["--out", "x", "--eval-seeds", "3-1"],
+                 ["--out", "x", "--eval-seeds", "0,x"], ["--out", "x", "--eval-seeds", "0-3,2"]):
         with pytest.raises(SystemExit) as e:
             v2.parse_args(argv)
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "unknown phase 'train'" in err and "--dit-seconds: must be a finite number > 0" in err
     assert "--dit-shifts: every shift must be a finite number > 0" in err and "--dit-shifts: a comma list" in err
-    assert "--eval-v2: '20' is not STEPS/GUIDANCE[/SHIFT]" in err and "--eval-v2: '20/5/0': steps >= 1" in err
+    assert "--eval-v2: '20' is not STEPS/GUIDANCE[/SHIFT][@SAMPLER]" in err and "--eval-v2: '20/5/0': steps >= 1" in err
+    assert "--eval-v2: '20/2@ddim': unknown sampler 'ddim' (known: unipc, euler, euler-sde)" in err
+    assert "--eval-seeds: '3-1': at least one seed" in err and "--eval-seeds: 'x' is not a seed or a LO-HI range" in err
+    assert "--eval-seeds: '0-3,2': at least one seed, all >= 0, none twice" in err
     assert "--trail-weight: must be a finite number >= 0, got -1.0" in err and "got nan" in err
     assert "--decoder-batch: must be >= 1" in err and "--decoder-lr: must be a finite number > 0" in err
     assert "--dit-reflow-clips: must be >= 0" in err and "--dit-reflow-share: must be a finite number in (0, 1)" in err
@@ -101,8 +106,11 @@ def test_bad_arguments_are_refused_before_any_work(capsys):
 
 
 def test_eval_plan_and_training_shifts_parse():
-    a = v2.parse_args(["--out", "x", "--eval-v2", "20/5, 50/5/1,4/3", "--dit-shifts", "1,3"])
-    assert a.eval_v2_plan == [(20, 5.0, None), (50, 5.0, 1.0), (4, 3.0, None)]
+    a = v2.parse_args(["--out", "x", "--eval-v2", "20/5, 50/5/1,4/3,20/2/5@euler-sde,8/1@euler", "--dit-shifts", "1,3",
+                       "--eval-seeds", "0-3,16-17,40"])
+    assert a.eval_v2_plan == [(20, 5.0, None, "unipc"), (50, 5.0, 1.0, "unipc"), (4, 3.0, None, "unipc"),
+                              (20, 2.0, 5.0, "euler-sde"), (8, 1.0, None, "euler")]
+    assert a.eval_seed_list == [0, 1, 2, 3, 16, 17, 40] and not a.no_fast_eval
     assert a.dit_shift_list == (1.0, 3.0)
     assert v2.parse_args(["--out", "x"]).dit_shift_list == (3.0,)  # the recipe of sessions A-E
 
@@ -184,6 +192,9 @@ def test_smoke_session_trains_dit_and_student_and_resumes(tmp_path):
         meta = json.load(tf.extractfile("fast/omniloop.json"))
     assert meta["defaults"]["sampler"] == "few-step" and meta["defaults"]["guidance_scale"] == 1.0
     assert meta["defaults"]["sampler_options"]["few-step"]["timesteps"] == list(distill.FAST_TIMESTEPS)
+    with tarfile.open(out / "pipeline.tar") as tf:  # v2 pipelines sample as the shipped preset does
+        meta = json.load(tf.extractfile("pipeline/omniloop.json"))
+    assert meta["version"] == 2 and meta["defaults"] == {**DEMO_DEFAULTS, **V2_SAMPLING}
     out2 = tmp_path / "run2"
     assert v2.main(["--out", str(out2), "--smoke", "--phases", "dit", "--resume", str(out), "--session-seconds", "400",
                     "--dit-shifts", "1,3"]) == 0

@@ -13,6 +13,11 @@ tensors as diffusers passes them (``step_dtype=None``: bf16 model output, fp32 l
 The deploy config may change the node's defaults with ``policies`` (see :data:`DEPLOY_KEYS`)::
 
     policies: {sampler: dpmpp, cfg: batched, cfg_options: {interval: {start: 0.0, end: 0.8}}}
+
+A checkpoint's ``omniloop.json`` ``defaults`` may name the sampler it was tuned for and its options
+(``sampler``, ``sampler_options``: wan-demo-fast's ``few-step`` schedule, wan-demo's stochastic
+``flow-euler``) and its flow shift (``shift``, a number > 0: used when a request gives none,
+instead of the scheduler config's); the deploy's ``policies`` win over the sampler defaults.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> 
         DEFAULT_CFGS,
         DEFAULT_SAMPLERS,
         BoundaryRouter,
+        ConstantShift,
         PolicyError,
         PolicyMenu,
         PrecisionPolicy,
@@ -107,6 +113,13 @@ def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> 
     precision = PrecisionPolicy(dtypes=dtypes, default_dtype=comps["transformer"].dtype, step_dtype=step_dtype)
     defaults = cfg["defaults"]
     try:
+        # a checkpoint's omniloop.json may set its default flow shift (``defaults.shift``); a
+        # request's shift wins, and without it the sampler keeps the scheduler config's
+        shift = ConstantShift(default=defaults["shift"]) if defaults.get("shift") is not None else None
+    except PolicyError as err:
+        where = f"{model.path / 'omniloop.json'}: " if model.path is not None else ""
+        raise DeployError(f"{where}defaults.shift: {err}") from None
+    try:
         return PolicyMenu.build(
             sched_config,
             source=source,
@@ -120,6 +133,7 @@ def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> 
             default_sampler=deploy.get("sampler", defaults.get("sampler")),
             default_cfg=deploy.get("cfg", "classic"),
             router=router,
+            shift=shift,
             precision=precision,
             default_guidance_scale=float(defaults["guidance_scale"]),
             default_guidance_scale_2=(

@@ -169,6 +169,22 @@ def clip_records(rep) -> list[dict[str, Any]]:
             for c in rep.clips]
 
 
+#: a clip holds a duplicate object when a ghost is in at least this many of its 17 frames (a
+#: trail or a speck lasts a few frames; a second object moving beside the first, most of the clip)
+DUPLICATE_FRAMES = 8
+
+
+def duplicates(clips: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of :func:`clip_records`' rows: how many hold a duplicate object (``DUPLICATE_FRAMES``), in
+    all and per seed (seeds with none left out), and how many hold any ghost."""
+    dup = [c for c in clips if c.get("g", 0) >= DUPLICATE_FRAMES]
+    per_seed: dict[str, int] = {}
+    for c in dup:
+        per_seed[str(c["s"])] = per_seed.get(str(c["s"]), 0) + 1
+    return {"duplicate_clips": len(dup), "duplicates_per_seed": dict(sorted(per_seed.items(), key=lambda kv: int(kv[0]))),
+            "clips_with_a_ghost": sum(1 for c in clips if c.get("g", 0) > 0)}
+
+
 def train_dit(
     *,
     vae,

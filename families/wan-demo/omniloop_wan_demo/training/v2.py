@@ -462,32 +462,43 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
 
     from ..evaluate import evaluate, full_prompts
     from .distill import FewStepGenerator
-    from .train_dit import clip_records, pipeline_eval
+    from .train_dit import clip_records, duplicates, pipeline_eval
 
     res: dict[str, Any] = {"detector": "omniloop_wan_demo.evaluate.detect (color, direction, shape)", "runs": []}
     prompts = full_prompts()[:2] if a.smoke else full_prompts()
-    seeds = [0] if a.smoke else [int(s) for s in a.eval_seeds.split(",")]
+    seeds = [0] if a.smoke else a.eval_seed_list
     t0 = time.perf_counter()
     previews: list[np.ndarray] = []
     if ckpt is None:
         return res
     pipe = WanPipeline.from_pretrained(str(ckpt), torch_dtype=torch.float32).to(dev)
     shipped_scheduler = pipe.scheduler
-    plan: list[tuple[str, int, float, float | None]] = [
-        ("v2", 2 if a.smoke else steps, g, shift) for steps, g, shift in a.eval_v2_plan]
-    if fast is not None:
-        plan.insert(1, ("fast", 4, 1.0, None))
-    for name, steps, g, shift in plan:
+    plan: list[tuple[str, int, float, float | None, str]] = [
+        ("v2", 2 if a.smoke else steps, g, shift, sampler) for steps, g, shift, sampler in a.eval_v2_plan]
+    if fast is not None and not a.no_fast_eval:
+        plan.insert(1, ("fast", 4, 1.0, None, "few-step"))
+    for name, steps, g, shift, sampler in plan:
         if time.perf_counter() - t0 > a.eval_seconds and res["runs"]:
             res["truncated"] = True
             break
         t1 = time.perf_counter()
-        if name == "v2":
+        if name == "v2" and sampler == "unipc":
             from .common import build_scheduler
 
             pipe.scheduler = shipped_scheduler if shift is None else build_scheduler("unipc", shift)
             r = pipeline_eval(pipe, prompts=prompts, seeds=seeds, steps=steps, guidance=g)
             r.update(model="v2", sampler="unipc", flow_shift=float(pipe.scheduler.config.flow_shift))
+        elif name == "v2":
+            from .common import load_tokenizer
+            from .sampling import FlowEulerGenerator
+
+            flow_shift = float(shipped_scheduler.config.flow_shift) if shift is None else shift
+            gen = FlowEulerGenerator(pipe, load_tokenizer(ckpt / "tokenizer"), device=dev, shift=flow_shift,
+                                     stochastic=sampler == "euler-sde")
+            rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=steps, guidance_scale=g,
+                           backend=f"{sampler} (GPU, diffusers modules)")
+            r = rep.to_dict(with_clips=False) | {"clips": clip_records(rep)}
+            r.update(model="v2", sampler=sampler, flow_shift=flow_shift)
         else:
             from .common import load_tokenizer
             from .distill import load_student
@@ -503,6 +514,7 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
                 vids = gen(prompts[:: max(1, len(prompts) // 8)][:8], [0] * min(8, len(prompts)), steps=4, guidance_scale=1.0)
                 previews.append(np.concatenate([np.concatenate([v[i] for i in (0, 4, 8, 12, 16)], axis=1) for v in vids], axis=0))
         r["wall_s"] = round(time.perf_counter() - t1, 2)
+        r.update(duplicates(r["clips"]))
         if name == "v2" and len(previews) < 1:
             from ..evaluate import DiffusersGenerator
 
@@ -510,7 +522,8 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
             vids = DiffusersGenerator(pipe, batch_size=8)(sub, [0] * len(sub), steps=steps, guidance_scale=g)
             previews.append(np.concatenate([np.concatenate([v[i] for i in (0, 4, 8, 12, 16)], axis=1) for v in vids], axis=0))
         res["runs"].append(r)
-        _log("eval", name, steps, g, shift, r["n"], json.dumps(r["accuracy"]), r["wall_s"])
+        _log("eval", name, sampler, steps, g, shift, r["n"], json.dumps(r["accuracy"]), "duplicates", r["duplicate_clips"],
+             r["wall_s"])
     if previews:
         from PIL import Image
 
@@ -524,25 +537,47 @@ def eval_phase(a: argparse.Namespace, ckpt: Path | None, fast: Path | None, dev:
 # ------------------------------------------------------------------------------------------
 
 
-def parse_eval_plan(text: str, error: Callable[[str], Any]) -> list[tuple[int, float, float | None]]:
-    """``"20/5,50/5/1"`` -> ``[(20, 5.0, None), (50, 5.0, 1.0)]`` (steps, guidance, flow shift)."""
+def parse_eval_plan(text: str, error: Callable[[str], Any]) -> list[tuple[int, float, float | None, str]]:
+    """``"20/5,50/5/1,20/3@euler-sde"`` -> ``[(20, 5.0, None, "unipc"), (50, 5.0, 1.0, "unipc"),
+    (20, 3.0, None, "euler-sde")]`` (steps, guidance, flow shift, sampler: ``sampling.EVAL_SAMPLERS``)."""
+    from .sampling import EVAL_SAMPLERS
+
     plan = []
     for item in (t.strip() for t in text.split(",")):
-        parts = item.split("/")
+        body, _, sampler = item.partition("@")
+        sampler = sampler or "unipc"
+        parts = body.split("/")
         try:
             if len(parts) not in (2, 3):
                 raise ValueError
             steps, g = int(parts[0]), float(parts[1])
             shift = float(parts[2]) if len(parts) == 3 else None
         except ValueError:
-            error(f"--eval-v2: {item!r} is not STEPS/GUIDANCE[/SHIFT]")
+            error(f"--eval-v2: {item!r} is not STEPS/GUIDANCE[/SHIFT][@SAMPLER]")
             raise
         if steps < 1 or not math.isfinite(g) or g < 0 or (shift is not None and (not math.isfinite(shift) or shift <= 0)):
             error(f"--eval-v2: {item!r}: steps >= 1, guidance >= 0 and shift > 0, all finite")
-        plan.append((steps, g, shift))
+        if sampler not in EVAL_SAMPLERS:
+            error(f"--eval-v2: {item!r}: unknown sampler {sampler!r} (known: {', '.join(EVAL_SAMPLERS)})")
+        plan.append((steps, g, shift, sampler))
     if not plan:
         error("--eval-v2: at least one STEPS/GUIDANCE entry")
     return plan
+
+
+def parse_seeds(text: str, error: Callable[[str], Any]) -> list[int]:
+    """``"0-3,7"`` -> ``[0, 1, 2, 3, 7]`` (``--eval-seeds``; seeds >= 0, no repeats)."""
+    seeds: list[int] = []
+    for item in (t.strip() for t in text.split(",")):
+        lo, dash, hi = item.partition("-")
+        try:
+            seeds.extend(range(int(lo), int(hi) + 1) if dash else [int(item)])
+        except ValueError:
+            error(f"--eval-seeds: {item!r} is not a seed or a LO-HI range")
+            raise
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        error(f"--eval-seeds: {text!r}: at least one seed, all >= 0, none twice")
+    return seeds
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -620,10 +655,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--fast-timesteps", default="1000,750,500,250")
     g = ap.add_argument_group("eval")
     g.add_argument("--eval-seconds", type=float, default=60)
-    g.add_argument("--eval-seeds", default="0,1,2,3")
+    g.add_argument("--eval-seeds", default="0,1,2,3", help="comma list of seeds and LO-HI ranges, e.g. 0-15")
+    g.add_argument("--no-fast-eval", action="store_true", help="evaluate v2's runs only (not wan-demo-fast)")
     g.add_argument("--eval-v2", default="20/5,4/5",
-                   help="v2's runs, comma list of STEPS/GUIDANCE[/SHIFT] (UniPC; SHIFT defaults to the "
-                        "pipeline scheduler's flow shift); wan-demo-fast runs after the first")
+                   help="v2's runs, comma list of STEPS/GUIDANCE[/SHIFT][@SAMPLER] (SAMPLER: unipc (default), "
+                        "euler or euler-sde, the runtime's flow-euler with stochastic_sampling; SHIFT defaults to "
+                        "the pipeline scheduler's flow shift); wan-demo-fast runs after the first")
     a = ap.parse_args(argv)
     a.phase_list = [p.strip() for p in a.phases.split(",") if p.strip()]
     bad = [p for p in a.phase_list if p not in PHASES]
@@ -639,6 +676,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not all(math.isfinite(v) and v > 0 for v in a.dit_shift_list):
         ap.error(f"--dit-shifts: every shift must be a finite number > 0, got {a.dit_shifts!r}")
     a.eval_v2_plan = parse_eval_plan(a.eval_v2, ap.error)
+    a.eval_seed_list = parse_seeds(a.eval_seeds, ap.error)
     if not math.isfinite(a.trail_weight) or a.trail_weight < 0:
         ap.error(f"--trail-weight: must be a finite number >= 0, got {a.trail_weight}")
     if a.decoder_batch < 1:
@@ -876,9 +914,12 @@ def _set_history(ckpt: Path, history: list[dict[str, Any]]) -> None:
 
 
 def _fix_omniloop_json(ckpt: Path, history: list[dict[str, Any]]) -> None:
+    from .common import V2_SAMPLING
+
     f = ckpt / "omniloop.json"
     info = json.loads(f.read_text())
     info["version"] = 2
+    info["defaults"].update(V2_SAMPLING)
     f.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
