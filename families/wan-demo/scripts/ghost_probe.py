@@ -19,8 +19,11 @@
 
 The 2026-12-02 finding (bench/results/adherence-wan-demo-v2-gpu-2026-12-02.json): the x0
 prediction at the first step (sigma 1.0) already holds two objects for a seed that ends with a
-duplicate, and no sampler setting below removes most of them; autoguidance with session E's
-weights as the weak model removes a third of them (33 -> 20 at w 3).
+duplicate, and no deterministic sampler setting below removes most of them; autoguidance with
+session E's weights as the weak model removes a third of them (33 -> 20 at w 3). What did remove
+them is stochastic sampling, the preset's default since session J (evaluated on the GPU by
+``training.v2 --eval-v2 ...@euler-sde``: bench/results/adherence-wan-demo-v2-sde-gpu-2026-12-02.json).
+The settings here stay relative to the earlier default, UniPC at guidance 3 and shift 3.
 """
 
 from __future__ import annotations
@@ -80,11 +83,16 @@ def settings(a: argparse.Namespace) -> None:
         raise SystemExit(f"--only: unknown setting {bad[0]!r} (known: {', '.join(SETTINGS)})")
     with open(a.src) as f:
         clips = duplicate_clips(json.load(f))
-    rt = Runtime.from_model("wan-demo")
+    # the settings are relative to the preset's default until session J -- UniPC, guidance 3, the
+    # scheduler config's shift 3 -- and flow-euler is the deterministic one (the preset's
+    # stochastic_sampling option is turned off for this deployment)
+    rt = Runtime.from_model("wan-demo", policies={"sampler": "unipc",
+                                                  "sampler_options": {"flow-euler": {"stochastic_sampling": False}}})
     for name in names:
         over, t0, rows = SETTINGS[name], time.perf_counter(), []
         for prompt, seed in clips:
-            req: dict = {"task": "t2v", "prompt": prompt, "diffusion": {"seed": seed, "steps": 20, **over.get("diffusion", {})}}
+            req: dict = {"task": "t2v", "prompt": prompt,
+                         "diffusion": {"seed": seed, "steps": 20, "guidance_scale": 3.0, "shift": 3.0, **over.get("diffusion", {})}}
             if "denoise" in over:
                 req["node_params"] = {"denoise": over["denoise"]}
             out = rt.generate(req)

@@ -5,8 +5,8 @@ the omniloop runtime (what a user gets from ``omniloop generate``):
 
 Eight prompts (every 13th of ``full_prompts()``: each shape and each direction twice, every colour),
 seed 0, one row per prompt, frames 0/4/8/12/16 of the clip; left block ``wan-demo`` (v2, its
-defaults: 20 UniPC steps, guidance 3), right block ``wan-demo-fast`` (4 few-step steps, guidance
-1). The layout of the GPU training run's ``preview.png`` (``training/v2.py`` eval phase), whose
+defaults: 20 stochastic flow-Euler steps, guidance 2, shift 5), right block ``wan-demo-fast`` (4
+few-step steps, guidance 1). The layout of the GPU training run's ``preview.png`` (``training/v2.py`` eval phase), whose
 prompts all move left.
 Prints the prompts and the detector's verdict per clip.
 """

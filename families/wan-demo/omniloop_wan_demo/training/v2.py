@@ -42,10 +42,14 @@ Phases (in this order, each skipped unless named in ``--phases``):
     (guidance baked in: it runs at guidance 1.0, one forward per step).
 ``eval``
     On the GPU with W1's detector (color / direction / shape, and ghost-free clips): v2's
-    ``--eval-v2`` runs (UniPC steps / CFG) and wan-demo-fast with the few-step sampler at its 4
+    ``--eval-v2`` runs (``STEPS/CFG[/SHIFT][@SAMPLER]``: UniPC through diffusers' WanPipeline, or
+    ``@euler`` / ``@euler-sde`` -- the runtime's ``flow-euler`` sampler without / with
+    ``stochastic_sampling``, the preset's default since session J -- through
+    :class:`.sampling.FlowEulerGenerator`) and wan-demo-fast with the few-step sampler at its 4
     timesteps, guidance 1 (this session's student, ``--resume``'s ``fast.tar``, or with ``--resume
-    package`` the shipped one), on ``full_prompts() x --eval-seeds`` (96 prompts x 4 seeds = 384
-    clips by default).
+    package`` the shipped one; ``--no-fast-eval`` skips it), on ``full_prompts() x --eval-seeds``
+    (96 prompts x 4 seeds = 384 clips by default; ``0-15`` = 16 seeds). Each run records its
+    duplicate objects (a ghost in >= 8 frames) in all and per seed.
 
 Files written to ``--out`` (the run tool returns at most 8 files of <= 16 MiB, two folders deep):
 ``pipeline.tar`` (v2, diffusers format, fp16 EMA weights), ``raw-0.safetensors`` (raw weights,
