@@ -156,3 +156,17 @@ def test_the_step_scheduler_batches_wan_requests(wan_runtime, t2v_request):
     assert batched and max(len(d.request_ids) for d in batched) == 4
     assert_close_to_alone(outs, alone)
 
+
+
+def test_stochastic_sampler_batches_with_each_requests_own_noise(wan_runtime, t2v_request):
+    """flow-euler with ``stochastic_sampling`` (wan-demo's default) draws fresh noise at every step
+    from each request's generator: batched steps give each request the clip it gets alone."""
+    sde = {"sampler": "flow-euler", "sampler_options": {"flow-euler": {"stochastic_sampling": True}}}
+    rt = wan_runtime("t2v", policies=sde)
+    reqs = requests(t2v_request, steps=4)
+    alone = [rt.generate(r) for r in reqs]
+    outs, batched = run_batched(rt, reqs)
+    assert batched == 3
+    assert_close_to_alone(outs, alone)
+    ode = wan_runtime("t2v", policies={"sampler": "flow-euler"}).generate(reqs[0])
+    assert (ode.artifacts["latents"].tensor - alone[0].artifacts["latents"].tensor).abs().max() > 1e-2
