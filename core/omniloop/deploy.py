@@ -144,6 +144,9 @@ class DeployConfig:
     models: dict[str, RoleModelConfig] = attrs.Factory(dict)
     #: the composed pipeline's node options by node, e.g. {upsample: {instruction: ..., max_tokens: 120}}
     pipeline_options: dict[str, Any] = attrs.Factory(dict)
+    #: front-end aliases for ComfyUI workflows (omniloop-comfyui checks them):
+    #: ``{models: {FILE_NAME: MODEL_NAME}, loras: {FILE_NAME: ADAPTER_NAME}}``
+    comfyui: dict[str, Any] = attrs.Factory(dict)
 
     def with_model(self, **changes: Any) -> DeployConfig:
         return attrs.evolve(self, model=attrs.evolve(self.model, **changes))
