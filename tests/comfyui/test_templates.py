@@ -1,0 +1,110 @@
+"""ComfyUI's own templates (from its PyPI package), compiled onto tiny checkpoints and run: the
+compiled request's output equals the native request with the same seed and settings, and the file
+the compiled SaveImage / SaveVideo writes holds exactly those pixels.
+
+Widget values the tests change (the graphs stay the templates'): sizes, lengths and step counts
+(tiny models), and where the template's sampler has no same-math omniloop sampler (the Wan
+template's ``uni_pc``/``simple``, SD3.5's ``euler``/``sgm_uniform``) the test sets ``euler``/
+``normal`` — and first asserts the template as published is refused with a node error naming it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from omniloop.runtime import Runtime
+from omniloop_comfyui import Target, WorkflowError, compile_workflow
+from omniloop_comfyui.save import write_job_outputs
+
+
+def _runtime(path, manager, aliases):
+    return Runtime.from_model(path, device="cpu", dtype="float32", manager=manager, comfyui={"models": aliases})
+
+
+def _run(rt, request):
+    out = rt.generate(request)
+    assert out.ok, out.error
+    return out
+
+
+def _png(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return torch.from_numpy(np.asarray(im.convert("RGB")).copy()), dict(im.info)
+
+
+def test_flux_schnell_template(tiny, templates, widgets, family_manager, tmp_path):
+    ckpt = tiny("flux", "schnell")
+    rt = _runtime(ckpt, family_manager("flux"), {"flux1-schnell-fp8.safetensors": ckpt.name})
+    wf = widgets(templates("flux_schnell"), 27, width=64, height=64)  # EmptySD3LatentImage; 4 steps, euler/simple kept
+    compiled = compile_workflow(wf, Target.from_runtime(rt, model=ckpt.name))
+    (job,) = compiled.jobs
+    prompt = next(n for n in wf["nodes"] if n["id"] == 6)["widgets_values"][0]
+    native = {"task": "t2i", "inputs": [{"type": "text", "text": prompt, "role": "prompt"}],
+              "diffusion": {"seed": 173805153958730, "steps": 4, "width": 64, "height": 64, "shift": math.e},
+              "node_params": {"denoise": {"sampler": "flow-euler", "cfg": "embedded"}}}
+    got, want = _run(rt, job.request), _run(rt, native)
+    assert torch.equal(got.artifacts["image"].pixels, want.artifacts["image"].pixels)
+    files = write_job_outputs(job, got, tmp_path, prompt=compiled.prompt, extra_pnginfo={"workflow": wf})
+    (entry,) = files["9"]["images"]
+    assert entry == {"filename": "ComfyUI_00001_.png", "subfolder": "", "type": "output"}
+    pixels, info = _png(tmp_path / entry["filename"])
+    assert torch.equal(pixels, want.artifacts["image"].pixels)
+    assert "prompt" in info and "workflow" in info
+
+
+def test_sd3_template(tiny, templates, widgets, family_manager, tmp_path):
+    wf = templates("sd3.5_simple_example")
+    with pytest.raises(WorkflowError) as exc:  # as published: euler / sgm_uniform has no same-math sampler
+        compile_workflow(wf)
+    assert "sgm_uniform" in exc.value.node_errors["3"]["errors"][0]["message"]
+    ckpt = tiny("sd3", "sd35-medium")
+    rt = _runtime(ckpt, family_manager("sd3"), {"sd3.5_large_fp8_scaled.safetensors": ckpt.name})
+    wf = widgets(wf, 53, width=64, height=64)
+    wf = widgets(wf, 3, steps=3, scheduler="normal")
+    compiled = compile_workflow(wf, Target.from_runtime(rt, model=ckpt.name))
+    (job,) = compiled.jobs
+    prompt = next(n for n in wf["nodes"] if n["id"] == 16)["widgets_values"][0]
+    native = {"task": "t2i", "inputs": [{"type": "text", "text": prompt, "role": "prompt"}],
+              "diffusion": {"seed": 585483408983215, "steps": 3, "width": 64, "height": 64, "shift": 3.0,
+                            "guidance_scale": 4.01},
+              "node_params": {"denoise": {"sampler": "flow-euler"}}}
+    got, want = _run(rt, job.request), _run(rt, native)
+    assert torch.equal(got.artifacts["image"].pixels, want.artifacts["image"].pixels)
+    files = write_job_outputs(job, got, tmp_path, prompt=compiled.prompt)
+    pixels, _ = _png(tmp_path / files["9"]["images"][0]["filename"])
+    assert torch.equal(pixels, want.artifacts["image"].pixels)
+
+
+def test_wan_t2v_template(tiny, templates, widgets, family_manager, tmp_path):
+    wf = templates("text_to_video_wan")
+    with pytest.raises(WorkflowError) as exc:  # as published: uni_pc / simple has no same-math sampler
+        compile_workflow(wf)
+    assert "uni_pc" in exc.value.node_errors["3"]["errors"][0]["message"]
+    ckpt = tiny("wan", "t2v")
+    aliases = {"wan2.1_t2v_1.3B_fp16.safetensors": ckpt.name, "umt5_xxl_fp8_e4m3fn_scaled.safetensors": ckpt.name,
+               "wan_2.1_vae.safetensors": ckpt.name}
+    rt = _runtime(ckpt, family_manager("wan"), aliases)
+    wf = widgets(wf, 40, width=32, height=32, length=5)  # EmptyHunyuanLatentVideo
+    wf = widgets(wf, 3, steps=2, sampler_name="euler", scheduler="normal")
+    compiled = compile_workflow(wf, Target.from_runtime(rt, model=ckpt.name))
+    (job,) = compiled.jobs
+    text = {n["id"]: n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "CLIPTextEncode"}
+    native = {"task": "t2v", "inputs": [{"type": "text", "text": text[6], "role": "prompt"},
+                                        {"type": "text", "text": text[7], "role": "negative_prompt"}],
+              "diffusion": {"seed": 82628696717253, "steps": 2, "width": 32, "height": 32, "frames": 5, "shift": 8.0,
+                            "guidance_scale": 6.0, "fps": 16.0},
+              "node_params": {"denoise": {"sampler": "flow-euler"}}}
+    assert job.request == native
+    got, want = _run(rt, job.request), _run(rt, native)
+    assert torch.equal(got.artifacts["video"].frames, want.artifacts["video"].frames)
+    files = write_job_outputs(job, got, tmp_path)
+    (entry,) = files["50"]["images"]
+    assert entry["subfolder"] == "video" and entry["filename"] == "ComfyUI_00001_.mp4"
+    assert files["50"]["animated"] == [True]
+    assert (tmp_path / "video" / entry["filename"]).stat().st_size > 0
