@@ -65,7 +65,7 @@ $(VPY):
 $(STAMP): $(VPY) $(PYPROJECTS) Makefile $(FORCE_INSTALL)
 	@echo "==> installing torch first ($(TORCH)), then $(words $(PACKAGES)) packages into $(VENV)"
 	$(PIP) install -q "$(TORCH)" "setuptools>=68" wheel
-	$(PIP) install -q --no-build-isolation $(EDITABLES) pytest hypothesis openai peft openapi-spec-validator "triton>=3.4,<4" "comfyui-workflow-templates-json>=0.1.100"
+	$(PIP) install -q --no-build-isolation $(EDITABLES) pytest hypothesis openai peft openapi-spec-validator "triton>=3.4,<4" "comfyui-workflow-templates-json>=0.1.100" "comfy-api-simplified>=1.6,<2"
 	@$(VPY) -c "import torch; print('torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
 	@echo "$(PACKAGES)" > $(STAMP)
 

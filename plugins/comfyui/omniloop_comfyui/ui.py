@@ -182,8 +182,7 @@ def to_api_format(workflow: dict[str, Any]) -> dict[str, Any]:
                     inputs[i.name] = value
         else:
             inputs = dict(linked)
-        entry: dict[str, Any] = {"class_type": node["type"], "inputs": inputs}
-        if node.get("title"):
-            entry["_meta"] = {"title": node["title"]}
+        entry: dict[str, Any] = {"class_type": node["type"], "inputs": inputs,
+                                 "_meta": {"title": node.get("title") or node["type"]}}  # as ComfyUI exports
         prompt[nid] = entry
     return prompt

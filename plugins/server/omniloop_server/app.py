@@ -42,7 +42,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, Queu
 from .bodies import MappedBody, check_tree, form_to_body, map_image_body, map_video_body, parse_json, show
 from .body_schema import InvalidBody
 from .chat import text_routes
+from .extensions import mount
 from .images import base_url, image_edit_routes, images_response
 from .jobs import Job, JobStore
 from .metrics import render_metrics
@@ -259,12 +260,15 @@ def create_app(
     max_finished_jobs: int = 1000,
     shutdown_timeout: float = 30.0,
     poll_after_ms: int = 500,
+    route_extensions: Mapping[str, Any] | None = None,
 ) -> Starlette:
     """A Starlette app serving ``runtime`` through an :class:`AsyncEngine` started with the app.
 
     ``app.state.omniloop`` is the :class:`ServerState`. ``shutdown_timeout``: seconds in-flight jobs
     may still finish when the server stops (then they are cancelled). ``poll_after_ms``: the
-    ``openai-poll-after-ms`` hint the SDK's ``poll()`` follows.
+    ``openai-poll-after-ms`` hint the SDK's ``poll()`` follows. ``route_extensions``: ``{name:
+    routes(api)}`` mounted after the built-in routes (:mod:`.extensions`; ``omniloop serve`` passes
+    the installed ones).
     """
     refuse_in_process(runtime.deploy)
     sched = scheduler or (runtime.deploy.scheduler if runtime.deploy.scheduler in ("step", "serial") else "step")
@@ -606,6 +610,7 @@ def create_app(
     api = _Helpers(state=state, engine=engine, read_request_body=read_request_body, submit=submit,
                    translate=translate, closed=closed)
     routes += [*text_routes(api), *image_edit_routes(api), *video_stream_routes(api)]
+    routes = mount(routes, route_extensions, api)  # plugins' routes (omniloop.server_routes)
     app = _App(routes=routes, lifespan=lifespan,
                exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.omniloop = state

@@ -37,6 +37,11 @@ def run_server(app: Any, host: str, port: int, log_level: str, shutdown_timeout:
 def make_serve_command(manager: Any = None) -> click.Command:
     """The ``serve`` command; ``manager`` (a PluginManager) is for tests, default: installed plugins."""
 
+    from .extensions import installed
+    from .extensions import load as load_extensions
+
+    extension_names = sorted(installed())
+
     @click.command("serve")
     @click.option("--deploy", "deploy_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
                   help="Deploy file (.yaml, .toml, .json): model, device, scheduler, plugins, limits.")
@@ -52,7 +57,7 @@ def make_serve_command(manager: Any = None) -> click.Command:
                   help="On SIGTERM/SIGINT: seconds running jobs may still finish before they are cancelled "
                        "(new jobs get 503 at once; every job's final state goes to OUTPUT_DIR/jobs.jsonl).")
     def serve(deploy_path: Path, host: str, port: int, output_dir: Path | None, scheduler: str | None, log_level: str,
-              shutdown_timeout: float) -> None:
+              shutdown_timeout: float, **no_extension: bool) -> None:
         """Serve a deployment over an OpenAI-style HTTP API (videos, images, models, health, metrics).
 
         SIGTERM (or Ctrl-C): stop admitting jobs, let running ones finish for --shutdown-timeout
@@ -66,11 +71,21 @@ def make_serve_command(manager: Any = None) -> click.Command:
 
             check_in_process(load_deploy(deploy_path), "omniloop serve")  # before any weights load
             runtime = Runtime.from_deploy(deploy_path, manager=manager)
-            app = create_app(runtime, output_dir=output_dir, scheduler=scheduler, shutdown_timeout=shutdown_timeout)
+            disabled = {name for name in extension_names if no_extension.get(_flag(name))}
+            app = create_app(runtime, output_dir=output_dir, scheduler=scheduler, shutdown_timeout=shutdown_timeout,
+                             route_extensions=load_extensions(disabled))
         except OmniloopError as exc:
             raise click.ClickException(str(exc)) from None
         click.echo(f"omniloop: serving {runtime.describe()['model']} on http://{host}:{port} "
                    f"(scheduler {app.state.omniloop.engine.scheduler}, outputs in {app.state.omniloop.jobs.output_dir})")
         run_server(app, host, port, log_level, shutdown_timeout)
 
+    # one --no-<name> flag per installed route extension (omniloop.server_routes), e.g. --no-comfyui
+    for name in extension_names:
+        serve = click.option(f"--no-{name}", _flag(name), is_flag=True, default=False,
+                             help=f"Do not mount the {name!r} routes (installed route extension).")(serve)
     return serve
+
+
+def _flag(name: str) -> str:
+    return "no_ext_" + "".join(ch if ch.isalnum() else "_" for ch in name)

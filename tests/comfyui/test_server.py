@@ -1,0 +1,156 @@
+"""ComfyUI's routes on a real server (uvicorn on loopback, a tiny FLUX.1 [schnell] checkpoint),
+driven by a ComfyUI client from PyPI (``comfy-api-simplified``: queue, follow the WebSocket to
+completion, fetch the image through /history + /view) and by raw HTTP for the error shapes."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from omniloop.runtime import Runtime
+from omniloop_comfyui.routes import comfyui_routes
+from omniloop_comfyui.ui import to_api_format
+from omniloop_server.app import create_app
+from omniloop_server.testing import serving
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    from omniloop.testing import make_manager
+    import omniloop_flux.plugin as flux_plugin
+    import omniloop_scheduler.plugin as sched_plugin
+
+    ckpt = tiny("flux", "schnell")
+    rt = Runtime.from_model(ckpt, device="cpu", dtype="float32", scheduler="step",
+                            manager=make_manager(("flux", flux_plugin), ("scheduler", sched_plugin), toy=False,
+                                                 scheduler=False),
+                            comfyui={"models": {"flux1-schnell-fp8.safetensors": ckpt.name}})
+    out = tmp_path_factory.mktemp("comfy-out")
+    app = create_app(rt, output_dir=out, route_extensions={"comfyui": comfyui_routes})
+    with serving(app) as url:
+        yield url, rt, out
+
+
+def _workflow(templates, widgets):
+    wf = widgets(templates("flux_schnell"), 27, width=64, height=64)
+    return to_api_format(wf)
+
+
+def test_client_queues_follows_ws_and_fetches(server, templates, widgets):
+    api = pytest.importorskip("comfy_api_simplified")
+    url, rt, out = server
+    prompt = api.ComfyWorkflowWrapper(_workflow(templates, widgets))
+    prompt.set_node_param("KSampler", "seed", 11)
+    client = api.ComfyApiWrapper(url)
+    files = client.queue_and_wait_images(prompt, "SaveImage")
+    (name, data), = files.items()
+    assert name.endswith("_.png")
+    from PIL import Image
+
+    pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).copy())
+    native = rt.generate({"task": "t2i", "inputs": [{"type": "text", "text": prompt["6"]["inputs"]["text"]}],
+                          "diffusion": {"seed": 11, "steps": 4, "width": 64, "height": 64, "shift": float(np.e)},
+                          "node_params": {"denoise": {"sampler": "flow-euler"}}})
+    assert torch.equal(pixels, native.artifacts["image"].pixels)
+    assert client.get_queue() == {"queue_running": [], "queue_pending": []}
+    info = client.get_object_info("KSampler")
+    assert "euler" in info["KSampler"]["input"]["required"]["sampler_name"][0]
+
+
+def test_ws_messages(server, templates, widgets):
+    import asyncio
+
+    import websockets
+
+    url, _, _ = server
+    prompt = _workflow(templates, widgets)
+
+    async def go():
+        async with websockets.connect(url.replace("http", "ws") + "/ws?clientId=abc") as ws:
+            first = json.loads(await ws.recv())
+            assert first["type"] == "status" and first["data"]["sid"] == "abc"
+            async with httpx.AsyncClient() as c:
+                r = await c.post(f"{url}/prompt", json={"prompt": prompt, "client_id": "abc"})
+            assert r.status_code == 200, r.text
+            pid = r.json()["prompt_id"]
+            seen = []
+            while True:
+                m = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                seen.append(m)
+                if m["type"] == "execution_success":
+                    break
+            return pid, seen
+
+    pid, seen = asyncio.run(go())
+    types = [m["type"] for m in seen]
+    for t in ("execution_start", "executing", "progress", "executed", "execution_success"):
+        assert t in types
+    done = [m for m in seen if m["type"] == "executing" and m["data"]["node"] is None]
+    assert done and done[0]["data"]["prompt_id"] == pid
+    executed = next(m for m in seen if m["type"] == "executed")["data"]
+    assert executed["node"] == "9" and executed["output"]["images"][0]["type"] == "output"
+    hist = httpx.get(f"{url}/history/{pid}").json()
+    assert hist[pid]["status"]["completed"] is True
+    img = hist[pid]["outputs"]["9"]["images"][0]
+    r = httpx.get(f"{url}/view", params=img)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+
+
+def _post(url, prompt):
+    return httpx.post(f"{url}/prompt", json={"prompt": prompt})
+
+
+def test_error_shapes(server, templates, widgets):
+    url, _, _ = server
+    base = _workflow(templates, widgets)
+
+    r = _post(url, {**base, "99": {"class_type": "NoSuchNode", "inputs": {}}})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["error"]["type"] == "missing_node_type" and body["error"]["extra_info"]["node_id"] == "99"
+
+    bad = json.loads(json.dumps(base))
+    bad["31"]["inputs"]["steps"] = 0
+    bad["31"]["inputs"]["sampler_name"] = "nope"
+    bad["9"]["inputs"]["filename_prefix"] = "../../etc/x"
+    r = _post(url, bad)
+    assert r.status_code == 400
+    ne = r.json()["node_errors"]
+    assert r.json()["error"]["type"] == "prompt_outputs_failed_validation"
+    assert {e["type"] for e in ne["31"]["errors"]} == {"value_smaller_than_min", "value_not_in_list"}
+    assert ne["31"]["class_type"] == "KSampler"
+
+    cyc = json.loads(json.dumps(base))
+    cyc["30"]["inputs"]["ckpt_name"] = ["8", 0]  # a link into a widget: wrong type
+    cyc["8"]["inputs"]["samples"] = ["31", 0]
+    cyc["31"]["inputs"]["latent_image"] = ["8", 0]  # 8 -> 31 -> 8
+    r = _post(url, cyc)
+    assert r.status_code == 400 and "dependency_cycle" in json.dumps(r.json())
+
+    dang = json.loads(json.dumps(base))
+    dang["8"]["inputs"]["vae"] = ["404", 2]
+    r = _post(url, dang)
+    assert r.status_code == 400 and r.json()["node_errors"]["8"]["errors"][0]["type"] == "dangling_link"
+
+    wrong = json.loads(json.dumps(base))
+    wrong["30"]["inputs"]["ckpt_name"] = "other-model.safetensors"
+    r = _post(url, wrong)
+    assert r.status_code == 400
+    err = r.json()["node_errors"]["30"]["errors"][0]
+    assert err["extra_info"]["input_name"] == "ckpt_name"
+
+    for body in (b"{", b"[]", json.dumps({"prompt": []}).encode(), json.dumps({"prompt": {"1": 3}}).encode()):
+        r = httpx.post(f"{url}/prompt", content=body)
+        assert r.status_code == 400, body
+
+    for params in ({"filename": "../jobs.jsonl"}, {"filename": "x.png", "subfolder": "../.."},
+                   {"filename": "/etc/passwd"}, {"filename": "a.png", "type": "secret"}):
+        r = httpx.get(f"{url}/view", params=params)
+        assert r.status_code in (400, 404), params
+    assert httpx.get(f"{url}/view", params={"filename": "missing.png"}).status_code == 404
+    assert httpx.post(f"{url}/interrupt").status_code == 200
