@@ -587,10 +587,10 @@ class _Compiler:
 
     def n_LoraLoader(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
         name = self.lora(nid, ins["lora_name"])
+        # strength_clip scales a LoRA file's text-encoder weights; omniloop's families adapt the
+        # denoiser only and the core refuses, at deploy load, an adapter file with any other keys
+        # (omniloop.adapters), so a served adapter has no text-encoder weights for it to scale
         sm, sc = ins["strength_model"], ins["strength_clip"]
-        if sm != sc:
-            self.fail(nid, f"strength_clip {sc} differs from strength_model {sm}: an omniloop adapter has one scale for "
-                      "every component it targets; set them equal (or use LoraLoaderModelOnly)", "strength_clip")
         m: ModelV = ins["model"]
         c: ClipV = ins["clip"]
         return (ModelV(m.family, m.loaders, m.file, m.shift, m.flux_sampling, (*m.loras, (name, sm))),
@@ -909,8 +909,6 @@ class _Compiler:
             p2, n2 = self.samplers[c]["positive"], self.samplers[c]["negative"]
             if (p2.text, n2.text, p2.zero, n2.zero) != (pos.text, neg.text, pos.zero, neg.zero):
                 self.fail(c, "the two experts' prompts differ", "positive")
-        if pos.clip_loras != m.loras and pos.clip_loras:
-            self.fail(chain[0], "the text encoder's LoRA chain differs from the model's", "positive")
         # -- the two-expert split ------------------------------------------------------------------------
         if len(chain) == 2:
             self.experts(chain, models, steps, d)
