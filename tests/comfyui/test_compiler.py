@@ -306,3 +306,83 @@ def test_saved_files_like_comfyui(tmp_path):
             im.seek(i)
             got.append(np.asarray(im.convert("RGB")))
     assert np.array_equal(np.stack(got), frames.numpy())  # lossless honoured
+
+
+def test_wan_image_to_video(tiny, family_manager, tmp_path):
+    ckpt = tiny("wan", "i2v")
+    aliases = {"wan_i2v.safetensors": ckpt.name, "te.safetensors": ckpt.name, "vae.safetensors": ckpt.name,
+               "clip_vision_h.safetensors": ckpt.name}
+    rt = Runtime.from_model(ckpt, device="cpu", dtype="float32", manager=family_manager("wan"),
+                            comfyui={"models": aliases})
+    (tmp_path / "in").mkdir()
+    data = _png_b64(32, 32, seed=1)
+    (tmp_path / "in" / "start.png").write_bytes(data)
+    g = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "wan_i2v.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": "te.safetensors", "type": "wan"}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "a fox turns", "clip": ["2", 0]}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"text": "static", "clip": ["2", 0]}},
+        "5": {"class_type": "VAELoader", "inputs": {"vae_name": "vae.safetensors"}},
+        "6": {"class_type": "LoadImage", "inputs": {"image": "start.png"}},
+        "7": {"class_type": "CLIPVisionLoader", "inputs": {"clip_name": "clip_vision_h.safetensors"}},
+        "8": {"class_type": "CLIPVisionEncode", "inputs": {"clip_vision": ["7", 0], "image": ["6", 0], "crop": "none"}},
+        "9": {"class_type": "WanImageToVideo", "inputs": {"positive": ["3", 0], "negative": ["4", 0], "vae": ["5", 0],
+                                                          "width": 32, "height": 32, "length": 5, "batch_size": 1,
+                                                          "clip_vision_output": ["8", 0], "start_image": ["6", 0]}},
+        "10": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "seed": 4, "steps": 2, "cfg": 5.0,
+                                                    "sampler_name": "euler", "scheduler": "normal", "positive": ["9", 0],
+                                                    "negative": ["9", 1], "latent_image": ["9", 2], "denoise": 1.0}},
+        "11": {"class_type": "VAEDecode", "inputs": {"samples": ["10", 0], "vae": ["5", 0]}},
+        "12": {"class_type": "CreateVideo", "inputs": {"images": ["11", 0], "fps": 16.0}},
+        "13": {"class_type": "SaveVideo", "inputs": {"video": ["12", 0], "filename_prefix": "video/fox", "format": "auto",
+                                                     "codec": "auto"}},
+        "14": {"class_type": "SaveWEBM", "inputs": {"images": ["11", 0], "filename_prefix": "fox", "codec": "vp9",
+                                                    "fps": 16.0, "crf": 32.0}},
+    }
+    t = Target.from_runtime(rt, model=ckpt.name, input_dir=tmp_path / "in")
+    (job,) = compile_workflow(g, t).jobs
+    native = {"task": "i2v", "inputs": [{"type": "text", "text": "a fox turns", "role": "prompt"},
+                                        {"type": "image", "data_b64": base64.b64encode(data).decode(), "role": "first_frame"},
+                                        {"type": "text", "text": "static", "role": "negative_prompt"}],
+              "diffusion": {"seed": 4, "steps": 2, "width": 32, "height": 32, "frames": 5, "shift": 8.0,
+                            "guidance_scale": 5.0, "fps": 16.0},
+              "node_params": {"denoise": {"sampler": "flow-euler"}}}
+    assert job.request == native
+    a, b = rt.generate(job.request), rt.generate(native)
+    assert a.ok and torch.equal(a.artifacts["video"].frames, b.artifacts["video"].frames)
+    from omniloop_comfyui.save import write_job_outputs
+
+    files = write_job_outputs(job, a, tmp_path / "out")
+    assert files["13"]["images"][0]["filename"] == "fox_00001_.mp4" and files["13"]["images"][0]["subfolder"] == "video"
+    webm = tmp_path / "out" / files["14"]["images"][0]["filename"]
+    import av
+
+    with av.open(str(webm)) as c:
+        assert c.streams.video[0].codec_context.name in ("vp9", "libvpx-vp9") and len(list(c.decode(video=0))) == 5
+
+
+def test_second_pass_on_the_first_jobs_image(tiny, family_manager):
+    """t2i, then img2img on its decoded image: two requests, the second fed the first's output."""
+    ckpt = tiny("flux", "schnell")
+    rt = Runtime.from_model(ckpt, device="cpu", dtype="float32", manager=family_manager("flux"))
+    g = flux_graph(steps=2)
+    g["1"]["inputs"]["ckpt_name"] = ckpt.name
+    del g["7"]  # the first image is not saved: only the second pass needs it
+    g["20"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["6", 0], "vae": ["1", 2]}}
+    g["21"] = {"class_type": "KSampler", "inputs": {**g["5"]["inputs"], "latent_image": ["20", 0], "denoise": 0.5,
+                                                    "seed": 8}}
+    g["22"] = {"class_type": "VAEDecode", "inputs": {"samples": ["21", 0], "vae": ["1", 2]}}
+    g["23"] = {"class_type": "SaveImage", "inputs": {"images": ["22", 0], "filename_prefix": "second"}}
+    first, second = compile_workflow(g, Target.from_runtime(rt, model=ckpt.name)).jobs
+    assert (first.key, second.key, first.saves, second.inputs_from) == ("5", "21", [], {1: "5"})
+    a = rt.generate(first.ready({}))
+    b = rt.generate(second.ready({"5": a}))
+    buf = io.BytesIO()
+    from PIL import Image
+
+    Image.fromarray(a.artifacts["image"].pixels.numpy()).save(buf, format="PNG")
+    native = {"task": "i2i", "inputs": [{"type": "text", "text": "a red fox"},
+                                        {"type": "image", "data_b64": base64.b64encode(buf.getvalue()).decode()}],
+              "diffusion": {"seed": 8, "steps": 4, "width": 64, "height": 64, "shift": math.e},
+              "node_params": {"denoise": {"sampler": "flow-euler", "strength": 0.5}}}
+    assert b.ok and torch.equal(b.artifacts["image"].pixels, rt.generate(native).artifacts["image"].pixels)

@@ -256,6 +256,37 @@ class CompiledJob:
     saves: list[SaveSpec] = field(factory=list)
     #: the workflow's nodes this job stands for (for ComfyUI's ``executing`` messages)
     nodes: list[str] = field(factory=list)
+    #: data flow between jobs: ``{index in request["inputs"]: key of the job whose image feeds it}``;
+    #: the part's ``data_b64`` is ``FROM_JOB + key`` until :func:`fill_inputs` puts that image there
+    inputs_from: dict[int, str] = field(factory=dict)
+
+    def ready(self, outputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The request with the images of earlier jobs (their outputs by key) filled in."""
+        return fill_inputs(self, outputs)
+
+
+#: the placeholder of an input image another job of the same prompt produces
+FROM_JOB = "@from-job:"
+
+
+def fill_inputs(job: CompiledJob, outputs: Mapping[str, Any]) -> dict[str, Any]:
+    """``job.request`` with each ``inputs_from`` part's image taken from the producing job's output
+    (an :class:`omniloop.request.OmniOutput` with an ``image`` artifact), as PNG data."""
+    if not job.inputs_from:
+        return job.request
+    import copy
+    import io
+
+    from PIL import Image
+
+    request = copy.deepcopy(job.request)
+    for index, key in job.inputs_from.items():
+        out = outputs[key]
+        pixels = out.artifacts["image"].pixels
+        buf = io.BytesIO()
+        Image.fromarray(pixels.numpy()).save(buf, format="PNG")
+        request["inputs"][index]["data_b64"] = base64.b64encode(buf.getvalue()).decode("ascii")
+    return request
 
 
 @define
@@ -510,7 +541,8 @@ class _Compiler:
             if nid not in self.report:
                 self.report[nid] = NodeReport(nid, self.class_of(nid), "ignored",
                                               "no output node needs it (ComfyUI does not run it either)")
-        jobs = [j for j in self.jobs.values() if j.saves]
+        needed = {k for j in self.jobs.values() if j.saves for k in j.inputs_from.values()}
+        jobs = [j for j in self.jobs.values() if j.saves or j.key in needed]  # creation order: producers first
         return CompiledPrompt(jobs=jobs, prompt=self.prompt, report=list(self.report.values()))
 
     def _node_errors(self) -> dict[str, dict[str, Any]]:
@@ -642,9 +674,14 @@ class _Compiler:
 
     def n_VAEEncode(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
         img: ImageV = ins["pixels"]
-        if img.kind != "loaded" or img.size is None:
-            self.fail(nid, "VAEEncode of a decoded image (a second pass on another request's output) is not supported yet",
-                      "pixels")
+        if img.kind == "decoded":  # another job's image: this one runs after it, on its output
+            producer = self.jobs[img.job]  # type: ignore[index]
+            if producer.request["task"] not in ("t2i", "i2i"):
+                self.fail(nid, "VAEEncode of a decoded video is not supported (a second pass takes an image)", "pixels")
+            w, h = producer.request["diffusion"]["width"], producer.request["diffusion"]["height"]
+            return (LatentV("encoded", w, h, None, 1, image=img),)
+        if img.size is None:
+            self.fail(nid, "VAEEncode needs an image from LoadImage or a VAEDecode", "pixels")
         w, h = img.size  # type: ignore[misc]
         return (LatentV("encoded", w, h, None, 1, image=img),)
 
@@ -763,7 +800,9 @@ class _Compiler:
         job = self.jobs.get(sampler_id)
         if job is None:
             request, nodes = self.build(sampler_id)
-            job = CompiledJob(key=sampler_id, request=request, nodes=nodes)
+            deps = {i: str(p["data_b64"])[len(FROM_JOB):] for i, p in enumerate(request["inputs"])
+                    if str(p.get("data_b64", "")).startswith(FROM_JOB)}
+            job = CompiledJob(key=sampler_id, request=request, nodes=nodes, inputs_from=deps)
             self.jobs[sampler_id] = job
         return job
 
@@ -854,7 +893,11 @@ class _Compiler:
                 strength = math.nextafter(strength, 1.0)
             d["steps"] = total
             dn["strength"] = strength
-            request["inputs"].append({"type": "image", "data_b64": lat.image.data_b64, "role": "image"})  # type: ignore[union-attr]
+            img = lat.image
+            if img is not None and img.kind == "decoded":
+                request["inputs"].append({"type": "image", "data_b64": FROM_JOB + str(img.job), "role": "image"})
+            else:
+                request["inputs"].append({"type": "image", "data_b64": img.data_b64, "role": "image"})  # type: ignore[union-attr]
         elif lat.kind == "wan_i2v":
             request["task"] = "i2v"
             if denoise != 1.0:

@@ -135,12 +135,13 @@ class ComfyState:
         messages: list[tuple[str, dict[str, Any]]] = [("execution_start", {"prompt_id": p.id, "timestamp": t0})]
         await self.send("execution_start", {"prompt_id": p.id, "timestamp": t0}, p.client)
         outputs: dict[str, Any] = {}
+        results: dict[str, Any] = {}  # job key -> its output (a later job may take its image)
         for job in p.compiled.jobs:
             if p.interrupted:
                 break
             await self.send("executing", {"node": job.key, "display_node": job.key, "prompt_id": p.id}, p.client)
             try:
-                handle = self.engine.submit(job.request)
+                handle = self.engine.submit(await asyncio.to_thread(job.ready, results))
             except Exception as exc:
                 await self._error(p, job.key, exc, messages, outputs)
                 return
@@ -159,8 +160,7 @@ class ComfyState:
                 await self._error(p, job.key, RuntimeError(out.error.message if out.error else "failed"), messages,
                                   outputs, type_=out.error.type if out.error else "RuntimeError")
                 return
-            from .save import write_job_outputs
-
+            results[job.key] = out
             for spec in job.saves:
                 await self.send("executing", {"node": spec.node_id, "display_node": spec.node_id, "prompt_id": p.id},
                                 p.client)
