@@ -31,11 +31,16 @@ def target_from_deploy(path: Path) -> Any:
     from omniloop.errors import OmniloopError
 
     from .compiler import Target
+    from .compiler import check_comfyui_section as check_section
 
     try:
         deploy = load_deploy(path)
     except OmniloopError as exc:
         _fail(str(exc))
+    try:
+        check_section(deploy.comfyui)
+    except ValueError as exc:
+        _fail(f"{path}: {exc}")
     m = deploy.model
     if m.path is None:
         _fail(f"{path}: model.path: `omniloop comfy` reads the checkpoint's configs; give the model's path")

@@ -224,14 +224,16 @@ def _write(job: Any, out: Any, folder: Path, temp: Path, p: _Prompt) -> dict[str
 
 def comfyui_routes(api: Any) -> list[BaseRoute]:
     """The routes (the server's ``omniloop.server_routes`` entry point ``comfyui``)."""
-    holder: dict[str, ComfyState] = {}
+    from omniloop.errors import DeployError
+
+    try:  # the deploy's comfyui section, checked when the app is built (before serving)
+        state = ComfyState(api)
+    except ValueError as exc:
+        raise DeployError(str(exc)) from None
 
     def comfy() -> ComfyState:
-        c = holder.get("c")
-        if c is None:
-            c = holder["c"] = ComfyState(api)
-        c.start()
-        return c
+        state.start()  # the queue worker, on the server's event loop
+        return state
 
     async def post_prompt(request: Request) -> Response:
         c = comfy()
