@@ -23,12 +23,14 @@ def template(name: str) -> dict[str, Any]:
     return json.loads((root / f"{name}.json").read_text(encoding="utf-8"))
 
 
-def set_widgets(workflow: dict[str, Any], node_id: int, **values: Any) -> dict[str, Any]:
-    """A copy of an editor workflow with some widget values of one node changed (by input name)."""
+def set_widgets(workflow: dict[str, Any], node_id: int, *, subgraph: int | None = None, **values: Any) -> dict[str, Any]:
+    """A copy of an editor workflow with some widget values of one node changed (by input name);
+    ``subgraph``: the node is inside the workflow's ``definitions.subgraphs[subgraph]``."""
     from omniloop_comfyui.nodes import SPECS
 
     wf = copy.deepcopy(workflow)
-    node = next(n for n in wf["nodes"] if n["id"] == node_id)
+    nodes = wf["nodes"] if subgraph is None else wf["definitions"]["subgraphs"][subgraph]["nodes"]
+    node = next(n for n in nodes if n["id"] == node_id)
     spec = SPECS[node["type"]]
     k = 0
     for i in spec.inputs:

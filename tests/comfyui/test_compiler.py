@@ -386,3 +386,35 @@ def test_second_pass_on_the_first_jobs_image(tiny, family_manager):
               "diffusion": {"seed": 8, "steps": 4, "width": 64, "height": 64, "shift": math.e},
               "node_params": {"denoise": {"sampler": "flow-euler", "strength": 0.5}}}
     assert b.ok and torch.equal(b.artifacts["image"].pixels, rt.generate(native).artifacts["image"].pixels)
+
+
+def test_math_expression_is_arithmetic_only():
+    from omniloop_comfyui.compiler import safe_math
+
+    assert safe_math("floor(a * b) + 1", {"a": 5.0, "b": 16.0}) == 81
+    assert safe_math("max(a, 2) ** 2 // 3", {"a": 1}) == 1
+    for bad in ("__import__('os')", "a.__class__", "[1][0]", "9 ** 9999", "1 / 0", "lambda: 1", "x", "'s'", "a if a else b",
+                "1e308 * 10"):
+        with pytest.raises(ValueError):
+            safe_math(bad, {"a": 1.0, "b": 2.0})
+
+
+def test_switch_compiles_only_the_selected_branch():
+    g = flux_graph()
+    g["30"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": "missing.safetensors",
+                                                               "strength_model": 1.0}}
+    g["31"] = {"class_type": "PrimitiveBoolean", "inputs": {"value": False}}
+    g["32"] = {"class_type": "ComfySwitchNode", "inputs": {"switch": ["31", 0], "on_false": ["1", 0], "on_true": ["30", 0]}}
+    g["33"] = {"class_type": "PrimitiveInt", "inputs": {"value": 2}}
+    g["34"] = {"class_type": "ComfyMathExpression", "inputs": {"expression": "a * 2", "values.a": ["33", 0]}}
+    g["5"]["inputs"].update(model=["32", 0], steps=["34", 1])
+    t = Target(model="m", family="flux", tasks=frozenset({"t2i"}), models={"flux1-schnell.safetensors": "m"},
+               guidance_embeds=False)
+    out = compile_workflow(g, t)
+    assert out.jobs[0].request["diffusion"]["steps"] == 4 and "adapters" not in out.jobs[0].request
+    assert {r.node_id: r.status for r in out.report}["30"] == "ignored"
+    g["31"]["inputs"]["value"] = True
+    assert "30" in errors_of(g, t).node_errors  # now selected: its unknown LoRA is an error
+    g["34"]["inputs"]["expression"] = "a * 'x'"
+    g["31"]["inputs"]["value"] = False
+    assert errors_of(g, t).node_errors["34"]["errors"][0]["extra_info"]["input_name"] == "expression"

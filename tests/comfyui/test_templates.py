@@ -108,3 +108,38 @@ def test_wan_t2v_template(tiny, templates, widgets, family_manager, tmp_path):
     assert entry["subfolder"] == "video" and entry["filename"] == "ComfyUI_00001_.mp4"
     assert files["50"]["animated"] == [True]
     assert (tmp_path / "video" / entry["filename"]).stat().st_size > 0
+
+
+def test_wan22_14b_t2v_template(tiny, templates, widgets, family_manager):
+    """ComfyUI's Wan 2.2 14B text-to-video template — a subgraph with primitive, switch and math
+    nodes and a high/low KSamplerAdvanced pair — as one two-expert request on a tiny Wan 2.2."""
+    from omniloop_comfyui.compiler import _switch_step
+
+    wf = templates("video_wan2_2_14B_t2v")
+    with pytest.raises(WorkflowError) as exc:  # as published: euler / simple on Wan's flow-euler spacing
+        compile_workflow(wf)
+    assert "euler/simple" in exc.value.summary()
+    ckpt = tiny("wan", "wan22")
+    names = ["wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors",
+             "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan_2.1_vae.safetensors"]
+    rt = _runtime(ckpt, family_manager("wan"), {n: ckpt.name for n in names})
+    target = Target.from_runtime(rt, model=ckpt.name)
+    steps = 6
+    k = _switch_step(target.scheduler, 5.0, steps, target.boundary_ratio)
+    wf = widgets(wf, 114, subgraph=0, value=steps)  # the steps primitive (20)
+    wf = widgets(wf, 115, subgraph=0, value=k)  # where the high-noise expert ends (10 of 20)
+    wf = widgets(wf, 126, subgraph=0, value=0.25)  # seconds: length = floor(0.25 * 16) + 1 = 5 frames
+    wf = widgets(wf, 74, subgraph=0, width=32, height=32)
+    for sampler in (81, 78):
+        wf = widgets(wf, sampler, subgraph=0, sampler_name="euler", scheduler="normal")
+    (job,) = compile_workflow(wf, target).jobs
+    text = {n["id"]: n["widgets_values"][0] for n in wf["definitions"]["subgraphs"][0]["nodes"]
+            if n["type"] == "CLIPTextEncode"}
+    native = {"task": "t2v", "inputs": [{"type": "text", "text": text[89], "role": "prompt"},
+                                        {"type": "text", "text": text[72], "role": "negative_prompt"}],
+              "diffusion": {"seed": 923510416338945, "steps": steps, "width": 32, "height": 32, "frames": 5,
+                            "shift": 5.000000000000001, "guidance_scale": 3.5, "fps": 16.0},
+              "node_params": {"denoise": {"sampler": "flow-euler", "guidance_scale_2": 3.5}}}
+    assert job.request == native
+    got, want = _run(rt, job.request), _run(rt, native)
+    assert torch.equal(got.artifacts["video"].frames, want.artifacts["video"].frames)

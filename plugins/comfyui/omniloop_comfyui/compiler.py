@@ -317,6 +317,8 @@ class _Compiler:
         self.jobs: dict[str, CompiledJob] = {}
         self.report: dict[str, NodeReport] = {}
         self.family = target.family
+        #: ComfySwitchNode id -> the input it selected
+        self.switch_choice: dict[str, str] = {}
 
     # -- errors ---------------------------------------------------------------------------------
     def err(self, nid: str, type_: str, message: str, input_name: str | None = None, **extra: Any) -> None:
@@ -429,7 +431,7 @@ class _Compiler:
                     ok = False
                     continue
                 got = src_spec.outputs[slot][0]
-                if i.widget or got != i.kind:
+                if not i.takes(got):
                     self.err(nid, "return_type_mismatch", f"Return type mismatch between linked nodes: {i.name}, "
                              f"received_type({got}) mismatch input_type({i.kind})", i.name,
                              received_type=got, linked_node=v)
@@ -439,7 +441,22 @@ class _Compiler:
                 if vals is None:
                     upstream_failed = True
                     continue
+                if i.widget:  # a value computed upstream (a primitive, a switch, a math node): checked as typed
+                    checked = self.widget(nid, i, vals[slot])
+                    if checked is _BAD:
+                        ok = False
+                    else:
+                        out[i.name] = checked
+                    continue
                 out[i.name] = vals[slot]
+                continue
+            if i.kind == "*":
+                if not isinstance(v, (int, float, str, bool)) or (isinstance(v, float) and not math.isfinite(v)):
+                    self.err(nid, "invalid_input_type", f"Input {i.name!r}: a link or a finite number, string or "
+                             f"boolean, got {show(v)}", i.name, received_value=_jsonable(v))
+                    ok = False
+                    continue
+                out[i.name] = v
                 continue
             if not i.widget:
                 self.err(nid, "invalid_input_type", f"Input {i.name!r} must be a link [node_id, output_index] to a {i.kind} output, "
@@ -520,6 +537,11 @@ class _Compiler:
             self.t = Target(guidance_embeds="schnell" not in names, input_dir=self.t.input_dir)
         order = self.order(outputs)
         for nid in order:
+            if self.class_of(nid) == "ComfySwitchNode":
+                self.values[nid] = self.switch(nid)
+                if self.values[nid] is not None:
+                    self.report[nid] = NodeReport(nid, "ComfySwitchNode", "mapped")
+                continue
             ins = self.inputs(nid)
             if ins is None:
                 self.values[nid] = None
@@ -535,15 +557,78 @@ class _Compiler:
             self.values[nid] = result
             if result is not None and nid not in self.report:
                 self.report[nid] = NodeReport(nid, ct, "mapped")
+        live = self.live(outputs)
+        for nid in list(self.errors):
+            if nid not in live:  # only on a branch no switch selects: ComfyUI would not run it either
+                del self.errors[nid]
         if self.errors:
             raise WorkflowError.from_nodes(self._node_errors())
         for nid in self.prompt:
+            if nid not in live:
+                self.report[nid] = NodeReport(nid, self.class_of(nid), "ignored", "on a branch no switch selects")
             if nid not in self.report:
                 self.report[nid] = NodeReport(nid, self.class_of(nid), "ignored",
                                               "no output node needs it (ComfyUI does not run it either)")
         needed = {k for j in self.jobs.values() if j.saves for k in j.inputs_from.values()}
-        jobs = [j for j in self.jobs.values() if j.saves or j.key in needed]  # creation order: producers first
+        jobs = [j for j in self.jobs.values() if (j.saves or j.key in needed) and j.key in live]  # producers first
         return CompiledPrompt(jobs=jobs, prompt=self.prompt, report=list(self.report.values()))
+
+    def switch(self, nid: str) -> tuple[Any, ...] | None:
+        """``ComfySwitchNode``: its switch value, then only the selected input (ComfyUI evaluates
+        the other lazily, i.e. never); errors of the unselected branch are dropped by :meth:`live`."""
+        spec = SPECS["ComfySwitchNode"]
+        raw = self.prompt[nid].get("inputs", {})
+        sw_in = spec.input("switch")
+        assert sw_in is not None
+        sw = raw.get("switch")
+        if sw is None:
+            self.err(nid, "required_input_missing", "Required input is missing", "switch")
+            return None
+        if _is_link(sw):
+            src = str(sw[0])
+            vals = self.values.get(src)
+            if src not in self.prompt or vals is None or not isinstance(sw[1], int) or not 0 <= sw[1] < len(vals):
+                if src not in self.prompt:
+                    self.err(nid, "dangling_link", f"Input 'switch' is linked to node {show(sw[0])}, which is not in the prompt",
+                             "switch")
+                return None
+            sw = vals[sw[1]]
+        if not isinstance(sw, bool):
+            self.err(nid, "invalid_input_type", f"switch must be a boolean, got {show(sw)}", "switch")
+            return None
+        name = "on_true" if sw else "on_false"
+        self.switch_choice[nid] = name
+        v = raw.get(name)
+        if v is None:
+            self.err(nid, "required_input_missing", f"the selected input {name} is missing", name)
+            return None
+        if _is_link(v):
+            src = str(v[0])
+            if src not in self.prompt:
+                self.err(nid, "dangling_link", f"Input {name!r} is linked to node {show(v[0])}, which is not in the prompt",
+                         name)
+                return None
+            vals = self.values.get(src)
+            if vals is None or not isinstance(v[1], int) or not 0 <= v[1] < len(vals):
+                return None
+            return (vals[v[1]],)
+        return (v,)
+
+    def live(self, outputs: list[str]) -> set[str]:
+        """The nodes the outputs need, following only the selected input of each switch."""
+        seen: set[str] = set()
+        stack = list(outputs)
+        while stack:
+            nid = stack.pop()
+            if nid in seen or nid not in self.prompt:
+                continue
+            seen.add(nid)
+            ins = self.prompt[nid].get("inputs", {})
+            names = list(ins)
+            if nid in self.switch_choice:
+                names = ["switch", self.switch_choice[nid]]
+            stack.extend(str(ins[n][0]) for n in names if _is_link(ins.get(n)))
+        return seen
 
     def _node_errors(self) -> dict[str, dict[str, Any]]:
         return {nid: {"errors": errs, "class_type": self.class_of(nid), "dependent_outputs": []}
@@ -656,6 +741,23 @@ class _Compiler:
         lat = LatentV("wan_i2v", ins["width"], ins["height"], _pixel_frames(ins["length"]), ins["batch_size"],
                       image=img, video=True)
         return (ins["positive"], ins["negative"], lat)
+
+    # -- values ----------------------------------------------------------------------------------
+    def n_PrimitiveInt(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
+        return (ins["value"],)
+
+    n_PrimitiveFloat = n_PrimitiveBoolean = n_PrimitiveString = n_PrimitiveStringMultiline = n_PrimitiveInt
+
+    def n_ComfyMathExpression(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
+        names = {k: ins.get(f"values.{k}") for k in ("a", "b", "c")}
+        for k, v in names.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                self.fail(nid, f"values.{k} must be a number, got {show(v)}", f"values.{k}", "invalid_input_type")
+        try:
+            value = safe_math(ins["expression"], {k: v for k, v in names.items() if v is not None})
+        except ValueError as exc:
+            self.fail(nid, f"expression: {exc}", "expression", "invalid_input_type")
+        return (float(value), int(value))
 
     # -- latents ---------------------------------------------------------------------------------
     def n_EmptyLatentImage(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
@@ -1045,6 +1147,61 @@ class _Compiler:
             self.fail(chain[0], f"end_at_step {k}: the checkpoint switches experts at boundary_ratio "
                       f"{t.boundary_ratio} (step {switch} of {steps} at shift {d['shift']}); set end_at_step {switch}",
                       "end_at_step")
+
+
+_MATH_FUNCS = {"floor": math.floor, "ceil": math.ceil, "round": round, "abs": abs, "min": min, "max": max,
+               "sqrt": math.sqrt, "int": int, "float": float}
+
+
+def safe_math(expression: str, names: dict[str, float]) -> float:
+    """Evaluate ComfyMathExpression's arithmetic without ``eval``: numbers, the names given,
+    ``+ - * / // % **`` (exponents up to 64), unary ``- +`` and :data:`_MATH_FUNCS`. ValueError else."""
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+    if len(expression) > 500:
+        raise ValueError("longer than 500 characters")
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {show(expression)}") from None
+
+    def ev(node: Any, depth: int = 0) -> Any:
+        if depth > 50:
+            raise ValueError("nested too deeply")
+        if isinstance(node, ast.Expression):
+            return ev(node.body, depth + 1)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in names:
+                raise ValueError(f"unknown name {node.id!r} (a, b, c are the inputs)")
+            return names[node.id]
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = ev(node.operand, depth + 1)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            a, b = ev(node.left, depth + 1), ev(node.right, depth + 1)
+            if isinstance(node.op, ast.Pow) and abs(b) > 64:
+                raise ValueError("exponents above 64 are refused")
+            try:
+                return ops[type(node.op)](a, b)
+            except (ZeroDivisionError, OverflowError) as exc:
+                raise ValueError(str(exc)) from None
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _MATH_FUNCS
+                and not node.keywords and 1 <= len(node.args) <= 4):
+            try:
+                return _MATH_FUNCS[node.func.id](*(ev(a, depth + 1) for a in node.args))
+            except (ValueError, OverflowError, TypeError) as exc:
+                raise ValueError(str(exc)) from None
+        raise ValueError(f"not allowed in an expression: {type(node).__name__}")
+
+    value = ev(tree)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"the result is not a finite number: {show(value)}")
+    return value
 
 
 def _switch_step(scheduler: dict[str, Any], shift: float, steps: int, ratio: float) -> int:

@@ -62,6 +62,15 @@ class In:
     def widget(self) -> bool:
         return self.kind in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 
+    def takes(self, link_type: str) -> bool:
+        """Whether an output of ``link_type`` may feed this input (``*``: any; a widget takes an
+        output of its own kind, an ``INT``/``FLOAT`` the other number kind; a combo a ``STRING`` or ``*``)."""
+        if self.kind == "*" or link_type == "*" or link_type == self.kind:
+            return True
+        if self.kind in ("INT", "FLOAT") and link_type in ("INT", "FLOAT"):
+            return True
+        return self.kind == "COMBO" and link_type == "STRING"
+
 
 @define(frozen=True)
 class NodeSpec:
@@ -191,14 +200,28 @@ SPECS: dict[str, NodeSpec] = {s.name: s for s in [
           [], "image/video", output_node=True),
     _spec("CreateVideo", [In("images", _I), _float("fps", 30.0, 1.0, 120.0, 1.0), In("audio", "AUDIO", optional=True)],
           [("VIDEO", "VIDEO")], "image/video"),
+    # -- values and logic (ComfyUI's core primitive, switch and math nodes) --------------------
+    _spec("PrimitiveInt", [_int("value", 0, -(2**63), 2**63 - 1, control_after_generate=True)], [("INT", "INT")],
+          "utils/primitive"),
+    _spec("PrimitiveFloat", [_float("value", 0.0, -1e300, 1e300)], [("FLOAT", "FLOAT")], "utils/primitive"),
+    _spec("PrimitiveBoolean", [In("value", "BOOLEAN", False)], [("BOOLEAN", "BOOLEAN")], "utils/primitive"),
+    _spec("PrimitiveString", [In("value", "STRING", "")], [("STRING", "STRING")], "utils/primitive"),
+    _spec("PrimitiveStringMultiline", [In("value", "STRING", "", multiline=True)], [("STRING", "STRING")],
+          "utils/primitive"),
+    _spec("ComfySwitchNode", [In("switch", "BOOLEAN", False), In("on_false", "*", optional=True),
+                              In("on_true", "*", optional=True)], [("*", "output")], "logic",
+          description="the on_true input when switch is true, else on_false; the other branch is not compiled"),
+    _spec("ComfyMathExpression", [In("expression", "STRING", "a + b"), In("values.a", "*", optional=True),
+                                  In("values.b", "*", optional=True), In("values.c", "*", optional=True)],
+          [("FLOAT", "FLOAT"), ("INT", "INT")], "utils",
+          description="arithmetic on a, b, c (+ - * / // % **, floor ceil round abs min max sqrt); nothing else"),
     _spec("SaveVideo", [In("video", "VIDEO"), In("filename_prefix", "STRING", "video/ComfyUI"),
                         _combo("format", ("auto", "mp4")), _combo("codec", ("auto", "h264"))],
           [], "image/video", output_node=True),
 ]}
 
 #: editor-only nodes: no inputs to compile (``Note``) or pass-throughs resolved by :mod:`.ui`
-UI_ONLY = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode", "PrimitiveString", "PrimitiveInt",
-                     "PrimitiveFloat", "PrimitiveBoolean", "PrimitiveStringMultiline"})
+UI_ONLY = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode"})
 
 
 def _schema(i: In, names: dict[str, list[str]]) -> list[Any]:

@@ -28,8 +28,9 @@ from .nodes import SPECS
 
 MUTED, BYPASSED = 2, 4
 PASS_THROUGH = frozenset({"Reroute"})
-PRIMITIVES = frozenset({"PrimitiveNode", "PrimitiveString", "PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean",
-                        "PrimitiveStringMultiline"})
+#: the editor's legacy primitive (its value is written into the inputs it feeds); ``PrimitiveInt``
+#: and friends are real nodes (:mod:`.nodes`)
+PRIMITIVES = frozenset({"PrimitiveNode"})
 NOTES = frozenset({"Note", "MarkdownNote"})
 #: nested subgraphs deeper than this are refused (a definition that contains itself)
 MAX_DEPTH = 16
