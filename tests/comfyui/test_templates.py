@@ -143,3 +143,45 @@ def test_wan22_14b_t2v_template(tiny, templates, widgets, family_manager):
     assert job.request == native
     got, want = _run(rt, job.request), _run(rt, native)
     assert torch.equal(got.artifacts["video"].frames, want.artifacts["video"].frames)
+
+
+def test_wan22_template_euler_simple_with_a_linear_deploy(tiny, templates, widgets, family_manager):
+    """A deploy that makes Wan's flow-euler linear (policies.sampler_options) serves ComfyUI's
+    euler/simple as published: the Wan 2.2 template's samplers unchanged."""
+    from omniloop_comfyui.compiler import _switch_step
+
+    ckpt = tiny("wan", "wan22")
+    names = ["wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors",
+             "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan_2.1_vae.safetensors"]
+    rt = Runtime.from_model(ckpt, device="cpu", dtype="float32", manager=family_manager("wan"),
+                            comfyui={"models": {n: ckpt.name for n in names}},
+                            policies={"sampler_options": {"flow-euler": {"sigma_schedule": "linear"}}})
+    target = Target.from_runtime(rt, model=ckpt.name)
+    assert target.flow_schedule == "linear"
+    import omniloop_wan.policies as wp
+
+    assert wp.menu_for(rt.model).samplers["flow-euler"].sigma_schedule == "linear"
+    steps = 8  # divides ComfyUI's 1000-entry table
+    k = _switch_step(target.scheduler, 5.0, steps, target.boundary_ratio, "linear")
+    wf = templates("video_wan2_2_14B_t2v")
+    wf = widgets(wf, 114, subgraph=0, value=steps)
+    wf = widgets(wf, 115, subgraph=0, value=k)
+    wf = widgets(wf, 126, subgraph=0, value=0.25)
+    wf = widgets(wf, 74, subgraph=0, width=32, height=32)
+    (job,) = compile_workflow(wf, target).jobs
+    assert job.request["node_params"]["denoise"]["sampler"] == "flow-euler"
+    text = {n["id"]: n["widgets_values"][0] for n in wf["definitions"]["subgraphs"][0]["nodes"]
+            if n["type"] == "CLIPTextEncode"}
+    native = {"task": "t2v", "inputs": [{"type": "text", "text": text[89], "role": "prompt"},
+                                        {"type": "text", "text": text[72], "role": "negative_prompt"}],
+              "diffusion": {"seed": 923510416338945, "steps": steps, "width": 32, "height": 32, "frames": 5,
+                            "shift": 5.000000000000001, "guidance_scale": 3.5, "fps": 16.0},
+              "node_params": {"denoise": {"sampler": "flow-euler", "guidance_scale_2": 3.5}}}
+    assert job.request == native
+    got = _run(rt, job.request)
+    want = _run(rt, native)
+    assert torch.equal(got.artifacts["video"].frames, want.artifacts["video"].frames)
+    wf = widgets(wf, 114, subgraph=0, value=7)  # 7 does not divide 1000: 'simple' rounds to the table there
+    with pytest.raises(WorkflowError) as exc:
+        compile_workflow(wf, target)
+    assert "divides" in exc.value.summary()

@@ -55,7 +55,8 @@ def target_from_deploy(path: Path) -> Any:
         _fail(f"{path}: model.family: name the family (wan, flux, sd3); it could not be read from the checkpoint")
     try:
         return Target.from_checkpoint(m.path, model=m.preset or Path(str(m.path)).name, family=family,
-                                      comfyui=deploy.comfyui, adapters=deploy.adapters.keys())
+                                      comfyui=deploy.comfyui, adapters=deploy.adapters.keys(),
+                                      policies=deploy.policies)
     except ValueError as exc:
         _fail(f"{path}: {exc}")
 

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 from attrs import define, field
 
 from .errors import WorkflowError, node_error, show
@@ -94,6 +95,9 @@ class Target:
     default_guidance: float | None = None
     #: where ``LoadImage`` names are looked up (ComfyUI's input folder); None: LoadImage refused
     input_dir: Path | None = None
+    #: the served ``flow-euler``'s sigma spacing when the deploy sets it (``policies.sampler_options:
+    #: {flow-euler: {sigma_schedule: linear}}``: "linear"); None: the family's (:data:`FAMILIES`)
+    flow_schedule: str | None = None
 
     @property
     def bound(self) -> bool:
@@ -111,7 +115,7 @@ class Target:
     @classmethod
     def from_checkpoint(cls, path: str | Path | None, *, model: str, family: str, tasks: Any = (),
                         comfyui: Mapping[str, Any] | None = None, adapters: Any = (),
-                        input_dir: str | Path | None = None) -> Target:
+                        input_dir: str | Path | None = None, policies: Mapping[str, Any] | None = None) -> Target:
         """Read the scheduler config, ``model_index.json`` and the transformer config of a diffusers
         checkpoint folder (configs only, no weights) and the deploy's ``comfyui`` section."""
         import json
@@ -140,7 +144,8 @@ class Target:
                    boundary_ratio=float(ratio) if isinstance(ratio, (int, float)) else None,
                    guidance_embeds=bool(tf.get("guidance_embeds")) if family == "flux" else None,
                    default_guidance=float(guidance) if isinstance(guidance, (int, float)) else None,
-                   input_dir=Path(input_dir) if input_dir is not None else None)
+                   input_dir=Path(input_dir) if input_dir is not None else None,
+                   flow_schedule=_deploy_schedule(policies))
 
     @classmethod
     def from_runtime(cls, runtime: Any, *, model: str, input_dir: str | Path | None = None) -> Target:
@@ -148,7 +153,15 @@ class Target:
         deploy = runtime.deploy
         return cls.from_checkpoint(runtime.model_path, model=model, family=runtime.family.name,
                                    tasks=runtime.supported_tasks, comfyui=deploy.comfyui,
-                                   adapters=deploy.adapters.keys(), input_dir=input_dir)
+                                   adapters=deploy.adapters.keys(), input_dir=input_dir, policies=deploy.policies)
+
+
+def _deploy_schedule(policies: Mapping[str, Any] | None) -> str | None:
+    """The deploy's ``policies.sampler_options.flow-euler.sigma_schedule`` ("linear" or None)."""
+    opts = (policies or {}).get("sampler_options") if isinstance(policies, Mapping) else None
+    fe = opts.get("flow-euler") if isinstance(opts, Mapping) else None
+    value = fe.get("sigma_schedule") if isinstance(fe, Mapping) else None
+    return {"linear": "linear"}.get(value) if isinstance(value, str) else None
 
 
 def check_comfyui_section(section: Any) -> dict[str, Any]:
@@ -534,7 +547,7 @@ class _Compiler:
             # unbound: the variant from the loader's file name (schnell: timestep-distilled, fixed shift)
             names = " ".join(str((n.get("inputs") or {}).get(k, "")) for n in self.prompt.values()
                              for k in ("ckpt_name", "unet_name")).lower()
-            self.t = Target(guidance_embeds="schnell" not in names, input_dir=self.t.input_dir)
+            self.t = attrs.evolve(self.t, guidance_embeds="schnell" not in names)
         order = self.order(outputs)
         for nid in order:
             if self.class_of(nid) == "ComfySwitchNode":
@@ -939,10 +952,13 @@ class _Compiler:
                       f"same math; supported: {', '.join(f'{a}/{b}' for a, b in SAMPLER_TABLE)} (see the "
                       "omniloop-comfyui README)", "sampler_name")
         sampler, spacing = mapped  # type: ignore[misc]
-        if spacing != fam["schedule"]:  # type: ignore[index]
-            need = next(f"{a}/{b}" for (a, b), (_, sp) in SAMPLER_TABLE.items() if sp == fam["schedule"])  # type: ignore[index]
+        schedule = self.t.flow_schedule or fam["schedule"]  # type: ignore[index]
+        if spacing != schedule:
+            need = next(f"{a}/{b}" for (a, b), (_, sp) in SAMPLER_TABLE.items() if sp == schedule)
+            hint = (" (a deploy's policies.sampler_options: {flow-euler: {sigma_schedule: linear}} makes it "
+                    "ComfyUI's euler/simple)" if family in ("wan", "sd3") and spacing == "linear" else "")
             self.fail(chain[0], f"{pair[0]}/{pair[1]} on a {family} model: its flow-euler sampler spaces sigmas "
-                      f"{fam['schedule']!r}, which is ComfyUI's {need}", "scheduler")  # type: ignore[index]
+                      f"{schedule!r}, which is ComfyUI's {need}{hint}", "scheduler")
         dn["sampler"] = sampler
         steps = int(first["steps"])
         if spacing == "linear" and fam["table"] % steps:  # type: ignore[index]
@@ -1142,7 +1158,7 @@ class _Compiler:
         if t.boundary_ratio is None:
             self.fail(chain[1], "the served model has one expert (no boundary_ratio); a two-expert split needs Wan 2.2",
                       "model")
-        switch = _switch_step(t.scheduler, d["shift"], steps, t.boundary_ratio)  # type: ignore[arg-type]
+        switch = _switch_step(t.scheduler, d["shift"], steps, t.boundary_ratio, t.flow_schedule)  # type: ignore[arg-type]
         if switch != k:
             self.fail(chain[0], f"end_at_step {k}: the checkpoint switches experts at boundary_ratio "
                       f"{t.boundary_ratio} (step {switch} of {steps} at shift {d['shift']}); set end_at_step {switch}",
@@ -1204,10 +1220,13 @@ def safe_math(expression: str, names: dict[str, float]) -> float:
     return value
 
 
-def _switch_step(scheduler: dict[str, Any], shift: float, steps: int, ratio: float) -> int:
+def _switch_step(scheduler: dict[str, Any], shift: float, steps: int, ratio: float, schedule: str | None = None) -> int:
+    """The first step whose timestep is below ``ratio * num_train_timesteps``: where the family's
+    boundary router hands over to the low-noise expert (``flow-euler`` with ``schedule``'s spacing)."""
     from omniloop_policies.samplers import FlowEulerSampler
 
-    s = FlowEulerSampler.from_config({**scheduler, "_class_name": scheduler.get("_class_name", "FlowMatchEulerDiscreteScheduler")})
+    s = FlowEulerSampler.from_config({**scheduler, "_class_name": scheduler.get("_class_name", "FlowMatchEulerDiscreteScheduler")},
+                                     sigma_schedule="linear" if schedule == "linear" else None)
     st = s.init(steps, shift=shift)
     boundary = ratio * s.num_train_timesteps
     for i, t in enumerate(st.timestep_values):

@@ -4,6 +4,10 @@ compile, and the most common reasons the rest do not.
 
     python plugins/comfyui/scripts/coverage.py [--json-out bench/results/comfyui-coverage-DATE.json]
 
+It also compiles each against a deploy whose ``flow-euler`` spaces sigmas linearly (Wan / SD3
+``policies.sampler_options: {flow-euler: {sigma_schedule: linear}}``), which serves ComfyUI's
+``euler``/``simple``.
+
 Reads the templates of the installed ``comfyui-workflow-templates-json`` package (a test
 dependency: ``make setup`` installs it). Compiles each in scope against an *unbound* target (no
 served model: loader names are not checked, the family is read from the graph), as
@@ -70,7 +74,7 @@ def reason_of(exc: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from omniloop_comfyui import WorkflowError, compile_workflow
+    from omniloop_comfyui import Target, WorkflowError, compile_workflow
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json-out", type=Path, default=None)
@@ -80,21 +84,33 @@ def main(argv: list[str] | None = None) -> int:
         files = model_files(wf)
         if not files or not all(IN_SCOPE.match(f) for f in files):
             continue
+        linear = None  # the same template against a deploy whose flow-euler is linear (ComfyUI's euler/simple)
+        try:
+            compile_workflow(wf, Target(flow_schedule="linear"))
+            linear = True
+        except WorkflowError as exc:
+            linear = reason_of(exc)
+        except Exception as exc:
+            linear = f"compiler error {type(exc).__name__}"
         try:
             compiled = compile_workflow(wf)
             rows.append({"template": name, "models": sorted(files), "compiles": True, "jobs": len(compiled.jobs),
-                         "reason": None})
+                         "reason": None, "with_linear_flow_euler": linear})
         except WorkflowError as exc:
             rows.append({"template": name, "models": sorted(files), "compiles": False, "reason": reason_of(exc),
-                         "detail": exc.summary()[:300]})
+                         "detail": exc.summary()[:300], "with_linear_flow_euler": linear})
         except Exception as exc:  # a compiler bug: counted and shown, never hidden
             rows.append({"template": name, "models": sorted(files), "compiles": False,
-                         "reason": f"compiler error {type(exc).__name__}", "detail": str(exc)[:300]})
+                         "reason": f"compiler error {type(exc).__name__}", "detail": str(exc)[:300],
+                         "with_linear_flow_euler": linear})
     ok = [r for r in rows if r["compiles"]]
     reasons = collections.Counter(r["reason"] for r in rows if not r["compiles"])
     print(f"{len(ok)} of {len(rows)} in-scope templates compile "
           f"(package comfyui-workflow-templates-json {importlib.metadata.version('comfyui-workflow-templates-json')})")
     print("compiling: " + ", ".join(r["template"] for r in ok))
+    lin = [r for r in rows if r["with_linear_flow_euler"] is True]
+    print(f"{len(lin)} of {len(rows)} with a deploy whose flow-euler is linear (policies.sampler_options: "
+          "{flow-euler: {sigma_schedule: linear}}): " + ", ".join(r["template"] for r in lin))
     print("\n| templates | reason |\n|---:|---|")
     for reason, n in reasons.most_common():
         print(f"| {n} | {reason} |")
@@ -103,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python plugins/comfyui/scripts/coverage.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.date.today().isoformat(), "machine": {"python": platform.python_version()},
             "package": {"comfyui-workflow-templates-json": importlib.metadata.version("comfyui-workflow-templates-json")},
-            "in_scope": len(rows), "compile": len(ok), "reasons": reasons.most_common(), "templates": rows,
+            "in_scope": len(rows), "compile": len(ok), "compile_with_linear_flow_euler": len(lin), "reasons": reasons.most_common(), "templates": rows,
         }
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
