@@ -154,3 +154,30 @@ def test_error_shapes(server, templates, widgets):
         assert r.status_code in (400, 404), params
     assert httpx.get(f"{url}/view", params={"filename": "missing.png"}).status_code == 404
     assert httpx.post(f"{url}/interrupt").status_code == 200
+
+
+def test_route_extension_point(tmp_path, monkeypatch):
+    """``omniloop serve`` gets one --no-<name> flag per installed extension; extensions mount after
+    the built-in routes; one that fails to import is skipped; without extensions no ComfyUI route."""
+    import importlib.metadata as md
+
+    from omniloop.testing import build_toy_checkpoint, toy_runtime
+    from omniloop_server import extensions
+    from omniloop_server.cli import make_serve_command
+
+    assert "comfyui" in extensions.installed()
+    names = {p.opts[0] for p in make_serve_command().params}
+    assert "--no-comfyui" in names
+    broken = md.EntryPoint(name="broken", value="no_such_module_xyz:routes", group=extensions.GROUP)
+    monkeypatch.setattr(extensions, "installed", lambda: {"broken": broken, **{
+        ep.name: ep for ep in md.entry_points(group=extensions.GROUP)}})
+    loaded = extensions.load()
+    assert "broken" not in loaded and "comfyui" in loaded
+    assert "comfyui" not in extensions.load({"comfyui"})
+
+    rt = toy_runtime(build_toy_checkpoint(tmp_path / "toy"))
+    plain = create_app(rt, output_dir=tmp_path / "a")
+    assert not any(getattr(r, "path", None) == "/prompt" for r in plain.routes)
+    with_ext = create_app(rt, output_dir=tmp_path / "b", route_extensions={"comfyui": comfyui_routes})
+    paths = [getattr(r, "path", None) for r in with_ext.routes]
+    assert paths.index("/prompt") > paths.index("/v1/videos")
