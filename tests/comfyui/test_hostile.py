@@ -17,8 +17,8 @@ from omniloop_comfyui.nodes import SPECS
 from omniloop_comfyui.ui import to_api_format
 
 N = int(os.environ.get("OMNILOOP_HOSTILE_COMFY_EXAMPLES", "200"))
-CLASSES = sorted(SPECS) + ["Note", "Reroute", "PrimitiveNode", "Unknown", ""]
-INPUT_NAMES = sorted({i.name for s in SPECS.values() for i in s.inputs}) + ["x", "__class__"]
+CLASSES = [*sorted(SPECS), "Note", "Reroute", "PrimitiveNode", "Unknown", ""]
+INPUT_NAMES = [*sorted({i.name for s in SPECS.values() for i in s.inputs}), "x", "__class__"]
 scalars = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
     st.none(), st.text(max_size=20), st.sampled_from(["euler", "normal", "simple", "../x", "/etc/passwd", "a\x00b",

@@ -21,9 +21,9 @@ from omniloop_server.testing import serving
 
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
-    from omniloop.testing import make_manager
     import omniloop_flux.plugin as flux_plugin
     import omniloop_scheduler.plugin as sched_plugin
+    from omniloop.testing import make_manager
 
     ckpt = tiny("flux", "schnell")
     rt = Runtime.from_model(ckpt, device="cpu", dtype="float32", scheduler="step",
@@ -43,7 +43,7 @@ def _workflow(templates, widgets):
 
 def test_client_queues_follows_ws_and_fetches(server, templates, widgets):
     api = pytest.importorskip("comfy_api_simplified")
-    url, rt, out = server
+    url, rt, _ = server
     prompt = api.ComfyWorkflowWrapper(_workflow(templates, widgets))
     prompt.set_node_param("KSampler", "seed", 11)
     client = api.ComfyApiWrapper(url)

@@ -386,7 +386,7 @@ class _Compiler:
                     state[cur] = 2
                     done.append(cur)
                     continue
-                name, src = nxt
+                _name, src = nxt
                 if src not in self.prompt:
                     continue  # reported as a dangling link by check_inputs
                 s = state.get(src, 0)
@@ -395,7 +395,7 @@ class _Compiler:
                     cycle = cycle[cycle.index(src):]
                     for c in cycle:
                         self.err(c, "dependency_cycle", "Dependency cycle detected",
-                                 details="nodes " + " -> ".join(cycle + [src]))
+                                 details="nodes " + " -> ".join([*cycle, src]))
                     raise WorkflowError.from_nodes(self._node_errors())
                 if s == 0:
                     state[src] = 1
@@ -836,9 +836,9 @@ class _Compiler:
             self.fail(nid, f"Invalid image file: {show(name)} (not in the input folder)", "image", "value_not_in_list")
         data = path.read_bytes()
         try:
-            from PIL import Image
-
             import io
+
+            from PIL import Image
 
             with Image.open(io.BytesIO(data)) as im:
                 size = im.size
@@ -1053,7 +1053,7 @@ class _Compiler:
             request["inputs"].insert(1, {"type": "text", "text": flux_negative, "role": "negative_prompt"})
         cfgs = [float(self.samplers[c]["cfg"]) for c in chain]
         if family != "flux":
-            for c, cfg in zip(chain, cfgs):
+            for c, cfg in zip(chain, cfgs, strict=True):
                 if cfg < 1.0:
                     self.fail(c, f"cfg {cfg} < 1: ComfyUI still combines cond and uncond, omniloop guides only above 1",
                               "cfg")
