@@ -181,3 +181,45 @@ def test_route_extension_point(tmp_path, monkeypatch):
     with_ext = create_app(rt, output_dir=tmp_path / "b", route_extensions={"comfyui": comfyui_routes})
     paths = [getattr(r, "path", None) for r in with_ext.routes]
     assert paths.index("/prompt") > paths.index("/v1/videos")
+
+
+def test_upload_then_img2img(server, tmp_path):
+    """comfy-api-simplified's upload_image, then an img2img prompt naming the returned file."""
+    api = pytest.importorskip("comfy_api_simplified")
+    from PIL import Image
+
+    url, rt, _ = server
+    path = tmp_path / "cat.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(path)
+    client = api.ComfyApiWrapper(url)
+    up = client.upload_image(str(path))
+    assert up["subfolder"] == "default_upload_folder" and up["type"] == "input" and up["name"] != "cat.png"
+    name = f"{up['subfolder']}/{up['name']}"
+    prompt = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "flux1-schnell-fp8.safetensors"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["1", 1]}},
+        "3": {"class_type": "LoadImage", "inputs": {"image": name}},
+        "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["3", 0], "vae": ["1", 2]}},
+        "5": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "seed": 2, "steps": 2, "cfg": 1.0,
+                                                   "sampler_name": "euler", "scheduler": "simple", "positive": ["2", 0],
+                                                   "negative": ["2", 0], "latent_image": ["4", 0], "denoise": 0.5}},
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
+        "7": {"class_type": "SaveImage", "inputs": {"images": ["6", 0], "filename_prefix": "cat"},
+              "_meta": {"title": "Save"}},
+    }
+    for node in prompt.values():  # as ComfyUI exports the API format (the client looks nodes up by title)
+        node.setdefault("_meta", {"title": node["class_type"]})
+    files = client.queue_and_wait_images(prompt, "Save")
+    (data,) = files.values()
+    import base64
+
+    native = rt.generate({"task": "i2i", "inputs": [{"type": "text", "text": "a cat"},
+                                                    {"type": "image", "data_b64": base64.b64encode(path.read_bytes()).decode()}],
+                          "diffusion": {"seed": 2, "steps": 4, "width": 64, "height": 64, "shift": float(np.e)},
+                          "node_params": {"denoise": {"sampler": "flow-euler", "strength": 0.5}}})
+    pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).copy())
+    assert torch.equal(pixels, native.artifacts["image"].pixels)
+    for bad in ({"files": {"image": ("x.png", b"not an image")}}, {"files": {"image": ("x.png", path.read_bytes())},
+                                                                    "data": {"subfolder": "../up"}},
+                {"data": {"image": "text"}}):
+        assert httpx.post(f"{url}/upload/image", **bad).status_code == 400

@@ -12,6 +12,8 @@
 ``GET /queue``                     ``{queue_running, queue_pending}``; ``GET /prompt``: queue size
 ``POST /interrupt``                cancel the running prompt (at its next step)
 ``GET /system_stats``              version and device, as ComfyUI clients read it
+``POST /upload/image``             an input image (multipart ``image``), stored under a server-made
+                                   name → ``{name, subfolder, type}`` for ``LoadImage``
 ``WS /ws?clientId=``               ``status``, ``execution_start``, ``executing`` (``node: null``
                                    when done), ``progress``, ``executed``, ``execution_success``,
                                    ``execution_error``, ``execution_interrupted``
@@ -46,6 +48,7 @@ from .nodes import object_info
 log = logging.getLogger("omniloop.comfyui")
 
 MAX_HISTORY = 1000
+MAX_UPLOAD = 32 * 1024 * 1024
 MAX_PENDING = 256
 #: /view: one plain file name; a subfolder of plain names
 VIEW_NAME = re.compile(r"^(?!\.)[A-Za-z0-9_\-. ]{1,200}$")
@@ -328,6 +331,48 @@ def comfyui_routes(api: Any) -> list[BaseRoute]:
                 c.engine.cancel(h.request_id)
         return Response(status_code=200)
 
+    async def upload_image(request: Request) -> Response:
+        """``multipart/form-data`` ``image`` (+ ``subfolder``, ``type`` input|temp, ``overwrite``
+        ignored): stored under a server-made name (``<32 hex>.<format>``; the client's file name is
+        never a path here) → ``{name, subfolder, type}``, the value ``LoadImage`` takes."""
+        c = comfy()
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_UPLOAD:
+            return _invalid(f"upload larger than {MAX_UPLOAD} bytes", 413)
+        try:
+            form = await request.form(max_files=1, max_fields=8, max_part_size=MAX_UPLOAD)
+        except Exception as exc:  # python-multipart's and Starlette's errors alike
+            return _invalid(f"malformed multipart/form-data body: {show(str(exc), 120)}")
+        try:
+            image = form.get("image")
+            sub = form.get("subfolder") or ""
+            kind = form.get("type") or "input"
+            if image is None or isinstance(image, str):
+                return _invalid("image: expected an uploaded file")
+            if not isinstance(sub, str) or not isinstance(kind, str) or kind not in ("input", "temp"):
+                return _invalid("type must be input or temp")
+            if sub and (not VIEW_SUB.match(sub) or ".." in sub.split("/")):
+                return _invalid("subfolder: plain names inside the server's folder only")
+            data = await image.read(MAX_UPLOAD + 1)
+        finally:
+            await form.close()
+        if len(data) > MAX_UPLOAD:
+            return _invalid(f"upload larger than {MAX_UPLOAD} bytes", 413)
+        try:
+            ext = await asyncio.to_thread(_image_format, data)
+        except Exception as exc:
+            return _invalid(f"image: not an image this server reads ({type(exc).__name__})")
+        root = c.folders[kind].resolve()
+        folder = (root / sub).resolve() if sub else root
+        if folder != root and root not in folder.parents:
+            return _invalid("subfolder: plain names inside the server's folder only")
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{uuid.uuid4().hex}.{ext}"
+        tmp = folder / f".{name}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(folder / name)
+        return JSONResponse({"name": name, "subfolder": sub, "type": kind})
+
     async def system_stats(request: Request) -> Response:
         import torch
 
@@ -369,8 +414,24 @@ def comfyui_routes(api: Any) -> list[BaseRoute]:
         Route("/queue", queue, methods=["GET"]),
         Route("/interrupt", interrupt, methods=["POST"]),
         Route("/system_stats", system_stats, methods=["GET"]),
+        Route("/upload/image", upload_image, methods=["POST"]),
         WebSocketRoute("/ws", ws),
     ]
+
+
+def _image_format(data: bytes) -> str:
+    """The file extension of an image Pillow decodes (png, jpg, webp); anything else raises."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        fmt = (im.format or "").lower()
+        im.load()
+    ext = {"png": "png", "jpeg": "jpg", "webp": "webp"}.get(fmt)
+    if ext is None:
+        raise ValueError(f"format {fmt!r} (png, jpeg or webp)")
+    return ext
 
 
 def _no_constant(name: str) -> Any:
