@@ -223,3 +223,37 @@ def test_upload_then_img2img(server, tmp_path):
                                                                     "data": {"subfolder": "../up"}},
                 {"data": {"image": "text"}}):
         assert httpx.post(f"{url}/upload/image", **bad).status_code == 400
+
+
+def test_interrupt(server, templates, widgets):
+    import asyncio
+
+    import websockets
+
+    url, _, _ = server
+    prompt = _workflow(templates, widgets)
+    prompt["31"]["inputs"]["steps"] = 200  # long enough to interrupt (divides FLUX.1's 10000-entry table)
+
+    async def go():
+        async with websockets.connect(url.replace("http", "ws") + "/ws?clientId=int1") as ws:
+            await ws.recv()
+            async with httpx.AsyncClient() as c:
+                r = await c.post(f"{url}/prompt", json={"prompt": prompt, "client_id": "int1"})
+                pid = r.json()["prompt_id"]
+                seen = []
+                while True:
+                    m = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                    seen.append(m)
+                    if m["type"] == "progress":
+                        assert (await c.post(f"{url}/interrupt")).status_code == 200
+                    if m["type"] in ("execution_interrupted", "execution_success", "execution_error"):
+                        return pid, seen
+
+    pid, seen = asyncio.run(go())
+    assert seen[-1]["type"] == "execution_interrupted" and seen[-1]["data"]["prompt_id"] == pid
+    progress = [m["data"]["value"] for m in seen if m["type"] == "progress"]
+    assert progress and max(progress) < 200
+    hist = httpx.get(f"{url}/history/{pid}").json()[pid]
+    assert hist["status"]["status_str"] == "error" and hist["outputs"] == {}
+    executing = [m["data"]["node"] for m in seen if m["type"] == "executing"]
+    assert executing[0] == "31"

@@ -272,6 +272,8 @@ class CompiledJob:
     #: data flow between jobs: ``{index in request["inputs"]: key of the job whose image feeds it}``;
     #: the part's ``data_b64`` is ``FROM_JOB + key`` until :func:`fill_inputs` puts that image there
     inputs_from: dict[int, str] = field(factory=dict)
+    #: a two-expert job: the step where the first sampler node hands over to the second
+    split: int | None = None
 
     def ready(self, outputs: Mapping[str, Any]) -> dict[str, Any]:
         """The request with the images of earlier jobs (their outputs by key) filled in."""
@@ -332,6 +334,8 @@ class _Compiler:
         self.family = target.family
         #: ComfySwitchNode id -> the input it selected
         self.switch_choice: dict[str, str] = {}
+        #: the end_at_step of the last two-expert chain built
+        self.expert_split: int | None = None
 
     # -- errors ---------------------------------------------------------------------------------
     def err(self, nid: str, type_: str, message: str, input_name: str | None = None, **extra: Any) -> None:
@@ -917,7 +921,8 @@ class _Compiler:
             request, nodes = self.build(sampler_id)
             deps = {i: str(p["data_b64"])[len(FROM_JOB):] for i, p in enumerate(request["inputs"])
                     if str(p.get("data_b64", "")).startswith(FROM_JOB)}
-            job = CompiledJob(key=sampler_id, request=request, nodes=nodes, inputs_from=deps)
+            job = CompiledJob(key=sampler_id, request=request, nodes=nodes, inputs_from=deps,
+                              split=self.expert_split if len(nodes) > 1 else None)
             self.jobs[sampler_id] = job
         return job
 
@@ -1144,6 +1149,7 @@ class _Compiler:
         if b["add_noise"] != "disable" or b["return_with_leftover_noise"] != "disable":
             self.fail(chain[1], "the low-noise expert must not add noise nor return leftover noise", "add_noise")
         k = int(a["end_at_step"])
+        self.expert_split = k
         if b["start_at_step"] != k or b["end_at_step"] < steps:
             self.fail(chain[1], f"the low-noise expert must run from step {k} (where the first ends) to the end",
                       "start_at_step")

@@ -142,7 +142,9 @@ class ComfyState:
         for job in p.compiled.jobs:
             if p.interrupted:
                 break
-            await self.send("executing", {"node": job.key, "display_node": job.key, "prompt_id": p.id}, p.client)
+            samplers = [n for n in job.nodes if n not in {sp.node_id for sp in job.saves}]
+            await self.send("executing", {"node": samplers[0] if samplers else job.key,
+                                          "display_node": samplers[0] if samplers else job.key, "prompt_id": p.id}, p.client)
             try:
                 handle = self.engine.submit(await asyncio.to_thread(job.ready, results))
             except Exception as exc:
@@ -150,10 +152,16 @@ class ComfyState:
                 return
             p.handles.append(handle)
             self.state.track([handle])
+            current = samplers[0] if samplers else job.key
             async for ev in handle.events():
                 if getattr(ev, "total", None) and ev.step is not None and str(ev.kind) == "progress":
+                    # a two-expert job: the second sampler node from the router's switch on
+                    node = samplers[1] if job.split is not None and ev.step > job.split else samplers[0]
+                    if node != current:
+                        current = node
+                        await self.send("executing", {"node": node, "display_node": node, "prompt_id": p.id}, p.client)
                     await self.send("progress", {"value": int(ev.step), "max": int(ev.total), "prompt_id": p.id,
-                                                 "node": job.key}, p.client)
+                                                 "node": node}, p.client)
             out = await handle.result()
             self.engine.forget(handle.request_id)
             if not out.ok:
@@ -164,6 +172,9 @@ class ComfyState:
                                   outputs, type_=out.error.type if out.error else "RuntimeError")
                 return
             results[job.key] = out
+            for node in samplers[1:]:  # the rest of the chain before the saves (VAEDecode)
+                if node != current and not (job.split is not None and node == samplers[1]):
+                    await self.send("executing", {"node": node, "display_node": node, "prompt_id": p.id}, p.client)
             for spec in job.saves:
                 await self.send("executing", {"node": spec.node_id, "display_node": spec.node_id, "prompt_id": p.id},
                                 p.client)
