@@ -418,3 +418,20 @@ def test_switch_compiles_only_the_selected_branch():
     g["34"]["inputs"]["expression"] = "a * 'x'"
     g["31"]["inputs"]["value"] = False
     assert errors_of(g, t).node_errors["34"]["errors"][0]["extra_info"]["input_name"] == "expression"
+
+
+def test_served_flow_euler_options():
+    """The checkpoint's omniloop.json / the deploy's sampler options decide what `euler` maps to:
+    a linear spacing serves `simple`; stochastic sampling (wan-demo's default) serves no ComfyUI euler."""
+    from omniloop_comfyui.compiler import _flow_euler_options
+
+    assert _flow_euler_options("wan", {}, None) == {"flow_schedule": None, "flow_differs": None}
+    assert _flow_euler_options("wan", {}, {"sampler_options": {"flow-euler": {"sigma_schedule": "linear"}}})["flow_schedule"] == "linear"
+    demo = _flow_euler_options("wan", {"sampler_options": {"flow-euler": {"stochastic_sampling": True}}}, None)
+    assert "stochastic_sampling" in demo["flow_differs"]
+    off = {"sampler_options": {"flow-euler": {"stochastic_sampling": False}}}
+    assert _flow_euler_options("wan", {"sampler_options": {"flow-euler": {"stochastic_sampling": True}}}, off)["flow_differs"] is None
+    g = flux_graph()
+    t = Target(model="m", family="flux", tasks=frozenset({"t2i"}), models={"flux1-schnell.safetensors": "m"},
+               guidance_embeds=False, flow_differs="the served flow-euler sets stochastic_sampling=True")
+    assert "stochastic_sampling" in errors_of(g, t).summary()

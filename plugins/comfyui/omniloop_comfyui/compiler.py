@@ -98,6 +98,9 @@ class Target:
     #: the served ``flow-euler``'s sigma spacing when the deploy sets it (``policies.sampler_options:
     #: {flow-euler: {sigma_schedule: linear}}``: "linear"); None: the family's (:data:`FAMILIES`)
     flow_schedule: str | None = None
+    #: why the served ``flow-euler`` is not ComfyUI's ``euler`` (an option such as
+    #: ``stochastic_sampling`` set by the checkpoint's omniloop.json or the deploy); None: it is
+    flow_differs: str | None = None
 
     @property
     def bound(self) -> bool:
@@ -145,7 +148,7 @@ class Target:
                    guidance_embeds=bool(tf.get("guidance_embeds")) if family == "flux" else None,
                    default_guidance=float(guidance) if isinstance(guidance, (int, float)) else None,
                    input_dir=Path(input_dir) if input_dir is not None else None,
-                   flow_schedule=_deploy_schedule(policies))
+                   **_flow_euler_options(family, defaults, policies))
 
     @classmethod
     def from_runtime(cls, runtime: Any, *, model: str, input_dir: str | Path | None = None) -> Target:
@@ -156,12 +159,27 @@ class Target:
                                    adapters=deploy.adapters.keys(), input_dir=input_dir, policies=deploy.policies)
 
 
-def _deploy_schedule(policies: Mapping[str, Any] | None) -> str | None:
-    """The deploy's ``policies.sampler_options.flow-euler.sigma_schedule`` ("linear" or None)."""
-    opts = (policies or {}).get("sampler_options") if isinstance(policies, Mapping) else None
-    fe = opts.get("flow-euler") if isinstance(opts, Mapping) else None
-    value = fe.get("sigma_schedule") if isinstance(fe, Mapping) else None
-    return {"linear": "linear"}.get(value) if isinstance(value, str) else None
+def _flow_euler_options(family: str, defaults: Mapping[str, Any], policies: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The served ``flow-euler``'s options as the families merge them (the checkpoint's omniloop.json
+    ``defaults.sampler_options``, then the deploy's ``policies.sampler_options``; FLUX.1 fixes its
+    own): ``flow_schedule`` ("linear" or None) and ``flow_differs`` (an option that makes its step
+    differ from ComfyUI's ``euler``, e.g. ``stochastic_sampling``)."""
+    if family == "flux":
+        return {}
+    merged: dict[str, Any] = {}
+    for source in ((defaults or {}).get("sampler_options"), (policies or {}).get("sampler_options")
+                   if isinstance(policies, Mapping) else None):
+        fe = source.get("flow-euler") if isinstance(source, Mapping) else None
+        if isinstance(fe, Mapping):
+            merged.update(fe)
+    schedule = merged.pop("sigma_schedule", None)
+    differs = None
+    for key, value in sorted(merged.items()):
+        if key == "stochastic_sampling" and value is False:
+            continue
+        differs = f"the served flow-euler sets {key}={value!r} (checkpoint omniloop.json or deploy sampler_options)"
+        break
+    return {"flow_schedule": "linear" if schedule == "linear" else None, "flow_differs": differs}
 
 
 def check_comfyui_section(section: Any) -> dict[str, Any]:
@@ -957,6 +975,9 @@ class _Compiler:
                       f"same math; supported: {', '.join(f'{a}/{b}' for a, b in SAMPLER_TABLE)} (see the "
                       "omniloop-comfyui README)", "sampler_name")
         sampler, spacing = mapped  # type: ignore[misc]
+        if self.t.flow_differs is not None:
+            self.fail(chain[0], f"{pair[0]}/{pair[1]}: {self.t.flow_differs}, which ComfyUI's {pair[0]} does not do",
+                      "sampler_name")
         schedule = self.t.flow_schedule or fam["schedule"]  # type: ignore[index]
         if spacing != schedule:
             need = next(f"{a}/{b}" for (a, b), (_, sp) in SAMPLER_TABLE.items() if sp == schedule)
