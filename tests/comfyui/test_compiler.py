@@ -167,7 +167,8 @@ def test_sampler_table_matches_the_families(tiny, family_manager):
         sampler = menu(rt.model).samplers["flow-euler"]
         want = {"linear": "linear", "default": None}[FAMILIES[fam]["schedule"]]
         assert sampler.sigma_schedule == want, fam
-    assert set(SAMPLER_TABLE.values()) == {("flow-euler", "default"), ("flow-euler", "linear")}
+    assert set(SAMPLER_TABLE.values()) == {("flow-euler", "default"), ("flow-euler", "linear"),
+                                           ("flow-euler", "sgm_uniform")}
 
 
 def test_comfy_normal_equals_diffusers_spacing():
@@ -188,6 +189,27 @@ def test_comfy_normal_equals_diffusers_spacing():
     s = FlowMatchEulerDiscreteScheduler(shift=shift)
     s.set_timesteps(n, sigmas=np.linspace(1.0, 1 / n, n))
     assert np.allclose(s.sigmas.numpy(), simple, atol=2e-6)
+
+
+def test_comfy_sgm_uniform_equals_the_sgm_uniform_sampler():
+    """ComfyUI's ``sgm_uniform`` on a discrete-flow model (its formula, written out) is the
+    ``flow-euler`` sampler's ``sigma_schedule="sgm_uniform"``."""
+    from omniloop_policies.samplers import FlowEulerSampler
+
+    for shift, n in ((3.0, 5), (8.0, 20)):
+        snr = lambda t, s=shift: s * t / (1 + (s - 1) * t)  # noqa: E731  ComfyUI's time_snr_shift
+        start, end = 1000 * snr(1.0), 1000 * snr(1 / 1000)
+        sgm = [snr(t / 1000) for t in np.linspace(start, end, n + 1)[:-1]] + [0.0]
+        sampler = FlowEulerSampler.from_config({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 1.0},
+                                               sigma_schedule="sgm_uniform")
+        st = sampler.init(n, shift=shift)
+        assert np.allclose(st.sigma_values, sgm, atol=2e-6)
+    from omniloop_policies import PolicyError
+    from omniloop_policies.samplers import UniPCSampler
+
+    with pytest.raises(PolicyError, match="sgm_uniform"):  # only FlowMatchEuler has the training-grid sigma_min
+        UniPCSampler.from_config({"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
+                                  "use_flow_sigmas": True, "flow_shift": 3.0}, sigma_schedule="sgm_uniform")
 
 
 def _png_b64(w, h, seed=0):

@@ -59,14 +59,18 @@ def test_flux_schnell_template(tiny, templates, widgets, family_manager, tmp_pat
 
 
 def test_sd3_template(tiny, templates, widgets, family_manager, tmp_path):
+    """SD3.5's template samples with euler / sgm_uniform: refused on a default deploy, served as
+    published (sizes and steps shrunk) by a deploy whose flow-euler spaces sigmas the sgm_uniform way."""
     wf = templates("sd3.5_simple_example")
-    with pytest.raises(WorkflowError) as exc:  # as published: euler / sgm_uniform has no same-math sampler
+    with pytest.raises(WorkflowError) as exc:  # a default deploy: flow-euler's spacing is ComfyUI's normal
         compile_workflow(wf)
     assert "sgm_uniform" in exc.value.node_errors["3"]["errors"][0]["message"]
     ckpt = tiny("sd3", "sd35-medium")
-    rt = _runtime(ckpt, family_manager("sd3"), {"sd3.5_large_fp8_scaled.safetensors": ckpt.name})
+    rt = Runtime.from_model(ckpt, device="cpu", dtype="float32", manager=family_manager("sd3"),
+                            comfyui={"models": {"sd3.5_large_fp8_scaled.safetensors": ckpt.name}},
+                            policies={"sampler_options": {"flow-euler": {"sigma_schedule": "sgm_uniform"}}})
     wf = widgets(wf, 53, width=64, height=64)
-    wf = widgets(wf, 3, steps=3, scheduler="normal")
+    wf = widgets(wf, 3, steps=3)
     compiled = compile_workflow(wf, Target.from_runtime(rt, model=ckpt.name))
     (job,) = compiled.jobs
     prompt = next(n for n in wf["nodes"] if n["id"] == 16)["widgets_values"][0]
@@ -74,6 +78,7 @@ def test_sd3_template(tiny, templates, widgets, family_manager, tmp_path):
               "diffusion": {"seed": 585483408983215, "steps": 3, "width": 64, "height": 64, "shift": 3.0,
                             "guidance_scale": 4.01},
               "node_params": {"denoise": {"sampler": "flow-euler"}}}
+    assert job.request == native
     got, want = _run(rt, job.request), _run(rt, native)
     assert torch.equal(got.artifacts["image"].pixels, want.artifacts["image"].pixels)
     files = write_job_outputs(job, got, tmp_path, prompt=compiled.prompt)

@@ -67,6 +67,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 SAMPLER_TABLE: dict[tuple[str, str], tuple[str, str]] = {
     ("euler", "normal"): ("flow-euler", "default"),
     ("euler", "simple"): ("flow-euler", "linear"),
+    ("euler", "sgm_uniform"): ("flow-euler", "sgm_uniform"),
 }
 
 
@@ -179,7 +180,7 @@ def _flow_euler_options(family: str, defaults: Mapping[str, Any], policies: Mapp
             continue
         differs = f"the served flow-euler sets {key}={value!r} (checkpoint omniloop.json or deploy sampler_options)"
         break
-    return {"flow_schedule": "linear" if schedule == "linear" else None, "flow_differs": differs}
+    return {"flow_schedule": schedule if schedule in ("linear", "sgm_uniform") else None, "flow_differs": differs}
 
 
 def check_comfyui_section(section: Any) -> dict[str, Any]:
@@ -981,8 +982,8 @@ class _Compiler:
         schedule = self.t.flow_schedule or fam["schedule"]  # type: ignore[index]
         if spacing != schedule:
             need = next(f"{a}/{b}" for (a, b), (_, sp) in SAMPLER_TABLE.items() if sp == schedule)
-            hint = (" (a deploy's policies.sampler_options: {flow-euler: {sigma_schedule: linear}} makes it "
-                    "ComfyUI's euler/simple)" if family in ("wan", "sd3") and spacing == "linear" else "")
+            hint = (f" (a deploy's policies.sampler_options: {{flow-euler: {{sigma_schedule: {spacing}}}}} makes it "
+                    f"ComfyUI's euler/{pair[1]})" if family in ("wan", "sd3") and spacing != "default" else "")
             self.fail(chain[0], f"{pair[0]}/{pair[1]} on a {family} model: its flow-euler sampler spaces sigmas "
                       f"{schedule!r}, which is ComfyUI's {need}{hint}", "scheduler")
         dn["sampler"] = sampler
@@ -1253,7 +1254,7 @@ def _switch_step(scheduler: dict[str, Any], shift: float, steps: int, ratio: flo
     from omniloop_policies.samplers import FlowEulerSampler
 
     s = FlowEulerSampler.from_config({**scheduler, "_class_name": scheduler.get("_class_name", "FlowMatchEulerDiscreteScheduler")},
-                                     sigma_schedule="linear" if schedule == "linear" else None)
+                                     sigma_schedule=schedule if schedule in ("linear", "sgm_uniform") else None)
     st = s.init(steps, shift=shift)
     boundary = ratio * s.num_train_timesteps
     for i, t in enumerate(st.timestep_values):

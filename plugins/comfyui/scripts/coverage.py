@@ -4,9 +4,9 @@ compile, and the most common reasons the rest do not.
 
     python plugins/comfyui/scripts/coverage.py [--json-out bench/results/comfyui-coverage-DATE.json]
 
-It also compiles each against a deploy whose ``flow-euler`` spaces sigmas linearly (Wan / SD3
-``policies.sampler_options: {flow-euler: {sigma_schedule: linear}}``), which serves ComfyUI's
-``euler``/``simple``.
+It also compiles each against deploys whose ``flow-euler`` spaces sigmas linearly or the
+``sgm_uniform`` way (Wan / SD3 ``policies.sampler_options: {flow-euler: {sigma_schedule: ...}}``),
+which serve ComfyUI's ``euler``/``simple`` and ``euler``/``sgm_uniform``.
 
 Reads the templates of the installed ``comfyui-workflow-templates-json`` package (a test
 dependency: ``make setup`` installs it). Compiles each in scope against an *unbound* target (no
@@ -84,14 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         files = model_files(wf)
         if not files or not all(IN_SCOPE.match(f) for f in files):
             continue
-        linear = None  # the same template against a deploy whose flow-euler is linear (ComfyUI's euler/simple)
-        try:
-            compile_workflow(wf, Target(flow_schedule="linear"))
-            linear = True
-        except WorkflowError as exc:
-            linear = reason_of(exc)
-        except Exception as exc:
-            linear = f"compiler error {type(exc).__name__}"
+        # the same template against deploys whose flow-euler spaces sigmas ComfyUI's simple /
+        # sgm_uniform way (policies.sampler_options: {flow-euler: {sigma_schedule: ...}})
+        linear: Any = None
+        for schedule in ("linear", "sgm_uniform"):
+            try:
+                compile_workflow(wf, Target(flow_schedule=schedule))
+                linear = schedule
+                break
+            except WorkflowError as exc:
+                linear = linear or reason_of(exc)
+            except Exception as exc:
+                linear = linear or f"compiler error {type(exc).__name__}"
         try:
             compiled = compile_workflow(wf)
             rows.append({"template": name, "models": sorted(files), "compiles": True, "jobs": len(compiled.jobs),
@@ -108,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(ok)} of {len(rows)} in-scope templates compile "
           f"(package comfyui-workflow-templates-json {importlib.metadata.version('comfyui-workflow-templates-json')})")
     print("compiling: " + ", ".join(r["template"] for r in ok))
-    lin = [r for r in rows if r["with_linear_flow_euler"] is True]
-    print(f"{len(lin)} of {len(rows)} with a deploy whose flow-euler is linear (policies.sampler_options: "
-          "{flow-euler: {sigma_schedule: linear}}): " + ", ".join(r["template"] for r in lin))
+    lin = [r for r in rows if r["compiles"] or r["with_linear_flow_euler"] in ("linear", "sgm_uniform")]
+    print(f"{len(lin)} of {len(rows)} with a deploy whose flow-euler spaces sigmas the template's way "
+          "(policies.sampler_options: {flow-euler: {sigma_schedule: linear | sgm_uniform}}): "
+          + ", ".join(f"{r['template']} ({r['with_linear_flow_euler'] if not r['compiles'] else 'default'})" for r in lin))
     print("\n| templates | reason |\n|---:|---|")
     for reason, n in reasons.most_common():
         print(f"| {n} | {reason} |")
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python plugins/comfyui/scripts/coverage.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.date.today().isoformat(), "machine": {"python": platform.python_version()},
             "package": {"comfyui-workflow-templates-json": importlib.metadata.version("comfyui-workflow-templates-json")},
-            "in_scope": len(rows), "compile": len(ok), "compile_with_linear_flow_euler": len(lin), "reasons": reasons.most_common(), "templates": rows,
+            "in_scope": len(rows), "compile": len(ok), "compile_with_matching_flow_euler": len(lin), "reasons": reasons.most_common(), "templates": rows,
         }
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

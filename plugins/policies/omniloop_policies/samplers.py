@@ -374,7 +374,9 @@ def _freeze(value: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: values of :attr:`DiffusersFlowSampler.sigma_schedule`
-SIGMA_SCHEDULES = (None, "linear")
+#: ``sigma_schedule`` values: None (the scheduler's own spacing), ``"linear"`` and ``"sgm_uniform"``
+#: (see :attr:`DiffusersFlowSampler.sigma_schedule`)
+SIGMA_SCHEDULES = (None, "linear", "sgm_uniform")
 
 
 def strength_start(num_steps: int, strength: float) -> int:
@@ -405,7 +407,9 @@ class DiffusersFlowSampler:
     source: str = "scheduler config"
     #: the sigmas handed to ``set_timesteps``: None — the scheduler's own spacing; ``"linear"`` —
     #: ``np.linspace(1, 1/n, n)``, what diffusers' Flux pipelines pass (skipped, as there, when the
-    #: config sets ``use_flow_sigmas``)
+    #: config sets ``use_flow_sigmas``); ``"sgm_uniform"`` — ``np.linspace(1, σ_min, n + 1)[:-1]``
+    #: with ``σ_min`` the shifted last sigma of the training grid, ComfyUI's ``sgm_uniform``
+    #: scheduler on a discrete-flow model (the scheduler applies the shift to both, as ComfyUI does)
     sigma_schedule: str | None = field(default=None)
 
     @sigma_schedule.validator
@@ -414,6 +418,11 @@ class DiffusersFlowSampler:
             raise PolicyError(
                 f"sampler {self.name!r}: sigma_schedule must be one of {', '.join(map(repr, SIGMA_SCHEDULES))}, "
                 f"got {value!r}"
+            )
+        if value == "sgm_uniform" and self.scheduler_class.__name__ != "FlowMatchEulerDiscreteScheduler":
+            raise PolicyError(
+                f"sampler {self.name!r}: sigma_schedule='sgm_uniform' needs FlowMatchEulerDiscreteScheduler's "
+                f"training-grid sigma_min; {self.scheduler_class.__name__} has none"
             )
         if value is not None and "sigmas" not in inspect.signature(self.scheduler_class.set_timesteps).parameters:
             raise PolicyError(
@@ -501,6 +510,10 @@ class DiffusersFlowSampler:
             import numpy as np
 
             set_kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
+        elif self.sigma_schedule == "sgm_uniform" and not self.config.get("use_flow_sigmas"):
+            import numpy as np
+
+            set_kwargs["sigmas"] = np.linspace(1.0, float(scheduler.sigma_min), num_steps + 1)[:-1]
         scheduler.set_timesteps(num_steps, device=device, **set_kwargs)
         # Diffusers pipelines do this to avoid a device->host sync looking up the step index.
         scheduler.set_begin_index(0)
