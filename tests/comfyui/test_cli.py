@@ -72,3 +72,33 @@ def test_deploy_aliases(tiny, templates, tmp_path):
     deploy.write_text(json.dumps({"model": {"path": str(ckpt), "family": "flux"}}))
     line = one_error_line(invoke(["comfy", "compile", str(path), "--deploy", str(deploy)]))
     assert "ckpt_name" in line and "flux1-schnell-fp8.safetensors" in line
+
+
+def test_input_dir_and_data_flow(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (48, 32), (10, 20, 30)).save(tmp_path / "in.png")
+    base = {"seed": 1, "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "model": ["1", 0],
+            "positive": ["2", 0], "negative": ["2", 0]}
+    g = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "flux1-schnell.safetensors"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["1", 1]}},
+        "3": {"class_type": "LoadImage", "inputs": {"image": "in.png"}},
+        "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["3", 0], "vae": ["1", 2]}},
+        "5": {"class_type": "KSampler", "inputs": {**base, "latent_image": ["4", 0], "denoise": 0.5}},
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
+        "7": {"class_type": "VAEEncode", "inputs": {"pixels": ["6", 0], "vae": ["1", 2]}},
+        "8": {"class_type": "KSampler", "inputs": {**base, "latent_image": ["7", 0], "denoise": 0.25}},
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "x"}},
+    }
+    path = tmp_path / "wf.json"
+    path.write_text(json.dumps(g))
+    res = invoke(["comfy", "compile", str(path), "--input-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    first, second = json.loads(res.stdout)
+    assert first["request"]["diffusion"]["width"] == 48 and first["request"]["inputs"][1]["data_b64"].startswith("iVBOR")
+    assert second["inputs_from"] == {"1": "5"} and second["request"]["inputs"][1]["data_b64"] == "@from-job:5"
+    assert second["request"]["diffusion"]["steps"] == 16 and first["saves"] == []
+    res = invoke(["comfy", "compile", str(path)])  # no input folder: the image is named, not read
+    assert json.loads(res.stdout)[0]["request"]["inputs"][1]["data_b64"] == "@input:in.png"

@@ -5,6 +5,9 @@ Both read the API format or the editor format. ``compile`` prints the native req
 per node — ``mapped``, ``ignored`` (with the reason) or ``unsupported`` (with the error). Both exit
 2 with one line on stderr when the graph cannot be compiled. Without ``--deploy`` loader names are
 not checked and the family is read from the workflow (its loaders and latent nodes).
+``--input-dir`` is where ``LoadImage`` names are read (without it an unbound compile leaves
+``@input:<name>`` in the image's place). A request fed by another job's image holds
+``@from-job:<node>`` there and lists it under ``inputs_from``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ def _fail(message: str) -> Any:
     from omniloop_cli.app import fail
 
     fail(message)
+
+
+def _target(deploy_path: Path | None, input_dir: Path | None) -> Any:
+    import attrs
+
+    from .compiler import Target
+
+    target = target_from_deploy(deploy_path) if deploy_path is not None else Target()
+    return attrs.evolve(target, input_dir=input_dir) if input_dir is not None else target
 
 
 def target_from_deploy(path: Path) -> Any:
@@ -77,17 +89,21 @@ def comfy() -> None:
 @click.argument("workflow", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--deploy", "deploy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Match loader names against this deploy's model and its comfyui aliases.")
-def compile_cmd(workflow: Path, deploy_path: Path | None) -> None:
+@click.option("--input-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Where LoadImage's file names are looked up (ComfyUI's input folder).")
+def compile_cmd(workflow: Path, deploy_path: Path | None, input_dir: Path | None) -> None:
     """Print the native request(s) WORKFLOW compiles to (JSON)."""
     from .compiler import compile_workflow
     from .errors import WorkflowError
 
-    target = target_from_deploy(deploy_path) if deploy_path is not None else None
+    target = _target(deploy_path, input_dir)
     try:
         out = compile_workflow(_read(workflow), target)
     except WorkflowError as exc:
         _fail(f"{workflow}: {exc.summary()}")
     click.echo(json.dumps([{"sampler_node": j.key, "request": j.request,
+                            # request inputs another job's image fills ({index: that job's sampler node})
+                            **({"inputs_from": {str(i): k for i, k in j.inputs_from.items()}} if j.inputs_from else {}),
                             "saves": [{"node_id": s.node_id, "class_type": s.class_type, "prefix": s.prefix, **s.options}
                                       for s in j.saves]} for j in out.jobs], indent=2, ensure_ascii=False))
 
@@ -97,12 +113,14 @@ def compile_cmd(workflow: Path, deploy_path: Path | None) -> None:
 @click.option("--deploy", "deploy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Match loader names against this deploy's model and its comfyui aliases.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def check_cmd(workflow: Path, deploy_path: Path | None, as_json: bool) -> None:
+@click.option("--input-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Where LoadImage's file names are looked up (ComfyUI's input folder).")
+def check_cmd(workflow: Path, deploy_path: Path | None, as_json: bool, input_dir: Path | None) -> None:
     """Coverage report: each node mapped / ignored (why) / unsupported (why)."""
     from .compiler import check_workflow
     from .errors import WorkflowError
 
-    target = target_from_deploy(deploy_path) if deploy_path is not None else None
+    target = _target(deploy_path, input_dir)
     try:
         rows, err = check_workflow(_read(workflow), target)
     except WorkflowError as exc:  # not a graph at all

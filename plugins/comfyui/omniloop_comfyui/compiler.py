@@ -850,8 +850,8 @@ class _Compiler:
         name = re.sub(r" \[(input|output|temp)\]$", "", name)
         folder = self.t.input_dir
         if folder is None:
-            if not self.t.bound:
-                return (ImageV("loaded", data_b64=None, size=(0, 0)), Opaque("mask"))
+            if not self.t.bound:  # a compile without a server: the image is named, not read
+                return (ImageV("loaded", data_b64=f"@input:{name}", size=(0, 0)), Opaque("mask"))
             self.fail(nid, "LoadImage: this server has no input folder (start it with an output folder)", "image")
         root = folder.resolve()  # type: ignore[union-attr]
         path = (root / name).resolve()
