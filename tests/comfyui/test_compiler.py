@@ -9,6 +9,7 @@ import io
 import json
 import math
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -457,3 +458,30 @@ def test_served_flow_euler_options():
     t = Target(model="m", family="flux", tasks=frozenset({"t2i"}), models={"flux1-schnell.safetensors": "m"},
                guidance_embeds=False, flow_differs="the served flow-euler sets stochastic_sampling=True")
     assert "stochastic_sampling" in errors_of(g, t).summary()
+
+
+def test_model_sampling_flux(tiny, family_manager):
+    """FLUX.1 [dev]: ModelSamplingFlux maps to the checkpoint's own resolution shift only where the
+    token counts and shift parameters agree; without it ComfyUI's constant mu is refused."""
+    ckpt = tiny("flux", "dev")
+    rt = Runtime.from_model(ckpt, device="cpu", dtype="float32", manager=family_manager("flux"))
+    t = Target.from_runtime(rt, model=ckpt.name)
+    assert t.guidance_embeds is True and t.vae_scale is not None
+    g = flux_graph(steps=4)
+    g["1"]["inputs"]["ckpt_name"] = ckpt.name
+    assert "ModelSamplingFlux" in errors_of(g, t).summary()
+    g["8"] = {"class_type": "ModelSamplingFlux", "inputs": {"model": ["1", 0], "max_shift": 1.15, "base_shift": 0.5,
+                                                            "width": 64, "height": 64}}
+    g["5"]["inputs"]["model"] = ["8", 0]
+    t8 = attrs.evolve(t, vae_scale=8, scheduler={**t.scheduler, "max_shift": 1.15, "base_shift": 0.5,
+                                                 "base_image_seq_len": 256, "max_image_seq_len": 4096})
+    (job,) = compile_workflow(g, t8).jobs
+    assert "shift" not in job.request["diffusion"] and job.request["diffusion"]["guidance_scale"] == 3.5
+    g["8"]["inputs"]["width"] = 128
+    assert "differ from the latent" in errors_of(g, t8).summary()
+    g["8"]["inputs"]["width"] = 64
+    g["8"]["inputs"]["max_shift"] = 2.0
+    assert "max_shift" in errors_of(g, t8).summary()
+    if t.vae_scale != 8:  # the tiny VAE: ComfyUI's token count is not the checkpoint's
+        g["8"]["inputs"]["max_shift"] = 1.15
+        assert "tokens" in errors_of(g, attrs.evolve(t8, vae_scale=t.vae_scale)).summary()

@@ -99,6 +99,9 @@ class Target:
     #: the served ``flow-euler``'s sigma spacing when the deploy sets it (``policies.sampler_options:
     #: {flow-euler: {sigma_schedule: linear}}``: "linear"); None: the family's (:data:`FAMILIES`)
     flow_schedule: str | None = None
+    #: the VAE's spatial scale (``2 ** (len(block_out_channels) - 1)``, ``vae/config.json``); ComfyUI's
+    #: ModelSamplingFlux counts ``width * height / (8 * 8 * 2 * 2)`` tokens, true for a scale of 8
+    vae_scale: int | None = None
     #: why the served ``flow-euler`` is not ComfyUI's ``euler`` (an option such as
     #: ``stochastic_sampling`` set by the checkpoint's omniloop.json or the deploy); None: it is
     flow_differs: str | None = None
@@ -136,6 +139,8 @@ class Target:
 
         comfy = check_comfyui_section(comfyui)
         index = read("model_index.json")
+        blocks = read("vae", "config.json").get("block_out_channels")
+        vae_scale = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else None
         tf = read("transformer", "config.json")
         defaults = read("omniloop.json").get("defaults") or {}
         ratio = index.get("boundary_ratio")
@@ -148,7 +153,7 @@ class Target:
                    boundary_ratio=float(ratio) if isinstance(ratio, (int, float)) else None,
                    guidance_embeds=bool(tf.get("guidance_embeds")) if family == "flux" else None,
                    default_guidance=float(guidance) if isinstance(guidance, (int, float)) else None,
-                   input_dir=Path(input_dir) if input_dir is not None else None,
+                   input_dir=Path(input_dir) if input_dir is not None else None, vae_scale=vae_scale,
                    **_flow_euler_options(family, defaults, policies))
 
     @classmethod
@@ -1129,6 +1134,10 @@ class _Compiler:
                 self.fail(sid, f"ModelSamplingFlux max_shift/base_shift {max_shift}/{base_shift} differ from the "
                           f"checkpoint's scheduler config ({want[0]}/{want[1]}, sequence lengths {want[2]}-{want[3]})",
                           "model")
+            if t.vae_scale not in (None, 8) or w % 16 or h % 16:
+                self.fail(sid, f"ModelSamplingFlux counts width*height/256 tokens; the checkpoint packs "
+                          f"{(h // ((t.vae_scale or 8) * 2)) * (w // ((t.vae_scale or 8) * 2))} tokens at {w}x{h} "
+                          f"(VAE scale {t.vae_scale or 8}, sizes multiples of 16 match)", "model")
             if (w, h) != (d["width"], d["height"]):
                 self.fail(sid, f"ModelSamplingFlux width/height {w}x{h} differ from the latent's {d['width']}x{d['height']}: "
                           "omniloop shifts by the image's own size", "model")
