@@ -257,3 +257,56 @@ def test_interrupt(server, templates, widgets):
     assert hist["status"]["status_str"] == "error" and hist["outputs"] == {}
     executing = [m["data"]["node"] for m in seen if m["type"] == "executing"]
     assert executing[0] == "31"
+
+
+def test_two_requests_with_data_flow(server):
+    """A t2i chain whose decoded image feeds an img2img chain: two engine requests, in order."""
+    import time
+
+    url, rt, _ = server
+    base = {"seed": 3, "steps": 2, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "model": ["1", 0],
+            "positive": ["2", 0], "negative": ["2", 0], "denoise": 1.0}
+    prompt = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "flux1-schnell-fp8.safetensors"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a dog", "clip": ["1", 1]}},
+        "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "4": {"class_type": "KSampler", "inputs": {**base, "latent_image": ["3", 0]}},
+        "5": {"class_type": "VAEDecode", "inputs": {"samples": ["4", 0], "vae": ["1", 2]}},
+        "6": {"class_type": "SaveImage", "inputs": {"images": ["5", 0], "filename_prefix": "first"}},
+        "7": {"class_type": "VAEEncode", "inputs": {"pixels": ["5", 0], "vae": ["1", 2]}},
+        "8": {"class_type": "KSampler", "inputs": {**base, "latent_image": ["7", 0], "denoise": 0.5, "seed": 4}},
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "second"}},
+    }
+    r = httpx.post(f"{url}/prompt", json={"prompt": prompt})
+    assert r.status_code == 200, r.text
+    pid = r.json()["prompt_id"]
+    deadline = time.monotonic() + 120
+    while True:
+        hist = httpx.get(f"{url}/history/{pid}").json()
+        if hist:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    entry = hist[pid]
+    assert entry["status"]["completed"] is True and sorted(entry["outputs"]) == ["10", "6"]
+    from PIL import Image
+
+    def pixels(node):
+        img = entry["outputs"][node]["images"][0]
+        data = httpx.get(f"{url}/view", params=img).content
+        return torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).copy())
+
+    first = rt.generate({"task": "t2i", "inputs": [{"type": "text", "text": "a dog"}],
+                         "diffusion": {"seed": 3, "steps": 2, "width": 64, "height": 64, "shift": float(np.e)},
+                         "node_params": {"denoise": {"sampler": "flow-euler"}}})
+    assert torch.equal(pixels("6"), first.artifacts["image"].pixels)
+    buf = io.BytesIO()
+    Image.fromarray(first.artifacts["image"].pixels.numpy()).save(buf, format="PNG")
+    import base64
+
+    second = rt.generate({"task": "i2i", "inputs": [{"type": "text", "text": "a dog"},
+                                                    {"type": "image", "data_b64": base64.b64encode(buf.getvalue()).decode()}],
+                          "diffusion": {"seed": 4, "steps": 4, "width": 64, "height": 64, "shift": float(np.e)},
+                          "node_params": {"denoise": {"sampler": "flow-euler", "strength": 0.5}}})
+    assert torch.equal(pixels("10"), second.artifacts["image"].pixels)
