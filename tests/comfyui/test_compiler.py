@@ -485,3 +485,15 @@ def test_model_sampling_flux(tiny, family_manager):
     if t.vae_scale != 8:  # the tiny VAE: ComfyUI's token count is not the checkpoint's
         g["8"]["inputs"]["max_shift"] = 1.15
         assert "tokens" in errors_of(g, attrs.evolve(t8, vae_scale=t.vae_scale)).summary()
+
+
+def test_clip_text_encode_flux():
+    g = flux_graph()
+    g["2"] = {"class_type": "CLIPTextEncodeFlux", "inputs": {"clip": ["1", 1], "clip_l": "a fox", "t5xxl": "a fox",
+                                                             "guidance": 4.0}}
+    t = Target(model="m", family="flux", tasks=frozenset({"t2i"}), models={"flux1-schnell.safetensors": "m"},
+               guidance_embeds=True, scheduler={"use_dynamic_shifting": False})
+    (job,) = compile_workflow(g, t).jobs
+    assert job.request["inputs"][0]["text"] == "a fox" and job.request["diffusion"]["guidance_scale"] == 4.0
+    g["2"]["inputs"]["t5xxl"] = "a red fox in the snow"
+    assert errors_of(g, t).node_errors["2"]["errors"][0]["extra_info"]["input_name"] == "t5xxl"

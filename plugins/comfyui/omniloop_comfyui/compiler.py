@@ -763,6 +763,12 @@ class _Compiler:
     def n_CLIPTextEncode(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
         return (CondV(ins["text"], clip_loras=ins["clip"].loras),)
 
+    def n_CLIPTextEncodeFlux(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
+        if ins["clip_l"] != ins["t5xxl"]:
+            self.fail(nid, "clip_l and t5xxl differ: omniloop's FLUX.1 family encodes one prompt with both "
+                      "text encoders (diffusers' prompt_2 defaults to the prompt)", "t5xxl")
+        return (CondV(ins["t5xxl"], guidance=ins["guidance"], clip_loras=ins["clip"].loras),)
+
     def n_FluxGuidance(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
         c: CondV = ins["conditioning"]
         return (CondV(c.text, c.zero, ins["guidance"], c.clip_loras),)

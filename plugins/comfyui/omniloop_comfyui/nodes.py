@@ -140,6 +140,9 @@ SPECS: dict[str, NodeSpec] = {s.name: s for s in [
     # -- conditioning -------------------------------------------------------------------------
     _spec("CLIPTextEncode", [In("text", "STRING", "", multiline=True), In("clip", _C)], [(_CO, "CONDITIONING")],
           "conditioning"),
+    _spec("CLIPTextEncodeFlux", [In("clip", _C), In("clip_l", "STRING", "", multiline=True),
+                                 In("t5xxl", "STRING", "", multiline=True), _float("guidance", 3.5, 0.0, 100.0, 0.1)],
+          [(_CO, "CONDITIONING")], "advanced/conditioning/flux"),
     _spec("FluxGuidance", [In("conditioning", _CO), _float("guidance", 3.5, 0.0, 100.0, 0.1)],
           [(_CO, "CONDITIONING")], "advanced/conditioning/flux"),
     _spec("ConditioningZeroOut", [In("conditioning", _CO)], [(_CO, "CONDITIONING")], "advanced/conditioning"),
