@@ -99,6 +99,7 @@ def test_bad_inputs_are_node_errors(change, node, kind):
     err = errors_of(g)
     assert err.type == "prompt_outputs_failed_validation"
     assert kind in {e["type"] for e in err.node_errors[node]["errors"]}, err.body()
+    assert err.node_errors[node]["dependent_outputs"] == ["7"]
 
 
 @pytest.mark.parametrize("prefix", ["../x", "/abs", "a/../../b", ".hidden", "a\\b", "x\x00y", "a/b/c/d/e/f/g"])

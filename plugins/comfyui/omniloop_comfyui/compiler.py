@@ -672,7 +672,11 @@ class _Compiler:
         return seen
 
     def _node_errors(self) -> dict[str, dict[str, Any]]:
-        return {nid: {"errors": errs, "class_type": self.class_of(nid), "dependent_outputs": []}
+        outputs = [nid for nid, node in self.prompt.items()
+                   if isinstance(node, dict) and node.get("class_type") in SPECS and SPECS[node["class_type"]].output_node]
+        needs = {o: self.live([o]) for o in outputs}  # what each output node needs (ComfyUI's dependent_outputs)
+        return {nid: {"errors": errs, "class_type": self.class_of(nid),
+                      "dependent_outputs": [o for o in outputs if nid in needs[o]]}
                 for nid, errs in self.errors.items()}
 
     def fail(self, nid: str, message: str, input_name: str | None = None, type_: str = "unsupported") -> None:

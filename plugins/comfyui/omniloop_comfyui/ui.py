@@ -10,7 +10,8 @@ What the converter resolves, as ComfyUI's front end does when it queues a workfl
 * ``Reroute`` nodes and bypassed nodes (mode 4: each output passes the first input of its type
   through) are removed, their links followed;
 * muted nodes (mode 2) are dropped (an input fed by one is then missing);
-* ``PrimitiveNode`` / ``Primitive*`` values are written into the inputs they feed;
+* the legacy ``PrimitiveNode``'s value is written into the inputs it feeds (``PrimitiveInt`` and
+  friends are real nodes, compiled as such);
 * subgraphs (``definitions.subgraphs``) are expanded, inner node ids prefixed ``<outer id>:``; a
   subgraph input left unlinked keeps the inner widget's own value;
 * ``Note`` / ``MarkdownNote`` are ignored.
