@@ -243,6 +243,9 @@ def test_img2img_runs_as_the_native_request(tiny, family_manager, tmp_path):
               "node_params": {"denoise": {"sampler": "flow-euler", "strength": 0.5}}}
     a, b = rt.generate(job.request), rt.generate(native)
     assert a.ok and torch.equal(a.artifacts["image"].pixels, b.artifacts["image"].pixels)
+    g["5"]["inputs"]["denoise"] = 0.0  # no step would run
+    assert errors_of(g, t).node_errors["5"]["errors"][0]["extra_info"]["input_name"] == "denoise"
+    g["5"]["inputs"]["denoise"] = 0.5
     g["20"]["inputs"]["image"] = "../in/cat.png"
     assert "20" in errors_of(g, t).node_errors
 

@@ -127,3 +127,91 @@ def test_raw_bodies_on_the_server(tmp_path):
         r = httpx.post(f"{url}/prompt", json={"prompt": {"1": {"class_type": "SaveImage", "inputs": {}}}})
         assert r.status_code == 400 and r.json()["node_errors"]["1"]["errors"][0]["type"] == "required_input_missing"
         assert httpx.get(f"{url}/object_info").json()["KSampler"]["output"] == ["LATENT"]
+
+
+def _bases():
+    k = {"seed": 5, "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+         "model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0]}
+    t2i = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "flux1-schnell.safetensors"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a fox", "clip": ["1", 1]}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["1", 1]}},
+        "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "5": {"class_type": "KSampler", "inputs": k},
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
+        "7": {"class_type": "SaveImage", "inputs": {"images": ["6", 0], "filename_prefix": "fox"}},
+    }
+    i2i = json.loads(json.dumps(t2i))
+    i2i["8"] = {"class_type": "LoadImage", "inputs": {"image": "in.png"}}
+    i2i["4"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["8", 0], "vae": ["1", 2]}}
+    i2i["5"]["inputs"]["denoise"] = 0.5
+    two = json.loads(json.dumps(t2i))
+    two["9"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["6", 0], "vae": ["1", 2]}}
+    two["10"] = {"class_type": "KSampler", "inputs": {**k, "latent_image": ["9", 0], "denoise": 0.5}}
+    two["11"] = {"class_type": "VAEDecode", "inputs": {"samples": ["10", 0], "vae": ["1", 2]}}
+    two["12"] = {"class_type": "SaveAnimatedWEBP", "inputs": {"images": ["11", 0], "filename_prefix": "w", "fps": 6.0,
+                                                              "lossless": True, "quality": 80, "method": "default"}}
+    adv = {"add_noise": "enable", "noise_seed": 1, "steps": 6, "cfg": 4.0, "sampler_name": "euler", "scheduler": "normal",
+           "positive": ["2", 0], "negative": ["3", 0], "start_at_step": 0, "end_at_step": 3,
+           "return_with_leftover_noise": "enable"}
+    wan = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "wan2.2_t2v_high.safetensors", "weight_dtype": "default"}},
+        "13": {"class_type": "UNETLoader", "inputs": {"unet_name": "wan2.2_t2v_low.safetensors", "weight_dtype": "default"}},
+        "14": {"class_type": "CLIPLoader", "inputs": {"clip_name": "umt5.safetensors", "type": "wan"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a fox", "clip": ["14", 0]}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "blur", "clip": ["14", 0]}},
+        "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 32, "height": 32, "length": 5, "batch_size": 1}},
+        "15": {"class_type": "PrimitiveBoolean", "inputs": {"value": False}},
+        "16": {"class_type": "ComfySwitchNode", "inputs": {"switch": ["15", 0], "on_false": ["1", 0], "on_true": ["13", 0]}},
+        "17": {"class_type": "ComfyMathExpression", "inputs": {"expression": "a + 1", "values.a": 2}},
+        "5": {"class_type": "KSamplerAdvanced", "inputs": {**adv, "model": ["16", 0], "latent_image": ["4", 0],
+                                                           "end_at_step": ["17", 1]}},
+        "10": {"class_type": "KSamplerAdvanced", "inputs": {**adv, "model": ["13", 0], "latent_image": ["5", 0],
+                                                            "add_noise": "disable", "start_at_step": 3, "end_at_step": 10000,
+                                                            "return_with_leftover_noise": "disable"}},
+        "18": {"class_type": "VAELoader", "inputs": {"vae_name": "vae.safetensors"}},
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["10", 0], "vae": ["18", 0]}},
+        "19": {"class_type": "CreateVideo", "inputs": {"images": ["6", 0], "fps": 16.0}},
+        "7": {"class_type": "SaveVideo", "inputs": {"video": ["19", 0], "filename_prefix": "video/x", "format": "auto",
+                                                    "codec": "auto"}},
+    }
+    return [t2i, i2i, two, wan]
+
+
+BASES = _bases()
+
+
+@st.composite
+def mutated(draw):
+    g = json.loads(json.dumps(draw(st.sampled_from(BASES))))
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        nid = draw(st.sampled_from(sorted(g)))
+        inputs = g[nid]["inputs"]
+        if inputs and draw(st.integers(0, 9)):
+            inputs[draw(st.sampled_from(sorted(inputs)))] = draw(values)
+        else:
+            inputs[draw(st.sampled_from(INPUT_NAMES))] = draw(values)
+    return g
+
+
+@settings(max_examples=N, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mutated())
+def test_mutated_valid_graphs_never_crash(tmp_path_factory, g):
+    from PIL import Image
+
+    folder = tmp_path_factory.getbasetemp() / "hostile-in"
+    if not (folder / "in.png").is_file():
+        folder.mkdir(exist_ok=True)
+        Image.new("RGB", (64, 64)).save(folder / "in.png")
+    _never_crashes(g)
+    _never_crashes(g, Target(model="m", family="flux", tasks=frozenset({"t2i", "i2i"}), guidance_embeds=False,
+                             models={"flux1-schnell.safetensors": "m"}, input_dir=folder))
+
+
+def test_the_bases_compile(tmp_path):
+    """The mutation bases are valid (so the mutations start from graphs that reach every stage)."""
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
+    for g in BASES:
+        compile_workflow(g, Target(input_dir=tmp_path))

@@ -1042,6 +1042,9 @@ class _Compiler:
             if denoise >= 1.0:
                 self.fail(chain[0], "an encoded image with denoise 1.0 ignores the image; set denoise < 1 (image-to-image)",
                           "denoise")
+            if denoise <= 0:
+                self.fail(chain[0], f"denoise {denoise}: no step would run (ComfyUI returns the image unchanged)",
+                          "denoise")
             if first["kind"] != "simple":
                 self.fail(chain[0], "image-to-image through KSamplerAdvanced is not supported; use KSampler's denoise",
                           "latent_image")
