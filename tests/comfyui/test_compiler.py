@@ -501,3 +501,15 @@ def test_clip_text_encode_flux():
     assert job.request["inputs"][0]["text"] == "a fox" and job.request["diffusion"]["guidance_scale"] == 4.0
     g["2"]["inputs"]["t5xxl"] = "a red fox in the snow"
     assert errors_of(g, t).node_errors["2"]["errors"][0]["extra_info"]["input_name"] == "t5xxl"
+
+
+def test_partial_execution_targets():
+    g = flux_graph()
+    g["15"] = {"class_type": "KSampler", "inputs": {**g["5"]["inputs"], "seed": 6}}
+    g["16"] = {"class_type": "VAEDecode", "inputs": {"samples": ["15", 0], "vae": ["1", 2]}}
+    g["17"] = {"class_type": "SaveImage", "inputs": {"images": ["16", 0], "filename_prefix": "other"}}
+    assert [j.key for j in compile_workflow(g, outputs=["17"]).jobs] == ["15"]
+    g["5"]["inputs"]["steps"] = 0  # an error on a chain not asked for is not one
+    assert [j.key for j in compile_workflow(g, outputs=["17"]).jobs] == ["15"]
+    with pytest.raises(WorkflowError, match="not an output node"):
+        compile_workflow(g, outputs=["5"])

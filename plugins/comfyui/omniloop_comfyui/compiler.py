@@ -347,8 +347,9 @@ class CompiledPrompt:
 
 
 class _Compiler:
-    def __init__(self, prompt: dict[str, Any], target: Target) -> None:
+    def __init__(self, prompt: dict[str, Any], target: Target, only: list[str] | None = None) -> None:
         self.prompt = prompt
+        self.only = only
         self.t = target
         self.errors: dict[str, list[dict[str, Any]]] = {}
         self.values: dict[str, tuple[Any, ...] | None] = {}
@@ -394,6 +395,12 @@ class _Compiler:
                     details=f"Node ID '#{nid}'",
                     extra_info={"node_id": str(nid), "class_type": ct, "node_title": title or ct})
         outputs = [nid for nid, node in self.prompt.items() if SPECS[node["class_type"]].output_node]
+        if self.only is not None:  # ComfyUI's partial_execution_targets: just these output nodes
+            for nid in self.only:
+                if nid not in outputs:
+                    raise WorkflowError("invalid_prompt", f"partial_execution_targets: {show(nid)} is not an output node "
+                                        "of the prompt", extra_info={"node_id": nid})
+            outputs = [nid for nid in outputs if nid in self.only]
         if not outputs:
             raise WorkflowError("prompt_no_outputs", "Prompt has no outputs")
         return outputs
@@ -1340,10 +1347,11 @@ def load_workflow(workflow: Any) -> dict[str, Any]:
     return {str(k): v for k, v in workflow.items()}
 
 
-def compile_workflow(workflow: Any, target: Target | None = None) -> CompiledPrompt:
-    """Compile ``workflow`` (API or editor format) against ``target``; raises :class:`WorkflowError`."""
+def compile_workflow(workflow: Any, target: Target | None = None, *, outputs: list[str] | None = None) -> CompiledPrompt:
+    """Compile ``workflow`` (API or editor format) against ``target``; raises :class:`WorkflowError`.
+    ``outputs``: only these output nodes (ComfyUI's ``partial_execution_targets``), else all."""
     prompt = load_workflow(workflow)
-    c = _Compiler(prompt, target or Target())
+    c = _Compiler(prompt, target or Target(), outputs)
     out = c.run()
     return out
 

@@ -1,7 +1,8 @@
 """ComfyUI's server API on ``omniloop serve`` (mounted through ``omniloop.server_routes``).
 
 =================================  ===============================================================
-``POST /prompt``                   ``{prompt, client_id, extra_data}`` → ``{prompt_id, number,
+``POST /prompt``                   ``{prompt, client_id, extra_data, front,
+                                   partial_execution_targets}`` → ``{prompt_id, number,
                                    node_errors}``; a graph that does not compile → 400
                                    ``{error, node_errors}`` (ComfyUI's shapes, :mod:`.errors`)
 ``GET /history[/{prompt_id}]``     ``{id: {prompt, outputs: {node: {images: [{filename,
@@ -271,8 +272,16 @@ def comfyui_routes(api: Any) -> list[BaseRoute]:
         prompt = body["prompt"]
         if not isinstance(prompt, dict):
             return _invalid("prompt must be an object of nodes {id: {class_type, inputs}}")
+        targets = body.get("partial_execution_targets")
+        if targets is not None and (not isinstance(targets, list) or len(targets) > 1000
+                                    or not all(isinstance(t, (str, int)) and not isinstance(t, bool) for t in targets)):
+            return _invalid("partial_execution_targets must be a list of output node ids")
+        front = body.get("front", False)
+        if not isinstance(front, bool):
+            return _invalid("front must be true or false")
         try:
-            compiled = await asyncio.to_thread(compile_workflow, prompt, c.target)
+            compiled = await asyncio.to_thread(
+                lambda: compile_workflow(prompt, c.target, outputs=[str(t) for t in targets] if targets else None))
             _check_requests(compiled)
         except WorkflowError as exc:
             return _bad(exc.body())
@@ -283,7 +292,10 @@ def comfyui_routes(api: Any) -> list[BaseRoute]:
         pid = str(uuid.uuid4())
         c.number += 1
         p = _Prompt(c.number, pid, compiled.prompt, extra, client, compiled)
-        c.pending.append(p)
+        if front:  # ComfyUI's "front": ahead of the other pending prompts
+            c.pending.insert(0, p)
+        else:
+            c.pending.append(p)
         assert c.wake is not None
         c.wake.set()
         await c.send("status", c.status(), None)
