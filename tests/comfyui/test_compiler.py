@@ -513,3 +513,17 @@ def test_partial_execution_targets():
     assert [j.key for j in compile_workflow(g, outputs=["17"]).jobs] == ["15"]
     with pytest.raises(WorkflowError, match="not an output node"):
         compile_workflow(g, outputs=["5"])
+
+
+def test_text_encoder_loader_type():
+    g = flux_graph()
+    g["1"] = {"class_type": "UNETLoader", "inputs": {"unet_name": "flux1-schnell.safetensors", "weight_dtype": "default"}}
+    g["20"] = {"class_type": "DualCLIPLoader", "inputs": {"clip_name1": "clip_l.safetensors", "clip_name2": "t5.safetensors",
+                                                          "type": "flux"}}
+    g["21"] = {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}}
+    g["2"]["inputs"]["clip"] = g["3"]["inputs"]["clip"] = ["20", 0]
+    g["6"]["inputs"]["vae"] = ["21", 0]
+    compile_workflow(g)
+    g["20"]["inputs"]["type"] = "sdxl"
+    e = errors_of(g).node_errors["20"]["errors"][0]
+    assert e["type"] == "value_not_in_list" and e["extra_info"]["input_name"] == "type"

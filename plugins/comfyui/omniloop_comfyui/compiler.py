@@ -58,6 +58,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "flux": {"schedule": "linear", "comfy_shift": None, "table": 10000, "video": False},
 }
 
+#: the text-encoder loaders (class, ``type``) ComfyUI uses per family (SD3: CLIP-L/G alone, with T5, or all three)
+CLIP_LOADERS: dict[str, set[tuple[str, str | None]]] = {
+    "wan": {("CLIPLoader", "wan")},
+    "flux": {("DualCLIPLoader", "flux")},
+    "sd3": {("CLIPLoader", "sd3"), ("DualCLIPLoader", "sd3"), ("TripleCLIPLoader", None)},
+}
+
 #: ``(sampler_name, scheduler)`` → (omniloop sampler, the flow-euler spacing it needs). Only pairs
 #: whose math is the same: ComfyUI's ``euler`` step on a flow model is ``x + (σ' − σ)·v``, the
 #: ``FlowMatchEulerDiscreteScheduler`` step; its ``normal`` scheduler on ``ModelSamplingDiscreteFlow``
@@ -496,7 +503,14 @@ class _Compiler:
                     else:
                         out[i.name] = checked
                     continue
-                out[i.name] = vals[slot]
+                value = vals[slot]
+                if got == "*" and i.kind != "*" and _kind_of(value) != i.kind:  # a switch passing something else
+                    self.err(nid, "return_type_mismatch", f"Return type mismatch between linked nodes: {i.name}, "
+                             f"received_type({_kind_of(value)}) mismatch input_type({i.kind})", i.name,
+                             received_type=_kind_of(value), linked_node=v)
+                    ok = False
+                    continue
+                out[i.name] = value
                 continue
             if i.kind == "*":
                 if not isinstance(v, (int, float, str, bool)) or (isinstance(v, float) and not math.isfinite(v)):
@@ -720,18 +734,32 @@ class _Compiler:
                       "weights' precision here; use 'default'", "weight_dtype")
         return (ModelV(self.family, (nid,), ins["unet_name"]),)
 
+    def clip_type(self, nid: str, loader: str, kind: str | None) -> None:
+        """The text-encoder loader must be the one ComfyUI uses for the served family (its ``type``
+        picks the tokenizer and the encoder's role; another one would encode the prompt differently)."""
+        want = CLIP_LOADERS.get(self.family or "")
+        if want is None:
+            return
+        if (loader, kind) not in want:
+            have = ", ".join(f"{cl}" + (f" type {t!r}" if t else "") for cl, t in sorted(want, key=str))
+            self.fail(nid, f"{loader}" + (f" type {kind!r}" if kind else "") + f" does not load a {self.family} text "
+                      f"encoder (ComfyUI's: {have})", "type" if kind else None, "value_not_in_list")
+
     def n_CLIPLoader(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
         self.model_name(nid, "clip_name", ins["clip_name"])
+        self.clip_type(nid, "CLIPLoader", ins["type"])
         return (ClipV(self.family),)
 
     def n_DualCLIPLoader(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
         self.model_name(nid, "clip_name1", ins["clip_name1"])
         self.model_name(nid, "clip_name2", ins["clip_name2"])
+        self.clip_type(nid, "DualCLIPLoader", ins["type"])
         return (ClipV(self.family),)
 
     def n_TripleCLIPLoader(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
         for k in ("clip_name1", "clip_name2", "clip_name3"):
             self.model_name(nid, k, ins[k])
+        self.clip_type(nid, "TripleCLIPLoader", None)
         return (ClipV(self.family),)
 
     def n_VAELoader(self, nid: str, ins: dict[str, Any]) -> tuple[Any, ...]:
@@ -1297,6 +1325,19 @@ class _NodeFailed(Exception):
 
 
 _BAD = object()
+
+
+def _kind_of(value: Any) -> str:
+    """The ComfyUI type of a value flowing along a link (what a ``*`` output actually carries)."""
+    kinds = {ModelV: "MODEL", ClipV: "CLIP", VaeV: "VAE", CondV: "CONDITIONING", LatentV: "LATENT", ImageV: "IMAGE",
+             VideoV: "VIDEO"}
+    if type(value) in kinds:
+        return kinds[type(value)]
+    if isinstance(value, Opaque):
+        return {"clip_vision": "CLIP_VISION", "clip_vision_output": "CLIP_VISION_OUTPUT", "mask": "MASK"}.get(value.what, "*")
+    if isinstance(value, bool):
+        return "BOOLEAN"
+    return {int: "INT", float: "FLOAT", str: "STRING"}.get(type(value), "*")
 
 
 def _is_link(v: Any) -> bool:
