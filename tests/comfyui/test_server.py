@@ -310,3 +310,16 @@ def test_two_requests_with_data_flow(server):
                           "diffusion": {"seed": 4, "steps": 4, "width": 64, "height": 64, "shift": float(np.e)},
                           "node_params": {"denoise": {"sampler": "flow-euler", "strength": 0.5}}})
     assert torch.equal(pixels("10"), second.artifacts["image"].pixels)
+
+
+def test_runtime_checks_at_prompt(server, templates, widgets):
+    """What only the family can check (a size the model cannot do, a deploy limit) is a 400 node
+    error at /prompt, as ComfyUI validates before queueing — not a later execution_error."""
+    url, _, _ = server
+    prompt = _workflow(templates, widgets)
+    prompt["31"]["inputs"]["steps"] = 400  # above the deploy's max_steps (200); divides FLUX.1's table
+    r = _post(url, prompt)
+    assert r.status_code == 400, r.text
+    err = r.json()["node_errors"]["31"]
+    assert err["errors"][0]["type"] == "invalid_request" and "steps" in err["errors"][0]["extra_info"]["field"]
+    assert err["dependent_outputs"] == ["9"]

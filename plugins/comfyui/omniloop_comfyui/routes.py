@@ -20,7 +20,9 @@
                                    ``execution_error``, ``execution_interrupted``
 =================================  ===============================================================
 
-Prompts run one at a time in queue order (as in ComfyUI); each compiled job is one engine request,
+Each compiled request is validated at ``POST /prompt`` (the schema, then ``Runtime.prepare``: a
+size the model cannot do is a 400 node error, not a later ``execution_error``). Prompts run one at
+a time in queue order (as in ComfyUI); each compiled job is one engine request,
 so the runtime's scheduler batches it with the server's other requests. Files go under
 ``<output dir>/comfyui/{output,temp}``; ``LoadImage`` reads ``<output dir>/comfyui/input``.
 """
@@ -282,7 +284,7 @@ def comfyui_routes(api: Any) -> list[BaseRoute]:
         try:
             compiled = await asyncio.to_thread(
                 lambda: compile_workflow(prompt, c.target, outputs=[str(t) for t in targets] if targets else None))
-            _check_requests(compiled)
+            _check_requests(compiled, c.state.runtime)
         except WorkflowError as exc:
             return _bad(exc.body())
         except RecursionError:
@@ -461,19 +463,28 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _check_requests(compiled: CompiledPrompt) -> None:
-    """Each compiled request against the request schema (ranges, types) before it is queued; a
-    problem is a node error on its sampler node."""
+def _check_requests(compiled: CompiledPrompt, runtime: Any = None) -> None:
+    """Each compiled request validated before the prompt is queued, as ComfyUI validates inputs at
+    ``/prompt``: the request schema, then — with ``runtime`` — the runtime's own checks
+    (``Runtime.prepare``: sizes, limits, tasks, adapters; what ``engine.submit`` runs, in the same
+    thread). A request fed by another job's image is checked against the schema only (its image
+    exists once that job ran). A problem is a node error on the job's sampler node, naming the field."""
     from omniloop.errors import RequestError
     from omniloop.schema import as_request
 
     errors: dict[str, Any] = {}
     for job in compiled.jobs:
         try:
-            as_request(job.request)
+            req = as_request(job.request)
+            if runtime is not None and not job.inputs_from:
+                runtime.prepare(req)
         except RequestError as exc:
-            errors[job.key] = {"errors": [node_error("invalid_request", f"{exc.path}: {exc.message}")],
-                               "class_type": compiled.prompt.get(job.key, {}).get("class_type"),
-                               "dependent_outputs": []}
+            entry = node_error("invalid_request", f"{exc.path}: {exc.message}", field=exc.path)
+        except Exception as exc:  # validation raised something else: still the request's fault
+            entry = node_error("invalid_request", f"{type(exc).__name__}: {show(str(exc), 300)}")
+        else:
+            continue
+        errors[job.key] = {"errors": [entry], "class_type": compiled.prompt.get(job.key, {}).get("class_type"),
+                           "dependent_outputs": [sp.node_id for sp in job.saves]}
     if errors:
         raise WorkflowError.from_nodes(errors)
