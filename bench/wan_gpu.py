@@ -105,7 +105,7 @@ BF16_PEAK_TFLOPS = 790.0  # H200 dense bf16, for the "share of peak" column
 #: bf16 tolerance of the final latents against diffusers eager (relative RMS, after the run)
 BF16_REL_RMS_TOL = 5e-2
 
-BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn", "fp8": "cudnn-fp8",
+BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn", "fp8": "cudnn-fp8", "fa4": "flash-attn-4",
             # sparse-tile at a density (attention_options.density; distribution-altering)
             "sparse50": "sparse-tile@0.5", "sparse30": "sparse-tile@0.3", "sparse15": "sparse-tile@0.15"}
 #: the default subset (~7 min on one H200 with max-autotune compiles); --only picks any

@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omniloop.family import AttentionBackendSpec
 
+from .flash4 import flash_attn4, flash_attn4_available
 from .fp8 import cudnn_fp8, cudnn_fp8_available
 from .sparse import SparseTileOptions, configure, flex_available, sparse_tile
 
@@ -51,7 +52,13 @@ def _sdpa_with(backend: SDPBackend) -> Callable[..., torch.Tensor]:
 
 
 def flash_attn_available() -> str | None:
-    if importlib.util.find_spec("flash_attn") is None:
+    """FlashAttention-2's ``flash_attn_func`` (package ``flash-attn``). ``flash-attn-4`` installs only
+    the namespace ``flash_attn.cute``: that is not this backend (it is ``flash-attn-4``)."""
+    try:
+        found = importlib.util.find_spec("flash_attn.flash_attn_interface") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
         return "the flash-attn package is not installed (pip install 'omniloop-attention[flash-attn]')"
     if not torch.cuda.is_available():
         return "CUDA is not available on this machine"
@@ -79,6 +86,10 @@ def _specs() -> list[AttentionBackendSpec]:
     specs.append(AttentionBackendSpec(
         name="flash-attn", fn=flash_attn, available=flash_attn_available,
         description="the flash-attn package's flash_attn_func",
+    ))
+    specs.append(AttentionBackendSpec(
+        name="flash-attn-4", fn=flash_attn4, available=flash_attn4_available,
+        description="flash-attn-4's CuTe-DSL forward kernel (flash_attn.cute; Hopper; exact-class)",
     ))
     specs.append(AttentionBackendSpec(
         name="cudnn-fp8", fn=cudnn_fp8, available=cudnn_fp8_available, distribution_altering=True,

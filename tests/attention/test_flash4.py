@@ -1,0 +1,153 @@
+"""flash-attn-4: registered as an exact-class backend, refused (with the reason) where it cannot run,
+its arguments checked before any kernel; on a Hopper GPU with the package it matches float32
+attention within bf16 rounding, also inside ``torch.compile(fullgraph=True)``."""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omniloop.errors import DeployError
+from omniloop.testing import make_manager
+from omniloop_attention import flash4, plugin
+from omniloop_attention.backends import BACKENDS
+from omniloop_attention.flash4 import flash_attn4, flash_attn4_available
+
+SPEC = {b.name: b for b in BACKENDS}["flash-attn-4"]
+
+
+def _fake_installed(monkeypatch):
+    """``flash_attn.cute`` found by find_spec (whatever is really installed)."""
+    real = importlib.util.find_spec
+    sentinel = importlib.util.spec_from_loader("flash_attn.cute", loader=None)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: sentinel if name == "flash_attn.cute" else real(name, *a))
+
+
+def test_registered_exact_class():
+    registered = {}
+    plugin.omniloop_register_attention_backends(lambda spec: registered.setdefault(spec.name, spec))
+    assert registered["flash-attn-4"] is SPEC
+    assert SPEC.distribution_altering is False
+    assert SPEC.fn is flash_attn4
+
+
+def test_refused_when_not_installed(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn.cute" else real(name, *a))
+    reason = flash_attn4_available()
+    assert "flash-attn-4 package (module 'flash_attn.cute') is not installed" in reason
+    assert "omniloop-attention[flash-attn-4]" in reason
+
+
+def test_refused_without_cuda(monkeypatch):
+    _fake_installed(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert flash_attn4_available() == "CUDA is not available on this machine"
+
+
+def test_refused_off_hopper(monkeypatch):
+    _fake_installed(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "Hopper (sm90) only" in flash_attn4_available()
+    assert "sm80" in flash_attn4_available()
+
+
+def test_a_broken_install_says_what_failed(monkeypatch):
+    """Found but not importable (the 2026-12-03 failure: no nvidia-cutlass-dsl-libs-core, so no
+    ``cutlass.cute``): the reason carries the import error, at load, not at the first call."""
+    _fake_installed(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import raises ImportError
+    flash4._import_error.cache_clear()
+    try:
+        reason = flash_attn4_available()
+    finally:
+        flash4._import_error.cache_clear()
+    assert reason.startswith("flash-attn-4 is installed but does not import: ModuleNotFoundError")
+    assert "nvidia-cutlass-dsl-libs-core" in reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_unavailable_is_an_error_at_load(toy_checkpoint):
+    from omniloop.runtime import Runtime
+
+    with pytest.raises(DeployError, match="attention_backend: 'flash-attn-4' cannot run here: "):
+        Runtime.from_model(toy_checkpoint, manager=make_manager(("attention", plugin)), attention_backend="flash-attn-4")
+
+
+@pytest.mark.parametrize("case, match", [
+    ("mask", "takes no attention mask"),
+    ("float32", "needs bf16 or fp16"),
+    ("mixed", "needs bf16 or fp16"),
+    ("head_dim", "head dim in \\[8, 256\\]"),
+    ("dropout", "does not take dropout_p"),
+])
+def test_bad_calls_are_refused_before_the_kernel(case, match):
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    k = v = q
+    kw = {}
+    if case == "mask":
+        kw["attn_mask"] = torch.ones(16, 16, dtype=torch.bool)
+    elif case == "float32":
+        q = k = v = q.float()
+    elif case == "mixed":
+        v = v.half()
+    elif case == "head_dim":
+        q = k = v = torch.zeros(1, 2, 16, 12, dtype=torch.bfloat16)
+    elif case == "dropout":
+        kw["dropout_p"] = 0.1
+    with pytest.raises(ValueError, match=match):
+        flash_attn4(q, k, v, **kw)
+
+
+def test_the_op_has_a_fake_for_compile():
+    """The custom op's fake (meta) function gives the kernel's ``[B, Lq, H, Dv]`` output, so
+    torch.compile can trace it without the package."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 100, 3, 128, dtype=torch.bfloat16)
+        k = torch.empty(2, 40, 3, 128, dtype=torch.bfloat16)
+        out = torch.ops.omniloop_attention.flash_attn4_fwd(q, k, k, 0.1, False)
+    assert tuple(out.shape) == (2, 100, 3, 128) and out.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: Hopper with flash-attn-4 installed
+# ------------------------------------------------------------------------------------------------
+
+needs_fa4 = pytest.mark.skipif(not torch.cuda.is_available() or flash_attn4_available() is not None,
+                               reason="needs a Hopper GPU with flash-attn-4 installed")
+
+
+def _bhld(B, H, L, D, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+
+
+@needs_fa4
+@pytest.mark.parametrize("lq, lk, d", [(1000, 1000, 128), (777, 512, 128), (256, 300, 64)])
+def test_matches_float32_attention(lq, lk, d):
+    q, k, v = _bhld(2, 4, lq, d, 0), _bhld(2, 4, lk, d, 1), _bhld(2, 4, lk, d, 2)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    out = flash_attn4(q, k, v)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    rel = float((out.float() - ref).norm() / ref.norm())
+    assert rel < 1e-2  # bf16 output rounding: ~4e-3
+
+
+@needs_fa4
+def test_compiled_fullgraph_equals_eager():
+    q, k, v = (_bhld(1, 4, 1000, 128, s) for s in range(3))
+
+    def f(q, k, v):
+        return flash_attn4(q * 1.5, k, v) + 1.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(q, k, v), f(q, k, v))
