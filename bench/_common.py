@@ -257,11 +257,17 @@ def machine(**extra: Any) -> dict[str, Any]:
 
 
 def library_versions() -> dict[str, str]:
-    """The diffusers and transformers versions (those importable)."""
+    """The diffusers and transformers versions (those importable), and the attention kernel
+    packages' (flash-attn-4 and its CuTe DSL) where installed."""
+    import importlib.metadata as md
+
     out: dict[str, str] = {}
     for mod in ("diffusers", "transformers"):
         with contextlib.suppress(ImportError):
             out[mod] = __import__(mod).__version__
+    for dist in ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13", "nvidia-cudnn-frontend"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            out[dist] = md.version(dist)
     return out
 
 

@@ -71,7 +71,11 @@ def compute_settings(runtime: Any) -> dict[str, Any]:
     deploy = getattr(runtime, "deploy", None)
     if deploy is None:
         return {}
-    return {"dtype": getattr(deploy, "dtype", None), **{k: getattr(deploy, k, v) for k, v in COMPUTE_DEFAULTS.items()}}
+    out = {"dtype": getattr(deploy, "dtype", None), **{k: getattr(deploy, k, v) for k, v in COMPUTE_DEFAULTS.items()}}
+    chosen = getattr(getattr(runtime, "attention", None), "name", None)
+    if chosen:  # the backend that runs (``attention_backend: auto`` resolved at load)
+        out["attention_backend"] = chosen
+    return out
 
 
 def summarize(con: Console, output: Any, files: dict[str, Path], load_seconds: float,

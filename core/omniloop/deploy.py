@@ -105,7 +105,11 @@ class DeployConfig:
     #: how artifacts cross processes: ``inproc`` (default); a registered transport (omniloop-parallel:
     #: ``shm``, ``torch.distributed``) with parallel world > 1; unknown names refused at load
     transport: str = "inproc"
-    attention_backend: str = "sdpa"
+    #: a registered attention backend's name, or ``auto`` (the default): the fastest exact-class
+    #: backend that declares itself for this machine and deploy (``AttentionBackendSpec.auto_rank``;
+    #: omniloop-attention's ``flash-attn-4`` on Hopper in bf16/fp16 when installed), else ``sdpa``.
+    #: The chosen name is in ``Runtime.describe()["attention_backend"]``
+    attention_backend: str = "auto"
     #: the attention backend's options, e.g. {density: 0.3} for ``sparse-tile`` (checked against the
     #: backend's ``options_schema`` at load; a backend without one takes none)
     attention_options: dict[str, Any] = attrs.Factory(dict)

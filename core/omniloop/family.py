@@ -180,3 +180,12 @@ class AttentionBackendSpec:
     #: ``configure(options) -> fn``: the callable for the validated ``attention_options`` (at load;
     #: the runtime's spec then carries it as ``fn``). A ``ValueError`` is a deploy error.
     configure: Callable[[Any], Callable[..., torch.Tensor]] | None = None
+    #: ``attention_backend: auto`` (the deploy default) runs, of the backends with ``auto_rank > 0``
+    #: that are exact-class, take no options, are ``available()`` and accept the deploy
+    #: (``auto_accepts(deploy)`` is None), the one of highest rank (ties: by name); if none, the
+    #: core ``sdpa``. Give a rank only with a measurement showing the backend faster than ``sdpa``
+    #: wherever it accepts (``omniloop.runtime.resolve_auto_attention``).
+    auto_rank: int = 0
+    #: ``auto_accepts(deploy) -> None`` (auto may pick it for this deploy) or the reason it may not
+    #: (e.g. a dtype or device it was not measured on); None: any deploy
+    auto_accepts: Callable[[Any], str | None] | None = None

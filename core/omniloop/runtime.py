@@ -44,6 +44,34 @@ from .streams import final_output
 
 log = logging.getLogger("omniloop")
 
+#: the deploy's default ``attention_backend``: see :func:`resolve_auto_attention`
+AUTO_ATTENTION = "auto"
+
+
+def resolve_auto_attention(registry: Registry, deploy: DeployConfig) -> tuple[Any, str]:
+    """``attention_backend: auto``: ``(spec, why)``. Of the registered backends with
+    ``auto_rank > 0`` that are exact-class (not ``distribution_altering``), take no options,
+    report ``available()`` and accept the deploy (``auto_accepts``), the highest rank wins (ties:
+    the first name); with none, the core ``sdpa``. No timing happens here: a backend's rank is its
+    author's claim, backed by a recorded measurement (omniloop-attention's README)."""
+    candidates = []
+    skipped = []
+    for spec in registry.attention_backends.values():
+        if spec.auto_rank <= 0 or spec.distribution_altering or spec.options_schema is not None:
+            continue
+        reason = spec.available() or (spec.auto_accepts(deploy) if spec.auto_accepts is not None else None)
+        if reason:
+            skipped.append(f"{spec.name}: {reason}")
+            continue
+        candidates.append(spec)
+    if candidates:
+        best = sorted(candidates, key=lambda s: (-s.auto_rank, s.name))[0]
+        return best, f"rank {best.auto_rank}, available here"
+    spec = registry.attention_backends.get("sdpa")
+    if spec is None:
+        raise DeployError("attention_backend: auto found no backend: not even the core 'sdpa' is registered")
+    return spec, "; ".join(skipped) or "no other backend declares itself for auto"
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -237,6 +265,14 @@ class Deployment:
 
     def _resolve_attention(self) -> Any:
         name = self.deploy.attention_backend
+        if name == AUTO_ATTENTION:
+            if self.deploy.attention_options:
+                raise DeployError(f"attention_options: given for attention_backend: auto, which picks a backend per "
+                                  f"machine and passes it no options; name the backend they are for "
+                                  f"(got {sorted(self.deploy.attention_options)})")
+            spec, why = resolve_auto_attention(self.registry, self.deploy)
+            log.info("attention_backend: auto -> %s (%s)", spec.name, why)
+            return spec
         spec = self.registry.attention_backends.get(name)
         if spec is None:
             self.plugins.require(name, "attention backend")

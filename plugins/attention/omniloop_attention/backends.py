@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omniloop.family import AttentionBackendSpec
 
-from .flash4 import flash_attn4, flash_attn4_available
+from .flash4 import AUTO_RANK, flash_attn4, flash_attn4_accepts, flash_attn4_available
 from .fp8 import cudnn_fp8, cudnn_fp8_available
 from .sparse import SparseTileOptions, configure, flex_available, sparse_tile
 
@@ -89,7 +89,9 @@ def _specs() -> list[AttentionBackendSpec]:
     ))
     specs.append(AttentionBackendSpec(
         name="flash-attn-4", fn=flash_attn4, available=flash_attn4_available,
-        description="flash-attn-4's CuTe-DSL forward kernel (flash_attn.cute; Hopper; exact-class)",
+        description="flash-attn-4's CuTe-DSL forward kernel (flash_attn.cute; Hopper; exact-class; "
+                    "attention_backend: auto picks it on Hopper in bf16/fp16 when installed)",
+        auto_rank=AUTO_RANK, auto_accepts=flash_attn4_accepts,
     ))
     specs.append(AttentionBackendSpec(
         name="cudnn-fp8", fn=cudnn_fp8, available=cudnn_fp8_available, distribution_altering=True,

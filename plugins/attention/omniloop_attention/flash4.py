@@ -79,6 +79,24 @@ def flash_attn4_available() -> str | None:
     return _import_error()
 
 
+#: ``attention_backend: auto`` picks this backend wherever it is available and accepts the deploy
+#: (``AttentionBackendSpec.auto_rank``). Measured on the H200 (2026-12-03,
+#: ``bench/results/attention_flash4-h200-2026-12-03.json``, ``wan_gpu-*-fa4-*``): 1.14-1.22x cuDNN
+#: SDPA on Wan's self-attention, 1.04x on a FLUX-sized one, 0.84x on Wan's 512-token
+#: cross-attention (0.04 ms a call); the whole Wan 1.3B step 1.12x faster than with ``sdpa-cudnn``.
+AUTO_RANK = 10
+
+
+def flash_attn4_accepts(deploy: Any) -> str | None:
+    """``auto`` may pick flash-attn-4 for a deploy on a CUDA device in bf16 or fp16 (the kernel's
+    dtypes); float32 deploys and other devices keep ``sdpa``."""
+    if torch.device(deploy.device).type != "cuda":
+        return f"device {deploy.device!r} is not a CUDA device"
+    if deploy.dtype not in ("bfloat16", "float16"):
+        return f"dtype {deploy.dtype!r}: the kernel runs bf16 and fp16 only"
+    return None
+
+
 @torch.library.custom_op("omniloop_attention::flash_attn4_fwd", mutates_args=())
 def flash_attn4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                     causal: bool) -> torch.Tensor:
@@ -120,4 +138,4 @@ def flash_attn4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) ->
     return out.transpose(1, 2)
 
 
-__all__ = ["flash_attn4", "flash_attn4_available", "flash_attn4_fwd"]
+__all__ = ["AUTO_RANK", "flash_attn4", "flash_attn4_accepts", "flash_attn4_available", "flash_attn4_fwd"]
