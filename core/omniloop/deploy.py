@@ -107,7 +107,7 @@ class DeployConfig:
     transport: str = "inproc"
     #: a registered attention backend's name, or ``auto`` (the default): the fastest exact-class
     #: backend that declares itself for this machine and deploy (``AttentionBackendSpec.auto_rank``;
-    #: omniloop-attention's ``flash-attn-4`` on Hopper in bf16/fp16 when installed), else ``sdpa``.
+    #: omniloop-attention's ``flash-attn-4`` for Wan on Hopper in bf16/fp16 when installed), else ``sdpa``.
     #: The chosen name is in ``Runtime.describe()["attention_backend"]``
     attention_backend: str = "auto"
     #: the attention backend's options, e.g. {density: 0.3} for ``sparse-tile`` (checked against the

@@ -186,6 +186,6 @@ class AttentionBackendSpec:
     #: core ``sdpa``. Give a rank only with a measurement showing the backend faster than ``sdpa``
     #: wherever it accepts (``omniloop.runtime.resolve_auto_attention``).
     auto_rank: int = 0
-    #: ``auto_accepts(deploy) -> None`` (auto may pick it for this deploy) or the reason it may not
-    #: (e.g. a dtype or device it was not measured on); None: any deploy
-    auto_accepts: Callable[[Any], str | None] | None = None
+    #: ``auto_accepts(deploy, family) -> None`` (auto may pick it for this deploy and family name) or
+    #: the reason it may not (a dtype, device or family it was not measured on); None: any deploy
+    auto_accepts: Callable[[Any, str], str | None] | None = None

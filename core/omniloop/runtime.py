@@ -48,10 +48,10 @@ log = logging.getLogger("omniloop")
 AUTO_ATTENTION = "auto"
 
 
-def resolve_auto_attention(registry: Registry, deploy: DeployConfig) -> tuple[Any, str]:
+def resolve_auto_attention(registry: Registry, deploy: DeployConfig, family: str) -> tuple[Any, str]:
     """``attention_backend: auto``: ``(spec, why)``. Of the registered backends with
     ``auto_rank > 0`` that are exact-class (not ``distribution_altering``), take no options,
-    report ``available()`` and accept the deploy (``auto_accepts``), the highest rank wins (ties:
+    report ``available()`` and accept the deploy and family (``auto_accepts``), the highest rank wins (ties:
     the first name); with none, the core ``sdpa``. No timing happens here: a backend's rank is its
     author's claim, backed by a recorded measurement (omniloop-attention's README)."""
     candidates = []
@@ -59,7 +59,7 @@ def resolve_auto_attention(registry: Registry, deploy: DeployConfig) -> tuple[An
     for spec in registry.attention_backends.values():
         if spec.auto_rank <= 0 or spec.distribution_altering or spec.options_schema is not None:
             continue
-        reason = spec.available() or (spec.auto_accepts(deploy) if spec.auto_accepts is not None else None)
+        reason = spec.available() or (spec.auto_accepts(deploy, family) if spec.auto_accepts is not None else None)
         if reason:
             skipped.append(f"{spec.name}: {reason}")
             continue
@@ -270,7 +270,7 @@ class Deployment:
                 raise DeployError(f"attention_options: given for attention_backend: auto, which picks a backend per "
                                   f"machine and passes it no options; name the backend they are for "
                                   f"(got {sorted(self.deploy.attention_options)})")
-            spec, why = resolve_auto_attention(self.registry, self.deploy)
+            spec, why = resolve_auto_attention(self.registry, self.deploy, self.family.name)
             log.info("attention_backend: auto -> %s (%s)", spec.name, why)
             return spec
         spec = self.registry.attention_backends.get(name)

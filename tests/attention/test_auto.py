@@ -1,7 +1,7 @@
 """``attention_backend: auto`` (the deploy default): the fastest exact-class backend that declares
 itself for this machine and deploy, else the core ``sdpa`` — chosen at load, by declared rank, never
-by timing and never a distribution-altering backend. flash-attn-4 declares itself for Hopper in
-bf16/fp16; on a machine without it (CI) every deploy runs ``sdpa`` as before."""
+by timing and never a distribution-altering backend. flash-attn-4 declares itself for the Wan family
+on Hopper in bf16/fp16; on a machine without it (CI) every deploy runs ``sdpa`` as before."""
 
 import attrs
 import pytest
@@ -40,10 +40,10 @@ def test_auto_is_the_default():
 def test_highest_rank_available_exact_backend_wins():
     reg = _registry(_spec("slow", 1), _spec("fast", 5), _spec("b-tie", 3), _spec("a-tie", 3),
                     _spec("unranked", 0))
-    spec, _ = resolve_auto_attention(reg, GPU_BF16)
+    spec, _ = resolve_auto_attention(reg, GPU_BF16, "wan")
     assert spec.name == "fast"
     reg = _registry(_spec("b-tie", 3), _spec("a-tie", 3))
-    assert resolve_auto_attention(reg, GPU_BF16)[0].name == "a-tie"
+    assert resolve_auto_attention(reg, GPU_BF16, "wan")[0].name == "a-tie"
 
 
 def test_never_a_distribution_altering_or_configurable_backend():
@@ -51,31 +51,33 @@ def test_never_a_distribution_altering_or_configurable_backend():
         pass
 
     reg = _registry(_spec("fp8", 9, distribution_altering=True), _spec("sparse", 9, options_schema=Opts))
-    spec, _ = resolve_auto_attention(reg, GPU_BF16)
+    spec, _ = resolve_auto_attention(reg, GPU_BF16, "wan")
     assert spec.name == "sdpa"
 
 
 def test_unavailable_or_refusing_backends_fall_to_sdpa_with_the_reason():
     reg = _registry(_spec("gone", 9, available=lambda: "not installed"),
-                    _spec("picky", 8, auto_accepts=lambda d: "only bf16" if d.dtype != "bfloat16" else None))
-    spec, why = resolve_auto_attention(reg, DeployConfig(device="cuda", dtype="float32"))
+                    _spec("picky", 8, auto_accepts=lambda d, f: "only bf16" if d.dtype != "bfloat16" else None))
+    spec, why = resolve_auto_attention(reg, DeployConfig(device="cuda", dtype="float32"), "wan")
     assert spec.name == "sdpa"
     assert "gone: not installed" in why and "picky: only bf16" in why
-    assert resolve_auto_attention(reg, GPU_BF16)[0].name == "picky"
+    assert resolve_auto_attention(reg, GPU_BF16, "wan")[0].name == "picky"
 
 
 def test_flash_attn4_declares_itself_for_hopper_bf16_fp16_cuda_only():
     spec = BY_NAME["flash-attn-4"]
     assert spec.auto_rank > 0 and not spec.distribution_altering and spec.options_schema is None
-    assert flash_attn4_accepts(GPU_BF16) is None
-    assert flash_attn4_accepts(DeployConfig(device="cuda:1", dtype="float16")) is None
-    assert "float32" in flash_attn4_accepts(DeployConfig(device="cuda", dtype="float32"))
-    assert "not a CUDA device" in flash_attn4_accepts(DeployConfig(device="cpu", dtype="bfloat16"))
+    assert flash_attn4_accepts(GPU_BF16, "wan") is None
+    assert flash_attn4_accepts(DeployConfig(device="cuda:1", dtype="float16"), "wan") is None
+    assert "float32" in flash_attn4_accepts(DeployConfig(device="cuda", dtype="float32"), "wan")
+    assert "not a CUDA device" in flash_attn4_accepts(DeployConfig(device="cpu", dtype="bfloat16"), "wan")
+    assert "family 'sd3' was not measured" in flash_attn4_accepts(GPU_BF16, "sd3")
     # where it is available (Hopper + the package), auto picks it for a bf16 CUDA deploy
     present = attrs.evolve(spec, available=lambda: None)
     reg = _registry(*(b for b in BACKENDS if b.name != "flash-attn-4"), present)
-    assert resolve_auto_attention(reg, GPU_BF16)[0].name == "flash-attn-4"
-    assert resolve_auto_attention(reg, DeployConfig(device="cuda", dtype="float32"))[0].name == "sdpa"
+    assert resolve_auto_attention(reg, GPU_BF16, "wan")[0].name == "flash-attn-4"
+    assert resolve_auto_attention(reg, GPU_BF16, "sd3")[0].name == "sdpa"
+    assert resolve_auto_attention(reg, DeployConfig(device="cuda", dtype="float32"), "wan")[0].name == "sdpa"
     # the other registered backends never win auto: none declares a rank
     assert [b.name for b in BACKENDS if b.auto_rank > 0] == ["flash-attn-4"]
 

@@ -87,9 +87,16 @@ def flash_attn4_available() -> str | None:
 AUTO_RANK = 10
 
 
-def flash_attn4_accepts(deploy: Any) -> str | None:
-    """``auto`` may pick flash-attn-4 for a deploy on a CUDA device in bf16 or fp16 (the kernel's
-    dtypes); float32 deploys and other devices keep ``sdpa``."""
+#: the families whose whole step was measured faster with flash-attn-4 (auto picks it only there;
+#: SD3 runs the deploy's backend too, on joint image+text attention with head dim 64: not measured)
+AUTO_FAMILIES = ("wan",)
+
+
+def flash_attn4_accepts(deploy: Any, family: str) -> str | None:
+    """``auto`` may pick flash-attn-4 for a Wan deploy on a CUDA device in bf16 or fp16 (the
+    kernel's dtypes); other families, float32 deploys and other devices keep ``sdpa``."""
+    if family not in AUTO_FAMILIES:
+        return f"family {family!r} was not measured with it (auto picks it for {', '.join(AUTO_FAMILIES)})"
     if torch.device(deploy.device).type != "cuda":
         return f"device {deploy.device!r} is not a CUDA device"
     if deploy.dtype not in ("bfloat16", "float16"):
@@ -138,4 +145,4 @@ def flash_attn4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) ->
     return out.transpose(1, 2)
 
 
-__all__ = ["AUTO_RANK", "flash_attn4", "flash_attn4_accepts", "flash_attn4_available", "flash_attn4_fwd"]
+__all__ = ["AUTO_FAMILIES", "AUTO_RANK", "flash_attn4", "flash_attn4_accepts", "flash_attn4_available", "flash_attn4_fwd"]
