@@ -20,7 +20,8 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       ``torch.compile``, ``--compile-mode``, fullgraph)
 ``omniloop-<be>[-compile][-batched]`` omniloop Wan family; ``be``: ``sdpa`` (core, torch picks
                                       the kernel), ``cudnn`` (omniloop-attention
-                                      ``sdpa-cudnn``) or ``fp8`` (``cudnn-fp8``: FP8 attention,
+                                      ``sdpa-cudnn``), ``fa4`` (``flash-attn-4``: FlashAttention's
+                                      CuTe-DSL Hopper kernel, exact-class) or ``fp8`` (``cudnn-fp8``: FP8 attention,
                                       distribution-altering; with ``-fused`` q/k are quantised
                                       in the rope kernel, ``-sepq``: by a separate pass),
                                       ``sparse50``/``sparse30``/``sparse15`` (``sparse-tile``

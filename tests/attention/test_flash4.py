@@ -151,3 +151,34 @@ def test_compiled_fullgraph_equals_eager():
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(q, k, v), f(q, k, v))
+
+
+def _bench_module():
+    import importlib.util as iu
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "attention_flash4.py"
+    spec = iu.spec_from_file_location("attention_flash4_bench", path)
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_reference_rows_are_float32_attention():
+    """bench/attention_flash4.py's float32 reference on a subset of query rows is attention itself."""
+    bench = _bench_module()
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 33, 16), torch.randn(1, 2, 33, 16)
+    rows = torch.tensor([0, 5, 39])
+    ref = bench.reference_rows(q, k, v, rows)
+    torch.testing.assert_close(ref, F.scaled_dot_product_attention(q, k, v)[:, :, rows], rtol=1e-5, atol=1e-6)
+    e = bench.err(ref + 1e-3, ref)
+    assert abs(e["max_abs"] - 1e-3) < 1e-6 and e["rel_rms"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_bench_needs_a_gpu(monkeypatch):
+    bench = _bench_module()
+    monkeypatch.setattr(sys, "argv", ["attention_flash4.py"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main()
