@@ -131,9 +131,14 @@ def _bhld(B, H, L, D, seed):
 
 
 @needs_fa4
-@pytest.mark.parametrize("lq, lk, d", [(1000, 1000, 128), (777, 512, 128), (256, 300, 64)])
-def test_matches_float32_attention(lq, lk, d):
+@pytest.mark.parametrize("lq, lk, d, layout", [(1000, 1000, 128, "blhd"), (777, 512, 128, "blhd"), (256, 300, 64, "blhd"),
+                                               (4429, 4429, 64, "bhld")])
+def test_matches_float32_attention(lq, lk, d, layout):
+    """``blhd``: views of ``[B, L, H, D]`` tensors (Wan); ``bhld``: contiguous ``[B, H, L, D]``
+    (SD3's joint attention after its concatenation)."""
     q, k, v = _bhld(2, 4, lq, d, 0), _bhld(2, 4, lk, d, 1), _bhld(2, 4, lk, d, 2)
+    if layout == "bhld":
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     out = flash_attn4(q, k, v)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16

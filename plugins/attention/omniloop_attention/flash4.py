@@ -8,7 +8,8 @@ reassociation, so the backend is **exact-class** (``exact: true`` requests run o
 
 Layout: the kernel takes ``[B, L, H, D]`` with a unit last stride; our backends take ``[B, H, L, D]``.
 The Wan processor's q/k/v are ``[B, H, L, D]`` views of ``[B, L, H, D]`` tensors, so the transpose
-back is free; other strides are copied once by the kernel's wrapper.
+back is free; other layouts with 16-byte-aligned strides are passed as they are (the kernel's
+strides are dynamic), misaligned ones are copied by the package's wrapper.
 
 The call is a ``torch.library`` custom op (``omniloop_attention::flash_attn4_fwd``, fake impl
 registered) so that ``torch.compile(fullgraph=True)`` keeps it in the graph instead of tracing
@@ -19,7 +20,8 @@ Install (``pip install 'omniloop-attention[flash-attn-4]'``): ``flash-attn-4`` p
 compiler in ``nvidia-cutlass-dsl-libs-cu12`` / ``-cu13`` (choose the one matching torch's CUDA:
 ``nvidia-cutlass-dsl[cu13]`` for a cu13x torch). ``nvidia-cutlass-dsl`` puts its packages on
 ``sys.path`` with a ``.pth`` file, which Python only reads in a *site* directory: a ``pip install
---target DIR`` tree must be added with ``site.addsitedir(DIR)`` (not by ``PYTHONPATH``), or
+--target DIR`` tree must be added with ``site.addsitedir(DIR)``, or with both ``DIR`` and
+``DIR/nvidia_cutlass_dsl/dsl_packages`` on ``PYTHONPATH`` (what the H200 runs did), else
 ``import cutlass`` fails.
 
 Available (else a clear reason at load): CUDA, a Hopper GPU (compute capability 9.x: the only
