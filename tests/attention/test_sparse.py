@@ -181,7 +181,8 @@ def test_options_for_a_backend_without_any_are_refused(toy_checkpoint):
     from omniloop.runtime import Deployment
 
     with pytest.raises(DeployError, match=r"attention_options: backend 'sdpa' takes no options, got \['density'\]"):
-        Deployment({"model": {"path": str(toy_checkpoint)}, "attention_options": {"density": 0.5}},
+        Deployment({"model": {"path": str(toy_checkpoint)}, "attention_backend": "sdpa",
+                    "attention_options": {"density": 0.5}},
                    manager=make_manager(("attention", plugin)))
 
 
