@@ -23,6 +23,7 @@ if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .artifacts import Artifact, Audio, Conditioning, Embeddings, Image, KVRef, Latents, Tensors, Text, VideoFrames
+from .cancel import check_cancelled
 from .context import LoopStage, Stage, StageContext
 from .deploy import DeployConfig, Limits, ModelConfig, load_deploy
 from .errors import (
@@ -38,6 +39,7 @@ from .execution import Execution
 from .graph import Node, PipelineSpec
 from .hookspecs import HOOK_API_VERSION, hookimpl
 from .interceptors import BlockContext, BlockInterceptor, StepInterceptor, call_model, run_blocks
+from .limits import ModelLimits
 from .kvcache import CacheFull, CacheManager, KVHandle, KVLayout  # noqa: F401 (public: paged KV pools)
 from .loop import LoopState, RequestState, StepContext, StepResult
 from .request import (
@@ -78,6 +80,7 @@ __all__ = [
     "KVRef",
     "Latents",
     "Limits",
+    "ModelLimits",
     "LoopStage",
     "LoopState",
     "ModelConfig",
@@ -106,6 +109,7 @@ __all__ = [
     "VideoFrames",
     "Workload",
     "call_model",
+    "check_cancelled",
     "check_request",
     "hookimpl",
     "load_deploy",

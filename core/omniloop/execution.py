@@ -13,7 +13,9 @@ The execution owns the request's lifecycle guarantees:
   step, the artifacts that were complete) — any ``BaseException`` but ``KeyboardInterrupt``, so a
   plugin calling ``sys.exit()`` in a step fails its request, not the process; Ctrl-C cancels the
   request (interceptors closed, observers told) and propagates;
-* ``cancel()`` takes effect between units and returns the complete artifacts, status ``cancelled``.
+* ``cancel()`` takes effect at the next unit boundary, or — inside a running step — before the
+  next transformer block (:mod:`omniloop.cancel`; it may be called from another thread), and
+  returns the complete artifacts, status ``cancelled``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import torch
 from attrs import define
 
 from . import adapters as _adapters
+from .cancel import watching
 from .context import StageContext
-from .errors import OmniloopError
+from .errors import CancelledError, OmniloopError
 from .graph import Node, PipelineSpec
 from .interceptors import BlockInterceptor, StepInterceptor, open_interceptor
 from .loop import LoopState, RequestState, StepContext, StepResult
@@ -157,8 +160,13 @@ class Execution:
 
     # -- driving -------------------------------------------------------------------------------
     def cancel(self) -> None:
-        """Ask to cancel; takes effect at the next unit boundary (immediately if idle)."""
+        """Ask to cancel; takes effect at the next unit boundary (immediately if idle), or before
+        the next transformer block of a step that is running (thread-safe: a flag)."""
         self._cancel_requested = True
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel_requested
 
     def advance(self) -> list[OmniEvent]:
         """Run one unit of work; return the events it produced (the last is ``final`` when done)."""
@@ -185,20 +193,25 @@ class Execution:
             ctx = self._ctx
             assert ctx is not None
             if not node.is_loop:
-                with _adapters.activate(self.adapters):  # this request's LoRA set, for this call only
+                # this request's LoRA set, for this call only; its cancel flag, checked between blocks
+                with _adapters.activate(self.adapters), watching(self._cancelled):
                     node.stage.forward(ctx, self.state)
                 self._leave(node, events)
             else:
                 if self._loop is None:
-                    with _adapters.activate(self.adapters):
+                    with _adapters.activate(self.adapters), watching(self._cancelled):
                         self._init_loop(node, ctx)
                 loop = self._loop
                 assert loop is not None
                 self._before_step(node, loop)
                 t0 = time.perf_counter()
-                with _adapters.activate(self.adapters):
+                with _adapters.activate(self.adapters), watching(self._cancelled):
                     result = node.stage.step(ctx, self.state, loop)
                 self._after_step(node, loop, result, time.perf_counter() - t0, events)
+        except CancelledError:  # cancel() while the unit ran: it stopped between blocks
+            if not self.done:
+                self._finish(Status.CANCELLED, None, events)
+            return events
         except KeyboardInterrupt:  # Ctrl-C stops the process: close this request cleanly first
             if not self.done:
                 self._finish(Status.CANCELLED, None, events)
@@ -223,6 +236,9 @@ class Execution:
         return self.output
 
     # -- internals -----------------------------------------------------------------------------
+    def _cancelled(self) -> bool:
+        return self._cancel_requested
+
     def _enter(self, node: Node) -> None:
         p = self.pipeline
         self._ctx = StageContext(
@@ -369,9 +385,17 @@ def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
         assert loop is not None
         ex._before_step(node, loop)
     t0 = time.perf_counter()
+    def all_cancelled() -> bool:  # one member's cancel waits for the step; all of them stop it
+        return all(ex._cancel_requested for ex in executions)
+
     try:
-        with _adapters.activate(executions[0].adapters):  # equal for the batch: part of batch_key
+        with _adapters.activate(executions[0].adapters), watching(all_cancelled):  # adapters: part of batch_key
             results = node.stage.step_batch(ctxs, states, loops)
+    except CancelledError:
+        for ex, evs in zip(executions, out, strict=True):
+            if not ex.done:
+                ex._finish(Status.CANCELLED, None, evs)
+        return out
     except KeyboardInterrupt:
         for ex, evs in zip(executions, out, strict=True):
             if not ex.done:

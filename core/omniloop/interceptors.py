@@ -28,6 +28,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 import torch
 from attrs import define
 
+from .cancel import check_cancelled
 from .errors import HookDeprecationWarning
 from .loop import LoopState, StepContext
 
@@ -106,11 +107,16 @@ def run_blocks(
 
     ``call(block, hidden)`` runs one block and returns the new hidden states (the family closes
     over everything else a block needs: conditioning, rotary embeddings, masks).
+
+    Before each block it checks the running request's cancel flag (:mod:`omniloop.cancel`): a
+    cancelled request stops within one block, not at the end of the step.
     """
     if ctx is None or (ctx.interceptor is None and ctx.block_tap is None):
         for block in blocks:
+            check_cancelled()
             hidden = call(block, hidden)
         return hidden
+    call = _cancellable(call)
     if ctx.block_tap is not None:
         call = _tapping(call, blocks, ctx.block_tap, ctx.prefix)
     if ctx.interceptor is None:
@@ -118,6 +124,14 @@ def run_blocks(
             hidden = call(block, hidden)
         return hidden
     return ctx.interceptor.run(blocks, hidden, ctx, call)
+
+
+def _cancellable(call: BlockCall) -> BlockCall:
+    def checked(block: Any, hidden: torch.Tensor) -> torch.Tensor:
+        check_cancelled()
+        return call(block, hidden)
+
+    return checked
 
 
 def _tapping(

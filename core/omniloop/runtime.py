@@ -27,6 +27,7 @@ import torch
 
 from . import adapters as _adapters
 from . import compose as _compose
+from . import limits as _limits
 from . import linears as _linears
 from . import offload as _offload
 from . import placement as _placement
@@ -77,6 +78,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 #: tasks whose requests are conditioned on text: they need a non-blank prompt
 TEXT_TASKS = frozenset({TaskType.T2V, TaskType.T2I, TaskType.T2A, TaskType.TTS})
+#: denoising tasks: they read ``diffusion``, never the token-sampling knobs of ``sampling``
+DIFFUSION_TASKS = frozenset({TaskType.T2V, TaskType.I2V, TaskType.V2V, TaskType.T2I, TaskType.I2I})
 
 
 class Deployment:
@@ -98,6 +101,13 @@ class Deployment:
         self.device = _device(deploy.device)
         self.dtype = _DTYPES[deploy.dtype]
         self.family, self.model_path = self._resolve_model()
+        #: the checkpoint's declared range (its omniloop.json ``limits``; omniloop.limits), or None
+        self.model_limits = _limits.declared(self.model_path)
+        #: the deploy file's own limits; ``self.deploy.limits`` are the effective ones: these,
+        #: tightened by a ``refuse`` declaration of the checkpoint (what every check reads)
+        self.deploy_limits = deploy.limits
+        deploy = attrs.evolve(deploy, limits=_limits.tighten(deploy.limits, self.model_limits))
+        self.deploy = deploy
         self.attention = self._resolve_attention()
         #: the deploy's linear_precision (None: the dtype itself; else a plugin's spec, checked here)
         self.linear_precision = _linears.resolve(self)
@@ -187,6 +197,12 @@ class Deployment:
 
     def _check_common(self, req: OmniRequest) -> None:
         self._check_limits(req)
+        if req.task in DIFFUSION_TASKS:  # token-sampling knobs a denoising request would ignore
+            given = _non_default_fields(req.sampling)
+            if given:
+                raise RequestError(
+                    f"sampling.{given[0]}", f"a {req.task.value} request does not read sampling parameters "
+                    "(they tune token generation: task reason); remove it")
         if req.task in TEXT_TASKS:
             prompt = req.prompt
             if prompt is None or not prompt.strip():
@@ -195,8 +211,29 @@ class Deployment:
             raise RequestError("exact", f"attention backend {self.attention.name!r} alters outputs; exact requests cannot use it")
         _linears.check_request(req, self.linear_precision)
 
+    @property
+    def model_name(self) -> str:
+        """How messages name the model: ``'wan-demo'`` (a preset) or its path."""
+        return repr(self.deploy.model.preset) if self.deploy.model.preset else str(self.model_path)
+
+    def limit_warnings(self, req: OmniRequest) -> list[str]:
+        """One warning per field of ``req`` outside a ``warn`` declaration of the checkpoint
+        (:mod:`omniloop.limits`; a ``refuse`` declaration is enforced by the range check)."""
+        m = self.model_limits
+        if m is None or m.enforce != "warn":
+            return []
+        d = req.diffusion
+        values = {"steps": d.steps, "frames": d.frames, "height": d.height, "width": d.width}
+        return [f"{path}: {msg}; it runs (bounded by the deployment's limits) but may degrade"
+                for path, msg in _limits.outside(m, values, self.model_name)]
+
     def _check_limits(self, req: OmniRequest) -> None:
         d, lim = req.diffusion, self.deploy.limits
+        m = self.model_limits
+        if m is not None and m.enforce == "refuse":  # the model's own range, named as such
+            values = {"steps": d.steps, "frames": d.frames, "height": d.height, "width": d.width}
+            for path, msg in _limits.outside(m, values, self.model_name):
+                raise RequestError(path, msg)
         for field, value, limit in (
             ("steps", d.steps, lim.max_steps), ("frames", d.frames, lim.max_frames),
             ("height", d.height, lim.max_height), ("width", d.width, lim.max_width),
@@ -481,7 +518,8 @@ class Runtime(Deployment):
         active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
         resolved = self._resolve(self.model, req, node_params)  # the one resolution of this request
         lora = self.adapters.active_set(req.adapters) if self.adapters is not None else ()
-        return Execution(built, req, node_params=node_params, plugin_params=plugin_params,
+        warnings = (*resolved.warnings, *self.limit_warnings(req))
+        return Execution(built, req, node_params=node_params, plugin_params=plugin_params, warnings=warnings,
                          resolved=resolved, active_interceptors=active, adapters=lora)
 
     def resolve(self, request: OmniRequest | Mapping[str, Any]) -> Resolved:
@@ -511,6 +549,8 @@ class Runtime(Deployment):
             "linear_precision": self.deploy.linear_precision,
             "scheduler": self.deploy.scheduler,
             "adapters": self.adapters.describe() if self.adapters is not None else [],
+            "limits": attrs.asdict(self.deploy.limits),
+            "model_limits": self.model_limits.as_dict() if self.model_limits is not None else None,
         }
 
 
@@ -540,6 +580,18 @@ def _refuse_unimplemented(deploy: DeployConfig) -> None:
             f"pipeline: {deploy.pipeline!r} is a composed deploy (pipeline + models by role); load it with "
             "Runtime.from_deploy or omniloop.compose.ComposedRuntime"
         )
+    if deploy.pipeline_options:  # only a composed deploy has pipeline nodes to give options to
+        raise DeployError(
+            f"pipeline_options: a single-model deploy has no composed pipeline to give node options to "
+            f"(got {', '.join(sorted(map(str, deploy.pipeline_options)))}); pipeline_options go with "
+            "pipeline + models (a composed deploy); a node of this model's pipeline is tuned per request "
+            "(node_params) and the family through options")
+
+
+def _non_default_fields(obj: Any) -> list[str]:
+    """The attrs fields of ``obj`` that differ from their defaults, in declaration order."""
+    default = type(obj)()
+    return [f.name for f in attrs.fields(type(obj)) if getattr(obj, f.name) != getattr(default, f.name)]
 
 
 def _defaults_of(family: Any, model: LoadedModel, task: TaskType) -> dict[str, Any]:

@@ -59,6 +59,8 @@ class RequestHandle(EventStream):
         self.status = "queued"  # queued | running | completed | failed | cancelled
         self.step = 0
         self.total = 0
+        #: the request's execution (set at submit): cancel() flags it directly
+        self._execution: Any = None
 
     # -- called in the loop thread (through call_soon_threadsafe) ------------------------------
     def _mark_running(self) -> None:
@@ -217,6 +219,7 @@ class AsyncEngine:
             self.metrics.on_reject("invalid")
             raise
         handle = RequestHandle(self, req, loop)
+        handle._execution = execution  # cancel() flags it at once: a running step stops between blocks
         ticket = self.pool.make_ticket(execution, shape_of(self.runtime, execution), self._sink(handle))
         try:
             self.pool.check_fits(ticket)
@@ -241,10 +244,14 @@ class AsyncEngine:
             del self._handles[rid]
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a queued or running request (at the next step boundary). False if unknown or done."""
+        """Cancel a queued or running request: a step that is running stops before its next
+        transformer block (omniloop.cancel), else at the next step boundary. False if unknown or done."""
         h = self._handles.get(request_id)
         if h is None or h.done():
             return False
+        execution = h._execution
+        if execution is not None:
+            execution.cancel()  # a flag: safe from this thread; the worker sees it between blocks
         with self._cv:
             self._cancels.append(request_id)
             self._cv.notify_all()
