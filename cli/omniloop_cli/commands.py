@@ -1,5 +1,5 @@
-"""Built-in commands: ``plugins``, ``hooks`` (here), ``generate`` (:mod:`omniloop_cli.generate`) and
-``adapters`` (:mod:`omniloop_cli.adapters`)."""
+"""Built-in commands: ``plugins``, ``hooks``, ``schema`` (here), ``generate`` (:mod:`omniloop_cli.generate`),
+``adapters`` (:mod:`omniloop_cli.adapters`) and ``models`` (:mod:`omniloop_cli.models`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from . import adapters as _adapters  # noqa: F401  (attaches ``omniloop adapters``)
+from . import models as _models  # noqa: F401  (attaches ``omniloop models``)
 from .app import OmniloopGroup, cli, get_manager
 from .generate import generate
 
@@ -148,8 +149,12 @@ def _node_param_schemas(manager: Any, model: str | None, deploy_file: str | None
 
     deploy = build_deploy(deploy_file, model, None, None)
     dep: Any = Deployment(deploy, manager=manager)
-    tasks = [TaskType(task)] if task else sorted(dep.supported_tasks, key=lambda t: t.value)
     model_obj = dep.inspect()
+    if model_obj is None and not task:
+        # without a config-only view the family's task list is all that is known: a T2V checkpoint
+        # of a family that also does I2V would be asked for I2V; the loaded model says what it does
+        dep = Runtime(deploy, manager=manager)
+    tasks = [TaskType(task)] if task else sorted(dep.supported_tasks, key=lambda t: t.value)
     out: dict[str, Any] = {}
     for t in tasks:
         spec = dep._config_pipeline(model_obj, t) if model_obj is not None else None

@@ -56,26 +56,46 @@ def parse_scalar(text: str) -> Any:
     return v if isinstance(v, (int, float, bool, str)) or v is None else text
 
 
-def parse_plugin_params(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+def parse_plugin_params(items: tuple[str, ...], flag: str = "--plugin-param") -> dict[str, dict[str, Any]]:
     """``("cache-dit.Fn=8", "cache-dit.enabled=false")`` → ``{"cache-dit": {"Fn": 8, "enabled": False}}``.
 
     ``NAME.KEY.SUB=VALUE`` nests. The value is a JSON scalar when it parses as one, else a string.
+    ``--node-param NODE.KEY=VALUE`` is parsed the same way (``flag`` names it in errors).
     """
     out: dict[str, dict[str, Any]] = {}
+    hint = f"'{flag}'"
     for item in items:
         key, eq, value = item.partition("=")
         name, dot, rest = key.partition(".")
         if not eq or not dot or not name or not rest:
-            raise click.BadParameter(f"expected NAME.KEY=VALUE, got {item!r}", param_hint="'--plugin-param'")
+            raise click.BadParameter(f"expected NAME.KEY=VALUE, got {item!r}", param_hint=hint)
         target = out.setdefault(name, {})
         *parents, leaf = rest.split(".")
         for p in parents:
             nxt = target.setdefault(p, {})
             if not isinstance(nxt, dict):
-                raise click.BadParameter(f"{name}.{p} is given both as a value and as a group", param_hint="'--plugin-param'")
+                raise click.BadParameter(f"{name}.{p} is given both as a value and as a group", param_hint=hint)
             target = nxt
+        if isinstance(target.get(leaf), dict):
+            raise click.BadParameter(f"{key} is given both as a group and as a value", param_hint=hint)
         target[leaf] = parse_scalar(value)
     return out
+
+
+#: the node ``--strength`` tunes: every image-edit pipeline's loop node is ``denoise``
+STRENGTH_NODE = "denoise"
+
+
+def node_params_of(items: tuple[str, ...], strength: Any) -> dict[str, dict[str, Any]]:
+    """``--node-param NODE.KEY=VALUE`` (repeatable) and ``--strength X`` (= ``denoise.strength``)
+    as a request's ``node_params``; validated later by the pipeline's node schemas, like a request's."""
+    params = parse_plugin_params(items, "--node-param")
+    if strength is not None:
+        given = params.get(STRENGTH_NODE, {}).get("strength")
+        if given is not None and given != strength:
+            fail(f"--strength {strength} and --node-param {STRENGTH_NODE}.strength={given} disagree; give one")
+        params.setdefault(STRENGTH_NODE, {})["strength"] = strength
+    return params
 
 
 def model_config(model: str) -> dict[str, str]:
@@ -139,6 +159,7 @@ def run_options(ctx: click.Context) -> dict[str, Any]:
 def build_request(
     prompt: str, *, task: str, negative_prompt: str | None, image: str | None, diffusion: dict[str, Any],
     plugin_params: dict[str, dict[str, Any]], return_latents: bool, sampling: dict[str, Any] | None = None,
+    node_params: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     req: dict[str, Any] = {"task": parse_scalar(task), "prompt": prompt}
     if negative_prompt is not None:
@@ -150,12 +171,39 @@ def build_request(
         req["diffusion"] = d
     if plugin_params:
         req["plugin_params"] = plugin_params
+    if node_params:
+        req["node_params"] = node_params
     if return_latents:
         req["outputs"] = {"return_latents": True}
     s = {k: v for k, v in (sampling or {}).items() if v is not None}
     if s:
         req["sampling"] = s
     return req
+
+
+#: tasks that read an input image (``--image``)
+IMAGE_INPUT_TASKS = ("i2v", "i2i", "v2v")
+
+
+def check_flags_apply(request: Any, *, image: str | None, stream: bool) -> None:
+    """Refuse, before anything loads, a flag the request's task would ignore (one line, exit 2)."""
+    task = request.task.value
+    if image is not None and task not in IMAGE_INPUT_TASKS:
+        fail(f"--image: a {task} request takes no input image; use --task i2v (image to video) or "
+             "--task i2i (image edit), or drop --image")
+    if stream and task in TEXT_TASKS:
+        fail(f"--stream: writes video frames as they come; a {task} request prints its text when it is done")
+
+
+def check_stream_supported(runtime: Any, request: Any, name: str) -> None:
+    """``--stream`` on a pipeline that emits no frames while it runs (``Node.emits``) would write
+    nothing until the end: refuse it before any compute."""
+    from omniloop.artifacts import Image, VideoFrames
+
+    spec = runtime.pipeline(request.task).spec
+    if not any(issubclass(t, (VideoFrames, Image)) for t in spec.partial_outputs.values()):
+        fail(f"--stream: the {request.task.value} pipeline of model {name} emits no frames while it runs (a streaming "
+             "deployment does, e.g. --model wan-demo-causal or a deploy with options.rollout: causal); drop --stream")
 
 
 def output_path(out: str | None, request: Any) -> Path:
@@ -264,6 +312,8 @@ def request_options(fn: Any) -> Any:
 @click.option("--negative-prompt", help="What to steer away from.")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An input image (i2v, i2i).")
 @click.option("--plugin-param", "plugin_param", multiple=True, metavar="NAME.KEY=VALUE", help="Tune an enabled plugin for this request (repeatable).")
+@click.option("--node-param", "node_param", multiple=True, metavar="NODE.KEY=VALUE", help="Set a node parameter of the pipeline (the request's node_params; repeatable; `omniloop schema --model M` lists them).")
+@click.option("--strength", type=JsonScalar("FLOAT"), default=None, help="Image edits (i2i): how far from the input image to go, 0..1 (the denoise node's strength; family default if omitted).")
 @click.option("--adapter", "adapter", multiple=True, metavar="NAME[=SCALE]", help="Apply a LoRA adapter the deployment declares (repeatable, stacked in order; scale 1 by default).")
 @click.option("--device", help="cpu, cuda, cuda:1, ... (overrides the deploy file).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Overrides the deploy file.")
@@ -275,7 +325,8 @@ def request_options(fn: Any) -> Any:
 def generate(
     ctx: click.Context, prompt: str, model: str | None, deploy_file: str | None, task: str | None,
     negative_prompt: str | None, image: str | None, plugin_param: tuple[str, ...], adapter: tuple[str, ...], device: str | None,
-    dtype: str | None, out: str | None, return_latents: bool, as_json: bool, stream: bool = False, **fields: Any,
+    dtype: str | None, out: str | None, return_latents: bool, as_json: bool, stream: bool = False,
+    node_param: tuple[str, ...] = (), strength: Any = None, **fields: Any,
 ) -> None:
     """Generate a video (or image) from PROMPT and write it to a file.
 
@@ -299,6 +350,7 @@ def generate(
     req_dict = build_request(
         prompt, task=task, negative_prompt=negative_prompt, image=image, diffusion=groups["diffusion"],
         plugin_params=parse_plugin_params(plugin_param), return_latents=return_latents, sampling=groups["sampling"],
+        node_params=node_params_of(node_param, strength),
     )
     if adapter:
         from .adapters import parse_adapters
@@ -308,6 +360,7 @@ def generate(
         req_dict.setdefault("outputs", {})["stream_partial"] = True
     request = request_from_dict(req_dict)
     text_task = request.task.value in TEXT_TASKS
+    check_flags_apply(request, image=image, stream=stream)
     if text_task:
         if out is not None:
             fail(f"--out: a {request.task.value} request prints its text on stdout and writes no file")
@@ -422,7 +475,13 @@ def _run_one(runtime: Any, request: Any, err: Any, frame_stream: Any) -> Any:
     if not callable(getattr(runtime, "prepare", None)):
         with err.status("running on the worker pool ...") as status:
             return _follow(runtime.stream(request), status, frame_stream)
+    if frame_stream is not None:
+        check_stream_supported(runtime, request, runtime.model_name)
     execution = runtime.prepare(request)
+    from rich.markup import escape
+
+    for w in execution.state.metrics.get("warnings") or []:  # before any compute, not after the run
+        err.print(f"[yellow]warning:[/] {escape(str(w))}", highlight=False, soft_wrap=True)
     # 3. run, with progress per node and per step
     output = None
     with RunProgress(err, execution) as progress:

@@ -55,6 +55,10 @@ class Node:
     params_schema: type | None = None
     #: the component names this node uses (for memory accounting and block-interceptor checks)
     uses: tuple[str, ...] = field(default=(), converter=_str_tuple)
+    #: what a loop node emits while it runs (``StepResult.emit``: PARTIAL events when a request asks
+    #: for ``outputs.stream_partial``), by name and type — e.g. a causal video's ``video_chunk``
+    #: frames; front ends refuse a stream request to a pipeline that emits nothing
+    emits: dict[str, type[Artifact]] = field(factory=dict, converter=_frozen_map)
 
     @property
     def is_loop(self) -> bool:
@@ -92,6 +96,15 @@ class PipelineSpec:
     @property
     def loop_nodes(self) -> tuple[Node, ...]:
         return tuple(n for n in self.nodes if n.is_loop)
+
+    @property
+    def partial_outputs(self) -> dict[str, type[Artifact]]:
+        """What the pipeline's nodes emit while they run (``Node.emits``, merged): empty for a
+        pipeline that only returns its final output (``outputs.stream_partial`` gets nothing)."""
+        out: dict[str, type[Artifact]] = {}
+        for n in self.nodes:
+            out.update(n.emits)
+        return out
 
     def describe(self) -> list[dict[str, Any]]:
         return [

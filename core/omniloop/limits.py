@@ -18,6 +18,11 @@ Every key is optional. ``enforce`` says what happens to a request outside the ra
   (``OmniOutput.metrics["warnings"]``; ``omniloop generate`` prints it before the run).
 
 The core reads the declaration for every family (:func:`declared`); nothing here is family code.
+
+A checkpoint folder may also declare the tasks it does (``{"tasks": ["t2v"]}``, :func:`declared_tasks`):
+``Deployment.supported_tasks`` uses it when the family has no config-only view of the checkpoint
+(``inspect``), so a T2V checkpoint of a family that also does I2V is not advertised as I2V before
+its weights load (``omniloop schema --model``, ``omniloop models``).
 """
 
 from __future__ import annotations
@@ -94,6 +99,31 @@ def declared(model_path: str | Path | None) -> ModelLimits | None:
         if lo is not None and hi is not None and lo > hi:
             raise DeployError(f"{f}: limits.min_{name}: {lo} is above limits.max_{name} {hi}")
     return got
+
+
+def declared_tasks(model_path: str | Path | None) -> frozenset[str] | None:
+    """The ``tasks`` a checkpoint folder declares in its ``omniloop.json``, or None.
+
+    Raises :class:`DeployError` naming the file when the key is malformed."""
+    if model_path is None:
+        return None
+    f = Path(model_path) / "omniloop.json"
+    if not f.is_file():
+        return None
+    try:
+        meta = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or "tasks" not in meta:
+        return None
+    tasks = meta["tasks"]
+    from .request import TaskType
+
+    known = {t.value for t in TaskType}
+    if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) and t in known for t in tasks):
+        raise DeployError(f"{f}: tasks: expected a non-empty list of task names ({', '.join(sorted(known))}), "
+                          f"got {str(tasks)[:80]}")
+    return frozenset(tasks)
 
 
 def tighten(limits: Any, model: ModelLimits | None) -> Any:

@@ -103,6 +103,8 @@ class Deployment:
         self.family, self.model_path = self._resolve_model()
         #: the checkpoint's declared range (its omniloop.json ``limits``; omniloop.limits), or None
         self.model_limits = _limits.declared(self.model_path)
+        #: the tasks the checkpoint's omniloop.json declares (None: not declared)
+        self.declared_tasks = _limits.declared_tasks(self.model_path)
         #: the deploy file's own limits; ``self.deploy.limits`` are the effective ones: these,
         #: tightened by a ``refuse`` declaration of the checkpoint (what every check reads)
         self.deploy_limits = deploy.limits
@@ -139,7 +141,12 @@ class Deployment:
     def supported_tasks(self) -> frozenset[TaskType]:
         """The tasks the checkpoint supports, as far as is known without loading it."""
         model = self.inspect()
-        return _tasks_of(self.family, model) if model is not None else frozenset(self.family.tasks)
+        if model is not None:
+            return _tasks_of(self.family, model)
+        family_tasks = frozenset(self.family.tasks)
+        if self.declared_tasks is not None:  # the checkpoint's omniloop.json says (omniloop.limits)
+            return frozenset(t for t in family_tasks if t.value in self.declared_tasks)
+        return family_tasks
 
     def check(self, request: OmniRequest | Mapping[str, Any]) -> OmniRequest:
         """Every check of ``request`` that needs no weights; returns the validated request.

@@ -60,3 +60,12 @@ def test_reason_bad_flags_are_one_error_line(tiny_qwen: Path, extra: list[str], 
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], res.stderr
+
+
+def test_a_text_model_defaults_to_reason(tiny_qwen: Path) -> None:
+    """Issue 42 (finding 7): without --task a text-only model runs ``reason`` (it used to be
+    asked for t2v and refused)."""
+    args = ["generate", "the quick brown fox", "--model", str(tiny_qwen), "--max-tokens", "4", "--temperature", "0"]
+    res = CliRunner().invoke(cli, args, obj=qwen_manager())
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() and "completed" in res.stderr

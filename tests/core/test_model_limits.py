@@ -135,3 +135,24 @@ def test_demo_presets_declare_their_training_size() -> None:
         lim = dep.deploy.limits
         assert (lim.max_height, lim.max_width) == (64, 64), preset
         assert dep.model_limits is not None and dep.model_limits.min_height == 64
+
+
+# -- declared tasks -----------------------------------------------------------------------------
+
+def test_declared_tasks_narrow_what_a_checkpoint_advertises(tmp_path: Path) -> None:
+    ck = build_toy_checkpoint(tmp_path / "ck")
+    (ck / "omniloop.json").write_text(json.dumps({"tasks": ["t2v"]}))
+    dep = Deployment(_deploy(ck), manager=make_manager())
+    assert dep.declared_tasks == frozenset({"t2v"})
+    # the toy family inspects its checkpoints (that view wins); without inspect the declaration is used
+    assert {t.value for t in dep.supported_tasks} == {"t2v", "t2i"}
+    dep.inspect = lambda: None  # type: ignore[method-assign]
+    assert {t.value for t in dep.supported_tasks} == {"t2v"}
+
+
+@pytest.mark.parametrize("tasks", [[], "t2v", ["t2v", "paint"], [1]])
+def test_malformed_declared_tasks_is_one_deploy_error(tmp_path: Path, tasks: Any) -> None:
+    ck = build_toy_checkpoint(tmp_path / "ck")
+    (ck / "omniloop.json").write_text(json.dumps({"tasks": tasks}))
+    with pytest.raises(DeployError, match=r"omniloop.json: tasks: expected a non-empty list"):
+        Deployment(_deploy(ck), manager=make_manager())

@@ -49,10 +49,14 @@ def test_generate_stream_writes_frames_as_they_come(tiny_wan: Path, tmp_path: Pa
     assert video.shape == (21, 32, 32, 3)
 
 
-def test_stream_flag_on_a_non_streaming_deployment_writes_no_frames(tiny_wan: Path, tmp_path: Path, monkeypatch) -> None:
+def test_stream_flag_on_a_non_streaming_deployment_is_refused(tiny_wan: Path, tmp_path: Path, monkeypatch) -> None:
+    """--stream where the pipeline emits no frames (Node.emits) is refused before any compute
+    (issue 42: it used to be ignored silently, writing only the final clip)."""
     monkeypatch.chdir(tmp_path)
     manager = make_manager(("wan", wan_plugin), toy=False)
     res = CliRunner().invoke(cli, ["generate", "a fox", "--model", str(tiny_wan), "--frames", "5", "--steps", "1",
                                    "--out", "a.mp4", "--stream"], obj=manager)
-    assert res.exit_code == 0, res.output
-    assert (tmp_path / "a.mp4").exists() and not (tmp_path / "a.frames").exists()
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --stream: the t2v pipeline of model"), res.stderr
+    assert not (tmp_path / "a.mp4").exists() and not (tmp_path / "a.frames").exists()

@@ -152,7 +152,7 @@ class QwenFamily:
             family=self.name, task=task,
             nodes=(
                 Node("prompt", Prompt(), writes={"prompt_ids": Conditioning}, uses=("tokenizer",)),
-                Node("decode", decode, reads={"prompt_ids": Conditioning}, writes={"text": Text},
+                Node("decode", decode, reads={"prompt_ids": Conditioning}, writes={"text": Text}, emits={"text": Text},
                      params_schema=DecodeParams, uses=("model", "kv_cache")),
             ),
             outputs={"text": "text"},

@@ -27,7 +27,7 @@ def _ints(value: str) -> list[int]:
 @click.option("--model", default="wan-demo", show_default=True, help="preset name or checkpoint folder")
 @click.option("--steps", default=None, help="denoising steps; a comma list sweeps (default: the checkpoint's, 20)")
 @click.option("--seeds", default="0,1", show_default=True, help="comma-separated seeds")
-@click.option("--guidance", "guidance_scale", default=None, type=float, help="CFG scale (default: the checkpoint's omniloop.json, e.g. 3.0 for wan-demo)")
+@click.option("--guidance", "guidance_scale", default=None, type=float, help="CFG scale (default: the checkpoint's omniloop.json defaults.guidance_scale: 2.0 for wan-demo, 1.0 for wan-demo-fast)")
 @click.option("--prompts", "prompt_set", default="default", type=click.Choice(["default", "full"]), show_default=True,
               help="video: default 6 colors x 4 directions, shapes rotating (24), full x 4 shapes (96); "
               "image: default 6 colors x 9 positions, shapes rotating (54), full x 4 shapes (216)")
@@ -80,8 +80,17 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
         console.print(f"[yellow]note:[/] {note}")
     prompts = prompts_of(kind, prompt_set)
     reports = []
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    chunk = batch_size if used == "diffusers" else 1  # the diffusers pipeline batches; the runtime runs clip by clip
     for n_steps in step_list:
-        rep = evaluate(gen, prompts=prompts, seeds=_ints(seeds), steps=n_steps, guidance_scale=g, backend=used, kind=kind)
+        n = len(prompts) * len(_ints(seeds))
+        # a bar on stderr (stdout keeps the tables): the first numbers come after minutes otherwise
+        with Progress(TextColumn(f"{n_steps} steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("clips", total=n)
+            rep = evaluate(gen, prompts=prompts, seeds=_ints(seeds), steps=n_steps, guidance_scale=g, backend=used,
+                           kind=kind, progress=lambda k: bar.advance(task, k), chunk=chunk)
         if note:
             rep.extra["note"] = note
         reports.append(rep)

@@ -536,15 +536,26 @@ def evaluate(
     guidance_scale: float = 5.0,
     backend: str = "",
     kind: str = "video",
+    progress: Callable[[int], None] | None = None,
+    chunk: int = 1,
 ) -> AdherenceReport:
     """Generate every (prompt, seed) pair with ``generate`` and score it (``kind``: ``video``
-    clips or ``image`` images)."""
+    clips or ``image`` images). With ``progress``, the pairs are generated ``chunk`` at a time
+    (use the generator's batch size) and ``progress(n)`` is called after each chunk of ``n``."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     prompts = list(prompts or prompt_set(kind, "default"))
     pairs = [(p, s) for s in seeds for p in prompts]
     t0 = time.perf_counter()
-    samples = generate([p for p, _ in pairs], [s for _, s in pairs], steps=steps, guidance_scale=guidance_scale)
+    if progress is None:
+        samples = generate([p for p, _ in pairs], [s for _, s in pairs], steps=steps, guidance_scale=guidance_scale)
+    else:
+        samples = []
+        step = max(1, int(chunk))
+        for i in range(0, len(pairs), step):
+            part = pairs[i : i + step]
+            samples.extend(generate([p for p, _ in part], [s for _, s in part], steps=steps, guidance_scale=guidance_scale))
+            progress(len(part))
     seconds = time.perf_counter() - t0
     scorer = score_images if kind == "image" else score
     acc, clips = scorer(samples, [p for p, _ in pairs], [s for _, s in pairs])

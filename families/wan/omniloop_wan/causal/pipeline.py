@@ -305,7 +305,7 @@ def build_causal_pipeline(model: LoadedModel, task: TaskType, options: Mapping[s
              writes={"prompt_embeds": Embeddings, "negative_embeds": Embeddings}, uses=("text_encoder",)),
         Node("chunks", CausalRollout(dep), reads={"params": Conditioning, "prompt_embeds": Embeddings,
                                                   "negative_embeds": Embeddings, "rollout_plan": Conditioning},
-             writes={"video": VideoFrames}, uses=("transformer", "vae")),
+             writes={"video": VideoFrames}, emits={"video_chunk": VideoFrames}, uses=("transformer", "vae")),
     ]
     return PipelineSpec(family="wan", task=task, nodes=nodes, outputs={"video": "video"})
 
