@@ -39,8 +39,8 @@ from .execution import Execution
 from .graph import Node, PipelineSpec
 from .hookspecs import HOOK_API_VERSION, hookimpl
 from .interceptors import BlockContext, BlockInterceptor, StepInterceptor, call_model, run_blocks
-from .limits import ModelLimits
 from .kvcache import CacheFull, CacheManager, KVHandle, KVLayout  # noqa: F401 (public: paged KV pools)
+from .limits import ModelLimits
 from .loop import LoopState, RequestState, StepContext, StepResult
 from .request import (
     DiffusionParams,
@@ -80,10 +80,10 @@ __all__ = [
     "KVRef",
     "Latents",
     "Limits",
-    "ModelLimits",
     "LoopStage",
     "LoopState",
     "ModelConfig",
+    "ModelLimits",
     "Node",
     "OmniEvent",
     "OmniOutput",

@@ -62,7 +62,7 @@ def test_in_range_runs_and_the_runtime_sees_effective_limits(tmp_path: Path) -> 
     assert rt.describe()["model_limits"] == {"max_height": 16, "max_width": 16, "enforce": "refuse"}
     out = rt.generate(toy_request(steps=2))
     assert out.ok
-    with pytest.raises(RequestError, match="diffusion.width"):
+    with pytest.raises(RequestError, match=r"diffusion\.width"):
         rt.prepare(toy_request(steps=2, diffusion={"width": 32, "steps": 2}))
 
 

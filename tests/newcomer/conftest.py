@@ -18,7 +18,6 @@ def demo_manager() -> Any:
     import omniloop_scheduler.plugin as scheduler_plugin
     import omniloop_wan.plugin as wan_plugin
     import omniloop_wan_demo.plugin as wan_demo_plugin
-
     from omniloop.testing import make_manager
 
     return make_manager(("wan", wan_plugin), ("wan-demo", wan_demo_plugin), ("flux", flux_plugin),

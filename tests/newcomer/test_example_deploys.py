@@ -37,7 +37,6 @@ def manager() -> Any:
     import omniloop_sd3.plugin as sd3_plugin
     import omniloop_wan.plugin as wan_plugin
     import omniloop_wan_demo.plugin as wan_demo_plugin
-
     from omniloop.testing import make_manager
 
     return make_manager(("wan", wan_plugin), ("wan-demo", wan_demo_plugin), ("flux", flux_plugin),
