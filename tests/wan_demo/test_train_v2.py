@@ -160,6 +160,8 @@ def test_ship_installs_v2_and_fast_and_keeps_v1_parts_for_the_causal_variant(tmp
     assert len(words) == 16 and "star" in words
     for meta in (pkg / "checkpoint" / "omniloop.json", fast / "omniloop.json"):  # the CLI's out-of-vocabulary warning
         assert json.loads(meta.read_text())["vocabulary"] == words
+        # and the range it was trained at (issue 42: omniloop.limits refuses requests outside it)
+        assert json.loads(meta.read_text())["limits"]["max_height"] == 64
     # shipping again (e.g. a later v2) leaves the causal variant's v1 copies alone
     ship(src, pkg)
     assert (causal / "vae" / "config.json").read_text() == "v1 vae/config.json"

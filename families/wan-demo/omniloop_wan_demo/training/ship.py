@@ -45,14 +45,31 @@ def _copy(src: Path, dst: Path) -> None:
         os.chmod(f, 0o755 if f.is_dir() else 0o644)  # package data: readable by everyone
 
 
+#: what every shipped wan-demo checkpoint declares besides its vocabulary (omniloop.limits): the
+#: size it was trained at, so requests outside it are refused, and its one task
+DECLARATIONS = {
+    "limits": {"min_height": 64, "max_height": 64, "min_width": 64, "max_width": 64, "max_frames": 17,
+               "note": "trained on 17-frame 64x64 clips"},
+    "tasks": ["t2v"],
+}
+
+
 def _add_vocabulary(meta: Path) -> None:
+    """The vocabulary and :data:`DECLARATIONS`, unless the file already has them."""
     from ..data import vocabulary_words
 
     info = json.loads(meta.read_text())
     if not isinstance(info, dict):
         raise ValueError(f"ship: {meta} is not a JSON object")
+    changed = False
     if "vocabulary" not in info:
         info["vocabulary"] = sorted(vocabulary_words("video"))
+        changed = True
+    for key, value in DECLARATIONS.items():
+        if key not in info:
+            info[key] = value
+            changed = True
+    if changed:
         meta.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
