@@ -520,6 +520,7 @@ class AdapterBank:
         self._info: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._modules: list[torch.nn.Module] = []
+        self._registered: dict[str, LoadedAdapter] = {}
         self.loads = 0
         if support.check is not None and self.declared:
             support.check(model, options or {})
@@ -557,6 +558,8 @@ class AdapterBank:
     def get(self, name: str) -> LoadedAdapter:
         """The loaded adapter (read again if it was evicted); most recently used last."""
         with self._lock:
+            if name in self._registered:
+                return self._registered[name]
             ad = self._cache.get(name)
             if ad is not None:
                 self._cache.move_to_end(name)
@@ -566,6 +569,30 @@ class AdapterBank:
             while len(self._cache) > self.max_loaded:
                 self._cache.popitem(last=False)
             return ad
+
+    def register(self, name: str, path: str, adapter: LoadedAdapter) -> None:
+        """Add (or replace) adapter ``name``, already read and checked (``Runtime.update_weights``):
+        hooks on the linears it targets; executions that hold the previous adapter of that name keep
+        it until they end. Registered adapters stay in memory (they may have no file to re-read)."""
+        if self.fuse:
+            raise DeployError(f"adapters.{name}: this deployment fuses its adapter; no other can be registered")
+        with self._lock:
+            for mod in adapter.targets:
+                comp, local = mod.split(".", 1)
+                m = self.components[comp].get_submodule(local)
+                if not any(x is m for x in self._modules):
+                    _install(m)
+                    self._modules.append(m)
+            self.declared[name] = path
+            self._registered[name] = adapter
+            self._cache.pop(name, None)
+            self._info[name] = {"path": path, "layout": adapter.layout, "rank": adapter.rank,
+                                "modules": len(adapter.layers), "registered": True}
+
+    @property
+    def registered(self) -> dict[str, LoadedAdapter]:
+        """The adapters :meth:`register` added, by name."""
+        return dict(self._registered)
 
     def active_set(self, refs: Sequence[Any]) -> ActiveSet:
         if self.fuse:
@@ -577,7 +604,7 @@ class AdapterBank:
         rows = []
         for name in self.declared:
             info = self._info.get(name, {})
-            rows.append({"name": name, **info, "loaded": name in self._cache,
+            rows.append({"name": name, **info, "loaded": name in self._cache or name in self._registered,
                          "fused": self.fuse.get(name) if name in self.fuse else None})
         return rows
 

@@ -29,6 +29,7 @@ import torch
 from attrs import define
 
 from . import adapters as _adapters
+from . import rl as _rl
 from .cancel import watching
 from .context import StageContext
 from .errors import CancelledError, OmniloopError
@@ -76,8 +77,23 @@ class Execution:
         active_interceptors: Sequence[Any] | None = None,
         resolved: Resolved | None = None,
         adapters: _adapters.ActiveSet = (),
+        rollout_support: _rl.RolloutSupport | None = None,
+        weight_version: str = "",
+        initial_seed: int | None = None,
+        rollout_seed: int | None = None,
+        replay: torch.Tensor | None = None,
+        lifecycle: Any = None,
     ) -> None:
         self.pipeline = pipeline
+        #: the family's rollout declaration (``request.rollout`` runs only with one)
+        self.rollout_support = rollout_support
+        #: the weights this request runs on (``Runtime.update_weights``); ``metrics["weight_version"]``
+        self.weight_version = weight_version
+        self._rollout_seed = rollout_seed
+        self._replay = replay
+        #: ``on_start(execution)`` before the first unit, ``on_finish(execution)`` at the end (the
+        #: runtime's in-flight count, which ``update_weights`` waits on)
+        self._lifecycle = lifecycle
         #: the LoRA adapters (adapter, scale) this request runs with, activated around each unit
         self.adapters: _adapters.ActiveSet = tuple(adapters)
         self.request = request
@@ -87,9 +103,10 @@ class Execution:
             seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
         self.seed = seed
         gen = torch.Generator(device="cpu")
-        gen.manual_seed(seed)
+        gen.manual_seed(seed if initial_seed is None else initial_seed)  # same_initial_noise: the group's seed
         self.state = RequestState(request=request, generator=gen)
         self.state.metrics["seed"] = seed
+        self.state.metrics["weight_version"] = weight_version
         #: the family's resolved form of the request (``Runtime.prepare`` resolves it once)
         self.resolved: Resolved | None = resolved
         self.state.resolved = resolved
@@ -172,8 +189,16 @@ class Execution:
         """Run one unit of work; return the events it produced (the last is ``final`` when done)."""
         if self.done:
             return []
+        if self._lifecycle is not None:
+            with self._lifecycle.unit():  # weight updates apply between units, never inside one
+                return self._advance()
+        return self._advance()
+
+    def _advance(self) -> list[OmniEvent]:
         events: list[OmniEvent] = []
         if self.t_start is None:
+            if self._lifecycle is not None:
+                self._lifecycle.on_start(self)
             self.t_start = time.perf_counter()
             if self.bus is not None and self.bus.request_start is not None:
                 self.bus.request_start(
@@ -266,6 +291,13 @@ class Execution:
     def _init_loop(self, node: Node, ctx: StageContext) -> None:
         loop = node.stage.init(ctx, self.state)
         loop.extra.setdefault("plugin_params", self.plugin_params)
+        rollout = self.request.rollout
+        if rollout is not None and self.rollout_support is not None and node.name in self.rollout_support.nodes:
+            gen = self.state.generator
+            if self._rollout_seed is not None:  # same_initial_noise: the SDE noise has its own generator
+                gen = torch.Generator(device="cpu").manual_seed(self._rollout_seed)
+            loop.extra[_rl.ROLLOUT_KEY] = _rl.RolloutRecorder(
+                rollout, gen, weight_version=self.weight_version, support=self.rollout_support, replay=self._replay)
         self.state.loops[node.name] = loop
         self._loop = loop
         for icpt in (self._block_icpt, *self._step_icpts):
@@ -278,6 +310,9 @@ class Execution:
             self.bus.loop_init(request=self.request, node=node.name, loop=loop)
 
     def _before_step(self, node: Node, loop: LoopState) -> None:
+        rec = loop.extra.get(_rl.ROLLOUT_KEY)
+        if rec is not None and rec.replay is not None:  # replay: the recorded state, then a fresh forward
+            rec.before_step(loop.step, loop)
         if self.bus is not None and self.bus.step_start is not None:
             self.bus.step_start(request=self.request, node=node.name, step=loop.step, total=loop.total)
 
@@ -300,6 +335,9 @@ class Execution:
         if result.done:
             loop.done = True
             assert self._ctx is not None
+            rec = loop.extra.pop(_rl.ROLLOUT_KEY, None)
+            if rec is not None:  # before the family's finalize, which may repack or drop loop tensors
+                self.state.write("trajectory", rec.trajectory(loop), node.name)
             node.stage.finalize(self._ctx, self.state, loop)
             self._close_loop(node, loop)
             self._leave(node, events)
@@ -343,6 +381,8 @@ class Execution:
         self._finish(Status.FAILED, exc, events)
 
     def _finish(self, status: Status, exc: BaseException | None, events: list[OmniEvent]) -> None:
+        if self._lifecycle is not None:
+            self._lifecycle.on_finish(self)
         self._release()
         self.status = status
         self.t_end = time.perf_counter()
@@ -360,6 +400,9 @@ class Execution:
             art = self.state.artifacts.get(edge)
             if art is not None:
                 arts[name] = art
+        traj = self.state.artifacts.get("trajectory")
+        if isinstance(traj, _rl.Trajectory):
+            arts["trajectory"] = traj
         metrics = dict(self.state.metrics)
         if self.t_start is not None and self.t_end is not None:
             metrics["total_seconds"] = round(self.t_end - self.t_start, 6)
@@ -375,6 +418,14 @@ def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
     """
     if len(executions) <= 1:
         return [ex.advance() for ex in executions]
+    life = executions[0]._lifecycle
+    if life is not None:
+        with life.unit():  # weight updates apply between units, never inside one
+            return _advance_batch(executions)
+    return _advance_batch(executions)
+
+
+def _advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
     node = executions[0].current_node
     assert node is not None
     ctxs = [ex._ctx for ex in executions]

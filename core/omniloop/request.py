@@ -16,6 +16,8 @@ from attrs import define, field
 
 SCHEMA_VERSION = "1"
 
+#: the most samples one request may ask for (``diffusion.num_outputs``)
+MAX_NUM_OUTPUTS = 64
 #: the range of ``diffusion.fps``
 MIN_FPS, MAX_FPS = 0.1, 1000.0
 #: a request id is an identifier, never a file name: 1-128 characters of letters, digits and
@@ -125,6 +127,40 @@ class DiffusionParams:
     #: frames per second of the output video: a sane range (1e-300 would make a 0-fps container)
     fps: float | None = field(default=None, metadata=_c(ge=MIN_FPS, le=MAX_FPS))
     seed: int | None = field(default=None, metadata=_c(ge=0, le=2**63 - 1))
+    #: how many samples (OpenAI's ``n``): sample i is this request with seed ``seed + i`` and its
+    #: own generator (diffusers' behaviour with a list of generators); the runtime runs the group
+    #: together (the step scheduler batches it) and returns them in ``OmniOutput.samples``
+    num_outputs: int | None = field(default=None, metadata=_c(ge=1, le=MAX_NUM_OUTPUTS))
+
+
+def _check_sde_steps(steps: list[int]) -> str | None:
+    if len(steps) > 10_000:
+        return f"at most 10000 step indices, got {len(steps)}"
+    bad = next((s for s in steps if s < 0), None)
+    return None if bad is None else f"step indices are >= 0, got {bad}"
+
+
+@define(frozen=True)
+class RolloutParams:
+    """A post-training rollout (``omniloop.rl``): the denoise loop takes the runtime's rollout step
+    (``kind``) on the sampler's schedule and records a trajectory with per-step log-probs."""
+
+    #: ``sde``: Flow-GRPO's SDE step; ``cps``: its coefficient-preserving variant; ``ode``: the
+    #: deterministic Euler step (no log-prob)
+    kind: Literal["sde", "cps", "ode"] = "sde"
+    #: the noise level ``a`` (Flow-GRPO's ``noise_level``)
+    noise_level: float = field(default=0.7, metadata=_c(gt=0.0, le=1.0))
+    #: the step indices that are stochastic (None: every step); the others take the ODE step
+    sde_steps: list[int] | None = field(default=None, metadata=_c(check=lambda v: _check_sde_steps(v)))
+    #: what the trajectory records
+    capture: list[Literal["latents", "log_probs", "timesteps"]] = field(
+        factory=lambda: ["latents", "log_probs", "timesteps"])
+    #: with ``diffusion.num_outputs``: every sample starts from the same initial noise (seed
+    #: ``seed``) and draws its own SDE noise
+    same_initial_noise: bool = False
+    #: allow distribution-altering interceptors (caches) on a rollout that captures log-probs;
+    #: the log-probs then no longer equal a trainer's recomputation (breaks C1)
+    allow_cache: bool = False
 
 
 @define(frozen=True)
@@ -194,6 +230,8 @@ class OmniRequest:
     plugin_params: dict[str, dict[str, Any]] = attrs.Factory(dict)
     #: LoRA adapters to apply, stacked in this order (names the deployment declared)
     adapters: list[AdapterRef] = attrs.Factory(list)
+    #: a post-training rollout (``omniloop.rl``): trajectory with per-step log-probs
+    rollout: RolloutParams | None = None
     exact: bool = False
     priority: int = field(default=0, metadata=_c(ge=-100, le=100))
     request_id: str = field(
@@ -247,6 +285,8 @@ class OmniOutput:
     artifacts: dict[str, Any] = attrs.Factory(dict)
     metrics: dict[str, Any] = attrs.Factory(dict)
     error: ErrorInfo | None = None
+    #: ``diffusion.num_outputs`` > 1: every sample's own output (``artifacts`` are sample 0's)
+    samples: list[OmniOutput] = attrs.Factory(list)
 
     @property
     def ok(self) -> bool:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,8 @@ from . import limits as _limits
 from . import linears as _linears
 from . import offload as _offload
 from . import placement as _placement
+from . import rl as _rl
+from . import weights as _weights
 from .deploy import DeployConfig, load_deploy
 from .errors import DeployError, PluginError, RequestError
 from .execution import BuiltPipeline, Execution
@@ -38,7 +42,7 @@ from .family import LoadedModel, PluginComponentSpec
 from .graph import PipelineSpec
 from .observers import ObserverBus
 from .plugins import PluginManager, Registry, default_manager
-from .request import OmniEvent, OmniOutput, OmniRequest, TaskType
+from .request import EventKind, OmniEvent, OmniOutput, OmniRequest, Status, TaskType
 from .resolved import GenericResolved, Resolved
 from .schema import as_request, structure_params
 from .streams import final_output
@@ -217,6 +221,24 @@ class Deployment:
         if req.exact and self.attention.distribution_altering:
             raise RequestError("exact", f"attention backend {self.attention.name!r} alters outputs; exact requests cannot use it")
         _linears.check_request(req, self.linear_precision)
+        self._check_group_and_rollout(req)
+
+    def _check_group_and_rollout(self, req: OmniRequest) -> None:
+        """``diffusion.num_outputs`` and ``rollout``: the checks that need no weights."""
+        k = req.diffusion.num_outputs
+        if k is not None and k > 1:
+            if req.task is TaskType.REASON:
+                raise RequestError("diffusion.num_outputs", "applies to diffusion tasks; a reason request makes one output")
+            seed = req.diffusion.seed
+            if seed is not None and seed + k - 1 > 2**63 - 1:
+                raise RequestError("diffusion.num_outputs", f"seeds seed + i overflow 64 bits for seed {seed} and {k} outputs")
+        if req.rollout is None:
+            return
+        if _rl.family_rollout_support(self.family) is None:
+            raise RequestError("rollout", f"family {self.family.name!r} cannot run rollouts (its loop is not a "
+                               "flow-matching denoise loop that declares rollout_support)")
+        if req.rollout.kind == "ode" and req.rollout.sde_steps:
+            raise RequestError("rollout.sde_steps", "an ode rollout takes no stochastic steps; drop sde_steps or use kind sde/cps")
 
     @property
     def model_name(self) -> str:
@@ -419,6 +441,14 @@ class Runtime(Deployment):
             )
         #: offload: model | sequential — moves components to the device as nodes run (None: everything stays)
         self.offload = _offload.install(self.model, self.family, self.deploy.offload, self.device)
+        #: the weights' version (``update_weights``); every output's ``metrics["weight_version"]``
+        self.weight_version: str = self.model.weight_version or "initial"
+        #: adapters registered by ``update_weights(..., adapter=NAME)``, by name (path shown in describe)
+        self._adapter_table: dict[str, str] = dict(self.deploy.adapters)
+        self._runs_lock = threading.RLock()  # held around every unit; updates apply under it
+        self._running: set[int] = set()  # executions started and not finished
+        self._runs_cond = threading.Condition(threading.Lock())
+        self._sleeper = _weights.Sleeper()
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -513,21 +543,83 @@ class Runtime(Deployment):
         )
 
     # -- requests -------------------------------------------------------------------------------
-    def prepare(self, request: OmniRequest | Mapping[str, Any]) -> Execution:
-        """Validate ``request`` completely (before any compute) and return its execution."""
+    def prepare(self, request: OmniRequest | Mapping[str, Any], *, _initial_seed: int | None = None,
+                _rollout_seed: int | None = None, _replay: torch.Tensor | None = None) -> Execution:
+        """Validate ``request`` completely (before any compute) and return its execution.
+
+        A request with ``diffusion.num_outputs`` > 1 is a group: :meth:`prepare_group` (or
+        :meth:`generate` / :meth:`stream`, which run the group)."""
         req = as_request(request)  # a Python-built OmniRequest meets the converter's rules too
+        if self._sleeper.asleep:
+            raise _weights.RuntimeAsleep("the runtime is asleep (Runtime.sleep): wake() it before running requests")
+        if (req.diffusion.num_outputs or 1) > 1:
+            raise RequestError("diffusion.num_outputs", f"{req.diffusion.num_outputs} outputs make a group of executions: "
+                               "use Runtime.prepare_group, generate or stream")
         self._check_task(req, self.model)
         self._check_common(req)
         built = self.pipeline(req.task)
         node_params = structure_node_params(built.spec, req)
         plugin_params = self._check_plugin_params(req)
-        _adapters.check_request(req.adapters, self.deploy.adapters, self.deploy.adapter_fuse)
+        _adapters.check_request(req.adapters, self._adapter_table, self.deploy.adapter_fuse)
         active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
         resolved = self._resolve(self.model, req, node_params)  # the one resolution of this request
+        support = self._check_rollout(req, built, resolved, active) if req.rollout is not None else None
         lora = self.adapters.active_set(req.adapters) if self.adapters is not None else ()
         warnings = (*resolved.warnings, *self.limit_warnings(req))
         return Execution(built, req, node_params=node_params, plugin_params=plugin_params, warnings=warnings,
-                         resolved=resolved, active_interceptors=active, adapters=lora)
+                         resolved=resolved, active_interceptors=active, adapters=lora, rollout_support=support,
+                         weight_version=self.weight_version, initial_seed=_initial_seed, rollout_seed=_rollout_seed,
+                         replay=_replay, lifecycle=self)
+
+    def _check_rollout(self, req: OmniRequest, built: BuiltPipeline, resolved: Resolved,
+                       active: list[Any]) -> _rl.RolloutSupport:
+        support = _rl.family_rollout_support(self.family)
+        assert support is not None and req.rollout is not None  # _check_common refused the rest
+        loops = [n.name for n in built.spec.nodes if n.is_loop and n.name in support.nodes and n.runs_for(req)]
+        if not loops:
+            raise RequestError("rollout", f"the {req.task.value} pipeline of family {self.family.name!r} has no loop "
+                               f"that runs rollout steps (rollout nodes: {', '.join(support.nodes)})")
+        _rl.check_rollout(req.rollout, resolved.workload().steps)
+        if "log_probs" in req.rollout.capture and req.rollout.kind != "ode" and not req.rollout.allow_cache:
+            altering = [getattr(i, "name", "?") for i in active if getattr(i, "distribution_altering", False)]
+            if altering:
+                raise RequestError("rollout.allow_cache", f"interceptor {altering[0]!r} alters the computation, so the "
+                                   "rollout's log-probs would not equal a trainer's recomputation (C1); set "
+                                   "rollout.allow_cache: true to accept that, or disable the interceptor")
+        return support
+
+    def prepare_group(self, request: OmniRequest | Mapping[str, Any]) -> list[Execution]:
+        """The executions of a request's ``diffusion.num_outputs`` samples: sample ``i`` is the
+        request with seed ``seed + i`` (a random base seed when none is given), request id
+        ``<id>_<i>`` and its own generator — diffusers' behaviour with a list of generators. With
+        ``rollout.same_initial_noise`` every sample draws its initial noise from seed ``seed`` and
+        its SDE noise from its own generator (:func:`omniloop.rl.noise_seed`)."""
+        req = as_request(request)
+        k = req.diffusion.num_outputs or 1
+        if k == 1:
+            return [self.prepare(attrs.evolve(req, diffusion=attrs.evolve(req.diffusion, num_outputs=None)))]
+        self._check_common(req)
+        base = req.diffusion.seed
+        if base is None:
+            base = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        same = req.rollout is not None and req.rollout.same_initial_noise
+        out = []
+        for i in range(k):
+            ri = attrs.evolve(req, request_id=f"{req.request_id}_{i}",
+                              diffusion=attrs.evolve(req.diffusion, seed=base + i, num_outputs=None))
+            out.append(self.prepare(ri, _initial_seed=base if same else None,
+                                    _rollout_seed=_rl.noise_seed(base, i) if same else None))
+        return out
+
+    def generate_replay(self, request: OmniRequest | Mapping[str, Any], trajectory: _rl.Trajectory) -> OmniOutput:
+        """Run a rollout request again with ``trajectory``'s latents teacher-forced (each step a fresh
+        forward on the recorded state); its output's trajectory holds the recomputed log-probs
+        (:func:`omniloop.rl.replay_log_probs`)."""
+        req = as_request(request)
+        if req.rollout is None:
+            raise RequestError("rollout", "a replay needs the rollout request that recorded the trajectory")
+        execution = self.prepare(req, _replay=trajectory.latents)
+        return final_output(self.scheduler.stream(execution))
 
     def resolve(self, request: OmniRequest | Mapping[str, Any]) -> Resolved:
         """``request`` validated and resolved by its family, without an execution (what
@@ -535,14 +627,167 @@ class Runtime(Deployment):
         return self.prepare(request).resolved  # type: ignore[return-value]
 
     def generate(self, request: OmniRequest | Mapping[str, Any]) -> OmniOutput:
-        """Run ``request`` to completion with the deploy's scheduler and return its output."""
+        """Run ``request`` to completion with the deploy's scheduler and return its output (for
+        ``diffusion.num_outputs`` > 1: sample 0's artifacts, every sample in ``samples``)."""
         return final_output(self.stream(request))
 
     def stream(self, request: OmniRequest | Mapping[str, Any]) -> Iterator[OmniEvent]:
         """Validate, then run ``request``, yielding progress events and a final event."""
-        execution = self.prepare(request)
+        req = as_request(request)
+        if (req.diffusion.num_outputs or 1) > 1:
+            return self._stream_group(req, self.prepare_group(req))
+        execution = self.prepare(req)
         events: Iterator[OmniEvent] = self.scheduler.stream(execution)
         return events
+
+    def _stream_group(self, req: OmniRequest, executions: list[Execution]) -> Iterator[OmniEvent]:
+        """Every sample submitted first (the step scheduler co-batches them), then drained in order;
+        one final event with the group's output."""
+        streams = [self.scheduler.stream(ex) for ex in executions]
+        outs: list[OmniOutput] = []
+        for st in streams:
+            for ev in st:
+                if ev.kind is EventKind.FINAL and ev.output is not None:
+                    outs.append(ev.output)
+                else:
+                    yield ev
+        first_bad = next((o for o in outs if o.status is not Status.COMPLETED), None)
+        metrics: dict[str, Any] = {"num_outputs": len(outs), "seeds": [o.metrics.get("seed") for o in outs],
+                                   "weight_version": outs[0].metrics.get("weight_version") if outs else self.weight_version}
+        group = OmniOutput(req.request_id, first_bad.status if first_bad else Status.COMPLETED,
+                           artifacts=dict(outs[0].artifacts) if outs else {}, metrics=metrics,
+                           error=first_bad.error if first_bad else None, samples=outs)
+        yield OmniEvent(req.request_id, EventKind.FINAL, output=group)
+
+    # -- executions in flight (update_weights, sleep wait for them) ----------------------------
+    def on_start(self, execution: Execution) -> None:
+        """Called by an execution before its first unit (the runtime's in-flight set)."""
+        with self._runs_cond:
+            self._running.add(id(execution))
+        # the version it runs on is the one in place when it starts (an update waits for it)
+        execution.weight_version = self.weight_version
+        execution.state.metrics["weight_version"] = self.weight_version
+
+    def unit(self) -> Any:
+        """The lock an execution holds around each unit of work (updates apply between units)."""
+        return self._runs_lock
+
+    def on_finish(self, execution: Execution) -> None:
+        with self._runs_cond:
+            self._running.discard(id(execution))
+            self._runs_cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests that started and have not finished."""
+        with self._runs_cond:
+            return len(self._running)
+
+    def _when_idle(self, fn: Any, timeout: float) -> Any:
+        """Run ``fn`` with no request in flight: wait for the started ones to finish (driving the
+        scheduler when it can be driven from here), then run it before any other request starts."""
+        deadline = time.monotonic() + timeout
+        drive = getattr(self.scheduler, "drive_once", None)
+        while True:
+            with self._runs_cond:
+                idle = not self._running
+            if idle:
+                with self._runs_lock:  # no unit runs now; a request starting later sees the result
+                    with self._runs_cond:
+                        if not self._running:
+                            return fn()
+            if time.monotonic() > deadline:
+                raise _weights.WeightUpdateError(
+                    "timeout", f"{self.in_flight} request(s) still in flight after {timeout:g} s; nothing was changed")
+            if not (callable(drive) and drive()):
+                with self._runs_cond:
+                    self._runs_cond.wait(0.05)
+
+    # -- weights (post-training) ---------------------------------------------------------------
+    def update_weights(self, source: Any, *, version: str, adapter: str | None = None,
+                       timeout: float = 600.0) -> str:
+        """Replace the denoiser's weights (or register a LoRA adapter as ``adapter``) and set the
+        weight version; returns the new :meth:`weights_checksum`.
+
+        ``source``: a ``{name: tensor}`` mapping, a safetensors file or a folder of them
+        (:mod:`omniloop.weights` says which names). Atomic: read and checked completely first — a
+        bad name, shape, dtype, non-finite value or unreadable file raises one
+        :class:`~omniloop.weights.WeightUpdateError` naming the field and changes nothing. Applied at
+        a step boundary: **the call waits** until every request in flight (started, not finished)
+        has finished — they finish on the version they started with — and requests that start
+        afterwards run on the new version (``metrics["weight_version"]``)."""
+        version = _weights.check_version(version)
+        if self._sleeper.asleep:
+            raise _weights.WeightUpdateError("source", "the runtime is asleep; wake() it before updating weights")
+        if self.deploy.adapter_fuse:
+            raise _weights.WeightUpdateError("source", "this deployment fuses an adapter into the weights (adapter_fuse); "
+                                             "updates would mix with it")
+        if self.linears is not None:
+            raise _weights.WeightUpdateError("source", "the denoiser's linears are converted (linear_precision); "
+                                             "load the new weights in a fresh runtime")
+        if adapter is not None:
+            return self._update_adapter(source, version=version, name=adapter, timeout=timeout)
+        plan = _weights.plan_update(self.model.components, _weights.read_source(source))
+
+        def apply() -> str:
+            _weights.apply_update(plan)
+            self.weight_version = version
+            return self.weights_checksum()
+
+        result: str = self._when_idle(apply, timeout)
+        return result
+
+    def _update_adapter(self, source: Any, *, version: str, name: str, timeout: float) -> str:
+        import re
+
+        if not isinstance(name, str) or not re.fullmatch(_adapters.NAME_PATTERN, name):
+            raise _weights.WeightUpdateError("adapter", "an adapter name is 1-64 letters, digits or _ . : @ + = -")
+        support = getattr(self.family, "adapter_support", None)
+        if support is None:
+            raise _weights.WeightUpdateError("adapter", f"family {self.family.name!r} does not support LoRA adapters")
+        if isinstance(source, Mapping):
+            raise _weights.WeightUpdateError("source", "a LoRA adapter is given as a safetensors file or folder")
+        if not isinstance(source, (str, os.PathLike)):
+            raise _weights.WeightUpdateError("source", f"expected a safetensors file or folder, got {type(source).__name__}")
+        try:
+            loaded = _adapters.load_adapter(name, source, self.model.components, support)
+        except DeployError as exc:
+            raise _weights.WeightUpdateError("source", str(exc)) from None
+
+        def apply() -> str:
+            if self.adapters is None:
+                self.adapters = _adapters.AdapterBank({}, self.model.components, support,
+                                                      max_loaded=self.deploy.limits.max_adapters, model=self.model,
+                                                      options=self.options)
+            self.adapters.register(name, str(source), loaded)
+            self._adapter_table[name] = str(source)
+            self.weight_version = version
+            return self.weights_checksum()
+
+        result: str = self._when_idle(apply, timeout)
+        return result
+
+    def weights_checksum(self) -> str:
+        """SHA-256 of the denoiser's weights and the adapters registered by :meth:`update_weights`."""
+        if self._sleeper.asleep:
+            raise _weights.RuntimeAsleep("the runtime is asleep: wake() it to read its weights")
+        registered = self.adapters.registered if self.adapters is not None else {}
+        return _weights.checksum(self.model.components, registered)
+
+    def sleep(self, timeout: float = 600.0) -> int:
+        """Release the device memory of the weights (moved to host memory) and caches, after the
+        requests in flight finish; requests are refused until :meth:`wake`. Returns the bytes moved."""
+        result: int = self._when_idle(lambda: self._sleeper.sleep(self.model.components), timeout)
+        return result
+
+    def wake(self) -> None:
+        """Restore what :meth:`sleep` released (the same values, bit for bit)."""
+        with self._runs_lock:
+            self._sleeper.wake()
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleeper.asleep
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -558,6 +803,7 @@ class Runtime(Deployment):
             "adapters": self.adapters.describe() if self.adapters is not None else [],
             "limits": attrs.asdict(self.deploy.limits),
             "model_limits": self.model_limits.as_dict() if self.model_limits is not None else None,
+            "weight_version": self.weight_version,
         }
 
 

@@ -14,10 +14,11 @@ from omniloop.errors import CheckpointError, DeployError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
+from omniloop.rl import RolloutSupport
 
 from . import checkpoint as ck
 from .defaults import TASKS, defaults_for, variant_of
-from .denoise import Denoise
+from .denoise import Denoise, pack_latents, unpack_latents
 from .lora import FLUX_ADAPTERS
 from .policies import menu_for
 from .resolve import FluxParams, TextParams, resolve
@@ -45,6 +46,10 @@ class FluxFamily:
     name = "flux"
     tasks = TASKS
     supports_block_interceptors = True
+    #: post-training rollouts (omniloop.rl): the denoise loop's latents are packed 2x2 patches;
+    #: trajectories hold them unpacked ``[C, H/8, W/8]`` (issue 34: fold into the capabilities)
+    rollout_support = RolloutSupport(
+        unpack=lambda x, loop: unpack_latents(x, *loop.extra["latent_hw"]), pack=lambda x, loop: pack_latents(x))
     #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
     adapter_support = FLUX_ADAPTERS
     #: deploy offload: model | sequential (omniloop.offload) — the modules that move; under sequential

@@ -14,6 +14,7 @@ from omniloop.errors import CheckpointError, DeployError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
+from omniloop.rl import RolloutSupport
 
 from . import checkpoint as ck
 from .defaults import defaults_for
@@ -31,6 +32,9 @@ class SD3Family:
     name = "sd3"
     tasks = TASKS
     supports_block_interceptors = True
+    #: post-training rollouts (omniloop.rl): the denoise loop runs them; its latents are unpacked
+    #: already (issue 34: fold into the capabilities)
+    rollout_support = RolloutSupport()
     #: LoRA adapters (omniloop.adapters): the transformer's linears, diffusers' files
     adapter_support = SD3_ADAPTERS
     #: deploy offload: model | sequential (omniloop.offload) — the modules that move; under sequential

@@ -14,6 +14,7 @@ from omniloop.errors import CheckpointError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
+from omniloop.rl import RolloutSupport
 
 from . import checkpoint as ck
 from .causal.pipeline import build_causal_pipeline, causal_options, rollout_mode
@@ -31,6 +32,9 @@ class WanFamily:
     name = "wan"
     tasks = frozenset({TaskType.T2V, TaskType.I2V})
     supports_block_interceptors = True
+    #: post-training rollouts (omniloop.rl): the denoise loop runs them; its latents are unpacked
+    #: already (issue 34: fold into the capabilities)
+    rollout_support = RolloutSupport()
     #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
     adapter_support = WAN_ADAPTERS
     #: deploy parallel: {sp, cfg} — Ulysses sequence parallel and CFG-parallel (omniloop_wan.parallel)

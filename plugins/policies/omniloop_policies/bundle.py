@@ -191,6 +191,23 @@ class DenoisePolicies:
             )
         return self.sampler.step(s, guided, s.timestep(), latents)
 
+    def advance_rollout(
+        self, step: StepContext, loop: LoopState, guided: torch.Tensor, latents: torch.Tensor, rollout: Any
+    ) -> torch.Tensor:
+        """A rollout step (:class:`omniloop.rl.RolloutRecorder`) instead of the sampler's update:
+        the sampler gives the schedule (its sigmas and timesteps), the rollout the step rule."""
+        s = self.sampler_state(loop)
+        if s.index != step.step_index:
+            raise PolicyError(
+                f"node {step.node!r}: advance for step {step.step_index}, but the sampler is at step {s.index}"
+            )
+        if len(s.sigma_values) != s.num_steps + 1:
+            raise PolicyError(f"sampler {self.sampler.name!r}: a rollout needs num_steps + 1 sigmas, "
+                              f"got {len(s.sigma_values)} for {s.num_steps} steps")
+        out: torch.Tensor = rollout.step(s.index, guided, latents, s.sigma_values, s.timestep_values)
+        s.index += 1
+        return out
+
     def done(self, loop: LoopState) -> bool:
         return self.sampler_state(loop).done
 

@@ -46,6 +46,7 @@ import torch
 
 from omniloop.interceptors import BlockContext, call_model
 from omniloop.loop import LoopState, StepContext, StepResult
+from omniloop.rl import ROLLOUT_KEY
 
 from .cfg import ClassicCFG, IntervalCFG, Prediction, forward_name
 
@@ -121,7 +122,9 @@ def branch_predictions(
 
 def finish_step(ctx: Any, pol: Any, step: StepContext, loop: LoopState, preds: Mapping[str, Prediction]) -> StepResult:
     """Combine the branch predictions (the CFG policy), take the sampler step on
-    ``loop.tensors["latents"]``, store the new latents; taps when an observer listens.
+    ``loop.tensors["latents"]`` — or, on a rollout request (``loop.extra["rollout"]``, installed by
+    the runtime), the rollout step of :mod:`omniloop.rl` on the sampler's schedule — store the new
+    latents; taps when an observer listens.
 
     ``ctx`` may be None (batched steps across requests run without taps)."""
     taps = ctx is not None and ctx.taps_enabled
@@ -129,7 +132,11 @@ def finish_step(ctx: Any, pol: Any, step: StepContext, loop: LoopState, preds: M
         guided = pol.combine(step, loop, preds)
         if taps:
             ctx.tap("guided", guided, step)
-        latents = pol.advance(step, loop, guided, loop.tensors["latents"])
+        rollout = loop.extra.get(ROLLOUT_KEY)
+        if rollout is None:
+            latents = pol.advance(step, loop, guided, loop.tensors["latents"])
+        else:  # a post-training rollout: the runtime's step (omniloop.rl) on the sampler's schedule
+            latents = pol.advance_rollout(step, loop, guided, loop.tensors["latents"], rollout)
     loop.tensors["latents"] = latents
     if taps:
         ctx.tap("latents", latents, step)

@@ -74,6 +74,13 @@ class StepScheduler:
             self.pool.submit(ticket)
         return self._drive(ticket, buf)
 
+    def drive_once(self) -> bool:
+        """One unit of the pool from the caller's thread (``Runtime.update_weights`` finishes the
+        requests in flight this way); False when the pool had nothing to run. Events go to their
+        streams' buffers as usual."""
+        with self._lock:
+            return bool(self.pool.tick())
+
     def _drive(self, ticket: Any, buf: deque[OmniEvent]) -> Iterator[OmniEvent]:
         try:
             while True:
