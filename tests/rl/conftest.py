@@ -88,3 +88,17 @@ def request(family: str, seed: int = 3, steps: int = 4, rollout: dict[str, Any] 
 @pytest.fixture
 def make_request():
     return request
+
+
+@pytest.fixture
+def fresh_runtime():
+    """``fresh_runtime(path, family="flux", step=False, **deploy)`` → a new Runtime (never cached:
+    for tests that change its weights)."""
+    from omniloop.runtime import Runtime
+
+    def get(path: Path, family: str = "flux", step: bool = False, **deploy: Any) -> Any:
+        if step:
+            deploy["scheduler"] = "step"
+        return Runtime.from_model(str(path), manager=manager(family, step), **deploy)
+
+    return get
