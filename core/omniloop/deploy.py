@@ -97,6 +97,18 @@ class RolePlacement:
 
 
 @define(frozen=True)
+class AdminConfig:
+    """The server's admin routes (post-training: rollouts, weight updates, sleep/wake), off unless
+    the deploy sets ``admin``. ``token_env``: the environment variable holding the bearer token
+    every admin route requires; ``weights_dir``: a folder whose ``.safetensors`` files an update
+    may name (by file name only); without it updates carry their tensors in the body."""
+
+    token_env: str = field(metadata={"pattern": r"[A-Za-z_][A-Za-z0-9_]{0,127}",
+                                     "pattern_hint": "must be an environment variable name"})
+    weights_dir: str | None = None
+
+
+@define(frozen=True)
 class DeployConfig:
     model: ModelConfig = attrs.Factory(ModelConfig)
     device: str = "cpu"
@@ -151,6 +163,9 @@ class DeployConfig:
     #: front-end aliases for ComfyUI workflows (omniloop-comfyui checks them):
     #: ``{models: {FILE_NAME: MODEL_NAME}, loras: {FILE_NAME: ADAPTER_NAME}}``
     comfyui: dict[str, Any] = attrs.Factory(dict)
+    #: the server's admin routes (``/v1/rollout/generate``, ``/v1/weights/*``, ``/v1/sleep``,
+    #: ``/v1/wake``): off unless set; every call needs the bearer token from ``token_env``
+    admin: AdminConfig | None = None
 
     def with_model(self, **changes: Any) -> DeployConfig:
         return attrs.evolve(self, model=attrs.evolve(self.model, **changes))

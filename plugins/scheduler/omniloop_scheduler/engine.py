@@ -218,6 +218,36 @@ class AsyncEngine:
         except RequestError:
             self.metrics.on_reject("invalid")
             raise
+        return self._enqueue(req, execution, loop)
+
+    def submit_group(self, request: OmniRequest | Mapping[str, Any]) -> list[RequestHandle]:
+        """Validate and queue every sample of a ``diffusion.num_outputs`` group (``Runtime.prepare_group``:
+        sample ``i`` has seed ``seed + i`` and id ``<id>_<i>``); all or nothing."""
+        loop = self._loop or asyncio.get_running_loop()
+        self._loop = loop
+        if not self.accepting:
+            self.metrics.on_reject("closed")
+            raise EngineClosed("the engine is shutting down and takes no new requests")
+        try:
+            req = request if isinstance(request, OmniRequest) else request_from_dict(request)
+            executions = self.runtime.prepare_group(req)
+            for ex in executions:
+                if ex.request_id in self._handles and not self._handles[ex.request_id].done():
+                    raise RequestError("request_id", f"{ex.request_id!r} is already queued or running")
+        except RequestError:
+            self.metrics.on_reject("invalid")
+            raise
+        handles: list[RequestHandle] = []
+        try:
+            for ex in executions:
+                handles.append(self._enqueue(ex.request, ex, loop))
+        except BaseException:
+            for h in handles:
+                self.cancel(h.request_id)
+            raise
+        return handles
+
+    def _enqueue(self, req: OmniRequest, execution: Any, loop: asyncio.AbstractEventLoop) -> RequestHandle:
         handle = RequestHandle(self, req, loop)
         handle._execution = execution  # cancel() flags it at once: a running step stops between blocks
         ticket = self.pool.make_ticket(execution, shape_of(self.runtime, execution), self._sink(handle))

@@ -57,6 +57,7 @@ from omniloop.errors import RequestError
 from omniloop.request import TaskType
 from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, QueueFull
 
+from .admin import admin_routes
 from .bodies import MappedBody, check_tree, form_to_body, map_image_body, map_video_body, parse_json, show
 from .body_schema import InvalidBody
 from .chat import text_routes
@@ -610,6 +611,7 @@ def create_app(
     api = _Helpers(state=state, engine=engine, read_request_body=read_request_body, submit=submit,
                    translate=translate, closed=closed)
     routes += [*text_routes(api), *image_edit_routes(api), *video_stream_routes(api)]
+    routes += admin_routes(api)  # post-training admin routes: only with the deploy's admin.token_env
     routes = mount(routes, route_extensions, api)  # plugins' routes (omniloop.server_routes)
     app = _App(routes=routes, lifespan=lifespan,
                exception_handlers={HTTPException: http_error, Exception: server_error})
