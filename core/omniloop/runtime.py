@@ -750,7 +750,7 @@ class Runtime(Deployment):
         if not isinstance(source, (str, os.PathLike)):
             raise _weights.WeightUpdateError("source", f"expected a safetensors file or folder, got {type(source).__name__}")
         try:
-            loaded = _adapters.load_adapter(name, source, self.model.components, support)
+            loaded = _adapters.load_adapter(name, Path(source), self.model.components, support)
         except DeployError as exc:
             raise _weights.WeightUpdateError("source", str(exc)) from None
 

@@ -141,7 +141,7 @@ def apply_update(plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             target.data.copy_(value)
 
 
-def checksum(components: Mapping[str, Any], adapters: Mapping[str, Any] = {}) -> str:  # noqa: B006 (read only)
+def checksum(components: Mapping[str, Any], adapters: Mapping[str, Any] = {}) -> str:
     """SHA-256 (hex) of the denoiser's weights and the registered adapters (see the module docs)."""
     h = hashlib.sha256()
 

@@ -11,16 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from omniloop.request import EventKind
 from omniloop.runtime import Runtime
-
-fresh = None  # set per test from the fresh_runtime fixture
 from omniloop.weights import RuntimeAsleep, WeightUpdateError
-
-
-
-@pytest.fixture(autouse=True)
-def _fresh(fresh_runtime):
-    global fresh
-    fresh = fresh_runtime
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +34,11 @@ def outputs(rt: Runtime, req) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("how", ["tensors", "file", "folder"])
-def test_update_equals_a_fresh_load(rl_ckpt, new_weights, make_request, how):
+def test_update_equals_a_fresh_load(fresh_runtime, rl_ckpt, new_weights, make_request, how):
     tensors, updated = new_weights
-    ref_rt = fresh(updated)
+    ref_rt = fresh_runtime(updated)
     ref = outputs(ref_rt, make_request("flux"))
-    rt = fresh(rl_ckpt("flux"))
+    rt = fresh_runtime(rl_ckpt("flux"))
     before = outputs(rt, make_request("flux"))
     assert not torch.equal(before[0], ref[0])
     source = {"tensors": tensors, "file": updated / "transformer" / "diffusion_pytorch_model.safetensors",
@@ -71,10 +62,10 @@ def test_update_equals_a_fresh_load(rl_ckpt, new_weights, make_request, how):
     (lambda t: "/no/such/file.safetensors", "source"),
     (lambda t: 42, "source"),
 ])
-def test_failing_update_changes_nothing(rl_ckpt, new_weights, make_request, bad, path):
+def test_failing_update_changes_nothing(fresh_runtime, rl_ckpt, new_weights, make_request, bad, path):
     """Atomic: every tensor is checked before any is copied (good tensors sort before the bad one)."""
     tensors, _ = new_weights
-    rt = fresh(rl_ckpt("flux"))
+    rt = fresh_runtime(rl_ckpt("flux"))
     before, checksum, version = outputs(rt, make_request("flux")), rt.weights_checksum(), rt.weight_version
     with pytest.raises(WeightUpdateError) as info:
         rt.update_weights(bad(dict(tensors)), version="v-bad")
@@ -84,20 +75,20 @@ def test_failing_update_changes_nothing(rl_ckpt, new_weights, make_request, bad,
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
 
 
-def test_bad_version_refused(rl_ckpt, new_weights):
-    rt = fresh(rl_ckpt("flux"))
+def test_bad_version_refused(fresh_runtime, rl_ckpt, new_weights):
+    rt = fresh_runtime(rl_ckpt("flux"))
     with pytest.raises(WeightUpdateError) as info:
         rt.update_weights(new_weights[0], version="../etc")
     assert info.value.path == "version"
 
 
-def test_in_flight_requests_finish_on_their_version(rl_ckpt, new_weights, make_request):
+def test_in_flight_requests_finish_on_their_version(fresh_runtime, rl_ckpt, new_weights, make_request):
     """The call waits: a request that has started finishes on the weights it started with (the
     update drives it to the end first); a request submitted after the update runs on the new ones."""
     tensors, updated = new_weights
-    old_ref = outputs(fresh(rl_ckpt("flux")), make_request("flux", steps=6))
-    new_ref = outputs(fresh(updated), make_request("flux", steps=6))
-    rt = fresh(rl_ckpt("flux"), step=True)
+    old_ref = outputs(fresh_runtime(rl_ckpt("flux")), make_request("flux", steps=6))
+    new_ref = outputs(fresh_runtime(updated), make_request("flux", steps=6))
+    rt = fresh_runtime(rl_ckpt("flux"), step=True)
     first_version = rt.weight_version
     events = rt.stream(make_request("flux", steps=6))
     while next(events).kind is not EventKind.PROGRESS:  # the request is in its denoise loop
@@ -105,7 +96,7 @@ def test_in_flight_requests_finish_on_their_version(rl_ckpt, new_weights, make_r
     assert rt.in_flight == 1
     rt.update_weights(tensors, version="v2")
     assert rt.in_flight == 0
-    final = [ev for ev in events if ev.kind is EventKind.FINAL][0].output
+    final = next(ev for ev in events if ev.kind is EventKind.FINAL).output
     assert final.metrics["weight_version"] == first_version
     assert torch.equal(final.artifacts["latents"].tensor, old_ref[0])
     later = rt.generate(make_request("flux", steps=6))
@@ -113,8 +104,8 @@ def test_in_flight_requests_finish_on_their_version(rl_ckpt, new_weights, make_r
     assert torch.equal(later.artifacts["latents"].tensor, new_ref[0])
 
 
-def test_sleep_wake_round_trip(rl_ckpt, make_request):
-    rt = fresh(rl_ckpt("flux"))
+def test_sleep_wake_round_trip(fresh_runtime, rl_ckpt, make_request):
+    rt = fresh_runtime(rl_ckpt("flux"))
     before, checksum = outputs(rt, make_request("flux", rollout={"kind": "sde"})), rt.weights_checksum()
     moved = rt.sleep()
     assert moved > 0 and rt.asleep
@@ -139,10 +130,10 @@ def _lora_file(rt: Runtime, path: Path, rank: int = 4, seed: int = 0) -> Path:
     return path
 
 
-def test_lora_adapter_update(rl_ckpt, make_request, tmp_path):
+def test_lora_adapter_update(fresh_runtime, rl_ckpt, make_request, tmp_path):
     """update_weights(file, adapter=NAME): requests name it like a deploy's adapter (same outputs as
     one declared at load); replacing it changes the checksum; a bad file changes nothing."""
-    rt = fresh(rl_ckpt("flux"))
+    rt = fresh_runtime(rl_ckpt("flux"))
     base = outputs(rt, make_request("flux"))
     lora = _lora_file(rt, tmp_path / "a.safetensors")
     c0 = rt.weights_checksum()
@@ -151,7 +142,7 @@ def test_lora_adapter_update(rl_ckpt, make_request, tmp_path):
     req = {**make_request("flux"), "adapters": [{"name": "policy"}]}
     got = outputs(rt, req)
     assert not torch.equal(got[0], base[0])
-    declared = fresh(rl_ckpt("flux"), adapters={"policy": str(lora)})
+    declared = fresh_runtime(rl_ckpt("flux"), adapters={"policy": str(lora)})
     assert torch.equal(outputs(declared, req)[0], got[0])
     assert torch.equal(outputs(rt, make_request("flux"))[0], base[0])  # without the adapter: the base model
     lora2 = _lora_file(rt, tmp_path / "b.safetensors", seed=1)
