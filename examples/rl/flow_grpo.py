@@ -8,8 +8,10 @@ Each iteration:
    [{name: policy}]``). Each output carries its trajectory (latents before every step, per-step
    log-probs, sigmas, timesteps) and the weight version it ran on.
 2. **Reward**, verifiable, from the demo's detector (``omniloop_wan_demo.evaluate.detect_image``):
-   ``saturation`` (default) — the HSV saturation of the detected object's mean colour (0 when no
-   object is found), or ``shape`` — 1 when the detected shape is the requested one.
+   ``saturation_shape`` (default) — the HSV saturation of the detected object's mean colour when
+   the detected shape is the requested one, else 0 (saturation alone is easily raised by drawing
+   saturated blobs: the shape term keeps the prompt honoured); ``saturation`` — the saturation
+   alone; ``shape`` — 1 when the detected shape is the requested one.
 3. **Advantages** per prompt group: ``(r - mean) / (std + 1e-4)``, clipped to ±``adv_clip``.
 4. **Policy update in torch** (Flow-GRPO's clipped objective): the trainer's own copy of the
    transformer with LoRA layers recomputes, with gradients, the velocity at every recorded
@@ -69,7 +71,7 @@ def reward_of(pixels: np.ndarray, want: tuple[str, str, str], kind: str) -> tupl
     info = {"color": d.color == want[0], "shape": d.shape == want[1], "position": d.position == want[2]}
     if kind == "shape":
         return float(info["shape"]), info
-    if d.mean_rgb is None:
+    if d.mean_rgb is None or (kind == "saturation_shape" and not info["shape"]):
         return 0.0, info
     rgb = np.asarray(d.mean_rgb, dtype=np.float64)
     hi, lo = float(rgb.max()), float(rgb.min())
@@ -130,19 +132,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sde-window", type=int, default=3, help="stochastic steps per rollout (a random window)")
     ap.add_argument("--noise-level", type=float, default=0.7)
-    ap.add_argument("--reward", choices=("saturation", "shape"), default="saturation")
+    ap.add_argument("--reward", choices=("saturation_shape", "saturation", "shape"), default="saturation_shape")
     ap.add_argument("--rank", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--clip", type=float, default=0.2, help="ratio clip range")
     ap.add_argument("--adv-clip", type=float, default=5.0)
     ap.add_argument("--inner", type=int, default=2, help="gradient steps per iteration")
     ap.add_argument("--heldout", type=int, default=12, help="held-out prompts (never trained on)")
+    ap.add_argument("--train-pool", type=int, default=24, help="training prompts (each iteration draws --prompts of them)")
     ap.add_argument("--eval-seeds", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default="flux-demo")
     args = ap.parse_args(argv)
-    for name in ("iterations", "prompts", "group", "steps", "sde_window", "rank", "inner", "eval_seeds", "eval_every", "threads"):
+    for name in ("iterations", "prompts", "group", "steps", "sde_window", "rank", "inner", "eval_seeds", "eval_every",
+                 "threads", "train_pool"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.group < 2:
@@ -170,7 +174,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = all_prompts()
     order = np.random.default_rng(1234).permutation(len(prompts))  # the split is the same for every seed
     heldout = [prompts[i] for i in order[: args.heldout]]
-    train = [prompts[i] for i in order[args.heldout:]]
+    train = [prompts[i] for i in order[args.heldout:args.heldout + args.train_pool]]
+    if len(train) < args.prompts:
+        raise SystemExit(f"--train-pool {args.train_pool} leaves {len(train)} prompts, fewer than --prompts {args.prompts}")
 
     rt = Runtime.from_model(args.model, device="cpu", scheduler="step")
     comps = rt.model.components
