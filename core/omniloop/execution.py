@@ -198,7 +198,12 @@ class Execution:
         events: list[OmniEvent] = []
         if self.t_start is None:
             if self._lifecycle is not None:
-                self._lifecycle.on_start(self)
+                try:  # the runtime may refuse to start it now (asleep): this request fails, cleanly
+                    self._lifecycle.on_start(self)
+                except Exception as exc:
+                    self.t_start = time.perf_counter()
+                    self._fail(exc, self.current_node, events)
+                    return events
             self.t_start = time.perf_counter()
             if self.bus is not None and self.bus.request_start is not None:
                 self.bus.request_start(

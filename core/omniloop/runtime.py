@@ -661,7 +661,10 @@ class Runtime(Deployment):
 
     # -- executions in flight (update_weights, sleep wait for them) ----------------------------
     def on_start(self, execution: Execution) -> None:
-        """Called by an execution before its first unit (the runtime's in-flight set)."""
+        """Called by an execution before its first unit (the runtime's in-flight set); refuses to
+        start one while the runtime is asleep (a request queued before ``sleep``)."""
+        if self._sleeper.asleep:
+            raise _weights.RuntimeAsleep("the runtime went to sleep (Runtime.sleep) before this request started")
         with self._runs_cond:
             self._running.add(id(execution))
         # the version it runs on is the one in place when it starts (an update waits for it)

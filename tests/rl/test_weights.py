@@ -107,8 +107,11 @@ def test_in_flight_requests_finish_on_their_version(fresh_runtime, rl_ckpt, new_
 def test_sleep_wake_round_trip(fresh_runtime, rl_ckpt, make_request):
     rt = fresh_runtime(rl_ckpt("flux"))
     before, checksum = outputs(rt, make_request("flux", rollout={"kind": "sde"})), rt.weights_checksum()
+    queued = rt.prepare(make_request("flux"))  # prepared before the sleep, started after it
     moved = rt.sleep()
     assert moved > 0 and rt.asleep
+    failed = queued.run()
+    assert not failed.ok and "sleep" in failed.error.message and rt.in_flight == 0
     assert all(p.numel() == 0 for p in rt.model.components["transformer"].parameters())
     with pytest.raises(RuntimeAsleep):
         rt.generate(make_request("flux"))
