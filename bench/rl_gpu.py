@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _repo_paths  # noqa: E402
+import _repo_paths
 
 _repo_paths.add_repo_packages()
 
@@ -56,12 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     from diffusers import WanTransformer3DModel
     from safetensors.torch import save_file
 
+    import omniloop_scheduler.plugin as sched_plugin
     import omniloop_wan.plugin as wan_plugin
     from omniloop.runtime import Runtime
     from omniloop.testing import make_manager
     from omniloop_wan.tiny import build_tiny_checkpoint
-
-    import omniloop_scheduler.plugin as sched_plugin
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"

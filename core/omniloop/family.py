@@ -62,6 +62,10 @@ class Family(Protocol):
 
     # Optional methods (looked up with getattr; a family without them works unchanged):
     #
+    # rollout_support: omniloop.rl.RolloutSupport
+    #     """Its denoise loops run post-training rollout steps (``request.rollout``; docs/rl.md):
+    #     which loop nodes, and how the loop's latents unpack to the family's layout."""
+    #
     # def supported_tasks(self, model: LoadedModel) -> Iterable[TaskType]:
     #     """The tasks this checkpoint can do (default: ``model.tasks``, ``model.config["tasks"]``,
     #     else ``tasks``). ``Runtime.supported_tasks`` reports it; servers advertise it."""
