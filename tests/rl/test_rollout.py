@@ -183,3 +183,31 @@ def test_group_rollouts_with_same_initial_noise(rl_runtime, make_request):
     other = rt.generate(make_request("flux", seed=5, num_outputs=3, rollout={"kind": "sde"}))
     t2 = [s.artifacts["trajectory"] for s in other.samples]
     assert not torch.equal(t2[0].latents[0], t2[1].latents[0])
+
+
+def test_sd3_step_log_prob_from_an_independent_forward(rl_ckpt, rl_runtime, make_request):
+    """C1 against a forward the runtime does not own: diffusers' SD3 transformer (the reference
+    pipeline's text embeddings, CFG combined as diffusers does) at every recorded state, then
+    omniloop.rl.step_log_prob on the recorded transition, equals the rollout's log-probs."""
+    import diffusers
+
+    rt = rl_runtime("sd3")
+    req = make_request("sd3", steps=3, rollout={"kind": "sde"}, guidance_scale=4.0)
+    req["negative_prompt"] = "blurry"
+    out = rt.generate(req)
+    assert out.ok, out.error
+    tr = out.artifacts["trajectory"]
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(rl_ckpt("sd3"), dtype=torch.float32)
+    with torch.no_grad():
+        pe, npe, ppe, nppe = pipe.encode_prompt(prompt=req["prompt"], prompt_2=None, prompt_3=None,
+                                                negative_prompt="blurry", do_classifier_free_guidance=True)
+        for i in range(3):
+            x = tr.latents[i][None]
+            t = tr.timesteps[i].expand(2)
+            both = pipe.transformer(hidden_states=torch.cat([x, x]), timestep=t, encoder_hidden_states=torch.cat([npe, pe]),
+                                    pooled_projections=torch.cat([nppe, ppe]), return_dict=False)[0]
+            uncond, cond = both.chunk(2)
+            v = uncond + 4.0 * (cond - uncond)
+            lp = step_log_prob(v, x, tr.latents[i + 1][None], tr.sigmas[i], tr.sigmas[i + 1], kind="sde",
+                               noise_level=0.7, sigma_max=tr.sigmas[1])
+            assert abs(float(lp[0]) - float(tr.log_probs[i])) <= 1e-6, (i, float(lp[0]), float(tr.log_probs[i]))
