@@ -211,3 +211,29 @@ def test_sd3_step_log_prob_from_an_independent_forward(rl_ckpt, rl_runtime, make
             lp = step_log_prob(v, x, tr.latents[i + 1][None], tr.sigmas[i], tr.sigmas[i + 1], kind="sde",
                                noise_level=0.7, sigma_max=tr.sigmas[1])
             assert abs(float(lp[0]) - float(tr.log_probs[i])) <= 1e-6, (i, float(lp[0]), float(tr.log_probs[i]))
+
+
+def test_wan_step_log_prob_from_an_independent_forward(rl_ckpt, rl_runtime, make_request):
+    """The same for Wan: diffusers' WanTransformer3DModel with WanPipeline's embeddings, one forward
+    per branch and diffusers' CFG combine."""
+    import diffusers
+
+    rt = rl_runtime("wan")
+    req = make_request("wan", steps=3, rollout={"kind": "cps", "noise_level": 0.8}, guidance_scale=4.0)
+    req["negative_prompt"] = "blurry"
+    out = rt.generate(req)
+    assert out.ok, out.error
+    tr = out.artifacts["trajectory"]
+    pipe = diffusers.WanPipeline.from_pretrained(rl_ckpt("wan"), dtype=torch.float32)
+    with torch.no_grad():
+        pe, npe = pipe.encode_prompt(prompt=req["prompt"], negative_prompt="blurry", do_classifier_free_guidance=True,
+                                     max_sequence_length=512)  # WanPipeline.__call__'s default
+        for i in range(3):
+            x = tr.latents[i][None]
+            t = tr.timesteps[i].expand(1)
+            cond = pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=pe, return_dict=False)[0]
+            uncond = pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=npe, return_dict=False)[0]
+            v = uncond + 4.0 * (cond - uncond)
+            lp = step_log_prob(v, x, tr.latents[i + 1][None], tr.sigmas[i], tr.sigmas[i + 1], kind="cps",
+                               noise_level=0.8, sigma_max=tr.sigmas[1])
+            assert abs(float(lp[0]) - float(tr.log_probs[i])) <= 1e-6, (i, float(lp[0]), float(tr.log_probs[i]))
