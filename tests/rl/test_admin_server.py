@@ -110,3 +110,34 @@ def test_rollout_update_checksum_sleep_wake(admin_app, rl_ckpt):
         assert c.get("/v1/weights/checksum", headers=AUTH).status_code == 409
         assert c.post("/v1/wake", headers=AUTH).json()["asleep"] is False
         assert c.get("/v1/weights/checksum", headers=AUTH).json() == after
+
+
+def test_update_waits_for_in_flight_rollouts(admin_app, rl_ckpt):
+    """Through the server (the engine's worker thread drives the requests): an update posted while a
+    rollout is in flight returns after it finished; the rollout ran on its starting version."""
+    import threading
+    import time
+
+    rt, app = admin_app
+    first = rt.weight_version
+    sd = load_file(str(rl_ckpt("flux") / "transformer" / "diffusion_pytorch_model.safetensors"))
+    blob = base64.b64encode(save({k: v * 1.01 for k, v in sd.items()})).decode()
+    long = {**ROLLOUT, "diffusion": {**ROLLOUT["diffusion"], "steps": 40, "num_outputs": 1}}
+    result: dict = {}
+    with _client(app) as url, httpx.Client(base_url=url, timeout=300) as c:
+        def rollout() -> None:
+            result["r"] = c.post("/v1/rollout/generate", json=long, headers=AUTH)
+
+        th = threading.Thread(target=rollout)
+        th.start()
+        deadline = time.monotonic() + 60
+        while rt.in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert rt.in_flight == 1
+        r = c.post("/v1/weights/update", headers=AUTH, json={"version": "v9", "source": {"safetensors_b64": blob}})
+        assert r.status_code == 200, r.text
+        assert rt.in_flight == 0  # the update returned only once the rollout had finished
+        th.join()
+    sample = result["r"].json()["samples"][0]
+    assert sample["status"] == "completed" and sample["weight_version"] == first != "v9"
+    assert rt.weight_version == "v9"
