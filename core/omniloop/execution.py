@@ -324,6 +324,8 @@ class Execution:
     def _after_step(
         self, node: Node, loop: LoopState, result: StepResult, seconds: float, events: list[OmniEvent]
     ) -> None:
+        if result.error is not None:  # this row failed (attributed by a batched stage): it alone
+            raise result.error
         loop.step += 1
         self.steps_done += 1
         if self.bus is not None and self.bus.step_end is not None:
@@ -418,8 +420,10 @@ class Execution:
 def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
     """Run one loop step of several executions that share a ``batch_key`` as one batched forward.
 
-    Falls back to advancing each alone when the batch is of one. Failure of the batched forward
-    fails every member (they shared the computation); each is still closed cleanly.
+    Falls back to advancing each alone when the batch is of one. A stage attributes a failure to
+    one member by returning ``StepResult(error=...)`` for it: that member fails alone, the others
+    go on. An exception out of the batched forward fails every member (they shared the
+    computation, and nobody knows whose row caused it); each is still closed cleanly.
     """
     if len(executions) <= 1:
         return [ex.advance() for ex in executions]

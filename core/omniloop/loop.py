@@ -66,10 +66,16 @@ class LoopState:
 
 @define
 class StepResult:
-    """What one ``step()`` returns: whether the loop is finished, and partial artifacts to emit."""
+    """What one ``step()`` returns: whether the loop is finished, and partial artifacts to emit.
+
+    ``error``: this request's step failed (a batched ``step_batch`` attributes a failure to the one
+    row that caused it — a non-finite row, a bad sampling draw — instead of raising, which would
+    fail every request of the batch); the runtime fails that request alone with it.
+    """
 
     done: bool
     emit: dict[str, Artifact] = attrs.Factory(dict)
+    error: BaseException | None = None
 
 
 @define

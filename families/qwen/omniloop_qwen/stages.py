@@ -30,7 +30,7 @@ from omniloop.loop import LoopState, RequestState, StepResult
 from omniloop.request import OmniRequest, TaskType, TextPart
 from omniloop.resolved import Workload
 
-from .sampling import Sampling, next_token
+from .sampling import NonFiniteLogits, Sampling, next_token
 
 #: chat roles a text part may carry (the schema's ``system`` today; ``user``/``assistant`` when it grows them)
 _CHAT_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "prompt": "user"}
@@ -301,8 +301,11 @@ class Decode:
                 sampling_rows.append(True)
         logits = comps["paged"].forward(cache, [lp.extra["seq"] for lp in loops], feeds)
         tok = comps["tokenizer"]
+        # per-row isolation: a row whose logits are not finite fails its own request (one sync for
+        # the batch); the other rows go on exactly as they would alone
+        finite = torch.isfinite(logits).all(-1).tolist()
         # greedy rows: one argmax over the batch, one device->host copy (not one sync per sequence)
-        greedy = [i for i, lp in enumerate(loops) if sampling_rows[i] and lp.extra["sampling"].greedy]
+        greedy = [i for i, lp in enumerate(loops) if sampling_rows[i] and finite[i] and lp.extra["sampling"].greedy]
         # (every row greedy, the usual decode batch: no index copy to the device first)
         rows = logits if len(greedy) == len(loops) else logits[greedy]
         argmax = dict(zip(greedy, rows.argmax(-1).tolist(), strict=True)) if greedy else {}
@@ -312,7 +315,15 @@ class Decode:
                 results.append(StepResult(done=False))
                 continue
             x = lp.extra
-            t = argmax[i] if i in argmax else next_token(logits[i], x["sampling"], x["gen"])
+            if not finite[i]:
+                results.append(StepResult(done=False, error=NonFiniteLogits(
+                    f"the model produced non-finite logits (NaN/inf) at token {len(x['out']) + 1}")))
+                continue
+            try:
+                t = argmax[i] if i in argmax else next_token(logits[i], x["sampling"], x["gen"])
+            except Exception as exc:  # this row's draw failed: this request alone
+                results.append(StepResult(done=False, error=exc))
+                continue
             x["out"].append(t)
             results.append(self._after_token(lp, t, tok))
         return results

@@ -34,7 +34,8 @@ class SchedulerOptions:
     backfill_max_wait_s: float = field(default=30.0, metadata={"ge": 0.0})
     #: wait-queue length; None: ``deploy.limits.max_queue``
     max_queue: int | None = field(default=None, metadata={"ge": 1})
-    #: fail a request whose loop tensors become NaN/inf (one isfinite per step)
+    #: fail a request whose loop tensors become NaN/inf (one isfinite per step); a batched step
+    #: checks every row whatever this says (one request's NaN fails it alone, never its batch-mates)
     nan_check: bool = False
     #: length of the in-memory decision trace
     trace_len: int = field(default=4096, metadata={"ge": 0})

@@ -274,7 +274,9 @@ class StepPool:
                 loop = ex.state.loops.get(node.name)
                 if loop is not None and not had_loop:
                     t.shape = refine_shape(t.shape, loop)
-                if self.options.nan_check and not ex.done and loop is not None:
+                # a batched unit always checks each row: a request whose row turned NaN/inf fails
+                # alone with a clear error (its batch-mates' rows are their own math)
+                if (self.options.nan_check or n > 1) and not ex.done and loop is not None:
                     self._check_finite(t, node, loop, evs)
             if self.options.calibrate and not ex.done:
                 t.max_resident = max(t.max_resident, execution_bytes(ex))
