@@ -143,6 +143,9 @@ class DeployConfig:
     limits: Limits = attrs.Factory(Limits)
     #: scheduler options (e.g. {"max_batch": 8, "memory_budget_gib": 60})
     scheduler_options: dict[str, Any] = attrs.Factory(dict)
+    #: options of ``omniloop serve`` (request-size limits, sessions, connections), validated by
+    #: omniloop-server's ``ServerOptions`` when the deployment is served
+    server: dict[str, Any] = attrs.Factory(dict)
     #: LoRA adapters requests may name: {NAME: PATH} (a .safetensors file or a folder), read at load
     #: (omniloop.adapters); requests refer to them by NAME only
     adapters: dict[str, str] = attrs.Factory(dict)

@@ -217,11 +217,19 @@ def write_image(pixels: torch.Tensor, path: str | os.PathLike[str]) -> Path:
     return Path(path)
 
 
-def read_image(source: str | os.PathLike[str] | bytes, name: str = "image") -> torch.Tensor:
-    """Decode an image file (path or bytes) to uint8 ``[H, W, 3]`` RGB.
+#: the most pixels :func:`read_image` decodes (Pillow itself refuses only at ~179 M, and decoding
+#: an image that size takes seconds and gigabytes); callers with tighter limits pass ``max_pixels``
+MAX_IMAGE_PIXELS = 2**25
 
-    A file that is missing or does not decode raises :class:`RequestError` with ``name`` as the
-    field path (e.g. ``inputs[1].path``).
+
+def read_image(source: str | os.PathLike[str] | bytes, name: str = "image", *,
+               max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tensor:
+    """Decode an image file (path or bytes) to uint8 ``[H, W, 3]`` RGB, upright (its EXIF
+    orientation applied, as a photo viewer shows it).
+
+    A file that is missing, does not decode, or whose header says more than ``max_pixels`` pixels
+    (checked before any pixel is decoded) raises :class:`RequestError` with ``name`` as the field
+    path (e.g. ``inputs[1].path``).
     """
     image_mod = _import_pil()
     try:
@@ -232,7 +240,13 @@ def read_image(source: str | os.PathLike[str] | bytes, name: str = "image") -> t
             if not p.is_file():
                 raise RequestError(name, f"image file {str(p)!r} does not exist")
             img = image_mod.open(p)
+        w, h = img.size
+        if max_pixels is not None and w * h > max_pixels:
+            raise RequestError(name, f"image of {w}x{h} = {w * h} pixels; at most {max_pixels} are decoded")
         img.load()
+        from PIL import ImageOps
+
+        img = ImageOps.exif_transpose(img)
         rgb = img.convert("RGB")
     except RequestError:
         raise

@@ -68,7 +68,10 @@ def served(tiny_wan: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     from omniloop_server.testing import serving
 
     rt = _runtime(tiny_wan, scheduler="step")
-    app = create_app(rt, output_dir=tmp_path_factory.mktemp("out"), shutdown_timeout=0)
+    # one client address opens the tests' sockets one after another: a slot per test is plenty, but
+    # a closed socket's slot comes back as the server notices, so allow a few (caps: `capped` below)
+    app = create_app(rt, output_dir=tmp_path_factory.mktemp("out"), shutdown_timeout=0,
+                     server_options={"max_sessions": 4, "max_sessions_per_client": 4})
     with serving(app) as url:
         yield url.replace("http://", "ws://") + "/v1/videos/stream", rt
 
@@ -231,3 +234,131 @@ def test_an_idle_socket_is_closed_when_the_server_drains(server_checkpoint: Path
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=30)
         assert ws.close_code == 1001
+
+
+# -- issue 43: bounded sessions; issue 42 (finding 2): causal from the resolved deployment ---------------
+
+
+def test_a_refused_continuation_releases_its_session(served) -> None:
+    """The rollout check refuses a continue (more chunks than the pool's slabs): the session it named
+    is closed at once (the done says none is left) — before, the socket forgot its id and its slabs
+    stayed held until the session TTL."""
+    url, rt = served
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps({"prompt": "a red fox runs", "frames": 21, "seed": 4}))  # 2 chunks, kept
+        _, done, _ = _run(ws)
+        assert done["status"] == "completed" and done["session"]
+        eng, store = _pool(rt)
+        assert len(store) == 1
+        ws.send(json.dumps({"type": "continue", "prompt": "a cat", "frames": 81}))  # 2 + 7 chunks > 8 slabs
+        chunks, done2, _ = _run(ws)
+        assert not chunks and done2["status"] == "failed" and "slabs" in done2["error"]["message"]
+        assert done2["session"] is None
+        assert len(store) == 0 and eng.manager.used_blocks == 0 and eng.manager.reserved_blocks == 0
+        ws.send(json.dumps({"type": "continue", "prompt": "a cat", "frames": 9}))
+        msg = json.loads(ws.recv(timeout=60))
+        assert msg["type"] == "error" and msg["error"]["code"] == "no_session"
+    eng.manager.check()
+
+
+@pytest.mark.parametrize("rollout", [{"keep_session": True}, {"session": "sess-" + "0" * 24}])
+def test_post_videos_neither_keeps_nor_continues_a_session(served, rollout) -> None:
+    """Only the endpoint that returns a session id makes one; a POST naming one is refused (before,
+    it created orphan sessions nobody learnt the id of, or continued another client's)."""
+    import httpx
+
+    url, rt = served
+    http = url.replace("ws://", "http://").removesuffix("/v1/videos/stream")
+    r = httpx.post(http + "/v1/videos", timeout=60,
+                   json={"prompt": "a fox", "frames": 9, "omniloop": {"node_params": {"rollout": rollout}}})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == f"omniloop.node_params.rollout.{next(iter(rollout))}"
+    from omniloop_wan.causal.pipeline import CausalDeployment
+
+    dep = rt.model.config.get("causal")
+    assert not isinstance(dep, CausalDeployment) or all(len(s) == 0 for _, s in dep._engines.values())
+
+
+@pytest.fixture
+def capped(tiny_wan: Path, tmp_path: Path) -> Iterator[tuple[str, Any, Any]]:
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    rt = _runtime(tiny_wan, scheduler="step")
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0,
+                     server_options={"max_sessions": 2, "max_sessions_per_client": 1, "ws_start_timeout_s": 0.5,
+                                     "ws_idle_timeout_s": 1.0})
+    with serving(app) as url:
+        yield url, rt, app
+
+
+def test_sessions_are_capped_per_client_with_a_retry_hint_and_health_shows_them(capped) -> None:
+    import httpx
+
+    url, rt, app = capped
+    ws_url = url.replace("http://", "ws://") + "/v1/videos/stream"
+    with connect(ws_url, max_size=None) as ws:
+        ws.send(json.dumps({"prompt": "a red fox runs", "frames": 9, "seed": 4}))
+        _, done, _ = _run(ws)
+        assert done["session"]
+        health = httpx.get(url + "/health", timeout=60).json()
+        assert health["sessions"] == {"open": 1, "max": 2, "per_client": 1}
+        assert "kv" in health and health["kv"]["free_blocks"] < health["kv"]["num_blocks"]
+        with connect(ws_url, max_size=None) as ws2:  # the same client: its one session is in use
+            ws2.send(json.dumps({"prompt": "a cat", "frames": 9}))
+            msg = json.loads(ws2.recv(timeout=60))
+            assert msg["type"] == "error" and msg["error"]["code"] == "sessions_full"
+            assert msg["error"]["retry_after_s"] >= 1
+            with pytest.raises(ConnectionClosed):
+                ws2.recv(timeout=30)
+            assert ws2.close_code == 1013
+        # idle between requests past ws_idle_timeout_s: closed, and the session freed
+        msg = json.loads(ws.recv(timeout=30))
+        assert msg["type"] == "error" and msg["error"]["code"] == "idle_timeout"
+    eng, store = _pool(rt)
+    deadline = time.monotonic() + 10
+    while (len(store) or httpx.get(url + "/health", timeout=60).json()["sessions"]["open"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(store) == 0 and eng.manager.used_blocks == 0
+
+
+def test_a_websocket_that_never_starts_is_closed(capped) -> None:
+    url, _, _ = capped
+    with connect(url.replace("http://", "ws://") + "/v1/videos/stream", max_size=None) as ws:
+        msg = json.loads(ws.recv(timeout=30))  # we send nothing
+        assert msg["type"] == "error" and msg["error"]["code"] == "start_timeout"
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=30)
+        assert ws.close_code == 1008
+
+
+def test_continue_works_when_the_preset_not_the_deploy_makes_it_causal(tiny_wan: Path, tmp_path: Path) -> None:
+    """Issue 42, finding 2: ``preset: wan-demo-causal`` says ``rollout: causal`` in the preset, not in
+    the deploy's ``options``; the stream endpoint reads the deployment as loaded."""
+    from omniloop.family import ModelPreset
+    from omniloop.hookspecs import hookimpl
+    from omniloop_scheduler import plugin as scheduler_plugin
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+    from omniloop_wan import plugin as wan_plugin
+
+    class Presets:
+        OMNILOOP_HOOK_API = ">=1.0,<2"
+
+        @hookimpl
+        def omniloop_register_model_presets(self, register: Any) -> None:
+            register(ModelPreset(name="tiny-causal", family="wan", path=lambda: tiny_wan,
+                                 options={"rollout": "causal", "rollout_options": ROLLOUT}))
+
+    manager = make_manager(("wan", wan_plugin), ("scheduler", scheduler_plugin), ("presets", Presets()),
+                           toy=False, scheduler=False)
+    rt = Runtime.from_deploy({"model": {"preset": "tiny-causal"}, "scheduler": "step"}, manager=manager)
+    assert "rollout" not in rt.deploy.options
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0)
+    with serving(app) as url, connect(url.replace("http://", "ws://") + "/v1/videos/stream", max_size=None) as ws:
+        ws.send(json.dumps({"prompt": "a red fox runs", "frames": 9, "seed": 4}))
+        _, done, _ = _run(ws)
+        assert done["status"] == "completed" and done["session"], done
+        ws.send(json.dumps({"type": "continue", "prompt": "a blue bird flies", "frames": 9}))
+        _, done2, _ = _run(ws)
+        assert done2["status"] == "completed" and done2["session"] == done["session"]

@@ -11,7 +11,8 @@
 
 ``submit`` validates the request completely (``runtime.prepare``), predicts its memory and refuses
 it up front if it could never fit (:class:`AdmissionRefused`), or raises :class:`QueueFull` when
-``max_queue`` requests wait already. All torch work runs in the engine's single worker thread;
+``max_queue`` requests wait already. ``await submit_async(request, executor)`` does the same with
+the validation in a worker thread (what a server uses: its event loop stays free). All torch work runs in the engine's single worker thread;
 events reach asyncio through ``loop.call_soon_threadsafe``. Nothing hangs: a request always ends
 with a final event (completed, failed or cancelled), also when the engine shuts down or its
 worker dies.
@@ -187,7 +188,9 @@ class AsyncEngine:
                 with self._cv:
                     self._abort = True
                     self._cv.notify_all()
-                await asyncio.to_thread(self._thread.join, 60.0)
+                # as long again at most: a step that does not end is abandoned (a daemon thread),
+                # its requests answered as failed below — the caller's bound holds
+                await asyncio.to_thread(self._thread.join, 60.0 if timeout is None else timeout)
         self._state = "stopped"
         await asyncio.sleep(0)  # let queued deliveries run
         self._fail_orphans("the engine stopped")
@@ -204,21 +207,42 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, request: OmniRequest | Mapping[str, Any]) -> RequestHandle:
-        """Validate and queue ``request``; raises RequestError / AdmissionRefused / QueueFull / EngineClosed."""
+        """Validate and queue ``request``; raises RequestError / AdmissionRefused / QueueFull / EngineClosed.
+
+        Validation (``runtime.prepare``: tokenising, image decoding, resolve) runs in the calling
+        thread; from a server's event loop use :meth:`submit_async`, which runs it in a worker
+        thread so one heavy request never blocks the loop."""
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
+        req, execution = self._validate(request)
+        return self._enqueue(req, execution, loop)
+
+    async def submit_async(self, request: OmniRequest | Mapping[str, Any], executor: Any = None) -> RequestHandle:
+        """:meth:`submit` with the validation in ``executor`` (a ``concurrent.futures`` executor;
+        None: asyncio's default), the queueing back on the running loop."""
+        loop = asyncio.get_running_loop()
+        self._loop = self._loop or loop
+        req, execution = await loop.run_in_executor(executor, self._validate, request)
+        return self._enqueue(req, execution, self._loop)
+
+    def _validate(self, request: OmniRequest | Mapping[str, Any]) -> tuple[OmniRequest, Any]:
+        """The request parsed and prepared (thread-safe: reads the runtime, queues nothing)."""
         if not self.accepting:
             self.metrics.on_reject("closed")
             raise EngineClosed("the engine is shutting down and takes no new requests")
         try:
             req = request if isinstance(request, OmniRequest) else request_from_dict(request)
-            if req.request_id in self._handles and not self._handles[req.request_id].done():
-                raise RequestError("request_id", f"{req.request_id!r} is already queued or running")
+            self._check_id(req)
             execution = self.runtime.prepare(req)
         except RequestError:
             self.metrics.on_reject("invalid")
             raise
-        return self._enqueue(req, execution, loop)
+        return req, execution
+
+    def _check_id(self, req: OmniRequest) -> None:
+        h = self._handles.get(req.request_id)
+        if h is not None and not h.done():
+            raise RequestError("request_id", f"{req.request_id!r} is already queued or running")
 
     def submit_group(self, request: OmniRequest | Mapping[str, Any]) -> list[RequestHandle]:
         """Validate and queue every sample of a ``diffusion.num_outputs`` group (``Runtime.prepare_group``:
@@ -232,8 +256,7 @@ class AsyncEngine:
             req = request if isinstance(request, OmniRequest) else request_from_dict(request)
             executions = self.runtime.prepare_group(req)
             for ex in executions:
-                if ex.request_id in self._handles and not self._handles[ex.request_id].done():
-                    raise RequestError("request_id", f"{ex.request_id!r} is already queued or running")
+                self._check_id(ex.request)
         except RequestError:
             self.metrics.on_reject("invalid")
             raise
@@ -248,6 +271,14 @@ class AsyncEngine:
         return handles
 
     def _enqueue(self, req: OmniRequest, execution: Any, loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        if not self.accepting:  # it began shutting down while the request was prepared
+            self.metrics.on_reject("closed")
+            raise EngineClosed("the engine is shutting down and takes no new requests")
+        try:
+            self._check_id(req)  # again: one with the same id may have been queued meanwhile
+        except RequestError:
+            self.metrics.on_reject("invalid")
+            raise
         handle = RequestHandle(self, req, loop)
         handle._execution = execution  # cancel() flags it at once: a running step stops between blocks
         ticket = self.pool.make_ticket(execution, shape_of(self.runtime, execution), self._sink(handle))

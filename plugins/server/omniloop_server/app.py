@@ -37,6 +37,7 @@ for ``shutdown_timeout`` seconds, cancel what still runs, and append every job's
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -66,10 +67,12 @@ from .images import base_url, image_edit_routes, images_response
 from .jobs import Job, JobStore
 from .metrics import render_metrics
 from .openapi import docs_page, openapi_document
+from .options import ServerOptions, check_images, check_texts, parse_server_options
 from .ws import video_stream_routes
 
 log = logging.getLogger("omniloop.server")
 
+#: the default of ``server.max_body_bytes`` (:mod:`.options`: every limit one client meets)
 MAX_BODY_BYTES = 32 * 1024 * 1024
 #: uploaded files in one multipart body (images.edit: image[] + mask)
 MAX_FORM_FILES = 12
@@ -112,10 +115,18 @@ def refuse_in_process(deploy: Any) -> None:
 
 class ServerState:
     def __init__(self, engine: AsyncEngine, output_dir: Path, max_finished_jobs: int, shutdown_timeout: float,
-                 poll_after_ms: int) -> None:
+                 poll_after_ms: int, options: ServerOptions | None = None) -> None:
         self.engine = engine
         self.runtime = engine.runtime
+        self.options = options or ServerOptions()
+        #: request preparation (parsing, mapping, tokenising, image decoding, resolve) runs here,
+        #: never on the event loop: one heavy body cannot stall /health or anyone else's stream
+        self.prepare_pool = concurrent.futures.ThreadPoolExecutor(self.options.prepare_threads,
+                                                                  thread_name_prefix="omniloop-prepare")
+        self.max_image_pixels = self.options.image_pixels(getattr(engine.runtime.deploy, "limits", None))
         self.jobs = JobStore(output_dir, max_finished_jobs)
+        self.jobs.restore()  # a restart on the same folder lists the earlier jobs again (jobs.py)
+        self.public_url: str | None = None
         self.started_at = time.time()
         self.http_errors: dict[int, int] = {}
         #: bodies refused by their schema (omniloop_server.body_schema) before reaching the engine
@@ -137,12 +148,35 @@ class ServerState:
         ts = cfg.get("vae_scale_temporal") if isinstance(cfg, dict) else None
         self.temporal_scale = int(ts) if isinstance(ts, int) else None
 
+    async def off_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the preparation threads (the event loop stays free)."""
+        return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
+
     def track(self, handles: list[Any]) -> None:
         """Let the drain wait for (then cancel) these engine requests; each is dropped when it ends."""
         for h in handles:
             self.requests[h.request_id] = h
             fut = asyncio.ensure_future(h.result())
             fut.add_done_callback(lambda _f, rid=h.request_id: self.requests.pop(rid, None))
+
+    def pressure(self) -> dict[str, Any]:
+        """What is scarce now: stream sessions held by WebSockets, and the causal KV pools' free
+        slabs (``/health`` and ``/metrics`` show it; a full pool answers 429 / a WS ``error``)."""
+        out: dict[str, Any] = {}
+        slots = getattr(self, "ws_sessions", None)
+        if slots is not None:
+            out["sessions"] = {"open": slots.open, "max": slots.cap, "per_client": slots.per_client}
+        model = getattr(self.runtime, "model", None)
+        dep = (getattr(model, "config", None) or {}).get("causal") if model is not None else None
+        pools = getattr(dep, "pools", None)
+        if callable(pools):
+            try:
+                stats = [p.stats() for p in pools()]
+                out["kv"] = {"pools": len(stats), "free_blocks": sum(int(st.get("free_blocks", 0)) for st in stats),
+                             "num_blocks": sum(int(st.get("num_blocks", 0)) for st in stats)}
+            except Exception:  # never let a pressure probe fail /health
+                log.debug("kv pressure probe failed", exc_info=True)
+        return out
 
     def count_status(self, status: int) -> None:
         if status >= 400:
@@ -184,11 +218,15 @@ class ServerState:
             job.error = {"code": "cancelled", "message": f"cancelled: {self.jobs.shutdown_reason}; "
                          "its last step or output write did not end in time"}
             job.task.cancel()  # type: ignore[union-attr]
+        stuck_requests = [h for h in self.requests.values() if not h.done()]
         if stuck:
             await asyncio.wait([j.task for j in stuck if j.task is not None], timeout=1.0)
+        if stuck or stuck_requests:
             # the compute thread is inside a step that does not end: leave it (a daemon thread)
-            # rather than block the exit on joining it
-            log.warning("shutting down: %d job(s) still inside a step after the grace period; abandoned", len(stuck))
+            # rather than block the exit on joining it; its requests are answered (503) now
+            log.warning("shutting down: %d request(s) still inside a step after the grace period; abandoned",
+                        len(stuck) + len(stuck_requests))
+            await self.engine.shutdown(drain=False, timeout=0.5)
         else:
             await self.engine.shutdown(drain=False, timeout=STOP_GRACE_S)
         (log.warning if n else log.info)("shut down: jobs %s; final states in %s", self.jobs.counts(),
@@ -262,6 +300,8 @@ def create_app(
     shutdown_timeout: float = 30.0,
     poll_after_ms: int = 500,
     route_extensions: Mapping[str, Any] | None = None,
+    server_options: dict[str, Any] | ServerOptions | None = None,
+    public_url: str | None = None,
 ) -> Starlette:
     """A Starlette app serving ``runtime`` through an :class:`AsyncEngine` started with the app.
 
@@ -269,14 +309,23 @@ def create_app(
     may still finish when the server stops (then they are cancelled). ``poll_after_ms``: the
     ``openai-poll-after-ms`` hint the SDK's ``poll()`` follows. ``route_extensions``: ``{name:
     routes(api)}`` mounted after the built-in routes (:mod:`.extensions`; ``omniloop serve`` passes
-    the installed ones).
+    the installed ones). ``server_options``: the deploy's ``server:`` section
+    (:class:`.options.ServerOptions`), overridden key by key. ``public_url``: the base of the
+    ``url`` answers (``response_format: "url"``); without it, the address of the socket a request
+    came in on — never the client's ``Host`` header.
     """
     refuse_in_process(runtime.deploy)
+    raw_options = dict(getattr(runtime.deploy, "server", None) or {})
+    if isinstance(server_options, ServerOptions):
+        options = server_options
+    else:
+        options = parse_server_options({**raw_options, **(server_options or {})})
     sched = scheduler or (runtime.deploy.scheduler if runtime.deploy.scheduler in ("step", "serial") else "step")
     engine = AsyncEngine(runtime, sched, **(engine_options or {}))
     out = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="omniloop-jobs-"))
     out.mkdir(parents=True, exist_ok=True)
-    state = ServerState(engine, out, max_finished_jobs, shutdown_timeout, poll_after_ms)
+    state = ServerState(engine, out, max_finished_jobs, shutdown_timeout, poll_after_ms, options)
+    state.public_url = public_url.rstrip("/") if public_url else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -286,6 +335,7 @@ def create_app(
             yield
         finally:
             await state.drain()
+            state.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     def media_type(request: Request, *, form: bool) -> str:
         ct = request.headers.get("content-type", "")
@@ -298,24 +348,27 @@ def create_app(
         raise _HttpError(error(415, f"Content-Type must be {takes}, got {show(ct) if ct else 'none'}",
                                type_="invalid_request_error", param="Content-Type", code="unsupported_media_type"))
 
-    async def read_body(request: Request) -> bytes:
+    async def read_body(request: Request, limit: int) -> bytes:
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise _HttpError(error(413, f"body larger than {MAX_BODY_BYTES} bytes", type_="invalid_request_error"))
+        too_large = f"body larger than {limit} bytes (this endpoint's limit; deploy server.max_body_bytes / max_text_body_bytes)"
+        if declared.isdigit() and int(declared) > limit:
+            raise _HttpError(error(413, too_large, type_="invalid_request_error"))
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise _HttpError(error(413, f"body larger than {MAX_BODY_BYTES} bytes", type_="invalid_request_error"))
+            if size > limit:
+                raise _HttpError(error(413, too_large, type_="invalid_request_error"))
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def read_request_body(request: Request, *, form: bool) -> Any:
+    async def read_request_body(request: Request, *, form: bool, text: bool = False) -> Any:
+        """The body as JSON (or a multipart form): read up to the endpoint's limit (``text``: the
+        chat/completions limit), parsed in a preparation thread."""
         kind = media_type(request, form=form)
-        raw = await read_body(request)
+        raw = await read_body(request, options.max_text_body_bytes if text else options.max_body_bytes)
         try:
             if kind == "json":
-                return parse_json(raw)
+                return await state.off_loop(parse_json, raw)
             return await parse_form(request, raw)
         except RequestError as exc:
             if exc.path == "body":  # the body could not be read at all
@@ -332,7 +385,7 @@ def create_app(
 
         try:
             form = await MultiPartParser(request.headers, stream(), max_files=MAX_FORM_FILES, max_fields=64,
-                                         max_part_size=MAX_BODY_BYTES).parse()  # a base64 image may be a text field
+                                         max_part_size=options.max_body_bytes).parse()  # a base64 image may be a text field
         except Exception as exc:  # python-multipart's and Starlette's errors alike
             raise RequestError("body", f"malformed multipart/form-data body: {show(getattr(exc, 'message', str(exc)), 200)}") from None
         try:
@@ -345,20 +398,27 @@ def create_app(
         check_tree(body)
         return body
 
-    def submit(mapped: MappedBody) -> list[Any]:
+    def check_sizes(mapped: MappedBody) -> None:
+        """Limits on work proportional to the input, before it is done (in a preparation thread)."""
+        check_texts(mapped.requests, options)
+        check_images(mapped.requests, state.max_image_pixels)
+
+    async def submit(mapped: MappedBody) -> list[Any]:
+        """Queue the body's requests (all or nothing); their preparation runs off the event loop."""
+        await state.off_loop(check_sizes, mapped)
         handles = []
         try:
             for r in mapped.requests:
-                handles.append(_submit_one(r))
+                handles.append(await _submit_one(r))
         except BaseException:
             for h in handles:  # all or nothing
                 engine.cancel(h.request_id)
             raise
         return handles
 
-    def _submit_one(r: dict[str, Any]) -> Any:
+    async def _submit_one(r: dict[str, Any]) -> Any:
         try:
-            return engine.submit(r)
+            return await engine.submit_async(r, state.prepare_pool)
         except (RequestError, AdmissionRefused, QueueFull, EngineClosed):
             raise
         except Exception as exc:  # validation raised something else: still the request's fault
@@ -385,6 +445,18 @@ def create_app(
         return error(422, f"invalid request ({type(exc).__name__}: {show(str(exc), 200)})",
                      type_="invalid_request_error", param="body")
 
+    def refuse_sessions(mapped: MappedBody) -> None:
+        """Causal sessions are made only where their id is returned (the WebSocket): a POST can
+        neither keep one (nobody would learn its id) nor continue one (it is bound to its socket)."""
+        for r in mapped.requests:
+            rollout = (r.get("node_params") or {}).get("rollout")
+            if isinstance(rollout, dict):
+                for key in ("keep_session", "session"):
+                    if key in rollout and rollout[key] not in (None, False):
+                        raise RequestError(f"node_params.rollout.{key}",
+                                           "sessions are kept and continued over WS /v1/videos/stream only "
+                                           "(a 'continue' message); POST /v1/videos runs one-off videos")
+
     def closed() -> Response:
         return error(503, "the server is shutting down and takes no new jobs", type_="server_error", code="shutting_down")
 
@@ -394,12 +466,15 @@ def create_app(
             body = await read_request_body(request, form=True)
             if state.draining:
                 return closed()
-            mapped = map_video_body(body, tasks=state.tasks, defaults=state.video_defaults,
-                                    temporal_scale=state.temporal_scale, model=repr(state.model_id))
+            mapped = await state.off_loop(lambda: map_video_body(
+                body, tasks=state.tasks, defaults=state.video_defaults, temporal_scale=state.temporal_scale,
+                model=repr(state.model_id)))
             state.check_model(body)
-            if state.jobs.get(mapped.requests[0]["request_id"]) is not None:
-                raise RequestError("request_id", "a job with this id exists (DELETE it first)")
-            (handle,) = submit(mapped)
+            refuse_sessions(mapped)
+            if state.jobs.used(mapped.requests[0]["request_id"]):
+                raise RequestError("request_id", "a job with this id exists or existed on this server "
+                                                 "(ids are never reused, also after a restart)")
+            (handle,) = await submit(mapped)
         except Exception as exc:
             return translate(exc, mapped)
         info = {"size": f"{state.video_defaults.get('width', 0)}x{state.video_defaults.get('height', 0)}", **mapped.info}
@@ -533,13 +608,14 @@ def create_app(
             body = await read_request_body(request, form=False)
             if state.draining:
                 return closed()
-            mapped = map_image_body(body, tasks=state.tasks, model=repr(state.model_id))
+            mapped = await state.off_loop(lambda: map_image_body(body, tasks=state.tasks, model=repr(state.model_id)))
             state.check_model(body)
-            handles = submit(mapped)
+            handles = await submit(mapped)
         except Exception as exc:
             return translate(exc, mapped)
         state.track(handles)
-        return await images_response(engine, handles, mapped, state=state, base_url=base_url(request))
+        return await images_response(engine, handles, mapped, state=state, base_url=base_url(request, state),
+                                     request=request)
 
     def model_object() -> dict[str, Any]:
         rt = state.runtime
@@ -578,6 +654,7 @@ def create_app(
         return JSONResponse({
             "status": "ok" if ok else ("draining" if state.draining else "unavailable"), "model": state.model_id,
             "scheduler": engine.scheduler, "queue_depth": s["waiting"], "running": s["running"],
+            **state.pressure(),
         }, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
@@ -609,7 +686,7 @@ def create_app(
     ]
     # endpoints kept in their own modules, built on these helpers
     api = _Helpers(state=state, engine=engine, read_request_body=read_request_body, submit=submit,
-                   translate=translate, closed=closed)
+                   translate=translate, closed=closed, options=options)
     routes += [*text_routes(api), *image_edit_routes(api), *video_stream_routes(api)]
     routes += admin_routes(api)  # post-training admin routes: only with the deploy's admin.token_env
     routes = mount(routes, route_extensions, api)  # plugins' routes (omniloop.server_routes)

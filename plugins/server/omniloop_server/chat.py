@@ -12,7 +12,8 @@ body field                     omniloop request
 ``prompt`` (completions)       one text part with role ``prompt`` (no chat template)
 ``max_tokens`` /               ``sampling.max_tokens`` (one of the two)
 ``max_completion_tokens``
-``temperature``, ``top_p``     ``sampling.temperature`` / ``sampling.top_p`` (``0`` is greedy)
+``temperature``, ``top_p``     ``sampling.temperature`` / ``sampling.top_p`` (``0`` is greedy; so
+                               are ``temperature < 1e-4`` and ``top_p < 1e-6``)
 ``seed``, ``stop``             ``sampling.seed``, ``sampling.stop`` (a string or a list)
 ``top_k`` (``extra_body``)     ``sampling.top_k``
 ``omniloop`` (``extra_body``)  OmniRequest fields (``node_params``, ``plugin_params``, ``priority``)
@@ -316,12 +317,13 @@ def text_routes(api: Any) -> list[Any]:
         async def endpoint(request: Request) -> Response:
             mapped = None
             try:
-                body = await api.read_request_body(request, form=False)
+                body = await api.read_request_body(request, form=False, text=True)
                 if state.draining:
                     return api.closed()
-                mapped = map_text_body(body, chat=chat, tasks=state.tasks, model=repr(state.model_id))
+                mapped = await state.off_loop(lambda: map_text_body(body, chat=chat, tasks=state.tasks,
+                                                                    model=repr(state.model_id)))
                 state.check_model(body)
-                (handle,) = api.submit(mapped)
+                (handle,) = await api.submit(mapped)
             except Exception as exc:
                 return api.translate(exc, mapped)
             state.track([handle])
@@ -334,6 +336,8 @@ def text_routes(api: Any) -> list[Any]:
             engine.forget(handle.request_id)
             if not out.ok:
                 status, msg, type_, code = _failure(out)
+                if state.draining:  # cut by the shutdown
+                    status, type_, code = 503, "server_error", "shutting_down"
                 return error(status, msg, type_=type_, code=code)
             return JSONResponse(completion_object(out, chat=chat, rid=handle.request_id, model=model,
                                                   created=int(handle.submitted_at)))

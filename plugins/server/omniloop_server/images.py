@@ -56,6 +56,8 @@ STRENGTH_NODE = "denoise"
 #: ``response_format: "url"`` images kept on disk (oldest deleted first)
 MAX_IMAGE_FILES = 1000
 IMAGE_FILE = re.compile(r"^[0-9a-f]{32}\.png$")
+#: how often a waiting image request checks that its client is still connected
+DISCONNECT_POLL_S = 0.5
 
 
 class ImageFiles:
@@ -64,7 +66,12 @@ class ImageFiles:
     def __init__(self, folder: Path, keep: int = MAX_IMAGE_FILES) -> None:
         self.folder = Path(folder).resolve()
         self.keep = keep
-        self.names: deque[str] = deque()
+        # after a restart: the files made before are served (newest ``keep``), the older deleted
+        found = sorted((p for p in self.folder.iterdir() if IMAGE_FILE.match(p.name)), key=lambda p: p.stat().st_mtime) \
+            if self.folder.is_dir() else []
+        for old in found[: max(0, len(found) - keep)]:
+            old.unlink(missing_ok=True)
+        self.names: deque[str] = deque(p.name for p in found[max(0, len(found) - keep):])
 
     def add(self, data: bytes) -> str:
         name = f"{uuid.uuid4().hex}.png"
@@ -143,17 +150,35 @@ def image_files(state: Any) -> ImageFiles:
     return files
 
 
+async def wait_all(engine: Any, handles: list[Any], request: Request | None) -> list[Any]:
+    """Every handle's output; a client that disconnects meanwhile cancels them all (disconnect =
+    cancel: a synchronous request nobody waits for stops at its next step boundary)."""
+    waiting = asyncio.ensure_future(asyncio.gather(*(h.result() for h in handles)))
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return list(waiting.result())
+        if request is not None and await request.is_disconnected():
+            for h in handles:
+                engine.cancel(h.request_id)
+            return list(await waiting)
+
+
 async def images_response(engine: Any, handles: list[Any], mapped: MappedBody, *, state: Any = None,
-                          base_url: str = "") -> Response:
-    """Wait for every image, then OpenAI's ``ImagesResponse`` (PNG; base64, or URLs of this server)."""
+                          base_url: str = "", request: Request | None = None) -> Response:
+    """Wait for every image, then OpenAI's ``ImagesResponse`` (PNG; base64, or URLs of this server).
+    ``request``: its client disconnecting cancels the images."""
     from .app import error
 
-    outs = await asyncio.gather(*(h.result() for h in handles))
+    outs = await wait_all(engine, handles, request)
     for h in handles:
         engine.forget(h.request_id)
     bad = next((o for o in outs if not o.ok), None)
     if bad is not None:
         msg = bad.error.message if bad.error else bad.status.value
+        if state is not None and state.draining:  # cut by the shutdown: retry elsewhere / later
+            return error(503, f"image generation {bad.status.value}: the server is shutting down ({msg})",
+                         type_="server_error", code="shutting_down")
         return error(500, f"image generation {bad.status.value}: {msg}", type_="server_error", code=bad.status.value)
     as_url = mapped.info.get("response_format") == "url" and state is not None
 
@@ -186,13 +211,14 @@ def image_edit_routes(api: Any) -> list[Any]:
             body = await api.read_request_body(request, form=True)
             if state.draining:
                 return api.closed()
-            mapped = map_edit_body(body, tasks=state.tasks, model=repr(state.model_id))
+            mapped = await state.off_loop(lambda: map_edit_body(body, tasks=state.tasks, model=repr(state.model_id)))
             state.check_model(body)
-            handles = api.submit(mapped)
+            handles = await api.submit(mapped)
         except Exception as exc:
             return api.translate(exc, mapped)
         state.track(handles)
-        return await images_response(engine, handles, mapped, state=state, base_url=base_url(request))
+        return await images_response(engine, handles, mapped, state=state, base_url=base_url(request, state),
+                                     request=request)
 
     async def image_file(request: Request) -> Response:
         from .app import error
@@ -208,6 +234,20 @@ def image_edit_routes(api: Any) -> list[Any]:
             Route("/v1/images/files/{name}", image_file, methods=["GET"])]
 
 
-def base_url(request: Request) -> str:
-    """This server's URL as the client reached it (scheme, host, root path), without a trailing /."""
-    return str(request.base_url).rstrip("/")
+def base_url(request: Request, state: Any = None) -> str:
+    """This server's URL, without a trailing /: ``--public-url`` when given, else the address of
+    the socket the request came in on (scheme, local address and port, root path) — never the
+    client's ``Host`` header, which anyone can set to any site."""
+    public = getattr(state, "public_url", None)
+    if public:
+        return str(public).rstrip("/")
+    server = request.scope.get("server")
+    scheme = "https" if request.scope.get("scheme") in ("https", "wss") else "http"
+    root = str(request.scope.get("root_path", "")).rstrip("/")
+    if not server:
+        return root  # relative URLs (an in-process client)
+    host, port = server[0], server[1]
+    if host and ":" in str(host):
+        host = f"[{host}]"
+    default = (scheme == "http" and port == 80) or (scheme == "https" and port == 443)
+    return f"{scheme}://{host}{'' if default or port is None else f':{port}'}{root}"

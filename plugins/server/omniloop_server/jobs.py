@@ -12,6 +12,16 @@ down and cancels it), so no job vanishes without a record.
 Statuses: internally ``queued``, ``in_progress``, ``completed``, ``failed``, ``cancelled``. The
 API object follows OpenAI's ``Video`` (status ``queued | in_progress | completed | failed``): a
 cancelled job is ``failed`` with ``error.code == "cancelled"``.
+
+Restart (:meth:`JobStore.restore`, when the server starts on an output folder that has a
+``jobs.jsonl``): a job is recorded when it is accepted (``"status": "queued"``) and again when it
+ends, so the record knows every job. On start, the newest ``max_finished`` finished jobs are listed
+again, and a completed one's mp4 is served while its file is there; a job accepted but never
+ended (the server was killed) is listed as ``failed`` (``error.code: "server_restarted"``). Ids
+of every recorded job — deleted ones too — are never given to a new job. Retention: the output
+files of jobs that are not kept (evicted, deleted, unknown to the record) are deleted at start
+(only files named as this server names them), and the record is rewritten to the kept jobs plus
+the ids already used.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -32,6 +44,10 @@ log = logging.getLogger("omniloop.server")
 TERMINAL = ("completed", "failed", "cancelled")
 MAX_JOB_EVENTS = 5000
 RECORD_NAME = "jobs.jsonl"
+#: the output files this server writes (and may delete at restart): ``<32 hex>.mp4`` and variants
+OUTPUT_FILE = re.compile(r"^[0-9a-f]{32}\.(mp4|thumbnail\.png|spritesheet\.png)$")
+#: the longest ``jobs.jsonl`` read at restart (a bigger one is renamed aside, not parsed)
+MAX_RECORD_BYTES = 64 * 1024 * 1024
 
 
 class Job:
@@ -97,13 +113,46 @@ class Job:
             d["metrics"] = self.metrics
         return d
 
+    @classmethod
+    def from_record(cls, rec: dict[str, Any], output_dir: Path) -> Job:
+        """A finished job listed again after a restart (no handle; its mp4 served if still there)."""
+        job = cls.__new__(cls)
+        job.handle = None
+        job.id = str(rec["id"])
+        job.model = str(rec.get("model") or "")
+        job.info = {k: v for k, v in (rec.get("info") or {}).items() if isinstance(k, str)} if isinstance(rec.get("info"), dict) else {}
+        job.created_at = int(rec.get("created_at") or 0)
+        job.completed_at = rec.get("completed_at") if isinstance(rec.get("completed_at"), int) else None
+        status = rec.get("status")
+        job.final_status = status if status in TERMINAL else None
+        job.error = rec.get("error") if isinstance(rec.get("error"), dict) else None
+        name = rec.get("file")
+        job.path = None
+        if job.final_status == "completed" and isinstance(name, str) and OUTPUT_FILE.match(name) and name.endswith(".mp4"):
+            p = (output_dir / name).resolve()
+            if p.parent == output_dir and p.is_file():
+                job.path = p
+            else:  # its file is gone: it has no content any more
+                job.final_status, job.error = "failed", {"code": "content_missing",
+                                                         "message": "the job completed, but its output file is gone"}
+        job.frames = rec.get("frames") if isinstance(rec.get("frames"), int) else None
+        job.fps = float(rec["fps"]) if isinstance(rec.get("fps"), (int, float)) else None
+        job.metrics = {}
+        job.cancel_requested = False
+        job.deleted = False
+        job.events = []
+        job.changed = asyncio.Event()
+        job.task = None
+        job.final_progress = int(rec.get("progress") or 0) if isinstance(rec.get("progress"), int) else 0
+        return job
+
     def record(self) -> dict[str, Any]:
         """The durable final-state record (one line of ``jobs.jsonl``)."""
         return {
             "id": self.id, "status": self.status, "error": self.error, "model": self.model,
             "created_at": self.created_at, "completed_at": self.completed_at, "progress": self.progress,
             "file": self.path.name if self.path is not None else None, "frames": self.frames, "fps": self.fps,
-            "deleted": self.deleted,
+            "deleted": self.deleted, "info": self.info,
         }
 
     def publish(self, event: str, data: dict[str, Any]) -> None:
@@ -152,14 +201,88 @@ class JobStore:
         self.written = 0
         self.record_failures = 0
         self.shutdown_reason: str | None = None
+        #: ids of every job this output folder has seen (restored from the record): never reused
+        self.used_ids: set[str] = set()
+        self.restored = {"jobs": 0, "interrupted": 0, "files_deleted": 0}
 
     def get(self, job_id: str) -> Job | None:
         return self.jobs.get(job_id)
 
+    def used(self, job_id: str) -> bool:
+        """Whether ``job_id`` names a job this folder had (listed, deleted, or before a restart)."""
+        return job_id in self.used_ids or job_id in self.jobs
+
     def add(self, job: Job, engine: Any) -> None:
         self.jobs[job.id] = job
+        self.used_ids.add(job.id)
+        self._record(job)  # accepted: a restart after a kill knows it ran (its final line follows)
         job.publish("status", job.to_dict())
         job.task = asyncio.create_task(self._follow(job, engine), name=f"job-{job.id}")
+
+    # -- restart -------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Read ``jobs.jsonl`` (see the module docstring): list the kept finished jobs, fail the
+        interrupted ones, remember every id, delete the outputs of jobs not kept, compact the record."""
+        path = self.output_dir / RECORD_NAME
+        if not path.is_file():
+            return
+        try:
+            if path.stat().st_size > MAX_RECORD_BYTES:
+                aside = path.with_name(f"{RECORD_NAME}.{int(time.time())}.old")
+                os.replace(path, aside)
+                log.warning("%s is larger than %d bytes: moved to %s, not restored", path, MAX_RECORD_BYTES, aside)
+                return
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            log.exception("reading %s failed; no job restored", path)
+            return
+        latest: dict[str, dict[str, Any]] = {}
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            if isinstance(rec, dict) and isinstance(rec.get("id"), str):
+                self.used_ids.add(rec["id"])
+                if rec.get("status") != "used":
+                    latest.pop(rec["id"], None)
+                    latest[rec["id"]] = rec  # insertion order: by when it last changed
+        kept: list[Job] = []
+        for rec in latest.values():
+            if rec.get("deleted"):
+                continue
+            job = Job.from_record(rec, self.output_dir)
+            if job.final_status is None or job.final_status not in TERMINAL:
+                job.final_status = "failed"
+                job.error = {"code": "server_restarted",
+                             "message": "the server stopped while this job was queued or running"}
+                job.completed_at = job.completed_at or int(time.time())
+                self.restored["interrupted"] += 1
+            job.publish("done", job.to_dict())
+            kept.append(job)
+        kept = kept[max(0, len(kept) - self.max_finished):]
+        kept.sort(key=lambda j: j.created_at)  # listed in creation order, as they were
+        for job in kept:
+            self.jobs[job.id] = job
+        self.restored["jobs"] = len(kept)
+        keep_files = {f.name for j in kept if j.path is not None for f in (j.path, *(j.path.with_suffix(x) for x in VARIANT_SUFFIXES))}
+        for f in self.output_dir.iterdir():
+            if OUTPUT_FILE.match(f.name) and f.name not in keep_files:
+                f.unlink(missing_ok=True)
+                self.restored["files_deleted"] += 1
+        tmp = path.with_name(f".{RECORD_NAME}.tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as out:
+                for rid in sorted(self.used_ids - {j.id for j in kept}):
+                    out.write(json.dumps({"id": rid, "status": "used"}) + "\n")
+                for job in kept:
+                    out.write(json.dumps(job.record(), ensure_ascii=True, default=str) + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            log.exception("compacting %s failed", path)
+        if kept or self.restored["files_deleted"]:
+            log.info("restored %d job(s) from %s (%d interrupted by the last stop); %d stale output file(s) deleted",
+                     len(kept), path, self.restored["interrupted"], self.restored["files_deleted"])
 
     def remove(self, job_id: str) -> Job | None:
         job = self.jobs.pop(job_id, None)
@@ -167,6 +290,8 @@ class JobStore:
             job.deleted = True
             if job.path is not None:
                 unlink_outputs(job.path)
+            if job.terminal:  # (a running one records itself, deleted, as it ends)
+                self._record(job)
         return job
 
     def output_path(self) -> Path:

@@ -22,7 +22,11 @@ def serving(app: Any, timeout: float = 30.0) -> Iterator[str]:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    from .cli import connection_options
+
+    state = getattr(app.state, "omniloop", None)
+    limits = connection_options(state.options) if state is not None else {}  # the guards `omniloop serve` runs with
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **limits))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn-test")
     thread.start()
     deadline = time.monotonic() + timeout

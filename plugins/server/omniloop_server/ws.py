@@ -65,8 +65,17 @@ class _Refused(Exception):
 
 
 def _causal(runtime: Any) -> bool:
-    opts = getattr(getattr(runtime, "deploy", None), "options", None) or {}
+    """Whether the deployment as loaded streams causal sessions: the runtime's resolved options
+    (the preset's ``omniloop.json`` under the deploy's own ``options``), not the deploy file alone
+    — ``preset: wan-demo-causal`` is causal without a word about it in the deploy."""
+    opts = getattr(runtime, "options", None)
+    if not isinstance(opts, dict):
+        opts = getattr(getattr(runtime, "deploy", None), "options", None) or {}
     return isinstance(opts, dict) and opts.get("rollout") == "causal"
+
+
+#: errors of a request that found no room (the KV pool, the session store): retried later, they may pass
+_NO_ROOM = {"CacheFull", "SessionLimit"}
 
 
 def _close_session(runtime: Any, sid: str, height: int, width: int) -> None:
@@ -86,8 +95,42 @@ def _raw(frames: Any) -> bytes:
     return bytes(frames.contiguous().cpu().numpy().tobytes())
 
 
+class SessionSlots:
+    """The causal sessions WebSockets keep, counted per server and per client address: a cap below
+    the KV pool (room stays for one-off streams and POST /v1/videos) and a per-client share. A
+    session is bound to its socket (its id is never accepted from a client), so the slot is held
+    from the start message until the socket ends."""
+
+    def __init__(self, cap: int, per_client: int) -> None:
+        self.cap, self.per_client = cap, per_client
+        self.by_client: dict[str, int] = {}
+
+    @property
+    def open(self) -> int:
+        return sum(self.by_client.values())
+
+    def claim(self, client: str) -> str | None:
+        """Take a slot for ``client``; the refusal's message when there is none."""
+        if self.open >= self.cap:
+            return f"all {self.cap} stream sessions of this server are in use (deploy server.max_sessions); retry later"
+        if self.by_client.get(client, 0) >= self.per_client:
+            return (f"this client already holds {self.per_client} stream session(s) (deploy "
+                    "server.max_sessions_per_client); close one first")
+        self.by_client[client] = self.by_client.get(client, 0) + 1
+        return None
+
+    def release(self, client: str) -> None:
+        n = self.by_client.get(client, 0) - 1
+        if n > 0:
+            self.by_client[client] = n
+        else:
+            self.by_client.pop(client, None)
+
+
 def video_stream_routes(api: Any) -> list[Any]:
     state, engine = api.state, api.engine
+    opts = api.options
+    sessions = state.ws_sessions = SessionSlots(opts.max_sessions, opts.max_sessions_per_client)
 
     def error_payload(exc: Exception, mapped: Any) -> tuple[dict[str, Any], int]:
         if isinstance(exc, _Refused):
@@ -132,7 +175,7 @@ def video_stream_routes(api: Any) -> list[Any]:
                 raise _Refused(f"expected a JSON object, got {type(body).__name__}")
             return body
 
-        def build(body: dict[str, Any], rollout: dict[str, Any] | None) -> tuple[Any, Any]:
+        async def build(body: dict[str, Any], rollout: dict[str, Any] | None) -> tuple[Any, Any]:
             mapped = None
             try:
                 omni = body.get("omniloop")
@@ -140,15 +183,16 @@ def video_stream_routes(api: Any) -> list[Any]:
                         and "rollout" in omni["node_params"]:
                     raise RequestError("omniloop.node_params.rollout",
                                        "the stream endpoint manages sessions itself (use a 'continue' message)")
-                mapped = map_video_body(body, tasks=state.tasks, defaults=state.video_defaults,
-                                        temporal_scale=state.temporal_scale, model=repr(state.model_id))
+                mapped = await state.off_loop(lambda: map_video_body(
+                    body, tasks=state.tasks, defaults=state.video_defaults, temporal_scale=state.temporal_scale,
+                    model=repr(state.model_id)))
                 state.check_model(body)
                 (r,) = mapped.requests
                 r["request_id"] = f"ws-{secrets.token_hex(12)}"
                 if rollout is not None:
                     r.setdefault("node_params", {})["rollout"] = rollout
                 r.setdefault("outputs", {})["stream_partial"] = True  # the chunks are what this endpoint sends
-                (h,) = api.submit(mapped)
+                (h,) = await api.submit(mapped)
             except Exception as exc:
                 return None, error_payload(exc, mapped)
             state.track([h])
@@ -188,10 +232,13 @@ def video_stream_routes(api: Any) -> list[Any]:
                     await ws.send_bytes(data)
                 first = int(frames.shape[0])
             err = out.error
-            return {"type": "done", "id": h.request_id, "status": out.status.value, "frames": first,
-                    # a request cancelled or failed mid-stream closed its session: none to continue
+            done = {"type": "done", "id": h.request_id, "status": out.status.value, "frames": first,
+                    # a request cancelled or failed (mid-stream or refused) ends its session: none to continue
                     "session": out.metrics.get("session") if out.ok else None,
                     "error": None if err is None else {"message": err.message, "type": err.type, "node": err.node}}
+            if err is not None and err.type in _NO_ROOM:
+                done["error"]["retry_after_s"] = opts.retry_after_s
+            return done
 
         async def fail(payload: dict[str, Any], close: int) -> None:
             try:
@@ -203,11 +250,17 @@ def video_stream_routes(api: Any) -> list[Any]:
         causal = _causal(state.runtime)
         requests = 0
         start: dict[str, Any] | None = None
+        client = ws.client.host if ws.client is not None else "?"
+        slot = False  # this connection holds one of the server's session slots
         try:
             try:
-                body = await read()
+                body = await asyncio.wait_for(read(), opts.ws_start_timeout_s)
             except (_Refused, RequestError) as exc:
                 await fail(*error_payload(exc, None))
+                return
+            except TimeoutError:
+                await fail({"message": f"no start message within {opts.ws_start_timeout_s:g} s", "type": "invalid_request_error",
+                            "param": "type", "code": "start_timeout"}, 1008)
                 return
             if body is None:
                 return
@@ -221,7 +274,15 @@ def video_stream_routes(api: Any) -> list[Any]:
                             "type": "invalid_request_error", "param": "type", "code": "invalid_request_error"}, 1008)
                 return
             start = body
-            handle, bad = build(body, {"keep_session": True} if causal else None)
+            keep = causal and opts.max_sessions > 0
+            if keep:
+                why = sessions.claim(client)
+                if why is not None:
+                    await fail({"message": why, "type": "rate_limit_error", "param": None, "code": "sessions_full",
+                                "retry_after_s": opts.retry_after_s}, 1013)
+                    return
+                slot = True
+            handle, bad = await build(body, {"keep_session": True} if keep else None)
             while True:
                 if bad is not None:
                     await fail(*bad)
@@ -254,17 +315,26 @@ def video_stream_routes(api: Any) -> list[Any]:
                 handle = None
                 if done["session"]:
                     sid = done["session"]
-                elif sid is not None:  # cancelled / failed: the pipeline closed the session
+                elif sid is not None:  # cancelled / failed / refused: the session ends here, never leaks
+                    if size is not None:  # (a continuation refused before it ran left it open: close it)
+                        _close_session(state.runtime, sid, *size)
                     sid = None
                 await send_json(done)
-                # the next message: continue, or close (a draining server closes idle sockets)
+                # the next message: continue, or close (a draining server closes idle sockets; an
+                # idle socket is closed after ws_idle_timeout_s, freeing its session)
                 if recv is None:
                     recv = asyncio.ensure_future(ws.receive())
-                while not recv.done() and not state.draining:
+                idle_until = asyncio.get_running_loop().time() + opts.ws_idle_timeout_s
+                while not recv.done() and not state.draining and asyncio.get_running_loop().time() < idle_until:
                     await asyncio.wait({recv}, timeout=IDLE_POLL_S)
                 if not recv.done():
-                    await fail({"message": "the server is shutting down; the stream ends here", "type": "server_error",
-                                "param": None, "code": "shutting_down"}, 1001)
+                    if state.draining:
+                        await fail({"message": "the server is shutting down; the stream ends here", "type": "server_error",
+                                    "param": None, "code": "shutting_down"}, 1001)
+                    else:
+                        await fail({"message": f"idle for {opts.ws_idle_timeout_s:g} s: the stream ends here (its "
+                                    "session is closed)", "type": "invalid_request_error", "param": None,
+                                    "code": "idle_timeout"}, 1001)
                     return
                 try:
                     msg = await read()
@@ -303,7 +373,7 @@ def video_stream_routes(api: Any) -> list[Any]:
                 omni = body.get("omniloop")
                 if isinstance(omni, dict):
                     omni.pop("request_id", None)
-                handle, bad = build(body, {"session": sid, "keep_session": True})
+                handle, bad = await build(body, {"session": sid, "keep_session": True})
         except WebSocketDisconnect:
             if handle is not None:
                 engine.cancel(handle.request_id)
@@ -314,5 +384,7 @@ def video_stream_routes(api: Any) -> list[Any]:
                 engine.cancel(handle.request_id)
             if sid is not None and size is not None:
                 _close_session(state.runtime, sid, *size)
+            if slot:
+                sessions.release(client)
 
     return [WebSocketRoute("/v1/videos/stream", endpoint)]

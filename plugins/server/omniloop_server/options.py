@@ -1,0 +1,141 @@
+"""``ServerOptions``: the deploy's ``server:`` section — what one client may ask of ``omniloop serve``.
+
+Every limit here is checked before work proportional to the input: the body size as it streams in
+(per endpoint), then prompt characters, messages and parts, and an input image's pixel count from
+its header (never decoded first). Request preparation (mapping, tokenising, image decoding,
+resolve) runs in :attr:`ServerOptions.prepare_threads` worker threads, never on the event loop.
+
+::
+
+    server:
+      max_prompt_chars: 32768        # one prompt / negative prompt / message / text part
+      max_text_chars: 262144         # all the text of one request
+      max_body_bytes: 33554432       # POST /v1/videos, /v1/images/* (a base64 image is a field)
+      max_text_body_bytes: 4194304   # POST /v1/chat/completions, /v1/completions
+      max_image_pixels: null         # null: 4 x limits.max_height x limits.max_width, at most 2**25
+      prepare_threads: 2
+      max_connections: 512           # HTTP connections and WebSockets at once (uvicorn's
+                                     # limit_concurrency; 503 beyond); keep it below `ulimit -n`
+      keep_alive_timeout_s: 5        # an idle keep-alive connection is closed after this
+      header_timeout_s: 10           # a connection whose request headers are not complete by then
+      ws_start_timeout_s: 10         # a WebSocket that sends no start message by then is closed
+      ws_idle_timeout_s: 300         # a WebSocket idle between requests is closed (its session freed)
+      max_sessions: 3                # causal sessions kept by WebSockets at once (the KV pool keeps
+                                     # room for one-off streams beyond them)
+      max_sessions_per_client: 2     # ... per client address
+      retry_after_s: 5               # the retry hint of a refusal for lack of room
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from attrs import define, field
+
+from omniloop.errors import DeployError, RequestError
+from omniloop.schema import structure_params
+
+#: the largest input image whatever the deployment's limits (Pillow refuses at ~179 M pixels only)
+MAX_IMAGE_PIXELS = 2**25
+
+
+@define(frozen=True)
+class ServerOptions:
+    max_prompt_chars: int = field(default=32_768, metadata={"ge": 1})
+    max_text_chars: int = field(default=262_144, metadata={"ge": 1})
+    max_body_bytes: int = field(default=32 * 1024 * 1024, metadata={"ge": 1024})
+    max_text_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"ge": 1024})
+    max_image_pixels: int | None = field(default=None, metadata={"ge": 1, "le": MAX_IMAGE_PIXELS})
+    prepare_threads: int = field(default=2, metadata={"ge": 1, "le": 64})
+    max_connections: int = field(default=512, metadata={"ge": 1})
+    keep_alive_timeout_s: float = field(default=5.0, metadata={"gt": 0.0, "le": 3600.0})
+    header_timeout_s: float = field(default=10.0, metadata={"gt": 0.0, "le": 3600.0})
+    ws_start_timeout_s: float = field(default=10.0, metadata={"gt": 0.0, "le": 3600.0})
+    ws_idle_timeout_s: float = field(default=300.0, metadata={"gt": 0.0, "le": 86400.0})
+    max_sessions: int = field(default=3, metadata={"ge": 0})
+    max_sessions_per_client: int = field(default=2, metadata={"ge": 0})
+    retry_after_s: int = field(default=5, metadata={"ge": 1, "le": 3600})
+
+    def image_pixels(self, limits: Any) -> int:
+        """The pixel cap of an input image: the option, else four output images of the largest size."""
+        if self.max_image_pixels is not None:
+            return self.max_image_pixels
+        try:
+            cap = 4 * int(limits.max_height) * int(limits.max_width)
+        except (AttributeError, TypeError, ValueError):
+            cap = MAX_IMAGE_PIXELS
+        return min(cap, MAX_IMAGE_PIXELS)
+
+
+def parse_server_options(raw: Mapping[str, Any] | ServerOptions | None) -> ServerOptions:
+    if isinstance(raw, ServerOptions):
+        return raw
+    try:
+        return structure_params(ServerOptions, dict(raw or {}), "server")
+    except RequestError as exc:
+        raise DeployError(f"deploy config: {exc}") from None
+
+
+def check_texts(requests: list[dict[str, Any]], opts: ServerOptions, origins: Any = None) -> None:
+    """Prompt characters, per field and per request, before anything tokenises them."""
+    for r in requests:
+        total = 0
+        fields: list[tuple[str, Any]] = [("prompt", r.get("prompt")), ("negative_prompt", r.get("negative_prompt"))]
+        for i, part in enumerate(r.get("inputs") or []):
+            if isinstance(part, Mapping) and part.get("type", "text") == "text":
+                fields.append((f"inputs.{i}.text", part.get("text")))
+        for path, text in fields:
+            if not isinstance(text, str):
+                continue
+            if len(text) > opts.max_prompt_chars:
+                raise RequestError(path, f"at most {opts.max_prompt_chars} characters, got {len(text)} "
+                                         "(deploy server.max_prompt_chars)")
+            total += len(text)
+        if total > opts.max_text_chars:
+            raise RequestError("inputs", f"at most {opts.max_text_chars} characters of text per request, got {total} "
+                                         "(deploy server.max_text_chars)")
+
+
+def check_images(requests: list[dict[str, Any]], max_pixels: int) -> None:
+    """Each base64 input image's size read from its header (never decoded here) against ``max_pixels``."""
+    import base64
+    import binascii
+    import io
+
+    for r in requests:
+        for i, part in enumerate(r.get("inputs") or []):
+            if not isinstance(part, Mapping) or part.get("type") != "image" or not isinstance(part.get("data_b64"), str):
+                continue
+            path = f"inputs.{i}.data_b64"
+            try:
+                data = base64.b64decode(part["data_b64"], validate=False)
+            except (binascii.Error, ValueError):
+                continue  # the family's decoder names it
+            w, h = image_size(data)
+            if w is not None and h is not None and w * h > max_pixels:
+                raise RequestError(path, f"input image of {w}x{h} = {w * h} pixels; this server takes at most "
+                                         f"{max_pixels} (deploy server.max_image_pixels)")
+
+
+def image_size(data: bytes) -> tuple[int | None, int | None]:
+    """(width, height) from an image's header (Pillow opens lazily: no pixel is decoded)."""
+    import io
+    import warnings
+
+    try:
+        from PIL import Image
+    except ImportError:
+        return None, None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data)) as img:
+                return int(img.size[0]), int(img.size[1])
+    except Image.DecompressionBombError:
+        return 1 << 16, 1 << 16  # larger than any cap
+    except Exception:
+        return None, None  # not an image: the family's decoder refuses it with its message
+
+
+__all__ = ["MAX_IMAGE_PIXELS", "ServerOptions", "check_images", "check_texts", "image_size", "parse_server_options"]

@@ -1,0 +1,274 @@
+"""Issue 43: one request must never hurt another on a live server (toy family; tiny FLUX.1 for the
+image path). Each test reproduces a finding that held on the server before:
+
+1. request preparation ran on the event loop, with no prompt or per-endpoint body limit
+   (``/health`` stalled while one request was tokenised / resolved);
+2. an input image just under Pillow's bomb threshold was decoded in full;
+6. a client that gave up on a synchronous image request left it running to the end; a request cut
+   by the shutdown got a 500;
+8. the ``Host`` header was reflected into image URLs; connections with unfinished headers were held.
+
+The ``/health`` latencies below are liveness checks (the event loop answers at all while a heavy
+request is prepared), asserted with a generous bound; performance figures live in
+``bench/hostile_load.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from omniloop_scheduler.testing import make_runtime
+from omniloop_server import create_app
+from omniloop_server.testing import serving
+
+T = 60.0
+#: a liveness bound, not a performance number: the loop answered while the heavy request was prepared
+LIVE_S = 1.0
+
+
+def _health_worst(url: str, stop: threading.Event, out: list[float]) -> None:
+    with httpx.Client(base_url=url, timeout=T) as c:
+        while True:  # at least one probe
+            t0 = time.monotonic()
+            assert c.get("/health").status_code == 200
+            out.append(time.monotonic() - t0)
+            if stop.is_set():
+                return
+            time.sleep(0.02)
+
+
+def _slow_prepare(rt: Any, seconds: float) -> None:
+    """Make request preparation slow, as a huge prompt's tokenising or a large image's decoding is."""
+    real = rt.prepare
+
+    def prepare(req: Any) -> Any:
+        if req.prompt and req.prompt.startswith("heavy"):
+            time.sleep(seconds)  # holds no lock the loop needs: the loop must stay free meanwhile
+        return real(req)
+
+    rt.prepare = prepare
+
+
+def test_health_answers_while_a_heavy_request_is_prepared(server_checkpoint: Path, tmp_path: Path) -> None:
+    rt = make_runtime(server_checkpoint, scheduler="step")
+    _slow_prepare(rt, 3.0)
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0)
+    with serving(app) as url, httpx.Client(base_url=url, timeout=T) as client:
+        stop, lat = threading.Event(), []
+        prober = threading.Thread(target=_health_worst, args=(url, stop, lat))
+        prober.start()
+        try:
+            r = client.post("/v1/images/generations", json={"prompt": "heavy prompt", "size": "16x16", "steps": 2})
+        finally:
+            stop.set()
+            prober.join()
+        assert r.status_code == 200, r.text
+        assert len(lat) >= 5 and max(lat) < LIVE_S, f"/health worst {max(lat):.2f} s while a request was prepared"
+
+
+@pytest.fixture
+def limited(server_checkpoint: Path, tmp_path: Path):
+    rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_height": 64, "max_width": 64})
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0,
+                     server_options={"max_prompt_chars": 1000, "max_text_chars": 1500})
+    with serving(app) as url, httpx.Client(base_url=url, timeout=T) as client:
+        yield client, app
+
+
+def test_prompt_and_text_limits_are_checked_before_any_work(limited) -> None:
+    client, app = limited
+    r = client.post("/v1/images/generations", json={"prompt": "x" * 1001, "size": "16x16"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt", r.text
+    assert "server.max_prompt_chars" in r.json()["error"]["message"]
+    r = client.post("/v1/videos", json={"prompt": "a fox", "omniloop": {"negative_prompt": "y" * 1001}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "omniloop.negative_prompt", r.text
+    r = client.post("/v1/videos", json={"prompt": "x" * 900, "omniloop": {"negative_prompt": "y" * 900}})
+    assert r.status_code == 422 and "server.max_text_chars" in r.json()["error"]["message"], r.text
+    assert app.state.omniloop.engine.stats()["submitted"] == 0  # nothing reached the engine
+
+
+def test_chat_bodies_have_their_own_smaller_limit(server: Any) -> None:
+    url, _ = server
+    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": "y" * (5 * 1024 * 1024)}]})
+    with httpx.Client(base_url=url, timeout=T) as client:
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert "max_text_body_bytes" in r.json()["error"]["message"]
+        # the image endpoints keep their larger limit: the same size is read (and refused for what it says)
+        r = client.post("/v1/images/generations", content=json.dumps({"prompt": "y" * (5 * 1024 * 1024)}),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+
+
+def _bomb_png(side: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (side, side)).save(buf, format="PNG", optimize=False)
+    return buf.getvalue()
+
+
+def test_an_image_just_under_pillows_bomb_threshold_is_refused_from_its_header(tmp_path_factory) -> None:
+    pytest.importorskip("diffusers")
+    import omniloop_flux.plugin as flux_plugin
+    from omniloop_flux.tiny import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("bomb")
+    ckpt = build_tiny_checkpoint(root / "tiny-flux")
+    rt = make_runtime(ckpt, ("flux", flux_plugin), scheduler="step",
+                      limits={"max_steps": 2, "max_height": 32, "max_width": 32})
+    decoded = []
+    from PIL import Image
+
+    real_load = Image.Image.load
+
+    def load(self: Any) -> Any:  # any full decode of the bomb would pass here
+        if self.size[0] * self.size[1] > 10**8:
+            decoded.append(self.size)
+        return real_load(self)
+
+    png = _bomb_png(13_000)  # 169 M pixels, ~20 KB: below Pillow's 179 M refusal
+    app = create_app(rt, output_dir=root / "out", shutdown_timeout=0)
+    Image.Image.load = load
+    try:
+        with serving(app) as url, httpx.Client(base_url=url, timeout=T) as client:
+            stop, lat = threading.Event(), []
+            prober = threading.Thread(target=_health_worst, args=(url, stop, lat))
+            prober.start()
+            try:
+                r = client.post("/v1/images/edits", files={"image": ("bomb.png", png, "image/png")},
+                                data={"prompt": "a cat", "size": "32x32"})
+            finally:
+                stop.set()
+                prober.join()
+    finally:
+        Image.Image.load = real_load
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["param"] == "image" and "13000x13000" in err["message"] and "4096" in err["message"], err
+    assert not decoded and lat and max(lat) < LIVE_S
+
+
+def test_read_image_applies_exif_orientation_and_a_pixel_cap() -> None:
+    from PIL import Image
+
+    from omniloop.errors import RequestError
+    from omniloop.media import read_image
+
+    img = Image.new("RGB", (4, 2), (0, 0, 0))
+    img.putpixel((0, 0), (255, 0, 0))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", exif=exif, quality=100)
+    px = read_image(buf.getvalue())
+    assert tuple(px.shape) == (4, 2, 3)  # displayed upright: 2 wide, 4 high
+    with pytest.raises(RequestError, match="pixels"):
+        read_image(buf.getvalue(), name="inputs.0", max_pixels=4)
+
+
+def test_a_disconnected_image_client_cancels_its_request(server_checkpoint: Path, tmp_path: Path) -> None:
+    rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_steps": 100_000})
+    tr = rt.model.components["transformer"]
+    real = tr.forward
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(0.01)
+        return real(*a, **k)
+
+    tr.forward = slow
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0)
+    engine = app.state.omniloop.engine
+    with serving(app) as url:
+        with httpx.Client(base_url=url, timeout=1.0) as client, pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/images/generations", json={"prompt": "a fox", "size": "16x16", "steps": 50_000})
+        deadline = time.monotonic() + 30
+        while engine.stats()["finished"]["cancelled"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats()["finished"]["cancelled"] == 1  # stopped, not run to its 50 000th step
+        assert engine.stats()["running"] == 0
+
+
+def test_image_urls_never_reflect_the_host_header(server: Any, tmp_path: Path, server_checkpoint: Path) -> None:
+    url, _ = server
+    body = {"prompt": "a fox", "size": "16x16", "steps": 2, "response_format": "url"}
+    with httpx.Client(base_url=url, timeout=T) as client:
+        got = client.post("/v1/images/generations", json=body, headers={"host": "evil.example:666"}).json()
+    assert got["data"][0]["url"].startswith(url + "/v1/images/files/"), got
+    rt = make_runtime(server_checkpoint, scheduler="step")
+    app = create_app(rt, output_dir=tmp_path / "out2", shutdown_timeout=0, public_url="https://img.example/api/")
+    with serving(app) as url2, httpx.Client(base_url=url2, timeout=T) as client:
+        got = client.post("/v1/images/generations", json=body, headers={"host": "evil.example:666"}).json()
+    assert got["data"][0]["url"].startswith("https://img.example/api/v1/images/files/"), got
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(server_checkpoint: Path, tmp_path: Path) -> None:
+    rt = make_runtime(server_checkpoint, scheduler="step")
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0,
+                     server_options={"header_timeout_s": 0.5, "max_connections": 8})
+    with serving(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        held = []
+        for _ in range(12):  # more than max_connections, each with half a request line
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            held.append(s)
+        closed = 0
+        for s in held:
+            try:
+                closed += s.recv(1024) == b""  # the server closed it (no response: the headers never ended)
+            except (ConnectionResetError, TimeoutError):
+                closed += 1
+            s.close()
+        assert closed == len(held)
+        assert httpx.get(url + "/health", timeout=T).status_code == 200  # and it still serves
+
+
+def test_shutdown_answers_a_cut_image_request_with_503_in_openai_shape(server_checkpoint: Path, tmp_path: Path) -> None:
+    rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_steps": 100_000})
+    tr = rt.model.components["transformer"]
+    real = tr.forward
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(0.01)
+        return real(*a, **k)
+
+    tr.forward = slow
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0)
+    state = app.state.omniloop
+    got: list[httpx.Response] = []
+    with serving(app) as url:
+        def call() -> None:
+            got.append(httpx.post(url + "/v1/images/generations", timeout=T,
+                                  json={"prompt": "a fox", "size": "16x16", "steps": 50_000}))
+
+        t = threading.Thread(target=call)
+        t.start()
+        deadline = time.monotonic() + 30
+        while state.engine.stats()["running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        state.loop.call_soon_threadsafe(state.begin_drain)
+        t.join(T)
+    assert got and got[0].status_code == 503, got[0].text if got else "no answer"
+    err = got[0].json()["error"]
+    assert err["code"] == "shutting_down" and err["type"] == "server_error"
+
+
+def test_server_options_are_validated_with_their_path(server_checkpoint: Path, tmp_path: Path) -> None:
+    from omniloop.errors import DeployError
+
+    rt = make_runtime(server_checkpoint, scheduler="step", server={"max_prompt_chars": 0})
+    with pytest.raises(DeployError, match="server.max_prompt_chars"):
+        create_app(rt, output_dir=tmp_path / "out")
+    rt = make_runtime(server_checkpoint, scheduler="step", server={"max_image_pixel": 5})
+    with pytest.raises(DeployError, match="max_image_pixel"):
+        create_app(rt, output_dir=tmp_path / "out")
