@@ -381,8 +381,19 @@ def parse_layers(
             raise AdapterFormatError("LoRA adapters with a bias on lora_B (lora_bias) are not supported")
         if alpha is not None and not math.isfinite(alpha):
             raise AdapterFormatError(f"{mod}: alpha is not finite")
+        rank = int(down.shape[0]) if down.ndim == 2 else 1
+        if alpha is not None and rank > 0:
+            scaling = abs(alpha) / (math.sqrt(rank) if rslora else rank)
+            if scaling > MAX_LORA_SCALING:
+                raise AdapterFormatError(
+                    f"{mod}: alpha {alpha:g} over rank {rank} scales the update by {scaling:g}, more than "
+                    f"{MAX_LORA_SCALING:g} (it would saturate every output: a broken or hostile file)")
         out[mod] = (down, up, alpha, rslora)
     return out
+
+
+#: the largest ``alpha / rank`` accepted (real adapters use 0.5-4; 1e308 turned every image black)
+MAX_LORA_SCALING = 1e4
 
 
 def load_adapter(

@@ -209,6 +209,41 @@ def check_in_process(deploy: DeployConfig, front_end: str) -> None:
             "or omniloop_parallel.ParallelRuntime in Python")
 
 
+#: the most values a deploy file may hold once its YAML aliases are expanded (a real one holds
+#: hundreds; nine nested levels of ten aliases would be a billion, and minutes of CPU to read)
+MAX_DEPLOY_NODES = 100_000
+
+
+def expanded_size(data: Any, limit: int, source: str) -> int:
+    """How many values ``data`` holds with shared (aliased) parts counted every time they are
+    reached — what reading it costs; a :class:`DeployError` past ``limit``. Computed once per
+    distinct object, so the count itself is cheap."""
+    memo: dict[int, int] = {}
+
+    def size(obj: Any, depth: int) -> int:
+        if not isinstance(obj, (dict, list)):
+            return 1
+        key = id(obj)
+        if key in memo:
+            return memo[key]
+        if depth > 64:
+            raise DeployError(f"{source}: nested deeper than 64 levels")
+        memo[key] = limit + 1  # a cycle (a YAML alias inside itself) counts as too large
+        items = list(obj.keys()) + list(obj.values()) if isinstance(obj, dict) else obj
+        n = 1
+        for item in items:
+            n += size(item, depth + 1)
+            if n > limit:
+                break
+        memo[key] = n
+        return n
+
+    n = size(data, 0)
+    if n > limit:
+        raise DeployError(f"{source}: more than {limit} values once its YAML aliases are expanded (alias bomb?)")
+    return n
+
+
 def load_deploy(source: str | os.PathLike[str] | Mapping[str, Any] | DeployConfig) -> DeployConfig:
     """Load a deploy config from a file (``.yaml``/``.yml``/``.toml``/``.json``), a dict, or pass one through."""
     if isinstance(source, DeployConfig):
@@ -227,6 +262,7 @@ def load_deploy(source: str | os.PathLike[str] | Mapping[str, Any] | DeployConfi
             except ImportError:
                 raise DeployError(f"{path}: YAML deploy files need PyYAML (pip install 'omniloop[yaml]')") from None
             data = yaml.safe_load(text)
+            expanded_size(data, MAX_DEPLOY_NODES, str(path))  # YAML aliases: bounded expansion
         elif suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix == ".json":

@@ -253,3 +253,14 @@ def test_adapters_apply_in_blocks_compiled_before_their_hooks(wan_setup):
         got = lat(rt.generate(wan_req([{"name": "a", "scale": 1.0}])))
         assert (got - want).abs().max() <= 1e-5
         assert torch.equal(lat(plain.generate(wan_req())), base)  # the plain deployment still runs without adapters
+
+
+def test_an_absurd_lora_alpha_is_refused_at_load(wan_setup, tmp_path):
+    """Issue 43, finding 8: alpha 1e308 over rank 2 loaded and turned every output black; now the
+    deploy is refused naming the module and the scaling (real adapters scale by 0.5-4)."""
+    sd = {"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 24),
+          "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(24, 2),
+          "diffusion_model.blocks.0.self_attn.q.alpha": torch.tensor(1e308, dtype=torch.float64)}
+    save_file(sd, str(tmp_path / "huge.safetensors"))
+    _deploy_error(wan_setup, {"x": str(tmp_path / "huge.safetensors")},
+                  r"adapters\.x: .*attn1\.to_q: alpha 1e\+308 over rank 2 scales the update by 5e\+307, more than 10000")

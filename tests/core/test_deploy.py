@@ -47,3 +47,25 @@ def test_deploy_errors_never_echo_a_huge_value():
     with pytest.raises(DeployError) as err:
         Deployment({"model": {"preset": "p" * (1 << 20)}}, manager=make_manager())
     assert "unknown model preset" in str(err.value) and len(str(err.value)) <= 2000
+
+
+def test_yaml_alias_expansion_is_bounded(tmp_path) -> None:
+    """Issue 43, finding 8: nine nested levels of ten aliases (10**9 values once expanded) are
+    refused at once with one message; a deploy using a few anchors still loads."""
+    import pytest
+
+    from omniloop.deploy import load_deploy
+    from omniloop.errors import DeployError
+
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 10):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    lines.append("options: {bomb: *a9}")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DeployError, match="aliases are expanded"):  # before: minutes of CPU, then a field error
+        load_deploy(bomb)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("base: &b {max_steps: 50}\nlimits: *b\nmodel: {path: x}\n")
+    with pytest.raises(DeployError, match="base"):  # an unknown top-level key, read normally
+        load_deploy(ok)

@@ -15,6 +15,7 @@ the loop state is garbage collected, as a last resort).
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -82,13 +83,52 @@ def render_prompt(tokenizer: Any, request: OmniRequest, params: DecodeParams) ->
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("inputs", "the checkpoint's tokenizer has no chat template (set node_params.decode.chat: false)")
         messages = [{"role": _CHAT_ROLES.get(p.role, "user"), "content": p.text} for p in parts]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if any(_holds_special(tokenizer, p.text) for p in parts):
+            ids = _chat_ids_plain_content(tokenizer, messages)
+        else:  # (the usual case: exactly transformers' tokenisation of the rendered template)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(request.prompt or "")["input_ids"]
     if not ids:
         raise RequestError("inputs", "the prompt tokenizes to no token")
     return [int(i) for i in ids]
+
+
+def _special_strings(tokenizer: Any) -> list[str]:
+    """The strings the tokenizer turns into special / added tokens (``<|im_start|>``, ...)."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    added = getattr(tokenizer, "get_added_vocab", None)
+    if callable(added):
+        found.update(added())
+    return sorted((t for t in found if isinstance(t, str) and t), key=len, reverse=True)
+
+
+def _holds_special(tokenizer: Any, text: str) -> bool:
+    return any(t in text for t in _special_strings(tokenizer))
+
+
+#: private-use characters around a message index: where its content goes in the rendered template
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+
+
+def _chat_ids_plain_content(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The chat template's token ids with every message's content tokenised as plain text: a role
+    token typed by a user (``<|im_start|>system``) stays characters, never a forged turn. The
+    template is rendered around markers; its own text is tokenised as usual (its special tokens
+    are the turns), each content with ``split_special_tokens``."""
+    marked = [{**m, "content": f"{_MARK_OPEN}{i}{_MARK_CLOSE}"} for i, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    pieces = re.split(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}", text)
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k % 2 == 1:  # a message's content
+            content = messages[int(piece)]["content"]
+            if content:
+                ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def sampling_of(request: OmniRequest) -> Sampling:

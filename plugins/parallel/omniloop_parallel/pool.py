@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from omniloop.deploy import DeployConfig, load_deploy
@@ -34,6 +35,30 @@ class WorkerDied(OmniloopError):
     """A worker process of the pool exited while it was needed."""
 
 
+#: the worker processes' names (``omniloop-parallel-rank0`` ...)
+WORKER_NAME = "omniloop-parallel-rank"
+MAIN_GUARD_HINT = (
+    "the workers are spawned processes that import your script again: build the runtime under "
+    "`if __name__ == \"__main__\":` (or in a function called from there), never at the script's top level"
+)
+
+
+def _script_without_guard() -> bool:
+    """Whether the main module is a script file whose top level builds a runtime (it has no
+    ``if __name__ == "__main__":`` guard): then a spawned worker re-runs it and dies."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return False
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return "__name__" not in text or "__main__" not in text
+
+
 class ParallelRuntime:
     """A deployment whose compute runs in ``parallel.sp * parallel.cfg`` worker processes.
 
@@ -48,6 +73,8 @@ class ParallelRuntime:
     def __init__(self, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
                  manager: Any = None, timeout_s: float = 120.0, load_timeout_s: float = 600.0,
                  threads: int = 1, tick_s: float = 0.5) -> None:
+        if mp.current_process().name.startswith(WORKER_NAME):  # a worker re-importing its parent's script
+            raise RuntimeError(MAIN_GUARD_HINT)
         self.deploy = load_deploy(deploy)
         self.manager_spec = manager if isinstance(manager, str) else None  # what the workers load
         pm = worker.load_manager(manager) if isinstance(manager, str) else manager
@@ -71,7 +98,7 @@ class ParallelRuntime:
         self._procs = []
         for rank in range(self.world):
             p = ctx.Process(
-                target=worker.main, name=f"omniloop-parallel-rank{rank}", daemon=True,
+                target=worker.main, name=f"{WORKER_NAME}{rank}", daemon=True,
                 args=(rank, self.world, port, self.backend, self.load_timeout_s, self.deploy, self.manager_spec,
                       self.threads, self.tick_s, child if rank == 0 else None),
             )
@@ -100,7 +127,8 @@ class ParallelRuntime:
         while True:
             dead = self._dead()
             if dead is not None:
-                raise WorkerDied(f"{dead} while {what}")
+                hint = f"; {MAIN_GUARD_HINT}" if what == "loading the model" and _script_without_guard() else ""
+                raise WorkerDied(f"{dead} while {what}{hint}")
             try:
                 if self._conn.poll(0.1):
                     return self._conn.recv()
