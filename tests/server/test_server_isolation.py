@@ -272,3 +272,33 @@ def test_server_options_are_validated_with_their_path(server_checkpoint: Path, t
     rt = make_runtime(server_checkpoint, scheduler="step", server={"max_image_pixel": 5})
     with pytest.raises(DeployError, match="max_image_pixel"):
         create_app(rt, output_dir=tmp_path / "out")
+
+
+def test_cost_aware_admission_refuses_what_exceeds_the_budget(server_checkpoint: Path, tmp_path: Path) -> None:
+    """Issue 42 (server side): the server prices a request from its resolved workload (steps x
+    forwards x output pixels) before admitting it; over ``server.max_request_cost`` is a 422."""
+    rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_steps": 1000})
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0,
+                     server_options={"max_request_cost": 20 * 2 * 16 * 16})
+    with serving(app) as url, httpx.Client(base_url=url, timeout=T) as client:
+        ok = client.post("/v1/images/generations", json={"prompt": "a fox", "size": "16x16", "steps": 10})
+        assert ok.status_code == 200, ok.text
+        r = client.post("/v1/images/generations", json={"prompt": "a fox", "size": "16x16", "steps": 500})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "steps", r.text
+        assert "server.max_request_cost" in r.json()["error"]["message"]
+    assert app.state.omniloop.engine.stats()["submitted"] == 1
+
+
+def test_a_retried_video_post_with_an_idempotency_key_makes_one_job(server: Any) -> None:
+    """Issue 42 (server side): the SDK retries a POST whose answer it did not see; with an
+    ``Idempotency-Key`` the retry answers the job the first attempt made instead of a second one."""
+    url, app = server
+    body = {"prompt": "a fox", "steps": 2, "size": "16x16"}
+    with httpx.Client(base_url=url, timeout=T) as client:
+        a = client.post("/v1/videos", json=body, headers={"Idempotency-Key": "k-1", "X-Stainless-Retry-Count": "0"})
+        b = client.post("/v1/videos", json=body, headers={"Idempotency-Key": "k-1", "X-Stainless-Retry-Count": "1"})
+        c = client.post("/v1/videos", json=body, headers={"Idempotency-Key": "k-2"})
+    assert a.status_code == b.status_code == c.status_code == 200
+    assert a.json()["id"] == b.json()["id"] != c.json()["id"]
+    assert b.headers.get("idempotent-replayed") == "true"
+    assert len(app.state.omniloop.jobs.jobs) == 2

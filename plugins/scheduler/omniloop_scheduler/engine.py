@@ -217,12 +217,25 @@ class AsyncEngine:
         req, execution = self._validate(request)
         return self._enqueue(req, execution, loop)
 
-    async def submit_async(self, request: OmniRequest | Mapping[str, Any], executor: Any = None) -> RequestHandle:
+    async def submit_async(self, request: OmniRequest | Mapping[str, Any], executor: Any = None,
+                           check: Any = None) -> RequestHandle:
         """:meth:`submit` with the validation in ``executor`` (a ``concurrent.futures`` executor;
-        None: asyncio's default), the queueing back on the running loop."""
+        None: asyncio's default), the queueing back on the running loop. ``check(execution)``, run
+        after the validation in the same thread, may refuse the prepared request (raise)."""
         loop = asyncio.get_running_loop()
         self._loop = self._loop or loop
-        req, execution = await loop.run_in_executor(executor, self._validate, request)
+
+        def validate() -> tuple[OmniRequest, Any]:
+            req, execution = self._validate(request)
+            if check is not None:
+                try:
+                    check(execution)
+                except RequestError:
+                    self.metrics.on_reject("invalid")
+                    raise
+            return req, execution
+
+        req, execution = await loop.run_in_executor(executor, validate)
         return self._enqueue(req, execution, self._loop)
 
     def _validate(self, request: OmniRequest | Mapping[str, Any]) -> tuple[OmniRequest, Any]:

@@ -37,6 +37,7 @@ for ``shutdown_timeout`` seconds, cancel what still runs, and append every job's
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import json
@@ -67,7 +68,7 @@ from .images import base_url, image_edit_routes, images_response
 from .jobs import Job, JobStore
 from .metrics import render_metrics
 from .openapi import docs_page, openapi_document
-from .options import ServerOptions, check_images, check_texts, parse_server_options
+from .options import ServerOptions, check_images, check_texts, cost_check, parse_server_options
 from .ws import video_stream_routes
 
 log = logging.getLogger("omniloop.server")
@@ -77,6 +78,8 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 #: uploaded files in one multipart body (images.edit: image[] + mask)
 MAX_FORM_FILES = 12
 SSE_KEEPALIVE_S = 15.0
+#: Idempotency-Keys of POST /v1/videos remembered (oldest forgotten first)
+MAX_IDEMPOTENCY_KEYS = 10_000
 #: the longest error message / param sent back (client values inside are truncated already)
 MAX_MESSAGE_CHARS, MAX_PARAM_CHARS = 1000, 200
 #: after the grace period: how long the cancel may take to land (it waits for the step in flight),
@@ -127,6 +130,8 @@ class ServerState:
         self.jobs = JobStore(output_dir, max_finished_jobs)
         self.jobs.restore()  # a restart on the same folder lists the earlier jobs again (jobs.py)
         self.public_url: str | None = None
+        #: POST /v1/videos Idempotency-Key -> job id (None while the first request is accepted)
+        self.idempotent: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self.started_at = time.time()
         self.http_errors: dict[int, int] = {}
         #: bodies refused by their schema (omniloop_server.body_schema) before reaching the engine
@@ -403,6 +408,8 @@ def create_app(
         check_texts(mapped.requests, options)
         check_images(mapped.requests, state.max_image_pixels)
 
+    admit = cost_check(options.max_request_cost)  # cost-aware admission (None: no budget)
+
     async def submit(mapped: MappedBody) -> list[Any]:
         """Queue the body's requests (all or nothing); their preparation runs off the event loop."""
         await state.off_loop(check_sizes, mapped)
@@ -418,7 +425,7 @@ def create_app(
 
     async def _submit_one(r: dict[str, Any]) -> Any:
         try:
-            return await engine.submit_async(r, state.prepare_pool)
+            return await engine.submit_async(r, state.prepare_pool, check=admit)
         except (RequestError, AdmissionRefused, QueueFull, EngineClosed):
             raise
         except Exception as exc:  # validation raised something else: still the request's fault
@@ -461,6 +468,32 @@ def create_app(
         return error(503, "the server is shutting down and takes no new jobs", type_="server_error", code="shutting_down")
 
     async def create_video(request: Request) -> Response:
+        key = request.headers.get("idempotency-key")
+        if key is not None:  # a retried POST (the SDK's extra_headers) answers the job it made, not a new one
+            if not 1 <= len(key) <= 256:
+                return error(422, "Idempotency-Key: 1 to 256 characters", type_="invalid_request_error",
+                             param="Idempotency-Key")
+            if key in state.idempotent:
+                job_id = state.idempotent[key]
+                if job_id is None:
+                    return error(409, "a request with this Idempotency-Key is being accepted; retry it",
+                                 type_="invalid_request_error", param="Idempotency-Key", code="idempotency_in_progress")
+                known = state.jobs.get(job_id)
+                if known is not None:
+                    return JSONResponse(known.to_dict(), status_code=200, headers={"Idempotent-Replayed": "true"})
+            state.idempotent[key] = None
+            while len(state.idempotent) > MAX_IDEMPOTENCY_KEYS:
+                state.idempotent.popitem(last=False)
+        response = await _create_video(request)
+        if key is not None:
+            job_id = json.loads(response.body).get("id") if response.status_code == 200 else None
+            if job_id is None:
+                state.idempotent.pop(key, None)  # refused: a retry is a new attempt
+            else:
+                state.idempotent[key] = job_id
+        return response
+
+    async def _create_video(request: Request) -> Response:
         mapped = None
         try:
             body = await read_request_body(request, form=True)

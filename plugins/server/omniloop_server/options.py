@@ -24,6 +24,7 @@ resolve) runs in :attr:`ServerOptions.prepare_threads` worker threads, never on 
                                      # room for one-off streams beyond them)
       max_sessions_per_client: 2     # ... per client address
       retry_after_s: 5               # the retry hint of a refusal for lack of room
+      max_request_cost: null         # step-forward-pixels one request may cost (null: no limit)
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class ServerOptions:
     max_sessions: int = field(default=3, metadata={"ge": 0})
     max_sessions_per_client: int = field(default=2, metadata={"ge": 0})
     retry_after_s: int = field(default=5, metadata={"ge": 1, "le": 3600})
+    #: the most one request may cost, in step-forward-pixels (its resolved workload: steps x
+    #: forwards per step x frames x height x width; a text request: its max tokens); None: no limit
+    max_request_cost: int | None = field(default=None, metadata={"ge": 1})
 
     def image_pixels(self, limits: Any) -> int:
         """The pixel cap of an input image: the option, else four output images of the largest size."""
@@ -75,6 +79,33 @@ def parse_server_options(raw: Mapping[str, Any] | ServerOptions | None) -> Serve
         return structure_params(ServerOptions, dict(raw or {}), "server")
     except RequestError as exc:
         raise DeployError(f"deploy config: {exc}") from None
+
+
+def request_cost(execution: Any) -> int | None:
+    """A prepared request's cost from its family's resolved workload (None: the family predicts none)."""
+    resolved = getattr(execution, "resolved", None)
+    fn = getattr(resolved, "workload", None)
+    if not callable(fn):
+        return None
+    w = fn()
+    return int(w.steps) * int(w.branches) * int(w.pixels)
+
+
+def cost_check(limit: int | None) -> Any:
+    """``check(execution)`` for :meth:`AsyncEngine.submit_async`: refuses a request costing more than ``limit``."""
+    if limit is None:
+        return None
+
+    def check(execution: Any) -> None:
+        cost = request_cost(execution)
+        if cost is not None and cost > limit:
+            w = execution.resolved.workload()
+            raise RequestError("diffusion.steps", f"this request costs {cost} step-forward-pixels ({w.steps} steps x "
+                                                  f"{w.branches} forward(s) x {w.pixels} output pixels), more than this "
+                                                  f"server takes ({limit}; deploy server.max_request_cost): ask for fewer "
+                                                  "steps, frames or pixels")
+
+    return check
 
 
 def check_texts(requests: list[dict[str, Any]], opts: ServerOptions, origins: Any = None) -> None:
@@ -138,4 +169,5 @@ def image_size(data: bytes) -> tuple[int | None, int | None]:
         return None, None  # not an image: the family's decoder refuses it with its message
 
 
-__all__ = ["MAX_IMAGE_PIXELS", "ServerOptions", "check_images", "check_texts", "image_size", "parse_server_options"]
+__all__ = ["MAX_IMAGE_PIXELS", "ServerOptions", "check_images", "check_texts", "cost_check", "image_size",
+           "parse_server_options", "request_cost"]
