@@ -304,6 +304,8 @@ def test_sessions_are_capped_per_client_with_a_retry_hint_and_health_shows_them(
         health = httpx.get(url + "/health", timeout=60).json()
         assert health["sessions"] == {"open": 1, "max": 2, "per_client": 1}
         assert "kv" in health and health["kv"]["free_blocks"] < health["kv"]["num_blocks"]
+        metrics = httpx.get(url + "/metrics", timeout=60).text
+        assert 'omniloop_stream_sessions{kind="open"} 1' in metrics and "omniloop_causal_kv_blocks" in metrics
         with connect(ws_url, max_size=None) as ws2:  # the same client: its one session is in use
             ws2.send(json.dumps({"prompt": "a cat", "frames": 9}))
             msg = json.loads(ws2.recv(timeout=60))

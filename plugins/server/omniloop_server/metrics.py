@@ -73,6 +73,13 @@ def render_metrics(s: dict[str, Any], state: Any) -> str:
              [({}, state.unhandled_errors)])
     o.metric("omniloop_job_record_failures_total", "counter", "Final job states that could not be appended to jobs.jsonl.",
              [({}, jobs.record_failures)])
+    pressure = state.pressure() if callable(getattr(state, "pressure", None)) else {}
+    if "sessions" in pressure:
+        o.metric("omniloop_stream_sessions", "gauge", "Causal sessions held by WebSockets (and their cap).",
+                 [({"kind": "open"}, pressure["sessions"]["open"]), ({"kind": "max"}, pressure["sessions"]["max"])])
+    if "kv" in pressure:
+        o.metric("omniloop_causal_kv_blocks", "gauge", "Causal KV pool blocks, free and in total.",
+                 [({"kind": "free"}, pressure["kv"]["free_blocks"]), ({"kind": "total"}, pressure["kv"]["num_blocks"])])
     budget = s.get("memory_budget_bytes")
     if budget is not None:
         o.metric("omniloop_memory_budget_bytes", "gauge", "Scheduler memory budget for requests.", [({}, budget)])
