@@ -302,3 +302,31 @@ def test_a_retried_video_post_with_an_idempotency_key_makes_one_job(server: Any)
     assert a.json()["id"] == b.json()["id"] != c.json()["id"]
     assert b.headers.get("idempotent-replayed") == "true"
     assert len(app.state.omniloop.jobs.jobs) == 2
+
+
+def test_one_address_cannot_take_every_connection(server_checkpoint: Path, tmp_path: Path) -> None:
+    """Half-sent requests from one client address beyond ``max_connections_per_client`` are closed
+    at once; another address is served meanwhile (loopback: 127.0.0.2 is the hostile client)."""
+    rt = make_runtime(server_checkpoint, scheduler="step")
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0,
+                     server_options={"header_timeout_s": 30, "max_connections": 16, "max_connections_per_client": 4})
+    with serving(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        held, refused = [], 0
+        for _ in range(20):
+            s = socket.create_connection((host, int(port)), timeout=10, source_address=("127.0.0.2", 0))
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            held.append(s)
+        time.sleep(0.5)
+        for s in held:
+            s.setblocking(False)
+            try:
+                refused += s.recv(1) == b""
+            except BlockingIOError:
+                pass  # still open: one of the 4
+            except ConnectionResetError:
+                refused += 1
+        assert refused == 16
+        assert httpx.get(url + "/health", timeout=T).status_code == 200  # 127.0.0.1 is served meanwhile
+        for s in held:
+            s.close()

@@ -24,19 +24,27 @@ def shutdown_bound(shutdown_timeout: float) -> float:
     return shutdown_timeout + STOP_GRACE_S + WRITE_GRACE_S + CONNECTION_GRACE_S
 
 
-def guarded_protocol(max_connections: int, header_timeout_s: float) -> type:
-    """uvicorn's h11 protocol with two guards: a connection beyond ``max_connections`` (HTTP and
-    WebSocket together) is closed at once, before it holds a file descriptor for long; one whose
-    first request's headers are not complete within ``header_timeout_s`` is closed (after a
-    response, uvicorn's keep-alive timeout takes over)."""
+def guarded_protocol(max_connections: int, header_timeout_s: float, per_client: int | None = None) -> type:
+    """uvicorn's h11 protocol with three guards: a connection beyond ``max_connections`` (HTTP and
+    WebSocket together), or beyond ``per_client`` from one client address, is closed at once,
+    before it holds a file descriptor for long; one whose first request's headers are not complete
+    within ``header_timeout_s`` is closed (after a response, uvicorn's keep-alive timeout takes over)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    by_client: dict[str, int] = {}  # open HTTP connections per client address (one server per class)
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: Any = None
+        _counted: str | None = None
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
+            host = self.client[0] if self.client else None
+            if host is not None:
+                by_client[host] = by_client.get(host, 0) + 1
+                self._counted = host
+            if len(self.connections) > max_connections or (
+                    per_client is not None and host is not None and by_client[host] > per_client):
                 transport.close()  # connection_lost forgets it
                 return
             self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
@@ -51,12 +59,23 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type:
                 self._header_timer.cancel()
                 self._header_timer = None
 
+        def _uncount(self) -> None:
+            if self._counted is not None:
+                n = by_client.get(self._counted, 0) - 1
+                if n > 0:
+                    by_client[self._counted] = n
+                else:
+                    by_client.pop(self._counted, None)
+                self._counted = None
+
         def handle_websocket_upgrade(self, event: Any) -> None:
             self._stop_timer()  # the socket belongs to the WebSocket protocol now (its own timeouts)
+            self._uncount()  # (WebSockets count toward max_connections; their sessions are capped per client)
             super().handle_websocket_upgrade(event)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_timer()
+            self._uncount()
             super().connection_lost(exc)
 
     return GuardedH11Protocol
@@ -100,7 +119,7 @@ def run_server(app: Any, host: str, port: int, log_level: str, shutdown_timeout:
 
 def connection_options(opts: Any) -> dict[str, Any]:
     """uvicorn ``Config`` arguments for the deploy's connection limits (:class:`.options.ServerOptions`)."""
-    return {"http": guarded_protocol(opts.max_connections, opts.header_timeout_s),
+    return {"http": guarded_protocol(opts.max_connections, opts.header_timeout_s, opts.max_connections_per_client),
             "limit_concurrency": opts.max_connections,
             "timeout_keep_alive": max(1, round(opts.keep_alive_timeout_s)),
             "ws_max_size": 1024 * 1024}

@@ -16,6 +16,7 @@ resolve) runs in :attr:`ServerOptions.prepare_threads` worker threads, never on 
       prepare_threads: 2
       max_connections: 512           # HTTP connections and WebSockets at once (uvicorn's
                                      # limit_concurrency; 503 beyond); keep it below `ulimit -n`
+      max_connections_per_client: 64 # HTTP connections from one client address
       keep_alive_timeout_s: 5        # an idle keep-alive connection is closed after this
       header_timeout_s: 10           # a connection whose request headers are not complete by then
       ws_start_timeout_s: 10         # a WebSocket that sends no start message by then is closed
@@ -50,6 +51,7 @@ class ServerOptions:
     max_image_pixels: int | None = field(default=None, metadata={"ge": 1, "le": MAX_IMAGE_PIXELS})
     prepare_threads: int = field(default=2, metadata={"ge": 1, "le": 64})
     max_connections: int = field(default=512, metadata={"ge": 1})
+    max_connections_per_client: int = field(default=64, metadata={"ge": 1})
     keep_alive_timeout_s: float = field(default=5.0, metadata={"gt": 0.0, "le": 3600.0})
     header_timeout_s: float = field(default=10.0, metadata={"gt": 0.0, "le": 3600.0})
     ws_start_timeout_s: float = field(default=10.0, metadata={"gt": 0.0, "le": 3600.0})
