@@ -100,6 +100,12 @@ class BatchedLoopStage(LoopStage, Protocol):
     ``batch_key`` returns a hashable describing what must match (model, shape, sampler, guidance
     policy) or None when this step cannot be batched. ``step_batch`` must give each request exactly
     the result ``step`` would give it alone, up to the tolerance the family documents.
+
+    Failure isolation: ``step_batch`` attributes a failure to one request by returning
+    ``StepResult(error=...)`` for it. A stage may also declare the class attribute
+    ``step_batch_retry_alone = True``: its ``step_batch`` changes no request state until its
+    batched forward has returned, so when that forward raises, the runtime runs the step of each
+    request alone (``step``) — the one that caused it fails alone, the others go on.
     """
 
     def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None: ...

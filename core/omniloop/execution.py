@@ -20,6 +20,7 @@ The execution owns the request's lifecycle guarantees:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -40,6 +41,8 @@ from .observers import ObserverBus
 from .request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status
 from .resolved import Resolved
 from .scheduling import ScheduleDecision as ScheduleDecision  # re-exported (its first home)
+
+log = logging.getLogger("omniloop.execution")
 
 
 @define
@@ -417,6 +420,29 @@ class Execution:
         return OmniOutput(self.request_id, status, artifacts=arts, metrics=metrics, error=self.error)
 
 
+def _retry_alone(executions: Sequence[Execution], node: Any, exc: BaseException,
+                 out: list[list[OmniEvent]]) -> list[list[OmniEvent]]:
+    """The batched forward of a stage declaring ``step_batch_retry_alone`` raised ``exc``: run each
+    request's step alone, so the one that caused it fails alone and the others go on."""
+    log.warning("a batched step of node %s raised %s: running its %d requests alone", node.name,
+                type(exc).__name__, len(executions))
+    for ex, evs in zip(executions, out, strict=True):
+        loop = ex._loop
+        assert loop is not None and ex._ctx is not None
+        t0 = time.perf_counter()
+        try:
+            with _adapters.activate(ex.adapters):
+                res = node.stage.step(ex._ctx, ex.state, loop)
+            ex._after_step(node, loop, res, time.perf_counter() - t0, evs)
+            if ex.current_node is None and not ex.done:
+                ex._finish(Status.COMPLETED, None, evs)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as alone_exc:
+            ex._fail(alone_exc, node, evs)
+    return out
+
+
 def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
     """Run one loop step of several executions that share a ``batch_key`` as one batched forward.
 
@@ -462,6 +488,8 @@ def _advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
                 ex._finish(Status.CANCELLED, None, evs)
         raise
     except BaseException as exc:  # a plugin's sys.exit too: these requests fail, nothing else
+        if getattr(type(node.stage), "step_batch_retry_alone", False) is True and isinstance(exc, Exception):
+            return _retry_alone(executions, node, exc, out)
         for ex, evs in zip(executions, out, strict=True):
             ex._fail(exc, node, evs)
         return out

@@ -203,6 +203,10 @@ class EncodeText:
 class Denoise:
     """Flow-matching Euler with classic CFG; one solver step per ``step()``."""
 
+    #: ``step_batch`` changes no request state until its forward has returned: when a batched
+    #: forward raises, the runtime runs each request's step alone (failure isolation)
+    step_batch_retry_alone = True
+
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         r = _resolved(ctx, state)
         steps, guidance, frames, height, width = r.steps, r.guidance_scale, r.frames, r.height, r.width
