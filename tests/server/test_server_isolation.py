@@ -330,3 +330,38 @@ def test_one_address_cannot_take_every_connection(server_checkpoint: Path, tmp_p
         assert httpx.get(url + "/health", timeout=T).status_code == 200  # 127.0.0.1 is served meanwhile
         for s in held:
             s.close()
+
+
+def test_shutdown_abandons_a_step_that_does_not_end(server_checkpoint: Path, tmp_path: Path, monkeypatch: Any) -> None:
+    """Finding 6: the drain's bound holds for a synchronous request whose step never ends — the
+    client gets a 503 and the drain finishes while the step is still stuck (then released here)."""
+    from omniloop_server import app as app_module
+
+    monkeypatch.setattr(app_module, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(app_module, "WRITE_GRACE_S", 0.5)
+    rt = make_runtime(server_checkpoint, scheduler="step")
+    tr = rt.model.components["transformer"]
+    real, stuck, release = tr.forward, threading.Event(), threading.Event()
+
+    def hang(*a: Any, **k: Any) -> Any:
+        stuck.set()
+        release.wait(120)  # a step that does not end (until the test lets it)
+        return real(*a, **k)
+
+    tr.forward = hang
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0)
+    state = app.state.omniloop
+    got: list[httpx.Response] = []
+    try:
+        with serving(app) as url:
+            t = threading.Thread(target=lambda: got.append(httpx.post(
+                url + "/v1/images/generations", timeout=T, json={"prompt": "a fox", "size": "16x16", "steps": 4})))
+            t.start()
+            assert stuck.wait(30)
+            fut = __import__("asyncio").run_coroutine_threadsafe(state.drain(), state.loop)
+            fut.result(T)  # the drain ends although the step does not
+            t.join(T)
+            assert not release.is_set()
+            assert got and got[0].status_code == 503 and got[0].json()["error"]["code"] == "shutting_down", got
+    finally:
+        release.set()
