@@ -390,7 +390,7 @@ class OmniloopDynamoWorker:
         handles = []
         try:
             for r in mapped.requests:
-                handles.append(self.engine.submit(r))
+                handles.append(await self.engine.submit_async(r))  # prepared off the event loop
         except RequestError as exc:
             self._cancel(handles)
             self.metrics.reject(kind, "invalid")
