@@ -69,9 +69,10 @@ def served(tiny_wan: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
     rt = _runtime(tiny_wan, scheduler="step")
     # one client address opens the tests' sockets one after another: a slot per test is plenty, but
-    # a closed socket's slot comes back as the server notices, so allow a few (caps: `capped` below)
+    # a closed socket's slot comes back as the server notices, so allow a few; and let a session use
+    # the whole (8-slab) pool as these tests continue sessions (the caps: `capped` below)
     app = create_app(rt, output_dir=tmp_path_factory.mktemp("out"), shutdown_timeout=0,
-                     server_options={"max_sessions": 4, "max_sessions_per_client": 4})
+                     server_options={"max_sessions": 4, "max_sessions_per_client": 4, "session_kv_share": 1.0})
     with serving(app) as url:
         yield url.replace("http://", "ws://") + "/v1/videos/stream", rt
 
@@ -364,3 +365,19 @@ def test_continue_works_when_the_preset_not_the_deploy_makes_it_causal(tiny_wan:
         ws.send(json.dumps({"type": "continue", "prompt": "a blue bird flies", "frames": 9}))
         _, done2, _ = _run(ws)
         assert done2["status"] == "completed" and done2["session"] == done["session"]
+
+
+def test_a_session_cannot_grow_past_its_share_of_the_pool(capped) -> None:
+    """A kept session may hold at most ``server.session_kv_share`` of the KV pool (default 0.25: 2
+    of these 8 slabs): a continue beyond it is refused and the session closed, so sessions never
+    take the room one-off streams need."""
+    url, rt, _ = capped
+    with connect(url.replace("http://", "ws://") + "/v1/videos/stream", max_size=None) as ws:
+        ws.send(json.dumps({"prompt": "a red fox runs", "frames": 21, "seed": 4}))  # 2 chunks: 2 slabs
+        _, done, _ = _run(ws)
+        assert done["status"] == "completed" and done["session"]
+        ws.send(json.dumps({"type": "continue", "prompt": "more", "frames": 9}))
+        msg = json.loads(ws.recv(timeout=60))
+        assert msg["type"] == "error" and msg["error"]["code"] == "session_full", msg
+    eng, store = _pool(rt)
+    assert len(store) == 0 and eng.manager.used_blocks == 0

@@ -24,6 +24,8 @@ resolve) runs in :attr:`ServerOptions.prepare_threads` worker threads, never on 
       max_sessions: 3                # causal sessions kept by WebSockets at once (the KV pool keeps
                                      # room for one-off streams beyond them)
       max_sessions_per_client: 2     # ... per client address
+      session_kv_share: 0.25         # the share of the KV pool one session may grow to (then a
+                                     # continue is refused and the session closed)
       retry_after_s: 5               # the retry hint of a refusal for lack of room
       max_request_cost: null         # step-forward-pixels one request may cost (null: no limit)
 """
@@ -58,6 +60,9 @@ class ServerOptions:
     ws_idle_timeout_s: float = field(default=300.0, metadata={"gt": 0.0, "le": 86400.0})
     max_sessions: int = field(default=3, metadata={"ge": 0})
     max_sessions_per_client: int = field(default=2, metadata={"ge": 0})
+    #: the share of a causal KV pool one kept session may hold: a continue beyond it is refused
+    #: (and the session closed), so sessions never take the room of one-off streams
+    session_kv_share: float = field(default=0.25, metadata={"gt": 0.0, "le": 1.0})
     retry_after_s: int = field(default=5, metadata={"ge": 1, "le": 3600})
     #: the most one request may cost, in step-forward-pixels (its resolved workload: steps x
     #: forwards per step x frames x height x width; a text request: its max tokens); None: no limit

@@ -90,6 +90,20 @@ def _close_session(runtime: Any, sid: str, height: int, width: int) -> None:
         log.warning("closing causal session %s failed", sid, exc_info=True)
 
 
+def _session_share(runtime: Any, sid: str, height: int, width: int) -> float | None:
+    """The share of its KV pool a kept causal session holds (its slabs / the pool's); None if unknown."""
+    model = getattr(runtime, "model", None)
+    dep = (getattr(model, "config", None) or {}).get("causal")
+    if dep is None or not hasattr(dep, "engine"):
+        return None
+    try:
+        eng, store = dep.engine(height, width)
+        sess = store.get(sid)
+        return eng.slabs_for(sess.chunks, bool(sess.stream.cfg)) / max(1, eng.manager.num_blocks)
+    except Exception:  # gone, expired: the continue will say so
+        return None
+
+
 def _raw(frames: Any) -> bytes:
     """``[n, H, W, 3]`` uint8 frames as bytes (frame-major, RGB)."""
     return bytes(frames.contiguous().cpu().numpy().tobytes())
@@ -352,6 +366,15 @@ def video_stream_routes(api: Any) -> list[Any]:
                     await fail({"message": "nothing to continue: this deployment does not stream sessions, or the "
                                 "last request did not complete (its session is closed)", "type": "invalid_request_error",
                                 "param": "type", "code": "no_session"}, 1008)
+                    return
+                share = _session_share(state.runtime, sid, *size) if size is not None else None
+                if share is not None and share >= opts.session_kv_share:  # the pool keeps room for the others
+                    _close_session(state.runtime, sid, *size)
+                    sid = None
+                    await fail({"message": f"this session holds {share:.0%} of the KV pool, its share is "
+                                f"{opts.session_kv_share:.0%} (deploy server.session_kv_share): it is closed; start a new "
+                                "stream (or deploy rollout_options.window for long videos)", "type": "invalid_request_error",
+                                "param": "type", "code": "session_full"}, 1008)
                     return
                 if requests >= MAX_REQUESTS:
                     await fail({"message": f"at most {MAX_REQUESTS} requests per connection; open a new stream",
