@@ -437,8 +437,13 @@ def wan_cases(srv: Server, quick: bool) -> list[dict[str, Any]]:
                 ws.send(json.dumps({"type": "continue", "prompt": "more", "frames": 257}))
                 msg = run_ws(ws)
                 out.append(f"continue:{msg.get('status') or msg['error']['code']}")
-        time.sleep(1.0)
-        kv = httpx.get(url + "/health", timeout=60).json().get("kv", {})
+        # every slab comes back (the bystander's one-off stream may hold one for a moment)
+        deadline, kv = time.monotonic() + 20, {}
+        while time.monotonic() < deadline:
+            kv = httpx.get(url + "/health", timeout=60).json().get("kv", {})
+            if kv.get("free_blocks") == kv.get("num_blocks"):
+                break
+            time.sleep(0.05)
         return {"statuses": out, "kv_free_after": kv.get("free_blocks"), "kv_total": kv.get("num_blocks")}
 
     def orphan_post() -> dict[str, Any]:  # finding 4b
