@@ -431,11 +431,14 @@ def _retry_alone(executions: Sequence[Execution], node: Any, exc: BaseException,
         assert loop is not None and ex._ctx is not None
         t0 = time.perf_counter()
         try:
-            with _adapters.activate(ex.adapters):
+            with _adapters.activate(ex.adapters), watching(ex._cancelled):
                 res = node.stage.step(ex._ctx, ex.state, loop)
             ex._after_step(node, loop, res, time.perf_counter() - t0, evs)
             if ex.current_node is None and not ex.done:
                 ex._finish(Status.COMPLETED, None, evs)
+        except CancelledError:  # cancelled while it ran alone
+            if not ex.done:
+                ex._finish(Status.CANCELLED, None, evs)
         except KeyboardInterrupt:
             raise
         except BaseException as alone_exc:
