@@ -149,7 +149,7 @@ class ComfyState:
             await self.send("executing", {"node": samplers[0] if samplers else job.key,
                                           "display_node": samplers[0] if samplers else job.key, "prompt_id": p.id}, p.client)
             try:
-                handle = self.engine.submit(await asyncio.to_thread(job.ready, results))
+                handle = await self.engine.submit_async(await asyncio.to_thread(job.ready, results))
             except Exception as exc:
                 await self._error(p, job.key, exc, messages, outputs)
                 return

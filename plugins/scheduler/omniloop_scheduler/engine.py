@@ -259,9 +259,21 @@ class AsyncEngine:
 
     def submit_group(self, request: OmniRequest | Mapping[str, Any]) -> list[RequestHandle]:
         """Validate and queue every sample of a ``diffusion.num_outputs`` group (``Runtime.prepare_group``:
-        sample ``i`` has seed ``seed + i`` and id ``<id>_<i>``); all or nothing."""
+        sample ``i`` has seed ``seed + i`` and id ``<id>_<i>``); all or nothing. The validation runs in
+        the calling thread; from an event loop use :meth:`submit_group_async`."""
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
+        return self._enqueue_group(self._validate_group(request), loop)
+
+    async def submit_group_async(self, request: OmniRequest | Mapping[str, Any],
+                                 executor: Any = None) -> list[RequestHandle]:
+        """:meth:`submit_group` with the validation in ``executor``, the queueing back on the loop."""
+        loop = asyncio.get_running_loop()
+        self._loop = self._loop or loop
+        executions = await loop.run_in_executor(executor, self._validate_group, request)
+        return self._enqueue_group(executions, self._loop)
+
+    def _validate_group(self, request: OmniRequest | Mapping[str, Any]) -> list[Any]:
         if not self.accepting:
             self.metrics.on_reject("closed")
             raise EngineClosed("the engine is shutting down and takes no new requests")
@@ -273,6 +285,9 @@ class AsyncEngine:
         except RequestError:
             self.metrics.on_reject("invalid")
             raise
+        return list(executions)
+
+    def _enqueue_group(self, executions: list[Any], loop: asyncio.AbstractEventLoop) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
         try:
             for ex in executions:

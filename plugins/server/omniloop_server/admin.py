@@ -96,7 +96,7 @@ def admin_routes(api: Any) -> list[Route]:
             body = await json_body(request)
             if not isinstance(body, dict):
                 raise RequestError("body", "expected a JSON object (an omniloop request)")
-            handles = api.engine.submit_group(body)
+            handles = await api.engine.submit_group_async(body, api.state.prepare_pool)
         except Exception as exc:
             return api.translate(exc, None)
         api.state.track(handles)
