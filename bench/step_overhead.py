@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from omniloop.artifacts import Latents
+from omniloop.capabilities import FamilyCapabilities
 from omniloop.context import StageContext
 from omniloop.family import LoadedModel, PluginComponentSpec
 from omniloop.graph import Node, PipelineSpec
@@ -75,7 +76,7 @@ class TrivialLoop:
 class TrivialFamily:
     name = "bench-trivial"
     tasks = frozenset({TaskType.T2V})
-    supports_block_interceptors = False
+    capabilities = FamilyCapabilities()  # nothing optional
 
     def detect(self, path: Path) -> bool:
         return (Path(path) / "bench-trivial").is_file()

@@ -24,6 +24,7 @@ if "torch" not in _sys.modules:
 
 from .artifacts import Artifact, Audio, Conditioning, Embeddings, Image, KVRef, Latents, Tensors, Text, VideoFrames
 from .cancel import check_cancelled
+from .capabilities import FamilyCapabilities, OffloadSupport, ParallelSupport, Rollout
 from .context import LoopStage, Stage, StageContext
 from .deploy import DeployConfig, Limits, ModelConfig, load_deploy
 from .errors import (
@@ -72,6 +73,7 @@ __all__ = [
     "DiffusionParams",
     "Embeddings",
     "Execution",
+    "FamilyCapabilities",
     "GenericResolved",
     "GraphError",
     "HookDeprecationWarning",
@@ -85,16 +87,19 @@ __all__ = [
     "ModelConfig",
     "ModelLimits",
     "Node",
+    "OffloadSupport",
     "OmniEvent",
     "OmniOutput",
     "OmniRequest",
     "OmniloopError",
     "OutputSpec",
+    "ParallelSupport",
     "PipelineSpec",
     "PluginError",
     "RequestError",
     "RequestState",
     "Resolved",
+    "Rollout",
     "Runtime",
     "Stage",
     "StageContext",

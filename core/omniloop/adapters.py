@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from attrs import define, field
 
+from .capabilities import capabilities_of
 from .errors import DeployError, RequestError
 
 #: adapter names (deploy keys, request names): identifiers, never paths
@@ -81,7 +82,7 @@ _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 @define(frozen=True)
 class AdapterSupport:
-    """A family's opt-in (``Family.adapter_support``).
+    """A family's opt-in (``FamilyCapabilities.adapters``).
 
     ``components``: the loaded components adapters may target (diffusers' key prefixes,
     ``transformer``). ``convert(state_dict)``: other key layouts (kohya, ComfyUI) to diffusers'
@@ -465,7 +466,7 @@ def check_declared(adapters: Mapping[str, str], fuse: Mapping[str, float], famil
             adapter_file(path)
         except AdapterFormatError as exc:
             raise DeployError(f"adapters.{name}: {exc}") from None
-    if adapters and getattr(family, "adapter_support", None) is None:
+    if adapters and capabilities_of(family).adapters is None:
         raise DeployError(f"adapters: family {family.name!r} does not support LoRA adapters")
     if fuse:
         if len(fuse) != 1 or len(adapters) != 1:

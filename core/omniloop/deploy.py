@@ -132,7 +132,7 @@ class DeployConfig:
     linear_precision: str = "dtype"
     #: component offload for a GPU smaller than the model (omniloop.offload): ``model`` moves each node's
     #: components to the device as it runs, ``sequential`` also streams their blocks one by one; the
-    #: family must declare ``offload_components`` (checked at load: omniloop.placement.check_offload)
+    #: family must declare ``capabilities.offload`` (checked at load: omniloop.placement.check_offload)
     offload: Literal["none", "model", "sequential"] = "none"
     #: enabled plugins (interceptors, observers) by name, with their deploy-level config
     plugins: dict[str, dict[str, Any]] = attrs.Factory(dict)

@@ -2,8 +2,11 @@
 
 A family plugin registers a :class:`Family` object through ``omniloop_register_families``. The
 runtime asks it to ``load`` a checkpoint once (components shared by reference between
-pipelines) and to ``build_pipeline`` per task. Capabilities are declared attributes, checked by
-the runtime before dispatch (``tasks``, ``supports_block_interceptors``).
+pipelines) and to ``build_pipeline`` per task. What it can do beyond the required methods is one
+frozen declaration, ``capabilities`` (:class:`omniloop.capabilities.FamilyCapabilities`: block
+interceptors, adapters, offload, parallel axes, attention grid, role components, quantisable
+blocks, rollouts, latents, optional methods), checked when the family registers; the core and the
+plugins read that declaration and nothing else.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import attrs
 import torch
 from attrs import define
 
+from .capabilities import FamilyCapabilities
 from .graph import PipelineSpec
 from .request import OmniRequest, TaskType
 
@@ -43,8 +47,8 @@ class LoadedModel:
 class Family(Protocol):
     name: str
     tasks: frozenset[TaskType]
-    #: True when the family runs its transformer blocks through ``omniloop.run_blocks``
-    supports_block_interceptors: bool
+    #: everything optional the family can do (``omniloop.capabilities``); checked at registration
+    capabilities: FamilyCapabilities
 
     def detect(self, path: Path) -> bool:
         """True when ``path`` looks like a checkpoint of this family (cheap: reads config files)."""
@@ -60,11 +64,18 @@ class Family(Protocol):
 
         Runs before any compute."""
 
-    # Optional methods (looked up with getattr; a family without them works unchanged):
+    # Optional methods, each declared in ``capabilities`` (``inspect=True``, ...; registration fails
+    # when a declared one is missing or a defined one is undeclared):
     #
-    # rollout_support: omniloop.rl.RolloutSupport
-    #     """Its denoise loops run post-training rollout steps (``request.rollout``; docs/rl.md):
-    #     which loop nodes, and how the loop's latents unpack to the family's layout."""
+    # def resolve(self, model, request, limits, *, node_params) -> Resolved:
+    #     """The request resolved once (``omniloop.resolved.Resolved``); without it the core's
+    #     ``GenericResolved`` reads ``task_defaults``."""
+    #
+    # def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
+    #     """Defaults for the fields a request leaves unset (steps, size, frames, fps, ...)."""
+    #
+    # (Post-training rollouts, ``request.rollout``; docs/rl.md: declared as
+    # ``capabilities.rollout_support``, an ``omniloop.rl.RolloutSupport``.)
     #
     # def supported_tasks(self, model: LoadedModel) -> Iterable[TaskType]:
     #     """The tasks this checkpoint can do (default: ``model.tasks``, ``model.config["tasks"]``,

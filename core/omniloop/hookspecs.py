@@ -81,7 +81,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def omniloop_register_families(register: Callable[[Family], None]) -> None:
     """Register model families: ``register(family)`` with an :class:`omniloop.family.Family`.
 
-    Returns nothing. Since: 1.0
+    The family's ``capabilities`` (:class:`omniloop.capabilities.FamilyCapabilities`) are checked
+    here: a declaration the family cannot serve fails the registration (the plugin is listed as
+    failed with one line naming the field). Returns nothing. Since: 1.0
     """
 
 

@@ -26,7 +26,7 @@ with a causal rollout) — :func:`omniloop.placement.check_offload`. The Runtime
 into host memory, installs the offloader (:func:`install`) after its adapters, and wraps every pipeline it
 builds with :func:`wrap_pipeline`.
 
-A family opts in with ``offload_components``: ``{component name: its block list(s) or None}`` —
+A family opts in with ``capabilities.offload = OffloadSupport(components)``: ``{component name: its block list(s) or None}`` —
 a dotted path of a ModuleList, ``a|b`` for alternatives (the first present wins: library versions
 differ), or a tuple of such paths streamed as one stack in that order (Flux: the double-stream then
 the single-stream blocks) — the components that may move (tokenizers, schedulers are not modules and
@@ -47,6 +47,7 @@ from typing import Any
 import attrs
 import torch
 
+from .capabilities import capabilities_of
 from .errors import DeployError
 
 #: the deploy's ``offload`` values
@@ -138,7 +139,7 @@ class CudaStreams:
 
 
 class PoisonMover(Mover):
-    """For tests (and a family checking its ``offload_components``): an evicted weight holds NaN
+    """For tests (and a family checking its offload declaration): an evicted weight holds NaN
     (an integer buffer: an empty tensor), so computing with a weight that is not loaded shows in the
     output; a load hands back the master itself (on a CPU a copy at another address may round
     differently in GEMM kernels, which would hide what this checks)."""
@@ -396,17 +397,15 @@ def _submodule(module: torch.nn.Module, spec: str, component: str) -> tuple[str,
         except AttributeError:
             continue
         if not isinstance(seq, (torch.nn.ModuleList, torch.nn.Sequential)) or len(seq) == 0:
-            raise DeployError(f"offload: {component}.{path} is not a non-empty ModuleList (the family's offload_components)")
+            raise DeployError(f"offload: {component}.{path} is not a non-empty ModuleList (the family's capabilities.offload)")
         return path, list(seq)
-    raise DeployError(f"offload: component {component!r} has no block list {spec!r} (the family's offload_components)")
+    raise DeployError(f"offload: component {component!r} has no block list {spec!r} (the family's capabilities.offload)")
 
 
 def family_blocks(family: Any) -> dict[str, str | Sequence[str] | None] | None:
-    """The family's ``offload_components`` declaration, or None when it declares none."""
-    decl = getattr(family, "offload_components", None)
-    if decl is None:
-        return None
-    return dict(decl)
+    """The family's ``capabilities.offload.components``, or None when it declares no offload."""
+    decl = capabilities_of(family).offload
+    return None if decl is None else dict(decl.components)
 
 
 def storage_device(mode: str, device: torch.device) -> torch.device:
@@ -425,7 +424,7 @@ def install(model: Any, family: Any, mode: str, device: torch.device, *, mover: 
         return None
     decl = family_blocks(family)
     if decl is None:
-        raise DeployError(f"offload: family {getattr(family, 'name', family)!r} does not declare offload_components")
+        raise DeployError(f"offload: family {family.name!r} declares no offload support (capabilities.offload)")
     comps = {n: model.components[n] for n in decl if n in model.components}
     return Offloader(comps, decl, mode, device, mover=mover, trace=trace, overlap=overlap, streams=streams)
 

@@ -2,12 +2,12 @@
 
 :func:`check_parallel` runs in :class:`~omniloop.runtime.Deployment` (so ``Deployment.check`` and
 every front end refuse a bad layout at once): the world size is the product of the axes, every
-axis above 1 must be declared by the family (``family.parallel_axes``) and stay within its
-``family.parallel_limits`` (Wan: ``cfg`` at most 2, one rank per guidance branch), ``sp`` must divide the
-transformer's attention heads (``family.attention_heads(path)``), and the machine must have a
+axis above 1 must be declared by the family (``capabilities.parallel.axes``) and stay within its
+``capabilities.parallel.limits`` (Wan: ``cfg`` at most 2, one rank per guidance branch), ``sp`` must divide the
+transformer's attention heads (``capabilities.parallel.attention_heads(path)``), and the machine must have a
 device (CUDA) or a core (CPU) per rank; block interceptors (cache-dit, fbcache) run under
 parallelism only with a family that binds them to its sequence-parallel group
-(``family.parallel_block_interceptors``; Wan does), so every rank takes the same skip decision. Each failure is one line naming ``parallel.<axis>``.
+(``capabilities.parallel.block_interceptors``; Wan does), so every rank takes the same skip decision. Each failure is one line naming ``parallel.<axis>``.
 
 :func:`check_in_pool` runs in :class:`~omniloop.runtime.Runtime`: a deploy with a world size
 above 1 only loads inside a process group of that size (omniloop-parallel's worker pool), never
@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 
+from .capabilities import AXES as AXES  # re-exported (its old home)
+from .capabilities import capabilities_of
 from .deploy import DeployConfig
 from .errors import DeployError
-
-#: the axes the core knows; a family declares the subset it implements
-AXES = ("sp", "cfg")
 
 
 def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: torch.device,
@@ -40,7 +39,8 @@ def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: 
     world = par.world_size
     if world == 1:
         return
-    supported = frozenset(getattr(family, "parallel_axes", ()) or ())
+    decl = capabilities_of(family).parallel
+    supported = decl.axes if decl is not None else frozenset()
     for axis in AXES:
         n = getattr(par, axis)
         if n > 1 and axis not in supported:
@@ -48,14 +48,14 @@ def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: 
             raise DeployError(
                 f"parallel.{axis}: family {family.name!r} does not support {axis!r} parallelism (it supports: {axes})"
             )
-    limits = dict(getattr(family, "parallel_limits", {}) or {})
+    limits = dict(decl.limits) if decl is not None else {}
     for axis, most in limits.items():
         n = getattr(par, axis, 1)
         if n > most:
             raise DeployError(f"parallel.{axis}: {n} is more than family {family.name!r} can use (at most {most})")
     if par.sp > 1:
-        fn = getattr(family, "attention_heads", None)
-        heads = fn(model_path) if callable(fn) else None
+        fn = decl.attention_heads if decl is not None else None
+        heads = fn(model_path) if fn is not None else None
         if not isinstance(heads, int) or heads < 1:
             raise DeployError(f"parallel.sp: family {family.name!r} cannot tell the attention heads of {model_path}")
         if heads % par.sp:
@@ -73,7 +73,7 @@ def check_parallel(deploy: DeployConfig, family: Any, model_path: Path, device: 
             raise DeployError(f"parallel: {_axes(deploy)} needs {world} processes, this machine has {cores} CPU cores")
     else:
         raise DeployError(f"parallel: device {device.type!r} has no multi-process support (use cuda or cpu)")
-    if block_interceptors and not getattr(family, "parallel_block_interceptors", False):
+    if block_interceptors and not (decl is not None and decl.block_interceptors):
         raise DeployError(
             f"plugins.{block_interceptors[0]}: block interceptors do not run under parallel: {_axes(deploy)} yet "
             f"with family {family.name!r} (it does not synchronise their skip decisions across ranks)"
@@ -122,21 +122,21 @@ def _axes(deploy: DeployConfig) -> str:
 def check_offload(deploy: DeployConfig, family: Any, device: torch.device,
                   options: dict[str, Any] | None = None) -> None:
     """``deploy.offload`` (``model`` / ``sequential``, :mod:`omniloop.offload`) can run: the family
-    declares what moves (``family.offload_components``), the device is ``cuda`` (or ``cpu``, where
+    declares what moves (``capabilities.offload``), the device is ``cuda`` (or ``cpu``, where
     storage and device are the same and only the machinery runs), and nothing the offloader cannot
     follow is enabled — LoRA adapters (their weights sit on the load device), ``compile`` (the
     compiled blocks would see weights change device), a parallel world above 1, role pools
     (``placement``) — and the family's
-    own ``offload_refusal(mode, options)`` (a reason string or None; Wan: a causal rollout calls
+    own ``capabilities.offload.refusal(mode, options)`` (a reason string or None; Wan: a causal rollout calls
     its blocks functionally, so it cannot stream them) has no objection to the family ``options``.
     One :class:`DeployError` line, before any weight loads."""
     mode = deploy.offload
     if mode == "none":
         return
-    decl = getattr(family, "offload_components", None)
-    if not decl:
+    decl = capabilities_of(family).offload
+    if decl is None:
         raise DeployError(
-            f"offload: family {family.name!r} does not support offload (it declares no offload_components); "
+            f"offload: family {family.name!r} does not support offload (it declares no capabilities.offload); "
             "remove the field or set it to 'none'"
         )
     if device.type not in ("cuda", "cpu"):
@@ -149,8 +149,8 @@ def check_offload(deploy: DeployConfig, family: Any, device: torch.device,
         raise DeployError(f"offload: {mode!r} does not combine with placement (role pools) yet")
     if deploy.compile:
         raise DeployError(f"offload: {mode!r} does not combine with compile: true yet (compiled blocks would see their weights move)")
-    refusal = getattr(family, "offload_refusal", None)
-    why = refusal(mode, dict(options if options is not None else deploy.options)) if callable(refusal) else None
+    refusal = decl.refusal
+    why = refusal(mode, dict(options if options is not None else deploy.options)) if refusal is not None else None
     if why:
         raise DeployError(f"offload: {mode!r} {why}")
 
@@ -162,7 +162,7 @@ def check_roles(deploy: DeployConfig, family: Any, model_path: Path, device: tor
     """``deploy.placement`` (role pools, omniloop-parallel) can run, before any weight loads.
 
     Each key names a component the family lets run outside the scheduler's process
-    (``family.role_components``; Wan: ``text_encoder``, ``image_encoder``, ``vae`` — the denoise loop's
+    (``capabilities.role_components``; Wan: ``text_encoder``, ``image_encoder``, ``vae`` — the denoise loop's
     transformer stays where the scheduler steps it) that the checkpoint has (``model_index.json``
     when there is one); ``devices`` lists at least one device, each once, each one this machine has
     (``cpu`` or an existing ``cuda:N``); one worker process per distinct device, and on a CPU
@@ -173,7 +173,7 @@ def check_roles(deploy: DeployConfig, family: Any, model_path: Path, device: tor
         return
     if deploy.parallel.world_size > 1:
         raise DeployError(f"placement: role workers do not combine with parallel: {_axes(deploy)} yet (use one or the other)")
-    placeable = frozenset(getattr(family, "role_components", ()) or ())
+    placeable = capabilities_of(family).role_components
     if not placeable:
         raise DeployError(f"placement: family {family.name!r} declares no components that can run in role workers")
     index = _model_index_components(model_path)
@@ -261,15 +261,15 @@ def pool_factory(deploy: DeployConfig) -> Any:
 def check_attention_grid(deploy: DeployConfig, family: Any, attention: Any, options: dict[str, Any]) -> None:
     """A backend whose callable declares ``accepts_grid`` (``sparse-tile``) computes its pattern only
     on calls where the family passes the self-attention token grid; anywhere else it computes dense
-    attention. Such a deploy loads only when the family declares ``attention_grid_refusal(deploy,
+    attention. Such a deploy loads only when the family declares ``capabilities.attention_grid(deploy,
     options)`` (a reason string or None) and it has no objection (Wan objects to ``parallel.sp > 1``
     and the causal rollout) — never a silent dense fallback under a sparse name. One
     :class:`DeployError` line, before any weight loads."""
     if attention is None or not getattr(attention.fn, "accepts_grid", False):
         return
     name = getattr(attention, "name", "?")
-    refusal = getattr(family, "attention_grid_refusal", None)
-    if not callable(refusal):
+    refusal = capabilities_of(family).attention_grid
+    if refusal is None:
         raise DeployError(
             f"attention_backend: {name!r} needs each self-attention call's token grid, and family "
             f"{family.name!r} passes none: it would compute dense attention; use another backend"

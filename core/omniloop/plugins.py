@@ -28,6 +28,7 @@ import pluggy
 from attrs import define
 
 from . import builtin, hookspecs
+from .capabilities import declare as declare_capabilities
 from .errors import HookDeprecationWarning as HookDeprecationWarning  # re-exported (its old home)
 from .errors import PluginError
 from .family import (
@@ -326,6 +327,8 @@ class PluginManager:
             item_name = getattr(item, "name", None)
             if not isinstance(item_name, str) or not item_name:
                 raise PluginError(f"plugin {rec.name!r} registered a {kind} without a name")
+            if kind == "family":  # the family contract: its declared capabilities, checked once here
+                declare_capabilities(item)
             if item_name in table:
                 first = reg.providers[(kind, item_name)]
                 raise PluginError(

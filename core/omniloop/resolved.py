@@ -37,10 +37,40 @@ class Workload:
     frames: int = field(default=1, metadata={"ge": 1})
     height: int = field(default=1, metadata={"ge": 1})
     width: int = field(default=1, metadata={"ge": 1})
+    #: what the deploy's limits bound, as resolved: dimension (``steps``, ``frames``, ``height``,
+    #: ``width``) -> (value, the request field it came from, e.g. ``node_params.denoise.steps``).
+    #: The runtime checks these once, after resolve (:func:`check_limits`); a family checks none.
+    #: Empty: nothing bounded (text decoding has no diffusion limits).
+    bounded: Mapping[str, tuple[int, str]] = field(factory=dict, eq=False)
 
     @property
     def pixels(self) -> int:
         return self.frames * self.height * self.width
+
+
+#: the deploy limit (``omniloop.deploy.Limits`` field) bounding each workload dimension
+LIMITS = {"steps": "max_steps", "frames": "max_frames", "height": "max_height", "width": "max_width"}
+
+
+def bounds(*, steps: int | None = None, frames: int | None = None, height: int | None = None,
+           width: int | None = None, steps_path: str = "diffusion.steps") -> dict[str, tuple[int, str]]:
+    """``Workload.bounded`` for a diffusion request: each given dimension with its request field
+    (``diffusion.<name>``; ``steps_path`` when a node param set the steps)."""
+    got = {"steps": (steps, steps_path), "frames": (frames, "diffusion.frames"),
+           "height": (height, "diffusion.height"), "width": (width, "diffusion.width")}
+    return {k: (int(v), path) for k, (v, path) in got.items() if v is not None}
+
+
+def check_limits(bounded: Mapping[str, tuple[int, str]], limits: Any) -> None:
+    """The one range check of a request against the deployment's limits (``limits``: an
+    ``omniloop.deploy.Limits``, or anything with its ``max_*`` fields): raises
+    :class:`~omniloop.errors.RequestError` naming the request field that set the value."""
+    from .errors import RequestError
+
+    for name, (value, path) in bounded.items():
+        limit = getattr(limits, LIMITS[name])
+        if value > limit:
+            raise RequestError(path, f"{value} is above this deployment's limit of {limit}")
 
 
 @runtime_checkable
@@ -78,9 +108,10 @@ class GenericResolved:
         req, dft = self.request, self.defaults
         if req is None:
             return Workload(steps=int(dft.get("steps", 1) or 1))
-        if req.task is TaskType.REASON:
-            return Workload(steps=int(req.sampling.max_tokens or dft.get("max_tokens", 1) or 1))
         d = req.diffusion
+        explicit = bounds(steps=d.steps, frames=d.frames, height=d.height, width=d.width)
+        if req.task is TaskType.REASON:
+            return Workload(steps=int(req.sampling.max_tokens or dft.get("max_tokens", 1) or 1), bounded=explicit)
 
         def pick(name: str, fallback: int | float) -> Any:
             value = getattr(d, name)
@@ -90,8 +121,8 @@ class GenericResolved:
         guidance = float(pick("guidance_scale", 1.0))
         return Workload(
             steps=max(0, int(pick("steps", 1))), branches=2 if guidance > 1.0 else 1, frames=max(1, frames),
-            height=max(1, int(pick("height", 1))), width=max(1, int(pick("width", 1))),
+            height=max(1, int(pick("height", 1))), width=max(1, int(pick("width", 1))), bounded=explicit,
         )
 
 
-__all__ = ["GenericResolved", "Resolved", "Workload"]
+__all__ = ["LIMITS", "GenericResolved", "Resolved", "Workload", "bounds", "check_limits"]

@@ -64,10 +64,10 @@ class RolloutSupport:
 
 
 def family_rollout_support(family: Any) -> RolloutSupport | None:
-    """The family's ``rollout_support`` declaration (None: it cannot run rollouts).
+    """The family's ``capabilities.rollout_support`` (None: it cannot run rollouts)."""
+    from .capabilities import capabilities_of
 
-    TODO(issue 34): fold into the family's typed capabilities declaration."""
-    support = getattr(family, "rollout_support", None)
+    support = capabilities_of(family).rollout_support
     return support if isinstance(support, RolloutSupport) else None
 
 

@@ -35,6 +35,7 @@ from . import offload as _offload
 from . import placement as _placement
 from . import rl as _rl
 from . import weights as _weights
+from .capabilities import FamilyCapabilities, capabilities_of
 from .deploy import DeployConfig, load_deploy
 from .errors import DeployError, PluginError, RequestError
 from .execution import BuiltPipeline, Execution
@@ -43,7 +44,7 @@ from .graph import PipelineSpec
 from .observers import ObserverBus
 from .plugins import PluginManager, Registry, default_manager
 from .request import EventKind, OmniEvent, OmniOutput, OmniRequest, Status, TaskType
-from .resolved import GenericResolved, Resolved
+from .resolved import GenericResolved, Resolved, bounds, check_limits
 from .schema import as_request, structure_params
 from .streams import final_output
 
@@ -114,16 +115,27 @@ class Deployment:
         self.deploy_limits = deploy.limits
         deploy = attrs.evolve(deploy, limits=_limits.tighten(deploy.limits, self.model_limits))
         self.deploy = deploy
+        #: what the family declares it can do (checked when it registered)
+        self.capabilities: FamilyCapabilities = capabilities_of(self.family)
         self.attention = self._resolve_attention()
         #: the deploy's linear_precision (None: the dtype itself; else a plugin's spec, checked here)
         self.linear_precision = _linears.resolve(self)
         #: enabled interceptors/observers: name -> (spec, validated deploy config)
         self.component_configs: dict[str, tuple[PluginComponentSpec, Any]] = self._component_configs()
         self._scheduler_spec = self._scheduler_spec_of()
-        _placement.check_offload(deploy, self.family, self.device, {**self.preset_options, **deploy.options})  # offload
+        family_options = {**self.preset_options, **deploy.options}
+        #: the rollout the family options choose (options.rollout; checked against the declaration)
+        self.rollout = self.capabilities.rollout(self.family.name, family_options)
+        self.capabilities.check_options(self.family.name, deploy.options)  # a key it does not read: refused
+        _placement.check_offload(deploy, self.family, self.device, family_options)  # offload
         _adapters.check_declared(deploy.adapters, deploy.adapter_fuse, self.family)  # LoRA: names, files
-        _placement.check_attention_grid(deploy, self.family, self.attention, {**self.preset_options, **deploy.options})
+        _placement.check_attention_grid(deploy, self.family, self.attention, family_options)
         blocks = tuple(n for n, (s, _) in self.component_configs.items() if s.kind == "block_interceptor")
+        if blocks and not self.capabilities.block_interceptors:
+            raise DeployError(
+                f"plugins.{blocks[0]}: block interceptor {blocks[0]!r} needs a family that runs its blocks through "
+                f"run_blocks; family {self.family.name!r} does not"
+            )
         _placement.check_parallel(deploy, self.family, self.model_path, self.device, blocks)  # parallel: {sp, cfg}
         _placement.check_roles(deploy, self.family, self.model_path, self.device)  # placement: role workers
         self.options: dict[str, Any] = {
@@ -137,8 +149,8 @@ class Deployment:
         """The family's config-only view of the checkpoint (``family.inspect``), or None when the
         family offers none. It has no components; families use it for checks that need no weights."""
         if self._inspected is False:
-            fn = getattr(self.family, "inspect", None)
-            self._inspected = fn(self.model_path, options=self.options) if callable(fn) else None
+            self._inspected = (self.family.inspect(self.model_path, options=self.options)
+                               if self.capabilities.inspect else None)
         return self._inspected if isinstance(self._inspected, LoadedModel) else None
 
     @property
@@ -163,13 +175,22 @@ class Deployment:
         self._check_common(req)
         self._check_plugin_params(req)
         _adapters.check_request(req.adapters, self.deploy.adapters, self.deploy.adapter_fuse)
-        if model is not None:
-            spec = self._config_pipeline(model, req.task)
-            if spec is not None and callable(getattr(self.family, "resolve", None)):
-                self._resolve(model, req, structure_node_params(spec, req))
-            else:
+        spec = self._config_pipeline(model, req.task) if model is not None else None
+        if model is not None and spec is not None and self.capabilities.resolve:
+            bounded = self._resolve(model, req, structure_node_params(spec, req)).workload().bounded
+        else:  # without the model's config, the request's own values are what can be bounded
+            if model is not None:
                 self.family.validate_request(model, req, self.deploy.limits)
+            d = req.diffusion
+            bounded = bounds(steps=d.steps, frames=d.frames, height=d.height, width=d.width)
+        self._check_limits(bounded)
         return req
+
+    @property
+    def limits(self) -> Any:
+        """The limits requests are checked against, once, after resolve: the deploy's ``limits``
+        tightened by the checkpoint's ``refuse`` declaration (``omniloop.limits``)."""
+        return self.deploy.limits
 
     def _config_pipeline(self, model: LoadedModel, task: TaskType) -> PipelineSpec | None:
         """The pipeline spec built on a config-only model (its node param schemas), or None when the
@@ -182,9 +203,8 @@ class Deployment:
 
     def _resolve(self, model: LoadedModel, req: OmniRequest, node_params: Mapping[str, Any]) -> Resolved:
         """The family's resolved form of ``req`` (``family.resolve``), or the core's generic one."""
-        fn = getattr(self.family, "resolve", None)
-        if callable(fn):
-            resolved = fn(model, req, self.deploy.limits, node_params=node_params)
+        if self.capabilities.resolve:
+            resolved = self.family.resolve(model, req, self.deploy.limits, node_params=node_params)
             if not isinstance(resolved, Resolved):
                 raise PluginError(
                     f"family {self.family.name!r}: resolve() returned {type(resolved).__name__}, which lacks "
@@ -207,7 +227,7 @@ class Deployment:
         raise RequestError("task", f"{req.task.value!r} is not supported by family {self.family.name!r} (supported: {have})")
 
     def _check_common(self, req: OmniRequest) -> None:
-        self._check_limits(req)
+        self._check_outputs(req)
         if req.task in DIFFUSION_TASKS:  # token-sampling knobs a denoising request would ignore
             given = _non_default_fields(req.sampling)
             if given:
@@ -236,7 +256,7 @@ class Deployment:
             return
         if _rl.family_rollout_support(self.family) is None:
             raise RequestError("rollout", f"family {self.family.name!r} cannot run rollouts (its loop is not a "
-                               "flow-matching denoise loop that declares rollout_support)")
+                               "flow-matching denoise loop that declares capabilities.rollout_support)")
         if req.rollout.kind == "ode" and req.rollout.sde_steps:
             raise RequestError("rollout.sde_steps", "an ode rollout takes no stochastic steps; drop sde_steps or use kind sde/cps")
 
@@ -256,19 +276,27 @@ class Deployment:
         return [f"{path}: {msg}; it runs (bounded by the deployment's limits) but may degrade"
                 for path, msg in _limits.outside(m, values, self.model_name)]
 
-    def _check_limits(self, req: OmniRequest) -> None:
-        d, lim = req.diffusion, self.deploy.limits
+    def _check_limits(self, bounded: Mapping[str, tuple[int, str]]) -> None:
+        """The one range check of a request, after resolve, on what resolved (``Workload.bounded``:
+        each value with the request field it came from): the checkpoint's declared range when it
+        refuses (``omniloop.limits``, named as the model's), then the effective deploy limits."""
         m = self.model_limits
         if m is not None and m.enforce == "refuse":  # the model's own range, named as such
-            values = {"steps": d.steps, "frames": d.frames, "height": d.height, "width": d.width}
-            for path, msg in _limits.outside(m, values, self.model_name):
-                raise RequestError(path, msg)
-        for field, value, limit in (
-            ("steps", d.steps, lim.max_steps), ("frames", d.frames, lim.max_frames),
-            ("height", d.height, lim.max_height), ("width", d.width, lim.max_width),
-        ):
-            if value is not None and value > limit:
-                raise RequestError(f"diffusion.{field}", f"{value} is above this deployment's limit of {limit}")
+            for name, (value, path) in bounded.items():
+                for _, msg in _limits.outside(m, {name: value}, self.model_name):
+                    raise RequestError(path, msg)
+        check_limits(bounded, self.limits)
+
+    def _check_outputs(self, req: OmniRequest) -> None:
+        """Outputs the family (under its chosen rollout) does not produce are refused, not dropped."""
+        if req.outputs.return_latents and not self.rollout.returns_latents:
+            how = f" under options.rollout: {self.rollout.name}" if self.capabilities.rollouts else ""
+            raise RequestError("outputs.return_latents",
+                               f"family {self.family.name!r}{how} does not return latents; leave it false")
+        if req.outputs.stream_partial and not self.rollout.streams:
+            how = f" under options.rollout: {self.rollout.name}" if self.capabilities.rollouts else ""
+            raise RequestError("outputs.stream_partial",
+                               f"family {self.family.name!r}{how} emits no partial outputs; leave it false")
 
     def _check_plugin_params(self, req: OmniRequest) -> dict[str, Any]:
         params: dict[str, Any] = {}
@@ -436,7 +464,7 @@ class Runtime(Deployment):
         if self.deploy.adapters:
             d = self.deploy
             self.adapters = _adapters.AdapterBank(
-                d.adapters, self.model.components, self.family.adapter_support,
+                d.adapters, self.model.components, self.capabilities.adapters,
                 max_loaded=d.limits.max_adapters, fuse=d.adapter_fuse, model=self.model, options=self.options,
             )
         #: offload: model | sequential — moves components to the device as nodes run (None: everything stays)
@@ -524,11 +552,6 @@ class Runtime(Deployment):
         bus = ObserverBus(observers) if observers else None
         block = [obj for s, obj in self.components_enabled.values() if s.kind == "block_interceptor"]
         step = tuple(obj for s, obj in self.components_enabled.values() if s.kind == "step_interceptor")
-        if block and not getattr(self.family, "supports_block_interceptors", False):
-            raise DeployError(
-                f"plugins: block interceptor {block[0].name!r} needs a family that runs its blocks through "
-                f"run_blocks; family {self.family.name!r} does not"
-            )
         interceptors = [*block, *step]
         eager = any(getattr(i, "needs_eager", False) for i in interceptors) or bool(bus and bus.needs_eager)
         if eager:
@@ -563,6 +586,7 @@ class Runtime(Deployment):
         _adapters.check_request(req.adapters, self._adapter_table, self.deploy.adapter_fuse)
         active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
         resolved = self._resolve(self.model, req, node_params)  # the one resolution of this request
+        self._check_limits(resolved.workload().bounded)  # the one range check, on what resolved
         support = self._check_rollout(req, built, resolved, active) if req.rollout is not None else None
         lora = self.adapters.active_set(req.adapters) if self.adapters is not None else ()
         warnings = (*resolved.warnings, *self.limit_warnings(req))
@@ -853,8 +877,7 @@ def _non_default_fields(obj: Any) -> list[str]:
 def _defaults_of(family: Any, model: LoadedModel, task: TaskType) -> dict[str, Any]:
     if task in model.defaults:
         return dict(model.defaults[task])
-    fn = getattr(family, "task_defaults", None)
-    return dict(fn(model, task)) if callable(fn) else {}
+    return dict(family.task_defaults(model, task)) if capabilities_of(family).task_defaults else {}
 
 
 def _device(name: str) -> torch.device:
@@ -878,9 +901,8 @@ def _safe_detect(family: Any, path: Path) -> bool:
 
 def _tasks_of(family: Any, model: LoadedModel) -> frozenset[TaskType]:
     """What ``model`` (loaded or inspected) can do; see :attr:`Runtime.supported_tasks`."""
-    fn = getattr(family, "supported_tasks", None)
-    if callable(fn):
-        return frozenset(TaskType(t) for t in fn(model))
+    if capabilities_of(family).supported_tasks:
+        return frozenset(TaskType(t) for t in family.supported_tasks(model))
     if model.tasks is not None:
         return frozenset(model.tasks)
     declared = model.config.get("tasks")

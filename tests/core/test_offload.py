@@ -10,13 +10,14 @@ tests (skipped without a GPU) run the pinned-memory / side-stream path for real.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 import pytest
 import torch
 from torch import nn
 
+from omniloop.capabilities import OffloadSupport
 from omniloop.deploy import load_deploy
 from omniloop.errors import DeployError
 from omniloop.hookspecs import hookimpl
@@ -31,7 +32,8 @@ Trace = list[tuple[str, str, tuple[str, ...]]]
 
 
 class OffloadToyFamily(ToyFamily):
-    offload_components: ClassVar[dict[str, str | None]] = {"text_encoder": None, "transformer": "blocks", "decoder": None}
+    capabilities = attrs.evolve(ToyFamily.capabilities, offload=OffloadSupport(
+        components={"text_encoder": None, "transformer": "blocks", "decoder": None}))
 
 
 class _Plugin:

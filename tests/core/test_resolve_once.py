@@ -86,6 +86,7 @@ def test_the_scheduler_asks_the_resolved_request(ckpt: Any) -> None:
 
 def test_a_family_without_resolve_gets_the_generic_resolution(ckpt: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(ToyFamily, "resolve")
+    monkeypatch.setattr(ToyFamily, "capabilities", attrs.evolve(ToyFamily.capabilities, resolve=False))
     rt = toy_runtime(ckpt)
     ex = rt.prepare(toy_request(steps=2))
     assert isinstance(ex.resolved, GenericResolved)

@@ -155,12 +155,13 @@ def test_two_block_interceptors_are_refused(toy_checkpoint):
 
 
 def test_family_without_run_blocks_refuses_block_interceptors(toy_checkpoint, monkeypatch):
+    import attrs
+
     from omniloop.testing.toy import ToyFamily
 
-    monkeypatch.setattr(ToyFamily, "supports_block_interceptors", False)
-    rt = toy_runtime(toy_checkpoint, ("scaler", ScalerPlugin()), plugins={"scaler": {}})
-    with pytest.raises(DeployError, match="does not"):
-        rt.prepare(req())
+    monkeypatch.setattr(ToyFamily, "capabilities", attrs.evolve(ToyFamily.capabilities, block_interceptors=False))
+    with pytest.raises(DeployError, match="does not"):  # refused before load (issue 34: was at the first request)
+        toy_runtime(toy_checkpoint, ("scaler", ScalerPlugin()), plugins={"scaler": {}})
 
 
 def test_unused_observer_events_are_not_bound(toy_checkpoint):
@@ -264,7 +265,10 @@ def test_supported_tasks_follow_the_checkpoint_not_the_family(toy_checkpoint, mo
 
     rt = toy_runtime(toy_checkpoint)
     assert rt.supported_tasks == rt.tasks == {TaskType.T2V, TaskType.T2I}
+    import attrs
+
     monkeypatch.setattr(ToyFamily, "supported_tasks", lambda self, model: ["t2i"], raising=False)
+    monkeypatch.setattr(ToyFamily, "capabilities", attrs.evolve(ToyFamily.capabilities, supported_tasks=True))
     assert rt.supported_tasks == {TaskType.T2I} and rt.describe()["tasks"] == ["t2i"]
     with pytest.raises(RequestError, match="not supported by the checkpoint"):
         rt.prepare(req())
@@ -315,9 +319,12 @@ def test_requests_are_checked_against_the_deployment_without_loading_weights(toy
 
 
 def test_a_family_without_inspect_still_gets_the_generic_checks(toy_checkpoint, monkeypatch):
+    import attrs
+
     from omniloop.testing import ToyFamily
 
     monkeypatch.delattr(ToyFamily, "inspect")
+    monkeypatch.setattr(ToyFamily, "capabilities", attrs.evolve(ToyFamily.capabilities, inspect=False))
     d = _deployment(toy_checkpoint)
     assert d.inspect() is None
     with pytest.raises(RequestError, match=r"diffusion\.steps"):

@@ -175,3 +175,25 @@ def test_vae_in_its_own_dtype(flux_ckpt, make_manager_flux, make_i2i, input_png)
     out = rt.generate(make_i2i(input_png, steps=2))
     assert out.status is Status.COMPLETED, out.error
     assert out.artifacts["image"].frames.shape == (1, 64, 64, 3)
+
+
+@pytest.mark.parametrize("extra", [[], ["--stream"]])
+def test_a_causal_rollout_in_a_flux_deploy_is_refused(make_manager_flux, flux_ckpt, tmp_path, monkeypatch, extra) -> None:
+    """Issue 34: ``options.rollout: causal`` in a FLUX deploy (FLUX has one rollout) ran a plain
+    image and exited 0; now one line naming the option and the family, exit 2, before loading."""
+    import json as _json
+
+    from click.testing import CliRunner as _Runner
+
+    from omniloop_cli import cli as _cli
+
+    monkeypatch.chdir(tmp_path)
+    deploy = tmp_path / "deploy.json"
+    deploy.write_text(_json.dumps({"model": {"path": str(flux_ckpt())}, "options": {"rollout": "causal"}}))
+    res = _Runner().invoke(_cli, ["generate", "a fox", "--deploy", str(deploy), "--task", "t2i", "--out", "a.png", *extra],
+                           obj=make_manager_flux())
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines == ["error: options.rollout: family 'flux' has a single rollout and takes no options.rollout "
+                     "(got 'causal'); remove it"], lines
+    assert not (tmp_path / "a.png").exists()

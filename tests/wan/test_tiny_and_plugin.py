@@ -83,7 +83,7 @@ def test_registry_has_the_family_through_discovery():
 
     registry = PluginManager().registry()
     fam = registry.families["wan"]
-    assert fam.name == "wan" and fam.supports_block_interceptors
+    assert fam.name == "wan" and fam.capabilities.block_interceptors
     assert {t.value for t in fam.tasks} == {"t2v", "i2v"}
 
 

@@ -42,16 +42,25 @@ def test_limits_of_the_deployment(wan_runtime, t2v_request):
         assert err.path == f"diffusion.{field}" and "limit" in err.message
 
 
-def test_family_validation_applies_the_limits_itself(wan_runtime, t2v_request):
-    """validate_request checks limits too (the default steps of a model may exceed them)."""
+def test_the_limits_apply_to_the_resolved_defaults_once(wan_runtime, t2v_request):
+    """The default steps of a model may exceed the deploy's limits: the runtime checks the resolved
+    workload (defaults applied), once, after resolve. Issue 34: the family no longer checks limits
+    itself (``validate_request`` with tight limits passes; it was the second copy of this check)."""
     from omniloop.deploy import Limits
     from omniloop.schema import request_from_dict
 
-    rt = wan_runtime("t2v")
-    req = request_from_dict(t2v_request(steps=None))  # tiny default: 2 steps
-    assert rt.family.validate_request(rt.model, req, Limits(max_steps=5)) == []
-    with pytest.raises(RequestError, match=r"diffusion\.steps: 2 is above this deployment's limit of 1"):
-        rt.family.validate_request(rt.model, req, Limits(max_steps=1))
+    rt = wan_runtime("t2v", limits={"max_steps": 1})
+    err = _prepare_error(rt, t2v_request(steps=None))  # tiny default: 2 steps
+    assert err.path == "diffusion.steps" and err.message == "2 is above this deployment's limit of 1"
+    req = request_from_dict(t2v_request(steps=None))
+    assert rt.family.validate_request(rt.model, req, Limits(max_steps=1)) == []
+    assert wan_runtime("t2v", limits={"max_steps": 5}).prepare(t2v_request(steps=None))
+
+
+def test_a_node_param_override_is_checked_by_its_own_path(wan_runtime, t2v_request):
+    rt = wan_runtime("t2v", limits={"max_steps": 3})
+    err = _prepare_error(rt, {**t2v_request(steps=2), "node_params": {"denoise": {"steps": 4}}})
+    assert err.path == "node_params.denoise.steps" and err.message == "4 is above this deployment's limit of 3"
 
 
 def test_size_multiple_follows_the_vae_and_patch(wan_runtime, t2v_request):

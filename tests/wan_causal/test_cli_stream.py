@@ -60,3 +60,20 @@ def test_stream_flag_on_a_non_streaming_deployment_is_refused(tiny_wan: Path, tm
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --stream: the t2v pipeline of model"), res.stderr
     assert not (tmp_path / "a.mp4").exists() and not (tmp_path / "a.frames").exists()
+
+
+def test_return_latents_under_the_causal_rollout_is_refused(tiny_wan: Path, tmp_path: Path, monkeypatch) -> None:
+    """Issue 34: the causal rollout returns the decoded video only; ``--return-latents`` used to
+    write no file without a word. Now one line naming the option, the family and the rollout,
+    exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    deploy = tmp_path / "deploy.json"
+    deploy.write_text(json.dumps({"model": {"path": str(tiny_wan)}, "options": {"rollout": "causal"}}))
+    manager = make_manager(("wan", wan_plugin), toy=False)
+    res = CliRunner().invoke(cli, ["generate", "a fox", "--deploy", str(deploy), "--frames", "21", "--out", "a.mp4",
+                                   "--return-latents"], obj=manager)
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "outputs.return_latents" in lines[0] and "family 'wan' under options.rollout: causal does not return latents" in lines[0]
+    assert not list(tmp_path.glob("a*"))

@@ -21,6 +21,7 @@ from attrs import define, field
 from torch import nn
 
 from ..artifacts import Embeddings, Latents, VideoFrames
+from ..capabilities import FamilyCapabilities
 from ..context import StageContext
 from ..errors import CheckpointError, RequestError
 from ..family import LoadedModel
@@ -29,7 +30,7 @@ from ..hookspecs import hookimpl
 from ..interceptors import call_model, run_blocks
 from ..loop import LoopState, RequestState, StepContext, StepResult
 from ..request import OmniRequest, TaskType
-from ..resolved import Workload
+from ..resolved import Workload, bounds
 
 CONFIG_NAME = "omniloop_toy.json"
 WEIGHTS_NAME = "toy.pt"
@@ -155,7 +156,8 @@ class ToyResolved:
 
     def workload(self) -> Workload:
         return Workload(steps=self.steps, branches=len(self.branches), frames=self.frames,
-                        height=self.height, width=self.width)
+                        height=self.height, width=self.width,  # bounded: what the deploy's limits bound
+                        bounded=bounds(steps=self.steps, frames=self.frames, height=self.height, width=self.width))
 
 
 def resolve_toy(model: LoadedModel | None, request: OmniRequest, node_params: Any = None) -> ToyResolved:
@@ -308,7 +310,9 @@ class Decode:
 class ToyFamily:
     name = "toy"
     tasks = frozenset({TaskType.T2V, TaskType.T2I})
-    supports_block_interceptors = True
+    #: what it can do beyond the required methods (omniloop.capabilities)
+    capabilities = FamilyCapabilities(block_interceptors=True, returns_latents=True, inspect=True, resolve=True,
+                                      task_defaults=True)
     defaults: ClassVar[dict[str, Any]] = {"steps": 4, "guidance_scale": 3.0, "frames": 3, "height": 16, "width": 16}
 
     def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:

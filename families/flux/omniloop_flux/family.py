@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
+from omniloop.capabilities import FamilyCapabilities, OffloadSupport
 from omniloop.errors import CheckpointError, DeployError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
@@ -24,11 +24,8 @@ from .policies import menu_for
 from .resolve import FluxParams, TextParams, resolve
 from .stages import ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2i, vae_scale_factor
 
-log = logging.getLogger("omniloop_flux")
-
 #: deploy ``options`` this family reads (the runtime adds deploy, registry, attention)
 KNOWN_OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "vae_dtype"})
-RUNTIME_KEYS = frozenset({"deploy", "registry", "attention"})
 
 
 def _dtype(name: Any, what: str) -> torch.dtype:
@@ -45,20 +42,25 @@ class FluxFamily:
 
     name = "flux"
     tasks = TASKS
-    supports_block_interceptors = True
-    #: post-training rollouts (omniloop.rl): the denoise loop's latents are packed 2x2 patches;
-    #: trajectories hold them unpacked ``[C, H/8, W/8]`` (issue 34: fold into the capabilities)
-    rollout_support = RolloutSupport(
-        unpack=lambda x, loop: unpack_latents(x, *loop.extra["latent_hw"]), pack=lambda x, loop: pack_latents(x))
-    #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
-    adapter_support = FLUX_ADAPTERS
-    #: deploy offload: model | sequential (omniloop.offload) — the modules that move; under sequential
-    #: the transformer streams its double- then single-stream blocks as one stack, the text encoders
-    #: their layers (CLIP's moved from text_model.encoder to encoder in transformers 5); the VAE moves whole
-    offload_components: ClassVar[dict[str, str | tuple[str, ...] | None]] = {
-        "transformer": ("transformer_blocks", "single_transformer_blocks"),
-        "text_encoder": "text_model.encoder.layers|encoder.layers", "text_encoder_2": "encoder.block", "vae": None,
-    }
+    capabilities = FamilyCapabilities(
+        block_interceptors=True,
+        #: post-training rollouts (omniloop.rl): the denoise loop's latents are packed 2x2 patches;
+        #: trajectories hold them unpacked ``[C, H/8, W/8]``
+        rollout_support=RolloutSupport(
+            unpack=lambda x, loop: unpack_latents(x, *loop.extra["latent_hw"]), pack=lambda x, loop: pack_latents(x)),
+        #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
+        adapters=FLUX_ADAPTERS,
+        #: deploy offload: model | sequential (omniloop.offload) — the modules that move; under sequential
+        #: the transformer streams its double- then single-stream blocks as one stack, the text encoders
+        #: their layers (CLIP's moved from text_model.encoder to encoder in transformers 5); the VAE moves whole
+        offload=OffloadSupport(components={
+            "transformer": ("transformer_blocks", "single_transformer_blocks"),
+            "text_encoder": "text_model.encoder.layers|encoder.layers", "text_encoder_2": "encoder.block", "vae": None,
+        }),
+        returns_latents=True,
+        options=KNOWN_OPTIONS,
+        resolve=True, task_defaults=True,
+    )
 
     # -- detect / load ------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:
@@ -67,9 +69,6 @@ class FluxFamily:
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
         """Check every file and config first (one ``CheckpointError`` naming the file), then load
         each component by the class ``model_index.json`` names (local files only)."""
-        unknown = sorted(set(options) - KNOWN_OPTIONS - RUNTIME_KEYS)
-        if unknown:
-            log.info("flux: ignoring deploy options %s (not read by this family)", ", ".join(unknown))
         vae_dtype = _dtype(options.get("vae_dtype", dtype), "vae_dtype")
         from .compile import compile_options
 

@@ -19,7 +19,7 @@ from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.media import read_image
 from omniloop.request import ImagePart, OmniRequest, TaskType
-from omniloop.resolved import Workload
+from omniloop.resolved import Workload, bounds
 from omniloop.schema import structure_params
 
 from .defaults import MAX_SEQUENCE_LENGTH
@@ -57,6 +57,8 @@ class FluxParams:
     policies: Any = None
     #: soft problems (rounded sizes, truncated prompt, ignored inputs)
     warnings: tuple[str, ...] = ()
+    #: the request field the steps came from (``node_params.denoise.steps`` when a node param set them)
+    steps_path: str = "diffusion.steps"
 
     def workload(self) -> Workload:
         """The scheduler's size of this request: the steps the loop runs (i2i: the strength's
@@ -67,12 +69,8 @@ class FluxParams:
 
             steps = strength_steps(steps, self.strength)
         return Workload(steps=steps, branches=2 if self.negative_prompt is not None else 1, frames=1,
-                        height=self.height, width=self.width)
-
-
-def _limit(limits: Any, name: str) -> int | None:
-    value = getattr(limits, name, None) if limits is not None else None
-    return int(value) if value is not None else None
+                        height=self.height, width=self.width,
+                        bounded=bounds(steps=self.steps, height=self.height, width=self.width, steps_path=self.steps_path))
 
 
 #: image roles an i2i request's input image may have (the first such part is used)
@@ -157,9 +155,6 @@ def resolve(
         raise RequestError(f"node_params.{menu.node}.strength", "strength applies to i2i requests only")
     steps = int(policies.num_steps)
     steps_path = f"node_params.{menu.node}.steps" if denoise_params.get("steps") is not None else "diffusion.steps"
-    max_steps = _limit(limits, "max_steps")
-    if max_steps is not None and steps > max_steps:
-        raise RequestError(steps_path, f"{steps} is above this deployment's limit of {max_steps}")
     if i2i:
         from omniloop_policies import strength_steps
 
@@ -192,9 +187,6 @@ def resolve(
             raise RequestError(f"diffusion.{name}", f"must be at least {multiple}, got {value}")
         if rounded != value:
             warnings.append(f"diffusion.{name} {value} is not a multiple of {multiple}: rounded down to {rounded} (as diffusers does)")
-        lim = _limit(limits, f"max_{name}")
-        if lim is not None and rounded > lim:
-            raise RequestError(f"diffusion.{name}", f"{rounded} is above this deployment's limit of {lim}")
         sizes[name] = rounded
 
     tp = (node_params or {}).get("text_encode") or text_params(request)
@@ -225,7 +217,7 @@ def resolve(
         task=request.task, prompt=prompt, height=sizes["height"], width=sizes["width"], steps=steps,
         guidance_scale=float(policies.guidance_scale), max_sequence_length=max_len,
         strength=strength if i2i else None, image=image, policies=policies, negative_prompt=negative,
-        embedded_guidance=embedded, warnings=tuple(warnings),
+        embedded_guidance=embedded, warnings=tuple(warnings), steps_path=steps_path,
     )
     return params, warnings
 

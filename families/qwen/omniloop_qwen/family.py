@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from omniloop.artifacts import Conditioning, Text
+from omniloop.capabilities import FamilyCapabilities
 from omniloop.errors import DeployError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
@@ -66,7 +67,8 @@ def resolve_fused(value: bool | str, *, graphs: bool) -> bool:
 class QwenFamily:
     name = FAMILY_NAME
     tasks = frozenset({TaskType.REASON})
-    supports_block_interceptors = False
+    #: text in, text out (streamed as it decodes): no block interceptors, no latents
+    capabilities = FamilyCapabilities(streams_partial=True, inspect=True, resolve=True)
 
     def detect(self, path: Path) -> bool:
         return looks_like_qwen(Path(path))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
+from omniloop.capabilities import FamilyCapabilities, OffloadSupport
 from omniloop.errors import CheckpointError, DeployError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
@@ -31,19 +32,25 @@ class SD3Family:
 
     name = "sd3"
     tasks = TASKS
-    supports_block_interceptors = True
-    #: post-training rollouts (omniloop.rl): the denoise loop runs them; its latents are unpacked
-    #: already (issue 34: fold into the capabilities)
-    rollout_support = RolloutSupport()
-    #: LoRA adapters (omniloop.adapters): the transformer's linears, diffusers' files
-    adapter_support = SD3_ADAPTERS
-    #: deploy offload: model | sequential (omniloop.offload) — the modules that move; under sequential
-    #: the transformer and the three text encoders stream their blocks (CLIP's layers moved from
-    #: text_model.encoder to encoder in transformers 5 for some classes); the VAE moves whole
-    offload_components: ClassVar[dict[str, str | None]] = {
-        "transformer": "transformer_blocks", "text_encoder": "text_model.encoder.layers|encoder.layers",
-        "text_encoder_2": "text_model.encoder.layers|encoder.layers", "text_encoder_3": "encoder.block", "vae": None,
-    }
+    capabilities = FamilyCapabilities(
+        block_interceptors=True,
+        #: post-training rollouts (omniloop.rl): the denoise loop runs them; its latents are unpacked already
+        rollout_support=RolloutSupport(),
+        #: LoRA adapters (omniloop.adapters): the transformer's linears, diffusers' files
+        adapters=SD3_ADAPTERS,
+        #: deploy offload: model | sequential (omniloop.offload) — the modules that move; under sequential
+        #: the transformer and the three text encoders stream their blocks (CLIP's layers moved from
+        #: text_model.encoder to encoder in transformers 5 for some classes); the VAE moves whole
+        offload=OffloadSupport(components={
+            "transformer": "transformer_blocks", "text_encoder": "text_model.encoder.layers|encoder.layers",
+            "text_encoder_2": "text_model.encoder.layers|encoder.layers", "text_encoder_3": "encoder.block",
+            "vae": None,
+        }),
+        returns_latents=True,
+        #: deploy options read: options.qkv and the compile settings (check_options)
+        options={"qkv", "compile_backend", "compile_mode", "compile_dynamic"},
+        resolve=True, task_defaults=True,
+    )
 
     # -- detect / load ------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:

@@ -69,6 +69,8 @@ class SD3Params:
     policies: Any = None
     #: soft problems (a prompt longer than the encoders read, an ignored image)
     warnings: tuple[str, ...] = ()
+    #: the request field the steps came from (``node_params.denoise.steps`` when a node param set them)
+    steps_path: str = "diffusion.steps"
 
     @property
     def steps_run(self) -> int:
@@ -78,16 +80,13 @@ class SD3Params:
         return self.steps - int(max(self.steps - min(self.steps * self.strength, self.steps), 0))
 
     def workload(self) -> Any:
-        """The scheduler's prior: steps, forwards per step (2 with CFG), the output size."""
-        from omniloop.resolved import Workload
+        """The scheduler's prior: steps, forwards per step (2 with CFG), the output size;
+        ``bounded``: what the runtime checks against the deploy's limits."""
+        from omniloop.resolved import Workload, bounds
 
         return Workload(steps=self.steps_run, branches=2 if self.guidance_scale > 1.0 else 1, frames=1,
-                        height=self.height, width=self.width)
-
-
-def _limit(limits: Any, name: str) -> int | None:
-    v = getattr(limits, name, None) if limits is not None else None
-    return int(v) if v is not None else None
+                        height=self.height, width=self.width,
+                        bounded=bounds(steps=self.steps, height=self.height, width=self.width, steps_path=self.steps_path))
 
 
 def load_image_part(request: OmniRequest) -> tuple[torch.Tensor, str]:
@@ -156,9 +155,6 @@ def resolve(
     if steps is None:
         steps = len(policies.timesteps or policies.sampler.timesteps_list)
     steps_path = "node_params.denoise.steps" if raw.steps is not None else "diffusion.steps"
-    max_steps = _limit(limits, "max_steps")
-    if max_steps is not None and steps > max_steps:
-        raise RequestError(steps_path, f"{steps} is above this deployment's limit of {max_steps}")
 
     multiple = cfg["size_multiple"]
     sizes = {}
@@ -175,9 +171,6 @@ def resolve(
             raise RequestError(
                 f"diffusion.{name}", f"{value} is above what the transformer's position embedding covers ({top})"
             )
-        lim = _limit(limits, f"max_{name}")
-        if lim is not None and value > lim:
-            raise RequestError(f"diffusion.{name}", f"{value} is above this deployment's limit of {lim}")
         sizes[name] = value
     if d.frames not in (None, 1):
         raise RequestError("diffusion.frames", f"an image request makes one frame, got {d.frames}")
@@ -219,7 +212,7 @@ def resolve(
     params = SD3Params(
         task=task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
         steps=int(steps), guidance_scale=float(policies.guidance_scale), max_sequence_length=int(msl),
-        strength=strength, image=image, policies=policies, warnings=tuple(warnings),
+        strength=strength, image=image, policies=policies, warnings=tuple(warnings), steps_path=steps_path,
     )
     return params, warnings
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
+from omniloop.capabilities import FamilyCapabilities, OffloadSupport, ParallelSupport, Rollout
 from omniloop.errors import CheckpointError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
@@ -20,10 +21,41 @@ from . import checkpoint as ck
 from .causal.pipeline import build_causal_pipeline, causal_options, rollout_mode
 from .defaults import defaults_for, model_kind, tasks_of
 from .lora import WAN_ADAPTERS
+from .options import KNOWN as WAN_OPTIONS
 from .options import WanOptions, parse_options
 from .policies import menu_for
 from .resolve import WanParams, resolve
 from .stages import Denoise, ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2v
+
+
+def offload_refusal(mode: str, options: Mapping[str, Any]) -> str | None:
+    """Why ``offload: mode`` cannot run with these family options (omniloop.placement.check_offload)."""
+    if mode == "sequential" and options.get("rollout") == "causal":
+        return ("cannot stream the blocks of options.rollout: causal (its chunk forward calls each block's "
+                "layers directly, so no block hook runs); use offload: model")
+    return None
+
+
+def attention_grid_refusal(deploy: Any, options: Mapping[str, Any]) -> str | None:
+    """Why a backend taking the token grid (``accepts_grid``: ``sparse-tile``) would not get it
+    (omniloop.placement.check_attention_grid): the bidirectional forward passes it
+    (``attention.set_token_grid``); Ulysses' all-to-all wrapper and the causal rollout's chunk
+    attention do not, so their self-attention would run dense."""
+    sp = deploy.parallel.sp
+    if sp > 1:
+        return (f"parallel.sp={sp} (Ulysses) passes none: it would compute dense attention; "
+                "use parallel.sp: 1 or another backend")
+    if rollout_mode(options) == "causal":
+        return ("options.rollout: causal (chunk attention) passes none: it would compute dense attention; "
+                "use the bidirectional rollout or another backend")
+    return None
+
+
+def attention_heads(path: Path) -> int | None:
+    """The transformer's attention heads from its config (``parallel.sp`` must divide them)."""
+    from .parallel import attention_heads
+
+    return attention_heads(path)
 
 
 class WanFamily:
@@ -31,52 +63,36 @@ class WanFamily:
 
     name = "wan"
     tasks = frozenset({TaskType.T2V, TaskType.I2V})
-    supports_block_interceptors = True
-    #: post-training rollouts (omniloop.rl): the denoise loop runs them; its latents are unpacked
-    #: already (issue 34: fold into the capabilities)
-    rollout_support = RolloutSupport()
-    #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
-    adapter_support = WAN_ADAPTERS
-    #: deploy parallel: {sp, cfg} — Ulysses sequence parallel and CFG-parallel (omniloop_wan.parallel)
-    parallel_axes = frozenset({"sp", "cfg"})
-    parallel_limits: ClassVar[dict[str, int]] = {"cfg": 2}  # one rank per guidance branch (cond, uncond)
-    parallel_block_interceptors = True  # bound to the sp group (omniloop_wan.parallel.bind_block_interceptor)
-    #: deploy placement (role pools, omniloop-parallel): components whose stages may run in a worker process
-    role_components = frozenset({"text_encoder", "image_encoder", "vae"})
-    #: deploy offload: model | sequential (omniloop.offload) — the modules that move, and the block list
-    #: each streams one block at a time under ``sequential`` (the VAE moves whole; CLIP's layers moved
-    #: from ``vision_model.encoder`` to ``encoder`` in transformers 5: both spellings)
-    offload_components: ClassVar[dict[str, str | None]] = {
-        "transformer": "blocks", "transformer_2": "blocks", "text_encoder": "encoder.block",
-        "image_encoder": "encoder.layers|vision_model.encoder.layers", "vae": None,
-    }
-
-    def offload_refusal(self, mode: str, options: Mapping[str, Any]) -> str | None:
-        """Why ``offload: mode`` cannot run with these family options (omniloop.placement.check_offload)."""
-        if mode == "sequential" and options.get("rollout") == "causal":
-            return ("cannot stream the blocks of options.rollout: causal (its chunk forward calls each block's "
-                    "layers directly, so no block hook runs); use offload: model")
-        return None
-
-    def attention_grid_refusal(self, deploy: Any, options: Mapping[str, Any]) -> str | None:
-        """Why a backend taking the token grid (``accepts_grid``: ``sparse-tile``) would not get it
-        (omniloop.placement.check_attention_grid): the bidirectional forward passes it
-        (``attention.set_token_grid``); Ulysses' all-to-all wrapper and the causal rollout's chunk
-        attention do not, so their self-attention would run dense."""
-        sp = int(getattr(getattr(deploy, "parallel", None), "sp", 1) or 1)
-        if sp > 1:
-            return (f"parallel.sp={sp} (Ulysses) passes none: it would compute dense attention; "
-                    "use parallel.sp: 1 or another backend")
-        if rollout_mode(options) == "causal":
-            return ("options.rollout: causal (chunk attention) passes none: it would compute dense attention; "
-                    "use the bidirectional rollout or another backend")
-        return None
-
-    def attention_heads(self, path: Path) -> int | None:
-        """The transformer's attention heads from its config (``parallel.sp`` must divide them)."""
-        from .parallel import attention_heads
-
-        return attention_heads(path)
+    capabilities = FamilyCapabilities(
+        block_interceptors=True,
+        #: post-training rollouts (omniloop.rl): the denoise loop runs them; its latents are unpacked already
+        rollout_support=RolloutSupport(),
+        #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
+        adapters=WAN_ADAPTERS,
+        #: deploy offload: model | sequential (omniloop.offload) — the modules that move, and the block
+        #: list each streams one block at a time under ``sequential`` (the VAE moves whole; CLIP's layers
+        #: moved from ``vision_model.encoder`` to ``encoder`` in transformers 5: both spellings)
+        offload=OffloadSupport(components={
+            "transformer": "blocks", "transformer_2": "blocks", "text_encoder": "encoder.block",
+            "image_encoder": "encoder.layers|vision_model.encoder.layers", "vae": None,
+        }, refusal=offload_refusal),
+        #: deploy parallel: {sp, cfg} — Ulysses sequence parallel and CFG-parallel (omniloop_wan.parallel);
+        #: cfg: one rank per guidance branch (cond, uncond); block interceptors bound to the sp group
+        #: (omniloop_wan.parallel.bind_block_interceptor)
+        parallel=ParallelSupport(axes={"sp", "cfg"}, limits={"cfg": 2}, attention_heads=attention_heads,
+                                 block_interceptors=True),
+        attention_grid=attention_grid_refusal,
+        #: deploy placement (role pools, omniloop-parallel): components whose stages may run in a worker
+        role_components={"text_encoder", "image_encoder", "vae"},
+        returns_latents=True,
+        #: options.rollout: bidirectional (the ordinary pipeline) or causal (chunk streaming, issue 21)
+        rollouts=(Rollout("bidirectional", returns_latents=True, description="the whole clip at once"),
+                  Rollout("causal", streams=True, description="chunk by chunk, KV-cached (omniloop_wan.causal); "
+                          "its output is the decoded video only")),
+        #: deploy options read (omniloop_wan.options.KNOWN)
+        options=WAN_OPTIONS,
+        resolve=True, supported_tasks=True, task_defaults=True,
+    )
 
     # -- detect / load ------------------------------------------------------------------------
     def detect(self, path: Path) -> bool:

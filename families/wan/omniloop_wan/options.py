@@ -33,7 +33,8 @@
 =====================  =====================================================================
 
 The runtime adds ``deploy``, ``registry`` and ``attention`` (the deploy's attention backend).
-Unknown keys are logged and ignored (other plugins may read the same options).
+Unknown keys are refused by the core before anything loads (``WanFamily.capabilities.options``
+is :data:`KNOWN`); :func:`parse_options`, called directly with an unknown key, warns.
 """
 
 from __future__ import annotations

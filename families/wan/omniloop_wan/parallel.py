@@ -36,7 +36,7 @@ from omniloop.loop import LoopState, RequestState, StepResult
 
 from .denoise import Denoise, _note_expert, split_rows, stack_inputs
 
-#: the axes Wan implements (``family.parallel_axes``)
+#: the axes Wan implements (``capabilities.parallel.axes``)
 AXES = frozenset({"sp", "cfg"})
 
 

@@ -3,8 +3,9 @@
 ``Runtime.prepare`` calls it exactly once, after the core validated the request's fields and
 ``node_params`` (ranges in the attrs metadata of ``DiffusionParams`` / ``DenoiseParams``, one
 cattrs converter). What is checked here needs the checkpoint: frame counts of the VAE's temporal
-scale, sizes multiple of its spatial scale, the step/size limits on resolved defaults, the
-image input of I2V, prompt length. Every check raises :class:`omniloop.errors.RequestError`
+scale, sizes multiple of its spatial scale, the image input of I2V, prompt length. The deploy's
+step/size limits are not checked here: the runtime checks ``WanParams.workload().bounded`` once,
+after resolve (``omniloop.resolved.check_limits``). Every check raises :class:`omniloop.errors.RequestError`
 naming the field (``diffusion.frames``, ``inputs[1].path``, ``task``) before any compute; soft
 problems (a truncated prompt, an image given to a text-to-video request) come back in
 ``WanParams.warnings``.
@@ -23,7 +24,7 @@ from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.media import read_image
 from omniloop.request import ImagePart, OmniRequest, TaskType
-from omniloop.resolved import Workload
+from omniloop.resolved import Workload, bounds
 
 from .defaults import TEXT_LEN
 
@@ -49,16 +50,16 @@ class WanParams:
     policies: Any = None
     #: soft problems (truncated prompt, ignored image inputs)
     warnings: tuple[str, ...] = ()
+    #: the request field the steps came from (``node_params.denoise.steps`` when a node param set them)
+    steps_path: str = "diffusion.steps"
 
     def workload(self) -> Workload:
-        """The scheduler's size of this request (guidance branches before the CFG policy's init)."""
+        """The scheduler's size of this request (guidance branches before the CFG policy's init);
+        ``bounded``: what the runtime checks against the deploy's limits."""
         return Workload(steps=self.steps, branches=2 if self.guidance_scale > 1.0 else 1, frames=self.frames,
-                        height=self.height, width=self.width)
-
-
-def _limit(limits: Any, name: str) -> int | None:
-    value = getattr(limits, name, None) if limits is not None else None
-    return int(value) if value is not None else None
+                        height=self.height, width=self.width,
+                        bounded=bounds(steps=self.steps, frames=self.frames, height=self.height, width=self.width,
+                                       steps_path=self.steps_path))
 
 
 #: image roles the I2V pipelines condition on (the first frame)
@@ -95,7 +96,8 @@ def resolve(
     model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True, menu: Any = None,
     node_params: Any = None,
 ) -> tuple[WanParams, list[str]]:
-    """Check ``request`` against ``model`` and ``limits``; return its resolved params and warnings.
+    """Check ``request`` against ``model``; return its resolved params and warnings (``limits`` are
+    the runtime's to check, on the result).
 
     ``menu`` is the model's policy menu (default: :func:`omniloop_wan.policies.menu_for`); the
     denoise policies are resolved and checked here too, so a bad ``node_params.denoise`` fails
@@ -132,9 +134,6 @@ def resolve(
     node_steps = getattr(structured, "steps", None) if structured is not None else (
         (request.node_params or {}).get(menu.node) or {}).get("steps")
     steps_path = f"node_params.{menu.node}.steps" if node_steps is not None else "diffusion.steps"
-    max_steps = _limit(limits, "max_steps")
-    if max_steps is not None and steps > max_steps:
-        raise RequestError(steps_path, f"{steps} is above this deployment's limit of {max_steps}")
     guidance = policies.guidance_scale
 
     t_scale = cfg["vae_scale_temporal"]
@@ -146,9 +145,6 @@ def resolve(
             f"must be of the form {t_scale}k+1 (1, {1 + t_scale}, {1 + 2 * t_scale}, ...), got {frames}; "
             f"try {lo} or {lo + t_scale}",
         )
-    max_frames = _limit(limits, "max_frames")
-    if max_frames is not None and frames > max_frames:
-        raise RequestError("diffusion.frames", f"{frames} is above this deployment's limit of {max_frames}")
 
     multiple = cfg["size_multiple"]
     sizes = {}
@@ -157,9 +153,6 @@ def resolve(
         value = int(defaults[name]) if value is None else value
         if value < multiple or value % multiple:
             raise RequestError(f"diffusion.{name}", f"must be a positive multiple of {multiple}, got {value}")
-        lim = _limit(limits, f"max_{name}")
-        if lim is not None and value > lim:
-            raise RequestError(f"diffusion.{name}", f"{value} is above this deployment's limit of {lim}")
         sizes[name] = value
 
     fps = d.fps if d.fps is not None else float(defaults.get("fps", 16.0))
@@ -198,6 +191,6 @@ def resolve(
     params = WanParams(
         task=request.task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
         frames=frames, steps=int(steps), guidance_scale=float(guidance), shift=policies.requested_shift,
-        fps=float(fps), image=image, policies=policies, warnings=tuple(warnings),
+        fps=float(fps), image=image, policies=policies, warnings=tuple(warnings), steps_path=steps_path,
     )
     return params, warnings

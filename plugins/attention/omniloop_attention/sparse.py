@@ -34,7 +34,7 @@ applies where the family said the keys are the query's own video grid.
 Distribution-altering: refused for ``exact: true`` requests. Refused at load when this torch has
 no ``flex_attention`` (torch < 2.5), and wherever the deployment would never pass a grid, so the
 backend would compute dense attention under its sparse name (``omniloop.placement.check_attention_grid``:
-a family without ``attention_grid_refusal``, or one that objects — Wan under ``parallel.sp > 1``
+a family that declares no ``capabilities.attention_grid``, or one that objects — Wan under ``parallel.sp > 1``
 or the causal rollout).
 """
 

@@ -146,9 +146,7 @@ def default_fps(rt: Any, tasks: set[str]) -> float | None:
             fps = None
     if not fps:
         cfg = getattr(rt.model, "config", None) or {}
-        defaults = cfg.get("defaults") if isinstance(cfg, dict) else None
-        if not isinstance(defaults, dict):
-            defaults = getattr(rt.family, "defaults", None) or {}
+        defaults = cfg.get("defaults") if isinstance(cfg, dict) else None  # the family's task_defaults came first
         fps = defaults.get("fps") if isinstance(defaults, dict) else None
     return float(fps) if isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0 else None
 
@@ -223,7 +221,7 @@ class OmniloopDynamoWorker:
     def _setup_model_facts(self) -> None:
         rt = self.runtime
         # what the checkpoint can do (a t2v checkpoint of a family that also does i2v: t2v only)
-        tasks = getattr(rt, "supported_tasks", None) or rt.tasks
+        tasks = rt.supported_tasks  # a plain Runtime here (check_in_process)
         self._tasks = {getattr(t, "value", str(t)) for t in tasks}
         self._default_fps = default_fps(rt, self._tasks)
         if not self.model_name:

@@ -90,6 +90,12 @@ class ParallelRuntime:
         self._conn: Any = None
         self._start()
 
+    @property
+    def supported_tasks(self) -> frozenset[Any]:
+        """The tasks the checkpoint can do, as far as is known without loading it here (the
+        workers load it): what front ends advertise (``Runtime.supported_tasks``)."""
+        return self.deployment.supported_tasks
+
     # -- pool lifecycle --------------------------------------------------------------------------
     def _start(self) -> None:
         ctx = mp.get_context("spawn")

@@ -11,9 +11,9 @@ final ``proj_out`` live outside the blocks and stay in the model dtype.
 The core calls :func:`check_deploy` (the spec's ``check``) before any weight loads (device, dtype and combinations) and
 :func:`apply` right after the family loads its components (before any compiled block is traced).
 Which modules are "the denoiser's blocks" is family-independent: a family may declare
-``quant_blocks = {component: "attr.path|other.path"}``; otherwise the components LoRA adapters
-target (``adapter_support.components``), else the ``transformer*`` entries of
-``offload_components``, with their declared block lists (``blocks``, ``transformer_blocks``,
+``FamilyCapabilities(quant_blocks={component: "attr.path|other.path"})``; otherwise the components
+LoRA adapters target (``capabilities.adapters.components``), else the ``transformer*`` entries of
+``capabilities.offload.components``, with their declared block lists (``blocks``, ``transformer_blocks``,
 ``single_transformer_blocks`` when none is declared).
 
 FP8 linears change outputs (distribution-altering): ``exact: true`` requests are refused by the
@@ -28,6 +28,7 @@ from typing import Any
 
 from torch import nn
 
+from omniloop.capabilities import capabilities_of
 from omniloop.errors import DeployError
 
 from .fp8 import (
@@ -56,11 +57,11 @@ _DEFAULT_BLOCK_LISTS = "blocks|transformer_blocks|single_transformer_blocks"
 def denoiser_blocks(components: Mapping[str, Any], family: Any) -> list[tuple[str, nn.Module]]:
     """``(label, block)`` for every transformer block of the family's denoiser components present
     in ``components`` (see the module docstring for how they are found)."""
-    declared = getattr(family, "quant_blocks", None)
+    caps = capabilities_of(family)
+    declared = caps.quant_blocks
     if not declared:
-        offload = dict(getattr(family, "offload_components", None) or {})
-        support = getattr(family, "adapter_support", None)
-        comps = (tuple(getattr(support, "components", ()) or ())
+        offload = dict(caps.offload.components) if caps.offload is not None else {}
+        comps = (tuple(caps.adapters.components if caps.adapters is not None else ())
                  or tuple(n for n in offload if n.startswith("transformer")) or ("transformer",))
         declared = {c: offload.get(c) or _DEFAULT_BLOCK_LISTS for c in comps}
     out: list[tuple[str, nn.Module]] = []
@@ -125,8 +126,8 @@ def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
         return None
     blocks = denoiser_blocks(model.components, family)
     if not blocks:
-        raise DeployError(f"linear_precision: 'fp8': family {getattr(family, 'name', '?')!r} has no transformer "
-                          "blocks to quantise (declare quant_blocks = {component: 'blocks'})")
+        raise DeployError(f"linear_precision: 'fp8': family {family.name!r} has no transformer "
+                          "blocks to quantise (declare FamilyCapabilities(quant_blocks={component: 'blocks'}))")
     report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks])
     report = {"mode": mode, "blocks": len(blocks), **report, "stray_weights": stray_weights(blocks)}
     model.config["linear_precision"] = report

@@ -147,7 +147,7 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
         rt = self.runtime
         self.model_id = rt.deploy.model.preset or Path(str(rt.model_path)).name
-        self.tasks = frozenset(getattr(rt, "supported_tasks", None) or getattr(rt, "tasks", None) or rt.family.tasks)
+        self.tasks = frozenset(rt.supported_tasks)  # every runtime kind says what its checkpoint can do
         self.video_defaults = _defaults(rt, TaskType.T2V if TaskType.T2V in self.tasks else TaskType.I2V)
         cfg = getattr(rt.model, "config", None) or {}
         ts = cfg.get("vae_scale_temporal") if isinstance(cfg, dict) else None

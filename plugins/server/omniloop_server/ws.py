@@ -205,7 +205,8 @@ def video_stream_routes(api: Any) -> list[Any]:
                 r["request_id"] = f"ws-{secrets.token_hex(12)}"
                 if rollout is not None:
                     r.setdefault("node_params", {})["rollout"] = rollout
-                r.setdefault("outputs", {})["stream_partial"] = True  # the chunks are what this endpoint sends
+                if _causal(state.runtime):  # the chunks are what this endpoint sends (a non-streaming
+                    r.setdefault("outputs", {})["stream_partial"] = True  # rollout refuses partials: issue 34)
                 (h,) = await api.submit(mapped)
             except Exception as exc:
                 return None, error_payload(exc, mapped)
