@@ -7,21 +7,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from omniloop_kit.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str) -> Any:  # lazy: importing the package must not import torch/diffusers
-    if name == "FluxFamily":
-        from .family import FluxFamily
-
-        return FluxFamily
-    if name == "build_tiny_checkpoint":
-        from .tiny import build_tiny_checkpoint
-
-        return build_tiny_checkpoint
-    raise AttributeError(name)
+# lazy: importing the package must not import torch/diffusers
+__getattr__ = lazy_exports(__name__, {"FluxFamily": ".family", "build_tiny_checkpoint": ".tiny"})
 
 
 __all__ = ["FluxFamily", "__version__", "build_tiny_checkpoint"]

@@ -10,11 +10,12 @@ import torch
 
 from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
 from omniloop.capabilities import FamilyCapabilities, OffloadSupport
-from omniloop.errors import CheckpointError, DeployError, RequestError
+from omniloop.errors import CheckpointError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop.rl import RolloutSupport
+from omniloop_kit.options import dtype_option
 
 from . import checkpoint as ck
 from .defaults import TASKS, defaults_for, variant_of
@@ -28,13 +29,7 @@ from .stages import ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2i
 KNOWN_OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "vae_dtype"})
 
 
-def _dtype(name: Any, what: str) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise DeployError(f"options.{what}: must be one of {', '.join(table)}, not {name!r}")
-    return table[name]
+_dtype = dtype_option  # the family option's dtype (omniloop-kit)
 
 
 class FluxFamily:

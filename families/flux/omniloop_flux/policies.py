@@ -20,50 +20,32 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omniloop.errors import DeployError
 from omniloop.family import LoadedModel
-
-MENU_KEY = "policy_menu"
-NODE = "denoise"
+from omniloop_kit.policies import MENU_KEY, NODE, cached_menu, deploy_policies
+from omniloop_kit.policies import build_menu as kit_menu
 
 
 def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> Any:
-    from omniloop_policies import (
-        ConstantShift,
-        PolicyError,
-        PolicyMenu,
-        PrecisionPolicy,
-        ResolutionShift,
-        SchedulerConfigError,
-    )
+    """omniloop-kit's menu with FLUX's fixed choices; the deploy's ``policies:`` takes no key
+    (an entry is refused, naming the family)."""
+    from omniloop_policies import ConstantShift, PrecisionPolicy, ResolutionShift
 
-    comps = model.components
-    scheduler = comps["scheduler"]
-    sched_config = dict(scheduler.config)
-    sched_config.setdefault("_class_name", type(scheduler).__name__)
-    source = str(model.path / "scheduler" / "scheduler_config.json") if model.path is not None else "scheduler config"
-    dynamic = bool(sched_config.get("use_dynamic_shifting", False))
-    shift = ResolutionShift.from_config(sched_config) if dynamic else ConstantShift()
-    dtype = comps["transformer"].dtype
+    options = options or {}
+    deploy = deploy_policies(options, "flux", keys=())
+    sched_config = dict(model.components["scheduler"].config)
+    shift = ResolutionShift.from_config(sched_config) if sched_config.get("use_dynamic_shifting") else ConstantShift()
+    dtype = model.components["transformer"].dtype
     precision = PrecisionPolicy(dtypes={"transformer": dtype}, default_dtype=dtype, step_dtype=None)
     defaults = model.config["defaults"]
-    try:
-        return PolicyMenu.build(
-            sched_config, source=source, samplers=["flow-euler"], cfgs=["embedded", "classic"],
-            sampler_options={"flow-euler": {"sigma_schedule": "linear"}}, default_sampler="flow-euler",
-            default_cfg="embedded", shift=shift, precision=precision,
-            default_guidance_scale=float(defaults["guidance_scale"]), default_steps=int(defaults["steps"]), node=NODE,
-        )
-    except SchedulerConfigError:
-        raise  # a CheckpointError naming the file
-    except (PolicyError, TypeError, ValueError) as err:
-        raise DeployError(f"policies: {err}") from None
+    return kit_menu(model, options, deploy, samplers=["flow-euler"], cfgs=["embedded", "classic"],
+                    sampler_options={"flow-euler": {"sigma_schedule": "linear"}}, default_sampler="flow-euler",
+                    default_cfg="embedded", shift=shift, precision=precision,
+                    default_guidance_scale=float(defaults["guidance_scale"]), default_steps=int(defaults["steps"]))
 
 
 def menu_for(model: LoadedModel, options: Mapping[str, Any] | None = None) -> Any:
     """The model's menu, built on first use and kept in ``model.config["policy_menu"]``."""
-    menu = model.config.get(MENU_KEY)
-    if menu is None:
-        menu = build_menu(model, options)
-        model.config[MENU_KEY] = menu
-    return menu
+    return cached_menu(model, lambda: build_menu(model, options))
+
+
+__all__ = ["MENU_KEY", "NODE", "build_menu", "menu_for"]

@@ -7,8 +7,6 @@ rounded down, a truncated prompt, a negative prompt this model does not use) com
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any
 
 import attrs
@@ -17,10 +15,11 @@ from attrs import define, field
 
 from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
-from omniloop.media import read_image
 from omniloop.request import ImagePart, OmniRequest, TaskType
 from omniloop.resolved import Workload, bounds
 from omniloop.schema import structure_params
+from omniloop_kit.inputs import count_tokens as kit_count_tokens
+from omniloop_kit.inputs import image_part
 
 from .defaults import MAX_SEQUENCE_LENGTH
 
@@ -79,21 +78,10 @@ IMAGE_ROLES = ("image", "reference", "first_frame")
 
 def load_image_part(request: OmniRequest) -> torch.Tensor:
     """Decode the request's input image (the first part with a role in :data:`IMAGE_ROLES`)."""
-    for i, part in enumerate(request.inputs):
-        if not isinstance(part, ImagePart) or part.role not in IMAGE_ROLES:
-            continue
-        if part.path is not None and part.data_b64 is not None:
-            raise RequestError(f"inputs[{i}]", "give an image as path or data_b64, not both")
-        if part.path is not None:
-            return read_image(part.path, name=f"inputs[{i}].path")
-        if part.data_b64 is not None:
-            try:
-                data = base64.b64decode(part.data_b64, validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise RequestError(f"inputs[{i}].data_b64", f"is not valid base64 ({exc})") from None
-            return read_image(data, name=f"inputs[{i}].data_b64")
-        raise RequestError(f"inputs[{i}]", "an image part needs a path or data_b64")
-    raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
+    got = image_part(request, IMAGE_ROLES)
+    if got is None:
+        raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
+    return got[0]
 
 
 def text_params(request: OmniRequest) -> TextParams:
@@ -106,7 +94,7 @@ def text_params(request: OmniRequest) -> TextParams:
 
 
 def count_tokens(tokenizer: Any, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
+    return kit_count_tokens(tokenizer, text)
 
 
 def resolve(

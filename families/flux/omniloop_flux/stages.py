@@ -14,39 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from attrs import define
 
-from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
+from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
 from omniloop.context import StageContext
 from omniloop.loop import RequestState
 from omniloop.request import TaskType
+from omniloop_kit.stages import ImageFrames, module_device, return_latents, vae_scale_factor
+from omniloop_kit.stages import params_of as kit_params_of
 
 from .resolve import FluxParams, resolve
 
 
-@define(kw_only=True)
-class ImageFrames(Image):
-    """uint8 pixels ``[H, W, 3]`` on the CPU — the core's ``Image``, which the server and the CLI
-    read — with ``frames``, the same picture as one frame ``[1, H, W, 3]``."""
-
-    @property
-    def frames(self) -> torch.Tensor:
-        return self.pixels.unsqueeze(0)
-
-
 def params_of(state: RequestState) -> FluxParams:
-    return state.read("params", Conditioning).values["params"]
-
-
-def module_device(module: Any) -> torch.device:
-    try:
-        return next(module.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
-
-
-def vae_scale_factor(vae: Any) -> int:
-    return 2 ** (len(vae.config.block_out_channels) - 1)
+    return kit_params_of(state)  # type: ignore[no-any-return]
 
 
 class Validate:
@@ -175,9 +155,7 @@ class Output:
         state.write("image", ImageFrames(pixels=frames[0]), ctx.node.name)
         if ctx.taps_enabled:
             ctx.tap("image", frames, None)
-        if state.request.outputs.return_latents:
-            lat = state.read("denoised", Latents)
-            state.write("latents", Latents(tensor=lat.tensor.detach().cpu(), modality="image"), ctx.node.name)
+        return_latents(ctx, state, "image")
 
 
 def is_i2i(request: Any) -> bool:

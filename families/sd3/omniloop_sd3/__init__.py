@@ -7,21 +7,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from omniloop_kit.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str) -> Any:  # lazy: importing the package must not import torch/diffusers
-    if name == "SD3Family":
-        from .family import SD3Family
-
-        return SD3Family
-    if name == "build_tiny_checkpoint":
-        from .tiny import build_tiny_checkpoint
-
-        return build_tiny_checkpoint
-    raise AttributeError(name)
+# lazy: importing the package must not import torch/diffusers
+__getattr__ = lazy_exports(__name__, {"SD3Family": ".family", "build_tiny_checkpoint": ".tiny"})
 
 
 __all__ = ["SD3Family", "__version__", "build_tiny_checkpoint"]

@@ -12,8 +12,6 @@ how much of the schedule to run, ``0 < strength <= 1``); ``node_params.text_enco
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any
 
 import attrs
@@ -22,9 +20,9 @@ from attrs import define, field
 
 from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
-from omniloop.media import read_image
 from omniloop.request import ImagePart, OmniRequest, TaskType
 from omniloop.schema import structure_params
+from omniloop_kit.inputs import count_tokens, image_part
 from omniloop_policies import DenoiseParams
 
 from .policies import menu_for
@@ -91,25 +89,14 @@ class SD3Params:
 
 def load_image_part(request: OmniRequest) -> tuple[torch.Tensor, str]:
     """Decode the request's input image (the first image part); pixels and its field path."""
-    for i, part in enumerate(request.inputs):
-        if not isinstance(part, ImagePart) or part.role not in IMAGE_ROLES:
-            continue
-        if part.path is not None and part.data_b64 is not None:
-            raise RequestError(f"inputs[{i}]", "give an image as path or data_b64, not both")
-        if part.path is not None:
-            return read_image(part.path, name=f"inputs[{i}].path"), f"inputs[{i}]"
-        if part.data_b64 is not None:
-            try:
-                data = base64.b64decode(part.data_b64, validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise RequestError(f"inputs[{i}].data_b64", f"is not valid base64 ({exc})") from None
-            return read_image(data, name=f"inputs[{i}].data_b64"), f"inputs[{i}]"
-        raise RequestError(f"inputs[{i}]", "an image part needs a path or data_b64")
-    raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
+    got = image_part(request, IMAGE_ROLES)
+    if got is None:
+        raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
+    return got
 
 
 def _token_count(tokenizer: Any, text: str) -> int:
-    return len(tokenizer(text, truncation=False, verbose=False)["input_ids"])
+    return count_tokens(tokenizer, text)
 
 
 def resolve(

@@ -12,35 +12,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from attrs import define
 
-from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
+from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
 from omniloop.context import StageContext
 from omniloop.loop import RequestState
 from omniloop.request import TaskType
+from omniloop_kit.stages import ImageFrames, return_latents
+from omniloop_kit.stages import module_device as _module_device
+from omniloop_kit.stages import params_of as kit_params_of
 
 from .resolve import SD3Params, resolve
 
 
-@define(kw_only=True)
-class ImageFrames(Image):
-    """uint8 pixels ``[H, W, 3]`` on the CPU (the core's ``Image``, read by the server and the CLI);
-    ``frames`` is the same picture as one frame ``[1, H, W, 3]``."""
-
-    @property
-    def frames(self) -> torch.Tensor:
-        return self.pixels.unsqueeze(0)
-
-
 def params_of(state: RequestState) -> SD3Params:
-    return state.read("params", Conditioning).values["params"]
-
-
-def _module_device(module: Any) -> torch.device:
-    try:
-        return next(module.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
+    return kit_params_of(state)  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,9 +166,7 @@ class Output:
         state.write("image", ImageFrames(pixels=pixels), ctx.node.name)
         if ctx.taps_enabled:
             ctx.tap("image", pixels, None)
-        if state.request.outputs.return_latents:
-            lat = state.read("denoised", Latents).tensor
-            state.write("latents", Latents(tensor=lat.detach().cpu(), modality="image"), ctx.node.name)
+        return_latents(ctx, state, "image")
 
 
 def is_i2i(request: Any) -> bool:

@@ -16,6 +16,7 @@ from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop.rl import RolloutSupport
+from omniloop_kit.options import dtype_option
 
 from . import checkpoint as ck
 from .causal.pipeline import build_causal_pipeline, causal_options, rollout_mode
@@ -343,15 +344,7 @@ def configure(model: LoadedModel, opts: WanOptions, device: Any = None) -> None:
     )
 
 
-def _dtype(name: Any, what: str) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        from omniloop.errors import DeployError
-
-        raise DeployError(f"options.{what}: must be one of {', '.join(table)}, not {name!r}")
-    return table[name]
+_dtype = dtype_option  # the family option's dtype (omniloop-kit)
 
 
 def describe_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -13,8 +13,6 @@ problems (a truncated prompt, an image given to a text-to-video request) come ba
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any
 
 import attrs
@@ -22,9 +20,10 @@ import torch
 
 from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
-from omniloop.media import read_image
 from omniloop.request import ImagePart, OmniRequest, TaskType
 from omniloop.resolved import Workload, bounds
+from omniloop_kit.inputs import count_tokens as kit_count_tokens
+from omniloop_kit.inputs import image_part
 
 from .defaults import TEXT_LEN
 
@@ -68,28 +67,14 @@ FIRST_FRAME_ROLES = ("image", "first_frame")
 
 def load_image_part(request: OmniRequest) -> tuple[torch.Tensor | None, str]:
     """Decode the request's first-frame image part; return (pixels or None, its field path)."""
-    for i, part in enumerate(request.inputs):
-        if not isinstance(part, ImagePart) or part.role not in FIRST_FRAME_ROLES:
-            continue
-        if part.path is not None and part.data_b64 is not None:
-            raise RequestError(f"inputs[{i}]", "give an image as path or data_b64, not both")
-        if part.path is not None:
-            return read_image(part.path, name=f"inputs[{i}].path"), f"inputs[{i}]"
-        if part.data_b64 is not None:
-            try:
-                data = base64.b64decode(part.data_b64, validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise RequestError(f"inputs[{i}].data_b64", f"is not valid base64 ({exc})") from None
-            return read_image(data, name=f"inputs[{i}].data_b64"), f"inputs[{i}]"
-        raise RequestError(f"inputs[{i}]", "an image part needs a path or data_b64")
-    return None, ""
+    return image_part(request, FIRST_FRAME_ROLES) or (None, "")
 
 
 def count_tokens(tokenizer: Any, text: str) -> int:
     """Tokens the text encoder would see before truncation (special tokens included)."""
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-    return len(tokenizer(prompt_clean(text), add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
+    return kit_count_tokens(tokenizer, text, clean=prompt_clean)
 
 
 def resolve(

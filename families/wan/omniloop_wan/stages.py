@@ -20,6 +20,8 @@ from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, Video
 from omniloop.context import StageContext
 from omniloop.loop import RequestState
 from omniloop.request import TaskType
+from omniloop_kit.stages import module_device as _module_device
+from omniloop_kit.stages import return_latents
 
 from .defaults import TEXT_LEN
 from .denoise import Denoise
@@ -36,13 +38,6 @@ def _vae_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torc
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(device, dtype)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(device, dtype)
     return mean, inv_std
-
-
-def _module_device(module: Any) -> torch.device:
-    try:
-        return next(module.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,9 +240,7 @@ class Output:
         state.write("video", art, ctx.node.name)
         if ctx.taps_enabled:
             ctx.tap("video", frames, None)
-        if state.request.outputs.return_latents:
-            lat = state.read("denoised", Latents)
-            state.write("latents", Latents(tensor=lat.tensor.detach().cpu(), modality="video"), ctx.node.name)
+        return_latents(ctx, state, "video")
 
 
 def is_i2v(request: Any) -> bool:

@@ -1,0 +1,1 @@
+"""A complete minimal omniloop family (see ``plugin.py``)."""

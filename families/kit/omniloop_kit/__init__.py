@@ -1,0 +1,11 @@
+"""omniloop-kit: shared machinery for diffusers-format denoiser families (a library, no plugin).
+
+* :mod:`omniloop_kit.policies` — the denoise node's policy menu from the deploy's ``policies:``
+  (validated by the :class:`~omniloop_kit.policies.DeployPolicies` schema).
+* :mod:`omniloop_kit.stages` — stage helpers (image artifact, devices, params, latents return).
+* :mod:`omniloop_kit.inputs` — image parts and token counts a resolve reads.
+* :mod:`omniloop_kit.options` — shared family options (dtypes).
+* :mod:`omniloop_kit.lazy` — a family package's lazy exports.
+
+Importing the package imports nothing heavy (no torch).
+"""
