@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from omniloop_kit.tiny import write_omniloop_json
+
 VARIANTS = ("dev", "schnell")
 
 _WORDS = (
@@ -166,7 +168,7 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0,
         "vae": ["diffusers", "AutoencoderKL"],
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2))
-    (out / "omniloop.json").write_text(json.dumps({"variant": f"tiny-{variant}", "defaults": TINY_DEFAULTS}, indent=2))
+    write_omniloop_json(out, f"tiny-{variant}", TINY_DEFAULTS)
     return out
 
 

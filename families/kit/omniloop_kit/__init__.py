@@ -6,6 +6,7 @@
 * :mod:`omniloop_kit.inputs` — image parts and token counts a resolve reads.
 * :mod:`omniloop_kit.options` — shared family options (dtypes).
 * :mod:`omniloop_kit.lazy` — a family package's lazy exports.
+* :mod:`omniloop_kit.tiny` — tiny-checkpoint builders (a T5 tokenizer, ``omniloop.json``).
 
 Importing the package imports nothing heavy (no torch).
 """

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from omniloop_kit.tiny import t5_unigram_tokenizer, write_omniloop_json
+
 VARIANTS = ("sd3", "sd35", "sd35-medium")
 
 _WORDS = (
@@ -78,35 +80,7 @@ def _clip_tokenizer(out: Path, pad: str) -> int:
 
 def _t5_tokenizer(out: Path) -> int:
     """A T5-style Unigram tokenizer (``... </s>``, padded with ``<pad>``); returns its vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [("\u2581" + w, -3.0) for w in _WORDS]
-    letters = string.ascii_letters + string.digits
-    vocab += [("\u2581" + c, -8.0) for c in letters]
-    vocab += [(c, -9.0) for c in letters + string.punctuation]
-    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.WhitespaceSplit(),
-            pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True),
-        ]
-    )
-    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "T5Tokenizer",
-        "model_max_length": 512,
-        "pad_token": "<pad>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "extra_ids": 0,
-        "additional_special_tokens": [],
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return len(vocab)
+    return t5_unigram_tokenizer(out, _WORDS)
 
 
 def transformer_kwargs(variant: str) -> dict[str, Any]:
@@ -185,7 +159,7 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "sd35-medium", seed: 
         "feature_extractor": [None, None],
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2))
-    (out / "omniloop.json").write_text(json.dumps({"variant": f"tiny-{variant}", "defaults": TINY_DEFAULTS}, indent=2))
+    write_omniloop_json(out, f"tiny-{variant}", TINY_DEFAULTS)
     return out
 
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import string
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from omniloop_kit.tiny import t5_unigram_tokenizer, write_omniloop_json
 
 VARIANTS = ("t2v", "wan22", "i2v", "wan22_i2v", "ti2v")
 
@@ -53,36 +54,7 @@ TINY_DEFAULTS: dict[str, Any] = {
 
 def build_tokenizer(out: Path) -> None:
     """Write a T5-style Unigram tokenizer (``tokenizer.json`` + ``tokenizer_config.json``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [("\u2581" + w, -3.0) for w in _WORDS]
-    letters = string.ascii_letters + string.digits
-    vocab += [("\u2581" + c, -8.0) for c in letters]
-    vocab += [(c, -9.0) for c in letters + string.punctuation]
-    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.WhitespaceSplit(),
-            pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True),
-        ]
-    )
-    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
-    tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "T5Tokenizer",
-        "model_max_length": TEXT_LEN,
-        "pad_token": "<pad>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "extra_ids": 0,
-        "additional_special_tokens": [],
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    t5_unigram_tokenizer(out, _WORDS, pair=True)
     (out / "special_tokens_map.json").write_text(
         json.dumps({"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2)
     )
@@ -217,7 +189,7 @@ def build_tiny_checkpoint(
     defaults = dict(TINY_DEFAULTS)
     if ti2v:
         defaults.update(height=64, width=64)
-    (out / "omniloop.json").write_text(json.dumps({"variant": f"tiny-{variant}", "defaults": defaults}, indent=2))
+    write_omniloop_json(out, f"tiny-{variant}", defaults)
     return out
 
 
