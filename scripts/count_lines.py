@@ -6,9 +6,10 @@
   kit (``families/kit``) the same way, and the core outside ``testing/``.
 * **limit checks**: for each deploy limit (``max_steps``, ``max_frames``, ``max_height``,
   ``max_width``), the functions in the package sources (core, cli, plugins, families, observers,
-  interceptors; demo training code excluded) that compare a request value against it: a function
-  containing a ``<``/``>``/``<=``/``>=`` comparison whose source names the limit (``max_steps``)
-  or the core's limit table (``LIMITS[``).
+  interceptors; demo training code excluded) that check a request value against it: a function
+  that raises and contains a ``<``/``>``/``<=``/``>=`` comparison naming the limit
+  (``steps > max_steps``), or reads the limit (``lim.max_steps``, ``f"max_{name}"`` over height
+  and width, the core's ``LIMITS[...]`` table) next to such a comparison.
 
 ``ROOT`` defaults to the checkout this script lives in; point it at another tree (``git archive
 main | tar -x -C /tmp/base``) to measure a baseline.
@@ -42,6 +43,8 @@ def _reads_limit(func: ast.AST, name: str) -> bool:
     it (``steps > max_steps``), or a ``<``/``>`` comparison in a function that reads it as an
     attribute (``lim.max_steps``), builds its name (``f"max_{name}"``) or indexes the core's table
     (``LIMITS[...]``)."""
+    if not any(isinstance(n, ast.Raise) for n in ast.walk(func)):
+        return False  # a check refuses; computing a limit (min of two) is not checking a request
     compares = [c for c in ast.walk(func) if isinstance(c, ast.Compare)
                 and any(isinstance(op, (ast.Gt, ast.Lt, ast.GtE, ast.LtE)) for op in c.ops)]
     if not compares:
