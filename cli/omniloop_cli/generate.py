@@ -202,8 +202,12 @@ def check_stream_supported(runtime: Any, request: Any, name: str) -> None:
 
     spec = runtime.pipeline(request.task).spec
     if not any(issubclass(t, (VideoFrames, Image)) for t in spec.partial_outputs.values()):
-        fail(f"--stream: the {request.task.value} pipeline of model {name} emits no frames while it runs (a streaming "
-             "deployment does, e.g. --model wan-demo-causal or a deploy with options.rollout: causal); drop --stream")
+        fail_no_stream(request, name)
+
+
+def fail_no_stream(request: Any, name: str) -> None:
+    fail(f"--stream: the {request.task.value} pipeline of model {name} emits no frames while it runs (a streaming "
+         "deployment does, e.g. --model wan-demo-causal or a deploy with options.rollout: causal); drop --stream")
 
 
 def output_path(out: str | None, request: Any) -> Path:
@@ -386,6 +390,8 @@ def generate(
     else:
         # 2. the request against the deployment, without weights; then the model, and full validation
         deployment = Deployment(deploy, manager=get_manager(ctx))
+        if stream and not text_task and not deployment.rollout.streams:  # the family's declaration, before load
+            fail_no_stream(request, deployment.model_name)
         deployment.check(request)
         from .vocabulary import warn_vocabulary  # a checkpoint's omniloop.json "vocabulary": one warning line
 

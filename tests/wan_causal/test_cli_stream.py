@@ -58,11 +58,7 @@ def test_stream_flag_on_a_non_streaming_deployment_is_refused(tiny_wan: Path, tm
                                    "--out", "a.mp4", "--stream"], obj=manager)
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    # issue 34: refused before the weights load by the family's declaration (Wan's bidirectional
-    # rollout does not stream), naming the option and the family; the CLI's own --stream check
-    # (Node.emits, after load) stays for families that declare streaming but whose pipeline emits no frames
-    assert len(lines) == 1 and lines[0].startswith(
-        "error: outputs.stream_partial: family 'wan' under options.rollout: bidirectional emits no partial outputs"), res.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: --stream: the t2v pipeline of model"), res.stderr
     assert not (tmp_path / "a.mp4").exists() and not (tmp_path / "a.frames").exists()
 
 
