@@ -769,7 +769,7 @@ class Runtime(Deployment):
 
         if not isinstance(name, str) or not re.fullmatch(_adapters.NAME_PATTERN, name):
             raise _weights.WeightUpdateError("adapter", "an adapter name is 1-64 letters, digits or _ . : @ + = -")
-        support = getattr(self.family, "adapter_support", None)
+        support = self.capabilities.adapters
         if support is None:
             raise _weights.WeightUpdateError("adapter", f"family {self.family.name!r} does not support LoRA adapters")
         if isinstance(source, Mapping):
