@@ -36,8 +36,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-
 SERVE = """
 import importlib, os, sys
 from omniloop.testing import make_manager
@@ -164,7 +162,7 @@ class Bystander:
         while not self.stop.is_set():
             try:
                 got = self.send()
-            except Exception as exc:  # noqa: BLE001 - any failure is harm
+            except Exception as exc:
                 got = f"{type(exc).__name__}: {exc}"
             self.sent += 1
             if got != self.reference:
@@ -249,12 +247,12 @@ def toy_cases(srv: Server, quick: bool) -> list[dict[str, Any]]:
         from websockets.sync.client import connect
 
         n, closed = (60 if quick else 200), 0
-        socks = [connect(url.replace("http://", "ws://") + "/v1/videos/stream", open_timeout=30) for _ in range(n)]  # noqa: SIM115
+        socks = [connect(url.replace("http://", "ws://") + "/v1/videos/stream", open_timeout=30) for _ in range(n)]
         for s in socks:
             try:
                 msg = json.loads(s.recv(timeout=30))
                 closed += msg.get("error", {}).get("code") == "start_timeout"
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             s.close()
         return {"statuses": ["start_timeout"] * closed + ["open"] * (n - closed), "sockets": n}
@@ -480,7 +478,7 @@ def shutdown_case(srv: Server) -> dict[str, Any]:
         try:
             got.append(post_json(srv.url, "/v1/images/generations", {"prompt": "long", "size": "64x64", "steps": 100_000},
                                  timeout=300))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             got.append(exc)
 
     t = threading.Thread(target=call)
@@ -557,7 +555,7 @@ def main() -> None:
     print(f"\n{'server':<11} {'case':<28} {'statuses':<34} {'health worst ms':>15} {'peak RSS MiB':>12} {'harmed':>7}")
     for r in rows:
         print(f"{r['server']:<11} {r['case']:<28} {json.dumps(r['statuses'])[:34]:<34} "
-              f"{str(r.get('health_worst_ms')):>15} {str(r.get('rss_peak_mib')):>12} {str(r.get('others_harmed')):>7}")
+              f"{r.get('health_worst_ms')!s:>15} {r.get('rss_peak_mib')!s:>12} {r.get('others_harmed')!s:>7}")
     print(f"\nwrote {out}")
 
 

@@ -73,10 +73,10 @@ def resolve_auto_attention(registry: Registry, deploy: DeployConfig, family: str
     if candidates:
         best = sorted(candidates, key=lambda s: (-s.auto_rank, s.name))[0]
         return best, f"rank {best.auto_rank}, available here"
-    spec = registry.attention_backends.get("sdpa")
-    if spec is None:
+    fallback = registry.attention_backends.get("sdpa")
+    if fallback is None:
         raise DeployError("attention_backend: auto found no backend: not even the core 'sdpa' is registered")
-    return spec, "; ".join(skipped) or "no other backend declares itself for auto"
+    return fallback, "; ".join(skipped) or "no other backend declares itself for auto"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -267,7 +267,7 @@ def test_server_options_are_validated_with_their_path(server_checkpoint: Path, t
     from omniloop.errors import DeployError
 
     rt = make_runtime(server_checkpoint, scheduler="step", server={"max_prompt_chars": 0})
-    with pytest.raises(DeployError, match="server.max_prompt_chars"):
+    with pytest.raises(DeployError, match=r"server\.max_prompt_chars"):
         create_app(rt, output_dir=tmp_path / "out")
     rt = make_runtime(server_checkpoint, scheduler="step", server={"max_image_pixel": 5})
     with pytest.raises(DeployError, match="max_image_pixel"):

@@ -296,7 +296,7 @@ def capped(tiny_wan: Path, tmp_path: Path) -> Iterator[tuple[str, Any, Any]]:
 def test_sessions_are_capped_per_client_with_a_retry_hint_and_health_shows_them(capped) -> None:
     import httpx
 
-    url, rt, app = capped
+    url, rt, _app = capped
     ws_url = url.replace("http://", "ws://") + "/v1/videos/stream"
     with connect(ws_url, max_size=None) as ws:
         ws.send(json.dumps({"prompt": "a red fox runs", "frames": 9, "seed": 4}))

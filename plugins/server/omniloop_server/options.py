@@ -139,7 +139,6 @@ def check_images(requests: list[dict[str, Any]], max_pixels: int) -> None:
     """Each base64 input image's size read from its header (never decoded here) against ``max_pixels``."""
     import base64
     import binascii
-    import io
 
     for r in requests:
         for i, part in enumerate(r.get("inputs") or []):
