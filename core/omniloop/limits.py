@@ -72,11 +72,10 @@ class ModelLimits:
         return {k: v for k, v in attrs.asdict(self).items() if v is not None}
 
 
-def declared(model_path: str | Path | None) -> ModelLimits | None:
-    """The ``limits`` a checkpoint folder declares in its ``omniloop.json``, or None.
-
-    Raises :class:`DeployError` naming the file and the field when the declaration is malformed
-    (a checkpoint is a boundary too)."""
+def _declaration(model_path: str | Path | None, key: str) -> tuple[Path, Any] | None:
+    """``(file, value)`` of ``key`` in a checkpoint folder's ``omniloop.json``, or None when the
+    folder, the file or the key is absent (or the file is unreadable: the family reports a bad
+    ``omniloop.json`` when it reads it)."""
     if model_path is None:
         return None
     f = Path(model_path) / "omniloop.json"
@@ -85,13 +84,25 @@ def declared(model_path: str | Path | None) -> ModelLimits | None:
     try:
         meta = json.loads(f.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None  # the family reports a bad omniloop.json when it reads it
-    if not isinstance(meta, dict) or "limits" not in meta:
         return None
+    if not isinstance(meta, dict) or key not in meta:
+        return None
+    return f, meta[key]
+
+
+def declared(model_path: str | Path | None) -> ModelLimits | None:
+    """The ``limits`` a checkpoint folder declares in its ``omniloop.json``, or None.
+
+    Raises :class:`DeployError` naming the file and the field when the declaration is malformed
+    (a checkpoint is a boundary too)."""
+    found = _declaration(model_path, "limits")
+    if found is None:
+        return None
+    f, value = found
     from .schema import structure
 
     try:
-        got = structure(meta["limits"], ModelLimits, "limits")
+        got = structure(value, ModelLimits, "limits")
     except RequestError as exc:
         raise DeployError(f"{f}: {exc}") from None
     for name in FIELDS:
@@ -105,18 +116,10 @@ def declared_tasks(model_path: str | Path | None) -> frozenset[str] | None:
     """The ``tasks`` a checkpoint folder declares in its ``omniloop.json``, or None.
 
     Raises :class:`DeployError` naming the file when the key is malformed."""
-    if model_path is None:
+    found = _declaration(model_path, "tasks")
+    if found is None:
         return None
-    f = Path(model_path) / "omniloop.json"
-    if not f.is_file():
-        return None
-    try:
-        meta = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict) or "tasks" not in meta:
-        return None
-    tasks = meta["tasks"]
+    f, tasks = found
     from .request import TaskType
 
     known = {t.value for t in TaskType}
