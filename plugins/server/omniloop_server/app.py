@@ -255,7 +255,9 @@ def _defaults(rt: Any, task: TaskType) -> dict[str, Any]:
 
 class _Guard:
     """Outermost ASGI layer: counts error statuses; turns an exception nobody handled into a 500 in
-    OpenAI's shape instead of letting it reach uvicorn (which would drop the keep-alive connection)."""
+    OpenAI's shape instead of letting it reach uvicorn (which would drop the keep-alive connection);
+    answers a request body that stalls longer than ``server.body_timeout_s`` with 408 (uvicorn's
+    header timeout covers only the headers)."""
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app = app
@@ -265,10 +267,31 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = finished = False
+        started = finished = timed_out = False
+        body_done = scope.get("method") in ("GET", "HEAD")  # no body to wait for
+        body_timeout = self.state.options.body_timeout_s
+
+        async def _receive() -> Any:
+            # While the body streams in, each chunk must arrive within body_timeout_s; a stalled
+            # body reads as a disconnect to the app (its request is dropped, nothing queued) and
+            # is answered 408 below. Once the body is complete, receive() is unbounded again: it
+            # then waits for a real disconnect, which endpoints watch (disconnect = cancel).
+            nonlocal body_done, timed_out
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), body_timeout)
+            except TimeoutError:
+                timed_out = body_done = True
+                return {"type": "http.disconnect"}
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
 
         async def _send(message: Any) -> None:
             nonlocal started, finished
+            if timed_out and not started:
+                return  # the app's answer to the "disconnect": the 408 below goes out instead
             if message["type"] == "http.response.start":
                 started = True
                 self.state.count_status(int(message["status"]))
@@ -276,9 +299,19 @@ class _Guard:
                 finished = True
             await send(message)
 
+        async def _stalled() -> None:
+            nonlocal timed_out
+            timed_out = False  # let the 408 through _send
+            resp = error(408, f"the request body stalled for more than {body_timeout:g} s (server.body_timeout_s)",
+                         type_="invalid_request_error", code="body_timeout", headers={"Connection": "close"})
+            await resp(scope, receive, _send)
+
         try:
-            await self.app(scope, receive, _send)
+            await self.app(scope, _receive, _send)
         except Exception as exc:
+            if timed_out and not started:
+                await _stalled()
+                return
             self.state.unhandled_errors += 1
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if finished:
@@ -287,6 +320,9 @@ class _Guard:
                 raise  # half a response: only closing the connection is honest
             resp = error(500, f"internal server error ({type(exc).__name__})", type_="server_error")
             await resp(scope, receive, _send)
+            return
+        if timed_out and not started:
+            await _stalled()
 
 
 class _HttpError(Exception):

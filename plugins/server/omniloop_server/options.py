@@ -19,6 +19,7 @@ resolve) runs in :attr:`ServerOptions.prepare_threads` worker threads, never on 
       max_connections_per_client: 64 # HTTP connections from one client address
       keep_alive_timeout_s: 5        # an idle keep-alive connection is closed after this
       header_timeout_s: 10           # a connection whose request headers are not complete by then
+      body_timeout_s: 30             # a request body that stalls this long between chunks: 408
       ws_start_timeout_s: 10         # a WebSocket that sends no start message by then is closed
       ws_idle_timeout_s: 300         # a WebSocket idle between requests is closed (its session freed)
       max_sessions: 3                # causal sessions kept by WebSockets at once (the KV pool keeps
@@ -56,6 +57,9 @@ class ServerOptions:
     max_connections_per_client: int = field(default=64, metadata={"ge": 1})
     keep_alive_timeout_s: float = field(default=5.0, metadata={"gt": 0.0, "le": 3600.0})
     header_timeout_s: float = field(default=10.0, metadata={"gt": 0.0, "le": 3600.0})
+    #: a request body whose next chunk does not arrive within this many seconds is answered 408 and
+    #: its connection closed (a half-sent body never holds a connection for long)
+    body_timeout_s: float = field(default=30.0, metadata={"gt": 0.0, "le": 3600.0})
     ws_start_timeout_s: float = field(default=10.0, metadata={"gt": 0.0, "le": 3600.0})
     ws_idle_timeout_s: float = field(default=300.0, metadata={"gt": 0.0, "le": 86400.0})
     max_sessions: int = field(default=3, metadata={"ge": 0})
