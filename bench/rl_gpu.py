@@ -12,7 +12,9 @@ encoder, flow-Euler, bf16, CFG 5.0, through ``omniloop.Runtime`` with the step s
 * **update_weights**: the full denoiser from a ``{name: tensor}`` mapping on the CPU and from a
   safetensors file on local disk (the call validates every tensor, then copies it in), and a
   rank-32 LoRA on every attention and FFN linear of the blocks (``adapter=``); medians of
-  ``--repeats``.
+  ``--repeats``. Each call returns the new ``weights_checksum`` (a SHA-256 of the whole denoiser,
+  timed alone as ``weights_checksum_s``); ``*_without_checksum`` repeats the CPU-tensor and LoRA
+  updates with it stubbed out on the runtime instance, which shows the update's own cost.
 
 ``python bench/rl_gpu.py --out bench/results/rl-wan13b-gpu-<date>.json`` (``--smoke`` on a CPU:
 the tiny transformer, 2 samples, 2 steps).
@@ -147,6 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     checksum_s = time.perf_counter()
     rt.weights_checksum()
     checksum_s = time.perf_counter() - checksum_s
+    # Each call above returns the new weights_checksum (a SHA-256 over the whole denoiser, copied to
+    # the host). To show the update itself, the same calls again with that checksum stubbed out on
+    # this runtime instance (bench only: the API always returns it).
+    rt.weights_checksum = lambda: ""  # type: ignore[method-assign]
+    for rep in range(args.repeats):
+        for name, call in (("full_from_cpu_tensors_without_checksum", lambda v: rt.update_weights(full_cpu, version=v)),
+                           ("lora_rank32_from_file_without_checksum",
+                            lambda v: rt.update_weights(lora_file, version=v, adapter="policy"))):
+            sync()
+            t0 = time.perf_counter()
+            call(f"{name}-{rep}")
+            sync()
+            upd.setdefault(name, []).append(time.perf_counter() - t0)
+    del rt.weights_checksum
     record = {
         "benchmark": "rl_gpu", "command": command_line("bench/rl_gpu.py", sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d"), "machine": machine(dtype=dtype), "libraries": library_versions(),
