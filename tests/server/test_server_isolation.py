@@ -46,6 +46,21 @@ def _health_worst(url: str, stop: threading.Event, out: list[float]) -> None:
             time.sleep(0.02)
 
 
+def _slow_runtime(checkpoint: Path) -> Any:
+    """A step-scheduler runtime whose transformer forward sleeps 10 ms: requests last long enough to
+    be cut, cancelled or outlast a timeout."""
+    rt = make_runtime(checkpoint, scheduler="step", limits={"max_steps": 100_000})
+    tr = rt.model.components["transformer"]
+    real = tr.forward
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(0.01)
+        return real(*a, **k)
+
+    tr.forward = slow
+    return rt
+
+
 def _slow_prepare(rt: Any, seconds: float) -> None:
     """Make request preparation slow, as a huge prompt's tokenising or a large image's decoding is."""
     real = rt.prepare
@@ -177,15 +192,7 @@ def test_read_image_applies_exif_orientation_and_a_pixel_cap() -> None:
 
 
 def test_a_disconnected_image_client_cancels_its_request(server_checkpoint: Path, tmp_path: Path) -> None:
-    rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_steps": 100_000})
-    tr = rt.model.components["transformer"]
-    real = tr.forward
-
-    def slow(*a: Any, **k: Any) -> Any:
-        time.sleep(0.01)
-        return real(*a, **k)
-
-    tr.forward = slow
+    rt = _slow_runtime(server_checkpoint)
     app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0)
     engine = app.state.omniloop.engine
     with serving(app) as url:
@@ -234,15 +241,7 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(server_checkpoin
 
 
 def test_shutdown_answers_a_cut_image_request_with_503_in_openai_shape(server_checkpoint: Path, tmp_path: Path) -> None:
-    rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_steps": 100_000})
-    tr = rt.model.components["transformer"]
-    real = tr.forward
-
-    def slow(*a: Any, **k: Any) -> Any:
-        time.sleep(0.01)
-        return real(*a, **k)
-
-    tr.forward = slow
+    rt = _slow_runtime(server_checkpoint)
     app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0)
     state = app.state.omniloop
     got: list[httpx.Response] = []
@@ -371,15 +370,7 @@ def test_a_stalled_request_body_is_answered_408_and_a_slow_request_is_not_cut(
         server_checkpoint: Path, tmp_path: Path) -> None:
     # issue 43, finding 5: half-sent requests (complete headers, a body that never ends) were held
     # indefinitely; uvicorn's header timeout does not cover the body.
-    rt = make_runtime(server_checkpoint, scheduler="step", limits={"max_steps": 100_000})
-    tr = rt.model.components["transformer"]
-    real = tr.forward
-
-    def slow(*a: Any, **k: Any) -> Any:
-        time.sleep(0.01)
-        return real(*a, **k)
-
-    tr.forward = slow
+    rt = _slow_runtime(server_checkpoint)
     app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0, server_options={"body_timeout_s": 0.5})
     with serving(app) as url:
         host, port = url.removeprefix("http://").split(":")
