@@ -42,7 +42,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 from cattrs.gen import make_dict_structure_fn, make_mapping_structure_fn
 from cattrs.strategies import configure_tagged_union
 
-from .errors import RequestError
+from .errors import DeployError, RequestError
 from .request import (
     MODAL_PART_TYPES,
     AdapterRef,
@@ -497,6 +497,18 @@ def as_request(request: OmniRequest | Mapping[str, Any]) -> OmniRequest:
 def structure_params(cls: type[T], data: Mapping[str, Any] | None, path: str) -> T:
     """Validate a parameter dict against an attrs schema (``None`` → all defaults)."""
     return structure(dict(data or {}), cls, path)
+
+
+def structure_deploy_section(cls: type[T], data: Mapping[str, Any] | T | None, path: str) -> T:
+    """A deploy section (``server:``, ``scheduler_options:`` ...) as ``cls``: an instance passes
+    through, a mapping is validated (``None`` → all defaults); a bad value is one
+    :class:`~omniloop.errors.DeployError` naming ``path`` and the field."""
+    if isinstance(data, cls):
+        return data
+    try:
+        return structure_params(cls, data, path)  # type: ignore[arg-type]
+    except RequestError as exc:
+        raise DeployError(f"deploy config: {exc}") from None
 
 
 def output_to_dict(out: OmniOutput) -> dict[str, Any]:

@@ -38,6 +38,18 @@ def _png(path):
         return torch.from_numpy(np.asarray(im.convert("RGB")).copy()), dict(im.info)
 
 
+def _wan22_native(wf: dict, steps: int) -> dict:
+    """The native request the Wan 2.2 14B t2v template compiles to once shrunk to 32x32x5 frames
+    (its prompts read from the template's CLIPTextEncode nodes 89 and 72)."""
+    text = {n["id"]: n["widgets_values"][0] for n in wf["definitions"]["subgraphs"][0]["nodes"]
+            if n["type"] == "CLIPTextEncode"}
+    return {"task": "t2v", "inputs": [{"type": "text", "text": text[89], "role": "prompt"},
+                                      {"type": "text", "text": text[72], "role": "negative_prompt"}],
+            "diffusion": {"seed": 923510416338945, "steps": steps, "width": 32, "height": 32, "frames": 5,
+                          "shift": 5.000000000000001, "guidance_scale": 3.5, "fps": 16.0},
+            "node_params": {"denoise": {"sampler": "flow-euler", "guidance_scale_2": 3.5}}}
+
+
 def test_flux_schnell_template(tiny, templates, widgets, family_manager, tmp_path):
     ckpt = tiny("flux", "schnell")
     rt = _runtime(ckpt, family_manager("flux"), {"flux1-schnell-fp8.safetensors": ckpt.name})
@@ -138,13 +150,7 @@ def test_wan22_14b_t2v_template(tiny, templates, widgets, family_manager):
     for sampler in (81, 78):
         wf = widgets(wf, sampler, subgraph=0, sampler_name="euler", scheduler="normal")
     (job,) = compile_workflow(wf, target).jobs
-    text = {n["id"]: n["widgets_values"][0] for n in wf["definitions"]["subgraphs"][0]["nodes"]
-            if n["type"] == "CLIPTextEncode"}
-    native = {"task": "t2v", "inputs": [{"type": "text", "text": text[89], "role": "prompt"},
-                                        {"type": "text", "text": text[72], "role": "negative_prompt"}],
-              "diffusion": {"seed": 923510416338945, "steps": steps, "width": 32, "height": 32, "frames": 5,
-                            "shift": 5.000000000000001, "guidance_scale": 3.5, "fps": 16.0},
-              "node_params": {"denoise": {"sampler": "flow-euler", "guidance_scale_2": 3.5}}}
+    native = _wan22_native(wf, steps)
     assert job.request == native
     got, want = _run(rt, job.request), _run(rt, native)
     assert torch.equal(got.artifacts["video"].frames, want.artifacts["video"].frames)
@@ -175,13 +181,7 @@ def test_wan22_template_euler_simple_with_a_linear_deploy(tiny, templates, widge
     wf = widgets(wf, 74, subgraph=0, width=32, height=32)
     (job,) = compile_workflow(wf, target).jobs
     assert job.request["node_params"]["denoise"]["sampler"] == "flow-euler"
-    text = {n["id"]: n["widgets_values"][0] for n in wf["definitions"]["subgraphs"][0]["nodes"]
-            if n["type"] == "CLIPTextEncode"}
-    native = {"task": "t2v", "inputs": [{"type": "text", "text": text[89], "role": "prompt"},
-                                        {"type": "text", "text": text[72], "role": "negative_prompt"}],
-              "diffusion": {"seed": 923510416338945, "steps": steps, "width": 32, "height": 32, "frames": 5,
-                            "shift": 5.000000000000001, "guidance_scale": 3.5, "fps": 16.0},
-              "node_params": {"denoise": {"sampler": "flow-euler", "guidance_scale_2": 3.5}}}
+    native = _wan22_native(wf, steps)
     assert job.request == native
     got = _run(rt, job.request)
     want = _run(rt, native)

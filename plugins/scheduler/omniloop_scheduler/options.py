@@ -8,8 +8,7 @@ from typing import Any, Literal
 import attrs
 from attrs import define, field
 
-from omniloop.errors import DeployError, RequestError
-from omniloop.schema import structure_params
+from omniloop.schema import structure_deploy_section
 
 
 @define(frozen=True)
@@ -55,12 +54,7 @@ class SchedulerOptions:
 
 
 def parse_options(options: Mapping[str, Any] | SchedulerOptions | None) -> SchedulerOptions:
-    if isinstance(options, SchedulerOptions):
-        return options
-    try:
-        return structure_params(SchedulerOptions, dict(options or {}), "scheduler_options")
-    except RequestError as exc:
-        raise DeployError(f"deploy config: {exc}") from None
+    return structure_deploy_section(SchedulerOptions, options, "scheduler_options")
 
 
 def evolve(opts: SchedulerOptions, **changes: Any) -> SchedulerOptions:

@@ -38,8 +38,8 @@ from typing import Any
 
 from attrs import define, field
 
-from omniloop.errors import DeployError, RequestError
-from omniloop.schema import structure_params
+from omniloop.errors import RequestError
+from omniloop.schema import structure_deploy_section
 
 #: the largest input image whatever the deployment's limits (Pillow refuses at ~179 M pixels only)
 MAX_IMAGE_PIXELS = 2**25
@@ -84,12 +84,7 @@ class ServerOptions:
 
 
 def parse_server_options(raw: Mapping[str, Any] | ServerOptions | None) -> ServerOptions:
-    if isinstance(raw, ServerOptions):
-        return raw
-    try:
-        return structure_params(ServerOptions, dict(raw or {}), "server")
-    except RequestError as exc:
-        raise DeployError(f"deploy config: {exc}") from None
+    return structure_deploy_section(ServerOptions, raw, "server")
 
 
 def request_cost(execution: Any) -> int | None:
