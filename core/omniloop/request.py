@@ -164,6 +164,18 @@ class RolloutParams:
 
 
 @define(frozen=True)
+class AudioParams:
+    """The audio window of an audio-producing request (``task: t2a``, or a joint audio-video
+    family's sound track). ``None`` means "the family's default" (the checkpoint's maximum
+    length for ``seconds``)."""
+
+    #: the clip's length in seconds (the end of the window is ``start + seconds``)
+    seconds: float | None = field(default=None, metadata=_c(gt=0.0, le=3600.0))
+    #: where the window starts, in seconds (Stable Audio's start-second conditioning)
+    start: float = field(default=0.0, metadata=_c(ge=0.0, le=3600.0))
+
+
+@define(frozen=True)
 class SamplingParams:
     """Autoregressive sampling knobs (text/audio tokens)."""
 
@@ -225,6 +237,8 @@ class OmniRequest:
     inputs: list[ModalPart] = attrs.Factory(list)
     diffusion: DiffusionParams = attrs.Factory(DiffusionParams)
     sampling: SamplingParams = attrs.Factory(SamplingParams)
+    #: the audio window (audio-producing families; refused by the others)
+    audio: AudioParams | None = None
     outputs: OutputSpec = attrs.Factory(OutputSpec)
     node_params: dict[str, dict[str, Any]] = attrs.Factory(dict)
     plugin_params: dict[str, dict[str, Any]] = attrs.Factory(dict)
