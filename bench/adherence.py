@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="score the detector on rendered ground-truth images and clips (clean, blurred, noisy) and exit")
     a = ap.parse_args(argv)
     if a.detector_check:
-        from omniloop_wan_demo.evaluate import detector_check
+        from omniloop_wan_demo_training.detector_check import detector_check  # demos/wan-demo
 
         n_img, n_clip = (30, 6) if a.smoke else (1000, 200)
         print(json.dumps({"detector_check": detector_check(n_img, n_clip),

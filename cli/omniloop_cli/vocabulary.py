@@ -5,7 +5,7 @@ Any checkpoint may declare the words its prompts were made of in its ``omniloop.
 
     {"vocabulary": ["a", "blue", "circle", "moving", "right", ...]}
 
-(the demo models do: ``omniloop_wan_demo.data.vocabulary_words``). The prompt's lower-cased
+(the demo models do: ``omniloop_wan_demo.prompts.vocabulary_words``). The prompt's lower-cased
 words (runs of letters and digits; punctuation is ignored) are compared against it; words outside
 it give ONE warning line on stderr before the model loads. A checkpoint without the key is not
 checked. This is advice, never a refusal: the request runs as given.

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from omniloop_wan_demo import cli
 from omniloop_wan_demo import evaluate as ev
-from omniloop_wan_demo.data import parse_image_prompt
+from omniloop_wan_demo.prompts import parse_image_prompt
 
 pytest.importorskip("omniloop_flux")
 torch.set_num_threads(1)

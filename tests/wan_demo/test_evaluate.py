@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from omniloop_wan_demo import evaluate as ev
-from omniloop_wan_demo.data import (
+from omniloop_wan_demo_training.render import (
     COLORS,
     POSITIONS,
     SHAPES,
@@ -81,7 +81,7 @@ def test_shape_features_of_ideal_shapes():
     """The three numbers on big clean masks are near their ideal values (see the module doc)."""
     ideal = {"circle": (0.79, 1.0, 0.79), "square": (1.0, 1.0, 1.0), "triangle": (0.5, 1.0, 0.5), "star": (0.43, 0.62, 0.69)}
     ys, xs = np.mgrid[0:160, 0:160] + 0.5
-    from omniloop_wan_demo.data import shape_alpha
+    from omniloop_wan_demo_training.render import shape_alpha
 
     for i, shape in enumerate(SHAPES):
         cov = shape_alpha(torch.tensor(i), torch.tensor(xs - 80.0), torch.tensor(ys - 80.0), torch.tensor(40.0)).numpy()
@@ -291,9 +291,3 @@ def test_wilson():
     lo, hi = ev.wilson(0.9, 100)
     assert 0.82 < lo < 0.9 < hi < 0.95
 
-
-def test_detector_check_reports_every_condition():
-    got = ev.detector_check(n_images=12, n_clips=2, seed=3)
-    assert set(got) == {f"{k} {name}" for k in ("image", "video") for name, _, _ in ev.DEGRADATIONS}
-    assert got["image clean"] == {"color": 1.0, "shape": 1.0, "position": 1.0, "n": 12}
-    assert got["video clean"] == {"color": 1.0, "direction": 1.0, "shape": 1.0, "clean": 1.0, "n": 2}

@@ -1,7 +1,7 @@
 """``omniloop generate`` warns ONCE (one stderr line) when the prompt uses words outside the
 checkpoint's declared ``omniloop.json`` ``"vocabulary"`` — a general mechanism
 (cli/omniloop_cli/vocabulary.py), shown here on the core's toy checkpoint carrying the wan-demo
-video vocabulary (``omniloop_wan_demo.data.vocabulary_words``)."""
+video vocabulary (``omniloop_wan_demo.prompts.vocabulary_words``)."""
 
 import json
 
@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from omniloop.testing import make_manager
 from omniloop_cli import cli
 from omniloop_cli.vocabulary import declared_vocabulary, prompt_words, unknown_words, vocabulary_warning
-from omniloop_wan_demo.data import vocabulary_words
+from omniloop_wan_demo.prompts import vocabulary_words
 
 
 def _gen(ckpt, prompt, tmp_path):

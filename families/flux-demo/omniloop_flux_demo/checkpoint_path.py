@@ -31,5 +31,5 @@ def checkpoint_missing(folder: Path | None = None) -> str | None:
         return None
     return (f"the flux-demo weights are not installed ({folder.name}/{missing[0]} is missing"
             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); train them with "
-            "bash families/flux-demo/scripts/gpu_session.sh (or python -m omniloop_flux_demo.training.gpu_run --out DIR), "
-            "then install them with python -m omniloop_flux_demo.training.ship DIR")
+            "bash demos/flux-demo/scripts/gpu_session.sh (or python -m omniloop_flux_demo_training.gpu_run --out DIR), "
+            "then install them with python -m omniloop_flux_demo_training.ship DIR (package omniloop-flux-demo-training, demos/flux-demo)")

@@ -42,8 +42,8 @@ def causal_checkpoint_missing(folder: Path | None = None) -> str | None:
         return None
     return (f"the wan-demo-causal weights are not installed ({folder.name}/{missing[0]} is missing"
             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); train them with "
-            "python -m omniloop_wan_demo.training.train_causal --out DIR, then install them with "
-            "python -m omniloop_wan_demo.training.train_causal --ship DIR")
+            "python -m omniloop_wan_demo_training.train_causal --out DIR, then install them with "
+            "python -m omniloop_wan_demo_training.train_causal --ship DIR (package omniloop-wan-demo-training, demos/wan-demo)")
 
 
 #: what ``checkpoint_fast/`` shares with ``checkpoint/`` (relative links): the student was distilled
@@ -67,5 +67,5 @@ def fast_checkpoint_missing(folder: Path | None = None) -> str | None:
         return None
     return (f"the wan-demo-fast weights are not installed ({folder.name}/{missing[0]} is missing"
             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); distill them with "
-            "python -m omniloop_wan_demo.training.v2 --phases distill,eval --resume DIR --out OUT, then install "
-            "them with python -m omniloop_wan_demo.training.v2 --ship OUT")
+            "python -m omniloop_wan_demo_training.v2 --phases distill,eval --resume DIR --out OUT, then install "
+            "them with python -m omniloop_wan_demo_training.v2 --ship OUT (package omniloop-wan-demo-training, demos/wan-demo)")

@@ -4,10 +4,10 @@
 Detector (:func:`detect` for clips, :func:`detect_image` for images): per frame, the background
 is the frame's median color (the object covers < 10 % of the frame); object pixels are those
 farther than ``threshold`` from it. The object's color is the mean color of object pixels (over
-all frames), named by the nearest entry of :data:`omniloop_wan_demo.data.COLORS`; a clip's
+all frames), named by the nearest entry of :data:`omniloop_wan_demo.prompts.COLORS`; a clip's
 direction is the sign of the dominant axis of a least-squares line through the per-frame
 centroids (``none`` when it moves less than ``min_travel`` px over the clip); an image's position
-is the nearest of the 9 :data:`omniloop_wan_demo.data.POSITIONS` to the object's centroid.
+is the nearest of the 9 :data:`omniloop_wan_demo.prompts.POSITIONS` to the object's centroid.
 
 Shape (:func:`classify_shape`, numpy only) is read from the largest 4-connected object region of
 a frame by three numbers (:func:`shape_features`): ``fill`` = area / bounding-box area,
@@ -16,8 +16,9 @@ a frame by three numbers (:func:`shape_features`): ``fill`` = area / bounding-bo
 0.43 / 0.62 / 0.69). A star is the one shape that is far from convex yet fills its box like a
 pentagon; the others are told apart by ``fill + hull_fill`` (triangle ~1.0, circle ~1.6, square
 ~2.0). A clip's shape is the majority over its frames. Measured on rendered ground truth
-(tests/wan_demo/test_evaluate.py): every shape exact on clean data, >= 98 % per image with a 3x3
-blur plus noise.
+(tests/wan_demo/test_evaluate.py; ``omniloop_wan_demo_training.detector_check`` in demos/wan-demo
+scores the detector on the training renderer's clips and images): every shape exact on clean
+data, >= 98 % per image with a 3x3 blur plus noise.
 
 Ghosts (:func:`ghost_regions`): a frame holds a ghost when, besides the object (its largest
 region), an object region of at least 8 pixels lies apart from it (no pixel within 2 px of the
@@ -43,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import (
+from .prompts import (
     COLORS,
     DIRECTIONS,
     POSITIONS,
@@ -349,44 +350,6 @@ def detect_image(image: np.ndarray, *, threshold: float = 0.22, min_area: int = 
         area=float(mask.sum()),
         features={k: round(v, 4) for k, v in (feats or {}).items()},
     )
-
-
-#: the degradations :func:`detector_check` scores under: (name, 3x3 box blur, noise std)
-DEGRADATIONS = (("clean", False, 0.0), ("blur3+noise0.03", True, 0.03), ("noise0.05", False, 0.05))
-
-
-def detector_check(n_images: int = 1000, n_clips: int = 200, seed: int = 101) -> dict[str, dict[str, float]]:
-    """The detector's accuracy on rendered ground truth (``omniloop_wan_demo.data``), clean and
-    degraded (:data:`DEGRADATIONS`): ``{"image clean": {"color": 1.0, ...}, "video ...": ...}``.
-    ``python bench/adherence.py --detector-check`` prints it."""
-    import torch
-
-    from .data import make_clips, render_image_params, sample_image_params, to_uint8_frames
-
-    def degrade(x: Any, g: Any, blur: bool, noise: float) -> Any:
-        if blur:
-            k = torch.ones(3, 1, 3, 3) / 9.0
-            x = torch.nn.functional.conv2d(torch.nn.functional.pad(x, (1, 1, 1, 1), mode="replicate"), k, groups=3)
-        return (x + noise * torch.randn(x.shape, generator=g)).clamp(0, 1) if noise else x
-
-    g = torch.Generator().manual_seed(seed)
-    out: dict[str, dict[str, float]] = {}
-    for name, blur, noise in DEGRADATIONS:
-        p = sample_image_params(n_images, seed)
-        x = degrade(render_image_params(p), g, blur, noise)
-        dets = [detect_image(to_uint8_frames(x[i][:, None])[0]) for i in range(n_images)]
-        labels = p.labels()
-        out[f"image {name}"] = {a: float(np.mean([getattr(d, a) == lab[k] for d, lab in zip(dets, labels, strict=True)]))
-                                for k, a in enumerate(IMAGE_ATTRIBUTES)} | {"n": n_images}
-        v, _, clip_labels = make_clips(n_clips, seed=seed + 1)
-        ok = dict.fromkeys((*ATTRIBUTES, "clean"), 0)
-        for i in range(n_clips):
-            d = detect(to_uint8_frames(degrade(v[i].permute(1, 0, 2, 3), g, blur, noise).permute(1, 0, 2, 3)))
-            for a in ATTRIBUTES:
-                ok[a] += getattr(d, a) == clip_labels[i][a]
-            ok["clean"] += d.ghost_frames == 0
-        out[f"video {name}"] = {a: c / max(n_clips, 1) for a, c in ok.items()} | {"n": n_clips}
-    return out
 
 
 # ------------------------------------------------------------------------------------------

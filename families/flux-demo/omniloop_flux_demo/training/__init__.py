@@ -1,1 +1,0 @@
-"""Training, evaluation and installation of the flux-demo checkpoint (heavy imports inside)."""

@@ -1,1 +1,0 @@
-"""Training recipe of the demo checkpoint (GPU): train_vae, train_dit, gpu_run (a time-boxed session)."""
