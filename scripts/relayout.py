@@ -17,7 +17,8 @@ What it does, from the repository root of a clean checkout (any branch; it never
    (untracked leftovers such as ``*.egg-info`` are moved with it);
 2. in the files it moved this run: relative Markdown links are recomputed from their old place,
    and ``"$here/../.."`` (a script finding the repo root) climbs one level more;
-3. in every tracked text file except ``bench/results/`` (records keep the commands as they ran):
+3. in every tracked text file except ``bench/results/`` (records keep the commands as they ran) and
+   :data:`PROTECTED_PREFIXES` (listed instead; ``--include-protected`` rewrites them too):
    ``plugins/<name>`` -> ``plugins/<group>/<name>`` (also ``"plugins" / "<name>"`` path parts), the
    package globs (``plugins/*/pyproject.toml`` and ``"plugins/*/omniloop_*/**/*.py"`` gain their
    ``plugins/*/*/`` twin: a plugin not grouped yet is still installed and scanned);
@@ -52,8 +53,12 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
 #: text files rewritten (by suffix, or by name)
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".yaml", ".yml", ".json", ".cfg", ".ini", ".txt", ".rst", ".in"}
 TEXT_NAMES = {"Makefile", "run", ".gitignore", "Dockerfile"}
-#: never rewritten: recorded results keep the command as it ran
-SKIP_PREFIXES = ("bench/results/",)
+#: never rewritten: recorded results keep the command as it ran; this script and its test hold the
+#: old paths as data
+SKIP_PREFIXES = ("bench/results/", "scripts/relayout.py", "tests/layout/test_relayout.py")
+#: other work owns these folders (issue 34's brief: the core and the kit-based families are not edited
+#: here): references in them are listed, not rewritten, unless --include-protected
+PROTECTED_PREFIXES = ("core/omniloop/", "families/kit/", "families/wan/", "families/flux/", "families/sd3/")
 
 MARK_BEGIN = "<!-- relayout: plugin groups (scripts/relayout.py writes this block) -->"
 MARK_END = "<!-- /relayout -->"
@@ -263,6 +268,8 @@ def update_contributing(text: str, groups: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if anything would change; change nothing")
+    ap.add_argument("--include-protected", action="store_true",
+                    help="also rewrite references in " + ", ".join(PROTECTED_PREFIXES))
     ap.add_argument("--root", type=Path, default=None, help="the repository (default: this script's)")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=GROUP",
                     help="group a plugin that GROUPS does not name (repeatable)")
@@ -281,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     moves = pending_moves(groups)
     unknown = unknown_plugins(groups)
     files = [f for f in tracked_files() if is_text(f)]
+    protected = [f for f in files if f.startswith(PROTECTED_PREFIXES)]
+    if not a.include_protected:
+        files = [f for f in files if not f.startswith(PROTECTED_PREFIXES)]
     rewrites = []
     for f in files:
         p = ROOT / f
@@ -316,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fixed relative paths in {nf}")
     changed = 0
     for f in (f for f in tracked_files() if is_text(f)):
+        if f.startswith(PROTECTED_PREFIXES) and not a.include_protected:
+            continue
         p = ROOT / f
         if not p.is_file():
             continue
@@ -330,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rewrote references in {changed} files; wrote plugins/README.md")
     for u in unknown:
         print(f"warning: plugins/{u} is in no group (left in place); re-run with --also {u}=GROUP", file=sys.stderr)
+    if not a.include_protected:
+        for f in protected:
+            text = (ROOT / f).read_text(encoding="utf-8", errors="surrogateescape")
+            if rewrite_text(text, groups) != text:
+                print(f"left as is (protected; --include-protected rewrites it): {f}")
     print("next: git add -A && git commit; make setup (editable installs point at the new folders); the tests")
     return 0
 
