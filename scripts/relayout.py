@@ -17,8 +17,8 @@ What it does, from the repository root of a clean checkout (any branch; it never
    (untracked leftovers such as ``*.egg-info`` are moved with it);
 2. in the files it moved this run: relative Markdown links are recomputed from their old place,
    and ``"$here/../.."`` (a script finding the repo root) climbs one level more;
-3. in every tracked text file except ``bench/results/`` (records keep the commands as they ran) and
-   :data:`PROTECTED_PREFIXES` (listed instead; ``--include-protected`` rewrites them too):
+3. in every tracked text file except ``bench/results/`` (records keep the commands as they ran; the
+   files of :data:`PROTECTED_PREFIXES` changed are listed, ``--skip-protected`` leaves them alone):
    ``plugins/<name>`` -> ``plugins/<group>/<name>`` (also ``"plugins" / "<name>"`` path parts), the
    package globs (``plugins/*/pyproject.toml`` and ``"plugins/*/omniloop_*/**/*.py"`` gain their
    ``plugins/*/*/`` twin: a plugin not grouped yet is still installed and scanned);
@@ -56,8 +56,8 @@ TEXT_NAMES = {"Makefile", "run", ".gitignore", "Dockerfile"}
 #: never rewritten: recorded results keep the command as it ran; this script and its test hold the
 #: old paths as data
 SKIP_PREFIXES = ("bench/results/", "scripts/relayout.py", "tests/layout/test_relayout.py")
-#: other work owns these folders (issue 34's brief: the core and the kit-based families are not edited
-#: here): references in them are listed, not rewritten, unless --include-protected
+#: other work owns these folders (the core, the kit and the kit-based families): only paths change
+#: there, and each file changed is listed; --skip-protected leaves them alone
 PROTECTED_PREFIXES = ("core/omniloop/", "families/kit/", "families/wan/", "families/flux/", "families/sd3/")
 
 MARK_BEGIN = "<!-- relayout: plugin groups (scripts/relayout.py writes this block) -->"
@@ -268,8 +268,8 @@ def update_contributing(text: str, groups: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if anything would change; change nothing")
-    ap.add_argument("--include-protected", action="store_true",
-                    help="also rewrite references in " + ", ".join(PROTECTED_PREFIXES))
+    ap.add_argument("--skip-protected", action="store_true",
+                    help="leave references in " + ", ".join(PROTECTED_PREFIXES) + " as they are (listed)")
     ap.add_argument("--root", type=Path, default=None, help="the repository (default: this script's)")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=GROUP",
                     help="group a plugin that GROUPS does not name (repeatable)")
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = unknown_plugins(groups)
     files = [f for f in tracked_files() if is_text(f)]
     protected = [f for f in files if f.startswith(PROTECTED_PREFIXES)]
-    if not a.include_protected:
+    if a.skip_protected:
         files = [f for f in files if not f.startswith(PROTECTED_PREFIXES)]
     rewrites = []
     for f in files:
@@ -325,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         if fix_moved_file(nf, of, groups):
             print(f"fixed relative paths in {nf}")
     changed = 0
+    rewritten: set[str] = set()
     for f in (f for f in tracked_files() if is_text(f)):
-        if f.startswith(PROTECTED_PREFIXES) and not a.include_protected:
+        if f.startswith(PROTECTED_PREFIXES) and a.skip_protected:
             continue
         p = ROOT / f
         if not p.is_file():
@@ -338,15 +339,18 @@ def main(argv: list[str] | None = None) -> int:
         if new != text:
             p.write_text(new, encoding="utf-8", errors="surrogateescape")
             changed += 1
+            rewritten.add(f)
     (ROOT / "plugins" / "README.md").write_text(plugins_readme(groups), encoding="utf-8")
     print(f"rewrote references in {changed} files; wrote plugins/README.md")
     for u in unknown:
         print(f"warning: plugins/{u} is in no group (left in place); re-run with --also {u}=GROUP", file=sys.stderr)
-    if not a.include_protected:
-        for f in protected:
+    for f in protected:
+        if a.skip_protected:
             text = (ROOT / f).read_text(encoding="utf-8", errors="surrogateescape")
             if rewrite_text(text, groups) != text:
-                print(f"left as is (protected; --include-protected rewrites it): {f}")
+                print(f"left as is (--skip-protected): {f}")
+        elif f in rewritten:
+            print(f"paths rewritten in a folder other work owns: {f}")
     print("next: git add -A && git commit; make setup (editable installs point at the new folders); the tests")
     return 0
 

@@ -61,7 +61,7 @@ def repo(tmp_path: Path) -> Path:
 
 def test_moves_rewrites_and_is_idempotent(repo: Path) -> None:
     assert _run(repo, "--check").returncode == 1
-    res = _run(repo, "--also", "custom=execution", "--include-protected")
+    res = _run(repo, "--also", "custom=execution")
     assert res.returncode == 0, res.stderr
     r = lambda p: (repo / p).read_text()  # noqa: E731
     for name, group in (("server", "frontends"), ("comfyui", "frontends"), ("dynamo", "frontends"),
@@ -90,17 +90,22 @@ def test_moves_rewrites_and_is_idempotent(repo: Path) -> None:
     # a second run changes nothing
     _git(repo, "add", "-A", ".")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "relayout")
-    assert _run(repo, "--also", "custom=execution", "--include-protected").returncode == 0
+    assert _run(repo, "--also", "custom=execution").returncode == 0
     assert _git(repo, "status", "--porcelain") == ""
-    assert _run(repo, "--check", "--also", "custom=execution", "--include-protected").returncode == 0
+    assert _run(repo, "--check", "--also", "custom=execution").returncode == 0
 
 
-def test_protected_folders_are_listed_not_rewritten(repo: Path) -> None:
-    res = _run(repo, "--also", "custom=execution")
+def test_folders_other_work_owns_are_listed_or_skipped(repo: Path) -> None:
+    res = _run(repo, "--also", "custom=execution", "--skip-protected")
     assert res.returncode == 0, res.stderr
     assert (repo / "families/wan/README.md").read_text() == FILES["families/wan/README.md"]
-    assert "left as is (protected; --include-protected rewrites it): families/wan/README.md" in res.stdout
+    assert "left as is (--skip-protected): families/wan/README.md" in res.stdout
     assert (repo / "core/README.md").read_text() != FILES["core/README.md"]  # core/omniloop/ only is protected
+
+
+def test_paths_rewritten_in_folders_other_work_owns_are_listed(repo: Path) -> None:
+    res = _run(repo, "--also", "custom=execution")
+    assert "paths rewritten in a folder other work owns: families/wan/README.md" in res.stdout
 
 
 def test_a_plugin_in_no_group_is_reported_and_left_in_place(repo: Path) -> None:
