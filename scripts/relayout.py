@@ -96,7 +96,9 @@ def pending_moves(groups: dict[str, str]) -> list[tuple[str, str]]:
         old, new = f"plugins/{name}", f"plugins/{group}/{name}"
         if (ROOT / old / "pyproject.toml").exists():
             if (ROOT / new).exists():
-                sys.exit(f"relayout: both {old} and {new} exist; merge them by hand first")
+                sys.exit(f"relayout: both {old} and {new} exist; if {new} holds only untracked leftovers "
+                         f"(__pycache__, *.egg-info), remove them (git clean -fdX {new}) and run again; "
+                         "otherwise merge the two by hand first")
             out.append((old, new))
     return out
 
