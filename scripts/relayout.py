@@ -14,7 +14,8 @@ The groups (:data:`GROUPS`):
 What it does, from the repository root of a clean checkout (any branch; it never commits):
 
 1. ``git mv plugins/<name> plugins/<group>/<name>`` for every plugin still at the old place
-   (untracked leftovers such as ``*.egg-info`` are moved with it);
+   (untracked leftovers such as ``*.egg-info`` are moved with it); files at the old place of a
+   plugin already grouped (another branch merged after the grouping) are moved file by file;
 2. in the files it moved this run: relative Markdown links are recomputed from their old place,
    and ``"$here/../.."`` (a script finding the repo root) climbs one level more;
 3. in every tracked text file except ``bench/results/`` (records keep the commands as they ran; the
@@ -89,17 +90,26 @@ def is_text(path: str) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
+def tracked_under(folder: str) -> list[str]:
+    return [f for f in git("ls-files", "-z", "--", folder).split("\0") if f]
+
+
 def pending_moves(groups: dict[str, str]) -> list[tuple[str, str]]:
-    """(old, new) folder pairs still to move."""
+    """(old, new) folder pairs with tracked files still at the old place: a whole plugin, or files
+    another branch added or kept at the old place after the grouping (merged into the new folder)."""
     out = []
     for name, group in sorted(groups.items()):
         old, new = f"plugins/{name}", f"plugins/{group}/{name}"
-        if (ROOT / old / "pyproject.toml").exists():
-            if (ROOT / new).exists():
-                sys.exit(f"relayout: both {old} and {new} exist; if {new} holds only untracked leftovers "
-                         f"(__pycache__, *.egg-info), remove them (git clean -fdX {new}) and run again; "
-                         "otherwise merge the two by hand first")
-            out.append((old, new))
+        if not tracked_under(old):
+            continue
+        if (ROOT / new).exists() and not tracked_under(new):
+            sys.exit(f"relayout: {new} exists but holds no tracked file; remove its untracked leftovers "
+                     f"(__pycache__, *.egg-info: git clean -fdX {new}) and run again")
+        clashes = [f for f in tracked_under(old) if (ROOT / (new + f[len(old):])).exists()]
+        if clashes:
+            sys.exit(f"relayout: {clashes[0]} exists at both {old} and {new}"
+                     f"{f' (and {len(clashes) - 1} more)' if len(clashes) > 1 else ''}; merge them by hand first")
+        out.append((old, new))
     return out
 
 
@@ -113,10 +123,16 @@ def unknown_plugins(groups: dict[str, str]) -> list[str]:
 
 
 def move(old: str, new: str) -> list[str]:
-    """git mv old new; returns the tracked files moved (new paths)."""
-    files = [f for f in git("ls-files", "-z", "--", old).split("\0") if f]
-    (ROOT / new).parent.mkdir(parents=True, exist_ok=True)
-    git("mv", old, new)
+    """git mv old new (the whole folder, or file by file into an existing new folder); returns the
+    tracked files moved (new paths)."""
+    files = tracked_under(old)
+    if not (ROOT / new).exists():
+        (ROOT / new).parent.mkdir(parents=True, exist_ok=True)
+        git("mv", old, new)
+    else:
+        for f in files:
+            (ROOT / (new + f[len(old):])).parent.mkdir(parents=True, exist_ok=True)
+            git("mv", f, new + f[len(old):])
     leftover = ROOT / old  # untracked files (egg-info, __pycache__) stay behind a git mv
     if leftover.exists():
         for p in sorted(leftover.rglob("*"), reverse=True):
@@ -320,9 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     moved_files: list[tuple[str, str]] = []  # (new path, old path)
     for old, new in moves:
+        merged = (ROOT / new).exists()
         for nf in move(old, new):
             moved_files.append((nf, old + nf[len(new):]))
-        print(f"moved {old} -> {new}")
+        print(f"moved {old} -> {new}" + (" (files merged into the grouped folder)" if merged else ""))
     for nf, of in moved_files:
         if fix_moved_file(nf, of, groups):
             print(f"fixed relative paths in {nf}")

@@ -122,3 +122,33 @@ def test_refuses_a_dirty_tree_and_a_bad_group(repo: Path) -> None:
     assert (repo / "plugins/server").is_dir()
     res = _run(repo, "--check", "--also", "custom=nowhere")
     assert res.returncode == 2 and "GROUP one of frontends, execution, compute" in res.stderr
+
+
+def test_files_left_at_the_old_place_after_the_grouping_are_merged_in(repo: Path) -> None:
+    """Another branch merged after the grouping adds a file under plugins/server/: a re-run moves it
+    into plugins/frontends/server/ and rewrites its references; a clash is refused."""
+    assert _run(repo, "--also", "custom=execution").returncode == 0
+    _git(repo, "add", "-A", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "relayout")
+    (repo / "plugins/server/omniloop_server").mkdir(parents=True)
+    (repo / "plugins/server/omniloop_server/new.py").write_text('"""see plugins/quant/README.md"""\n')
+    (repo / "docs").mkdir()
+    (repo / "docs/new.md").write_text("run plugins/server/bench/x.py\n")
+    _git(repo, "add", "-A", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "another branch")
+    assert "would move plugins/server -> plugins/frontends/server" in _run(repo, "--check", "--also", "custom=execution").stdout
+    res = _run(repo, "--also", "custom=execution")
+    assert res.returncode == 0 and "files merged into the grouped folder" in res.stdout, res.stdout + res.stderr
+    assert not (repo / "plugins/server").exists()
+    assert (repo / "plugins/frontends/server/omniloop_server/new.py").read_text() == '"""see plugins/compute/quant/README.md"""\n'
+    assert (repo / "docs/new.md").read_text() == "run plugins/frontends/server/bench/x.py\n"
+    assert (repo / "plugins/frontends/server/pyproject.toml").is_file()
+    _git(repo, "add", "-A", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "re-run")
+    # a file at both places is refused, nothing moved
+    (repo / "plugins/server").mkdir()
+    (repo / "plugins/server/README.md").write_text("old\n")
+    _git(repo, "add", "-A", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "clash")
+    res = _run(repo, "--also", "custom=execution")
+    assert res.returncode != 0 and "plugins/server/README.md exists at both" in res.stderr
