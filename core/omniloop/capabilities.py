@@ -33,6 +33,9 @@ the field. Fields, each defaulting to "not supported":
     falls back to the adapter and offload declarations).
 ``returns_latents``
     the default pipeline serves ``outputs.return_latents`` (the final latents as an output).
+``audio``
+    the family makes audio and reads the request's ``audio`` window (``t2a``, or a sound track);
+    a request with ``audio`` to any other family is refused.
 ``streams_partial``
     the default pipeline emits partial artifacts (``outputs.stream_partial``: text as it decodes).
 ``rollouts``
@@ -147,6 +150,7 @@ class FamilyCapabilities:
     role_components: frozenset[str] = field(default=frozenset(), converter=frozenset)
     quant_blocks: Mapping[str, str | tuple[str, ...]] | None = field(default=None, converter=_optional_map)
     returns_latents: bool = False
+    audio: bool = False
     streams_partial: bool = False
     rollouts: tuple[Rollout, ...] = field(default=(), converter=tuple)
     options: frozenset[str] | None = field(default=None, converter=_optional_set)

@@ -84,7 +84,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 #: tasks whose requests are conditioned on text: they need a non-blank prompt
 TEXT_TASKS = frozenset({TaskType.T2V, TaskType.T2I, TaskType.T2A, TaskType.TTS})
 #: denoising tasks: they read ``diffusion``, never the token-sampling knobs of ``sampling``
-DIFFUSION_TASKS = frozenset({TaskType.T2V, TaskType.I2V, TaskType.V2V, TaskType.T2I, TaskType.I2I})
+DIFFUSION_TASKS = frozenset({TaskType.T2V, TaskType.I2V, TaskType.V2V, TaskType.T2I, TaskType.I2I, TaskType.T2A})
 
 
 class Deployment:
@@ -228,6 +228,8 @@ class Deployment:
 
     def _check_common(self, req: OmniRequest) -> None:
         self._check_outputs(req)
+        if req.audio is not None and not self.capabilities.audio:
+            raise RequestError("audio", f"family {self.family.name!r} does not make audio (its capabilities declare none); remove audio")
         if req.task in DIFFUSION_TASKS:  # token-sampling knobs a denoising request would ignore
             given = _non_default_fields(req.sampling)
             if given:
