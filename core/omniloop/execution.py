@@ -230,6 +230,7 @@ class Execution:
                 with _adapters.activate(self.adapters), watching(self._cancelled):
                     node.stage.forward(ctx, self.state)
                 self._leave(node, events)
+                self._init_next_loop()
             else:
                 if self._loop is None:
                     with _adapters.activate(self.adapters), watching(self._cancelled):
@@ -241,6 +242,7 @@ class Execution:
                 with _adapters.activate(self.adapters), watching(self._cancelled):
                     result = node.stage.step(ctx, self.state, loop)
                 self._after_step(node, loop, result, time.perf_counter() - t0, events)
+                self._init_next_loop()
         except CancelledError:  # cancel() while the unit ran: it stopped between blocks
             if not self.done:
                 self._finish(Status.CANCELLED, None, events)
@@ -250,7 +252,7 @@ class Execution:
                 self._finish(Status.CANCELLED, None, events)
             raise
         except BaseException as exc:  # failure isolation (a plugin's sys.exit too): this request fails
-            self._fail(exc, node, events)
+            self._fail(exc, self.current_node or node, events)  # the next loop's, when its init failed
             return events
         if self.current_node is None and not self.done:
             self._finish(Status.COMPLETED, None, events)
@@ -295,6 +297,18 @@ class Execution:
         self._index += 1
         if self.request.outputs.stream_progress:
             events.append(OmniEvent(self.request_id, EventKind.NODE, node=node.name, message="done"))
+
+    def _init_next_loop(self) -> None:
+        """At the end of a unit that left a node: when the next node is a loop, enter it and
+        initialise its state now, so that its first step can join a batched step (``batch_key``
+        needs the loop state) like every later one."""
+        node = self.current_node
+        if node is None or not node.is_loop or self.done or self._cancel_requested or self._ctx is not None:
+            return
+        self._enter(node)
+        assert self._ctx is not None
+        with _adapters.activate(self.adapters), watching(self._cancelled):
+            self._init_loop(node, self._ctx)
 
     def _init_loop(self, node: Node, ctx: StageContext) -> None:
         loop = node.stage.init(ctx, self.state)
@@ -434,6 +448,7 @@ def _retry_alone(executions: Sequence[Execution], node: Any, exc: BaseException,
             with _adapters.activate(ex.adapters), watching(ex._cancelled):
                 res = node.stage.step(ex._ctx, ex.state, loop)
             ex._after_step(node, loop, res, time.perf_counter() - t0, evs)
+            ex._init_next_loop()
             if ex.current_node is None and not ex.done:
                 ex._finish(Status.COMPLETED, None, evs)
         except CancelledError:  # cancelled while it ran alone
@@ -501,6 +516,7 @@ def _advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
         assert loop is not None
         try:
             ex._after_step(node, loop, res, dt, evs)
+            ex._init_next_loop()
             if ex.current_node is None and not ex.done:
                 ex._finish(Status.COMPLETED, None, evs)
         except KeyboardInterrupt:

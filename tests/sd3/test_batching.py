@@ -68,7 +68,7 @@ def test_batch_key_refuses_what_cannot_batch(sd3_runtime, t2i_request):
         ex = rt.prepare(r)
         while ex.batch_key() is None and not ex.done and ex.current_node != "denoise":
             ex.advance()
-        ex.advance()  # the first denoise step (runs init); the next step is batchable
+        ex.advance()  # the first denoise step; the next step is batchable too
         keys.append(ex.batch_key())
     assert keys[0] is not None and keys[0] == keys[1]  # other prompt and seed: same key
     assert keys[2] != keys[0]  # another size

@@ -77,7 +77,7 @@ def test_batched_steps_equal_each_request_alone(wan_runtime, t2v_request, i2v_re
     reqs = [with_denoise(r, **params) for r in requests(make, steps=4, **size)]
     alone = [rt.generate(r) for r in reqs]
     outs, batched = run_batched(rt, reqs)
-    assert batched == 3  # steps 1..3 (step 0 runs with each loop's init)
+    assert batched == 4  # steps 0..3 (each loop is initialised at the end of the unit before it)
     assert_close_to_alone(outs, alone)
     for o, a in zip(outs, alone, strict=True):  # per-request policy state, not shared
         assert o.metrics["policies"] == a.metrics["policies"]
@@ -91,7 +91,7 @@ def test_different_negative_prompts_batch_too(wan_runtime, t2v_request):
     reqs[1]["inputs"][1]["text"] = "static, ugly"  # another negative prompt
     alone = [rt.generate(r) for r in reqs]
     outs, batched = run_batched(rt, reqs)
-    assert batched == 3
+    assert batched == 4
     assert_close_to_alone(outs, alone)
 
 
@@ -166,7 +166,7 @@ def test_stochastic_sampler_batches_with_each_requests_own_noise(wan_runtime, t2
     reqs = requests(t2v_request, steps=4)
     alone = [rt.generate(r) for r in reqs]
     outs, batched = run_batched(rt, reqs)
-    assert batched == 3
+    assert batched == 4
     assert_close_to_alone(outs, alone)
     ode = wan_runtime("t2v", policies={"sampler": "flow-euler"}).generate(reqs[0])
     assert (ode.artifacts["latents"].tensor - alone[0].artifacts["latents"].tensor).abs().max() > 1e-2
