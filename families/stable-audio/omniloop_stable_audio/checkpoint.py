@@ -1,0 +1,114 @@
+"""Reading a diffusers-format Stable Audio checkpoint: detect it, check it, load it.
+
+Layout (what ``stabilityai/stable-audio-open-1.0`` ships)::
+
+    model_index.json     _class_name StableAudioPipeline; [library, class] per component
+    transformer/         StableAudioDiTModel (config.json + diffusion_pytorch_model*.safetensors)
+    vae/                 AutoencoderOobleck (sampling_rate, audio_channels, downsampling_ratios)
+    text_encoder/        T5EncoderModel
+    tokenizer/           T5 tokenizer (model_max_length: the prompt's token budget, 128)
+    projection_model/    StableAudioProjectionModel (["stable_audio", ...]: diffusers' pipeline module)
+    scheduler/           CosineDPMSolverMultistepScheduler config
+    omniloop.json        optional: omniloop defaults for this checkpoint (tiny checkpoints write it)
+
+:func:`check_checkpoint` validates the layout from configs and safetensors headers before any
+weight is read, including that the components fit together; every problem is one
+:class:`omniloop.errors.CheckpointError` naming the file. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omniloop.checkpoints import (
+    DIFFUSERS_WEIGHTS,
+    TRANSFORMERS_WEIGHTS,
+    component_folder,
+    looks_like,
+    model_folder,
+    read_json,
+    read_model_index,
+)
+from omniloop.errors import CheckpointError
+from omniloop_kit.loading import declared
+
+PIPELINES = ("StableAudioPipeline",)
+REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "projection_model", "scheduler")
+#: the diffusers pipeline module a component may name as its library
+PIPELINE_MODULES = ("stable_audio",)
+SCHEDULERS = ("CosineDPMSolverMultistepScheduler",)
+
+
+def looks_like_stable_audio(path: str | Path) -> bool:
+    """Cheap detection: reads ``model_index.json`` (and ``transformer/config.json``) only."""
+    return looks_like(path, PIPELINES, "StableAudioDiTModel")
+
+
+def check_checkpoint(root: Path) -> dict[str, Any]:
+    """Validate the layout and the configs' fit; return ``{"index": ..., "<name>": config, ...}``."""
+    index_path = root / "model_index.json"
+    index = read_model_index(root)
+    configs: dict[str, Any] = {"index": index}
+    for name in REQUIRED:
+        if declared(index, name) is None:
+            raise CheckpointError(f"{index_path}: component {name!r} is not declared "
+                                  f"(a Stable Audio checkpoint needs {', '.join(REQUIRED)})")
+        folder = component_folder(root, name)
+        if name in ("transformer", "vae", "projection_model"):
+            configs[name] = model_folder(folder, name, DIFFUSERS_WEIGHTS)
+        elif name == "text_encoder":
+            configs[name] = model_folder(folder, name, TRANSFORMERS_WEIGHTS)
+        elif name == "tokenizer":
+            if not any((folder / f).exists() for f in ("tokenizer.json", "spiece.model")):
+                raise CheckpointError(f"{folder}: tokenizer has neither tokenizer.json nor spiece.model")
+        else:
+            configs[name] = read_json(folder / "scheduler_config.json", "scheduler config")
+    check_fit(root, configs)
+    return configs
+
+
+def _int(cfg: dict[str, Any], key: str, path: Path, default: Any = None) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CheckpointError(f"{path}: {key} must be a positive integer, got {v!r}")
+    return v
+
+
+def check_fit(root: Path, c: dict[str, Any]) -> None:
+    """The components must fit together (what the DiT expects of the projection, the T5 and the VAE)."""
+    tf_path, vae_path = root / "transformer" / "config.json", root / "vae" / "config.json"
+    pr_path, te_path = root / "projection_model" / "config.json", root / "text_encoder" / "config.json"
+    sch_path = root / "scheduler" / "scheduler_config.json"
+    tf, vae, pr, te = c["transformer"], c["vae"], c["projection_model"], c["text_encoder"]
+    if tf.get("_class_name", "StableAudioDiTModel") != "StableAudioDiTModel":
+        raise CheckpointError(f"{tf_path}: expected a StableAudioDiTModel, found {tf.get('_class_name')!r}")
+    latent = _int(tf, "in_channels", tf_path, 64)
+    if _int(vae, "decoder_input_channels", vae_path, 64) != latent:
+        raise CheckpointError(f"{vae_path}: decoder_input_channels={vae.get('decoder_input_channels', 64)} but the "
+                              f"transformer takes in_channels={latent}")
+    _int(vae, "sampling_rate", vae_path, 44100)
+    cond = _int(pr, "conditioning_dim", pr_path)
+    if _int(tf, "cross_attention_input_dim", tf_path, 768) != cond:
+        raise CheckpointError(f"{tf_path}: cross_attention_input_dim={tf.get('cross_attention_input_dim', 768)} but "
+                              f"the projection model's conditioning_dim is {cond}")
+    if _int(tf, "global_states_input_dim", tf_path, 1536) != 2 * cond:
+        raise CheckpointError(f"{tf_path}: global_states_input_dim={tf.get('global_states_input_dim', 1536)} must be "
+                              f"twice the projection model's conditioning_dim ({2 * cond}: start and end seconds)")
+    width = te.get("d_model", te.get("hidden_size"))
+    if width != pr.get("text_encoder_dim"):
+        raise CheckpointError(f"{pr_path}: text_encoder_dim={pr.get('text_encoder_dim')!r} but the text encoder's "
+                              f"d_model is {width!r} ({te_path})")
+    lo, hi = pr.get("min_value"), pr.get("max_value")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not lo < hi:
+        raise CheckpointError(f"{pr_path}: min_value/max_value must be numbers with min < max, got {lo!r}/{hi!r}")
+    if (_int(tf, "attention_head_dim", tf_path, 64) // 2) % 2:
+        raise CheckpointError(f"{tf_path}: attention_head_dim must be a multiple of 4 (half of it is rotated)")
+    name = c["scheduler"].get("_class_name")
+    if name not in SCHEDULERS:
+        raise CheckpointError(f"{sch_path}: scheduler {name!r} is not supported (the family steps "
+                              f"{', '.join(SCHEDULERS)}, what Stable Audio ships)")
+
+
+__all__ = ["PIPELINES", "PIPELINE_MODULES", "REQUIRED", "SCHEDULERS", "check_checkpoint", "check_fit",
+           "looks_like_stable_audio"]
