@@ -1,0 +1,361 @@
+"""Stable Audio Open on one GPU: omniloop's stable-audio family beside diffusers eager and diffusers + torch.compile.
+
+Random weights, the real DiT (timing does not depend on the values), built in-process: diffusers'
+``StableAudioDiTModel`` at Stable Audio Open 1.0's configuration (24 blocks, 24 heads of 64, 12
+key/value heads, 64 latent channels, ``sample_size`` 1024 → 47.55 s of stereo at 44.1 kHz;
+1.06 B parameters), the ``StableAudioProjectionModel`` (768 → 768, seconds 0..512), a 2-layer
+T5 of width 768 (128 tokens: the text context's shape is Stable Audio Open's, its depth is not)
+and an ``AutoencoderOobleck`` with the released hop (2048) but a narrow decoder (decoding is not
+what is compared). ``CosineDPMSolverMultistepScheduler`` (SDE, torchsde Brownian tree), CFG 7 with
+a negative prompt (uncond and cond rows in one forward of two), bf16, the full 47.55 s window.
+
+Sides (``--only`` picks any):
+
+==========================  ==========================================================================
+``diffusers``               ``StableAudioPipeline`` eager
+``diffusers-compile``       same pipeline, ``torch.compile(transformer, fullgraph=True)`` (whole model)
+``omniloop``                the stable-audio family eager (our outer forward, blocks via run_blocks)
+``omniloop-compile``        + deploy ``compile: true`` (each block ``torch.compile(fullgraph=True)``)
+``omniloop-cudnn-compile``  + attention backend ``sdpa-cudnn`` (omniloop-attention)
+``omniloop-compile-cg``     ``omniloop-compile`` with ``options.compile_mode: reduce-overhead`` (each
+                            compiled block replayed as a CUDA graph)
+==========================  ==========================================================================
+
+Per side: seconds per denoise step (median over steps 1..N-1 of every measured run; diffusers'
+steps are marked by its ``callback`` after a ``torch.cuda.synchronize()``, omniloop's after each
+denoise unit), end-to-end seconds (prompt to waveform), warm-up seconds (compilation), peak memory,
+and the final latents' relative RMS difference to diffusers eager. Runs are interleaved (every
+other round reversed) after one warm-up run per side. JSON to ``--out`` (default ``$OUT`` or
+``bench/results/``) after every phase.
+
+    python bench/stable_audio_gpu.py                 # on the H200
+    python bench/stable_audio_gpu.py --smoke         # tiny configs on a CPU, compile backend 'eager'
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _repo_paths
+
+_repo_paths.add_repo_packages()
+
+from _common import command_line, library_versions, machine, rel_rms, run_omniloop, step_times, sync  # noqa: E402
+
+PROMPT = "the sound of a hammer hitting a wooden surface, 120 bpm"
+NEGATIVE = "low quality, noise"
+GUIDANCE = 7.0
+SEED = 42
+
+#: stabilityai/stable-audio-open-1.0 transformer/config.json
+SAO_DIT = dict(sample_size=1024, in_channels=64, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+               num_key_value_attention_heads=12, out_channels=64, cross_attention_dim=768, time_proj_dim=256,
+               global_states_input_dim=1536, cross_attention_input_dim=768)
+SAO_PROJECTION = dict(text_encoder_dim=768, conditioning_dim=768, min_value=0, max_value=512)
+T5 = dict(d_model=768, d_kv=64, d_ff=3072, num_layers=2, num_heads=12, relative_attention_num_buckets=32,
+          relative_attention_max_distance=128, feed_forward_proj="relu", pad_token_id=0, eos_token_id=1,
+          decoder_start_token_id=0)
+VAE = dict(encoder_hidden_size=128, downsampling_ratios=[2, 4, 4, 8, 8], channel_multiples=[1, 2, 4, 8, 16],
+           decoder_channels=16, decoder_input_channels=64, audio_channels=2, sampling_rate=44100)
+
+SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omniloop-cudnn-compile",
+         "omniloop-compile-cg")
+
+
+def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
+    from diffusers import AutoencoderOobleck, CosineDPMSolverMultistepScheduler, StableAudioDiTModel
+    from diffusers.pipelines.stable_audio import StableAudioProjectionModel
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    from omniloop_kit.tiny import T5_CONFIG, t5_unigram_tokenizer
+    from omniloop_stable_audio import tiny
+
+    if smoke:
+        c = tiny.CONFIGS["stereo"]
+        dit = dict(sample_size=c["length"], in_channels=c["latent"], num_layers=2, attention_head_dim=8,
+                   num_attention_heads=4, num_key_value_attention_heads=2, out_channels=c["latent"],
+                   cross_attention_dim=32, time_proj_dim=16, global_states_input_dim=2 * 24, cross_attention_input_dim=24)
+        proj = dict(text_encoder_dim=16, conditioning_dim=24, min_value=0, max_value=16)
+        t5 = dict(T5, d_model=16, d_kv=8, d_ff=32, num_heads=2)
+        vae = dict(encoder_hidden_size=16, downsampling_ratios=[2, 4], channel_multiples=[1, 2], decoder_channels=8,
+                   decoder_input_channels=c["latent"], audio_channels=2, sampling_rate=400)
+        max_tokens = 16
+    else:
+        dit, proj, t5, vae, max_tokens = SAO_DIT, SAO_PROJECTION, T5, VAE, 128
+    tok_dir = Path(tempfile.mkdtemp(prefix="sa-bench-tok-")) / "tokenizer"
+    vocab = t5_unigram_tokenizer(tok_dir, PROMPT.replace(",", " ").split() + NEGATIVE.replace(",", " ").split())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**T5_CONFIG, "model_max_length": max_tokens}))
+    torch.manual_seed(0)
+    with torch.device(device):
+        comps: dict[str, Any] = {
+            "transformer": StableAudioDiTModel(**dit),
+            "projection_model": StableAudioProjectionModel(**proj),
+            "text_encoder": T5EncoderModel(T5Config(vocab_size=vocab, **t5)),
+            "vae": AutoencoderOobleck(**vae),
+        }
+    for name, m in comps.items():
+        m.to(dtype=torch.float32 if name == "vae" else dtype).eval().requires_grad_(False)
+    comps["tokenizer"] = T5TokenizerFast.from_pretrained(str(tok_dir))
+    comps["scheduler"] = CosineDPMSolverMultistepScheduler(sigma_min=0.3, sigma_max=500, sigma_data=1.0,
+                                                           sigma_schedule="exponential", solver_order=2,
+                                                           prediction_type="v_prediction", solver_type="midpoint")
+    return comps
+
+
+class DiffusersSide:
+    def __init__(self, name: str, comps: dict[str, Any], compiled: bool, compile_backend: str) -> None:
+        from diffusers import StableAudioPipeline
+
+        self.name = name
+        tf = comps["transformer"]
+        self.note = ""
+        if compiled:
+            tf = torch.compile(tf, fullgraph=True, backend=compile_backend)
+            self.note = f"torch.compile(transformer, fullgraph=True, backend={compile_backend!r})"
+        c = comps
+        self.pipe = StableAudioPipeline(vae=c["vae"], text_encoder=c["text_encoder"], projection_model=c["projection_model"],
+                                        tokenizer=c["tokenizer"], transformer=tf,
+                                        scheduler=type(c["scheduler"]).from_config(c["scheduler"].config))
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def run(self, steps: int) -> dict[str, Any]:
+        marks: list[float] = []
+        final: dict[str, torch.Tensor] = {}
+
+        def on_step(i: int, t: Any, latents: torch.Tensor) -> None:
+            sync()
+            marks.append(time.perf_counter())
+            if i == steps - 1:
+                final["latents"] = latents.detach().clone()
+
+        sync()
+        t0 = time.perf_counter()
+        with _vae_cast(self.pipe.vae):
+            out = self.pipe(prompt=PROMPT, negative_prompt=NEGATIVE, num_inference_steps=steps, guidance_scale=GUIDANCE,
+                            generator=torch.Generator("cpu").manual_seed(SEED), callback=on_step, callback_steps=1)
+        sync()
+        total = time.perf_counter() - t0
+        return {"total": total, "steps": step_times(marks), "latents": final["latents"], "audio": out.audios[0].float()}
+
+
+class _vae_cast:
+    """diffusers passes the latents to the VAE in the DiT's dtype; ours is float32: cast on the way in."""
+
+    def __init__(self, vae: Any) -> None:
+        self.vae = vae
+
+    def __enter__(self) -> None:
+        vae, real = self.vae, self.vae.decode
+        self.real = real
+        vae.decode = lambda z, *a, **k: real(z.float(), *a, **k)
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.vae.decode
+
+
+class OmniloopSide:
+    def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, *,
+                 compiled: bool, compile_backend: str, attention: str = "sdpa", mode: str | None = None) -> None:
+        from omniloop.deploy import DeployConfig
+        from omniloop.execution import BuiltPipeline
+        from omniloop.request import TaskType
+        from omniloop_stable_audio.family import StableAudioFamily
+
+        self.name = name
+        backend = None
+        if attention != "sdpa":
+            from omniloop_attention.backends import BACKENDS
+
+            backend = {s.name: s for s in BACKENDS}[attention]
+            why = backend.available()
+            if why:
+                raise RuntimeError(f"attention backend {attention!r} cannot run here: {why}")
+        deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                              compile=compiled, attention_backend=attention)
+        options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend}
+        if mode is not None:
+            options["compile_mode"] = mode
+        if backend is not None:
+            options["attention"] = backend
+        fam = StableAudioFamily()
+        comps = {**comps, "vae": _Float32Vae(comps["vae"])}
+        self.model = fam.from_components(comps, device=device, dtype=dtype, options=options)
+        spec = fam.build_pipeline(self.model, TaskType.T2A, options)
+        self.built = BuiltPipeline(spec=spec, components=self.model.components, device=device, dtype=dtype,
+                                   options=options)
+        self.note = f"compile={compiled} attention={attention} compile_mode={mode}"
+
+    def run(self, steps: int) -> dict[str, Any]:
+        body = {"task": "t2a", "prompt": PROMPT, "negative_prompt": NEGATIVE,
+                "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED},
+                "outputs": {"return_latents": True}}
+        run = run_omniloop(self.built, body)
+        out = run.result.output
+        if not out.ok:
+            raise RuntimeError(f"omniloop request failed: {out.error}")
+        from omniloop.artifacts import Latents
+
+        return {"total": run.total, "steps": run.steps, "latents": run.result.state.read("denoised", Latents).tensor,
+                "audio": out.artifacts["audio"].samples, "metrics": {"denoise": out.metrics.get("denoise")}}
+
+
+class _Float32Vae(torch.nn.Module):
+    """The float32 VAE taking latents of any dtype (the family hands it the DiT's)."""
+
+    def __init__(self, vae: Any) -> None:
+        super().__init__()
+        self.vae = vae
+        self.config = vae.config
+
+    def decode(self, z: torch.Tensor, *a: Any, **k: Any) -> Any:
+        return self.vae.decode(z.float(), *a, **k)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (compile backend 'eager')")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--only", default=",".join(SIDES))
+    ap.add_argument("--budget-s", type=float, default=150.0, help="start no new phase after this many seconds")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    steps = 3 if args.smoke else args.steps
+    compile_backend = "eager" if device.type == "cpu" else "inductor"
+    only = [s for s in args.only.split(",") if s]
+    for s in only:
+        if s not in SIDES:
+            ap.error(f"--only: unknown side {s!r} (known: {', '.join(SIDES)})")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+
+    date = dt.date.today().isoformat()
+    tag = "smoke" if args.smoke else "sao-47s-h200"
+    record: dict[str, Any] = {
+        "bench": "stable_audio_gpu", "date": date, "command": command_line("bench/stable_audio_gpu.py", argv),
+        "machine": machine(device=str(device), dtype=str(dtype).replace("torch.", ""), **library_versions()),
+        "config": {"model": "tiny" if args.smoke else "Stable Audio Open 1.0 DiT architecture, random weights",
+                   "seconds": "the whole window (47.55 s at 44.1 kHz stereo: 1024 latent frames)",
+                   "steps": steps, "guidance_scale": GUIDANCE, "cfg": "uncond + cond rows in one forward",
+                   "repeats": args.repeats, "compile_backend": compile_backend},
+        "sides": {}, "notes": [],
+    }
+    out_path = Path(args.out)
+    if out_path.suffix != ".json":
+        out_path = out_path / f"stable_audio_gpu-{tag}-{date}.json"
+
+    def save() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(record, indent=1) + "\n")
+
+    t = time.perf_counter()
+    base = build_components(device, dtype, args.smoke)
+    record["notes"].append(f"built components in {time.perf_counter() - t:.1f} s; DiT "
+                           f"{sum(p.numel() for p in base['transformer'].parameters()) / 1e9:.3f} B params")
+    sides: list[Any] = []
+    for name in only:
+        try:
+            tf = base["transformer"] if name == "diffusers" else copy.deepcopy(base["transformer"])
+            comps = {**base, "transformer": tf}
+            if name.startswith("diffusers"):
+                side: Any = DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
+            else:
+                cg = name.endswith("-cg") and compile_backend == "inductor"
+                side = OmniloopSide(name, comps, device, dtype, compiled="compile" in name,
+                                    compile_backend=compile_backend, mode="reduce-overhead" if cg else None,
+                                    attention="sdpa-cudnn" if "cudnn" in name and device.type == "cuda" else "sdpa")
+            sides.append(side)
+            record["sides"][name] = {"setup": side.note}
+        except Exception as exc:  # a side that cannot run here is recorded, the others go on
+            record["sides"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+    save()
+
+    with torch.no_grad():
+        for side in list(sides):  # warm-up (compiles) — not measured
+            if time.perf_counter() - t_start > args.budget_s:
+                record["sides"][side.name]["skipped"] = "time budget"
+                sides.remove(side)
+                continue
+            t = time.perf_counter()
+            try:
+                side.run(2)
+            except Exception as exc:
+                record["sides"][side.name]["skipped"] = f"warm-up failed: {type(exc).__name__}: {exc}"
+                record["sides"][side.name]["traceback"] = traceback.format_exc()[-2000:]
+                sides.remove(side)
+                continue
+            record["sides"][side.name]["warmup_s"] = round(time.perf_counter() - t, 3)
+            print(json.dumps({"side": side.name, "warmup_s": record["sides"][side.name]["warmup_s"]}), flush=True)
+            save()
+        runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
+        for rep in range(args.repeats):
+            if rep and time.perf_counter() - t_start > args.budget_s:
+                record["notes"].append(f"time budget reached after {rep} rounds")
+                break
+            for side in (sides if rep % 2 == 0 else sides[::-1]):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                r = side.run(steps)
+                if device.type == "cuda":
+                    r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                runs[side.name].append(r)
+                print(json.dumps({"side": side.name, "rep": rep, "total_s": round(r["total"], 4),
+                                  "step_s": round(statistics.median(r["steps"]), 5)}), flush=True)
+            summarize(record, runs)
+            save()
+    summarize(record, runs)
+    record["wall_s"] = round(time.perf_counter() - t_start, 1)
+    save()
+    print(json.dumps({"wrote": str(out_path), "summary": record.get("summary")}, indent=1))
+    return 0
+
+
+def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
+    ref = runs.get("diffusers") or []
+    ref_lat = ref[-1]["latents"] if ref else None
+    summary: dict[str, Any] = {}
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        steps_all = [s for r in rs for s in r["steps"]]
+        entry = record["sides"][name]
+        entry.update(s_per_step=round(statistics.median(steps_all), 5),
+                     s_end_to_end=round(statistics.median(r["total"] for r in rs), 4),
+                     runs=len(rs), totals=[round(r["total"], 4) for r in rs],
+                     audio_shape=list(rs[-1]["audio"].shape))
+        if "peak_gib" in rs[-1]:
+            entry["peak_gib"] = round(max(r["peak_gib"] for r in rs), 2)
+        if rs[-1].get("metrics"):
+            entry["metrics"] = rs[-1]["metrics"]
+        if ref_lat is not None:
+            lat = rs[-1]["latents"].to(ref_lat.device).reshape(ref_lat.shape)
+            entry["latents_rel_rms_vs_diffusers"] = rel_rms(lat, ref_lat)
+            entry["latents_bit_equal_diffusers"] = bool(torch.equal(lat, ref_lat))
+        summary[name] = {"s_per_step": entry["s_per_step"], "s_end_to_end": entry["s_end_to_end"]}
+    for ref_name in ("diffusers", "diffusers-compile"):
+        if ref_name in summary:
+            for s in summary.values():
+                s[f"step_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_per_step"] / s["s_per_step"], 3)
+                s[f"e2e_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_end_to_end"] / s["s_end_to_end"], 3)
+    record["summary"] = summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())
