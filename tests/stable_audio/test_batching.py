@@ -7,7 +7,8 @@ co-batches their denoise steps into one DiT forward (uncond rows of all, then co
 request combines its own CFG and steps its own scheduler, whose Brownian tree is its own.
 
 Tolerance: batched results equal each request run alone within ``BATCHED_ATOL`` on the final
-latents (latents here are O(1); the initial noise is O(500)). Not bit-exact: stacking changes the
+latents (latents here are O(1); the initial noise is O(500)). Measured (tiny stereo checkpoint,
+CPU, 1 thread, 4 steps all batched): max |Δ| latents 2.0e-6, 2.7e-6, 9.5e-7; waveforms 8.3e-7. Not bit-exact: stacking changes the
 row count of every GEMM, and CPU kernels round differently for other shapes (tests/stable_audio/
 test_parity.py shows that the samples of one group batched together equal diffusers' batch exactly).
 """
