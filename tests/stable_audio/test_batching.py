@@ -15,6 +15,7 @@ test_parity.py shows that the samples of one group batched together equal diffus
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from omniloop.request import Status
@@ -23,6 +24,7 @@ from omniloop.testing import completed_latents
 BATCHED_ATOL = 2e-5
 
 
+@pytest.mark.slow
 def test_batched_steps_equal_each_request_alone(runtime, t2a):
     reqs = [
         {**t2a(seed=11, steps=4, negative="noise", audio={"seconds": 0.2}), "request_id": "one"},

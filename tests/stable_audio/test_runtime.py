@@ -185,6 +185,7 @@ def test_conformance_kit(runtime):
     check_family(lambda: runtime(), {"task": "t2a", "prompt": "a drum", "diffusion": {"steps": 2}}, output="audio")
 
 
+@pytest.mark.slow
 def test_compiled_blocks_equal_eager(tiny_ckpt, make_runtime, t2a):
     eager = make_runtime(tiny_ckpt())
     comp = make_runtime(tiny_ckpt(), compile=True, options={"compile_backend": "eager"})
@@ -217,6 +218,7 @@ def test_bad_checkpoints_named(tiny_ckpt, tmp_path, make_runtime):
         assert words in str(err.value), str(err.value)
 
 
+@pytest.mark.slow
 def test_tiny_builder_cli(tmp_path):
     out = tmp_path / "mono"
     res = subprocess.run([sys.executable, "-m", "omniloop_stable_audio.tiny", str(out), "--variant", "mono"],
