@@ -117,35 +117,47 @@ class Server:
         return time.monotonic() - t0
 
 
+PROBE = """
+import json, sys, threading, time
+import httpx
+url, stop = sys.argv[1], threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+lat, bad = [], 0
+with httpx.Client(timeout=120) as c:
+    c.get(url + "/health")
+    print("ready", flush=True)
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            ok = c.get(url + "/health").status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        lat.append(time.monotonic() - t0)
+        bad += not ok
+        stop.wait(0.05)
+print(json.dumps({"lat": lat, "bad": bad}), flush=True)
+"""
+
+
 class Prober:
-    """``/health`` every 50 ms in a thread: the worst latency (and any non-200) while running."""
+    """``/health`` every 50 ms from a process of its own (so the attacker's and the bystander's
+    work in this process — building a 30 MB body holds this process's GIL — never delays a probe):
+    the latencies (and any non-200) while running."""
 
     def __init__(self, url: str) -> None:
         self.url, self.lat, self.bad = url, [], 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import httpx
-
-        with httpx.Client(timeout=120) as c:
-            while not self.stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    ok = c.get(self.url + "/health").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                self.lat.append(time.monotonic() - t0)
-                self.bad += not ok
-                self.stop.wait(0.05)
 
     def __enter__(self) -> Prober:
-        self.thread.start()
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, self.url], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == b"ready"
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        self.thread.join(130)
+        out, _ = self.proc.communicate(b"", timeout=130)
+        got = json.loads(out.decode().strip().splitlines()[-1])
+        self.lat, self.bad = got["lat"], got["bad"]
 
 
 class Bystander:
@@ -182,6 +194,7 @@ class Bystander:
 
 def run_case(server: Server, name: str, fn: Callable[[], dict[str, Any]], bystander: Bystander | None) -> dict[str, Any]:
     print(f"  {server.name}: {name} ...", flush=True)
+    load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     with Prober(server.url) as probe:
         if bystander is not None:
@@ -200,7 +213,9 @@ def run_case(server: Server, name: str, fn: Callable[[], dict[str, Any]], bystan
         "health_failed": probe.bad, "rss_peak_mib": round(server.rss_peak_mib(), 1),
         "rss_now_mib": round(server.rss_now_mib(), 1),
         "others_harmed": (bystander.harmed if bystander is not None else None),
-        "others_sent": (bystander.sent if bystander is not None else None), **result,
+        "others_sent": (bystander.sent if bystander is not None else None),
+        # the machine's 1-minute load average before and after (2 shared cores: other work competes)
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], **result,
     }
     if bystander is not None and bystander.why:
         row["harm_examples"] = bystander.why[:3]
@@ -232,16 +247,32 @@ def toy_cases(srv: Server, quick: bool) -> list[dict[str, Any]]:
     by = Bystander(bystander_image, reference)
     rows = []
 
+    # the hostile bodies are built before their case starts (building them is the client's work)
+    huge = json.dumps({"prompt": "x" * 30_000_000, "size": "16x16"}).encode()
+    chat_body = json.dumps({"model": "x", "messages": [{"role": "user", "content": "y" * 15_000}] * 2048}).encode()
+    form_image = os.urandom(30_000_000)
+
+    def post_raw(path: str, content: bytes) -> int:
+        return httpx.post(url + path, content=content, headers={"content-type": "application/json"},
+                          timeout=300).status_code
+
     def huge_prompt() -> dict[str, Any]:  # finding 1: a 30 MB prompt
         statuses = []
         for _ in range(1 if quick else 2):
-            statuses.append(post_json(url, "/v1/images/generations", {"prompt": "x" * 30_000_000, "size": "16x16"}).status_code)
-            statuses.append(post_json(url, "/v1/videos", {"prompt": "x" * 30_000_000, "size": "16x16"}).status_code)
+            statuses.append(post_raw("/v1/images/generations", huge))
+            statuses.append(post_raw("/v1/videos", huge))
         return {"statuses": statuses}
 
     def huge_chat_body() -> dict[str, Any]:  # finding 1: 2048 messages x 15 KB
-        body = {"model": "x", "messages": [{"role": "user", "content": "y" * 15_000}] * 2048}
-        return {"statuses": [post_json(url, "/v1/chat/completions", body).status_code for _ in range(2)]}
+        return {"statuses": [post_raw("/v1/chat/completions", chat_body) for _ in range(2)]}
+
+    def huge_form() -> dict[str, Any]:  # finding 1: a 30 MB multipart form (an image upload)
+        statuses = []
+        for _ in range(1 if quick else 2):
+            r = httpx.post(url + "/v1/videos", data={"prompt": "a fox", "size": "16x16"},
+                           files={"input_reference": ("a.png", form_image, "image/png")}, timeout=300)
+            statuses.append(r.status_code)
+        return {"statuses": statuses}
 
     def idle_websockets() -> dict[str, Any]:  # finding 5: sockets that never send start
         from websockets.sync.client import connect
@@ -300,6 +331,7 @@ def toy_cases(srv: Server, quick: bool) -> list[dict[str, Any]]:
         return {"statuses": [r.status_code]}
 
     for name, fn in [("huge_prompt_30MB", huge_prompt), ("chat_body_31MB", huge_chat_body),
+                     ("multipart_body_30MB", huge_form),
                      ("idle_websockets", idle_websockets), ("unfinished_headers", unfinished_headers),
                      ("disconnect_sync_image", disconnect), ("host_header", host_header),
                      ("post_keep_session", orphan_session_post)]:
@@ -510,6 +542,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="hostile-load-"))
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
+    load_at_start = round(os.getloadavg()[0], 2)
     toy = build_toy_checkpoint(root / "toy")
     srv = Server("toy", {"model": {"path": str(toy)}, "scheduler": "step", "server": SERVER,
                          "limits": {"max_steps": 1_000_000, "max_height": 64, "max_width": 64}}, root)
@@ -549,6 +582,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "omp_threads": os.environ.get("OMP_NUM_THREADS")},
         "server_options": SERVER, "rows": rows,
+        "loadavg_1m_at_start": load_at_start, "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")

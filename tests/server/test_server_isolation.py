@@ -391,3 +391,72 @@ def test_a_stalled_request_body_is_answered_408_and_a_slow_request_is_not_cut(
                          json={"prompt": "a fox", "size": "16x16", "steps": 80})
         assert got.status_code == 200, got.text
         assert httpx.get(url + "/health", timeout=T).status_code == 200
+
+
+def test_a_large_json_body_is_parsed_outside_the_servers_process(server: Any, monkeypatch: Any) -> None:
+    """``json.loads`` holds the GIL for the whole body (a 30 MB body stalled ``/health`` for
+    100+ ms although it ran in a preparation thread): a body of ``server.json_process_bytes`` or
+    more is parsed in a helper process, and answers exactly as the in-thread parse does."""
+    import omniloop_server.jsonbody as jsonbody
+
+    url, app = server
+    state = app.state.omniloop
+    limit = state.options.json_process_bytes
+    seen: list[int] = []
+    real = jsonbody.json.loads
+
+    def watched(text: Any, *a: Any, **k: Any) -> Any:
+        seen.append(len(text))
+        return real(text, *a, **k)
+
+    monkeypatch.setattr(jsonbody.json, "loads", watched)  # the server's process only (not its children)
+    big = json.dumps({"prompt": "y" * (2 * limit), "size": "16x16"}).encode()
+    with httpx.Client(base_url=url, timeout=T, headers={"content-type": "application/json"}) as client:
+        r = client.post("/v1/images/generations", content=big)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "prompt", r.text  # parsed, then refused
+        for bad, why in [(b'{"prompt": "' + b"y" * 2 * limit + b'"', "not valid JSON"),
+                         (b'{"prompt": "a", "x": NaN, "pad": "' + b"y" * 2 * limit + b'"}', "non-finite"),
+                         (b'{"pad": "' + b"y" * 2 * limit + b'\xff"}', "not UTF-8")]:
+            small = bad.replace(b"y" * 2 * limit, b"y")
+            r_big, r_small = client.post("/v1/images/generations", content=bad), client.post(
+                "/v1/images/generations", content=small)
+            assert r_big.status_code == r_small.status_code == 400, (r_big.text, r_small.text)
+            assert why in r_big.json()["error"]["message"], r_big.text
+            # the same message either way (up to the position of a syntax error)
+            assert r_big.json()["error"]["message"].split(" (")[0] == r_small.json()["error"]["message"].split(" (")[0]
+        ok = client.post("/v1/images/generations", json={"prompt": "a fox", "size": "16x16", "steps": 2})
+        assert ok.status_code == 200, ok.text
+    assert seen and max(seen) < limit, f"the server's process json-parsed {max(seen)} bytes itself"
+    assert state.json_processes._started >= 1
+
+
+def _png(w: int, h: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_a_multipart_body_is_parsed_off_the_event_loop(server: Any, monkeypatch: Any) -> None:
+    """python-multipart is pure Python (0.6 s for a 30 MB form on a busy core): the form is parsed
+    in a preparation thread, never on the thread that runs the event loop."""
+    from starlette.formparsers import MultiPartParser
+
+    url, app = server
+    threads: list[str] = []
+    real = MultiPartParser.parse
+
+    async def watched(self: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return await real(self)
+
+    monkeypatch.setattr(MultiPartParser, "parse", watched)
+    with httpx.Client(base_url=url, timeout=T) as client:
+        r = client.post("/v1/videos", data={"prompt": "a fox", "size": "16x16"},
+                        files={"input_reference": ("a.png", _png(16, 16), "image/png")})
+        # read and mapped (this t2v checkpoint refuses the image with one message, before compute)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "input_reference", r.text
+        bad = client.post("/v1/videos", content=b"--b\r\nnot a part", headers={"content-type": "multipart/form-data; boundary=b"})
+        assert bad.status_code == 400 and "multipart" in bad.json()["error"]["message"], bad.text
+    assert threads and all(t.startswith("omniloop-prepare") for t in threads), threads

@@ -381,3 +381,53 @@ def test_a_session_cannot_grow_past_its_share_of_the_pool(capped) -> None:
         assert msg["type"] == "error" and msg["error"]["code"] == "session_full", msg
     eng, store = _pool(rt)
     assert len(store) == 0 and eng.manager.used_blocks == 0
+
+
+def test_a_full_kv_pool_answers_429_with_retry_after_instead_of_queueing(tiny_wan: Path, tmp_path: Path) -> None:
+    """Issue 43, finding 4: while kept sessions (here: a reservation made in-process) hold the causal
+    KV pool, a one-off POST /v1/videos and a WebSocket start were queued silently until blocks came
+    back (minutes, with sessions); now they are refused at once — 429 with ``Retry-After`` /
+    an ``error`` with ``retry_after_s`` — and nothing is queued. ``kv_full: queue`` keeps queueing."""
+    import httpx
+
+    from omniloop_server import create_app
+    from omniloop_server.testing import serving
+
+    def finished(url: str, r: Any) -> str:
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            job = httpx.get(f"{url}/v1/videos/{r.json()['id']}", timeout=60).json()
+            if job["status"] in ("completed", "failed", "cancelled"):
+                return job["status"]
+            time.sleep(0.05)
+        return "timeout"
+
+    body = {"prompt": "a red fox runs", "frames": 9, "seed": 4, "size": "32x32"}
+    for kv_full in ("refuse", "queue"):
+        rt = _runtime(tiny_wan, scheduler="step")
+        app = create_app(rt, output_dir=tmp_path / kv_full, shutdown_timeout=0,
+                         server_options={"retry_after_s": 7, "kv_full": kv_full})
+        with serving(app) as url:
+            assert finished(url, httpx.post(url + "/v1/videos", json=body, timeout=60)) == "completed"  # the pool exists
+            mgr = _pool(rt)[0].manager
+            hog = mgr.allocate(0, reserve_tokens=mgr.free_blocks * mgr.block_size, tag="hog")
+            submitted = app.state.omniloop.engine.stats()["submitted"]
+            try:
+                assert mgr.free_blocks == 0
+                r = httpx.post(url + "/v1/videos", json=body, timeout=60)
+                if kv_full == "queue":  # waits for blocks (the old behaviour, now an opt-in)
+                    assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+                    continue
+                assert r.status_code == 429, r.text
+                assert r.headers["retry-after"] == "7" and r.json()["error"]["code"] == "kv_cache_full"
+                assert "0 of 8 are free" in r.json()["error"]["message"]
+                with connect(url.replace("http://", "ws://") + "/v1/videos/stream", max_size=None) as ws:
+                    ws.send(json.dumps(body))
+                    msg = json.loads(ws.recv(timeout=60))
+                    assert msg["type"] == "error" and msg["error"]["code"] == "kv_cache_full", msg
+                    assert msg["error"]["retry_after_s"] == 7
+                assert app.state.omniloop.engine.stats()["submitted"] == submitted  # nothing was queued
+            finally:
+                mgr.free(hog)
+            assert finished(url, httpx.post(url + "/v1/videos", json=body, timeout=60)) == "completed"

@@ -103,14 +103,18 @@ def kv_demand(ticket: Ticket) -> tuple[Any, int, bool] | None:
     A loop stage declares it with ``kv_demand(state) -> (pool, blocks) | None``; the pool has
     ``free_blocks``. None when no stage of the request declares one.
     """
-    ex = ticket.execution
+    return execution_kv_demand(ticket.execution, ticket.request_id)
+
+
+def execution_kv_demand(ex: Any, request_id: str = "") -> tuple[Any, int, bool] | None:
+    """:func:`kv_demand` of a prepared execution (the server's admission asks it before queueing)."""
     for node in ex.nodes:
         fn = getattr(node.stage, "kv_demand", None)
         if callable(fn):
             try:
                 d = fn(ex.state)
             except Exception:
-                log.exception("kv_demand failed for %s", ticket.request_id)
+                log.exception("kv_demand failed for %s", request_id or ex.request_id)
                 return None
             if d is not None:
                 return d[0], int(d[1]), node.name in ex.state.loops

@@ -66,9 +66,19 @@ from .chat import text_routes
 from .extensions import mount
 from .images import base_url, image_edit_routes, images_response
 from .jobs import Job, JobStore
+from .jsonbody import JsonProcesses
 from .metrics import render_metrics
 from .openapi import docs_page, openapi_document
-from .options import ServerOptions, check_images, check_texts, cost_check, parse_server_options
+from .options import (
+    NoRoom,
+    ServerOptions,
+    admission_check,
+    check_images,
+    check_texts,
+    cost_check,
+    kv_room_check,
+    parse_server_options,
+)
 from .ws import video_stream_routes
 
 log = logging.getLogger("omniloop.server")
@@ -126,6 +136,8 @@ class ServerState:
         #: never on the event loop: one heavy body cannot stall /health or anyone else's stream
         self.prepare_pool = concurrent.futures.ThreadPoolExecutor(self.options.prepare_threads,
                                                                   thread_name_prefix="omniloop-prepare")
+        #: large JSON bodies are parsed in helper processes (json.loads holds the GIL: .jsonbody)
+        self.json_processes = JsonProcesses(self.options.prepare_threads)
         self.max_image_pixels = self.options.image_pixels(getattr(engine.runtime.deploy, "limits", None))
         self.jobs = JobStore(output_dir, max_finished_jobs)
         self.jobs.restore()  # a restart on the same folder lists the earlier jobs again (jobs.py)
@@ -377,6 +389,7 @@ def create_app(
         finally:
             await state.drain()
             state.prepare_pool.shutdown(wait=False, cancel_futures=True)
+            state.json_processes.close()
 
     def media_type(request: Request, *, form: bool) -> str:
         ct = request.headers.get("content-type", "")
@@ -409,7 +422,7 @@ def create_app(
         raw = await read_body(request, options.max_text_body_bytes if text else options.max_body_bytes)
         try:
             if kind == "json":
-                return await state.off_loop(parse_json, raw)
+                return await state.off_loop(parse_json, raw, state.json_processes, options.json_process_bytes)
             return await parse_form(request, raw)
         except RequestError as exc:
             if exc.path == "body":  # the body could not be read at all
@@ -418,6 +431,12 @@ def create_app(
             raise
 
     async def parse_form(request: Request, raw: bytes) -> Any:
+        # python-multipart is pure Python (0.6 s for a 30 MB form on a busy core): in a preparation
+        # thread, on that thread's own event loop, never on the server's
+        headers = request.headers
+        return await state.off_loop(lambda: asyncio.run(_parse_form(headers, raw)))
+
+    async def _parse_form(headers: Any, raw: bytes) -> Any:
         from starlette.formparsers import MultiPartParser
 
         async def stream() -> AsyncIterator[bytes]:
@@ -425,7 +444,7 @@ def create_app(
             yield b""
 
         try:
-            form = await MultiPartParser(request.headers, stream(), max_files=MAX_FORM_FILES, max_fields=64,
+            form = await MultiPartParser(headers, stream(), max_files=MAX_FORM_FILES, max_fields=64,
                                          max_part_size=options.max_body_bytes).parse()  # a base64 image may be a text field
         except Exception as exc:  # python-multipart's and Starlette's errors alike
             raise RequestError("body", f"malformed multipart/form-data body: {show(getattr(exc, 'message', str(exc)), 200)}") from None
@@ -444,7 +463,8 @@ def create_app(
         check_texts(mapped.requests, options)
         check_images(mapped.requests, state.max_image_pixels)
 
-    admit = cost_check(options.max_request_cost)  # cost-aware admission (None: no budget)
+    # cost-aware admission (server.max_request_cost), then room in the KV pool (server.kv_full)
+    admit = admission_check(cost_check(options.max_request_cost), kv_room_check(options))
 
     async def submit(mapped: MappedBody) -> list[Any]:
         """Queue the body's requests (all or nothing); their preparation runs off the event loop."""
@@ -462,7 +482,7 @@ def create_app(
     async def _submit_one(r: dict[str, Any]) -> Any:
         try:
             return await engine.submit_async(r, state.prepare_pool, check=admit)
-        except (RequestError, AdmissionRefused, QueueFull, EngineClosed):
+        except (RequestError, AdmissionRefused, QueueFull, EngineClosed, NoRoom):
             raise
         except Exception as exc:  # validation raised something else: still the request's fault
             log.warning("validating request %s raised %s", r.get("request_id"), type(exc).__name__, exc_info=True)
@@ -481,7 +501,11 @@ def create_app(
             param = mapped.body_path(exc.path) if mapped is not None else (exc.path or "body")
             return error(422, exc.message, type_="invalid_request_error", param=param)
         if isinstance(exc, QueueFull):
-            return error(429, str(exc), type_="rate_limit_error", code="queue_full")
+            return error(429, str(exc), type_="rate_limit_error", code="queue_full",
+                         headers={"Retry-After": str(options.retry_after_s)})
+        if isinstance(exc, NoRoom):
+            return error(429, exc.message, type_="rate_limit_error", code="kv_cache_full",
+                         headers={"Retry-After": str(exc.retry_after_s)})
         if isinstance(exc, EngineClosed):
             return error(503, str(exc), type_="server_error", code="shutting_down")
         log.warning("mapping a request body raised %s", type(exc).__name__, exc_info=True)

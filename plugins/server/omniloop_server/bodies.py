@@ -27,7 +27,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import math
 import re
 import uuid
@@ -55,6 +54,8 @@ from .body_schema import (
     parse_body,
     seconds_value,
 )
+from .jsonbody import BodyUnreadable, JsonProcesses
+from .jsonbody import decode as decode_json
 
 _SIZE = re.compile(f"^{SIZE_PATTERN}$")
 
@@ -125,28 +126,19 @@ def _err(path: str, msg: str) -> RequestError:
 # --------------------------------------------------------------------------------------------
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows (non-finite numbers are refused)")
+def parse_json(raw: bytes, processes: JsonProcesses | None = None, process_bytes: int | None = None) -> Any:
+    """Parse a JSON body; raises :class:`RequestError` (path ``body``) for anything malformed.
 
-
-def parse_json(raw: bytes) -> Any:
-    """Parse a JSON body; raises :class:`RequestError` (path ``body``) for anything malformed."""
-    if not raw.strip():
-        raise _err("body", "the body is empty; expected a JSON object")
+    With ``processes``, a body of at least ``process_bytes`` is parsed in a helper process
+    (:mod:`.jsonbody`: ``json.loads`` holds the GIL for the whole body, which would stall the
+    event loop); the answer is the same either way."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _err("body", f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    try:
-        body = json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as exc:
-        raise _err("body", f"the body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})") from None
-    except RecursionError:
-        raise _err("body", f"the body nests too deeply (at most {MAX_DEPTH} levels)") from None
-    except ValueError as exc:  # NaN/Infinity, integers over Python's digit limit
-        raise _err("body", f"the body is not acceptable JSON: {show(str(exc), 200)}") from None
+        if processes is not None and process_bytes is not None and len(raw) >= process_bytes:
+            body = processes.parse(raw)
+        else:
+            body = decode_json(raw, MAX_DEPTH)
+    except BodyUnreadable as exc:
+        raise _err("body", exc.message) from None
     check_tree(body)
     return body
 

@@ -14,6 +14,8 @@ resolve) runs in :attr:`ServerOptions.prepare_threads` worker threads, never on 
       max_text_body_bytes: 4194304   # POST /v1/chat/completions, /v1/completions
       max_image_pixels: null         # null: 4 x limits.max_height x limits.max_width, at most 2**25
       prepare_threads: 2
+      json_process_bytes: 1048576    # a JSON body this large or larger is parsed in a helper
+                                     # process (json.loads holds the GIL); null: always in a thread
       max_connections: 512           # HTTP connections and WebSockets at once (uvicorn's
                                      # limit_concurrency; 503 beyond); keep it below `ulimit -n`
       max_connections_per_client: 64 # HTTP connections from one client address
@@ -28,17 +30,19 @@ resolve) runs in :attr:`ServerOptions.prepare_threads` worker threads, never on 
       session_kv_share: 0.25         # the share of the KV pool one session may grow to (then a
                                      # continue is refused and the session closed)
       retry_after_s: 5               # the retry hint of a refusal for lack of room
+      kv_full: refuse                # a request whose KV blocks are not free now: refuse (429 with
+                                     # Retry-After / a WebSocket error with retry_after_s) or queue
       max_request_cost: null         # step-forward-pixels one request may cost (null: no limit)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from attrs import define, field
 
-from omniloop.errors import RequestError
+from omniloop.errors import OmniloopError, RequestError
 from omniloop.schema import structure_deploy_section
 
 #: the largest input image whatever the deployment's limits (Pillow refuses at ~179 M pixels only)
@@ -53,6 +57,10 @@ class ServerOptions:
     max_text_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"ge": 1024})
     max_image_pixels: int | None = field(default=None, metadata={"ge": 1, "le": MAX_IMAGE_PIXELS})
     prepare_threads: int = field(default=2, metadata={"ge": 1, "le": 64})
+    #: a JSON body of at least this many bytes is parsed in a helper process, not a thread:
+    #: json.loads keeps the GIL for the whole body (a 30 MB body stalled the event loop for
+    #: 100+ ms); None: every body in a preparation thread
+    json_process_bytes: int | None = field(default=1024 * 1024, metadata={"ge": 1})
     max_connections: int = field(default=512, metadata={"ge": 1})
     max_connections_per_client: int = field(default=64, metadata={"ge": 1})
     keep_alive_timeout_s: float = field(default=5.0, metadata={"gt": 0.0, "le": 3600.0})
@@ -68,6 +76,11 @@ class ServerOptions:
     #: (and the session closed), so sessions never take the room of one-off streams
     session_kv_share: float = field(default=0.25, metadata={"gt": 0.0, "le": 1.0})
     retry_after_s: int = field(default=5, metadata={"ge": 1, "le": 3600})
+    #: a request whose KV reservation (a causal stream's slabs, a text sequence's blocks) does not
+    #: fit the pool's free blocks when it is prepared: "refuse" answers 429 with a Retry-After
+    #: (kept sessions may hold the pool for minutes: a queued request would wait silently), "queue"
+    #: lets the step scheduler hold it until blocks are freed
+    kv_full: Literal["refuse", "queue"] = "refuse"
     #: the most one request may cost, in step-forward-pixels (its resolved workload: steps x
     #: forwards per step x frames x height x width; a text request: its max tokens); None: no limit
     max_request_cost: int | None = field(default=None, metadata={"ge": 1})
@@ -110,6 +123,49 @@ def cost_check(limit: int | None) -> Any:
                                                   f"{w.branches} forward(s) x {w.pixels} output pixels), more than this "
                                                   f"server takes ({limit}; deploy server.max_request_cost): ask for fewer "
                                                   "steps, frames or pixels")
+
+    return check
+
+
+class NoRoom(OmniloopError):
+    """Not enough room now for a request (its KV blocks): the client may retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.message, self.retry_after_s = message, retry_after_s
+
+
+def kv_room_check(opts: ServerOptions) -> Any:
+    """``check(execution)``: a request whose KV reservation does not fit its pool's free blocks now
+    raises :class:`NoRoom` (``server.kv_full: refuse``); None with ``kv_full: queue``. A request
+    larger than the whole pool is left to the family's own refusal (retrying would not help)."""
+    if opts.kv_full == "queue":
+        return None
+    from omniloop_scheduler.pool import execution_kv_demand
+
+    def check(execution: Any) -> None:
+        demand = execution_kv_demand(execution)
+        if demand is None:
+            return
+        pool, blocks, _ = demand
+        free, total = int(pool.free_blocks), int(getattr(pool, "num_blocks", blocks))
+        if free < blocks <= total:
+            raise NoRoom(f"no room in the KV cache now: this request needs {blocks} blocks of "
+                         f"{getattr(pool, 'name', 'the pool')!r}, {free} of {total} are free (held by running "
+                         f"requests and kept sessions); retry after {opts.retry_after_s} s", opts.retry_after_s)
+
+    return check
+
+
+def admission_check(*checks: Any) -> Any:
+    """One ``check(execution)`` running each of ``checks`` that is not None (None when none is)."""
+    active = [c for c in checks if c is not None]
+    if not active:
+        return None
+
+    def check(execution: Any) -> None:
+        for c in active:
+            c(execution)
 
     return check
 
@@ -174,5 +230,16 @@ def image_size(data: bytes) -> tuple[int | None, int | None]:
         return None, None  # not an image: the family's decoder refuses it with its message
 
 
-__all__ = ["MAX_IMAGE_PIXELS", "ServerOptions", "check_images", "check_texts", "cost_check", "image_size",
-           "parse_server_options", "request_cost"]
+__all__ = [
+    "MAX_IMAGE_PIXELS",
+    "NoRoom",
+    "ServerOptions",
+    "admission_check",
+    "check_images",
+    "check_texts",
+    "cost_check",
+    "image_size",
+    "kv_room_check",
+    "parse_server_options",
+    "request_cost",
+]

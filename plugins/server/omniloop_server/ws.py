@@ -153,6 +153,9 @@ def video_stream_routes(api: Any) -> list[Any]:
         resp = api.translate(exc, mapped)  # the same mapping (and messages) as POST /v1/videos
         body = json.loads(resp.body)
         close = 1013 if resp.status_code in (429, 503) else 1008
+        retry = resp.headers.get("retry-after")
+        if retry is not None:  # no room now (queue, KV pool): the HTTP answer's Retry-After as a field
+            body["error"]["retry_after_s"] = int(retry)
         return body["error"], close
 
     async def endpoint(ws: WebSocket) -> None:
