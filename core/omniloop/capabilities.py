@@ -46,6 +46,11 @@ the field. Fields, each defaulting to "not supported":
     :class:`omniloop.rl.RolloutSupport`: the loop nodes that run post-training rollouts (request
     ``rollout``: per-step log-probs, trajectories) and how to (un)pack their latents; None: a
     request with ``rollout`` is refused.
+``step_batch_retry_alone``
+    the loop nodes (by name) whose ``step_batch`` changes no request state until its batched
+    forward has returned: when that forward raises, the runtime runs each request's step alone, so
+    only the request that causes the exception fails (its batch-mates go on as they would alone).
+    A node not named here fails its whole batch on such an exception (nobody knows whose row it was).
 ``options``
     the keys of the deploy's ``options`` the family reads (None: not declared, nothing checked);
     any other key is refused when the deployment is resolved, naming it and the family.
@@ -155,6 +160,7 @@ class FamilyCapabilities:
     rollouts: tuple[Rollout, ...] = field(default=(), converter=tuple)
     options: frozenset[str] | None = field(default=None, converter=_optional_set)
     rollout_support: Any = None  # omniloop.rl.RolloutSupport | None (typed loosely: no import cycle)
+    step_batch_retry_alone: frozenset[str] = field(default=frozenset(), converter=frozenset)
     inspect: bool = False
     resolve: bool = False
     supported_tasks: bool = False
@@ -242,6 +248,8 @@ def validate(family: Any, caps: Any) -> FamilyCapabilities:
 
         if not isinstance(caps.rollout_support, RolloutSupport) or not caps.rollout_support.nodes:
             raise PluginError(f"{where}.rollout_support: expected an omniloop.rl.RolloutSupport naming its loop nodes")
+    if any(not isinstance(n, str) or not n for n in caps.step_batch_retry_alone):
+        raise PluginError(f"{where}.step_batch_retry_alone: expected loop node names")
     if any(not isinstance(c, str) or not c for c in caps.role_components):
         raise PluginError(f"{where}.role_components: expected component names")
     names = [r.name for r in caps.rollouts]

@@ -102,10 +102,11 @@ class BatchedLoopStage(LoopStage, Protocol):
     the result ``step`` would give it alone, up to the tolerance the family documents.
 
     Failure isolation: ``step_batch`` attributes a failure to one request by returning
-    ``StepResult(error=...)`` for it. A stage may also declare the class attribute
-    ``step_batch_retry_alone = True``: its ``step_batch`` changes no request state until its
-    batched forward has returned, so when that forward raises, the runtime runs the step of each
-    request alone (``step``) — the one that caused it fails alone, the others go on.
+    ``StepResult(error=...)`` for it. A family may also name the node in its
+    ``capabilities.step_batch_retry_alone`` (:mod:`omniloop.capabilities`): its ``step_batch``
+    changes no request state until its batched forward has returned, so when that forward raises,
+    the runtime runs the step of each request alone (``step``) — the one that caused it fails
+    alone, the others go on.
     """
 
     def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None: ...

@@ -86,8 +86,12 @@ class Execution:
         rollout_seed: int | None = None,
         replay: torch.Tensor | None = None,
         lifecycle: Any = None,
+        retry_alone: frozenset[str] = frozenset(),
     ) -> None:
         self.pipeline = pipeline
+        #: loop nodes whose batched forward, when it raises, is re-run one request at a time
+        #: (the family's ``capabilities.step_batch_retry_alone``)
+        self.retry_alone = frozenset(retry_alone)
         #: the family's rollout declaration (``request.rollout`` runs only with one)
         self.rollout_support = rollout_support
         #: the weights this request runs on (``Runtime.update_weights``); ``metrics["weight_version"]``
@@ -436,7 +440,7 @@ class Execution:
 
 def _retry_alone(executions: Sequence[Execution], node: Any, exc: BaseException,
                  out: list[list[OmniEvent]]) -> list[list[OmniEvent]]:
-    """The batched forward of a stage declaring ``step_batch_retry_alone`` raised ``exc``: run each
+    """The batched forward of a node the family declares in ``step_batch_retry_alone`` raised ``exc``: run each
     request's step alone, so the one that caused it fails alone and the others go on."""
     log.warning("a batched step of node %s raised %s: running its %d requests alone", node.name,
                 type(exc).__name__, len(executions))
@@ -466,8 +470,10 @@ def advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
 
     Falls back to advancing each alone when the batch is of one. A stage attributes a failure to
     one member by returning ``StepResult(error=...)`` for it: that member fails alone, the others
-    go on. An exception out of the batched forward fails every member (they shared the
-    computation, and nobody knows whose row caused it); each is still closed cleanly.
+    go on. An exception out of the batched forward of a node the family declares in
+    ``capabilities.step_batch_retry_alone`` re-runs each member's step alone (only the one that
+    causes it fails); of any other node it fails every member (they shared the computation, and
+    nobody knows whose row caused it); each is still closed cleanly.
     """
     if len(executions) <= 1:
         return [ex.advance() for ex in executions]
@@ -506,7 +512,7 @@ def _advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
                 ex._finish(Status.CANCELLED, None, evs)
         raise
     except BaseException as exc:  # a plugin's sys.exit too: these requests fail, nothing else
-        if getattr(type(node.stage), "step_batch_retry_alone", False) is True and isinstance(exc, Exception):
+        if node.name in executions[0].retry_alone and isinstance(exc, Exception):
             return _retry_alone(executions, node, exc, out)
         for ex, evs in zip(executions, out, strict=True):
             ex._fail(exc, node, evs)

@@ -595,7 +595,8 @@ class Runtime(Deployment):
         return Execution(built, req, node_params=node_params, plugin_params=plugin_params, warnings=warnings,
                          resolved=resolved, active_interceptors=active, adapters=lora, rollout_support=support,
                          weight_version=self.weight_version, initial_seed=_initial_seed, rollout_seed=_rollout_seed,
-                         replay=_replay, lifecycle=self)
+                         replay=_replay, lifecycle=self,
+                         retry_alone=self.capabilities.step_batch_retry_alone)
 
     def _check_rollout(self, req: OmniRequest, built: BuiltPipeline, resolved: Resolved,
                        active: list[Any]) -> _rl.RolloutSupport:

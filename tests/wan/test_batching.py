@@ -170,3 +170,32 @@ def test_stochastic_sampler_batches_with_each_requests_own_noise(wan_runtime, t2
     assert_close_to_alone(outs, alone)
     ode = wan_runtime("t2v", policies={"sampler": "flow-euler"}).generate(reqs[0])
     assert (ode.artifacts["latents"].tensor - alone[0].artifacts["latents"].tensor).abs().max() > 1e-2
+
+
+def test_a_request_whose_row_raises_fails_alone_in_a_batched_step(wan_runtime, t2v_request):
+    """Issue 43, finding 3 (exceptions): Wan declares ``step_batch_retry_alone`` for its denoise
+    loop, so a batched forward that raises is re-run one request at a time — the poison (whose
+    row breaks every forward it is in) fails with its error; its four batch-mates complete as they
+    do alone, policy counts included (the CFG plan of the re-run step is counted once)."""
+    from omniloop.testing import advance_in_lockstep, forward_rows, raising_rows
+    from omniloop_wan.denoise import Denoise
+
+    rt = wan_runtime("t2v")
+    normal = requests(t2v_request, n=4, steps=4)
+    poison = t2v_request(seed=99, steps=4)
+    poison["inputs"][0]["text"] = "a poisoned prompt"
+    with forward_rows(Denoise, "encoder_hidden_states") as shared:
+        rt.generate(normal[0])
+    with forward_rows(Denoise, "encoder_hidden_states") as mine:
+        rt.generate(poison)
+    rows = [r for r in mine if not any(torch.equal(r, s) for s in shared)]
+    assert rows
+    alone = [rt.generate(r) for r in normal]
+    with raising_rows(Denoise, "encoder_hidden_states", rows, after=1):  # its first step runs alone
+        outs, batched = advance_in_lockstep(rt, [*normal[:2], poison, *normal[2:]])
+    bad = outs.pop(2)
+    assert bad.status is Status.FAILED and "injected" in bad.error.message, bad.error
+    assert batched >= 1
+    assert_close_to_alone(outs, alone)
+    for o, a in zip(outs, alone, strict=True):
+        assert o.metrics["policies"] == a.metrics["policies"]

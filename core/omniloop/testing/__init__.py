@@ -9,6 +9,9 @@
   the latents of a completed output (the usual pair of an interceptor's runtime tests);
   :func:`run_interleaved` — several requests advanced step by step in turn (compare with each
   run alone to show no state leaks between requests).
+* :func:`advance_in_lockstep` / :func:`forward_rows` / :func:`raising_rows` — batched-step
+  failure isolation: executions stepped together through ``advance_batch``, the text rows a
+  family's denoise forward sees, and that forward made to raise on a poison request's rows.
 * pytest fixtures (auto-loaded through the ``pytest11`` entry point): ``omniloop_manager``,
   ``toy_checkpoint``, ``toy_runtime_factory``.
 """
@@ -112,13 +115,79 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def advance_in_lockstep(runtime: Any, requests: list[Any]) -> tuple[list[Any], int]:
+    """Prepare ``requests`` and step them together: each step whose batch keys all agree runs as
+    one ``advance_batch`` (a member that failed drops out); the outputs and the batched steps."""
+    from ..execution import advance_batch
+
+    exes = [runtime.prepare(r) for r in requests]
+    batched = 0
+    while not all(e.done for e in exes):
+        live = [e for e in exes if not e.done]
+        keys = [e.batch_key() for e in live]
+        if len(live) > 1 and keys[0] is not None and all(k == keys[0] for k in keys):
+            advance_batch(live)
+            batched += 1
+        else:
+            for e in live:
+                e.advance()
+    return [e.output for e in exes], batched
+
+
+@contextmanager
+def forward_rows(stage_cls: type, key: str) -> Iterator[list[Any]]:
+    """Inside the block, every row of ``batch[key]`` that ``stage_cls.forward(..., batch,
+    block_ctx)`` receives is appended to the yielded list (the family's denoise forward)."""
+    real = stage_cls.forward  # type: ignore[attr-defined]
+    seen: list[Any] = []
+
+    def spy(self: Any, *args: Any) -> Any:
+        rows = args[-2][key]
+        seen.extend(rows[j].clone() for j in range(rows.shape[0]))
+        return real(self, *args)
+
+    stage_cls.forward = spy  # type: ignore[attr-defined]
+    try:
+        yield seen
+    finally:
+        stage_cls.forward = real  # type: ignore[attr-defined]
+
+
+@contextmanager
+def raising_rows(stage_cls: type, key: str, poison: list[Any], after: int = 1) -> Iterator[None]:
+    """Inside the block, ``stage_cls.forward`` raises ``RuntimeError("injected ...")`` when its
+    ``batch[key]`` holds one of the ``poison`` rows (``torch.equal``), from the ``after``-th such
+    forward on: a poison request whose row breaks every forward it is part of, batched or alone."""
+    import torch
+
+    real = stage_cls.forward  # type: ignore[attr-defined]
+    hits = [0]
+
+    def forward(self: Any, *args: Any) -> Any:
+        rows = args[-2][key]
+        if any(torch.equal(rows[j], p) for j in range(rows.shape[0]) for p in poison):
+            hits[0] += 1
+            if hits[0] > after:
+                raise RuntimeError("injected: this request's row breaks the forward")
+        return real(self, *args)
+
+    stage_cls.forward = forward  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        stage_cls.forward = real  # type: ignore[attr-defined]
+
+
 __all__ = [
     "InlineSerialScheduler",
     "ToyFamily",
     "ToyPlugin",
+    "advance_in_lockstep",
     "build_toy_checkpoint",
     "completed_latents",
+    "forward_rows",
     "make_manager",
+    "raising_rows",
     "run_interleaved",
     "torch_threads",
     "toy_request",

@@ -205,10 +205,6 @@ class EncodeText:
 class Denoise:
     """Flow-matching Euler with classic CFG; one solver step per ``step()``."""
 
-    #: ``step_batch`` changes no request state until its forward has returned: when a batched
-    #: forward raises, the runtime runs each request's step alone (failure isolation)
-    step_batch_retry_alone = True
-
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         r = _resolved(ctx, state)
         steps, guidance, frames, height, width = r.steps, r.guidance_scale, r.frames, r.height, r.width
@@ -311,8 +307,10 @@ class ToyFamily:
     name = "toy"
     tasks = frozenset({TaskType.T2V, TaskType.T2I})
     #: what it can do beyond the required methods (omniloop.capabilities)
+    #: step_batch_retry_alone: Denoise.step_batch changes no request state until its forward has
+    #: returned, so a batched forward that raises is re-run one request at a time (failure isolation)
     capabilities = FamilyCapabilities(block_interceptors=True, returns_latents=True, inspect=True, resolve=True,
-                                      task_defaults=True)
+                                      task_defaults=True, step_batch_retry_alone={"denoise"})
     defaults: ClassVar[dict[str, Any]] = {"steps": 4, "guidance_scale": 3.0, "frames": 3, "height": 16, "width": 16}
 
     def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:

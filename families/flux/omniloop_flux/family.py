@@ -39,6 +39,10 @@ class FluxFamily:
     tasks = TASKS
     capabilities = FamilyCapabilities(
         block_interceptors=True,
+        #: the denoise loop's step_batch changes no request state before its batched forward returns
+        #: (the CFG plan's count is per step index): when that forward raises, each request's step
+        #: is re-run alone, so only the request that causes it fails
+        step_batch_retry_alone={"denoise"},
         #: post-training rollouts (omniloop.rl): the denoise loop's latents are packed 2x2 patches;
         #: trajectories hold them unpacked ``[C, H/8, W/8]``
         rollout_support=RolloutSupport(

@@ -66,6 +66,10 @@ class WanFamily:
     tasks = frozenset({TaskType.T2V, TaskType.I2V})
     capabilities = FamilyCapabilities(
         block_interceptors=True,
+        #: the denoise loop's step_batch changes no request state before its batched forward returns
+        #: (the CFG plan's count is per step index): when that forward raises, each request's step
+        #: is re-run alone, so only the request that causes it fails
+        step_batch_retry_alone={"denoise"},
         #: post-training rollouts (omniloop.rl): the denoise loop runs them; its latents are unpacked already
         rollout_support=RolloutSupport(),
         #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted

@@ -70,6 +70,8 @@ class CFGState:
     #: steps that computed more than the conditional branch / that reused or skipped it
     full_steps: int = 0
     cond_only_steps: int = 0
+    #: the step index last counted in full_steps / cond_only_steps (a step planned twice counts once)
+    counted_step: int = -1
     #: policy-private values (cached tensors, per-request guider instance)
     extra: dict[str, Any] = attrs.Factory(dict)
 
@@ -165,7 +167,10 @@ class _TwoBranchCFG:
     def metrics(self, state: CFGState) -> dict[str, Any]:
         return {"full_steps": state.full_steps, "cond_only_steps": state.cond_only_steps}
 
-    def _count(self, state: CFGState, plan: tuple[str, ...]) -> tuple[str, ...]:
+    def _count(self, state: CFGState, plan: tuple[str, ...], step: StepContext) -> tuple[str, ...]:
+        if state.counted_step == step.step_index:
+            return plan  # the same step planned again (a batched forward that raised, re-run alone)
+        state.counted_step = step.step_index
         if len(plan) > 1:
             state.full_steps += 1
         else:
@@ -212,7 +217,7 @@ class ClassicCFG(_TwoBranchCFG):
     name: ClassVar[str] = "classic"
 
     def plan(self, step: StepContext, state: CFGState) -> tuple[str, ...]:
-        return self._count(state, (COND, UNCOND) if state.enabled else (COND,))
+        return self._count(state, (COND, UNCOND) if state.enabled else (COND,), step)
 
     def combine(self, step: StepContext, state: CFGState, preds: Mapping[str, Prediction]) -> Prediction:
         return self._guided(step, state, preds)
@@ -244,7 +249,7 @@ class IntervalCFG(_TwoBranchCFG):
         return ((COND, UNCOND), (COND,)) if state.enabled else ((COND,),)
 
     def plan(self, step: StepContext, state: CFGState) -> tuple[str, ...]:
-        return self._count(state, (COND, UNCOND) if state.enabled and self.in_window(step) else (COND,))
+        return self._count(state, (COND, UNCOND) if state.enabled and self.in_window(step) else (COND,), step)
 
     def combine(self, step: StepContext, state: CFGState, preds: Mapping[str, Prediction]) -> Prediction:
         return self._guided(step, state, preds)
@@ -347,7 +352,7 @@ class PerModalityCFG(_TwoBranchCFG):
         return state
 
     def plan(self, step: StepContext, state: CFGState) -> tuple[str, ...]:
-        return self._count(state, (COND, UNCOND) if state.enabled else (COND,))
+        return self._count(state, (COND, UNCOND) if state.enabled else (COND,), step)
 
     def combine(self, step: StepContext, state: CFGState, preds: Mapping[str, Prediction]) -> Prediction:
         cond = preds[COND]
@@ -457,13 +462,13 @@ class AdaptiveGateCFG(_TwoBranchCFG):
 
     def plan(self, step: StepContext, state: CFGState) -> tuple[str, ...]:
         if not state.enabled:
-            return self._count(state, (COND,))
+            return self._count(state, (COND,), step)
         ex = state.extra
         if ex["delta"] is not None and ex["expert"] != step.expert:
             # the router switched experts: the cached delta belongs to the other transformer
             ex.update(delta=None, expert=None, last_full=None, stable=True)
             ex["invalidations"] += 1
-        return self._count(state, (COND, UNCOND) if self._must_compute(step, state) else (COND,))
+        return self._count(state, (COND, UNCOND) if self._must_compute(step, state) else (COND,), step)
 
     def combine(self, step: StepContext, state: CFGState, preds: Mapping[str, Prediction]) -> Prediction:
         cond = preds[COND]
