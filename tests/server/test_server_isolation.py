@@ -443,7 +443,7 @@ def test_a_multipart_body_is_parsed_off_the_event_loop(server: Any, monkeypatch:
     in a preparation thread, never on the thread that runs the event loop."""
     from starlette.formparsers import MultiPartParser
 
-    url, app = server
+    url, _app = server
     threads: list[str] = []
     real = MultiPartParser.parse
 
