@@ -460,3 +460,74 @@ def test_a_multipart_body_is_parsed_off_the_event_loop(server: Any, monkeypatch:
         bad = client.post("/v1/videos", content=b"--b\r\nnot a part", headers={"content-type": "multipart/form-data; boundary=b"})
         assert bad.status_code == 400 and "multipart" in bad.json()["error"]["message"], bad.text
     assert threads and all(t.startswith("omniloop-prepare") for t in threads), threads
+
+
+def test_an_input_image_a_text_to_x_request_would_ignore_is_refused(server: Any) -> None:
+    """Issue 42, finding 5 (server side): an image on a t2v / t2i request was ignored silently
+    (the CLI refuses ``--image`` there); the server refuses it with one 422 naming the field,
+    before anything is queued — ``input_reference`` on a t2v-only model, an image part in
+    ``omniloop.inputs`` of a t2v video or a t2i image."""
+    import base64
+
+    url, app = server
+    b64 = base64.b64encode(_png(16, 16)).decode()
+    parts = [{"type": "text", "text": "a fox"}, {"type": "image", "data_b64": b64}]
+    with httpx.Client(base_url=url, timeout=T) as client:
+        for path, body, param in [
+            ("/v1/videos", {"prompt": "a", "size": "16x16", "input_reference": "data:image/png;base64," + b64},
+             "input_reference"),
+            ("/v1/videos", {"prompt": "a", "size": "16x16", "omniloop": {"inputs": parts}}, "omniloop.inputs.1"),
+            ("/v1/images/generations", {"prompt": "a", "size": "16x16", "omniloop": {"inputs": parts}},
+             "omniloop.inputs.1"),
+        ]:
+            r = client.post(path, json=body)
+            assert r.status_code == 422 and r.json()["error"]["param"] == param, (path, r.text)
+            assert "image" in r.json()["error"]["message"]
+    assert app.state.omniloop.engine.stats()["submitted"] == 0
+
+
+def test_a_retry_with_the_same_request_id_answers_its_job_and_a_reused_key_is_checked(server: Any) -> None:
+    """Issue 42 (server side): a client that retries ``POST /v1/videos`` with the same
+    ``omniloop.request_id`` (and the same body) gets the job its first attempt made — no second
+    job, no error; another body under that id is refused (ids are never reused). An
+    ``Idempotency-Key`` sent again with another body is refused instead of answering the old job."""
+    url, app = server
+    body = {"prompt": "a fox", "steps": 2, "size": "16x16", "omniloop": {"request_id": "my-video-1"}}
+    with httpx.Client(base_url=url, timeout=T) as client:
+        a = client.post("/v1/videos", json=body)
+        b = client.post("/v1/videos", json={"size": "16x16", "omniloop": {"request_id": "my-video-1"},
+                                            "steps": 2, "prompt": "a fox"})  # same body, other key order
+        assert a.status_code == b.status_code == 200, (a.text, b.text)
+        assert a.json()["id"] == b.json()["id"] == "my-video-1" and b.headers.get("idempotent-replayed") == "true"
+        other = client.post("/v1/videos", json={**body, "prompt": "a cat"})
+        assert other.status_code == 422 and other.json()["error"]["param"] == "omniloop.request_id", other.text
+        k1 = client.post("/v1/videos", json={"prompt": "a fox", "size": "16x16"}, headers={"Idempotency-Key": "k-9"})
+        k2 = client.post("/v1/videos", json={"prompt": "a dog", "size": "16x16"}, headers={"Idempotency-Key": "k-9"})
+        assert k1.status_code == 200 and k2.status_code == 422, k2.text
+        assert k2.json()["error"]["param"] == "Idempotency-Key" and k1.json()["id"] in k2.json()["error"]["message"]
+    assert len(app.state.omniloop.jobs.jobs) == 2
+
+
+def test_the_in_flight_cost_budget_answers_429_and_frees_as_requests_end(server_checkpoint: Path, tmp_path: Path) -> None:
+    """Issue 42 (server side): ``server.max_inflight_cost`` bounds what all admitted, unfinished
+    requests cost together (so a client's retries cannot stack jobs): beyond it a 429 ``server_busy``
+    with ``Retry-After``, nothing queued; the budget comes back when a request ends."""
+    rt = _slow_runtime(server_checkpoint)
+    one = 200 * 2 * 3 * 16 * 16  # 200 steps x cond+uncond x the toy's 3 frames x 16x16: one fits, two do not
+    app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0,
+                     server_options={"max_inflight_cost": one + one // 2, "retry_after_s": 3})
+    body = {"prompt": "a fox", "size": "16x16", "steps": 200}
+    with serving(app) as url, httpx.Client(base_url=url, timeout=T) as client:
+        first = client.post("/v1/videos", json=body)  # one request alone is always admitted
+        assert first.status_code == 200, first.text
+        health = client.get("/health").json()
+        assert health["cost"] == {"in_flight": one, "max": one + one // 2}
+        second = client.post("/v1/videos", json=body)
+        assert second.status_code == 429 and second.json()["error"]["code"] == "server_busy", second.text
+        assert second.headers["retry-after"] == "3" and "server.max_inflight_cost" in second.json()["error"]["message"]
+        assert app.state.omniloop.engine.stats()["submitted"] == 1
+        client.post(f"/v1/videos/{first.json()['id']}/cancel")
+        deadline = time.monotonic() + T
+        while client.get("/health").json()["cost"]["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.post("/v1/videos", json=body).status_code == 200

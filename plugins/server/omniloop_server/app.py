@@ -60,7 +60,16 @@ from omniloop.request import TaskType
 from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, QueueFull
 
 from .admin import admin_routes
-from .bodies import MappedBody, check_tree, form_to_body, map_image_body, map_video_body, parse_json, show
+from .bodies import (
+    MappedBody,
+    body_fingerprint,
+    check_tree,
+    form_to_body,
+    map_image_body,
+    map_video_body,
+    parse_json,
+    show,
+)
 from .body_schema import InvalidBody
 from .chat import text_routes
 from .extensions import mount
@@ -70,9 +79,11 @@ from .jsonbody import JsonProcesses
 from .metrics import render_metrics
 from .openapi import docs_page, openapi_document
 from .options import (
+    CostBudget,
     NoRoom,
     ServerOptions,
     admission_check,
+    check_image_use,
     check_images,
     check_texts,
     cost_check,
@@ -136,6 +147,9 @@ class ServerState:
         #: never on the event loop: one heavy body cannot stall /health or anyone else's stream
         self.prepare_pool = concurrent.futures.ThreadPoolExecutor(self.options.prepare_threads,
                                                                   thread_name_prefix="omniloop-prepare")
+        #: the cost of admitted, unfinished requests (server.max_inflight_cost; None: no budget)
+        self.cost_budget = (CostBudget(self.options.max_inflight_cost, self.options.retry_after_s)
+                            if self.options.max_inflight_cost is not None else None)
         #: large JSON bodies are parsed in helper processes (json.loads holds the GIL: .jsonbody)
         self.json_processes = JsonProcesses(self.options.prepare_threads)
         self.max_image_pixels = self.options.image_pixels(getattr(engine.runtime.deploy, "limits", None))
@@ -180,6 +194,8 @@ class ServerState:
         """What is scarce now: stream sessions held by WebSockets, and the causal KV pools' free
         slabs (``/health`` and ``/metrics`` show it; a full pool answers 429 / a WS ``error``)."""
         out: dict[str, Any] = {}
+        if self.cost_budget is not None:
+            out["cost"] = {"in_flight": self.cost_budget.in_flight, "max": self.cost_budget.limit}
         slots = getattr(self, "ws_sessions", None)
         if slots is not None:
             out["sessions"] = {"open": slots.open, "max": slots.cap, "per_client": slots.per_client}
@@ -461,10 +477,14 @@ def create_app(
     def check_sizes(mapped: MappedBody) -> None:
         """Limits on work proportional to the input, before it is done (in a preparation thread)."""
         check_texts(mapped.requests, options)
+        check_image_use(mapped.requests)
         check_images(mapped.requests, state.max_image_pixels)
 
-    # cost-aware admission (server.max_request_cost), then room in the KV pool (server.kv_full)
-    admit = admission_check(cost_check(options.max_request_cost), kv_room_check(options))
+    # cost-aware admission: the request's own cost (server.max_request_cost), room in the KV pool
+    # (server.kv_full), then the cost of everything in flight (server.max_inflight_cost), reserved last
+    budget = state.cost_budget
+    admit = admission_check(cost_check(options.max_request_cost), kv_room_check(options),
+                            budget.check if budget is not None else None)
 
     async def submit(mapped: MappedBody) -> list[Any]:
         """Queue the body's requests (all or nothing); their preparation runs off the event loop."""
@@ -481,12 +501,18 @@ def create_app(
 
     async def _submit_one(r: dict[str, Any]) -> Any:
         try:
-            return await engine.submit_async(r, state.prepare_pool, check=admit)
+            handle = await engine.submit_async(r, state.prepare_pool, check=admit)
         except (RequestError, AdmissionRefused, QueueFull, EngineClosed, NoRoom):
+            if budget is not None and isinstance(r.get("request_id"), str):
+                budget.release(r["request_id"])  # reserved by the check, then not queued
             raise
         except Exception as exc:  # validation raised something else: still the request's fault
             log.warning("validating request %s raised %s", r.get("request_id"), type(exc).__name__, exc_info=True)
             raise RequestError("body", f"invalid request ({type(exc).__name__}: {show(str(exc), 200)})") from None
+        if budget is not None:  # its cost comes back when it ends, however it ends
+            asyncio.ensure_future(handle.result()).add_done_callback(
+                lambda _f, rid=handle.request_id: budget.release(rid))
+        return handle
 
     def translate(exc: Exception, mapped: MappedBody | None) -> Response:
         if isinstance(exc, _HttpError):
@@ -504,7 +530,7 @@ def create_app(
             return error(429, str(exc), type_="rate_limit_error", code="queue_full",
                          headers={"Retry-After": str(options.retry_after_s)})
         if isinstance(exc, NoRoom):
-            return error(429, exc.message, type_="rate_limit_error", code="kv_cache_full",
+            return error(429, exc.message, type_="rate_limit_error", code=exc.code,
                          headers={"Retry-After": str(exc.retry_after_s)})
         if isinstance(exc, EngineClosed):
             return error(503, str(exc), type_="server_error", code="shutting_down")
@@ -527,25 +553,27 @@ def create_app(
     def closed() -> Response:
         return error(503, "the server is shutting down and takes no new jobs", type_="server_error", code="shutting_down")
 
+    def replay(job: Job) -> Response:
+        return JSONResponse(job.to_dict(), status_code=200, headers={"Idempotent-Replayed": "true"})
+
     async def create_video(request: Request) -> Response:
         key = request.headers.get("idempotency-key")
+        claimed = False
         if key is not None:  # a retried POST (the SDK's extra_headers) answers the job it made, not a new one
             if not 1 <= len(key) <= 256:
                 return error(422, "Idempotency-Key: 1 to 256 characters", type_="invalid_request_error",
                              param="Idempotency-Key")
             if key in state.idempotent:
-                job_id = state.idempotent[key]
-                if job_id is None:
+                if state.idempotent[key] is None:
                     return error(409, "a request with this Idempotency-Key is being accepted; retry it",
                                  type_="invalid_request_error", param="Idempotency-Key", code="idempotency_in_progress")
-                known = state.jobs.get(job_id)
-                if known is not None:
-                    return JSONResponse(known.to_dict(), status_code=200, headers={"Idempotent-Replayed": "true"})
-            state.idempotent[key] = None
-            while len(state.idempotent) > MAX_IDEMPOTENCY_KEYS:
-                state.idempotent.popitem(last=False)
-        response = await _create_video(request)
-        if key is not None:
+            else:
+                state.idempotent[key] = None
+                claimed = True
+                while len(state.idempotent) > MAX_IDEMPOTENCY_KEYS:
+                    state.idempotent.popitem(last=False)
+        response = await _create_video(request, key)
+        if claimed:
             job_id = json.loads(response.body).get("id") if response.status_code == 200 else None
             if job_id is None:
                 state.idempotent.pop(key, None)  # refused: a retry is a new attempt
@@ -553,18 +581,29 @@ def create_app(
                 state.idempotent[key] = job_id
         return response
 
-    async def _create_video(request: Request) -> Response:
+    async def _create_video(request: Request, key: str | None) -> Response:
         mapped = None
         try:
             body = await read_request_body(request, form=True)
             if state.draining:
                 return closed()
+            fingerprint = await state.off_loop(body_fingerprint, body)
+            earlier = state.jobs.get(state.idempotent.get(key) or "") if key is not None else None
+            if earlier is not None:  # the key made a job: the same body is a retry, another is a mistake
+                if earlier.fingerprint != fingerprint:
+                    raise RequestError("Idempotency-Key", f"this key made job {earlier.id} with another body; "
+                                                          "use a new key for a new request")
+                return replay(earlier)
             mapped = await state.off_loop(lambda: map_video_body(
                 body, tasks=state.tasks, defaults=state.video_defaults, temporal_scale=state.temporal_scale,
                 model=repr(state.model_id)))
             state.check_model(body)
             refuse_sessions(mapped)
-            if state.jobs.used(mapped.requests[0]["request_id"]):
+            rid = mapped.requests[0]["request_id"]
+            if state.jobs.used(rid):
+                known = state.jobs.get(rid)
+                if known is not None and known.fingerprint == fingerprint:
+                    return replay(known)  # a retry with the same request id and body: the job it made
                 raise RequestError("request_id", "a job with this id exists or existed on this server "
                                                  "(ids are never reused, also after a restart)")
             (handle,) = await submit(mapped)
@@ -581,6 +620,7 @@ def create_app(
             if d.width and d.height:
                 info["size"] = f"{d.width}x{d.height}"
         job = Job(handle, model=state.model_id, info=info)
+        job.fingerprint = fingerprint
         state.jobs.add(job, engine)
         return JSONResponse(job.to_dict(), status_code=200)
 

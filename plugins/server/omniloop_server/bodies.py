@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
+import json
 import math
 import re
 import uuid
@@ -141,6 +143,19 @@ def parse_json(raw: bytes, processes: JsonProcesses | None = None, process_bytes
         raise _err("body", exc.message) from None
     check_tree(body)
     return body
+
+
+def body_fingerprint(body: Any) -> str:
+    """A digest of a parsed body (JSON or form; key order does not matter, uploaded files count by
+    content): equal for a retried request, different for another one."""
+
+    def default(value: Any) -> Any:
+        if isinstance(value, (bytes, bytearray)):
+            return {"bytes-sha256": hashlib.sha256(value).hexdigest()}
+        raise TypeError(type(value).__name__)
+
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=default, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def check_tree(body: Any) -> None:

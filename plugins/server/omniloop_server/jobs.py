@@ -70,6 +70,9 @@ class Job:
         self.changed = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.final_progress = 0
+        #: a digest of the body that made it (``bodies.body_fingerprint``): a retry with the same
+        #: Idempotency-Key or request id and the same body answers this job; None after a restart
+        self.fingerprint: str | None = None
 
     @property
     def status(self) -> str:
@@ -118,6 +121,7 @@ class Job:
         """A finished job listed again after a restart (no handle; its mp4 served if still there)."""
         job = cls.__new__(cls)
         job.handle = None
+        job.fingerprint = None  # a retry of it after the restart is refused, not replayed
         job.id = str(rec["id"])
         job.model = str(rec.get("model") or "")
         job.info = {k: v for k, v in (rec.get("info") or {}).items() if isinstance(k, str)} if isinstance(rec.get("info"), dict) else {}

@@ -33,6 +33,7 @@ resolve) runs in :attr:`ServerOptions.prepare_threads` worker threads, never on 
       kv_full: refuse                # a request whose KV blocks are not free now: refuse (429 with
                                      # Retry-After / a WebSocket error with retry_after_s) or queue
       max_request_cost: null         # step-forward-pixels one request may cost (null: no limit)
+      max_inflight_cost: null        # ... all admitted, unfinished requests together (429 beyond)
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class ServerOptions:
     #: the most one request may cost, in step-forward-pixels (its resolved workload: steps x
     #: forwards per step x frames x height x width; a text request: its max tokens); None: no limit
     max_request_cost: int | None = field(default=None, metadata={"ge": 1})
+    #: the most all admitted, unfinished requests may cost together (step-forward-pixels): a request
+    #: that would exceed it is answered 429 with Retry-After (one request alone is always admitted,
+    #: so nothing under max_request_cost waits forever); None: no limit
+    max_inflight_cost: int | None = field(default=None, metadata={"ge": 1})
 
     def image_pixels(self, limits: Any) -> int:
         """The pixel cap of an input image: the option, else four output images of the largest size."""
@@ -128,11 +133,12 @@ def cost_check(limit: int | None) -> Any:
 
 
 class NoRoom(OmniloopError):
-    """Not enough room now for a request (its KV blocks): the client may retry after ``retry_after_s``."""
+    """Not enough room now for a request (``code``: ``kv_cache_full`` — its KV blocks, ``server_busy``
+    — the in-flight cost budget): the client may retry after ``retry_after_s``."""
 
-    def __init__(self, message: str, retry_after_s: int) -> None:
+    def __init__(self, message: str, retry_after_s: int, code: str = "kv_cache_full") -> None:
         super().__init__(message)
-        self.message, self.retry_after_s = message, retry_after_s
+        self.message, self.retry_after_s, self.code = message, retry_after_s, code
 
 
 def kv_room_check(opts: ServerOptions) -> Any:
@@ -170,6 +176,39 @@ def admission_check(*checks: Any) -> Any:
     return check
 
 
+class CostBudget:
+    """The cost of admitted, unfinished requests against ``server.max_inflight_cost``.
+
+    :meth:`check` (a ``submit_async`` check, in a preparation thread) reserves a request's cost or
+    raises :class:`NoRoom`; :meth:`release` gives it back when the request ends or was not queued."""
+
+    def __init__(self, limit: int, retry_after_s: int) -> None:
+        import threading
+
+        self.limit, self.retry_after_s = limit, retry_after_s
+        self.held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(self.held.values())
+
+    def check(self, execution: Any) -> None:
+        cost = request_cost(execution) or 0
+        with self._lock:
+            used = sum(self.held.values())
+            if self.held and used + cost > self.limit:
+                raise NoRoom(f"the server is busy: this request costs {cost} step-forward-pixels and "
+                             f"{used} of {self.limit} are in flight (deploy server.max_inflight_cost); "
+                             f"retry after {self.retry_after_s} s", self.retry_after_s, "server_busy")
+            self.held[execution.request_id] = cost
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self.held.pop(request_id, None)
+
+
 def check_texts(requests: list[dict[str, Any]], opts: ServerOptions, origins: Any = None) -> None:
     """Prompt characters, per field and per request, before anything tokenises them."""
     for r in requests:
@@ -188,6 +227,25 @@ def check_texts(requests: list[dict[str, Any]], opts: ServerOptions, origins: An
         if total > opts.max_text_chars:
             raise RequestError("inputs", f"at most {opts.max_text_chars} characters of text per request, got {total} "
                                          "(deploy server.max_text_chars)")
+
+
+#: tasks whose requests take no input image (text to video / image): an image part is refused, not ignored
+NO_IMAGE_TASKS = frozenset({"t2v", "t2i"})
+
+
+def check_image_use(requests: list[dict[str, Any]]) -> None:
+    """An input image part in a request whose task reads none (``t2v``, ``t2i``) is refused before
+    any work, naming the part — the pipeline would ignore it silently (the CLI refuses ``--image``)."""
+    for r in requests:
+        task = r.get("task")
+        if task not in NO_IMAGE_TASKS:
+            continue
+        for i, part in enumerate(r.get("inputs") or []):
+            if isinstance(part, Mapping) and part.get("type") == "image":
+                how = ("send it as input_reference (image to video)" if task == "t2v"
+                       else "edit an image with POST /v1/images/edits")
+                raise RequestError(f"inputs.{i}", f"a {task} request takes no input image (it would be ignored): "
+                                                  f"{how}, or drop the image part")
 
 
 def check_images(requests: list[dict[str, Any]], max_pixels: int) -> None:
@@ -232,9 +290,11 @@ def image_size(data: bytes) -> tuple[int | None, int | None]:
 
 __all__ = [
     "MAX_IMAGE_PIXELS",
+    "CostBudget",
     "NoRoom",
     "ServerOptions",
     "admission_check",
+    "check_image_use",
     "check_images",
     "check_texts",
     "cost_check",
