@@ -37,10 +37,38 @@ from pathlib import Path
 from typing import Any
 
 SERVE = """
-import importlib, os, sys
+import asyncio, importlib, os, sys, threading, time
 from omniloop.testing import make_manager
 from omniloop_scheduler import plugin as scheduler_plugin
+from omniloop_server import app as server_app
 from omniloop_server.cli import make_serve_command
+
+
+def watch_loop(loop, path):
+    # the server's event-loop lag: how long a callback posted from another thread waits to run
+    # (a blocked loop or a GIL held elsewhere delays it), every 10 ms, to a file the bench reads
+    with open(path, "a", buffering=1) as f:
+        while not loop.is_closed():
+            t0, ran = time.monotonic(), threading.Event()
+            try:
+                loop.call_soon_threadsafe(ran.set)
+            except RuntimeError:
+                return
+            ran.wait()
+            f.write(f"{t0:.4f} {(time.monotonic() - t0) * 1000:.2f}\\n")
+            time.sleep(0.01)
+
+
+start = server_app.AsyncEngine.start
+
+
+async def start_and_watch(self, *a, **k):
+    threading.Thread(target=watch_loop, args=(asyncio.get_running_loop(), os.environ["HOSTILE_LOAD_LAG"]),
+                     daemon=True).start()
+    return await start(self, *a, **k)
+
+
+server_app.AsyncEngine.start = start_and_watch
 
 family = os.environ["HOSTILE_LOAD_FAMILY"]  # "toy", or a family plugin module (the toy family is not installed)
 extra = [] if family == "toy" else [(family.split(".")[0], importlib.import_module(family))]
@@ -67,7 +95,9 @@ class Server:
             [sys.executable, str(script), "--deploy", str(d), "--port", "0", "--output-dir", str(self.out),
              "--log-level", "warning", "--shutdown-timeout", str(shutdown_timeout)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "HOSTILE_LOAD_FAMILY": FAMILIES[name]})
+            env={**os.environ, "OMP_NUM_THREADS": "1", "HOSTILE_LOAD_FAMILY": FAMILIES[name],
+                 "HOSTILE_LOAD_LAG": str(root / f"lag-{name}.txt")})
+        self.lag_file = root / f"lag-{name}.txt"
         assert self.proc.stdout is not None
         deadline = time.monotonic() + 300
         self.url = ""
@@ -97,6 +127,18 @@ class Server:
         for line in self.proc.stdout:
             self.log.append(line.decode(errors="replace"))
             del self.log[:-200]
+
+    def loop_lag_ms(self, t0: float, t1: float) -> list[float]:
+        """The server's event-loop lag samples (ms) taken between monotonic times ``t0`` and ``t1``."""
+        out = []
+        for line in self.lag_file.read_text().splitlines() if self.lag_file.exists() else []:
+            t, _, ms = line.partition(" ")
+            try:
+                if t0 <= float(t) <= t1:
+                    out.append(float(ms))
+            except ValueError:
+                pass
+        return out
 
     def rss_peak_mib(self) -> float:
         text = Path(f"/proc/{self.proc.pid}/status").read_text()
@@ -195,6 +237,11 @@ class Bystander:
 def run_case(server: Server, name: str, fn: Callable[[], dict[str, Any]], bystander: Bystander | None) -> dict[str, Any]:
     print(f"  {server.name}: {name} ...", flush=True)
     load_before = os.getloadavg()[0]
+    # the same probes for 1.5 s with nothing else running: what the shared machine alone costs
+    i0 = time.monotonic()
+    with Prober(server.url) as idle:
+        time.sleep(1.5)
+    idle_lag = server.loop_lag_ms(i0, time.monotonic())
     t0 = time.monotonic()
     with Prober(server.url) as probe:
         if bystander is not None:
@@ -210,7 +257,13 @@ def run_case(server: Server, name: str, fn: Callable[[], dict[str, Any]], bystan
         "statuses": dict(sorted(Counter(map(str, result.pop("statuses", []))).items())),
         "health_worst_ms": round(max(probe.lat) * 1000, 1) if probe.lat else None,
         "health_median_ms": round(statistics.median(probe.lat) * 1000, 1) if probe.lat else None,
-        "health_failed": probe.bad, "rss_peak_mib": round(server.rss_peak_mib(), 1),
+        "health_failed": probe.bad,
+        "health_idle_worst_ms": round(max(idle.lat) * 1000, 1) if idle.lat else None,
+        # the server's event loop itself (a callback posted from a thread in the server process)
+        "loop_lag_worst_ms": round(max(lag), 1) if (lag := server.loop_lag_ms(t0, time.monotonic())) else None,
+        "loop_lag_p99_ms": round(sorted(lag)[int(0.99 * (len(lag) - 1))], 1) if lag else None,
+        "loop_lag_idle_worst_ms": round(max(idle_lag), 1) if idle_lag else None,
+        "rss_peak_mib": round(server.rss_peak_mib(), 1),
         "rss_now_mib": round(server.rss_now_mib(), 1),
         "others_harmed": (bystander.harmed if bystander is not None else None),
         "others_sent": (bystander.sent if bystander is not None else None),
@@ -527,14 +580,56 @@ def shutdown_case(srv: Server) -> dict[str, Any]:
     return row
 
 
+def run_toy(root: Path, quick: bool) -> list[dict[str, Any]]:
+    from omniloop.testing import build_toy_checkpoint
+
+    toy = build_toy_checkpoint(root / "toy")
+    srv = Server("toy", {"model": {"path": str(toy)}, "scheduler": "step", "server": SERVER,
+                         "limits": {"max_steps": 1_000_000, "max_height": 64, "max_width": 64}}, root)
+    try:
+        return [*toy_cases(srv, quick), shutdown_case(srv)]
+    finally:
+        srv.stop()
+
+
+def run_qwen(root: Path, quick: bool, build: Any) -> list[dict[str, Any]]:
+    srv = Server("qwen", {"model": {"path": str(build(root / "qwen", arch="qwen2"))}, "scheduler": "step",
+                          "server": SERVER, "scheduler_options": {"max_batch": 16}}, root)
+    try:
+        return qwen_cases(srv, quick)
+    finally:
+        srv.stop()
+
+
+def run_flux(root: Path, quick: bool, build: Any) -> list[dict[str, Any]]:
+    srv = Server("flux", {"model": {"path": str(build(root / "flux"))}, "scheduler": "step", "server": SERVER,
+                          "limits": {"max_steps": 4, "max_height": 32, "max_width": 32}}, root)
+    try:
+        return flux_cases(srv, quick)
+    finally:
+        srv.stop()
+
+
+def run_wan(root: Path, quick: bool, build: Any) -> list[dict[str, Any]]:
+    wan = build(root / "wan", variant="t2v", scheduler="flow_euler")
+    srv = Server("wan-causal", {"model": {"path": str(wan)}, "scheduler": "step", "server": SERVER,
+                                "options": {"rollout": "causal", "rollout_options": {
+                                    "chunk_frames": 3, "steps": 2, "kv_slabs": 16, "max_sessions": 4}}}, root)
+    try:
+        return wan_cases(srv, quick)
+    finally:
+        srv.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--servers", default="toy,qwen,flux,wan-causal",
+                    help="the servers (and their cases) to run, comma-separated (default: all)")
     args = ap.parse_args()
     import torch
 
-    from omniloop.testing import build_toy_checkpoint
     from omniloop_flux.tiny import build_tiny_checkpoint as tiny_flux
     from omniloop_qwen.tiny import build_tiny_checkpoint as tiny_qwen
     from omniloop_wan.tiny import build_tiny_checkpoint as tiny_wan
@@ -543,37 +638,15 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     load_at_start = round(os.getloadavg()[0], 2)
-    toy = build_toy_checkpoint(root / "toy")
-    srv = Server("toy", {"model": {"path": str(toy)}, "scheduler": "step", "server": SERVER,
-                         "limits": {"max_steps": 1_000_000, "max_height": 64, "max_width": 64}}, root)
-    try:
-        rows += toy_cases(srv, args.quick)
-        rows.append(shutdown_case(srv))
-    finally:
-        srv.stop()
-    qwen = tiny_qwen(root / "qwen", arch="qwen2")
-    srv = Server("qwen", {"model": {"path": str(qwen)}, "scheduler": "step", "server": SERVER,
-                          "scheduler_options": {"max_batch": 16}}, root)
-    try:
-        rows += qwen_cases(srv, args.quick)
-    finally:
-        srv.stop()
-    flux = tiny_flux(root / "flux")
-    srv = Server("flux", {"model": {"path": str(flux)}, "scheduler": "step", "server": SERVER,
-                          "limits": {"max_steps": 4, "max_height": 32, "max_width": 32}}, root)
-    try:
-        rows += flux_cases(srv, args.quick)
-    finally:
-        srv.stop()
-    wan = tiny_wan(root / "wan", variant="t2v", scheduler="flow_euler")
-    srv = Server("wan-causal", {"model": {"path": str(wan)}, "scheduler": "step", "server": SERVER,
-                                "options": {"rollout": "causal", "rollout_options": {
-                                    "chunk_frames": 3, "steps": 2, "kv_slabs": 16, "max_sessions": 4}}}, root)
-    try:
-        rows += wan_cases(srv, args.quick)
-    finally:
-        srv.stop()
-
+    servers = set(args.servers.split(","))
+    if "toy" in servers:
+        rows += run_toy(root, args.quick)
+    if "qwen" in servers:
+        rows += run_qwen(root, args.quick, tiny_qwen)
+    if "flux" in servers:
+        rows += run_flux(root, args.quick, tiny_flux)
+    if "wan-causal" in servers:
+        rows += run_wan(root, args.quick, tiny_wan)
     date = time.strftime("%Y-%m-%d")
     out = args.out or Path(__file__).parent / "results" / f"hostile-load-{date}.json"
     record = {
@@ -586,10 +659,12 @@ def main() -> None:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    print(f"\n{'server':<11} {'case':<28} {'statuses':<34} {'health worst ms':>15} {'peak RSS MiB':>12} {'harmed':>7}")
+    print(f"\n{'server':<11} {'case':<28} {'statuses':<34} {'health worst ms':>15} {'(idle)':>7} "
+          f"{'loop lag worst':>14} {'(idle)':>7} {'peak RSS MiB':>12} {'harmed':>7}")
     for r in rows:
         print(f"{r['server']:<11} {r['case']:<28} {json.dumps(r['statuses'])[:34]:<34} "
-              f"{r.get('health_worst_ms')!s:>15} {r.get('rss_peak_mib')!s:>12} {r.get('others_harmed')!s:>7}")
+              f"{r.get('health_worst_ms')!s:>15} {r.get('health_idle_worst_ms')!s:>7} {r.get('loop_lag_worst_ms')!s:>14} "
+              f"{r.get('loop_lag_idle_worst_ms')!s:>7} {r.get('rss_peak_mib')!s:>12} {r.get('others_harmed')!s:>7}")
     print(f"\nwrote {out}")
 
 

@@ -254,13 +254,15 @@ def comfyui_routes(api: Any) -> list[BaseRoute]:
 
     async def post_prompt(request: Request) -> Response:
         c = comfy()
-        raw = await request.body()
-        if len(raw) > 32 * 1024 * 1024:
+        from omniloop.errors import RequestError
+        from omniloop_server.bodies import BodyTooLarge
+
+        try:  # read up to the limit (never past it), parsed off the event loop (a large body in a helper process)
+            body = await c.api.read_json(request, 32 * 1024 * 1024, check=False)
+        except BodyTooLarge:
             return _invalid("body larger than 32 MiB", 413)
-        try:
-            body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            return _invalid(f"the body is not JSON: {show(str(exc), 200)}")
+        except RequestError as exc:
+            return _invalid(f"the body is not JSON: {show(exc.message, 200)}")
         if not isinstance(body, dict) or "prompt" not in body:
             return _invalid("expected {\"prompt\": {...}, \"client_id\": ..., \"extra_data\": {...}}")
         if c.state.draining:
@@ -457,10 +459,6 @@ def _image_format(data: bytes) -> str:
     if ext is None:
         raise ValueError(f"format {fmt!r} (png, jpeg or webp)")
     return ext
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _check_requests(compiled: CompiledPrompt, runtime: Any = None) -> None:

@@ -77,17 +77,8 @@ def admin_routes(api: Any) -> list[Route]:
         return None
 
     async def json_body(request: Request) -> Any:
-        import json
-
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_ADMIN_BODY_BYTES:
-                raise RequestError("body", f"body larger than {MAX_ADMIN_BODY_BYTES} bytes")
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise RequestError("body", f"not JSON ({exc})") from None
+        # read in chunks (never re-copied), parsed off the event loop (a large one in a helper process)
+        return await api.read_json(request, MAX_ADMIN_BODY_BYTES, check=False)
 
     async def rollout_generate(request: Request) -> Response:
         if (denied := auth(request)) is not None:
