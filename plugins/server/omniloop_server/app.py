@@ -61,6 +61,7 @@ from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, Queu
 
 from .admin import admin_routes
 from .bodies import (
+    MAX_IMAGE_BYTES,
     BodyTooLarge,
     MappedBody,
     body_fingerprint,
@@ -76,7 +77,7 @@ from .chat import text_routes
 from .extensions import mount
 from .images import base_url, image_edit_routes, images_response
 from .jobs import Job, JobStore
-from .jsonbody import JsonProcesses
+from .jsonbody import JsonProcesses, StringCaps
 from .metrics import render_metrics
 from .openapi import docs_page, openapi_document
 from .options import (
@@ -437,6 +438,10 @@ def create_app(
             chunks.append(chunk)
         return chunks
 
+    # the longest string a body may hold: text up to max_text_chars (all of one request's text), an
+    # image's base64 (or data: URL) up to MAX_IMAGE_BYTES decoded
+    string_caps = StringCaps(options.max_text_chars, 4 * -(-MAX_IMAGE_BYTES // 3) + 256)
+
     async def read_json(request: Request, limit: int, *, check: bool = True) -> Any:
         """A JSON body whatever its Content-Type (for route extensions and admin routes: ComfyUI's
         clients often send none), read up to ``limit`` bytes (:class:`.bodies.BodyTooLarge` beyond)
@@ -460,7 +465,8 @@ def create_app(
         raw = await read_body(request, options.max_text_body_bytes if text else options.max_body_bytes)
         try:
             if kind == "json":
-                return await state.off_loop(parse_json, raw, state.json_processes, options.json_process_bytes)
+                return await state.off_loop(lambda: parse_json(raw, state.json_processes, options.json_process_bytes,
+                                                               caps=string_caps))
             return await parse_form(request, raw)
         except RequestError as exc:
             if exc.path == "body":  # the body could not be read at all

@@ -56,7 +56,7 @@ from .body_schema import (
     parse_body,
     seconds_value,
 )
-from .jsonbody import BodyUnreadable, JsonProcesses
+from .jsonbody import BodyUnreadable, JsonProcesses, StringCaps, StringTooLong
 from .jsonbody import decode as decode_json
 
 _SIZE = re.compile(f"^{SIZE_PATTERN}$")
@@ -137,21 +137,29 @@ class BodyTooLarge(RequestError):
 
 
 def parse_json(raw: bytes | list[bytes], processes: JsonProcesses | None = None,
-               process_bytes: int | None = None, *, check: bool = True) -> Any:
+               process_bytes: int | None = None, *, check: bool = True, caps: StringCaps | None = None) -> Any:
     """Parse a JSON body (bytes, or its chunks as they arrived); raises :class:`RequestError` (path
     ``body``) for anything malformed.
 
     With ``processes``, a body of at least ``process_bytes`` is parsed in a helper process
     (:mod:`.jsonbody`: ``json.loads`` holds the GIL for the whole body, which would stall the
-    event loop); the answer is the same either way. ``check``: :func:`check_tree` on the result."""
+    event loop); the answer is the same either way. ``check``: :func:`check_tree` on the result.
+    ``caps``: the longest string a field may hold (a longer one is a 422 naming it, checked in the
+    helper process for a large body, so the string never exists in the server's process)."""
     try:
         size = len(raw) if isinstance(raw, bytes) else sum(map(len, raw))
         if processes is not None and process_bytes is not None and size >= process_bytes:
-            body = processes.parse(raw)
+            body = processes.parse(raw, caps)
         else:
             body = decode_json(raw if isinstance(raw, bytes) else b"".join(raw), MAX_DEPTH)
+            if caps is not None:
+                caps.check(body)
     except BodyUnreadable as exc:
         raise _err("body", exc.message) from None
+    except StringTooLong as exc:
+        what = "an image (base64)" if exc.image else "text"
+        why = "server.max_text_chars" if not exc.image else f"{MAX_IMAGE_BYTES} bytes decoded"
+        raise _err(exc.path, f"a string of {exc.length} characters; {what} here is at most {exc.cap} ({why})") from None
     if check:  # (route extensions with their own value rules, e.g. ComfyUI's 64-bit unsigned seeds, skip it)
         check_tree(body)
     return body

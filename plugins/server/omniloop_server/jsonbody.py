@@ -25,6 +25,9 @@ from typing import Any
 
 #: the deepest a body may nest before the parser gives up (check_tree refuses far less)
 _RECURSION = "the body nests too deeply"
+#: field names whose string values may be images (base64 or a data: URL): they may be as long as
+#: the image cap; every other string only as long as the text cap (:class:`StringCaps`)
+IMAGE_KEYS = frozenset({"input_reference", "image", "image_url", "mask", "data_b64"})
 
 
 class BodyUnreadable(ValueError):
@@ -33,6 +36,38 @@ class BodyUnreadable(ValueError):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class StringTooLong(ValueError):
+    """A string longer than any field at its place takes: ``path`` (dotted), its ``length``, ``cap``."""
+
+    def __init__(self, path: str, length: int, cap: int, image: bool) -> None:
+        super().__init__(path)
+        self.path, self.length, self.cap, self.image = path, length, cap, image
+
+
+class StringCaps:
+    """The longest string a body may hold: ``text`` chars anywhere, ``image`` under an
+    :data:`IMAGE_KEYS` field (a base64 image). Checked where the body is parsed — in the helper
+    process for a large body, so a 30 MB prompt never becomes a string in the server's process."""
+
+    def __init__(self, text: int, image: int) -> None:
+        self.text, self.image = text, image
+
+    def check(self, body: Any) -> None:
+        """Raise :class:`StringTooLong` for the first string over its cap (iterative walk)."""
+        stack: list[tuple[Any, str, str]] = [(body, "", "")]
+        while stack:
+            value, path, key = stack.pop()
+            if isinstance(value, str):
+                if len(value) > self.text:
+                    cap = self.image if key in IMAGE_KEYS else self.text
+                    if len(value) > cap:
+                        raise StringTooLong(path or "body", len(value), cap, key in IMAGE_KEYS)
+            elif isinstance(value, dict):
+                stack.extend((v, f"{path}.{k}" if path else str(k), str(k)) for k, v in value.items())
+            elif isinstance(value, list):
+                stack.extend((v, f"{path}.{i}" if path else str(i), key) for i, v in enumerate(value))
 
 
 def _refuse_constant(name: str) -> Any:
@@ -76,12 +111,17 @@ def _child() -> None:
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     while True:
         try:
-            head = _read_exact(inp, 8)
+            head = _read_exact(inp, 24)  # body length, text cap, image cap
         except EOFError:
             return
-        raw = _read_exact(inp, int.from_bytes(head, "big"))
+        text_cap, image_cap = (int.from_bytes(b, "big") for b in (head[8:16], head[16:24]))
+        raw = _read_exact(inp, int.from_bytes(head[:8], "big"))
         try:
-            tag, payload = 0, marshal.dumps(decode(raw))
+            body = decode(raw)
+            StringCaps(text_cap, image_cap).check(body)
+            tag, payload = 0, marshal.dumps(body)
+        except StringTooLong as exc:
+            tag, payload = 2, marshal.dumps((exc.path, exc.length, exc.cap, exc.image))
         except BodyUnreadable as exc:
             tag, payload = 1, exc.message.encode("utf-8", "backslashreplace")
         except ValueError:  # marshal: nested deeper than it writes
@@ -140,15 +180,18 @@ class JsonProcesses:
             else:
                 self._idle.put(proc)
 
-    def parse(self, raw: bytes | list[bytes]) -> Any:
+    def parse(self, raw: bytes | list[bytes], caps: StringCaps | None = None) -> Any:
         """``raw`` (bytes, or the body's chunks: never joined here) → the object (as :func:`decode`),
-        parsed in a helper process. Blocking: call it from a worker thread (the pipe reads and
-        writes release the GIL)."""
+        parsed in a helper process, its strings checked against ``caps`` there (:class:`StringTooLong`).
+        Blocking: call it from a worker thread (the pipe reads and writes release the GIL)."""
+        big = 1 << 62
+        text_cap, image_cap = (caps.text, caps.image) if caps is not None else (big, big)
         chunks = [raw] if isinstance(raw, bytes) else raw
         proc = self._take()
         try:
             assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(sum(map(len, chunks)).to_bytes(8, "big"))
+            proc.stdin.write(sum(map(len, chunks)).to_bytes(8, "big") + text_cap.to_bytes(8, "big")
+                             + image_cap.to_bytes(8, "big"))
             for chunk in chunks:
                 proc.stdin.write(chunk)
             head = _read_exact(proc.stdout, 9)
@@ -161,6 +204,8 @@ class JsonProcesses:
         self._give(proc)
         if head[0] == 1:
             raise BodyUnreadable(payload.decode("utf-8", "replace"))
+        if head[0] == 2:
+            raise StringTooLong(*marshal.loads(payload))
         return marshal.loads(payload)
 
     def close(self) -> None:
