@@ -104,6 +104,10 @@ def _optional_map(value: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     return None if value is None else _frozen_map(value)
 
 
+def _name_set(value: Iterable[str]) -> frozenset[str]:
+    return frozenset(value)
+
+
 def _optional_set(value: Iterable[str] | None) -> frozenset[str] | None:
     return None if value is None else frozenset(value)
 
@@ -160,7 +164,7 @@ class FamilyCapabilities:
     rollouts: tuple[Rollout, ...] = field(default=(), converter=tuple)
     options: frozenset[str] | None = field(default=None, converter=_optional_set)
     rollout_support: Any = None  # omniloop.rl.RolloutSupport | None (typed loosely: no import cycle)
-    step_batch_retry_alone: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    step_batch_retry_alone: frozenset[str] = field(default=frozenset(), converter=_name_set)
     inspect: bool = False
     resolve: bool = False
     supported_tasks: bool = False
