@@ -12,9 +12,11 @@ encoder, flow-Euler, bf16, CFG 5.0, through ``omniloop.Runtime`` with the step s
 * **update_weights**: the full denoiser from a ``{name: tensor}`` mapping on the CPU and from a
   safetensors file on local disk (the call validates every tensor, then copies it in), and a
   rank-32 LoRA on every attention and FFN linear of the blocks (``adapter=``); medians of
-  ``--repeats``. Each call returns the new ``weights_checksum`` (a SHA-256 of the whole denoiser,
-  timed alone as ``weights_checksum_s``); ``*_without_checksum`` repeats the CPU-tensor and LoRA
-  updates with it stubbed out on the runtime instance, which shows the update's own cost.
+  ``--repeats``. Each call returns the new ``weights_checksum`` (``mix128``, hashed on the GPU);
+  ``weights_checksum`` times it alone against ``sha256`` (every byte hashed on the host, the
+  default before 2026-12-03) and checks that the same weights copied to the host give the same
+  ``mix128``; ``*_without_checksum`` repeats the CPU-tensor and LoRA updates with it stubbed out on
+  the runtime instance, which shows the update's own cost. ``--skip-rollouts``: weights only.
 
 ``python bench/rl_gpu.py --out bench/results/rl-wan13b-gpu-<date>.json`` (``--smoke`` on a CPU:
 the tiny transformer, 2 samples, 2 steps).
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--skip-rollouts", action="store_true", help="time update_weights and the checksums only")
     args = ap.parse_args(argv)
     from _common import CFG_13B, SMOKE_TF, command_line, library_versions, machine
     from diffusers import WanTransformer3DModel
@@ -106,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         info["largest_batch"] = max(batches, default=1)
         return dt, info
 
-    with torch.no_grad():
-        run(True, 0)  # warm-up both paths
-        run(False, 0)
     times: dict[str, list[float]] = {"rollout_sde_capture": [], "plain": []}
     infos: dict[str, dict] = {}
-    for rep in range(args.repeats):
+    if not args.skip_rollouts:
+        with torch.no_grad():
+            run(True, 0)  # warm-up both paths
+            run(False, 0)
+    for rep in range(0 if args.skip_rollouts else args.repeats):
         order = [("rollout_sde_capture", True), ("plain", False)]
         for name, ro in (order if rep % 2 == 0 else order[::-1]):
             dt, info = run(ro, 100 + rep)
@@ -120,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"side": name, "rep": rep, "seconds": round(dt, 3), **info}), flush=True)
     rollouts = {name: {"seconds": [round(x, 4) for x in ts], "median_s": round(statistics.median(ts), 4),
                        "samples_per_s": round(args.group / statistics.median(ts), 3), **infos[name]}
-                for name, ts in times.items()}
-    ratio = rollouts["rollout_sde_capture"]["samples_per_s"] / rollouts["plain"]["samples_per_s"]
+                for name, ts in times.items() if ts}
+    ratio = (rollouts["rollout_sde_capture"]["samples_per_s"] / rollouts["plain"]["samples_per_s"]
+             if rollouts else None)
 
     # -- update_weights ------------------------------------------------------------------------
     tf = rt.model.components["transformer"]
@@ -146,13 +151,29 @@ def main(argv: list[str] | None = None) -> int:
             call(f"{name}-{rep}")
             sync()
             upd[name].append(time.perf_counter() - t0)
-    checksum_s = time.perf_counter()
-    rt.weights_checksum()
-    checksum_s = time.perf_counter() - checksum_s
-    # Each call above returns the new weights_checksum (a SHA-256 over the whole denoiser, copied to
-    # the host). To show the update itself, the same calls again with that checksum stubbed out on
-    # this runtime instance (bench only: the API always returns it).
-    rt.weights_checksum = lambda: ""  # type: ignore[method-assign]
+    # The checksum each call returns: mix128 (the default, on the device) against sha256 (every byte
+    # on the host), and the same mix128 from a host copy of the weights (device-independent).
+    from omniloop import weights as W
+
+    checksums: dict[str, list[float]] = {"mix128": [], "sha256": []}
+    values: dict[str, str] = {}
+    for rep in range(args.repeats):
+        for algorithm in checksums:
+            sync()
+            t0 = time.perf_counter()
+            values[algorithm] = rt.weights_checksum(algorithm)
+            sync()
+            checksums[algorithm].append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    host_copy = {"transformer": __import__("copy").deepcopy(tf).to("cpu")}
+    on_device = W.checksum({"transformer": tf})
+    t1 = time.perf_counter()
+    on_host = W.checksum(host_copy)
+    host_mix_s = time.perf_counter() - t1
+    del host_copy
+    # To show the update itself, the same calls again with the returned checksum stubbed out on this
+    # runtime instance (bench only: the API always returns it).
+    rt.weights_checksum = lambda *a, **k: ""  # type: ignore[method-assign]
     for rep in range(args.repeats):
         for name, call in (("full_from_cpu_tensors_without_checksum", lambda v: rt.update_weights(full_cpu, version=v)),
                            ("lora_rank32_from_file_without_checksum",
@@ -169,17 +190,23 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"transformer_params": n_params, "group": args.group, "steps": args.steps,
                   "size": [args.frames, args.height, args.width], "cfg": "batched, scale 5.0", "build_s": round(built_s, 1),
                   "sampler": "flow-euler (the rollout replaces its update)", "repeats": args.repeats},
-        "rollouts": rollouts, "capture_over_plain_throughput": round(ratio, 4),
+        "rollouts": rollouts, "capture_over_plain_throughput": None if ratio is None else round(ratio, 4),
         "update_weights": {k: {"seconds": [round(x, 4) for x in v], "median_s": round(statistics.median(v), 4)}
                            for k, v in upd.items()},
         "lora": {"rank": 32, "linears": len(lora) // 2,
                  "params": sum(v.numel() for v in lora.values())},
-        "weights_checksum_s": round(checksum_s, 3),
+        "weights_checksum": {
+            "note": "update_weights returns the mix128 checksum: each update_weights row includes it",
+            **{k: {"seconds": [round(x, 4) for x in v], "median_s": round(statistics.median(v), 4)} for k, v in checksums.items()},
+            "mix128_on_host_copy_s": round(host_mix_s, 3),
+            "mix128_device_equals_host": on_device == on_host, "values": values},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
-    print(json.dumps({"rollouts": {k: v["samples_per_s"] for k, v in rollouts.items()}, "ratio": round(ratio, 4),
-                      "update_s": {k: round(statistics.median(v), 3) for k, v in upd.items()}}), flush=True)
+    print(json.dumps({"rollouts": {k: v["samples_per_s"] for k, v in rollouts.items()}, "ratio": None if ratio is None else round(ratio, 4),
+                      "update_s": {k: round(statistics.median(v), 3) for k, v in upd.items()},
+                      "checksum_s": {k: round(statistics.median(v), 3) for k, v in checksums.items()},
+                      "device_equals_host": on_device == on_host}), flush=True)
     return 0
 
 

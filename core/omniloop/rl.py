@@ -155,6 +155,68 @@ def step_log_prob(
 
 
 # ---------------------------------------------------------------------------------------------
+# DiffusionNFT (a trainer-side objective on clean samples; no log-probs)
+# ---------------------------------------------------------------------------------------------
+
+
+def nft_optimality(advantages: torch.Tensor, clip: float) -> torch.Tensor:
+    """DiffusionNFT's optimality probability ``r = clamp(A, -clip, clip) / (2·clip) + 1/2`` in
+    ``[0, 1]`` from group-normalised advantages ``A``."""
+    if not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip must be a finite number > 0, got {clip}")
+    return (advantages.float().clamp(-clip, clip) / (2 * clip) + 0.5).clamp(0.0, 1.0)
+
+
+def nft_noisy(clean: torch.Tensor, noise: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
+    """The forward (noising) process of rectified flow: ``x_σ = (1 - σ)·x0 + σ·ε``; ``sigma`` a
+    scalar or one per sample."""
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=clean.device)
+    s = s.reshape(-1, *([1] * (clean.ndim - 1))) if s.ndim else s
+    return (1 - s) * clean.float() + s * noise.float()
+
+
+def nft_loss(
+    velocity: torch.Tensor, old_velocity: torch.Tensor, noisy: torch.Tensor, clean: torch.Tensor,
+    sigma: float | torch.Tensor, optimality: torch.Tensor, *, beta: float = 1.0, adaptive: bool = True,
+) -> torch.Tensor:
+    """DiffusionNFT's per-sample loss ``[B]`` (Zheng et al. 2025, arXiv:2509.16117, eq. of its
+    policy-improvement objective; written from the paper): with ``v`` the trained policy's velocity
+    at ``x_σ`` (:func:`nft_noisy` of a rollout's clean sample ``x0``), ``v_old`` the rollout
+    policy's (no gradient) and ``r`` the optimality (:func:`nft_optimality`)::
+
+        v+ = (1 - β)·v_old + β·v          v- = (1 + β)·v_old - β·v
+        x0± = x_σ - σ·v±
+        loss = (r·|x0+ - x0|² / w+  +  (1 - r)·|x0- - x0|² / w-) / β      (means over non-batch dims)
+
+    ``w±`` the detached mean ``|x0± - x0|`` per sample when ``adaptive`` (the paper's adaptive
+    weighting), else 1. Minimising it moves ``v`` towards the target velocity ``ε - x0`` on
+    samples with ``r = 1`` and away from it on samples with ``r = 0``, each relative to ``v_old``.
+    Float32; differentiable in ``velocity``."""
+    if not (math.isfinite(beta) and beta > 0):
+        raise ValueError(f"beta must be a finite number > 0, got {beta}")
+    v, v_old = velocity.float(), old_velocity.detach().float()
+    x, x0 = noisy.detach().float(), clean.detach().float()
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+    s = s.reshape(-1, *([1] * (x.ndim - 1))) if s.ndim else s
+    r = optimality.detach().float().reshape(-1)
+    dims = tuple(range(1, x.ndim))
+
+    def per_sample(t: torch.Tensor) -> torch.Tensor:
+        return t.mean(dim=dims) if dims else t  # (mean over dim=() would reduce everything)
+
+    def term(v_implicit: torch.Tensor) -> torch.Tensor:
+        err = x - s * v_implicit - x0
+        sq = per_sample(err**2)
+        if adaptive:
+            sq = sq / per_sample(err.detach().abs()).clamp(min=1e-5)
+        return sq
+
+    positive = term((1 - beta) * v_old + beta * v)
+    negative = term((1 + beta) * v_old - beta * v)
+    return (r * positive + (1 - r) * negative) / beta
+
+
+# ---------------------------------------------------------------------------------------------
 # The per-request recorder the runtime installs on a loop
 # ---------------------------------------------------------------------------------------------
 
@@ -293,5 +355,6 @@ def as_params_dict(params: Any) -> Mapping[str, Any]:
 
 __all__ = [
     "CAPTURES", "KINDS", "ROLLOUT_KEY", "RolloutRecorder", "RolloutSupport", "Trajectory", "check_rollout",
-    "family_rollout_support", "gaussian_log_prob", "noise_seed", "replay_log_probs", "step_log_prob", "step_stats",
+    "family_rollout_support", "gaussian_log_prob", "nft_loss", "nft_noisy", "nft_optimality", "noise_seed",
+    "replay_log_probs", "step_log_prob", "step_stats",
 ]

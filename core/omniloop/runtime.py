@@ -737,7 +737,7 @@ class Runtime(Deployment):
     def update_weights(self, source: Any, *, version: str, adapter: str | None = None,
                        timeout: float = 600.0) -> str:
         """Replace the denoiser's weights (or register a LoRA adapter as ``adapter``) and set the
-        weight version; returns the new :meth:`weights_checksum`.
+        weight version; returns the new :meth:`weights_checksum` (``mix128``, computed on the device).
 
         ``source``: a ``{name: tensor}`` mapping, a safetensors file or a folder of them
         (:mod:`omniloop.weights` says which names). Atomic: read and checked completely first — a
@@ -797,12 +797,17 @@ class Runtime(Deployment):
         result: str = self._when_idle(apply, timeout)
         return result
 
-    def weights_checksum(self) -> str:
-        """SHA-256 of the denoiser's weights and the adapters registered by :meth:`update_weights`."""
+    def weights_checksum(self, algorithm: str = "mix128") -> str:
+        """Fingerprint of the denoiser's weights and the adapters registered by :meth:`update_weights`,
+        ``"<algorithm>:<hex>"``: ``"mix128"`` (default) hashes each tensor on its own device and
+        only combines 16-byte digests on the host; ``"sha256"`` hashes every byte on the host
+        (cryptographic, seconds for a 1B-parameter denoiser). See :func:`omniloop.weights.checksum`."""
+        if algorithm not in _weights.CHECKSUM_ALGORITHMS:
+            raise _weights.WeightUpdateError("algorithm", f"must be one of {', '.join(_weights.CHECKSUM_ALGORITHMS)}")
         if self._sleeper.asleep:
             raise _weights.RuntimeAsleep("the runtime is asleep: wake() it to read its weights")
         registered = self.adapters.registered if self.adapters is not None else {}
-        return _weights.checksum(self.model.components, registered)
+        return _weights.checksum(self.model.components, registered, algorithm=algorithm)
 
     def sleep(self, timeout: float = 600.0) -> int:
         """Release the device memory of the weights (moved to host memory) and caches, after the

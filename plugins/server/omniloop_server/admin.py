@@ -16,7 +16,8 @@ answers 401, a wrong one 403.
   file in the deploy's ``admin.weights_dir``, named by file name only, never a path). Applied as
   :meth:`omniloop.Runtime.update_weights` (atomic; waits for the requests in flight). A refused
   update answers 422 naming the field (``source.<tensor>``, ``version``, ...), nothing changed.
-* ``GET /v1/weights/checksum`` — ``{"checksum", "weight_version"}``.
+* ``GET /v1/weights/checksum`` — ``{"checksum", "weight_version"}``; ``?algorithm=sha256`` for the
+  host-side SHA-256 instead of the default ``mix128`` (:func:`omniloop.weights.checksum`).
 * ``POST /v1/sleep`` / ``POST /v1/wake`` — release / restore the weights' device memory
   (``{"asleep", "bytes_released"}``); requests are refused while asleep.
 """
@@ -132,10 +133,16 @@ def admin_routes(api: Any) -> list[Route]:
     async def weights_checksum(request: Request) -> Response:
         if (denied := auth(request)) is not None:
             return denied
-        from omniloop.weights import RuntimeAsleep
+        from omniloop.weights import CHECKSUM_ALGORITHMS, RuntimeAsleep
 
+        unknown = sorted(set(request.query_params) - {"algorithm"})
+        if unknown:
+            return error(422, "unknown query parameter (expected algorithm)", param=unknown[0], code="invalid_request")
+        algorithm = request.query_params.get("algorithm", CHECKSUM_ALGORITHMS[0])
+        if algorithm not in CHECKSUM_ALGORITHMS:
+            return error(422, f"must be one of {', '.join(CHECKSUM_ALGORITHMS)}", param="algorithm", code="invalid_request")
         try:
-            checksum = await run_in_threadpool(runtime.weights_checksum)
+            checksum = await run_in_threadpool(runtime.weights_checksum, algorithm)
         except RuntimeAsleep as exc:
             return error(409, str(exc), code="asleep")
         return JSONResponse({"checksum": checksum, "weight_version": runtime.weight_version})
