@@ -103,6 +103,13 @@ def test_rollout_update_checksum_sleep_wake(admin_app, rl_ckpt):
         assert r.status_code == 200, r.text
         after = c.get("/v1/weights/checksum", headers=AUTH).json()
         assert after["weight_version"] == "v1" and after["checksum"] == r.json()["checksum"] != before["checksum"]
+        # the host-side SHA-256 on request; a bad algorithm or query parameter is one 422 naming it
+        slow = c.get("/v1/weights/checksum", params={"algorithm": "sha256"}, headers=AUTH).json()
+        assert slow["checksum"] == rt.weights_checksum("sha256") and slow["checksum"].startswith("sha256:")
+        assert after["checksum"].startswith("mix128:")
+        for params, param in [({"algorithm": "md5"}, "algorithm"), ({"algo": "sha256"}, "algo")]:
+            r2 = c.get("/v1/weights/checksum", params=params, headers=AUTH)
+            assert r2.status_code == 422 and r2.json()["error"]["param"] == param, r2.text
         r = c.post("/v1/rollout/generate", json=ROLLOUT, headers=AUTH)
         assert [s["weight_version"] for s in r.json()["samples"]] == ["v1", "v1"]
 
