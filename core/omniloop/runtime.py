@@ -735,9 +735,10 @@ class Runtime(Deployment):
 
     # -- weights (post-training) ---------------------------------------------------------------
     def update_weights(self, source: Any, *, version: str, adapter: str | None = None,
-                       timeout: float = 600.0) -> str:
+                       timeout: float = 600.0, checksum: bool = True) -> str | None:
         """Replace the denoiser's weights (or register a LoRA adapter as ``adapter``) and set the
-        weight version; returns the new :meth:`weights_checksum` (``mix128``, computed on the device).
+        weight version; returns the new :meth:`weights_checksum` (``mix128``, computed on the
+        device), or None with ``checksum=False`` (nothing hashed; ask :meth:`weights_checksum` later).
 
         ``source``: a ``{name: tensor}`` mapping, a safetensors file or a folder of them
         (:mod:`omniloop.weights` says which names). Atomic: read and checked completely first — a
@@ -756,18 +757,19 @@ class Runtime(Deployment):
             raise _weights.WeightUpdateError("source", "the denoiser's linears are converted (linear_precision); "
                                              "load the new weights in a fresh runtime")
         if adapter is not None:
-            return self._update_adapter(source, version=version, name=adapter, timeout=timeout)
+            return self._update_adapter(source, version=version, name=adapter, timeout=timeout, checksum=checksum)
         plan = _weights.plan_update(self.model.components, _weights.read_source(source))
 
-        def apply() -> str:
+        def apply() -> str | None:
             _weights.apply_update(plan)
             self.weight_version = version
-            return self.weights_checksum()
+            return self.weights_checksum() if checksum else None
 
-        result: str = self._when_idle(apply, timeout)
+        result: str | None = self._when_idle(apply, timeout)
         return result
 
-    def _update_adapter(self, source: Any, *, version: str, name: str, timeout: float) -> str:
+    def _update_adapter(self, source: Any, *, version: str, name: str, timeout: float,
+                        checksum: bool = True) -> str | None:
         import re
 
         if not isinstance(name, str) or not re.fullmatch(_adapters.NAME_PATTERN, name):
@@ -784,7 +786,7 @@ class Runtime(Deployment):
         except DeployError as exc:
             raise _weights.WeightUpdateError("source", str(exc)) from None
 
-        def apply() -> str:
+        def apply() -> str | None:
             if self.adapters is None:
                 self.adapters = _adapters.AdapterBank({}, self.model.components, support,
                                                       max_loaded=self.deploy.limits.max_adapters, model=self.model,
@@ -792,9 +794,9 @@ class Runtime(Deployment):
             self.adapters.register(name, str(source), loaded)
             self._adapter_table[name] = str(source)
             self.weight_version = version
-            return self.weights_checksum()
+            return self.weights_checksum() if checksum else None
 
-        result: str = self._when_idle(apply, timeout)
+        result: str | None = self._when_idle(apply, timeout)
         return result
 
     def weights_checksum(self, algorithm: str = "mix128") -> str:

@@ -223,6 +223,16 @@ def tensor_digest(t: torch.Tensor) -> tuple[int, int]:
     mod 2^64 over words ``w_i`` of ``mix64(w_i + mix64(i mod S + seed_l) + mix64(i div S + seed_l))``
     (``S`` the slab size). Returns the two lanes as unsigned ints."""
     words = tensor_words(t)
+    if words.device.type == "cpu":
+        try:
+            return _digest_host(words)
+        except ImportError:  # no numpy: the same arithmetic in torch
+            pass
+    return _digest_torch(words)
+
+
+def _digest_torch(words: torch.Tensor) -> tuple[int, int]:
+    """:func:`tensor_digest` with torch int64 ops on the words' device (wrapping arithmetic)."""
     lanes = []
     for lane in range(2):
         table = _index_table(words.device, lane)
@@ -232,6 +242,31 @@ def tensor_digest(t: torch.Tensor) -> tuple[int, int]:
             offset = _signed(mix64_int(slab + _LANE_SEEDS[lane]))
             total = total + mix64(chunk + table[: chunk.numel()] + offset).sum()
         lanes.append(int(total.item()) & _MASK64)
+    return lanes[0], lanes[1]
+
+
+def _digest_host(words: torch.Tensor) -> tuple[int, int]:
+    """:func:`tensor_digest` of host words with numpy's uint64 (native wrapping and logical shifts,
+    in place: ~4x torch's int64 ops on a CPU); the same value."""
+    import numpy as np
+
+    w = words.numpy().view(np.uint64)
+    m1, m2 = np.uint64(_MIX1), np.uint64(_MIX2)
+    s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
+    lanes = []
+    for lane in range(2):
+        table = _index_table(torch.device("cpu"), lane).numpy().view(np.uint64)
+        total = 0
+        for slab, start in enumerate(range(0, w.size, _SLAB)):
+            x = w[start:start + _SLAB] + table[: min(_SLAB, w.size - start)]
+            x += np.uint64(mix64_int(slab + _LANE_SEEDS[lane]))
+            x ^= x >> s30
+            x *= m1
+            x ^= x >> s27
+            x *= m2
+            x ^= x >> s31
+            total += int(x.sum(dtype=np.uint64))
+        lanes.append(total & _MASK64)
     return lanes[0], lanes[1]
 
 

@@ -39,9 +39,12 @@ def test_mix64_matches_the_integer_reference():
 @pytest.mark.parametrize("dtype,shape", [(torch.float32, (5, 3)), (torch.bfloat16, (7,)), (torch.float16, (3, 3, 3)),
                                          (torch.float64, (4,)), (torch.int8, (13,)), (torch.bool, (9,))])
 def test_tensor_digest_matches_the_reference(dtype, shape):
+    """Both implementations: numpy on the host, torch int64 ops (what a GPU runs) — the same value."""
     g = torch.Generator().manual_seed(1)
     t = (torch.randn(shape, generator=g) * 50).to(dtype)
-    assert W.tensor_digest(t) == reference_digest(t)
+    want = reference_digest(t)
+    assert W.tensor_digest(t) == want
+    assert W._digest_torch(W.tensor_words(t)) == want
 
 
 def test_tensor_digest_across_slabs(monkeypatch):
@@ -49,7 +52,7 @@ def test_tensor_digest_across_slabs(monkeypatch):
     monkeypatch.setattr(W, "_SLAB", 16)
     monkeypatch.setattr(W, "_INDEX_TABLES", {})
     t = torch.randn(100, generator=torch.Generator().manual_seed(2))  # 50 words: 4 slabs
-    assert W.tensor_digest(t) == reference_digest(t)
+    assert W.tensor_digest(t) == reference_digest(t) == W._digest_torch(W.tensor_words(t))
 
 
 def test_digest_sees_every_change():
@@ -106,3 +109,13 @@ def test_runtime_checksum_algorithms(fresh_runtime, rl_ckpt):
     with pytest.raises(W.WeightUpdateError) as info:
         rt.weights_checksum("crc32")
     assert info.value.path == "algorithm"
+
+
+def test_update_without_checksum(fresh_runtime, rl_ckpt):
+    """update_weights(checksum=False) hashes nothing and returns None; the weights and version are
+    updated as with the checksum, which weights_checksum() then gives."""
+    a, b = fresh_runtime(rl_ckpt("flux")), fresh_runtime(rl_ckpt("flux"))
+    new = {k: v + 0.01 for k, v in a.model.components["transformer"].state_dict().items()}
+    assert a.update_weights(new, version="v1", checksum=False) is None
+    assert a.weight_version == "v1"
+    assert b.update_weights(new, version="v1") == a.weights_checksum()
