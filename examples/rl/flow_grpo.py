@@ -142,7 +142,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="grpo: Flow-GRPO (log-probs of the SDE steps); nft: DiffusionNFT (clean samples only)")
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=8, help="training prompts per iteration")
-    ap.add_argument("--group", type=int, default=4, help="samples per prompt (diffusion.num_outputs)")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt (diffusion.num_outputs)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sde-window", type=int, default=3, help="stochastic steps per rollout (a random window)")
     ap.add_argument("--noise-level", type=float, default=0.7)
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "adapters": [{"name": "policy"}]})
             if not out.ok:
                 raise RuntimeError(f"evaluation failed: {out.error}")
-            for s in out.samples:
+            for s in out.samples or [out]:  # (one output is no group: no samples list)
                 r, info = reward_of(s.artifacts["image"].pixels.cpu().numpy(), want, args.reward, args.placement_radius)
                 rewards.append(r)
                 if info["offset_px"] is not None:
@@ -400,9 +400,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return log
 
 
-def plot(log: dict[str, Any], path: Path, curves: list[dict[str, Any]] | None = None) -> None:
+def plot(log: dict[str, Any], path: Path, curves: list[dict[str, Any]] | None = None,
+         labels: list[str] | None = None, title: str | None = None) -> None:
     """A reward curve as a PNG (PIL only): training reward per iteration (dots, line) and the
-    held-out reward (squares); several logs (seeds) in different colours when ``curves`` is given."""
+    held-out reward (squares); several logs (seeds) in different colours when ``curves`` is given,
+    named by ``labels``."""
     from PIL import Image, ImageDraw
 
     logs = curves or [log]
@@ -423,10 +425,13 @@ def plot(log: dict[str, Any], path: Path, curves: list[dict[str, Any]] | None = 
         y = lo + (hi - lo) * k / 4
         d.text((4, xy(0, y)[1] - 6), f"{y:.3f}", fill="black")
     d.text((w // 2 - 40, h - m + 20), "iteration", fill="black")
-    d.text((m, 10), "Flow-GRPO on flux-demo: train reward (line), held-out (squares)", fill="black")
+    method = "DiffusionNFT" if log.get("args", {}).get("method") == "nft" else "Flow-GRPO"
+    d.text((m, 10), title or f"{method} on flux-demo: train reward (line), held-out (squares)", fill="black")
     palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
     for c, lg in enumerate(logs):
         col = palette[c % len(palette)]
+        if labels and c < len(labels):
+            d.text((w - m - 150, m + 6 + 14 * c), labels[c], fill=col)
         pts = [xy(e["iteration"], e["reward_mean"]) for e in lg["iterations"]]
         if len(pts) > 1:
             d.line(pts, fill=col, width=2)

@@ -30,11 +30,29 @@ def test_one_tiny_iteration(tmp_path):
     assert json.loads((tmp_path / "log.json").read_text())["iterations"][0]["iteration"] == 1
 
 
+@pytest.mark.slow
+def test_one_tiny_nft_iteration(tmp_path):
+    """--method nft: rollouts capture only latents; the DiffusionNFT step runs and the LoRA is pushed."""
+    spec = importlib.util.spec_from_file_location("flow_grpo_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    log = mod.main(["--out", str(tmp_path), "--method", "nft", "--iterations", "2", "--prompts", "2", "--group", "2",
+                    "--steps", "3", "--sde-window", "2", "--heldout", "1", "--eval-seeds", "2", "--inner", "1",
+                    "--nft-times", "2"])
+    first, second = log["iterations"]
+    assert first["rollout_weight_versions"] == ["iter-0"] and second["rollout_weight_versions"] == ["iter-1"]
+    assert all(0 < x < float("inf") for x in first["loss"]) and "c1_max_abs_logprob_gap" not in first
+    assert [h["iteration"] for h in log["heldout"]] == [0, 2] and log["heldout"][0]["n"] == 2
+
+
 def test_bad_arguments_exit_2(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("flow_grpo_example", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mod)
-    with pytest.raises(SystemExit) as info:
-        mod.main(["--out", str(tmp_path), "--group", "1"])
-    assert info.value.code == 2 and "--group" in capsys.readouterr().err
+    for bad, name in ((["--group", "1"], "--group"), (["--lr", "nan"], "--lr"), (["--budget-s", "-1"], "--budget-s"),
+                      (["--method", "ppo"], "--method")):
+        with pytest.raises(SystemExit) as info:
+            mod.main(["--out", str(tmp_path), *bad])
+        assert info.value.code == 2 and name in capsys.readouterr().err
