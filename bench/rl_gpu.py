@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     checksums: dict[str, list[float]] = {"mix128": [], "sha256": []}
     values: dict[str, str] = {}
-    for rep in range(args.repeats):
+    for _rep in range(args.repeats):
         for algorithm in checksums:
             sync()
             t0 = time.perf_counter()

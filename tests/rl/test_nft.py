@@ -35,7 +35,7 @@ def _batch(seed: int = 1):
 
 
 def test_loss_formula():
-    x0, eps, sigma, xs, v, v_old = _batch()
+    x0, _eps, sigma, xs, v, v_old = _batch()
     s = sigma.reshape(-1, 1, 1)
     ones, zeros = torch.ones(4), torch.zeros(4)
     # beta = 1, r = 1, no adaptive weights: the plain x0-prediction flow-matching loss of v
