@@ -32,7 +32,8 @@ shape, bytes) and the adapters registered through ``update_weights``. Two algori
   dtypes and shapes. Integer arithmetic only, so the result is the same on every device and in
   every order of work: a trainer gets the runtime's value from its own copy of the weights with
   ``checksum({"transformer": module})``. Any change of a single 64-bit word always changes it
-  (``mix64`` is a bijection); other differences collide with probability about 2^-128. It is a
+  (``mix64`` is a bijection); other differences collide with probability about 2^-128 if ``mix64``
+  behaves like a random function (a heuristic, not a proof). It is a
   consistency check, not a defence against someone crafting a collision.
 * ``"sha256"``: SHA-256 over the bytes themselves, copied to the host — cryptographic, and slow
   for large denoisers (2.8–3.2 s for Wan 1.3B on the H200's host, where ``mix128`` runs on the GPU).
