@@ -1,4 +1,4 @@
-"""Flow-GRPO with a LoRA on ``flux-demo``: rollouts through the runtime, the update in torch.
+"""Flow-GRPO or DiffusionNFT with a LoRA on ``flux-demo``: rollouts through the runtime, the update in torch.
 
 Each iteration:
 
@@ -6,28 +6,31 @@ Each iteration:
    (one request with ``diffusion.num_outputs = group``; the step scheduler batches the group), as
    SDE rollouts (``rollout: {kind: sde, sde_steps: a window}``) with the current LoRA (``adapters:
    [{name: policy}]``). Each output carries its trajectory (latents before every step, per-step
-   log-probs, sigmas, timesteps) and the weight version it ran on.
+   log-probs, sigmas, timesteps; only latents for ``--method nft``) and the weight version it ran on.
 2. **Reward**, verifiable, from the demo's detector (``omniloop_wan_demo.evaluate.detect_image``):
-   ``saturation`` (default) — the HSV saturation of the detected object's mean colour (0 when no
-   object is found); ``saturation_shape`` — the same but 0 unless the detected shape is the
-   requested one; ``shape`` — 1 when the detected shape is the requested one. (examples/rl/README.md
-   says what each did.)
+   ``placement`` (default) — 0 unless the detected colour and shape are the requested ones, else
+   ``max(0, 1 - d / --placement-radius)``, ``d`` the object's centroid distance in px from the
+   requested position's grid point; ``saturation`` — the HSV saturation of the detected object's
+   mean colour; ``saturation_shape`` — the same but 0 unless the shape is right; ``shape`` — 1 when
+   the detected shape is the requested one. (examples/rl/README.md says what each did.)
 3. **Advantages** per prompt group: ``(r - mean) / (std + 1e-4)``, clipped to ±``adv_clip``.
-4. **Policy update in torch** (Flow-GRPO's clipped objective): the trainer's own copy of the
-   transformer with LoRA layers recomputes, with gradients, the velocity at every recorded
-   stochastic transition and its log-prob with :func:`omniloop.rl.step_log_prob`; ``ratio =
-   exp(logp - logp_rollout)``, loss ``mean(max(-A·ratio, -A·clip(ratio, 1 ± clip)))``; AdamW.
-   Before the first gradient step the recomputed log-probs equal the rollout's (consistency C1;
-   the largest difference is logged).
+4. **Policy update in torch** on the trainer's own copy of the transformer with LoRA layers.
+   ``--method grpo`` (Flow-GRPO's clipped objective): the velocity at every recorded stochastic
+   transition, with gradients, and its log-prob with :func:`omniloop.rl.step_log_prob`; ``ratio =
+   exp(logp - logp_rollout)``, loss ``mean(max(-A·ratio, -A·clip(ratio, 1 ± clip)))``; before the
+   first gradient step the recomputed log-probs equal the rollout's (consistency C1; the largest
+   difference is logged). ``--method nft`` (DiffusionNFT): the rollouts' clean latents noised
+   afresh at ``--nft-times`` schedule sigmas, :func:`omniloop.rl.nft_loss` against the rollout
+   policy's velocity there, optimality :func:`omniloop.rl.nft_optimality` of the advantages. AdamW.
 5. **Weights pushed** to the runtime: the LoRA saved as a diffusers/PEFT file and registered with
    ``Runtime.update_weights(file, version=..., adapter="policy")``.
 
-Every ``eval_every`` iterations (and at the start and end) the same reward is measured on
-held-out prompts (never trained on) with fixed seeds. Writes ``log.json`` and ``reward.png``
-(training reward per iteration, held-out reward) into ``--out``.
+At the start and end (and every ``eval_every`` iterations) the same reward is measured on held-out
+prompts (never trained on) with fixed seeds. Writes ``log.json`` (after every iteration) and
+``reward.png`` (training reward per iteration, held-out reward) into ``--out``.
 
-Run: ``python examples/rl/flow_grpo.py --out out/rl --seed 0`` (CPU: ~13 min at the defaults on a
-shared 2-core machine, one thread).
+Run: ``python examples/rl/flow_grpo.py --out out/rl --method nft --seed 0`` (CPU: ~26 min for 15
+iterations on a shared 2-core machine, one thread; ``--device cuda`` on a GPU).
 """
 
 from __future__ import annotations
