@@ -69,7 +69,7 @@ def prompt_text(c: str, s: str, p: str) -> str:
 
 
 def reward_of(pixels: np.ndarray, want: tuple[str, str, str], kind: str, radius: float = 4.0) -> tuple[float, dict[str, Any]]:
-    from omniloop_wan_demo.data import POSITIONS
+    from omniloop_wan_demo.prompts import POSITIONS
     from omniloop_wan_demo.evaluate import detect_image
 
     d = detect_image(pixels)
