@@ -46,6 +46,8 @@ DEMO_OUT ?= out/demo.mp4
 DEMO_SEED ?= 0
 # the image demo's weights, once shipped (families/flux-demo): make demo then also suggests it
 FLUX_DEMO_WEIGHTS := $(wildcard families/flux-demo/omniloop_flux_demo/checkpoint/transformer/diffusion_pytorch_model.safetensors)
+# the audio demo's weights, once shipped (families/tone-demo; needs the stable-audio family): make demo then suggests it
+TONE_DEMO_WEIGHTS := $(wildcard families/tone-demo/omniloop_tone_demo/checkpoint/transformer/diffusion_pytorch_model.safetensors)
 
 .PHONY: all setup test demo lint hooks-doc bench clean force help
 
@@ -99,6 +101,10 @@ endif
 	@echo "      omniloop eval adherence --model wan-demo    # colour / direction / shape accuracy and ghost-free share over 48 clips"
 ifneq ($(FLUX_DEMO_WEIGHTS),)
 	@echo "      omniloop generate \"a red star at the top left\" --model flux-demo --out out/star.png    # the image demo (64x64, trained shapes at 9 positions)"
+endif
+ifneq ($(TONE_DEMO_WEIGHTS),)
+	@echo "      omniloop generate \"a sine wave playing A4 two beats per second\" --model tone-demo --out out/tone.wav    # the audio demo (8 kHz, 2 s tones)"
+	@echo "      omniloop eval adherence --model tone-demo    # timbre / pitch / rhythm accuracy over 96 clips"
 endif
 
 lint: $(STAMP)

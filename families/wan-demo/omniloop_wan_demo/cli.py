@@ -4,10 +4,13 @@
     omniloop eval adherence --steps 50,20,8,4 --prompts full --json adherence.json
     omniloop eval adherence --model wan-demo-causal --steps 4,8      # streamed clips (rollout: causal)
     omniloop eval adherence --model flux-demo                        # an image model: color, shape, position
+    omniloop eval adherence --model tone-demo                        # an audio model: timbre, pitch, rhythm
 
 A video model is scored on color, direction and shape; a checkpoint whose ``omniloop.json`` holds
 ``"adherence": {"kind": "image"}`` is an image model: image prompts (``a {color} {shape} at the
 {position}``) go through the runtime as ``t2i`` requests and color, shape and position are scored.
+``"adherence": {"kind": "audio"}`` (tone-demo) hands the checkpoint to omniloop-tone-demo's
+evaluator (timbre, pitch, rhythm).
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
 
     console = Console()
     meta = _checkpoint_meta(model)
+    block = meta.get("adherence")
+    if isinstance(block, dict) and block.get("kind") == "audio":
+        _audio(model, steps=steps, seeds=seeds, guidance_scale=guidance_scale, prompt_set=prompt_set, backend=backend,
+               rollout=rollout, device=device, dtype=dtype, batch_size=batch_size, json_out=json_out, table=table)
+        return
     try:
         kind = adherence_kind(meta)
     except ValueError as e:
@@ -127,6 +135,24 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
     if json_out:
         Path(json_out).write_text(json.dumps({"model": model, "kind": kind, "reports": [r.to_dict() for r in reports]}, indent=1))
         console.print(f"wrote {json_out}")
+
+
+def _audio(model: str, *, steps: str | None, seeds: str, guidance_scale: float | None, prompt_set: str, backend: str,
+           rollout: str, device: str, dtype: str, batch_size: int, json_out: str | None, table: bool) -> None:
+    """An audio checkpoint (``omniloop.json`` ``"adherence": {"kind": "audio"}``, e.g. tone-demo):
+    scored by omniloop-tone-demo's evaluator (timbre, pitch, rhythm)."""
+    for flag, value, default in (("--prompts", prompt_set, "default"), ("--backend", backend, "auto"),
+                                 ("--rollout", rollout, "auto")):
+        if value != default:
+            raise click.UsageError(f"{flag} {value}: {model} is an audio model (omniloop.json adherence.kind: audio); "
+                                   f"{flag} applies to video and image models")
+    try:
+        from omniloop_tone_demo.cli import run
+    except ImportError:
+        raise click.UsageError(f"--model {model}: an audio model; its evaluator is in omniloop-tone-demo "
+                               "(pip install omniloop-tone-demo)") from None
+    run(model, steps=steps, seeds=seeds, guidance_scale=guidance_scale, device=device, dtype=dtype,
+        batch_size=batch_size, json_out=json_out, table=table)
 
 
 def _checkpoint_meta(model: str) -> dict[str, Any]:

@@ -1,0 +1,181 @@
+"""``omniloop eval adherence`` for audio checkpoints (``tone-demo``).
+
+    omniloop eval adherence --model tone-demo
+    omniloop eval adherence --model ./my-tone-checkpoint --steps 25,100 --seeds 0,1 --json adherence.json
+
+Generates the fixed evaluation prompts (96 by default: a quarter per timbre, every rhythm, notes
+cycling) for each seed with diffusers' ``StableAudioPipeline``, reads timbre, pitch and rhythm
+back from the waveforms (:mod:`omniloop_tone_demo.evaluate`) and prints accuracies with 95 %
+Wilson intervals and the CPU (wall) seconds per clip.
+
+When omniloop-wan-demo is installed its ``eval adherence`` command is the one registered; it hands
+checkpoints whose ``omniloop.json`` says ``"adherence": {"kind": "audio"}`` (and ``--model
+tone-demo``) to :func:`run`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .checkpoint_path import checkpoint_dir, checkpoint_missing
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        return [int(v) for v in str(value).replace(" ", "").split(",") if v]
+    except ValueError:
+        raise click.UsageError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def resolve(model: str) -> Path:
+    """A checkpoint folder, or the installed ``tone-demo`` preset's; one usage error otherwise."""
+    if model == "tone-demo":
+        why = checkpoint_missing()
+        if why is not None:
+            raise click.UsageError(f"--model tone-demo: {why}")
+        return checkpoint_dir()
+    path = Path(model)
+    if not path.is_dir():
+        raise click.UsageError(f"--model {model}: not a checkpoint folder (nor the preset tone-demo)")
+    why = checkpoint_missing(path)
+    if why is not None:
+        raise click.UsageError(f"--model {model}: not a tone-demo checkpoint ({why.split(';')[0].split('(')[-1]})")
+    return path
+
+
+def load_pipeline(folder: Path, device: str = "cpu", dtype: str = "float32"):
+    """diffusers' ``StableAudioPipeline`` over ``folder`` (needs ``torchsde``: without it diffusers
+    replaces the scheduler class by a placeholder that fails later)."""
+    try:
+        import torchsde  # noqa: F401
+    except ImportError:
+        raise click.UsageError("sampling tone-demo needs torchsde (pip install torchsde): diffusers' "
+                               "CosineDPMSolverMultistepScheduler draws its noise from a Brownian tree") from None
+    import torch
+    from diffusers import StableAudioPipeline
+
+    pipe = StableAudioPipeline.from_pretrained(str(folder), torch_dtype=getattr(torch, dtype))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scale: float | None = None,
+        n_prompts: int = 96, device: str = "cpu", dtype: str = "float32", batch_size: int = 16,
+        json_out: str | None = None, table: bool = False) -> list[Any]:
+    """Score ``model``; prints a summary table, returns the reports."""
+    import numpy as np
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from .evaluate import summarize, score, wilson
+    from .grammar import eval_specs
+
+    folder = resolve(model)
+    try:
+        meta = json.loads((folder / "omniloop.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = {}
+    defaults = dict(meta.get("defaults") or {}) if isinstance(meta, dict) else {}
+    step_list = _ints(steps) if steps else [int(defaults.get("steps", 100))]
+    seed_list = _ints(seeds)
+    if not step_list or not seed_list or min(step_list) < 1:
+        raise click.UsageError("--steps and --seeds need at least one value (steps >= 1)")
+    g = guidance_scale if guidance_scale is not None else float(defaults.get("guidance_scale", 7.0))
+    if not (g == g and abs(g) != float("inf")):
+        raise click.UsageError(f"--guidance must be a finite number, got {g}")
+    specs = eval_specs(n_prompts)
+    pipe = load_pipeline(folder, device, dtype)
+    console = Console()
+    reports = []
+    for n_steps in step_list:
+        jobs = [(s, seed) for seed in seed_list for s in specs]
+        verdicts, t0 = [], time.perf_counter()
+        for i in range(0, len(jobs), batch_size):
+            part = jobs[i:i + batch_size]
+            gens = [torch.Generator(device=device).manual_seed(seed) for _, seed in part]
+            with torch.no_grad():
+                audio = pipe(prompt=[s.prompt for s, _ in part], num_inference_steps=n_steps, guidance_scale=g,
+                             generator=gens, output_type="pt").audios
+            verdicts += [score(np.asarray(a.float().cpu()), s) for a, (s, _) in zip(audio, part)]
+        seconds = time.perf_counter() - t0
+        rep = summarize(verdicts, steps=n_steps, guidance_scale=g, seeds=seed_list, device=device, dtype=dtype,
+                        batch_size=batch_size, seconds=round(seconds, 2),
+                        seconds_per_clip=round(seconds / max(1, len(verdicts)), 3))
+        reports.append(rep)
+        if table:
+            t = Table(title=f"{model}: {n_steps} steps, guidance {g}")
+            for col in ("prompt", "timbre", "note", "beats/s", "ok"):
+                t.add_column(col)
+            for v in verdicts:
+                r = v.reading
+                t.add_row(v.prompt, r.timbre, r.note if v.pitch_ok is not None else "-", str(r.bps),
+                          "yes" if v.all_ok else "no")
+            console.print(t)
+    s = Table(title=f"prompt adherence of {model} (audio: {len(specs)} prompts x seeds {','.join(map(str, seed_list))}, "
+                    f"guidance {g}, {device})")
+    for col in ("steps", "n", "timbre", "pitch (tonal)", "rhythm", "all three", "s/clip"):
+        s.add_column(col, justify="right")
+    for rep in reports:
+        def cell(k: str, rep: Any = rep) -> str:
+            lo, hi = wilson(rep.accuracy[k], rep.counts[k][1])
+            return f"{rep.accuracy[k]:.1%} [{lo:.0%}-{hi:.0%}]"
+
+        s.add_row(str(rep.extra["steps"]), str(rep.n), cell("timbre"), cell("pitch"), cell("rhythm"), cell("all"),
+                  f"{rep.extra['seconds_per_clip']:.2f}")
+    console.print(s)
+    if json_out:
+        Path(json_out).write_text(json.dumps({"model": model, "kind": "audio", "reports": [r.to_dict() for r in reports]},
+                                             indent=1))
+        console.print(f"wrote {json_out}")
+    return reports
+
+
+@click.command("adherence")
+@click.option("--model", default="tone-demo", show_default=True, help="tone-demo or a checkpoint folder")
+@click.option("--steps", default=None, help="sampling steps; a comma list sweeps (default: the checkpoint's)")
+@click.option("--seeds", default="0", show_default=True, help="comma-separated seeds")
+@click.option("--guidance", "guidance_scale", default=None, type=float, help="CFG scale (default: the checkpoint's)")
+@click.option("--prompts", "n_prompts", default=96, show_default=True, type=click.IntRange(4, 4096),
+              help="how many evaluation prompts (a quarter per timbre)")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="write the full report here")
+@click.option("--table/--no-table", default=False, show_default=True, help="print the per-clip table")
+def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float | None, n_prompts: int, device: str,
+              dtype: str, batch_size: int, json_out: str | None, table: bool) -> None:
+    """Generate the tone-demo evaluation prompts, read timbre, pitch and rhythm back from the
+    audio, report accuracy with 95 % Wilson intervals and seconds per clip."""
+    run(model, steps=steps, seeds=seeds, guidance_scale=guidance_scale, n_prompts=n_prompts, device=device,
+        dtype=dtype, batch_size=batch_size, json_out=json_out, table=table)
+
+
+def add_to(cli: click.Group) -> None:
+    """Add ``eval adherence`` to the ``omniloop`` group unless another demo package (wan-demo,
+    whose command hands audio checkpoints to :func:`run`) already did."""
+    group = cli.commands.get("eval") if hasattr(cli, "commands") else None
+    if group is None or not isinstance(group, click.Group):
+        @click.group("eval")
+        def group() -> None:
+            """Evaluate models."""
+
+        cli.add_command(group)
+    if "adherence" not in group.commands:
+        group.add_command(adherence)
+
+
+@click.group()
+def main() -> None:
+    """Standalone entry (``python -m omniloop_tone_demo.cli adherence``)."""
+
+
+main.add_command(adherence)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The whole tone-demo recipe at toy size on the CPU: one VAE step, one DiT step, the saved folder
+loads as diffusers' StableAudioPipeline and samples; ``omniloop eval adherence`` scores it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("torchsde")
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    from omniloop_tone_demo_training.train import run
+
+    out = tmp_path_factory.mktemp("tone")
+    torch.set_num_threads(1)
+    report = run(out, device="cpu", toy=True, vae_seconds=1e9, dit_seconds=1e9, vae_steps=1, dit_steps=1, n_clips=4,
+                 vae_batch=2, dit_batch=2, sweeps=[], eval_seeds=[0], bf16=False, eval_prompts=4)
+    return out, report
+
+
+def test_one_iteration_trains_and_ships_a_stable_audio_folder(toy_run):
+    from diffusers import StableAudioPipeline
+
+    from omniloop_tone_demo.checkpoint_path import checkpoint_missing
+    from omniloop_tone_demo.grammar import CLIP_SAMPLES, SAMPLE_RATE
+
+    out, report = toy_run
+    assert [h["phase"] for h in report["history"]] == ["vae", "dit"]
+    assert report["history"][0]["steps"] == 1 and report["history"][1]["steps"] == 1
+    folder = out / "checkpoint"
+    assert checkpoint_missing(folder) is None
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == "StableAudioPipeline"
+    assert index["scheduler"] == ["diffusers", "CosineDPMSolverMultistepScheduler"]
+    assert index["transformer"] == ["diffusers", "StableAudioDiTModel"]
+    assert index["vae"] == ["diffusers", "AutoencoderOobleck"]
+    meta = json.loads((folder / "omniloop.json").read_text())
+    assert meta["adherence"] == {"kind": "audio"} and meta["tasks"] == ["t2a"]
+    pipe = StableAudioPipeline.from_pretrained(str(folder))
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.vae.sampling_rate == SAMPLE_RATE
+    audio = pipe("a sine wave playing A4 two beats per second", num_inference_steps=2, guidance_scale=3.0,
+                 generator=torch.Generator().manual_seed(0), output_type="pt").audios
+    assert audio.shape == (1, 1, CLIP_SAMPLES) and torch.isfinite(audio).all()
+
+
+def test_latent_normalisation_keeps_the_decoder_consistent(toy_run):
+    """Folding the latent scale into the VAE changes the latents' scale, not what they decode to."""
+    from diffusers import AutoencoderOobleck
+
+    from omniloop_tone_demo.grammar import Spec, synthesize
+    from omniloop_tone_demo_training.build import TOY
+    from omniloop_tone_demo_training.train import normalize_latents
+
+    torch.manual_seed(0)
+    vae = AutoencoderOobleck(**TOY["vae"]).eval()
+    x = synthesize([Spec("square", "C4", 2)])
+    with torch.no_grad():
+        z0 = vae.encode(x).latent_dist.mode()
+        y0 = vae.decode(z0).sample
+        scale = torch.linspace(0.5, 3.0, z0.shape[1])
+        normalize_latents(vae, scale)
+        z1 = vae.encode(x).latent_dist.mode()
+        y1 = vae.decode(z1).sample
+    torch.testing.assert_close(z1, z0 / scale.view(1, -1, 1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y1, y0, rtol=1e-4, atol=1e-5)
+
+
+def test_eval_adherence_scores_a_checkpoint_folder(toy_run, tmp_path):
+    from click.testing import CliRunner
+
+    from omniloop_tone_demo.cli import main
+
+    out, _ = toy_run
+    report = tmp_path / "adherence.json"
+    res = CliRunner().invoke(main, ["adherence", "--model", str(out / "checkpoint"), "--steps", "2", "--seeds", "0",
+                                    "--guidance", "3", "--prompts", "8", "--batch-size", "4", "--json", str(report)])
+    assert res.exit_code == 0, res.output
+    got = json.loads(report.read_text())
+    assert got["kind"] == "audio"
+    rep = got["reports"][0]
+    assert rep["n"] == 8 and set(rep["accuracy"]) == {"timbre", "pitch", "rhythm", "all"}
+    assert rep["counts"]["pitch"][1] == 6 and rep["seconds_per_clip"] > 0
+    assert len(rep["clips"]) == 8
