@@ -238,13 +238,20 @@ def generate(pipe, specs: list[Spec], seeds: list[int], *, steps: int, guidance:
 
 def run(out: Path, *, device: str, toy: bool, vae_seconds: float, dit_seconds: float, vae_steps: int | None,
         dit_steps: int | None, n_clips: int, vae_batch: int, dit_batch: int, sweeps: list[tuple[int, float]],
-        eval_seeds: list[int], bf16: bool, eval_prompts: int = 96) -> dict[str, Any]:
+        eval_seeds: list[int], bf16: bool, eval_prompts: int = 96, vae_kind: str = "trained") -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"device": device, "toy": toy, "history": []}
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    parts = build_parts(TOY if toy else FULL)
+    configs = dict(TOY if toy else FULL)
+    if vae_kind == "linear":  # the closed-form PCA Oobleck (linear_vae): 32 latent channels at hop 64
+        from .linear_vae import LINEAR_VAE_CONFIG
+
+        configs["vae"] = LINEAR_VAE_CONFIG
+        configs["transformer"] = {**configs["transformer"], "in_channels": 32, "out_channels": 32}
+    report["vae_kind"] = vae_kind
+    parts = build_parts(configs)
     report["params"] = {k: param_count(v) for k, v in parts.items() if isinstance(v, torch.nn.Module)}
     log(f"params {report['params']}")
     for k in ("vae", "text_encoder", "projection_model", "transformer"):
@@ -252,7 +259,14 @@ def run(out: Path, *, device: str, toy: bool, vae_seconds: float, dit_seconds: f
     t0 = time.time()
     bank, specs = make_bank(n_clips, device)
     log(f"bank {tuple(bank.shape)} in {time.time() - t0:.1f}s")
-    report["history"].append(train_vae(parts["vae"], bank, seconds=vae_seconds, max_steps=vae_steps, batch=vae_batch))
+    if vae_kind == "linear":
+        from .linear_vae import fit
+
+        t0 = time.time()
+        report["history"].append({"phase": "vae", "kind": "linear (PCA)", **fit(parts["vae"], bank[:256]),
+                                  "steps": 0, "seconds": round(time.time() - t0, 1)})
+    else:
+        report["history"].append(train_vae(parts["vae"], bank, seconds=vae_seconds, max_steps=vae_steps, batch=vae_batch))
     log(f"vae {report['history'][-1]}")
     lat = encode(parts["vae"], bank)
     scale = lat.transpose(0, 1).flatten(1).std(dim=1).clamp_min(1e-3)
@@ -326,13 +340,15 @@ def main(argv: list[str] | None = None) -> None:
                     "tree is slow: 100 steps over 192 clips took 118 s on an H200)")
     ap.add_argument("--eval-seeds", default="0,1")
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--vae", default="trained", choices=["trained", "linear"],
+                    help="trained: the Oobleck trained with L1 + STFT + KL; linear: fitted in closed form (linear_vae)")
     ap.add_argument("--eval-prompts", type=int, default=96, help="prompts scored (VAE reconstructions and samples)")
     a = ap.parse_args(argv)
     sweeps = [(int(p.split(":")[0]), float(p.split(":")[1])) for p in a.sweep.split(",") if p]
     run(a.out, device=a.device, toy=a.toy, vae_seconds=a.vae_seconds, dit_seconds=a.dit_seconds, vae_steps=a.vae_steps,
         dit_steps=a.dit_steps, n_clips=a.clips, vae_batch=a.vae_batch, dit_batch=a.dit_batch, sweeps=sweeps,
         eval_seeds=[int(s) for s in a.eval_seeds.split(",") if s], bf16=a.bf16,
-        eval_prompts=a.eval_prompts)
+        eval_prompts=a.eval_prompts, vae_kind=a.vae)
 
 
 if __name__ == "__main__":
