@@ -11,17 +11,6 @@ import torch
 pytest.importorskip("torchsde")
 
 
-@pytest.fixture(scope="module")
-def toy_run(tmp_path_factory):
-    from omniloop_tone_demo_training.train import run
-
-    out = tmp_path_factory.mktemp("tone")
-    torch.set_num_threads(1)
-    report = run(out, device="cpu", toy=True, vae_seconds=1e9, dit_seconds=1e9, vae_steps=1, dit_steps=1, n_clips=4,
-                 vae_batch=2, dit_batch=2, sweeps=[], eval_seeds=[0], bf16=False, eval_prompts=4)
-    return out, report
-
-
 def test_one_iteration_trains_and_ships_a_stable_audio_folder(toy_run):
     from diffusers import StableAudioPipeline
 
