@@ -66,7 +66,8 @@ def test_cli_refuses_video_only_options_for_an_image_model(image_ckpt):
 
 
 def test_cli_refuses_a_bad_adherence_block(tmp_path):
-    (tmp_path / "omniloop.json").write_text(json.dumps({"adherence": {"kind": "audio"}}))
+    # "audio" is a kind now (tone-demo: handed to omniloop-tone-demo's evaluator); "smell" is not
+    (tmp_path / "omniloop.json").write_text(json.dumps({"adherence": {"kind": "smell"}}))
     res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", str(tmp_path)])
     assert res.exit_code == 2 and "adherence.kind" in res.output
 

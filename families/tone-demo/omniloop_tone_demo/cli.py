@@ -44,7 +44,7 @@ def resolve(model: str) -> Path:
         raise click.UsageError(f"--model {model}: not a checkpoint folder (nor the preset tone-demo)")
     why = checkpoint_missing(path)
     if why is not None:
-        raise click.UsageError(f"--model {model}: not a tone-demo checkpoint ({why.split(';')[0].split('(')[-1]})")
+        raise click.UsageError(f"--model {model}: not a tone-demo checkpoint ({why.split(';')[0].split('(', 1)[-1]}")
     return path
 
 
