@@ -75,3 +75,16 @@ def test_eval_adherence_scores_a_checkpoint_folder(toy_run, tmp_path):
     assert rep["n"] == 8 and set(rep["accuracy"]) == {"timbre", "pitch", "rhythm", "all"}
     assert rep["counts"]["pitch"][1] == 6 and rep["seconds_per_clip"] > 0
     assert len(rep["clips"]) == 8
+
+
+def test_the_linear_vae_recipe_runs(tmp_path):
+    """``--vae linear``: the PCA Oobleck (32 latent channels) instead of VAE training, then the DiT."""
+    from omniloop_tone_demo_training.train import run
+
+    report = run(tmp_path, device="cpu", toy=True, vae_seconds=1e9, dit_seconds=1e9, vae_steps=None, dit_steps=1,
+                 n_clips=4, vae_batch=2, dit_batch=2, sweeps=[], eval_seeds=[0], bf16=False, eval_prompts=4,
+                 vae_kind="linear")
+    vae = report["history"][0]
+    assert vae["kind"] == "linear (PCA)" and vae["latent_channels"] == 32 and vae["kept_energy"] > 0.9
+    cfg = json.loads((tmp_path / "checkpoint" / "transformer" / "config.json").read_text())
+    assert cfg["in_channels"] == cfg["out_channels"] == 32
