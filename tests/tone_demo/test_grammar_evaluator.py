@@ -34,7 +34,7 @@ def test_every_prompt_round_trips():
                                  "a sine wave playing A6 two beats per second", "a noise drum playing A4 two beats per second",
                                  "a sine wave playing A4 five beats per second", ""])
 def test_prompts_outside_the_grammar_are_one_clear_error(bad):
-    with pytest.raises(ValueError, match="tone-demo prompt|outside the trained notes"):
+    with pytest.raises(ValueError, match=r"tone-demo prompt|outside the trained notes"):
         parse(bad)
 
 

@@ -15,12 +15,11 @@ def test_preset_is_registered_for_the_stable_audio_family():
 
 def test_missing_weights_are_one_clear_error(monkeypatch, tmp_path):
     from omniloop.errors import DeployError
-
     from omniloop_tone_demo import checkpoint_path, plugin
 
     monkeypatch.setattr(checkpoint_path, "checkpoint_dir", lambda: tmp_path / "checkpoint")
     monkeypatch.setattr(plugin, "checkpoint_dir", lambda: tmp_path / "checkpoint")
-    with pytest.raises(DeployError, match="tone-demo weights are not installed .*gpu_train.sh"):
+    with pytest.raises(DeployError, match=r"tone-demo weights are not installed .*gpu_train\.sh"):
         plugin.preset_path()
 
 

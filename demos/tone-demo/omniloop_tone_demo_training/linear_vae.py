@@ -51,7 +51,7 @@ def _polyphase(vae) -> None:
     _set_wn(enc.conv1, w)
     enc.conv1.bias.data.zero_()
     c = 1
-    for block, s in zip(enc.block, vae.config.downsampling_ratios):
+    for block, s in zip(enc.block, vae.config.downsampling_ratios, strict=True):
         conv = block.conv1
         w = torch.zeros_like(conv.weight_v)
         pad = math.ceil(s / 2)
@@ -63,11 +63,11 @@ def _polyphase(vae) -> None:
         c *= s
     # decoder blocks run the strides in reverse: undo them in reverse order
     c_out = c
-    for block, s in zip(dec.block, vae.config.downsampling_ratios[::-1]):
+    for block, s in zip(dec.block, vae.config.downsampling_ratios[::-1], strict=True):
         conv = block.conv_t1  # weight [in, out, k]
         w = torch.zeros_like(conv.weight_v)
         pad = math.ceil(s / 2)
-        c_in, c_out = c_out, c_out // s
+        c_out = c_out // s
         for j in range(s):
             for i in range(c_out):
                 w[j * c_out + i, i, j + pad] = 1.0

@@ -73,7 +73,7 @@ def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scal
     from rich.console import Console
     from rich.table import Table
 
-    from .evaluate import summarize, score, wilson
+    from .evaluate import score, summarize, wilson
     from .grammar import eval_specs
 
     folder = resolve(model)
@@ -102,7 +102,7 @@ def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scal
             with torch.no_grad():
                 audio = pipe(prompt=[s.prompt for s, _ in part], num_inference_steps=n_steps, guidance_scale=g,
                              generator=gens, output_type="pt").audios
-            verdicts += [score(np.asarray(a.float().cpu()), s) for a, (s, _) in zip(audio, part)]
+            verdicts += [score(np.asarray(a.float().cpu()), s) for a, (s, _) in zip(audio, part, strict=True)]
         seconds = time.perf_counter() - t0
         rep = summarize(verdicts, steps=n_steps, guidance_scale=g, seeds=seed_list, device=device, dtype=dtype,
                         batch_size=batch_size, seconds=round(seconds, 2),

@@ -17,8 +17,9 @@ On the synthetic ground-truth clips it scores 100 % (tests/tone_demo/test_evalua
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ def _bin(hz: float) -> float:
 
 
 def _peak(mag: np.ndarray, hz: float, tol: float) -> float:
-    lo, hi = int(_bin(hz * (1 - tol))), int(math.ceil(_bin(hz * (1 + tol)))) + 1
+    lo, hi = int(_bin(hz * (1 - tol))), math.ceil(_bin(hz * (1 + tol))) + 1
     return float(mag[lo:hi].max()) if hi > lo else 0.0
 
 
@@ -79,10 +80,10 @@ def read(clip: np.ndarray) -> Reading:
     power = mag ** 2
     total = float(power[int(_bin(60.0)):].sum()) + 1e-20
     near = 0.0
-    half = max(1, int(round(_bin(HARMONIC_TOL * f0))))
+    half = max(1, round(_bin(HARMONIC_TOL * f0)))
     h = 1
     while h * f0 * (1 + SEEK_TOL) < SAMPLE_RATE / 2:
-        lo_h, hi_h = int(_bin(h * f0 * (1 - SEEK_TOL))), int(math.ceil(_bin(h * f0 * (1 + SEEK_TOL)))) + 1
+        lo_h, hi_h = int(_bin(h * f0 * (1 - SEEK_TOL))), math.ceil(_bin(h * f0 * (1 + SEEK_TOL))) + 1
         top = lo_h + int(np.argmax(mag[lo_h:hi_h]))
         near += float(power[max(0, top - half):top + half + 1].sum())
         h += 1
@@ -195,7 +196,7 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def evaluate_clips(clips: Sequence[np.ndarray], specs: Sequence[Spec], **extra: Any) -> Report:
-    return summarize([score(c, s) for c, s in zip(clips, specs)], **extra)
+    return summarize([score(c, s) for c, s in zip(clips, specs, strict=True)], **extra)
 
 
 Generate = Callable[[list[str], list[int]], list[np.ndarray]]

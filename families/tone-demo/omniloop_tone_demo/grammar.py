@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -122,7 +122,7 @@ def random_specs(n: int, gen: torch.Generator) -> list[Spec]:
     t = torch.randint(0, 4, (n,), generator=gen).tolist()
     k = torch.randint(0, len(NOTES), (n,), generator=gen).tolist()
     r = torch.randint(0, len(RATES), (n,), generator=gen).tolist()
-    return [Spec(TIMBRES[a], None if a == 3 else NOTES[b], RATES[c]) for a, b, c in zip(t, k, r)]
+    return [Spec(TIMBRES[a], None if a == 3 else NOTES[b], RATES[c]) for a, b, c in zip(t, k, r, strict=True)]
 
 
 def synthesize(specs: Iterable[Spec], *, gen: torch.Generator | None = None, device: str | torch.device = "cpu",

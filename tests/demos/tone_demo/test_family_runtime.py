@@ -37,7 +37,6 @@ def test_runtime_equals_diffusers_on_a_tone_checkpoint(toy_run):
 def test_the_preset_resolves_to_the_package_folder(toy_run, monkeypatch):
     from omniloop.errors import DeployError
     from omniloop.runtime import Runtime
-
     from omniloop_tone_demo import checkpoint_path, plugin
 
     folder = toy_run[0] / "checkpoint"
