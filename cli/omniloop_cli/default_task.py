@@ -24,13 +24,12 @@ def default_task(deploy_file: str | None, model: str | None, device: str | None,
     if deploy_file is None and model is None:
         return FALLBACK
     try:
-        from omniloop.compose import is_composed
-        from omniloop.runtime import Deployment
+        from omniloop.runtime import Deployment, routed_fields
 
         from .generate import build_deploy
 
         deploy = build_deploy(deploy_file, model, device, dtype)
-        if is_composed(deploy):
+        if routed_fields(deploy):  # composed / parallel: the loader's own task
             return FALLBACK
         supported = {t.value for t in Deployment(deploy, manager=manager).supported_tasks}
     except Exception:  # reported by the regular path, in its usual order

@@ -379,9 +379,9 @@ def generate(
 
     err = console(stderr=True)
     frame_stream = FrameStream(path) if stream and not text_task else None
-    from omniloop.compose import is_composed
+    from omniloop.runtime import routed_fields
 
-    if is_composed(deploy):  # pipeline + models by role (e.g. prompt-upsample): several runtimes
+    if {"pipeline", "models"} & set(routed_fields(deploy)):  # pipeline + models by role (e.g. prompt-upsample): several runtimes
         if model is not None:
             fail("--model: a composed deploy (pipeline: ...) names its models under models.<role>; drop --model")
         if chosen:
@@ -509,17 +509,17 @@ def _texts(output: Any) -> dict[str, str]:
 
 def _run_composed(ctx: click.Context, deploy: Any, request: Any, err: Any, frame_stream: Any,
                   as_json: bool) -> tuple[Any, Any, float]:
-    """A composed deploy (``omniloop.compose``): checked without weights, then every role loaded
+    """A composed deploy (omniloop-compose, through its runtime loader): checked without weights, then every role loaded
     and the request run node by node (each role through its own scheduler). A text edge a node
     writes (prompt-upsample's ``expanded_prompt``) is printed on stderr as soon as it exists."""
     from omniloop.artifacts import Text
-    from omniloop.compose import ComposedDeployment, ComposedRuntime
     from omniloop.request import EventKind
+    from omniloop.runtime import Runtime, check_request
 
-    ComposedDeployment(deploy, manager=get_manager(ctx)).check(request)
+    check_request(deploy, request, manager=get_manager(ctx))
     t0 = time.perf_counter()
     with err.status("loading models ..."):
-        runtime = ComposedRuntime(deploy, manager=get_manager(ctx))
+        runtime = Runtime.from_deploy(deploy, manager=get_manager(ctx))
     load_seconds = time.perf_counter() - t0
 
     def announce(event: Any) -> bool:

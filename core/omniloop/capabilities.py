@@ -247,11 +247,8 @@ def validate(family: Any, caps: Any) -> FamilyCapabilities:
                         ("offload.refusal", caps.offload.refusal if caps.offload else None)):
         if fn is not None and not callable(fn):
             raise PluginError(f"{where}.{fn_name}: expected a callable, got {type(fn).__name__}")
-    if caps.rollout_support is not None:
-        from .rl import RolloutSupport
-
-        if not isinstance(caps.rollout_support, RolloutSupport) or not caps.rollout_support.nodes:
-            raise PluginError(f"{where}.rollout_support: expected an omniloop.rl.RolloutSupport naming its loop nodes")
+    # rollout_support (an omniloop.rl.RolloutSupport) is checked by omniloop.plugins at registration:
+    # rl reads this module, so this module does not import rl (issue 34: no import cycle)
     if any(not isinstance(n, str) or not n for n in caps.step_batch_retry_alone):
         raise PluginError(f"{where}.step_batch_retry_alone: expected loop node names")
     if any(not isinstance(c, str) or not c for c in caps.role_components):

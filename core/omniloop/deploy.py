@@ -16,7 +16,7 @@ file and the dotted field path. Example (YAML)::
     parallel: {sp: 2, cfg: 2}   # 4 worker processes (omniloop-parallel), checked before weights load
 
 A composed deployment names a registered pipeline and one model per role instead of ``model``
-(see :mod:`omniloop.compose`)::
+(omniloop-compose: :mod:`omniloop_compose`)::
 
     pipeline: prompt-upsample
     models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct, options: {kv_cache_tokens: 8192}},
@@ -157,7 +157,7 @@ class DeployConfig:
     #: decode of one request overlaps another's denoise; omniloop-parallel; omniloop.placement.check_roles)
     placement: dict[str, RolePlacement] = attrs.Factory(dict)
     #: a composed pipeline by its registered name (``prompt-upsample``); with ``models`` instead of
-    #: ``model``: one model per role (omniloop.compose, ``Runtime.from_deploy`` builds it)
+    #: ``model``: one model per role (omniloop-compose; ``Runtime.from_deploy`` hands it to its runtime loader)
     pipeline: str | None = None
     #: the composed pipeline's models by role, e.g. {upsampler: {path: ...}, video: {preset: wan-demo}}
     models: dict[str, RoleModelConfig] = attrs.Factory(dict)

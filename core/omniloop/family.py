@@ -13,15 +13,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
-import torch
 from attrs import define
 
 from .capabilities import FamilyCapabilities
 from .graph import PipelineSpec
 from .request import OmniRequest, TaskType
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _cpu() -> torch.device:
+    import torch  # on first use: registering a family imports no torch (issue 42)
+
+    return torch.device("cpu")
+
+
+def _float32() -> torch.dtype:
+    import torch
+
+    return torch.float32
 
 
 @define
@@ -32,8 +46,8 @@ class LoadedModel:
     path: Path | None
     components: dict[str, Any]
     config: dict[str, Any] = attrs.Factory(dict)
-    device: torch.device = attrs.Factory(lambda: torch.device("cpu"))
-    dtype: torch.dtype = torch.float32
+    device: torch.device = attrs.Factory(_cpu)
+    dtype: torch.dtype = attrs.Factory(_float32)
     #: identity of the weights, for caches keyed by weight version (e.g. a hash of the files)
     weight_version: str = ""
     #: the tasks *this checkpoint* supports (a T2V checkpoint of a family that also does I2V);
@@ -154,6 +168,31 @@ class SchedulerSpec:
 class TransportSpec:
     name: str
     factory: Callable[..., Any]
+    description: str = ""
+
+
+@define(frozen=True)
+class RuntimeLoaderSpec:
+    """A loader for deploys a single-process :class:`~omniloop.runtime.Runtime` does not run
+    (``Runtime.from_deploy`` hands them over): omniloop-compose's composed pipelines (``pipeline``),
+    omniloop-parallel's worker pools (``parallel`` above one process, ``placement``).
+
+    ``fields``: the deploy fields it serves (see ``omniloop.runtime.ROUTED``). ``claims(deploy)``:
+    whether it loads this deploy. ``load(deploy, manager=)``: the runtime. ``deployment(deploy,
+    manager=)``: the weight-free view whose ``check(request)`` front ends call (None: the plain
+    ``Deployment`` with ``check``). ``check(deployment, block_interceptors)``: raises one
+    :class:`~omniloop.errors.DeployError` for a layout that cannot run, before any weight loads.
+    ``check_direct(deploy)``: called when a plain ``Runtime`` is built for a deploy it claims
+    (raise unless it is one of this loader's own worker processes).
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    claims: Callable[[Any], bool]
+    load: Callable[..., Any]
+    deployment: Callable[..., Any] | None = None
+    check: Callable[[Any, tuple[str, ...]], None] | None = None
+    check_direct: Callable[[Any], None] | None = None
     description: str = ""
 
 

@@ -40,6 +40,7 @@ from .family import (
     PluginComponentSpec,
     PolicySpec,
     RunOptionSpec,
+    RuntimeLoaderSpec,
     SchedulerSpec,
     TransportSpec,
 )
@@ -51,7 +52,7 @@ from .scheduling import ScheduleDecision
 PROJECT = "omniloop"
 #: this core's hook-API version; bump the minor for every hook or hook argument added (see
 #: :data:`HOOK_API_HISTORY`), the major only to remove one after a minor version that warned
-HOOK_API_VERSION = "1.2"
+HOOK_API_VERSION = "1.3"
 
 #: what each hook-API version added (newest last); a version's entry says what a plugin that
 #: declares ``>=<version>`` may rely on
@@ -60,6 +61,8 @@ HOOK_API_HISTORY: dict[str, str] = {
     "1.1": "omniloop_request_start(..., plugin_params); omniloop_register_run_options; interceptors' "
            "open(step, loop, params) (open(step, loop) warns HookDeprecationWarning)",
     "1.2": "omniloop_register_linear_precisions (the deploy's linear_precision: e.g. omniloop-quant's fp8)",
+    "1.3": "omniloop_register_runtime_loaders (Runtime.from_deploy hands composed, parallel and role-pool "
+           "deploys to the plugin that registered their loader: omniloop-compose, omniloop-parallel)",
 }
 
 #: hook arguments added after their hook: hook -> {argument: the version that added it}. An
@@ -102,7 +105,7 @@ def omniloop_register_policies(register: Callable[[PolicySpec], None]) -> None:
     """Register policies (samplers, CFG policies, shift, routing): ``register(PolicySpec(...))``.
 
     A ``PolicySpec`` of ``kind="pipeline"`` registers a composition a deploy names with
-    ``pipeline:`` (its factory returns an ``omniloop.compose.CompositionSpec``).
+    ``pipeline:`` (its factory returns an ``omniloop_compose.CompositionSpec``).
 
     Returns nothing. Since: 1.0
     """
@@ -156,6 +159,18 @@ def omniloop_register_linear_precisions(register: Callable[[LinearPrecisionSpec]
     ``register(LinearPrecisionSpec(name, check, apply))`` (``dtype`` is built in).
 
     Returns nothing. Since: 1.2
+    """
+
+
+@hookspec
+def omniloop_register_runtime_loaders(register: Callable[[RuntimeLoaderSpec], None]) -> None:
+    """Register a loader for deploys a single-process runtime does not run:
+    ``register(RuntimeLoaderSpec(name, fields, claims, load, ...))``.
+
+    ``Runtime.from_deploy`` and ``Deployment`` route a deploy that sets one of the fields in
+    ``omniloop.runtime.ROUTED`` (``pipeline``, ``parallel`` above one process, ``placement``) to
+    the one loader that ``claims`` it; with none installed the deploy is refused naming the package
+    that serves it. The core imports no such plugin. Returns nothing. Since: 1.3
     """
 
 
@@ -279,6 +294,7 @@ REGISTRATION_HOOKS = (
     "omniloop_register_transports",
     "omniloop_register_attention_backends",
     "omniloop_register_linear_precisions",
+    "omniloop_register_runtime_loaders",
     "omniloop_register_run_options",
     "omniloop_register_commands",
 )

@@ -12,16 +12,19 @@ interleaved requests cannot see each other's state.
 
 from __future__ import annotations
 
+import sys
 import warnings
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
-import torch
 from attrs import define
 
 from .artifacts import Artifact
 from .errors import GraphError, HookDeprecationWarning
 from .request import OmniRequest
+
+if TYPE_CHECKING:
+    import torch
 
 A = TypeVar("A", bound=Artifact)
 
@@ -118,8 +121,9 @@ _MOVED = frozenset({"StageContext", "Stage", "LoopStage", "BatchedLoopStage"})
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
-        from . import context  # the deprecation shim's one import (context imports this module)
-
+        # not an import: context imports this module, so loop stays below it; the package's __init__
+        # has loaded omniloop.context before anyone can reach this (issue 34: no import cycle)
+        context = sys.modules[f"{__package__}.context"]
         warnings.warn(f"omniloop.loop.{name} moved to omniloop.context.{name} (or import it from omniloop)",
                       HookDeprecationWarning, stacklevel=2)
         return getattr(context, name)

@@ -38,6 +38,7 @@ from .family import (
     PluginComponentSpec,
     PolicySpec,
     RunOptionSpec,
+    RuntimeLoaderSpec,
     SchedulerSpec,
     TransportSpec,
 )
@@ -124,6 +125,8 @@ class Registry:
     attention_backends: dict[str, AttentionBackendSpec] = attrs.Factory(dict)
     #: the deploy's ``linear_precision`` values beyond the built-in ``dtype``
     linear_precisions: dict[str, LinearPrecisionSpec] = attrs.Factory(dict)
+    #: loaders of deploys a single-process runtime does not run (``omniloop.runtime.ROUTED``)
+    runtime_loaders: dict[str, RuntimeLoaderSpec] = attrs.Factory(dict)
     #: flags plugins add to ``omniloop generate``, by flag name
     run_options: dict[str, RunOptionSpec] = attrs.Factory(dict)
     #: (kind, name) -> plugin that registered it
@@ -144,6 +147,7 @@ _KINDS: dict[str, tuple[str, str, type | tuple[type, ...] | None]] = {
     "omniloop_register_transports": ("transports", "transport", TransportSpec),
     "omniloop_register_attention_backends": ("attention_backends", "attention_backend", AttentionBackendSpec),
     "omniloop_register_linear_precisions": ("linear_precisions", "linear_precision", LinearPrecisionSpec),
+    "omniloop_register_runtime_loaders": ("runtime_loaders", "runtime_loader", RuntimeLoaderSpec),
     "omniloop_register_run_options": ("run_options", "run_option", RunOptionSpec),
 }
 
@@ -328,7 +332,7 @@ class PluginManager:
             if not isinstance(item_name, str) or not item_name:
                 raise PluginError(f"plugin {rec.name!r} registered a {kind} without a name")
             if kind == "family":  # the family contract: its declared capabilities, checked once here
-                declare_capabilities(item)
+                _check_rollout_support(declare_capabilities(item), item_name)
             if item_name in table:
                 first = reg.providers[(kind, item_name)]
                 raise PluginError(
@@ -389,6 +393,16 @@ class PluginManager:
 
     def failed(self) -> list[PluginRecord]:
         return [r for r in self.records.values() if not r.ok]
+
+
+def _check_rollout_support(caps: Any, family: str) -> None:
+    support = caps.rollout_support
+    if support is None:
+        return
+    from .rl import RolloutSupport  # rl imports torch: only for a family that declares rollouts
+    if not isinstance(support, RolloutSupport) or not support.nodes:
+        raise PluginError(f"family {family!r}: capabilities.rollout_support: expected an omniloop.rl.RolloutSupport "
+                          "naming its loop nodes")
 
 
 def _renamed_hooks(obj: Any, plugin: str) -> Any:

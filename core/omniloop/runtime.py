@@ -28,7 +28,6 @@ import attrs
 import torch
 
 from . import adapters as _adapters
-from . import compose as _compose
 from . import limits as _limits
 from . import linears as _linears
 from . import offload as _offload
@@ -39,7 +38,7 @@ from .capabilities import FamilyCapabilities, capabilities_of
 from .deploy import DeployConfig, load_deploy
 from .errors import DeployError, PluginError, RequestError
 from .execution import BuiltPipeline, Execution
-from .family import LoadedModel, PluginComponentSpec
+from .family import LoadedModel, PluginComponentSpec, RuntimeLoaderSpec
 from .graph import PipelineSpec
 from .observers import ObserverBus
 from .plugins import PluginManager, Registry, default_manager
@@ -78,6 +77,35 @@ def resolve_auto_attention(registry: Registry, deploy: DeployConfig, family: str
         raise DeployError("attention_backend: auto found no backend: not even the core 'sdpa' is registered")
     return fallback, "; ".join(skipped) or "no other backend declares itself for auto"
 
+#: deploy fields a single-process :class:`Runtime` does not serve -> the package whose runtime loader
+#: (``omniloop_register_runtime_loaders``) does; the core imports none of them
+ROUTED = {"pipeline": "omniloop-compose", "models": "omniloop-compose",
+          "parallel": "omniloop-parallel", "placement": "omniloop-parallel"}
+
+
+def routed_fields(deploy: DeployConfig) -> list[str]:
+    """The fields of ``deploy`` (in :data:`ROUTED`) that a single-process runtime does not serve."""
+    on = {"pipeline": deploy.pipeline is not None, "models": bool(deploy.models),
+          "parallel": deploy.parallel.world_size > 1, "placement": bool(deploy.placement)}
+    return [name for name, set_ in on.items() if set_]
+
+
+def loader_for(registry: Registry, deploy: DeployConfig) -> RuntimeLoaderSpec | None:
+    """The registered runtime loader that claims ``deploy`` (None: a single-process deploy). A
+    deploy that needs one that is not installed, or that two claim, is one :class:`DeployError`."""
+    fields = routed_fields(deploy)
+    if not fields:
+        return None
+    hits = [spec for spec in registry.runtime_loaders.values() if spec.claims(deploy)]
+    if len(hits) > 1:
+        raise DeployError(f"{fields[0]}: several runtime loaders claim this deploy "
+                          f"({', '.join(sorted(h.name for h in hits))}); uninstall one")
+    if not hits:
+        what = f"parallel: {{sp: {deploy.parallel.sp}, cfg: {deploy.parallel.cfg}}}" if fields[0] == "parallel" else fields[0]
+        raise DeployError(f"{what}: no installed runtime loader runs this deploy: pip install {ROUTED[fields[0]]}")
+    return hits[0]
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -102,6 +130,8 @@ class Deployment:
         self.deploy = deploy
         self.plugins = manager or default_manager()
         self.registry: Registry = self.plugins.registry()
+        #: the runtime loader of a parallel / placement deploy (None: one process)
+        self.loader = loader_for(self.registry, deploy)
         _placement.check_transport(deploy, self.registry)  # a registered transport that fits the deploy
         self.device = _device(deploy.device)
         self.dtype = _DTYPES[deploy.dtype]
@@ -136,8 +166,8 @@ class Deployment:
                 f"plugins.{blocks[0]}: block interceptor {blocks[0]!r} needs a family that runs its blocks through "
                 f"run_blocks; family {self.family.name!r} does not"
             )
-        _placement.check_parallel(deploy, self.family, self.model_path, self.device, blocks)  # parallel: {sp, cfg}
-        _placement.check_roles(deploy, self.family, self.model_path, self.device)  # placement: role workers
+        if self.loader is not None and self.loader.check is not None:  # parallel: {sp, cfg}; placement
+            self.loader.check(self, blocks)
         self.options: dict[str, Any] = {
             "deploy": deploy, "registry": self.registry, "attention": self.attention,
             **self.preset_options, **deploy.options,
@@ -440,8 +470,15 @@ def check_request(
     deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], request: OmniRequest | Mapping[str, Any],
     *, manager: PluginManager | None = None,
 ) -> OmniRequest:
-    """Validate ``request`` against ``deploy`` without loading any weights (see :meth:`Deployment.check`)."""
-    return Deployment(deploy, manager=manager).check(request)
+    """Validate ``request`` against ``deploy`` without loading any weights (see :meth:`Deployment.check`;
+    a composed deploy: its runtime loader's weight-free view)."""
+    cfg = load_deploy(deploy)
+    manager = manager or default_manager()
+    loader = loader_for(manager.registry(), cfg)
+    if loader is not None and loader.deployment is not None:
+        checked: OmniRequest = loader.deployment(cfg, manager=manager).check(request)
+        return checked
+    return Deployment(cfg, manager=manager).check(request)
 
 
 class Runtime(Deployment):
@@ -450,8 +487,11 @@ class Runtime(Deployment):
     def __init__(self, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
                  manager: PluginManager | None = None) -> None:
         super().__init__(deploy, manager=manager)
-        _placement.check_in_pool(self.deploy)  # a world above 1 loads only inside omniloop-parallel's pool
-        _placement.check_roles_in_pool(self.deploy)  # placement: only through omniloop-parallel's role pools
+        if self.loader is not None:  # e.g. parallel: only inside omniloop-parallel's pool, never silently here
+            if self.loader.check_direct is None:
+                raise DeployError(f"{routed_fields(self.deploy)[0]}: load this deploy with Runtime.from_deploy "
+                                  f"({self.loader.name!r} runtime loader), not a plain Runtime")
+            self.loader.check_direct(self.deploy)
         self.components_enabled = self._build_components()
         self.scheduler = self._resolve_scheduler()
         self.model: LoadedModel = self.family.load(  # offload: loaded into host memory (omniloop.offload)
@@ -485,12 +525,14 @@ class Runtime(Deployment):
     def from_deploy(
         cls, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *, manager: PluginManager | None = None
     ) -> Runtime:
+        """The runtime of ``deploy``: a single-process :class:`Runtime`, or what the runtime loader a
+        plugin registered for it builds (:data:`ROUTED`: omniloop-compose's composed pipelines,
+        omniloop-parallel's worker pools). Every front end loads through here."""
         cfg = load_deploy(deploy)
-        if _compose.is_composed(cfg):  # pipeline + models by role: several runtimes, one request
-            return _compose.ComposedRuntime(cfg, manager=manager)  # type: ignore[return-value]
-        pool = _placement.pool_factory(cfg)  # parallel / placement: omniloop-parallel's worker processes
-        if pool is not None:
-            return pool(cfg, manager=manager)  # type: ignore[no-any-return]
+        manager = manager or default_manager()
+        loader = loader_for(manager.registry(), cfg)
+        if loader is not None:
+            return loader.load(cfg, manager=manager)  # type: ignore[no-any-return]
         return cls(cfg, manager=manager)
 
     @classmethod
@@ -865,10 +907,10 @@ def structure_node_params(spec: PipelineSpec, req: OmniRequest) -> dict[str, Any
 def _refuse_unimplemented(deploy: DeployConfig) -> None:
     """Deploy fields that exist in the schema but have no behaviour yet are refused, never ignored."""
     # transport: checked against the registered transports (omniloop.placement.check_transport)
-    if _compose.is_composed(deploy):
+    if deploy.pipeline is not None or deploy.models:
         raise DeployError(
             f"pipeline: {deploy.pipeline!r} is a composed deploy (pipeline + models by role); load it with "
-            "Runtime.from_deploy or omniloop.compose.ComposedRuntime"
+            "Runtime.from_deploy (omniloop-compose's runtime loader) or check it with omniloop.runtime.check_request"
         )
     if deploy.pipeline_options:  # only a composed deploy has pipeline nodes to give options to
         raise DeployError(

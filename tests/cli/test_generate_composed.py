@@ -15,6 +15,7 @@ from click.testing import CliRunner
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
+import omniloop_compose.plugin as compose_plugin
 import omniloop_qwen.plugin as qwen_plugin
 import omniloop_wan.plugin as wan_plugin
 from omniloop.testing import make_manager
@@ -22,7 +23,7 @@ from omniloop_cli import cli
 
 
 def _manager() -> Any:
-    return make_manager(("qwen", qwen_plugin), ("wan", wan_plugin), toy=False)
+    return make_manager(("qwen", qwen_plugin), ("wan", wan_plugin), ("compose", compose_plugin), toy=False)
 
 
 @pytest.fixture(scope="module")

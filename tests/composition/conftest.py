@@ -1,6 +1,7 @@
 """Fixtures for composed deployments: a tiny Qwen2 checkpoint (the upsampler) and a tiny Wan2.1
 T2V checkpoint (the video model), built once per session, and a plugin manager holding only the
-qwen family (which registers ``prompt-upsample``), the wan family and the serial scheduler."""
+qwen family (which registers ``prompt-upsample``), the wan family, omniloop-compose (the runtime
+loader of composed deploys) and the serial scheduler."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
+import omniloop_compose.plugin as compose_plugin
 import omniloop_qwen.plugin as qwen_plugin
 import omniloop_wan.plugin as wan_plugin
 from omniloop.testing import make_manager
 
 
 def _manager() -> Any:
-    return make_manager(("qwen", qwen_plugin), ("wan", wan_plugin), toy=False)
+    return make_manager(("qwen", qwen_plugin), ("wan", wan_plugin), ("compose", compose_plugin), toy=False)
 
 
 @pytest.fixture(scope="session")

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+import omniloop_compose.plugin as compose_plugin
 from omniloop import Runtime
 from omniloop.artifacts import Text, VideoFrames
-from omniloop.compose import ComposedRuntime, CompositionSpec
 from omniloop.errors import DeployError, RequestError
 from omniloop.request import EventKind, Status
+from omniloop_compose import ComposedRuntime, CompositionSpec
 
 PROMPT = "a red fox runs in the snow"
 INSTRUCTION = "expand this prompt into a detailed video description"
@@ -166,9 +167,9 @@ def test_single_model_runtime_refuses_a_composed_deploy(tiny_paths: dict[str, An
 
 def test_composition_graph_is_validated() -> None:
     from omniloop.artifacts import Latents
-    from omniloop.compose import ComposedNode, RoleSpec
     from omniloop.errors import GraphError
     from omniloop.request import TaskType
+    from omniloop_compose import ComposedNode, RoleSpec
 
     def req(*a: Any) -> dict[str, Any]:
         return {}
@@ -190,10 +191,10 @@ def test_output_types_checked_against_the_role_pipeline(no_weights: None, tiny_p
     """A composition publishing a role output the family's pipeline does not write is refused
     before weights load (qwen can be inspected from its config files)."""
     from omniloop.artifacts import Latents
-    from omniloop.compose import ComposedNode, RoleSpec
     from omniloop.family import PolicySpec
     from omniloop.hookspecs import hookimpl
     from omniloop.request import TaskType
+    from omniloop_compose import ComposedNode, RoleSpec
 
     def req(*a: Any) -> dict[str, Any]:
         return {}
@@ -215,7 +216,7 @@ def test_output_types_checked_against_the_role_pipeline(no_weights: None, tiny_p
     import omniloop_qwen.plugin as qwen_plugin
     from omniloop.testing import make_manager
 
-    manager = make_manager(("qwen", qwen_plugin), ("bad", Plugin()), toy=False)
+    manager = make_manager(("qwen", qwen_plugin), ("bad", Plugin()), ("compose", compose_plugin), toy=False)
     with pytest.raises(DeployError, match=r"models\.upsampler: node .up. publishes .text. as Latents, but the qwen pipeline writes it as Text"):
         Runtime.from_deploy({"pipeline": "bad-types", "models": {"upsampler": {"path": str(tiny_paths["qwen"])}}}, manager=manager)
 
@@ -238,7 +239,7 @@ def test_yaml_deploy_file_and_step_scheduler(tmp_path: Any, tiny_paths: dict[str
         f"pipeline_options: {{upsample: {{instruction: '{INSTRUCTION}', max_tokens: 12}}}}\n"
     )
     manager = make_manager(("qwen", qwen_plugin), ("wan", wan_plugin), ("scheduler", scheduler_plugin),
-                           toy=False, scheduler=False)
+                           ("compose", compose_plugin), toy=False, scheduler=False)
     rt = Runtime.from_deploy(path, manager=manager)
     out = rt.generate(t2v())
     _, ref = run
@@ -271,7 +272,7 @@ def test_a_failing_node_ends_the_request(composed: ComposedRuntime, monkeypatch:
 def test_role_options_reach_only_their_role(no_weights: None, tiny_paths: dict[str, Any], compose_manager: Any) -> None:
     """``models.upsampler.options`` sizes the qwen KV pool (a request that cannot fit is refused
     by ComposedDeployment.check, before any weights load); the video role does not get them."""
-    from omniloop.compose import ComposedDeployment
+    from omniloop_compose import ComposedDeployment
 
     deploy = _deploy(tiny_paths, options={"vae_dtype": "float32"})
     deploy["models"]["upsampler"]["options"] = {"kv_cache_tokens": 16, "kv_block_size": 16}
@@ -312,7 +313,7 @@ def test_concurrent_composed_requests_each_equal_alone(composed_deploy: dict[str
     from omniloop.testing import make_manager
 
     manager = make_manager(("qwen", qwen_plugin), ("wan", wan_plugin), ("scheduler", scheduler_plugin),
-                           toy=False, scheduler=False)
+                           ("compose", compose_plugin), toy=False, scheduler=False)
     rt = Runtime.from_deploy({**composed_deploy, "scheduler": "step"}, manager=manager)
     prompts = (PROMPT, "a blue bird flies over the sea at night")
     alone = [rt.generate(t2v(p)) for p in prompts]

@@ -1,5 +1,5 @@
 """Front ends on multi-process deploys: ``omniloop generate --deploy`` loads through
-``Runtime.from_deploy`` (the one factory: omniloop.placement.pool_factory), so a ``placement`` deploy
+``Runtime.from_deploy`` (the one factory: it hands the deploy to omniloop-parallel's runtime loader), so a ``placement`` deploy
 runs on role workers and a ``parallel`` deploy on the SPMD pool; ``omniloop serve`` serves
 ``placement`` and refuses ``parallel`` with one line before any weight loads.
 

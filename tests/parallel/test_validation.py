@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+import omniloop_parallel.plugin as parallel_plugin
 from omniloop.errors import DeployError
 from omniloop.runtime import Deployment, Runtime
 from omniloop.testing import build_toy_checkpoint, make_manager
@@ -48,7 +49,7 @@ def test_enough_cores_message(wan_ckpt, monkeypatch):
 
 def test_family_declares_its_axes(tmp_path):
     toy = build_toy_checkpoint(tmp_path / "toy")
-    msg = refused({"model": {"path": str(toy)}, "parallel": {"cfg": 2}}, manager=make_manager())
+    msg = refused({"model": {"path": str(toy)}, "parallel": {"cfg": 2}}, manager=make_manager(("parallel", parallel_plugin)))
     assert msg == "parallel.cfg: family 'toy' does not support 'cfg' parallelism (it supports: none)"
 
 
@@ -71,7 +72,7 @@ def test_block_interceptors_need_a_family_that_binds_them(wan_ckpt):
     import torch
 
     from omniloop.deploy import load_deploy
-    from omniloop.placement import check_parallel
+    from omniloop_parallel.checks import check_parallel
 
     class Family:  # supports cfg, but does not bind block interceptors to its groups
         name = "plain"

@@ -1,7 +1,7 @@
 """The ``prompt-upsample`` composition: a text model expands the user's prompt, a video model renders it.
 
 Registered by this plugin through ``omniloop_register_policies`` as a ``kind="pipeline"``
-:class:`~omniloop.compose.CompositionSpec` (see :mod:`omniloop.compose`)::
+:class:`~omniloop_compose.CompositionSpec` (see :mod:`omniloop_compose`)::
 
     pipeline: prompt-upsample
     models: {upsampler: {path: /models/Qwen2.5-0.5B-Instruct}, video: {path: /models/Wan2.1-T2V-1.3B-Diffusers}}
@@ -30,7 +30,7 @@ import attrs
 from attrs import define, field
 
 from omniloop.artifacts import Artifact, Latents, Text, VideoFrames
-from omniloop.compose import PIPELINE_KIND, ComposedNode, CompositionSpec, RoleSpec
+from omniloop_compose import PIPELINE_KIND, ComposedNode, CompositionSpec, RoleSpec
 from omniloop.errors import RequestError
 from omniloop.family import PolicySpec
 from omniloop.request import OmniRequest, TaskType, TextPart

@@ -1,4 +1,7 @@
-"""Entry point of omniloop-parallel: registers the transports ``inproc``, ``shm``, ``torch.distributed``."""
+"""Entry point of omniloop-parallel: registers the transports ``inproc``, ``shm``, ``torch.distributed``
+and the runtime loader of ``parallel`` and ``placement`` deploys (``omniloop_parallel.checks.LOADER``).
+
+Imports nothing heavy: the loader imports the worker pool only when a deploy needs it."""
 
 from __future__ import annotations
 
@@ -6,12 +9,18 @@ from typing import Any
 
 from omniloop.hookspecs import hookimpl
 
+from .checks import LOADER
 from .transports import SPECS
 
-OMNILOOP_HOOK_API = ">=1.0,<2"
+OMNILOOP_HOOK_API = ">=1.3,<2"  # omniloop_register_runtime_loaders
 
 
 @hookimpl
 def omniloop_register_transports(register: Any) -> None:
     for spec in SPECS:
         register(spec)
+
+
+@hookimpl
+def omniloop_register_runtime_loaders(register: Any) -> None:
+    register(LOADER)

@@ -45,10 +45,10 @@ import torch
 
 from omniloop.deploy import DeployConfig, load_deploy
 from omniloop.errors import DeployError, OmniloopError
-from omniloop.placement import role_device
 from omniloop.runtime import Deployment, Runtime
 
 from . import worker as _worker
+from .checks import role_device
 from .transports import map_tensors, transport_for
 
 
@@ -507,8 +507,8 @@ class RolePoolRuntime(Runtime):
 
 def runtime_for(deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *, manager: Any = None,
                 **kwargs: Any) -> Any:
-    """The runtime of a deploy that needs worker processes (``omniloop.placement.pool_factory``, which
-    ``Runtime.from_deploy`` calls): :class:`RolePoolRuntime` for ``placement``,
+    """The runtime of a deploy that needs worker processes (this package's runtime loader,
+    ``omniloop_parallel.checks.LOADER``, which ``Runtime.from_deploy`` calls): :class:`RolePoolRuntime` for ``placement``,
     :class:`~omniloop_parallel.ParallelRuntime` for ``parallel`` above one process."""
     cfg = load_deploy(deploy)
     if cfg.placement:

@@ -6,7 +6,7 @@ from typing import Any
 
 
 def wan_manager() -> Any:
-    """Only the Wan family, omniloop-parallel's transports and the inline serial scheduler (no entry-point discovery)."""
+    """Only the Wan family, omniloop-parallel's transports and runtime loader, the inline serial scheduler (no entry-point discovery)."""
     import omniloop_wan.plugin as wan_plugin
     from omniloop.testing import make_manager
 
