@@ -12,8 +12,10 @@ See CONTRIBUTING.md for the layout and how to write a plugin.
 
 from __future__ import annotations
 
+import importlib
 import os as _os
 import sys as _sys
+from typing import TYPE_CHECKING, Any
 
 if "torch" not in _sys.modules:
     # OpenMP's default busy-waiting makes torch's CPU thread pool spin against any other process on
@@ -22,40 +24,83 @@ if "torch" not in _sys.modules:
     # set OMP_WAIT_POLICY yourself to override.
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .artifacts import Artifact, Audio, Conditioning, Embeddings, Image, KVRef, Latents, Tensors, Text, VideoFrames
-from .cancel import check_cancelled
-from .capabilities import FamilyCapabilities, OffloadSupport, ParallelSupport, Rollout
-from .context import LoopStage, Stage, StageContext
-from .deploy import DeployConfig, Limits, ModelConfig, load_deploy
-from .errors import (
-    CheckpointError,
-    DeployError,
-    GraphError,
-    HookDeprecationWarning,
-    OmniloopError,
-    PluginError,
-    RequestError,
-)
-from .execution import Execution
-from .graph import Node, PipelineSpec
-from .hookspecs import HOOK_API_VERSION, hookimpl
-from .interceptors import BlockContext, BlockInterceptor, StepInterceptor, call_model, run_blocks
-from .kvcache import CacheFull, CacheManager, KVHandle, KVLayout  # noqa: F401 (public: paged KV pools)
-from .limits import ModelLimits
-from .loop import LoopState, RequestState, StepContext, StepResult
-from .request import (
-    DiffusionParams,
-    ImagePart,
-    OmniEvent,
-    OmniOutput,
-    OmniRequest,
-    OutputSpec,
-    Status,
-    TaskType,
-    TextPart,
-)
-from .resolved import GenericResolved, Resolved, Workload
-from .runtime import Deployment, Runtime, check_request
+#: the public names, by the module that defines them: imported on first use (PEP 562), so ``import
+#: omniloop`` (and ``from omniloop.request import ...``) does not import torch — ``omniloop --help``
+#: imports no torch (issue 42); ``from omniloop import Runtime`` works as it always did
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "artifacts": ("Artifact", "Audio", "Conditioning", "Embeddings", "Image", "KVRef", "Latents", "Tensors", "Text", "VideoFrames"),
+    "cancel": ("check_cancelled",),
+    "capabilities": ("FamilyCapabilities", "OffloadSupport", "ParallelSupport", "Rollout"),
+    "context": ("LoopStage", "Stage", "StageContext"),
+    "deploy": ("DeployConfig", "Limits", "ModelConfig", "load_deploy"),
+    "errors": ("CheckpointError", "DeployError", "GraphError", "HookDeprecationWarning", "OmniloopError", "PluginError", "RequestError"),
+    "execution": ("Execution",),
+    "graph": ("Node", "PipelineSpec"),
+    "hookspecs": ("HOOK_API_VERSION", "hookimpl"),
+    "interceptors": ("BlockContext", "BlockInterceptor", "StepInterceptor", "call_model", "run_blocks"),
+    "kvcache": ("CacheFull", "CacheManager", "KVHandle", "KVLayout"),
+    "limits": ("ModelLimits",),
+    "loop": ("LoopState", "RequestState", "StepContext", "StepResult"),
+    "request": ("DiffusionParams", "ImagePart", "OmniEvent", "OmniOutput", "OmniRequest", "OutputSpec", "Status", "TaskType", "TextPart"),
+    "resolved": ("GenericResolved", "Resolved", "Workload"),
+    "runtime": ("Deployment", "Runtime", "check_request"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+if TYPE_CHECKING:
+    from .artifacts import Artifact, Audio, Conditioning, Embeddings, Image, KVRef, Latents, Tensors, Text, VideoFrames
+    from .cancel import check_cancelled
+    from .capabilities import FamilyCapabilities, OffloadSupport, ParallelSupport, Rollout
+    from .context import LoopStage, Stage, StageContext
+    from .deploy import DeployConfig, Limits, ModelConfig, load_deploy
+    from .errors import (
+        CheckpointError,
+        DeployError,
+        GraphError,
+        HookDeprecationWarning,
+        OmniloopError,
+        PluginError,
+        RequestError,
+    )
+    from .execution import Execution
+    from .graph import Node, PipelineSpec
+    from .hookspecs import HOOK_API_VERSION, hookimpl
+    from .interceptors import BlockContext, BlockInterceptor, StepInterceptor, call_model, run_blocks
+    from .kvcache import CacheFull, CacheManager, KVHandle, KVLayout  # noqa: F401 (public: paged KV pools)
+    from .limits import ModelLimits
+    from .loop import LoopState, RequestState, StepContext, StepResult
+    from .request import (
+        DiffusionParams,
+        ImagePart,
+        OmniEvent,
+        OmniOutput,
+        OmniRequest,
+        OutputSpec,
+        Status,
+        TaskType,
+        TextPart,
+    )
+    from .resolved import GenericResolved, Resolved, Workload
+    from .runtime import Deployment, Runtime, check_request
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:  # a submodule not imported yet (``omniloop.runtime``)
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
+
 
 __version__ = "0.1.0"
 

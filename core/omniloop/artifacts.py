@@ -7,11 +7,13 @@ type matches the producer's declared write type, so these classes are the edge t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 from attrs import define
+
+if TYPE_CHECKING:  # imported on use: the edge types are read by --help paths (issue 42)
+    import torch
 
 
 @define(kw_only=True)
@@ -20,6 +22,8 @@ class Artifact:
 
     def describe(self) -> dict[str, Any]:
         """A JSON-safe summary (shapes, dtypes), used by ``--json`` outputs and the server."""
+        import torch
+
         out: dict[str, Any] = {"type": type(self).__name__, "producer": self.producer}
         for f in attrs.fields(type(self)):
             v = getattr(self, f.name)

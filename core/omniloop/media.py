@@ -20,11 +20,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import OmniloopError, RequestError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MediaError(OmniloopError):
@@ -130,6 +131,7 @@ def check_writable(path: str | os.PathLike[str]) -> None:
 
 
 def _check_frames(frames: torch.Tensor, ndim: int, what: str) -> torch.Tensor:
+    import torch
     if not isinstance(frames, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(frames).__name__}")
     if frames.dtype != torch.uint8 or frames.ndim != ndim or frames.shape[-1] != 3:
@@ -140,6 +142,7 @@ def _check_frames(frames: torch.Tensor, ndim: int, what: str) -> torch.Tensor:
 
 def pad_to_even(frames: torch.Tensor) -> torch.Tensor:
     """Pad ``[..., H, W, 3]`` to even H and W by repeating the last row / column (yuv420p needs even sizes)."""
+    import torch
     h, w = frames.shape[-3], frames.shape[-2]
     if h % 2:
         frames = torch.cat([frames, frames[..., -1:, :, :]], dim=-3)
@@ -186,6 +189,7 @@ def write_mp4(frames: torch.Tensor, fps: float, path: str | os.PathLike[str], *,
 
 def write_png(pixels: torch.Tensor, path: str | os.PathLike[str]) -> Path:
     """Write uint8 ``[H, W, 3]`` pixels (or the first frame of ``[T, H, W, 3]``) as a png."""
+    import torch
     image_mod = _import_pil()
     if isinstance(pixels, torch.Tensor) and pixels.ndim == 4:
         pixels = pixels[0]
@@ -202,6 +206,7 @@ IMAGE_FORMATS = {".png": "PNG", ".webp": "WEBP"}
 def write_image(pixels: torch.Tensor, path: str | os.PathLike[str]) -> Path:
     """Write uint8 ``[H, W, 3]`` pixels as the image type of ``path``'s suffix: ``.png``, or
     ``.webp`` (lossless, so the pixels read back equal). Other suffixes raise ``ValueError``."""
+    import torch
     suffix = Path(path).suffix.lower()
     fmt = IMAGE_FORMATS.get(suffix)
     if fmt is None:
@@ -231,6 +236,7 @@ def read_image(source: str | os.PathLike[str] | bytes, name: str = "image", *,
     (checked before any pixel is decoded) raises :class:`RequestError` with ``name`` as the field
     path (e.g. ``inputs[1].path``).
     """
+    import torch
     image_mod = _import_pil()
     try:
         if isinstance(source, (bytes, bytearray, memoryview)):

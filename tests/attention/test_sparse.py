@@ -193,7 +193,7 @@ def test_refused_at_load_without_flex_attention(toy_checkpoint, monkeypatch):
     from omniloop_attention import backends
 
     patched = attrs.evolve(SPEC, available=lambda: "this torch (2.4.0) has no torch.nn.attention.flex_attention")
-    monkeypatch.setattr(plugin, "BACKENDS", [patched if b.name == "sparse-tile" else b for b in backends.BACKENDS])
+    monkeypatch.setattr(backends, "BACKENDS", [patched if b.name == "sparse-tile" else b for b in backends.BACKENDS])
     with pytest.raises(DeployError, match="attention_backend: 'sparse-tile' cannot run here: this torch"):
         Deployment({"model": {"path": str(toy_checkpoint)}, "attention_backend": "sparse-tile"},
                    manager=make_manager(("attention", plugin)))

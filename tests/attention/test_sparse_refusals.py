@@ -24,9 +24,10 @@ def wan_ckpt(tmp_path_factory):
 
 
 def _wan_manager():
+    import omniloop_parallel.plugin as parallel_plugin  # parallel deploys: its runtime loader checks them
     import omniloop_wan.plugin as wan_plugin
 
-    return make_manager(("wan", wan_plugin), ("attention", plugin), toy=False)
+    return make_manager(("wan", wan_plugin), ("attention", plugin), ("parallel", parallel_plugin), toy=False)
 
 
 def _refused(deploy, manager) -> str:

@@ -8,7 +8,6 @@ from omniloop.family import PluginComponentSpec
 from omniloop.hookspecs import hookimpl
 
 from .config import FBCacheConfig, FBCacheParams
-from .interceptor import FirstBlockCache
 
 #: the hook-API versions this plugin was written for; outside the range it is refused
 OMNILOOP_HOOK_API = ">=1.0,<2"
@@ -16,6 +15,8 @@ OMNILOOP_HOOK_API = ">=1.0,<2"
 
 @hookimpl
 def omniloop_register_interceptors(register: Any) -> None:
+    from .interceptor import FirstBlockCache  # on registration: loading this plugin imports no torch (issue 42)
+
     register(
         PluginComponentSpec(
             name="fbcache",

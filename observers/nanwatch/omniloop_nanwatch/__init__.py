@@ -12,7 +12,6 @@ from collections import OrderedDict
 from typing import Any, Literal
 
 import attrs
-import torch
 from attrs import define, field
 
 from omniloop.errors import OmniloopError
@@ -109,6 +108,7 @@ class NanWatch:
 
     @hookimpl
     def omniloop_tap(self, request: Any, node: str, step: Any, name: str, value: Any) -> None:
+        import torch
         if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
             return
         kind = self._select.kind(name)

@@ -13,14 +13,16 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 from attrs import define
 
 from .config import ParityError
 from .recording import Recording, TapEntry, as_recording
+
+if TYPE_CHECKING:
+    import torch
 
 _TOL_FIELDS = ("atol", "rtol", "cos")
 
@@ -306,8 +308,16 @@ def compare(
     )
 
 
-@torch.no_grad()
 def compare_tensors(entry: TapEntry, a: torch.Tensor, b: torch.Tensor, tol: TapTolerance) -> TapComparison:
+    import torch  # on use: loading the parity plugin imports no torch (issue 42)
+
+    with torch.no_grad():
+        return _compare_tensors(entry, a, b, tol)
+
+
+def _compare_tensors(entry: TapEntry, a: torch.Tensor, b: torch.Tensor, tol: TapTolerance) -> TapComparison:
+    import torch
+
     if tuple(a.shape) != tuple(b.shape):
         return TapComparison(entry=entry, passed=False, reason="shape", tol=tol, numel=a.numel())
     n = a.numel()
@@ -350,6 +360,7 @@ def compare_tensors(entry: TapEntry, a: torch.Tensor, b: torch.Tensor, tol: TapT
 
 
 def _cosine(x: torch.Tensor, y: torch.Tensor) -> float | None:
+    import torch
     finite = torch.isfinite(x) & torch.isfinite(y)
     if not bool(finite.all()):
         return None

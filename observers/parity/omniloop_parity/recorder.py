@@ -11,10 +11,9 @@ import datetime as _dt
 import logging
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
 from omniloop.hookspecs import hookimpl
 from omniloop.observers import TapFilter
@@ -22,6 +21,9 @@ from omniloop.request import Status
 
 from .config import ParityConfig, ParityError, out_path
 from .recording import FORMAT, Recording, TapEntry, environment, tap_key, tensor_fields
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("omniloop.parity")
 
@@ -88,6 +90,7 @@ class ParityRecorder:
 
     @hookimpl
     def omniloop_tap(self, request: Any, node: str, step: Any, name: str, value: Any) -> None:
+        import torch
         cap = self._live.get(request.request_id)
         if cap is None or not isinstance(value, torch.Tensor):
             return

@@ -25,17 +25,18 @@ import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 from attrs import define
-from safetensors.torch import save_file
 
 from omniloop import media
 from omniloop.checkpoints import read_safetensors
 
 from .config import ParityError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "omniloop-parity/1"
 META_KEY = "omniloop_parity"
@@ -195,6 +196,13 @@ def clean_stale_temp_files(folder: Path, older_than: float = STALE_TEMP_SECONDS)
     return media.clean_stale_temp_files(folder, older_than=older_than, pattern=_TEMP_NAME)
 
 
+def save_file(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file``, imported on use (loading the parity plugin imports no torch: issue 42)."""
+    from safetensors.torch import save_file as _save
+
+    _save(tensors, filename, metadata=metadata)
+
+
 def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write a safetensors file so that ``path`` either holds the complete file or is untouched."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,6 +251,7 @@ def package_versions() -> dict[str, str]:
 
 
 def environment() -> dict[str, Any]:
+    import torch
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -254,6 +263,7 @@ def environment() -> dict[str, Any]:
 
 def tensor_fields(artifact: Any) -> Iterable[tuple[str, torch.Tensor]]:
     """The tensor-valued fields of an artifact (``VideoFrames.frames``, ``Latents.tensor``, ...)."""
+    import torch
     if not attrs.has(type(artifact)):
         return []
     out = []

@@ -14,14 +14,16 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import torch
 from attrs import define, field
 
 from omniloop.hookspecs import hookimpl
 from omniloop.observers import TapFilter
 from omniloop.schema import check_regex
+
+if TYPE_CHECKING:
+    import torch
 
 __version__ = "0.1.0"
 
@@ -46,9 +48,17 @@ def _num(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-@torch.no_grad()
 def tensor_stats(value: torch.Tensor) -> dict[str, Any]:
     """mean, population std and absmax of a tensor (computed in float32 on its device; one sync)."""
+    import torch  # on use: loading the trace plugin imports no torch (issue 42)
+
+    with torch.no_grad():
+        return _tensor_stats(value)
+
+
+def _tensor_stats(value: torch.Tensor) -> dict[str, Any]:
+    import torch
+
     x = value.detach()
     if x.is_complex():
         x = x.abs()
@@ -103,6 +113,7 @@ class ActivationTrace:
 
     @hookimpl
     def omniloop_tap(self, request: Any, node: str, step: Any, name: str, value: Any) -> None:
+        import torch
         if not isinstance(value, torch.Tensor):
             return
         kind = self._select.kind(name)

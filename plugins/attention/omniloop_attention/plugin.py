@@ -6,12 +6,12 @@ from typing import Any
 
 from omniloop.hookspecs import hookimpl
 
-from .backends import BACKENDS
-
 OMNILOOP_HOOK_API = ">=1.0,<2"
 
 
 @hookimpl
 def omniloop_register_attention_backends(register: Any) -> None:
+    from .backends import BACKENDS  # on registration: loading this plugin imports no torch (issue 42)
+
     for spec in BACKENDS:
         register(spec)

@@ -11,13 +11,13 @@ OMNILOOP_HOOK_API = ">=1.3,<2"  # omniloop_register_runtime_loaders
 
 
 def _load(deploy: Any, *, manager: Any = None) -> Any:
-    from . import ComposedRuntime
+    from .composed import ComposedRuntime
 
     return ComposedRuntime(deploy, manager=manager)
 
 
 def _deployment(deploy: Any, *, manager: Any = None) -> Any:
-    from . import ComposedDeployment
+    from .composed import ComposedDeployment
 
     return ComposedDeployment(deploy, manager=manager)
 

@@ -9,18 +9,19 @@ from typing import Any
 
 from omniloop.hookspecs import hookimpl
 
-from .checks import LOADER
-from .transports import SPECS
-
 OMNILOOP_HOOK_API = ">=1.3,<2"  # omniloop_register_runtime_loaders
 
 
 @hookimpl
 def omniloop_register_transports(register: Any) -> None:
+    from .transports import SPECS  # on registration: loading this plugin imports no torch (issue 42)
+
     for spec in SPECS:
         register(spec)
 
 
 @hookimpl
 def omniloop_register_runtime_loaders(register: Any) -> None:
+    from .checks import LOADER
+
     register(LOADER)

@@ -6,39 +6,70 @@ lives in ``LoopState.policy_state`` (allocated by ``init``), never on the policy
 
 from __future__ import annotations
 
-from .bundle import DEFAULT_CFGS, DEFAULT_SAMPLERS, DenoisePolicies, PolicyMenu, sampler_for_config, strength_steps
-from .cfg import (
-    AdaptiveGateCFG,
-    CFGPolicy,
-    CFGState,
-    ClassicCFG,
-    EmbeddedGuidance,
-    GuiderCFG,
-    IntervalCFG,
-    PerModalityCFG,
-    forward_groups,
-    forward_name,
-    guided_prediction,
-    predict_branches,
-    split_batch,
-    stack_forward,
-)
-from .errors import PolicyError, SchedulerConfigError
-from .params import POLICY_KNOBS, DenoiseParams, accepts
-from .plugin import builtin_specs
-from .precision import PrecisionPolicy, parse_dtype
-from .routing import BoundaryRouter, ExpertRouter, SingleExpert
-from .samplers import (
-    DMD_WAN_TIMESTEPS,
-    DPMppSampler,
-    FewStepSampler,
-    FlowEulerSampler,
-    Sampler,
-    SamplerState,
-    UniPCSampler,
-    normalize_flow_config,
-)
-from .shift import ConstantShift, ResolutionShift, ShiftPolicy, ShiftValue, calculate_shift
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public names by defining module, imported on first use (PEP 562): the entry point (omniloop_policies.plugin) registers its specs without importing torch or diffusers (issue 42)
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "bundle": ("DEFAULT_CFGS", "DEFAULT_SAMPLERS", "DenoisePolicies", "PolicyMenu", "sampler_for_config", "strength_steps"),
+    "cfg": ("AdaptiveGateCFG", "CFGPolicy", "CFGState", "ClassicCFG", "EmbeddedGuidance", "GuiderCFG", "IntervalCFG", "PerModalityCFG", "forward_groups", "forward_name", "guided_prediction", "predict_branches", "split_batch", "stack_forward"),
+    "errors": ("PolicyError", "SchedulerConfigError"),
+    "params": ("POLICY_KNOBS", "DenoiseParams", "accepts"),
+    "plugin": ("builtin_specs",),
+    "precision": ("PrecisionPolicy", "parse_dtype"),
+    "routing": ("BoundaryRouter", "ExpertRouter", "SingleExpert"),
+    "samplers": ("DMD_WAN_TIMESTEPS", "DPMppSampler", "FewStepSampler", "FlowEulerSampler", "Sampler", "SamplerState", "UniPCSampler", "normalize_flow_config"),
+    "shift": ("ConstantShift", "ResolutionShift", "ShiftPolicy", "ShiftValue", "calculate_shift"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+if TYPE_CHECKING:
+    from .bundle import DEFAULT_CFGS, DEFAULT_SAMPLERS, DenoisePolicies, PolicyMenu, sampler_for_config, strength_steps
+    from .cfg import (
+        AdaptiveGateCFG,
+        CFGPolicy,
+        CFGState,
+        ClassicCFG,
+        EmbeddedGuidance,
+        GuiderCFG,
+        IntervalCFG,
+        PerModalityCFG,
+        forward_groups,
+        forward_name,
+        guided_prediction,
+        predict_branches,
+        split_batch,
+        stack_forward,
+    )
+    from .errors import PolicyError, SchedulerConfigError
+    from .params import POLICY_KNOBS, DenoiseParams, accepts
+    from .plugin import builtin_specs
+    from .precision import PrecisionPolicy, parse_dtype
+    from .routing import BoundaryRouter, ExpertRouter, SingleExpert
+    from .samplers import (
+        DMD_WAN_TIMESTEPS,
+        DPMppSampler,
+        FewStepSampler,
+        FlowEulerSampler,
+        Sampler,
+        SamplerState,
+        UniPCSampler,
+        normalize_flow_config,
+    )
+    from .shift import ConstantShift, ResolutionShift, ShiftPolicy, ShiftValue, calculate_shift
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}" if module else __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
 
 __all__ = [
     "DEFAULT_CFGS",

@@ -1,16 +1,16 @@
-"""omniloop-quant: lower-precision compute for a model's denoiser, chosen in the deploy file.
+"""omniloop-quant: lower-precision compute for a model"s denoiser, chosen in the deploy file.
 
 Deploy ``linear_precision: fp8`` (a core field, :class:`omniloop.deploy.DeployConfig`, whose values
-beyond the built-in ``dtype`` are registered by plugins: this package's entry point,
+beyond the built-in ``dtype`` are registered by plugins: this package"s entry point,
 :mod:`omniloop_quant.plugin`, registers ``fp8`` through ``omniloop_register_linear_precisions``) swaps the ``nn.Linear`` layers inside the
-denoiser's transformer blocks for e4m3 GEMMs (:mod:`omniloop_quant.fp8`): weights quantised once at
+denoiser"s transformer blocks for e4m3 GEMMs (:mod:`omniloop_quant.fp8`): weights quantised once at
 load per output channel, activations per token on every call, bias and scales applied in the
-GEMM's epilogue, output in the model dtype. Embeddings, the timestep MLP, text projections and the
+GEMM"s epilogue, output in the model dtype. Embeddings, the timestep MLP, text projections and the
 final ``proj_out`` live outside the blocks and stay in the model dtype.
 
-The core calls :func:`check_deploy` (the spec's ``check``) before any weight loads (device, dtype and combinations) and
+The core calls :func:`check_deploy` (the spec"s ``check``) before any weight loads (device, dtype and combinations) and
 :func:`apply` right after the family loads its components (before any compiled block is traced).
-Which modules are "the denoiser's blocks" is family-independent: a family may declare
+Which modules are "the denoiser"s blocks" is family-independent: a family may declare
 ``FamilyCapabilities(quant_blocks={component: "attr.path|other.path"})``; otherwise the components
 LoRA adapters target (``capabilities.adapters.components``), else the ``transformer*`` entries of
 ``capabilities.offload.components``, with their declared block lists (``blocks``, ``transformer_blocks``,
@@ -22,128 +22,46 @@ core while a deploy uses them.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+#: public names by defining module, imported on first use (PEP 562): loading the plugin
+#: (``omniloop --help``) imports no torch (issue 42); the block selection lives in ``blocks``
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "blocks": ("MODES", "apply", "check_deploy", "denoiser_blocks", "stray_weights"),
+    "fp8": ("ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "FP8GeluProjection", "FP8Linear", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-from omniloop.capabilities import capabilities_of
-from omniloop.errors import DeployError
+if TYPE_CHECKING:
+    from .blocks import MODES, apply, check_deploy, denoiser_blocks, stray_weights
+    from .fp8 import (
+        ALIGN,
+        E4M3_MAX,
+        MIN_CAPABILITY,
+        FP8GeluProjection,
+        FP8Linear,
+        install,
+        installed,
+        quantize_rows,
+        quantize_weight,
+        reference_output,
+        restore,
+        shape_ok,
+        unavailable_reason,
+    )
 
-from .fp8 import (
-    ALIGN,
-    E4M3_MAX,
-    MIN_CAPABILITY,
-    FP8GeluProjection,
-    FP8Linear,
-    install,
-    installed,
-    quantize_rows,
-    quantize_weight,
-    reference_output,
-    restore,
-    shape_ok,
-    unavailable_reason,
-)
-
-log = logging.getLogger("omniloop.quant")
-
-#: values of the deploy's ``linear_precision``
-MODES = ("dtype", "fp8")
-_DEFAULT_BLOCK_LISTS = "blocks|transformer_blocks|single_transformer_blocks"
-
-
-def denoiser_blocks(components: Mapping[str, Any], family: Any) -> list[tuple[str, nn.Module]]:
-    """``(label, block)`` for every transformer block of the family's denoiser components present
-    in ``components`` (see the module docstring for how they are found)."""
-    caps = capabilities_of(family)
-    declared = caps.quant_blocks
-    if not declared:
-        offload = dict(caps.offload.components) if caps.offload is not None else {}
-        comps = (tuple(caps.adapters.components if caps.adapters is not None else ())
-                 or tuple(n for n in offload if n.startswith("transformer")) or ("transformer",))
-        declared = {c: offload.get(c) or _DEFAULT_BLOCK_LISTS for c in comps}
-    out: list[tuple[str, nn.Module]] = []
-    seen: list[nn.Module] = []
-    for comp, paths in declared.items():
-        module = components.get(comp)
-        if not isinstance(module, nn.Module):
-            continue
-        listed = [paths] if isinstance(paths, str) else list(paths)  # FLUX declares a tuple of block lists
-        for path in (p for entry in listed for p in str(entry).split("|")):
-            obj: Any = module
-            for part in path.split("."):
-                obj = getattr(obj, part, None)
-                if obj is None:
-                    break
-            if isinstance(obj, (nn.ModuleList, nn.Sequential)) and not any(obj is b for b in seen):
-                seen.append(obj)
-                out += [(f"{comp}.{path}.{i}", block) for i, block in enumerate(obj)]
-    return out
+__all__ = ["ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy", "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "stray_weights", "unavailable_reason"]
 
 
-def stray_weights(blocks: list[tuple[str, nn.Module]]) -> list[str]:
-    """Floating-point 2-D buffers named ``*weight*`` inside the blocks, outside any FP8 module: weights a
-    family copied out of its linears (e.g. SD3's ``options.qkv: fused`` concatenates q/k/v into one
-    buffer and multiplies by it directly). FP8 cannot reach them; :func:`apply` reports and warns."""
-    out: list[str] = []
-    for label, block in blocks:
-        for path, module in block.named_modules():
-            if isinstance(module, (FP8Linear, FP8GeluProjection)):
-                continue
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.dim() == 2 and buf.is_floating_point() and "weight" in name:
-                    out.append(f"{label}.{path + '.' if path else ''}{name}")
-    return out
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
 
-def check_deploy(deploy: Any, family: Any, device: Any, dtype: Any) -> None:
-    """Refuse, with one :class:`DeployError`, a ``linear_precision`` that cannot run in this
-    deployment — before any weight loads."""
-    mode = getattr(deploy, "linear_precision", "dtype")
-    if mode == "dtype":
-        return
-    if mode not in MODES:
-        raise DeployError(f"linear_precision: must be one of {', '.join(MODES)}, not {mode!r}")
-    why = unavailable_reason(device, dtype)
-    if why:
-        raise DeployError(f"linear_precision: 'fp8' cannot run here: {why}")
-    if getattr(deploy, "adapters", None):
-        raise DeployError("linear_precision: 'fp8' does not combine with adapters (LoRA) yet: the adapters hook "
-                          "and fuse into the linears (in the deploy dtype) that FP8 replaces; use linear_precision: dtype")
-    if getattr(deploy, "offload", "none") != "none":
-        raise DeployError(f"linear_precision: 'fp8' does not combine with offload: {deploy.offload!r} yet (untested); "
-                          "use offload: none")
-
-
-def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
-    """Swap the denoiser blocks' linears of a loaded ``model`` (a ``LoadedModel``) for FP8 ones,
-    in place, keeping no bf16 copy; records ``model.config["linear_precision"]`` and returns the
-    report (None for ``linear_precision: dtype``)."""
-    mode = getattr(deploy, "linear_precision", "dtype")
-    if mode == "dtype":
-        return None
-    blocks = denoiser_blocks(model.components, family)
-    if not blocks:
-        raise DeployError(f"linear_precision: 'fp8': family {family.name!r} has no transformer "
-                          "blocks to quantise (declare FamilyCapabilities(quant_blocks={component: 'blocks'}))")
-    report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks])
-    report = {"mode": mode, "blocks": len(blocks), **report, "stray_weights": stray_weights(blocks)}
-    model.config["linear_precision"] = report
-    if report["stray_weights"]:
-        log.warning("linear_precision fp8: %d weight buffer(s) used outside nn.Linear stay in the model dtype "
-                    "(a family option that copies the linears' weights, e.g. SD3 qkv: fused): %s",
-                    len(report["stray_weights"]), ", ".join(report["stray_weights"][:4]))
-    if report["skipped"]:
-        log.warning("linear_precision fp8: %d linear(s) kept in the model dtype (dimensions not multiples of %d): %s",
-                    len(report["skipped"]), ALIGN, ", ".join(report["skipped"][:6]))
-    log.info("linear_precision fp8: %d linears in %d blocks quantised", report["quantized"], len(blocks))
-    return report
-
-
-__all__ = [
-    "ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy",
-    "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore",
-    "shape_ok", "stray_weights", "unavailable_reason",
-]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
