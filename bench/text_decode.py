@@ -215,7 +215,7 @@ def _kernel_row(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, b
                 iters: int) -> dict[str, Any]:
     import torch.nn.functional as F
 
-    from omniloop.kvcache import CacheManager, KVLayout
+    from omniloop_kvcache import CacheManager, KVLayout
     from omniloop_qwen import paged_attention as pa
 
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -433,7 +433,7 @@ FIRST_LOGITS: dict[tuple[int, str], torch.Tensor] = {}
 def decode_vs_reprefill(hf: Any, device: torch.device, variants: list[str], batches: list[int], context: int,
                         steps: int, seed: int, budget: Budget, with_hf: bool = True, profile: bool = False,
                         on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
-    from omniloop.kvcache import CacheManager
+    from omniloop_kvcache import CacheManager
     from omniloop_qwen.model import PagedQwen
 
     vocab = hf.config.vocab_size

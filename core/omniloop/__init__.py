@@ -38,7 +38,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "graph": ("Node", "PipelineSpec"),
     "hookspecs": ("HOOK_API_VERSION", "hookimpl"),
     "interceptors": ("BlockContext", "BlockInterceptor", "StepInterceptor", "call_model", "run_blocks"),
-    "kvcache": ("CacheFull", "CacheManager", "KVHandle", "KVLayout"),
     "limits": ("ModelLimits",),
     "loop": ("LoopState", "RequestState", "StepContext", "StepResult"),
     "request": ("DiffusionParams", "ImagePart", "OmniEvent", "OmniOutput", "OmniRequest", "OutputSpec", "Status", "TaskType", "TextPart"),
@@ -66,7 +65,6 @@ if TYPE_CHECKING:
     from .graph import Node, PipelineSpec
     from .hookspecs import HOOK_API_VERSION, hookimpl
     from .interceptors import BlockContext, BlockInterceptor, StepInterceptor, call_model, run_blocks
-    from .kvcache import CacheFull, CacheManager, KVHandle, KVLayout  # noqa: F401 (public: paged KV pools)
     from .limits import ModelLimits
     from .loop import LoopState, RequestState, StepContext, StepResult
     from .request import (
@@ -84,7 +82,14 @@ if TYPE_CHECKING:
     from .runtime import Deployment, Runtime, check_request
 
 
+#: public names that moved out of the core (issue 34) -> the package that has them now
+_MOVED = {name: "omniloop_kvcache" for name in ("CacheFull", "CacheManager", "KVHandle", "KVLayout")}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        raise ImportError(f"omniloop.{name} moved to {_MOVED[name]}: from {_MOVED[name]} import {name} "
+                          f"(pip install {_MOVED[name].replace('_', '-')})")
     module = _MODULE_OF.get(name)
     if module is None:  # a submodule not imported yet (``omniloop.runtime``)
         try:

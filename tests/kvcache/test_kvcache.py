@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from omniloop.kvcache import CacheFull, CacheManager, KVHandle, KVLayout, padded_slot_table
+from omniloop_kvcache import CacheFull, CacheManager, KVHandle, KVLayout, padded_slot_table
 
 
 def test_allocate_append_free_accounting() -> None:

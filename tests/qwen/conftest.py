@@ -135,7 +135,7 @@ def graphed_vs_eager(monkeypatch):
     buckets, padding rows, block-table columns, a context growing across two buckets — is the CUDA
     path's code. Every decode step's logits, the greedy tokens and the K/V written at each
     sequence's slots must agree; returns the ``DecodeGraphs`` for counts."""
-    from omniloop.kvcache import CacheManager
+    from omniloop_kvcache import CacheManager
     from omniloop_qwen import model as qm
     from omniloop_qwen import paged_attention as pa
 

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from omniloop.errors import DeployError
-from omniloop.kvcache import CacheManager
 from omniloop.request import Status
+from omniloop_kvcache import CacheManager
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"

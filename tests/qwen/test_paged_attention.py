@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from omniloop.errors import DeployError
-from omniloop.kvcache import CacheManager, KVLayout
 from omniloop.request import Status
+from omniloop_kvcache import CacheManager, KVLayout
 from omniloop_qwen import paged_attention as pa
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

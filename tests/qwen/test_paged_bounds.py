@@ -19,7 +19,7 @@ import weakref
 import pytest
 import torch
 
-from omniloop.kvcache import CacheManager, KVLayout
+from omniloop_kvcache import CacheManager, KVLayout
 from omniloop_qwen import model as qm
 from omniloop_qwen import paged_attention as pa
 

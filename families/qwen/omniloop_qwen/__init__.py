@@ -2,7 +2,7 @@
 
 One ``step()`` of the ``decode`` node is one prefill chunk or one new token; the step scheduler
 co-batches the decode steps of every running sequence (continuous batching). Attention reads the
-KV of each sequence from an :class:`omniloop.kvcache.CacheManager` through its block table.
+KV of each sequence from an :class:`omniloop_kvcache.CacheManager` through its block table.
 """
 
 from __future__ import annotations

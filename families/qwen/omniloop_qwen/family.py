@@ -34,8 +34,8 @@ from omniloop.capabilities import FamilyCapabilities
 from omniloop.errors import DeployError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
-from omniloop.kvcache import CacheManager, KVLayout
 from omniloop.request import OmniRequest, TaskType
+from omniloop_kvcache import CacheManager, KVLayout
 
 from . import FAMILY_NAME
 from .checkpoint import CheckpointInfo, load_checkpoint, load_tokenizer, looks_like_qwen, validate_checkpoint

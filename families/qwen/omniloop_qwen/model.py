@@ -2,7 +2,7 @@
 
 The weights stay in transformers' module objects (embedding, norms, projections, MLP, rotary
 embedding: the same math, so parity with ``generate`` holds); attention is ours: each sequence's
-new K/V are written into the :class:`~omniloop.kvcache.CacheManager` at the slots its block table
+new K/V are written into the :class:`~omniloop_kvcache.CacheManager` at the slots its block table
 gives, then every query attends over K/V gathered from the cache through the padded slot table
 (a torch reference implementation: exact on CPU float32, GQA through SDPA's ``enable_gqa``, Qwen3's q/k
 RMS norm before RoPE). One call runs any mix of sequences, each with any number of new tokens
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from omniloop.kvcache import CacheManager, KVHandle, KVLayout
+from omniloop_kvcache import CacheManager, KVHandle, KVLayout
 
 from .paged_attention import attention_rows, paged_attention
 

@@ -1,4 +1,4 @@
-"""Paged attention over the :class:`~omniloop.kvcache.CacheManager`'s storage: a Triton kernel that
+"""Paged attention over the :class:`~omniloop_kvcache.CacheManager`'s storage: a Triton kernel that
 reads the block table itself, and the torch reference it is tested against.
 
 Nothing here is Qwen-specific: the inputs are the manager's per-layer K/V tensors

@@ -1,7 +1,7 @@
 """The ``reason`` pipeline: ``prompt`` (tokenize, chat template) → ``decode`` (the AR loop).
 
 ``decode`` is a batched :class:`~omniloop.loop.LoopStage`. Its ``init`` reserves the sequence's
-KV blocks (prompt + ``max_tokens``) in the shared :class:`~omniloop.kvcache.CacheManager`; its
+KV blocks (prompt + ``max_tokens``) in the shared :class:`~omniloop_kvcache.CacheManager`; its
 first ``step`` is a *join* step without a forward (an execution's first unit always runs alone,
 so the prefill that follows can batch); then each ``step`` runs one prefill chunk
 (``prefill_chunk`` prompt tokens; the last chunk yields the first new token) or one decode token.
@@ -26,10 +26,10 @@ from attrs import define, field
 from omniloop.artifacts import Conditioning, Text
 from omniloop.context import StageContext
 from omniloop.errors import RequestError
-from omniloop.kvcache import CacheFull, CacheManager
 from omniloop.loop import LoopState, RequestState, StepResult
 from omniloop.request import OmniRequest, TaskType, TextPart
 from omniloop.resolved import Workload
+from omniloop_kvcache import CacheFull, CacheManager
 
 from .sampling import NonFiniteLogits, Sampling, next_token
 

@@ -30,10 +30,10 @@ import attrs
 from attrs import define, field
 
 from omniloop.artifacts import Artifact, Latents, Text, VideoFrames
-from omniloop_compose import PIPELINE_KIND, ComposedNode, CompositionSpec, RoleSpec
 from omniloop.errors import RequestError
 from omniloop.family import PolicySpec
 from omniloop.request import OmniRequest, TaskType, TextPart
+from omniloop_compose import PIPELINE_KIND, ComposedNode, CompositionSpec, RoleSpec
 
 NAME = "prompt-upsample"
 

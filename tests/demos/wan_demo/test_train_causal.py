@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from omniloop.kvcache import CacheManager
+from omniloop_kvcache import CacheManager
 from omniloop_wan.causal import ChunkKV, chunk_forward, chunk_layout
 from omniloop_wan_demo_training.train_causal import main, ship, teacher_forcing_forward, teacher_forcing_mask
 

@@ -2,7 +2,7 @@
 
 ``rollout: causal`` (issue 21). :mod:`.model` — the transformer over one chunk with cached
 context (and the masked full-sequence reference); :mod:`.kv` — slabs in an
-``omniloop.kvcache.CacheManager``; :mod:`.vae` — incremental decode keeping the causal VAE's
+``omniloop_kvcache.CacheManager``; :mod:`.vae` — incremental decode keeping the causal VAE's
 feature cache; :mod:`.rollout` — the chunk loop; :mod:`.sessions` — streams kept between
 requests. See ``families/wan/README.md`` (causal rollout).
 """

@@ -1,4 +1,4 @@
-"""Chunk-KV slabs: one sequence of a :class:`omniloop.kvcache.CacheManager` per stream.
+"""Chunk-KV slabs: one sequence of a :class:`omniloop_kvcache.CacheManager` per stream.
 
 The manager's ``block_size`` is one chunk's tokens, so one block is one *slab* (a chunk's clean
 K/V for every layer). A finished chunk's K/V is written once (:meth:`ChunkKV.commit`); the next
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from omniloop.kvcache import CacheManager, KVHandle, KVLayout
+from omniloop_kvcache import CacheManager, KVHandle, KVLayout
 
 
 def chunk_layout(model: Any, dtype: torch.dtype | None = None, device: Any = None) -> KVLayout:

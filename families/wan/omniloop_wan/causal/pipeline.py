@@ -41,9 +41,9 @@ from omniloop.context import StageContext
 from omniloop.errors import DeployError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
-from omniloop.kvcache import CacheManager
 from omniloop.loop import LoopState, RequestState, StepResult
 from omniloop.request import TaskType
+from omniloop_kvcache import CacheManager
 
 from ..stages import TextEncode, Validate, to_uint8_frames
 from .rollout import CausalOptions, CausalWan, ChunkOut

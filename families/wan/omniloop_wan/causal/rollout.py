@@ -46,7 +46,7 @@ import attrs
 import torch
 from attrs import define, field
 
-from omniloop.kvcache import CacheManager
+from omniloop_kvcache import CacheManager
 
 from .kv import ChunkKV, chunk_layout, slabs_needed
 from .model import block_causal_mask, check_model, chunk_forward, masked_forward
