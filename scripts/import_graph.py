@@ -24,13 +24,13 @@ from pathlib import Path
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("types", frozenset({"errors", "artifacts", "request", "scheduling"})),
     ("schema", frozenset({"schema", "resolved", "streams", "jsonschema", "deploy", "limits", "cancel", "media",
-                          "checkpoints", "weights", "kvcache", "compile"})),
+                          "checkpoints", "weights"})),
     ("contracts", frozenset({"loop", "interceptors", "graph", "capabilities", "rl", "family", "hookspecs",
                              "builtin"})),
     ("plugin machinery", frozenset({"plugins", "observers"})),
     ("execution", frozenset({"context", "execution", "adapters", "offload", "placement", "linears"})),
     ("runtime", frozenset({"runtime"})),
-    ("api", frozenset({"omniloop", "compose", "testing"})),
+    ("api", frozenset({"omniloop", "compose", "kvcache", "compile", "testing"})),  # + moved-module shims
 )
 
 

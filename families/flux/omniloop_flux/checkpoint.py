@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from omniloop import checkpoints
-from omniloop.checkpoints import (
+from omniloop.errors import CheckpointError
+from omniloop_kit import checkpoints
+from omniloop_kit.checkpoints import (
     DIFFUSERS_WEIGHTS,
     TRANSFORMERS_WEIGHTS,
     component_folder,
@@ -44,8 +45,7 @@ from omniloop.checkpoints import (
     read_json,
     read_model_index,
 )
-from omniloop.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
-from omniloop.errors import CheckpointError
+from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 
 #: pipeline classes of the FLUX.1 text-to-image / image-to-image checkpoints this family runs
 PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline")

@@ -2,7 +2,7 @@
 
 The mechanics — the deploy's ``compile: true``, the ``compile_backend`` / ``compile_mode`` /
 ``compile_dynamic`` options, wrappers kept beside the model, eager fallback when the pipeline
-must run eager, the request metric — are the core's :mod:`omniloop.compile`. Flux's part is its
+must run eager, the request metric — are omniloop-kit's :mod:`omniloop_kit.compile`. Flux's part is its
 block stack: :func:`omniloop_flux.transformer.all_blocks` (double-stream, then single-stream), the
 order ``flux_forward`` runs them in.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omniloop.compile import CompiledBlocks, blocks_for, compile_info, compile_options, compiled, uncompile
-from omniloop.compile import compile_blocks as _compile_blocks
+from omniloop_kit.compile import CompiledBlocks, blocks_for, compile_info, compile_options, compiled, uncompile
+from omniloop_kit.compile import compile_blocks as _compile_blocks
 
 from .transformer import all_blocks
 

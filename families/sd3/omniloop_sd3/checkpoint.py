@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from omniloop.checkpoints import (
+from omniloop.errors import CheckpointError
+from omniloop_kit.checkpoints import (
     DIFFUSERS_WEIGHTS,
     TRANSFORMERS_WEIGHTS,
     component_folder,
@@ -40,9 +41,8 @@ from omniloop.checkpoints import (
     read_json,
     read_model_index,
 )
-from omniloop.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
-from omniloop.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
-from omniloop.errors import CheckpointError
+from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
+from omniloop_kit.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 
 PIPELINES = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
 REQUIRED = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")

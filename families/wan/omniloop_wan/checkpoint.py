@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from omniloop.checkpoints import (
+from omniloop.errors import CheckpointError
+from omniloop_kit.checkpoints import (
     DIFFUSERS_WEIGHTS,
     TRANSFORMERS_WEIGHTS,
     component_folder,
@@ -38,9 +39,8 @@ from omniloop.checkpoints import (
     read_model_index,
     weight_files,
 )
-from omniloop.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
-from omniloop.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
-from omniloop.errors import CheckpointError
+from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
+from omniloop_kit.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 OPTIONAL = ("transformer_2", "image_encoder", "image_processor")

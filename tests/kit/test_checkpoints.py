@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from omniloop.checkpoints import (
+from omniloop.errors import CheckpointError
+from omniloop_kit.checkpoints import (
     check_safetensors,
     component_folder,
     looks_like,
@@ -21,7 +22,6 @@ from omniloop.checkpoints import (
     weight_files,
     weight_version,
 )
-from omniloop.errors import CheckpointError
 
 
 def write_safetensors(path: Path, n_floats: int = 4, *, cut: int = 0) -> None:

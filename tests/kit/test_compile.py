@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omniloop.compile import (
+from omniloop.deploy import DeployConfig
+from omniloop.errors import DeployError
+from omniloop_kit.compile import (
     CompiledBlocks,
     blocks_for,
     compile_blocks,
@@ -22,8 +24,6 @@ from omniloop.compile import (
     compiled,
     uncompile,
 )
-from omniloop.deploy import DeployConfig
-from omniloop.errors import DeployError
 
 ON = DeployConfig(compile=True)
 OFF = DeployConfig()
