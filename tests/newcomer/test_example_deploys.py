@@ -70,8 +70,8 @@ def test_every_family_has_an_example() -> None:
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DEPLOYS.glob("*.yaml")))
 def test_example_deploy_resolves(name: str, manager: Any, tiny: Any) -> None:
-    from omniloop_compose import ComposedDeployment, is_composed
     from omniloop.runtime import Deployment
+    from omniloop_compose import ComposedDeployment, is_composed
 
     cfg = load_deploy(DEPLOYS / name)
     data = converter.unstructure(cfg)
