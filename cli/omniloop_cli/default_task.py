@@ -29,7 +29,7 @@ def default_task(deploy_file: str | None, model: str | None, device: str | None,
         from .generate import build_deploy
 
         deploy = build_deploy(deploy_file, model, device, dtype)
-        if routed_fields(deploy):  # composed / parallel: the loader's own task
+        if {"pipeline", "models"} & set(routed_fields(deploy)):  # a composed deploy: its composition's task
             return FALLBACK
         supported = {t.value for t in Deployment(deploy, manager=manager).supported_tasks}
     except Exception:  # reported by the regular path, in its usual order

@@ -76,7 +76,7 @@ class ParallelConfig:
 
     ``sp``: Ulysses sequence parallel over attention heads; ``cfg``: the cond and uncond branches
     on different ranks. World size = ``sp * cfg``; checked before any weight loads
-    (:func:`omniloop.placement.check_parallel`)."""
+    (``omniloop_parallel.checks.check_parallel``, through its runtime loader)."""
 
     sp: int = field(default=1, metadata={"ge": 1})
     cfg: int = field(default=1, metadata={"ge": 1})
@@ -91,7 +91,7 @@ class RolePlacement:
     """Where one component's stages run (``placement.<component>``): ``devices`` names the worker
     processes, one per device (``cpu``, ``cuda:1``); components placed on the same device share that
     worker. omniloop-parallel's role pools run them; checked before any weight loads
-    (:func:`omniloop.placement.check_roles`)."""
+    (``omniloop_parallel.checks.check_roles``, through its runtime loader)."""
 
     devices: list[str] = attrs.Factory(list)
 
@@ -154,7 +154,7 @@ class DeployConfig:
     #: multi-process parallelism of one request's compute, e.g. {sp: 2, cfg: 2} (omniloop-parallel)
     parallel: ParallelConfig = attrs.Factory(ParallelConfig)
     #: role pools: components whose stages run in worker processes, e.g. {vae: {devices: [cpu]}} (VAE
-    #: decode of one request overlaps another's denoise; omniloop-parallel; omniloop.placement.check_roles)
+    #: decode of one request overlaps another's denoise; omniloop-parallel; omniloop_parallel.checks.check_roles)
     placement: dict[str, RolePlacement] = attrs.Factory(dict)
     #: a composed pipeline by its registered name (``prompt-upsample``); with ``models`` instead of
     #: ``model``: one model per role (omniloop-compose; ``Runtime.from_deploy`` hands it to its runtime loader)
