@@ -523,17 +523,20 @@ class Runtime(Deployment):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_deploy(
-        cls, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *, manager: PluginManager | None = None
+        cls, deploy: DeployConfig | Mapping[str, Any] | str | os.PathLike[str], *,
+        manager: PluginManager | str | None = None,
     ) -> Runtime:
         """The runtime of ``deploy``: a single-process :class:`Runtime`, or what the runtime loader a
         plugin registered for it builds (:data:`ROUTED`: omniloop-compose's composed pipelines,
-        omniloop-parallel's worker pools). Every front end loads through here."""
+        omniloop-parallel's worker pools). Every front end loads through here. ``manager``: a
+        PluginManager, None (the installed plugins) or a ``"module:function"`` spec returning one
+        (handed as is to the loader, whose worker processes re-create it)."""
         cfg = load_deploy(deploy)
-        manager = manager or default_manager()
-        loader = loader_for(manager.registry(), cfg)
-        if loader is not None:
+        routing = _manager_of(manager)
+        loader = loader_for(routing.registry(), cfg)
+        if loader is not None:  # given the manager as passed: a "module:function" spec is for its workers
             return loader.load(cfg, manager=manager)  # type: ignore[no-any-return]
-        return cls(cfg, manager=manager)
+        return cls(cfg, manager=routing)
 
     @classmethod
     def from_model(
@@ -964,6 +967,18 @@ def _tasks_of(family: Any, model: LoadedModel) -> frozenset[TaskType]:
         except ValueError:
             pass
     return frozenset(family.tasks)
+
+
+def _manager_of(manager: PluginManager | str | None) -> PluginManager:
+    """The plugin manager ``manager`` names: itself, the installed plugins (None), or what a
+    ``"module:function"`` spec returns (the form worker processes re-create a manager from)."""
+    if isinstance(manager, str):
+        import importlib
+
+        module, _, fn = manager.partition(":")
+        made: PluginManager = getattr(importlib.import_module(module), fn)()
+        return made
+    return manager or default_manager()
 
 
 def _takes_runtime(factory: Any) -> bool:
