@@ -1,4 +1,4 @@
-"""omniloop.checkpoints: the family-independent checks of a diffusers-format checkpoint folder."""
+"""omniloop_kit.checkpoints (omniloop.checkpoints before 0.2): the family-independent checks of a diffusers-format checkpoint folder."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""omniloop.compile: regional compilation shared by the model families (settings, wrappers, picking).
+"""omniloop_kit.compile (omniloop.compile before 0.2): regional compilation shared by the model families (settings, wrappers, picking).
 
 Compilation uses the ``eager`` backend: dynamo traces each block (fullgraph checks included)
 without code generation, so these run in seconds on a CPU."""

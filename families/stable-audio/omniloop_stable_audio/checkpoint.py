@@ -21,7 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omniloop.checkpoints import (
+from omniloop.errors import CheckpointError
+from omniloop_kit.checkpoints import (
     DIFFUSERS_WEIGHTS,
     TRANSFORMERS_WEIGHTS,
     component_folder,
@@ -30,7 +31,6 @@ from omniloop.checkpoints import (
     read_json,
     read_model_index,
 )
-from omniloop.errors import CheckpointError
 from omniloop_kit.loading import declared
 
 PIPELINES = ("StableAudioPipeline",)

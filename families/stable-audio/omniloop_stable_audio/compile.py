@@ -1,14 +1,14 @@
 """Regional compilation of the Stable Audio DiT: each block, as its :class:`BlockStep`, under
 ``torch.compile`` (the mechanics — deploy ``compile: true``, ``compile_backend`` / ``compile_mode``
 / ``compile_dynamic``, eager fallback when the pipeline must run eager — are the core's
-:mod:`omniloop.compile`)."""
+:mod:`omniloop_kit.compile`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from omniloop.compile import CompiledBlocks, blocks_for, compile_info, compile_options
-from omniloop.compile import compile_blocks as _compile_blocks
+from omniloop_kit.compile import CompiledBlocks, blocks_for, compile_info, compile_options
+from omniloop_kit.compile import compile_blocks as _compile_blocks
 
 from .transformer import block_steps
 

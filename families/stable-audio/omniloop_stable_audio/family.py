@@ -10,19 +10,19 @@ import torch
 
 from omniloop.artifacts import Audio, Conditioning, Embeddings, Latents, Tensors
 from omniloop.capabilities import FamilyCapabilities
-from omniloop.checkpoints import read_json, resolve_root, weight_version
 from omniloop.errors import CheckpointError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop_kit import loading
+from omniloop_kit.checkpoints import read_json, resolve_root, weight_version
 
 from . import checkpoint as ck
 from .resolve import DEFAULTS, AudioResolved, audio_config, resolve
 from .stages import Output, TextEncode, VaeDecode, Validate
 
 TASKS = frozenset({TaskType.T2A})
-#: deploy options read (the compile settings of omniloop.compile)
+#: deploy options read (the compile settings of omniloop_kit.compile)
 OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic"})
 
 
