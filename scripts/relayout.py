@@ -46,9 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]  # --root overrides it (the tests run
 #: group -> (one line on what the group is, its plugins)
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "frontends": ("front ends: how requests reach a runtime (HTTP, Dynamo, ComfyUI)", ("server", "dynamo", "comfyui")),
-    "execution": ("execution: how a runtime runs requests (schedulers, worker pools, transports)", ("scheduler", "parallel")),
+    "execution": ("execution: how a runtime runs requests (schedulers, worker pools, transports, composed "
+                  "pipelines)", ("scheduler", "parallel", "compose")),
     "compute": ("compute libraries: what families import for their math (samplers and CFG, attention kernels, "
-                "FP8 linears)", ("policies", "attention", "quant")),
+                "FP8 linears, the paged KV cache)", ("policies", "attention", "quant", "kvcache")),
 }
 
 #: text files rewritten (by suffix, or by name)
