@@ -3,8 +3,8 @@
 The task is still declared, never inferred from the inputs: when ``--task`` is omitted the CLI
 declares the first of :data:`PREFERRED` that the deployment's checkpoint supports (known without
 its weights: ``Deployment.supported_tasks``, i.e. the family's config-only view), so a video model
-gets ``t2v`` as before, an image-only model (flux-demo) gets ``t2i`` and a text model (Qwen)
-``reason``. When the deployment
+gets ``t2v`` as before, an image-only model (flux-demo) gets ``t2i``, an audio-only model
+(Stable Audio) ``t2a`` and a text model (Qwen) ``reason``. When the deployment
 cannot be resolved here (no ``--model``, a bad deploy, a composed deploy) the answer is ``t2v``
 and the usual checks report the problem exactly as they did before.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 #: prompt-only tasks in order of preference
-PREFERRED = ("t2v", "t2i", "reason")
+PREFERRED = ("t2v", "t2i", "t2a", "reason")
 FALLBACK = "t2v"
 
 

@@ -5,8 +5,10 @@ written → resolve the deployment without weights and run every request check t
 (``omniloop.Deployment.check``: task, limits, prompt, plugin params, the family's checks when it
 can inspect its checkpoint) → load the model → ``Runtime.prepare`` (node params and the family's
 full checks) → run through the deploy's scheduler, showing a progress bar per node and per step →
-write the output file: an mp4 for a video, a png/webp for an image (an ``Image`` artifact, or a
-video of one frame). A text task (``--task reason``) writes no file: its text goes to stdout (the
+write the output file: an mp4 for a video (with its sound track as AAC when the output also holds
+audio), a png/webp for an image (an ``Image`` artifact, or a video of one frame), an audio file for
+audio (``--task t2a``, or the track alone of a video with sound: ``.wav``, ``.flac``, ``.mp3``,
+``.ogg``/``.opus``, by suffix; an unknown suffix is refused before anything loads). A text task (``--task reason``) writes no file: its text goes to stdout (the
 summary to stderr).
 """
 
@@ -25,6 +27,8 @@ from .app import fail, get_manager
 VIDEO_SUFFIXES = (".mp4",)
 IMAGE_SUFFIXES = (".png", ".webp")
 IMAGE_TASKS = ("t2i", "i2i")
+#: tasks whose output is audio alone
+AUDIO_TASKS = ("t2a",)
 #: tasks whose output is text: printed on stdout, no file
 TEXT_TASKS = ("reason",)
 
@@ -159,7 +163,7 @@ def run_options(ctx: click.Context) -> dict[str, Any]:
 def build_request(
     prompt: str, *, task: str, negative_prompt: str | None, image: str | None, diffusion: dict[str, Any],
     plugin_params: dict[str, dict[str, Any]], return_latents: bool, sampling: dict[str, Any] | None = None,
-    node_params: dict[str, dict[str, Any]] | None = None,
+    node_params: dict[str, dict[str, Any]] | None = None, audio: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     req: dict[str, Any] = {"task": parse_scalar(task), "prompt": prompt}
     if negative_prompt is not None:
@@ -178,6 +182,9 @@ def build_request(
     s = {k: v for k, v in (sampling or {}).items() if v is not None}
     if s:
         req["sampling"] = s
+    a = {k: v for k, v in (audio or {}).items() if v is not None}
+    if a:
+        req["audio"] = a
     return req
 
 
@@ -211,19 +218,49 @@ def fail_no_stream(request: Any, name: str) -> None:
 
 
 def output_path(out: str | None, request: Any) -> Path:
-    """Where the result goes: ``--out`` (a file, or a folder), default ``./out/<request_id>.mp4|png``."""
+    """Where the result goes: ``--out`` (a file, or a folder), default ``./out/<request_id>.mp4|png|wav``.
+
+    An audio suffix on a video task is accepted here (a video with sound writes its track alone);
+    whether the model makes audio for it is checked against the deployment (:func:`check_audio_out`)."""
+    from omniloop.media import AUDIO_FORMATS
+
+    audio_only = request.task.value in AUDIO_TASKS
     single = request.task.value in IMAGE_TASKS or request.diffusion.frames == 1
-    default_name = f"{request.request_id}{'.png' if single else '.mp4'}"
+    default_name = f"{request.request_id}{'.wav' if audio_only else '.png' if single else '.mp4'}"
     if out is None:
         return Path("out") / default_name
     p = Path(out).expanduser()
     if out.endswith(("/", os.sep)) or p.is_dir():
         return p / default_name
-    if p.suffix.lower() not in VIDEO_SUFFIXES + IMAGE_SUFFIXES:
-        fail(f"--out: unsupported file type {p.suffix or '(none)'!r}; use .mp4 for video, .png or .webp for an image")
+    suffix = p.suffix.lower()
+    audio_types = ", ".join(AUDIO_FORMATS)
+    if audio_only:
+        if suffix not in AUDIO_FORMATS:
+            fail(f"--out: a {request.task.value} request makes audio; unsupported file type {p.suffix or '(none)'!r} "
+                 f"(use {audio_types})")
+        return p
+    if suffix not in VIDEO_SUFFIXES + IMAGE_SUFFIXES + tuple(AUDIO_FORMATS):
+        fail(f"--out: unsupported file type {p.suffix or '(none)'!r}; use .mp4 for video, .png or .webp for an image, "
+             f"{audio_types} for audio")
     if p.suffix.lower() in IMAGE_SUFFIXES and not single:
         fail(f"--out: a {p.suffix.lower()} holds one frame; a {request.task.value} request makes a video (use .mp4, or --frames 1)")
     return p
+
+
+def check_audio_out(deployment: Any, request: Any, path: Path) -> None:
+    """Refuse, before any compute, audio flags (``--seconds``/``--start``) and an audio ``--out``
+    for a request whose model makes no audio (``FamilyCapabilities.makes_audio``)."""
+    from omniloop.media import AUDIO_FORMATS
+
+    if deployment.capabilities.makes_audio(request.task) or request.task not in deployment.supported_tasks:
+        return  # (a task the model does not do: the request check names the task)
+    task = request.task.value
+    if request.audio is not None:
+        fail(f"--seconds/--start: model {deployment.model_name} makes no audio for a {task} request (family "
+             f"{deployment.family.name!r}); drop them")
+    if path.suffix.lower() in AUDIO_FORMATS:
+        fail(f"--out: a {path.suffix.lower()} holds audio; model {deployment.model_name} makes no audio for a "
+             f"{task} request (use .mp4 for video, .png or .webp for an image)")
 
 
 def check_writable(path: Path) -> None:
@@ -241,7 +278,7 @@ def check_writable(path: Path) -> None:
 #: request fields that get a flag of their own: ``--<field-name>`` from the schema's attrs classes
 #: (``DiffusionParams``, ``SamplingParams``), so a field added to the schema gets a flag; older
 #: short names stay as aliases
-FLAG_GROUPS = ("diffusion", "sampling")
+FLAG_GROUPS = ("diffusion", "sampling", "audio")
 FLAG_ALIASES = {"diffusion.guidance_scale": ("--guidance",)}
 FLAG_HELP = {
     "diffusion.steps": "Denoising steps (family default if omitted).",
@@ -258,22 +295,29 @@ FLAG_HELP = {
     "sampling.max_tokens": "Text tasks (reason): new tokens at most.",
     "sampling.seed": "Text tasks (reason): the sampling seed (default: --seed).",
     "sampling.stop": "Text tasks (reason): a stop string.",
+    "audio.seconds": "Audio (t2a, or a video model with sound): the clip's length in seconds (default: the model's maximum).",
+    "audio.start": "Audio: where the clip's window starts, in seconds (default 0).",
 }
+
+
+def group_class(group: str) -> Any:
+    """The attrs class of a request field group (``audio`` is optional: its class)."""
+    import typing
+
+    from omniloop.request import OmniRequest
+
+    t = typing.get_type_hints(OmniRequest)[group]
+    return next((a for a in typing.get_args(t) if a is not type(None)), t)
 
 
 def request_flags() -> list[tuple[str, str, str, tuple[str, ...]]]:
     """(group, field, parameter name, flag names) for every flag derived from the request schema."""
-    import typing
-
     import attrs
-
-    from omniloop.request import OmniRequest
 
     out = []
     taken: set[str] = set()
-    hints = typing.get_type_hints(OmniRequest)
     for group in FLAG_GROUPS:
-        for f in attrs.fields(hints[group]):
+        for f in attrs.fields(group_class(group)):
             path = f"{group}.{f.name}"
             flag = f"--{f.name.replace('_', '-')}"
             if flag in taken:  # a name two groups share: the later one is qualified (--sampling-seed)
@@ -286,9 +330,7 @@ def request_flags() -> list[tuple[str, str, str, tuple[str, ...]]]:
 def _field_kind(group: str, name: str) -> str:
     import typing
 
-    from omniloop.request import OmniRequest
-
-    t = typing.get_type_hints(typing.get_type_hints(OmniRequest)[group]).get(name)
+    t = typing.get_type_hints(group_class(group)).get(name)
     if t is list or typing.get_origin(t) is list:
         return "LIST"
     args = set(typing.get_args(t)) | {t}
@@ -311,7 +353,7 @@ def request_options(fn: Any) -> Any:
 @click.argument("prompt")
 @click.option("--model", "-m", help="A model preset name (e.g. wan-demo) or a checkpoint path.")
 @click.option("--deploy", "deploy_file", type=click.Path(dir_okay=False), help="A deploy file (.yaml/.toml/.json); --model/--device/--dtype override it.")
-@click.option("--task", default=None, help="The task, declared (t2v, i2v, t2i, ...). Default: t2v, or t2i for an image-only model.")
+@click.option("--task", default=None, help="The task, declared (t2v, i2v, t2i, t2a, ...). Default: t2v, or t2i / t2a for an image-only / audio-only model.")
 @request_options
 @click.option("--negative-prompt", help="What to steer away from.")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An input image (i2v, i2i).")
@@ -321,7 +363,7 @@ def request_options(fn: Any) -> Any:
 @click.option("--adapter", "adapter", multiple=True, metavar="NAME[=SCALE]", help="Apply a LoRA adapter the deployment declares (repeatable, stacked in order; scale 1 by default).")
 @click.option("--device", help="cpu, cuda, cuda:1, ... (overrides the deploy file).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Overrides the deploy file.")
-@click.option("--out", "-o", "out", help="Output file (.mp4; .png or .webp for an image) or folder. Default: ./out/<request_id>.mp4 (.png for an image)")
+@click.option("--out", "-o", "out", help="Output file (.mp4; .png or .webp for an image; .wav, .flac, .mp3, .ogg or .opus for audio) or folder. Default: ./out/<request_id>.mp4 (.png for an image, .wav for audio)")
 @click.option("--return-latents", is_flag=True, help="Also save the final latents (<out>.latents.pt).")
 @click.option("--json", "as_json", is_flag=True, help="Print the output's metadata as JSON on stdout.")
 @click.option("--stream", is_flag=True, help="Write frames as they come (a streaming deployment's chunks) as PNGs in <out stem>.frames/.")
@@ -354,7 +396,7 @@ def generate(
     req_dict = build_request(
         prompt, task=task, negative_prompt=negative_prompt, image=image, diffusion=groups["diffusion"],
         plugin_params=parse_plugin_params(plugin_param), return_latents=return_latents, sampling=groups["sampling"],
-        node_params=node_params_of(node_param, strength),
+        node_params=node_params_of(node_param, strength), audio=groups["audio"],
     )
     if adapter:
         from .adapters import parse_adapters
@@ -386,12 +428,19 @@ def generate(
             fail("--model: a composed deploy (pipeline: ...) names its models under models.<role>; drop --model")
         if chosen:
             fail("run-option flags (e.g. --profile) are not supported with a composed deploy yet")
+        from omniloop.media import AUDIO_FORMATS
+
+        if not text_task and path.suffix.lower() in AUDIO_FORMATS and request.task.value not in AUDIO_TASKS:
+            fail(f"--out: a {path.suffix.lower()} holds audio; a composed deploy's {request.task.value} pipeline "
+                 "writes video (use .mp4)")
         runtime, output, load_seconds = _run_composed(ctx, deploy, request, err, frame_stream, as_json)
     else:
         # 2. the request against the deployment, without weights; then the model, and full validation
         deployment = Deployment(deploy, manager=get_manager(ctx))
         if stream and not text_task and not deployment.rollout.streams:  # the family's declaration, before load
             fail_no_stream(request, deployment.model_name)
+        if not text_task:
+            check_audio_out(deployment, request, path)
         deployment.check(request)
         from .vocabulary import warn_vocabulary  # a checkpoint's omniloop.json "vocabulary": one warning line
 

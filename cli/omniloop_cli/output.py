@@ -24,21 +24,40 @@ def _primary_frames(output: Any) -> tuple[Any, float] | None:
     return None
 
 
+def _primary_audio(output: Any) -> Any:
+    """The output's sound (an ``Audio`` artifact: ``audio`` first), or None."""
+    from omniloop.artifacts import Audio
+
+    art = output.artifacts.get("audio")
+    if isinstance(art, Audio):
+        return art
+    return next((a for a in output.artifacts.values() if isinstance(a, Audio)), None)
+
+
 def write_outputs(output: Any, path: Path, *, latents: bool = False) -> dict[str, Path]:
-    """Write the video (``.mp4``) or image (``.png``/``.webp``: an ``Image`` artifact, or a video of
-    one frame) to ``path``; with ``latents``, the final latents beside it (``<stem>.latents.pt``)."""
+    """Write the video (``.mp4``, with the output's audio muxed as an AAC track when it has one),
+    image (``.png``/``.webp``: an ``Image`` artifact, or a video of one frame) or audio (``.wav``,
+    ``.flac``, ``.mp3``, ``.ogg``/``.opus``: the ``Audio`` artifact alone) to ``path``; with
+    ``latents``, the final latents beside it (``<stem>.latents.pt``)."""
     from omniloop import media
 
     files: dict[str, Path] = {}
     picture = _primary_frames(output)
-    if picture is not None:
+    sound = _primary_audio(output)
+    suffix = path.suffix.lower()
+    if suffix in media.AUDIO_FORMATS:
+        if sound is None:
+            fail(f"--out: a {suffix} holds audio; the output has none")
+        files["output"] = Path(media.write_audio(sound.samples, int(sound.sample_rate), path))
+    elif picture is not None:
         frames, fps = picture
-        if path.suffix.lower() in media.IMAGE_FORMATS:
+        if suffix in media.IMAGE_FORMATS:
             if frames.shape[0] != 1:
-                fail(f"--out: a {path.suffix.lower()} holds one frame; the output has {frames.shape[0]} (use .mp4)")
+                fail(f"--out: a {suffix} holds one frame; the output has {frames.shape[0]} (use .mp4)")
             files["output"] = Path(media.write_image(frames[0], path))
         else:
-            files["output"] = Path(media.write_mp4(frames, fps, path))
+            track = (sound.samples, int(sound.sample_rate)) if sound is not None else None
+            files["output"] = Path(media.write_mp4(frames, fps, path, audio=track))
     art = output.artifacts.get("latents") if latents else None
     if art is not None and getattr(art, "tensor", None) is not None:
         import torch
@@ -83,11 +102,16 @@ def summarize(con: Console, output: Any, files: dict[str, Path], load_seconds: f
     m = output.metrics
     if "output" in files:
         picture = _primary_frames(output)
+        sound = _primary_audio(output)
         shape = ""
-        if picture is not None:
+        if picture is not None and files["output"].suffix.lower() in (".mp4", ".png", ".webp"):
             frames, fps = picture
             t, h, w = frames.shape[:3]
-            shape = f" ({t} frame{'s' if t != 1 else ''}, {w}x{h}" + (f", {fps:g} fps)" if t > 1 else ")")
+            shape = f" ({t} frame{'s' if t != 1 else ''}, {w}x{h}" + (f", {fps:g} fps" if t > 1 else "")
+            shape += ", with sound)" if sound is not None and files["output"].suffix.lower() == ".mp4" else ")"
+        elif sound is not None:
+            c, n = sound.samples.shape
+            shape = f" ({n / sound.sample_rate:.3g} s, {sound.sample_rate} Hz, {'mono' if c == 1 else f'{c} channels'})"
         con.print(f"[bold green]wrote[/] {escape(str(files['output']))}{shape}")
     for kind, p in files.items():
         if kind != "output":

@@ -34,8 +34,10 @@ the field. Fields, each defaulting to "not supported":
 ``returns_latents``
     the default pipeline serves ``outputs.return_latents`` (the final latents as an output).
 ``audio``
-    the family makes audio and reads the request's ``audio`` window (``t2a``, or a sound track);
-    a request with ``audio`` to any other family is refused.
+    the family makes audio (an ``audio`` artifact, :class:`omniloop.artifacts.Audio`) and reads the
+    request's ``audio`` window: for ``t2a``, and for the tasks in ``audio_tasks``. A request with
+    ``audio`` for any other task is refused (:meth:`FamilyCapabilities.makes_audio`); a family that
+    does ``t2a`` must declare it.
 ``streams_partial``
     the default pipeline emits partial artifacts (``outputs.stream_partial``: text as it decodes).
 ``rollouts``
@@ -54,6 +56,10 @@ the field. Fields, each defaulting to "not supported":
 ``options``
     the keys of the deploy's ``options`` the family reads (None: not declared, nothing checked);
     any other key is refused when the deployment is resolved, naming it and the family.
+``audio_tasks``
+    with ``audio``: the tasks besides ``t2a`` whose output also holds the ``audio`` artifact (a
+    video with a sound track: a joint audio-video family lists ``t2v``). Front ends read
+    :meth:`FamilyCapabilities.makes_audio` to pick the output file type (an mp4 with an AAC track).
 ``inspect`` / ``resolve`` / ``supported_tasks`` / ``task_defaults``
     the family defines that optional method (see :class:`omniloop.family.Family`).
 
@@ -106,6 +112,11 @@ def _optional_map(value: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
 
 def _name_set(value: Iterable[str]) -> frozenset[str]:
     return frozenset(value)
+
+
+def _task_names(value: Iterable[Any]) -> frozenset[str]:
+    """Task names (``"t2v"``), given as strings or ``TaskType`` members."""
+    return frozenset(str(getattr(t, "value", t)) for t in value)
 
 
 def _optional_set(value: Iterable[str] | None) -> frozenset[str] | None:
@@ -165,6 +176,7 @@ class FamilyCapabilities:
     options: frozenset[str] | None = field(default=None, converter=_optional_set)
     rollout_support: Any = None  # omniloop.rl.RolloutSupport | None (typed loosely: no import cycle)
     step_batch_retry_alone: frozenset[str] = field(default=frozenset(), converter=_name_set)
+    audio_tasks: frozenset[str] = field(default=frozenset(), converter=_task_names)
     inspect: bool = False
     resolve: bool = False
     supported_tasks: bool = False
@@ -173,6 +185,12 @@ class FamilyCapabilities:
     def methods(self) -> tuple[str, ...]:
         """The optional methods declared."""
         return tuple(m for m in OPTIONAL_METHODS if getattr(self, m))
+
+    def makes_audio(self, task: Any) -> bool:
+        """Whether a ``task`` request's output holds an ``audio`` artifact (and the request may
+        carry an ``audio`` window): a family declaring ``audio``, for ``t2a`` and its ``audio_tasks``."""
+        value = str(getattr(task, "value", task))
+        return self.audio and (value == "t2a" or value in self.audio_tasks)
 
     def check_options(self, family: str, options: Mapping[str, Any]) -> None:
         """Refuse (one :class:`~omniloop.errors.DeployError` line) a family option the family does
@@ -251,6 +269,15 @@ def validate(family: Any, caps: Any) -> FamilyCapabilities:
     # rl reads this module, so this module does not import rl (issue 34: no import cycle)
     if any(not isinstance(n, str) or not n for n in caps.step_batch_retry_alone):
         raise PluginError(f"{where}.step_batch_retry_alone: expected loop node names")
+    tasks = {str(getattr(t, "value", t)) for t in getattr(family, "tasks", ())}
+    if caps.audio_tasks and not caps.audio:
+        raise PluginError(f"{where}.audio_tasks: the family declares audio=False (audio_tasks needs audio=True)")
+    if "t2a" in tasks and not caps.audio:
+        raise PluginError(f"{where}.audio: the family does t2a, so it makes audio: declare audio=True")
+    stray = sorted(caps.audio_tasks - tasks)
+    if stray:
+        raise PluginError(f"{where}.audio_tasks: {stray[0]!r} is not one of the family's tasks "
+                          f"({', '.join(sorted(tasks)) or 'none'})")
     if any(not isinstance(c, str) or not c for c in caps.role_components):
         raise PluginError(f"{where}.role_components: expected component names")
     names = [r.name for r in caps.rollouts]

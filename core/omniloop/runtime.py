@@ -258,8 +258,6 @@ class Deployment:
 
     def _check_common(self, req: OmniRequest) -> None:
         self._check_outputs(req)
-        if req.audio is not None and not self.capabilities.audio:
-            raise RequestError("audio", f"family {self.family.name!r} does not make audio (its capabilities declare none); remove audio")
         if req.task in DIFFUSION_TASKS:  # token-sampling knobs a denoising request would ignore
             given = _non_default_fields(req.sampling)
             if given:
@@ -273,6 +271,9 @@ class Deployment:
         if req.exact and self.attention.distribution_altering:
             raise RequestError("exact", f"attention backend {self.attention.name!r} alters outputs; exact requests cannot use it")
         _linears.check_request(req, self.linear_precision)
+        if req.audio is not None and not self.capabilities.makes_audio(req.task):  # nothing silently ignored
+            raise RequestError("audio", f"family {self.family.name!r} does not make audio for a {req.task.value} "
+                               "request (its capabilities declare none for it); remove audio")
         self._check_group_and_rollout(req)
 
     def _check_group_and_rollout(self, req: OmniRequest) -> None:

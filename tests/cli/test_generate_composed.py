@@ -63,3 +63,10 @@ def test_model_flag_with_a_composed_deploy_is_refused(deploy_file: Path, tmp_pat
     res = CliRunner().invoke(cli, ["generate", "a fox", "--deploy", str(deploy_file), "--model", "wan-demo",
                                    "--out", str(tmp_path / "a.mp4")], obj=_manager())
     assert res.exit_code != 0 and "--model: a composed deploy" in res.output
+
+
+def test_an_audio_out_with_a_composed_video_deploy_is_refused_before_load(deploy_file: Path, tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, ["generate", "a fox", "--deploy", str(deploy_file), "--out", str(tmp_path / "a.wav")],
+                             obj=_manager())
+    assert res.exit_code == 2 and "--out: a .wav holds audio; a composed deploy's t2v pipeline" in res.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -33,6 +33,7 @@ from omniloop.capabilities import (
 )
 from omniloop.errors import DeployError, RequestError
 from omniloop.hookspecs import hookimpl
+from omniloop.request import TaskType
 from omniloop.testing import ToyFamily, make_manager, toy_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +122,10 @@ def _toy_with(**caps: Any) -> Any:
     return fam
 
 
+class _T2AWithoutAudio(ToyFamily):
+    tasks = frozenset({*ToyFamily.tasks, TaskType.T2A})
+
+
 class _NoInspect(ToyFamily):
     capabilities = attrs.evolve(ToyFamily.capabilities, inspect=False)
 
@@ -137,6 +142,9 @@ class _NoInspect(ToyFamily):
     (_toy_with(rollouts=(Rollout("a"), Rollout("a"))), "capabilities.rollouts: expected Rollout records with distinct names"),
     (_toy_with(rollouts=(Rollout("a", returns_latents=False),)), "capabilities.returns_latents must equal"),
     (_toy_with(attention_grid="dense"), "capabilities.attention_grid: expected a callable"),
+    (_toy_with(audio=True, audio_tasks={"t2a"}), "capabilities.audio_tasks: 't2a' is not one of the family's tasks (t2i, t2v)"),
+    (_toy_with(audio_tasks={"t2v"}), "capabilities.audio_tasks: the family declares audio=False"),
+    (_T2AWithoutAudio(), "capabilities.audio: the family does t2a, so it makes audio: declare audio=True"),
 ])
 def test_registration_refuses_a_declaration_the_family_cannot_serve(family: Any, message: str) -> None:
     rec, reg = _register(family)

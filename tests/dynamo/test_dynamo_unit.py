@@ -380,6 +380,29 @@ def test_the_worker_names_media_files_itself(tmp_path) -> None:
     assert not list(tmp_path.glob("*.mp4")) and not (tmp_path.parent / "escape.mp4").exists()
 
 
+def test_the_worker_muxes_a_videos_sound_track(tmp_path) -> None:
+    """A video with an audio artifact (a family declaring audio_tasks) comes back as an mp4 with its AAC track."""
+    import av
+    import torch
+
+    from omniloop.artifacts import Audio, VideoFrames
+    from omniloop.request import OmniOutput, Status
+    from omniloop_dynamo.worker import OmniloopDynamoWorker, WorkerOptions
+
+    worker = OmniloopDynamoWorker.__new__(OmniloopDynamoWorker)
+    worker.options = WorkerOptions(deploy="x")
+    worker._media_dir = tmp_path / "media"
+    worker.model_name = "m"
+    t = torch.arange(16000) / 16000
+    sound = Audio(samples=torch.stack([0.3 * torch.sin(2 * torch.pi * 440 * t)] * 2), sample_rate=16000)
+    out = OmniOutput("r1", Status.COMPLETED, artifacts={
+        "video": VideoFrames(frames=torch.zeros(8, 16, 16, 3, dtype=torch.uint8), fps=8.0), "audio": sound})
+    worker._encode(video(response_format="url"), [out], "r1", 0.1)
+    (path,) = (tmp_path / "media").iterdir()
+    with av.open(str(path)) as c:
+        assert [s.type for s in c.streams] == ["video", "audio"] and c.streams.audio[0].sample_rate == 16000
+
+
 def test_the_worker_advertises_the_checkpoints_tasks(toy_runtime_factory) -> None:
     from omniloop_dynamo.worker import OmniloopDynamoWorker, WorkerOptions
 

@@ -652,7 +652,8 @@ _RULES_BEYOND_THE_SCHEMA = re.compile(r"^(omniloop\.inputs\.\d+(\.path|\.type)?|
 _CONVERTER_WIDE = "may not contain a NUL character"
 
 
-@pytest.mark.parametrize("name", ["VideoCreate", "ImageCreate", "ImageEdit", "ChatCompletionCreate", "CompletionCreate"])
+@pytest.mark.parametrize("name", ["VideoCreate", "ImageCreate", "ImageEdit", "ChatCompletionCreate", "CompletionCreate",
+                                  "SpeechCreate", "AudioGenerationCreate"])
 def test_every_body_the_document_allows_passes_the_body_validation(name: str) -> None:
     """The other direction of one source of truth: bodies drawn from /openapi.json's schema of an
     endpoint are accepted by that endpoint's body class (no server, so 200 examples are quick)."""

@@ -1,6 +1,8 @@
 """Test helpers for omniloop and its plugin authors.
 
 * :mod:`omniloop.testing.toy` — a toy family on a real tiny torch model.
+* :mod:`omniloop.testing.toy_audio` — a toy text-to-audio family (a deterministic sine generator
+  under the runtime-owned loop) for the audio front ends.
 * :mod:`omniloop.testing.conformance` — checks a family, block/step interceptor or observer
   against the contracts (determinism, interleaving, baseline/enabled/disabled, read-only).
 * :func:`make_manager` / :func:`toy_runtime` — an isolated plugin manager and runtime, no
@@ -29,6 +31,7 @@ from ..hookspecs import hookimpl
 from ..plugins import PluginManager
 from ..request import OmniEvent, Status
 from .toy import ToyFamily, ToyPlugin, build_toy_checkpoint
+from .toy_audio import ToyAudioFamily, ToyAudioPlugin, build_toy_audio_checkpoint
 
 
 class InlineSerialScheduler:
@@ -55,11 +58,15 @@ class _InlineSchedulerPlugin:
         register(SchedulerSpec(name="serial", factory=InlineSerialScheduler))
 
 
-def make_manager(*plugins: tuple[str, Any], toy: bool = True, scheduler: bool = True) -> PluginManager:
-    """A plugin manager with no entry-point discovery: core + toy family + a serial scheduler + ``plugins``."""
+def make_manager(*plugins: tuple[str, Any], toy: bool = True, scheduler: bool = True,
+                 toy_audio: bool = False) -> PluginManager:
+    """A plugin manager with no entry-point discovery: core + toy family (+ the toy-audio family
+    with ``toy_audio``) + a serial scheduler + ``plugins``."""
     pm = PluginManager(discover=False)
     if toy:
         pm.add("toy", ToyPlugin())
+    if toy_audio:
+        pm.add("toy-audio", ToyAudioPlugin())
     if scheduler:
         pm.add("inline-serial", _InlineSchedulerPlugin())
     for name, obj in plugins:
@@ -180,9 +187,12 @@ def raising_rows(stage_cls: type, key: str, poison: list[Any], after: int = 1) -
 
 __all__ = [
     "InlineSerialScheduler",
+    "ToyAudioFamily",
+    "ToyAudioPlugin",
     "ToyFamily",
     "ToyPlugin",
     "advance_in_lockstep",
+    "build_toy_audio_checkpoint",
     "build_toy_checkpoint",
     "completed_latents",
     "forward_rows",

@@ -522,7 +522,7 @@ class OmniloopDynamoWorker:
 
     # -- media ------------------------------------------------------------------------------------------
     def _encode(self, mapped: MappedRequest, outputs: list[OmniOutput], rid: str, seconds: float) -> dict[str, Any]:
-        from omniloop.artifacts import Image, VideoFrames
+        from omniloop.artifacts import Audio, Image, VideoFrames
         from omniloop.media import write_mp4, write_png
 
         assert self._media_dir is not None
@@ -536,7 +536,9 @@ class OmniloopDynamoWorker:
                 if vid is None:
                     raise self.E.Unknown(f"the model produced no video (artifacts: {', '.join(out.artifacts)})")
                 path = media_path(self._media_dir, ".mp4")
-                write_mp4(vid.frames, vid.fps, path)
+                sound = out.artifacts.get("audio")  # a video with a sound track (audio_tasks): its AAC track
+                write_mp4(vid.frames, vid.fps, path,
+                          audio=(sound.samples, int(sound.sample_rate)) if isinstance(sound, Audio) else None)
                 data.append(self._deliver(path, mapped, fps=vid.fps, video=True))
             else:
                 img = next((a for a in arts if isinstance(a, Image)), None)

@@ -14,6 +14,8 @@
 ``DELETE /v1/videos/{id}``             delete a job (cancelling it first if it still runs)
 ``POST /v1/images/generations``        OpenAI-like; waits, returns ``data: [{b64_json}]`` (png)
 ``POST /v1/images/edits``              i2i (multipart as the SDK sends it, or JSON); see :mod:`.images`
+``POST /v1/audio/speech``              t2a (OpenAI's audio.speech shape): the audio file's bytes;
+``POST /v1/audio/generations``         audio jobs (poll, ``/content``); see :mod:`.audio`
 ``POST /v1/chat/completions``          text (``reason``) deployments; SSE chunks with ``stream``;
 ``POST /v1/completions``               see :mod:`.chat`
 ``GET /v1/models[/{id}]``              the served model
@@ -60,6 +62,7 @@ from omniloop.request import TaskType
 from omniloop_scheduler import AdmissionRefused, AsyncEngine, EngineClosed, QueueFull
 
 from .admin import admin_routes
+from .audio import audio_routes
 from .bodies import (
     MAX_IMAGE_BYTES,
     BodyTooLarge,
@@ -849,7 +852,7 @@ def create_app(
     # endpoints kept in their own modules, built on these helpers
     api = _Helpers(state=state, engine=engine, read_request_body=read_request_body, read_json=read_json, submit=submit,
                    translate=translate, closed=closed, options=options)
-    routes += [*text_routes(api), *image_edit_routes(api), *video_stream_routes(api)]
+    routes += [*text_routes(api), *image_edit_routes(api), *video_stream_routes(api), *audio_routes(api)]
     routes += admin_routes(api)  # post-training admin routes: only with the deploy's admin.token_env
     routes = mount(routes, route_extensions, api)  # plugins' routes (omniloop.server_routes)
     app = _App(routes=routes, lifespan=lifespan,

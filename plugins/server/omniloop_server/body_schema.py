@@ -31,12 +31,12 @@ import attrs
 from attrs import define, field
 
 from omniloop.errors import RequestError
-from omniloop.request import DiffusionParams, OmniRequest, SamplingParams
+from omniloop.request import AudioParams, DiffusionParams, OmniRequest, SamplingParams
 from omniloop.schema import brief, structure
 
 #: fields of the ``omniloop`` object a client may set (OmniRequest fields; the endpoint sets the task)
 OMNILOOP_FIELDS = frozenset({"diffusion", "sampling", "outputs", "node_params", "plugin_params", "exact", "priority",
-                             "request_id", "inputs", "negative_prompt", "adapters"})
+                             "request_id", "inputs", "negative_prompt", "adapters", "audio"})
 #: a client-given job id: short and safe (it is metadata and a URL segment, never a file name)
 REQUEST_ID_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,63}"
 REQUEST_ID = re.compile(f"^{REQUEST_ID_PATTERN}$")
@@ -46,7 +46,8 @@ MAX_IMAGES = 10
 MAX_SECONDS = 3600.0
 _NUMBER_TEXT = re.compile(r"^ *[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)? *$")
 
-_OWNERS: dict[str, type] = {"": OmniRequest, "diffusion": DiffusionParams, "sampling": SamplingParams}
+_OWNERS: dict[str, type] = {"": OmniRequest, "diffusion": DiffusionParams, "sampling": SamplingParams,
+                             "audio": AudioParams}
 
 
 def _target_field(target: str) -> tuple[type, attrs.Attribute]:  # type: ignore[type-arg]
@@ -327,9 +328,66 @@ class CompletionCreate(TextBody):
     best_of: Any = _noop()
 
 
+# -- audio bodies (their endpoints: omniloop_server.audio) -----------------------------------------
+
+#: what the audio endpoints return (``omniloop.media.AUDIO_ENCODINGS``)
+AUDIO_RESPONSE_FORMATS = ("wav", "flac", "mp3", "opus", "aac", "pcm")
+
+
+def _only_speed_one(v: Any) -> str | None:
+    return None if v is None or v == 1 else f"only 1.0 (the model's own tempo), got {_show(v)}"
+
+
+@define(frozen=True, kw_only=True)
+class AudioBody:
+    """The fields both audio endpoints take (a ``t2a`` request)."""
+
+    model: str | None = field(default=None, metadata={"description": "the served model's id"})
+    negative_prompt: str | None = None
+    seconds: float | None = alias("audio.seconds", "audio.seconds: the clip's length (default: the model's maximum)")
+    start: float | None = alias("audio.start", "audio.start: where the clip's window starts, in seconds")
+    steps: int | None = alias("diffusion.steps")
+    num_inference_steps: int | None = alias("diffusion.steps", "diffusion.steps (diffusers' name)")
+    guidance: float | None = alias("diffusion.guidance_scale", "diffusion.guidance_scale")
+    guidance_scale: float | None = alias("diffusion.guidance_scale")
+    seed: int | None = alias("diffusion.seed")
+    priority: int | None = alias("priority")
+    omniloop: Omniloop | None = None  # type: ignore[valid-type]
+    user: Any = _ignored()
+
+
+@define(frozen=True, kw_only=True)
+class SpeechCreate(AudioBody):
+    """``POST /v1/audio/speech`` (OpenAI's shape): ``input`` is the prompt; the answer is the file."""
+
+    input: str = field(metadata={"description": "the prompt: what the audio should be"})
+    voice: Any = _ignored("required by OpenAI's SDK; a text-to-audio model has no voices: accepted, without effect")
+    response_format: Literal["wav", "flac", "mp3", "opus", "aac", "pcm"] | None = field(default=None, metadata={
+        "description": "the file type (default mp3, as OpenAI's); pcm: raw 16-bit little-endian samples, channels "
+                       "interleaved, at the model's rate (the X-Sample-Rate and X-Channels headers say which)"})
+    speed: float | None = field(default=None, metadata={"check": _only_speed_one, "description": "only 1.0",
+                                                        "json_schema": {"anyOf": [{"enum": [1, 1.0]}, {"type": "null"}]}})
+    instructions: str | None = field(default=None, metadata={
+        "check": lambda v: None if not v else "instructions (voice control) are not supported by a text-to-audio "
+                                              "model; put what the audio should be in input",
+        "description": "refused unless empty: a text-to-audio model takes no voice instructions",
+        "json_schema": {"anyOf": [{"enum": [""]}, {"type": "null"}]}})
+    stream_format: Literal["audio"] | None = field(default=None, metadata={
+        "description": "only audio (the whole file); sse is not supported"})
+
+
+@define(frozen=True, kw_only=True)
+class AudioGenerationCreate(AudioBody):
+    """``POST /v1/audio/generations``: an audio job (poll it, then ``GET .../content``)."""
+
+    prompt: str = field(metadata={"description": "what the audio should be"})
+    response_format: Literal["wav", "flac", "mp3", "opus", "aac", "pcm"] | None = field(default=None, metadata={
+        "description": "the file type of the job's content (default wav)"})
+
+
 #: the body classes by OpenAPI schema name
 BODY_CLASSES: dict[str, type] = {c.__name__: c for c in (VideoCreate, ImageCreate, ImageEdit, ChatCompletionCreate,
-                                                         CompletionCreate)}
+                                                         CompletionCreate, SpeechCreate, AudioGenerationCreate)}
 
 
 def fields_of(cls: type) -> frozenset[str]:
@@ -433,7 +491,33 @@ def numeric_form_fields(*classes: type) -> tuple[frozenset[str], frozenset[str]]
 
 
 __all__ = [
-    "BODY_CLASSES", "CHAT_ROLES", "MAX_IMAGES", "MAX_MESSAGES", "MAX_SECONDS", "OMNILOOP_FIELDS", "REQUEST_ID", "ChatCompletionCreate", "ChatMessage",
-    "CompletionCreate", "DiffusionBody", "ImageCreate", "ImageEdit", "InvalidBody", "Omniloop", "StreamOptions", "TextBody", "VideoCreate", "alias",
-    "alias_values", "check_http_inputs", "fields_of", "numeric_form_fields", "parse_body", "seconds_value",
+    "AUDIO_RESPONSE_FORMATS",
+    "BODY_CLASSES",
+    "CHAT_ROLES",
+    "MAX_IMAGES",
+    "MAX_MESSAGES",
+    "MAX_SECONDS",
+    "OMNILOOP_FIELDS",
+    "REQUEST_ID",
+    "AudioBody",
+    "AudioGenerationCreate",
+    "ChatCompletionCreate",
+    "ChatMessage",
+    "CompletionCreate",
+    "DiffusionBody",
+    "ImageCreate",
+    "ImageEdit",
+    "InvalidBody",
+    "Omniloop",
+    "SpeechCreate",
+    "StreamOptions",
+    "TextBody",
+    "VideoCreate",
+    "alias",
+    "alias_values",
+    "check_http_inputs",
+    "fields_of",
+    "numeric_form_fields",
+    "parse_body",
+    "seconds_value",
 ]

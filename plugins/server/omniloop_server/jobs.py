@@ -171,11 +171,12 @@ VARIANT_SUFFIXES = (".thumbnail.png", ".spritesheet.png")
 SPRITESHEET_FRAMES = 16
 
 
-def write_outputs(frames: Any, fps: float, path: Path) -> None:
-    """The mp4 (atomically), then its thumbnail (first frame) and spritesheet (frames side by side)."""
+def write_outputs(frames: Any, fps: float, path: Path, audio: Any = None) -> None:
+    """The mp4 (atomically; with ``audio``, an ``omniloop.artifacts.Audio``, as its AAC track), then
+    its thumbnail (first frame) and spritesheet (frames side by side)."""
     from omniloop.media import to_pil, write_mp4
 
-    write_mp4(frames, fps, path)
+    write_mp4(frames, fps, path, audio=None if audio is None else (audio.samples, int(audio.sample_rate)))
     to_pil(frames[0]).save(path.with_suffix(VARIANT_SUFFIXES[0]), format="PNG")
     t = int(frames.shape[0])
     picks = sorted({round(i * (t - 1) / max(1, SPRITESHEET_FRAMES - 1)) for i in range(min(t, SPRITESHEET_FRAMES))})
@@ -357,7 +358,8 @@ class JobStore:
                 return
             try:
                 path = self.output_path()
-                await asyncio.to_thread(write_outputs, video.frames, float(video.fps), path)
+                sound = out.artifacts.get("audio")  # a video with a sound track (audio_tasks): muxed in
+                await asyncio.to_thread(write_outputs, video.frames, float(video.fps), path, sound)
             except Exception as exc:
                 self.write_failures += 1
                 log.exception("writing the output of job %s failed", job.id)

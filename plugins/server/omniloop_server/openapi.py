@@ -18,6 +18,7 @@ import attrs
 
 from omniloop.jsonschema import json_schema, request_schema
 
+from .audio import audio_paths, audio_schemas
 from .body_schema import BODY_CLASSES
 
 OPENAPI_VERSION = "3.1.0"
@@ -82,6 +83,7 @@ def schemas() -> dict[str, Any]:
     out["ModelList"] = {"type": "object", "required": ["object", "data"],
                         "properties": {"object": {"enum": ["list"]},
                                        "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}}
+    out.update(audio_schemas())
     out["Completion"] = {"type": "object", "required": ["id", "object"],
                          "properties": {"id": _STR, "object": _STR, "choices": {"type": "array"}, "usage": {"type": "object"}}}
     return out
@@ -165,6 +167,7 @@ def openapi_document(*, title: str = "omniloop", version: str = "0.1.0") -> dict
                     "parameters": [_id_param("name")],
                     "responses": {"200": {"description": "The png", "content": {
                         "image/png": {"schema": {"type": "string", "format": "binary"}}}}, **_ERRORS}}},
+        **audio_paths(),
         "/openapi.json": {"get": {"operationId": "openapi", "responses": {
             "200": {"description": "This document", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
         "/docs": {"get": {"operationId": "docs", "responses": {
