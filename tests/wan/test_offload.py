@@ -18,8 +18,9 @@ import torch
 from omniloop.errors import DeployError
 from omniloop.offload import PoisonMover, install
 from omniloop.runtime import Deployment, Runtime
+from omniloop.testing import make_manager
 
-from .conftest import _t2v_request, wan_manager
+from .conftest import _t2v_request, wan_manager, wan_plugin
 
 
 def _strict(rt: Runtime, mode: str) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -137,8 +138,11 @@ def test_i2v_offload_sequential_equals(tiny_ckpt, i2v_request) -> None:
     ({"offload": "everything"}, r"offload: .*everything"),
 ])
 def test_bad_offload_deploys_refused_at_load(tiny_ckpt, deploy: dict[str, Any], match: str) -> None:
+    import omniloop_parallel.plugin as parallel_plugin  # a parallel deploy is routed to its runtime loader
+
+    manager = make_manager(("wan", wan_plugin), ("parallel", parallel_plugin), toy=False)
     with pytest.raises(DeployError, match=match) as info:
-        Deployment({"model": {"path": str(tiny_ckpt())}, **deploy}, manager=wan_manager())
+        Deployment({"model": {"path": str(tiny_ckpt())}, **deploy}, manager=manager)
     assert "\n" not in str(info.value)
 
 
