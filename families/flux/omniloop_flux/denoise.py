@@ -20,31 +20,22 @@ With the defaults this is ``FluxPipeline`` / ``FluxImg2ImgPipeline``'s loop op f
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 from attrs import define
 
-from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
+from omniloop.artifacts import Embeddings, Tensors
 from omniloop.context import StageContext
 from omniloop.interceptors import BlockContext
-from omniloop.loop import LoopState, RequestState, StepResult
-from omniloop_policies.stepping import (
-    batchable,
-    begin_step,
-    begin_steps,
-    branch_predictions,
-    finish_step,
-    plan_together,
-    stack_rows,
-    unstack_rows,
-)
+from omniloop.loop import LoopState, RequestState
+from omniloop_kit.compile import blocks_for
+from omniloop_kit.denoise import DenoiseLoop, randn, request_generator
+from omniloop_kit.stages import params_of, vae_scale_factor
+from omniloop_policies.stepping import stack_rows
 
-from .resolve import FluxParams
-from .stages import vae_scale_factor
-from .transformer import flux_forward
+from .transformer import flux_forward, request_constants
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -67,10 +58,6 @@ def image_ids(h2: int, w2: int, device: torch.device, dtype: torch.dtype) -> tor
     ids[..., 1] = ids[..., 1] + torch.arange(h2)[:, None]
     ids[..., 2] = ids[..., 2] + torch.arange(w2)[None, :]
     return ids.reshape(h2 * w2, 3).to(device=device, dtype=dtype)
-
-
-def _params(state: RequestState) -> FluxParams:
-    return state.read("params", Conditioning).values["params"]
 
 
 @define
@@ -98,14 +85,15 @@ def stack(inputs: Sequence[StepInputs], branch: str = "cond") -> dict[str, Any]:
     return batch
 
 
-class Denoise:
-    """One solver step per ``step()``."""
+class Denoise(DenoiseLoop):
+    """One solver step per ``step()`` (omniloop-kit's skeleton); batched across requests under
+    embedded guidance (true CFG runs alone)."""
 
-    def __init__(self, menu: Any) -> None:
-        self.menu = menu
+    tag = "flux-denoise"
+    name_policies = False
 
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
-        p = _params(state)
+        p = params_of(state)
         pol = p.policies if p.policies is not None else self.menu.resolve(state.request)
         comps = ctx.components
         tf, vae = comps["transformer"], comps["vae"]
@@ -113,11 +101,7 @@ class Denoise:
         vsf = vae_scale_factor(vae)
         lh, lw = 2 * (p.height // (vsf * 2)), 2 * (p.width // (vsf * 2))
         channels = tf.config.in_channels // 4
-        generator = state.generator
-        if generator is None:  # driven without a runtime: still deterministic per request
-            generator = torch.Generator("cpu").manual_seed(int(state.request.diffusion.seed or 0))
-        from diffusers.utils.torch_utils import randn_tensor
-
+        generator = request_generator(state)
         loop = LoopState()
         seq_len = (lh // 2) * (lw // 2)
         pol.init(loop, device=ctx.device, generator=generator, seq_len=seq_len)
@@ -125,11 +109,11 @@ class Denoise:
         cond = state.get("image_latents")
         if isinstance(cond, Tensors):  # i2i: the image noised to the first kept timestep
             image_latents = cond.values["latents"].to(device=ctx.device, dtype=dtype)
-            noise = randn_tensor(shape, generator=generator, device=ctx.device, dtype=dtype)
+            noise = randn(shape, generator, ctx.device, dtype)
             sstate = pol.sampler_state(loop)
             latents = sstate.scheduler.scale_noise(image_latents, sstate.timesteps[:1].repeat(1), noise)
         else:
-            latents = randn_tensor(shape, generator=generator, device=ctx.device, dtype=dtype)
+            latents = randn(shape, generator, ctx.device, dtype)
         loop.tensors["latents"] = pack_latents(latents)
         loop.tensors["img_ids"] = image_ids(lh // 2, lw // 2, ctx.device, dtype)
         loop.extra["latent_hw"] = (lh, lw)
@@ -144,12 +128,10 @@ class Denoise:
         if ctx.components["transformer"].config.guidance_embeds:
             g = pol.model_guidance(step, loop)
             if g is None:  # true CFG: the guidance embedding gets the task's default guidance
-                g = _params(state).embedded_guidance
+                g = params_of(state).embedded_guidance
             guidance = torch.full([1], float(g), device=latents.device, dtype=torch.float32).expand(latents.shape[0])
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         if "context" not in loop.extra:  # per-request constants of the forward, computed once
-            from .transformer import request_constants
-
             tf = ctx.components["transformer"]
             context: dict[str, torch.Tensor] = {}
             pooled: dict[str, torch.Tensor] = {}
@@ -165,71 +147,33 @@ class Denoise:
             pooled=loop.extra["pooled"], rotary=loop.extra["rotary"],
         )
 
-    def forward(self, ctx: StageContext, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
-        from .compile import blocks_for
+    def inputs(self, ctx: StageContext, state: RequestState, loop: LoopState, pol: Any, expert: str | None) -> StepInputs:
+        return self.step_inputs(ctx, state, loop)
 
+    def stack(self, inputs: Sequence[StepInputs], group: tuple[str, ...]) -> dict[str, Any]:
+        return stack(inputs, group[0])
+
+    def rows(self, inputs: StepInputs) -> int:
+        return int(inputs.x.shape[0])
+
+    def forward(self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
         model = ctx.components["transformer"]
         return flux_forward(model, block_ctx=block_ctx, blocks=blocks_for(model, ctx), **batch)
 
-    def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
-        pol, step = begin_step(ctx, state, loop)
-        with torch.no_grad():
-            inp = self.step_inputs(ctx, state, loop)
-            preds = branch_predictions(
-                ctx, step, loop, [(branch,) for branch in pol.plan(step, loop)],  # one forward per branch
-                batch=lambda group: stack([inp], group[0]),
-                forward=lambda batch, bctx: self.forward(ctx, batch, bctx),
-                split=lambda out, group: {group[0]: out},
-                prefix="transformer.blocks",
-            )
-        return finish_step(ctx, pol, step, loop, preds)
+    def prefix(self, expert: str | None) -> str:
+        return "transformer.blocks"
 
-    def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
-        lh, lw = loop.extra["latent_hw"]
-        latents = unpack_latents(loop.tensors["latents"], lh, lw)
-        pol = loop.policy_state.get("policies")
-        if pol is not None:
-            state.metrics["policies"] = pol.metrics(loop)
-        times = state.metrics.get("step_seconds")
-        if times:
-            info: dict[str, Any] = {"first_step_seconds": times[0]}
-            if len(times) > 1:
-                info["steady_step_seconds"] = round(statistics.median(times[1:]), 6)
-            from .compile import compile_info
+    def final_latents(self, ctx: StageContext, state: RequestState, loop: LoopState) -> torch.Tensor:
+        return unpack_latents(loop.tensors["latents"], *loop.extra["latent_hw"])
 
-            ci = compile_info(ctx)
-            if ci is not None:
-                info["compile"] = ci
-            state.metrics["denoise"] = info
-        state.write("denoised", Latents(tensor=latents, modality="image"), ctx.node.name)
-        loop.policy_state.pop("sampler", None)
-        loop.policy_state.pop("cfg", None)
+    def release(self, loop: LoopState) -> None:
+        super().release(loop)
         for key in ("context", "pooled", "rotary"):
             loop.extra.pop(key, None)
 
-    # -- batched steps ----------------------------------------------------------------------------
-    def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
-        got = batchable(ctx, state, loop)
-        if got is None or got[0].cfg.name != "embedded":  # true CFG runs alone
-            return None
-        pol, step = got
-        emb = state.read("prompt_embeds", Embeddings)
-        lat = loop.tensors["latents"]
-        return (
-            "flux-denoise", tuple(lat.shape), str(lat.dtype), str(lat.device), tuple(emb.tensor.shape),
-            str(emb.tensor.dtype), step.step_index, step.num_steps, step.timestep, pol.sampler.name, pol.cfg.name,
-        )
+    def plan_of(self, pol: Any, step: Any, loop: LoopState) -> tuple[str, ...] | None:
+        return ("cond",) if pol.cfg.name == "embedded" else None  # true CFG runs alone
 
-    def step_batch(
-        self, ctxs: Sequence[StageContext], states: Sequence[RequestState], loops: Sequence[LoopState]
-    ) -> list[StepResult]:
-        if not loops:
-            return []
-        ctx0 = ctxs[0]
-        pols, steps = begin_steps(ctxs, states, loops)
-        with torch.no_grad():
-            inputs = [self.step_inputs(ctx, st, lp) for ctx, st, lp in zip(ctxs, states, loops, strict=True)]
-            plan_together(pols, steps, loops)  # ("cond",): embedded guidance (batch_key)
-            out = self.forward(ctx0, stack(inputs), None)
-        return [finish_step(None, pol, s, lp, pred) for pol, s, lp, pred
-                in zip(pols, steps, loops, unstack_rows(out, [i.x.shape[0] for i in inputs], ("cond",)), strict=True)]
+    def key(self, ctx: StageContext, state: RequestState, loop: LoopState, pol: Any, step: Any) -> Hashable:
+        emb = state.read("prompt_embeds", Embeddings).tensor
+        return (tuple(emb.shape), str(emb.dtype))

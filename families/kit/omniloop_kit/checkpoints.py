@@ -18,6 +18,9 @@ the helpers here do the parts every family shares:
   from its safetensors header (a file cut short is caught before any load);
 - :func:`weight_version`: a cheap identity of the weights (names, sizes, modification times).
 
+A family's checkpoint as a whole — which components it needs, of what kind, loading them — is
+:mod:`omniloop_kit.checkpoint` (singular: a family's ``Layout``, built on these readers).
+
 Every problem raises one :class:`omniloop.errors.CheckpointError` whose message starts with the
 file (or folder) at fault. Only JSON and the safetensors header format are read here: no
 diffusers, transformers or torch import.

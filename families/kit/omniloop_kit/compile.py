@@ -1,5 +1,5 @@
 """Regional compilation: ``torch.compile`` each transformer block, not the whole model (omniloop-kit;
-it was ``omniloop.compile`` before omniloop 0.2: issue 34).
+it was ``omniloop_kit.compile`` before omniloop 0.2: issue 34).
 
 A family that runs its block stack through :func:`omniloop.interceptors.run_blocks` can compile
 each block separately and keep the eager blocks untouched beside them, so one loaded model serves

@@ -24,118 +24,44 @@ must be classes of the library it names.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from omniloop.errors import CheckpointError
-from omniloop_kit.checkpoints import (
-    DIFFUSERS_WEIGHTS,
-    TRANSFORMERS_WEIGHTS,
-    component_folder,
-    looks_like,
-    model_folder,
-    read_json,
-    read_model_index,
-)
+from omniloop_kit.checkpoints import read_json
 from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
-from omniloop_kit.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
+from omniloop.errors import CheckpointError
+from omniloop_kit import checkpoint as kit
+from omniloop_kit.checkpoint import declared as declared
+from omniloop_kit.checkpoint import load_component as load_model  # noqa: F401  (family.py: ck.load_model)
+from omniloop_kit.checkpoint import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 
 PIPELINES = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
 REQUIRED = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
 #: may be declared ``[null, null]``; then both are absent (diffusers: T5 context of zeros)
 OPTIONAL_PAIR = ("text_encoder_3", "tokenizer_3")
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
-TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
-LIBRARIES = ("diffusers", "transformers")
-
-
-# --------------------------------------------------------------------------------------------
-# Finding the checkpoint
-# --------------------------------------------------------------------------------------------
+LAYOUT = kit.Layout(what="an SD3 checkpoint", pipelines=PIPELINES, transformer_class="SD3Transformer2DModel",
+                    required=REQUIRED, optional=OPTIONAL_PAIR)
 
 
 def looks_like_sd3(path: str | Path) -> bool:
     """Cheap detection: reads ``model_index.json`` (and ``transformer/config.json``) only."""
-    return looks_like(path, PIPELINES, "SD3Transformer2DModel")
-
-
-# --------------------------------------------------------------------------------------------
-# Checking the files (before anything heavy is loaded)
-# --------------------------------------------------------------------------------------------
-
-
-def declared(index: dict[str, Any], name: str) -> tuple[str, str] | None:
-    """``(library, class)`` of a component the index declares, None when absent or ``[null, null]``."""
-    entry = index.get(name)
-    if isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0] and entry[1]:
-        return str(entry[0]), str(entry[1])
-    return None
+    return kit.looks_like(path, LAYOUT)
 
 
 def components_in(index: dict[str, Any]) -> list[str]:
-    return [n for n in REQUIRED + OPTIONAL_PAIR if declared(index, n) is not None]
-
-
-def component_class(index: dict[str, Any], name: str, index_path: Path) -> Any:
-    """The class ``model_index.json`` names for ``name``, looked up in the library it names."""
-    entry = declared(index, name)
-    if entry is None:
-        raise CheckpointError(f"{index_path}: component {name!r} is not declared")
-    library, cls_name = entry
-    if library not in LIBRARIES:
-        raise CheckpointError(
-            f"{index_path}: component {name!r} comes from library {library!r}; only {', '.join(LIBRARIES)} are loaded"
-        )
-    import importlib
-
-    module = importlib.import_module(library)
-    cls = getattr(module, cls_name, None) if cls_name.isidentifier() else None
-    if cls is None or not hasattr(cls, "from_pretrained" if name != "scheduler" else "from_config"):
-        raise CheckpointError(f"{index_path}: component {name!r}: {library} has no loadable class {cls_name!r}")
-    return cls
+    return LAYOUT.components_in(index)
 
 
 def check_checkpoint(root: Path) -> dict[str, Any]:
-    """Validate the layout and the configs' consistency; return the parsed ``model_index.json``.
-
-    Reads configs and safetensors headers only (a truncated weight file is caught here)."""
-    index_path = root / "model_index.json"
-    index = read_model_index(root)
-    present = components_in(index)
-    for name in REQUIRED:
-        if name not in present:
-            raise CheckpointError(
-                f"{index_path}: component {name!r} is not declared (an SD3 checkpoint needs {', '.join(REQUIRED)})"
-            )
+    """Validate the layout (omniloop-kit) and the configs' consistency; return the parsed
+    ``model_index.json``. Reads configs and safetensors headers only."""
+    index, present = kit.read_index(root, LAYOUT)
     if ("text_encoder_3" in present) != ("tokenizer_3" in present):
         have, miss = ("text_encoder_3", "tokenizer_3") if "text_encoder_3" in present else ("tokenizer_3", "text_encoder_3")
-        raise CheckpointError(f"{index_path}: {have!r} is declared but {miss!r} is not (T5 needs both)")
-    for name in present:
-        folder = component_folder(root, name)
-        if name in ("transformer", "vae"):
-            model_folder(folder, name, DIFFUSERS_WEIGHTS)
-        elif name in TEXT_ENCODERS:
-            model_folder(folder, name, TRANSFORMERS_WEIGHTS)
-        elif name in TOKENIZERS:
-            check_tokenizer(folder)
-        elif name == "scheduler":
-            read_json(folder / "scheduler_config.json", "scheduler config")
+        raise CheckpointError(f"{root / 'model_index.json'}: {have!r} is declared but {miss!r} is not (T5 needs both)")
+    kit.check_folders(root, LAYOUT, present)
     check_consistency(root, index)
     return index
-
-
-def check_tokenizer(folder: Path) -> None:
-    files = ("tokenizer.json", "vocab.json", "spiece.model")
-    if not any((folder / f).exists() for f in files):
-        raise CheckpointError(f"{folder}: tokenizer has none of {', '.join(files)}")
-    if (folder / "tokenizer.json").exists() or (folder / "tokenizer.json").is_symlink():
-        read_json(folder / "tokenizer.json", "tokenizer file")
-    elif (folder / "vocab.json").exists() and not (folder / "merges.txt").exists():
-        raise CheckpointError(f"{folder / 'merges.txt'}: a BPE tokenizer with vocab.json needs merges.txt (missing)")
 
 
 def _dim(cfg: dict[str, Any], key: str, path: Path) -> int:
@@ -149,8 +75,6 @@ def check_consistency(root: Path, index: dict[str, Any]) -> None:
     """The components must fit together (what the transformer expects of the encoders and the VAE)."""
     tf_path = root / "transformer" / "config.json"
     tf = read_json(tf_path, "transformer config")
-    if tf.get("_class_name", "SD3Transformer2DModel") != "SD3Transformer2DModel":
-        raise CheckpointError(f"{tf_path}: expected an SD3Transformer2DModel, found {tf.get('_class_name')!r}")
     vae_path = root / "vae" / "config.json"
     vae = read_json(vae_path, "vae config")
     in_ch = int(tf.get("in_channels", 16))
@@ -183,61 +107,12 @@ def check_consistency(root: Path, index: dict[str, Any]) -> None:
             raise CheckpointError(f"{path}: d_model={d} but the transformer's joint_attention_dim is {joint}")
 
 
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Hide transformers' / diffusers' per-load progress bars (restored afterwards)."""
-    from diffusers.utils import logging as dlog
-    from transformers.utils import logging as tlog
-
-    was_t, was_d = tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled()
-    tlog.disable_progress_bar()
-    dlog.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_t:
-            tlog.enable_progress_bar()
-        if was_d:
-            dlog.enable_progress_bar()
-
-
-def load_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
-    """A diffusers or transformers model from ``folder`` (local files only), errors as ``CheckpointError``."""
-    try:
-        with _quiet():
-            try:
-                model = cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
-            except TypeError:  # older transformers / diffusers spell it torch_dtype
-                model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
-    return model.to(device).eval().requires_grad_(False)
-
-
-def load_tokenizer(cls: Any, folder: Path) -> Any:
-    try:
-        with _quiet():
-            return cls.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
-
-
-def load_scheduler(cls: Any, folder: Path) -> Any:
-    """The scheduler *template*: each request's sampler builds its own instance from its config."""
-    config = read_json(folder / "scheduler_config.json", "scheduler config")
-    name = config.get("_class_name")
-    if name and name != cls.__name__:
-        import diffusers
-
-        cls = getattr(diffusers, str(name), None) if str(name).isidentifier() else None
-        if cls is None or not hasattr(cls, "from_config"):
-            raise CheckpointError(f"{folder / 'scheduler_config.json'}: unknown scheduler class {name!r}")
-    try:
-        return cls.from_config(config)
-    except Exception as exc:
-        raise CheckpointError(f"{folder / 'scheduler_config.json'}: cannot build {cls.__name__} ({exc})") from None
+def limits(root: Path | None) -> Any:
+    """A real checkpoint's trained size (issue 42): the transformer config's ``sample_size`` times
+    the VAE's scale (1024 for SD3 / SD3.5), a ``warn`` declaration; None with an ``omniloop.json``."""
+    if root is None:
+        return None
+    latent = kit.config_of(root, "transformer").get("sample_size")
+    blocks = kit.config_of(root, "vae").get("block_out_channels") or [0, 0, 0, 0]
+    size = int(latent) * 2 ** (len(blocks) - 1) if isinstance(latent, int) and latent > 0 else None
+    return kit.sample_size_limits(root, height=size, width=size, source="transformer/config.json sample_size")

@@ -9,83 +9,57 @@ from typing import Any
 
 import torch
 
-from omniloop.artifacts import Conditioning, Embeddings, Image, Latents, Tensors
-from omniloop.capabilities import FamilyCapabilities, OffloadSupport
-from omniloop.errors import CheckpointError, DeployError, RequestError
+from omniloop.artifacts import Embeddings
+from omniloop.errors import CheckpointError, DeployError
 from omniloop.family import LoadedModel
-from omniloop.graph import Node, PipelineSpec
+from omniloop.graph import PipelineSpec
 from omniloop.request import OmniRequest, TaskType
-from omniloop.rl import RolloutSupport
+from omniloop_kit.compile import compile_blocks, compile_options
+from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
+from omniloop_kit.family import capabilities as kit_capabilities
+from omniloop_kit.resolve import check_task
+from omniloop_kit.stages import image_nodes
 
 from . import checkpoint as ck
 from .defaults import defaults_for
 from .lora import SD3_ADAPTERS
 from .policies import menu_for
 from .resolve import SD3DenoiseParams, SD3Params, TextParams, resolve
-from .stages import ImageEncode, Output, TextEncode, VaeDecode, Validate, is_i2i
+from .stages import TextEncode, Validate
+from .transformer import joint_steps
 
 TASKS = frozenset({TaskType.T2I, TaskType.I2I})
 
 
-class SD3Family:
+class SD3Family(DiffusersFamily):
     """Stable Diffusion 3 / 3.5 text-to-image and image-to-image from diffusers-format checkpoints."""
 
     name = "sd3"
     tasks = TASKS
-    capabilities = FamilyCapabilities(
-        block_interceptors=True,
-        #: the denoise loop's step_batch changes no request state before its batched forward returns
-        #: (the CFG plan's count is per step index): when that forward raises, each request's step
-        #: is re-run alone, so only the request that causes it fails
-        step_batch_retry_alone={"denoise"},
-        #: post-training rollouts (omniloop.rl): the denoise loop runs them; its latents are unpacked already
-        rollout_support=RolloutSupport(),
+    layout = ck.LAYOUT
+    capabilities = kit_capabilities(
         #: LoRA adapters (omniloop.adapters): the transformer's linears, diffusers' files
         adapters=SD3_ADAPTERS,
-        #: deploy offload: model | sequential (omniloop.offload) — the modules that move; under sequential
-        #: the transformer and the three text encoders stream their blocks (CLIP's layers moved from
-        #: text_model.encoder to encoder in transformers 5 for some classes); the VAE moves whole
-        offload=OffloadSupport(components={
-            "transformer": "transformer_blocks", "text_encoder": "text_model.encoder.layers|encoder.layers",
-            "text_encoder_2": "text_model.encoder.layers|encoder.layers", "text_encoder_3": "encoder.block",
-            "vae": None,
-        }),
-        returns_latents=True,
+        #: deploy offload: model | sequential (omniloop.offload) — under sequential the transformer
+        #: and the three text encoders stream their blocks; the VAE moves whole
+        offload={"transformer": "transformer_blocks", "text_encoder": CLIP_TEXT_LAYERS,
+                 "text_encoder_2": CLIP_TEXT_LAYERS, "text_encoder_3": T5_BLOCKS, "vae": None},
         #: deploy options read: options.qkv and the compile settings (check_options)
         options={"qkv", "compile_backend", "compile_mode", "compile_dynamic"},
-        resolve=True, task_defaults=True,
     )
-
-    # -- detect / load ------------------------------------------------------------------------
-    def detect(self, path: Path) -> bool:
-        return ck.looks_like_sd3(path)
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
         """Check every file (configs, headers, the components' fit) first, then load each
         component by the class ``model_index.json`` names (local files only).
 
         Options: ``qkv`` (``separate`` | ``fused``, :mod:`omniloop_sd3.attention`), ``compile_backend``,
-        ``compile_mode``, ``compile_dynamic`` (:mod:`omniloop_sd3.compile`); the deploy's
-        ``attention_backend`` and ``compile`` are honoured."""
+        ``compile_mode``, ``compile_dynamic``; the deploy's ``attention_backend`` and ``compile`` are honoured."""
         check_options(options)  # bad options fail before any weight is read
-        root = ck.resolve_root(path)
-        index = ck.check_checkpoint(root)
-        index_path = root / "model_index.json"
-        present = ck.components_in(index)
-        classes = {name: ck.component_class(index, name, index_path) for name in present}
-        extra_path = root / "omniloop.json"
-        extra = ck.read_json(extra_path, "omniloop.json") if extra_path.exists() else {}
-        comps: dict[str, Any] = {}
-        for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-            if name in present:
-                comps[name] = ck.load_model(classes[name], root / name, device=device, dtype=dtype)
-        for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
-            if name in present:
-                comps[name] = ck.load_tokenizer(classes[name], root / name)
-        comps["scheduler"] = ck.load_scheduler(classes["scheduler"], root / "scheduler")
+        got = load_checkpoint(path, lambda root: (idx := ck.check_checkpoint(root), ck.components_in(idx)),
+                              lambda *a, **k: ck.load_model(*a, **k), device=device, dtype=dtype)
         return self.from_components(
-            comps, defaults=extra.get("defaults"), device=device, dtype=dtype, path=root, options=options,
-            weight_version=ck.weight_version(root, present), variant=extra.get("variant"),
+            got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype, path=got.root,
+            options=options, weight_version=got.weight_version, variant=got.extra.get("variant"),
         )
 
     def from_components(
@@ -105,8 +79,6 @@ class SD3Family:
         ``components``: ``transformer``, ``vae``, ``text_encoder``, ``text_encoder_2``,
         ``tokenizer``, ``tokenizer_2``, ``scheduler`` and optionally ``text_encoder_3`` /
         ``tokenizer_3``. Compiled blocks (deploy ``compile: true``) are set up on these modules."""
-        from .compile import compile_blocks, compile_options
-
         tf, vae = components["transformer"], components["vae"]
         for name in ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "scheduler"):
             if components.get(name) is None:
@@ -140,7 +112,7 @@ class SD3Family:
         config["qkv"] = qkv
         copts = compile_options(opts)
         if copts is not None:
-            compile_blocks(tf, **copts)
+            compile_blocks(tf, joint_steps(tf), **copts)
             config["compile"] = copts
         for task in TASKS:  # an incompatible scheduler config or policies option fails at load
             menu_for(model, task, options)
@@ -148,49 +120,25 @@ class SD3Family:
 
     # -- pipelines ----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
-        """validate → text_encode → [image_encode] → denoise → vae_decode → output."""
+        """validate → text_encode → [image_encode] → denoise → vae_decode → output (omniloop-kit's image nodes)."""
         from .denoise import Denoise
 
-        if task not in TASKS:
-            raise RequestError("task", f"the sd3 family does not do {task.value!r} (it does: i2i, t2i)")
-        text = {"prompt_embeds": Embeddings, "negative_embeds": Embeddings}
-        nodes = [
-            Node("validate", Validate(model), writes={"params": Conditioning}),
-            Node("text_encode", TextEncode(), reads={"params": Conditioning}, writes=text,
-                 params_schema=TextParams, uses=("text_encoder", "text_encoder_2", "text_encoder_3")),
-        ]
-        reads: dict[str, type] = {"params": Conditioning, **text}
-        if task is TaskType.I2I:
-            nodes.append(Node("image_encode", ImageEncode(), reads={"params": Conditioning, **text},
-                              writes={"image_latents": Tensors}, when=is_i2i, uses=("vae",)))
-            reads["image_latents"] = Tensors
-        nodes += [
-            Node("denoise", Denoise(menu_for(model, task)), reads=reads, writes={"denoised": Latents},
-                 optional_reads=frozenset({"image_latents"}), params_schema=SD3DenoiseParams, uses=("transformer",)),
-            Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
-            Node("output", Output(), reads={"decoded": Tensors, "denoised": Latents},
-                 writes={"image": Image, "latents": Latents}),
-        ]
+        check_task(task, TASKS, "the sd3 family")
+        nodes = image_nodes(
+            Validate(model), TextEncode(), Denoise(menu_for(model, task)), i2i=task is TaskType.I2I,
+            text_uses=("text_encoder", "text_encoder_2", "text_encoder_3"), text_schema=TextParams,
+            denoise_schema=SD3DenoiseParams, denoise_reads={"prompt_embeds": Embeddings, "negative_embeds": Embeddings})
         return PipelineSpec(family=self.name, task=task, nodes=nodes, outputs={"image": "image", "latents": "latents"})
 
     def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
         return dict(model.config["task_defaults"][TaskType(task)])
 
-    def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *, node_params: Any = None) -> SD3Params:
-        """The request resolved once, before any compute (``Runtime.prepare`` calls this; the
-        validate node passes it on). Raises ``RequestError`` naming the field."""
-        params, _ = resolve(model, request, limits, node_params=node_params)
-        return params
-
-    def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
-        _, warnings = resolve(model, request, limits, decode_image=False)
-        return warnings
+    def resolve_request(self, model: LoadedModel, request: OmniRequest, limits: Any, **kw: Any) -> tuple[SD3Params, list[str]]:
+        return resolve(model, request, limits, **kw)
 
 
 def check_options(options: Mapping[str, Any]) -> None:
     """The family options (``qkv``, ``compile_*``), checked before loading."""
-    from .compile import compile_options
-
     qkv = options.get("qkv", "separate")
     if qkv not in ("separate", "fused"):
         raise DeployError(f"options.qkv: must be 'separate' or 'fused', not {qkv!r}")

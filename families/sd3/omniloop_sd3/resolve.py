@@ -20,15 +20,17 @@ from attrs import define, field
 
 from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
-from omniloop.request import ImagePart, OmniRequest, TaskType
+from omniloop.request import OmniRequest, TaskType
 from omniloop.schema import structure_params
-from omniloop_kit.inputs import count_tokens, image_part
+from omniloop_kit import resolve as kit
+from omniloop_kit.inputs import image_part
 from omniloop_policies import DenoiseParams
 
 from .policies import menu_for
 
 MAX_T5_TOKENS = 512
 IMAGE_ROLES = ("image", "reference", "first_frame")
+NEEDS_IMAGE = "an i2i request needs an input image (an image part with role 'image')"
 
 
 @define(frozen=True, kw_only=True)
@@ -45,81 +47,39 @@ class TextParams:
     max_sequence_length: int | None = field(default=None, metadata={"ge": 1, "le": MAX_T5_TOKENS})
 
 
-@define(frozen=True)
-class SD3Params:
-    """A request's resolved parameters (defaults applied, sizes checked): the family's
-    ``omniloop.resolved.Resolved`` — ``Runtime.prepare`` resolves once (``SD3Family.resolve``) and
-    the stages read it from ``ctx.resolved``."""
+@define(frozen=True, kw_only=True)
+class SD3Params(kit.ImageParams):
+    """A request's resolved parameters (omniloop-kit's :class:`~omniloop_kit.resolve.ImageParams`):
+    the negative prompt is always encoded (default ``""``); two forwards per step when the guidance
+    scale is above 1 (CFG)."""
 
-    task: TaskType
-    prompt: str
-    negative_prompt: str
-    height: int
-    width: int
-    steps: int
-    guidance_scale: float
-    max_sequence_length: int
-    #: i2i only: the fraction of the schedule that runs (diffusers' ``strength``)
-    strength: float | None = None
-    #: i2i only: uint8 ``[H, W, 3]``
-    image: torch.Tensor | None = None
-    #: the request's ``omniloop_policies.DenoisePolicies``
-    policies: Any = None
-    #: soft problems (a prompt longer than the encoders read, an ignored image)
-    warnings: tuple[str, ...] = ()
-    #: the request field the steps came from (``node_params.denoise.steps`` when a node param set them)
-    steps_path: str = "diffusion.steps"
-
-    @property
-    def steps_run(self) -> int:
-        """Denoise steps that actually run (i2i: ``n - int(n - n * strength)``, diffusers' cut)."""
-        if self.strength is None:
-            return self.steps
-        return self.steps - int(max(self.steps - min(self.steps * self.strength, self.steps), 0))
-
-    def workload(self) -> Any:
-        """The scheduler's prior: steps, forwards per step (2 with CFG), the output size;
-        ``bounded``: what the runtime checks against the deploy's limits."""
-        from omniloop.resolved import Workload, bounds
-
-        return Workload(steps=self.steps_run, branches=2 if self.guidance_scale > 1.0 else 1, frames=1,
-                        height=self.height, width=self.width,
-                        bounded=bounds(steps=self.steps, height=self.height, width=self.width, steps_path=self.steps_path))
+    negative_prompt: str = ""
 
 
 def load_image_part(request: OmniRequest) -> tuple[torch.Tensor, str]:
     """Decode the request's input image (the first image part); pixels and its field path."""
     got = image_part(request, IMAGE_ROLES)
     if got is None:
-        raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
+        raise RequestError("inputs", NEEDS_IMAGE)
     return got
-
-
-def _token_count(tokenizer: Any, text: str) -> int:
-    return count_tokens(tokenizer, text)
 
 
 def resolve(
     model: LoadedModel, request: OmniRequest, limits: Any = None, *, decode_image: bool = True,
     node_params: Any = None,
 ) -> tuple[SD3Params, list[str]]:
-    """Check ``request`` against ``model`` and ``limits``; its resolved params and warnings.
+    """Check ``request`` against ``model``; its resolved params and warnings (``limits`` are the
+    runtime's to check, on the result).
 
     ``node_params``: the node params as the core validated them (``Runtime.prepare``); without
     them the same converter validates ``request.node_params`` here (types and ranges live in the
     attrs metadata of :class:`SD3DenoiseParams` / :class:`TextParams`, nowhere else)."""
     cfg = model.config
     task = request.task
-    if task not in cfg["tasks"]:
-        have = ", ".join(sorted(t.value for t in cfg["tasks"]))
-        raise RequestError("task", f"the sd3 family does not do {task.value!r} (it does: {have})")
+    kit.check_task(task, cfg["tasks"], "the sd3 family")
     defaults = cfg["task_defaults"][task]
     warnings: list[str] = []
-    d = request.diffusion
-
-    prompt = request.prompt
-    if not prompt or not prompt.strip():
-        raise RequestError("inputs", "a text prompt (a text part with role 'prompt') is required")
+    prompt = kit.require_prompt(request)
     negative = request.negative_prompt
     if negative is None:
         negative = str(defaults.get("negative_prompt") or "")
@@ -132,73 +92,34 @@ def resolve(
     tp = given.get("text_encode")
     if tp is None:
         tp = structure_params(TextParams, raw_params.get("text_encode"), "node_params.text_encode")
-    strength_raw = dp.strength
     # strength is this family's to apply (the i2i start), not the sampler's: the menu sees the rest
-    raw = attrs.evolve(dp, strength=None)
+    policies, steps, steps_path = kit.denoise_policies(menu_for(model, task), request, attrs.evolve(dp, strength=None))
 
-    menu = menu_for(model, task)
-    policies = menu.resolve(request, params=raw)
-    steps = policies.num_steps
-    if steps is None:
-        steps = len(policies.timesteps or policies.sampler.timesteps_list)
-    steps_path = "node_params.denoise.steps" if raw.steps is not None else "diffusion.steps"
-
-    multiple = cfg["size_multiple"]
-    sizes = {}
-    for name in ("height", "width"):
-        value = getattr(d, name)
-        value = int(defaults[name]) if value is None else value
-        if value < multiple or value % multiple:
-            lo = max(multiple, value - value % multiple)
-            raise RequestError(
-                f"diffusion.{name}", f"must be a positive multiple of {multiple}, got {value} (try {lo} or {lo + multiple})"
-            )
-        top = cfg["max_size"]
-        if value > top:
-            raise RequestError(
-                f"diffusion.{name}", f"{value} is above what the transformer's position embedding covers ({top})"
-            )
-        sizes[name] = value
-    if d.frames not in (None, 1):
-        raise RequestError("diffusion.frames", f"an image request makes one frame, got {d.frames}")
-
+    sizes = {name: kit.image_size(request, name, defaults[name], cfg["size_multiple"], warnings, top=cfg["max_size"])
+             for name in ("height", "width")}
+    kit.one_frame(request)
     msl = tp.max_sequence_length
     if msl is None:
         msl = int(defaults["max_sequence_length"])
 
+    i2i = task is TaskType.I2I
     strength = None
-    image = None
-    images = [p for p in request.inputs if isinstance(p, ImagePart)]
-    if task is TaskType.I2I:
-        strength = float(defaults.get("strength", 0.6) if strength_raw is None else strength_raw)  # > 0 runs at least one step: n - int(n - n * strength) >= 1
-        if decode_image:
-            image, _ = load_image_part(request)
-        elif not any(p.role in IMAGE_ROLES for p in images):
-            raise RequestError("inputs", "an i2i request needs an input image (an image part with role 'image')")
-        if len(images) > 1:
-            warnings.append(f"{len(images) - 1} more image input(s) ignored: i2i conditions on one image")
-    else:
-        if strength_raw is not None:
-            raise RequestError("node_params.denoise.strength", "strength applies to i2i requests (an input image)")
-        if images:
-            warnings.append("the image input is ignored: a t2i request does not use it")
+    if i2i:  # > 0 runs at least one step: n - int(n - n * strength) >= 1
+        strength = float(defaults.get("strength", 0.6) if dp.strength is None else dp.strength)
+    elif dp.strength is not None:
+        raise RequestError("node_params.denoise.strength", "strength applies to i2i requests (an input image)")
+    image = kit.conditioning_image(request, i2i, IMAGE_ROLES, warnings, decode=decode_image, missing=NEEDS_IMAGE,
+                                   extra="{n} more image input(s) ignored: i2i conditions on one image")
 
     comps = model.components
-    clip_max = int(getattr(comps["tokenizer"], "model_max_length", 77))
     for field_name, text in (("prompt", prompt), ("negative prompt", negative)):
-        if not text:
-            continue
-        n = _token_count(comps["tokenizer"], text)
-        if n > clip_max:
-            warnings.append(f"the {field_name} is {n} CLIP tokens long; CLIP reads {clip_max} (the rest is dropped there)")
-        if comps.get("tokenizer_3") is not None:
-            n3 = _token_count(comps["tokenizer_3"], text)
-            if n3 > msl:
-                warnings.append(f"the {field_name} is {n3} T5 tokens long; truncated to max_sequence_length={msl}")
+        kit.token_warning(comps["tokenizer"], text, int(getattr(comps["tokenizer"], "model_max_length", 77)),
+                          field_name, "CLIP", warnings)
+        kit.token_warning(comps.get("tokenizer_3"), text, msl, field_name, "T5", warnings)
 
     params = SD3Params(
         task=task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
-        steps=int(steps), guidance_scale=float(policies.guidance_scale), max_sequence_length=int(msl),
+        steps=steps, guidance_scale=float(policies.guidance_scale), max_sequence_length=int(msl),
         strength=strength, image=image, policies=policies, warnings=tuple(warnings), steps_path=steps_path,
     )
     return params, warnings

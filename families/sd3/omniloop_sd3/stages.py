@@ -13,43 +13,30 @@ from typing import Any
 
 import torch
 
-from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors
+from omniloop.artifacts import Embeddings
 from omniloop.context import StageContext
 from omniloop.loop import RequestState
-from omniloop.request import TaskType
-from omniloop_kit.stages import ImageFrames, return_latents
+from omniloop_kit import stages as kit
+from omniloop_kit.stages import ImageEncode, ImageFrames, VaeDecode, params_of
+from omniloop_kit.stages import ImageOutput as Output
+from omniloop_kit.stages import is_image_to_image as is_i2i
 from omniloop_kit.stages import module_device as _module_device
-from omniloop_kit.stages import params_of as kit_params_of
 
 from .resolve import SD3Params, resolve
 
 
-def params_of(state: RequestState) -> SD3Params:
-    return kit_params_of(state)  # type: ignore[no-any-return]
+def to_uint8_image(image: torch.Tensor) -> torch.Tensor:
+    """``[1, 3, H, W]`` in [-1, 1] → uint8 ``[H, W, 3]`` on the CPU (diffusers' ``postprocess``)."""
+    return kit.to_uint8_frames(image)[0]
 
 
-# --------------------------------------------------------------------------------------------
-# validate
-# --------------------------------------------------------------------------------------------
-
-
-class Validate:
+class Validate(kit.Validate):
     """The request's resolved parameters (policies, decoded input image) onto the ``params`` edge."""
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
+    params_type = SD3Params
 
-    def forward(self, ctx: StageContext, state: RequestState) -> None:
-        resolved = getattr(ctx, "resolved", None)
-        if isinstance(resolved, SD3Params):  # Runtime.prepare resolved it once (SD3Family.resolve)
-            params, warnings = resolved, list(resolved.warnings)
-        else:  # driven outside a runtime
-            limits = getattr(ctx.options.get("deploy"), "limits", None)
-            params, warnings = resolve(self.model, state.request, limits)
-        if warnings:
-            known = state.metrics.setdefault("warnings", [])
-            known.extend(w for w in warnings if w not in known)
-        state.write("params", Conditioning(values={"params": params}), ctx.node.name)
+    def resolve(self, request: Any, limits: Any) -> tuple[SD3Params, list[str]]:
+        return resolve(self.model, request, limits)
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,73 +91,6 @@ class TextEncode:
             neg, neg_pooled = encode_prompt(ctx.components, p.negative_prompt, p.max_sequence_length, ctx.device)
         state.write("prompt_embeds", Embeddings(tensor=pos, extra={"pooled": pos_pooled}), ctx.node.name)
         state.write("negative_embeds", Embeddings(tensor=neg, extra={"pooled": neg_pooled}), ctx.node.name)
-
-
-# --------------------------------------------------------------------------------------------
-# image_encode (i2i)
-# --------------------------------------------------------------------------------------------
-
-
-class ImageEncode:
-    """The input image → ``image_latents``: resized/normalised as diffusers' ``VaeImageProcessor``
-    does, VAE-encoded with a sample drawn from the request's generator, shifted and scaled."""
-
-    def forward(self, ctx: StageContext, state: RequestState) -> None:
-        from diffusers.image_processor import VaeImageProcessor
-
-        from omniloop.media import to_pil
-
-        p = params_of(state)
-        assert p.image is not None
-        vae = ctx.components["vae"]
-        dtype = state.read("prompt_embeds", Embeddings).tensor.dtype
-        proc = VaeImageProcessor(vae_scale_factor=2 ** (len(vae.config.block_out_channels) - 1),
-                                 vae_latent_channels=vae.config.latent_channels)
-        pixels = proc.preprocess(to_pil(p.image), height=p.height, width=p.width)
-        with torch.no_grad():
-            pixels = pixels.to(device=ctx.device, dtype=dtype)
-            latents = vae.encode(pixels).latent_dist.sample(state.generator)
-            latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
-        state.write("image_latents", Tensors(values={"latents": latents}), ctx.node.name)
-
-
-# --------------------------------------------------------------------------------------------
-# vae_decode / output
-# --------------------------------------------------------------------------------------------
-
-
-class VaeDecode:
-    def forward(self, ctx: StageContext, state: RequestState) -> None:
-        vae = ctx.components["vae"]
-        latents = state.read("denoised", Latents).tensor
-        with torch.no_grad():
-            latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-            image = vae.decode(latents.to(_module_device(vae), vae.dtype), return_dict=False)[0]
-        state.write("decoded", Tensors(values={"image": image}), ctx.node.name)
-
-
-def to_uint8_image(image: torch.Tensor) -> torch.Tensor:
-    """``[1, 3, H, W]`` in [-1, 1] → uint8 ``[H, W, 3]`` on the CPU: diffusers' ``postprocess``
-    (denormalise in the decoder's dtype, then float32 ``* 255``, round half to even)."""
-    unit = (image * 0.5 + 0.5).clamp(0, 1)
-    unit = unit[0].permute(1, 2, 0).float()
-    return (unit * 255).round().to(torch.uint8).contiguous().cpu()
-
-
-class Output:
-    """``image`` (uint8) and, when ``outputs.return_latents``, the final ``latents`` ``[1, C, H/8, W/8]``."""
-
-    def forward(self, ctx: StageContext, state: RequestState) -> None:
-        image = state.read("decoded", Tensors).values["image"]
-        pixels = to_uint8_image(image)
-        state.write("image", ImageFrames(pixels=pixels), ctx.node.name)
-        if ctx.taps_enabled:
-            ctx.tap("image", pixels, None)
-        return_latents(ctx, state, "image")
-
-
-def is_i2i(request: Any) -> bool:
-    return request.task is TaskType.I2I
 
 
 __all__ = [

@@ -1,0 +1,107 @@
+"""The family skeleton of a diffusers-format denoiser: its declaration (capabilities with the
+offload paths of the usual text encoders), loading a checkpoint by its layout, and the protocol
+methods every such family writes the same way (``detect``, ``resolve``, ``validate_request``).
+
+A family subclasses :class:`DiffusersFamily`, sets ``layout`` (:class:`omniloop_kit.checkpoint.Layout`)
+and writes ``resolve_request(model, request, limits, *, decode_image=True, node_params=None) ->
+(resolved, warnings)``; ``load`` is :func:`load_checkpoint` and the family's own ``from_components``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from attrs import define
+
+from omniloop.capabilities import FamilyCapabilities, OffloadSupport
+from omniloop.family import LoadedModel
+from omniloop.request import OmniRequest
+
+from .checkpoint import Layout, looks_like, read_extra, resolve_root, weight_version
+
+#: ``offload: sequential``'s block list of a CLIP text encoder (its layers moved from
+#: ``text_model.encoder`` to ``encoder`` in transformers 5 for some classes: both spellings)
+CLIP_TEXT_LAYERS = "text_model.encoder.layers|encoder.layers"
+#: the same for a CLIP vision encoder
+CLIP_VISION_LAYERS = "encoder.layers|vision_model.encoder.layers"
+#: a T5 / UMT5 encoder's blocks
+T5_BLOCKS = "encoder.block"
+
+
+def capabilities(*, offload: Mapping[str, Any], offload_refusal: Callable[..., str | None] | None = None,
+                 **more: Any) -> FamilyCapabilities:
+    """A diffusers-format denoiser's declaration: its blocks run through ``run_blocks`` (block
+    interceptors), post-training rollouts on its denoise loop (``rollout_support``, default: the
+    ``denoise`` node with latents as they are), the ``offload`` components (the VAE moves whole),
+    the final latents returned, ``resolve`` / ``task_defaults`` defined, and the ``denoise`` node's
+    batched step retried alone when its forward raises (``step_batch_retry_alone``: the kit's
+    :meth:`~omniloop_kit.denoise.DenoiseLoop.step_batch` changes no request state before its
+    batched forward returns; the CFG plan's count is per step index); ``more``: the other
+    :class:`~omniloop.capabilities.FamilyCapabilities` fields (adapters, options, parallel, ...)."""
+    from omniloop.rl import RolloutSupport
+
+    fields: dict[str, Any] = {"block_interceptors": True, "rollout_support": RolloutSupport(),
+                              "returns_latents": True, "resolve": True, "task_defaults": True,
+                              "step_batch_retry_alone": {"denoise"}}
+    fields.update(more)
+    return FamilyCapabilities(offload=OffloadSupport(components=dict(offload), refusal=offload_refusal), **fields)
+
+
+@define(frozen=True)
+class Checkpoint:
+    """A checkpoint checked and loaded: its folder, ``model_index.json``, the components present,
+    its ``omniloop.json`` (``extra``) and the loaded components."""
+
+    root: Path
+    index: dict[str, Any]
+    present: list[str]
+    extra: dict[str, Any]
+    components: dict[str, Any]
+
+    @property
+    def weight_version(self) -> str:
+        return weight_version(self.root, self.present)
+
+
+def load_checkpoint(path: str | Path, check: Callable[[Path], tuple[dict[str, Any], list[str]]],
+                    load: Callable[..., Any], *, device: Any, dtype: Any,
+                    dtypes: Mapping[str, Any] | None = None, names: list[str] | None = None) -> Checkpoint:
+    """Find the checkpoint (a Hugging Face cache folder works too), ``check(root) -> (index,
+    present)`` every file before any weight is read, then ``load(index, root, name, device=...,
+    dtype=...)`` each component (``names``, default: all present) in its dtype (``dtypes`` per
+    component, else ``dtype``)."""
+    root = resolve_root(path)
+    index, present = check(root)
+    extra = read_extra(root)
+    comps = {n: load(index, root, n, device=device, dtype=(dtypes or {}).get(n, dtype))
+             for n in (present if names is None else names)}
+    return Checkpoint(root=root, index=index, present=present, extra=extra, components=comps)
+
+
+class DiffusersFamily:
+    """The protocol methods a diffusers-format family writes the same way (see the module docstring)."""
+
+    name: str
+    layout: Layout
+
+    def detect(self, path: Path) -> bool:
+        """Cheap detection from the checkpoint's ``model_index.json`` and transformer config."""
+        return looks_like(path, self.layout)
+
+    def resolve_request(self, model: LoadedModel, request: OmniRequest, limits: Any, *, decode_image: bool = True,
+                        node_params: Any = None) -> tuple[Any, list[str]]:
+        raise NotImplementedError
+
+    def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *, node_params: Any = None) -> Any:
+        """The request resolved once (``Runtime.prepare`` calls this; the nodes read ``ctx.resolved``)."""
+        return self.resolve_request(model, request, limits, node_params=node_params)[0]
+
+    def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
+        """The warnings of :meth:`resolve` (without decoding an input image)."""
+        return self.resolve_request(model, request, limits, decode_image=False)[1]
+
+
+__all__ = ["CLIP_TEXT_LAYERS", "CLIP_VISION_LAYERS", "T5_BLOCKS", "Checkpoint", "DiffusersFamily", "capabilities",
+           "load_checkpoint"]
