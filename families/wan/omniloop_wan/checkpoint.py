@@ -28,95 +28,58 @@ from typing import Any
 
 import torch
 
-from omniloop.errors import CheckpointError
-from omniloop_kit.checkpoints import (
-    DIFFUSERS_WEIGHTS,
-    TRANSFORMERS_WEIGHTS,
-    component_folder,
-    looks_like,
-    model_folder,
-    read_json,
-    read_model_index,
-    weight_files,
-)
+from omniloop_kit.checkpoints import DIFFUSERS_WEIGHTS, TRANSFORMERS_WEIGHTS, model_folder, read_json, weight_files
 from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 from omniloop_kit.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
+from omniloop.errors import CheckpointError
+from omniloop_kit import checkpoint as kit
+from omniloop_kit.checkpoint import load_tokenizer as load_tokenizer  # re-exported (family.py: ck.load_tokenizer)
 
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 OPTIONAL = ("transformer_2", "image_encoder", "image_processor")
 WAN_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
-
-
-# --------------------------------------------------------------------------------------------
-# Finding the checkpoint
-# --------------------------------------------------------------------------------------------
+#: the components are loaded by fixed classes (not the index's), so the index's classes are not checked
+LAYOUT = kit.Layout(what="a Wan checkpoint", pipelines=WAN_PIPELINES, transformer_class="WanTransformer3DModel",
+                    required=REQUIRED, optional=OPTIONAL, tokenizer_files=("tokenizer.json", "spiece.model"),
+                    check_classes=False)
 
 
 def looks_like_wan(path: str | Path) -> bool:
     """Cheap detection: reads ``model_index.json`` and ``transformer/config.json`` only (a
     checkpoint saved by another Wan pipeline class is judged by its transformer)."""
-    return looks_like(path, WAN_PIPELINES, "WanTransformer3DModel")
-
-
-# --------------------------------------------------------------------------------------------
-# Checking the files (before anything heavy is loaded)
-# --------------------------------------------------------------------------------------------
+    return kit.looks_like(path, LAYOUT)
 
 
 def components_in(index: dict[str, Any]) -> list[str]:
     """Components the index declares (entries ``[library, class]`` with a class), in load order."""
-    out = []
-    for name in REQUIRED + OPTIONAL:
-        entry = index.get(name)
-        if isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[1]:
-            out.append(name)
-    return out
+    return LAYOUT.components_in(index)
 
 
 def check_checkpoint(root: Path) -> dict[str, Any]:
-    """Validate the layout and return the parsed ``model_index.json``.
-
-    Checks every declared component's folder, config and weight files (including a truncated
-    safetensors file, from its header) without loading any tensor.
-    """
-    index = read_model_index(root)
-    present = components_in(index)
-    for name in REQUIRED:
-        if name not in present:
-            raise CheckpointError(
-                f"{root / 'model_index.json'}: component {name!r} is not declared (a Wan checkpoint needs "
-                + ", ".join(REQUIRED) + ")"
-            )
+    """Validate the layout (omniloop-kit) and Wan2.2's ``boundary_ratio``; return the parsed
+    ``model_index.json``. No tensor is loaded."""
+    index, present = kit.read_index(root, LAYOUT)
     br = index.get("boundary_ratio")
     if br is not None:
         if not isinstance(br, (int, float)) or not 0.0 < float(br) < 1.0:
             raise CheckpointError(f"{root / 'model_index.json'}: boundary_ratio must be a number in (0, 1), not {br!r}")
         if "transformer_2" not in present:
-            raise CheckpointError(
-                f"{root / 'model_index.json'}: boundary_ratio is set but no transformer_2 is declared"
-            )
-    for name in present:
-        folder = component_folder(root, name)
-        if name in ("transformer", "transformer_2", "vae"):
-            cfg = model_folder(folder, name, DIFFUSERS_WEIGHTS)
-            if name.startswith("transformer") and cfg.get("_class_name", "WanTransformer3DModel") not in (
-                "WanTransformer3DModel",
-            ):
-                raise CheckpointError(
-                    f"{folder / 'config.json'}: expected a WanTransformer3DModel, found {cfg.get('_class_name')!r}"
-                )
-        elif name in ("text_encoder", "image_encoder"):
-            model_folder(folder, name, TRANSFORMERS_WEIGHTS)
-        elif name == "tokenizer":
-            if not any((folder / f).exists() for f in ("tokenizer.json", "spiece.model")):
-                raise CheckpointError(f"{folder}: tokenizer has neither tokenizer.json nor spiece.model")
-            if (folder / "tokenizer.json").exists() or (folder / "tokenizer.json").is_symlink():
-                read_json(folder / "tokenizer.json", "tokenizer file")
-        elif name == "scheduler":
-            read_json(folder / "scheduler_config.json", "scheduler config")
-        elif name == "image_processor":
-            read_json(folder / "preprocessor_config.json", "image processor config")
+            raise CheckpointError(f"{root / 'model_index.json'}: boundary_ratio is set but no transformer_2 is declared")
+    kit.check_folders(root, LAYOUT, present)
     return index
+
+
+def limits(root: Path | None, kind: str) -> Any:
+    """A real checkpoint's trained size (issue 42): Wan's configs carry no sample size, so the
+    kind's model-card size (``omniloop_wan.defaults``: frames, height, width), a ``warn``
+    declaration; None for a checkpoint with an ``omniloop.json``."""
+    from .defaults import DEFAULTS
+
+    d = DEFAULTS.get(kind)
+    if d is None:
+        return None
+    return kit.sample_size_limits(root, height=max(d["height"], d["width"]), width=max(d["height"], d["width"]),
+                                  frames=d["frames"], source=f"the {kind} model card")
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,69 +192,18 @@ def load_diffusers_model(cls: Any, folder: Path, *, device: torch.device, dtype:
     return model
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Hide transformers' per-load progress bars (restored afterwards)."""
-    try:
-        from transformers.utils import logging as tlog
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    was = tlog.is_progress_bar_enabled()
-    tlog.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            tlog.enable_progress_bar()
-
-
 def load_transformers_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
     """Load a transformers model from ``folder`` (local files only), errors as ``CheckpointError``."""
     model_folder(folder, folder.name, TRANSFORMERS_WEIGHTS)
-    try:
-        with _quiet_transformers():
-            try:
-                model = cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
-            except TypeError:  # transformers < 4.56 spells it torch_dtype
-                model = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
-    return model.to(device).eval().requires_grad_(False)
-
-
-def load_tokenizer(folder: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        with _quiet_transformers():
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{folder}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
+    return kit.load_pretrained(cls, folder, device=device, dtype=dtype)
 
 
 def load_image_processor(folder: Path) -> Any:
     from transformers import CLIPImageProcessor
 
-    try:
-        with _quiet_transformers():
-            return CLIPImageProcessor.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{folder}: cannot load the image processor ({type(exc).__name__}: {exc})") from None
+    return kit.load_tokenizer(folder, CLIPImageProcessor)
 
 
 def load_scheduler(folder: Path, class_name: str | None) -> Any:
     """The scheduler *template*: each request builds its own instance from its config."""
-    import diffusers
-
-    config = read_json(folder / "scheduler_config.json", "scheduler config")
-    name = config.get("_class_name") or class_name or "UniPCMultistepScheduler"
-    cls = getattr(diffusers, name, None)
-    if cls is None or not hasattr(cls, "from_config"):
-        raise CheckpointError(f"{folder / 'scheduler_config.json'}: unknown scheduler class {name!r}")
-    try:
-        return cls.from_config(config)
-    except Exception as exc:
-        raise CheckpointError(f"{folder / 'scheduler_config.json'}: cannot build {name} ({exc})") from None
+    return kit.load_scheduler(folder, class_name or "UniPCMultistepScheduler")

@@ -10,13 +10,16 @@ from typing import Any
 import torch
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
-from omniloop.capabilities import FamilyCapabilities, OffloadSupport, ParallelSupport, Rollout
-from omniloop.errors import CheckpointError, RequestError
+from omniloop.capabilities import ParallelSupport, Rollout
+from omniloop.errors import CheckpointError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
-from omniloop.rl import RolloutSupport
+from omniloop_kit.checkpoint import read_extra
+from omniloop_kit.family import CLIP_VISION_LAYERS, T5_BLOCKS, DiffusersFamily
+from omniloop_kit.family import capabilities as kit_capabilities
 from omniloop_kit.options import dtype_option
+from omniloop_kit.resolve import check_task
 
 from . import checkpoint as ck
 from .causal.pipeline import build_causal_pipeline, causal_options, rollout_mode
@@ -59,28 +62,20 @@ def attention_heads(path: Path) -> int | None:
     return attention_heads(path)
 
 
-class WanFamily:
+class WanFamily(DiffusersFamily):
     """Wan2.1 / Wan2.2 text-to-video and image-to-video from diffusers-format checkpoints."""
 
     name = "wan"
     tasks = frozenset({TaskType.T2V, TaskType.I2V})
-    capabilities = FamilyCapabilities(
-        block_interceptors=True,
-        #: the denoise loop's step_batch changes no request state before its batched forward returns
-        #: (the CFG plan's count is per step index): when that forward raises, each request's step
-        #: is re-run alone, so only the request that causes it fails
-        step_batch_retry_alone={"denoise"},
-        #: post-training rollouts (omniloop.rl): the denoise loop runs them; its latents are unpacked already
-        rollout_support=RolloutSupport(),
+    layout = ck.LAYOUT
+    capabilities = kit_capabilities(
         #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
         adapters=WAN_ADAPTERS,
         #: deploy offload: model | sequential (omniloop.offload) — the modules that move, and the block
-        #: list each streams one block at a time under ``sequential`` (the VAE moves whole; CLIP's layers
-        #: moved from ``vision_model.encoder`` to ``encoder`` in transformers 5: both spellings)
-        offload=OffloadSupport(components={
-            "transformer": "blocks", "transformer_2": "blocks", "text_encoder": "encoder.block",
-            "image_encoder": "encoder.layers|vision_model.encoder.layers", "vae": None,
-        }, refusal=offload_refusal),
+        #: list each streams one block at a time under ``sequential`` (the VAE moves whole)
+        offload={"transformer": "blocks", "transformer_2": "blocks", "text_encoder": T5_BLOCKS,
+                 "image_encoder": CLIP_VISION_LAYERS, "vae": None},
+        offload_refusal=offload_refusal,
         #: deploy parallel: {sp, cfg} — Ulysses sequence parallel and CFG-parallel (omniloop_wan.parallel);
         #: cfg: one rank per guidance branch (cond, uncond); block interceptors bound to the sp group
         #: (omniloop_wan.parallel.bind_block_interceptor)
@@ -89,19 +84,14 @@ class WanFamily:
         attention_grid=attention_grid_refusal,
         #: deploy placement (role pools, omniloop-parallel): components whose stages may run in a worker
         role_components={"text_encoder", "image_encoder", "vae"},
-        returns_latents=True,
         #: options.rollout: bidirectional (the ordinary pipeline) or causal (chunk streaming, issue 21)
         rollouts=(Rollout("bidirectional", returns_latents=True, description="the whole clip at once"),
                   Rollout("causal", streams=True, description="chunk by chunk, KV-cached (omniloop_wan.causal); "
                           "its output is the decoded video only")),
         #: deploy options read (omniloop_wan.options.KNOWN)
         options=WAN_OPTIONS,
-        resolve=True, supported_tasks=True, task_defaults=True,
+        supported_tasks=True,
     )
-
-    # -- detect / load ------------------------------------------------------------------------
-    def detect(self, path: Path) -> bool:
-        return ck.looks_like_wan(path)
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
         """Load every component once (local files only). Bad files → ``CheckpointError`` naming them.
@@ -130,9 +120,8 @@ class WanFamily:
                 f"{root / 'model_index.json'}: the transformer takes CLIP image states (image_dim="
                 f"{tf_cfg['image_dim']}) but no image_encoder is declared"
             )
-        extra_path = root / "omniloop.json"
-        extra = ck.read_json(extra_path, "omniloop.json") if extra_path.exists() else {}
-        vae_dtype = _dtype(options.get("vae_dtype", "float32"), "vae_dtype")
+        extra = read_extra(root)
+        vae_dtype = dtype_option(options.get("vae_dtype", "float32"), "vae_dtype")
 
         comps: dict[str, Any] = {}
         comps["transformer"] = ck.load_diffusers_model(WanTransformer3DModel, root / "transformer", device=device, dtype=dtype)
@@ -142,7 +131,7 @@ class WanFamily:
             )
         comps["vae"] = ck.load_diffusers_model(AutoencoderKLWan, root / "vae", device=device, dtype=vae_dtype)
         comps["text_encoder"] = ck.load_transformers_model(UMT5EncoderModel, root / "text_encoder", device=device, dtype=dtype)
-        comps["tokenizer"] = ck.load_tokenizer(root / "tokenizer")
+        comps["tokenizer"] = ck.load_tokenizer(root / "tokenizer", None)
         comps["scheduler"] = ck.load_scheduler(root / "scheduler", (index.get("scheduler") or [None, None])[1])
         if "image_encoder" in present and tf_cfg.get("image_dim") is not None:
             from transformers import CLIPVisionModel
@@ -216,9 +205,7 @@ class WanFamily:
 
         cfg = model.config
         menu = menu_for(model, options)
-        if task not in cfg["tasks"]:
-            have = ", ".join(sorted(t.value for t in cfg["tasks"]))
-            raise RequestError("task", f"this {cfg['kind']} checkpoint does not do {task.value!r} (it does: {have})")
+        check_task(task, cfg["tasks"], f"this {cfg['kind']} checkpoint")
         if rollout_mode(options) == "causal":  # options.rollout: causal — chunk streaming (issue 21)
             return build_causal_pipeline(model, task, options, menu)
         image = task is TaskType.I2V
@@ -260,18 +247,8 @@ class WanFamily:
         ``Runtime.supported_tasks`` reports and front ends advertise."""
         return frozenset(model.config["tasks"])
 
-    # -- requests -----------------------------------------------------------------------------
-    def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *,
-                node_params: Mapping[str, Any] | None = None) -> WanParams:
-        """The request resolved once (``Runtime.prepare`` calls this; the nodes read ``ctx.resolved``):
-        defaults, policies, sizes, the decoded conditioning image, warnings."""
-        params, _ = resolve(model, request, limits, menu=menu_for(model), node_params=node_params)
-        return params
-
-    def validate_request(self, model: LoadedModel, request: OmniRequest, limits: Any) -> list[str]:
-        """The warnings of :meth:`resolve` (without decoding the image)."""
-        _, warnings = resolve(model, request, limits, menu=menu_for(model), decode_image=False)
-        return warnings
+    def resolve_request(self, model: LoadedModel, request: OmniRequest, limits: Any, **kw: Any) -> tuple[WanParams, list[str]]:
+        return resolve(model, request, limits, menu=menu_for(model), **kw)
 
 
 def _denoise(cfg: dict[str, Any], menu: Any, options: dict[str, Any]) -> Denoise:
@@ -346,9 +323,6 @@ def configure(model: LoadedModel, opts: WanOptions, device: Any = None) -> None:
     model.config["text_cache"] = (
         TextEmbeddingCache(opts.text_cache, weight_version=model.weight_version) if opts.text_cache else None
     )
-
-
-_dtype = dtype_option  # the family option's dtype (omniloop-kit)
 
 
 def describe_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -20,8 +20,9 @@ import torch
 
 from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
-from omniloop.request import ImagePart, OmniRequest, TaskType
+from omniloop.request import OmniRequest, TaskType
 from omniloop.resolved import Workload, bounds
+from omniloop_kit import resolve as kit
 from omniloop_kit.inputs import count_tokens as kit_count_tokens
 from omniloop_kit.inputs import image_part
 
@@ -72,9 +73,7 @@ def load_image_part(request: OmniRequest) -> tuple[torch.Tensor | None, str]:
 
 def count_tokens(tokenizer: Any, text: str) -> int:
     """Tokens the text encoder would see before truncation (special tokens included)."""
-    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-
-    return kit_count_tokens(tokenizer, text, clean=prompt_clean)
+    return kit_count_tokens(tokenizer, text, clean=_clean)
 
 
 def resolve(
@@ -92,16 +91,10 @@ def resolve(
     """
     cfg = model.config
     warnings: list[str] = []
-    tasks = cfg["tasks"]
-    if request.task not in tasks:
-        have = ", ".join(sorted(t.value for t in tasks))
-        raise RequestError("task", f"this {cfg['kind']} checkpoint does not do {request.task.value!r} (it does: {have})")
+    kit.check_task(request.task, cfg["tasks"], f"this {cfg['kind']} checkpoint")
     defaults = cfg["defaults"]
     d = request.diffusion
-
-    prompt = request.prompt
-    if not prompt or not prompt.strip():
-        raise RequestError("inputs", "a text prompt (a text part with role 'prompt') is required")
+    prompt = kit.require_prompt(request)
     negative = request.negative_prompt
     if negative is None:
         negative = defaults.get("negative_prompt", "")
@@ -111,15 +104,7 @@ def resolve(
         from .policies import menu_for
 
         menu = menu_for(model)
-    structured = (node_params or {}).get(menu.node)
-    policies = menu.resolve(request, structured)
-    steps = policies.num_steps
-    if steps is None:  # a fixed-schedule sampler (few-step): its schedule's length
-        steps = len(policies.timesteps or policies.sampler.timesteps_list)
-    node_steps = getattr(structured, "steps", None) if structured is not None else (
-        (request.node_params or {}).get(menu.node) or {}).get("steps")
-    steps_path = f"node_params.{menu.node}.steps" if node_steps is not None else "diffusion.steps"
-    guidance = policies.guidance_scale
+    policies, steps, steps_path = kit.denoise_policies(menu, request, (node_params or {}).get(menu.node))
 
     t_scale = cfg["vae_scale_temporal"]
     frames = d.frames if d.frames is not None else int(defaults["frames"])
@@ -130,52 +115,26 @@ def resolve(
             f"must be of the form {t_scale}k+1 (1, {1 + t_scale}, {1 + 2 * t_scale}, ...), got {frames}; "
             f"try {lo} or {lo + t_scale}",
         )
-
-    multiple = cfg["size_multiple"]
-    sizes = {}
-    for name in ("height", "width"):
-        value = getattr(d, name)
-        value = int(defaults[name]) if value is None else value
-        if value < multiple or value % multiple:
-            raise RequestError(f"diffusion.{name}", f"must be a positive multiple of {multiple}, got {value}")
-        sizes[name] = value
-
+    sizes = {name: kit.image_size(request, name, defaults[name], cfg["size_multiple"], warnings)
+             for name in ("height", "width")}
     fps = d.fps if d.fps is not None else float(defaults.get("fps", 16.0))
-
-    image = None
-    images = [p for p in request.inputs if isinstance(p, ImagePart)]
-    first = [p for p in images if p.role in FIRST_FRAME_ROLES]
-    if request.task is TaskType.I2V:
-        if not first:
-            raise RequestError(
-                "inputs", "an i2v request needs an image (an image part with role 'image' or 'first_frame')"
-            )
-        if decode_image:
-            image, _ = load_image_part(request)
-        others = len(images) - 1
-        if others:
-            roles = sorted({p.role for p in images} - {"image"})
-            warnings.append(
-                f"{others} more image input(s) ignored ({', '.join(roles) or 'image'}): Wan conditions on one "
-                "first frame (last-frame and reference images are not supported yet)"
-            )
-    elif images:
-        warnings.append(f"the image input is ignored: a {request.task.value} request does not use it")
-
-    tokenizer = model.components.get("tokenizer")
-    if tokenizer is not None:
-        for field, text in (("prompt", prompt), ("negative prompt", negative)):
-            if text:
-                n = count_tokens(tokenizer, text)
-                if n > TEXT_LEN:
-                    warnings.append(
-                        f"the {field} is {n} tokens long; the text encoder reads {TEXT_LEN}, so it was truncated "
-                        f"to its first {TEXT_LEN} tokens"
-                    )
+    image = kit.conditioning_image(
+        request, request.task is TaskType.I2V, FIRST_FRAME_ROLES, warnings, decode=decode_image,
+        missing="an i2v request needs an image (an image part with role 'image' or 'first_frame')",
+        extra="{n} more image input(s) ignored ({roles}): Wan conditions on one first frame "
+              "(last-frame and reference images are not supported yet)")
+    for field, text in (("prompt", prompt), ("negative prompt", negative)):
+        kit.token_warning(model.components.get("tokenizer"), text, TEXT_LEN, field, "UMT5", warnings, clean=_clean)
 
     params = WanParams(
         task=request.task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
-        frames=frames, steps=int(steps), guidance_scale=float(guidance), shift=policies.requested_shift,
+        frames=frames, steps=steps, guidance_scale=float(policies.guidance_scale), shift=policies.requested_shift,
         fps=float(fps), image=image, policies=policies, warnings=tuple(warnings), steps_path=steps_path,
     )
     return params, warnings
+
+
+def _clean(text: str) -> str:
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    return str(prompt_clean(text))

@@ -16,20 +16,17 @@ from typing import Any
 
 import torch
 
-from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
+from omniloop.artifacts import Embeddings, Latents, Tensors, VideoFrames
 from omniloop.context import StageContext
 from omniloop.loop import RequestState
 from omniloop.request import TaskType
+from omniloop_kit import stages as kit
 from omniloop_kit.stages import module_device as _module_device
-from omniloop_kit.stages import return_latents
+from omniloop_kit.stages import params_of, return_latents
 
 from .defaults import TEXT_LEN
 from .denoise import Denoise
 from .resolve import WanParams, resolve
-
-
-def _params(state: RequestState) -> WanParams:
-    return state.read("params", Conditioning).values["params"]
 
 
 def _vae_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,23 +42,15 @@ def _vae_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torc
 # --------------------------------------------------------------------------------------------
 
 
-class Validate:
+class Validate(kit.Validate):
     """Publish the request's resolved params (``ctx.resolved``, resolved once by ``Runtime.prepare``)
-    on the ``params`` edge. Driven by hand outside a runtime, it resolves the request itself."""
+    on the ``params`` edge (omniloop-kit's node). Driven by hand outside a runtime, it resolves the
+    request itself."""
 
-    def __init__(self, model: Any, menu: Any = None) -> None:
-        self.model = model
-        self.menu = menu
+    params_type = WanParams
 
-    def forward(self, ctx: StageContext, state: RequestState) -> None:
-        params = ctx.resolved
-        if not isinstance(params, WanParams):
-            limits = getattr(ctx.options.get("deploy"), "limits", None)
-            params, warnings = resolve(self.model, state.request, limits, menu=self.menu)
-            if warnings:
-                known = state.metrics.setdefault("warnings", [])
-                known.extend(w for w in warnings if w not in known)
-        state.write("params", Conditioning(values={"params": params}), ctx.node.name)
+    def resolve(self, request: Any, limits: Any) -> tuple[WanParams, list[str]]:
+        return resolve(self.model, request, limits, menu=self.menu)
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,7 +87,7 @@ class TextEncode:
         self.cache = cache
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
-        p = _params(state)
+        p = params_of(state)
         tok, te = ctx.components["tokenizer"], ctx.components["text_encoder"]
         dtype = ctx.components["transformer"].dtype
         cache = self.cache
@@ -138,7 +127,7 @@ class ImageEncode:
 
         from omniloop.media import to_pil
 
-        p = _params(state)
+        p = params_of(state)
         assert p.image is not None
         comps = ctx.components
         vae, tf = comps["vae"], comps["transformer"]
@@ -181,11 +170,6 @@ class ImageEncode:
                 mask = mask.view(1, -1, temporal, lh, lw).transpose(1, 2).to(latent.device)
                 values["condition"] = torch.concat([mask, latent], dim=1)
         state.write("image_cond", Tensors(values=values), ctx.node.name)
-
-
-# --------------------------------------------------------------------------------------------
-# denoise: omniloop_wan.denoise (on omniloop-policies)
-# --------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,7 +217,7 @@ class Output:
     """Writes the request's artifacts: ``video`` (uint8 frames) and, on request, ``latents``."""
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
-        p = _params(state)
+        p = params_of(state)
         video = state.read("decoded", Tensors).values["video"]
         frames = to_uint8_frames(video)
         art = VideoFrames(frames=frames, fps=p.fps)
