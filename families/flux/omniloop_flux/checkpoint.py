@@ -55,11 +55,6 @@ LAYOUT = kit.Layout(what="a FLUX.1 checkpoint", pipelines=PIPELINES, transformer
                     required=REQUIRED, allow_bin=False, accept=_plain_flux)
 
 
-def looks_like_flux(path: str | Path) -> bool:
-    """Cheap detection: reads ``model_index.json`` (and ``transformer/config.json``) only."""
-    return kit.looks_like(path, LAYOUT)
-
-
 def class_of(index: dict[str, Any], name: str) -> str:
     return str(index[name][1])
 
@@ -117,5 +112,5 @@ def limits(root: Path | None) -> Any:
     return kit.sample_size_limits(root, height=size, width=size, source="vae/config.json sample_size")
 
 
-__all__ = ["LAYOUT", "PIPELINES", "REQUIRED", "check_checkpoint", "class_of", "load_component", "looks_like_flux",
+__all__ = ["LAYOUT", "PIPELINES", "REQUIRED", "check_checkpoint", "class_of", "load_component",
            "read_json", "resolve_root", "weight_version"]

@@ -9,12 +9,11 @@ from typing import Any
 import torch
 
 from omniloop.artifacts import Embeddings
-from omniloop.errors import CheckpointError
 from omniloop.family import LoadedModel
 from omniloop.graph import PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop.rl import RolloutSupport
-from omniloop_kit.compile import compile_blocks, compile_options
+from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
 from omniloop_kit.options import dtype_option
@@ -81,11 +80,8 @@ class FluxFamily(DiffusersFamily):
         """A ``LoadedModel`` over modules already in memory (benchmarks, tests): ``transformer``,
         ``vae``, ``text_encoder``, ``text_encoder_2``, ``tokenizer``, ``tokenizer_2``, ``scheduler``.
         With deploy ``compile: true`` in ``options``, the transformer's blocks are compiled here."""
-        missing = [n for n in ck.REQUIRED if n not in components]
-        if missing:
-            raise CheckpointError(f"from_components: missing component(s) {', '.join(missing)}")
-        tf, vae = components["transformer"], components["vae"]
-        vsf = vae_scale_factor(vae)
+        self.require(components, ck.REQUIRED)
+        tf, vsf = components["transformer"], vae_scale_factor(components["vae"])
         sched = dict(components["scheduler"].config)
         config: dict[str, Any] = {
             "variant": variant_of(tf.config),
@@ -96,15 +92,9 @@ class FluxFamily(DiffusersFamily):
             "size_multiple": vsf * 2,
             "defaults": defaults_for(vsf, defaults),
         }
-        model = LoadedModel(
-            family=self.name, path=path, components=components, config=config,
-            device=device if device is not None else torch.device("cpu"), dtype=dtype,
-            weight_version=weight_version or f"in-memory:{id(tf):x}",
-        )
-        copts = compile_options(options or {})
-        if copts is not None:
-            compile_blocks(tf, all_blocks(tf), **copts)
-            model.config["compile"] = copts
+        model = self.loaded_model(components, config, path=path, device=device, dtype=dtype,
+                                  weight_version=weight_version)
+        self.compile_model(model, options, all_blocks)
         menu_for(model, options)  # an incompatible scheduler config fails here, at load
         return model
 

@@ -21,26 +21,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from omniloop.family import LoadedModel
-from omniloop_kit.policies import MENU_KEY, NODE, cached_menu, deploy_policies
+from omniloop_kit.policies import MENU_KEY, NODE, cached_menu, deploy_policies, model_precision, scheduler_shift
 from omniloop_kit.policies import build_menu as kit_menu
 
 
 def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> Any:
     """omniloop-kit's menu with FLUX's fixed choices; the deploy's ``policies:`` takes no key
     (an entry is refused, naming the family)."""
-    from omniloop_policies import ConstantShift, PrecisionPolicy, ResolutionShift
-
     options = options or {}
     deploy = deploy_policies(options, "flux", keys=())
-    sched_config = dict(model.components["scheduler"].config)
-    shift = ResolutionShift.from_config(sched_config) if sched_config.get("use_dynamic_shifting") else ConstantShift()
-    dtype = model.components["transformer"].dtype
-    precision = PrecisionPolicy(dtypes={"transformer": dtype}, default_dtype=dtype, step_dtype=None)
-    defaults = model.config["defaults"]
     return kit_menu(model, options, deploy, samplers=["flow-euler"], cfgs=["embedded", "classic"],
                     sampler_options={"flow-euler": {"sigma_schedule": "linear"}}, default_sampler="flow-euler",
-                    default_cfg="embedded", shift=shift, precision=precision,
-                    default_guidance_scale=float(defaults["guidance_scale"]), default_steps=int(defaults["steps"]))
+                    default_cfg="embedded", shift=scheduler_shift(model), precision=model_precision(model))
 
 
 def menu_for(model: LoadedModel, options: Mapping[str, Any] | None = None) -> Any:

@@ -90,6 +90,42 @@ class DiffusersFamily:
         """Cheap detection from the checkpoint's ``model_index.json`` and transformer config."""
         return looks_like(path, self.layout)
 
+    @staticmethod
+    def require(components: Mapping[str, Any], names: tuple[str, ...]) -> Mapping[str, Any]:
+        """``components``, every one of ``names`` present (else one ``CheckpointError`` naming them)."""
+        from omniloop.errors import CheckpointError
+
+        missing = [n for n in names if components.get(n) is None]
+        if missing:
+            raise CheckpointError(f"from_components: missing component(s) {', '.join(missing)}")
+        return components
+
+    def loaded_model(self, components: dict[str, Any], config: dict[str, Any], *, path: Path | None = None,
+                     device: Any = None, dtype: Any = None, weight_version: str = "", **more: Any) -> LoadedModel:
+        """A :class:`~omniloop.family.LoadedModel` of this family over ``components``; without a
+        weight version (modules built in memory) the transformer's identity stands for it."""
+        import torch
+
+        return LoadedModel(family=self.name, path=path, components=components, config=config,
+                           device=device if device is not None else torch.device("cpu"),
+                           dtype=dtype if dtype is not None else torch.float32,
+                           weight_version=weight_version or f"in-memory:{id(components['transformer']):x}", **more)
+
+    @staticmethod
+    def compile_model(model: LoadedModel, options: Mapping[str, Any] | None, blocks: Callable[[Any], Any],
+                      experts: tuple[str, ...] = ("transformer",)) -> None:
+        """Deploy ``compile: true``: each expert's blocks (``blocks(transformer)``) under
+        ``torch.compile`` (:mod:`omniloop_kit.compile`), the settings in ``model.config["compile"]``."""
+        from .compile import compile_blocks, compile_options
+
+        settings = compile_options(options or {})
+        if settings is None:
+            return
+        for name in experts:
+            if name in model.components:
+                compile_blocks(model.components[name], blocks(model.components[name]), **settings)
+        model.config["compile"] = dict(settings)
+
     def resolve_request(self, model: LoadedModel, request: OmniRequest, limits: Any, *, decode_image: bool = True,
                         node_params: Any = None) -> tuple[Any, list[str]]:
         raise NotImplementedError

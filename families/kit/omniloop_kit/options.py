@@ -21,4 +21,15 @@ def dtype_option(value: Any, what: str) -> torch.dtype:
     return DTYPES[value]
 
 
-__all__ = ["DTYPES", "dtype_option"]
+def choice_option(options: Any, key: str, choices: tuple[str, ...]) -> str:
+    """``options[key]``, one of ``choices`` (unset: the first); anything else is one
+    :class:`DeployError` naming ``options.<key>`` and the choices."""
+    value = options.get(key) if options is not None else None
+    if value is None:
+        return choices[0]
+    if value not in choices:
+        raise DeployError(f"options.{key}: must be one of {', '.join(choices)}, not {value!r}")
+    return str(value)
+
+
+__all__ = ["DTYPES", "choice_option", "dtype_option"]

@@ -90,8 +90,16 @@ def build_menu(model: LoadedModel, options: Mapping[str, Any], deploy: DeployPol
     policies, ``samplers``/``cfgs`` (default: omniloop-policies' defaults) plus the deploy's, the
     family's ``sampler_options`` under the deploy's, the deploy's default sampler/CFG over the
     family's, and ``policies`` (``shift``, ``router``, ``precision``, ``default_steps``,
-    ``default_guidance_scale``, ...) as they are. A bad choice is one :class:`DeployError`."""
+    ``default_guidance_scale``, ...) as they are; ``default_steps`` and ``default_guidance_scale``
+    default to the model's ``config["defaults"]`` (``steps``, ``guidance_scale``). A bad choice is
+    one :class:`DeployError`."""
     from omniloop_policies import DEFAULT_CFGS, DEFAULT_SAMPLERS, PolicyError, PolicyMenu, SchedulerConfigError
+
+    defaults = model.config.get("defaults") or {}
+    if "steps" in defaults:
+        policies.setdefault("default_steps", int(defaults["steps"]))
+    if "guidance_scale" in defaults:
+        policies.setdefault("default_guidance_scale", float(defaults["guidance_scale"]))
 
     scheduler = model.components["scheduler"]
     sched_config = dict(scheduler.config)
@@ -115,6 +123,30 @@ def build_menu(model: LoadedModel, options: Mapping[str, Any], deploy: DeployPol
         raise DeployError(f"policies: {err}") from None
 
 
+def scheduler_shift(model: LoadedModel, dynamic: Mapping[str, Any] | None = None) -> Any:
+    """The shift policy the checkpoint's scheduler config asks for: ``resolution`` (``mu`` from the
+    latent token count; ``dynamic``: config defaults under the file's) when it sets
+    ``use_dynamic_shifting``, else ``constant`` (the config's static shift)."""
+    from omniloop_policies import ConstantShift, ResolutionShift
+
+    config = dict(model.components["scheduler"].config)
+    if config.get("use_dynamic_shifting"):
+        return ResolutionShift.from_config({**(dynamic or {}), **config})
+    return ConstantShift()
+
+
+def model_precision(model: LoadedModel, deploy: DeployPolicies | None = None, *, latents: bool = False) -> Any:
+    """The precision policy of a one-transformer model: the transformer's dtype, the deploy's
+    ``policies.step_dtype`` (None: the tensors' own), and — ``latents`` — latents kept in that dtype
+    between steps (as diffusers keeps SD3's)."""
+    from omniloop_policies import PrecisionPolicy
+
+    dtype = model.components["transformer"].dtype
+    extra = {"latents_dtype": dtype} if latents else {}
+    return PrecisionPolicy(dtypes={"transformer": dtype}, default_dtype=dtype,
+                           step_dtype=step_dtype(deploy) if deploy is not None else None, **extra)
+
+
 def cached_menu(model: LoadedModel, build: Callable[[], Any], key: Any = None) -> Any:
     """``build()``'s menu, built on first use and kept in ``model.config["policy_menu"]`` (under
     ``key`` when a model keeps one per task)."""
@@ -130,4 +162,4 @@ def cached_menu(model: LoadedModel, build: Callable[[], Any], key: Any = None) -
 
 
 __all__ = ["DEPLOY_KEYS", "MENU_KEY", "NODE", "DeployPolicies", "build_menu", "cached_menu", "deploy_policies",
-           "registry_specs", "step_dtype"]
+           "model_precision", "registry_specs", "scheduler_shift", "step_dtype"]

@@ -43,15 +43,6 @@ LAYOUT = kit.Layout(what="an SD3 checkpoint", pipelines=PIPELINES, transformer_c
                     required=REQUIRED, optional=OPTIONAL_PAIR)
 
 
-def looks_like_sd3(path: str | Path) -> bool:
-    """Cheap detection: reads ``model_index.json`` (and ``transformer/config.json``) only."""
-    return kit.looks_like(path, LAYOUT)
-
-
-def components_in(index: dict[str, Any]) -> list[str]:
-    return LAYOUT.components_in(index)
-
-
 def check_checkpoint(root: Path) -> dict[str, Any]:
     """Validate the layout (omniloop-kit) and the configs' consistency; return the parsed
     ``model_index.json``. Reads configs and safetensors headers only."""

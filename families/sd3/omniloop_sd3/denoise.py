@@ -3,8 +3,9 @@
 ``init`` resolves nothing new: the validate node already chose the request's
 :class:`omniloop_policies.DenoisePolicies` (sampler, CFG policy, shift, scales). It draws the
 initial latents — pure noise for t2i, the noised image latents for i2i — and lets the policies
-allocate their per-request state (a fresh scheduler instance, the CFG state). For i2i,
-:func:`start_at_strength` then cuts the schedule where diffusers' img2img pipeline starts it.
+allocate their per-request state (a fresh scheduler instance, the CFG state); for i2i the policies
+carry the request's ``strength``, so the sampler cuts the schedule where diffusers' img2img
+pipeline starts it.
 
 A step::
 
@@ -43,37 +44,6 @@ from .transformer import sd3_forward
 
 #: row order inside a stacked CFG forward: diffusers' ``torch.cat([negative, positive])``
 ROW_ORDER = {"uncond": 0, "cond": 1}
-
-
-def start_at_strength(loop: LoopState, strength: float) -> int:
-    """Cut the request's schedule as diffusers' img2img ``get_timesteps`` does; returns ``t_start``.
-
-    With ``n`` steps, ``t_start = int(n - min(n * strength, n))``: the sampler state keeps the
-    timesteps from ``t_start`` on, its scheduler begins there (``set_begin_index``), and the CFG
-    state is rebuilt for the shorter loop. (The policies package has no strength knob; this is the
-    family's own, on the policies' public state.)"""
-    from omniloop_policies import SamplerState
-
-    pol = loop.policy_state["policies"]
-    s: SamplerState = loop.policy_state["sampler"]
-    n = s.num_steps
-    t_start = int(max(n - min(n * strength, n), 0))
-    if t_start == 0:
-        return 0
-    scheduler = s.scheduler
-    order = int(getattr(scheduler, "order", 1))
-    scheduler.set_begin_index(t_start * order)
-    cut = SamplerState(
-        sampler=s.sampler, num_steps=n - t_start, timesteps=s.timesteps[t_start * order:],
-        timestep_values=s.timestep_values[t_start * order:], sigma_values=s.sigma_values[t_start * order:],
-        scheduler=scheduler, generator=s.generator, tensors=s.tensors,
-    )
-    loop.policy_state["sampler"] = cut
-    cstate = pol.cfg.init(cut.num_steps, scale=pol.guidance_scale, scales_by_expert=pol.scales_by_expert)
-    loop.policy_state["cfg"] = cstate
-    loop.branches = pol.cfg.branches(cstate)
-    loop.total = cut.num_steps
-    return t_start
 
 
 @attrs.define
@@ -122,16 +92,15 @@ class Denoise(DenoiseLoop):
         seq_len = (shape[2] // patch) * (shape[3] // patch)
         if p.strength is None:
             loop.tensors["latents"] = randn(shape, generator, ctx.device, dtype)
-            pol.init(loop, device=ctx.device, generator=generator, seq_len=seq_len)
-        else:
-            pol.init(loop, device=ctx.device, generator=generator, seq_len=seq_len)
-            t_start = start_at_strength(loop, p.strength)
+        # i2i: the policies carry the strength, so their sampler starts the schedule where
+        # diffusers' img2img get_timesteps does
+        pol.init(loop, device=ctx.device, generator=generator, seq_len=seq_len)
+        if p.strength is not None:  # the image latents noised to the first kept timestep
             s = loop.policy_state["sampler"]
             image_latents = state.read("image_latents", Tensors).values["latents"]
             noise = randn(tuple(image_latents.shape), generator, ctx.device, dtype)
             latents = s.scheduler.scale_noise(image_latents, s.timesteps[:1].repeat(1), noise)
             loop.tensors["latents"] = latents.to(device=ctx.device, dtype=dtype)
-            loop.extra["t_start"] = t_start
         return loop
 
     def step_inputs(self, state: RequestState, latents: torch.Tensor, t: torch.Tensor) -> StepInputs:
@@ -168,4 +137,4 @@ class Denoise(DenoiseLoop):
         return (tuple(text.shape), float(pol.cfg_state(loop).scale_for(step)))
 
 
-__all__ = ["Denoise", "StepInputs", "split_rows", "stack_inputs", "start_at_strength"]
+__all__ = ["Denoise", "StepInputs", "split_rows", "stack_inputs"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -10,13 +9,13 @@ from typing import Any
 import torch
 
 from omniloop.artifacts import Embeddings
-from omniloop.errors import CheckpointError, DeployError
 from omniloop.family import LoadedModel
 from omniloop.graph import PipelineSpec
 from omniloop.request import OmniRequest, TaskType
-from omniloop_kit.compile import compile_blocks, compile_options
+from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
+from omniloop_kit.options import choice_option
 from omniloop_kit.resolve import check_task
 from omniloop_kit.stages import image_nodes
 
@@ -29,6 +28,8 @@ from .stages import TextEncode, Validate
 from .transformer import joint_steps
 
 TASKS = frozenset({TaskType.T2I, TaskType.I2I})
+#: options.qkv: Q/K/V as three linears (diffusers') or one concatenated weight (omniloop_sd3.attention)
+QKV = ("separate", "fused")
 
 
 class SD3Family(DiffusersFamily):
@@ -55,7 +56,7 @@ class SD3Family(DiffusersFamily):
         Options: ``qkv`` (``separate`` | ``fused``, :mod:`omniloop_sd3.attention`), ``compile_backend``,
         ``compile_mode``, ``compile_dynamic``; the deploy's ``attention_backend`` and ``compile`` are honoured."""
         check_options(options)  # bad options fail before any weight is read
-        got = load_checkpoint(path, lambda root: (idx := ck.check_checkpoint(root), ck.components_in(idx)),
+        got = load_checkpoint(path, lambda root: (idx := ck.check_checkpoint(root), ck.LAYOUT.components_in(idx)),
                               lambda *a, **k: ck.load_model(*a, **k), device=device, dtype=dtype)
         return self.from_components(
             got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype, path=got.root,
@@ -79,10 +80,8 @@ class SD3Family(DiffusersFamily):
         ``components``: ``transformer``, ``vae``, ``text_encoder``, ``text_encoder_2``,
         ``tokenizer``, ``tokenizer_2``, ``scheduler`` and optionally ``text_encoder_3`` /
         ``tokenizer_3``. Compiled blocks (deploy ``compile: true``) are set up on these modules."""
+        self.require(components, ck.REQUIRED)
         tf, vae = components["transformer"], components["vae"]
-        for name in ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "scheduler"):
-            if components.get(name) is None:
-                raise CheckpointError(f"component {name!r} is missing")
         vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
         patch = int(tf.config.patch_size)
         task_defaults = defaults_for(int(tf.config.sample_size), vae_scale, defaults)
@@ -95,14 +94,11 @@ class SD3Family(DiffusersFamily):
             "task_defaults": task_defaults,
             "options": dict(options or {}),
         }
-        model = LoadedModel(
-            family=self.name, path=path, components=components, config=config,
-            device=device if device is not None else torch.device("cpu"), dtype=dtype,
-            weight_version=weight_version or f"in-memory:{id(tf):x}", defaults=dict(task_defaults),
-        )
+        model = self.loaded_model(components, config, path=path, device=device, dtype=dtype,
+                                  weight_version=weight_version, defaults=dict(task_defaults))
         opts = dict(options or {})
         check_options(opts)
-        qkv = opts.get("qkv", "separate")
+        qkv = choice_option(opts, "qkv", QKV)
         backend = opts.get("attention")
         if qkv == "fused" or getattr(backend, "name", "sdpa") != "sdpa":
             from .attention import install
@@ -110,10 +106,7 @@ class SD3Family(DiffusersFamily):
             install(tf, backend, fused_qkv=qkv == "fused")
             config["attention_backend"] = getattr(backend, "name", "sdpa")
         config["qkv"] = qkv
-        copts = compile_options(opts)
-        if copts is not None:
-            compile_blocks(tf, joint_steps(tf), **copts)
-            config["compile"] = copts
+        self.compile_model(model, opts, joint_steps)
         for task in TASKS:  # an incompatible scheduler config or policies option fails at load
             menu_for(model, task, options)
         return model
@@ -139,9 +132,7 @@ class SD3Family(DiffusersFamily):
 
 def check_options(options: Mapping[str, Any]) -> None:
     """The family options (``qkv``, ``compile_*``), checked before loading."""
-    qkv = options.get("qkv", "separate")
-    if qkv not in ("separate", "fused"):
-        raise DeployError(f"options.qkv: must be 'separate' or 'fused', not {qkv!r}")
+    choice_option(options, "qkv", QKV)
     compile_options(options)
 
 
@@ -150,13 +141,8 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
     root = ck.resolve_root(path)
     index = ck.check_checkpoint(root)
     tf = ck.read_json(root / "transformer" / "config.json", "transformer config")
-    return {
-        "path": str(root),
-        "components": ck.components_in(index),
-        "qk_norm": tf.get("qk_norm"),
-        "dual_attention_layers": list(tf.get("dual_attention_layers") or []),
-        "model_index": json.loads((root / "model_index.json").read_text()),
-    }
+    return {"path": str(root), "components": ck.LAYOUT.components_in(index), "qk_norm": tf.get("qk_norm"),
+            "dual_attention_layers": list(tf.get("dual_attention_layers") or []), "model_index": index}
 
 
 __all__ = ["SD3Family", "check_options", "describe_checkpoint"]

@@ -20,30 +20,27 @@ from collections.abc import Mapping
 from typing import Any
 
 from omniloop.family import LoadedModel
-from omniloop_kit.policies import DEPLOY_KEYS, MENU_KEY, NODE, cached_menu, deploy_policies, step_dtype
+from omniloop_kit.policies import (
+    DEPLOY_KEYS,
+    MENU_KEY,
+    NODE,
+    cached_menu,
+    deploy_policies,
+    model_precision,
+    scheduler_shift,
+)
 from omniloop_kit.policies import build_menu as kit_menu
 
 DEFAULT_CFG = "batched"
 
 
 def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> Any:
-    """omniloop-kit's menu with SD3's precision (latents in the model dtype) and shift policy."""
-    from omniloop_policies import ConstantShift, PrecisionPolicy, ResolutionShift
-
+    """omniloop-kit's menu with SD3's precision (latents in the model dtype) and shift policy
+    (diffusers' SD3 pipelines: ``calculate_shift`` with ``max_shift`` 1.16 unless the config says)."""
     options = options or {}
     deploy = deploy_policies(options, "sd3")
-    dtype = model.components["transformer"].dtype
-    precision = PrecisionPolicy(dtypes={"transformer": dtype}, default_dtype=dtype, step_dtype=step_dtype(deploy),
-                                latents_dtype=dtype)
-    sched_config = dict(model.components["scheduler"].config)
-    if sched_config.get("use_dynamic_shifting"):
-        # diffusers' SD3 pipelines: calculate_shift with these config keys (max_shift default 1.16)
-        shift: Any = ResolutionShift.from_config({"max_shift": 1.16, **sched_config})
-    else:
-        shift = ConstantShift()
-    defaults = model.config["defaults"]
-    return kit_menu(model, options, deploy, default_cfg=DEFAULT_CFG, shift=shift, precision=precision,
-                    default_guidance_scale=float(defaults["guidance_scale"]), default_steps=int(defaults["steps"]))
+    return kit_menu(model, options, deploy, default_cfg=DEFAULT_CFG, shift=scheduler_shift(model, {"max_shift": 1.16}),
+                    precision=model_precision(model, deploy, latents=True))
 
 
 def menu_for(model: LoadedModel, task: Any, options: Mapping[str, Any] | None = None) -> Any:

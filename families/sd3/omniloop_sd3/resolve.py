@@ -33,11 +33,8 @@ IMAGE_ROLES = ("image", "reference", "first_frame")
 NEEDS_IMAGE = "an i2i request needs an input image (an image part with role 'image')"
 
 
-@define(frozen=True, kw_only=True)
-class SD3DenoiseParams(DenoiseParams):  # type: ignore[misc]
-    """``node_params.denoise``: the policies' knobs plus ``strength`` (i2i)."""
-
-    strength: float | None = field(default=None, metadata={"gt": 0.0, "le": 1.0})
+#: ``node_params.denoise``: the policies' knobs, ``strength`` (i2i) among them
+SD3DenoiseParams = DenoiseParams
 
 
 @define(frozen=True)
@@ -92,8 +89,7 @@ def resolve(
     tp = given.get("text_encode")
     if tp is None:
         tp = structure_params(TextParams, raw_params.get("text_encode"), "node_params.text_encode")
-    # strength is this family's to apply (the i2i start), not the sampler's: the menu sees the rest
-    policies, steps, steps_path = kit.denoise_policies(menu_for(model, task), request, attrs.evolve(dp, strength=None))
+    policies, steps, steps_path = kit.denoise_policies(menu_for(model, task), request, dp)
 
     sizes = {name: kit.image_size(request, name, defaults[name], cfg["size_multiple"], warnings, top=cfg["max_size"])
              for name in ("height", "width")}
@@ -104,8 +100,9 @@ def resolve(
 
     i2i = task is TaskType.I2I
     strength = None
-    if i2i:  # > 0 runs at least one step: n - int(n - n * strength) >= 1
+    if i2i:  # the sampler runs the last ``strength`` of the schedule (diffusers' get_timesteps)
         strength = float(defaults.get("strength", 0.6) if dp.strength is None else dp.strength)
+        policies = attrs.evolve(policies, strength=strength)
     elif dp.strength is not None:
         raise RequestError("node_params.denoise.strength", "strength applies to i2i requests (an input image)")
     image = kit.conditioning_image(request, i2i, IMAGE_ROLES, warnings, decode=decode_image, missing=NEEDS_IMAGE,

@@ -44,17 +44,6 @@ LAYOUT = kit.Layout(what="a Wan checkpoint", pipelines=WAN_PIPELINES, transforme
                     check_classes=False)
 
 
-def looks_like_wan(path: str | Path) -> bool:
-    """Cheap detection: reads ``model_index.json`` and ``transformer/config.json`` only (a
-    checkpoint saved by another Wan pipeline class is judged by its transformer)."""
-    return kit.looks_like(path, LAYOUT)
-
-
-def components_in(index: dict[str, Any]) -> list[str]:
-    """Components the index declares (entries ``[library, class]`` with a class), in load order."""
-    return LAYOUT.components_in(index)
-
-
 def check_checkpoint(root: Path) -> dict[str, Any]:
     """Validate the layout (omniloop-kit) and Wan2.2's ``boundary_ratio``; return the parsed
     ``model_index.json``. No tensor is loaded."""

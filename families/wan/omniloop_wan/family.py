@@ -105,7 +105,7 @@ class WanFamily(DiffusersFamily):
         check_fused_options(opts, compute_device(options, device))
         root = ck.resolve_root(path)
         index = ck.check_checkpoint(root)
-        present = ck.components_in(index)
+        present = ck.LAYOUT.components_in(index)
         tf_cfg = ck.read_json(root / "transformer" / "config.json", "transformer config")
         vae_cfg = ck.read_json(root / "vae" / "config.json", "vae config")
         kind = model_kind(index, tf_cfg, vae_cfg)
@@ -336,7 +336,7 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
         "path": str(root),
         "kind": kind,
         "tasks": sorted(t.value for t in tasks_of(kind)),
-        "components": ck.components_in(index),
+        "components": ck.LAYOUT.components_in(index),
         "boundary_ratio": index.get("boundary_ratio"),
         "model_index": json.loads((root / "model_index.json").read_text()),
     }

@@ -46,6 +46,7 @@ from typing import Any
 from attrs import define
 
 from omniloop.errors import DeployError
+from omniloop_kit.options import choice_option
 
 from .compile import compile_options
 from .fused import MODES
@@ -105,12 +106,7 @@ def parse_options(options: Mapping[str, Any] | None) -> WanOptions:
     slicing = options.get("vae_slicing", False)
     if not isinstance(slicing, bool):
         raise DeployError(f"options.vae_slicing: expected true or false, got {slicing!r}")
-    fused = {}
-    for key in ("qk_norm_rope", "ffn_gelu"):
-        value = options.get(key, "reference")
-        if value not in MODES:
-            raise DeployError(f"options.{key}: must be one of {', '.join(MODES)}, not {value!r}")
-        fused[key] = value
+    fused = {key: choice_option(options, key, MODES) for key in ("qk_norm_rope", "ffn_gelu")}
     return WanOptions(
         text_cache=capacity_from_options(options),
         vae_tiling=tiling_kw,

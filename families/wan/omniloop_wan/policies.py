@@ -59,9 +59,7 @@ def build_menu(model: LoadedModel, options: Mapping[str, Any] | None = None) -> 
     # the deploy's policies win
     return kit_menu(model, options, deploy, sampler_options=defaults.get("sampler_options"),
                     default_sampler=defaults.get("sampler"), default_cfg="classic", router=router, shift=shift,
-                    precision=precision, default_guidance_scale=float(defaults["guidance_scale"]),
-                    default_guidance_scale_2=float(g2) if g2 is not None else None,
-                    default_steps=int(defaults["steps"]))
+                    precision=precision, default_guidance_scale_2=float(g2) if g2 is not None else None)
 
 
 def menu_for(model: LoadedModel, options: Mapping[str, Any] | None = None) -> Any:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omniloop.errors import DeployError
+from omniloop_kit.options import choice_option
 
 CHOICES = ("reference", "fast")
 #: attribute set on a module whose forward was replaced (so configure is idempotent)
@@ -40,11 +40,7 @@ _MARK = "_omniloop_fast_kernel"
 
 
 def parse_vae_cpu_kernels(value: Any) -> str:
-    if value is None:
-        return "reference"
-    if value not in CHOICES:
-        raise DeployError(f"options.vae_cpu_kernels: must be one of {', '.join(CHOICES)}, not {value!r}")
-    return str(value)
+    return choice_option({"vae_cpu_kernels": value}, "vae_cpu_kernels", CHOICES)
 
 
 def _fast_path(x: torch.Tensor) -> bool:
