@@ -53,6 +53,11 @@ the field. Fields, each defaulting to "not supported":
     forward has returned: when that forward raises, the runtime runs each request's step alone, so
     only the request that causes the exception fails (its batch-mates go on as they would alone).
     A node not named here fails its whole batch on such an exception (nobody knows whose row it was).
+``checkpoint_limits``
+    ``checkpoint_limits(path) -> omniloop.limits.ModelLimits | None``: the range a checkpoint without
+    an ``omniloop.json`` declaration was trained for, read from its configs (a real model's sample
+    sizes; the families on ``omniloop-kit`` declare ``enforce="warn"``: outside runs, bounded by the
+    deploy's limits, with one warning); None: only ``omniloop.json`` declares a range.
 ``options``
     the keys of the deploy's ``options`` the family reads (None: not declared, nothing checked);
     any other key is refused when the deployment is resolved, naming it and the family.
@@ -177,6 +182,7 @@ class FamilyCapabilities:
     rollout_support: Any = None  # omniloop.rl.RolloutSupport | None (typed loosely: no import cycle)
     step_batch_retry_alone: frozenset[str] = field(default=frozenset(), converter=_name_set)
     audio_tasks: frozenset[str] = field(default=frozenset(), converter=_task_names)
+    checkpoint_limits: Callable[[Path], Any] | None = None  # -> omniloop.limits.ModelLimits | None
     inspect: bool = False
     resolve: bool = False
     supported_tasks: bool = False
@@ -261,7 +267,7 @@ def validate(family: Any, caps: Any) -> FamilyCapabilities:
         if par.block_interceptors and not caps.block_interceptors:
             raise PluginError(f"{where}.parallel.block_interceptors: the family does not run block interceptors "
                               "(block_interceptors=False)")
-    for fn_name, fn in (("attention_grid", caps.attention_grid),
+    for fn_name, fn in (("attention_grid", caps.attention_grid), ("checkpoint_limits", caps.checkpoint_limits),
                         ("offload.refusal", caps.offload.refusal if caps.offload else None)):
         if fn is not None and not callable(fn):
             raise PluginError(f"{where}.{fn_name}: expected a callable, got {type(fn).__name__}")

@@ -136,8 +136,14 @@ class Deployment:
         self.device = _device(deploy.device)
         self.dtype = _DTYPES[deploy.dtype]
         self.family, self.model_path = self._resolve_model()
-        #: the checkpoint's declared range (its omniloop.json ``limits``; omniloop.limits), or None
+        #: what the family declares it can do (checked when it registered)
+        self.capabilities: FamilyCapabilities = capabilities_of(self.family)
+        #: the checkpoint's declared range (its omniloop.json ``limits``; omniloop.limits), else what
+        #: the family reads from its configs (``capabilities.checkpoint_limits``: a real checkpoint's
+        #: trained size, a ``warn`` declaration), or None
         self.model_limits = _limits.declared(self.model_path)
+        if self.model_limits is None and self.capabilities.checkpoint_limits is not None:
+            self.model_limits = self.capabilities.checkpoint_limits(self.model_path)
         #: the tasks the checkpoint's omniloop.json declares (None: not declared)
         self.declared_tasks = _limits.declared_tasks(self.model_path)
         #: the deploy file's own limits; ``self.deploy.limits`` are the effective ones: these,
@@ -145,8 +151,6 @@ class Deployment:
         self.deploy_limits = deploy.limits
         deploy = attrs.evolve(deploy, limits=_limits.tighten(deploy.limits, self.model_limits))
         self.deploy = deploy
-        #: what the family declares it can do (checked when it registered)
-        self.capabilities: FamilyCapabilities = capabilities_of(self.family)
         self.attention = self._resolve_attention()
         #: the deploy's linear_precision (None: the dtype itself; else a plugin's spec, checked here)
         self.linear_precision = _linears.resolve(self)

@@ -102,11 +102,11 @@ def weight_version(root: Path) -> str:
     return kit.weight_version(root, REQUIRED)
 
 
-def limits(root: Path | None) -> Any:
-    """A real checkpoint's trained size (issue 42): its VAE config's ``sample_size`` (1024 for
-    FLUX.1), a ``warn`` declaration; None for a checkpoint with an ``omniloop.json``."""
-    if root is None:
-        return None
+def limits(path: Path) -> Any:
+    """A real checkpoint's trained size (issue 42, ``capabilities.checkpoint_limits``): its VAE
+    config's ``sample_size`` (1024 for FLUX.1), a ``warn`` declaration; None for a checkpoint with
+    an ``omniloop.json``."""
+    root = resolve_root(path)
     size = kit.config_of(root, "vae").get("sample_size")
     size = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
     return kit.sample_size_limits(root, height=size, width=size, source="vae/config.json sample_size")

@@ -51,6 +51,8 @@ class FluxFamily(DiffusersFamily):
         offload={"transformer": ("transformer_blocks", "single_transformer_blocks"),
                  "text_encoder": CLIP_TEXT_LAYERS, "text_encoder_2": T5_BLOCKS, "vae": None},
         options=KNOWN_OPTIONS,
+        #: a real checkpoint's trained size from its configs (issue 42: warned, bounded by the deploy)
+        checkpoint_limits=ck.limits,
     )
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:

@@ -98,11 +98,11 @@ def check_consistency(root: Path, index: dict[str, Any]) -> None:
             raise CheckpointError(f"{path}: d_model={d} but the transformer's joint_attention_dim is {joint}")
 
 
-def limits(root: Path | None) -> Any:
-    """A real checkpoint's trained size (issue 42): the transformer config's ``sample_size`` times
-    the VAE's scale (1024 for SD3 / SD3.5), a ``warn`` declaration; None with an ``omniloop.json``."""
-    if root is None:
-        return None
+def limits(path: Path) -> Any:
+    """A real checkpoint's trained size (issue 42, ``capabilities.checkpoint_limits``): the
+    transformer config's ``sample_size`` times the VAE's scale (1024 for SD3 / SD3.5), a ``warn``
+    declaration; None with an ``omniloop.json``."""
+    root = resolve_root(path)
     latent = kit.config_of(root, "transformer").get("sample_size")
     blocks = kit.config_of(root, "vae").get("block_out_channels") or [0, 0, 0, 0]
     size = int(latent) * 2 ** (len(blocks) - 1) if isinstance(latent, int) and latent > 0 else None

@@ -47,6 +47,8 @@ class SD3Family(DiffusersFamily):
                  "text_encoder_2": CLIP_TEXT_LAYERS, "text_encoder_3": T5_BLOCKS, "vae": None},
         #: deploy options read: options.qkv and the compile settings (check_options)
         options={"qkv", "compile_backend", "compile_mode", "compile_dynamic"},
+        #: a real checkpoint's trained size from its configs (issue 42: warned, bounded by the deploy)
+        checkpoint_limits=ck.limits,
     )
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:

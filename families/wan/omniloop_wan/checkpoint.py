@@ -58,17 +58,23 @@ def check_checkpoint(root: Path) -> dict[str, Any]:
     return index
 
 
-def limits(root: Path | None, kind: str) -> Any:
-    """A real checkpoint's trained size (issue 42): Wan's configs carry no sample size, so the
-    kind's model-card size (``omniloop_wan.defaults``: frames, height, width), a ``warn``
+def limits(path: Path) -> Any:
+    """A real checkpoint's trained size (issue 42, ``capabilities.checkpoint_limits``): Wan's
+    configs carry no sample size, so its kind's (read from the configs) model-card size
+    (``omniloop_wan.defaults``: frames, and the longer side for either side), a ``warn``
     declaration; None for a checkpoint with an ``omniloop.json``."""
-    from .defaults import DEFAULTS
+    from omniloop_kit.checkpoints import peek_json
 
+    from .defaults import DEFAULTS, model_kind
+
+    root = resolve_root(path)
+    kind = model_kind(peek_json(root / "model_index.json") or {}, kit.config_of(root, "transformer"),
+                      kit.config_of(root, "vae"))
     d = DEFAULTS.get(kind)
     if d is None:
         return None
-    return kit.sample_size_limits(root, height=max(d["height"], d["width"]), width=max(d["height"], d["width"]),
-                                  frames=d["frames"], source=f"the {kind} model card")
+    side = max(d["height"], d["width"])
+    return kit.sample_size_limits(root, height=side, width=side, frames=d["frames"], source=f"the {kind} model card")
 
 
 # --------------------------------------------------------------------------------------------

@@ -91,6 +91,8 @@ class WanFamily(DiffusersFamily):
         #: deploy options read (omniloop_wan.options.KNOWN)
         options=WAN_OPTIONS,
         supported_tasks=True,
+        #: a real checkpoint's trained size from its configs (issue 42: warned, bounded by the deploy)
+        checkpoint_limits=ck.limits,
     )
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
