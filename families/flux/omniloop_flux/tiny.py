@@ -18,8 +18,6 @@ way the Black Forest Labs repositories do: ``CLIPTextModel`` + ``CLIPTokenizer``
 
 from __future__ import annotations
 
-import argparse
-import json
 import string
 import sys
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import write_omniloop_json
+from omniloop_kit.tiny import clip_bpe_tokenizer, tiny_main, write_model_index, write_omniloop_json, write_scheduler
 
 VARIANTS = ("dev", "schnell")
 
@@ -54,43 +52,9 @@ SCHEDULERS: dict[str, dict[str, Any]] = {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2 / CLIP's reversible byte → printable character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs), strict=True))
-
-
 def build_clip_tokenizer(out: Path, max_length: int = 77) -> int:
     """Write a CLIP byte-level BPE tokenizer (every byte, a few whole words); returns its vocab size."""
-    from transformers import CLIPTokenizer
-
-    chars = list(_bytes_to_unicode().values())
-    vocab: dict[str, int] = {}
-    for c in chars:
-        vocab.setdefault(c, len(vocab))
-    for c in chars:
-        vocab.setdefault(c + "</w>", len(vocab))
-    merges: list[tuple[str, str]] = []
-    for w in _WORDS:  # merge each word left to right: "f o" -> "fo", "fo x</w>" -> "fox</w>"
-        parts = [*w[:-1], w[-1] + "</w>"]
-        while len(parts) > 1:
-            a, b = parts[0], parts[1]
-            if (a, b) not in merges:
-                merges.append((a, b))
-            vocab.setdefault(a + b, len(vocab))
-            parts = [a + b, *parts[2:]]
-    for special in ("<|startoftext|>", "<|endoftext|>"):
-        vocab.setdefault(special, len(vocab))
-    tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
-    tok.save_pretrained(str(out))
-    return len(vocab)
+    return clip_bpe_tokenizer(out, _WORDS, max_length)
 
 
 def build_t5_tokenizer(out: Path, max_length: int = 512) -> int:
@@ -114,7 +78,6 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0,
     num_single_layers=4`` for more blocks to cache)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
-    import diffusers
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -152,13 +115,8 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0,
             guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6)), **transformer},
         ).eval().save_pretrained(out / "transformer")
 
-    (out / "scheduler").mkdir(exist_ok=True)
-    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(
-        {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": diffusers.__version__,
-         **SCHEDULERS[variant]}, indent=2))
-    index = {
-        "_class_name": "FluxPipeline",
-        "_diffusers_version": diffusers.__version__,
+    write_scheduler(out, "FlowMatchEulerDiscreteScheduler", SCHEDULERS[variant])
+    write_model_index(out, "FluxPipeline", {
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "CLIPTextModel"],
         "text_encoder_2": ["transformers", "T5EncoderModel"],
@@ -166,22 +124,14 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0,
         "tokenizer_2": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", "FluxTransformer2DModel"],
         "vae": ["diffusers", "AutoencoderKL"],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    })
     write_omniloop_json(out, f"tiny-{variant}", TINY_DEFAULTS)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omniloop_flux.tiny", description=__doc__.split("\n")[0])
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--variant", choices=VARIANTS, default="dev")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    path = build_tiny_checkpoint(args.out_dir, variant=args.variant, seed=args.seed)
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    print(f"wrote tiny FLUX.1 checkpoint ({args.variant}, {size / 1024:.0f} KB) to {path}")
-    return 0
+    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_flux.tiny", what="FLUX.1", doc=__doc__ or "",
+                     variants=VARIANTS, default="dev")
 
 
 if __name__ == "__main__":

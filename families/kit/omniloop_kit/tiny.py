@@ -3,9 +3,10 @@ a few hundred kilobytes; nothing is downloaded)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,4 +54,81 @@ def write_omniloop_json(out: Path, variant: str, defaults: dict[str, Any], **ext
     (out / "omniloop.json").write_text(json.dumps({"variant": variant, "defaults": defaults, **extra}, indent=2))
 
 
-__all__ = ["T5_CONFIG", "t5_unigram_tokenizer", "write_omniloop_json"]
+def write_model_index(out: Path, pipeline: str, components: dict[str, Any], **extra: Any) -> None:
+    """A diffusers ``model_index.json``: the pipeline class, diffusers' version, each component as
+    ``[library, class]`` (``[None, None]``: declared absent) and ``extra`` keys (``boundary_ratio``)."""
+    import diffusers
+
+    index = {"_class_name": pipeline, "_diffusers_version": diffusers.__version__, **components, **extra}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_scheduler(out: Path, class_name: str, config: dict[str, Any]) -> None:
+    """``scheduler/scheduler_config.json`` of the diffusers scheduler ``class_name``."""
+    import diffusers
+
+    (out / "scheduler").mkdir(parents=True, exist_ok=True)
+    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(
+        {"_class_name": class_name, "_diffusers_version": diffusers.__version__, **config}, indent=2))
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 / CLIP's reversible byte → printable character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def clip_bpe_tokenizer(out: Path, words: Sequence[str], max_length: int = 77) -> int:
+    """Write a CLIP byte-level BPE tokenizer (every byte, ``words`` whole: each merged left to
+    right, ``"f o" -> "fo"``, ``"fo x</w>" -> "fox</w>"``) with transformers' ``CLIPTokenizer``;
+    returns its vocabulary size."""
+    from transformers import CLIPTokenizer
+
+    chars = list(bytes_to_unicode().values())
+    vocab: dict[str, int] = {}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    for c in chars:
+        vocab.setdefault(c + "</w>", len(vocab))
+    merges: list[tuple[str, str]] = []
+    for w in words:
+        parts = [*w[:-1], w[-1] + "</w>"]
+        while len(parts) > 1:
+            a, b = parts[0], parts[1]
+            if (a, b) not in merges:
+                merges.append((a, b))
+            vocab.setdefault(a + b, len(vocab))
+            parts = [a + b, *parts[2:]]
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab.setdefault(special, len(vocab))
+    CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length).save_pretrained(str(out))
+    return len(vocab)
+
+
+def tiny_main(argv: list[str] | None, build: Callable[..., Path], *, module: str, what: str, doc: str,
+              variants: Sequence[str], default: str, options: Sequence[tuple[str, dict[str, Any]]] = (),
+              convert: Callable[[argparse.Namespace], dict[str, Any]] | None = None) -> int:
+    """``python -m <module> OUT_DIR --variant V --seed N`` (plus the family's ``options``, mapped to
+    ``build``'s keywords by ``convert``): build a tiny checkpoint and say where and how large."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--variant", choices=tuple(variants), default=default)
+    parser.add_argument("--seed", type=int, default=0)
+    for flag, kw in options:
+        parser.add_argument(flag, **kw)
+    args = parser.parse_args(argv)
+    path = build(args.out_dir, variant=args.variant, seed=args.seed, **(convert(args) if convert else {}))
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(f"wrote tiny {what} checkpoint ({args.variant}, {size / 1024:.0f} KB) to {path}")
+    return 0
+
+
+__all__ = ["T5_CONFIG", "bytes_to_unicode", "clip_bpe_tokenizer", "t5_unigram_tokenizer", "tiny_main",
+           "write_model_index", "write_omniloop_json", "write_scheduler"]

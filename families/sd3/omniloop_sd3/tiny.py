@@ -23,7 +23,6 @@ VAE scale 8), and an ``omniloop.json`` with a 2-step default so a default reques
 
 from __future__ import annotations
 
-import argparse
 import json
 import string
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import t5_unigram_tokenizer, write_omniloop_json
+from omniloop_kit.tiny import t5_unigram_tokenizer, tiny_main, write_model_index, write_omniloop_json, write_scheduler
 
 VARIANTS = ("sd3", "sd35", "sd35-medium")
 
@@ -105,7 +104,6 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "sd35-medium", seed: 
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
-    import diffusers
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
@@ -139,13 +137,8 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "sd35-medium", seed: 
         ).eval().save_pretrained(out / "vae")
         SD3Transformer2DModel(**tf_kw).eval().save_pretrained(out / "transformer")
 
-    (out / "scheduler").mkdir(exist_ok=True)
-    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(
-        {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": diffusers.__version__,
-         "num_train_timesteps": 1000, "shift": 3.0}, indent=2))
-    index: dict[str, Any] = {
-        "_class_name": "StableDiffusion3Pipeline",
-        "_diffusers_version": diffusers.__version__,
+    write_scheduler(out, "FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": 1000, "shift": 3.0})
+    write_model_index(out, "StableDiffusion3Pipeline", {
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
         "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
@@ -157,23 +150,16 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "sd35-medium", seed: 
         "vae": ["diffusers", "AutoencoderKL"],
         "image_encoder": [None, None],
         "feature_extractor": [None, None],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    })
     write_omniloop_json(out, f"tiny-{variant}", TINY_DEFAULTS)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omniloop_sd3.tiny", description=__doc__.split("\n")[0])
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--variant", choices=VARIANTS, default="sd35-medium")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-t5", action="store_true", help="declare no T5 encoder (its context part is zeros)")
-    args = parser.parse_args(argv)
-    path = build_tiny_checkpoint(args.out_dir, variant=args.variant, seed=args.seed, t5=not args.no_t5)
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    print(f"wrote tiny SD3 checkpoint ({args.variant}, {size / 1024:.0f} KB) to {path}")
-    return 0
+    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_sd3.tiny", what="SD3", doc=__doc__ or "",
+                     variants=VARIANTS, default="sd35-medium",
+                     options=[("--no-t5", {"action": "store_true", "help": "declare no T5 encoder (its context part is zeros)"})],
+                     convert=lambda args: {"t5": not args.no_t5})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Every component is written with ``save_pretrained``; the tokenizer is a real ``t
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import t5_unigram_tokenizer, write_omniloop_json
+from omniloop_kit.tiny import t5_unigram_tokenizer, tiny_main, write_model_index, write_omniloop_json, write_scheduler
 
 VARIANTS = ("t2v", "wan22", "i2v", "wan22_i2v", "ti2v")
 
@@ -88,7 +87,6 @@ def build_tiny_checkpoint(
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
     if scheduler not in ("unipc", "flow_euler"):
         raise ValueError(f"scheduler must be 'unipc' or 'flow_euler', not {scheduler!r}")
-    import diffusers
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -157,14 +155,9 @@ def build_tiny_checkpoint(
             WanTransformer3DModel(**tf_kwargs).eval().save_pretrained(out / "transformer_2")
 
     sched_cls, sched_cfg = _scheduler_config(variant, scheduler)
-    (out / "scheduler").mkdir(exist_ok=True)
-    (out / "scheduler" / "scheduler_config.json").write_text(
-        json.dumps({"_class_name": sched_cls, "_diffusers_version": diffusers.__version__, **sched_cfg}, indent=2)
-    )
+    write_scheduler(out, sched_cls, sched_cfg)
 
     index: dict[str, Any] = {
-        "_class_name": "WanImageToVideoPipeline" if image_latent else "WanPipeline",
-        "_diffusers_version": diffusers.__version__,
         "scheduler": ["diffusers", sched_cls],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
@@ -184,7 +177,7 @@ def build_tiny_checkpoint(
         index["image_processor"] = [None, None]
     if ti2v:
         index["expand_timesteps"] = True
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    write_model_index(out, "WanImageToVideoPipeline" if image_latent else "WanPipeline", index)
 
     defaults = dict(TINY_DEFAULTS)
     if ti2v:
@@ -194,16 +187,10 @@ def build_tiny_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omniloop_wan.tiny", description=__doc__.split("\n")[0])
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--variant", choices=VARIANTS, default="t2v")
-    parser.add_argument("--scheduler", choices=("unipc", "flow_euler"), default="unipc")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    path = build_tiny_checkpoint(args.out_dir, variant=args.variant, seed=args.seed, scheduler=args.scheduler)
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    print(f"wrote tiny Wan checkpoint ({args.variant}, {size / 1024:.0f} KB) to {path}")
-    return 0
+    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_wan.tiny", what="Wan", doc=__doc__ or "",
+                     variants=VARIANTS, default="t2v",
+                     options=[("--scheduler", {"choices": ("unipc", "flow_euler"), "default": "unipc"})],
+                     convert=lambda args: {"scheduler": args.scheduler})
 
 
 if __name__ == "__main__":
