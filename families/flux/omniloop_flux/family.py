@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,24 +67,12 @@ class FluxFamily(DiffusersFamily):
             model.config["variant"] = got.extra["variant"]
         return model
 
-    def from_components(
-        self,
-        components: dict[str, Any],
-        *,
-        defaults: dict[str, Any] | None = None,
-        device: torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
-        options: Mapping[str, Any] | None = None,
-        path: Path | None = None,
-        weight_version: str = "",
-    ) -> LoadedModel:
-        """A ``LoadedModel`` over modules already in memory (benchmarks, tests): ``transformer``,
-        ``vae``, ``text_encoder``, ``text_encoder_2``, ``tokenizer``, ``tokenizer_2``, ``scheduler``.
-        With deploy ``compile: true`` in ``options``, the transformer's blocks are compiled here."""
-        self.require(components, ck.REQUIRED)
+    def model_config(self, components: dict[str, Any], defaults: dict[str, Any] | None, options: dict[str, Any],
+                     **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """FLUX.1's variant, tasks and request defaults from its transformer, VAE and scheduler."""
         tf, vsf = components["transformer"], vae_scale_factor(components["vae"])
         sched = dict(components["scheduler"].config)
-        config: dict[str, Any] = {
+        return {
             "variant": variant_of(tf.config),
             "guidance_embeds": bool(tf.config.guidance_embeds),
             "dynamic_shifting": bool(sched.get("use_dynamic_shifting", False)),
@@ -93,12 +80,12 @@ class FluxFamily(DiffusersFamily):
             "vae_scale_factor": vsf,
             "size_multiple": vsf * 2,
             "defaults": defaults_for(vsf, defaults),
-        }
-        model = self.loaded_model(components, config, path=path, device=device, dtype=dtype,
-                                  weight_version=weight_version)
+        }, {}
+
+    def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
+        """Deploy ``compile: true``: the double- then single-stream blocks compiled; the menu built."""
         self.compile_model(model, options, all_blocks)
         menu_for(model, options)  # an incompatible scheduler config fails here, at load
-        return model
 
     # -- pipelines ----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:

@@ -85,6 +85,34 @@ class DiffusersFamily:
 
     name: str
     layout: Layout
+    #: the components :meth:`from_components` must be given (default: the layout's required ones)
+    needs: tuple[str, ...] | None = None
+
+    def from_components(self, components: dict[str, Any], *, defaults: dict[str, Any] | None = None,
+                        device: Any = None, dtype: Any = None, options: Mapping[str, Any] | None = None,
+                        path: Path | None = None, weight_version: str = "", **extra: Any) -> LoadedModel:
+        """A ``LoadedModel`` over modules already in memory (benchmarks, tests, notebooks; ``load``
+        ends here too). ``defaults`` override the checkpoint's request defaults; ``options`` are the
+        family options a runtime passes to ``load`` (plus ``deploy``, ``registry``, ``attention``):
+        attention processors, compiled blocks and the like are set up *on these modules* (shared by
+        whoever else uses them); ``extra``: the family's own (Wan's ``index``, SD3's ``variant``).
+        The family writes :meth:`model_config` and :meth:`prepare`."""
+        self.require(components, self.layout.required if self.needs is None else self.needs)
+        opts = dict(options or {})
+        config, more = self.model_config(components, defaults, opts, **extra)
+        model = self.loaded_model(components, config, path=path, device=device, dtype=dtype,
+                                  weight_version=weight_version, **more)
+        self.prepare(model, opts)
+        return model
+
+    def model_config(self, components: dict[str, Any], defaults: dict[str, Any] | None, options: dict[str, Any],
+                     **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(model.config, more LoadedModel fields)`` of a model over ``components``."""
+        raise NotImplementedError
+
+    def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
+        """Set the loaded modules up for the deployment (compiled blocks, attention, the policy menu
+        built so that an incompatible scheduler config fails at load)."""
 
     def detect(self, path: Path) -> bool:
         """Cheap detection from the checkpoint's ``model_index.json`` and transformer config."""

@@ -65,53 +65,37 @@ class SD3Family(DiffusersFamily):
             options=options, weight_version=got.weight_version, variant=got.extra.get("variant"),
         )
 
-    def from_components(
-        self,
-        components: dict[str, Any],
-        *,
-        defaults: dict[str, Any] | None = None,
-        device: torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
-        options: Mapping[str, Any] | None = None,
-        path: Path | None = None,
-        weight_version: str = "",
-        variant: str | None = None,
-    ) -> LoadedModel:
-        """A ``LoadedModel`` over modules already in memory (benchmarks, tests, notebooks).
-
-        ``components``: ``transformer``, ``vae``, ``text_encoder``, ``text_encoder_2``,
-        ``tokenizer``, ``tokenizer_2``, ``scheduler`` and optionally ``text_encoder_3`` /
-        ``tokenizer_3``. Compiled blocks (deploy ``compile: true``) are set up on these modules."""
-        self.require(components, ck.REQUIRED)
+    def model_config(self, components: dict[str, Any], defaults: dict[str, Any] | None, options: dict[str, Any],
+                     variant: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """SD3's variant, sizes and per-task request defaults from its transformer and VAE."""
         tf, vae = components["transformer"], components["vae"]
         vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
         patch = int(tf.config.patch_size)
         task_defaults = defaults_for(int(tf.config.sample_size), vae_scale, defaults)
         has_dual = bool(tf.config.get("dual_attention_layers"))
-        config: dict[str, Any] = {
+        return {
             "variant": variant or ("sd3.5-medium" if has_dual else "sd3.5" if tf.config.get("qk_norm") else "sd3"),
             "tasks": TASKS,
             "size_multiple": vae_scale * patch,
             "max_size": int(tf.config.pos_embed_max_size or 96) * patch * vae_scale,
             "task_defaults": task_defaults,
-            "options": dict(options or {}),
-        }
-        model = self.loaded_model(components, config, path=path, device=device, dtype=dtype,
-                                  weight_version=weight_version, defaults=dict(task_defaults))
-        opts = dict(options or {})
-        check_options(opts)
-        qkv = choice_option(opts, "qkv", QKV)
-        backend = opts.get("attention")
+            "options": options,
+        }, {"defaults": dict(task_defaults)}
+
+    def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
+        """``options.qkv`` and the deploy's attention backend installed on the transformer, its
+        joint steps compiled (deploy ``compile: true``), a menu per task built."""
+        check_options(options)
+        tf, qkv, backend = model.components["transformer"], choice_option(options, "qkv", QKV), options.get("attention")
         if qkv == "fused" or getattr(backend, "name", "sdpa") != "sdpa":
             from .attention import install
 
             install(tf, backend, fused_qkv=qkv == "fused")
-            config["attention_backend"] = getattr(backend, "name", "sdpa")
-        config["qkv"] = qkv
-        self.compile_model(model, opts, joint_steps)
+            model.config["attention_backend"] = getattr(backend, "name", "sdpa")
+        model.config["qkv"] = qkv
+        self.compile_model(model, options, joint_steps)
         for task in TASKS:  # an incompatible scheduler config or policies option fails at load
             menu_for(model, task, options)
-        return model
 
     # -- pipelines ----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:

@@ -68,6 +68,7 @@ class WanFamily(DiffusersFamily):
     name = "wan"
     tasks = frozenset({TaskType.T2V, TaskType.I2V})
     layout = ck.LAYOUT
+    needs = ("transformer", "vae")  # what from_components reads (the stages ask for the rest)
     capabilities = kit_capabilities(
         #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
         adapters=WAN_ADAPTERS,
@@ -152,32 +153,14 @@ class WanFamily(DiffusersFamily):
         model.config["variant"] = extra.get("variant", model.config["kind"])
         return model
 
-    def from_components(
-        self,
-        components: dict[str, Any],
-        *,
-        index: dict[str, Any] | None = None,
-        defaults: dict[str, Any] | None = None,
-        device: torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
-        options: Mapping[str, Any] | None = None,
-        path: Path | None = None,
-        weight_version: str = "",
-    ) -> LoadedModel:
-        """A ``LoadedModel`` over modules already in memory (benchmarks, tests, notebooks).
-
-        ``components`` holds what :meth:`load` would (``transformer``, ``vae``, ``text_encoder``,
-        ``tokenizer``, ``scheduler``, optionally ``transformer_2``, ``image_encoder``,
-        ``image_processor``); ``index`` the ``model_index.json`` values that matter
-        (``boundary_ratio``, ``expand_timesteps``); ``defaults`` overrides the kind's defaults.
-        ``options`` are the family options a runtime passes to :meth:`load` (plus ``deploy``,
-        ``registry``, ``attention``): the attention backend's processors, compiled blocks and VAE
-        tiling/slicing are set up *on these modules* (shared by whoever else uses them).
-        """
+    def model_config(self, components: dict[str, Any], defaults: dict[str, Any] | None, options: dict[str, Any],
+                     index: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The checkpoint's kind, tasks, scales and request defaults; ``index``: the
+        ``model_index.json`` values that matter (``boundary_ratio``, ``expand_timesteps``)."""
         index = dict(index or {})
         tf, vae = components["transformer"], components["vae"]
         kind = model_kind(index, dict(tf.config), dict(vae.config))
-        config: dict[str, Any] = {
+        return {
             "kind": kind,
             "variant": kind,
             "tasks": tasks_of(kind),
@@ -189,16 +172,16 @@ class WanFamily(DiffusersFamily):
             "defaults": defaults_for(kind, defaults),
             "image_encoder": "image_encoder" in components,
             "model_index": index,
-        }
-        model = LoadedModel(family=self.name, path=path, components=components, config=config,
-                            device=device if device is not None else torch.device("cpu"), dtype=dtype,
-                            weight_version=weight_version or f"in-memory:{id(components['transformer']):x}")
+        }, {}
+
+    def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
+        """The attention backend's processors, fused kernels, compiled blocks, VAE tiling/slicing and
+        the text cache (:func:`configure`); the causal rollout's options and the menu checked."""
         configure(model, parse_options(options), device=compute_device(options, model.device))
         if rollout_mode(options) == "causal":
             causal_options(options)  # bad rollout_options are refused at load, not at the first request
         # the denoise policies this checkpoint offers; an incompatible scheduler config fails here
         menu_for(model, options)
-        return model
 
     # -- pipelines ----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
