@@ -14,15 +14,16 @@ The pieces every diffusers-format family needs once its layout is checked:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from omniloop.errors import CheckpointError
+
+from .checkpoint import quiet  # one way to hide the libraries' progress bars (omniloop_kit.checkpoint)
 
 #: libraries a component may come from (besides a diffusers pipeline module)
 LIBRARIES = ("diffusers", "transformers")
@@ -56,24 +57,6 @@ def component_class(index: dict[str, Any], name: str, index_path: Path,
     if cls is None or not hasattr(cls, "from_pretrained" if name != "scheduler" else "from_config"):
         raise CheckpointError(f"{index_path}: component {name!r}: {library} has no loadable class {cls_name!r}")
     return cls
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Hide transformers' / diffusers' per-load progress bars (restored afterwards)."""
-    from diffusers.utils import logging as dlog
-    from transformers.utils import logging as tlog
-
-    was_t, was_d = tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled()
-    tlog.disable_progress_bar()
-    dlog.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_t:
-            tlog.enable_progress_bar()
-        if was_d:
-            dlog.enable_progress_bar()
 
 
 def load_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
