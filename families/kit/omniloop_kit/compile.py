@@ -16,7 +16,10 @@ here:
   pipeline may (``ctx.eager`` is false), else ``None`` — the family's forward then runs its eager
   blocks;
 - :func:`compile_info`: what a request ran with, for its metrics;
-- :func:`compiled` / :func:`uncompile`: look up / drop a model's compiled blocks.
+- :func:`compiled` / :func:`uncompile`: look up / drop a model's compiled blocks;
+- :func:`wrapped_blocks`: a model's blocks each wrapped once per model (the unit a family
+  compiles and runs when that is not the block module itself: SD3's joint step, Stable Audio's
+  block step).
 
 Deploy settings. The switch is the deploy's ``compile: true`` (:class:`omniloop.deploy.DeployConfig`);
 ``options`` refines it:
@@ -56,7 +59,7 @@ Example (a family's load and forward)::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from attrs import define
@@ -79,6 +82,7 @@ __all__ = [
     "compile_options",
     "compiled",
     "uncompile",
+    "wrapped_blocks",
 ]
 
 
@@ -97,6 +101,7 @@ class CompiledBlocks:
 
 
 _COMPILED: weakref.WeakKeyDictionary[Any, CompiledBlocks] = weakref.WeakKeyDictionary()
+_WRAPPED: weakref.WeakKeyDictionary[Any, dict[Any, list[Any]]] = weakref.WeakKeyDictionary()
 
 
 def _deploy_compiles(options: Mapping[str, Any] | None) -> bool:
@@ -216,3 +221,12 @@ def compile_info(ctx: Any, models: Sequence[Any] | None = None) -> dict[str, Any
     assert first is not None
     return {"enabled": True, "regional": True, "blocks": sum(len(cb.blocks) for cb in cbs if cb is not None),
             "backend": first.backend, "mode": first.mode, "fullgraph": True}
+
+
+def wrapped_blocks(model: Any, wrap: Callable[[Any], Any], blocks: str = "transformer_blocks") -> list[Any]:
+    """``model``'s blocks (``model.<blocks>``) each as ``wrap(block)`` — the unit a family compiles
+    and runs (SD3's joint step, Stable Audio's block step) — built once per model and ``wrap``."""
+    per_model = _WRAPPED.setdefault(model, {})
+    if wrap not in per_model:
+        per_model[wrap] = [wrap(b) for b in getattr(model, blocks)]
+    return per_model[wrap]

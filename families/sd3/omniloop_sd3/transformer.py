@@ -21,7 +21,6 @@ feed-forwards) are diffusers' modules and weights.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from omniloop.interceptors import BlockContext, run_blocks
+from omniloop_kit.compile import wrapped_blocks
 
 
 class JointStep(nn.Module):
@@ -51,16 +51,9 @@ class JointStep(nn.Module):
         return torch.cat([new_context, new_image], dim=1)
 
 
-_STEPS: weakref.WeakKeyDictionary[nn.Module, list[JointStep]] = weakref.WeakKeyDictionary()
-
-
 def joint_steps(model: nn.Module) -> list[JointStep]:
     """The model's blocks as :class:`JointStep` wrappers (built once per model)."""
-    steps = _STEPS.get(model)
-    if steps is None:
-        steps = [JointStep(b) for b in model.transformer_blocks]
-        _STEPS[model] = steps
-    return steps
+    return wrapped_blocks(model, JointStep)
 
 
 def sd3_forward(

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from omniloop.interceptors import BlockContext, run_blocks
+from omniloop_kit.compile import wrapped_blocks
 
 
 class BlockStep(nn.Module):
@@ -40,17 +41,12 @@ class BlockStep(nn.Module):
                           encoder_attention_mask=None, rotary_embedding=rotary)
 
 
-_STEPS: weakref.WeakKeyDictionary[nn.Module, list[BlockStep]] = weakref.WeakKeyDictionary()
 _ROTARY: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[torch.Tensor, torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
 def block_steps(model: nn.Module) -> list[BlockStep]:
-    """The model's blocks as :class:`BlockStep` wrappers (built once per model)."""
-    steps = _STEPS.get(model)
-    if steps is None:
-        steps = [BlockStep(b) for b in model.transformer_blocks]
-        _STEPS[model] = steps
-    return steps
+    """The model's blocks as :class:`BlockStep` wrappers (built once per model, omniloop-kit)."""
+    return wrapped_blocks(model, BlockStep)
 
 
 def rotary_embedding(model: Any, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
