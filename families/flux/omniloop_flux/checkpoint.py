@@ -29,11 +29,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omniloop_kit.checkpoints import peek_json, read_json
-from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 from omniloop.errors import CheckpointError
 from omniloop_kit import checkpoint as kit
 from omniloop_kit.checkpoint import load_component as load_component  # re-exported (family.py: ck.load_component)
+from omniloop_kit.checkpoints import peek_json, read_json
+from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 
 #: pipeline classes of the FLUX.1 text-to-image / image-to-image checkpoints this family runs
 PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline")

@@ -31,6 +31,7 @@ from typing import Any
 
 from attrs import define, field
 
+from omniloop.errors import CheckpointError
 from omniloop_kit import checkpoints
 from omniloop_kit.checkpoints import (
     DIFFUSERS_WEIGHTS,
@@ -43,7 +44,6 @@ from omniloop_kit.checkpoints import (
     resolve_root,
     weight_version,
 )
-from omniloop.errors import CheckpointError
 
 #: what a component is, by its usual name (a layout may say otherwise in ``kinds``)
 KIND_OF = {"transformer": "diffusers", "transformer_2": "diffusers", "vae": "diffusers", "scheduler": "scheduler",

@@ -27,13 +27,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omniloop_kit.checkpoints import read_json
-from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 from omniloop.errors import CheckpointError
 from omniloop_kit import checkpoint as kit
 from omniloop_kit.checkpoint import declared as declared
 from omniloop_kit.checkpoint import load_component as load_model  # noqa: F401  (family.py: ck.load_model)
 from omniloop_kit.checkpoint import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
+from omniloop_kit.checkpoints import read_json
+from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 
 PIPELINES = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
 REQUIRED = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")

@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.checkpoints import DIFFUSERS_WEIGHTS, TRANSFORMERS_WEIGHTS, model_folder, read_json, weight_files
-from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
-from omniloop_kit.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 from omniloop.errors import CheckpointError
 from omniloop_kit import checkpoint as kit
 from omniloop_kit.checkpoint import load_tokenizer as load_tokenizer  # re-exported (family.py: ck.load_tokenizer)
+from omniloop_kit.checkpoints import DIFFUSERS_WEIGHTS, TRANSFORMERS_WEIGHTS, model_folder, read_json, weight_files
+from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
+from omniloop_kit.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 OPTIONAL = ("transformer_2", "image_encoder", "image_processor")
