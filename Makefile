@@ -21,7 +21,7 @@ TORCH  ?= torch==2.13.0
 # Every distribution in the repo, found by glob so new packages are picked up automatically
 # (demos/<name>/: the training code of a shipped demo checkpoint, CONTRIBUTING.md "Demos").
 # examples/ is deliberately not here: the tests install the tutorial plugin into a scratch venv.
-PYPROJECTS := $(sort $(wildcard core/pyproject.toml cli/pyproject.toml plugins/*/pyproject.toml \
+PYPROJECTS := $(sort $(wildcard core/pyproject.toml cli/pyproject.toml plugins/*/pyproject.toml plugins/*/*/pyproject.toml \
                 families/*/pyproject.toml observers/*/pyproject.toml interceptors/*/pyproject.toml \
                 demos/*/pyproject.toml))
 PACKAGES   := $(patsubst %/pyproject.toml,%,$(PYPROJECTS))

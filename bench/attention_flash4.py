@@ -17,7 +17,7 @@ DSL's JIT compile), whether every output is finite, and whether ``torch.compile(
 keeps the backend in its graph (equal to eager).
 
 Installed flash-attn-4 needs ``nvidia-cutlass-dsl`` + ``-libs-core`` + ``-libs-cu13`` (see
-``plugins/attention/README.md``). The record lists the distributions' versions and, if the import
+``plugins/compute/attention/README.md``). The record lists the distributions' versions and, if the import
 fails, the error.
 
     python bench/attention_flash4.py --out $OUT

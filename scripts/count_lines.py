@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 LIMITS = ("max_steps", "max_frames", "max_height", "max_width")
-PACKAGE_GLOBS = ("core/omniloop/**/*.py", "cli/*/**/*.py", "plugins/*/omniloop_*/**/*.py",
+PACKAGE_GLOBS = ("core/omniloop/**/*.py", "cli/*/**/*.py", "plugins/*/omniloop_*/**/*.py", "plugins/*/*/omniloop_*/**/*.py",
                  "families/*/omniloop_*/**/*.py", "observers/*/omniloop_*/**/*.py",
                  "interceptors/*/omniloop_*/**/*.py")
 

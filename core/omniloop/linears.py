@@ -29,7 +29,7 @@ def resolve(deployment: Any) -> LinearPrecisionSpec | None:
     if spec is None:
         deployment.plugins.require(name, "linear precision")
         known = ", ".join([BUILTIN, *sorted(deployment.registry.linear_precisions)])
-        hint = " (fp8 comes with omniloop-quant: pip install -e plugins/quant)" if name == "fp8" else ""
+        hint = " (fp8 comes with omniloop-quant: pip install -e plugins/compute/quant)" if name == "fp8" else ""
         raise DeployError(f"linear_precision: unknown value {name!r} (available: {known}){hint}")
     spec.check(deploy, deployment.family, deployment.device, deployment.dtype)
     return spec

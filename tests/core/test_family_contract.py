@@ -38,7 +38,7 @@ from omniloop.testing import ToyFamily, make_manager, toy_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 #: package sources: the core, the CLI, every plugin, family, observer and interceptor, the examples
-SOURCE_GLOBS = ("core/omniloop/**/*.py", "cli/*/**/*.py", "plugins/*/omniloop_*/**/*.py",
+SOURCE_GLOBS = ("core/omniloop/**/*.py", "cli/*/**/*.py", "plugins/*/omniloop_*/**/*.py", "plugins/*/*/omniloop_*/**/*.py",
                 "families/*/omniloop_*/**/*.py", "observers/*/omniloop_*/**/*.py",
                 "interceptors/*/omniloop_*/**/*.py", "examples/**/*.py")
 EXEMPT = {"core/omniloop/capabilities.py"}

@@ -2,7 +2,7 @@
 Dynamo deployment (frontend + omniloop workers) with file discovery in a temp folder.
 
 ai-dynamo is not a dependency of any package (``pip install ai-dynamo`` fails where only PyPI is
-reachable); ``plugins/dynamo/install-dynamo.sh`` installs it into an overlay venv next to the
+reachable); ``plugins/frontends/dynamo/install-dynamo.sh`` installs it into an overlay venv next to the
 omniloop env. The end-to-end tests look for a Python that imports ``dynamo.llm``:
 
 1. ``$OMNILOOP_DYNAMO_PYTHON``;
@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-INSTALL = REPO / "plugins" / "dynamo" / "install-dynamo.sh"
+INSTALL = REPO / "plugins" / "frontends" / "dynamo" / "install-dynamo.sh"
 SKIP_REASON = (
     "ai-dynamo 1.6.1 is not installed for the omniloop-dynamo end-to-end tests: run "
-    "`bash plugins/dynamo/install-dynamo.sh` (or set OMNILOOP_TEST_DYNAMO=install to let the tests do it)"
+    "`bash plugins/frontends/dynamo/install-dynamo.sh` (or set OMNILOOP_TEST_DYNAMO=install to let the tests do it)"
 )
 
 

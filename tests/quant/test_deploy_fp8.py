@@ -48,7 +48,7 @@ def test_fp8_is_the_plugins_not_the_cores(tiny):
     (``omniloop_register_linear_precisions``); without the plugin the deploy is refused, with a hint."""
     assert quant_plugin.FP8.distribution_altering and manager().registry().linear_precisions["fp8"] is quant_plugin.FP8
     without = make_manager(("wan", wan_plugin), toy=False)
-    with pytest.raises(DeployError, match=r"unknown value 'fp8' \(available: dtype\).*pip install -e plugins/quant"):
+    with pytest.raises(DeployError, match=r"unknown value 'fp8' \(available: dtype\).*pip install -e plugins/compute/quant"):
         Deployment({"model": {"path": str(tiny)}, "linear_precision": "fp8"}, manager=without)
 
 

@@ -276,7 +276,7 @@ def test_the_readme_snippets_are_copied_from_this_file() -> None:
     test files (this one: videos; ``_text``: chat and completions; ``_images``: image edits)."""
     import re
 
-    readme = (Path(__file__).parents[2] / "plugins/server/README.md").read_text()
+    readme = (Path(__file__).parents[2] / "plugins/frontends/server/README.md").read_text()
     section = readme.split("## With the OpenAI SDK", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(blocks) >= 15

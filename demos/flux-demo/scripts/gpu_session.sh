@@ -13,7 +13,7 @@ if [ -d .whl ] && ! python3 -c "import diffusers, cattrs, attrs, stevedore" 2>/d
     .whl/diffusers-*.whl .whl/cattrs-*.whl .whl/attrs-*.whl .whl/stevedore-*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/core:$PWD/plugins/policies:$PWD/families/kit:$PWD/families/flux:$PWD/families/wan-demo:$PWD/families/wan:$PWD/families/flux-demo:$PWD/demos/wan-demo:$PWD/demos/flux-demo
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/core:$PWD/plugins/compute/policies:$PWD/families/kit:$PWD/families/flux:$PWD/families/wan-demo:$PWD/families/wan:$PWD/families/flux-demo:$PWD/demos/wan-demo:$PWD/demos/flux-demo
 export PYTHONUNBUFFERED=1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, diffusers, transformers, cattrs, omniloop, omniloop_policies, omniloop_flux.family, omniloop_wan_demo.prompts; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" || exit 1

@@ -6,7 +6,7 @@
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/diffusers-*.whl .whl/cattrs-*.whl .whl/attrs-*.whl .whl/stevedore-*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/core:$PWD/plugins/policies:$PWD/families/kit:$PWD/families/wan:$PWD/families/wan-demo:$PWD/demos/wan-demo PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD/core:$PWD/plugins/compute/policies:$PWD/families/kit:$PWD/families/wan:$PWD/families/wan-demo:$PWD/demos/wan-demo PYTHONUNBUFFERED=1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 check_imports() {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install NVIDIA Dynamo 1.6.1 for omniloop-dynamo, from PyPI only.
 #
-#   plugins/dynamo/install-dynamo.sh [--python PY] [--venv DIR | --into-base]
+#   plugins/frontends/dynamo/install-dynamo.sh [--python PY] [--venv DIR | --into-base]
 #
 # Why a script: `pip install ai-dynamo` fails where only PyPI is reachable: ai-dynamo 1.6.1 requires
 # aisimulate==0.13.0, a "wheel stub" sdist whose build downloads the real wheel from another index.
@@ -39,7 +39,7 @@ DEPS=(
 )
 
 here="$(cd "$(dirname "$0")" && pwd)"
-repo="$(cd "$here/../.." && pwd)"
+repo="$(cd "$here/../../.." && pwd)"
 PY="${OMNILOOP_PYTHON:-}"
 VENV="${OMNILOOP_DYNAMO_VENV:-}"
 INTO_BASE=0

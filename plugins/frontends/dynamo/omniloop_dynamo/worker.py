@@ -64,7 +64,7 @@ log = logging.getLogger("omniloop.dynamo")
 HEALTH_CHECK_KEY = "_HEALTH_CHECK"
 INSTALL_HINT = (
     "ai-dynamo is not importable in this Python ({python}). Install it with "
-    "`bash plugins/dynamo/install-dynamo.sh` (ai-dynamo==1.6.1 and ai-dynamo-runtime==1.6.1 --no-deps plus "
+    "`bash plugins/frontends/dynamo/install-dynamo.sh` (ai-dynamo==1.6.1 and ai-dynamo-runtime==1.6.1 --no-deps plus "
     "their real dependencies; a plain `pip install ai-dynamo` fails where only PyPI is reachable), then run "
     "the worker with the Python it prints: PY -m omniloop_dynamo.worker --deploy FILE"
 )

@@ -2,7 +2,7 @@
 family runs (Wan 2.1/2.2 T2V, I2V, TI2V-5B; FLUX.1 dev/schnell/krea-dev; SD3/SD3.5 large/medium)
 compile, and the most common reasons the rest do not.
 
-    python plugins/comfyui/scripts/coverage.py [--json-out bench/results/comfyui-coverage-DATE.json]
+    python plugins/frontends/comfyui/scripts/coverage.py [--json-out bench/results/comfyui-coverage-DATE.json]
 
 It also compiles each against deploys whose ``flow-euler`` spaces sigmas linearly or the
 ``sgm_uniform`` way (Wan / SD3 ``policies.sampler_options: {flow-euler: {sigma_schedule: ...}}``),
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {n} | {reason} |")
     if args.json_out is not None:
         record = {
-            "command": "python plugins/comfyui/scripts/coverage.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python plugins/frontends/comfyui/scripts/coverage.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.date.today().isoformat(), "machine": {"python": platform.python_version()},
             "package": {"comfyui-workflow-templates-json": importlib.metadata.version("comfyui-workflow-templates-json")},
             "in_scope": len(rows), "compile": len(ok), "compile_with_matching_flow_euler": len(lin), "reasons": reasons.most_common(), "templates": rows,

@@ -3,7 +3,7 @@
 The step scheduler runs the decode steps of every running sequence as one forward, so concurrent
 chats share forwards (continuous batching). On a tiny random Qwen2 checkpoint (CPU, float32)::
 
-    OMP_NUM_THREADS=1 python plugins/server/bench/chat_batching.py [--n 16] [--tokens 64] [--model PATH]
+    OMP_NUM_THREADS=1 python plugins/frontends/server/bench/chat_batching.py [--n 16] [--tokens 64] [--model PATH]
 
 prints tokens/s both ways (greedy; every request makes exactly ``--tokens`` tokens unless EOS).
 """
