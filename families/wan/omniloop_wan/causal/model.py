@@ -69,7 +69,7 @@ def rope(model: Any, frame0: int, frames: int, pph: int, ppw: int) -> tuple[torc
 def rope_at(model: Any, frames: Sequence[int], pph: int, ppw: int) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE (cos, sin) like :func:`rope` for an arbitrary list of latent-frame positions (a
     frame index may repeat: training puts a clean and a noisy copy of a chunk at the same
-    positions, see ``omniloop_wan_demo.training.train_causal``)."""
+    positions, see ``omniloop_wan_demo_training.train_causal``)."""
     r = model.rope
     pos = torch.as_tensor(list(frames), dtype=torch.long)
     if pos.numel() == 0 or int(pos.min()) < 0 or int(pos.max()) >= r.freqs_cos.shape[0]:
