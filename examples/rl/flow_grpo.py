@@ -69,8 +69,8 @@ def prompt_text(c: str, s: str, p: str) -> str:
 
 
 def reward_of(pixels: np.ndarray, want: tuple[str, str, str], kind: str, radius: float = 4.0) -> tuple[float, dict[str, Any]]:
-    from omniloop_wan_demo.prompts import POSITIONS
     from omniloop_wan_demo.evaluate import detect_image
+    from omniloop_wan_demo.prompts import POSITIONS
 
     d = detect_image(pixels)
     info: dict[str, Any] = {"color": d.color == want[0], "shape": d.shape == want[1], "position": d.position == want[2],
