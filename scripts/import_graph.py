@@ -22,7 +22,7 @@ from pathlib import Path
 #: the core's layers, lowest first: a module imports only modules of its own layer or below
 #: (``omniloop`` is the package's ``__init__``; ``testing`` every module of ``omniloop.testing``)
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("types", frozenset({"errors", "artifacts", "request", "scheduling"})),
+    ("types", frozenset({"errors", "artifacts", "request", "scheduling", "lazy"})),
     ("schema", frozenset({"schema", "resolved", "streams", "jsonschema", "deploy", "limits", "cancel", "media",
                           "checkpoints", "weights"})),
     ("contracts", frozenset({"loop", "interceptors", "graph", "capabilities", "rl", "family", "hookspecs",

@@ -7,8 +7,9 @@ with :func:`summary_table`.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omniloop.lazy import lazy_exports
 
 #: public names by defining module, imported on first use (PEP 562): plugin discovery (omniloop --help) imports no torch (issue 42)
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -16,7 +17,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "profiler": ("BlockProfiler", "Profiler", "make_profiler", "write_json"),
     "summary": ("summary_table",),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
     from .config import ProfilerConfig
@@ -24,17 +24,7 @@ if TYPE_CHECKING:
     from .summary import summary_table
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}" if module else __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __version__ = "0.1.0"
 

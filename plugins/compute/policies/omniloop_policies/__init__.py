@@ -6,8 +6,9 @@ lives in ``LoopState.policy_state`` (allocated by ``init``), never on the policy
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omniloop.lazy import lazy_exports
 
 #: public names by defining module, imported on first use (PEP 562): the entry point (omniloop_policies.plugin) registers its specs without importing torch or diffusers (issue 42)
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -21,7 +22,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "samplers": ("DMD_WAN_TIMESTEPS", "DPMppSampler", "FewStepSampler", "FlowEulerSampler", "Sampler", "SamplerState", "UniPCSampler", "normalize_flow_config"),
     "shift": ("ConstantShift", "ResolutionShift", "ShiftPolicy", "ShiftValue", "calculate_shift"),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
     from .bundle import DEFAULT_CFGS, DEFAULT_SAMPLERS, DenoisePolicies, PolicyMenu, sampler_for_config, strength_steps
@@ -59,17 +59,7 @@ if TYPE_CHECKING:
     from .shift import ConstantShift, ResolutionShift, ShiftPolicy, ShiftValue, calculate_shift
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}" if module else __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = [
     "DEFAULT_CFGS",

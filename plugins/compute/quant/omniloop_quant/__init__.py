@@ -1,16 +1,16 @@
-"""omniloop-quant: lower-precision compute for a model"s denoiser, chosen in the deploy file.
+"""omniloop-quant: lower-precision compute for a model's denoiser, chosen in the deploy file.
 
 Deploy ``linear_precision: fp8`` (a core field, :class:`omniloop.deploy.DeployConfig`, whose values
-beyond the built-in ``dtype`` are registered by plugins: this package"s entry point,
+beyond the built-in ``dtype`` are registered by plugins: this package's entry point,
 :mod:`omniloop_quant.plugin`, registers ``fp8`` through ``omniloop_register_linear_precisions``) swaps the ``nn.Linear`` layers inside the
-denoiser"s transformer blocks for e4m3 GEMMs (:mod:`omniloop_quant.fp8`): weights quantised once at
+denoiser's transformer blocks for e4m3 GEMMs (:mod:`omniloop_quant.fp8`): weights quantised once at
 load per output channel, activations per token on every call, bias and scales applied in the
-GEMM"s epilogue, output in the model dtype. Embeddings, the timestep MLP, text projections and the
+GEMM's epilogue, output in the model dtype. Embeddings, the timestep MLP, text projections and the
 final ``proj_out`` live outside the blocks and stay in the model dtype.
 
-The core calls :func:`check_deploy` (the spec"s ``check``) before any weight loads (device, dtype and combinations) and
+The core calls :func:`check_deploy` (the spec's ``check``) before any weight loads (device, dtype and combinations) and
 :func:`apply` right after the family loads its components (before any compiled block is traced).
-Which modules are "the denoiser"s blocks" is family-independent: a family may declare
+Which modules are "the denoiser's blocks" is family-independent: a family may declare
 ``FamilyCapabilities(quant_blocks={component: "attr.path|other.path"})``; otherwise the components
 LoRA adapters target (``capabilities.adapters.components``), else the ``transformer*`` entries of
 ``capabilities.offload.components``, with their declared block lists (``blocks``, ``transformer_blocks``,

@@ -11,31 +11,21 @@ pools: e.g. the VAE decode in its own worker, overlapping other requests' denois
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omniloop.lazy import lazy_exports
 
 #: public names by defining module, imported on first use (PEP 562): plugin discovery (omniloop --help) imports no torch (issue 42)
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "pool": ("ParallelRuntime", "WorkerDied"),
     "roles": ("RemoteStage", "RoleError", "RolePoolRuntime", "RoleWorker", "runtime_for"),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
     from .pool import ParallelRuntime, WorkerDied
     from .roles import RemoteStage, RoleError, RolePoolRuntime, RoleWorker, runtime_for
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}" if module else __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = ["ParallelRuntime", "RemoteStage", "RoleError", "RolePoolRuntime", "RoleWorker", "WorkerDied", "runtime_for"]

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omniloop.lazy import lazy_exports
 
 #: public names by defining module, imported on first use (PEP 562): plugin discovery (omniloop --help) imports no torch (issue 42)
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -17,7 +18,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "serial": ("SerialScheduler",),
     "step": ("StepScheduler",),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
     from .engine import AsyncEngine, RequestHandle
@@ -30,17 +30,7 @@ if TYPE_CHECKING:
     from .step import StepScheduler
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}" if module else __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = [
     "AdmissionRefused",

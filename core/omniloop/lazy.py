@@ -1,0 +1,40 @@
+"""Lazy package exports (PEP 562): a plugin package's ``__init__`` names its public names by
+defining module and imports each on first use, so plugin discovery (``omniloop --help``, loading
+an entry point) imports no torch.
+
+Usage in a package ``__init__``::
+
+    _EXPORTS = {"engine": ("AsyncEngine",), "step": ("StepScheduler",)}
+    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+A module name ``""`` means the package itself. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+
+def lazy_exports(package: str, exports: Mapping[str, tuple[str, ...]], namespace: MutableMapping[str, Any]
+                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """The module ``__getattr__`` and ``__dir__`` for ``exports`` (module → names) of ``package``;
+    a name is imported once and then cached in ``namespace`` (the package's ``globals()``)."""
+    module_of = {name: module for module, names in exports.items() for name in names}
+
+    def __getattr__(name: str) -> Any:
+        module = module_of.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}" if module else package), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *module_of})
+
+    return __getattr__, __dir__
+
+
+__all__ = ["lazy_exports"]
