@@ -28,9 +28,9 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("contracts", frozenset({"loop", "interceptors", "graph", "capabilities", "rl", "family", "hookspecs",
                              "builtin"})),
     ("plugin machinery", frozenset({"plugins", "observers"})),
-    ("execution", frozenset({"context", "execution", "adapters", "offload", "placement", "linears"})),
+    ("execution", frozenset({"context", "execution", "placement", "linears"})),
     ("runtime", frozenset({"runtime"})),
-    ("api", frozenset({"omniloop", "compose", "kvcache", "compile", "testing"})),  # + moved-module shims
+    ("api", frozenset({"omniloop", "compose", "kvcache", "compile", "adapters", "offload", "testing"})),  # + moved-module shims
 )
 
 

@@ -45,7 +45,6 @@ def parse_adapters(items: tuple[str, ...]) -> list[dict[str, Any]]:
 @click.pass_context
 def adapters_cmd(ctx: click.Context, deploy_file: str | None, model: str | None, load: bool, as_json: bool) -> None:
     """List the LoRA adapters a deployment declares (requests name them with --adapter NAME[=SCALE])."""
-    from omniloop.adapters import adapter_file
     from omniloop.runtime import Deployment, Runtime
 
     from .generate import build_deploy
@@ -54,9 +53,11 @@ def adapters_cmd(ctx: click.Context, deploy_file: str | None, model: str | None,
     if load:
         rows = Runtime(deploy, manager=get_manager(ctx)).describe()["adapters"]
     else:
-        Deployment(deploy, manager=get_manager(ctx))  # names, files and the family's support checked
+        Deployment(deploy, manager=get_manager(ctx))  # omniloop-adapters installed; names, files, the family's support
         rows = []
         for name, path in deploy.adapters.items():
+            from omniloop_adapters import adapter_file  # installed: Deployment refuses adapters without it
+
             f = adapter_file(path)
             rows.append({"name": name, "path": str(f), "bytes": f.stat().st_size,
                          "fused": deploy.adapter_fuse.get(name)})

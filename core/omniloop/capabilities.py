@@ -14,10 +14,12 @@ the field. Fields, each defaulting to "not supported":
 ``block_interceptors``
     the family runs its transformer blocks through ``omniloop.run_blocks`` (cache-dit, fbcache).
 ``adapters``
-    :class:`omniloop.adapters.AdapterSupport`: LoRA adapters on the named components' linears.
+    :class:`AdapterSupport`: LoRA adapters on the named components' linears (applied by the
+    omniloop-adapters plugin).
 ``offload``
     :class:`OffloadSupport`: the components ``offload: model | sequential`` may move (and the block
-    list streamed per component), plus an optional ``refusal(mode, options)``.
+    list streamed per component), plus an optional ``refusal(mode, options)`` (moved by the
+    omniloop-offload plugin).
 ``parallel``
     :class:`ParallelSupport`: the ``parallel: {sp, cfg}`` axes, their limits, how to count a
     checkpoint's attention heads (needed for ``sp``), whether block interceptors are bound to the
@@ -79,7 +81,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,31 @@ def _optional_set(value: Iterable[str] | None) -> frozenset[str] | None:
 
 
 @define(frozen=True)
+class AdapterSupport:
+    """LoRA adapters (``FamilyCapabilities.adapters``; the omniloop-adapters plugin applies them).
+
+    ``components``: the loaded components adapters may target (diffusers' key prefixes,
+    ``transformer``). ``convert(state_dict)``: other key layouts (kohya, ComfyUI) to diffusers'
+    — returns ``(state_dict with <component>.<module>.lora_A/B.weight keys, {"<component>.<module>":
+    alpha})`` and raises :class:`AdapterFormatError` naming keys it does not know. ``check(model,
+    options)``: refuses model options adapters cannot run with (fused projections)."""
+
+    components: tuple[str, ...] = ("transformer",)
+    convert: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, float]]] | None = None
+    check: Callable[[Any, Mapping[str, Any]], None] | None = None
+
+
+class AdapterFormatError(ValueError):
+    """A LoRA file whose keys or shapes cannot be used (the message names them)."""
+
+
+def unknown_keys_error(keys: Sequence[str], layout: str) -> AdapterFormatError:
+    shown = ", ".join(sorted(keys)[:5])
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return AdapterFormatError(f"{len(keys)} key(s) not understood as {layout} LoRA: {shown}{more}")
+
+
+@define(frozen=True)
 class OffloadSupport:
     """What ``offload: model | sequential`` may move: ``components`` maps a component name to the
     path of its block list (``"blocks"``; several as a tuple) streamed under ``sequential``, or None
@@ -168,7 +195,7 @@ class FamilyCapabilities:
     """Everything optional a family can do (see the module docstring); frozen, checked at registration."""
 
     block_interceptors: bool = False
-    adapters: Any = None  # omniloop.adapters.AdapterSupport | None (typed loosely: no import cycle)
+    adapters: AdapterSupport | None = None
     offload: OffloadSupport | None = None
     parallel: ParallelSupport | None = None
     attention_grid: Callable[[Any, Mapping[str, Any]], str | None] | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import contextlib
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -29,11 +30,11 @@ import attrs
 import torch
 from attrs import define
 
-from . import adapters as _adapters
 from . import rl as _rl
 from .cancel import watching
 from .context import StageContext
 from .errors import CancelledError, OmniloopError
+from .family import RequestScope
 from .graph import Node, PipelineSpec
 from .interceptors import BlockInterceptor, StepInterceptor, open_interceptor
 from .loop import LoopState, RequestState, StepContext, StepResult
@@ -79,7 +80,7 @@ class Execution:
         warnings: Sequence[str] = (),
         active_interceptors: Sequence[Any] | None = None,
         resolved: Resolved | None = None,
-        adapters: _adapters.ActiveSet = (),
+        scopes: Sequence[RequestScope] = (),
         rollout_support: _rl.RolloutSupport | None = None,
         weight_version: str = "",
         initial_seed: int | None = None,
@@ -101,8 +102,8 @@ class Execution:
         #: ``on_start(execution)`` before the first unit, ``on_finish(execution)`` at the end (the
         #: runtime's in-flight count, which ``update_weights`` waits on)
         self._lifecycle = lifecycle
-        #: the LoRA adapters (adapter, scale) this request runs with, activated around each unit
-        self.adapters: _adapters.ActiveSet = tuple(adapters)
+        #: what the runtime's mechanisms run this request with (its LoRA set), entered around each unit
+        self.scopes: tuple[RequestScope, ...] = tuple(scopes)
         self.request = request
         self.bus = pipeline.bus
         seed = request.diffusion.seed
@@ -179,8 +180,15 @@ class Execution:
         key = node.stage.batch_key(self._ctx, self.state, self._loop)
         if key is None:
             return None
-        lora = _adapters.batch_key_of(self.adapters)  # a batch never mixes adapter sets
-        return (id(self.pipeline), node.name, key, lora) if lora else (id(self.pipeline), node.name, key)
+        scoped = tuple(s.key for s in self.scopes)  # a batch never mixes adapter sets
+        return (id(self.pipeline), node.name, key, scoped) if scoped else (id(self.pipeline), node.name, key)
+
+    def activated(self) -> contextlib.ExitStack:
+        """The context of one unit of this request: its scopes (LoRA set) entered, for this call only."""
+        stack = contextlib.ExitStack()
+        for scope in self.scopes:
+            stack.enter_context(scope.activate())
+        return stack
 
     # -- driving -------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -231,19 +239,19 @@ class Execution:
             assert ctx is not None
             if not node.is_loop:
                 # this request's LoRA set, for this call only; its cancel flag, checked between blocks
-                with _adapters.activate(self.adapters), watching(self._cancelled):
+                with self.activated(), watching(self._cancelled):
                     node.stage.forward(ctx, self.state)
                 self._leave(node, events)
                 self._init_next_loop()
             else:
                 if self._loop is None:
-                    with _adapters.activate(self.adapters), watching(self._cancelled):
+                    with self.activated(), watching(self._cancelled):
                         self._init_loop(node, ctx)
                 loop = self._loop
                 assert loop is not None
                 self._before_step(node, loop)
                 t0 = time.perf_counter()
-                with _adapters.activate(self.adapters), watching(self._cancelled):
+                with self.activated(), watching(self._cancelled):
                     result = node.stage.step(ctx, self.state, loop)
                 self._after_step(node, loop, result, time.perf_counter() - t0, events)
                 self._init_next_loop()
@@ -311,7 +319,7 @@ class Execution:
             return
         self._enter(node)
         assert self._ctx is not None
-        with _adapters.activate(self.adapters), watching(self._cancelled):
+        with self.activated(), watching(self._cancelled):
             self._init_loop(node, self._ctx)
 
     def _init_loop(self, node: Node, ctx: StageContext) -> None:
@@ -449,7 +457,7 @@ def _retry_alone(executions: Sequence[Execution], node: Any, exc: BaseException,
         assert loop is not None and ex._ctx is not None
         t0 = time.perf_counter()
         try:
-            with _adapters.activate(ex.adapters), watching(ex._cancelled):
+            with ex.activated(), watching(ex._cancelled):
                 res = node.stage.step(ex._ctx, ex.state, loop)
             ex._after_step(node, loop, res, time.perf_counter() - t0, evs)
             ex._init_next_loop()
@@ -499,7 +507,7 @@ def _advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
         return all(ex._cancel_requested for ex in executions)
 
     try:
-        with _adapters.activate(executions[0].adapters), watching(all_cancelled):  # adapters: part of batch_key
+        with executions[0].activated(), watching(all_cancelled):  # adapters: part of batch_key
             results = node.stage.step_batch(ctxs, states, loops)
     except CancelledError:
         for ex, evs in zip(executions, out, strict=True):

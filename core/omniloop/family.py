@@ -197,6 +197,59 @@ class RuntimeLoaderSpec:
 
 
 @define(frozen=True)
+class MechanismSpec:
+    """A load-time mechanism a deploy field turns on, which only some deployments use: LoRA
+    ``adapters`` (omniloop-adapters), ``offload`` (omniloop-offload). Registered through
+    ``omniloop_register_mechanisms`` (hook API 1.4); the core keeps the field and refuses a deploy
+    that sets it while no mechanism serves it, naming the package (``omniloop.runtime.MECHANISMS``).
+
+    ``name``: the deploy field it serves. ``check(deployment)``: weight-free checks when a
+    ``Deployment`` is built (one :class:`~omniloop.errors.DeployError`). ``check_request(deployment,
+    request)``: a request's checks that need no weights. ``storage_device(deploy, device)``: where the
+    family loads its weights. ``install(runtime)``: after the family loaded, in ``order``; the
+    installed :class:`Mechanism`, or None when the deploy does not use it. ``update(runtime, name,
+    source)``: ``Runtime.update_weights(source, adapter=name)``: reads and checks ``source``, returns
+    the function that applies it between requests.
+    """
+
+    name: str
+    check: Callable[[Any], None] | None = None
+    check_request: Callable[[Any, OmniRequest], None] | None = None
+    storage_device: Callable[[Any, Any], Any] | None = None
+    install: Callable[[Any], Mechanism | None] | None = None
+    update: Callable[[Any, str, Any], Callable[[], None]] | None = None
+    order: int = 0
+    description: str = ""
+
+
+@define(frozen=True)
+class RequestScope:
+    """What one request runs with, around each unit of its execution (its LoRA set): ``activate()``
+    is the context entered around every call; ``key`` joins the batch key (a batch never mixes scopes)."""
+
+    key: Any
+    activate: Callable[[], Any]
+
+
+class Mechanism:
+    """An installed :class:`MechanismSpec`; each method's default does nothing."""
+
+    def wrap_pipeline(self, spec: PipelineSpec) -> PipelineSpec:
+        """The pipeline every task builds, wrapped (offload: nodes move their components)."""
+        return spec
+
+    def request_scope(self, request: OmniRequest) -> RequestScope | None:
+        return None
+
+    def checksum_items(self) -> list[tuple[str, Any]]:
+        """``(name, tensor)`` (or ``("", text)``) added to ``Runtime.weights_checksum``."""
+        return []
+
+    def describe(self) -> Any:
+        return None
+
+
+@define(frozen=True)
 class LinearPrecisionSpec:
     """A way to compute the denoiser's linear layers, named by the deploy's ``linear_precision``
     (``dtype``, the deploy's own dtype, is built in and needs no spec).

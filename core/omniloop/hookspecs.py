@@ -36,6 +36,7 @@ from .family import (
     AttentionBackendSpec,
     Family,
     LinearPrecisionSpec,
+    MechanismSpec,
     ModelPreset,
     PluginComponentSpec,
     PolicySpec,
@@ -52,7 +53,7 @@ from .scheduling import ScheduleDecision
 PROJECT = "omniloop"
 #: this core's hook-API version; bump the minor for every hook or hook argument added (see
 #: :data:`HOOK_API_HISTORY`), the major only to remove one after a minor version that warned
-HOOK_API_VERSION = "1.3"
+HOOK_API_VERSION = "1.4"
 
 #: what each hook-API version added (newest last); a version's entry says what a plugin that
 #: declares ``>=<version>`` may rely on
@@ -63,6 +64,8 @@ HOOK_API_HISTORY: dict[str, str] = {
     "1.2": "omniloop_register_linear_precisions (the deploy's linear_precision: e.g. omniloop-quant's fp8)",
     "1.3": "omniloop_register_runtime_loaders (Runtime.from_deploy hands composed, parallel and role-pool "
            "deploys to the plugin that registered their loader: omniloop-compose, omniloop-parallel)",
+    "1.4": "omniloop_register_mechanisms (load-time mechanisms a deploy field turns on: omniloop-adapters' "
+           "adapters, omniloop-offload's offload)",
 }
 
 #: hook arguments added after their hook: hook -> {argument: the version that added it}. An
@@ -171,6 +174,15 @@ def omniloop_register_runtime_loaders(register: Callable[[RuntimeLoaderSpec], No
     ``omniloop.runtime.ROUTED`` (``pipeline``, ``parallel`` above one process, ``placement``) to
     the one loader that ``claims`` it; with none installed the deploy is refused naming the package
     that serves it. The core imports no such plugin. Returns nothing. Since: 1.3
+    """
+
+
+@hookspec
+def omniloop_register_mechanisms(register: Callable[[MechanismSpec], None]) -> None:
+    """Register a load-time mechanism for a deploy field: ``register(MechanismSpec(name, check,
+    install, ...))`` (LoRA ``adapters``, ``offload``). A deploy that sets a field in
+    ``omniloop.runtime.MECHANISMS`` with no mechanism installed is refused naming the package that
+    serves it. Returns nothing. Since: 1.4
     """
 
 
@@ -295,6 +307,7 @@ REGISTRATION_HOOKS = (
     "omniloop_register_attention_backends",
     "omniloop_register_linear_precisions",
     "omniloop_register_runtime_loaders",
+    "omniloop_register_mechanisms",
     "omniloop_register_run_options",
     "omniloop_register_commands",
 )

@@ -1,23 +1,20 @@
 """Deploy checks of mechanisms the single-process runtime runs itself, before any weight loads:
-:func:`check_transport` (the deploy's ``transport`` is registered and fits it), :func:`check_offload`
-(``offload: model | sequential``) and :func:`check_attention_grid` (a backend that needs the
-self-attention token grid, e.g. ``sparse-tile``).
+:func:`check_transport` (the deploy's ``transport`` is registered and fits it) and
+:func:`check_attention_grid` (a backend that needs the self-attention token grid, e.g. ``sparse-tile``).
 
 The checks of ``parallel: {sp, cfg}`` and ``placement`` (role pools) moved with the loader that runs
-those deploys to omniloop-parallel (``omniloop_parallel.checks``): the core imports no plugin.
+those deploys to omniloop-parallel (``omniloop_parallel.checks``), ``check_offload`` with the
+offloader to omniloop-offload (``omniloop_offload.check_offload``): the core imports no plugin.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .capabilities import AXES as AXES  # re-exported (its old home)
 from .capabilities import capabilities_of
 from .deploy import DeployConfig
 from .errors import DeployError
-
-if TYPE_CHECKING:
-    import torch
 
 #: names that moved to ``omniloop_parallel.checks`` (issue 34: the core imports no plugin)
 _MOVED = frozenset({"check_parallel", "check_in_pool", "check_roles", "role_device", "check_roles_in_pool",
@@ -25,17 +22,15 @@ _MOVED = frozenset({"check_parallel", "check_in_pool", "check_roles", "role_devi
 
 
 def __getattr__(name: str) -> Any:
+    if name == "check_offload":
+        raise ImportError("omniloop.placement.check_offload moved to omniloop-offload (omniloop 0.2, issue 34): "
+                          "from omniloop_offload import check_offload")
     if name in _MOVED:
         where = (
             "Runtime.from_deploy (the runtime loaders plugins register)" if name == "pool_factory"
             else f"omniloop_parallel.checks.{name}")
         raise ImportError(f"omniloop.placement.{name} moved to {where} (omniloop 0.2, issue 34): import it from there")
     raise AttributeError(f"module 'omniloop.placement' has no attribute {name!r}")
-
-
-def _axes(deploy: DeployConfig) -> str:
-    p = deploy.parallel
-    return "{" + f"sp: {p.sp}, cfg: {p.cfg}" + "}"
 
 
 def check_transport(deploy: DeployConfig, registry: Any) -> None:
@@ -56,42 +51,6 @@ def check_transport(deploy: DeployConfig, registry: Any) -> None:
             f"transport: {name!r} carries artifacts between worker processes; this deploy runs in one process "
             "(set parallel: {sp, cfg} or placement, or use 'inproc')"
         )
-
-
-def check_offload(deploy: DeployConfig, family: Any, device: torch.device,
-                  options: dict[str, Any] | None = None) -> None:
-    """``deploy.offload`` (``model`` / ``sequential``, :mod:`omniloop.offload`) can run: the family
-    declares what moves (``capabilities.offload``), the device is ``cuda`` (or ``cpu``, where
-    storage and device are the same and only the machinery runs), and nothing the offloader cannot
-    follow is enabled — LoRA adapters (their weights sit on the load device), ``compile`` (the
-    compiled blocks would see weights change device), a parallel world above 1, role pools
-    (``placement``) — and the family's
-    own ``capabilities.offload.refusal(mode, options)`` (a reason string or None; Wan: a causal rollout calls
-    its blocks functionally, so it cannot stream them) has no objection to the family ``options``.
-    One :class:`DeployError` line, before any weight loads."""
-    mode = deploy.offload
-    if mode == "none":
-        return
-    decl = capabilities_of(family).offload
-    if decl is None:
-        raise DeployError(
-            f"offload: family {family.name!r} does not support offload (it declares no capabilities.offload); "
-            "remove the field or set it to 'none'"
-        )
-    if device.type not in ("cuda", "cpu"):
-        raise DeployError(f"offload: {mode!r} moves weights between host memory and a CUDA device, not {device.type!r}")
-    if deploy.parallel.world_size > 1:
-        raise DeployError(f"offload: {mode!r} runs in one process; it does not combine with parallel: {_axes(deploy)} yet")
-    if deploy.adapters:
-        raise DeployError(f"offload: {mode!r} does not combine with LoRA adapters yet (adapters: {', '.join(sorted(deploy.adapters))})")
-    if getattr(deploy, "placement", None):
-        raise DeployError(f"offload: {mode!r} does not combine with placement (role pools) yet")
-    if deploy.compile:
-        raise DeployError(f"offload: {mode!r} does not combine with compile: true yet (compiled blocks would see their weights move)")
-    refusal = decl.refusal
-    why = refusal(mode, dict(options if options is not None else deploy.options)) if refusal is not None else None
-    if why:
-        raise DeployError(f"offload: {mode!r} {why}")
 
 
 def check_attention_grid(deploy: DeployConfig, family: Any, attention: Any, options: dict[str, Any]) -> None:

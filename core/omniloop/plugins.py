@@ -34,6 +34,7 @@ from .errors import PluginError
 from .family import (
     AttentionBackendSpec,
     LinearPrecisionSpec,
+    MechanismSpec,
     ModelPreset,
     PluginComponentSpec,
     PolicySpec,
@@ -127,6 +128,8 @@ class Registry:
     linear_precisions: dict[str, LinearPrecisionSpec] = attrs.Factory(dict)
     #: loaders of deploys a single-process runtime does not run (``omniloop.runtime.ROUTED``)
     runtime_loaders: dict[str, RuntimeLoaderSpec] = attrs.Factory(dict)
+    #: load-time mechanisms by the deploy field they serve (``omniloop.runtime.MECHANISMS``)
+    mechanisms: dict[str, MechanismSpec] = attrs.Factory(dict)
     #: flags plugins add to ``omniloop generate``, by flag name
     run_options: dict[str, RunOptionSpec] = attrs.Factory(dict)
     #: (kind, name) -> plugin that registered it
@@ -148,6 +151,7 @@ _KINDS: dict[str, tuple[str, str, type | tuple[type, ...] | None]] = {
     "omniloop_register_attention_backends": ("attention_backends", "attention_backend", AttentionBackendSpec),
     "omniloop_register_linear_precisions": ("linear_precisions", "linear_precision", LinearPrecisionSpec),
     "omniloop_register_runtime_loaders": ("runtime_loaders", "runtime_loader", RuntimeLoaderSpec),
+    "omniloop_register_mechanisms": ("mechanisms", "mechanism", MechanismSpec),
     "omniloop_register_run_options": ("run_options", "run_option", RunOptionSpec),
 }
 

@@ -27,10 +27,8 @@ from typing import Any
 import attrs
 import torch
 
-from . import adapters as _adapters
 from . import limits as _limits
 from . import linears as _linears
-from . import offload as _offload
 from . import placement as _placement
 from . import rl as _rl
 from . import weights as _weights
@@ -38,7 +36,7 @@ from .capabilities import FamilyCapabilities, capabilities_of
 from .deploy import DeployConfig, load_deploy
 from .errors import DeployError, PluginError, RequestError
 from .execution import BuiltPipeline, Execution
-from .family import LoadedModel, PluginComponentSpec, RuntimeLoaderSpec
+from .family import LoadedModel, Mechanism, MechanismSpec, PluginComponentSpec, RuntimeLoaderSpec
 from .graph import PipelineSpec
 from .observers import ObserverBus
 from .plugins import PluginManager, Registry, default_manager
@@ -106,6 +104,17 @@ def loader_for(registry: Registry, deploy: DeployConfig) -> RuntimeLoaderSpec | 
     return hits[0]
 
 
+#: deploy fields served by a load-time mechanism a plugin registers (``omniloop_register_mechanisms``)
+#: -> the package that serves it; the core imports none of them
+MECHANISMS = {"adapters": "omniloop-adapters", "offload": "omniloop-offload"}
+
+
+def mechanism_fields(deploy: DeployConfig) -> list[str]:
+    """The fields of ``deploy`` (in :data:`MECHANISMS`) that it sets."""
+    on = {"adapters": bool(deploy.adapters or deploy.adapter_fuse), "offload": deploy.offload != "none"}
+    return [name for name, set_ in on.items() if set_]
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -161,8 +170,16 @@ class Deployment:
         #: the rollout the family options choose (options.rollout; checked against the declaration)
         self.rollout = self.capabilities.rollout(self.family.name, family_options)
         self.capabilities.check_options(self.family.name, deploy.options)  # a key it does not read: refused
-        _placement.check_offload(deploy, self.family, self.device, family_options)  # offload
-        _adapters.check_declared(deploy.adapters, deploy.adapter_fuse, self.family)  # LoRA: names, files
+        #: the load-time mechanisms plugins registered (LoRA adapters, offload), in install order, and
+        #: (a Runtime) those installed, by deploy field
+        self.mechanism_specs: list[MechanismSpec] = sorted(self.registry.mechanisms.values(), key=lambda s: (s.order, s.name))
+        self.mechanisms: dict[str, Mechanism] = {}
+        missing = [f for f in mechanism_fields(deploy) if f not in self.registry.mechanisms]
+        if missing:
+            raise DeployError(f"{missing[0]}: no installed plugin serves this field: pip install {MECHANISMS[missing[0]]}")
+        for mechanism in self.mechanism_specs:
+            if mechanism.check is not None:
+                mechanism.check(self)
         _placement.check_attention_grid(deploy, self.family, self.attention, family_options)
         blocks = tuple(n for n, (s, _) in self.component_configs.items() if s.kind == "block_interceptor")
         if blocks and not self.capabilities.block_interceptors:
@@ -208,7 +225,7 @@ class Deployment:
         self._check_task(req, model)
         self._check_common(req)
         self._check_plugin_params(req)
-        _adapters.check_request(req.adapters, self.deploy.adapters, self.deploy.adapter_fuse)
+        self._check_mechanisms(req)
         spec = self._config_pipeline(model, req.task) if model is not None else None
         if model is not None and spec is not None and self.capabilities.resolve:
             bounded = self._resolve(model, req, structure_node_params(spec, req)).workload().bounded
@@ -219,6 +236,14 @@ class Deployment:
             bounded = bounds(steps=d.steps, frames=d.frames, height=d.height, width=d.width)
         self._check_limits(bounded)
         return req
+
+    def _check_mechanisms(self, req: OmniRequest) -> None:
+        for mechanism in self.mechanism_specs:
+            if mechanism.check_request is not None:
+                mechanism.check_request(self, req)
+        if req.adapters and "adapters" not in self.registry.mechanisms:
+            raise RequestError("adapters.0.name", f"unknown adapter {req.adapters[0].name!r} (this deployment "
+                               f"declares: none; LoRA adapters need {MECHANISMS['adapters']})")
 
     @property
     def limits(self) -> Any:
@@ -499,31 +524,39 @@ class Runtime(Deployment):
             self.loader.check_direct(self.deploy)
         self.components_enabled = self._build_components()
         self.scheduler = self._resolve_scheduler()
-        self.model: LoadedModel = self.family.load(  # offload: loaded into host memory (omniloop.offload)
-            self.model_path, device=_offload.storage_device(self.deploy.offload, self.device), dtype=self.dtype,
-            options=self.options,
-        )
+        storage = self.device  # offload: the weights load into host memory
+        for mechanism in self.mechanism_specs:
+            storage = mechanism.storage_device(self.deploy, storage) if mechanism.storage_device else storage
+        self.model: LoadedModel = self.family.load(self.model_path, device=storage, dtype=self.dtype, options=self.options)
         #: linear_precision: fp8 — the denoiser blocks' linears swapped for e4m3 GEMMs (None: dtype)
         self.linears = _linears.apply(self.linear_precision, self.model, self.family, self.deploy)
         self._pipelines: dict[TaskType, BuiltPipeline] = {}
-        #: the deploy's LoRA adapters, read and hooked at load (None when it declares none)
-        self.adapters: _adapters.AdapterBank | None = None
-        if self.deploy.adapters:
-            d = self.deploy
-            self.adapters = _adapters.AdapterBank(
-                d.adapters, self.model.components, self.capabilities.adapters,
-                max_loaded=d.limits.max_adapters, fuse=d.adapter_fuse, model=self.model, options=self.options,
-            )
-        #: offload: model | sequential — moves components to the device as nodes run (None: everything stays)
-        self.offload = _offload.install(self.model, self.family, self.deploy.offload, self.device)
+        for mechanism in self.mechanism_specs:  # LoRA adapters read and hooked, then offload installed
+            installed = mechanism.install(self) if mechanism.install is not None else None
+            if installed is not None:
+                self.mechanisms[mechanism.name] = installed
         #: the weights' version (``update_weights``); every output's ``metrics["weight_version"]``
         self.weight_version: str = self.model.weight_version or "initial"
-        #: adapters registered by ``update_weights(..., adapter=NAME)``, by name (path shown in describe)
-        self._adapter_table: dict[str, str] = dict(self.deploy.adapters)
         self._runs_lock = threading.RLock()  # held around every unit; updates apply under it
         self._running: set[int] = set()  # executions started and not finished
         self._runs_cond = threading.Condition(threading.Lock())
         self._sleeper = _weights.Sleeper()
+
+    @property
+    def adapters(self) -> Any:
+        """The LoRA adapters' bank (omniloop-adapters' ``AdapterBank``), or None."""
+        return self.mechanisms.get("adapters")
+
+    @property
+    def offload(self) -> Any:
+        """The ``offload: model | sequential`` offloader (omniloop-offload's ``Offloader``), or None."""
+        return self.mechanisms.get("offload")
+
+    @offload.setter
+    def offload(self, value: Any) -> None:
+        self.mechanisms.pop("offload", None)
+        if value is not None:
+            self.mechanisms["offload"] = value
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -599,7 +632,9 @@ class Runtime(Deployment):
         return built
 
     def _build(self, task: TaskType) -> BuiltPipeline:
-        spec: PipelineSpec = _offload.wrap_pipeline(self.family.build_pipeline(self.model, task, self.options), self.offload)
+        spec: PipelineSpec = self.family.build_pipeline(self.model, task, self.options)
+        for mechanism in self.mechanisms.values():
+            spec = mechanism.wrap_pipeline(spec)
         observers = [(n, obj) for n, (s, obj) in self.components_enabled.items() if s.kind == "observer"]
         bus = ObserverBus(observers) if observers else None
         block = [obj for s, obj in self.components_enabled.values() if s.kind == "block_interceptor"]
@@ -635,15 +670,15 @@ class Runtime(Deployment):
         built = self.pipeline(req.task)
         node_params = structure_node_params(built.spec, req)
         plugin_params = self._check_plugin_params(req)
-        _adapters.check_request(req.adapters, self._adapter_table, self.deploy.adapter_fuse)
+        self._check_mechanisms(req)
         active = [i for i in built.interceptors if not (req.exact and getattr(i, "distribution_altering", False))]
         resolved = self._resolve(self.model, req, node_params)  # the one resolution of this request
         self._check_limits(resolved.workload().bounded)  # the one range check, on what resolved
         support = self._check_rollout(req, built, resolved, active) if req.rollout is not None else None
-        lora = self.adapters.active_set(req.adapters) if self.adapters is not None else ()
+        scopes = tuple(s for m in self.mechanisms.values() if (s := m.request_scope(req)) is not None)
         warnings = (*resolved.warnings, *self.limit_warnings(req))
         return Execution(built, req, node_params=node_params, plugin_params=plugin_params, warnings=warnings,
-                         resolved=resolved, active_interceptors=active, adapters=lora, rollout_support=support,
+                         resolved=resolved, active_interceptors=active, scopes=scopes, rollout_support=support,
                          weight_version=self.weight_version, initial_seed=_initial_seed, rollout_seed=_rollout_seed,
                          replay=_replay, lifecycle=self,
                          retry_alone=self.capabilities.step_batch_retry_alone)
@@ -820,29 +855,13 @@ class Runtime(Deployment):
 
     def _update_adapter(self, source: Any, *, version: str, name: str, timeout: float,
                         checksum: bool = True) -> str | None:
-        import re
-
-        if not isinstance(name, str) or not re.fullmatch(_adapters.NAME_PATTERN, name):
-            raise _weights.WeightUpdateError("adapter", "an adapter name is 1-64 letters, digits or _ . : @ + = -")
-        support = self.capabilities.adapters
-        if support is None:
-            raise _weights.WeightUpdateError("adapter", f"family {self.family.name!r} does not support LoRA adapters")
-        if isinstance(source, Mapping):
-            raise _weights.WeightUpdateError("source", "a LoRA adapter is given as a safetensors file or folder")
-        if not isinstance(source, (str, os.PathLike)):
-            raise _weights.WeightUpdateError("source", f"expected a safetensors file or folder, got {type(source).__name__}")
-        try:
-            loaded = _adapters.load_adapter(name, Path(source), self.model.components, support)
-        except DeployError as exc:
-            raise _weights.WeightUpdateError("source", str(exc)) from None
+        mechanism = self.registry.mechanisms.get("adapters")
+        if mechanism is None or mechanism.update is None:
+            raise _weights.WeightUpdateError("adapter", f"LoRA adapters need a plugin: pip install {MECHANISMS['adapters']}")
+        register = mechanism.update(self, name, source)  # read and checked now; applied between requests
 
         def apply() -> str | None:
-            if self.adapters is None:
-                self.adapters = _adapters.AdapterBank({}, self.model.components, support,
-                                                      max_loaded=self.deploy.limits.max_adapters, model=self.model,
-                                                      options=self.options)
-            self.adapters.register(name, str(source), loaded)
-            self._adapter_table[name] = str(source)
+            register()
             self.weight_version = version
             return self.weights_checksum() if checksum else None
 
@@ -858,8 +877,8 @@ class Runtime(Deployment):
             raise _weights.WeightUpdateError("algorithm", f"must be one of {', '.join(_weights.CHECKSUM_ALGORITHMS)}")
         if self._sleeper.asleep:
             raise _weights.RuntimeAsleep("the runtime is asleep: wake() it to read its weights")
-        registered = self.adapters.registered if self.adapters is not None else {}
-        return _weights.checksum(self.model.components, registered, algorithm=algorithm)
+        extra = [item for m in self.mechanisms.values() for item in m.checksum_items()]
+        return _weights.checksum(self.model.components, extra, algorithm=algorithm)
 
     def sleep(self, timeout: float = 600.0) -> int:
         """Release the device memory of the weights (moved to host memory) and caches, after the

@@ -51,7 +51,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -271,10 +271,11 @@ def _digest_host(words: torch.Tensor) -> tuple[int, int]:
     return lanes[0], lanes[1]
 
 
-def checksum(components: Mapping[str, Any], adapters: Mapping[str, Any] = {}, *,
+def checksum(components: Mapping[str, Any], extra: Sequence[tuple[str, Any]] = (), *,
              algorithm: str = "mix128") -> str:
-    """The fingerprint (``"<algorithm>:<hex>"``) of the denoiser's weights and the registered
-    adapters (see the module docs for the two algorithms)."""
+    """The fingerprint (``"<algorithm>:<hex>"``) of the denoiser's weights and ``extra``: what
+    installed mechanisms add (``Mechanism.checksum_items``: the registered LoRA adapters' tensors
+    ``(name, tensor)`` and text ``("", text)``), in order (see the module docs for the two algorithms)."""
     if algorithm not in CHECKSUM_ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(CHECKSUM_ALGORITHMS)}, got {algorithm!r}")
     h = hashlib.sha256()
@@ -293,13 +294,11 @@ def checksum(components: Mapping[str, Any], adapters: Mapping[str, Any] = {}, *,
     for comp, module in sorted(denoiser_components(components).items()):
         for key, t in sorted(module.state_dict().items()):
             add(f"{comp}.{key}", t)
-    for name in sorted(adapters):
-        ad = adapters[name]
-        for mod in sorted(ad.targets):
-            layer = ad.layers[ad.targets[mod]]
-            add(f"adapter:{name}:{mod}.down", layer.down)
-            add(f"adapter:{name}:{mod}.up", layer.up)
-            h.update(f"alpha={layer.alpha!r}|rslora={layer.rslora}".encode())
+    for name, value in extra:
+        if isinstance(value, str):
+            h.update(value.encode())
+        else:
+            add(name, value)
     return f"{algorithm}:{h.hexdigest()}"
 
 

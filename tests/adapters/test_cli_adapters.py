@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from click.testing import CliRunner, Result
 
+import omniloop_adapters.plugin as adapters_plugin
 import omniloop_wan.plugin as wan_plugin
 from omniloop.runtime import Runtime
 from omniloop.testing import make_manager
@@ -15,7 +16,7 @@ from omniloop_cli import cli
 
 
 def invoke(args: list[str]) -> Result:
-    return CliRunner().invoke(cli, args, obj=make_manager(("wan", wan_plugin), toy=False))
+    return CliRunner().invoke(cli, args, obj=make_manager(("wan", wan_plugin), ("adapters", adapters_plugin), toy=False))
 
 
 def one_error_line(res: Result, *fragments: str) -> None:
@@ -40,7 +41,7 @@ def test_generate_with_adapters_equals_the_python_api(wan_setup, tmp_path):
                   "--return-latents", "--out", str(tmp_path / "o.mp4")])
     assert res.exit_code == 0, res.output
     got = torch.load(tmp_path / "o.latents.pt")
-    rt = Runtime.from_deploy(dep, manager=make_manager(("wan", wan_plugin), toy=False))
+    rt = Runtime.from_deploy(dep, manager=make_manager(("wan", wan_plugin), ("adapters", adapters_plugin), toy=False))
     out = rt.generate({"task": "t2v", "prompt": "a red fox", "outputs": {"return_latents": True},
                        "diffusion": {"steps": 2, "seed": 5, "frames": 5, "height": 32, "width": 32},
                        "adapters": [{"name": "a", "scale": 0.8}, {"name": "b", "scale": 1.0}]})

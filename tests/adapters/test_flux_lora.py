@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import omniloop_adapters.plugin as adapters_plugin
 import omniloop_flux.plugin as flux_plugin
 from omniloop.runtime import Runtime
 from omniloop.testing import make_manager
@@ -33,7 +34,7 @@ def latents(out: Any) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def rt(flux_setup) -> Runtime:
-    return Runtime.from_model(flux_setup["ckpt"], manager=make_manager(("flux", flux_plugin), toy=False),
+    return Runtime.from_model(flux_setup["ckpt"], manager=make_manager(("flux", flux_plugin), ("adapters", adapters_plugin), toy=False),
                               adapters={"a": str(flux_setup["a"]), "b": str(flux_setup["b"])})
 
 

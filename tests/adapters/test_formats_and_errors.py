@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import omniloop_adapters.plugin as adapters_plugin
 import omniloop_flux.plugin as flux_plugin
 import omniloop_wan.plugin as wan_plugin
-from omniloop.adapters import hooked
+from omniloop_adapters import hooked
 from omniloop.errors import DeployError, RequestError
 from omniloop.runtime import Deployment, Runtime
 from omniloop.testing import make_manager
@@ -25,7 +26,7 @@ PROMPT = "a red fox jumps over the lazy dog"
 
 
 def wan_manager() -> Any:
-    return make_manager(("wan", wan_plugin), toy=False)
+    return make_manager(("wan", wan_plugin), ("adapters", adapters_plugin), toy=False)
 
 
 def wan_req(adapters: list[dict[str, Any]] | None = None, **d: Any) -> dict[str, Any]:
@@ -102,7 +103,7 @@ def test_flux_kohya_fused_layout_equals_split_parts(flux_setup, tmp_path):
     import json
     meta = {"lora_adapter_metadata": json.dumps({"transformer.r": r, "transformer.lora_alpha": alpha})}
     save_file(split, str(tmp_path / "split.safetensors"), metadata=meta)
-    rt = Runtime.from_model(flux_setup["ckpt"], manager=make_manager(("flux", flux_plugin), toy=False),
+    rt = Runtime.from_model(flux_setup["ckpt"], manager=make_manager(("flux", flux_plugin), ("adapters", adapters_plugin), toy=False),
                             adapters={"k": str(tmp_path / "kohya.safetensors"), "s": str(tmp_path / "split.safetensors")})
     req = lambda name: {"task": "t2i", "prompt": PROMPT, "diffusion": {"steps": 2, "seed": 1, "height": 64, "width": 64},  # noqa: E731
                         "outputs": {"return_latents": True}, "adapters": [{"name": name, "scale": 0.7}]}
@@ -177,7 +178,7 @@ def test_family_without_adapter_support_refuses_adapters(wan_setup, toy_checkpoi
     from omniloop.testing import make_manager as mm
 
     with pytest.raises(DeployError, match="does not support LoRA adapters"):
-        Deployment({"model": {"path": str(toy_checkpoint)}, "adapters": {"a": str(wan_setup["a"])}}, manager=mm())
+        Deployment({"model": {"path": str(toy_checkpoint)}, "adapters": {"a": str(wan_setup["a"])}}, manager=mm(("adapters", adapters_plugin)))
 
 
 # -- fuse, LRU, compiled blocks ---------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import omniloop_adapters.plugin as adapters_plugin
 import omniloop_sd3.plugin as sd3_plugin
 from omniloop.errors import DeployError
 from omniloop.runtime import Runtime
@@ -32,7 +33,7 @@ def latents(out: Any) -> torch.Tensor:
 
 
 def runtime(setup: dict[str, Any], **deploy: Any) -> Runtime:
-    return Runtime.from_model(setup["ckpt"], manager=make_manager(("sd3", sd3_plugin), toy=False),
+    return Runtime.from_model(setup["ckpt"], manager=make_manager(("sd3", sd3_plugin), ("adapters", adapters_plugin), toy=False),
                               adapters={"a": str(setup["a"]), "b": str(setup["b"])}, **deploy)
 
 

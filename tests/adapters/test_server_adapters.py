@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("omniloop_server")
 
+import omniloop_adapters.plugin as adapters_plugin
 import omniloop_scheduler.plugin as scheduler_plugin
 import omniloop_wan.plugin as wan_plugin
 from omniloop.runtime import Runtime
@@ -21,7 +22,7 @@ T = 60.0
 
 @pytest.fixture
 def server(wan_setup: dict[str, Any], tmp_path: Any) -> Any:
-    manager = make_manager(("wan", wan_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
+    manager = make_manager(("wan", wan_plugin), ("adapters", adapters_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
     rt = Runtime.from_model(wan_setup["ckpt"], manager=manager, scheduler="step",
                             adapters={"a": str(wan_setup["a"]), "b": str(wan_setup["b"])})
     app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0, poll_after_ms=50)

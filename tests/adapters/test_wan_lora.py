@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+import omniloop_adapters.plugin as adapters_plugin
 import omniloop_wan.plugin as wan_plugin
-from omniloop.adapters import hooked
+from omniloop_adapters import hooked
 from omniloop.runtime import Runtime
 from omniloop.testing import make_manager
 
@@ -39,7 +40,7 @@ def request(adapters: list[dict[str, Any]] | None = None, seed: int = 7, rid: st
 
 def runtime(setup: dict[str, Any], **deploy: Any) -> Runtime:
     deploy.setdefault("adapters", {"a": str(setup["a"]), "b": str(setup["b"])})
-    return Runtime.from_model(setup["ckpt"], manager=make_manager(("wan", wan_plugin), toy=False), **deploy)
+    return Runtime.from_model(setup["ckpt"], manager=make_manager(("wan", wan_plugin), ("adapters", adapters_plugin), toy=False), **deploy)
 
 
 def latents(out: Any) -> torch.Tensor:

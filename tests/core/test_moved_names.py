@@ -17,6 +17,12 @@ import pytest
     ("omniloop.placement", "role_device", "omniloop_parallel.checks"),
     ("omniloop.checkpoints", "resolve_root", "omniloop_kit.checkpoints"),
     ("omniloop.compile", "compile_blocks", "omniloop_kit.compile"),
+    ("omniloop.adapters", "AdapterBank", "omniloop_adapters"),
+    ("omniloop.adapters", "load_adapter", "omniloop_adapters"),
+    ("omniloop.offload", "Offloader", "omniloop_offload"),
+    ("omniloop.offload", "install", "omniloop_offload"),
+    ("omniloop.placement", "check_offload", "omniloop_offload"),
+    ("omniloop.testing.offload", "offload_run", "omniloop_offload.testing"),
 ])
 def test_a_moved_name_says_where_it_went(old_module: str, name: str, new_module: str) -> None:
     with pytest.raises(ImportError, match=new_module.replace(".", r"\.")):
@@ -33,7 +39,16 @@ def test_a_moved_module_still_answers_dunder_probes() -> None:
 
 def test_names_that_stayed_still_import() -> None:
     from omniloop.checkpoints import read_safetensors
-    from omniloop.placement import AXES, check_attention_grid, check_offload, check_transport
+    from omniloop.placement import AXES, check_attention_grid, check_transport
 
-    assert AXES and callable(check_offload) and callable(check_attention_grid) and callable(check_transport)
+    assert AXES and callable(check_attention_grid) and callable(check_transport)
     assert callable(read_safetensors)
+
+
+def test_the_adapter_declaration_still_imports_from_its_old_home() -> None:
+    """A family's LoRA declaration is the core's family contract (``omniloop.capabilities``); its
+    old import (``omniloop.adapters``) still works for this release."""
+    from omniloop.adapters import AdapterFormatError, AdapterSupport, unknown_keys_error
+    from omniloop.capabilities import AdapterSupport as declared
+
+    assert AdapterSupport is declared and issubclass(AdapterFormatError, ValueError) and callable(unknown_keys_error)

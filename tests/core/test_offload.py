@@ -1,4 +1,4 @@
-"""omniloop.offload: the move / stream schedule of ``offload: model | sequential``, recorded.
+"""omniloop_offload (omniloop-offload): the move / stream schedule of ``offload: model | sequential``, recorded.
 
 The toy family (its transformer has a ``blocks`` ModuleList) opts in through a subclass declaring
 ``offload_components``. On CPU storage and execution device are both ``cpu``; a recording mover
@@ -17,16 +17,16 @@ import pytest
 import torch
 from torch import nn
 
+import omniloop_offload.plugin as offload_plugin
 from omniloop.capabilities import OffloadSupport
 from omniloop.deploy import load_deploy
 from omniloop.errors import DeployError
 from omniloop.hookspecs import hookimpl
 from omniloop.loop import is_batched, is_loop_stage
-from omniloop.offload import Mover, OffloadedStage, Offloader, PoisonMover, install, wrap_pipeline
-from omniloop.placement import check_offload
 from omniloop.runtime import Deployment, Runtime
 from omniloop.testing import build_toy_checkpoint, make_manager, toy_request
 from omniloop.testing.toy import ToyFamily
+from omniloop_offload import Mover, OffloadedStage, Offloader, PoisonMover, check_offload, install, wrap_pipeline
 
 Trace = list[tuple[str, str, tuple[str, ...]]]
 
@@ -45,11 +45,11 @@ class _Plugin:
 
 
 def manager() -> Any:
-    return make_manager(("toy-offload", _Plugin()), toy=False)
+    return make_manager(("toy-offload", _Plugin()), ("offload", offload_plugin), toy=False)
 
 
 class RecordingMover(PoisonMover):
-    """Counts fetches; evicted weights are NaN (omniloop.offload.PoisonMover)."""
+    """Counts fetches; evicted weights are NaN (omniloop_offload.PoisonMover)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -250,7 +250,7 @@ def test_host_masters_packed_into_slabs() -> None:
 
 
 class FakeStreams:
-    """Stands in for :class:`omniloop.offload.CudaStreams` on a CPU: records which copies were
+    """Stands in for :class:`omniloop_offload.CudaStreams` on a CPU: records which copies were
     issued on the side stream, the events, and the compute stream's waits."""
 
     def __init__(self, log: list[tuple[str, Any]]) -> None:
@@ -355,7 +355,7 @@ def test_check_offload_refusals(deploy: dict[str, Any], family: Any, device: str
 
 def test_family_without_declaration_refused_before_weights(ckpt: Any) -> None:
     with pytest.raises(DeployError, match=r"^offload: family 'toy' does not support offload"):
-        Deployment({"model": {"path": str(ckpt)}, "offload": "model"}, manager=make_manager())
+        Deployment({"model": {"path": str(ckpt)}, "offload": "model"}, manager=make_manager(("offload", offload_plugin)))
 
 
 @pytest.mark.parametrize("value", ["Model", "all", "1"])
@@ -455,3 +455,9 @@ def test_cuda_sequential_memory_bound_and_equal(overlap: bool) -> None:
     assert torch.equal(y.cpu(), ref)
     assert max(peaks) - base <= (2 if overlap else 1) * block_bytes + 4 * 64 * 1024 * 4
     assert all(p.device.type == "cpu" for p in net.parameters())
+
+
+def test_offload_without_its_plugin_is_refused_naming_the_package(ckpt: Any) -> None:
+    """The core keeps the deploy field; with no mechanism serving it the deploy is one line."""
+    with pytest.raises(DeployError, match=r"^offload: no installed plugin serves this field: pip install omniloop-offload$"):
+        Deployment({"model": {"path": str(ckpt)}, "offload": "model"}, manager=make_manager())

@@ -1,7 +1,7 @@
-"""Deploy ``offload: model | sequential`` on the tiny FLUX.1 checkpoint (omniloop.offload).
+"""Deploy ``offload: model | sequential`` on the tiny FLUX.1 checkpoint (omniloop-offload).
 
-CPU: storage and execution device are both ``cpu``; :func:`omniloop.testing.offload.offload_run`
-runs under :class:`omniloop.offload.PoisonMover` (an evicted weight is NaN), so an output
+CPU: storage and execution device are both ``cpu``; :func:`omniloop_offload.testing.offload_run`
+runs under :class:`omniloop_offload.PoisonMover` (an evicted weight is NaN), so an output
 ``torch.equal`` to the unoffloaded runtime's means every weight was loaded when it computed.
 Sequential streams the double- then single-stream blocks as one stack.
 """
@@ -11,15 +11,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+import omniloop_flux.plugin as flux_plugin
+import omniloop_offload.plugin as offload_plugin
 from omniloop.runtime import Runtime
-from omniloop.testing.offload import offload_run
+from omniloop_offload.testing import offload_run
 
-from .conftest import flux_manager, t2i
+from omniloop.testing import make_manager
+
+from .conftest import t2i
 
 
 @pytest.mark.parametrize("mode", ["model", "sequential"])
 def test_flux_offload_equals_no_offload(flux_ckpt, mode: str) -> None:
-    rt, out, ref, trace = offload_run(lambda **kw: Runtime.from_model(flux_ckpt(), manager=flux_manager(), **kw), t2i, mode)
+    rt, out, ref, trace = offload_run(lambda **kw: Runtime.from_model(flux_ckpt(), manager=make_manager(("flux", flux_plugin), ("offload", offload_plugin), toy=False), **kw), t2i, mode)
     assert torch.equal(out.artifacts["latents"].tensor, ref.artifacts["latents"].tensor)
     assert torch.equal(out.artifacts["image"].pixels, ref.artifacts["image"].pixels)
     runs = [(name, res) for ev, name, res in trace if ev == "run" and name.startswith("transformer.")]

@@ -15,12 +15,18 @@ from typing import Any
 import pytest
 import torch
 
+import omniloop_offload.plugin as offload_plugin
 from omniloop.errors import DeployError
-from omniloop.offload import PoisonMover, install
 from omniloop.runtime import Deployment, Runtime
 from omniloop.testing import make_manager
+from omniloop_offload import PoisonMover, install
 
-from .conftest import _t2v_request, wan_manager, wan_plugin
+from .conftest import _t2v_request, wan_plugin
+
+
+def wan_manager() -> Any:
+    """The Wan family, the offload mechanism (omniloop-offload) and the inline serial scheduler."""
+    return make_manager(("wan", wan_plugin), ("offload", offload_plugin), toy=False)
 
 
 def _strict(rt: Runtime, mode: str) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -140,7 +146,7 @@ def test_i2v_offload_sequential_equals(tiny_ckpt, i2v_request) -> None:
 def test_bad_offload_deploys_refused_at_load(tiny_ckpt, deploy: dict[str, Any], match: str) -> None:
     import omniloop_parallel.plugin as parallel_plugin  # a parallel deploy is routed to its runtime loader
 
-    manager = make_manager(("wan", wan_plugin), ("parallel", parallel_plugin), toy=False)
+    manager = make_manager(("wan", wan_plugin), ("offload", offload_plugin), ("parallel", parallel_plugin), toy=False)
     with pytest.raises(DeployError, match=match) as info:
         Deployment({"model": {"path": str(tiny_ckpt())}, **deploy}, manager=manager)
     assert "\n" not in str(info.value)

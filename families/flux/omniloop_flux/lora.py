@@ -1,6 +1,6 @@
 """LoRA adapters for FLUX.1: the family's opt-in (:data:`FLUX_ADAPTERS`) and the key layouts it reads.
 
-The core applies adapters (:mod:`omniloop.adapters`) to the ``transformer``'s linears. diffusers'
+The core applies adapters (the omniloop-adapters plugin) to the ``transformer``'s linears. diffusers'
 files (``FluxPipeline.save_lora_weights``) are read as they are; the Black Forest Labs layouts
 that circulate outside diffusers are converted at load:
 
@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from omniloop.adapters import AdapterFormatError, AdapterSupport, unknown_keys_error
+from omniloop.capabilities import AdapterFormatError, AdapterSupport, unknown_keys_error
 
 DOUBLE: dict[str, tuple[str, ...]] = {
     "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),

@@ -1,6 +1,6 @@
 """LoRA adapters for SD3 / SD3.5: the family's opt-in (:data:`SD3_ADAPTERS`).
 
-The core applies adapters (:mod:`omniloop.adapters`) to the ``transformer``'s linears, read from
+The core applies adapters (the omniloop-adapters plugin) to the ``transformer``'s linears, read from
 diffusers' files (``StableDiffusion3Pipeline.save_lora_weights``: ``transformer.<module>.lora_A/
 lora_B.weight``). Other layouts are refused with the keys named (no kohya conversion for SD3 yet).
 ``options.qkv: fused`` projects Q/K/V with one concatenated weight, bypassing the ``to_q``/
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omniloop.adapters import AdapterSupport
+from omniloop.capabilities import AdapterSupport
 from omniloop.errors import DeployError
 
 

@@ -108,7 +108,6 @@ def run_node(runtime: Runtime, request: Any, node_name: str, payload: Mapping[st
     """Run node ``node_name`` of ``request`` on this worker's runtime with the artifacts in
     ``payload["reads"]`` and the RNG state ``payload["gen"]``; return its writes (on the CPU),
     the RNG state after it, the metrics it added and its seconds."""
-    from omniloop import adapters as _adapters
     from omniloop.context import StageContext
     from omniloop.runtime import structure_node_params
 
@@ -128,7 +127,7 @@ def run_node(runtime: Runtime, request: Any, node_name: str, payload: Mapping[st
     )
     before = set(state.metrics)
     t0 = time.perf_counter()
-    with _adapters.activate(execution.adapters):
+    with execution.activated():
         node.stage.forward(ctx, state)
     seconds = time.perf_counter() - t0
     writes = {e: map_tensors(state.artifacts[e], lambda t: t.detach().cpu()) for e in node.writes if e in state.artifacts}
