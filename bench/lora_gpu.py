@@ -6,7 +6,7 @@ tokens); a CFG step is two such forwards, so per-step ratios equal per-forward r
 
 The adapter: rank 32, alpha 32, on every attention and FFN linear of every block (``attn1`` /
 ``attn2`` ``to_q``, ``to_k``, ``to_v``, ``to_out.0``; ``ffn.net.0.proj``, ``ffn.net.2``), written as
-a diffusers-layout ``.safetensors`` file and read by :class:`omniloop.adapters.AdapterBank` — the
+a diffusers-layout ``.safetensors`` file and read by :class:`omniloop_adapters.AdapterBank` — the
 same code a deployment runs.
 
 Configurations, interleaved (every other round reversed) and repeated; medians and ratios to
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from diffusers import WanTransformer3DModel
 
-    from omniloop.adapters import AdapterBank, activate
+    from omniloop_adapters import AdapterBank, activate
     from omniloop.request import AdapterRef
     from omniloop_wan.lora import WAN_ADAPTERS
     from omniloop_wan.transformer import wan_forward
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             graphs_after_switch = int(counters["stats"]["unique_graphs"])
         # switching, fused: take adapter a out of the weights, put b in (and back)
         fused_switch_s: list[float] = []
-        from omniloop.adapters import load_adapter
+        from omniloop_adapters import load_adapter
 
         b_loaded = load_adapter("b", files["b"], {"transformer": fused_tf}, WAN_ADAPTERS)
         a_loaded = fused_bank.get("a")

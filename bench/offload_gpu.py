@@ -3,7 +3,7 @@
 Random weights, the real Wan2.1 T2V architectures (timing does not depend on the values), bf16
 transformer and UMT5-XXL text encoder, float32 VAE, 480×832×81 (latents ``[1, 16, 21, 60, 104]``),
 CFG 5 (a step is the cond and the uncond forward), the whole pipeline (prompt → frames) through
-``omniloop.execution.Execution`` with the same :mod:`omniloop.offload` code a deployment installs:
+``omniloop.execution.Execution`` with the same :mod:`omniloop_offload` code a deployment installs:
 
 ==========================  =======================================================================
 ``none``                    every component resident on the GPU (the baseline)
@@ -178,7 +178,7 @@ def bench_arch(arch: str, tf_cfg: dict[str, Any], shared: tuple[Any, Any], args:
                device: torch.device, dtype: torch.dtype, record: dict[str, Any], save: Any) -> None:
     from omniloop.deploy import DeployConfig
     from omniloop.execution import BuiltPipeline
-    from omniloop.offload import install, wrap_pipeline
+    from omniloop_offload import install, wrap_pipeline
     from omniloop.request import TaskType
     from omniloop_wan.family import WanFamily
 

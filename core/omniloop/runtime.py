@@ -531,7 +531,7 @@ class Runtime(Deployment):
         #: linear_precision: fp8 — the denoiser blocks' linears swapped for e4m3 GEMMs (None: dtype)
         self.linears = _linears.apply(self.linear_precision, self.model, self.family, self.deploy)
         self._pipelines: dict[TaskType, BuiltPipeline] = {}
-        for mechanism in self.mechanism_specs:  # LoRA adapters read and hooked, then offload installed
+        for mechanism in self.mechanism_specs:  # offload installed, LoRA adapters read and hooked
             installed = mechanism.install(self) if mechanism.install is not None else None
             if installed is not None:
                 self.mechanisms[mechanism.name] = installed

@@ -19,8 +19,10 @@ PROMPT = "a red fox jumps over the lazy dog"
 def manager(family: str, step: bool = False, *extra: tuple[str, Any]) -> Any:
     import importlib
 
+    import omniloop_adapters.plugin as adapters_plugin  # update_weights(..., adapter=NAME)
+
     plugin = importlib.import_module(f"omniloop_{family}.plugin")
-    plugins: list[tuple[str, Any]] = [(family, plugin), *extra]
+    plugins: list[tuple[str, Any]] = [(family, plugin), ("adapters", adapters_plugin), *extra]
     if step:
         import omniloop_scheduler.plugin as sched_plugin
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import omniloop_adapters.plugin as adapters_plugin
 import omniloop_offload.plugin as offload_plugin
 from omniloop.errors import DeployError
 from omniloop.runtime import Deployment, Runtime
@@ -146,7 +147,8 @@ def test_i2v_offload_sequential_equals(tiny_ckpt, i2v_request) -> None:
 def test_bad_offload_deploys_refused_at_load(tiny_ckpt, deploy: dict[str, Any], match: str) -> None:
     import omniloop_parallel.plugin as parallel_plugin  # a parallel deploy is routed to its runtime loader
 
-    manager = make_manager(("wan", wan_plugin), ("offload", offload_plugin), ("parallel", parallel_plugin), toy=False)
+    manager = make_manager(("wan", wan_plugin), ("offload", offload_plugin), ("adapters", adapters_plugin),
+                           ("parallel", parallel_plugin), toy=False)
     with pytest.raises(DeployError, match=match) as info:
         Deployment({"model": {"path": str(tiny_ckpt())}, **deploy}, manager=manager)
     assert "\n" not in str(info.value)

@@ -75,7 +75,7 @@ def _update(runtime: Any, name: str, source: Any) -> Callable[[], None]:
 
 
 MECHANISM = MechanismSpec(name="adapters", check=_check, check_request=_check_request, install=_install,
-                          update=_update, order=0,
+                          update=_update, order=10,
                           description="LoRA adapters declared by the deploy, chosen per request, applied unfused")
 
 

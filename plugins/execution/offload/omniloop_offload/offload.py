@@ -25,7 +25,7 @@ copy of the master. LoRA adapters, compiled blocks, parallel worker pools and ro
 refused with offload at load, as is whatever the family vetoes (``offload_refusal``; Wan: sequential
 with a causal rollout) — :func:`check_offload`. Through the mechanism this package registers
 (``omniloop_offload.plugin``), the Runtime loads the family into host memory, installs the offloader
-(:func:`install`) after its adapters, and wraps every pipeline it builds with :func:`wrap_pipeline`.
+(:func:`install`), and wraps every pipeline it builds with :func:`wrap_pipeline`.
 
 A family opts in with ``capabilities.offload = OffloadSupport(components)``: ``{component name: its block list(s) or None}`` —
 a dotted path of a ModuleList, ``a|b`` for alternatives (the first present wins: library versions

@@ -1,7 +1,7 @@
 """The ``offload`` mechanism (``omniloop_register_mechanisms``, hook API 1.4): checks a deploy's
-``offload: model | sequential`` before any weight loads, has the family load into host memory and
-installs the offloader on the loaded model (after LoRA adapters). Imports no torch until a
-deployment asks."""
+``offload: model | sequential`` before any weight loads (first: it names what it does not combine
+with, LoRA adapters among them), has the family load into host memory and installs the offloader on
+the loaded model. Imports no torch until a deployment asks."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _install(runtime: Any) -> Mechanism | None:
     return install(runtime.model, runtime.family, runtime.deploy.offload, runtime.device)
 
 
-MECHANISM = MechanismSpec(name="offload", check=_check, storage_device=_storage_device, install=_install, order=10,
+MECHANISM = MechanismSpec(name="offload", check=_check, storage_device=_storage_device, install=_install, order=0,
                           description="offload: model | sequential — components moved to the GPU as nodes run")
 
 
