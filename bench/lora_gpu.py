@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from diffusers import WanTransformer3DModel
 
-    from omniloop_adapters import AdapterBank, activate
     from omniloop.request import AdapterRef
+    from omniloop_adapters import AdapterBank, activate
     from omniloop_wan.lora import WAN_ADAPTERS
     from omniloop_wan.transformer import wan_forward
 

@@ -178,8 +178,8 @@ def bench_arch(arch: str, tf_cfg: dict[str, Any], shared: tuple[Any, Any], args:
                device: torch.device, dtype: torch.dtype, record: dict[str, Any], save: Any) -> None:
     from omniloop.deploy import DeployConfig
     from omniloop.execution import BuiltPipeline
-    from omniloop_offload import install, wrap_pipeline
     from omniloop.request import TaskType
+    from omniloop_offload import install, wrap_pipeline
     from omniloop_wan.family import WanFamily
 
     smoke = args.smoke

@@ -23,14 +23,14 @@ from pathlib import Path
 #: (``omniloop`` is the package's ``__init__``; ``testing`` every module of ``omniloop.testing``)
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("types", frozenset({"errors", "artifacts", "request", "scheduling", "lazy"})),
-    ("schema", frozenset({"schema", "resolved", "streams", "jsonschema", "deploy", "limits", "cancel", "media",
-                          "checkpoints", "weights"})),
+    ("schema", frozenset({"schema", "resolved", "streams", "deploy", "limits", "cancel", "checkpoints", "weights"})),
     ("contracts", frozenset({"loop", "interceptors", "graph", "capabilities", "rl", "family", "hookspecs",
                              "builtin"})),
     ("plugin machinery", frozenset({"plugins", "observers"})),
     ("execution", frozenset({"context", "execution", "placement", "linears"})),
     ("runtime", frozenset({"runtime"})),
-    ("api", frozenset({"omniloop", "compose", "kvcache", "compile", "adapters", "offload", "testing"})),  # + moved-module shims
+    ("api", frozenset({"omniloop", "testing",  # and the shims of moved modules (ImportError naming the new home)
+                       "compose", "kvcache", "compile", "adapters", "offload", "media", "jsonschema"})),
 )
 
 

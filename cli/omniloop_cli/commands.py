@@ -124,7 +124,7 @@ def schema_cmd(ctx: click.Context, model: str | None, deploy_file: str | None, t
     Also the parameter schemas of every installed policy and plugin (``plugin_params.<name>``),
     and with --model/--deploy the node parameters of that model's pipelines (``node_params.<node>``,
     read from its config files when the family can build a pipeline without weights)."""
-    from omniloop.jsonschema import json_schema, request_schema
+    from omniloop_io.jsonschema import json_schema, request_schema
 
     manager = get_manager(ctx)
     reg = manager.registry()
@@ -141,9 +141,9 @@ def schema_cmd(ctx: click.Context, model: str | None, deploy_file: str | None, t
 
 
 def _node_param_schemas(manager: Any, model: str | None, deploy_file: str | None, task: str | None) -> dict[str, Any]:
-    from omniloop.jsonschema import json_schema
     from omniloop.request import TaskType
     from omniloop.runtime import Deployment, Runtime
+    from omniloop_io.jsonschema import json_schema
 
     from .generate import build_deploy
 

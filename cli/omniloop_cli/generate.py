@@ -222,7 +222,7 @@ def output_path(out: str | None, request: Any) -> Path:
 
     An audio suffix on a video task is accepted here (a video with sound writes its track alone);
     whether the model makes audio for it is checked against the deployment (:func:`check_audio_out`)."""
-    from omniloop.media import AUDIO_FORMATS
+    from omniloop_io.media import AUDIO_FORMATS
 
     audio_only = request.task.value in AUDIO_TASKS
     single = request.task.value in IMAGE_TASKS or request.diffusion.frames == 1
@@ -250,7 +250,7 @@ def output_path(out: str | None, request: Any) -> Path:
 def check_audio_out(deployment: Any, request: Any, path: Path) -> None:
     """Refuse, before any compute, audio flags (``--seconds``/``--start``) and an audio ``--out``
     for a request whose model makes no audio (``FamilyCapabilities.makes_audio``)."""
-    from omniloop.media import AUDIO_FORMATS
+    from omniloop_io.media import AUDIO_FORMATS
 
     if deployment.capabilities.makes_audio(request.task) or request.task not in deployment.supported_tasks:
         return  # (a task the model does not do: the request check names the task)
@@ -265,9 +265,9 @@ def check_audio_out(deployment: Any, request: Any, path: Path) -> None:
 
 def check_writable(path: Path) -> None:
     """Fail now (before any model is loaded) if ``path`` cannot be written (see
-    :func:`omniloop.media.check_writable`); a folder given without a trailing '/' is an error."""
-    from omniloop.media import MediaError
-    from omniloop.media import check_writable as check
+    :func:`omniloop_io.media.check_writable`); a folder given without a trailing '/' is an error."""
+    from omniloop_io.media import MediaError
+    from omniloop_io.media import check_writable as check
 
     try:
         check(path)
@@ -428,7 +428,7 @@ def generate(
             fail("--model: a composed deploy (pipeline: ...) names its models under models.<role>; drop --model")
         if chosen:
             fail("run-option flags (e.g. --profile) are not supported with a composed deploy yet")
-        from omniloop.media import AUDIO_FORMATS
+        from omniloop_io.media import AUDIO_FORMATS
 
         if not text_task and path.suffix.lower() in AUDIO_FORMATS and request.task.value not in AUDIO_TASKS:
             fail(f"--out: a {path.suffix.lower()} holds audio; a composed deploy's {request.task.value} pipeline "

@@ -39,7 +39,7 @@ def write_outputs(output: Any, path: Path, *, latents: bool = False) -> dict[str
     image (``.png``/``.webp``: an ``Image`` artifact, or a video of one frame) or audio (``.wav``,
     ``.flac``, ``.mp3``, ``.ogg``/``.opus``: the ``Audio`` artifact alone) to ``path``; with
     ``latents``, the final latents beside it (``<stem>.latents.pt``)."""
-    from omniloop import media
+    from omniloop_io import media
 
     files: dict[str, Path] = {}
     picture = _primary_frames(output)

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omniloop import media
 from omniloop.artifacts import Image, VideoFrames
 from omniloop.request import EventKind
+from omniloop_io import media
 
 
 class FrameStream:

@@ -20,9 +20,9 @@ The execution owns the request's lifecycle guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-import contextlib
 from collections.abc import Hashable, Sequence
 from typing import Any
 

@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 import omniloop_adapters.plugin as adapters_plugin
 import omniloop_flux.plugin as flux_plugin
 import omniloop_wan.plugin as wan_plugin
-from omniloop_adapters import hooked
 from omniloop.errors import DeployError, RequestError
 from omniloop.runtime import Deployment, Runtime
 from omniloop.testing import make_manager
+from omniloop_adapters import hooked
 
 PROMPT = "a red fox jumps over the lazy dog"
 

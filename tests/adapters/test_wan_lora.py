@@ -17,9 +17,9 @@ import torch
 
 import omniloop_adapters.plugin as adapters_plugin
 import omniloop_wan.plugin as wan_plugin
-from omniloop_adapters import hooked
 from omniloop.runtime import Runtime
 from omniloop.testing import make_manager
+from omniloop_adapters import hooked
 
 TOL = 1e-4
 

@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omniloop.errors import RequestError
-from omniloop.jsonschema import REQUEST_CONVENIENCES, json_schema, request_schema
 from omniloop.request import DiffusionParams, OmniRequest, OutputSpec, SamplingParams
 from omniloop.schema import request_from_dict
 from omniloop.testing import build_toy_checkpoint, make_manager
 from omniloop_cli import cli
 from omniloop_cli.generate import FLAG_GROUPS, group_class, request_flags
+from omniloop_io.jsonschema import REQUEST_CONVENIENCES, json_schema, request_schema
 
 
 def _fields(cls: type) -> set[str]:

@@ -23,6 +23,9 @@ import pytest
     ("omniloop.offload", "install", "omniloop_offload"),
     ("omniloop.placement", "check_offload", "omniloop_offload"),
     ("omniloop.testing.offload", "offload_run", "omniloop_offload.testing"),
+    ("omniloop.media", "write_mp4", "omniloop_io.media"),
+    ("omniloop.media", "AUDIO_FORMATS", "omniloop_io.media"),
+    ("omniloop.jsonschema", "request_schema", "omniloop_io.jsonschema"),
 ])
 def test_a_moved_name_says_where_it_went(old_module: str, name: str, new_module: str) -> None:
     with pytest.raises(ImportError, match=new_module.replace(".", r"\.")):

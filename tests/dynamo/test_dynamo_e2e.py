@@ -35,8 +35,8 @@ def _video_body(seed: int, **nvext: object) -> dict:
 
 def _direct(deploy: Path, body: dict, out: Path) -> torch.Tensor:
     """What `omniloop generate` makes of the same request: frames -> mp4 -> decoded frames."""
-    from omniloop.media import write_mp4
     from omniloop.runtime import Runtime
+    from omniloop_io.media import write_mp4
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers run with OMP_NUM_THREADS=1
@@ -189,7 +189,7 @@ def test_images_streaming_and_health_on_toy(deployment_factory, http_call, tmp_p
         "model": "toy", "prompt": "a blue square", "n": 2, "response_format": "b64_json", "nvext": {"seed": 5}})
     assert status == 200, resp
     assert resp["output_format"] == "png" and len(resp["data"]) == 2
-    from omniloop.media import read_image
+    from omniloop_io.media import read_image
 
     imgs = [read_image(base64.b64decode(d["b64_json"])) for d in resp["data"]]
     assert imgs[0].shape == imgs[1].shape and imgs[0].shape[-1] == 3

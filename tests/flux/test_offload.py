@@ -14,9 +14,8 @@ import torch
 import omniloop_flux.plugin as flux_plugin
 import omniloop_offload.plugin as offload_plugin
 from omniloop.runtime import Runtime
-from omniloop_offload.testing import offload_run
-
 from omniloop.testing import make_manager
+from omniloop_offload.testing import offload_run
 
 from .conftest import t2i
 

@@ -48,7 +48,7 @@ def star(tmp_path_factory: Any, demo_manager: Any) -> Path:
 
 
 def _pixels(path: Path) -> np.ndarray:
-    from omniloop.media import read_image
+    from omniloop_io.media import read_image
 
     return read_image(str(path)).numpy().astype(np.float32)
 

@@ -63,7 +63,7 @@ def _video(path: Path) -> tuple[int, int, int]:
 
 
 def _image(path: Path) -> Any:
-    from omniloop.media import read_image
+    from omniloop_io.media import read_image
 
     return read_image(str(path)).numpy()
 

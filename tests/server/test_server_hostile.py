@@ -646,7 +646,7 @@ def from_schema(spec: dict[str, Any], schema: dict[str, Any], depth: int = 0) ->
 
 
 #: refusals of a body the document allows that are rules no JSON Schema keyword of the document
-#: states (each documented in the README or omniloop.jsonschema): input parts over HTTP carry data,
+#: states (each documented in the README or omniloop_io.jsonschema): input parts over HTTP carry data,
 #: never a server path; a stop string is non-empty; and, for every string, the converter's NUL rule
 _RULES_BEYOND_THE_SCHEMA = re.compile(r"^(omniloop\.inputs\.\d+(\.path|\.type)?|omniloop\.sampling\.stop)$")
 _CONVERTER_WIDE = "may not contain a NUL character"

@@ -177,7 +177,7 @@ def test_read_image_applies_exif_orientation_and_a_pixel_cap() -> None:
     from PIL import Image
 
     from omniloop.errors import RequestError
-    from omniloop.media import read_image
+    from omniloop_io.media import read_image
 
     img = Image.new("RGB", (4, 2), (0, 0, 0))
     img.putpixel((0, 0), (255, 0, 0))

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from omniloop.errors import RequestError
-from omniloop.jsonschema import json_schema, request_schema
+from omniloop_io.jsonschema import json_schema, request_schema
 from omniloop_server.bodies import IMAGE_FIELDS, OMNILOOP_FIELDS, VIDEO_FIELDS
 from omniloop_server.body_schema import BODY_CLASSES, parse_body
 from omniloop_server.chat import CHAT_FIELDS, COMPLETION_FIELDS

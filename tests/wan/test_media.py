@@ -1,4 +1,4 @@
-"""omniloop.media: mp4 (PyAV h264 yuv420p), png, read_image, atomic writes."""
+"""omniloop_io.media: mp4 (PyAV h264 yuv420p), png, read_image, atomic writes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omniloop.errors import RequestError
-from omniloop.media import MediaError, read_image, write_mp4, write_png
+from omniloop_io.media import MediaError, read_image, write_mp4, write_png
 
 av = pytest.importorskip("av")
 

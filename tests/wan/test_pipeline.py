@@ -213,7 +213,7 @@ def test_cancel_between_steps(wan_runtime, t2v_request):
 
 def test_video_writes_as_mp4(wan_runtime, t2v_request, tmp_path):
     av = pytest.importorskip("av")
-    from omniloop.media import write_mp4
+    from omniloop_io.media import write_mp4
 
     out = wan_runtime("t2v").generate(t2v_request(steps=1))
     video = out.artifacts["video"]

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from click.testing import CliRunner
 
-from omniloop import media
 from omniloop.testing import make_manager
 from omniloop_cli import cli
 from omniloop_cli import stream as stream_mod
+from omniloop_io import media
 from omniloop_wan import plugin as wan_plugin
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from omniloop.errors import RequestError
-from omniloop.media import read_image
 from omniloop.request import ImagePart, OmniRequest
+from omniloop_io.media import read_image
 
 
 def image_part(request: OmniRequest, roles: Iterable[str]) -> tuple[torch.Tensor, str] | None:

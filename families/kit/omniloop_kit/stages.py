@@ -93,7 +93,7 @@ def encode_image(vae: Any, image: torch.Tensor, height: int, width: int, generat
     ``(latents - shift_factor) * scaling_factor``, in ``dtype`` on ``device``."""
     from diffusers.image_processor import VaeImageProcessor
 
-    from omniloop.media import to_pil
+    from omniloop_io.media import to_pil
 
     proc = VaeImageProcessor(vae_scale_factor=scale_factor or vae_scale_factor(vae),
                              vae_latent_channels=vae.config.latent_channels)

@@ -125,7 +125,7 @@ class ImageEncode:
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         from diffusers.video_processor import VideoProcessor
 
-        from omniloop.media import to_pil
+        from omniloop_io.media import to_pil
 
         p = params_of(state)
         assert p.image is not None

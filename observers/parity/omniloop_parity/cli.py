@@ -184,10 +184,10 @@ def record_cmd(
     import attrs
 
     from omniloop.deploy import load_deploy
-    from omniloop.media import check_writable
     from omniloop.plugins import default_manager
     from omniloop.runtime import Deployment
     from omniloop.schema import request_from_dict
+    from omniloop_io.media import check_writable
 
     from .run import _ensure_plugin, model_fields, record, runtime_with_parity, with_parity
 

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from attrs import define
 
-from omniloop import media
 from omniloop.checkpoints import read_safetensors
+from omniloop_io import media
 
 from .config import ParityError
 

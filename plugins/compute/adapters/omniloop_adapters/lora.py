@@ -55,7 +55,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 

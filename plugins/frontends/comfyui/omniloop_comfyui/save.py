@@ -9,7 +9,7 @@
   ``extra_pnginfo`` key (the editor sends ``workflow``); ``<prefix>_<counter:05>_.png``.
 * ``SaveAnimatedWEBP``: Pillow, ``lossless``, ``quality``, ``method`` (default 4, fastest 0,
   slowest 6), ``duration = int(1000 / fps)``; ``SaveWEBM``: PyAV (vp9 / av1, crf);
-  ``SaveVideo``: mp4 (H.264) through :func:`omniloop.media.write_mp4`.
+  ``SaveVideo``: mp4 (H.264) through :func:`omniloop_io.media.write_mp4`.
 
 File names: ``filename_prefix`` may name subfolders (``video/ComfyUI``); the compiler allows only
 plain names; every path is resolved and refused unless inside the output folder. Files are written
@@ -104,7 +104,7 @@ def write_save(spec: SaveSpec, frames_u8: Any, fps: float, output_dir: Path, *, 
         elif kind == "video":
             import torch
 
-            from omniloop.media import write_mp4
+            from omniloop_io.media import write_mp4
 
             write_mp4(torch.from_numpy(to_bytes(image)), float(spec.options.get("fps") or fps), tmp.with_suffix(".mp4"))
             os.replace(tmp.with_suffix(".mp4"), path)
@@ -118,7 +118,7 @@ def write_save(spec: SaveSpec, frames_u8: Any, fps: float, output_dir: Path, *, 
 def _write_webm(path: Path, frames: np.ndarray, options: dict[str, Any]) -> None:
     from fractions import Fraction
 
-    from omniloop.media import _import_av
+    from omniloop_io.media import _import_av
 
     av = _import_av()
     codec = {"vp9": "libvpx-vp9", "av1": "libsvtav1"}[options["codec"]]

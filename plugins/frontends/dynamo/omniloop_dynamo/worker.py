@@ -523,7 +523,7 @@ class OmniloopDynamoWorker:
     # -- media ------------------------------------------------------------------------------------------
     def _encode(self, mapped: MappedRequest, outputs: list[OmniOutput], rid: str, seconds: float) -> dict[str, Any]:
         from omniloop.artifacts import Audio, Image, VideoFrames
-        from omniloop.media import write_mp4, write_png
+        from omniloop_io.media import write_mp4, write_png
 
         assert self._media_dir is not None
         data: list[dict[str, Any]] = []

@@ -16,7 +16,7 @@
 ``DELETE /v1/audio/generations/{id}``          delete it (cancelling it first if it still runs)
 =============================================  =====================================================
 
-Formats (:data:`omniloop.media.AUDIO_ENCODINGS`): ``wav`` and ``flac`` (16-bit PCM), ``mp3``,
+Formats (:data:`omniloop_io.media.AUDIO_ENCODINGS`): ``wav`` and ``flac`` (16-bit PCM), ``mp3``,
 ``opus`` (Ogg Opus; decoders report 48 kHz), ``aac`` (ADTS), ``pcm`` (raw 16-bit little-endian,
 channels interleaved, at the model's rate). Every answer carrying audio names its rate and channels
 in the ``X-Sample-Rate`` and ``X-Channels`` headers (what ``pcm`` needs to be played).
@@ -88,7 +88,7 @@ def map_audio_body(body: Any, cls: type, *, tasks: frozenset[TaskType], model: s
 def _encode(out: Any, fmt: str) -> tuple[bytes, int, int]:
     """The output's ``audio`` artifact encoded as ``fmt``: (bytes, sample rate, channels)."""
     from omniloop.artifacts import Audio
-    from omniloop.media import encode_audio
+    from omniloop_io.media import encode_audio
 
     art = out.artifacts.get("audio")
     if not isinstance(art, Audio):
@@ -217,7 +217,7 @@ def audio_routes(api: Any) -> list[Any]:
             data, rate, channels = await asyncio.to_thread(_encode, out, fmt)
         except Exception as exc:
             return error(500, f"encoding the audio failed: {exc}", type_="server_error")
-        from omniloop.media import AUDIO_ENCODINGS
+        from omniloop_io.media import AUDIO_ENCODINGS
 
         return Response(data, media_type=AUDIO_ENCODINGS[fmt].media_type, headers=_audio_headers(rate, channels))
 
@@ -298,7 +298,7 @@ def audio_routes(api: Any) -> list[Any]:
                    else f"audio job {job.id} {job.status}; it has no content ({(job.error or {}).get('message', 'no detail')})")
             return error(409, why, type_="invalid_request_error", code=f"audio_{job.status}",
                          headers={"x-should-retry": "false"})
-        from omniloop.media import AUDIO_ENCODINGS
+        from omniloop_io.media import AUDIO_ENCODINGS
 
         fmt = job.info["response_format"]
         assert job.sample_rate is not None and job.channels is not None

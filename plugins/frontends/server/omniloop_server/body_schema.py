@@ -1,7 +1,7 @@
 """The OpenAI-shaped request bodies as attrs classes: the one definition a body is validated with
 (the core's converter, :func:`omniloop.schema.structure`, so errors name the body's dotted field:
 ``steps``, ``omniloop.diffusion.shift``) and ``/openapi.json`` is generated from
-(:func:`omniloop.jsonschema.json_schema`, see :mod:`.openapi`).
+(:func:`omniloop_io.jsonschema.json_schema`, see :mod:`.openapi`).
 
 A body field is one of
 
@@ -330,7 +330,7 @@ class CompletionCreate(TextBody):
 
 # -- audio bodies (their endpoints: omniloop_server.audio) -----------------------------------------
 
-#: what the audio endpoints return (``omniloop.media.AUDIO_ENCODINGS``)
+#: what the audio endpoints return (``omniloop_io.media.AUDIO_ENCODINGS``)
 AUDIO_RESPONSE_FORMATS = ("wav", "flac", "mp3", "opus", "aac", "pcm")
 
 

@@ -133,7 +133,7 @@ def map_edit_body(body: Any, *, tasks: frozenset[TaskType], model: str = "this m
 
 
 def _png(out: Any) -> bytes:
-    from omniloop.media import to_pil
+    from omniloop_io.media import to_pil
 
     art = out.artifacts.get("image")
     pixels = art.pixels if art is not None else out.artifacts["video"].frames[0]

@@ -1,7 +1,7 @@
 """Video jobs: status, progress, SSE events, the output file written atomically, a durable record.
 
 A job follows its engine handle in an asyncio task. When the request completes, the mp4 is
-written with :func:`omniloop.media.write_mp4` (temporary file + ``os.replace``) in a thread, and
+written with :func:`omniloop_io.media.write_mp4` (temporary file + ``os.replace``) in a thread, and
 only then does the job become ``completed``: its content is never served half-written.
 
 Output files are named by a server-made random id (``<32 hex>.mp4``), never by anything a client
@@ -174,7 +174,7 @@ SPRITESHEET_FRAMES = 16
 def write_outputs(frames: Any, fps: float, path: Path, audio: Any = None) -> None:
     """The mp4 (atomically; with ``audio``, an ``omniloop.artifacts.Audio``, as its AAC track), then
     its thumbnail (first frame) and spritesheet (frames side by side)."""
-    from omniloop.media import to_pil, write_mp4
+    from omniloop_io.media import to_pil, write_mp4
 
     write_mp4(frames, fps, path, audio=None if audio is None else (audio.samples, int(audio.sample_rate)))
     to_pil(frames[0]).save(path.with_suffix(VARIANT_SUFFIXES[0]), format="PNG")

@@ -1,10 +1,10 @@
 """The server's OpenAPI 3.1 document (``GET /openapi.json``) and a docs page (``GET /docs``).
 
-Generated, not written: every request body's schema is :func:`omniloop.jsonschema.json_schema` of
+Generated, not written: every request body's schema is :func:`omniloop_io.jsonschema.json_schema` of
 its attrs class in :mod:`.body_schema` — the classes the server validates bodies with (through the
 core's converter), whose ``omniloop`` object is generated from ``OmniRequest`` and whose aliases
 (``steps`` → ``diffusion.steps``) carry their target's ranges. ``OmniRequest`` and its parts are
-:func:`omniloop.jsonschema.request_schema`. A field validated and not documented, or documented and
+:func:`omniloop_io.jsonschema.request_schema`. A field validated and not documented, or documented and
 not validated, cannot happen: both come from the same class (``tests/server/test_server_openapi.py``).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from omniloop.jsonschema import json_schema, request_schema
+from omniloop_io.jsonschema import json_schema, request_schema
 
 from .audio import audio_paths, audio_schemas
 from .body_schema import BODY_CLASSES

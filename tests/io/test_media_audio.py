@@ -1,4 +1,4 @@
-"""omniloop.media's audio writers (wav, flac, mp3, Ogg Opus, AAC, raw pcm) and the mp4 with a sound
+"""omniloop_io.media's audio writers (wav, flac, mp3, Ogg Opus, AAC, raw pcm) and the mp4 with a sound
 track: every file decoded back with PyAV (rate, channels, length, and the pitch where the codec is lossy)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omniloop import media
+from omniloop_io import media
 
 av = pytest.importorskip("av")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omniloop import media
+from omniloop_io import media
 
 pytest.importorskip("av")
 
@@ -58,7 +58,7 @@ def test_stale_temp_files_of_our_naming_are_removed_on_the_next_write(tmp_path: 
 def test_a_killed_write_leaves_a_temp_file_that_a_later_write_cleans(tmp_path: Path) -> None:
     """SIGKILL a real process in the middle of an mp4 write, then write again."""
     script = (
-        "import sys, torch; from omniloop import media\n"
+        "import sys, torch; from omniloop_io import media\n"
         "import av\n"
         "orig, calls = av.VideoFrame.from_ndarray, []\n"
         "def slow(*a, **k):\n"  # past x264's look-ahead, packets (and the file) exist: stop there

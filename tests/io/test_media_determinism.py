@@ -9,7 +9,7 @@ av = pytest.importorskip("av")
 
 
 def test_mp4_bytes_are_reproducible(tmp_path):
-    from omniloop.media import write_mp4
+    from omniloop_io.media import write_mp4
 
     g = torch.Generator().manual_seed(0)
     frames = torch.randint(0, 255, (9, 48, 48, 3), dtype=torch.uint8, generator=g)
