@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             upd[name].append(time.perf_counter() - t0)
     # The checksum each call returns: mix128 (the default, on the device) against sha256 (every byte
     # on the host), and the same mix128 from a host copy of the weights (device-independent).
-    from omniloop import weights as W
+    from omniloop_rl import weights as W
 
     checksums: dict[str, list[float]] = {"mix128": [], "sha256": []}
     values: dict[str, str] = {}

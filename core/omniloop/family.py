@@ -199,7 +199,8 @@ class RuntimeLoaderSpec:
 @define(frozen=True)
 class MechanismSpec:
     """A load-time mechanism a deploy field turns on, which only some deployments use: LoRA
-    ``adapters`` (omniloop-adapters), ``offload`` (omniloop-offload). Registered through
+    ``adapters`` (omniloop-adapters), ``offload`` (omniloop-offload); or a runtime method's
+    implementation (``weights``: omniloop-rl's ``update_weights`` / ``weights_checksum``). Registered through
     ``omniloop_register_mechanisms`` (hook API 1.4); the core keeps the field and refuses a deploy
     that sets it while no mechanism serves it, naming the package (``omniloop.runtime.MECHANISMS``).
 
@@ -209,7 +210,8 @@ class MechanismSpec:
     family loads its weights. ``install(runtime)``: after the family loaded, in ``order``; the
     installed :class:`Mechanism`, or None when the deploy does not use it. ``update(runtime, name,
     source)``: ``Runtime.update_weights(source, adapter=name)``: reads and checks ``source``, returns
-    the function that applies it between requests.
+    the function that applies it between requests (``name`` "" for the ``weights`` mechanism: the
+    denoiser's own). ``fingerprint(runtime, extra, algorithm)``: ``Runtime.weights_checksum``.
     """
 
     name: str
@@ -218,6 +220,7 @@ class MechanismSpec:
     storage_device: Callable[[Any, Any], Any] | None = None
     install: Callable[[Any], Mechanism | None] | None = None
     update: Callable[[Any, str, Any], Callable[[], None]] | None = None
+    fingerprint: Callable[[Any, list[tuple[str, Any]], str], str] | None = None
     order: int = 0
     description: str = ""
 

@@ -22,8 +22,9 @@ The formulas follow Flow-GRPO's reference code (``flow_grpo/diffusers_patch/sd3_
 * ``ode`` (and the steps of an ``sde``/``cps`` rollout outside ``sde_steps``): ``x' = x + v·dt``, no
   log-probability (0 in ``log_probs`` with ``sde_mask`` False).
 
-:func:`step_log_prob` recomputes one recorded transition's log-prob from a velocity a trainer
-computed with its own forward (with gradients); :func:`replay_log_probs` re-runs a request
+:func:`omniloop_rl.trainer.step_log_prob` (omniloop-rl, what a trainer imports) recomputes one
+recorded transition's log-prob from a velocity a trainer computed with its own forward (with
+gradients); :func:`omniloop_rl.trainer.replay_log_probs` re-runs a request
 through the runtime with its recorded trajectory teacher-forced (a fresh forward per step on the
 recorded state) and returns the recomputed log-probs — consistency level C1 says they equal the
 rollout's.
@@ -32,10 +33,9 @@ rollout's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 import torch
 from attrs import define
 
@@ -56,7 +56,7 @@ class RolloutSupport:
 
     ``nodes``: the loop nodes that run them. ``unpack(latents, loop)``: the loop's latents (as the
     loop holds them, batch dim first) in the family's unpacked layout (None: already unpacked);
-    ``pack(latents, loop)`` its inverse (for :func:`replay_log_probs`)."""
+    ``pack(latents, loop)`` its inverse (for ``omniloop_rl.trainer.replay_log_probs``)."""
 
     nodes: tuple[str, ...] = ("denoise",)
     unpack: Callable[[torch.Tensor, LoopState], torch.Tensor] | None = None
@@ -138,82 +138,6 @@ def gaussian_log_prob(next_latents: torch.Tensor, mean: torch.Tensor, scale: tor
     else:
         raise ValueError(f"no log-prob for rollout kind {kind!r}")
     return lp.mean(dim=tuple(range(1, lp.ndim))) if lp.ndim > 1 else lp
-
-
-def step_log_prob(
-    velocity: torch.Tensor, latents: torch.Tensor, next_latents: torch.Tensor,
-    sigma: float | torch.Tensor, sigma_next: float | torch.Tensor, *, kind: str = "sde", noise_level: float = 0.7,
-    sigma_max: float | torch.Tensor,
-) -> torch.Tensor:
-    """The log-prob ``[B]`` of a recorded transition ``latents -> next_latents`` given a freshly
-    computed (guided) ``velocity`` — what a trainer calls on its own forward (gradients flow
-    through ``velocity``). ``sigma``/``sigma_next`` are ``trajectory.sigmas[i]``/``[i + 1]``,
-    ``sigma_max`` is ``trajectory.sigmas[1]``; all tensors in the layout the velocity was
-    computed in (unpack or pack both alike)."""
-    mean, scale = step_stats(velocity, latents, sigma, sigma_next, kind=kind, noise_level=noise_level, sigma_max=sigma_max)
-    return gaussian_log_prob(next_latents, mean, scale, kind=kind)
-
-
-# ---------------------------------------------------------------------------------------------
-# DiffusionNFT (a trainer-side objective on clean samples; no log-probs)
-# ---------------------------------------------------------------------------------------------
-
-
-def nft_optimality(advantages: torch.Tensor, clip: float) -> torch.Tensor:
-    """DiffusionNFT's optimality probability ``r = clamp(A, -clip, clip) / (2·clip) + 1/2`` in
-    ``[0, 1]`` from group-normalised advantages ``A``."""
-    if not (math.isfinite(clip) and clip > 0):
-        raise ValueError(f"clip must be a finite number > 0, got {clip}")
-    return (advantages.float().clamp(-clip, clip) / (2 * clip) + 0.5).clamp(0.0, 1.0)
-
-
-def nft_noisy(clean: torch.Tensor, noise: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
-    """The forward (noising) process of rectified flow: ``x_σ = (1 - σ)·x0 + σ·ε``; ``sigma`` a
-    scalar or one per sample."""
-    s = torch.as_tensor(sigma, dtype=torch.float32, device=clean.device)
-    s = s.reshape(-1, *([1] * (clean.ndim - 1))) if s.ndim else s
-    return (1 - s) * clean.float() + s * noise.float()
-
-
-def nft_loss(
-    velocity: torch.Tensor, old_velocity: torch.Tensor, noisy: torch.Tensor, clean: torch.Tensor,
-    sigma: float | torch.Tensor, optimality: torch.Tensor, *, beta: float = 1.0, adaptive: bool = True,
-) -> torch.Tensor:
-    """DiffusionNFT's per-sample loss ``[B]`` (Zheng et al. 2025, arXiv:2509.16117, eq. of its
-    policy-improvement objective; written from the paper): with ``v`` the trained policy's velocity
-    at ``x_σ`` (:func:`nft_noisy` of a rollout's clean sample ``x0``), ``v_old`` the rollout
-    policy's (no gradient) and ``r`` the optimality (:func:`nft_optimality`)::
-
-        v+ = (1 - β)·v_old + β·v          v- = (1 + β)·v_old - β·v
-        x0± = x_σ - σ·v±
-        loss = (r·|x0+ - x0|² / w+  +  (1 - r)·|x0- - x0|² / w-) / β      (means over non-batch dims)
-
-    ``w±`` the detached mean ``|x0± - x0|`` per sample when ``adaptive`` (the paper's adaptive
-    weighting), else 1. Minimising it moves ``v`` towards the target velocity ``ε - x0`` on
-    samples with ``r = 1`` and away from it on samples with ``r = 0``, each relative to ``v_old``.
-    Float32; differentiable in ``velocity``."""
-    if not (math.isfinite(beta) and beta > 0):
-        raise ValueError(f"beta must be a finite number > 0, got {beta}")
-    v, v_old = velocity.float(), old_velocity.detach().float()
-    x, x0 = noisy.detach().float(), clean.detach().float()
-    s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
-    s = s.reshape(-1, *([1] * (x.ndim - 1))) if s.ndim else s
-    r = optimality.detach().float().reshape(-1)
-    dims = tuple(range(1, x.ndim))
-
-    def per_sample(t: torch.Tensor) -> torch.Tensor:
-        return t.mean(dim=dims) if dims else t  # (mean over dim=() would reduce everything)
-
-    def term(v_implicit: torch.Tensor) -> torch.Tensor:
-        err = x - s * v_implicit - x0
-        sq = per_sample(err**2)
-        if adaptive:
-            sq = sq / per_sample(err.detach().abs()).clamp(min=1e-5)
-        return sq
-
-    positive = term((1 - beta) * v_old + beta * v)
-    negative = term((1 + beta) * v_old - beta * v)
-    return (r * positive + (1 - r) * negative) / beta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,27 +258,18 @@ def check_rollout(params: Any, steps: int) -> None:
             raise RequestError("rollout.sde_steps", "an ode rollout takes no stochastic steps; drop sde_steps or use kind sde/cps")
 
 
-def replay_log_probs(runtime: Any, request: Any, trajectory: Trajectory) -> torch.Tensor:
-    """Re-run ``request`` (the rollout's request, same seed) on ``runtime`` with ``trajectory``'s
-    latents teacher-forced: every step is a fresh forward on the recorded state, and the
-    log-prob of the recorded transition is recomputed. Returns ``[S]`` float32 (C1: equals
-    ``trajectory.log_probs`` when the weights are the same)."""
-    if trajectory.latents.numel() == 0:
-        raise RequestError("rollout.capture", "replay needs the trajectory's latents (capture 'latents')")
-    out = runtime.generate_replay(request, trajectory)
-    traj = out.artifacts.get("trajectory")
-    if not out.ok or traj is None:
-        msg = out.error.message if out.error is not None else "no trajectory"
-        raise RuntimeError(f"replay failed: {msg}")
-    return traj.log_probs  # type: ignore[no-any-return]
+#: moved to omniloop-rl (``omniloop_rl.trainer``: what a trainer computes) in omniloop 0.2 (issue 34)
+_MOVED = frozenset({"step_log_prob", "nft_optimality", "nft_noisy", "nft_loss", "replay_log_probs", "as_params_dict"})
 
 
-def as_params_dict(params: Any) -> Mapping[str, Any]:
-    return attrs.asdict(params)
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        raise ImportError(f"omniloop.rl.{name} moved to the omniloop-rl package: "
+                          f"from omniloop_rl.trainer import {name} (pip install omniloop-rl)")
+    raise AttributeError(f"module 'omniloop.rl' has no attribute {name!r}")
 
 
 __all__ = [
     "CAPTURES", "KINDS", "ROLLOUT_KEY", "RolloutRecorder", "RolloutSupport", "Trajectory", "check_rollout",
-    "family_rollout_support", "gaussian_log_prob", "nft_loss", "nft_noisy", "nft_optimality", "noise_seed",
-    "replay_log_probs", "step_log_prob", "step_stats",
+    "family_rollout_support", "gaussian_log_prob", "noise_seed", "step_stats",
 ]

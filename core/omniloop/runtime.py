@@ -106,7 +106,7 @@ def loader_for(registry: Registry, deploy: DeployConfig) -> RuntimeLoaderSpec | 
 
 #: deploy fields served by a load-time mechanism a plugin registers (``omniloop_register_mechanisms``)
 #: -> the package that serves it; the core imports none of them
-MECHANISMS = {"adapters": "omniloop-adapters", "offload": "omniloop-offload"}
+MECHANISMS = {"adapters": "omniloop-adapters", "offload": "omniloop-offload", "weights": "omniloop-rl"}
 
 
 def mechanism_fields(deploy: DeployConfig) -> list[str]:
@@ -826,7 +826,7 @@ class Runtime(Deployment):
         device), or None with ``checksum=False`` (nothing hashed; ask :meth:`weights_checksum` later).
 
         ``source``: a ``{name: tensor}`` mapping, a safetensors file or a folder of them
-        (:mod:`omniloop.weights` says which names). Atomic: read and checked completely first — a
+        (:mod:`omniloop_rl.weights` says which names). Atomic: read and checked completely first — a
         bad name, shape, dtype, non-finite value or unreadable file raises one
         :class:`~omniloop.weights.WeightUpdateError` naming the field and changes nothing. Applied at
         a step boundary: **the call waits** until every request in flight (started, not finished)
@@ -841,27 +841,13 @@ class Runtime(Deployment):
         if self.linears is not None:
             raise _weights.WeightUpdateError("source", "the denoiser's linears are converted (linear_precision); "
                                              "load the new weights in a fresh runtime")
-        if adapter is not None:
-            return self._update_adapter(source, version=version, name=adapter, timeout=timeout, checksum=checksum)
-        plan = _weights.plan_update(self.model.components, _weights.read_source(source))
+        kind = "adapters" if adapter is not None else "weights"
+        mechanism = self._mechanism(kind, "adapter" if adapter is not None else "source")
+        assert mechanism.update is not None
+        update = mechanism.update(self, adapter or "", source)  # read and checked now; applied between requests
 
         def apply() -> str | None:
-            _weights.apply_update(plan)
-            self.weight_version = version
-            return self.weights_checksum() if checksum else None
-
-        result: str | None = self._when_idle(apply, timeout)
-        return result
-
-    def _update_adapter(self, source: Any, *, version: str, name: str, timeout: float,
-                        checksum: bool = True) -> str | None:
-        mechanism = self.registry.mechanisms.get("adapters")
-        if mechanism is None or mechanism.update is None:
-            raise _weights.WeightUpdateError("adapter", f"LoRA adapters need a plugin: pip install {MECHANISMS['adapters']}")
-        register = mechanism.update(self, name, source)  # read and checked now; applied between requests
-
-        def apply() -> str | None:
-            register()
+            update()
             self.weight_version = version
             return self.weights_checksum() if checksum else None
 
@@ -872,13 +858,22 @@ class Runtime(Deployment):
         """Fingerprint of the denoiser's weights and the adapters registered by :meth:`update_weights`,
         ``"<algorithm>:<hex>"``: ``"mix128"`` (default) hashes each tensor on its own device and
         only combines 16-byte digests on the host; ``"sha256"`` hashes every byte on the host
-        (cryptographic, seconds for a 1B-parameter denoiser). See :func:`omniloop.weights.checksum`."""
+        (cryptographic, seconds for a 1B-parameter denoiser). See :func:`omniloop_rl.weights.checksum`."""
         if algorithm not in _weights.CHECKSUM_ALGORITHMS:
             raise _weights.WeightUpdateError("algorithm", f"must be one of {', '.join(_weights.CHECKSUM_ALGORITHMS)}")
         if self._sleeper.asleep:
             raise _weights.RuntimeAsleep("the runtime is asleep: wake() it to read its weights")
-        extra = [item for m in self.mechanisms.values() for item in m.checksum_items()]
-        return _weights.checksum(self.model.components, extra, algorithm=algorithm)
+        mechanism = self._mechanism("weights", "algorithm")
+        assert mechanism.fingerprint is not None
+        return mechanism.fingerprint(self, [item for m in self.mechanisms.values() for item in m.checksum_items()], algorithm)
+
+    def _mechanism(self, name: str, field: str) -> MechanismSpec:
+        """The registered mechanism ``name`` (``update_weights``' readers, the checksum), or one
+        :class:`~omniloop.weights.WeightUpdateError` naming the package that provides it."""
+        mechanism = self.registry.mechanisms.get(name)
+        if mechanism is None:
+            raise _weights.WeightUpdateError(field, f"needs the {name} mechanism: pip install {MECHANISMS[name]}")
+        return mechanism
 
     def sleep(self, timeout: float = 600.0) -> int:
         """Release the device memory of the weights (moved to host memory) and caches, after the

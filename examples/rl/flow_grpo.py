@@ -16,12 +16,12 @@ Each iteration:
 3. **Advantages** per prompt group: ``(r - mean) / (std + 1e-4)``, clipped to ±``adv_clip``.
 4. **Policy update in torch** on the trainer's own copy of the transformer with LoRA layers.
    ``--method grpo`` (Flow-GRPO's clipped objective): the velocity at every recorded stochastic
-   transition, with gradients, and its log-prob with :func:`omniloop.rl.step_log_prob`; ``ratio =
+   transition, with gradients, and its log-prob with :func:`omniloop_rl.trainer.step_log_prob`; ``ratio =
    exp(logp - logp_rollout)``, loss ``mean(max(-A·ratio, -A·clip(ratio, 1 ± clip)))``; before the
    first gradient step the recomputed log-probs equal the rollout's (consistency C1; the largest
    difference is logged). ``--method nft`` (DiffusionNFT): the rollouts' clean latents noised
-   afresh at ``--nft-times`` schedule sigmas, :func:`omniloop.rl.nft_loss` against the rollout
-   policy's velocity there, optimality :func:`omniloop.rl.nft_optimality` of the advantages. AdamW.
+   afresh at ``--nft-times`` schedule sigmas, :func:`omniloop_rl.trainer.nft_loss` against the rollout
+   policy's velocity there, optimality :func:`omniloop_rl.trainer.nft_optimality` of the advantages. AdamW.
 5. **Weights pushed** to the runtime: the LoRA saved as a diffusers/PEFT file and registered with
    ``Runtime.update_weights(file, version=..., adapter="policy")``.
 
@@ -195,9 +195,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import copy
 
     from omniloop import Runtime
-    from omniloop.rl import nft_loss, nft_noisy, nft_optimality, step_log_prob
     from omniloop_flux.denoise import image_ids, pack_latents
     from omniloop_flux.stages import encode_prompt
+    from omniloop_rl.trainer import nft_loss, nft_noisy, nft_optimality, step_log_prob
 
     dev = torch.device(args.device)
     if dev.type == "cuda":  # the trainer recomputes the runtime's float32 forward: no TF32 on either side

@@ -26,6 +26,11 @@ import pytest
     ("omniloop.media", "write_mp4", "omniloop_io.media"),
     ("omniloop.media", "AUDIO_FORMATS", "omniloop_io.media"),
     ("omniloop.jsonschema", "request_schema", "omniloop_io.jsonschema"),
+    ("omniloop.weights", "checksum", "omniloop_rl.weights"),
+    ("omniloop.weights", "plan_update", "omniloop_rl.weights"),
+    ("omniloop.rl", "nft_loss", "omniloop_rl.trainer"),
+    ("omniloop.rl", "step_log_prob", "omniloop_rl.trainer"),
+    ("omniloop.rl", "replay_log_probs", "omniloop_rl.trainer"),
 ])
 def test_a_moved_name_says_where_it_went(old_module: str, name: str, new_module: str) -> None:
     with pytest.raises(ImportError, match=new_module.replace(".", r"\.")):
@@ -55,3 +60,26 @@ def test_the_adapter_declaration_still_imports_from_its_old_home() -> None:
     from omniloop.capabilities import AdapterSupport as declared
 
     assert AdapterSupport is declared and issubclass(AdapterFormatError, ValueError) and callable(unknown_keys_error)
+
+
+def test_a_mechanism_whose_plugin_is_missing_is_refused_naming_the_package(tmp_path) -> None:
+    """The core keeps the deploy fields and runtime methods; without the plugin that serves one, one
+    line names the package (the offload case: tests/core/test_offload.py)."""
+    from omniloop.errors import DeployError, RequestError
+    from omniloop.runtime import Deployment, Runtime
+    from omniloop.testing import build_toy_checkpoint, make_manager, toy_request
+    from omniloop.weights import WeightUpdateError
+
+    ckpt = build_toy_checkpoint(tmp_path / "toy")
+    with pytest.raises(DeployError, match=r"^adapters: no installed plugin serves this field: pip install omniloop-adapters$"):
+        Deployment({"model": {"path": str(ckpt)}, "adapters": {"a": str(tmp_path / "a.safetensors")}}, manager=make_manager())
+    dep = Deployment({"model": {"path": str(ckpt)}}, manager=make_manager())
+    with pytest.raises(RequestError, match=r"^adapters\.0\.name: unknown adapter 'a' .*omniloop-adapters"):
+        dep.check(toy_request(steps=2, adapters=[{"name": "a"}]))
+    rt = Runtime({"model": {"path": str(ckpt)}}, manager=make_manager())
+    with pytest.raises(WeightUpdateError, match=r"^source: needs the weights mechanism: pip install omniloop-rl$"):
+        rt.update_weights({}, version="v2")
+    with pytest.raises(WeightUpdateError, match=r"^algorithm: .*pip install omniloop-rl$"):
+        rt.weights_checksum()
+    with pytest.raises(WeightUpdateError, match=r"^adapter: .*pip install omniloop-adapters$"):
+        rt.update_weights(str(tmp_path), version="v2", adapter="a")

@@ -20,9 +20,10 @@ def manager(family: str, step: bool = False, *extra: tuple[str, Any]) -> Any:
     import importlib
 
     import omniloop_adapters.plugin as adapters_plugin  # update_weights(..., adapter=NAME)
+    import omniloop_rl.plugin as rl_plugin  # update_weights, weights_checksum
 
     plugin = importlib.import_module(f"omniloop_{family}.plugin")
-    plugins: list[tuple[str, Any]] = [(family, plugin), ("adapters", adapters_plugin), *extra]
+    plugins: list[tuple[str, Any]] = [(family, plugin), ("adapters", adapters_plugin), ("rl", rl_plugin), *extra]
     if step:
         import omniloop_scheduler.plugin as sched_plugin
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omniloop import weights as W
+from omniloop_rl import weights as W
 
 MASK = (1 << 64) - 1
 

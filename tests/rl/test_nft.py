@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omniloop.rl import nft_loss, nft_noisy, nft_optimality, step_stats
+from omniloop.rl import step_stats
+from omniloop_rl.trainer import nft_loss, nft_noisy, nft_optimality
 
 
 def test_optimality():

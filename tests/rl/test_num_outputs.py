@@ -41,7 +41,7 @@ def test_group_is_batched_by_the_step_scheduler(rl_runtime, make_request):
     batched = [d for d in rt.scheduler.trace if d.action == "batched_step"]
     assert batched and max(len(d.request_ids) for d in batched) == 4
     # batched rollouts still replay to their own log-probs (the replay runs each alone)
-    from omniloop.rl import replay_log_probs
+    from omniloop_rl.trainer import replay_log_probs
 
     for i, s in enumerate(out.samples):
         req = make_request("flux", seed=2 + i, steps=3, rollout={"kind": "sde"})

@@ -9,8 +9,9 @@ import torch
 
 from omniloop.errors import RequestError
 from omniloop.request import Status
-from omniloop.rl import RolloutRecorder, replay_log_probs, step_log_prob, step_stats
+from omniloop.rl import RolloutRecorder, step_stats
 from omniloop.schema import request_from_dict
+from omniloop_rl.trainer import replay_log_probs, step_log_prob
 
 FAMILIES = ["wan", "flux", "sd3"]
 
@@ -188,7 +189,7 @@ def test_group_rollouts_with_same_initial_noise(rl_runtime, make_request):
 def test_sd3_step_log_prob_from_an_independent_forward(rl_ckpt, rl_runtime, make_request):
     """C1 against a forward the runtime does not own: diffusers' SD3 transformer (the reference
     pipeline's text embeddings, CFG combined as diffusers does) at every recorded state, then
-    omniloop.rl.step_log_prob on the recorded transition, equals the rollout's log-probs."""
+    omniloop_rl.trainer.step_log_prob on the recorded transition, equals the rollout's log-probs."""
     import diffusers
 
     rt = rl_runtime("sd3")
