@@ -45,11 +45,13 @@ ROOT = Path(__file__).resolve().parents[1]  # --root overrides it (the tests run
 
 #: group -> (one line on what the group is, its plugins)
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "frontends": ("front ends: how requests reach a runtime (HTTP, Dynamo, ComfyUI)", ("server", "dynamo", "comfyui")),
+    "frontends": ("front ends: how requests reach a runtime (HTTP, Dynamo, ComfyUI) and the files and JSON "
+                  "Schema they exchange", ("server", "dynamo", "comfyui", "io")),
     "execution": ("execution: how a runtime runs requests (schedulers, worker pools, transports, composed "
-                  "pipelines)", ("scheduler", "parallel", "compose")),
+                  "pipelines, offload)", ("scheduler", "parallel", "compose", "offload")),
     "compute": ("compute libraries: what families import for their math (samplers and CFG, attention kernels, "
-                "FP8 linears, the paged KV cache)", ("policies", "attention", "quant", "kvcache")),
+                "FP8 linears, the paged KV cache, LoRA adapters, post-training)",
+                ("policies", "attention", "quant", "kvcache", "adapters", "rl")),
 }
 
 #: text files rewritten (by suffix, or by name)
