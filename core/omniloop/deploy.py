@@ -130,9 +130,9 @@ class DeployConfig:
     #: a name a plugin registered (``omniloop_register_linear_precisions``; e.g. omniloop-quant's
     #: ``fp8``: e4m3 GEMMs, distribution-altering) — checked at load by omniloop.linears
     linear_precision: str = "dtype"
-    #: component offload for a GPU smaller than the model (omniloop.offload): ``model`` moves each node's
+    #: component offload for a GPU smaller than the model (omniloop-offload): ``model`` moves each node's
     #: components to the device as it runs, ``sequential`` also streams their blocks one by one; the
-    #: family must declare ``capabilities.offload`` (checked at load: omniloop.placement.check_offload)
+    #: family must declare ``capabilities.offload`` (checked at load: omniloop_offload.check_offload)
     offload: Literal["none", "model", "sequential"] = "none"
     #: enabled plugins (interceptors, observers) by name, with their deploy-level config
     plugins: dict[str, dict[str, Any]] = attrs.Factory(dict)
@@ -147,7 +147,7 @@ class DeployConfig:
     #: omniloop-server's ``ServerOptions`` when the deployment is served
     server: dict[str, Any] = attrs.Factory(dict)
     #: LoRA adapters requests may name: {NAME: PATH} (a .safetensors file or a folder), read at load
-    #: (omniloop.adapters); requests refer to them by NAME only
+    #: (omniloop-adapters); requests refer to them by NAME only
     adapters: dict[str, str] = attrs.Factory(dict)
     #: fuse one declared adapter into the weights at load: {NAME: SCALE} (single-adapter deployments)
     adapter_fuse: dict[str, float] = attrs.Factory(dict)

@@ -726,7 +726,7 @@ class Runtime(Deployment):
     def generate_replay(self, request: OmniRequest | Mapping[str, Any], trajectory: _rl.Trajectory) -> OmniOutput:
         """Run a rollout request again with ``trajectory``'s latents teacher-forced (each step a fresh
         forward on the recorded state); its output's trajectory holds the recomputed log-probs
-        (:func:`omniloop.rl.replay_log_probs`)."""
+        (:func:`omniloop_rl.trainer.replay_log_probs`)."""
         req = as_request(request)
         if req.rollout is None:
             raise RequestError("rollout", "a replay needs the rollout request that recorded the trajectory")

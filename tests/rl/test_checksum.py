@@ -1,4 +1,4 @@
-"""omniloop.weights.checksum: the on-device ``mix128`` fingerprint against a pure-Python reference,
+"""omniloop_rl.weights.checksum: the on-device ``mix128`` fingerprint against a pure-Python reference,
 its sensitivity, and the ``sha256`` option (Runtime and the admin route's algorithm choice)."""
 
 from __future__ import annotations

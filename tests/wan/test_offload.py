@@ -1,8 +1,8 @@
-"""Deploy ``offload: model | sequential`` on the tiny Wan checkpoint (omniloop.offload).
+"""Deploy ``offload: model | sequential`` on the tiny Wan checkpoint (omniloop-offload).
 
 On CPU the storage and the execution device are both ``cpu``: the offload machinery (node-driven
 moves, block hooks, the prefetch schedule) runs and outputs must be ``torch.equal`` to the
-unoffloaded runtime's. The strict tests swap in ``omniloop.offload.PoisonMover`` (an evicted
+unoffloaded runtime's. The strict tests swap in ``omniloop_offload.PoisonMover`` (an evicted
 weight is NaN, so any weight a node or block computes with while it is not loaded shows in the
 output) and record where every component is when each node and block runs. The CUDA test runs the real
 pinned-memory / side-stream path and skips without a GPU.

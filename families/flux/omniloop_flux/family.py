@@ -43,9 +43,9 @@ class FluxFamily(DiffusersFamily):
         #: trajectories hold them unpacked ``[C, H/8, W/8]``
         rollout_support=RolloutSupport(
             unpack=lambda x, loop: unpack_latents(x, *loop.extra["latent_hw"]), pack=lambda x, loop: pack_latents(x)),
-        #: LoRA adapters (omniloop.adapters): the transformer's linears; ComfyUI/kohya keys converted
+        #: LoRA adapters (omniloop-adapters): the transformer's linears; ComfyUI/kohya keys converted
         adapters=FLUX_ADAPTERS,
-        #: deploy offload: model | sequential (omniloop.offload) — under sequential the transformer
+        #: deploy offload: model | sequential (omniloop-offload) — under sequential the transformer
         #: streams its double- then single-stream blocks as one stack, the text encoders their layers
         offload={"transformer": ("transformer_blocks", "single_transformer_blocks"),
                  "text_encoder": CLIP_TEXT_LAYERS, "text_encoder_2": T5_BLOCKS, "vae": None},

@@ -39,9 +39,9 @@ class SD3Family(DiffusersFamily):
     tasks = TASKS
     layout = ck.LAYOUT
     capabilities = kit_capabilities(
-        #: LoRA adapters (omniloop.adapters): the transformer's linears, diffusers' files
+        #: LoRA adapters (omniloop-adapters): the transformer's linears, diffusers' files
         adapters=SD3_ADAPTERS,
-        #: deploy offload: model | sequential (omniloop.offload) — under sequential the transformer
+        #: deploy offload: model | sequential (omniloop-offload) — under sequential the transformer
         #: and the three text encoders stream their blocks; the VAE moves whole
         offload={"transformer": "transformer_blocks", "text_encoder": CLIP_TEXT_LAYERS,
                  "text_encoder_2": CLIP_TEXT_LAYERS, "text_encoder_3": T5_BLOCKS, "vae": None},

@@ -786,7 +786,7 @@ class _Compiler:
         name = self.lora(nid, ins["lora_name"])
         # strength_clip scales a LoRA file's text-encoder weights; omniloop's families adapt the
         # denoiser only and the core refuses, at deploy load, an adapter file with any other keys
-        # (omniloop.adapters), so a served adapter has no text-encoder weights for it to scale
+        # (omniloop-adapters), so a served adapter has no text-encoder weights for it to scale
         sm, sc = ins["strength_model"], ins["strength_clip"]
         m: ModelV = ins["model"]
         c: ClipV = ins["clip"]

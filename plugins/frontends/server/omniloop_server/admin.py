@@ -17,7 +17,7 @@ answers 401, a wrong one 403.
   :meth:`omniloop.Runtime.update_weights` (atomic; waits for the requests in flight). A refused
   update answers 422 naming the field (``source.<tensor>``, ``version``, ...), nothing changed.
 * ``GET /v1/weights/checksum`` — ``{"checksum", "weight_version"}``; ``?algorithm=sha256`` for the
-  host-side SHA-256 instead of the default ``mix128`` (:func:`omniloop.weights.checksum`).
+  host-side SHA-256 instead of the default ``mix128`` (:func:`omniloop_rl.weights.checksum`).
 * ``POST /v1/sleep`` / ``POST /v1/wake`` — release / restore the weights' device memory
   (``{"asleep", "bytes_released"}``); requests are refused while asleep.
 """

@@ -789,7 +789,7 @@ def create_app(
             "family": rt.family.name, "tasks": sorted(t.value for t in state.tasks),
             "limits": {k: getattr(rt.deploy.limits, k) for k in ("max_steps", "max_frames", "max_height", "max_width", "max_queue")},
             "plugins": sorted(rt.components_enabled),
-            # LoRA adapters requests may name (omniloop.adapters): names and shapes, never server paths
+            # LoRA adapters requests may name (omniloop-adapters): names and shapes, never server paths
             "adapters": [{k: v for k, v in r.items() if k != "path"}
                          for r in (rt.adapters.describe() if getattr(rt, "adapters", None) is not None else [])],
         }
