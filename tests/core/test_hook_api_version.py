@@ -24,7 +24,7 @@ def _v(s: str) -> tuple[int, ...]:
 
 
 def test_the_version_is_the_newest_in_the_history() -> None:
-    assert hookspecs.HOOK_API_VERSION == "1.3"  # 1.3: omniloop_register_runtime_loaders (issue 34)
+    assert hookspecs.HOOK_API_VERSION == "1.4"  # 1.4: omniloop_register_mechanisms (issue 34)
     versions = list(hookspecs.HOOK_API_HISTORY)
     assert versions == sorted(versions, key=_v) and versions[-1] == hookspecs.HOOK_API_VERSION
 
@@ -36,6 +36,7 @@ def test_every_hook_since_is_a_released_version() -> None:
     assert "Since: 1.1" in (inspect.getdoc(hookspecs.omniloop_register_run_options) or "")
     assert "Since: 1.2" in (inspect.getdoc(hookspecs.omniloop_register_linear_precisions) or "")
     assert "Since: 1.3" in (inspect.getdoc(hookspecs.omniloop_register_runtime_loaders) or "")
+    assert "Since: 1.4" in (inspect.getdoc(hookspecs.omniloop_register_mechanisms) or "")
 
 
 def test_arguments_added_later_are_in_the_spec_and_documented_with_their_version() -> None:
@@ -56,8 +57,9 @@ def test_arguments_added_later_are_in_the_spec_and_documented_with_their_version
     (">=1.1,<2", True),   # a plugin that takes plugin_params declares it needs 1.1
     (">=1.2,<2", True),   # a plugin registering a linear precision (1.2) says so
     (">=1.3,<2", True),   # a plugin registering a runtime loader (1.3) says so
+    (">=1.4,<2", True),   # a plugin registering a load-time mechanism (1.4) says so
     ("==1.0", False),     # pinned to exactly 1.0: refused, and the message says what we provide
-    (">=1.4", False),
+    (">=1.5", False),
     ("<1.1", False),
 ])
 def test_declared_ranges_against_this_version(declared: str, loads: bool) -> None:
