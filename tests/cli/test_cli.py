@@ -199,7 +199,9 @@ def test_hooks_json_lists_every_hook_with_signature_and_version() -> None:
     assert since["omniloop_register_run_options"] == "1.1"  # added in hook API 1.1 (issue 15)
     assert since["omniloop_register_linear_precisions"] == "1.2"  # added in hook API 1.2 (issue 19)
     assert since["omniloop_register_runtime_loaders"] == "1.3"  # added in hook API 1.3 (issue 34)
-    later = ("omniloop_register_run_options", "omniloop_register_linear_precisions", "omniloop_register_runtime_loaders")
+    assert since["omniloop_register_mechanisms"] == "1.4"  # added in hook API 1.4 (issue 34)
+    later = ("omniloop_register_run_options", "omniloop_register_linear_precisions", "omniloop_register_runtime_loaders",
+             "omniloop_register_mechanisms")
     assert all(v == "1.0" for k, v in since.items() if k not in later)
     assert all(h["summary"] for h in doc["hooks"])
 

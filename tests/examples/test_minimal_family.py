@@ -51,7 +51,9 @@ def test_it_passes_the_family_conformance_kit(minimal: ModuleType, ckpt: Path) -
 
 
 def test_what_it_does_not_declare_is_refused(minimal: ModuleType, ckpt: Path) -> None:
-    manager = make_manager(("minimal", minimal), toy=False)
+    import omniloop_offload.plugin as offload_plugin  # the offload mechanism installed: the family refuses it
+
+    manager = make_manager(("minimal", minimal), ("offload", offload_plugin), toy=False)
     with pytest.raises(DeployError, match=r"^options\.vae_tiling: family 'minimal' does not read this option"):
         Runtime(deploy_for_model(ckpt, options={"vae_tiling": True}), manager=manager)
     with pytest.raises(DeployError, match=r"^offload: family 'minimal' does not support offload"):
