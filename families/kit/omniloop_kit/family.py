@@ -80,6 +80,17 @@ def load_checkpoint(path: str | Path, check: Callable[[Path], tuple[dict[str, An
     return Checkpoint(root=root, index=index, present=present, extra=extra, components=comps)
 
 
+def compute_device(options: Mapping[str, Any] | None, device: Any) -> Any:
+    """Where the model computes: the deploy's device under ``offload`` (the weights were loaded into
+    host memory and move to it as nodes run, omniloop.offload), else the load device."""
+    import torch
+
+    deploy = (options or {}).get("deploy")
+    if deploy is not None and deploy.offload != "none":
+        return torch.device(deploy.device)
+    return device
+
+
 class DiffusersFamily:
     """The protocol methods a diffusers-format family writes the same way (see the module docstring)."""
 
@@ -168,4 +179,4 @@ class DiffusersFamily:
 
 
 __all__ = ["CLIP_TEXT_LAYERS", "CLIP_VISION_LAYERS", "T5_BLOCKS", "Checkpoint", "DiffusersFamily", "capabilities",
-           "load_checkpoint"]
+           "compute_device", "load_checkpoint"]

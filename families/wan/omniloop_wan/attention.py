@@ -45,7 +45,7 @@ _GRID_PROCESSORS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakre
 FUSE_FP8_QUANT = True
 
 
-def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
     # diffusers' WanAttnProcessor.apply_rotary_emb, op for op
     x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
     cos = freqs_cos[..., 0::2]
@@ -140,8 +140,8 @@ class WanBackendAttnProcessor:
             value = value.unflatten(2, (attn.heads, -1))
 
             if rotary_emb is not None:
-                query = _apply_rotary_emb(query, *rotary_emb)
-                key = _apply_rotary_emb(key, *rotary_emb)
+                query = apply_rotary_emb(query, *rotary_emb)
+                key = apply_rotary_emb(key, *rotary_emb)
 
         hidden_states_img = None
         if encoder_hidden_states_img is not None:  # I2V: attend to the CLIP image states too

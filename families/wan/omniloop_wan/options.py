@@ -50,7 +50,7 @@ from omniloop_kit.options import choice_option
 
 from .compile import compile_options
 from .fused import MODES
-from .textcache import capacity_from_options
+from omniloop_kit.textcache import capacity_from_options
 from .vae_kernels import parse_vae_cpu_kernels
 
 log = logging.getLogger("omniloop_wan")

@@ -23,6 +23,7 @@ from omniloop.request import TaskType
 from omniloop_kit import stages as kit
 from omniloop_kit.stages import module_device as _module_device
 from omniloop_kit.stages import params_of, return_latents
+from omniloop_kit.textcache import encode_texts
 
 from .defaults import TEXT_LEN
 from .denoise import Denoise
@@ -79,7 +80,7 @@ def encode_text(tokenizer: Any, text_encoder: Any, text: str, device: torch.devi
 class TextEncode:
     """Prompt and negative prompt → ``prompt_embeds`` / ``negative_embeds`` (transformer dtype).
 
-    With a :class:`~omniloop_wan.textcache.TextEmbeddingCache` (default: one per loaded model)
+    With a :class:`~omniloop_kit.textcache.TextEmbeddingCache` (default: one per loaded model)
     a text already encoded by this encoder and weights is not encoded again; the request's
     ``metrics["text_cache"]`` counts its hits and misses."""
 
@@ -90,22 +91,12 @@ class TextEncode:
         p = params_of(state)
         tok, te = ctx.components["tokenizer"], ctx.components["text_encoder"]
         dtype = ctx.components["transformer"].dtype
-        cache = self.cache
-        hits = misses = 0
-        out = []
         with torch.no_grad():
-            for text in (p.prompt, p.negative_prompt):
-                if cache is None:
-                    out.append(encode_text(tok, te, text, ctx.device, dtype))
-                    continue
-                key = cache.key(text, te, dtype, ctx.device)
-                value, hit = cache.get_or_encode(key, lambda text=text: encode_text(tok, te, text, ctx.device, dtype))
-                hits += hit
-                misses += not hit
-                out.append(value)
+            out, metrics = encode_texts(self.cache, (p.prompt, p.negative_prompt), te, dtype, ctx.device,
+                                        lambda text: encode_text(tok, te, text, ctx.device, dtype))
         (pos, pos_mask), (neg, neg_mask) = out
-        if cache is not None:
-            state.metrics["text_cache"] = {"hits": hits, "misses": misses, "entries": len(cache)}
+        if metrics is not None:
+            state.metrics["text_cache"] = metrics
         state.write("prompt_embeds", Embeddings(tensor=pos, mask=pos_mask), ctx.node.name)
         state.write("negative_embeds", Embeddings(tensor=neg, mask=neg_mask), ctx.node.name)
 
