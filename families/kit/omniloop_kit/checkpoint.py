@@ -330,7 +330,7 @@ def read_state_dict(files: list[Path]) -> dict[str, Any]:
     return state
 
 
-def load_diffusers_weights(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
+def load_diffusers_weights(cls: Any, folder: Path, *, device: Any, dtype: Any) -> Any:
     """Load a diffusers model (Wan's ``WanTransformer3DModel`` / ``AutoencoderKLWan``) from ``folder``:
     built on the meta device (:func:`empty_parameters`), then its checkpoint weights assigned.
 
@@ -418,8 +418,28 @@ def config_of(root: Path, component: str) -> dict[str, Any]:
 
 
 __all__ = [
-    "LIBRARY", "TOKENIZER_FILES", "Layout", "check_checkpoint", "check_folders", "check_tokenizer", "config_of",
-    "declared", "empty_parameters", "kind_of", "library_class", "load_component", "load_diffusers_weights",
-    "load_pretrained", "load_scheduler", "load_tokenizer", "read_state_dict",
-    "looks_like", "quiet", "read_extra", "read_index", "resolve_root", "sample_size_limits", "weight_version",
+    "LIBRARY",
+    "TOKENIZER_FILES",
+    "Layout",
+    "check_checkpoint",
+    "check_folders",
+    "check_tokenizer",
+    "config_of",
+    "declared",
+    "empty_parameters",
+    "kind_of",
+    "library_class",
+    "load_component",
+    "load_diffusers_weights",
+    "load_pretrained",
+    "load_scheduler",
+    "load_tokenizer",
+    "looks_like",
+    "quiet",
+    "read_extra",
+    "read_index",
+    "read_state_dict",
+    "resolve_root",
+    "sample_size_limits",
+    "weight_version",
 ]

@@ -225,9 +225,10 @@ def configure(model: LoadedModel, opts: WanOptions, device: Any = None) -> None:
     """Set up the loaded modules for a deployment: attention processors, compiled blocks, VAE
     tiling/slicing/CPU kernels, the text-embedding cache (``model.config["text_cache"]``).
     ``device``: where the model computes (default: ``model.device``)."""
+    from omniloop_kit.textcache import TextEmbeddingCache
+
     from .attention import install
     from .compile import compile_blocks
-    from omniloop_kit.textcache import TextEmbeddingCache
 
     check_fused_options(opts, model.device if device is None else device)
     comps = model.components

@@ -33,7 +33,15 @@ from omniloop.context import StageContext
 from omniloop.errors import RequestError
 from omniloop.interceptors import BlockContext, run_blocks
 from omniloop.loop import LoopState, RequestState
-from omniloop_kit.parallel import Mesh, ParallelLoop, bind_block_interceptor, gather_tokens, head_groups, mesh_for, ulysses
+from omniloop_kit.parallel import (
+    Mesh,
+    ParallelLoop,
+    bind_block_interceptor,
+    gather_tokens,
+    head_groups,
+    mesh_for,
+    ulysses,
+)
 
 from .denoise import Denoise
 from .transformer import embed, head
