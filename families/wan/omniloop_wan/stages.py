@@ -30,12 +30,18 @@ from .denoise import Denoise
 from .resolve import WanParams, resolve
 
 
-def _vae_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def latent_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, 1/std) as ``[1, z, 1, 1, 1]`` — diffusers' latent normalisation tensors."""
     z = vae.config.z_dim
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(device, dtype)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(device, dtype)
     return mean, inv_std
+
+
+def denormalise(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Latents as the transformer sees them → as the VAE decodes them (the Wan pipelines' ops)."""
+    mean, inv_std = latent_stats(vae, latents.device, latents.dtype)
+    return latents / inv_std + mean
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,7 +147,7 @@ class ImageEncode:
                 zeros = image.new_zeros(image.shape[0], image.shape[1], p.frames - 1, p.height, p.width)
                 video_condition = torch.cat([image, zeros], dim=2)
             video_condition = video_condition.to(device=_module_device(vae), dtype=vae.dtype)
-            mean, inv_std = _vae_stats(vae, ctx.device, torch.float32)
+            mean, inv_std = latent_stats(vae, ctx.device, torch.float32)
             latent = vae.encode(video_condition).latent_dist.mode()
             latent = latent.to(device=ctx.device, dtype=torch.float32)
             latent = (latent - mean) * inv_std
@@ -175,9 +181,7 @@ class VaeDecode:
         vae = ctx.components["vae"]
         latents = state.read("denoised", Latents).tensor
         with torch.no_grad():
-            latents = latents.to(_module_device(vae), dtype=vae.dtype)
-            mean, inv_std = _vae_stats(vae, latents.device, latents.dtype)
-            latents = latents / inv_std + mean
+            latents = denormalise(vae, latents.to(_module_device(vae), dtype=vae.dtype))
             video = vae.decode(latents, return_dict=False)[0]
         state.write("decoded", Tensors(values={"video": video}), ctx.node.name)
 
