@@ -12,7 +12,7 @@ Two ways to run the same math:
   chunks (``context``) and, when ``record`` is given, handing back this chunk's own per-layer K/V
   (after ``norm_k`` and RoPE) so that the caller writes them to a slab once the chunk is final;
 * :func:`masked_forward` — the whole sequence at once, no cache, one timestep per token and a
-  boolean attention mask (:func:`block_causal_mask`). This is the reference the cached rollout
+  boolean attention mask (omniloop-kit's :func:`~omniloop_kit.causal.block_causal_mask`). This is the reference the cached rollout
   is tested against (tests/wan_causal/test_rollout.py).
 
 Every other operation (patch embedding, time/text conditioning, modulation, cross-attention,
@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from omniloop_kit.causal import block_causal_mask, chunk_visibility
 
 from ..attention import apply_rotary_emb
 from ..transformer import embed, head
@@ -199,26 +201,6 @@ def masked_forward(
     ``positions`` (one RoPE latent-frame index per frame; default ``0..F-1``) lets a sequence
     hold two copies of the same frames (teacher-forcing training)."""
     return _forward(model, latents, timestep, text, 0, context=None, record=None, mask=mask, positions=positions)
-
-
-def chunk_visibility(n_chunks: int, window: int | None = None, sink: int = 0) -> torch.Tensor:
-    """``[n, n]`` bool: may chunk ``i`` see chunk ``j``? Itself and earlier chunks, of which only
-    the last ``window - 1`` earlier ones (``window`` counts the chunk itself) and the first
-    ``sink`` ones when a window is set — what the cache holds when chunk ``i`` is denoised."""
-    i = torch.arange(n_chunks)[:, None]
-    j = torch.arange(n_chunks)[None, :]
-    vis = j <= i
-    if window is not None:
-        vis &= (j > i - window) | (j < sink)
-    return vis
-
-
-def block_causal_mask(chunk_tokens: Sequence[int], window: int | None = None, sink: int = 0) -> torch.Tensor:
-    """Token-level ``[S, S]`` bool mask for chunks of ``chunk_tokens`` tokens each (see
-    :func:`chunk_visibility`)."""
-    vis = chunk_visibility(len(chunk_tokens), window, sink)
-    owner = torch.repeat_interleave(torch.arange(len(chunk_tokens)), torch.tensor(list(chunk_tokens)))
-    return vis[owner][:, owner]
 
 
 __all__ = [
