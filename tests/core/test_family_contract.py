@@ -37,10 +37,11 @@ from omniloop.request import TaskType
 from omniloop.testing import ToyFamily, make_manager, toy_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
-#: package sources: the core, the CLI, every plugin, family, observer and interceptor, the examples
+#: package sources: the core, the CLI, every plugin, family (the kit among them), observer and
+#: interceptor, the demos' training code, the benchmarks and the examples
 SOURCE_GLOBS = ("core/omniloop/**/*.py", "cli/*/**/*.py", "plugins/*/omniloop_*/**/*.py", "plugins/*/*/omniloop_*/**/*.py",
                 "families/*/omniloop_*/**/*.py", "observers/*/omniloop_*/**/*.py",
-                "interceptors/*/omniloop_*/**/*.py", "examples/**/*.py")
+                "interceptors/*/omniloop_*/**/*.py", "demos/*/omniloop_*/**/*.py", "bench/**/*.py", "examples/**/*.py")
 EXEMPT = {"core/omniloop/capabilities.py"}
 CONTRACT_NAMES = frozenset({*LEGACY_ATTRIBUTES, *OPTIONAL_METHODS, "capabilities"})
 FAMILY_ISH = re.compile(r"(^|[._])(family|families|fam)($|[._\[])", re.IGNORECASE)
@@ -74,6 +75,10 @@ def test_the_probe_finder_finds_probes() -> None:
 def test_no_family_is_probed_with_getattr() -> None:
     files = sorted({p for g in SOURCE_GLOBS for p in ROOT.glob(g)})
     assert len(files) > 100  # the globs match the tree
+    # every family package is read, the kit the diffusers-format families stand on among them
+    scanned = {p.relative_to(ROOT).parts[:2] for p in files if p.relative_to(ROOT).parts[0] == "families"}
+    packages = {("families", d.name) for d in (ROOT / "families").iterdir() if any(d.glob("omniloop_*/__init__.py"))}
+    assert ("families", "kit") in packages and packages <= scanned, sorted(packages - scanned)
     probes = [f"{p.relative_to(ROOT)}:{line}: {expr}" for p in files
               if str(p.relative_to(ROOT)) not in EXEMPT
               for line, expr in capability_probes(p.read_text(encoding="utf-8"))]
@@ -98,6 +103,25 @@ def test_every_shipped_family_declares_its_capabilities(module: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error", FamilyDeprecationWarning)
             importlib.import_module("omniloop.capabilities").validate(cls(), cls.capabilities)
+
+
+def test_every_installed_family_declares_its_capabilities() -> None:
+    """Every family an installed plugin registers (entry points, as ``omniloop`` finds them)
+    declares one ``FamilyCapabilities`` that registration accepts, with no old-style attribute."""
+    import warnings
+
+    from omniloop.plugins import PluginManager
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FamilyDeprecationWarning)
+        pm = PluginManager()
+        reg = pm.registry()
+    failed = [r.error for r in pm.records.values() if r.status == "failed" and "family" in str(r.error)]
+    assert not failed, failed
+    assert {"wan", "flux", "sd3"} <= set(reg.families), sorted(reg.families)
+    for name, family in reg.families.items():
+        assert isinstance(family.capabilities, FamilyCapabilities), name
+        assert not [a for a in LEGACY_ATTRIBUTES if a in dir(family)], name
 
 
 # -- registration refuses what a family cannot serve ----------------------------------------------

@@ -1,66 +1,78 @@
-"""A complete minimal family: a declaration plus its model (CONTRIBUTING.md, "Writing a family")."""
+"""A complete minimal family on omniloop-kit: a tiny diffusers-format text-to-image model (T5, Sana
+transformer, AutoencoderKL, flow matching; ``omniloop_minimal.tiny`` builds one) — CONTRIBUTING.md."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from omniloop import Embeddings, FamilyCapabilities, Latents, Node, PipelineSpec, TaskType, VideoFrames, hookimpl
-from omniloop.errors import CheckpointError
-from omniloop.family import LoadedModel
-from omniloop.testing.toy import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    Decode,
-    Denoise,
-    EncodeText,
-    ToyDecoder,
-    ToyTextEncoder,
-    ToyTransformer,
-)
+from omniloop import Embeddings, LoopState, PipelineSpec, TaskType, hookimpl
+from omniloop_kit import checkpoint as ck
+from omniloop_kit.denoise import DenoiseLoop, randn, request_generator
+from omniloop_kit.family import DiffusersFamily, capabilities
+from omniloop_kit.policies import build_menu, cached_menu, deploy_policies
+from omniloop_kit.resolve import ImageParams, resolve_image
+from omniloop_kit.stages import Validate, image_nodes, params_of, vae_scale_factor
+from omniloop_policies.stepping import stack_rows
 
 OMNILOOP_HOOK_API = ">=1.0,<2"
+TEXT = {"prompt_embeds": Embeddings, "negative_embeds": Embeddings}
 
 
-class MinimalFamily:
-    name = "minimal"
-    tasks = frozenset({TaskType.T2V})
-    # everything optional it can do; registration checks it (task_defaults is defined below)
-    capabilities = FamilyCapabilities(block_interceptors=True, returns_latents=True, options=(), task_defaults=True)
+class TextEncode:  # the prompt and the negative prompt (classifier-free guidance), T5 states
+    def forward(self, ctx: Any, state: Any) -> None:
+        p, tok, te = params_of(state), ctx.components["tokenizer"], ctx.components["text_encoder"]
+        for edge, text in (("prompt_embeds", p.prompt), ("negative_embeds", p.negative_prompt or "")):
+            ids = tok([text], padding="max_length", max_length=p.max_sequence_length, truncation=True,
+                      return_tensors="pt").input_ids.to(ctx.device)
+            state.write(edge, Embeddings(tensor=te(ids).last_hidden_state), ctx.node.name)
 
-    def detect(self, path: Path) -> bool:
-        f = Path(path) / CONFIG_NAME
-        return f.is_file() and json.loads(f.read_text()).get("family") == self.name
 
-    def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
-        cfg = json.loads((Path(path) / CONFIG_NAME).read_text())
-        comps = {"text_encoder": ToyTextEncoder(cfg["vocab"], cfg["dim"]),
-                 "transformer": ToyTransformer(cfg["channels"], cfg["dim"], cfg["layers"]),
-                 "decoder": ToyDecoder(cfg["channels"], cfg["scale"])}
-        try:
-            state = torch.load(Path(path) / WEIGHTS_NAME, map_location="cpu", weights_only=True)
-            for name, module in comps.items():
-                module.load_state_dict(state[name])
-        except (OSError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"{Path(path) / WEIGHTS_NAME}: {exc}") from None
-        comps = {n: m.to(device=device, dtype=dtype).eval() for n, m in comps.items()}
-        return LoadedModel(family=self.name, path=Path(path), components=comps, config=cfg, device=device, dtype=dtype)
+class Denoise(DenoiseLoop):  # the kit's loop; the model's own: its latents, inputs and forward
+    def init(self, ctx: Any, state: Any) -> LoopState:
+        p, tf, gen, loop = params_of(state), ctx.components["transformer"], request_generator(state), LoopState()
+        vsf = vae_scale_factor(ctx.components["vae"])
+        shape = (1, tf.config.in_channels, p.height // vsf, p.width // vsf)
+        p.policies.init(loop, device=ctx.device, generator=gen, seq_len=shape[2] * shape[3])
+        loop.tensors["latents"] = randn(shape, gen, ctx.device, tf.dtype)
+        return loop
 
-    def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
-        text = {"prompt_embeds": Embeddings, "negative_embeds": Embeddings}
-        return PipelineSpec(family=self.name, task=task, outputs={"video": "video", "latents": "latents"}, nodes=(
-            Node("text_encode", EncodeText(), writes=text, uses=("text_encoder",)),
-            Node("denoise", Denoise(), reads=text, writes={"latents": Latents}, uses=("transformer",)),
-            Node("decode", Decode(), reads={"latents": Latents}, writes={"video": VideoFrames}, uses=("decoder",))))
+    def inputs(self, ctx: Any, state: Any, loop: LoopState, pol: Any, expert: str | None) -> Any:
+        text = {"cond": state.read("prompt_embeds").tensor, "uncond": state.read("negative_embeds").tensor}
+        return loop.tensors["latents"], pol.timestep(loop).expand(1), text
 
-    def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
-        return {"steps": 4, "guidance_scale": 3.0, "frames": 3, "height": 16, "width": 16, "fps": 8.0}
+    def stack(self, inputs: Any, group: tuple[str, ...]) -> dict[str, Any]:
+        return stack_rows(inputs, group, lambda i, b: {"hidden_states": i[0], "timestep": i[1],
+                                                       "encoder_hidden_states": i[2][b]})
 
-    def validate_request(self, model: LoadedModel, request: Any, limits: Any) -> list[str]:
-        return []  # the core checked types, ranges and limits; nothing of this family's own
+    def rows(self, inputs: Any) -> int:
+        return 1
+
+    def forward(self, ctx: Any, expert: str, batch: dict[str, Any], block_ctx: Any) -> Any:
+        return ctx.components["transformer"](**batch, return_dict=False)[0]
+
+
+class MinimalFamily(DiffusersFamily):
+    name, tasks = "minimal", frozenset({TaskType.T2I})
+    layout = ck.Layout(what="a minimal checkpoint", pipelines=("MinimalPipeline",), transformer_class="SanaTransformer2DModel",
+                       required=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
+    # what it serves: the kit's loop (batched steps, latents returned); no offload, no block interceptors
+    capabilities = capabilities(offload=None, block_interceptors=False, options=frozenset())
+
+    def model_config(self, components: dict[str, Any], defaults: Any, options: Any, **extra: Any) -> tuple[dict, dict]:
+        return {"tasks": self.tasks, "size_multiple": vae_scale_factor(components["vae"]), "defaults": dict(defaults or {})}, {}
+
+    def menu(self, model: Any, options: Any = None) -> Any:
+        return cached_menu(model, lambda: build_menu(model, options or {}, deploy_policies(options or {}, self.name),
+                                                     default_cfg="classic"))
+
+    def build_pipeline(self, model: Any, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
+        validate = Validate(model, resolve=lambda r, lim: self.resolve_request(model, r, lim), params_type=ImageParams)
+        nodes = image_nodes(validate, TextEncode(), Denoise(self.menu(model, options)), i2i=False,
+                            text_uses=("text_encoder",), denoise_reads=TEXT)
+        return PipelineSpec(family=self.name, task=task, nodes=nodes, outputs={"image": "image", "latents": "latents"})
+
+    def resolve_request(self, model: Any, request: Any, limits: Any, **kw: Any) -> tuple[ImageParams, list[str]]:
+        return resolve_image(model, request, self.menu(model), kw.get("node_params"), who="the minimal family")
 
 
 @hookimpl

@@ -8,6 +8,10 @@
 * :mod:`omniloop_kit.lazy` — a family package's lazy exports.
 * :mod:`omniloop_kit.tiny` — tiny-checkpoint builders (a T5 tokenizer, ``omniloop.json``).
 * :mod:`omniloop_kit.loading` — a pipeline folder's components loaded by the classes ``model_index.json`` names.
+* :mod:`omniloop_kit.attention`, :mod:`omniloop_kit.parallel`, :mod:`omniloop_kit.textcache`,
+  :mod:`omniloop_kit.ffn`, :mod:`omniloop_kit.causal` — mechanisms a family switches on: the attention
+  backend in its attention modules, CFG/sequence-parallel steps, a text-embedding cache, the fused
+  GELU projection, a causal chunk-by-chunk rollout (Wan uses them all).
 
 Importing the package imports nothing heavy (no torch).
 """

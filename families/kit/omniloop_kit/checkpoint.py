@@ -11,7 +11,8 @@ needs and may have, and what kind each one is::
 and gets :func:`looks_like` (cheap detection), :func:`check_checkpoint` (the index, every component's
 folder, config, weight files and tokenizer files, the transformer class; a family adds how its
 configs must fit together), :func:`load_component` (by the class ``model_index.json`` names, local
-files only), :func:`read_extra` (the checkpoint's ``omniloop.json``) and :func:`sample_size_limits`
+files only; :func:`load_diffusers_weights`: a diffusers model built on the meta device and its
+weights assigned, each checked by name and shape), :func:`read_extra` (the checkpoint's ``omniloop.json``) and :func:`sample_size_limits`
 (a real checkpoint's trained size, issue 42). Every problem is one
 :class:`~omniloop.errors.CheckpointError` whose message starts with the file at fault.
 
@@ -42,6 +43,7 @@ from omniloop_kit.checkpoints import (
     read_json,
     read_model_index,
     resolve_root,
+    weight_files,
     weight_version,
 )
 
@@ -277,6 +279,119 @@ def load_component(index: Mapping[str, Any], root: Path, name: str, *, device: A
     return load_pretrained(cls, folder, device=device, dtype=dtype)
 
 
+@contextlib.contextmanager
+def empty_parameters() -> Iterator[None]:
+    """Build modules without allocating or initialising parameters (they go to ``meta``).
+
+    Buffers are built normally (rotary tables computed in ``__init__``, as Wan's are). The weights are
+    then assigned from the checkpoint. Process-wide while active: load from one thread at a time.
+    """
+    import torch
+
+    original = torch.nn.Module.register_parameter
+    init_names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved_init = {n: getattr(torch.nn.init, n) for n in init_names}
+
+    def register_parameter(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        original(self, name, param)
+        if param is not None:
+            p = self._parameters[name]
+            self._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    def no_init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    for n in init_names:
+        setattr(torch.nn.init, n, no_init)
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+        for n, fn in saved_init.items():
+            setattr(torch.nn.init, n, fn)
+
+
+def read_state_dict(files: list[Path]) -> dict[str, Any]:
+    """Every tensor of ``files`` (safetensors or pickled ``.bin``) on the CPU; an unreadable file is
+    one ``CheckpointError`` naming it."""
+    import torch
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                state.update(load_file(str(f), device="cpu"))
+            else:
+                state.update(torch.load(f, map_location="cpu", weights_only=True))
+        except Exception as exc:
+            raise CheckpointError(f"{f}: cannot read weights ({type(exc).__name__}: {exc})") from None
+    return state
+
+
+def load_diffusers_weights(cls: Any, folder: Path, *, device: Any, dtype: Any) -> Any:
+    """Load a diffusers model (Wan's ``WanTransformer3DModel`` / ``AutoencoderKLWan``) from ``folder``:
+    built on the meta device (:func:`empty_parameters`), then its checkpoint weights assigned.
+
+    Equivalent to ``cls.from_pretrained(folder, torch_dtype=dtype)`` — modules listed in
+    ``cls._keep_in_fp32_modules`` stay float32 — but needs no ``accelerate`` and turns every
+    problem (a missing, unexpected or misshapen weight) into a ``CheckpointError`` naming the file.
+    """
+    import torch
+
+    config_path = folder / "config.json"
+    config = read_json(config_path, f"{folder.name} config")
+    files = weight_files(folder, DIFFUSERS_WEIGHTS)
+    # like diffusers: buffers built in __init__ take the requested dtype as the default dtype
+    default_dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with empty_parameters():
+            model = cls.from_config(config)
+    except Exception as exc:
+        raise CheckpointError(f"{config_path}: cannot build {cls.__name__} from it ({exc})") from None
+    finally:
+        torch.set_default_dtype(default_dtype)
+    state = read_state_dict(files)
+    ignore = tuple(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())
+    expected = dict(model.named_parameters())
+    expected.update({k: v for k, v in model.named_buffers() if k in model.state_dict()})
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(k for k in set(state) - set(expected) if not any(p in k for p in ignore))
+    where = files[0] if len(files) == 1 else folder
+    if missing:
+        raise CheckpointError(
+            f"{where}: {len(missing)} weight(s) of {cls.__name__} missing, e.g. {', '.join(missing[:3])}"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"{where}: {len(unexpected)} unexpected weight(s) for {cls.__name__} "
+            f"(config and weights disagree?), e.g. {', '.join(unexpected[:3])}"
+        )
+    for key, tensor in state.items():
+        if key in expected and tuple(tensor.shape) != tuple(expected[key].shape):
+            raise CheckpointError(
+                f"{where}: weight {key!r} has shape {list(tensor.shape)}, {config_path.name} implies "
+                f"{list(expected[key].shape)}"
+            )
+    state = {k: v for k, v in state.items() if k in expected}
+    model.load_state_dict(state, strict=True, assign=True)
+    keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    for name, param in model.named_parameters():
+        keep32 = any(m in name.split(".") for m in keep)
+        target = torch.float32 if (keep32 and dtype != torch.float32) else dtype
+        module_name, _, pname = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        module._parameters[pname] = torch.nn.Parameter(param.data.to(device=device, dtype=target), requires_grad=False)
+    for name, buf in list(model.named_buffers()):
+        module_name, _, bname = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        module._buffers[bname] = buf.to(device=device)
+    model.eval()
+    return model
+
+
 # --------------------------------------------------------------------------------------------
 # What a real checkpoint's configs say about its range (issue 42)
 # --------------------------------------------------------------------------------------------
@@ -304,6 +419,7 @@ def config_of(root: Path, component: str) -> dict[str, Any]:
 
 __all__ = [
     "LIBRARY", "TOKENIZER_FILES", "Layout", "check_checkpoint", "check_folders", "check_tokenizer", "config_of",
-    "declared", "kind_of", "library_class", "load_component", "load_pretrained", "load_scheduler", "load_tokenizer",
-    "looks_like", "quiet", "read_extra", "read_index", "resolve_root", "sample_size_limits", "weight_version",
+    "declared", "empty_parameters", "kind_of", "library_class", "load_component", "load_diffusers_weights",
+    "load_pretrained", "load_scheduler", "load_tokenizer", "looks_like", "quiet", "read_extra", "read_index",
+    "read_state_dict", "resolve_root", "sample_size_limits", "weight_version",
 ]

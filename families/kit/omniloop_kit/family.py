@@ -4,7 +4,10 @@ methods every such family writes the same way (``detect``, ``resolve``, ``valida
 
 A family subclasses :class:`DiffusersFamily`, sets ``layout`` (:class:`omniloop_kit.checkpoint.Layout`)
 and writes ``resolve_request(model, request, limits, *, decode_image=True, node_params=None) ->
-(resolved, warnings)``; ``load`` is :func:`load_checkpoint` and the family's own ``from_components``.
+(resolved, warnings)``, ``model_config`` and ``build_pipeline``; ``load`` (:func:`load_checkpoint` by
+the layout, then the family's ``from_components``) and ``task_defaults`` (the model's defaults)
+have defaults a family replaces when its checkpoint or its tasks need more
+(examples/minimal-family is a whole family on these).
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ CLIP_VISION_LAYERS = "encoder.layers|vision_model.encoder.layers"
 T5_BLOCKS = "encoder.block"
 
 
-def capabilities(*, offload: Mapping[str, Any], offload_refusal: Callable[..., str | None] | None = None,
+def capabilities(*, offload: Mapping[str, Any] | None, offload_refusal: Callable[..., str | None] | None = None,
                  **more: Any) -> FamilyCapabilities:
     """A diffusers-format denoiser's declaration: its blocks run through ``run_blocks`` (block
     interceptors), post-training rollouts on its denoise loop (``rollout_support``, default: the
-    ``denoise`` node with latents as they are), the ``offload`` components (the VAE moves whole),
+    ``denoise`` node with latents as they are), the ``offload`` components (the VAE moves whole;
+    None: no offload),
     the final latents returned, ``resolve`` / ``task_defaults`` defined, and the ``denoise`` node's
     batched step retried alone when its forward raises (``step_batch_retry_alone``: the kit's
     :meth:`~omniloop_kit.denoise.DenoiseLoop.step_batch` changes no request state before its
@@ -46,7 +50,8 @@ def capabilities(*, offload: Mapping[str, Any], offload_refusal: Callable[..., s
                               "returns_latents": True, "resolve": True, "task_defaults": True,
                               "step_batch_retry_alone": {"denoise"}}
     fields.update(more)
-    return FamilyCapabilities(offload=OffloadSupport(components=dict(offload), refusal=offload_refusal), **fields)
+    support = None if offload is None else OffloadSupport(components=dict(offload), refusal=offload_refusal)
+    return FamilyCapabilities(offload=support, **fields)
 
 
 @define(frozen=True)
@@ -80,6 +85,17 @@ def load_checkpoint(path: str | Path, check: Callable[[Path], tuple[dict[str, An
     return Checkpoint(root=root, index=index, present=present, extra=extra, components=comps)
 
 
+def compute_device(options: Mapping[str, Any] | None, device: Any) -> Any:
+    """Where the model computes: the deploy's device under ``offload`` (the weights were loaded into
+    host memory and move to it as nodes run, omniloop.offload), else the load device."""
+    import torch
+
+    deploy = (options or {}).get("deploy")
+    if deploy is not None and deploy.offload != "none":
+        return torch.device(deploy.device)
+    return device
+
+
 class DiffusersFamily:
     """The protocol methods a diffusers-format family writes the same way (see the module docstring)."""
 
@@ -87,6 +103,22 @@ class DiffusersFamily:
     layout: Layout
     #: the components :meth:`from_components` must be given (default: the layout's required ones)
     needs: tuple[str, ...] | None = None
+
+    def load(self, path: Path, *, device: Any, dtype: Any, options: dict[str, Any]) -> LoadedModel:
+        """Every file of the checkpoint checked by the family's ``layout`` first (one
+        ``CheckpointError`` naming the file), then each component loaded by the class
+        ``model_index.json`` names (local files only); its ``omniloop.json`` defaults apply."""
+        from .checkpoint import check_checkpoint, load_component
+
+        got = load_checkpoint(path, lambda root: check_checkpoint(root, self.layout)[:2], load_component,
+                              device=device, dtype=dtype)
+        return self.from_components(got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype,
+                                    path=got.root, weight_version=got.weight_version, options=options)
+
+    def task_defaults(self, model: LoadedModel, task: Any) -> dict[str, Any]:
+        """What a request gets for fields it leaves unset (``Runtime.defaults``): the model's
+        ``config["defaults"]`` (a family with per-task defaults writes its own)."""
+        return dict(model.config["defaults"])
 
     def from_components(self, components: dict[str, Any], *, defaults: dict[str, Any] | None = None,
                         device: Any = None, dtype: Any = None, options: Mapping[str, Any] | None = None,
@@ -168,4 +200,4 @@ class DiffusersFamily:
 
 
 __all__ = ["CLIP_TEXT_LAYERS", "CLIP_VISION_LAYERS", "T5_BLOCKS", "Checkpoint", "DiffusersFamily", "capabilities",
-           "load_checkpoint"]
+           "compute_device", "load_checkpoint"]

@@ -11,7 +11,9 @@ once, before any compute (``Runtime.prepare`` → ``family.resolve``), each rais
 * :func:`conditioning_image` — the image an image-conditioned task needs, decoded; extra or
   unused image parts warned;
 * :func:`token_warning` — a prompt longer than a text encoder reads;
-* :class:`ImageParams` — the resolved form of an image request (its ``workload()``).
+* :class:`ImageParams` — the resolved form of an image request (its ``workload()``);
+* :func:`resolve_image` — all of the above for a text-to-image family with no rules of its own
+  (examples/minimal-family).
 """
 
 from __future__ import annotations
@@ -174,6 +176,29 @@ class ImageParams:
                         bounded=bounds(steps=self.steps, height=self.height, width=self.width, steps_path=self.steps_path))
 
 
+def resolve_image(model: Any, request: OmniRequest, menu: Any, node_params: Any = None, *, who: str,
+                  params_type: type[ImageParams] = ImageParams, **extra: Any) -> tuple[ImageParams, list[str]]:
+    """The whole resolve of a text-to-image family with no rules of its own: the task among
+    ``model.config["tasks"]`` (``who`` names the family), a prompt, one frame, the denoise
+    policies, height and width fitted to ``model.config["size_multiple"]`` (unset: the model's
+    ``config["defaults"]``), the negative prompt (unset: the defaults', else none) and ``extra``
+    fields of ``params_type`` (``max_sequence_length``: the defaults' unless given)."""
+    cfg = model.config
+    warnings: list[str] = []
+    check_task(request.task, cfg["tasks"], who)
+    prompt = require_prompt(request)
+    one_frame(request)
+    policies, steps, steps_path = denoise_policies(menu, request, (node_params or {}).get(menu.node))
+    d = cfg["defaults"]
+    sizes = {n: image_size(request, n, d[n], cfg["size_multiple"], warnings) for n in ("height", "width")}
+    negative = request.negative_prompt if request.negative_prompt is not None else d.get("negative_prompt")
+    conditioning_image(request, False, (), warnings, missing="", extra="")  # image inputs: warned as unused
+    extra.setdefault("max_sequence_length", int(d.get("max_sequence_length", 0)))
+    return params_type(task=request.task, prompt=prompt, negative_prompt=negative, steps=steps,
+                       guidance_scale=float(policies.guidance_scale), policies=policies, warnings=tuple(warnings),
+                       steps_path=steps_path, **sizes, **extra), warnings
+
+
 def set_knobs(structured: Any, raw: Any) -> dict[str, Any]:
     """The node params a request set (the validated object, or the raw mapping), as a dict."""
     if structured is not None:
@@ -182,4 +207,4 @@ def set_knobs(structured: Any, raw: Any) -> dict[str, Any]:
 
 
 __all__ = ["ImageParams", "check_task", "conditioning_image", "denoise_policies", "image_size", "one_frame",
-           "require_prompt", "set_knobs", "token_warning"]
+           "require_prompt", "resolve_image", "set_knobs", "token_warning"]

@@ -62,12 +62,17 @@ class Validate:
     #: the family's resolved form (what ``ctx.resolved`` holds when a runtime resolved the request)
     params_type: type = object
 
-    def __init__(self, model: Any, menu: Any = None) -> None:
+    def __init__(self, model: Any, menu: Any = None, resolve: Any = None, params_type: type | None = None) -> None:
         self.model = model
         self.menu = menu
+        self._resolve = resolve  # ``resolve(request, limits)``: the family's, instead of a subclass's
+        if params_type is not None:
+            self.params_type = params_type
 
     def resolve(self, request: Any, limits: Any) -> tuple[Any, list[str]]:
-        raise NotImplementedError
+        if self._resolve is None:
+            raise NotImplementedError
+        return self._resolve(request, limits)  # type: ignore[no-any-return]
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         params = ctx.resolved

@@ -7,7 +7,8 @@ with the deployment's backend (``AttentionBackendSpec.fn(q, k, v)``, ``[B, heads
 instead of diffusers' dispatcher (FP8 backends such as ``cudnn-fp8`` with ``qk_norm_rope: fused``
 receive q and k already in e4m3 from the fused kernel: ``attend_quantized``; backends declaring
 ``accepts_grid``, such as ``sparse-tile``, get the self-attention token grid as ``grid=(T, H, W)``,
-set per forward by :func:`set_token_grid`). With the core ``sdpa`` backend the block outputs are
+set per forward by :func:`set_token_grid`). Installing, the token grid and putting diffusers'
+processors back are omniloop-kit's (:mod:`omniloop_kit.attention`). With the core ``sdpa`` backend the block outputs are
 ``torch.equal`` to diffusers' (tests/wan/test_attention.py): diffusers' native backend is the same
 ``scaled_dot_product_attention`` call on the same ``[B, H, L, D]`` views.
 
@@ -20,24 +21,18 @@ temporarily puts diffusers' own processors back (reference runs, benchmarks).
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import fused as fused_kernels
+from omniloop_kit import attention as kit
+from omniloop_kit.attention import installed, set_token_grid
 
-log = logging.getLogger("omniloop_wan")
+from . import fused as fused_kernels
 
 #: the text encoder's context length, which diffusers' processor hard-codes for I2V too
 TEXT_CONTEXT = 512
-
-_INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-#: per model: the installed processors whose backend takes the token grid (``accepts_grid``)
-_GRID_PROCESSORS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 #: with ``qk_norm_rope: fused`` and a backend that takes quantised q/k (``cudnn-fp8``), the fused
 #: Triton kernel writes q and k in e4m3 directly; False: the backend quantises them itself (a
@@ -45,7 +40,7 @@ _GRID_PROCESSORS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakre
 FUSE_FP8_QUANT = True
 
 
-def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
     # diffusers' WanAttnProcessor.apply_rotary_emb, op for op
     x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
     cos = freqs_cos[..., 0::2]
@@ -56,34 +51,15 @@ def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freq
     return out.type_as(hidden_states)
 
 
-class WanBackendAttnProcessor:
+class WanBackendAttnProcessor(kit.BackendProcessor):
     """diffusers' ``WanAttnProcessor`` computing attention with ``fn(q, k, v)`` (``[B, H, L, D]``)."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], backend: str = "custom", qk_norm_rope: str = "reference") -> None:
-        self.fn = fn
-        self.backend = backend
+        super().__init__(fn, backend)
         #: "fused": self-attention QK norm + rotary in one Triton kernel (omniloop_wan.fused)
         self.qk_norm_rope = qk_norm_rope
         if qk_norm_rope == "fused" and fused_kernels.triton_available():
             fused_kernels.prepare()
-        #: the backend takes ``grid=(T, H, W)`` on self-attention calls (e.g. ``sparse-tile``)
-        self.wants_grid = bool(getattr(fn, "accepts_grid", False))
-        #: the latent token grid of the current forward (set by :func:`set_token_grid`)
-        self.grid: tuple[int, int, int] | None = None
-
-    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
-        """``[B, L, H, D]`` in and out, like diffusers' dispatcher; the backend sees ``[B, H, L, D]``."""
-        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-        if grid is not None and attention_mask is None:
-            out = self.fn(q, k, v, grid=grid)
-        elif attention_mask is None:
-            out = self.fn(q, k, v)
-        else:
-            if attention_mask.ndim == 2 and attention_mask.shape[0] == q.shape[0]:
-                attention_mask = attention_mask.unsqueeze(1).unsqueeze(1)
-            out = self.fn(q, k, v, attn_mask=attention_mask)
-        return out.permute(0, 2, 1, 3)
 
     def __call__(
         self,
@@ -140,8 +116,8 @@ class WanBackendAttnProcessor:
             value = value.unflatten(2, (attn.heads, -1))
 
             if rotary_emb is not None:
-                query = _apply_rotary_emb(query, *rotary_emb)
-                key = _apply_rotary_emb(key, *rotary_emb)
+                query = apply_rotary_emb(query, *rotary_emb)
+                key = apply_rotary_emb(key, *rotary_emb)
 
         hidden_states_img = None
         if encoder_hidden_states_img is not None:  # I2V: attend to the CLIP image states too
@@ -153,12 +129,12 @@ class WanBackendAttnProcessor:
             key_img = attn.norm_added_k(key_img)
             key_img = key_img.unflatten(2, (attn.heads, -1))
             value_img = value_img.unflatten(2, (attn.heads, -1))
-            hidden_states_img = self._attend(query, key_img, value_img)
+            hidden_states_img = self.attend(query, key_img, value_img)
             hidden_states_img = hidden_states_img.flatten(2, 3)
             hidden_states_img = hidden_states_img.type_as(query)
 
         grid = self.grid if self.wants_grid and encoder_hidden_states is None else None
-        hidden_states = self._attend(query, key, value, attention_mask, grid)
+        hidden_states = self.attend(query, key, value, attention_mask, grid)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.type_as(query)
 
@@ -184,65 +160,15 @@ def install(model: torch.nn.Module, backend: Any, qk_norm_rope: str = "reference
     ``WanAttention`` of ``model``; returns how many modules got one. ``qk_norm_rope="fused"``: the
     self-attention QK norm and rotary embedding run as one Triton kernel (:mod:`omniloop_wan.fused`)."""
     name = str(getattr(backend, "name", "custom"))
-    previous = _INSTALLED.get(model)
-    if previous is not None and previous != name:
-        log.warning(
-            "attention backend of shared Wan components changed from %r to %r: every runtime using "
-            "these modules now runs %r", previous, name, name,
-        )
-    mods = _attention_modules(model)
-    procs = []
-    for m in mods:
-        proc = WanBackendAttnProcessor(backend.fn, name, qk_norm_rope)
-        m.set_processor(proc)
-        if proc.wants_grid and not m.is_cross_attention:
-            procs.append(proc)
-    _INSTALLED[model] = name
-    if procs:
-        _GRID_PROCESSORS[model] = procs
-    else:
-        _GRID_PROCESSORS.pop(model, None)
-    return len(mods)
+    return kit.install(model, _attention_modules(model), lambda: WanBackendAttnProcessor(backend.fn, name, qk_norm_rope),
+                       name)
 
 
-def set_token_grid(model: torch.nn.Module, grid: tuple[int, int, int], device: Any) -> None:
-    """Tell ``model``'s self-attention processors the latent token grid ``(frames, rows, columns)``
-    of the forward about to run (``wan_forward`` calls this; eager, before the blocks, so a
-    backend's per-grid set-up — ``fn.prepare_grid(grid, device)`` — happens outside compiled code).
-    A no-op unless the installed backend takes a grid (``accepts_grid``)."""
-    procs = _GRID_PROCESSORS.get(model)
-    if not procs:
-        return
-    grid = (int(grid[0]), int(grid[1]), int(grid[2]))
-    prepared: set[int] = set()
-    for proc in procs:
-        proc.grid = grid
-        prepare = getattr(proc.fn, "prepare_grid", None)
-        if prepare is not None and id(proc.fn) not in prepared:
-            prepare(grid, device)
-            prepared.add(id(proc.fn))
-
-
-def installed(model: torch.nn.Module) -> str | None:
-    """The backend name installed on ``model``'s attention modules, or None (diffusers' own)."""
-    return _INSTALLED.get(model)
-
-
-@contextlib.contextmanager
-def diffusers_attention(*models: torch.nn.Module) -> Iterator[None]:
+def diffusers_attention(*models: torch.nn.Module) -> Any:
     """Run ``models`` with diffusers' own ``WanAttnProcessor`` inside the block, then restore."""
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-    saved: list[tuple[Any, Any]] = []
-    for model in models:
-        for m in _attention_modules(model):
-            saved.append((m, m.processor))
-            m.set_processor(WanAttnProcessor())
-    try:
-        yield
-    finally:
-        for m, proc in saved:
-            m.set_processor(proc)
+    return kit.restored([m for model in models for m in _attention_modules(model)], WanAttnProcessor)
 
 
-__all__ = ["WanBackendAttnProcessor", "diffusers_attention", "install", "installed", "set_token_grid"]
+__all__ = ["WanBackendAttnProcessor", "apply_rotary_emb", "diffusers_attention", "install", "installed", "set_token_grid"]

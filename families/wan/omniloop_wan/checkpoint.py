@@ -1,4 +1,5 @@
-"""Reading a diffusers-format Wan checkpoint from disk: find it, check it, load it.
+"""Reading a diffusers-format Wan checkpoint from disk: its layout (omniloop-kit's checks and
+loading), Wan2.2's ``boundary_ratio``, the checks that need the configs and the classes it loads.
 
 Nothing is downloaded: every load is ``local_files_only``. Every problem with the files on disk —
 a missing folder, a config that is not JSON, a weight file cut short, a tensor of the wrong shape —
@@ -21,17 +22,12 @@ A Hugging Face cache folder (``models--Org--Name``, or its ``snapshots/<hash>``)
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from omniloop.errors import CheckpointError
 from omniloop_kit import checkpoint as kit
-from omniloop_kit.checkpoint import load_tokenizer as load_tokenizer  # re-exported (family.py: ck.load_tokenizer)
-from omniloop_kit.checkpoints import DIFFUSERS_WEIGHTS, TRANSFORMERS_WEIGHTS, model_folder, read_json, weight_files
+from omniloop_kit.checkpoints import read_json
 from omniloop_kit.checkpoints import resolve_root as resolve_root  # re-exported (family.py: ck.resolve_root)
 from omniloop_kit.checkpoints import weight_version as weight_version  # re-exported (family.py: ck.weight_version)
 
@@ -77,128 +73,39 @@ def limits(path: Path) -> Any:
     return kit.sample_size_limits(root, height=side, width=side, frames=d["frames"], source=f"the {kind} model card")
 
 
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
+def load(root: Path, index: dict[str, Any], *, device: Any, dtype: Any, vae_dtype: Any) -> dict[str, Any]:
+    """Every component Wan runs, by fixed classes (local files only; the transformers and the VAE
+    through omniloop-kit's :func:`~omniloop_kit.checkpoint.load_diffusers_weights`), after the
+    checks that need the configs (the kind, the I2V image encoder)."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
+    from .defaults import model_kind
 
-@contextlib.contextmanager
-def _empty_parameters() -> Iterator[None]:
-    """Build modules without allocating or initialising parameters (they go to ``meta``).
-
-    Buffers are built normally (Wan's rotary tables are computed in ``__init__``). The weights are
-    then assigned from the checkpoint. Process-wide while active: load from one thread at a time.
-    """
-    original = torch.nn.Module.register_parameter
-    init_names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
-    saved_init = {n: getattr(torch.nn.init, n) for n in init_names}
-
-    def register_parameter(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        original(self, name, param)
-        if param is not None:
-            p = self._parameters[name]
-            self._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    def no_init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return tensor
-
-    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-    for n in init_names:
-        setattr(torch.nn.init, n, no_init)
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
-        for n, fn in saved_init.items():
-            setattr(torch.nn.init, n, fn)
-
-
-def _read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            if f.suffix == ".safetensors":
-                state.update(load_file(str(f), device="cpu"))
-            else:
-                state.update(torch.load(f, map_location="cpu", weights_only=True))
-        except Exception as exc:
-            raise CheckpointError(f"{f}: cannot read weights ({type(exc).__name__}: {exc})") from None
-    return state
-
-
-def load_diffusers_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
-    """Load a diffusers model (``WanTransformer3DModel`` / ``AutoencoderKLWan``) from ``folder``.
-
-    Equivalent to ``cls.from_pretrained(folder, torch_dtype=dtype)`` — modules listed in
-    ``cls._keep_in_fp32_modules`` stay float32 — but needs no ``accelerate`` and turns every
-    problem into a ``CheckpointError`` naming the file.
-    """
-    config_path = folder / "config.json"
-    config = read_json(config_path, f"{folder.name} config")
-    files = weight_files(folder, DIFFUSERS_WEIGHTS)
-    # like diffusers: buffers built in __init__ take the requested dtype as the default dtype
-    default_dtype = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(dtype)
-        with _empty_parameters():
-            model = cls.from_config(config)
-    except Exception as exc:
-        raise CheckpointError(f"{config_path}: cannot build {cls.__name__} from it ({exc})") from None
-    finally:
-        torch.set_default_dtype(default_dtype)
-    state = _read_state_dict(files)
-    ignore = tuple(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())
-    expected = dict(model.named_parameters())
-    expected.update({k: v for k, v in model.named_buffers() if k in model.state_dict()})
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(k for k in set(state) - set(expected) if not any(p in k for p in ignore))
-    where = files[0] if len(files) == 1 else folder
-    if missing:
+    present = LAYOUT.components_in(index)
+    tf_cfg = read_json(root / "transformer" / "config.json", "transformer config")
+    vae_cfg = read_json(root / "vae" / "config.json", "vae config")
+    kind = model_kind(index, tf_cfg, vae_cfg)
+    if kind == "unknown":
         raise CheckpointError(
-            f"{where}: {len(missing)} weight(s) of {cls.__name__} missing, e.g. {', '.join(missing[:3])}"
+            f"{root / 'transformer' / 'config.json'}: in_channels={tf_cfg.get('in_channels')} fits no Wan "
+            f"variant (text-to-video: {vae_cfg.get('z_dim', 16)}, image-to-video: "
+            f"{2 * int(vae_cfg.get('z_dim', 16)) + 4})"
         )
-    if unexpected:
-        raise CheckpointError(
-            f"{where}: {len(unexpected)} unexpected weight(s) for {cls.__name__} "
-            f"(config and weights disagree?), e.g. {', '.join(unexpected[:3])}"
-        )
-    for key, tensor in state.items():
-        if key in expected and tuple(tensor.shape) != tuple(expected[key].shape):
-            raise CheckpointError(
-                f"{where}: weight {key!r} has shape {list(tensor.shape)}, {config_path.name} implies "
-                f"{list(expected[key].shape)}"
-            )
-    state = {k: v for k, v in state.items() if k in expected}
-    model.load_state_dict(state, strict=True, assign=True)
-    keep = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
-    for name, param in model.named_parameters():
-        keep32 = any(m in name.split(".") for m in keep)
-        target = torch.float32 if (keep32 and dtype != torch.float32) else dtype
-        module_name, _, pname = name.rpartition(".")
-        module = model.get_submodule(module_name) if module_name else model
-        module._parameters[pname] = torch.nn.Parameter(param.data.to(device=device, dtype=target), requires_grad=False)
-    for name, buf in list(model.named_buffers()):
-        module_name, _, bname = name.rpartition(".")
-        module = model.get_submodule(module_name) if module_name else model
-        module._buffers[bname] = buf.to(device=device)
-    model.eval()
-    return model
-
-
-def load_transformers_model(cls: Any, folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
-    """Load a transformers model from ``folder`` (local files only), errors as ``CheckpointError``."""
-    model_folder(folder, folder.name, TRANSFORMERS_WEIGHTS)
-    return kit.load_pretrained(cls, folder, device=device, dtype=dtype)
-
-
-def load_image_processor(folder: Path) -> Any:
-    from transformers import CLIPImageProcessor
-
-    return kit.load_tokenizer(folder, CLIPImageProcessor)
-
-
-def load_scheduler(folder: Path, class_name: str | None) -> Any:
-    """The scheduler *template*: each request builds its own instance from its config."""
-    return kit.load_scheduler(folder, class_name or "UniPCMultistepScheduler")
+    image = tf_cfg.get("image_dim") is not None
+    if kind == "wan2.1-i2v" and image and "image_encoder" not in present:
+        raise CheckpointError(f"{root / 'model_index.json'}: the transformer takes CLIP image states (image_dim="
+                              f"{tf_cfg['image_dim']}) but no image_encoder is declared")
+    comps = {name: kit.load_diffusers_weights(WanTransformer3DModel, root / name, device=device, dtype=dtype)
+             for name in ("transformer", "transformer_2") if name in present}
+    comps["vae"] = kit.load_diffusers_weights(AutoencoderKLWan, root / "vae", device=device, dtype=vae_dtype)
+    comps["text_encoder"] = kit.load_pretrained(UMT5EncoderModel, root / "text_encoder", device=device, dtype=dtype)
+    comps["tokenizer"] = kit.load_tokenizer(root / "tokenizer")
+    comps["scheduler"] = kit.load_scheduler(root / "scheduler",
+                                            (index.get("scheduler") or [None, None])[1] or "UniPCMultistepScheduler")
+    if "image_encoder" in present and image:
+        comps["image_encoder"] = kit.load_pretrained(CLIPVisionModel, root / "image_encoder", device=device, dtype=dtype)
+        if "image_processor" not in present:
+            raise CheckpointError(f"{root / 'model_index.json'}: an image_encoder needs an image_processor")
+        comps["image_processor"] = kit.load_tokenizer(root / "image_processor", CLIPImageProcessor)
+    return comps

@@ -1,30 +1,15 @@
-"""The ``denoise`` node: one solver step per ``step()``, on omniloop-policies.
+"""The ``denoise`` node: one solver step per ``step()``, on omniloop-kit's
+:class:`~omniloop_kit.denoise.DenoiseLoop` (on :mod:`omniloop_policies.stepping`: the request's
+sampler, CFG policy, router and scales; each model forward hands step interceptors the inputs of
+that forward and taps each branch's prediction). Wan's own parts are its model inputs (the I2V
+condition concatenated, Wan2.2 TI2V's per-token timesteps and first-frame mask), their stacking
+and the routed expert's forward.
 
-Per request, ``init`` resolves the request's :class:`omniloop_policies.DenoisePolicies` (sampler,
-CFG policy, router, scales) and lets them allocate their state in ``LoopState.policy_state`` —
-a fresh diffusers scheduler instance, the CFG state — and declare the guidance branches
-(``LoopState.branches``). A step then is::
-
-    step  = pol.step_context(loop, ...)          # index, host timestep, expert (router)
-    plan  = pol.plan(step, loop)                 # the branches this step computes
-    preds = one model forward per forward group  # ("cond",), ("uncond",) or ("cond", "uncond") stacked
-    guided = pol.combine(step, loop, preds)      # the CFG policy's formula
-    latents = pol.advance(step, loop, guided, x) # the request's own scheduler step
-
-The family calls the pieces rather than ``pol.predict`` so that each model forward hands step
-interceptors the inputs *of that forward* (its text embeddings, the stacked batch of a batched
-group) and taps each branch's prediction right after its forward — through
-omniloop-kit's :class:`~omniloop_kit.denoise.DenoiseLoop` (on :mod:`omniloop_policies.stepping`),
-which SD3 and Flux use too; Wan's own parts are its inputs, its stacking and the expert's forward.
-
-Batched steps across requests (the ``step`` scheduler's ``batch_key`` / ``step_batch``, the kit's):
-what must match beyond the step is the model-input layout (I2V condition, CLIP states, per-token
-timesteps), the text-embedding shapes (Wan pads every prompt to 512 tokens, so different prompts
-stack as they are), this step's guidance scale and the expert's dtype; results equal each request
-alone up to float reassociation of the stacked forward (tests/wan/test_batching.py).
-
-``loop.step`` is advanced by the runtime after ``step()`` returns (``Execution._after_step``);
-the sampler keeps its own index and the two are checked against each other every step.
+Batched steps across requests (the kit's ``batch_key`` / ``step_batch``): what must match beyond
+the step is the model-input layout (I2V condition, CLIP states, per-token timesteps), the
+text-embedding shapes (Wan pads every prompt to 512 tokens, so different prompts stack as they
+are), this step's guidance scale and the expert's dtype; results equal each request alone up to
+float reassociation of the stacked forward (tests/wan/test_batching.py).
 
 With the defaults (the checkpoint's scheduler class, classic CFG, native step dtype) this is
 diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline`` loop op for op: tests/wan/test_parity.py
@@ -46,12 +31,10 @@ from omniloop.loop import LoopState, RequestState
 from omniloop_kit.compile import blocks_for
 from omniloop_kit.denoise import DenoiseLoop, note_expert, randn, request_generator, shape_of
 from omniloop_kit.stages import params_of
-from omniloop_policies.stepping import stack_rows, unstack_rows
+from omniloop_policies.stepping import stack_rows
 
 from .policies import latent_tokens
 from .transformer import wan_forward
-
-_note_expert = note_expert  # omniloop_wan.parallel's name
 
 
 @define
@@ -66,22 +49,6 @@ class StepInputs:
     text: dict[str, torch.Tensor]
     #: CLIP image states (Wan2.1 I2V) or None
     image_embeds: torch.Tensor | None
-
-
-def stack_inputs(inputs: Sequence[StepInputs], group: tuple[str, ...]) -> dict[str, Any]:
-    """The stacked batch of one model forward: request-major, then the group's branches.
-
-    Row blocks are ``[(r0, b0), (r0, b1), (r1, b0), ...]``; with one request and one branch the
-    tensors are passed through untouched (no copy), which keeps the default path bit-exact."""
-    return stack_rows(inputs, group, lambda inp, b: {
-        "hidden_states": inp.x, "timestep": inp.timestep, "encoder_hidden_states": inp.text[b],
-        "encoder_hidden_states_image": inp.image_embeds,
-    })
-
-
-def split_rows(out: torch.Tensor, inputs: Sequence[StepInputs], group: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
-    """Undo :func:`stack_inputs` on a prediction: per request, ``{branch: prediction}``."""
-    return unstack_rows(out, [inp.x.shape[0] for inp in inputs], group)
 
 
 class Denoise(DenoiseLoop):
@@ -117,9 +84,10 @@ class Denoise(DenoiseLoop):
         loop.extra["experts_used"] = []
         return loop
 
-    # -- inputs -------------------------------------------------------------------------------
-    def step_inputs(self, state: RequestState, latents: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> StepInputs:
+    # -- inputs ---------------------------------------------------------------------------------
+    def inputs(self, ctx: StageContext, state: RequestState, loop: LoopState, pol: Any, expert: str | None) -> StepInputs:
         """(latent model input, timestep, text and image embeds) for this step, as diffusers builds them."""
+        latents, t, dtype = loop.tensors["latents"], pol.timestep(loop), pol.precision.dtype_for(expert)
         cond = state.get("image_cond")
         values = cond.values if isinstance(cond, Tensors) else {}
         if self.expand_timesteps:
@@ -143,14 +111,16 @@ class Denoise(DenoiseLoop):
         }
         return StepInputs(x=x, timestep=timestep, text=text, image_embeds=values.get("image_embeds"))
 
-    def inputs(self, ctx: StageContext, state: RequestState, loop: LoopState, pol: Any, expert: str | None) -> StepInputs:
-        return self.step_inputs(state, loop.tensors["latents"], pol.timestep(loop), pol.precision.dtype_for(expert))
-
     def stack(self, inputs: Sequence[StepInputs], group: tuple[str, ...]) -> dict[str, Any]:
-        return stack_inputs(inputs, group)
+        """Request-major, then the group's branches; one request and one branch pass through
+        untouched (no copy), which keeps the default path bit-exact."""
+        return stack_rows(inputs, group, lambda inp, b: {
+            "hidden_states": inp.x, "timestep": inp.timestep, "encoder_hidden_states": inp.text[b],
+            "encoder_hidden_states_image": inp.image_embeds,
+        })
 
-    def split(self, out: torch.Tensor, inputs: Sequence[StepInputs], group: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
-        return split_rows(out, inputs, group)
+    def rows(self, inputs: StepInputs) -> int:
+        return int(inputs.x.shape[0])
 
     def forward(
         self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None
@@ -184,4 +154,4 @@ class Denoise(DenoiseLoop):
         return (image, text, float(pol.cfg_state(loop).scale_for(step)), str(pol.precision.dtype_for(step.expert)))
 
 
-__all__ = ["Denoise", "StepInputs", "split_rows", "stack_inputs"]
+__all__ = ["Denoise", "StepInputs"]

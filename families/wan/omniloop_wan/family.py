@@ -11,12 +11,11 @@ import torch
 
 from omniloop.artifacts import Conditioning, Embeddings, Latents, Tensors, VideoFrames
 from omniloop.capabilities import ParallelSupport, Rollout
-from omniloop.errors import CheckpointError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop_kit.checkpoint import read_extra
-from omniloop_kit.family import CLIP_VISION_LAYERS, T5_BLOCKS, DiffusersFamily
+from omniloop_kit.family import CLIP_VISION_LAYERS, T5_BLOCKS, DiffusersFamily, compute_device
 from omniloop_kit.family import capabilities as kit_capabilities
 from omniloop_kit.options import dtype_option
 from omniloop_kit.resolve import check_task
@@ -101,54 +100,16 @@ class WanFamily(DiffusersFamily):
 
         Options: see :mod:`omniloop_wan.options` (checked before any weight is read).
         """
-        from diffusers import AutoencoderKLWan, WanTransformer3DModel
-        from transformers import UMT5EncoderModel
-
         opts = parse_options(options)
         check_fused_options(opts, compute_device(options, device))
+        vae_dtype = dtype_option(options.get("vae_dtype", "float32"), "vae_dtype")
         root = ck.resolve_root(path)
         index = ck.check_checkpoint(root)
-        present = ck.LAYOUT.components_in(index)
-        tf_cfg = ck.read_json(root / "transformer" / "config.json", "transformer config")
-        vae_cfg = ck.read_json(root / "vae" / "config.json", "vae config")
-        kind = model_kind(index, tf_cfg, vae_cfg)
-        if kind == "unknown":
-            raise CheckpointError(
-                f"{root / 'transformer' / 'config.json'}: in_channels={tf_cfg.get('in_channels')} fits no Wan "
-                f"variant (text-to-video: {vae_cfg.get('z_dim', 16)}, image-to-video: "
-                f"{2 * int(vae_cfg.get('z_dim', 16)) + 4})"
-            )
-        if kind == "wan2.1-i2v" and tf_cfg.get("image_dim") is not None and "image_encoder" not in present:
-            raise CheckpointError(
-                f"{root / 'model_index.json'}: the transformer takes CLIP image states (image_dim="
-                f"{tf_cfg['image_dim']}) but no image_encoder is declared"
-            )
         extra = read_extra(root)
-        vae_dtype = dtype_option(options.get("vae_dtype", "float32"), "vae_dtype")
-
-        comps: dict[str, Any] = {}
-        comps["transformer"] = ck.load_diffusers_model(WanTransformer3DModel, root / "transformer", device=device, dtype=dtype)
-        if "transformer_2" in present:
-            comps["transformer_2"] = ck.load_diffusers_model(
-                WanTransformer3DModel, root / "transformer_2", device=device, dtype=dtype
-            )
-        comps["vae"] = ck.load_diffusers_model(AutoencoderKLWan, root / "vae", device=device, dtype=vae_dtype)
-        comps["text_encoder"] = ck.load_transformers_model(UMT5EncoderModel, root / "text_encoder", device=device, dtype=dtype)
-        comps["tokenizer"] = ck.load_tokenizer(root / "tokenizer", None)
-        comps["scheduler"] = ck.load_scheduler(root / "scheduler", (index.get("scheduler") or [None, None])[1])
-        if "image_encoder" in present and tf_cfg.get("image_dim") is not None:
-            from transformers import CLIPVisionModel
-
-            comps["image_encoder"] = ck.load_transformers_model(
-                CLIPVisionModel, root / "image_encoder", device=device, dtype=dtype
-            )
-            if "image_processor" not in present:
-                raise CheckpointError(f"{root / 'model_index.json'}: an image_encoder needs an image_processor")
-            comps["image_processor"] = ck.load_image_processor(root / "image_processor")
-
+        comps = ck.load(root, index, device=device, dtype=dtype, vae_dtype=vae_dtype)
         model = self.from_components(
             comps, index=index, defaults=extra.get("defaults"), device=device, dtype=dtype, path=root,
-            weight_version=ck.weight_version(root, present), options=options,
+            weight_version=ck.weight_version(root, ck.LAYOUT.components_in(index)), options=options,
         )
         model.config["variant"] = extra.get("variant", model.config["kind"])
         return model
@@ -260,22 +221,14 @@ def check_fused_options(opts: WanOptions, device: Any) -> None:
             raise DeployError(f"options.{key}: 'fused' cannot run here: {why}")
 
 
-def compute_device(options: Mapping[str, Any] | None, device: Any) -> Any:
-    """Where the model computes: the deploy's device under ``offload`` (the weights were loaded into
-    host memory and move to it as nodes run, omniloop.offload), else the load device."""
-    deploy = (options or {}).get("deploy")
-    if deploy is not None and getattr(deploy, "offload", "none") != "none":
-        return torch.device(deploy.device)
-    return device
-
-
 def configure(model: LoadedModel, opts: WanOptions, device: Any = None) -> None:
     """Set up the loaded modules for a deployment: attention processors, compiled blocks, VAE
     tiling/slicing/CPU kernels, the text-embedding cache (``model.config["text_cache"]``).
     ``device``: where the model computes (default: ``model.device``)."""
+    from omniloop_kit.textcache import TextEmbeddingCache
+
     from .attention import install
     from .compile import compile_blocks
-    from .textcache import TextEmbeddingCache
 
     check_fused_options(opts, model.device if device is None else device)
     comps = model.components

@@ -188,9 +188,9 @@ def qk_norm_rope_fp8(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.T
 def reference(x: torch.Tensor, norm: torch.nn.Module, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
               heads: int) -> torch.Tensor:
     """The eager math (diffusers' ``WanAttnProcessor``), for tests."""
-    from .attention import _apply_rotary_emb
+    from .attention import apply_rotary_emb
 
-    return _apply_rotary_emb(norm(x).unflatten(2, (heads, -1)), freqs_cos, freqs_sin)
+    return apply_rotary_emb(norm(x).unflatten(2, (heads, -1)), freqs_cos, freqs_sin)
 
 
 __all__ = ["MODES", "fp8_descale", "prepare", "qk_norm_rope", "qk_norm_rope_fp8", "reference", "supported", "triton_available", "unavailable_reason"]

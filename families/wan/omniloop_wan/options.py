@@ -47,10 +47,10 @@ from attrs import define
 
 from omniloop.errors import DeployError
 from omniloop_kit.options import choice_option
+from omniloop_kit.textcache import capacity_from_options
 
 from .compile import compile_options
 from .fused import MODES
-from .textcache import capacity_from_options
 from .vae_kernels import parse_vae_cpu_kernels
 
 log = logging.getLogger("omniloop_wan")

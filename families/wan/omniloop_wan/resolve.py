@@ -16,64 +16,40 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-import torch
 
 from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.request import OmniRequest, TaskType
 from omniloop.resolved import Workload, bounds
 from omniloop_kit import resolve as kit
-from omniloop_kit.inputs import count_tokens as kit_count_tokens
-from omniloop_kit.inputs import image_part
 
 from .defaults import TEXT_LEN
 
 
-@attrs.define(frozen=True)
-class WanParams:
-    """A request's resolved parameters (defaults applied, sizes checked)."""
+@attrs.define(frozen=True, kw_only=True)
+class WanParams(kit.ImageParams):
+    """A request's resolved parameters (defaults applied, sizes checked): omniloop-kit's
+    :class:`~omniloop_kit.resolve.ImageParams` with the video's frames and fps and the flow shift the
+    request asked for; the negative prompt is always encoded (default ``""``), every prompt padded
+    to 512 tokens. ``policies``: the request's ``omniloop_policies.DenoisePolicies`` (sampler, CFG
+    policy, router, scales) — from ``node_params.denoise`` > ``diffusion`` > defaults."""
 
-    task: TaskType
-    prompt: str
-    negative_prompt: str
-    height: int
-    width: int
+    negative_prompt: str = ""
     frames: int
-    steps: int
-    guidance_scale: float
-    shift: float | None
     fps: float
-    #: uint8 [H, W, 3] for image-conditioned requests, else None
-    image: torch.Tensor | None = None
-    #: the request's denoise policies (``omniloop_policies.DenoisePolicies``): sampler, CFG
-    #: policy, router, scales — resolved from ``node_params.denoise`` > ``diffusion`` > defaults
-    policies: Any = None
-    #: soft problems (truncated prompt, ignored image inputs)
-    warnings: tuple[str, ...] = ()
-    #: the request field the steps came from (``node_params.denoise.steps`` when a node param set them)
-    steps_path: str = "diffusion.steps"
+    shift: float | None = None
+    max_sequence_length: int = TEXT_LEN
 
     def workload(self) -> Workload:
         """The scheduler's size of this request (guidance branches before the CFG policy's init);
         ``bounded``: what the runtime checks against the deploy's limits."""
-        return Workload(steps=self.steps, branches=2 if self.guidance_scale > 1.0 else 1, frames=self.frames,
-                        height=self.height, width=self.width,
-                        bounded=bounds(steps=self.steps, frames=self.frames, height=self.height, width=self.width,
-                                       steps_path=self.steps_path))
+        return Workload(steps=self.steps, branches=self.branches(), frames=self.frames, height=self.height,
+                        width=self.width, bounded=bounds(steps=self.steps, frames=self.frames, height=self.height,
+                                                         width=self.width, steps_path=self.steps_path))
 
 
 #: image roles the I2V pipelines condition on (the first frame)
 FIRST_FRAME_ROLES = ("image", "first_frame")
-
-
-def load_image_part(request: OmniRequest) -> tuple[torch.Tensor | None, str]:
-    """Decode the request's first-frame image part; return (pixels or None, its field path)."""
-    return image_part(request, FIRST_FRAME_ROLES) or (None, "")
-
-
-def count_tokens(tokenizer: Any, text: str) -> int:
-    """Tokens the text encoder would see before truncation (special tokens included)."""
-    return kit_count_tokens(tokenizer, text, clean=_clean)
 
 
 def resolve(

@@ -23,18 +23,25 @@ from omniloop.request import TaskType
 from omniloop_kit import stages as kit
 from omniloop_kit.stages import module_device as _module_device
 from omniloop_kit.stages import params_of, return_latents
+from omniloop_kit.textcache import encode_texts
 
 from .defaults import TEXT_LEN
 from .denoise import Denoise
 from .resolve import WanParams, resolve
 
 
-def _vae_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def latent_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, 1/std) as ``[1, z, 1, 1, 1]`` — diffusers' latent normalisation tensors."""
     z = vae.config.z_dim
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(device, dtype)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(device, dtype)
     return mean, inv_std
+
+
+def denormalise(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Latents as the transformer sees them → as the VAE decodes them (the Wan pipelines' ops)."""
+    mean, inv_std = latent_stats(vae, latents.device, latents.dtype)
+    return latents / inv_std + mean
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,7 +86,7 @@ def encode_text(tokenizer: Any, text_encoder: Any, text: str, device: torch.devi
 class TextEncode:
     """Prompt and negative prompt → ``prompt_embeds`` / ``negative_embeds`` (transformer dtype).
 
-    With a :class:`~omniloop_wan.textcache.TextEmbeddingCache` (default: one per loaded model)
+    With a :class:`~omniloop_kit.textcache.TextEmbeddingCache` (default: one per loaded model)
     a text already encoded by this encoder and weights is not encoded again; the request's
     ``metrics["text_cache"]`` counts its hits and misses."""
 
@@ -90,22 +97,12 @@ class TextEncode:
         p = params_of(state)
         tok, te = ctx.components["tokenizer"], ctx.components["text_encoder"]
         dtype = ctx.components["transformer"].dtype
-        cache = self.cache
-        hits = misses = 0
-        out = []
         with torch.no_grad():
-            for text in (p.prompt, p.negative_prompt):
-                if cache is None:
-                    out.append(encode_text(tok, te, text, ctx.device, dtype))
-                    continue
-                key = cache.key(text, te, dtype, ctx.device)
-                value, hit = cache.get_or_encode(key, lambda text=text: encode_text(tok, te, text, ctx.device, dtype))
-                hits += hit
-                misses += not hit
-                out.append(value)
+            out, metrics = encode_texts(self.cache, (p.prompt, p.negative_prompt), te, dtype, ctx.device,
+                                        lambda text: encode_text(tok, te, text, ctx.device, dtype))
         (pos, pos_mask), (neg, neg_mask) = out
-        if cache is not None:
-            state.metrics["text_cache"] = {"hits": hits, "misses": misses, "entries": len(cache)}
+        if metrics is not None:
+            state.metrics["text_cache"] = metrics
         state.write("prompt_embeds", Embeddings(tensor=pos, mask=pos_mask), ctx.node.name)
         state.write("negative_embeds", Embeddings(tensor=neg, mask=neg_mask), ctx.node.name)
 
@@ -150,7 +147,7 @@ class ImageEncode:
                 zeros = image.new_zeros(image.shape[0], image.shape[1], p.frames - 1, p.height, p.width)
                 video_condition = torch.cat([image, zeros], dim=2)
             video_condition = video_condition.to(device=_module_device(vae), dtype=vae.dtype)
-            mean, inv_std = _vae_stats(vae, ctx.device, torch.float32)
+            mean, inv_std = latent_stats(vae, ctx.device, torch.float32)
             latent = vae.encode(video_condition).latent_dist.mode()
             latent = latent.to(device=ctx.device, dtype=torch.float32)
             latent = (latent - mean) * inv_std
@@ -184,9 +181,7 @@ class VaeDecode:
         vae = ctx.components["vae"]
         latents = state.read("denoised", Latents).tensor
         with torch.no_grad():
-            latents = latents.to(_module_device(vae), dtype=vae.dtype)
-            mean, inv_std = _vae_stats(vae, latents.device, latents.dtype)
-            latents = latents / inv_std + mean
+            latents = denormalise(vae, latents.to(_module_device(vae), dtype=vae.dtype))
             video = vae.decode(latents, return_dict=False)[0]
         state.write("decoded", Tensors(values={"video": video}), ctx.node.name)
 

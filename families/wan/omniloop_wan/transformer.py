@@ -23,6 +23,49 @@ from omniloop.interceptors import BlockContext, run_blocks
 from .attention import set_token_grid
 
 
+def embed(model: Any, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+          encoder_hidden_states_image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """The forward up to the blocks: ``(tokens [B, S, inner], temb, timestep_proj, context, grid)``
+    — patch embedding, time / text / image conditioning (``grid``: the token grid ``(F, H, W)``;
+    the CLIP image states, when given, come first in ``context``). Shared by :func:`wan_forward`,
+    the sequence-parallel forward and the causal chunk forward."""
+    _b, _c, num_frames, height, width = hidden_states.shape
+    p_t, p_h, p_w = model.config.patch_size
+    grid = (num_frames // p_t, height // p_h, width // p_w)
+    hidden_states = model.patch_embedding(hidden_states)
+    hidden_states = hidden_states.flatten(2).transpose(1, 2).contiguous()
+    if timestep.ndim == 2:  # one timestep per token (Wan2.2 TI2V)
+        ts_seq_len = timestep.shape[1]
+        timestep = timestep.flatten()
+    else:
+        ts_seq_len = None
+    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = model.condition_embedder(
+        timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len
+    )
+    # [B, seq_len, 6, inner] per token, else [B, 6, inner]
+    timestep_proj = timestep_proj.unflatten(2 if ts_seq_len is not None else 1, (6, -1))
+    if encoder_hidden_states_image is not None:
+        encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
+    return hidden_states, temb, timestep_proj, encoder_hidden_states, grid
+
+
+def head(model: Any, hidden_states: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    """The forward after the blocks: output norm, projection and unpatchify to ``[B, C, F, H, W]``."""
+    if temb.ndim == 3:
+        shift, scale = (model.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
+        shift = shift.squeeze(2)
+        scale = scale.squeeze(2)
+    else:
+        shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    shift = shift.to(hidden_states.device)
+    scale = scale.to(hidden_states.device)
+    hidden_states = (model.norm_out(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
+    hidden_states = model.proj_out(hidden_states)
+    hidden_states = hidden_states.reshape(hidden_states.shape[0], *grid, *model.config.patch_size, -1)
+    hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
 def wan_forward(
     model: Any,
     hidden_states: torch.Tensor,
@@ -40,54 +83,15 @@ def wan_forward(
     ``blocks`` replaces ``model.blocks`` (the same blocks compiled, see :mod:`omniloop_wan.compile`).
     Returns the prediction ``[B, out_channels, F, H, W]``.
     """
-    batch_size, _num_channels, num_frames, height, width = hidden_states.shape
-    p_t, p_h, p_w = model.config.patch_size
-    post_patch_num_frames = num_frames // p_t
-    post_patch_height = height // p_h
-    post_patch_width = width // p_w
-
-    # 1. rotary embedding and patch embedding (backends that take the token grid are told it)
-    set_token_grid(model, (post_patch_num_frames, post_patch_height, post_patch_width), hidden_states.device)
     rotary_emb = model.rope(hidden_states)
-    hidden_states = model.patch_embedding(hidden_states)
-    hidden_states = hidden_states.flatten(2).transpose(1, 2).contiguous()
+    hidden, temb, proj, context, grid = embed(model, hidden_states, timestep, encoder_hidden_states,
+                                              encoder_hidden_states_image)
+    # backends that take the token grid are told it (eager, before the blocks)
+    set_token_grid(model, grid, hidden_states.device)
 
-    # 2. time, text and image conditioning
-    if timestep.ndim == 2:  # one timestep per token (Wan2.2 TI2V)
-        ts_seq_len = timestep.shape[1]
-        timestep = timestep.flatten()
-    else:
-        ts_seq_len = None
-    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = model.condition_embedder(
-        timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len
-    )
-    if ts_seq_len is not None:
-        timestep_proj = timestep_proj.unflatten(2, (6, -1))  # [B, seq_len, 6, inner]
-    else:
-        timestep_proj = timestep_proj.unflatten(1, (6, -1))  # [B, 6, inner]
-    if encoder_hidden_states_image is not None:
-        encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
-
-    # 3. the block stack, through omniloop (interceptors may skip or reuse blocks)
+    # the block stack, through omniloop (interceptors may skip or reuse blocks)
     def call(block: Any, hidden: torch.Tensor) -> torch.Tensor:
-        return block(hidden, encoder_hidden_states, timestep_proj, rotary_emb)
+        return block(hidden, context, proj, rotary_emb)
 
-    hidden_states = run_blocks(model.blocks if blocks is None else blocks, hidden_states, block_ctx, call)
-
-    # 4. output norm, projection and unpatchify
-    if temb.ndim == 3:
-        shift, scale = (model.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
-        shift = shift.squeeze(2)
-        scale = scale.squeeze(2)
-    else:
-        shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    shift = shift.to(hidden_states.device)
-    scale = scale.to(hidden_states.device)
-
-    hidden_states = (model.norm_out(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
-    hidden_states = model.proj_out(hidden_states)
-    hidden_states = hidden_states.reshape(
-        batch_size, post_patch_num_frames, post_patch_height, post_patch_width, p_t, p_h, p_w, -1
-    )
-    hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
-    return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+    hidden = run_blocks(model.blocks if blocks is None else blocks, hidden, block_ctx, call)
+    return head(model, hidden, temb, grid)

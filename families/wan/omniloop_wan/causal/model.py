@@ -12,7 +12,7 @@ Two ways to run the same math:
   chunks (``context``) and, when ``record`` is given, handing back this chunk's own per-layer K/V
   (after ``norm_k`` and RoPE) so that the caller writes them to a slab once the chunk is final;
 * :func:`masked_forward` — the whole sequence at once, no cache, one timestep per token and a
-  boolean attention mask (:func:`block_causal_mask`). This is the reference the cached rollout
+  boolean attention mask (omniloop-kit's :func:`~omniloop_kit.causal.block_causal_mask`). This is the reference the cached rollout
   is tested against (tests/wan_causal/test_rollout.py).
 
 Every other operation (patch embedding, time/text conditioning, modulation, cross-attention,
@@ -30,6 +30,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from omniloop_kit.causal import block_causal_mask, chunk_visibility
+
+from ..attention import apply_rotary_emb
+from ..transformer import embed, head
 
 #: ``record(layer, k, v)`` — receives one layer's self-attention keys/values ``[B, S, H, D]``
 Recorder = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -49,21 +54,12 @@ def check_model(model: Any) -> None:
 def rope(model: Any, frame0: int, frames: int, pph: int, ppw: int) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE (cos, sin) ``[1, frames*pph*ppw, 1, head_dim]`` for latent frames ``frame0 ..
     frame0+frames-1`` — diffusers' ``WanRotaryPosEmbed.forward`` with a frame offset."""
-    r = model.rope
-    if frame0 + frames > r.freqs_cos.shape[0]:
+    if frame0 + frames > model.rope.freqs_cos.shape[0]:
         raise ValueError(
             f"causal rollout: latent frame {frame0 + frames - 1} is past the model's RoPE table "
-            f"({r.freqs_cos.shape[0]} positions, the transformer's rope_max_seq_len)"
+            f"({model.rope.freqs_cos.shape[0]} positions, the transformer's rope_max_seq_len)"
         )
-    split = [r.t_dim, r.h_dim, r.w_dim]
-    out = []
-    for table in (r.freqs_cos, r.freqs_sin):
-        t, h, w = table.split(split, dim=1)
-        ft = t[frame0 : frame0 + frames].view(frames, 1, 1, -1).expand(frames, pph, ppw, -1)
-        fh = h[:pph].view(1, pph, 1, -1).expand(frames, pph, ppw, -1)
-        fw = w[:ppw].view(1, 1, ppw, -1).expand(frames, pph, ppw, -1)
-        out.append(torch.cat([ft, fh, fw], dim=-1).reshape(1, frames * pph * ppw, 1, -1))
-    return out[0], out[1]
+    return _rope_tables(model, torch.arange(frame0, frame0 + frames), pph, ppw)
 
 
 def rope_at(model: Any, frames: Sequence[int], pph: int, ppw: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,27 +71,20 @@ def rope_at(model: Any, frames: Sequence[int], pph: int, ppw: int) -> tuple[torc
     if pos.numel() == 0 or int(pos.min()) < 0 or int(pos.max()) >= r.freqs_cos.shape[0]:
         raise ValueError(f"causal rollout: frame positions must lie in [0, {r.freqs_cos.shape[0]}), "
                          "the transformer's rope_max_seq_len")
+    return _rope_tables(model, pos, pph, ppw)
+
+
+def _rope_tables(model: Any, pos: torch.Tensor, pph: int, ppw: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r = model.rope
     n = pos.numel()
-    split = [r.t_dim, r.h_dim, r.w_dim]
     out = []
     for table in (r.freqs_cos, r.freqs_sin):
-        t, h, w = table.split(split, dim=1)
+        t, h, w = table.split([r.t_dim, r.h_dim, r.w_dim], dim=1)
         ft = t[pos.to(t.device)].view(n, 1, 1, -1).expand(n, pph, ppw, -1)
         fh = h[:pph].view(1, pph, 1, -1).expand(n, pph, ppw, -1)
         fw = w[:ppw].view(1, 1, ppw, -1).expand(n, pph, ppw, -1)
         out.append(torch.cat([ft, fh, fw], dim=-1).reshape(1, n * pph * ppw, 1, -1))
     return out[0], out[1]
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # the same ops as diffusers' WanAttnProcessor.apply_rotary_emb
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    c = cos[..., 0::2]
-    s = sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * c - x2 * s
-    out[..., 1::2] = x1 * s + x2 * c
-    return out.type_as(x)
 
 
 def self_attention(
@@ -118,8 +107,8 @@ def self_attention(
     q = q.unflatten(2, (attn.heads, -1))
     k = k.unflatten(2, (attn.heads, -1))
     v = v.unflatten(2, (attn.heads, -1))
-    q = _apply_rope(q, *rotary)
-    k = _apply_rope(k, *rotary)
+    q = apply_rotary_emb(q, *rotary)
+    k = apply_rotary_emb(k, *rotary)
     if record is not None:
         record(layer, k, v)
     ctx = context(layer) if context is not None else None
@@ -173,36 +162,18 @@ def _forward(
     mask: torch.Tensor | None,
     positions: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    b, _c, frames, height, width = latents.shape
-    p_t, p_h, p_w = model.config.patch_size
-    pph, ppw = height // p_h, width // p_w
+    frames = latents.shape[2]
+    hidden, temb, proj, text, grid = embed(model, latents, timestep, text)
     if positions is None:
-        rotary = rope(model, frame0, frames, pph, ppw)
+        rotary = rope(model, frame0, frames, grid[1], grid[2])
     else:
         if len(positions) != frames:
             raise ValueError(f"positions: one per latent frame ({frames}), got {len(positions)}")
-        rotary = rope_at(model, positions, pph, ppw)
+        rotary = rope_at(model, positions, grid[1], grid[2])
     rotary = (rotary[0].to(latents.device), rotary[1].to(latents.device))
-    hidden = model.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
-    if timestep.ndim == 2:
-        ts_len = timestep.shape[1]
-        timestep = timestep.flatten()
-    else:
-        ts_len = None
-    temb, proj, text, _img = model.condition_embedder(timestep, text, None, timestep_seq_len=ts_len)
-    proj = proj.unflatten(2, (6, -1)) if ts_len is not None else proj.unflatten(1, (6, -1))
     for i, block in enumerate(model.blocks):
         hidden = block_forward(block, hidden, text, proj, rotary, layer=i, context=context, record=record, mask=mask)
-    if temb.ndim == 3:
-        shift, scale = (model.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
-        shift, scale = shift.squeeze(2), scale.squeeze(2)
-    else:
-        shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    hidden = (model.norm_out(hidden.float()) * (1 + scale.to(hidden.device)) + shift.to(hidden.device)).type_as(hidden)
-    hidden = model.proj_out(hidden)
-    hidden = hidden.reshape(b, frames // p_t, pph, ppw, p_t, p_h, p_w, -1)
-    hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6)
-    return hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+    return head(model, hidden, temb, grid)
 
 
 def chunk_forward(
@@ -230,26 +201,6 @@ def masked_forward(
     ``positions`` (one RoPE latent-frame index per frame; default ``0..F-1``) lets a sequence
     hold two copies of the same frames (teacher-forcing training)."""
     return _forward(model, latents, timestep, text, 0, context=None, record=None, mask=mask, positions=positions)
-
-
-def chunk_visibility(n_chunks: int, window: int | None = None, sink: int = 0) -> torch.Tensor:
-    """``[n, n]`` bool: may chunk ``i`` see chunk ``j``? Itself and earlier chunks, of which only
-    the last ``window - 1`` earlier ones (``window`` counts the chunk itself) and the first
-    ``sink`` ones when a window is set — what the cache holds when chunk ``i`` is denoised."""
-    i = torch.arange(n_chunks)[:, None]
-    j = torch.arange(n_chunks)[None, :]
-    vis = j <= i
-    if window is not None:
-        vis &= (j > i - window) | (j < sink)
-    return vis
-
-
-def block_causal_mask(chunk_tokens: Sequence[int], window: int | None = None, sink: int = 0) -> torch.Tensor:
-    """Token-level ``[S, S]`` bool mask for chunks of ``chunk_tokens`` tokens each (see
-    :func:`chunk_visibility`)."""
-    vis = chunk_visibility(len(chunk_tokens), window, sink)
-    owner = torch.repeat_interleave(torch.arange(len(chunk_tokens)), torch.tensor(list(chunk_tokens)))
-    return vis[owner][:, owner]
 
 
 __all__ = [

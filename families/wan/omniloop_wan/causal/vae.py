@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..stages import denormalise
+
 
 class StreamingDecoder:
     """Decode latent chunks ``[1, z, f, h, w]`` (normalised, as the transformer sees them) in order."""
@@ -27,14 +29,6 @@ class StreamingDecoder:
         self.frames_in = 0  # latent frames decoded so far
         self._feat: list[Any] = [None] * vae._cached_conv_counts["decoder"]
 
-    def _denormalise(self, latents: torch.Tensor) -> torch.Tensor:
-        cfg = self.vae.config
-        z = cfg.z_dim
-        dev, dt = latents.device, latents.dtype
-        mean = torch.tensor(cfg.latents_mean).view(1, z, 1, 1, 1).to(dev, dt)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, z, 1, 1, 1).to(dev, dt)
-        return latents / inv_std + mean
-
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """The video ``[1, 3, T, H, W]`` in [-1, 1] of the next latent frames ``latents``."""
@@ -42,7 +36,7 @@ class StreamingDecoder:
 
         vae = self.vae
         dev = next(vae.parameters()).device
-        z = self._denormalise(latents.to(dev, dtype=vae.dtype))
+        z = denormalise(self.vae, latents.to(dev, dtype=vae.dtype))
         x = vae.post_quant_conv(z)
         outs = []
         for i in range(x.shape[2]):
@@ -60,7 +54,7 @@ class StreamingDecoder:
         vae = self.vae
         dev = next(vae.parameters()).device
         with torch.no_grad():
-            return vae.decode(self._denormalise(latents.to(dev, dtype=vae.dtype)), return_dict=False)[0]
+            return vae.decode(denormalise(self.vae, latents.to(dev, dtype=vae.dtype)), return_dict=False)[0]
 
     def state_bytes(self) -> int:
         """Bytes held by the feature cache (what a session keeps between requests)."""
