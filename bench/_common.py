@@ -21,6 +21,7 @@ import shlex
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -144,6 +145,32 @@ def step_times(marks: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside the block are made directly in ``dtype`` (no float32 transient: 57 GB
+    for the Wan 14B); torch's default dtype is restored after it."""
+    with contextlib.ExitStack() as restore:
+        restore.callback(torch.set_default_dtype, torch.get_default_dtype())
+        torch.set_default_dtype(dtype)
+        yield
+
+
+def step_marker(steps: int, final_latents: dict[str, torch.Tensor] | None = None) -> tuple[list[float], Any]:
+    """A diffusers ``callback_on_step_end`` timing each denoise step: ``(marks, on_step)``; each step
+    end appends ``time.perf_counter()`` to ``marks`` after a ``sync()``. With ``final_latents``
+    given, the last step's latents are copied into it under ``"latents"``."""
+    marks: list[float] = []
+
+    def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+        sync()
+        marks.append(time.perf_counter())
+        if final_latents is not None and i == steps - 1:
+            final_latents["latents"] = kw["latents"].detach().clone()
+        return {}
+
+    return marks, on_step
+
+
 def wan_pipeline(comps: dict[str, Any]) -> Any:
     """A diffusers ``WanPipeline`` over the shared modules, with a fresh scheduler and no progress bar."""
     from diffusers import WanPipeline
@@ -160,15 +187,7 @@ def run_diffusers(pipe: Any, steps: int, seed: int, size: tuple[int, int, int],
     """Time ``pipe`` (prompt to its ``output_type="np"`` float frames; CFG ``GUIDANCE``, CPU-generator
     noise); ``result`` is the frames as uint8 ``[T, H, W, 3]``, converted after the clock stops.
     With ``final_latents`` given, the last step's latents are copied into it under ``"latents"``."""
-    marks: list[float] = []
-
-    def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
-        sync()
-        marks.append(time.perf_counter())
-        if final_latents is not None and i == steps - 1:
-            final_latents["latents"] = kw["latents"].detach().clone()
-        return {}
-
+    marks, on_step = step_marker(steps, final_latents)
     frames_n, h, w = size
     sync()
     t0 = time.perf_counter()

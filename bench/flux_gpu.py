@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import itertools
 import json
 import statistics
 import sys
@@ -48,7 +47,17 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import command_line, library_versions, machine, run_omniloop, sync, write_record  # noqa: E402
+from _common import (  # noqa: E402
+    command_line,
+    default_dtype,
+    library_versions,
+    machine,
+    run_omniloop,
+    step_marker,
+    step_times,
+    sync,
+    write_record,
+)
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
 GUIDANCE = 3.5
@@ -76,16 +85,6 @@ SMOKE = {
     "vae": dict(FLUX_VAE, block_out_channels=[8, 8, 8, 8], layers_per_block=1, latent_channels=4, norm_num_groups=4),
 }
 SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile")
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
@@ -138,16 +137,8 @@ class DiffusersSide:
         self.pipe.set_progress_bar_config(disable=True)
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
-        marks: list[float] = []
         final: dict[str, torch.Tensor] = {}
-
-        def on_step(_p: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
-            sync()
-            marks.append(time.perf_counter())
-            if i == steps - 1:
-                final["latents"] = kw["latents"].detach().clone()
-            return {}
-
+        marks, on_step = step_marker(steps, final)
         ctx = diffusers_compiled(self.comps["transformer"], self.backend) if self.name.endswith("compile") else contextlib.nullcontext()
         with ctx:
             sync()
@@ -157,7 +148,7 @@ class DiffusersSide:
                       output_type="np", callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents"])
             sync()
             total = time.perf_counter() - t0
-        return {"total": total, "steps": [b - a for a, b in itertools.pairwise(marks)], "latents": final["latents"]}
+        return {"total": total, "steps": step_times(marks), "latents": final["latents"]}
 
 
 class OmniloopSide:

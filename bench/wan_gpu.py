@@ -88,6 +88,7 @@ from _common import (  # noqa: E402
     SMOKE_VAE,
     UMT5_XXL,
     command_line,
+    default_dtype,
     library_versions,
     machine,
     omniloop_request,
@@ -199,17 +200,6 @@ def reset_peak() -> None:
 
 def peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda() else None
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Build random modules directly in ``dtype`` (no float32 transient: 57 GB for the 14B)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 def free() -> None:

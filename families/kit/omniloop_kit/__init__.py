@@ -8,6 +8,7 @@
 * :mod:`omniloop_kit.lazy` — a family package's lazy exports.
 * :mod:`omniloop_kit.tiny` — tiny-checkpoint builders (a T5 tokenizer, ``omniloop.json``).
 * :mod:`omniloop_kit.loading` — a pipeline folder's components loaded by the classes ``model_index.json`` names.
+* :mod:`omniloop_kit.presets` — a shipped preset's checkpoint folder, or one clear ``DeployError``.
 
 Importing the package imports nothing heavy (no torch).
 """
