@@ -155,6 +155,22 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def diffusers_compiled(transformer: Any, backend: str, mode: str | None = None) -> Iterator[None]:
+    """diffusers' regional compile (``compile_repeated_blocks``; ``mode`` with inductor only),
+    undone afterwards: the modules are shared with the omniloop sides."""
+    kw: dict[str, Any] = {"fullgraph": True, "backend": backend}
+    if mode and backend == "inductor":
+        kw["mode"] = mode
+    transformer.compile_repeated_blocks(**kw)
+    try:
+        yield
+    finally:
+        for m in transformer.modules():
+            if getattr(m, "_compiled_call_impl", None) is not None:
+                m._compiled_call_impl = None
+
+
 def step_marker(steps: int, final_latents: dict[str, torch.Tensor] | None = None) -> tuple[list[float], Any]:
     """A diffusers ``callback_on_step_end`` timing each denoise step: ``(marks, on_step)``; each step
     end appends ``time.perf_counter()`` to ``marks`` after a ``sync()``. With ``final_latents``

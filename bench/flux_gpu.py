@@ -36,7 +36,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ _repo_paths.add_repo_packages()
 from _common import (  # noqa: E402
     command_line,
     default_dtype,
+    diffusers_compiled,
     library_versions,
     machine,
     run_omniloop,
@@ -108,18 +108,6 @@ def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> d
         vae = AutoencoderKL(**cfg["vae"]).to(dtype).eval().requires_grad_(False)
     return {"transformer": tf, "vae": vae, "text_encoder": clip, "text_encoder_2": t5, "tokenizer": tok,
             "tokenizer_2": tok2, "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER)}
-
-
-@contextlib.contextmanager
-def diffusers_compiled(transformer: Any, backend: str) -> Iterator[None]:
-    """diffusers' regional compile, undone afterwards (the modules are shared with omniloop's sides)."""
-    transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
-    try:
-        yield
-    finally:
-        for m in transformer.modules():
-            if getattr(m, "_compiled_call_impl", None) is not None:
-                m._compiled_call_impl = None
 
 
 class DiffusersSide:
