@@ -13,12 +13,14 @@ omniloop / diffusers imports happen inside the functions.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import json
 import os
 import platform
 import shlex
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -249,6 +251,15 @@ def run_omniloop(built: Any, body: dict[str, Any]) -> TimedRun:
     return TimedRun(total, step_times(marks), ex)
 
 
+def run_omniloop_video(built: Any, steps: int, seed: int, size: tuple[int, int, int]) -> tuple[TimedRun, Any]:
+    """:func:`run_omniloop` of :func:`omniloop_request` with its output checked: the run with the
+    uint8 ``video`` frames as ``result`` (what :func:`run_interleaved` compares), and the output."""
+    total, per_step, ex = run_omniloop(built, omniloop_request(steps, seed, size))
+    out = ex.output
+    assert out.ok, out.error
+    return TimedRun(total, per_step, out.artifacts["video"].frames), out
+
+
 def run_interleaved(sides: list[Any], steps: int, repeats: int, size: tuple[int, int, int],
                     seed: int = 42) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, torch.Tensor]]:
     """Warm up every side (2 steps, seed 0), then ``repeats`` rounds, every other one in reverse order.
@@ -289,6 +300,33 @@ def machine(**extra: Any) -> dict[str, Any]:
         "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         **extra,
     }
+
+
+def cpu_machine(threads: int, **extra: Any) -> dict[str, Any]:
+    """The CPU benchmarks' machine record (platform, Python, torch, CPUs, torch's thread count,
+    processor, CUDA present), then ``extra`` (the load average as each script reports it)."""
+    return {
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": threads,
+        "processor": platform.processor() or platform.machine(), "cuda": torch.cuda.is_available(), **extra,
+    }
+
+
+def write_dated_record(out_dir: Path, name: str, benchmark: str, what: str, machine: dict[str, Any], results: Any,
+                       **extra: Any) -> Path:
+    """``<out_dir>/<name>-<UTC date>.json`` (indent 2) holding ``benchmark``, the date and time, the
+    command line as run, ``what``, ``extra`` (e.g. ``config``), ``machine`` and ``results``."""
+    now = datetime.datetime.now(datetime.UTC)
+    doc = {
+        "benchmark": benchmark,
+        "date": now.isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable.split(os.sep)[-1], *sys.argv]),
+        "what": what, **extra, "machine": machine, "results": results,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}-{now.date().isoformat()}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
 
 
 def library_versions() -> dict[str, str]:
