@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from omniloop_server.testing import video_events
+
 T = 60.0
 
 
@@ -72,17 +74,7 @@ def test_sse_streams_progress_then_done(server: Any) -> None:
     url, _ = server
     with httpx.Client(base_url=url, timeout=T) as c:
         job = c.post("/v1/videos", json=video_body(steps=5)).json()
-        events = []
-        with c.stream("GET", f"/v1/videos/{job['id']}/events") as r:
-            assert r.headers["content-type"].startswith("text/event-stream")
-            name = None
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: "):
-                    events.append((name, json.loads(line[6:])))
-                    if name == "done":
-                        break
+        events = video_events(c, job["id"])
     names = [n for n, _ in events]
     assert names[0] == "status" and names[-1] == "done"
     assert [d["step"] for n, d in events if n == "progress"] == [1, 2, 3, 4, 5]

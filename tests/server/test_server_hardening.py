@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from omniloop_server.testing import video_events
+
 T = 60.0
 
 
@@ -239,16 +241,7 @@ def test_sse_has_no_progress_event_without_a_step(server: Any) -> None:
     url, _ = server
     with httpx.Client(base_url=url, timeout=T) as c:
         job = c.post("/v1/videos", json={"prompt": "x", "steps": 3, "size": "16x16"}).json()
-        events = []
-        with c.stream("GET", f"/v1/videos/{job['id']}/events") as r:
-            name = None
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: "):
-                    events.append((name, json.loads(line[6:])))
-                    if name == "done":
-                        break
+        events = video_events(c, job["id"])
     progress = [d for n, d in events if n == "progress"]
     assert [(d["step"], d["total"]) for d in progress] == [(1, 3), (2, 3), (3, 3)]
     assert events[-1][0] == "done"
