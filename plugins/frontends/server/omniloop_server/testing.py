@@ -45,6 +45,18 @@ def serving(app: Any, timeout: float = 30.0) -> Iterator[str]:
         assert not thread.is_alive(), "uvicorn did not stop"
 
 
+def wait_video(client: Any, video_id: str, timeout: float = 60.0) -> dict[str, Any]:
+    """Poll ``GET /v1/videos/{video_id}`` with ``client`` until the job is ``completed`` or
+    ``failed``: its last state (``AssertionError`` after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = client.get(f"/v1/videos/{video_id}").json()
+        if job["status"] in ("completed", "failed"):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {video_id} not terminal after {timeout}s")
+
+
 def video_events(client: Any, video_id: str) -> list[tuple[str | None, Any]]:
     """``GET /v1/videos/{video_id}/events`` read with ``client`` (an ``httpx.Client``) up to and
     including the ``done`` event: ``(event name, parsed data)`` each."""
