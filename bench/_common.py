@@ -13,14 +13,17 @@ omniloop / diffusers imports happen inside the functions.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import json
 import os
 import platform
 import shlex
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -144,6 +147,48 @@ def step_times(marks: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside the block are made directly in ``dtype`` (no float32 transient: 57 GB
+    for the Wan 14B); torch's default dtype is restored after it."""
+    with contextlib.ExitStack() as restore:
+        restore.callback(torch.set_default_dtype, torch.get_default_dtype())
+        torch.set_default_dtype(dtype)
+        yield
+
+
+@contextlib.contextmanager
+def diffusers_compiled(transformer: Any, backend: str, mode: str | None = None) -> Iterator[None]:
+    """diffusers' regional compile (``compile_repeated_blocks``; ``mode`` with inductor only),
+    undone afterwards: the modules are shared with the omniloop sides."""
+    kw: dict[str, Any] = {"fullgraph": True, "backend": backend}
+    if mode and backend == "inductor":
+        kw["mode"] = mode
+    transformer.compile_repeated_blocks(**kw)
+    try:
+        yield
+    finally:
+        for m in transformer.modules():
+            if getattr(m, "_compiled_call_impl", None) is not None:
+                m._compiled_call_impl = None
+
+
+def step_marker(steps: int, final_latents: dict[str, torch.Tensor] | None = None) -> tuple[list[float], Any]:
+    """A diffusers ``callback_on_step_end`` timing each denoise step: ``(marks, on_step)``; each step
+    end appends ``time.perf_counter()`` to ``marks`` after a ``sync()``. With ``final_latents``
+    given, the last step's latents are copied into it under ``"latents"``."""
+    marks: list[float] = []
+
+    def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+        sync()
+        marks.append(time.perf_counter())
+        if final_latents is not None and i == steps - 1:
+            final_latents["latents"] = kw["latents"].detach().clone()
+        return {}
+
+    return marks, on_step
+
+
 def wan_pipeline(comps: dict[str, Any]) -> Any:
     """A diffusers ``WanPipeline`` over the shared modules, with a fresh scheduler and no progress bar."""
     from diffusers import WanPipeline
@@ -160,15 +205,7 @@ def run_diffusers(pipe: Any, steps: int, seed: int, size: tuple[int, int, int],
     """Time ``pipe`` (prompt to its ``output_type="np"`` float frames; CFG ``GUIDANCE``, CPU-generator
     noise); ``result`` is the frames as uint8 ``[T, H, W, 3]``, converted after the clock stops.
     With ``final_latents`` given, the last step's latents are copied into it under ``"latents"``."""
-    marks: list[float] = []
-
-    def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
-        sync()
-        marks.append(time.perf_counter())
-        if final_latents is not None and i == steps - 1:
-            final_latents["latents"] = kw["latents"].detach().clone()
-        return {}
-
+    marks, on_step = step_marker(steps, final_latents)
     frames_n, h, w = size
     sync()
     t0 = time.perf_counter()
@@ -214,6 +251,15 @@ def run_omniloop(built: Any, body: dict[str, Any]) -> TimedRun:
     return TimedRun(total, step_times(marks), ex)
 
 
+def run_omniloop_video(built: Any, steps: int, seed: int, size: tuple[int, int, int]) -> tuple[TimedRun, Any]:
+    """:func:`run_omniloop` of :func:`omniloop_request` with its output checked: the run with the
+    uint8 ``video`` frames as ``result`` (what :func:`run_interleaved` compares), and the output."""
+    total, per_step, ex = run_omniloop(built, omniloop_request(steps, seed, size))
+    out = ex.output
+    assert out.ok, out.error
+    return TimedRun(total, per_step, out.artifacts["video"].frames), out
+
+
 def run_interleaved(sides: list[Any], steps: int, repeats: int, size: tuple[int, int, int],
                     seed: int = 42) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, torch.Tensor]]:
     """Warm up every side (2 steps, seed 0), then ``repeats`` rounds, every other one in reverse order.
@@ -254,6 +300,33 @@ def machine(**extra: Any) -> dict[str, Any]:
         "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         **extra,
     }
+
+
+def cpu_machine(threads: int, **extra: Any) -> dict[str, Any]:
+    """The CPU benchmarks' machine record (platform, Python, torch, CPUs, torch's thread count,
+    processor, CUDA present), then ``extra`` (the load average as each script reports it)."""
+    return {
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": threads,
+        "processor": platform.processor() or platform.machine(), "cuda": torch.cuda.is_available(), **extra,
+    }
+
+
+def write_dated_record(out_dir: Path, name: str, benchmark: str, what: str, machine: dict[str, Any], results: Any,
+                       **extra: Any) -> Path:
+    """``<out_dir>/<name>-<UTC date>.json`` (indent 2) holding ``benchmark``, the date and time, the
+    command line as run, ``what``, ``extra`` (e.g. ``config``), ``machine`` and ``results``."""
+    now = datetime.datetime.now(datetime.UTC)
+    doc = {
+        "benchmark": benchmark,
+        "date": now.isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable.split(os.sep)[-1], *sys.argv]),
+        "what": what, **extra, "machine": machine, "results": results,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}-{now.date().isoformat()}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
 
 
 def library_versions() -> dict[str, str]:

@@ -111,14 +111,12 @@ class Omniloop:
         self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, block_interceptor=icpt)
 
     def run(self, steps: int, seed: int, size: tuple[int, int, int]) -> common.TimedRun:
-        total, per_step, ex = common.run_omniloop(self.built, common.omniloop_request(steps, seed, size))
-        out = ex.output
-        assert out.ok, out.error
+        run, out = common.run_omniloop_video(self.built, steps, seed, size)
         if self.settings:
             stats = out.metrics["plugins"]["cache-dit"]
             self.cached = {b: s["cached_steps"] for b, s in stats.items()}
             self.diffs = {b: s["residual_diffs"] for b, s in stats.items()}
-        return common.TimedRun(total, per_step, out.artifacts["video"].frames)
+        return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,13 +31,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import itertools
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +46,18 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import command_line, library_versions, machine, run_omniloop, sync, write_record  # noqa: E402
+from _common import (  # noqa: E402
+    command_line,
+    default_dtype,
+    diffusers_compiled,
+    library_versions,
+    machine,
+    run_omniloop,
+    step_marker,
+    step_times,
+    sync,
+    write_record,
+)
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
 GUIDANCE = 3.5
@@ -78,16 +87,6 @@ SMOKE = {
 SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile")
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
@@ -111,18 +110,6 @@ def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> d
             "tokenizer_2": tok2, "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER)}
 
 
-@contextlib.contextmanager
-def diffusers_compiled(transformer: Any, backend: str) -> Iterator[None]:
-    """diffusers' regional compile, undone afterwards (the modules are shared with omniloop's sides)."""
-    transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
-    try:
-        yield
-    finally:
-        for m in transformer.modules():
-            if getattr(m, "_compiled_call_impl", None) is not None:
-                m._compiled_call_impl = None
-
-
 class DiffusersSide:
     def __init__(self, name: str, comps: dict[str, Any], max_len: int, backend: str) -> None:
         from diffusers import FluxPipeline
@@ -138,16 +125,8 @@ class DiffusersSide:
         self.pipe.set_progress_bar_config(disable=True)
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
-        marks: list[float] = []
         final: dict[str, torch.Tensor] = {}
-
-        def on_step(_p: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
-            sync()
-            marks.append(time.perf_counter())
-            if i == steps - 1:
-                final["latents"] = kw["latents"].detach().clone()
-            return {}
-
+        marks, on_step = step_marker(steps, final)
         ctx = diffusers_compiled(self.comps["transformer"], self.backend) if self.name.endswith("compile") else contextlib.nullcontext()
         with ctx:
             sync()
@@ -157,7 +136,7 @@ class DiffusersSide:
                       output_type="np", callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents"])
             sync()
             total = time.perf_counter() - t0
-        return {"total": total, "steps": [b - a for a, b in itertools.pairwise(marks)], "latents": final["latents"]}
+        return {"total": total, "steps": step_times(marks), "latents": final["latents"]}
 
 
 class OmniloopSide:

@@ -29,11 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -45,6 +41,9 @@ import torch
 
 from omniloop.runtime import Runtime
 from omniloop_scheduler import AsyncEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (also when loaded by file path)
+import _common as common
 
 HERE = Path(__file__).resolve().parent
 
@@ -313,27 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"images: batched/sequential {r['images_batched_over_sequential']:.2f}x, "
               f"batched/unbatched-interleaved {r['images_batched_over_unbatched']:.2f}x")
     if not args.no_write:
-        now = dt.datetime.now(dt.UTC)
         name = "scheduler_latency" if args.model == "toy" else f"scheduler_latency-{Path(args.model).name}"
         name += f"-{args.tag}" if args.tag else ""
-        doc = {
-            "benchmark": "scheduler_latency",
-            "date": now.isoformat(timespec="seconds"),
-            "command": " ".join(shlex.quote(a) for a in [sys.executable.split(os.sep)[-1], *sys.argv]),
-            "what": "step scheduler vs serial FIFO: short-request latency behind a long request, throughput; "
-                    "image batching; medians over interleaved repeats, ratios",
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "machine": {
-                "platform": platform.platform(), "python": platform.python_version(),
-                "torch": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": args.threads,
-                "processor": platform.processor() or platform.machine(), "cuda": torch.cuda.is_available(),
-                "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-            },
-            "results": result,
-        }
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        path = args.out_dir / f"{name}-{now.date().isoformat()}.json"
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+        machine = common.cpu_machine(args.threads, load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
+        path = common.write_dated_record(
+            args.out_dir, name, "scheduler_latency",
+            "step scheduler vs serial FIFO: short-request latency behind a long request, throughput; "
+            "image batching; medians over interleaved repeats, ratios",
+            machine, result, config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        )
         print(f"wrote {path}")
     return 0
 

@@ -52,7 +52,16 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import command_line, library_versions, machine, rel_rms, run_omniloop, step_times, sync  # noqa: E402
+from _common import (  # noqa: E402
+    command_line,
+    library_versions,
+    machine,
+    rel_rms,
+    run_omniloop,
+    step_marker,
+    step_times,
+    sync,
+)
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
 NEGATIVE = "blurry, low quality, watermark"
@@ -151,16 +160,8 @@ class DiffusersSide:
         self.pipe.set_progress_bar_config(disable=True)
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
-        marks: list[float] = []
         final: dict[str, torch.Tensor] = {}
-
-        def on_step(_pipe: Any, i: int, t: Any, kw: dict[str, Any]) -> dict[str, Any]:
-            sync()
-            marks.append(time.perf_counter())
-            if i == steps - 1:
-                final["latents"] = kw["latents"].detach().clone()
-            return {}
-
+        marks, on_step = step_marker(steps, final)
         sync()
         t0 = time.perf_counter()
         out = self.pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=size, width=size, num_inference_steps=steps,

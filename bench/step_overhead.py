@@ -20,11 +20,7 @@ in one process, interleaved, median of ``--repeats``; results are reported as ra
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -45,6 +41,9 @@ from omniloop.loop import LoopState, RequestState, StepContext, StepResult
 from omniloop.request import OmniRequest, TaskType
 from omniloop.runtime import Runtime
 from omniloop.testing import build_toy_checkpoint, make_manager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (also when loaded by file path)
+import _common as common
 
 HERE = Path(__file__).resolve().parent
 BINDINGS = ("none", "observer", "interceptor")
@@ -253,26 +252,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{x['ratio']:>7.3f} {x['overhead_us_per_step']:>12.1f}")
 
     if not args.no_write:
-        now = dt.datetime.now(dt.UTC)
-        doc = {
-            "benchmark": "step_overhead",
-            "date": now.isoformat(timespec="seconds"),
-            "command": " ".join(shlex.quote(a) for a in [sys.executable.split(os.sep)[-1], *sys.argv]),
-            "what": "seconds per loop step: runtime-driven (Execution.advance via the scheduler) vs the same "
-                    "LoopStage.step in a bare Python loop; ratio = runtime / bare; median of repeats",
-            "machine": {
-                "platform": platform.platform(), "python": platform.python_version(),
-                "torch": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": args.threads,
-                "processor": platform.processor() or platform.machine(),
-                "cuda": torch.cuda.is_available(),
-                # other processes on the machine add noise; the ratios are measured interleaved
-                "load_average_1m_at_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-            },
-            "results": results,
-        }
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        path = args.out_dir / f"step_overhead-{now.date().isoformat()}.json"
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+        # other processes on the machine add noise; the ratios are measured interleaved
+        load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+        path = common.write_dated_record(
+            args.out_dir, "step_overhead", "step_overhead",
+            "seconds per loop step: runtime-driven (Execution.advance via the scheduler) vs the same "
+            "LoopStage.step in a bare Python loop; ratio = runtime / bare; median of repeats",
+            common.cpu_machine(args.threads, load_average_1m_at_end=load), results,
+        )
         print(f"wrote {path}")
     return 0
 

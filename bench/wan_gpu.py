@@ -88,6 +88,8 @@ from _common import (  # noqa: E402
     SMOKE_VAE,
     UMT5_XXL,
     command_line,
+    default_dtype,
+    diffusers_compiled,
     library_versions,
     machine,
     omniloop_request,
@@ -201,17 +203,6 @@ def peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda() else None
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Build random modules directly in ``dtype`` (no float32 transient: 57 GB for the 14B)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def free() -> None:
     gc.collect()
     if cuda():
@@ -254,22 +245,6 @@ def backend_spec(name: str) -> tuple[Any, str | None]:
     return spec, spec.available()
 
 
-@contextlib.contextmanager
-def diffusers_compiled(transformer: Any, mode: str | None, backend: str) -> Iterator[None]:
-    """diffusers' regional compile (``compile_repeated_blocks``), undone afterwards: the modules
-    are shared with the omniloop configurations."""
-    kw: dict[str, Any] = {"fullgraph": True, "backend": backend}
-    if mode and backend == "inductor":
-        kw["mode"] = mode
-    transformer.compile_repeated_blocks(**kw)
-    try:
-        yield
-    finally:
-        for m in transformer.modules():
-            if getattr(m, "_compiled_call_impl", None) is not None:
-                m._compiled_call_impl = None
-
-
 # --------------------------------------------------------------------------------------------
 # 1.3B: the whole pipeline
 # --------------------------------------------------------------------------------------------
@@ -303,7 +278,7 @@ class DiffusersPipelineSide:
         tf = self.comps["transformer"]
         self.stack.enter_context(diffusers_attention(tf))
         if self.compiled:
-            self.stack.enter_context(diffusers_compiled(tf, self.compile_mode, self.compile_backend))
+            self.stack.enter_context(diffusers_compiled(tf, self.compile_backend, self.compile_mode))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -550,7 +525,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
                 if c["side"] == "diffusers":
                     stack.enter_context(diffusers_attention(tf))
                     if c["compile"]:
-                        stack.enter_context(diffusers_compiled(tf, args.compile_mode, args.compile_backend))
+                        stack.enter_context(diffusers_compiled(tf, args.compile_backend, args.compile_mode))
                     fn = functools.partial(_diffusers_forward, tf, x, ts, pe)
                 else:
                     spec, why = backend_spec(c["backend"])

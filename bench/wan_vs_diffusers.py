@@ -67,10 +67,7 @@ class OmniloopSide:
         self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype)
 
     def run(self, steps: int, seed: int, size: tuple[int, int, int]) -> common.TimedRun:
-        total, per_step, ex = common.run_omniloop(self.built, common.omniloop_request(steps, seed, size))
-        out = ex.output
-        assert out.ok, out.error
-        return common.TimedRun(total, per_step, out.artifacts["video"].frames)
+        return common.run_omniloop_video(self.built, steps, seed, size)[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -350,6 +350,13 @@ class Execution:
         if self.bus is not None and self.bus.step_start is not None:
             self.bus.step_start(request=self.request, node=node.name, step=loop.step, total=loop.total)
 
+    def _next_or_finish(self, events: list[OmniEvent]) -> None:
+        """After a batched step: the next loop entered if one follows, or the request finished
+        when no node is left."""
+        self._init_next_loop()
+        if self.current_node is None and not self.done:
+            self._finish(Status.COMPLETED, None, events)
+
     def _after_step(
         self, node: Node, loop: LoopState, result: StepResult, seconds: float, events: list[OmniEvent]
     ) -> None:
@@ -460,9 +467,7 @@ def _retry_alone(executions: Sequence[Execution], node: Any, exc: BaseException,
             with ex.activated(), watching(ex._cancelled):
                 res = node.stage.step(ex._ctx, ex.state, loop)
             ex._after_step(node, loop, res, time.perf_counter() - t0, evs)
-            ex._init_next_loop()
-            if ex.current_node is None and not ex.done:
-                ex._finish(Status.COMPLETED, None, evs)
+            ex._next_or_finish(evs)
         except CancelledError:  # cancelled while it ran alone
             if not ex.done:
                 ex._finish(Status.CANCELLED, None, evs)
@@ -530,9 +535,7 @@ def _advance_batch(executions: Sequence[Execution]) -> list[list[OmniEvent]]:
         assert loop is not None
         try:
             ex._after_step(node, loop, res, dt, evs)
-            ex._init_next_loop()
-            if ex.current_node is None and not ex.done:
-                ex._finish(Status.COMPLETED, None, evs)
+            ex._next_or_finish(evs)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:

@@ -78,6 +78,19 @@ ARGUMENTS_SINCE: dict[str, dict[str, str]] = {
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+
+def registering(*items: Any) -> Any:
+    """A registration hook's implementation that registers ``items`` (specs, families, presets), for
+    a plugin module whose hook does nothing else: ``omniloop_register_observers = registering(SPEC)``
+    (pluggy matches it by the name it is bound to)."""
+
+    @hookimpl
+    def register_items(register: Any) -> None:
+        for item in items:
+            register(item)
+
+    return register_items
+
 # ============================================================================================
 # Registration
 # ============================================================================================

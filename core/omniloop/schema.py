@@ -499,6 +499,16 @@ def structure_params(cls: type[T], data: Mapping[str, Any] | None, path: str) ->
     return structure(dict(data or {}), cls, path)
 
 
+def structure_config(cls: type[T], data: Mapping[str, Any] | T | None, path: str) -> T:
+    """A plugin's config as ``cls``: an instance passes through with its ranges checked, a mapping
+    is validated (``None`` → all defaults); a bad value raises :class:`RequestError` naming ``path``
+    and the field."""
+    if isinstance(data, cls):
+        check_ranges(data, path)
+        return data
+    return structure_params(cls, data, path)  # type: ignore[arg-type]
+
+
 def structure_deploy_section(cls: type[T], data: Mapping[str, Any] | T | None, path: str) -> T:
     """A deploy section (``server:``, ``scheduler_options:`` ...) as ``cls``: an instance passes
     through, a mapping is validated (``None`` → all defaults); a bad value is one
@@ -573,6 +583,7 @@ __all__ = [
     "request_from_dict",
     "request_to_dict",
     "structure",
+    "structure_config",
     "structure_params",
     "validate_request",
 ]

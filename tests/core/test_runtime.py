@@ -201,26 +201,34 @@ def test_cancel_between_steps_releases_state(toy_checkpoint):
     assert ex.state.loops["denoise"].plugin_state == {}
 
 
-def test_failure_in_a_step_fails_only_that_request(toy_checkpoint):
-    class Failing(ScalingBlocks):
+def _bad_and_good(checkpoint, step_index, exc):
+    """A request whose scaler (``scale`` 0) raises ``exc`` at ``step_index`` and a plain one, advanced
+    in lockstep through one runtime: ``(bad, good, the scaler instance)``."""
+
+    class Raising(ScalingBlocks):
         def run(self, blocks, hidden, ctx, call):
-            if ctx.step.step_index == 2 and ctx.loop.extra["plugin_params"]["scaler"].scale == 0.0:
-                raise RuntimeError("injected")
+            if ctx.step.step_index == step_index and ctx.loop.extra["plugin_params"]["scaler"].scale == 0.0:
+                raise exc
             return super().run(blocks, hidden, ctx, call)
 
     plugin = ScalerPlugin()
-    plugin.instance = Failing()
-    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    plugin.instance = Raising()
+    rt = toy_runtime(checkpoint, ("scaler", plugin), plugins={"scaler": {}})
     bad = rt.prepare({**req(), "plugin_params": {"scaler": {"scale": 0.0}}})
     good = rt.prepare(req())
     while not (bad.done and good.done):
         bad.advance()
         good.advance()
+    return bad, good, plugin.instance
+
+
+def test_failure_in_a_step_fails_only_that_request(toy_checkpoint):
+    bad, good, scaler = _bad_and_good(toy_checkpoint, 2, RuntimeError("injected"))
     assert bad.output.status is Status.FAILED
     assert bad.output.error.node == "denoise" and bad.output.error.step == 2
     assert "injected" in bad.output.error.message
     assert good.output.status is Status.COMPLETED
-    assert len(plugin.instance.closed) == 4
+    assert len(scaler.closed) == 4
 
 
 def test_stream_emits_progress_then_final(toy_checkpoint):
@@ -343,23 +351,10 @@ def test_the_runtime_refuses_what_the_deployment_refuses(toy_checkpoint):
 
 @pytest.mark.parametrize("exc", [SystemExit(3), GeneratorExit()])
 def test_a_plugin_calling_sys_exit_in_a_step_fails_only_its_request(toy_checkpoint, exc):
-    class Exiting(ScalingBlocks):
-        def run(self, blocks, hidden, ctx, call):
-            if ctx.step.step_index == 1 and ctx.loop.extra["plugin_params"]["scaler"].scale == 0.0:
-                raise exc
-            return super().run(blocks, hidden, ctx, call)
-
-    plugin = ScalerPlugin()
-    plugin.instance = Exiting()
-    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
-    bad = rt.prepare({**req(), "plugin_params": {"scaler": {"scale": 0.0}}})
-    good = rt.prepare(req())
-    while not (bad.done and good.done):
-        bad.advance()
-        good.advance()
+    bad, good, scaler = _bad_and_good(toy_checkpoint, 1, exc)
     assert bad.output.status is Status.FAILED and bad.output.error.type == type(exc).__name__
     assert good.output.status is Status.COMPLETED
-    assert len(plugin.instance.closed) == 4  # both branches of both requests closed
+    assert len(scaler.closed) == 4  # both branches of both requests closed
 
 
 def test_ctrl_c_in_a_step_cancels_the_request_cleanly_and_propagates(toy_checkpoint):

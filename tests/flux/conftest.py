@@ -18,7 +18,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 import omniloop_flux.plugin as flux_plugin
-from omniloop.testing import make_manager
+from omniloop.testing import make_manager, once_per_arguments
 from omniloop_flux.tiny import build_tiny_checkpoint
 
 PROMPT = "a red fox jumps over the lazy dog"
@@ -37,12 +37,10 @@ def flux_manager(step_scheduler: bool = False) -> Any:
 @pytest.fixture(scope="session")
 def flux_ckpt(tmp_path_factory: pytest.TempPathFactory):
     """``flux_ckpt(variant)`` → path of a tiny checkpoint (``dev`` or ``schnell``), built once per session."""
-    cache: dict[str, Path] = {}
 
+    @once_per_arguments
     def get(variant: str = "dev") -> Path:
-        if variant not in cache:
-            cache[variant] = build_tiny_checkpoint(tmp_path_factory.mktemp(f"flux-{variant}"), variant=variant)
-        return cache[variant]
+        return build_tiny_checkpoint(tmp_path_factory.mktemp(f"flux-{variant}"), variant=variant)
 
     return get
 

@@ -79,22 +79,11 @@ def test_a_request_whose_row_raises_fails_alone_in_a_batched_step(flux_runtime, 
     """Issue 43, finding 3 (exceptions): FLUX declares ``step_batch_retry_alone`` for its denoise
     loop: the poison (its row breaks every forward it is in) fails with its error, its three
     batch-mates complete as they do alone (a raising batched forward is re-run one request at a time)."""
-    from omniloop.testing import advance_in_lockstep, forward_rows, raising_rows
+    from omniloop.testing.conformance import check_row_raises_alone
     from omniloop_flux.denoise import Denoise
 
     rt = flux_runtime("dev")
     normal = _requests(make_t2i, 3, variant_guidance=False)
     poison = make_t2i(seed=99, steps=4, prompt="a poisoned prompt")
-    with forward_rows(Denoise, "context") as shared:
-        rt.generate(normal[0])
-    with forward_rows(Denoise, "context") as mine:
-        rt.generate(poison)
-    rows = [r for r in mine if not any(torch.equal(r, s) for s in shared)]
-    assert rows
-    alone = [rt.generate(r) for r in normal]
-    with raising_rows(Denoise, "context", rows, after=1):
-        outs, batched = advance_in_lockstep(rt, [normal[0], poison, *normal[1:]])
-    bad = outs.pop(1)
-    assert bad.status is Status.FAILED and "injected" in bad.error.message, bad.error
-    assert batched >= 1
+    outs, alone = check_row_raises_alone(rt, normal, poison, Denoise, "context")
     _close(outs, alone)

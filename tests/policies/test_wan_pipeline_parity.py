@@ -27,18 +27,8 @@ def tiny_transformer(seed: int):
 
     torch.manual_seed(seed)
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+        freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ).eval()
 
 
@@ -51,26 +41,15 @@ def diffusers_latents(scheduler_config, experts, boundary_ratio, **call):
     from diffusers import UniPCMultistepScheduler, WanPipeline
 
     pipe = WanPipeline(
-        tokenizer=None,
-        text_encoder=None,
-        vae=None,
-        transformer=experts["transformer"],
-        transformer_2=experts.get("transformer_2"),
-        scheduler=UniPCMultistepScheduler.from_config(scheduler_config),
+        tokenizer=None, text_encoder=None, vae=None, transformer=experts["transformer"],
+        transformer_2=experts.get("transformer_2"), scheduler=UniPCMultistepScheduler.from_config(scheduler_config),
         boundary_ratio=boundary_ratio,
     )
     pipe.set_progress_bar_config(disable=True)
     pe, ne = embeds()
     out = pipe(
-        prompt_embeds=pe,
-        negative_prompt_embeds=ne,
-        height=HEIGHT,
-        width=WIDTH,
-        num_frames=FRAMES,
-        num_inference_steps=STEPS,
-        generator=torch.Generator().manual_seed(1),
-        output_type="latent",
-        **call,
+        prompt_embeds=pe, negative_prompt_embeds=ne, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+        num_inference_steps=STEPS, generator=torch.Generator().manual_seed(1), output_type="latent", **call,
     )
     return out.frames
 

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 import omniloop_qwen.plugin as qwen_plugin
 import omniloop_scheduler.plugin as scheduler_plugin
 from omniloop.runtime import Runtime
-from omniloop.testing import make_manager
+from omniloop.testing import make_manager, once_per_arguments
 from omniloop_qwen.tiny import build_tiny_checkpoint
 
 PROMPTS = (
@@ -36,12 +36,10 @@ def qwen_manager() -> Any:
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory: pytest.TempPathFactory):
     """``tiny_qwen(arch)`` → path of a tiny checkpoint of ``qwen2`` or ``qwen3``."""
-    cache: dict[str, Path] = {}
 
+    @once_per_arguments
     def get(arch: str = "qwen2") -> Path:
-        if arch not in cache:
-            cache[arch] = build_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch)
-        return cache[arch]
+        return build_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch)
 
     return get
 

@@ -18,7 +18,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 import omniloop_sd3.plugin as sd3_plugin
-from omniloop.testing import make_manager
+from omniloop.testing import make_manager, once_per_arguments
 from omniloop_sd3.tiny import build_tiny_checkpoint
 
 PROMPT = "a red fox jumps over the lazy dog"
@@ -33,13 +33,10 @@ def sd3_manager(*plugins: tuple[str, Any], scheduler: bool = True) -> Any:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory):
     """``tiny_ckpt(variant="sd35-medium", t5=True)`` → path of a tiny checkpoint, built once per session."""
-    cache: dict[tuple[str, bool], Path] = {}
 
+    @once_per_arguments
     def get(variant: str = "sd35-medium", t5: bool = True) -> Path:
-        key = (variant, t5)
-        if key not in cache:
-            cache[key] = build_tiny_checkpoint(tmp_path_factory.mktemp(f"sd3-{variant}-{t5}"), variant=variant, t5=t5)
-        return cache[key]
+        return build_tiny_checkpoint(tmp_path_factory.mktemp(f"sd3-{variant}-{t5}"), variant=variant, t5=t5)
 
     return get
 
@@ -49,13 +46,9 @@ def sd3_runtime(tiny_ckpt):
     """``sd3_runtime(variant="sd35-medium", t5=True)`` → a CPU float32 Runtime (cached)."""
     from omniloop.runtime import Runtime
 
-    cache: dict[tuple[str, bool], Any] = {}
-
+    @once_per_arguments
     def get(variant: str = "sd35-medium", t5: bool = True) -> Any:
-        key = (variant, t5)
-        if key not in cache:
-            cache[key] = Runtime.from_model(tiny_ckpt(variant, t5), manager=sd3_manager())
-        return cache[key]
+        return Runtime.from_model(tiny_ckpt(variant, t5), manager=sd3_manager())
 
     return get
 
@@ -65,17 +58,13 @@ def reference(tiny_ckpt):
     """``reference(variant, t5, img2img=False)`` → diffusers' pipeline over the same checkpoint (cached)."""
     from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
 
-    cache: dict[tuple[str, bool, bool], Any] = {}
-
+    @once_per_arguments
     def get(variant: str = "sd35-medium", t5: bool = True, img2img: bool = False) -> Any:
-        key = (variant, t5, img2img)
-        if key not in cache:
-            cls = StableDiffusion3Img2ImgPipeline if img2img else StableDiffusion3Pipeline
-            extra = {} if t5 else {"text_encoder_3": None, "tokenizer_3": None}
-            pipe = cls.from_pretrained(tiny_ckpt(variant, t5), dtype=torch.float32, **extra)
-            pipe.set_progress_bar_config(disable=True)
-            cache[key] = pipe
-        return cache[key]
+        cls = StableDiffusion3Img2ImgPipeline if img2img else StableDiffusion3Pipeline
+        extra = {} if t5 else {"text_encoder_3": None, "tokenizer_3": None}
+        pipe = cls.from_pretrained(tiny_ckpt(variant, t5), dtype=torch.float32, **extra)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     return get
 

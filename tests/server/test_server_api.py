@@ -5,23 +5,14 @@ from __future__ import annotations
 import base64
 import io
 import json
-import time
 from typing import Any
 
 import httpx
 import pytest
 
+from omniloop_server.testing import video_events, wait_video
+
 T = 60.0
-
-
-def wait_terminal(client: httpx.Client, job_id: str, timeout: float = T) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/videos/{job_id}").json()
-        if job["status"] in ("completed", "failed"):
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} not terminal after {timeout}s")
 
 
 def video_body(steps: int = 4, **kw: Any) -> dict[str, Any]:
@@ -35,7 +26,7 @@ def test_video_job_runs_to_completion_and_serves_an_mp4(server: Any) -> None:
         assert r.status_code == 200, r.text
         job = r.json()
         assert job["object"] == "video" and job["status"] in ("queued", "in_progress") and job["progress"] >= 0
-        done = wait_terminal(c, job["id"])
+        done = wait_video(c, job["id"])
         assert done["status"] == "completed" and done["progress"] == 100 and done["frames"] == 3
         content = c.get(f"/v1/videos/{job['id']}/content")
         assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
@@ -55,7 +46,7 @@ def test_content_is_409_until_completed_then_cancel_then_delete(server: Any) -> 
         assert r.status_code == 409 and r.json()["error"]["code"].startswith("video_")
         assert "available once it completed" in r.json()["error"]["message"]
         assert c.post(f"/v1/videos/{job['id']}/cancel").status_code == 200
-        done = wait_terminal(c, job["id"])
+        done = wait_video(c, job["id"])
         # OpenAI's Video has no "cancelled" status: a cancelled job is failed with error.code cancelled
         assert done["status"] == "failed" and done["error"]["code"] == "cancelled"
         assert "cancelled by the client" in done["error"]["message"]
@@ -72,17 +63,7 @@ def test_sse_streams_progress_then_done(server: Any) -> None:
     url, _ = server
     with httpx.Client(base_url=url, timeout=T) as c:
         job = c.post("/v1/videos", json=video_body(steps=5)).json()
-        events = []
-        with c.stream("GET", f"/v1/videos/{job['id']}/events") as r:
-            assert r.headers["content-type"].startswith("text/event-stream")
-            name = None
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: "):
-                    events.append((name, json.loads(line[6:])))
-                    if name == "done":
-                        break
+        events = video_events(c, job["id"])
     names = [n for n, _ in events]
     assert names[0] == "status" and names[-1] == "done"
     assert [d["step"] for n, d in events if n == "progress"] == [1, 2, 3, 4, 5]

@@ -7,13 +7,14 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+
+from omniloop_server.testing import video_events, wait_video
 
 T = 60.0
 
@@ -117,7 +118,7 @@ def test_a_safe_client_id_is_metadata_and_files_get_server_made_names(server: An
     with httpx.Client(base_url=url, timeout=T) as c:
         r = c.post("/v1/videos", json={"prompt": "x", "steps": 2, "size": "16x16", "omniloop": {"request_id": "my-job_1"}})
         assert r.status_code == 200 and r.json()["id"] == "my-job_1"
-        job = wait_done(c, "my-job_1")
+        job = wait_video(c, "my-job_1", T)
         assert job["status"] == "completed"
         content = c.get("/v1/videos/my-job_1/content")
         assert content.status_code == 200 and 'filename="my-job_1.mp4"' in content.headers["content-disposition"]
@@ -239,26 +240,7 @@ def test_sse_has_no_progress_event_without_a_step(server: Any) -> None:
     url, _ = server
     with httpx.Client(base_url=url, timeout=T) as c:
         job = c.post("/v1/videos", json={"prompt": "x", "steps": 3, "size": "16x16"}).json()
-        events = []
-        with c.stream("GET", f"/v1/videos/{job['id']}/events") as r:
-            name = None
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: "):
-                    events.append((name, json.loads(line[6:])))
-                    if name == "done":
-                        break
+        events = video_events(c, job["id"])
     progress = [d for n, d in events if n == "progress"]
     assert [(d["step"], d["total"]) for d in progress] == [(1, 3), (2, 3), (3, 3)]
     assert events[-1][0] == "done"
-
-
-def wait_done(c: httpx.Client, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + T
-    while time.monotonic() < deadline:
-        job = c.get(f"/v1/videos/{job_id}").json()
-        if job["status"] in ("completed", "failed"):
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"{job_id} did not finish")

@@ -14,13 +14,16 @@
 * :func:`advance_in_lockstep` / :func:`forward_rows` / :func:`raising_rows` — batched-step
   failure isolation: executions stepped together through ``advance_batch``, the text rows a
   family's denoise forward sees, and that forward made to raise on a poison request's rows.
+* :func:`once_per_arguments` — a session fixture's builder (tiny checkpoints) run once per argument set.
 * pytest fixtures (auto-loaded through the ``pytest11`` entry point): ``omniloop_manager``,
   ``toy_checkpoint``, ``toy_runtime_factory``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -105,6 +108,25 @@ def toy_runtime(checkpoint: str | Path, *plugins: tuple[str, Any], **deploy: Any
     from ..runtime import Runtime
 
     return Runtime.from_model(checkpoint, manager=make_manager(*plugins), **deploy)
+
+
+def once_per_arguments(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run once per set of arguments, its defaults applied (``get()`` and ``get("dev")`` are
+    one call when ``"dev"`` is the default): a session fixture's tiny-checkpoint builder, e.g.
+    ``get(variant="dev") -> path`` building into ``tmp_path_factory.mktemp(...)``."""
+    sig = inspect.signature(fn)
+    done: dict[tuple[tuple[str, Any], ...], Any] = {}
+
+    @functools.wraps(fn)
+    def cached(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = tuple(bound.arguments.items())
+        if key not in done:
+            done[key] = fn(*args, **kwargs)
+        return done[key]
+
+    return cached
 
 
 @contextmanager
@@ -197,6 +219,7 @@ __all__ = [
     "completed_latents",
     "forward_rows",
     "make_manager",
+    "once_per_arguments",
     "raising_rows",
     "run_interleaved",
     "torch_threads",

@@ -5,6 +5,7 @@
     conformance.check_step_interceptor(lambda: MySkipper())
     conformance.check_observer(lambda: MyObserver())
     conformance.check_family(lambda: Runtime.from_model(path), {"task": "t2v", "prompt": "x"})
+    outs, alone = conformance.check_row_raises_alone(runtime, normal, poison, Denoise, "context")
 
 Interceptors and observers are exercised on the toy family (a real tiny torch model). Each check
 raises ``AssertionError`` naming the contract that failed. What is checked:
@@ -15,7 +16,9 @@ raises ``AssertionError`` naming the contract that failed. What is checked:
 * lifecycle: every ``open`` is matched by one ``close`` — at finalize, at cancel and at failure;
 * baseline / enabled / disabled-after-enabled: after a run with the plugin, the same loaded
   model without it gives the baseline exactly (nothing was left patched);
-* observers are read-only: outputs equal the baseline with the observer enabled.
+* observers are read-only: outputs equal the baseline with the observer enabled;
+* a family that declares ``step_batch_retry_alone``: a request whose row breaks every forward it
+  is in fails alone in a batched step, its batch-mates complete (``check_row_raises_alone``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from ..family import PluginComponentSpec
 from ..hookspecs import hookimpl
 from ..request import Status
-from . import make_manager, run_interleaved
+from . import advance_in_lockstep, forward_rows, make_manager, raising_rows, run_interleaved
 from .toy import build_toy_checkpoint
 
 
@@ -210,6 +213,31 @@ def check_family(
     c.run()
     assert c.output.status is Status.CANCELLED, "cancel() must end the request as cancelled"
     assert all(not lp.plugin_state for lp in c.state.loops.values()), "cancel() must release plugin state"
+
+
+def check_row_raises_alone(
+    runtime: Any, normal: list[Any], poison: Any, stage_cls: type, key: str, *, position: int = 1
+) -> tuple[list[Any], list[Any]]:
+    """A family that declares ``step_batch_retry_alone`` for its denoise loop: a raising batched
+    forward is re-run one request at a time. ``poison`` gets a row of ``batch[key]`` (what
+    ``stage_cls.forward`` receives) that ``normal[0]`` does not have; that row then breaks every
+    forward it is in after its first step, and the requests step in lockstep with the poison at
+    ``position``. Checks the poison fails with the injected error and at least one step ran
+    batched; returns ``(the batch-mates' outputs, each one's output alone)`` for the family's own
+    closeness check (its tolerance)."""
+    with forward_rows(stage_cls, key) as shared:
+        runtime.generate(normal[0])
+    with forward_rows(stage_cls, key) as mine:
+        runtime.generate(poison)
+    rows = [r for r in mine if not any(torch.equal(r, s) for s in shared)]
+    assert rows, f"the poison request has no {key!r} row of its own"
+    alone = [runtime.generate(r) for r in normal]
+    with raising_rows(stage_cls, key, rows, after=1):
+        outs, batched = advance_in_lockstep(runtime, [*normal[:position], poison, *normal[position:]])
+    bad = outs.pop(position)
+    assert bad.status is Status.FAILED and "injected" in bad.error.message, bad.error
+    assert batched >= 1, "no step ran batched"
+    return outs, alone
 
 
 def _same(a: Any, b: Any) -> bool:

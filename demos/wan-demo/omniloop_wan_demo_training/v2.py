@@ -770,6 +770,13 @@ def main(argv: list[str] | None = None) -> int:
     def save_run() -> None:
         _dump(out / "run.json", run)
 
+    def phase_done() -> None:
+        """The history so far into run.json; the phase's cached GPU memory released."""
+        run["history"] = history
+        save_run()
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+
     # ---- VAE -------------------------------------------------------------------------------
     stats = None
     if "vae" in a.phase_list:
@@ -825,11 +832,9 @@ def main(argv: list[str] | None = None) -> int:
         vae.half().save_pretrained(str(vdir))
         vae.float()
         tar_dir(vdir, out / "vae.tar")
-    run["history"] = history
+    run["history"] = history  # (first here: run.json's key order as before)
     run["dit_done_s"] = round(time.perf_counter() - t_start, 1)
-    save_run()
-    if dev.startswith("cuda"):
-        torch.cuda.empty_cache()
+    phase_done()
 
     # ---- decoder ----------------------------------------------------------------------------
     if "decoder" in a.phase_list:
@@ -838,12 +843,9 @@ def main(argv: list[str] | None = None) -> int:
         ckpt, entry = decoder_phase(a, ckpt, work / "decoder" / "pipeline", dev)  # tarred as pipeline/
         run["phases"]["decoder"] = entry.pop("info")
         history.append(entry)
-        run["history"] = history
         _set_history(ckpt, history)
         tar_dir(ckpt, out / "pipeline.tar")
-        save_run()
-        if dev.startswith("cuda"):
-            torch.cuda.empty_cache()
+        phase_done()
 
     # ---- distill -----------------------------------------------------------------------------
     if "distill" in a.phase_list:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omniloop_kit.presets import weights_missing
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 #: what a usable checkpoint folder holds (the FluxPipeline layout + omniloop.json)
@@ -25,11 +27,9 @@ def checkpoint_dir() -> Path:
 
 def checkpoint_missing(folder: Path | None = None) -> str | None:
     """Why the trained checkpoint cannot be used yet (``None`` when it can)."""
-    folder = folder or checkpoint_dir()
-    missing = [f for f in REQUIRED_FILES if not (folder / f).is_file()]
-    if not missing:
-        return None
-    return (f"the flux-demo weights are not installed ({folder.name}/{missing[0]} is missing"
-            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); train them with "
-            "bash demos/flux-demo/scripts/gpu_session.sh (or python -m omniloop_flux_demo_training.gpu_run --out DIR), "
-            "then install them with python -m omniloop_flux_demo_training.ship DIR (package omniloop-flux-demo-training, demos/flux-demo)")
+    return weights_missing(
+        "flux-demo", folder or checkpoint_dir(), REQUIRED_FILES,
+        "train them with bash demos/flux-demo/scripts/gpu_session.sh (or python -m omniloop_flux_demo_training.gpu_run "
+        "--out DIR), then install them with python -m omniloop_flux_demo_training.ship DIR (package "
+        "omniloop-flux-demo-training, demos/flux-demo)",
+    )

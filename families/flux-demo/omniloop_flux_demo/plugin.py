@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from omniloop.errors import DeployError
 from omniloop.family import ModelPreset
 from omniloop.hookspecs import hookimpl
+from omniloop_kit.presets import preset_folder
 
 from .checkpoint_path import checkpoint_dir, checkpoint_missing
 
 OMNILOOP_HOOK_API = ">=1.0,<2"
 
-
-def preset_path() -> Path:
-    """The ``flux-demo`` folder; one clear :class:`DeployError` until its weights are installed."""
-    why = checkpoint_missing()
-    if why is not None:
-        raise DeployError(f"model: preset 'flux-demo': {why}")
-    return checkpoint_dir()
+#: the ``flux-demo`` folder; one clear :class:`~omniloop.errors.DeployError` until its weights are installed
+preset_path = preset_folder("flux-demo", lambda: checkpoint_dir(), lambda: checkpoint_missing())
 
 
 PRESET = ModelPreset(

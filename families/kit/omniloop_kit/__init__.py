@@ -12,6 +12,7 @@
   :mod:`omniloop_kit.ffn`, :mod:`omniloop_kit.causal` — mechanisms a family switches on: the attention
   backend in its attention modules, CFG/sequence-parallel steps, a text-embedding cache, the fused
   GELU projection, a causal chunk-by-chunk rollout (Wan uses them all).
+* :mod:`omniloop_kit.presets` — a shipped preset's checkpoint folder, or one clear ``DeployError``.
 
 Importing the package imports nothing heavy (no torch).
 """

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omniloop_kit.presets import weights_missing
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -22,6 +24,9 @@ def tokenizer_dir() -> Path:
 #: 4 flow-Euler steps per chunk at wan-demo's flow shift 3.0, CFG 5.0 (wan-demo's default scale)
 CAUSAL_ROLLOUT_OPTIONS: dict[str, object] = {"chunk_frames": 1, "steps": 4, "shift": 3.0, "guidance_scale": 5.0}
 
+#: the files a trained student checkpoint (causal, fast) has of its own
+TRANSFORMER_FILES = ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors")
+
 #: what ``checkpoint_causal/`` shares with ``checkpoint/`` (relative links, not copies)
 CAUSAL_SHARED = ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.json")
 
@@ -34,16 +39,12 @@ def causal_checkpoint_dir() -> Path:
 
 def causal_checkpoint_missing(folder: Path | None = None) -> str | None:
     """Why the trained causal checkpoint cannot be used yet (``None`` when it can)."""
-    folder = folder or causal_checkpoint_dir()
-    need = [folder / "transformer" / "config.json", folder / "transformer" / "diffusion_pytorch_model.safetensors",
-            *(folder / n for n in CAUSAL_SHARED)]
-    missing = [str(p.relative_to(folder)) for p in need if not p.exists()]
-    if not missing:
-        return None
-    return (f"the wan-demo-causal weights are not installed ({folder.name}/{missing[0]} is missing"
-            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); train them with "
-            "python -m omniloop_wan_demo_training.train_causal --out DIR, then install them with "
-            "python -m omniloop_wan_demo_training.train_causal --ship DIR (package omniloop-wan-demo-training, demos/wan-demo)")
+    return weights_missing(
+        "wan-demo-causal", folder or causal_checkpoint_dir(), (*TRANSFORMER_FILES, *CAUSAL_SHARED),
+        "train them with python -m omniloop_wan_demo_training.train_causal --out DIR, then install them with "
+        "python -m omniloop_wan_demo_training.train_causal --ship DIR (package omniloop-wan-demo-training, demos/wan-demo)",
+        present=Path.exists,
+    )
 
 
 #: what ``checkpoint_fast/`` shares with ``checkpoint/`` (relative links): the student was distilled
@@ -59,13 +60,10 @@ def fast_checkpoint_dir() -> Path:
 
 def fast_checkpoint_missing(folder: Path | None = None) -> str | None:
     """Why the distilled checkpoint cannot be used yet (``None`` when it can)."""
-    folder = folder or fast_checkpoint_dir()
-    need = [folder / "transformer" / "config.json", folder / "transformer" / "diffusion_pytorch_model.safetensors",
-            folder / "omniloop.json", *(folder / n for n in FAST_SHARED)]
-    missing = [n.relative_to(folder).as_posix() for n in need if not n.exists()]
-    if not missing:
-        return None
-    return (f"the wan-demo-fast weights are not installed ({folder.name}/{missing[0]} is missing"
-            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); distill them with "
-            "python -m omniloop_wan_demo_training.v2 --phases distill,eval --resume DIR --out OUT, then install "
-            "them with python -m omniloop_wan_demo_training.v2 --ship OUT (package omniloop-wan-demo-training, demos/wan-demo)")
+    return weights_missing(
+        "wan-demo-fast", folder or fast_checkpoint_dir(), (*TRANSFORMER_FILES, "omniloop.json", *FAST_SHARED),
+        "distill them with python -m omniloop_wan_demo_training.v2 --phases distill,eval --resume DIR --out OUT, then "
+        "install them with python -m omniloop_wan_demo_training.v2 --ship OUT (package omniloop-wan-demo-training, "
+        "demos/wan-demo)",
+        present=Path.exists,
+    )

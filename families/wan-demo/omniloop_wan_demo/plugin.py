@@ -4,12 +4,11 @@ model presets and ``omniloop eval adherence``."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from omniloop.errors import DeployError
 from omniloop.family import ModelPreset
 from omniloop.hookspecs import hookimpl
+from omniloop_kit.presets import preset_folder
 
 from .checkpoint_path import (
     CAUSAL_ROLLOUT_OPTIONS,
@@ -33,12 +32,8 @@ PRESET = ModelPreset(
 )
 
 
-def causal_path() -> Path:
-    """The ``wan-demo-causal`` folder; one clear :class:`DeployError` until its weights are installed."""
-    why = causal_checkpoint_missing()
-    if why is not None:
-        raise DeployError(f"model: preset 'wan-demo-causal': {why}")
-    return causal_checkpoint_dir()
+#: the ``wan-demo-causal`` folder; one clear :class:`~omniloop.errors.DeployError` until its weights are installed
+causal_path = preset_folder("wan-demo-causal", lambda: causal_checkpoint_dir(), lambda: causal_checkpoint_missing())
 
 
 def causal_rollout_options() -> dict[str, Any]:
@@ -62,12 +57,8 @@ CAUSAL_PRESET = ModelPreset(
 )
 
 
-def fast_path() -> Path:
-    """The ``wan-demo-fast`` folder; one clear :class:`DeployError` until its weights are installed."""
-    why = fast_checkpoint_missing()
-    if why is not None:
-        raise DeployError(f"model: preset 'wan-demo-fast': {why}")
-    return fast_checkpoint_dir()
+#: the ``wan-demo-fast`` folder; one clear :class:`~omniloop.errors.DeployError` until its weights are installed
+fast_path = preset_folder("wan-demo-fast", lambda: fast_checkpoint_dir(), lambda: fast_checkpoint_missing())
 
 
 def fast_schedule() -> dict[str, Any]:

@@ -35,7 +35,7 @@ from attrs import define, field
 from omniloop.errors import DeployError, PluginError, RequestError
 from omniloop.interceptors import BlockCall, BlockContext
 from omniloop.loop import LoopState, StepContext
-from omniloop.schema import check_ranges, structure_params
+from omniloop.schema import structure_config
 
 from . import _cachedit
 from .config import CacheDiTConfig, CacheDiTParams, resolve
@@ -127,14 +127,7 @@ class CacheDiTInterceptor:
     def __init__(self, config: CacheDiTConfig | dict[str, Any] | None = None, *, process_group: Any = None) -> None:
         _cachedit.check_version()
         try:
-            cfg: CacheDiTConfig
-            if config is None:
-                cfg = CacheDiTConfig()
-            elif isinstance(config, CacheDiTConfig):
-                cfg = config
-            else:
-                cfg = structure_params(CacheDiTConfig, config, f"plugins.{NAME}")
-            check_ranges(cfg, f"plugins.{NAME}")
+            cfg = structure_config(CacheDiTConfig, config, f"plugins.{NAME}")
         except RequestError as exc:
             raise DeployError(f"deploy config: {exc}") from None
         self.config: CacheDiTConfig = cfg

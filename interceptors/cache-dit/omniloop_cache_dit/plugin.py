@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from omniloop.family import PluginComponentSpec
-from omniloop.hookspecs import hookimpl
+from omniloop.hookspecs import registering
 
 from .config import CacheDiTConfig, CacheDiTParams
 
@@ -25,16 +25,9 @@ def make_interceptor(config: Any) -> Any:
 
 
 SPEC = PluginComponentSpec(
-    name=NAME,
-    kind="block_interceptor",
-    factory=make_interceptor,
-    config_schema=CacheDiTConfig,
-    params_schema=CacheDiTParams,
-    distribution_altering=True,
+    name=NAME, kind="block_interceptor", factory=make_interceptor, config_schema=CacheDiTConfig,
+    params_schema=CacheDiTParams, distribution_altering=True,
     description="cache-dit DBCache (Fn/Bn dual block cache) with optional TaylorSeer, per request and branch",
 )
 
-
-@hookimpl
-def omniloop_register_interceptors(register: Any) -> None:
-    register(SPEC)
+omniloop_register_interceptors = registering(SPEC)

@@ -29,7 +29,7 @@ from attrs import define, field
 from omniloop.errors import PluginError
 from omniloop.interceptors import BlockCall, BlockContext
 from omniloop.loop import LoopState, StepContext
-from omniloop.schema import check_ranges, structure_params
+from omniloop.schema import structure_config
 
 from .config import FBCacheConfig, FBCacheParams, resolve
 
@@ -69,15 +69,7 @@ class FirstBlockCache:
     needs_eager = False
 
     def __init__(self, config: FBCacheConfig | Mapping[str, Any] | None = None, *, process_group: Any = None) -> None:
-        cfg: FBCacheConfig
-        if config is None:
-            cfg = FBCacheConfig()
-        elif isinstance(config, FBCacheConfig):
-            cfg = config
-        else:
-            cfg = structure_params(FBCacheConfig, config, f"plugins.{NAME}")
-        check_ranges(cfg, f"plugins.{NAME}")
-        self.config = cfg
+        self.config = structure_config(FBCacheConfig, config, f"plugins.{NAME}")
         self.process_group = process_group
 
     def bind_process_group(self, group: Any) -> None:

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from omniloop.family import PluginComponentSpec
-from omniloop.hookspecs import hookimpl
+from omniloop.hookspecs import registering
 
 from . import NanWatch, NanWatchConfig
 
 OMNILOOP_HOOK_API = ">=1.0,<2"
 
-SPEC = PluginComponentSpec(
-    name="nanwatch",
-    kind="observer",
-    factory=lambda config: NanWatch(config),
-    config_schema=NanWatchConfig,
-    description="stop or flag at the first NaN/Inf in a tap or block output",
-)
+SPEC = PluginComponentSpec(name="nanwatch", kind="observer", factory=lambda config: NanWatch(config),
+                           config_schema=NanWatchConfig,
+                           description="stop or flag at the first NaN/Inf in a tap or block output")
 
-
-@hookimpl
-def omniloop_register_observers(register: Any) -> None:
-    register(SPEC)
+omniloop_register_observers = registering(SPEC)

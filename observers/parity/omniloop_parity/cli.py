@@ -204,20 +204,9 @@ def record_cmd(
         changes = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         if changes:
             cfg = attrs.evolve(cfg, **changes)
-        diffusion = {
-            k: v
-            for k, v in dict(
-                steps=steps,
-                guidance_scale=guidance_scale,
-                shift=shift,
-                height=height,
-                width=width,
-                frames=frames,
-                fps=fps,
-                seed=seed,
-            ).items()
-            if v is not None
-        }
+        given = dict(steps=steps, guidance_scale=guidance_scale, shift=shift, height=height, width=width,
+                     frames=frames, fps=fps, seed=seed)
+        diffusion = {k: v for k, v in given.items() if v is not None}
         data: dict[str, Any] = {"task": task, "prompt": prompt, "diffusion": diffusion}
         if negative_prompt is not None:
             data["negative_prompt"] = negative_prompt

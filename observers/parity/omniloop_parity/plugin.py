@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from omniloop.family import PluginComponentSpec
-from omniloop.hookspecs import hookimpl
+from omniloop.hookspecs import hookimpl, registering
 
 from .config import ParityConfig
 
@@ -21,17 +21,11 @@ def make_recorder(config: Any) -> Any:
 
 
 SPEC = PluginComponentSpec(
-    name=NAME,
-    kind="observer",
-    factory=lambda config: make_recorder(config),
-    config_schema=ParityConfig,
+    name=NAME, kind="observer", factory=lambda config: make_recorder(config), config_schema=ParityConfig,
     description="record named taps (per step and branch, optional block outputs, final output) to safetensors",
 )
 
-
-@hookimpl
-def omniloop_register_observers(register: Any) -> None:
-    register(SPEC)
+omniloop_register_observers = registering(SPEC)
 
 
 @hookimpl

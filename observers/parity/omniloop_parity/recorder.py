@@ -159,19 +159,8 @@ class ParityRecorder:
                 key = f"{base}#{n}"
                 n += 1
             tensors[key] = t
-            entries.append(
-                TapEntry(
-                    key=key,
-                    node=node,
-                    name=name,
-                    kind=kind,
-                    step=step,
-                    branch=branch,
-                    timestep=timestep,
-                    shape=tuple(t.shape),
-                    dtype=str(t.dtype).replace("torch.", ""),
-                )
-            )
+            entries.append(TapEntry(key=key, node=node, name=name, kind=kind, step=step, branch=branch,
+                                    timestep=timestep, shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", "")))
 
         for node, name, kind, step, branch, timestep, t in cap.items:
             add(node, name, kind, step, branch, timestep, t)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from omniloop.family import PluginComponentSpec, RunOptionSpec
-from omniloop.hookspecs import hookimpl
+from omniloop.hookspecs import hookimpl, registering
 
 from .config import ProfilerConfig
 
@@ -22,17 +22,11 @@ def _make(config: Any) -> Any:
 
 
 SPEC = PluginComponentSpec(
-    name=NAME,
-    kind="observer",
-    factory=lambda config: _make(config),
-    config_schema=ProfilerConfig,
+    name=NAME, kind="observer", factory=lambda config: _make(config), config_schema=ProfilerConfig,
     description="wall/device time per node, step and block; peak memory; torch.profiler window; NVTX",
 )
 
-
-@hookimpl
-def omniloop_register_observers(register: Any) -> None:
-    register(SPEC)
+omniloop_register_observers = registering(SPEC)
 
 
 def _enable(deploy: Any, out: Path) -> Any:

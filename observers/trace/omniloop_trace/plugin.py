@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from omniloop.family import PluginComponentSpec
-from omniloop.hookspecs import hookimpl
+from omniloop.hookspecs import registering
 
 from . import ActivationTrace, TraceConfig
 
 OMNILOOP_HOOK_API = ">=1.0,<2"
 
-SPEC = PluginComponentSpec(
-    name="trace",
-    kind="observer",
-    factory=lambda config: ActivationTrace(config),
-    config_schema=TraceConfig,
-    description="per-tap and per-module mean/std/absmax appended as JSONL",
-)
+SPEC = PluginComponentSpec(name="trace", kind="observer", factory=lambda config: ActivationTrace(config),
+                           config_schema=TraceConfig,
+                           description="per-tap and per-module mean/std/absmax appended as JSONL")
 
-
-@hookimpl
-def omniloop_register_observers(register: Any) -> None:
-    register(SPEC)
+omniloop_register_observers = registering(SPEC)

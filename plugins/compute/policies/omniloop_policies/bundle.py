@@ -170,16 +170,8 @@ class DenoisePolicies:
         inputs: dict[str, Any] | None = None,
     ) -> Prediction:
         """Plan, compute each branch (through ``interceptors``), combine: the guided prediction."""
-        preds = predict_branches(
-            self.cfg,
-            step,
-            self.cfg_state(loop),
-            forward=forward,
-            forward_batch=forward_batch,
-            loop=loop,
-            interceptors=interceptors,
-            inputs=inputs,
-        )
+        preds = predict_branches(self.cfg, step, self.cfg_state(loop), forward=forward, forward_batch=forward_batch,
+                                 loop=loop, interceptors=interceptors, inputs=inputs)
         return self.combine(step, loop, preds)
 
     def advance(self, step: StepContext, loop: LoopState, guided: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:

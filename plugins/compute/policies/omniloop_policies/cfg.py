@@ -713,16 +713,8 @@ def guided_prediction(
     inputs: dict[str, Any] | None = None,
 ) -> Prediction:
     """``cfg.combine`` of :func:`predict_branches`: the guided prediction for this step."""
-    preds = predict_branches(
-        cfg,
-        step,
-        state,
-        forward=forward,
-        forward_batch=forward_batch,
-        loop=loop,
-        interceptors=interceptors,
-        inputs=inputs,
-    )
+    preds = predict_branches(cfg, step, state, forward=forward, forward_batch=forward_batch, loop=loop,
+                             interceptors=interceptors, inputs=inputs)
     return cfg.combine(step, state, preds)
 
 

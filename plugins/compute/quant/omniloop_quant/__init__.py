@@ -22,8 +22,9 @@ core while a deploy uses them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omniloop.lazy import lazy_exports
 
 #: public names by defining module, imported on first use (PEP 562): loading the plugin
 #: (``omniloop --help``) imports no torch (issue 42); the block selection lives in ``blocks``
@@ -31,7 +32,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "blocks": ("MODES", "apply", "check_deploy", "denoiser_blocks", "stray_weights"),
     "fp8": ("ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "FP8GeluProjection", "FP8Linear", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
     from .blocks import MODES, apply, check_deploy, denoiser_blocks, stray_weights
@@ -53,15 +53,4 @@ if TYPE_CHECKING:
 
 __all__ = ["ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy", "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "stray_weights", "unavailable_reason"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

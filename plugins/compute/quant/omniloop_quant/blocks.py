@@ -12,21 +12,7 @@ from torch import nn
 from omniloop.capabilities import capabilities_of
 from omniloop.errors import DeployError
 
-from .fp8 import (
-    ALIGN,
-    E4M3_MAX,
-    MIN_CAPABILITY,
-    FP8GeluProjection,
-    FP8Linear,
-    install,
-    installed,
-    quantize_rows,
-    quantize_weight,
-    reference_output,
-    restore,
-    shape_ok,
-    unavailable_reason,
-)
+from .fp8 import ALIGN, FP8GeluProjection, FP8Linear, install, unavailable_reason
 
 log = logging.getLogger("omniloop.quant")
 
@@ -123,8 +109,4 @@ def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
     return report
 
 
-__all__ = [
-    "ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy",
-    "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore",
-    "shape_ok", "stray_weights", "unavailable_reason",
-]
+__all__ = ["MODES", "apply", "check_deploy", "denoiser_blocks", "stray_weights"]

@@ -728,9 +728,7 @@ def create_app(
             job = find(request)
         except _HttpError as exc:
             return exc.response
-        if not job.terminal:
-            job.cancel_requested = True
-            engine.cancel(job.id)
+        job.request_cancel(engine)
         return JSONResponse(job.to_dict())
 
     async def delete_video(request: Request) -> Response:
@@ -738,9 +736,7 @@ def create_app(
             job = find(request)
         except _HttpError as exc:
             return exc.response
-        if not job.terminal:
-            job.cancel_requested = True
-            engine.cancel(job.id)
+        job.request_cancel(engine)
         state.jobs.remove(job.id)
         return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
 

@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +52,7 @@ from omniloop.request import Status, TaskType
 from .bodies import MappedBody, _apply_omniloop, _set, show
 from .body_schema import AudioBody, AudioGenerationCreate, SpeechCreate, alias_values, parse_body
 from .images import wait_all
+from .jobs import BaseJob, FinishedJobs
 
 #: the speech endpoint's default format (OpenAI's) and the job endpoint's
 SPEECH_DEFAULT_FORMAT, JOB_DEFAULT_FORMAT = "mp3", "wav"
@@ -100,38 +99,19 @@ def _audio_headers(rate: int, channels: int) -> dict[str, str]:
     return {"X-Sample-Rate": str(rate), "X-Channels": str(channels)}
 
 
-class AudioJob:
+class AudioJob(BaseJob):
+    """An audio generation job (``object: "audio.generation"``), in memory only."""
+
     def __init__(self, handle: Any, *, model: str, info: dict[str, Any]) -> None:
-        self.handle = handle
-        self.id: str = handle.request_id
-        self.model = model
-        self.info = info
-        self.created_at = int(time.time())
-        self.completed_at: int | None = None
-        self.status = "queued"
-        self.error: dict[str, Any] | None = None
-        self.path: Path | None = None
+        super().__init__(handle, model=model, info=info)
         self.sample_rate: int | None = None
         self.channels: int | None = None
-        self.metrics: dict[str, Any] = {}
-        self.cancel_requested = False
-        self.deleted = False
-        self.task: asyncio.Task[None] | None = None
-        self.final_progress = 0
-
-    @property
-    def terminal(self) -> bool:
-        return self.status in ("completed", "failed", "cancelled")
 
     def to_dict(self) -> dict[str, Any]:
-        status = self.status
-        if status == "queued" and self.handle is not None and self.handle.status != "queued":
-            status = "in_progress"
-        progress = 100 if status == "completed" else int(self.handle.progress * 100) if self.handle else self.final_progress
         d: dict[str, Any] = {
-            "id": self.id, "object": "audio.generation", "model": self.model,
-            "status": "failed" if status == "cancelled" else status, "progress": progress,
-            "created_at": self.created_at, "completed_at": self.completed_at, "error": self.error, **self.info,
+            "id": self.id, "object": "audio.generation", "model": self.model, "status": self.api_status,
+            "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
+            "error": self.error, **self.info,
         }
         if self.sample_rate is not None:
             d["sample_rate"], d["channels"] = self.sample_rate, self.channels
@@ -142,17 +122,16 @@ class AudioJob:
         return d
 
 
-class AudioJobs:
+class AudioJobs(FinishedJobs[AudioJob]):
     """Audio jobs by id, in memory; at most ``max_finished`` finished ones (oldest evicted with their files)."""
 
     def __init__(self, folder: Path, max_finished: int) -> None:
+        super().__init__(max_finished)
         self.folder = Path(folder).resolve()  # made with the first job's file
         if self.folder.is_dir():
             for old in self.folder.iterdir():  # an earlier run's jobs are not listed again: their files go
                 if AUDIO_FILE.match(old.name):
                     old.unlink(missing_ok=True)
-        self.max_finished = max_finished
-        self.jobs: OrderedDict[str, AudioJob] = OrderedDict()
 
     def path_for(self, fmt: str) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -160,19 +139,6 @@ class AudioJobs:
         if path.parent != self.folder:  # never expected: the name is ours
             raise OSError(f"{path} is not in {self.folder}")
         return path
-
-    def remove(self, job_id: str) -> AudioJob | None:
-        job = self.jobs.pop(job_id, None)
-        if job is not None:
-            job.deleted = True
-            if job.path is not None:
-                job.path.unlink(missing_ok=True)
-        return job
-
-    def evict(self) -> None:
-        finished = [j for j in self.jobs.values() if j.terminal]
-        for j in finished[: max(0, len(finished) - self.max_finished)]:
-            self.remove(j.id)
 
 
 def audio_routes(api: Any) -> list[Any]:
@@ -225,9 +191,7 @@ def audio_routes(api: Any) -> list[Any]:
         h = job.handle
         try:
             out = await h.result()
-            from omniloop.schema import jsonable
-
-            job.metrics = {k: jsonable(out.metrics[k]) for k in ("steps", "total_seconds", "seed") if k in out.metrics}
+            job.keep_metrics(out)
             if out.status is Status.COMPLETED:
                 fmt = job.info["response_format"]
                 data, rate, channels = await asyncio.to_thread(_encode, out, fmt)
@@ -238,24 +202,13 @@ def audio_routes(api: Any) -> list[Any]:
                     tmp.replace(path)
                     job.path = path
                 job.sample_rate, job.channels = rate, channels
-                job.status = "completed"
+                job.final_status = "completed"
             else:
-                job.status = out.status.value
-                if out.status is Status.CANCELLED:
-                    job.error = {"code": "cancelled", "message": "cancelled by the client" if job.cancel_requested
-                                 else "cancelled (the server shut down)" if state.draining else "cancelled"}
-                elif out.error is not None:
-                    job.error = {"code": out.error.type, "message": out.error.message, "node": out.error.node,
-                                 "step": out.error.step}
+                job.settle_unfinished(out, "cancelled (the server shut down)" if state.draining else None)
         except Exception as exc:  # never leave a job non-terminal
-            job.status, job.error = "failed", {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}
+            job.fail(exc)
         finally:
-            if not job.terminal:
-                job.status, job.error = "failed", job.error or {"code": "server_error", "message": "job follower stopped"}
-            job.completed_at = int(time.time())
-            job.final_progress = int(h.progress * 100)
-            job.handle = None
-            engine.forget(job.id)
+            job.release(h, engine)
             jobs.evict()
 
     async def create(request: Request) -> Response:
@@ -309,18 +262,14 @@ def audio_routes(api: Any) -> list[Any]:
         job = find(request)
         if isinstance(job, Response):
             return job
-        if not job.terminal:
-            job.cancel_requested = True
-            engine.cancel(job.id)
+        job.request_cancel(engine)
         return JSONResponse(job.to_dict())
 
     async def delete(request: Request) -> Response:
         job = find(request)
         if isinstance(job, Response):
             return job
-        if not job.terminal:
-            job.cancel_requested = True
-            engine.cancel(job.id)
+        job.request_cancel(engine)
         jobs.remove(job.id)
         return JSONResponse({"id": job.id, "object": "audio.generation.deleted", "deleted": True})
 

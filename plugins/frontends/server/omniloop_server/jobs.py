@@ -1,4 +1,5 @@
 """Video jobs: status, progress, SSE events, the output file written atomically, a durable record.
+(:class:`BaseJob` and :class:`FinishedJobs` are what audio jobs share with them.)
 
 A job follows its engine handle in an asyncio task. When the request completes, the mp4 is
 written with :func:`omniloop_io.media.write_mp4` (temporary file + ``os.replace``) in a thread, and
@@ -35,7 +36,7 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from omniloop.request import EventKind, Status
 
@@ -50,7 +51,10 @@ OUTPUT_FILE = re.compile(r"^[0-9a-f]{32}\.(mp4|thumbnail\.png|spritesheet\.png)$
 MAX_RECORD_BYTES = 64 * 1024 * 1024
 
 
-class Job:
+class BaseJob:
+    """What a video job and an audio job share: the engine handle it follows, its status and
+    progress, cancelling it, and settling its final state from the engine's output."""
+
     def __init__(self, handle: Any, *, model: str, info: dict[str, Any]) -> None:
         self.handle = handle
         self.id: str = handle.request_id
@@ -61,18 +65,11 @@ class Job:
         self.final_status: str | None = None
         self.error: dict[str, Any] | None = None
         self.path: Path | None = None
-        self.frames: int | None = None
-        self.fps: float | None = None
         self.metrics: dict[str, Any] = {}
         self.cancel_requested = False
         self.deleted = False
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self.changed = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.final_progress = 0
-        #: a digest of the body that made it (``bodies.body_fingerprint``): a retry with the same
-        #: Idempotency-Key or request id and the same body answers this job; None after a restart
-        self.fingerprint: str | None = None
 
     @property
     def status(self) -> str:
@@ -83,7 +80,7 @@ class Job:
 
     @property
     def api_status(self) -> str:
-        """OpenAI's ``Video.status``: a cancelled job is ``failed`` (its ``error.code`` says cancelled)."""
+        """OpenAI's status: a cancelled job is ``failed`` (its ``error.code`` says cancelled)."""
         s = self.status
         return "failed" if s == "cancelled" else s
 
@@ -98,6 +95,90 @@ class Job:
         if self.handle is None:
             return self.final_progress
         return int(self.handle.progress * 100)
+
+    def request_cancel(self, engine: Any) -> None:
+        """The client's cancel (or delete): asks the engine to stop the job unless it already ended."""
+        if not self.terminal:
+            self.cancel_requested = True
+            engine.cancel(self.id)
+
+    def keep_metrics(self, out: Any) -> None:
+        from omniloop.schema import jsonable
+
+        self.metrics = {k: jsonable(out.metrics[k]) for k in ("steps", "total_seconds", "seed") if k in out.metrics}
+
+    def settle_unfinished(self, out: Any, shutdown: str | None) -> None:
+        """The final state of an output that did not complete: its status, and why (``shutdown``:
+        the message of a cancel the server made as it shut down, None while it runs)."""
+        self.final_status = out.status.value
+        if out.status is Status.CANCELLED:
+            why = "cancelled by the client" if self.cancel_requested else shutdown or "cancelled"
+            self.error = {"code": "cancelled", "message": why}
+        elif out.error is not None:
+            self.error = {"code": out.error.type, "message": out.error.message, "node": out.error.node,
+                          "step": out.error.step}
+
+    def fail(self, exc: BaseException) -> None:
+        """Its follower raised: the job failed (never left non-terminal)."""
+        self.final_status = "failed"
+        self.error = {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}
+
+    def release(self, handle: Any, engine: Any) -> None:
+        """The follower ends: a terminal state for sure, the final progress kept, the handle (and the
+        output's tensors) dropped and forgotten by the engine."""
+        if self.final_status is None:
+            self.final_status = "failed"
+            self.error = self.error or {"code": "server_error", "message": "job follower stopped"}
+        self.completed_at = self.completed_at or int(time.time())
+        self.final_progress = int(handle.progress * 100)
+        self.handle = None
+        engine.forget(self.id)
+
+
+J = TypeVar("J", bound=BaseJob)
+
+
+class FinishedJobs(Generic[J]):
+    """Jobs by id, in creation order; at most ``max_finished`` finished ones (the oldest evicted,
+    with their files)."""
+
+    def __init__(self, max_finished: int) -> None:
+        self.max_finished = max_finished
+        self.jobs: OrderedDict[str, J] = OrderedDict()
+
+    def get(self, job_id: str) -> J | None:
+        return self.jobs.get(job_id)
+
+    def remove(self, job_id: str) -> J | None:
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            job.deleted = True
+            self._removed(job)
+        return job
+
+    def _removed(self, job: J) -> None:
+        """A removed job's files go (and what else a store keeps of it)."""
+        if job.path is not None:
+            job.path.unlink(missing_ok=True)
+
+    def evict(self) -> None:
+        finished = [j for j in self.jobs.values() if j.terminal]
+        for j in finished[: max(0, len(finished) - self.max_finished)]:
+            self.remove(j.id)
+
+
+class Job(BaseJob):
+    """A video job (OpenAI's ``Video``), with its SSE events and its durable record."""
+
+    def __init__(self, handle: Any, *, model: str, info: dict[str, Any]) -> None:
+        super().__init__(handle, model=model, info=info)
+        self.frames: int | None = None
+        self.fps: float | None = None
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.changed = asyncio.Event()
+        #: a digest of the body that made it (``bodies.body_fingerprint``): a retry with the same
+        #: Idempotency-Key or request id and the same body answers this job; None after a restart
+        self.fingerprint: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The job as OpenAI's ``Video`` object (plus omniloop's ``frames``, ``fps``, ``metrics``)."""
@@ -195,13 +276,13 @@ class OutputPathError(Exception):
     """An output path resolved outside the output folder (never expected: names are server-made)."""
 
 
-class JobStore:
-    """Jobs by id; keeps at most ``max_finished`` finished jobs (oldest evicted with their files)."""
+class JobStore(FinishedJobs[Job]):
+    """Video jobs by id; keeps at most ``max_finished`` finished jobs (oldest evicted with their
+    files), recording each in ``jobs.jsonl``."""
 
     def __init__(self, output_dir: Path, max_finished: int = 1000) -> None:
+        super().__init__(max_finished)
         self.output_dir = Path(output_dir).resolve()
-        self.max_finished = max_finished
-        self.jobs: OrderedDict[str, Job] = OrderedDict()
         self.write_failures = 0
         self.written = 0
         self.record_failures = 0
@@ -209,9 +290,6 @@ class JobStore:
         #: ids of every job this output folder has seen (restored from the record): never reused
         self.used_ids: set[str] = set()
         self.restored = {"jobs": 0, "interrupted": 0, "files_deleted": 0}
-
-    def get(self, job_id: str) -> Job | None:
-        return self.jobs.get(job_id)
 
     def used(self, job_id: str) -> bool:
         """Whether ``job_id`` names a job this folder had (listed, deleted, or before a restart)."""
@@ -289,15 +367,11 @@ class JobStore:
             log.info("restored %d job(s) from %s (%d interrupted by the last stop); %d stale output file(s) deleted",
                      len(kept), path, self.restored["interrupted"], self.restored["files_deleted"])
 
-    def remove(self, job_id: str) -> Job | None:
-        job = self.jobs.pop(job_id, None)
-        if job is not None:
-            job.deleted = True
-            if job.path is not None:
-                unlink_outputs(job.path)
-            if job.terminal:  # (a running one records itself, deleted, as it ends)
-                self._record(job)
-        return job
+    def _removed(self, job: Job) -> None:
+        if job.path is not None:
+            unlink_outputs(job.path)
+        if job.terminal:  # (a running one records itself, deleted, as it ends)
+            self._record(job)
 
     def output_path(self) -> Path:
         """A new output file path: a server-made name, checked to lie directly in the output folder."""
@@ -328,26 +402,17 @@ class JobStore:
             await self._finish(job, out)
         except Exception as exc:  # never leave a job non-terminal
             log.exception("job %s follower failed", job.id)
-            job.final_status = "failed"
-            job.error = {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}
+            job.fail(exc)
         except asyncio.CancelledError:  # the server gave up on it at shutdown (it set the final state)
             pass
         finally:
-            if job.final_status is None:
-                job.final_status = "failed"
-                job.error = job.error or {"code": "server_error", "message": "job follower stopped"}
-            job.completed_at = job.completed_at or int(time.time())
-            job.final_progress = int(h.progress * 100)
-            job.handle = None  # the output (tensors) is on disk now; drop it and the handle's events
-            engine.forget(job.id)
+            job.release(h, engine)  # the output (tensors) is on disk now; drop it and the handle's events
             self._record(job)
             job.publish("done", job.to_dict())
-            self._evict()
+            self.evict()
 
     async def _finish(self, job: Job, out: Any) -> None:
-        from omniloop.schema import jsonable
-
-        job.metrics = {k: jsonable(out.metrics[k]) for k in ("steps", "total_seconds", "seed") if k in out.metrics}
+        job.keep_metrics(out)
         if out.status is Status.COMPLETED:
             video = out.artifacts.get("video")
             if video is None or getattr(video, "frames", None) is None:
@@ -374,17 +439,7 @@ class JobStore:
             job.frames, job.fps = int(video.frames.shape[0]), float(video.fps)
             job.final_status = "completed"
             return
-        job.final_status = out.status.value
-        if out.status is Status.CANCELLED:
-            if job.cancel_requested:
-                why = "cancelled by the client"
-            elif self.shutdown_reason is not None:
-                why = f"cancelled: {self.shutdown_reason}"
-            else:
-                why = "cancelled"
-            job.error = {"code": "cancelled", "message": why}
-        elif out.error is not None:
-            job.error = {"code": out.error.type, "message": out.error.message, "node": out.error.node, "step": out.error.step}
+        job.settle_unfinished(out, None if self.shutdown_reason is None else f"cancelled: {self.shutdown_reason}")
 
     def _record(self, job: Job) -> None:
         try:
@@ -393,8 +448,3 @@ class JobStore:
         except OSError:
             self.record_failures += 1
             log.exception("recording the final state of job %s failed", job.id)
-
-    def _evict(self) -> None:
-        finished = [j for j in self.jobs.values() if j.terminal]
-        for j in finished[: max(0, len(finished) - self.max_finished)]:
-            self.remove(j.id)

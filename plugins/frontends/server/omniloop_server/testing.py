@@ -1,8 +1,10 @@
-"""Test helper: serve an app with uvicorn on a loopback socket (ephemeral port) in a thread."""
+"""Test helpers: serve an app with uvicorn on a loopback socket (ephemeral port) in a thread; read a
+video job's server-sent events."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -41,3 +43,32 @@ def serving(app: Any, timeout: float = 30.0) -> Iterator[str]:
         thread.join(timeout)
         sock.close()
         assert not thread.is_alive(), "uvicorn did not stop"
+
+
+def wait_video(client: Any, video_id: str, timeout: float = 60.0) -> dict[str, Any]:
+    """Poll ``GET /v1/videos/{video_id}`` with ``client`` until the job is ``completed`` or
+    ``failed``: its last state (``AssertionError`` after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = client.get(f"/v1/videos/{video_id}").json()
+        if job["status"] in ("completed", "failed"):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {video_id} not terminal after {timeout}s")
+
+
+def video_events(client: Any, video_id: str) -> list[tuple[str | None, Any]]:
+    """``GET /v1/videos/{video_id}/events`` read with ``client`` (an ``httpx.Client``) up to and
+    including the ``done`` event: ``(event name, parsed data)`` each."""
+    events: list[tuple[str | None, Any]] = []
+    with client.stream("GET", f"/v1/videos/{video_id}/events") as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+                if name == "done":
+                    break
+    return events
