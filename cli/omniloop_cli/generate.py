@@ -105,7 +105,7 @@ def node_params_of(items: tuple[str, ...], strength: Any) -> dict[str, dict[str,
 def model_config(model: str) -> dict[str, str]:
     """A preset name (``wan-demo``) or a checkpoint path, the way ``Runtime.from_model`` tells them apart."""
     looks_like_path = os.sep in model or model.startswith(".") or Path(model).exists()
-    return {"path": str(Path(model).expanduser())} if looks_like_path else {"preset": model}
+    return {"path": os.path.expanduser(model)} if looks_like_path else {"preset": model}  # as typed: ./x stays ./x
 
 
 def build_deploy(deploy_file: str | None, model: str | None, device: str | None, dtype: str | None) -> Any:

@@ -4,7 +4,7 @@ samples as one call, and ``--guidance``'s help naming the checkpoints' real defa
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from click.testing import CliRunner
@@ -43,7 +43,7 @@ def test_guidance_help_names_the_checkpoints_defaults() -> None:
 class _RecordingProgress:
     """Stands in for rich's Progress: records each bar's total and how far it was advanced."""
 
-    bars: list[dict[str, Any]] = []
+    bars: ClassVar[list[dict[str, Any]]] = []
 
     def __init__(self, *columns: Any, **kwargs: Any) -> None:
         self.console = kwargs.get("console")
