@@ -383,7 +383,7 @@ def generate(
     loads; Ctrl-C stops the run and exits 130."""
     from omniloop.schema import request_from_dict
 
-    from .default_task import FALLBACK, default_task
+    from .default_task import FALLBACK, check_declared_limits, default_task
     from .progress import console
     from .stream import FrameStream
 
@@ -424,9 +424,7 @@ def generate(
 
     err = console(stderr=True)
     frame_stream = FrameStream(path) if stream and not text_task else None
-    from omniloop.runtime import routed_fields
-
-    if {"pipeline", "models"} & set(routed_fields(deploy)):  # pipeline + models by role (e.g. prompt-upsample): several runtimes
+    if deploy.pipeline is not None or deploy.models:  # pipeline + models by role (e.g. prompt-upsample): several runtimes
         if model is not None:
             fail("--model: a composed deploy (pipeline: ...) names its models under models.<role>; drop --model")
         if chosen:
@@ -439,6 +437,7 @@ def generate(
         runtime, output, load_seconds = _run_composed(ctx, deploy, request, err, frame_stream, as_json)
     else:
         # 2. the request against the deployment, without weights; then the model, and full validation
+        check_declared_limits(deploy, request, get_manager(ctx))  # the checkpoint's omniloop.json range, before torch
         from omniloop.runtime import Deployment
 
         deployment = Deployment(deploy, manager=get_manager(ctx))

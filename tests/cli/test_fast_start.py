@@ -64,6 +64,10 @@ def test_generate_help_imports_no_torch_and_lists_plugin_flags():
     # the task is the model's default (t2v): read from the checkpoint's omniloop.json, not its family
     (["--model", "wan-demo", "--image", __file__], "--image: a t2v request takes no input image"),
     (["--model", "wan-demo", "--task", "reason", "--stream"], "--stream: writes video frames"),
+    # finding 1's mistake: the size range the checkpoint's omniloop.json declares, before its family loads
+    (["--model", "wan-demo-fast", "--height", "2048", "--width", "2048"],
+     "diffusion.height: 2048 is outside what model 'wan-demo-fast' supports: height 64..64"),
+    (["--model", "wan-demo", "--frames", "33"], "diffusion.frames: 33 is outside what model 'wan-demo' supports"),
 ])
 def test_a_refused_generate_imports_no_torch(args: list[str], expect: str):
     """Validation comes before heavy imports: a mistake is one line and exit 2 in a fraction of a
