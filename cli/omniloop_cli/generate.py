@@ -105,7 +105,7 @@ def node_params_of(items: tuple[str, ...], strength: Any) -> dict[str, dict[str,
 def model_config(model: str) -> dict[str, str]:
     """A preset name (``wan-demo``) or a checkpoint path, the way ``Runtime.from_model`` tells them apart."""
     looks_like_path = os.sep in model or model.startswith(".") or Path(model).exists()
-    return {"path": str(Path(model).expanduser())} if looks_like_path else {"preset": model}
+    return {"path": os.path.expanduser(model)} if looks_like_path else {"preset": model}  # as typed: ./x stays ./x
 
 
 def build_deploy(deploy_file: str | None, model: str | None, device: str | None, dtype: str | None) -> Any:
@@ -153,9 +153,12 @@ class GenerateCommand(click.Command):
 
 
 def run_options(ctx: click.Context) -> dict[str, Any]:
-    """The installed plugins' generate flags (none when discovery fails: the CLI still works)."""
+    """The installed plugins' generate flags (none when discovery fails: the CLI still works).
+
+    Only the run-option hook is called (``PluginManager.registered``): parsing the command line, its
+    ``--help`` and a refused flag import no family (nor torch)."""
     try:
-        return dict(get_manager(ctx).registry().run_options)
+        return dict(get_manager(ctx).registered("omniloop_register_run_options").run_options)
     except Exception:
         return {}
 
@@ -378,23 +381,20 @@ def generate(
 
     Bad input (a request field, the deploy, an unwritable --out) is refused before the model
     loads; Ctrl-C stops the run and exits 130."""
-    from omniloop.runtime import Deployment
     from omniloop.schema import request_from_dict
 
+    from .default_task import FALLBACK, check_declared_limits, default_task
     from .progress import console
     from .stream import FrameStream
 
-    if task is None:  # the model's own prompt-only task (omniloop_cli.default_task)
-        from .default_task import default_task
-
-        task = default_task(deploy_file, model, device, dtype, get_manager(ctx))
-    # 1. the request, validated by the schema before anything is loaded
+    # 1. the request, validated by the schema before anything heavy is imported (no torch, no
+    # family: a bad value is refused in a fraction of a second; tests/cli/test_fast_start.py)
     groups: dict[str, dict[str, Any]] = {g: {} for g in FLAG_GROUPS}
     for group, name, dest, _ in request_flags():
         value = fields.get(dest)
         groups[group][name] = (list(value) or None) if isinstance(value, tuple) else value
     req_dict = build_request(
-        prompt, task=task, negative_prompt=negative_prompt, image=image, diffusion=groups["diffusion"],
+        prompt, task=task or FALLBACK, negative_prompt=negative_prompt, image=image, diffusion=groups["diffusion"],
         plugin_params=parse_plugin_params(plugin_param), return_latents=return_latents, sampling=groups["sampling"],
         node_params=node_params_of(node_param, strength), audio=groups["audio"],
     )
@@ -404,7 +404,10 @@ def generate(
         req_dict["adapters"] = parse_adapters(adapter)
     if stream:  # PARTIAL events carry each chunk's frames (omniloop_cli.stream)
         req_dict.setdefault("outputs", {})["stream_partial"] = True
-    request = request_from_dict(req_dict)
+    request = request_from_dict(req_dict)  # the schema's rules do not depend on the task
+    if task is None:  # the model's own prompt-only task (omniloop_cli.default_task): needs the family
+        req_dict["task"] = default_task(deploy_file, model, device, dtype, get_manager(ctx))
+        request = request_from_dict(req_dict)
     text_task = request.task.value in TEXT_TASKS
     check_flags_apply(request, image=image, stream=stream)
     if text_task:
@@ -421,9 +424,7 @@ def generate(
 
     err = console(stderr=True)
     frame_stream = FrameStream(path) if stream and not text_task else None
-    from omniloop.runtime import routed_fields
-
-    if {"pipeline", "models"} & set(routed_fields(deploy)):  # pipeline + models by role (e.g. prompt-upsample): several runtimes
+    if deploy.pipeline is not None or deploy.models:  # pipeline + models by role (e.g. prompt-upsample): several runtimes
         if model is not None:
             fail("--model: a composed deploy (pipeline: ...) names its models under models.<role>; drop --model")
         if chosen:
@@ -436,6 +437,9 @@ def generate(
         runtime, output, load_seconds = _run_composed(ctx, deploy, request, err, frame_stream, as_json)
     else:
         # 2. the request against the deployment, without weights; then the model, and full validation
+        check_declared_limits(deploy, request, get_manager(ctx))  # the checkpoint's omniloop.json range, before torch
+        from omniloop.runtime import Deployment
+
         deployment = Deployment(deploy, manager=get_manager(ctx))
         if stream and not text_task and not deployment.rollout.streams:  # the family's declaration, before load
             fail_no_stream(request, deployment.model_name)

@@ -10,6 +10,7 @@ checkpoints it loads. Nothing is loaded: the checks are the weight-free ``Deploy
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import click
@@ -23,6 +24,7 @@ FAMILY_WEIGHTS = {
     "flux": "a diffusers-format FLUX.1 folder, e.g. black-forest-labs/FLUX.1-schnell",
     "sd3": "a diffusers-format SD3 / 3.5 folder, e.g. stabilityai/stable-diffusion-3.5-medium",
     "qwen": "a transformers-format Qwen2 / 2.5 / 3 folder, e.g. Qwen/Qwen2.5-0.5B-Instruct",
+    "stable-audio": "a diffusers-format Stable Audio Open folder, e.g. stabilityai/stable-audio-open-1.0",
 }
 DOCS = "docs/using-real-weights.md"
 
@@ -33,6 +35,14 @@ def _range(lim: Any, name: str) -> str:
     if lo is not None and hi is not None:
         return str(hi) if lo == hi else f"{lo}-{hi}"
     return f"<={hi}" if hi is not None else "-"
+
+
+def _short(preset: dict[str, Any]) -> str:
+    """An unavailable preset's problem for the table: its first clause, without the ``model: preset
+    'name': `` prefix (``--json`` and ``omniloop generate --model NAME`` give the whole message)."""
+    text = str(preset["problem"]).removeprefix(f"model: preset {preset['name']!r}: ")
+    first = re.split(r"; | \(", text, maxsplit=1)[0]
+    return first if first == text else f"{first} (omniloop generate --model {preset['name']} says how to fix it)"
 
 
 def describe_models(manager: Any) -> dict[str, Any]:
@@ -91,7 +101,7 @@ def models_cmd(ctx: click.Context, as_json: bool) -> None:
         t.add_column(col, overflow="fold")
     for p in doc["presets"]:
         if not p["available"]:
-            t.add_row(escape(p["name"]), escape(p["family"]), "-", "-", "-", "-", f"[red]unavailable[/]: {escape(p['problem'])}")
+            t.add_row(escape(p["name"]), escape(p["family"]), "-", "-", "-", "-", f"[red]unavailable[/]: {escape(_short(p))}")
             continue
         lim = p["limits"]
         t.add_row(escape(p["name"]), escape(p["family"]), ", ".join(p["tasks"]), lim["height"], lim["width"],

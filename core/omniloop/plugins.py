@@ -208,6 +208,8 @@ class PluginManager:
         self.pm = new_pluggy_manager()
         self._discovered = not discover
         self._registry: Registry | None = None
+        self._partial: Registry | None = None  # filled hook by hook (registered), then by registry()
+        self._filled: set[str] = set()
         self.add("core", builtin, distribution="omniloop")
 
     # -- discovery -------------------------------------------------------------------------
@@ -297,30 +299,42 @@ class PluginManager:
             raise
         except BaseException as exc:  # pluggy validation: wrong hook names or arguments
             rec.status, rec.error = "failed", f"hook validation failed: {_describe(exc)}"
-        self._registry = None
+        self._registry, self._partial, self._filled = None, None, set()
         return rec
 
     def remove(self, name: str) -> None:
         rec = self.records.pop(name, None)
         if rec is not None and self.pm.has_plugin(name):
             self.pm.unregister(name=name)
-        self._registry = None
+        self._registry, self._partial, self._filled = None, None, set()
 
     # -- registration hooks ----------------------------------------------------------------
     def registry(self) -> Registry:
         """Call every registration hook once (per plugin, failure-isolated) and collect results."""
-        if self._registry is not None:
-            return self._registry
+        if self._registry is None:
+            self._registry = self._fill(*_KINDS)
+        return self._registry
+
+    def registered(self, hook_name: str) -> Registry:
+        """The registry with only ``hook_name`` called (e.g. ``omniloop_register_run_options``), the
+        other tables empty until :meth:`registry` fills them (into the same object, each hook still
+        called once). For callers that must stay cheap: ``omniloop generate`` reads its plugin flags
+        this way, so parsing a command line does not import every family (and torch). A plugin
+        whose later hook fails keeps what an earlier call of this one registered."""
+        return self._registry if self._registry is not None else self._fill(hook_name)
+
+    def _fill(self, *hook_names: str) -> Registry:
         self.discover()
-        reg = Registry()
-        for hook_name, (attr, kind, expected) in _KINDS.items():
+        reg = self._partial = self._partial if self._partial is not None else Registry()
+        for hook_name in [h for h in _KINDS if h in hook_names and h not in self._filled]:
+            self._filled.add(hook_name)
+            attr, kind, expected = _KINDS[hook_name]
             caller = getattr(self.pm.hook, hook_name)
             for impl in caller.get_hookimpls():  # registration order
                 rec = self.records.get(impl.plugin_name)
                 if rec is None or not rec.ok:
                     continue
                 self._call_registration(rec, impl, reg, attr, kind, expected)
-        self._registry = reg
         return reg
 
     def _call_registration(

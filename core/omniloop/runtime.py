@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -79,6 +80,17 @@ def resolve_auto_attention(registry: Registry, deploy: DeployConfig, family: str
 #: (``omniloop_register_runtime_loaders``) does; the core imports none of them
 ROUTED = {"pipeline": "omniloop-compose", "models": "omniloop-compose",
           "parallel": "omniloop-parallel", "placement": "omniloop-parallel"}
+
+
+def _repo_id_hint(given: str) -> str:
+    """For a missing ``model.path`` that reads as a Hugging Face repo id (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``):
+    how to get the folder, since omniloop loads local folders and never downloads (issue 42, finding 7)."""
+    parts = given.split("/")
+    if len(parts) != 2 or not all(re.fullmatch(r"[A-Za-z0-9][\w.-]*", p) for p in parts):
+        return ""
+    return (f"; {given!r} looks like a Hugging Face repo id: omniloop loads local folders and downloads nothing. "
+            f"On a machine with internet access: huggingface-cli download {given} --local-dir /models/{parts[1]}, "
+            f"then --model /models/{parts[1]} (docs/using-real-weights.md)")
 
 
 def routed_fields(deploy: DeployConfig) -> list[str]:
@@ -397,7 +409,7 @@ class Deployment:
         elif m.path:
             path = Path(m.path).expanduser()
             if not path.exists():
-                raise DeployError(f"model.path: {path} does not exist")
+                raise DeployError(f"model.path: {path} does not exist{_repo_id_hint(m.path)}")
             family_name = m.family or self._detect_family(path)
         else:
             raise DeployError("model: give a preset name or a checkpoint path")

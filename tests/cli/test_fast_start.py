@@ -1,5 +1,6 @@
-"""A fast start (issue 42): ``omniloop --help`` and loading every installed plugin's entry point
-import no torch (nor diffusers, transformers, starlette). Checked in fresh interpreters through
+"""A fast start (issue 42): ``omniloop --help``, ``omniloop generate --help``, a refused
+``generate`` (a bad flag or value, a flag the model's task would ignore) and loading every installed
+plugin's entry point import no torch (nor diffusers, transformers, starlette). Checked in fresh interpreters through
 ``sys.modules``, not by timing (the seconds are measured by ``bench/fast_start.py``)."""
 
 from __future__ import annotations
@@ -27,6 +28,54 @@ def test_omniloop_help_imports_no_torch():
         "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
     )
     assert _heavy_after(code) == []
+
+
+def _cli_heavy(args: list[str]) -> tuple[int, str, list[str]]:
+    """Run ``omniloop ARGS`` in a fresh interpreter: (exit code, last stderr line, heavy modules imported)."""
+    code = (
+        "import contextlib, io, sys\nfrom omniloop_cli import main\nerr = io.StringIO()\ncode = 0\n"
+        "with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    try:\n        main({args!r})\n    except SystemExit as e:\n        code = e.code or 0\n"
+        "lines = err.getvalue().strip().splitlines()\n"
+        "print('RESULT=' + json.dumps([code, lines[-1] if lines else '']))\n"
+    )
+    probe = "import json\n" + code + f"print('HEAVY=' + json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = {ln.split("=", 1)[0]: json.loads(ln.split("=", 1)[1]) for ln in res.stdout.splitlines() if "=" in ln}
+    return got["RESULT"][0], got["RESULT"][1], got["HEAVY"]
+
+
+def test_generate_help_imports_no_torch_and_lists_plugin_flags():
+    """The plugin flags (``--profile``) come from the run-option hook alone, not from every family."""
+    assert _cli_heavy(["generate", "--help"])[::2] == (0, [])
+    res = subprocess.run([sys.executable, "-m", "omniloop_cli", "generate", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "--profile" in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--bogus"], "No such option '--bogus'"),
+    (["--model", "wan-demo", "--steps", "-1"], "diffusion.steps: must be >= 1, got -1"),
+    (["--model", "wan-demo", "--steps", "abc"], "diffusion.steps: expected an integer"),
+    (["--model", "wan-demo", "--guidance", "nan"], "diffusion.guidance_scale"),
+    (["--model", "wan-demo", "--node-param", "denoise"], "expected NAME.KEY=VALUE"),
+    (["--model", "wan-demo", "--out", "clip.xyz"], "--out: unsupported file type '.xyz'"),
+    # the task is the model's default (t2v): read from the checkpoint's omniloop.json, not its family
+    (["--model", "wan-demo", "--image", __file__], "--image: a t2v request takes no input image"),
+    (["--model", "wan-demo", "--task", "reason", "--stream"], "--stream: writes video frames"),
+    # finding 1's mistake: the size range the checkpoint's omniloop.json declares, before its family loads
+    (["--model", "wan-demo-fast", "--height", "2048", "--width", "2048"],
+     "diffusion.height: 2048 is outside what model 'wan-demo-fast' supports: height 64..64"),
+    (["--model", "wan-demo", "--frames", "33"], "diffusion.frames: 33 is outside what model 'wan-demo' supports"),
+])
+def test_a_refused_generate_imports_no_torch(args: list[str], expect: str):
+    """Validation comes before heavy imports: a mistake is one line and exit 2 in a fraction of a
+    second, not after torch's import (issue 42: "validation before heavy imports")."""
+    pytest.importorskip("omniloop_wan_demo")
+    code, line, heavy = _cli_heavy(["generate", "a red circle", *args])
+    assert code == 2 and expect in line, line
+    assert heavy == []
 
 
 def test_the_help_still_lists_plugin_commands():

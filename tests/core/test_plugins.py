@@ -214,3 +214,41 @@ def test_keyboard_interrupt_in_a_plugin_still_stops_the_process():
     manager = make_manager(("ctrl-c", InterruptedPlugin()))
     with pytest.raises(KeyboardInterrupt):
         manager.registry()
+
+
+class CountingPlugin:
+    """Registers a policy and a run option, counting the calls of each hook."""
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self):
+        self.calls = {"policies": 0, "run_options": 0}
+
+    @hookimpl
+    def omniloop_register_policies(self, register):
+        self.calls["policies"] += 1
+        register(PolicySpec(name="counted", kind="sampler", factory=object))
+
+    @hookimpl
+    def omniloop_register_run_options(self, register):
+        from omniloop.family import RunOptionSpec
+
+        self.calls["run_options"] += 1
+        register(RunOptionSpec(name="counted-flag", enable=lambda deploy, path: deploy))
+
+
+def test_registered_calls_one_hook_and_registry_fills_the_rest_once():
+    """``PluginManager.registered(hook)`` (how ``omniloop generate`` reads its plugin flags without
+    importing every family): only that hook runs; ``registry()`` later calls the others, not it again."""
+    pm = make_manager()
+    plugin = CountingPlugin()
+    pm.add("counting", plugin)
+    part = pm.registered("omniloop_register_run_options")
+    assert list(part.run_options) == ["counted-flag"] and "counted" not in part.policies
+    assert plugin.calls == {"policies": 0, "run_options": 1}
+    assert pm.registered("omniloop_register_run_options") is part and plugin.calls["run_options"] == 1
+    full = pm.registry()
+    assert "counted" in full.policies and list(full.run_options) == ["counted-flag"]
+    assert plugin.calls == {"policies": 1, "run_options": 1}
+    assert pm.registered("omniloop_register_policies") is full  # after registry(): the full one
+    assert pm.records["counting"].provides == {"run_option": ["counted-flag"], "policy": ["counted"]}

@@ -15,12 +15,14 @@ from omniloop.schema import converter
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOYS = REPO / "examples" / "deploys"
-TINY = {"wan": "omniloop_wan.tiny", "flux": "omniloop_flux.tiny", "sd3": "omniloop_sd3.tiny", "qwen": "omniloop_qwen.tiny"}
+TINY = {"wan": "omniloop_wan.tiny", "flux": "omniloop_flux.tiny", "sd3": "omniloop_sd3.tiny", "qwen": "omniloop_qwen.tiny",
+        "stable-audio": "omniloop_stable_audio.tiny"}
 REQUESTS = {
     "wan": {"task": "t2v", "prompt": "a red fox", "diffusion": {"steps": 2, "height": 32, "width": 32, "frames": 5}},
     "flux": {"task": "t2i", "prompt": "a red fox", "diffusion": {"steps": 2, "height": 32, "width": 32}},
     "sd3": {"task": "t2i", "prompt": "a red fox", "diffusion": {"steps": 2, "height": 32, "width": 32}},
     "qwen": {"task": "reason", "prompt": "hello", "sampling": {"max_tokens": 4}},
+    "stable-audio": {"task": "t2a", "prompt": "a drum loop", "diffusion": {"steps": 2}},
 }
 
 
@@ -35,12 +37,14 @@ def manager() -> Any:
     import omniloop_qwen.plugin as qwen_plugin
     import omniloop_scheduler.plugin as scheduler_plugin
     import omniloop_sd3.plugin as sd3_plugin
+    import omniloop_stable_audio.plugin as stable_audio_plugin
     import omniloop_wan.plugin as wan_plugin
     import omniloop_wan_demo.plugin as wan_demo_plugin
     from omniloop.testing import make_manager
 
     return make_manager(("wan", wan_plugin), ("wan-demo", wan_demo_plugin), ("flux", flux_plugin),
                         ("flux-demo", flux_demo_plugin), ("sd3", sd3_plugin), ("qwen", qwen_plugin),
+                        ("stable-audio", stable_audio_plugin),
                         ("policies", policies_plugin), ("scheduler", scheduler_plugin),
                         ("cache-dit", cache_dit_plugin), toy=False, scheduler=False)
 
@@ -61,11 +65,20 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def test_every_family_has_an_example() -> None:
+    """Every installed family (the families the installed plugins register) has a deploy file to
+    start from: a new family ships one (and a row in docs/using-real-weights.md)."""
+    from omniloop.plugins import default_manager
+
     families = set()
     for f in DEPLOYS.glob("*.yaml"):
         d = load_deploy(f)
         families.add(d.model.family or ("wan" if "wan" in (d.model.preset or "") else "flux" if d.model.preset else None))
-    assert {"wan", "flux", "sd3", "qwen"} <= families
+    installed = set(default_manager().registry().families)
+    assert {"wan", "flux", "sd3", "qwen"} <= installed
+    missing = sorted(installed - families)
+    assert missing == [], f"no deploy file in examples/deploys/ for the installed families {missing}"
+    weights_doc = (REPO / "docs" / "using-real-weights.md").read_text(encoding="utf-8")
+    assert [f for f in sorted(installed) if f"| `{f}` |" not in weights_doc] == []
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DEPLOYS.glob("*.yaml")))

@@ -154,3 +154,54 @@ def test_models_lists_presets_and_families(cli_run: Any) -> None:
     assert families["wan"]["how"] == "docs/using-real-weights.md" and (REPO / families["wan"]["how"]).is_file()
     table = cli_run(["models"])
     assert table.exit_code == 0 and "wan-demo-causal" in table.stdout and "families" in table.stdout
+
+
+@pytest.mark.parametrize(("model", "hint"), [
+    ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", True),  # a Hugging Face repo id: how to get the folder
+    ("./nope/x", False),  # typed as a relative path: no hint
+    ("nope/x/y", False),
+])
+def test_a_hugging_face_repo_id_as_model_says_how_to_get_the_weights(cli_run: Any, error_line: Any, model: str,
+                                                                     hint: bool) -> None:
+    line = error_line(cli_run(["generate", "a red circle moving up", "--model", model]))
+    assert line.startswith("error: model.path: ") and "does not exist" in line, line
+    assert (f"huggingface-cli download {model} --local-dir" in line and "docs/using-real-weights.md" in line) is hint, line
+
+
+class _GhostPresetPlugin:
+    """A preset whose weights are not installed (as tone-demo's before it is trained)."""
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @staticmethod
+    def _path() -> Path:
+        from omniloop.errors import DeployError
+
+        raise DeployError("model: preset 'ghost-demo': the ghost-demo weights are not installed (checkpoint/"
+                          "model_index.json is missing and 11 more); train them with bash demos/ghost/train.sh "
+                          "and copy DIR/checkpoint to omniloop_ghost/checkpoint")
+
+    from omniloop.hookspecs import hookimpl
+
+    @hookimpl
+    def omniloop_register_model_presets(self, register: Any) -> None:
+        from omniloop.family import ModelPreset
+
+        register(ModelPreset(name="ghost-demo", family="toy", path=self._path, description="not installed"))
+
+
+def test_models_shows_an_unavailable_preset_briefly_and_json_in_full() -> None:
+    from click.testing import CliRunner
+
+    from omniloop.testing import make_manager
+    from omniloop_cli import cli
+
+    manager = make_manager(("ghost", _GhostPresetPlugin()))
+    res = CliRunner().invoke(cli, ["models"], obj=manager, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    row = next(ln for ln in res.stdout.splitlines() if "ghost-demo" in ln)
+    assert "unavailable: the ghost-demo weights are not installed (omniloop generate --model ghost-demo says how" in row
+    assert "train them" not in res.stdout  # the whole message: --json, and the command itself
+    doc = json.loads(CliRunner().invoke(cli, ["models", "--json"], obj=manager).stdout)
+    (ghost,) = [p for p in doc["presets"] if p["name"] == "ghost-demo"]
+    assert ghost["available"] is False and "train them with bash demos/ghost/train.sh" in ghost["problem"]

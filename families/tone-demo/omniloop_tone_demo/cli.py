@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,25 @@ def load_pipeline(folder: Path, device: str = "cpu", dtype: str = "float32"):
     return pipe.to(device)
 
 
+@contextmanager
+def _progress(n_steps: int, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar over ``total`` clips on stderr; yields ``advance(k)``."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(TextColumn(f"{n_steps} steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("clips", total=total)
+        yield lambda k: bar.advance(task, k)
+
+
 def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scale: float | None = None,
         n_prompts: int = 96, device: str = "cpu", dtype: str = "float32", batch_size: int = 16,
         json_out: str | None = None, table: bool = False) -> list[Any]:
@@ -96,13 +117,16 @@ def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scal
     for n_steps in step_list:
         jobs = [(s, seed) for seed in seed_list for s in specs]
         verdicts, t0 = [], time.perf_counter()
-        for i in range(0, len(jobs), batch_size):
-            part = jobs[i:i + batch_size]
-            gens = [torch.Generator(device=device).manual_seed(seed) for _, seed in part]
-            with torch.no_grad():
-                audio = pipe(prompt=[s.prompt for s, _ in part], num_inference_steps=n_steps, guidance_scale=g,
-                             generator=gens, output_type="pt").audios
-            verdicts += [score(np.asarray(a.float().cpu()), s) for a, (s, _) in zip(audio, part, strict=True)]
+        # a bar on stderr (stdout keeps the tables), advanced per batch: the first numbers come after minutes otherwise
+        with _progress(n_steps, len(jobs)) as advance:
+            for i in range(0, len(jobs), batch_size):
+                part = jobs[i:i + batch_size]
+                gens = [torch.Generator(device=device).manual_seed(seed) for _, seed in part]
+                with torch.no_grad():
+                    audio = pipe(prompt=[s.prompt for s, _ in part], num_inference_steps=n_steps, guidance_scale=g,
+                                 generator=gens, output_type="pt").audios
+                verdicts += [score(np.asarray(a.float().cpu()), s) for a, (s, _) in zip(audio, part, strict=True)]
+                advance(len(part))
         seconds = time.perf_counter() - t0
         rep = summarize(verdicts, steps=n_steps, guidance_scale=g, seeds=seed_list, device=device, dtype=dtype,
                         batch_size=batch_size, seconds=round(seconds, 2),

@@ -8,9 +8,26 @@
   mounted on ``omniloop serve`` through the server's ``omniloop.server_routes`` entry points.
 """
 
-from .compiler import CompiledJob, CompiledPrompt, SaveSpec, Target, check_workflow, compile_workflow
-from .errors import WorkflowError
-from .ui import to_api_format
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from omniloop.lazy import lazy_exports
+
+#: public names by defining module, imported on first use (PEP 562): loading the entry point
+#: (omniloop_comfyui.plugin: ``omniloop --help``, every ``omniloop generate``) does not import the compiler
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "compiler": ("CompiledJob", "CompiledPrompt", "SaveSpec", "Target", "check_workflow", "compile_workflow"),
+    "errors": ("WorkflowError",),
+    "ui": ("to_api_format",),
+}
+
+if TYPE_CHECKING:
+    from .compiler import CompiledJob, CompiledPrompt, SaveSpec, Target, check_workflow, compile_workflow
+    from .errors import WorkflowError
+    from .ui import to_api_format
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = [
     "CompiledJob", "CompiledPrompt", "SaveSpec", "Target", "WorkflowError", "check_workflow", "compile_workflow",
