@@ -55,6 +55,9 @@ def _generator(state: RequestState) -> torch.Generator:
 class Denoise:
     """One solver step per ``step()``; batched across requests with ``batch_key`` / ``step_batch``."""
 
+    #: the forward inputs stacked row by row in a batched step
+    ROWS: tuple[str, ...] = ("hidden_states", "encoder_hidden_states", "global_hidden_states")
+
     # -- init ---------------------------------------------------------------------------------
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         from diffusers.utils.torch_utils import randn_tensor
@@ -158,7 +161,7 @@ class Denoise:
             n = rows[0]["hidden_states"].shape[0]  # rows per request: 2 with CFG (uncond, cond), else 1
             # branch-major, as diffusers lays out several waveforms: every uncond row, then every cond row
             batch = {k: torch.cat([r[k][i:i + 1] for i in range(n) for r in rows])
-                     for k in ("hidden_states", "encoder_hidden_states", "global_hidden_states")}
+                     for k in self.ROWS}
             batch["timestep"] = rows[0]["timestep"]  # one timestep: part of the batch key
             out = self.forward(ctxs[0], batch, None).chunk(n)
             for j, (st, lp) in enumerate(zip(states, loops, strict=True)):
