@@ -167,3 +167,32 @@ def test_failing_row_fails_alone_in_a_batched_step(runtime, t2a):
     for o, a in zip(outs, alone, strict=True):
         assert o.status is Status.COMPLETED, o.error
         torch.testing.assert_close(completed_latents(o), completed_latents(a), atol=BATCHED_ATOL, rtol=0)
+
+
+def test_conformance_kit(runtime):
+    from omniloop.testing.conformance import check_family
+
+    check_family(lambda: runtime("sa3"), {"task": "t2a", "prompt": "a drum", "diffusion": {"steps": 2}}, output="audio")
+
+
+def test_fbcache_on_the_dit_blocks(tiny_ckpt, make_runtime, t2a):
+    import omniloop_fbcache.plugin as fbcache_plugin
+
+    plain = make_runtime(tiny_ckpt("sa3-base"))
+    cached = make_runtime(tiny_ckpt("sa3-base"), ("fbcache", fbcache_plugin),
+                          plugins={"fbcache": {"threshold": 0.5, "warmup_steps": 1}})
+    req = t2a(steps=8, guidance_scale=3.0, audio={"seconds": 0.32})
+    baseline = completed_latents(plain.generate(req))
+    out = cached.generate(req)
+    hits = sum(m["num_cached_steps"] for m in out.metrics["plugins"]["fbcache"].values())
+    assert hits > 0 and not torch.equal(completed_latents(out), baseline)
+    off = cached.generate({**req, "plugin_params": {"fbcache": {"threshold": 0.0}}})
+    assert torch.equal(completed_latents(off), baseline)  # every block computed: exactly the baseline
+
+
+def test_compiled_blocks_equal_eager(tiny_ckpt, make_runtime, t2a):
+    eager = make_runtime(tiny_ckpt("sa3"))
+    comp = make_runtime(tiny_ckpt("sa3"), compile=True, options={"compile_backend": "eager"})
+    out = comp.generate(t2a(steps=2))
+    assert out.metrics["denoise"]["compiled_blocks"] is True
+    assert torch.equal(completed_latents(out), completed_latents(eager.generate(t2a(steps=2))))
