@@ -11,6 +11,11 @@ Layout (what ``stabilityai/stable-audio-open-1.0`` ships)::
     scheduler/           CosineDPMSolverMultistepScheduler config
     omniloop.json        optional: omniloop defaults for this checkpoint (tiny checkpoints write it)
 
+Stable Audio 3 (``_class_name`` ``StableAudio3Pipeline``): ``transformer/`` StableAudio3DiTModel,
+``vae/`` AutoencoderSAME, ``text_encoder/`` T5GemmaEncoderModel, ``tokenizer/`` Gemma tokenizer,
+``duration_embedder/`` StableAudio3DurationEmbedder (``["stable_audio_3", ...]``), ``scheduler/``
+FlowMatchEulerDiscreteScheduler. :func:`pipeline_of` reads the variant from ``model_index.json``.
+
 :func:`check_checkpoint` validates the layout from configs and safetensors headers before any
 weight is read, including that the components fit together; every problem is one
 :class:`omniloop.errors.CheckpointError` naming the file. Nothing is downloaded.
