@@ -19,7 +19,19 @@ Sides (``--only`` picks any):
 ``omniloop-cudnn-compile``  + attention backend ``sdpa-cudnn`` (omniloop-attention)
 ``omniloop-compile-cg``     ``omniloop-compile`` with ``options.compile_mode: reduce-overhead`` (each
                             compiled block replayed as a CUDA graph)
+``omniloop-graph``          ``omniloop`` with ``options.cuda_graphs: true`` (the whole DiT forward one
+                            CUDA graph replay; eager blocks)
+``omniloop-compile-graph``  ``omniloop-compile`` + ``options.cuda_graphs: true`` (the compiled blocks
+                            inside the one captured forward)
+``...-prefetch``            any omniloop side + ``options.noise_prefetch: true`` (the next step's
+                            Brownian-tree noise computed in a worker thread while the DiT runs)
 ==========================  ==========================================================================
+
+``--breakdown`` also times, on its own, the scheduler's Brownian-tree noise query (20 queries at
+the bench's shape, synchronised) and one DiT forward of the ``omniloop-compile`` side (host time to
+launch it and time to finish it). Besides the comparison with
+diffusers eager, each side's final latents are compared with ``omniloop``'s (``..._vs_omniloop``):
+a CUDA graph replays the kernels it captured, so ``omniloop-graph`` should equal ``omniloop``.
 
 Per side: seconds per denoise step (median over steps 1..N-1 of every measured run; diffusers'
 steps are marked by its ``callback`` after a ``torch.cuda.synchronize()``, omniloop's after each
@@ -72,8 +84,9 @@ T5 = dict(d_model=768, d_kv=64, d_ff=3072, num_layers=2, num_heads=12, relative_
 VAE = dict(encoder_hidden_size=128, downsampling_ratios=[2, 4, 4, 8, 8], channel_multiples=[1, 2, 4, 8, 16],
            decoder_channels=16, decoder_input_channels=64, audio_channels=2, sampling_rate=44100)
 
-SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omniloop-cudnn-compile",
-         "omniloop-compile-cg")
+OMNILOOP_SIDES = ("omniloop", "omniloop-compile", "omniloop-cudnn-compile", "omniloop-compile-cg", "omniloop-graph",
+                  "omniloop-compile-graph")
+SIDES = ("diffusers", "diffusers-compile", *OMNILOOP_SIDES, *(f"{s}-prefetch" for s in OMNILOOP_SIDES))
 
 
 def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
@@ -169,7 +182,8 @@ class _vae_cast:
 
 class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, *,
-                 compiled: bool, compile_backend: str, attention: str = "sdpa", mode: str | None = None) -> None:
+                 compiled: bool, compile_backend: str, attention: str = "sdpa", mode: str | None = None,
+                 graphs: bool = False, prefetch: bool = False) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -189,6 +203,10 @@ class OmniloopSide:
         options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend}
         if mode is not None:
             options["compile_mode"] = mode
+        if graphs:
+            options["cuda_graphs"] = True
+        if prefetch:
+            options["noise_prefetch"] = True
         if backend is not None:
             options["attention"] = backend
         fam = StableAudioFamily()
@@ -197,7 +215,7 @@ class OmniloopSide:
         spec = fam.build_pipeline(self.model, TaskType.T2A, options)
         self.built = BuiltPipeline(spec=spec, components=self.model.components, device=device, dtype=dtype,
                                    options=options)
-        self.note = f"compile={compiled} attention={attention} compile_mode={mode}"
+        self.note = f"compile={compiled} attention={attention} compile_mode={mode} cuda_graphs={graphs} noise_prefetch={prefetch}"
 
     def run(self, steps: int) -> dict[str, Any]:
         body = {"task": "t2a", "prompt": PROMPT, "negative_prompt": NEGATIVE,
@@ -233,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--only", default=",".join(SIDES))
     ap.add_argument("--budget-s", type=float, default=150.0, help="start no new phase after this many seconds")
+    ap.add_argument("--breakdown", action="store_true", help="also time the noise query and one DiT forward alone")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -277,9 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("diffusers"):
                 side: Any = DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
             else:
-                cg = name.endswith("-cg") and compile_backend == "inductor"
+                cg = "-cg" in name and compile_backend == "inductor"
                 side = OmniloopSide(name, comps, device, dtype, compiled="compile" in name,
                                     compile_backend=compile_backend, mode="reduce-overhead" if cg else None,
+                                    graphs="-graph" in name, prefetch=name.endswith("-prefetch"),
                                     attention="sdpa-cudnn" if "cudnn" in name and device.type == "cuda" else "sdpa")
             sides.append(side)
             record["sides"][name] = {"setup": side.note}
@@ -304,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
             record["sides"][side.name]["warmup_s"] = round(time.perf_counter() - t, 3)
             print(json.dumps({"side": side.name, "warmup_s": record["sides"][side.name]["warmup_s"]}), flush=True)
             save()
+        if args.breakdown:
+            try:
+                record["breakdown"] = breakdown(base, sides, device, dtype, steps)
+            except Exception as exc:
+                record["breakdown"] = {"failed": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-1500:]}
+            print(json.dumps({"breakdown": record["breakdown"]}), flush=True)
+            save()
         runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
         for rep in range(args.repeats):
             if rep and time.perf_counter() - t_start > args.budget_s:
@@ -327,9 +354,66 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def breakdown(base: dict[str, Any], sides: list[Any], device: torch.device, dtype: torch.dtype,
+              steps: int) -> dict[str, Any]:
+    """What one step is made of, each part alone: the scheduler's Brownian-tree noise query (host
+    time and synchronised time) and one DiT forward of the omniloop-compile side (host time to
+    launch, time to finish)."""
+    from diffusers.schedulers.scheduling_dpmsolver_sde import BrownianTreeNoiseSampler
+
+    out: dict[str, Any] = {}
+    sch = type(base["scheduler"]).from_config(base["scheduler"].config)
+    sch.set_timesteps(steps, device=device)
+    tf = base["transformer"]
+    x = torch.zeros((1, int(tf.config.in_channels), int(tf.config.sample_size)), dtype=dtype, device=device)
+    for rep in range(2):
+        ns = BrownianTreeNoiseSampler(x, sigma_min=sch.config.sigma_min, sigma_max=sch.config.sigma_max, seed=SEED)
+        host, total = [], []
+        for i in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            ns(sch.sigmas[i], sch.sigmas[i + 1])
+            t1 = time.perf_counter()
+            sync()
+            host.append(t1 - t0)
+            total.append(time.perf_counter() - t0)
+        if rep:
+            out["noise_query_host_ms"] = round(statistics.median(host) * 1e3, 3)
+            out["noise_query_ms"] = round(statistics.median(total) * 1e3, 3)
+    side = next((s for s in sides if s.name == "omniloop-compile"), None)
+    if side is not None:
+        from omniloop_kit.compile import compiled
+        from omniloop_stable_audio.transformer import dit_forward, rotary_embedding
+
+        m = side.model.components["transformer"]
+        cb = compiled(m)
+        blocks = cb.blocks if cb is not None else None
+        g = torch.Generator("cpu").manual_seed(0)
+        h = torch.randn((2, int(m.config.in_channels), int(m.config.sample_size)), generator=g).to(device, dtype)
+        t = torch.tensor([500.0], device=device)
+        cond = int(m.config.cross_attention_input_dim)
+        ehs = torch.randn((2, 130, cond), generator=g).to(device, dtype)
+        glob = torch.randn((2, 1, int(m.config.global_states_input_dim)), generator=g).to(device, dtype)
+        rot = rotary_embedding(m, h.shape[2] + 1, h.device)
+        host, total = [], []
+        for _ in range(6):
+            sync()
+            t0 = time.perf_counter()
+            dit_forward(m, h, t, ehs, glob, rot, None, blocks=blocks)
+            t1 = time.perf_counter()
+            sync()
+            host.append(t1 - t0)
+            total.append(time.perf_counter() - t0)
+        out["dit_forward_compiled_host_ms"] = round(statistics.median(host[1:]) * 1e3, 3)
+        out["dit_forward_compiled_ms"] = round(statistics.median(total[1:]) * 1e3, 3)
+    return out
+
+
 def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
     ref = runs.get("diffusers") or []
     ref_lat = ref[-1]["latents"] if ref else None
+    ours = runs.get("omniloop") or []
+    ours_lat = ours[-1]["latents"] if ours else None
     summary: dict[str, Any] = {}
     for name, rs in runs.items():
         if not rs:
@@ -348,6 +432,10 @@ def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> 
             lat = rs[-1]["latents"].to(ref_lat.device).reshape(ref_lat.shape)
             entry["latents_rel_rms_vs_diffusers"] = rel_rms(lat, ref_lat)
             entry["latents_bit_equal_diffusers"] = bool(torch.equal(lat, ref_lat))
+        if ours_lat is not None and not name.startswith("diffusers"):
+            lat = rs[-1]["latents"].to(ours_lat.device).reshape(ours_lat.shape)
+            entry["latents_rel_rms_vs_omniloop"] = rel_rms(lat, ours_lat)
+            entry["latents_bit_equal_omniloop"] = bool(torch.equal(lat, ours_lat))
         summary[name] = {"s_per_step": entry["s_per_step"], "s_end_to_end": entry["s_end_to_end"]}
     for ref_name in ("diffusers", "diffusers-compile"):
         if ref_name in summary:

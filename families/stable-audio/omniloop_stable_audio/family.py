@@ -22,8 +22,8 @@ from .resolve import DEFAULTS, DEFAULTS_3, AudioResolved, audio_config, audio_co
 from .stages import Output, TextEncode, VaeDecode, Validate
 
 TASKS = frozenset({TaskType.T2A})
-#: deploy options read (the compile settings of omniloop_kit.compile)
-OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic"})
+#: deploy options read (the compile settings of omniloop_kit.compile; cuda_graphs: omniloop_stable_audio.graphs; noise_prefetch: omniloop_stable_audio.noise)
+OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "cuda_graphs", "noise_prefetch"})
 
 
 class StableAudioFamily:
@@ -62,8 +62,11 @@ class StableAudioFamily:
         compiles each DiT block (:mod:`omniloop_stable_audio.compile`); the deploy's
         ``attention_backend`` runs the DiT's attention (:mod:`omniloop_stable_audio.attention`)."""
         from .compile import compile_options
+        from .graphs import graph_option, prefetch_option
 
         compile_options(options)  # bad options fail before any weight is read
+        graph_option(options, device)
+        prefetch_option(options)
         root = resolve_root(path)
         configs = ck.check_checkpoint(root)
         index, index_path = configs["index"], root / "model_index.json"
@@ -136,6 +139,13 @@ class StableAudioFamily:
 
             install(tf, backend)
         model.config["attention_backend"] = name
+        from .graphs import graph_option, prefetch_option
+
+        if graph_option(options, model.device) and model.config["pipeline"] == ck.SA3:
+            raise DeployError("options.cuda_graphs: not available for Stable Audio 3 (its forward is not captured)")
+        if prefetch_option(options) and model.config["pipeline"] == ck.SA3:
+            raise DeployError("options.noise_prefetch: Stable Audio 3's scheduler draws one randn per step (no "
+                              "Brownian tree to prefetch)")
         copts = compile_options(options)
         if copts is not None:
             compile_blocks(tf, **copts)

@@ -154,6 +154,8 @@ class Denoise(sa1.Denoise):
     every request's uncond row, then every cond row)."""
 
     ROWS = (*sa1.Denoise.ROWS, "encoder_attention_mask")
+    #: the flow-match scheduler's noise is one randn from the request's generator: nothing to prefetch
+    PREFETCH_NOISE = False
 
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         from diffusers.utils.torch_utils import randn_tensor
