@@ -37,11 +37,9 @@ import copy
 import datetime as dt
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +50,9 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import command_line, library_versions, machine, rel_rms, run_omniloop, step_times, sync  # noqa: E402
+from _common import command_line, library_versions, machine, run_omniloop, step_times, sync  # noqa: E402
+from _sides import build_sides, measure, warm_up  # noqa: E402
+from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
 NEGATIVE = "blurry, low quality, watermark"
@@ -259,63 +259,30 @@ def main(argv: list[str] | None = None) -> int:
     base = build_components(device, dtype, args.smoke)
     record["notes"].append(f"built components in {time.perf_counter() - t:.1f} s; transformer "
                            f"{sum(p.numel() for p in base['transformer'].parameters()) / 1e9:.3f} B params")
-    sides: list[Any] = []
-    for name in only:
-        try:
-            tf = base["transformer"] if name in ("diffusers", "diffusers-compile") else copy.deepcopy(base["transformer"])
-            comps = with_transformer(base, tf)
-            if name.startswith("diffusers"):
-                side: Any = DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
-            elif name == "omniloop":
-                side = OmniloopSide(name, comps, device, dtype, compiled=False, compile_backend=compile_backend)
-            elif name == "omniloop-compile":
-                side = OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend)
-            else:
-                fused = "fused" in name
-                attention = "sdpa" if fused and device.type == "cpu" else "sdpa-cudnn"  # smoke: the fused path on CPU
-                side = OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend,
-                                    attention=attention, qkv="fused" if fused else "separate")
-            sides.append(side)
-            record["sides"][name] = {"setup": side.note}
-        except Exception as exc:  # a side that cannot run here is recorded, the others go on
-            record["sides"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+    def make(name: str) -> Any:
+        tf = base["transformer"] if name in ("diffusers", "diffusers-compile") else copy.deepcopy(base["transformer"])
+        comps = with_transformer(base, tf)
+        if name.startswith("diffusers"):
+            return DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
+        if name == "omniloop":
+            return OmniloopSide(name, comps, device, dtype, compiled=False, compile_backend=compile_backend)
+        if name == "omniloop-compile":
+            return OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend)
+        fused = "fused" in name
+        attention = "sdpa" if fused and device.type == "cpu" else "sdpa-cudnn"  # smoke: the fused path on CPU
+        return OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend,
+                            attention=attention, qkv="fused" if fused else "separate")
+
+    sides = build_sides(only, record, make)
     save()
 
+    def run(side: Any, n: int) -> dict[str, Any]:
+        return side.run(n, size)  # type: ignore[no-any-return]
+
     with torch.no_grad():
-        for side in list(sides):  # warm-up (compiles) — not measured
-            if time.perf_counter() - t_start > args.budget_s:
-                record["sides"][side.name]["skipped"] = "time budget"
-                sides.remove(side)
-                continue
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter()
-            try:
-                side.run(2, size)
-            except Exception as exc:
-                record["sides"][side.name]["skipped"] = f"warm-up failed: {type(exc).__name__}: {exc}"
-                record["sides"][side.name]["traceback"] = traceback.format_exc()[-2000:]
-                sides.remove(side)
-                continue
-            record["sides"][side.name]["warmup_s"] = round(time.perf_counter() - t, 3)
-            print(json.dumps({"side": side.name, "warmup_s": record["sides"][side.name]["warmup_s"]}), flush=True)
-            save()
-        runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
-        for rep in range(args.repeats):
-            if time.perf_counter() - t_start > args.budget_s:
-                record["notes"].append(f"time budget reached after {rep} rounds")
-                break
-            for side in (sides if rep % 2 == 0 else sides[::-1]):
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                r = side.run(steps, size)
-                if device.type == "cuda":
-                    r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                runs[side.name].append(r)
-                print(json.dumps({"side": side.name, "rep": rep, "total_s": round(r["total"], 4),
-                                  "step_s": round(statistics.median(r["steps"]), 5)}), flush=True)
-            summarize(record, runs)
-            save()
+        warm_up(sides, record, run, t_start=t_start, budget_s=args.budget_s, save=save)
+        runs = measure(sides, record, run, steps=steps, repeats=args.repeats, t_start=t_start, budget_s=args.budget_s,
+                       save=save, summarize=summarize)
     summarize(record, runs)
     record["wall_s"] = round(time.perf_counter() - t_start, 1)
     save()
@@ -324,36 +291,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
+    """The shared summary, plus each side's largest pixel difference to diffusers eager."""
     ref = runs.get("diffusers") or []
-    ref_lat = ref[-1]["latents"] if ref else None
-    ref_img = ref[-1]["image"] if ref else None
-    summary: dict[str, Any] = {}
-    for name, rs in runs.items():
-        if not rs:
-            continue
-        steps_all = [s for r in rs for s in r["steps"]]
-        entry = record["sides"][name]
-        entry.update(
-            s_per_step=round(statistics.median(steps_all), 5),
-            s_end_to_end=round(statistics.median(r["total"] for r in rs), 4),
-            runs=len(rs), totals=[round(r["total"], 4) for r in rs],
-        )
-        if "peak_gib" in rs[-1]:
-            entry["peak_gib"] = round(max(r["peak_gib"] for r in rs), 2)
-        if rs[-1].get("metrics"):
-            entry["metrics"] = rs[-1]["metrics"]
-        if ref_lat is not None:
-            lat = rs[-1]["latents"].to(ref_lat.device)
-            entry["latents_rel_rms_vs_diffusers"] = rel_rms(lat, ref_lat)
-            entry["latents_bit_equal_diffusers"] = bool(torch.equal(lat, ref_lat))
-            entry["image_max_abs_diff_vs_diffusers"] = int((rs[-1]["image"].int() - ref_img.int()).abs().max())
-        summary[name] = {"s_per_step": entry["s_per_step"], "s_end_to_end": entry["s_end_to_end"]}
-    for ref_name in ("diffusers", "diffusers-compile"):
-        if ref_name in summary:
-            for s in summary.values():
-                s[f"step_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_per_step"] / s["s_per_step"], 3)
-                s[f"e2e_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_end_to_end"] / s["s_end_to_end"], 3)
-    record["summary"] = summary
+
+    def extra(name: str, rs: list[dict[str, Any]], _: Any) -> dict[str, Any]:
+        if not ref:
+            return {}
+        return {"image_max_abs_diff_vs_diffusers": int((rs[-1]["image"].int() - ref[-1]["image"].int()).abs().max())}
+
+    summarize_sides(record, runs, extra)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ import _repo_paths
 _repo_paths.add_repo_packages()
 
 from _common import command_line, library_versions, machine, rel_rms, run_omniloop, step_times, sync  # noqa: E402
+from _sides import build_sides, measure, warm_up  # noqa: E402
+from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "the sound of a hammer hitting a wooden surface, 120 bpm"
 NEGATIVE = "low quality, noise"
@@ -288,42 +290,26 @@ def main(argv: list[str] | None = None) -> int:
     base = build_components(device, dtype, args.smoke)
     record["notes"].append(f"built components in {time.perf_counter() - t:.1f} s; DiT "
                            f"{sum(p.numel() for p in base['transformer'].parameters()) / 1e9:.3f} B params")
-    sides: list[Any] = []
-    for name in only:
-        try:
-            tf = base["transformer"] if name == "diffusers" else copy.deepcopy(base["transformer"])
-            comps = {**base, "transformer": tf}
-            if name.startswith("diffusers"):
-                side: Any = DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
-            else:
-                cg = "-cg" in name and compile_backend == "inductor"
-                side = OmniloopSide(name, comps, device, dtype, compiled="compile" in name,
-                                    compile_backend=compile_backend, mode="reduce-overhead" if cg else None,
-                                    graphs="-graph" in name, prefetch=name.endswith("-prefetch"),
-                                    attention="sdpa-cudnn" if "cudnn" in name and device.type == "cuda" else "sdpa")
-            sides.append(side)
-            record["sides"][name] = {"setup": side.note}
-        except Exception as exc:  # a side that cannot run here is recorded, the others go on
-            record["sides"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+
+    def make(name: str) -> Any:
+        tf = base["transformer"] if name == "diffusers" else copy.deepcopy(base["transformer"])
+        comps = {**base, "transformer": tf}
+        if name.startswith("diffusers"):
+            return DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
+        cg = "-cg" in name and compile_backend == "inductor"
+        return OmniloopSide(name, comps, device, dtype, compiled="compile" in name, compile_backend=compile_backend,
+                            mode="reduce-overhead" if cg else None, graphs="-graph" in name,
+                            prefetch=name.endswith("-prefetch"),
+                            attention="sdpa-cudnn" if "cudnn" in name and device.type == "cuda" else "sdpa")
+
+    sides = build_sides(only, record, make)
     save()
 
+    def run(side: Any, n: int) -> dict[str, Any]:
+        return side.run(n)  # type: ignore[no-any-return]
+
     with torch.no_grad():
-        for side in list(sides):  # warm-up (compiles) — not measured
-            if time.perf_counter() - t_start > args.budget_s:
-                record["sides"][side.name]["skipped"] = "time budget"
-                sides.remove(side)
-                continue
-            t = time.perf_counter()
-            try:
-                side.run(2)
-            except Exception as exc:
-                record["sides"][side.name]["skipped"] = f"warm-up failed: {type(exc).__name__}: {exc}"
-                record["sides"][side.name]["traceback"] = traceback.format_exc()[-2000:]
-                sides.remove(side)
-                continue
-            record["sides"][side.name]["warmup_s"] = round(time.perf_counter() - t, 3)
-            print(json.dumps({"side": side.name, "warmup_s": record["sides"][side.name]["warmup_s"]}), flush=True)
-            save()
+        warm_up(sides, record, run, t_start=t_start, budget_s=args.budget_s, save=save)
         if args.breakdown:
             try:
                 record["breakdown"] = breakdown(base, sides, device, dtype, steps)
@@ -331,22 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                 record["breakdown"] = {"failed": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-1500:]}
             print(json.dumps({"breakdown": record["breakdown"]}), flush=True)
             save()
-        runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
-        for rep in range(args.repeats):
-            if rep and time.perf_counter() - t_start > args.budget_s:
-                record["notes"].append(f"time budget reached after {rep} rounds")
-                break
-            for side in (sides if rep % 2 == 0 else sides[::-1]):
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                r = side.run(steps)
-                if device.type == "cuda":
-                    r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                runs[side.name].append(r)
-                print(json.dumps({"side": side.name, "rep": rep, "total_s": round(r["total"], 4),
-                                  "step_s": round(statistics.median(r["steps"]), 5)}), flush=True)
-            summarize(record, runs)
-            save()
+        runs = measure(sides, record, run, steps=steps, repeats=args.repeats, t_start=t_start, budget_s=args.budget_s,
+                       save=save, summarize=summarize)
     summarize(record, runs)
     record["wall_s"] = round(time.perf_counter() - t_start, 1)
     save()
@@ -410,39 +382,19 @@ def breakdown(base: dict[str, Any], sides: list[Any], device: torch.device, dtyp
 
 
 def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
-    ref = runs.get("diffusers") or []
-    ref_lat = ref[-1]["latents"] if ref else None
+    """The shared summary, plus each side's audio shape and its latents vs ``omniloop`` (eager)."""
     ours = runs.get("omniloop") or []
     ours_lat = ours[-1]["latents"] if ours else None
-    summary: dict[str, Any] = {}
-    for name, rs in runs.items():
-        if not rs:
-            continue
-        steps_all = [s for r in rs for s in r["steps"]]
-        entry = record["sides"][name]
-        entry.update(s_per_step=round(statistics.median(steps_all), 5),
-                     s_end_to_end=round(statistics.median(r["total"] for r in rs), 4),
-                     runs=len(rs), totals=[round(r["total"], 4) for r in rs],
-                     audio_shape=list(rs[-1]["audio"].shape))
-        if "peak_gib" in rs[-1]:
-            entry["peak_gib"] = round(max(r["peak_gib"] for r in rs), 2)
-        if rs[-1].get("metrics"):
-            entry["metrics"] = rs[-1]["metrics"]
-        if ref_lat is not None:
-            lat = rs[-1]["latents"].to(ref_lat.device).reshape(ref_lat.shape)
-            entry["latents_rel_rms_vs_diffusers"] = rel_rms(lat, ref_lat)
-            entry["latents_bit_equal_diffusers"] = bool(torch.equal(lat, ref_lat))
+
+    def extra(name: str, rs: list[dict[str, Any]], _: Any) -> dict[str, Any]:
+        more: dict[str, Any] = {"audio_shape": list(rs[-1]["audio"].shape)}
         if ours_lat is not None and not name.startswith("diffusers"):
             lat = rs[-1]["latents"].to(ours_lat.device).reshape(ours_lat.shape)
-            entry["latents_rel_rms_vs_omniloop"] = rel_rms(lat, ours_lat)
-            entry["latents_bit_equal_omniloop"] = bool(torch.equal(lat, ours_lat))
-        summary[name] = {"s_per_step": entry["s_per_step"], "s_end_to_end": entry["s_end_to_end"]}
-    for ref_name in ("diffusers", "diffusers-compile"):
-        if ref_name in summary:
-            for s in summary.values():
-                s[f"step_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_per_step"] / s["s_per_step"], 3)
-                s[f"e2e_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_end_to_end"] / s["s_end_to_end"], 3)
-    record["summary"] = summary
+            more.update(latents_rel_rms_vs_omniloop=rel_rms(lat, ours_lat),
+                        latents_bit_equal_omniloop=bool(torch.equal(lat, ours_lat)))
+        return more
+
+    summarize_sides(record, runs, extra)
 
 
 if __name__ == "__main__":
