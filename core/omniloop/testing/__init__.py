@@ -185,7 +185,45 @@ def raising_rows(stage_cls: type, key: str, poison: list[Any], after: int = 1) -
         stage_cls.forward = real  # type: ignore[attr-defined]
 
 
+class BlockTapPlugin:
+    """A plugin registering the observer ``name``: it asks for the block taps whose names match
+    ``blocks`` (``needs_eager``) and records every tap it gets as ``(name, shape)`` in ``seen``.
+    Deploy it with ``plugins={name: {}}``."""
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self, blocks: str = r"transformer_blocks\.\d+$", name: str = "tapper") -> None:
+        self.blocks = blocks
+        self.name = name
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+
+    @hookimpl
+    def omniloop_register_observers(self, register: Any) -> None:
+        from ..family import PluginComponentSpec
+
+        register(PluginComponentSpec(name=self.name, kind="observer", factory=lambda cfg=None: _BlockTapper(self)))
+
+
+class _BlockTapper:
+    needs_eager = True
+
+    def __init__(self, plugin: BlockTapPlugin) -> None:
+        from ..observers import TapFilter
+
+        self.plugin = plugin
+        self.filter = TapFilter(".*", plugin.blocks, observer=plugin.name, doing="testing")
+
+    @hookimpl
+    def omniloop_wants_block_taps(self) -> Any:
+        return self.filter.blocks
+
+    @hookimpl
+    def omniloop_tap(self, request: Any, node: Any, step: Any, name: str, value: Any) -> None:
+        self.plugin.seen.append((name, tuple(value.shape)))
+
+
 __all__ = [
+    "BlockTapPlugin",
     "InlineSerialScheduler",
     "ToyAudioFamily",
     "ToyAudioPlugin",
