@@ -14,6 +14,7 @@ Sides (``--only`` picks any):
 ==========================  ==========================================================================
 ``diffusers``               ``StableAudioPipeline`` eager
 ``diffusers-compile``       same pipeline, ``torch.compile(transformer, fullgraph=True)`` (whole model)
+``diffusers-compile-cg``    same, ``mode="reduce-overhead"`` (inductor's CUDA graphs over the whole model)
 ``omniloop``                the stable-audio family eager (our outer forward, blocks via run_blocks)
 ``omniloop-compile``        + deploy ``compile: true`` (each block ``torch.compile(fullgraph=True)``)
 ``omniloop-cudnn-compile``  + attention backend ``sdpa-cudnn`` (omniloop-attention)
@@ -88,7 +89,7 @@ VAE = dict(encoder_hidden_size=128, downsampling_ratios=[2, 4, 4, 8, 8], channel
 
 OMNILOOP_SIDES = ("omniloop", "omniloop-compile", "omniloop-cudnn-compile", "omniloop-compile-cg", "omniloop-graph",
                   "omniloop-compile-graph")
-SIDES = ("diffusers", "diffusers-compile", *OMNILOOP_SIDES, *(f"{s}-prefetch" for s in OMNILOOP_SIDES))
+SIDES = ("diffusers", "diffusers-compile", "diffusers-compile-cg", *OMNILOOP_SIDES, *(f"{s}-prefetch" for s in OMNILOOP_SIDES))
 
 
 def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
@@ -132,15 +133,17 @@ def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> d
 
 
 class DiffusersSide:
-    def __init__(self, name: str, comps: dict[str, Any], compiled: bool, compile_backend: str) -> None:
+    def __init__(self, name: str, comps: dict[str, Any], compiled: bool, compile_backend: str,
+                 mode: str | None = None) -> None:
         from diffusers import StableAudioPipeline
 
         self.name = name
         tf = comps["transformer"]
         self.note = ""
         if compiled:
-            tf = torch.compile(tf, fullgraph=True, backend=compile_backend)
-            self.note = f"torch.compile(transformer, fullgraph=True, backend={compile_backend!r})"
+            kw = {} if mode is None else {"mode": mode}
+            tf = torch.compile(tf, fullgraph=True, backend=compile_backend, **kw)
+            self.note = f"torch.compile(transformer, fullgraph=True, backend={compile_backend!r}, mode={mode!r})"
         c = comps
         self.pipe = StableAudioPipeline(vae=c["vae"], text_encoder=c["text_encoder"], projection_model=c["projection_model"],
                                         tokenizer=c["tokenizer"], transformer=tf,
@@ -295,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         tf = base["transformer"] if name == "diffusers" else copy.deepcopy(base["transformer"])
         comps = {**base, "transformer": tf}
         if name.startswith("diffusers"):
-            return DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
+            cg = name.endswith("-cg") and compile_backend == "inductor"
+            return DiffusersSide(name, comps, "compile" in name, compile_backend, "reduce-overhead" if cg else None)
         cg = "-cg" in name and compile_backend == "inductor"
         return OmniloopSide(name, comps, device, dtype, compiled="compile" in name, compile_backend=compile_backend,
                             mode="reduce-overhead" if cg else None, graphs="-graph" in name,
