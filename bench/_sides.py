@@ -15,15 +15,69 @@ Imported like ``_common`` (``bench/`` on ``sys.path``).
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
-from _common import rel_rms
+from _common import rel_rms, run_omniloop
+
+
+def parser(description: str, *, steps: int, budget_s: float, sides: Sequence[str]) -> argparse.ArgumentParser:
+    """The options every side-by-side script takes: ``--smoke``, ``--steps``, ``--repeats``,
+    ``--only``, ``--budget-s``, ``--out`` (default ``$OUT`` or ``bench/results/``)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (compile backend 'eager')")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--only", default=",".join(sides))
+    ap.add_argument("--budget-s", type=float, default=budget_s, help="start no new phase after this many seconds")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
+    return ap
+
+
+def setting(ap: argparse.ArgumentParser, args: argparse.Namespace, known: Sequence[str]
+            ) -> tuple[torch.device, torch.dtype, str, list[str]]:
+    """The device (CPU for ``--smoke`` or without CUDA), dtype (bf16 on CUDA), compile backend
+    (``eager`` on CPU) and the ``--only`` sides checked against ``known``; dynamo's cache limit
+    raised for the many compiled copies."""
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    only = [s for s in args.only.split(",") if s]
+    for s in only:
+        if s not in known:
+            ap.error(f"--only: unknown side {s!r} (known: {', '.join(known)})")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return (device, torch.float32 if device.type == "cpu" else torch.bfloat16,
+            "eager" if device.type == "cpu" else "inductor", only)
+
+
+def saver(record: dict[str, Any], out_path: Path) -> Callable[[], None]:
+    """``save()``: write ``record`` to ``out_path`` (its folder made)."""
+
+    def save() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(record, indent=1) + "\n")
+
+    return save
+
+
+def omniloop_run(built: Any, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """One timed omniloop request: ``({"total", "steps", "latents", "metrics"}, output)``; raises
+    when the request did not complete."""
+    from omniloop.artifacts import Latents
+
+    run = run_omniloop(built, body)
+    out = run.result.output
+    if not out.ok:
+        raise RuntimeError(f"omniloop request failed: {out.error}")
+    return ({"total": run.total, "steps": run.steps, "latents": run.result.state.read("denoised", Latents).tensor,
+             "metrics": {"denoise": out.metrics.get("denoise")}}, out)
 
 
 def build_sides(names: Iterable[str], record: dict[str, Any], make: Callable[[str], Any]) -> list[Any]:
@@ -126,4 +180,4 @@ def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
     record["summary"] = summary
 
 
-__all__ = ["build_sides", "measure", "summarize", "warm_up"]
+__all__ = ["build_sides", "measure", "omniloop_run", "parser", "saver", "setting", "summarize", "warm_up"]

@@ -32,11 +32,9 @@ Runs are interleaved (every other round reversed) after one warm-up run per side
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime as dt
 import json
-import os
 import sys
 import tempfile
 import time
@@ -50,8 +48,8 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import command_line, library_versions, machine, run_omniloop, step_times, sync  # noqa: E402
-from _sides import build_sides, measure, warm_up  # noqa: E402
+from _common import command_line, library_versions, machine, step_times, sync  # noqa: E402
+from _sides import build_sides, measure, omniloop_run, parser, saver, setting, warm_up  # noqa: E402
 from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
@@ -204,39 +202,20 @@ class OmniloopSide:
         body = {"task": "t2i", "prompt": PROMPT, "negative_prompt": NEGATIVE,
                 "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED, "height": size, "width": size},
                 "outputs": {"return_latents": True}}
-        run = run_omniloop(self.built, body)
-        out = run.result.output
-        if not out.ok:
-            raise RuntimeError(f"omniloop request failed: {out.error}")
-        from omniloop.artifacts import Latents
-
-        return {"total": run.total, "steps": run.steps, "latents": run.result.state.read("denoised", Latents).tensor,
-                "image": out.artifacts["image"].pixels, "metrics": {"denoise": out.metrics.get("denoise")}}
+        result, out = omniloop_run(self.built, body)
+        return {**result, "image": out.artifacts["image"].pixels}
 
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (compile backend 'eager')")
-    ap.add_argument("--steps", type=int, default=28)
+    ap = parser(__doc__.split("\n")[0], steps=28, budget_s=400.0, sides=DEFAULT_SIDES)
     ap.add_argument("--size", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--only", default=",".join(DEFAULT_SIDES))
-    ap.add_argument("--budget-s", type=float, default=400.0, help="start no new phase after this many seconds")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    device, dtype, compile_backend, only = setting(ap, args, SIDES)
     size = 32 if args.smoke else args.size
     steps = 3 if args.smoke else args.steps
-    compile_backend = "eager" if device.type == "cpu" else "inductor"
-    only = [s for s in args.only.split(",") if s]
-    for s in only:
-        if s not in SIDES:
-            ap.error(f"--only: unknown side {s!r} (known: {', '.join(SIDES)})")
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch.backends.cuda.matmul.allow_tf32 = False
 
     date = dt.date.today().isoformat()
@@ -250,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "sides": {}, "notes": [],
     }
     out_path = Path(args.out) / f"sd3_gpu-{tag}-{date}.json"
-
-    def save() -> None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(record, indent=1) + "\n")
+    save = saver(record, out_path)
 
     t = time.perf_counter()
     base = build_components(device, dtype, args.smoke)

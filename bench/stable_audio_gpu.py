@@ -47,11 +47,9 @@ other round reversed) after one warm-up run per side. JSON to ``--out`` (default
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime as dt
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -67,8 +65,8 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import command_line, library_versions, machine, rel_rms, run_omniloop, step_times, sync  # noqa: E402
-from _sides import build_sides, measure, warm_up  # noqa: E402
+from _common import command_line, library_versions, machine, rel_rms, step_times, sync  # noqa: E402
+from _sides import build_sides, measure, omniloop_run, parser, saver, setting, warm_up  # noqa: E402
 from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "the sound of a hammer hitting a wooden surface, 120 bpm"
@@ -226,14 +224,8 @@ class OmniloopSide:
         body = {"task": "t2a", "prompt": PROMPT, "negative_prompt": NEGATIVE,
                 "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED},
                 "outputs": {"return_latents": True}}
-        run = run_omniloop(self.built, body)
-        out = run.result.output
-        if not out.ok:
-            raise RuntimeError(f"omniloop request failed: {out.error}")
-        from omniloop.artifacts import Latents
-
-        return {"total": run.total, "steps": run.steps, "latents": run.result.state.read("denoised", Latents).tensor,
-                "audio": out.artifacts["audio"].samples, "metrics": {"denoise": out.metrics.get("denoise")}}
+        result, out = omniloop_run(self.built, body)
+        return {**result, "audio": out.artifacts["audio"].samples}
 
 
 class _Float32Vae(torch.nn.Module):
@@ -250,25 +242,12 @@ class _Float32Vae(torch.nn.Module):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (compile backend 'eager')")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--only", default=",".join(SIDES))
-    ap.add_argument("--budget-s", type=float, default=150.0, help="start no new phase after this many seconds")
+    ap = parser(__doc__.split("\n")[0], steps=20, budget_s=150.0, sides=SIDES)
     ap.add_argument("--breakdown", action="store_true", help="also time the noise query and one DiT forward alone")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    device, dtype, compile_backend, only = setting(ap, args, SIDES)
     steps = 3 if args.smoke else args.steps
-    compile_backend = "eager" if device.type == "cpu" else "inductor"
-    only = [s for s in args.only.split(",") if s]
-    for s in only:
-        if s not in SIDES:
-            ap.error(f"--only: unknown side {s!r} (known: {', '.join(SIDES)})")
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
     date = dt.date.today().isoformat()
     tag = "smoke" if args.smoke else "sao-47s-h200"
@@ -284,10 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.out)
     if out_path.suffix != ".json":
         out_path = out_path / f"stable_audio_gpu-{tag}-{date}.json"
-
-    def save() -> None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(record, indent=1) + "\n")
+    save = saver(record, out_path)
 
     t = time.perf_counter()
     base = build_components(device, dtype, args.smoke)
