@@ -185,6 +185,24 @@ def raising_rows(stage_cls: type, key: str, poison: list[Any], after: int = 1) -
         stage_cls.forward = real  # type: ignore[attr-defined]
 
 
+def check_block_cache(runtime_for: Any, name: str, plugin: Any, config: dict[str, Any],
+                      request: dict[str, Any]) -> Any:
+    """A step-caching block interceptor plugin (cache-dit, fbcache) on a family's blocks:
+    ``runtime_for(*plugins, **deploy)`` makes a runtime of the family. With the plugin deployed as
+    ``name`` (``config``) a request completes with at least one cached step, and the same request
+    with ``exact`` equals the plain runtime's latents exactly. Returns the cached output."""
+    import torch
+
+    plain = runtime_for()
+    rt = runtime_for((name, plugin), plugins={name: config})
+    out = rt.generate(request)
+    assert out.status is Status.COMPLETED, out.error
+    assert sum(m["num_cached_steps"] for m in out.metrics["plugins"][name].values()) > 0
+    baseline = completed_latents(plain.generate(request))
+    assert torch.equal(completed_latents(rt.generate({**request, "exact": True})), baseline)
+    return out
+
+
 class BlockTapPlugin:
     """A plugin registering the observer ``name``: it asks for the block taps whose names match
     ``blocks`` (``needs_eager``) and records every tap it gets as ``(name, shape)`` in ``seen``.
@@ -232,6 +250,7 @@ __all__ = [
     "advance_in_lockstep",
     "build_toy_audio_checkpoint",
     "build_toy_checkpoint",
+    "check_block_cache",
     "completed_latents",
     "forward_rows",
     "make_manager",
