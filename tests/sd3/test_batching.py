@@ -80,7 +80,7 @@ def test_a_request_whose_row_raises_fails_alone_in_a_batched_step(sd3_runtime, t
     """Issue 43, finding 3 (exceptions): SD3 declares ``step_batch_retry_alone`` for its denoise
     loop: the poison (its row breaks every forward it is in) fails with its error, its three
     batch-mates complete as they do alone (a raising batched forward is re-run one request at a time)."""
-    from omniloop.testing import advance_in_lockstep, forward_rows, raising_rows
+    from omniloop.testing import check_fails_alone, forward_rows
     from omniloop_sd3.denoise import Denoise
 
     rt = sd3_runtime()
@@ -93,13 +93,6 @@ def test_a_request_whose_row_raises_fails_alone_in_a_batched_step(sd3_runtime, t
         rt.generate(poison)
     rows = [r for r in mine if not any(torch.equal(r, s) for s in shared)]
     assert rows
-    alone = [rt.generate(r) for r in normal]
-    with raising_rows(Denoise, "encoder_hidden_states", rows, after=1):
-        outs, batched = advance_in_lockstep(rt, [normal[0], poison, *normal[1:]])
-    bad = outs.pop(1)
-    assert bad.status is Status.FAILED and "injected" in bad.error.message, bad.error
-    assert batched >= 1
+    outs, alone = check_fails_alone(rt, Denoise, "encoder_hidden_states", rows, normal, poison, BATCHED_ATOL)
     for o, a in zip(outs, alone, strict=True):
-        assert o.status is Status.COMPLETED, o.error
-        torch.testing.assert_close(completed_latents(o), completed_latents(a), atol=BATCHED_ATOL, rtol=0)
         assert o.metrics["policies"] == a.metrics["policies"]

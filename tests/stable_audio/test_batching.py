@@ -65,7 +65,7 @@ def test_a_request_whose_row_raises_fails_alone_in_a_batched_step(runtime, t2a):
     """The family declares ``step_batch_retry_alone`` for ``denoise`` (and ``vae_decode``): the
     poison (its row breaks every forward it is in) fails with its error, its batch-mates complete
     as they do alone (the raising batched forward is re-run one request at a time)."""
-    from omniloop.testing import advance_in_lockstep, forward_rows, raising_rows
+    from omniloop.testing import check_fails_alone, forward_rows
     from omniloop_stable_audio.denoise import Denoise
 
     rt = runtime("stereo")
@@ -74,12 +74,5 @@ def test_a_request_whose_row_raises_fails_alone_in_a_batched_step(runtime, t2a):
     poison = {**t2a(seed=99, steps=3, prompt="a saw wave"), "request_id": "poison"}
     with forward_rows(Denoise, "encoder_hidden_states") as rows:
         rt.generate(poison)
-    alone = [rt.generate(r) for r in normal]
-    with raising_rows(Denoise, "encoder_hidden_states", rows[1:2], after=1):  # its cond row (row 0: zeros)
-        outs, batched = advance_in_lockstep(rt, [normal[0], poison, normal[1]])
-    bad = outs.pop(1)
-    assert bad.status is Status.FAILED and "injected" in bad.error.message, bad.error
-    assert batched >= 1
-    for o, a in zip(outs, alone, strict=True):
-        assert o.status is Status.COMPLETED, o.error
-        torch.testing.assert_close(completed_latents(o), completed_latents(a), atol=BATCHED_ATOL, rtol=0)
+    # its cond row (row 0, the zero uncond row, is every request's)
+    check_fails_alone(rt, Denoise, "encoder_hidden_states", rows[1:2], normal, poison, BATCHED_ATOL)

@@ -149,7 +149,7 @@ def test_attention_backend_other_than_sdpa_refused(tiny_ckpt, make_runtime):
 def test_failing_row_fails_alone_in_a_batched_step(runtime, t2a):
     """``step_batch_retry_alone``: a request whose row breaks every forward it is in fails with its
     error; its batch-mates complete as they do alone."""
-    from omniloop.testing import advance_in_lockstep, forward_rows, raising_rows
+    from omniloop.testing import check_fails_alone, forward_rows
     from omniloop_stable_audio.sa3 import Denoise
 
     rt = runtime("sa3")
@@ -158,15 +158,7 @@ def test_failing_row_fails_alone_in_a_batched_step(runtime, t2a):
     poison = {**t2a(seed=99, steps=3, prompt="a saw wave", audio={"seconds": 0.3}), "request_id": "poison"}
     with forward_rows(Denoise, "encoder_hidden_states") as rows:
         rt.generate(poison)
-    alone = [rt.generate(r) for r in normal]
-    with raising_rows(Denoise, "encoder_hidden_states", rows[:1], after=1):
-        outs, batched = advance_in_lockstep(rt, [normal[0], poison, normal[1]])
-    bad = outs.pop(1)
-    assert bad.status is Status.FAILED and "injected" in bad.error.message, bad.error
-    assert batched >= 1
-    for o, a in zip(outs, alone, strict=True):
-        assert o.status is Status.COMPLETED, o.error
-        torch.testing.assert_close(completed_latents(o), completed_latents(a), atol=BATCHED_ATOL, rtol=0)
+    check_fails_alone(rt, Denoise, "encoder_hidden_states", rows[:1], normal, poison, BATCHED_ATOL)
 
 
 def test_conformance_kit(runtime):

@@ -185,6 +185,27 @@ def raising_rows(stage_cls: type, key: str, poison: list[Any], after: int = 1) -
         stage_cls.forward = real  # type: ignore[attr-defined]
 
 
+def check_fails_alone(runtime: Any, stage_cls: type, key: str, poison_rows: list[Any], normal: list[dict[str, Any]],
+                      poison: dict[str, Any], atol: float) -> tuple[list[Any], list[Any]]:
+    """A family's ``step_batch_retry_alone``: ``poison`` (whose ``batch[key]`` rows ``poison_rows``
+    break every forward of ``stage_cls`` they are in, after the first) stepped in lockstep between
+    ``normal[0]`` and the other ``normal`` requests fails with the injected error, at least one step
+    ran batched, and each normal request completes within ``atol`` of its run alone. Returns
+    ``(the normal outputs, their runs alone)``."""
+    import torch
+
+    alone = [runtime.generate(r) for r in normal]
+    with raising_rows(stage_cls, key, poison_rows, after=1):
+        outs, batched = advance_in_lockstep(runtime, [normal[0], poison, *normal[1:]])
+    bad = outs.pop(1)
+    assert bad.status is Status.FAILED and "injected" in bad.error.message, bad.error
+    assert batched >= 1
+    for o, a in zip(outs, alone, strict=True):
+        assert o.status is Status.COMPLETED, o.error
+        torch.testing.assert_close(completed_latents(o), completed_latents(a), atol=atol, rtol=0)
+    return outs, alone
+
+
 def check_block_cache(runtime_for: Any, name: str, plugin: Any, config: dict[str, Any],
                       request: dict[str, Any]) -> Any:
     """A step-caching block interceptor plugin (cache-dit, fbcache) on a family's blocks:
@@ -251,6 +272,7 @@ __all__ = [
     "build_toy_audio_checkpoint",
     "build_toy_checkpoint",
     "check_block_cache",
+    "check_fails_alone",
     "completed_latents",
     "forward_rows",
     "make_manager",
