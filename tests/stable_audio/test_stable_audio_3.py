@@ -188,3 +188,31 @@ def test_compiled_blocks_equal_eager(tiny_ckpt, make_runtime, t2a):
     out = comp.generate(t2a(steps=2))
     assert out.metrics["denoise"]["compiled_blocks"] is True
     assert torch.equal(completed_latents(out), completed_latents(eager.generate(t2a(steps=2))))
+
+
+def test_bad_checkpoints_named(tiny_ckpt, tmp_path, make_runtime):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from omniloop.errors import CheckpointError
+
+    def set_json(path: Path, **values: Any) -> None:
+        path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+    cases = [
+        (lambda c: set_json(c / "vae" / "config.json", latent_dim=5), "latent_dim=5 but the transformer takes io_channels=8"),
+        (lambda c: set_json(c / "duration_embedder" / "config.json", output_dim=7), "output_dim=7"),
+        (lambda c: set_json(c / "duration_embedder" / "config.json", max_val=-1.0), "min_val/max_val"),
+        (lambda c: set_json(c / "scheduler" / "scheduler_config.json", _class_name="DDIMScheduler"),
+         "for Stable Audio 3"),
+        (lambda c: set_json(c / "model_index.json", duration_embedder=[None, None]), "'duration_embedder' is not declared"),
+        (lambda c: set_json(c / "omniloop.json", defaults={"shift": 3}), "defaults.shift is not a StableAudio3Pipeline"),
+    ]
+    for i, (edit, words) in enumerate(cases):
+        ckpt = tmp_path / f"bad{i}"
+        shutil.copytree(tiny_ckpt("sa3"), ckpt)
+        edit(ckpt)
+        with pytest.raises(CheckpointError) as err:
+            make_runtime(ckpt)
+        assert words in str(err.value), str(err.value)

@@ -104,19 +104,32 @@ def _int(cfg: dict[str, Any], key: str, path: Path, default: Any = None) -> int:
     return v
 
 
+def _dit_and_vae(root: Path, c: dict[str, Any], dit: str, tf_key: str, vae_key: str, default: int) -> None:
+    """The DiT's class, its latent channels (``tf_key``) against the VAE's (``vae_key``), the rate."""
+    tf_path, vae_path = root / "transformer" / "config.json", root / "vae" / "config.json"
+    tf, vae = c["transformer"], c["vae"]
+    if tf.get("_class_name", dit) != dit:
+        raise CheckpointError(f"{tf_path}: expected a {dit}, found {tf.get('_class_name')!r}")
+    latent = _int(tf, tf_key, tf_path, default)
+    if _int(vae, vae_key, vae_path, default) != latent:
+        raise CheckpointError(f"{vae_path}: {vae_key}={vae.get(vae_key, default)} but the transformer takes "
+                              f"{tf_key}={latent}")
+    _int(vae, "sampling_rate", vae_path, 44100)
+
+
+def _scheduler(root: Path, c: dict[str, Any], allowed: tuple[str, ...], what: str) -> None:
+    name = c["scheduler"].get("_class_name")
+    if name not in allowed:
+        raise CheckpointError(f"{root / 'scheduler' / 'scheduler_config.json'}: scheduler {name!r} is not supported "
+                              f"(the family steps {', '.join(allowed)} for {what}, what it ships)")
+
+
 def check_fit(root: Path, c: dict[str, Any]) -> None:
     """The components must fit together (what the DiT expects of the projection, the T5 and the VAE)."""
-    tf_path, vae_path = root / "transformer" / "config.json", root / "vae" / "config.json"
+    tf_path = root / "transformer" / "config.json"
     pr_path, te_path = root / "projection_model" / "config.json", root / "text_encoder" / "config.json"
-    sch_path = root / "scheduler" / "scheduler_config.json"
-    tf, vae, pr, te = c["transformer"], c["vae"], c["projection_model"], c["text_encoder"]
-    if tf.get("_class_name", "StableAudioDiTModel") != "StableAudioDiTModel":
-        raise CheckpointError(f"{tf_path}: expected a StableAudioDiTModel, found {tf.get('_class_name')!r}")
-    latent = _int(tf, "in_channels", tf_path, 64)
-    if _int(vae, "decoder_input_channels", vae_path, 64) != latent:
-        raise CheckpointError(f"{vae_path}: decoder_input_channels={vae.get('decoder_input_channels', 64)} but the "
-                              f"transformer takes in_channels={latent}")
-    _int(vae, "sampling_rate", vae_path, 44100)
+    tf, pr, te = c["transformer"], c["projection_model"], c["text_encoder"]
+    _dit_and_vae(root, c, "StableAudioDiTModel", "in_channels", "decoder_input_channels", 64)
     cond = _int(pr, "conditioning_dim", pr_path)
     if _int(tf, "cross_attention_input_dim", tf_path, 768) != cond:
         raise CheckpointError(f"{tf_path}: cross_attention_input_dim={tf.get('cross_attention_input_dim', 768)} but "
@@ -133,26 +146,16 @@ def check_fit(root: Path, c: dict[str, Any]) -> None:
         raise CheckpointError(f"{pr_path}: min_value/max_value must be numbers with min < max, got {lo!r}/{hi!r}")
     if (_int(tf, "attention_head_dim", tf_path, 64) // 2) % 2:
         raise CheckpointError(f"{tf_path}: attention_head_dim must be a multiple of 4 (half of it is rotated)")
-    name = c["scheduler"].get("_class_name")
-    if name not in SCHEDULERS:
-        raise CheckpointError(f"{sch_path}: scheduler {name!r} is not supported (the family steps "
-                              f"{', '.join(SCHEDULERS)}, what Stable Audio ships)")
+    _scheduler(root, c, SCHEDULERS, "Stable Audio Open")
 
 
 def check_fit_3(root: Path, c: dict[str, Any]) -> None:
     """Stable Audio 3: the DiT's widths vs the T5Gemma encoder, the duration embedder and the SAME
     latents; the duration range; the flow-match scheduler."""
-    tf_path, vae_path = root / "transformer" / "config.json", root / "vae" / "config.json"
+    tf_path = root / "transformer" / "config.json"
     de_path, te_path = root / "duration_embedder" / "config.json", root / "text_encoder" / "config.json"
-    sch_path = root / "scheduler" / "scheduler_config.json"
-    tf, vae, de, te = c["transformer"], c["vae"], c["duration_embedder"], c["text_encoder"]
-    if tf.get("_class_name", "StableAudio3DiTModel") != "StableAudio3DiTModel":
-        raise CheckpointError(f"{tf_path}: expected a StableAudio3DiTModel, found {tf.get('_class_name')!r}")
-    latent = _int(tf, "io_channels", tf_path, 256)
-    if _int(vae, "latent_dim", vae_path, 256) != latent:
-        raise CheckpointError(f"{vae_path}: latent_dim={vae.get('latent_dim', 256)} but the transformer takes "
-                              f"io_channels={latent}")
-    _int(vae, "sampling_rate", vae_path, 44100)
+    tf, de, te = c["transformer"], c["duration_embedder"], c["text_encoder"]
+    _dit_and_vae(root, c, "StableAudio3DiTModel", "io_channels", "latent_dim", 256)
     _int(tf, "patch_size", tf_path, 1)
     cond = _int(tf, "cond_token_dim", tf_path, 768)
     width = (te.get("encoder") or {}).get("hidden_size", te.get("hidden_size"))
@@ -167,10 +170,7 @@ def check_fit_3(root: Path, c: dict[str, Any]) -> None:
     lo, hi = de.get("min_val", 0.0), de.get("max_val", 384.0)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo < hi:
         raise CheckpointError(f"{de_path}: min_val/max_val must be numbers with 0 <= min < max, got {lo!r}/{hi!r}")
-    name = c["scheduler"].get("_class_name")
-    if name not in SCHEDULERS_3:
-        raise CheckpointError(f"{sch_path}: scheduler {name!r} is not supported (the family steps "
-                              f"{', '.join(SCHEDULERS_3)} for Stable Audio 3, what it ships)")
+    _scheduler(root, c, SCHEDULERS_3, "Stable Audio 3")
 
 
 __all__ = ["DIFFUSERS_COMPONENTS", "PIPELINES", "PIPELINE_MODULES", "REQUIRED", "REQUIRED_3", "SA1", "SA3",
