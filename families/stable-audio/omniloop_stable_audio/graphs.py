@@ -15,6 +15,7 @@ between blocks (the graph has no host code). CUDA devices only (refused at load 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,6 +25,8 @@ import torch
 from omniloop.errors import DeployError
 
 _GRAPHS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+#: one forward at a time through the captured buffers (capture, input copies, replay, output copy)
+_LOCK = threading.Lock()
 
 
 def graph_option(options: Mapping[str, Any], device: torch.device | None) -> bool:
@@ -54,6 +57,11 @@ def graphs_enabled(ctx: Any, block_ctx: Any) -> bool:
 def replay(model: Any, tag: Any, fn: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """``fn(**inputs)`` through the CUDA graph kept for ``model``, ``tag`` and the inputs' shapes
     and dtypes (captured on the first call)."""
+    with _LOCK:
+        return _replay(model, tag, fn, inputs)
+
+
+def _replay(model: Any, tag: Any, fn: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     key = (tag, *((k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(inputs.items())))
     graphs = _GRAPHS.setdefault(model, {})
     entry = graphs.get(key)
