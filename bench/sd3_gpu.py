@@ -32,16 +32,12 @@ Runs are interleaved (every other round reversed) after one warm-up run per side
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime as dt
 import json
-import os
-import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -52,16 +48,9 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import (  # noqa: E402
-    command_line,
-    library_versions,
-    machine,
-    rel_rms,
-    run_omniloop,
-    step_marker,
-    step_times,
-    sync,
-)
+from _common import command_line, library_versions, machine, step_marker, step_times, sync  # noqa: E402
+from _sides import build_sides, measure, omniloop_run, parser, saver, setting, warm_up  # noqa: E402
+from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
 NEGATIVE = "blurry, low quality, watermark"
@@ -205,39 +194,20 @@ class OmniloopSide:
         body = {"task": "t2i", "prompt": PROMPT, "negative_prompt": NEGATIVE,
                 "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED, "height": size, "width": size},
                 "outputs": {"return_latents": True}}
-        run = run_omniloop(self.built, body)
-        out = run.result.output
-        if not out.ok:
-            raise RuntimeError(f"omniloop request failed: {out.error}")
-        from omniloop.artifacts import Latents
-
-        return {"total": run.total, "steps": run.steps, "latents": run.result.state.read("denoised", Latents).tensor,
-                "image": out.artifacts["image"].pixels, "metrics": {"denoise": out.metrics.get("denoise")}}
+        result, out = omniloop_run(self.built, body)
+        return {**result, "image": out.artifacts["image"].pixels}
 
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (compile backend 'eager')")
-    ap.add_argument("--steps", type=int, default=28)
+    ap = parser(__doc__.split("\n")[0], steps=28, budget_s=400.0, sides=DEFAULT_SIDES)
     ap.add_argument("--size", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--only", default=",".join(DEFAULT_SIDES))
-    ap.add_argument("--budget-s", type=float, default=400.0, help="start no new phase after this many seconds")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    device, dtype, compile_backend, only = setting(ap, args, SIDES)
     size = 32 if args.smoke else args.size
     steps = 3 if args.smoke else args.steps
-    compile_backend = "eager" if device.type == "cpu" else "inductor"
-    only = [s for s in args.only.split(",") if s]
-    for s in only:
-        if s not in SIDES:
-            ap.error(f"--only: unknown side {s!r} (known: {', '.join(SIDES)})")
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch.backends.cuda.matmul.allow_tf32 = False
 
     date = dt.date.today().isoformat()
@@ -251,72 +221,36 @@ def main(argv: list[str] | None = None) -> int:
         "sides": {}, "notes": [],
     }
     out_path = Path(args.out) / f"sd3_gpu-{tag}-{date}.json"
-
-    def save() -> None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(record, indent=1) + "\n")
+    save = saver(record, out_path)
 
     t = time.perf_counter()
     base = build_components(device, dtype, args.smoke)
     record["notes"].append(f"built components in {time.perf_counter() - t:.1f} s; transformer "
                            f"{sum(p.numel() for p in base['transformer'].parameters()) / 1e9:.3f} B params")
-    sides: list[Any] = []
-    for name in only:
-        try:
-            tf = base["transformer"] if name in ("diffusers", "diffusers-compile") else copy.deepcopy(base["transformer"])
-            comps = with_transformer(base, tf)
-            if name.startswith("diffusers"):
-                side: Any = DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
-            elif name == "omniloop":
-                side = OmniloopSide(name, comps, device, dtype, compiled=False, compile_backend=compile_backend)
-            elif name == "omniloop-compile":
-                side = OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend)
-            else:
-                fused = "fused" in name
-                attention = "sdpa" if fused and device.type == "cpu" else "sdpa-cudnn"  # smoke: the fused path on CPU
-                side = OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend,
-                                    attention=attention, qkv="fused" if fused else "separate")
-            sides.append(side)
-            record["sides"][name] = {"setup": side.note}
-        except Exception as exc:  # a side that cannot run here is recorded, the others go on
-            record["sides"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+    def make(name: str) -> Any:
+        tf = base["transformer"] if name in ("diffusers", "diffusers-compile") else copy.deepcopy(base["transformer"])
+        comps = with_transformer(base, tf)
+        if name.startswith("diffusers"):
+            return DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
+        if name == "omniloop":
+            return OmniloopSide(name, comps, device, dtype, compiled=False, compile_backend=compile_backend)
+        if name == "omniloop-compile":
+            return OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend)
+        fused = "fused" in name
+        attention = "sdpa" if fused and device.type == "cpu" else "sdpa-cudnn"  # smoke: the fused path on CPU
+        return OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend,
+                            attention=attention, qkv="fused" if fused else "separate")
+
+    sides = build_sides(only, record, make)
     save()
 
+    def run(side: Any, n: int) -> dict[str, Any]:
+        return side.run(n, size)  # type: ignore[no-any-return]
+
     with torch.no_grad():
-        for side in list(sides):  # warm-up (compiles) — not measured
-            if time.perf_counter() - t_start > args.budget_s:
-                record["sides"][side.name]["skipped"] = "time budget"
-                sides.remove(side)
-                continue
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter()
-            try:
-                side.run(2, size)
-            except Exception as exc:
-                record["sides"][side.name]["skipped"] = f"warm-up failed: {type(exc).__name__}: {exc}"
-                record["sides"][side.name]["traceback"] = traceback.format_exc()[-2000:]
-                sides.remove(side)
-                continue
-            record["sides"][side.name]["warmup_s"] = round(time.perf_counter() - t, 3)
-            print(json.dumps({"side": side.name, "warmup_s": record["sides"][side.name]["warmup_s"]}), flush=True)
-            save()
-        runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
-        for rep in range(args.repeats):
-            if time.perf_counter() - t_start > args.budget_s:
-                record["notes"].append(f"time budget reached after {rep} rounds")
-                break
-            for side in (sides if rep % 2 == 0 else sides[::-1]):
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                r = side.run(steps, size)
-                if device.type == "cuda":
-                    r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                runs[side.name].append(r)
-                print(json.dumps({"side": side.name, "rep": rep, "total_s": round(r["total"], 4),
-                                  "step_s": round(statistics.median(r["steps"]), 5)}), flush=True)
-            summarize(record, runs)
-            save()
+        warm_up(sides, record, run, t_start=t_start, budget_s=args.budget_s, save=save)
+        runs = measure(sides, record, run, steps=steps, repeats=args.repeats, t_start=t_start, budget_s=args.budget_s,
+                       save=save, summarize=summarize)
     summarize(record, runs)
     record["wall_s"] = round(time.perf_counter() - t_start, 1)
     save()
@@ -325,36 +259,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
+    """The shared summary, plus each side's largest pixel difference to diffusers eager."""
     ref = runs.get("diffusers") or []
-    ref_lat = ref[-1]["latents"] if ref else None
-    ref_img = ref[-1]["image"] if ref else None
-    summary: dict[str, Any] = {}
-    for name, rs in runs.items():
-        if not rs:
-            continue
-        steps_all = [s for r in rs for s in r["steps"]]
-        entry = record["sides"][name]
-        entry.update(
-            s_per_step=round(statistics.median(steps_all), 5),
-            s_end_to_end=round(statistics.median(r["total"] for r in rs), 4),
-            runs=len(rs), totals=[round(r["total"], 4) for r in rs],
-        )
-        if "peak_gib" in rs[-1]:
-            entry["peak_gib"] = round(max(r["peak_gib"] for r in rs), 2)
-        if rs[-1].get("metrics"):
-            entry["metrics"] = rs[-1]["metrics"]
-        if ref_lat is not None:
-            lat = rs[-1]["latents"].to(ref_lat.device)
-            entry["latents_rel_rms_vs_diffusers"] = rel_rms(lat, ref_lat)
-            entry["latents_bit_equal_diffusers"] = bool(torch.equal(lat, ref_lat))
-            entry["image_max_abs_diff_vs_diffusers"] = int((rs[-1]["image"].int() - ref_img.int()).abs().max())
-        summary[name] = {"s_per_step": entry["s_per_step"], "s_end_to_end": entry["s_end_to_end"]}
-    for ref_name in ("diffusers", "diffusers-compile"):
-        if ref_name in summary:
-            for s in summary.values():
-                s[f"step_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_per_step"] / s["s_per_step"], 3)
-                s[f"e2e_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_end_to_end"] / s["s_end_to_end"], 3)
-    record["summary"] = summary
+
+    def extra(name: str, rs: list[dict[str, Any]], _: Any) -> dict[str, Any]:
+        if not ref:
+            return {}
+        return {"image_max_abs_diff_vs_diffusers": int((rs[-1]["image"].int() - ref[-1]["image"].int()).abs().max())}
+
+    summarize_sides(record, runs, extra)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,25 @@ Sides (``--only`` picks any):
 ==========================  ==========================================================================
 ``diffusers``               ``StableAudioPipeline`` eager
 ``diffusers-compile``       same pipeline, ``torch.compile(transformer, fullgraph=True)`` (whole model)
+``diffusers-compile-cg``    same, ``mode="reduce-overhead"`` (inductor's CUDA graphs over the whole model)
 ``omniloop``                the stable-audio family eager (our outer forward, blocks via run_blocks)
 ``omniloop-compile``        + deploy ``compile: true`` (each block ``torch.compile(fullgraph=True)``)
 ``omniloop-cudnn-compile``  + attention backend ``sdpa-cudnn`` (omniloop-attention)
 ``omniloop-compile-cg``     ``omniloop-compile`` with ``options.compile_mode: reduce-overhead`` (each
                             compiled block replayed as a CUDA graph)
+``omniloop-graph``          ``omniloop`` with ``options.cuda_graphs: true`` (the whole DiT forward one
+                            CUDA graph replay; eager blocks)
+``omniloop-compile-graph``  ``omniloop-compile`` + ``options.cuda_graphs: true`` (the compiled blocks
+                            inside the one captured forward)
+``...-prefetch``            any omniloop side + ``options.noise_prefetch: true`` (the next step's
+                            Brownian-tree noise computed in a worker thread while the DiT runs)
 ==========================  ==========================================================================
+
+``--breakdown`` also times, on its own, the scheduler's Brownian-tree noise query (20 queries at
+the bench's shape, synchronised) and one DiT forward of the ``omniloop-compile`` side (host time to
+launch it and time to finish it). Besides the comparison with
+diffusers eager, each side's final latents are compared with ``omniloop``'s (``..._vs_omniloop``):
+a CUDA graph replays the kernels it captured, so ``omniloop-graph`` should equal ``omniloop``.
 
 Per side: seconds per denoise step (median over steps 1..N-1 of every measured run; diffusers'
 steps are marked by its ``callback`` after a ``torch.cuda.synchronize()``, omniloop's after each
@@ -34,11 +47,9 @@ other round reversed) after one warm-up run per side. JSON to ``--out`` (default
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime as dt
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -54,7 +65,9 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import command_line, library_versions, machine, rel_rms, run_omniloop, step_times, sync  # noqa: E402
+from _common import command_line, library_versions, machine, rel_rms, step_times, sync  # noqa: E402
+from _sides import build_sides, measure, omniloop_run, parser, saver, setting, warm_up  # noqa: E402
+from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "the sound of a hammer hitting a wooden surface, 120 bpm"
 NEGATIVE = "low quality, noise"
@@ -72,8 +85,9 @@ T5 = dict(d_model=768, d_kv=64, d_ff=3072, num_layers=2, num_heads=12, relative_
 VAE = dict(encoder_hidden_size=128, downsampling_ratios=[2, 4, 4, 8, 8], channel_multiples=[1, 2, 4, 8, 16],
            decoder_channels=16, decoder_input_channels=64, audio_channels=2, sampling_rate=44100)
 
-SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omniloop-cudnn-compile",
-         "omniloop-compile-cg")
+OMNILOOP_SIDES = ("omniloop", "omniloop-compile", "omniloop-cudnn-compile", "omniloop-compile-cg", "omniloop-graph",
+                  "omniloop-compile-graph")
+SIDES = ("diffusers", "diffusers-compile", "diffusers-compile-cg", *OMNILOOP_SIDES, *(f"{s}-prefetch" for s in OMNILOOP_SIDES))
 
 
 def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
@@ -117,15 +131,17 @@ def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> d
 
 
 class DiffusersSide:
-    def __init__(self, name: str, comps: dict[str, Any], compiled: bool, compile_backend: str) -> None:
+    def __init__(self, name: str, comps: dict[str, Any], compiled: bool, compile_backend: str,
+                 mode: str | None = None) -> None:
         from diffusers import StableAudioPipeline
 
         self.name = name
         tf = comps["transformer"]
         self.note = ""
         if compiled:
-            tf = torch.compile(tf, fullgraph=True, backend=compile_backend)
-            self.note = f"torch.compile(transformer, fullgraph=True, backend={compile_backend!r})"
+            kw = {} if mode is None else {"mode": mode}
+            tf = torch.compile(tf, fullgraph=True, backend=compile_backend, **kw)
+            self.note = f"torch.compile(transformer, fullgraph=True, backend={compile_backend!r}, mode={mode!r})"
         c = comps
         self.pipe = StableAudioPipeline(vae=c["vae"], text_encoder=c["text_encoder"], projection_model=c["projection_model"],
                                         tokenizer=c["tokenizer"], transformer=tf,
@@ -169,7 +185,8 @@ class _vae_cast:
 
 class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, *,
-                 compiled: bool, compile_backend: str, attention: str = "sdpa", mode: str | None = None) -> None:
+                 compiled: bool, compile_backend: str, attention: str = "sdpa", mode: str | None = None,
+                 graphs: bool = False, prefetch: bool = False) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -189,6 +206,10 @@ class OmniloopSide:
         options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend}
         if mode is not None:
             options["compile_mode"] = mode
+        if graphs:
+            options["cuda_graphs"] = True
+        if prefetch:
+            options["noise_prefetch"] = True
         if backend is not None:
             options["attention"] = backend
         fam = StableAudioFamily()
@@ -197,20 +218,14 @@ class OmniloopSide:
         spec = fam.build_pipeline(self.model, TaskType.T2A, options)
         self.built = BuiltPipeline(spec=spec, components=self.model.components, device=device, dtype=dtype,
                                    options=options)
-        self.note = f"compile={compiled} attention={attention} compile_mode={mode}"
+        self.note = f"compile={compiled} attention={attention} compile_mode={mode} cuda_graphs={graphs} noise_prefetch={prefetch}"
 
     def run(self, steps: int) -> dict[str, Any]:
         body = {"task": "t2a", "prompt": PROMPT, "negative_prompt": NEGATIVE,
                 "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED},
                 "outputs": {"return_latents": True}}
-        run = run_omniloop(self.built, body)
-        out = run.result.output
-        if not out.ok:
-            raise RuntimeError(f"omniloop request failed: {out.error}")
-        from omniloop.artifacts import Latents
-
-        return {"total": run.total, "steps": run.steps, "latents": run.result.state.read("denoised", Latents).tensor,
-                "audio": out.artifacts["audio"].samples, "metrics": {"denoise": out.metrics.get("denoise")}}
+        result, out = omniloop_run(self.built, body)
+        return {**result, "audio": out.artifacts["audio"].samples}
 
 
 class _Float32Vae(torch.nn.Module):
@@ -227,24 +242,12 @@ class _Float32Vae(torch.nn.Module):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (compile backend 'eager')")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--only", default=",".join(SIDES))
-    ap.add_argument("--budget-s", type=float, default=150.0, help="start no new phase after this many seconds")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
+    ap = parser(__doc__.split("\n")[0], steps=20, budget_s=150.0, sides=SIDES)
+    ap.add_argument("--breakdown", action="store_true", help="also time the noise query and one DiT forward alone")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    device, dtype, compile_backend, only = setting(ap, args, SIDES)
     steps = 3 if args.smoke else args.steps
-    compile_backend = "eager" if device.type == "cpu" else "inductor"
-    only = [s for s in args.only.split(",") if s]
-    for s in only:
-        if s not in SIDES:
-            ap.error(f"--only: unknown side {s!r} (known: {', '.join(SIDES)})")
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
     date = dt.date.today().isoformat()
     tag = "smoke" if args.smoke else "sao-47s-h200"
@@ -260,66 +263,42 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.out)
     if out_path.suffix != ".json":
         out_path = out_path / f"stable_audio_gpu-{tag}-{date}.json"
-
-    def save() -> None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(record, indent=1) + "\n")
+    save = saver(record, out_path)
 
     t = time.perf_counter()
     base = build_components(device, dtype, args.smoke)
     record["notes"].append(f"built components in {time.perf_counter() - t:.1f} s; DiT "
                            f"{sum(p.numel() for p in base['transformer'].parameters()) / 1e9:.3f} B params")
-    sides: list[Any] = []
-    for name in only:
-        try:
-            tf = base["transformer"] if name == "diffusers" else copy.deepcopy(base["transformer"])
-            comps = {**base, "transformer": tf}
-            if name.startswith("diffusers"):
-                side: Any = DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
-            else:
-                cg = name.endswith("-cg") and compile_backend == "inductor"
-                side = OmniloopSide(name, comps, device, dtype, compiled="compile" in name,
-                                    compile_backend=compile_backend, mode="reduce-overhead" if cg else None,
-                                    attention="sdpa-cudnn" if "cudnn" in name and device.type == "cuda" else "sdpa")
-            sides.append(side)
-            record["sides"][name] = {"setup": side.note}
-        except Exception as exc:  # a side that cannot run here is recorded, the others go on
-            record["sides"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+
+    def make(name: str) -> Any:
+        tf = base["transformer"] if name == "diffusers" else copy.deepcopy(base["transformer"])
+        comps = {**base, "transformer": tf}
+        if name.startswith("diffusers"):
+            cg = name.endswith("-cg") and compile_backend == "inductor"
+            return DiffusersSide(name, comps, "compile" in name, compile_backend, "reduce-overhead" if cg else None)
+        cg = "-cg" in name and compile_backend == "inductor"
+        return OmniloopSide(name, comps, device, dtype, compiled="compile" in name, compile_backend=compile_backend,
+                            mode="reduce-overhead" if cg else None, graphs="-graph" in name,
+                            prefetch=name.endswith("-prefetch"),
+                            attention="sdpa-cudnn" if "cudnn" in name and device.type == "cuda" else "sdpa")
+
+    sides = build_sides(only, record, make)
     save()
 
+    def run(side: Any, n: int) -> dict[str, Any]:
+        return side.run(n)  # type: ignore[no-any-return]
+
     with torch.no_grad():
-        for side in list(sides):  # warm-up (compiles) — not measured
-            if time.perf_counter() - t_start > args.budget_s:
-                record["sides"][side.name]["skipped"] = "time budget"
-                sides.remove(side)
-                continue
-            t = time.perf_counter()
+        warm_up(sides, record, run, t_start=t_start, budget_s=args.budget_s, save=save)
+        if args.breakdown:
             try:
-                side.run(2)
+                record["breakdown"] = breakdown(base, sides, device, dtype, steps)
             except Exception as exc:
-                record["sides"][side.name]["skipped"] = f"warm-up failed: {type(exc).__name__}: {exc}"
-                record["sides"][side.name]["traceback"] = traceback.format_exc()[-2000:]
-                sides.remove(side)
-                continue
-            record["sides"][side.name]["warmup_s"] = round(time.perf_counter() - t, 3)
-            print(json.dumps({"side": side.name, "warmup_s": record["sides"][side.name]["warmup_s"]}), flush=True)
+                record["breakdown"] = {"failed": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-1500:]}
+            print(json.dumps({"breakdown": record["breakdown"]}), flush=True)
             save()
-        runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
-        for rep in range(args.repeats):
-            if rep and time.perf_counter() - t_start > args.budget_s:
-                record["notes"].append(f"time budget reached after {rep} rounds")
-                break
-            for side in (sides if rep % 2 == 0 else sides[::-1]):
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                r = side.run(steps)
-                if device.type == "cuda":
-                    r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                runs[side.name].append(r)
-                print(json.dumps({"side": side.name, "rep": rep, "total_s": round(r["total"], 4),
-                                  "step_s": round(statistics.median(r["steps"]), 5)}), flush=True)
-            summarize(record, runs)
-            save()
+        runs = measure(sides, record, run, steps=steps, repeats=args.repeats, t_start=t_start, budget_s=args.budget_s,
+                       save=save, summarize=summarize)
     summarize(record, runs)
     record["wall_s"] = round(time.perf_counter() - t_start, 1)
     save()
@@ -327,34 +306,75 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def breakdown(base: dict[str, Any], sides: list[Any], device: torch.device, dtype: torch.dtype,
+              steps: int) -> dict[str, Any]:
+    """What one step is made of, each part alone: the scheduler's Brownian-tree noise query (host
+    time and synchronised time) and one DiT forward of the omniloop-compile side (host time to
+    launch, time to finish)."""
+    from diffusers.schedulers.scheduling_dpmsolver_sde import BrownianTreeNoiseSampler
+
+    out: dict[str, Any] = {}
+    sch = type(base["scheduler"]).from_config(base["scheduler"].config)
+    sch.set_timesteps(steps, device=device)
+    tf = base["transformer"]
+    x = torch.zeros((1, int(tf.config.in_channels), int(tf.config.sample_size)), dtype=dtype, device=device)
+    for rep in range(2):
+        ns = BrownianTreeNoiseSampler(x, sigma_min=sch.config.sigma_min, sigma_max=sch.config.sigma_max, seed=SEED)
+        host, total = [], []
+        for i in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            ns(sch.sigmas[i], sch.sigmas[i + 1])
+            t1 = time.perf_counter()
+            sync()
+            host.append(t1 - t0)
+            total.append(time.perf_counter() - t0)
+        if rep:
+            out["noise_query_host_ms"] = round(statistics.median(host) * 1e3, 3)
+            out["noise_query_ms"] = round(statistics.median(total) * 1e3, 3)
+    side = next((s for s in sides if s.name == "omniloop-compile"), None)
+    if side is not None:
+        from omniloop_kit.compile import compiled
+        from omniloop_stable_audio.transformer import dit_forward, rotary_embedding
+
+        m = side.model.components["transformer"]
+        cb = compiled(m)
+        blocks = cb.blocks if cb is not None else None
+        g = torch.Generator("cpu").manual_seed(0)
+        h = torch.randn((2, int(m.config.in_channels), int(m.config.sample_size)), generator=g).to(device, dtype)
+        t = torch.tensor([500.0], device=device)
+        cond = int(m.config.cross_attention_input_dim)
+        ehs = torch.randn((2, 130, cond), generator=g).to(device, dtype)
+        glob = torch.randn((2, 1, int(m.config.global_states_input_dim)), generator=g).to(device, dtype)
+        rot = rotary_embedding(m, h.shape[2] + 1, h.device)
+        host, total = [], []
+        for _ in range(6):
+            sync()
+            t0 = time.perf_counter()
+            dit_forward(m, h, t, ehs, glob, rot, None, blocks=blocks)
+            t1 = time.perf_counter()
+            sync()
+            host.append(t1 - t0)
+            total.append(time.perf_counter() - t0)
+        out["dit_forward_compiled_host_ms"] = round(statistics.median(host[1:]) * 1e3, 3)
+        out["dit_forward_compiled_ms"] = round(statistics.median(total[1:]) * 1e3, 3)
+    return out
+
+
 def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
-    ref = runs.get("diffusers") or []
-    ref_lat = ref[-1]["latents"] if ref else None
-    summary: dict[str, Any] = {}
-    for name, rs in runs.items():
-        if not rs:
-            continue
-        steps_all = [s for r in rs for s in r["steps"]]
-        entry = record["sides"][name]
-        entry.update(s_per_step=round(statistics.median(steps_all), 5),
-                     s_end_to_end=round(statistics.median(r["total"] for r in rs), 4),
-                     runs=len(rs), totals=[round(r["total"], 4) for r in rs],
-                     audio_shape=list(rs[-1]["audio"].shape))
-        if "peak_gib" in rs[-1]:
-            entry["peak_gib"] = round(max(r["peak_gib"] for r in rs), 2)
-        if rs[-1].get("metrics"):
-            entry["metrics"] = rs[-1]["metrics"]
-        if ref_lat is not None:
-            lat = rs[-1]["latents"].to(ref_lat.device).reshape(ref_lat.shape)
-            entry["latents_rel_rms_vs_diffusers"] = rel_rms(lat, ref_lat)
-            entry["latents_bit_equal_diffusers"] = bool(torch.equal(lat, ref_lat))
-        summary[name] = {"s_per_step": entry["s_per_step"], "s_end_to_end": entry["s_end_to_end"]}
-    for ref_name in ("diffusers", "diffusers-compile"):
-        if ref_name in summary:
-            for s in summary.values():
-                s[f"step_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_per_step"] / s["s_per_step"], 3)
-                s[f"e2e_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_end_to_end"] / s["s_end_to_end"], 3)
-    record["summary"] = summary
+    """The shared summary, plus each side's audio shape and its latents vs ``omniloop`` (eager)."""
+    ours = runs.get("omniloop") or []
+    ours_lat = ours[-1]["latents"] if ours else None
+
+    def extra(name: str, rs: list[dict[str, Any]], _: Any) -> dict[str, Any]:
+        more: dict[str, Any] = {"audio_shape": list(rs[-1]["audio"].shape)}
+        if ours_lat is not None and not name.startswith("diffusers"):
+            lat = rs[-1]["latents"].to(ours_lat.device).reshape(ours_lat.shape)
+            more.update(latents_rel_rms_vs_omniloop=rel_rms(lat, ours_lat),
+                        latents_bit_equal_omniloop=bool(torch.equal(lat, ours_lat)))
+        return more
+
+    summarize_sides(record, runs, extra)
 
 
 if __name__ == "__main__":

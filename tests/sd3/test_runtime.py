@@ -136,34 +136,11 @@ def test_block_interceptors_and_taps_run_on_the_joint_blocks(tiny_ckpt, t2i_requ
 
 
 def test_block_taps_see_every_joint_block(tiny_ckpt, t2i_request):
-    from omniloop.family import PluginComponentSpec
-    from omniloop.hookspecs import hookimpl
-    from omniloop.observers import TapFilter
+    from omniloop.testing import BlockTapPlugin
 
-    seen: list[tuple[str, tuple[int, ...]]] = []
-
-    class Tapper:
-        needs_eager = True
-
-        def __init__(self) -> None:
-            self.filter = TapFilter(".*", r"transformer_blocks\.\d+$", observer="tapper", doing="testing")
-
-        @hookimpl
-        def omniloop_wants_block_taps(self) -> Any:
-            return self.filter.blocks
-
-        @hookimpl
-        def omniloop_tap(self, request: Any, node: Any, step: Any, name: str, value: Any) -> None:
-            seen.append((name, tuple(value.shape)))
-
-    class Plugin:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
-
-        @hookimpl
-        def omniloop_register_observers(self, register: Any) -> None:
-            register(PluginComponentSpec(name="tapper", kind="observer", factory=lambda cfg: Tapper()))
-
-    rt = _runtime(tiny_ckpt(), ("tapper", Plugin()), plugins={"tapper": {}})
+    plugin = BlockTapPlugin()
+    seen = plugin.seen
+    rt = _runtime(tiny_ckpt(), ("tapper", plugin), plugins={"tapper": {}})
     out = rt.generate(t2i_request(steps=1))
     assert out.status is Status.COMPLETED, out.error
     blocks = sorted({n for n, _ in seen if "transformer_blocks" in n})
@@ -202,18 +179,11 @@ def test_cli_generate_writes_a_png(tiny_ckpt, tmp_path, init_image):
 def test_cache_dit_interceptor_runs_on_the_joint_blocks(tiny_ckpt, t2i_request):
     pytest.importorskip("cache_dit")
     import omniloop_cache_dit.plugin as cache_dit_plugin
+    from omniloop.testing import check_block_cache
 
-    plain = _runtime(tiny_ckpt())
-    rt = _runtime(tiny_ckpt(), ("cache-dit", cache_dit_plugin),
-                  plugins={"cache-dit": {"Fn": 1, "Bn": 0, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}})
-    req = t2i_request(steps=8)
-    out = rt.generate(req)
-    assert out.status is Status.COMPLETED, out.error
-    assert "cache-dit" in out.metrics["plugins"]
-    assert sum(m["num_cached_steps"] for m in out.metrics["plugins"]["cache-dit"].values()) > 0
-    # an exact request runs without the distribution-altering cache: the baseline exactly
-    baseline = completed_latents(plain.generate(req))
-    assert torch.equal(completed_latents(rt.generate({**req, "exact": True})), baseline)
+    # cached steps with the cache; an exact request runs without it: the baseline exactly
+    check_block_cache(lambda *p, **d: _runtime(tiny_ckpt(), *p, **d), "cache-dit", cache_dit_plugin,
+                      {"Fn": 1, "Bn": 0, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}, t2i_request(steps=8))
 
 
 def test_requests_are_resolved_once_with_their_workload(sd3_runtime, t2i_request, i2i_request, monkeypatch):

@@ -3,7 +3,9 @@ and diffusers' ``StableAudioPipeline`` over the same files.
 
 Everything runs on CPU in float32 with tiny same-architecture models (``omniloop_stable_audio.tiny``:
 ``stereo`` — 2 channels at 400 Hz, 0.32 s, linear text projection, GQA; ``mono`` — 1 channel at
-256 Hz, 0.375 s, identity projection), 4-5 steps.
+256 Hz, 0.375 s, identity projection; Stable Audio 3: ``sa3`` — stereo 256 Hz, differential
+attention, memory tokens, stochastic sampling; ``sa3-base`` — mono 200 Hz, DiT patch 2, Euler),
+4-5 steps.
 """
 
 from __future__ import annotations
@@ -96,14 +98,16 @@ def runtime(tiny_ckpt):
 
 @pytest.fixture(scope="session")
 def reference(tiny_ckpt):
-    """``reference(variant)`` → diffusers' ``StableAudioPipeline`` over the same checkpoint (cached)."""
-    from diffusers import StableAudioPipeline
+    """``reference(variant)`` → diffusers' ``StableAudioPipeline`` (``StableAudio3Pipeline`` for the
+    ``sa3*`` variants) over the same checkpoint (cached)."""
+    from diffusers import StableAudio3Pipeline, StableAudioPipeline
 
     cache: dict[str, Any] = {}
 
     def get(variant: str = "stereo") -> Any:
         if variant not in cache:
-            pipe = StableAudioPipeline.from_pretrained(tiny_ckpt(variant), dtype=torch.float32)
+            cls = StableAudio3Pipeline if variant.startswith("sa3") else StableAudioPipeline
+            pipe = cls.from_pretrained(tiny_ckpt(variant), dtype=torch.float32)
             pipe.set_progress_bar_config(disable=True)
             cache[variant] = pipe
         return cache[variant]

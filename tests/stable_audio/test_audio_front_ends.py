@@ -1,5 +1,6 @@
 """The audio front ends end to end through the stable-audio family (tiny stereo checkpoint: 2
-channels at 400 Hz, 0.32 s): ``omniloop generate`` infers t2a and writes a wav holding the Python
+channels at 400 Hz, 0.32 s; the CLI also on the Stable Audio 3 one, 2 channels at 256 Hz):
+``omniloop generate`` infers t2a and writes a wav holding the Python
 API's waveform at 16 bits; ``omniloop serve``'s ``/v1/audio/speech`` through the official ``openai``
 SDK (wav at the model's rate, mp3 resampled to 8 kHz) with the right channels and duration."""
 
@@ -32,18 +33,19 @@ def decode(data: bytes) -> tuple[int, np.ndarray]:
     return rate, np.concatenate(parts, axis=1)
 
 
-def test_generate_writes_the_python_apis_waveform(tiny_ckpt, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("variant", "rate", "n"), [("stereo", 400, 100), ("sa3", 256, 64)])
+def test_generate_writes_the_python_apis_waveform(tiny_ckpt, tmp_path: Path, variant: str, rate: int, n: int) -> None:
     from omniloop_cli import cli
 
-    ckpt = tiny_ckpt("stereo")
+    ckpt = tiny_ckpt(variant)
     out = tmp_path / "clip.wav"
     res = CliRunner().invoke(cli, ["generate", PROMPT, "--model", str(ckpt), "--seconds", str(SECONDS), "--steps", "3",
                                    "--seed", "5", "--out", str(out)], obj=sa_manager())
     assert res.exit_code == 0, res.output  # no --task: t2a, the model's only task
-    rate, got = decode(out.read_bytes())
+    got_rate, got = decode(out.read_bytes())
     want = sa_runtime(ckpt).generate({"task": "t2a", "prompt": PROMPT, "audio": {"seconds": SECONDS},
                                       "diffusion": {"steps": 3, "seed": 5}}).artifacts["audio"]
-    assert rate == want.sample_rate == 400 and got.shape == tuple(want.samples.shape) == (2, 100)
+    assert got_rate == want.sample_rate == rate and got.shape == tuple(want.samples.shape) == (2, n)
     assert float(np.abs(got - want.samples.clamp(-1, 1).numpy()).max()) <= 1 / 32768 + 1e-6
 
 

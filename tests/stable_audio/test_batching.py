@@ -59,3 +59,20 @@ def test_cfg_on_and_off_do_not_batch_together(runtime, t2a):
     mixed = [d for d in rt.scheduler.trace if d.action == "batched_step" and set(d.request_ids) == {"cfg", "plain"}]
     # the decode (same latent shape) batches; no denoise step does (different row counts)
     assert len(mixed) <= 1
+
+
+def test_a_request_whose_row_raises_fails_alone_in_a_batched_step(runtime, t2a):
+    """The family declares ``step_batch_retry_alone`` for ``denoise`` (and ``vae_decode``): the
+    poison (its row breaks every forward it is in) fails with its error, its batch-mates complete
+    as they do alone (the raising batched forward is re-run one request at a time)."""
+    from omniloop.testing import check_fails_alone, forward_rows
+    from omniloop_stable_audio.denoise import Denoise
+
+    rt = runtime("stereo")
+    assert rt.family.capabilities.step_batch_retry_alone == {"denoise", "vae_decode"}
+    normal = [{**t2a(seed=11 + i, steps=3, prompt=p), "request_id": f"n{i}"} for i, p in enumerate(["a drum", "a sine"])]
+    poison = {**t2a(seed=99, steps=3, prompt="a saw wave"), "request_id": "poison"}
+    with forward_rows(Denoise, "encoder_hidden_states") as rows:
+        rt.generate(poison)
+    # its cond row (row 0, the zero uncond row, is every request's)
+    check_fails_alone(rt, Denoise, "encoder_hidden_states", rows[1:2], normal, poison, BATCHED_ATOL)

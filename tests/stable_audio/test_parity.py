@@ -90,3 +90,38 @@ def test_start_with_default_end_and_cfg_off_bit_exact(runtime, reference, t2a):
     latents, audio = _reference(reference("mono"), seed=2, steps=4, start=0.05, negative=NEGATIVE, guidance=1.0)
     _assert_equal(_samples(out), latents, audio, 256)
     assert any("negative prompt is not used" in w for w in out.metrics["warnings"])
+
+
+def test_the_next_steps_noise_is_prefetched(tiny_ckpt, make_runtime, reference, t2a, monkeypatch):
+    """Deploy ``options.noise_prefetch``: the Brownian-tree query of step i + 1 runs in a worker
+    thread during step i (omniloop_stable_audio.noise); the scheduler takes it — and the result
+    stays bit-exact."""
+    from omniloop_stable_audio import noise
+
+    taken: list[bool] = []
+    real = noise.PrefetchedNoise.__call__
+
+    def spy(self: Any, sigma: Any, sigma_next: Any) -> Any:
+        taken.append(self.pending is not None and self.pending[0] == (float(sigma), float(sigma_next)))
+        return real(self, sigma, sigma_next)
+
+    monkeypatch.setattr(noise.PrefetchedNoise, "__call__", spy)
+    out = make_runtime(tiny_ckpt(), options={"noise_prefetch": True}).generate(t2a(seed=9, steps=5, negative=NEGATIVE))
+    assert taken == [True] * 4  # steps 2..5 (the sampler is made by the first step)
+    latents, audio = _reference(reference("stereo"), seed=9, steps=5, negative=NEGATIVE)
+    _assert_equal(_samples(out), latents, audio, 400)
+
+
+def test_graph_and_prefetch_options_checked(tiny_ckpt, make_runtime):
+    import pytest
+
+    from omniloop.errors import DeployError
+
+    with pytest.raises(DeployError, match=r"options\.cuda_graphs: CUDA graphs need a CUDA device"):
+        make_runtime(tiny_ckpt(), options={"cuda_graphs": True})
+    with pytest.raises(DeployError, match=r"options\.cuda_graphs: expected true or false"):
+        make_runtime(tiny_ckpt(), options={"cuda_graphs": "yes"})
+    with pytest.raises(DeployError, match=r"options\.noise_prefetch: expected true or false"):
+        make_runtime(tiny_ckpt(), options={"noise_prefetch": 1})
+    with pytest.raises(DeployError, match=r"options\.noise_prefetch: Stable Audio 3"):
+        make_runtime(tiny_ckpt("sa3"), options={"noise_prefetch": True})

@@ -131,47 +131,18 @@ def test_fbcache_on_the_dit_blocks(tiny_ckpt, make_runtime, t2a):
 def test_cache_dit_on_the_dit_blocks(tiny_ckpt, make_runtime, t2a):
     pytest.importorskip("cache_dit")
     import omniloop_cache_dit.plugin as cache_dit_plugin
+    from omniloop.testing import check_block_cache
 
-    plain = make_runtime(tiny_ckpt())
-    rt = make_runtime(tiny_ckpt(), ("cache-dit", cache_dit_plugin),
-                      plugins={"cache-dit": {"Fn": 1, "Bn": 0, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}})
-    req = t2a(steps=8)
-    out = rt.generate(req)
-    assert out.status is Status.COMPLETED, out.error
-    assert sum(m["num_cached_steps"] for m in out.metrics["plugins"]["cache-dit"].values()) > 0
-    baseline = completed_latents(plain.generate(req))
-    assert torch.equal(completed_latents(rt.generate({**req, "exact": True})), baseline)
+    check_block_cache(lambda *p, **d: make_runtime(tiny_ckpt(), *p, **d), "cache-dit", cache_dit_plugin,
+                      {"Fn": 1, "Bn": 0, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}, t2a(steps=8))
 
 
 def test_block_taps_see_every_dit_block(tiny_ckpt, make_runtime, t2a):
-    from omniloop.family import PluginComponentSpec
-    from omniloop.hookspecs import hookimpl
-    from omniloop.observers import TapFilter
+    from omniloop.testing import BlockTapPlugin
 
-    seen: list[tuple[str, tuple[int, ...]]] = []
-
-    class Tapper:
-        needs_eager = True
-
-        def __init__(self) -> None:
-            self.filter = TapFilter(".*", r"transformer_blocks\.\d+$", observer="tapper", doing="testing")
-
-        @hookimpl
-        def omniloop_wants_block_taps(self) -> Any:
-            return self.filter.blocks
-
-        @hookimpl
-        def omniloop_tap(self, request: Any, node: Any, step: Any, name: str, value: Any) -> None:
-            seen.append((name, tuple(value.shape)))
-
-    class Plugin:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
-
-        @hookimpl
-        def omniloop_register_observers(self, register: Any) -> None:
-            register(PluginComponentSpec(name="tapper", kind="observer", factory=lambda cfg: Tapper()))
-
-    rt = make_runtime(tiny_ckpt(), ("tapper", Plugin()), plugins={"tapper": {}})
+    plugin = BlockTapPlugin()
+    seen = plugin.seen
+    rt = make_runtime(tiny_ckpt(), ("tapper", plugin), plugins={"tapper": {}})
     out = rt.generate(t2a(steps=1))
     assert out.status is Status.COMPLETED, out.error
     blocks = sorted({n for n, _ in seen if "transformer_blocks" in n})

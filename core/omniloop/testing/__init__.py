@@ -207,7 +207,84 @@ def raising_rows(stage_cls: type, key: str, poison: list[Any], after: int = 1) -
         stage_cls.forward = real  # type: ignore[attr-defined]
 
 
+def check_fails_alone(runtime: Any, stage_cls: type, key: str, poison_rows: list[Any], normal: list[dict[str, Any]],
+                      poison: dict[str, Any], atol: float) -> tuple[list[Any], list[Any]]:
+    """A family's ``step_batch_retry_alone``: ``poison`` (whose ``batch[key]`` rows ``poison_rows``
+    break every forward of ``stage_cls`` they are in, after the first) stepped in lockstep between
+    ``normal[0]`` and the other ``normal`` requests fails with the injected error, at least one step
+    ran batched, and each normal request completes within ``atol`` of its run alone. Returns
+    ``(the normal outputs, their runs alone)``."""
+    import torch
+
+    alone = [runtime.generate(r) for r in normal]
+    with raising_rows(stage_cls, key, poison_rows, after=1):
+        outs, batched = advance_in_lockstep(runtime, [normal[0], poison, *normal[1:]])
+    bad = outs.pop(1)
+    assert bad.status is Status.FAILED and "injected" in bad.error.message, bad.error
+    assert batched >= 1
+    for o, a in zip(outs, alone, strict=True):
+        assert o.status is Status.COMPLETED, o.error
+        torch.testing.assert_close(completed_latents(o), completed_latents(a), atol=atol, rtol=0)
+    return outs, alone
+
+
+def check_block_cache(runtime_for: Any, name: str, plugin: Any, config: dict[str, Any],
+                      request: dict[str, Any]) -> Any:
+    """A step-caching block interceptor plugin (cache-dit, fbcache) on a family's blocks:
+    ``runtime_for(*plugins, **deploy)`` makes a runtime of the family. With the plugin deployed as
+    ``name`` (``config``) a request completes with at least one cached step, and the same request
+    with ``exact`` equals the plain runtime's latents exactly. Returns the cached output."""
+    import torch
+
+    plain = runtime_for()
+    rt = runtime_for((name, plugin), plugins={name: config})
+    out = rt.generate(request)
+    assert out.status is Status.COMPLETED, out.error
+    assert sum(m["num_cached_steps"] for m in out.metrics["plugins"][name].values()) > 0
+    baseline = completed_latents(plain.generate(request))
+    assert torch.equal(completed_latents(rt.generate({**request, "exact": True})), baseline)
+    return out
+
+
+class BlockTapPlugin:
+    """A plugin registering the observer ``name``: it asks for the block taps whose names match
+    ``blocks`` (``needs_eager``) and records every tap it gets as ``(name, shape)`` in ``seen``.
+    Deploy it with ``plugins={name: {}}``."""
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self, blocks: str = r"transformer_blocks\.\d+$", name: str = "tapper") -> None:
+        self.blocks = blocks
+        self.name = name
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+
+    @hookimpl
+    def omniloop_register_observers(self, register: Any) -> None:
+        from ..family import PluginComponentSpec
+
+        register(PluginComponentSpec(name=self.name, kind="observer", factory=lambda cfg=None: _BlockTapper(self)))
+
+
+class _BlockTapper:
+    needs_eager = True
+
+    def __init__(self, plugin: BlockTapPlugin) -> None:
+        from ..observers import TapFilter
+
+        self.plugin = plugin
+        self.filter = TapFilter(".*", plugin.blocks, observer=plugin.name, doing="testing")
+
+    @hookimpl
+    def omniloop_wants_block_taps(self) -> Any:
+        return self.filter.blocks
+
+    @hookimpl
+    def omniloop_tap(self, request: Any, node: Any, step: Any, name: str, value: Any) -> None:
+        self.plugin.seen.append((name, tuple(value.shape)))
+
+
 __all__ = [
+    "BlockTapPlugin",
     "InlineSerialScheduler",
     "ToyAudioFamily",
     "ToyAudioPlugin",
@@ -216,6 +293,8 @@ __all__ = [
     "advance_in_lockstep",
     "build_toy_audio_checkpoint",
     "build_toy_checkpoint",
+    "check_block_cache",
+    "check_fails_alone",
     "completed_latents",
     "forward_rows",
     "make_manager",

@@ -15,6 +15,10 @@ from .transformer import block_steps
 
 def compile_blocks(model: Any, **settings: Any) -> CompiledBlocks:
     """Compile each block step of ``model`` (lazy: a step compiles on its first call)."""
+    if type(model).__name__ == "StableAudio3DiTModel":
+        from . import sa3
+
+        return _compile_blocks(model, sa3.block_steps(model), **settings)
     return _compile_blocks(model, block_steps(model), **settings)
 
 

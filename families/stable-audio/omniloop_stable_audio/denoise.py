@@ -35,6 +35,8 @@ from omniloop.interceptors import BlockContext, call_model
 from omniloop.loop import LoopState, RequestState, StepContext, StepResult
 
 from .compile import blocks_for
+from .graphs import graphs_enabled, replay
+from .noise import prefetch_next
 from .resolve import AudioResolved
 from .transformer import dit_forward, rotary_embedding
 
@@ -55,6 +57,14 @@ def _generator(state: RequestState) -> torch.Generator:
 class Denoise:
     """One solver step per ``step()``; batched across requests with ``batch_key`` / ``step_batch``."""
 
+    #: the scheduler's noise may be prefetched (deploy ``options.noise_prefetch``:
+    #: :mod:`omniloop_stable_audio.noise`)
+    PREFETCH_NOISE = True
+    #: the DiT forward's inputs
+    INPUTS: tuple[str, ...] = ("hidden_states", "timestep", "encoder_hidden_states", "global_hidden_states")
+    #: the forward inputs stacked row by row in a batched step
+    ROWS: tuple[str, ...] = ("hidden_states", "encoder_hidden_states", "global_hidden_states")
+
     # -- init ---------------------------------------------------------------------------------
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         from diffusers.utils.torch_utils import randn_tensor
@@ -71,6 +81,7 @@ class Denoise:
         loop.tensors["latents"] = latents * scheduler.init_noise_sigma
         loop.extra["scheduler"] = scheduler
         loop.extra["t_values"] = scheduler.timesteps.tolist()  # host copies: no device sync per step
+        loop.extra["prefetch"] = self.PREFETCH_NOISE and bool((ctx.options or {}).get("noise_prefetch"))
         return loop
 
     # -- one step -----------------------------------------------------------------------------
@@ -94,8 +105,16 @@ class Denoise:
         tf = ctx.components["transformer"]
         x = batch["hidden_states"]
         rotary = rotary_embedding(tf, x.shape[2] + batch["global_hidden_states"].shape[1], x.device)
-        return dit_forward(tf, x, batch["timestep"], batch["encoder_hidden_states"], batch["global_hidden_states"],
-                           rotary, block_ctx, blocks=blocks_for(tf, ctx))
+        blocks = blocks_for(tf, ctx)
+
+        def run(hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                global_hidden_states: torch.Tensor, bctx: BlockContext | None = None) -> torch.Tensor:
+            return dit_forward(tf, hidden_states, timestep, encoder_hidden_states, global_hidden_states, rotary,
+                               bctx, blocks=blocks)
+
+        if graphs_enabled(ctx, block_ctx):  # deploy options.cuda_graphs: one graph replay per forward
+            return replay(tf, blocks is not None, run, {k: batch[k] for k in self.INPUTS})
+        return run(**{k: batch[k] for k in self.INPUTS}, bctx=block_ctx)
 
     def advance(self, state: RequestState, loop: LoopState, out: torch.Tensor) -> None:
         """CFG combine and the scheduler step on this request's rows of a prediction."""
@@ -106,6 +125,8 @@ class Denoise:
             out = uncond + p.guidance_scale * (cond - uncond)
         t = scheduler.timesteps[loop.step]
         loop.tensors["latents"] = scheduler.step(out, t, loop.tensors["latents"], generator=_generator(state)).prev_sample
+        if loop.extra.get("prefetch") and loop.step + 1 < loop.total:
+            prefetch_next(scheduler)  # the next step's Brownian-tree noise, while the DiT runs
 
     def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
         sc = self.step_context(ctx, state, loop)
@@ -133,7 +154,10 @@ class Denoise:
                 out["steady_step_seconds"] = round(statistics.median(times[1:]), 6)
         state.metrics["denoise"] = out
         state.write("denoised", Latents(tensor=loop.tensors["latents"], modality="audio"), ctx.node.name)
-        loop.extra.pop("scheduler", None)
+        scheduler = loop.extra.pop("scheduler", None)
+        settle = getattr(getattr(scheduler, "noise_sampler", None), "settle", None)
+        if settle is not None:
+            settle()
 
     # -- batched steps ------------------------------------------------------------------------
     def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
@@ -158,7 +182,7 @@ class Denoise:
             n = rows[0]["hidden_states"].shape[0]  # rows per request: 2 with CFG (uncond, cond), else 1
             # branch-major, as diffusers lays out several waveforms: every uncond row, then every cond row
             batch = {k: torch.cat([r[k][i:i + 1] for i in range(n) for r in rows])
-                     for k in ("hidden_states", "encoder_hidden_states", "global_hidden_states")}
+                     for k in self.ROWS}
             batch["timestep"] = rows[0]["timestep"]  # one timestep: part of the batch key
             out = self.forward(ctxs[0], batch, None).chunk(n)
             for j, (st, lp) in enumerate(zip(states, loops, strict=True)):

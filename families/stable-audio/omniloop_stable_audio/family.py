@@ -10,7 +10,7 @@ import torch
 
 from omniloop.artifacts import Audio, Conditioning, Embeddings, Latents, Tensors
 from omniloop.capabilities import FamilyCapabilities
-from omniloop.errors import CheckpointError, RequestError
+from omniloop.errors import CheckpointError, DeployError, RequestError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
@@ -18,16 +18,17 @@ from omniloop_kit import loading
 from omniloop_kit.checkpoints import read_json, resolve_root, weight_version
 
 from . import checkpoint as ck
-from .resolve import DEFAULTS, AudioResolved, audio_config, resolve
+from .resolve import DEFAULTS, DEFAULTS_3, AudioResolved, audio_config, audio_config_3, resolve
 from .stages import Output, TextEncode, VaeDecode, Validate
 
 TASKS = frozenset({TaskType.T2A})
-#: deploy options read (the compile settings of omniloop_kit.compile)
-OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic"})
+#: deploy options read (the compile settings of omniloop_kit.compile; cuda_graphs: omniloop_stable_audio.graphs; noise_prefetch: omniloop_stable_audio.noise)
+OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "cuda_graphs", "noise_prefetch"})
 
 
 class StableAudioFamily:
-    """Stable Audio (Open) text-to-audio from diffusers-format ``StableAudioPipeline`` checkpoints."""
+    """Stable Audio text-to-audio from diffusers-format ``StableAudioPipeline`` (Stable Audio Open)
+    and ``StableAudio3Pipeline`` checkpoints (the variant read from ``model_index.json``)."""
 
     name = "stable-audio"
     tasks = TASKS
@@ -35,6 +36,9 @@ class StableAudioFamily:
         #: the DiT's blocks run through run_blocks (cache-dit, fbcache, block taps)
         block_interceptors=True,
         returns_latents=True,
+        #: Denoise.step_batch and VaeDecode.step_batch change no request state before their
+        #: batched forward returns (rows gathered, forward, then each request's combine + step)
+        step_batch_retry_alone={"denoise", "vae_decode"},
         #: it makes audio and reads request.audio (the window: seconds, start)
         audio=True,
         options=OPTIONS,
@@ -58,13 +62,17 @@ class StableAudioFamily:
         compiles each DiT block (:mod:`omniloop_stable_audio.compile`); the deploy's
         ``attention_backend`` runs the DiT's attention (:mod:`omniloop_stable_audio.attention`)."""
         from .compile import compile_options
+        from .graphs import graph_option, prefetch_option
 
         compile_options(options)  # bad options fail before any weight is read
+        graph_option(options, device)
+        prefetch_option(options)
         root = resolve_root(path)
         configs = ck.check_checkpoint(root)
         index, index_path = configs["index"], root / "model_index.json"
+        names = ck.required(configs["pipeline"])
         comps: dict[str, Any] = {}
-        for name in ("transformer", "vae", "text_encoder", "projection_model"):
+        for name in (n for n in names if n not in ("tokenizer", "scheduler")):
             cls = loading.component_class(index, name, index_path, ck.PIPELINE_MODULES)
             comps[name] = loading.load_model(cls, root / name, device=device, dtype=dtype)
         comps["tokenizer"] = loading.load_tokenizer(
@@ -73,7 +81,7 @@ class StableAudioFamily:
         comps["scheduler"] = loading.load_scheduler(sched_cls, configs["scheduler"],
                                                     root / "scheduler" / "scheduler_config.json")
         model = LoadedModel(family=self.name, path=root, components=comps, config=self._config(root, configs),
-                            device=device, dtype=dtype, weight_version=weight_version(root, list(ck.REQUIRED[:5])))
+                            device=device, dtype=dtype, weight_version=weight_version(root, [n for n in names if n != "scheduler"]))
         self._setup(model, options)
         return model
 
@@ -81,22 +89,35 @@ class StableAudioFamily:
         extra_path = root / "omniloop.json"
         extra = read_json(extra_path, "omniloop.json") if extra_path.exists() else {}
         overrides = extra.get("defaults") or {}
-        unknown = sorted(set(overrides) - set(DEFAULTS))
+        sa3 = configs["pipeline"] == ck.SA3
+        base = DEFAULTS_3 if sa3 else DEFAULTS
+        unknown = sorted(set(overrides) - set(base))
         if unknown:
-            raise CheckpointError(f"{extra_path}: defaults.{unknown[0]} is not a stable-audio default "
-                                  f"(it takes: {', '.join(DEFAULTS)})")
-        config = audio_config(configs["transformer"], configs["vae"], configs["projection_model"])
-        config.update(variant=extra.get("variant", "stable-audio"), tasks=TASKS, defaults={**DEFAULTS, **overrides})
+            raise CheckpointError(f"{extra_path}: defaults.{unknown[0]} is not a {configs['pipeline']} default "
+                                  f"(it takes: {', '.join(base)})")
+        config = (audio_config_3(configs["transformer"], configs["vae"], configs["duration_embedder"],
+                                 configs["scheduler"]) if sa3 else
+                  audio_config(configs["transformer"], configs["vae"], configs["projection_model"]))
+        config.update(variant=extra.get("variant", "stable-audio-3" if sa3 else "stable-audio"), tasks=TASKS,
+                      defaults={**base, **overrides})
         return config
 
     def from_components(self, components: dict[str, Any], *, defaults: dict[str, Any] | None = None,
                         options: Mapping[str, Any] | None = None, device: torch.device | None = None,
                         dtype: torch.dtype = torch.float32) -> LoadedModel:
         """A ``LoadedModel`` over modules already in memory (benchmarks, tests): ``transformer``,
-        ``vae``, ``text_encoder``, ``projection_model``, ``tokenizer``, ``scheduler``."""
+        ``vae``, ``text_encoder``, ``projection_model``, ``tokenizer``, ``scheduler`` (Stable Audio
+        3: ``duration_embedder`` in place of ``projection_model``)."""
         c = components
-        config = audio_config(dict(c["transformer"].config), dict(c["vae"].config), dict(c["projection_model"].config))
-        config.update(variant="in-memory", tasks=TASKS, defaults={**DEFAULTS, **(defaults or {})})
+        if "duration_embedder" in c:
+            config = audio_config_3(dict(c["transformer"].config), dict(c["vae"].config),
+                                    dict(c["duration_embedder"].config), dict(c["scheduler"].config))
+            base = DEFAULTS_3
+        else:
+            config = audio_config(dict(c["transformer"].config), dict(c["vae"].config),
+                                  dict(c["projection_model"].config))
+            base = DEFAULTS
+        config.update(variant="in-memory", tasks=TASKS, defaults={**base, **(defaults or {})})
         model = LoadedModel(family=self.name, path=None, components=dict(c), config=config,
                             device=device if device is not None else torch.device("cpu"), dtype=dtype,
                             weight_version=f"in-memory:{id(c['transformer']):x}")
@@ -110,11 +131,21 @@ class StableAudioFamily:
         tf = model.components["transformer"]
         backend = options.get("attention")
         name = getattr(backend, "name", "sdpa")
+        if name != "sdpa" and model.config["pipeline"] == ck.SA3:
+            raise DeployError(f"attention_backend: {name!r} is not available for Stable Audio 3 (its differential "
+                              "attention runs on diffusers' processors: sdpa only)")
         if name != "sdpa":
             from .attention import install
 
             install(tf, backend)
         model.config["attention_backend"] = name
+        from .graphs import graph_option, prefetch_option
+
+        if graph_option(options, model.device) and model.config["pipeline"] == ck.SA3:
+            raise DeployError("options.cuda_graphs: not available for Stable Audio 3 (its forward is not captured)")
+        if prefetch_option(options) and model.config["pipeline"] == ck.SA3:
+            raise DeployError("options.noise_prefetch: Stable Audio 3's scheduler draws one randn per step (no "
+                              "Brownian tree to prefetch)")
         copts = compile_options(options)
         if copts is not None:
             compile_blocks(tf, **copts)
@@ -123,15 +154,17 @@ class StableAudioFamily:
     # -- pipeline -----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
         """validate → text_encode → denoise → vae_decode → output."""
+        from . import sa3
         from .denoise import Denoise
 
         if task not in TASKS:
             raise RequestError("task", f"the stable-audio family does text-to-audio (t2a), not {task.value!r}")
+        is3 = model.config["pipeline"] == ck.SA3
         return PipelineSpec(family=self.name, task=task, outputs={"audio": "audio", "latents": "latents"}, nodes=(
             Node("validate", Validate(model), writes={"params": Conditioning}),
             Node("text_encode", TextEncode(), reads={"params": Conditioning}, writes={"conditioning": Embeddings},
-                 uses=("text_encoder", "projection_model")),
-            Node("denoise", Denoise(), reads={"params": Conditioning, "conditioning": Embeddings},
+                 uses=("text_encoder", "duration_embedder" if is3 else "projection_model")),
+            Node("denoise", sa3.Denoise() if is3 else Denoise(), reads={"params": Conditioning, "conditioning": Embeddings},
                  writes={"denoised": Latents}, uses=("transformer",)),
             Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
             Node("output", Output(), reads={"params": Conditioning, "decoded": Tensors, "denoised": Latents},
@@ -139,9 +172,13 @@ class StableAudioFamily:
         ))
 
     def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
-        d = model.config["defaults"]
-        return {"steps": d["steps"], "guidance_scale": d["guidance_scale"], "seconds": model.config["max_seconds"],
-                "sample_rate": model.config["sample_rate"]}
+        d, cfg = model.config["defaults"], model.config
+        if cfg["pipeline"] == ck.SA3:
+            steps = d["steps"] if d["steps"] is not None else (8 if cfg["stochastic"] else 100)
+            return {"steps": steps, "guidance_scale": d["guidance_scale"],
+                    "seconds": min(d["seconds"], cfg["max_seconds"]), "sample_rate": cfg["sample_rate"]}
+        return {"steps": d["steps"], "guidance_scale": d["guidance_scale"], "seconds": cfg["max_seconds"],
+                "sample_rate": cfg["sample_rate"]}
 
     def resolve(self, model: LoadedModel, request: OmniRequest, limits: Any, *, node_params: Any = None) -> AudioResolved:
         """The request resolved once, before any compute; raises ``RequestError`` naming the field."""

@@ -26,6 +26,9 @@ from omniloop.family import LoadedModel
 from omniloop.request import OmniRequest, TaskType, TextPart
 
 DEFAULTS: dict[str, Any] = {"steps": 100, "guidance_scale": 7.0, "negative_prompt": None}
+#: ``StableAudio3Pipeline.__call__``'s: 8 steps with the distilled (stochastic ping-pong) scheduler,
+#: 100 without (``steps`` None: chosen from the scheduler), guidance off, a 10 s clip
+DEFAULTS_3: dict[str, Any] = {"steps": None, "guidance_scale": 1.0, "negative_prompt": None, "seconds": 10.0}
 UNUSED = ("height", "width", "frames", "fps", "shift")
 
 
@@ -48,6 +51,9 @@ class AudioResolved:
     latent_length: int
     latent_channels: int
     warnings: tuple[str, ...] = ()
+    #: a Stable Audio 3 request (diffusers' ``StableAudio3Pipeline``: T5Gemma and duration
+    #: conditioning with context masks, the decoded clip clamped to [-1, 1])
+    sa3: bool = False
 
     @property
     def cfg(self) -> bool:
@@ -72,7 +78,24 @@ def audio_config(transformer: dict[str, Any], vae: dict[str, Any], projection: d
             "latent_channels": int(transformer.get("in_channels", 64)),
             "audio_channels": int(vae.get("audio_channels", 2)),
             "max_seconds": length * hop / rate,
-            "seconds_range": (float(projection["min_value"]), float(projection["max_value"]))}
+            "seconds_range": (float(projection["min_value"]), float(projection["max_value"])),
+            "pipeline": "StableAudioPipeline"}
+
+
+def audio_config_3(transformer: dict[str, Any], vae: dict[str, Any], duration: dict[str, Any],
+                   scheduler: dict[str, Any]) -> dict[str, Any]:
+    """Stable Audio 3's facts: the clip's length is the request's (no fixed latent window); the
+    longest is the duration embedder's ``max_val`` (its conditioning range)."""
+    import math
+
+    lo, hi = float(duration.get("min_val", 0.0)), float(duration.get("max_val", 384.0))
+    return {"sample_rate": int(vae.get("sampling_rate", 44100)),
+            "hop_length": int(vae.get("patch_size", 256)) * math.prod(vae.get("encoder_strides", [16])),
+            "latent_length": None, "latent_channels": int(transformer.get("io_channels", 256)),
+            "audio_channels": int(vae.get("audio_channels", 2)), "max_seconds": hi, "seconds_range": (lo, hi),
+            "patch_size": int(transformer.get("patch_size", 1)),
+            "stochastic": bool(scheduler.get("stochastic_sampling", False)),
+            "pipeline": "StableAudio3Pipeline"}
 
 
 def resolve(model: LoadedModel, request: OmniRequest) -> AudioResolved:
@@ -96,6 +119,8 @@ def resolve(model: LoadedModel, request: OmniRequest) -> AudioResolved:
         raise RequestError("inputs", "a text prompt (a text part with role 'prompt') is required")
     negative = request.negative_prompt if request.negative_prompt is not None else defaults.get("negative_prompt")
 
+    if cfg["pipeline"] == "StableAudio3Pipeline":
+        return _resolve_3(model, request, prompt, negative)
     rate, top = cfg["sample_rate"], cfg["max_seconds"]
     audio = request.audio
     start = float(audio.start) if audio is not None else 0.0
@@ -119,20 +144,59 @@ def resolve(model: LoadedModel, request: OmniRequest) -> AudioResolved:
 
     steps = int(d.steps if d.steps is not None else defaults["steps"])
     guidance = float(d.guidance_scale if d.guidance_scale is not None else defaults["guidance_scale"])
-    warnings: list[str] = []
-    tok = model.components.get("tokenizer")
-    if tok is not None:
-        budget = int(tok.model_max_length)
-        for what, text in (("prompt", prompt), ("negative prompt", negative)):
-            n = len(tok(text, truncation=False, verbose=False)["input_ids"]) if text else 0
-            if n > budget:
-                warnings.append(f"the {what} is {n} T5 tokens long; truncated to the tokenizer's {budget}")
-    if negative is not None and guidance <= 1.0:
-        warnings.append("the negative prompt is not used: guidance_scale <= 1 turns classifier-free guidance off")
     return AudioResolved(task=task, prompt=prompt, negative_prompt=negative, steps=steps, guidance_scale=guidance,
                          start=start, end=end, sample_start=s0, sample_end=s1,
                          latent_length=cfg["latent_length"], latent_channels=cfg["latent_channels"],
-                         warnings=tuple(warnings))
+                         warnings=_warnings(model, prompt, negative, guidance, "T5"))
 
 
-__all__ = ["DEFAULTS", "AudioResolved", "audio_config", "resolve"]
+def _warnings(model: LoadedModel, prompt: str, negative: str | None, guidance: float, what_tokens: str,
+              budget_cap: int | None = None) -> tuple[str, ...]:
+    warnings: list[str] = []
+    tok = model.components.get("tokenizer")
+    if tok is not None:
+        budget = int(tok.model_max_length) if budget_cap is None else min(int(tok.model_max_length), budget_cap)
+        for what, text in (("prompt", prompt), ("negative prompt", negative)):
+            n = len(tok(text, truncation=False, verbose=False)["input_ids"]) if text else 0
+            if n > budget:
+                warnings.append(f"the {what} is {n} {what_tokens} tokens long; truncated to the tokenizer's {budget}")
+    if negative is not None and guidance <= 1.0:
+        warnings.append("the negative prompt is not used: guidance_scale <= 1 turns classifier-free guidance off")
+    return tuple(warnings)
+
+
+def _resolve_3(model: LoadedModel, request: OmniRequest, prompt: str, negative: str | None) -> AudioResolved:
+    """Stable Audio 3 (diffusers' ``StableAudio3Pipeline``): the clip is ``audio.seconds`` long from
+    0 (the DiT denoises ``ceil(seconds * rate / hop)`` latent frames; the decode is cut to
+    ``int(seconds * rate)`` samples and clamped); no start second (the model conditions on the
+    duration only); steps default 8 with the distilled stochastic scheduler, else 100."""
+    import math
+
+    cfg, d, audio = model.config, request.diffusion, request.audio
+    defaults = cfg["defaults"]
+    rate, hop, (lo, hi) = cfg["sample_rate"], cfg["hop_length"], cfg["seconds_range"]
+    if audio is not None and float(audio.start) != 0.0:
+        raise RequestError("audio.start", "Stable Audio 3 generates a clip from 0 s (it conditions on the duration "
+                                          "only); remove audio.start")
+    seconds = float(audio.seconds) if audio is not None and audio.seconds is not None else min(defaults["seconds"], hi)
+    if seconds <= 0 or not lo <= seconds <= hi:
+        raise RequestError("audio.seconds", f"Stable Audio 3's duration conditioning covers [{lo:g}, {hi:g}] s "
+                                            "(and a clip is longer than 0 s), "
+                                            f"got {seconds:g}")
+    length = math.ceil(seconds * rate / hop)
+    if length % cfg["patch_size"]:
+        raise RequestError("audio.seconds", f"{seconds:g} s makes {length} latent frames, not a multiple of the "
+                                            f"DiT's patch size {cfg['patch_size']}")
+    n = int(seconds * rate)
+    if n < 1:
+        raise RequestError("audio.seconds", f"{seconds:g} s holds no sample at {rate} Hz")
+    steps = d.steps if d.steps is not None else defaults["steps"]
+    steps = int(steps if steps is not None else (8 if cfg["stochastic"] else 100))
+    guidance = float(d.guidance_scale if d.guidance_scale is not None else defaults["guidance_scale"])
+    return AudioResolved(task=request.task, prompt=prompt, negative_prompt=negative, steps=steps,
+                         guidance_scale=guidance, start=0.0, end=seconds, sample_start=0, sample_end=n,
+                         latent_length=length, latent_channels=cfg["latent_channels"],
+                         warnings=_warnings(model, prompt, negative, guidance, "T5Gemma", 256), sa3=True)
+
+
+__all__ = ["DEFAULTS", "DEFAULTS_3", "AudioResolved", "audio_config", "audio_config_3", "resolve"]

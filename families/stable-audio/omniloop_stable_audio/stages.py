@@ -80,8 +80,15 @@ class TextEncode:
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         p: AudioResolved = params_of(state)
         with torch.no_grad():
-            text, glob = encode(ctx.components, p, ctx.device)
-        state.write("conditioning", Embeddings(tensor=text, extra={"global": glob}), ctx.node.name)
+            if p.sa3:
+                from . import sa3
+
+                text, mask, glob = sa3.encode(ctx.components, p, ctx.device)
+                extra = {"global": glob, "mask": mask}
+            else:
+                text, glob = encode(ctx.components, p, ctx.device)
+                extra = {"global": glob}
+        state.write("conditioning", Embeddings(tensor=text, extra=extra), ctx.node.name)
 
 
 class VaeDecode:
@@ -133,7 +140,10 @@ class Output:
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         p: AudioResolved = params_of(state)
         audio = state.read("decoded", Tensors).values["audio"]
-        samples = audio[:, :, p.sample_start:p.sample_end][0].float().cpu().contiguous()
+        audio = audio[:, :, p.sample_start:p.sample_end]
+        if p.sa3:  # Stable Audio 3 clamps its cut clip
+            audio = audio.clamp(-1.0, 1.0)
+        samples = audio[0].float().cpu().contiguous()
         rate = int(ctx.components["vae"].config.sampling_rate)
         state.write("audio", Audio(samples=samples, sample_rate=rate), ctx.node.name)
         if ctx.taps_enabled:

@@ -1,0 +1,183 @@
+"""The side runner the diffusers-vs-omniloop GPU benchmarks share (``sd3_gpu.py``, ``stable_audio_gpu.py``).
+
+A *side* is one way of running the same request (diffusers eager, diffusers + compile, omniloop
+with some deploy) with a ``name``, a ``note`` and ``run(steps) -> {"total", "steps", "latents",
+...}``. :func:`build_sides` makes them (a side that cannot be made here is recorded as skipped),
+:func:`warm_up` runs each once untimed (compilation), :func:`measure` runs them in interleaved
+rounds (every other round reversed), recording peak memory, and :func:`summarize` writes per side
+the median seconds per step and end to end, the final latents' relative RMS difference to
+diffusers eager, and the speedups against ``diffusers`` and ``diffusers-compile``. Every phase
+stops starting new work once ``budget_s`` seconds have passed since ``t_start``, and the record is
+saved after each phase (``save``), so a run cut short keeps what it measured.
+
+Imported like ``_common`` (``bench/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import rel_rms, run_omniloop
+
+
+def parser(description: str, *, steps: int, budget_s: float, sides: Sequence[str]) -> argparse.ArgumentParser:
+    """The options every side-by-side script takes: ``--smoke``, ``--steps``, ``--repeats``,
+    ``--only``, ``--budget-s``, ``--out`` (default ``$OUT`` or ``bench/results/``)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU (compile backend 'eager')")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--only", default=",".join(sides))
+    ap.add_argument("--budget-s", type=float, default=budget_s, help="start no new phase after this many seconds")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
+    return ap
+
+
+def setting(ap: argparse.ArgumentParser, args: argparse.Namespace, known: Sequence[str]
+            ) -> tuple[torch.device, torch.dtype, str, list[str]]:
+    """The device (CPU for ``--smoke`` or without CUDA), dtype (bf16 on CUDA), compile backend
+    (``eager`` on CPU) and the ``--only`` sides checked against ``known``; dynamo's cache limit
+    raised for the many compiled copies."""
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    only = [s for s in args.only.split(",") if s]
+    for s in only:
+        if s not in known:
+            ap.error(f"--only: unknown side {s!r} (known: {', '.join(known)})")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return (device, torch.float32 if device.type == "cpu" else torch.bfloat16,
+            "eager" if device.type == "cpu" else "inductor", only)
+
+
+def saver(record: dict[str, Any], out_path: Path) -> Callable[[], None]:
+    """``save()``: write ``record`` to ``out_path`` (its folder made)."""
+
+    def save() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(record, indent=1) + "\n")
+
+    return save
+
+
+def omniloop_run(built: Any, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """One timed omniloop request: ``({"total", "steps", "latents", "metrics"}, output)``; raises
+    when the request did not complete."""
+    from omniloop.artifacts import Latents
+
+    run = run_omniloop(built, body)
+    out = run.result.output
+    if not out.ok:
+        raise RuntimeError(f"omniloop request failed: {out.error}")
+    return ({"total": run.total, "steps": run.steps, "latents": run.result.state.read("denoised", Latents).tensor,
+             "metrics": {"denoise": out.metrics.get("denoise")}}, out)
+
+
+def build_sides(names: Iterable[str], record: dict[str, Any], make: Callable[[str], Any]) -> list[Any]:
+    """``make(name)`` for each name; what raises is recorded as ``{"skipped": ...}``."""
+    sides: list[Any] = []
+    for name in names:
+        try:
+            side = make(name)
+        except Exception as exc:  # a side that cannot run here is recorded, the others go on
+            record["sides"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+            continue
+        sides.append(side)
+        record["sides"][name] = {"setup": side.note}
+    return sides
+
+
+def _over(t_start: float, budget_s: float) -> bool:
+    return time.perf_counter() - t_start > budget_s
+
+
+def warm_up(sides: list[Any], record: dict[str, Any], run: Callable[[Any, int], Any], *, t_start: float,
+            budget_s: float, save: Callable[[], None], steps: int = 2) -> None:
+    """Run each side once (``steps`` steps, untimed); drop the ones out of time or failing."""
+    for side in list(sides):
+        entry = record["sides"][side.name]
+        if _over(t_start, budget_s):
+            entry["skipped"] = "time budget"
+            sides.remove(side)
+            continue
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        try:
+            run(side, steps)
+        except Exception as exc:
+            entry["skipped"] = f"warm-up failed: {type(exc).__name__}: {exc}"
+            entry["traceback"] = traceback.format_exc()[-2000:]
+            sides.remove(side)
+            continue
+        entry["warmup_s"] = round(time.perf_counter() - t, 3)
+        print(json.dumps({"side": side.name, "warmup_s": entry["warmup_s"]}), flush=True)
+        save()
+
+
+def measure(sides: list[Any], record: dict[str, Any], run: Callable[[Any, int], dict[str, Any]], *, steps: int,
+            repeats: int, t_start: float, budget_s: float, save: Callable[[], None],
+            summarize: Callable[[dict[str, Any], dict[str, list[dict[str, Any]]]], None]) -> dict[str, list[dict[str, Any]]]:
+    """``repeats`` interleaved rounds (the first always runs); the record summarized and saved after each."""
+    runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
+    cuda = torch.cuda.is_available() and any(True for _ in sides)
+    for rep in range(repeats):
+        if rep and _over(t_start, budget_s):
+            record["notes"].append(f"time budget reached after {rep} rounds")
+            break
+        for side in (sides if rep % 2 == 0 else sides[::-1]):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            r = run(side, steps)
+            if cuda:
+                r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            runs[side.name].append(r)
+            print(json.dumps({"side": side.name, "rep": rep, "total_s": round(r["total"], 4),
+                              "step_s": round(statistics.median(r["steps"]), 5)}), flush=True)
+        summarize(record, runs)
+        save()
+    return runs
+
+
+def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
+              extra: Callable[[str, list[dict[str, Any]], dict[str, list[dict[str, Any]]]], dict[str, Any]] | None = None
+              ) -> None:
+    """Per side: medians, totals, peak memory, the last run's metrics, latents vs diffusers eager
+    and ``extra(name, side_runs, all_runs)``; ``record["summary"]`` with the speedups."""
+    ref = runs.get("diffusers") or []
+    ref_lat = ref[-1]["latents"] if ref else None
+    summary: dict[str, Any] = {}
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        entry = record["sides"][name]
+        entry.update(s_per_step=round(statistics.median(s for r in rs for s in r["steps"]), 5),
+                     s_end_to_end=round(statistics.median(r["total"] for r in rs), 4),
+                     runs=len(rs), totals=[round(r["total"], 4) for r in rs])
+        if "peak_gib" in rs[-1]:
+            entry["peak_gib"] = round(max(r["peak_gib"] for r in rs), 2)
+        if rs[-1].get("metrics"):
+            entry["metrics"] = rs[-1]["metrics"]
+        if ref_lat is not None:
+            lat = rs[-1]["latents"].to(ref_lat.device).reshape(ref_lat.shape)
+            entry["latents_rel_rms_vs_diffusers"] = rel_rms(lat, ref_lat)
+            entry["latents_bit_equal_diffusers"] = bool(torch.equal(lat, ref_lat))
+        if extra is not None:
+            entry.update(extra(name, rs, runs))
+        summary[name] = {"s_per_step": entry["s_per_step"], "s_end_to_end": entry["s_end_to_end"]}
+    for ref_name in ("diffusers", "diffusers-compile"):
+        if ref_name in summary:
+            for s in summary.values():
+                s[f"step_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_per_step"] / s["s_per_step"], 3)
+                s[f"e2e_speedup_vs_{ref_name}"] = round(summary[ref_name]["s_end_to_end"] / s["s_end_to_end"], 3)
+    record["summary"] = summary
+
+
+__all__ = ["build_sides", "measure", "omniloop_run", "parser", "saver", "setting", "summarize", "warm_up"]
