@@ -68,3 +68,21 @@ def test_the_shipped_weights_generate_through_the_preset(tmp_path, monkeypatch):
     assert audio.sample_rate == SAMPLE_RATE and tuple(audio.samples.shape) == (1, CLIP_SAMPLES)
     verdict = score(audio.samples.numpy(), prompt)
     assert verdict.prompt == prompt and verdict.reading.f0 > 0
+
+
+def test_omniloop_generate_model_tone_demo_writes_a_wav(tmp_path, monkeypatch):
+    """``omniloop generate "..." --model tone-demo --out x.wav`` (the task inferred: t2a), 3 steps."""
+    pytest.importorskip("torchsde")
+    pytest.importorskip("omniloop_stable_audio")
+    av = pytest.importorskip("av")
+    from omniloop_cli import cli
+
+    monkeypatch.setenv("OMNILOOP_TONE_DEMO_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "tone.wav"
+    res = CliRunner().invoke(cli, ["generate", "a noise drum playing two beats per second", "--model", "tone-demo",
+                                   "--steps", "3", "--seed", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    with av.open(str(out)) as c:
+        stream = c.streams.audio[0]
+        assert stream.rate == 8000 and stream.channels == 1
+        assert sum(f.samples for f in c.decode(audio=0)) == 16384

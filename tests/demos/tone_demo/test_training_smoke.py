@@ -97,20 +97,28 @@ def test_eval_adherence_backends_agree(toy_run, tmp_path):
     assert [c["reading"] for c in reports["runtime"]["clips"]] == [c["reading"] for c in reports["diffusers"]["clips"]]
 
 
-def test_the_linear_vae_recipe_runs(tmp_path):
-    """``--vae linear``: the PCA Oobleck (32 latent channels) instead of VAE training, then the DiT."""
+@pytest.fixture(scope="module")
+def linear_run(tmp_path_factory):
+    """``--vae linear`` at toy size (a 2-layer DiT): the PCA Oobleck instead of VAE training, then the DiT."""
     from omniloop_tone_demo_training.train import run
 
-    report = run(tmp_path, device="cpu", toy=True, vae_seconds=1e9, dit_seconds=1e9, vae_steps=None, dit_steps=1,
+    out = tmp_path_factory.mktemp("linear")
+    report = run(out, device="cpu", toy=True, vae_seconds=1e9, dit_seconds=1e9, vae_steps=None, dit_steps=1,
                  n_clips=4, vae_batch=2, dit_batch=2, sweeps=[], eval_seeds=[0], bf16=False, eval_prompts=4,
-                 vae_kind="linear")
+                 vae_kind="linear", transformer={"num_layers": 2})
+    return out, report
+
+
+def test_the_linear_vae_recipe_runs(linear_run):
+    """The PCA Oobleck (32 latent channels) instead of VAE training, then the DiT."""
+    out, report = linear_run
     vae = report["history"][0]
     assert vae["kind"] == "linear (PCA)" and vae["latent_channels"] == 32 and vae["kept_energy"] > 0.9
-    cfg = json.loads((tmp_path / "checkpoint" / "transformer" / "config.json").read_text())
+    cfg = json.loads((out / "checkpoint" / "transformer" / "config.json").read_text())
     assert cfg["in_channels"] == cfg["out_channels"] == 32
 
 
-def test_the_linear_recipe_ships_the_compact_float16_form(tmp_path, monkeypatch):
+def test_the_linear_recipe_ships_the_compact_float16_form(linear_run, tmp_path):
     """A linear-VAE run ships ``vae/linear_oobleck.safetensors`` (no full VAE weights) and float16
     DiT / T5 / projection weights; the package builds the complete folder in its cache, which loads
     as float32 and samples exactly as the model the run scored (weights rounded to float16)."""
@@ -119,12 +127,8 @@ def test_the_linear_recipe_ships_the_compact_float16_form(tmp_path, monkeypatch)
 
     from omniloop_tone_demo.checkpoint_path import VAE_COMPACT, VAE_WEIGHTS, checkpoint_missing, materialize
     from omniloop_tone_demo_training.build import load_parts
-    from omniloop_tone_demo_training.train import run
 
-    run(tmp_path / "run", device="cpu", toy=True, vae_seconds=1e9, dit_seconds=1e9, vae_steps=None, dit_steps=1,
-        n_clips=4, vae_batch=2, dit_batch=2, sweeps=[], eval_seeds=[0], bf16=False, eval_prompts=4,
-        vae_kind="linear", transformer={"num_layers": 2})
-    folder = tmp_path / "run" / "checkpoint"
+    folder = linear_run[0] / "checkpoint"
     assert (folder / VAE_COMPACT).is_file() and not (folder / VAE_WEIGHTS).exists()
     assert checkpoint_missing(folder) is None
     assert (folder / VAE_COMPACT).stat().st_size < 20_000
