@@ -148,3 +148,11 @@ def test_the_linear_recipe_ships_the_compact_float16_form(linear_run, tmp_path):
     for name in ("transformer", "text_encoder", "projection_model"):
         got, ref = pipe.components[name].state_dict(), parts[name].state_dict()
         assert all(torch.equal(got[k], ref[k]) for k in ref), name
+
+
+def test_the_bank_takes_a_drum_share():
+    from omniloop_tone_demo_training.train import make_bank
+
+    clips, specs = make_bank(40, "cpu", seed=3, drum_share=0.5)
+    assert clips.shape == (40, 1, 16384) and sum(s.timbre == "noise" for s in specs) == 20
+    assert {s.timbre for s in specs} == {"sine", "square", "sawtooth", "noise"}
