@@ -57,11 +57,13 @@ def drop_blocks(parts: dict[str, Any], layers: int, z, ids, mask, t, n) -> list[
 
 def distill_block(teacher: dict[str, Any], student_tf, dropped: int, z, ids, mask, *, steps: int, batch: int = 16,
                   lr: float = 5e-4, seed: int = 0) -> list[float]:
-    """Local distillation after dropping teacher block ``dropped``: the student's block at that place
-    (a copy of the teacher's next block) learns to map the teacher's input of block ``dropped`` to
-    the teacher's output of block ``dropped + 1`` (same text states, rotary embedding, timesteps;
-    a tenth of the rows with the unconditional, all-zero text states). Returns the loss log."""
+    """Local distillation after dropping teacher block ``dropped``: one student block stands for two
+    teacher blocks, ``first`` and ``first + 1`` (``dropped`` and the next one; the previous one and
+    ``dropped`` when ``dropped`` was the last), and learns to map the teacher's input of the first to
+    its output of the second (same text states, rotary embedding, timesteps; a tenth of the rows with
+    the unconditional, all-zero text states). Returns the loss log."""
     tf = teacher["transformer"]
+    first = dropped if dropped + 1 < len(tf.transformer_blocks) else dropped - 1
     gen = torch.Generator().manual_seed(seed)
     n = z.shape[0]
     t = torch.rand(n, generator=gen).clamp(0.02, 0.98)
@@ -75,8 +77,8 @@ def distill_block(teacher: dict[str, Any], student_tf, dropped: int, z, ids, mas
     def post(_m, _args, out):
         captured["out"] = out
 
-    h1 = tf.transformer_blocks[dropped].register_forward_pre_hook(pre, with_kwargs=True)
-    h2 = tf.transformer_blocks[dropped + 1].register_forward_hook(post)
+    h1 = tf.transformer_blocks[first].register_forward_pre_hook(pre, with_kwargs=True)
+    h2 = tf.transformer_blocks[first + 1].register_forward_hook(post)
     rows = []
     try:
         with torch.no_grad():
@@ -99,7 +101,7 @@ def distill_block(teacher: dict[str, Any], student_tf, dropped: int, z, ids, mas
     enc_all = torch.cat([r[1] for r in rows])
     target = torch.cat([r[2] if torch.is_tensor(r[2]) else r[2][0] for r in rows])
     kw = {k: v for k, v in captured["kwargs"].items() if k not in ("hidden_states", "encoder_hidden_states")}
-    block = student_tf.transformer_blocks[dropped].train().requires_grad_(True)
+    block = student_tf.transformer_blocks[first].train().requires_grad_(True)
     opt = torch.optim.AdamW(block.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for step in range(steps):

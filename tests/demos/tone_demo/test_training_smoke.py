@@ -156,3 +156,22 @@ def test_the_bank_takes_a_drum_share():
     clips, specs = make_bank(40, "cpu", seed=3, drum_share=0.5)
     assert clips.shape == (40, 1, 16384) and sum(s.timbre == "noise" for s in specs) == 20
     assert {s.timbre for s in specs} == {"sine", "square", "sawtooth", "noise"}
+
+
+def test_shrink_drops_a_block_and_distills(linear_run, tmp_path):
+    """``shrink``: one DiT block dropped (the cheapest by probe loss), the next one distilled locally
+    and the whole DiT end to end; written in the shipped form with the drop recorded."""
+    from omniloop_tone_demo.checkpoint_path import VAE_COMPACT, checkpoint_missing
+    from omniloop_tone_demo_training.build import load_parts
+    from omniloop_tone_demo_training.shrink import main
+
+    out = tmp_path / "cut"
+    main(["--src", str(linear_run[0] / "checkpoint"), "--out", str(out), "--layers", "1", "--probe", "4",
+          "--distill-steps", "2", "--distill-clips", "4", "--distill-model-steps", "1"])
+    assert checkpoint_missing(out) is None and (out / VAE_COMPACT).is_file()
+    assert json.loads((out / "transformer" / "config.json").read_text())["num_layers"] == 1
+    assert len(load_parts(out)["transformer"].transformer_blocks) == 1
+    shrink = json.loads((out / "omniloop.json").read_text())["training"]["history"][-1]
+    assert shrink["phase"] == "shrink" and shrink["log"][1]["of"] == 2
+    assert [k for k in ("distilled_steps", "distilled_model_steps") if any(k in e for e in shrink["log"])] == [
+        "distilled_steps", "distilled_model_steps"]
