@@ -42,3 +42,47 @@ def test_wan_demo_options_are_refused_for_an_audio_model(tmp_path):
     assert res.exit_code == 2 and "audio model" in res.output
     res = CliRunner().invoke(wan_cli.main, ["eval", "adherence", "--model", str(tmp_path)])
     assert res.exit_code == 2 and "not a tone-demo checkpoint" in res.output
+
+
+def test_the_shipped_weights_generate_through_the_preset(tmp_path, monkeypatch):
+    """The package ships tone-demo (compact VAE, float16 weights): ``--model tone-demo`` builds the
+    complete folder in the cache, loads it in float32 and generates a clip the evaluator reads
+    (4 steps here: a smoke test, not an adherence measurement)."""
+    pytest.importorskip("torchsde")
+    pytest.importorskip("omniloop_stable_audio")
+    from omniloop.request import Status
+    from omniloop.runtime import Runtime
+    from omniloop_tone_demo.checkpoint_path import VAE_COMPACT, checkpoint_missing, shipped_dir
+    from omniloop_tone_demo.evaluate import score
+    from omniloop_tone_demo.grammar import CLIP_SAMPLES, SAMPLE_RATE
+
+    assert checkpoint_missing() is None and (shipped_dir() / VAE_COMPACT).is_file()
+    monkeypatch.setenv("OMNILOOP_TONE_DEMO_CACHE", str(tmp_path / "cache"))
+    rt = Runtime.from_model("tone-demo")
+    assert rt.family.name == "stable-audio" and rt.tasks == frozenset({"t2a"})
+    assert str(rt.model.path).startswith(str(tmp_path / "cache"))
+    prompt = "a square wave playing E4 three beats per second"
+    out = rt.generate({"task": "t2a", "prompt": prompt, "diffusion": {"seed": 0, "steps": 4}})
+    assert out.status is Status.COMPLETED, out.error
+    audio = out.artifacts["audio"]
+    assert audio.sample_rate == SAMPLE_RATE and tuple(audio.samples.shape) == (1, CLIP_SAMPLES)
+    verdict = score(audio.samples.numpy(), prompt)
+    assert verdict.prompt == prompt and verdict.reading.f0 > 0
+
+
+def test_omniloop_generate_model_tone_demo_writes_a_wav(tmp_path, monkeypatch):
+    """``omniloop generate "..." --model tone-demo --out x.wav`` (the task inferred: t2a), 3 steps."""
+    pytest.importorskip("torchsde")
+    pytest.importorskip("omniloop_stable_audio")
+    av = pytest.importorskip("av")
+    from omniloop_cli import cli
+
+    monkeypatch.setenv("OMNILOOP_TONE_DEMO_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "tone.wav"
+    res = CliRunner().invoke(cli, ["generate", "a noise drum playing two beats per second", "--model", "tone-demo",
+                                   "--steps", "3", "--seed", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    with av.open(str(out)) as c:
+        stream = c.streams.audio[0]
+        assert stream.rate == 8000 and stream.channels == 1
+        assert sum(f.samples for f in c.decode(audio=0)) == 16384

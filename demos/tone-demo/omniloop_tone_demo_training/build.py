@@ -98,24 +98,77 @@ def build_parts(configs: dict[str, dict[str, Any]] | None = None, seed: int = 0)
     }
 
 
+def load_parts(folder: str | Path) -> dict[str, Any]:
+    """The components of a saved tone-demo checkpoint (float32; a compact linear VAE rebuilt), keyed
+    as :func:`build_parts`'s."""
+    from diffusers import AutoencoderOobleck, CosineDPMSolverMultistepScheduler, StableAudioDiTModel
+    from diffusers.pipelines.stable_audio.modeling_stable_audio import StableAudioProjectionModel
+    from transformers import T5EncoderModel
+
+    from omniloop_tone_demo import linear_vae
+
+    root = Path(folder)
+    f32 = torch.float32
+    vae = (linear_vae.load_compact(root / "vae") if (root / "vae" / linear_vae.COMPACT_FILE).exists()
+           else AutoencoderOobleck.from_pretrained(str(root / "vae"), torch_dtype=f32))
+    return {
+        "vae": vae,
+        "text_encoder": T5EncoderModel.from_pretrained(str(root / "text_encoder"), dtype=f32),
+        "projection_model": StableAudioProjectionModel.from_pretrained(str(root / "projection_model"), torch_dtype=f32),
+        "tokenizer": build_tokenizer(),
+        "transformer": StableAudioDiTModel.from_pretrained(str(root / "transformer"), torch_dtype=f32),
+        "scheduler": CosineDPMSolverMultistepScheduler.from_pretrained(str(root / "scheduler")),
+    }
+
+
 def assemble(parts: dict[str, Any]):
     from diffusers import StableAudioPipeline
 
     return StableAudioPipeline(**parts)
 
 
-def save(pipe, out_dir: str | Path, meta: dict[str, Any] | None = None) -> Path:
-    """Write the diffusers folder (float32 safetensors), the tokenizer in the portable form and
-    ``omniloop.json`` (``meta``)."""
+def save(pipe, out_dir: str | Path, meta: dict[str, Any] | None = None, *, store: torch.dtype = torch.float32,
+         compact_vae: bool = False) -> Path:
+    """Write the diffusers folder (safetensors; the transformer's, projection model's and text
+    encoder's weights in ``store``, their configs still loading as float32), the tokenizer in the
+    portable form and ``omniloop.json`` (``meta``). ``compact_vae``: a linear VAE is written as its
+    two projections (``vae/linear_oobleck.safetensors``, :mod:`omniloop_tone_demo.linear_vae`);
+    the package builds the full ``AutoencoderOobleck`` weights from them when it is first used."""
     out = Path(out_dir)
     pipe.save_pretrained(str(out), safe_serialization=True)
     build_tokenizer(out / "tokenizer")
     index = json.loads((out / "model_index.json").read_text())
     index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if store != torch.float32:
+        for name in ("transformer", "projection_model", "text_encoder"):
+            store_weights(out / name, store)
+    if compact_vae:
+        from omniloop_tone_demo import linear_vae
+
+        (out / "vae" / linear_vae.WEIGHTS_FILE).unlink()
+        linear_vae.save_compact(pipe.vae, out / "vae")
     if meta is not None:
         (out / "omniloop.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def store_weights(folder: Path, dtype: torch.dtype) -> None:
+    """Rewrite ``folder``'s safetensors with floating tensors in ``dtype``; a transformers config
+    keeps saying float32 (transformers 5 loads a checkpoint in its config's dtype by default;
+    diffusers loads float32 unless told otherwise)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in load_file(str(f)).items()}
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    cfg_file = folder / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    if "_class_name" not in cfg:  # a transformers config
+        for key in ("dtype", "torch_dtype"):
+            if key in cfg or key == "dtype":
+                cfg[key] = "float32"
+        cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def param_count(module: torch.nn.Module) -> int:

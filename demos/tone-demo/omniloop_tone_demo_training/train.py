@@ -27,10 +27,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from omniloop_tone_demo.evaluate import evaluate_clips
+from omniloop_tone_demo.evaluate import clip_seed, evaluate_clips
 from omniloop_tone_demo.grammar import CLIP_SECONDS, Spec, eval_specs, random_specs, synthesize
+from omniloop_tone_demo.linear_vae import wn_weight
 
-from .build import FULL, TOY, assemble, build_parts, param_count, save
+from .build import FULL, TOY, assemble, build_parts, load_parts, param_count, save
 
 
 def log(msg: str) -> None:
@@ -38,9 +39,22 @@ def log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------- data
-def make_bank(n: int, device: str, seed: int = 0, chunk: int = 2048) -> tuple[torch.Tensor, list[Spec]]:
+def make_bank(n: int, device: str, seed: int = 0, chunk: int = 2048,
+              drum_share: float | None = None) -> tuple[torch.Tensor, list[Spec]]:
+    """``n`` random clips (a quarter per timbre; ``drum_share``: that share of noise drums, the rest
+    split evenly over the tonal timbres) and their specs."""
     gen = torch.Generator().manual_seed(seed)
     specs = random_specs(n, gen)
+    if drum_share is not None:
+        tonal = [s for s in specs if s.timbre != "noise"]
+        drums = random_specs(4 * n, gen)
+        drums = [s for s in drums if s.timbre == "noise"]
+        k = round(drum_share * n)
+        specs = drums[:k] + tonal[:n - k]
+        if len(specs) < n:
+            specs += random_specs(n - len(specs), gen)
+        order = torch.randperm(n, generator=gen).tolist()
+        specs = [specs[i] for i in order]
     clips = [synthesize(specs[i:i + chunk], gen=gen, device=device) for i in range(0, n, chunk)]
     return torch.cat(clips), specs
 
@@ -102,12 +116,6 @@ def decode(vae, latents: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     return torch.cat([vae.decode(latents[i:i + chunk]).sample for i in range(0, latents.shape[0], chunk)])
 
 
-def _wn_weight(conv) -> torch.Tensor:
-    """The effective weight of an old-style weight-normed conv (``weight_g`` * ``weight_v`` / norm)."""
-    v, g = conv.weight_v, conv.weight_g
-    return g * v / v.flatten(1).norm(dim=1).view(-1, *([1] * (v.dim() - 1)))
-
-
 @torch.no_grad()
 def normalize_latents(vae, scale: torch.Tensor) -> None:
     """Fold a per-channel latent scale into the VAE so that its latents come out divided by
@@ -120,7 +128,7 @@ def normalize_latents(vae, scale: torch.Tensor) -> None:
     conv.weight_g[:c] /= scale.view(-1, 1, 1)
     conv.bias[:c] /= scale
     conv = vae.decoder.conv1
-    w = _wn_weight(conv) * scale.view(1, -1, 1)
+    w = wn_weight(conv) * scale.view(1, -1, 1)
     conv.weight_v.copy_(w)
     conv.weight_g.copy_(w.flatten(1).norm(dim=1).view(-1, 1, 1))
 
@@ -220,12 +228,21 @@ def train_dit(parts: dict[str, Any], latents: torch.Tensor, ids: torch.Tensor, m
                      "cfg_drop": cfg_drop, "ema_decay": ema_decay, "bf16": bf16, "last_loss": last}
 
 
+@torch.no_grad()
+def round_to(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round ``module``'s floating parameters and buffers to ``dtype`` and back (in place): the
+    weights a checkpoint stored in ``dtype`` loads as."""
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.is_floating_point():
+            t.copy_(t.to(dtype).to(t.dtype))
+
+
 # ---------------------------------------------------------------- scoring
 @torch.no_grad()
 def generate(pipe, specs: list[Spec], seeds: list[int], *, steps: int, guidance: float, device: str,
              chunk: int = 96) -> tuple[list[np.ndarray], list[Spec]]:
     clips, used = [], []
-    jobs = [(s, seed) for seed in seeds for s in specs]
+    jobs = [(s, clip_seed(seed, i)) for seed in seeds for i, s in enumerate(specs)]  # every clip its own noise
     for i in range(0, len(jobs), chunk):
         part = jobs[i:i + chunk]
         gens = [torch.Generator(device=device).manual_seed(seed) for _, seed in part]
@@ -238,7 +255,15 @@ def generate(pipe, specs: list[Spec], seeds: list[int], *, steps: int, guidance:
 
 def run(out: Path, *, device: str, toy: bool, vae_seconds: float, dit_seconds: float, vae_steps: int | None,
         dit_steps: int | None, n_clips: int, vae_batch: int, dit_batch: int, sweeps: list[tuple[int, float]],
-        eval_seeds: list[int], bf16: bool, eval_prompts: int = 96, vae_kind: str = "trained") -> dict[str, Any]:
+        eval_seeds: list[int], bf16: bool, eval_prompts: int = 96, vae_kind: str = "trained",
+        transformer: dict[str, int] | None = None, lr: float = 5e-4, store: str = "float16",
+        init: Path | None = None, drum_share: float | None = None, bank_seed: int = 0) -> dict[str, Any]:
+    """Train and ship one checkpoint into ``out/checkpoint``; ``transformer`` overrides the DiT's
+    config (e.g. ``num_layers``); ``store``: the dtype of the shipped weights (the trained modules
+    are rounded to it before scoring, so the scores are the shipped model's); a linear VAE is
+    shipped as its two projections (:mod:`omniloop_tone_demo.linear_vae`). ``init``: fine-tune that
+    checkpoint folder instead of training from scratch (its VAE and configs are kept);
+    ``drum_share``: the share of noise-drum clips in the training bank (default a quarter)."""
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"device": device, "toy": toy, "history": []}
     if device == "cuda":
@@ -246,20 +271,32 @@ def run(out: Path, *, device: str, toy: bool, vae_seconds: float, dit_seconds: f
         torch.backends.cudnn.allow_tf32 = True
     configs = dict(TOY if toy else FULL)
     if vae_kind == "linear":  # the closed-form PCA Oobleck (linear_vae): 32 latent channels at hop 64
-        from .linear_vae import LINEAR_VAE_CONFIG
+        from omniloop_tone_demo.linear_vae import LINEAR_VAE_CONFIG
 
         configs["vae"] = LINEAR_VAE_CONFIG
-        configs["transformer"] = {**configs["transformer"], "in_channels": 32, "out_channels": 32}
+        latent = LINEAR_VAE_CONFIG["decoder_input_channels"]
+        configs["transformer"] = {**configs["transformer"], "in_channels": latent, "out_channels": latent}
+    if transformer:
+        configs["transformer"] = {**configs["transformer"], **transformer}
     report["vae_kind"] = vae_kind
-    parts = build_parts(configs)
+    if init is not None:  # fine-tune a checkpoint (e.g. the output of .shrink); its VAE is kept as it is
+        parts = load_parts(init)
+        init_meta = json.loads((Path(init) / "omniloop.json").read_text()) if (Path(init) / "omniloop.json").exists() else {}
+        report["history"] += list((init_meta.get("training") or {}).get("history") or [])
+        report["history"].append({"phase": "init", "from": str(init)})
+        report["vae_kind"] = vae_kind = "linear" if (Path(init) / "vae" / "linear_oobleck.safetensors").exists() else vae_kind
+    else:
+        parts = build_parts(configs)
     report["params"] = {k: param_count(v) for k, v in parts.items() if isinstance(v, torch.nn.Module)}
     log(f"params {report['params']}")
     for k in ("vae", "text_encoder", "projection_model", "transformer"):
         parts[k].to(device)
     t0 = time.time()
-    bank, specs = make_bank(n_clips, device)
+    bank, specs = make_bank(n_clips, device, seed=bank_seed, drum_share=drum_share)
     log(f"bank {tuple(bank.shape)} in {time.time() - t0:.1f}s")
-    if vae_kind == "linear":
+    if init is not None:
+        pass
+    elif vae_kind == "linear":
         from .linear_vae import fit
 
         t0 = time.time()
@@ -268,36 +305,48 @@ def run(out: Path, *, device: str, toy: bool, vae_seconds: float, dit_seconds: f
     else:
         report["history"].append(train_vae(parts["vae"], bank, seconds=vae_seconds, max_steps=vae_steps, batch=vae_batch))
     log(f"vae {report['history'][-1]}")
-    lat = encode(parts["vae"], bank)
-    scale = lat.transpose(0, 1).flatten(1).std(dim=1).clamp_min(1e-3)
-    report["latent_raw"] = {"std": scale.tolist(), "mean": lat.transpose(0, 1).flatten(1).mean(dim=1).tolist()}
-    normalize_latents(parts["vae"], scale)
+    if init is None:
+        lat = encode(parts["vae"], bank)
+        scale = lat.transpose(0, 1).flatten(1).std(dim=1).clamp_min(1e-3)
+        report["latent_raw"] = {"std": scale.tolist(), "mean": lat.transpose(0, 1).flatten(1).mean(dim=1).tolist()}
+        normalize_latents(parts["vae"], scale)
+        if vae_kind == "linear":  # from here on the VAE is the one the checkpoint ships: rebuilt from its projections
+            from omniloop_tone_demo import linear_vae
+
+            parts["vae"] = linear_vae.build(dict(parts["vae"].config), linear_vae.projections(parts["vae"])).to(device)
+    else:
+        report["latent_raw"] = (init_meta.get("training") or {}).get("latent_raw")
     lat = encode(parts["vae"], bank)
     report["latent_normalized"] = {"std": float(lat.std()), "mean": float(lat.mean())}
-    # the VAE's own adherence: reconstructions of fresh ground-truth clips, scored
-    gt_specs = eval_specs(eval_prompts)
-    gt = synthesize(gt_specs, gen=torch.Generator().manual_seed(123), device=device)
-    rec = decode(parts["vae"], encode(parts["vae"], gt))
-    r = evaluate_clips([c.float().cpu().numpy() for c in rec], gt_specs)
-    report["vae_reconstruction_adherence"] = r.accuracy
-    log(f"vae reconstructions {r.accuracy}")
+    # the VAE's own adherence: reconstructions of fresh ground-truth clips, scored (a fine-tune keeps its VAE)
+    if init is None:
+        gt_specs = eval_specs(eval_prompts)
+        gt = synthesize(gt_specs, gen=torch.Generator().manual_seed(123), device=device)
+        rec = decode(parts["vae"], encode(parts["vae"], gt))
+        r = evaluate_clips([c.float().cpu().numpy() for c in rec], gt_specs)
+        report["vae_reconstruction_adherence"] = r.accuracy
+        log(f"vae reconstructions {r.accuracy}")
     del bank
     tok = parts["tokenizer"]([s.prompt for s in specs], padding="max_length", max_length=tok_len(parts), truncation=True,
                              return_tensors="pt")
     ids, mask = tok.input_ids.to(device), tok.attention_mask.to(device)
-    trained, hist = train_dit(parts, lat, ids, mask, seconds=dit_seconds, max_steps=dit_steps, batch=dit_batch, bf16=bf16)
+    trained, hist = train_dit(parts, lat, ids, mask, seconds=dit_seconds, max_steps=dit_steps, batch=dit_batch, lr=lr,
+                              bf16=bf16)
     report["history"].append(hist)
     log(f"dit {hist}")
     parts.update(trained)
     for k in ("vae", "text_encoder", "projection_model", "transformer"):
         parts[k].eval().requires_grad_(False)
+    for k in ("text_encoder", "projection_model", "transformer"):
+        round_to(parts[k], getattr(torch, store))
+    report["store"] = store
     pipe = assemble(parts)
     meta = {"variant": "tone-demo", "version": 1, "tasks": ["t2a"], "adherence": {"kind": "audio"},
             "defaults": {"steps": 100, "guidance_scale": 7.0},
             "training": {"history": report["history"], "latent_raw": report["latent_raw"],
-                         "vae_reconstruction_adherence": report["vae_reconstruction_adherence"], "n_clips": n_clips}}
+                         "vae_reconstruction_adherence": report.get("vae_reconstruction_adherence"), "n_clips": n_clips}}
     # saved before scoring: a run that is stopped while it scores still leaves its checkpoint
-    save(pipe, out / "checkpoint", meta)
+    save(pipe, out / "checkpoint", meta, store=getattr(torch, store), compact_vae=vae_kind == "linear")
     (out / "report.json").write_text(json.dumps(report, indent=1))
     log(f"saved {out / 'checkpoint'}")
     pipe.to(device)
@@ -310,6 +359,7 @@ def run(out: Path, *, device: str, toy: bool, vae_seconds: float, dit_seconds: f
         rep = evaluate_clips(clips, used)
         report["scores"].append({"steps": steps, "guidance": g, "n": rep.n, "accuracy": rep.accuracy,
                                  "counts": rep.counts, "generate_seconds": round(gen_s, 2)})
+        (out / f"clips-{steps}-{g:g}.json").write_text(json.dumps([v.to_dict() for v in rep.verdicts]))
         log(f"score steps {steps} guidance {g}: {rep.accuracy} ({gen_s:.1f}s)")
         (out / "report.json").write_text(json.dumps(report, indent=1))
     if report["scores"]:
@@ -343,12 +393,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vae", default="trained", choices=["trained", "linear"],
                     help="trained: the Oobleck trained with L1 + STFT + KL; linear: fitted in closed form (linear_vae)")
     ap.add_argument("--eval-prompts", type=int, default=96, help="prompts scored (VAE reconstructions and samples)")
+    ap.add_argument("--lr", type=float, default=5e-4, help="the DiT's peak learning rate")
+    ap.add_argument("--layers", type=int, default=None, help="the DiT's num_layers (default: build.TRANSFORMER_CONFIG's)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="the DiT's num_key_value_attention_heads")
+    ap.add_argument("--init", type=Path, default=None, help="fine-tune this checkpoint folder (e.g. from .shrink)")
+    ap.add_argument("--drum-share", type=float, default=None, help="share of noise-drum clips in the bank (default 1/4)")
+    ap.add_argument("--bank-seed", type=int, default=0, help="seed of the training bank")
+    ap.add_argument("--store", default="float16", choices=["float16", "bfloat16", "float32"],
+                    help="dtype of the shipped weights (the runtime loads them in its own dtype)")
     a = ap.parse_args(argv)
     sweeps = [(int(p.split(":")[0]), float(p.split(":")[1])) for p in a.sweep.split(",") if p]
     run(a.out, device=a.device, toy=a.toy, vae_seconds=a.vae_seconds, dit_seconds=a.dit_seconds, vae_steps=a.vae_steps,
         dit_steps=a.dit_steps, n_clips=a.clips, vae_batch=a.vae_batch, dit_batch=a.dit_batch, sweeps=sweeps,
         eval_seeds=[int(s) for s in a.eval_seeds.split(",") if s], bf16=a.bf16,
-        eval_prompts=a.eval_prompts, vae_kind=a.vae)
+        eval_prompts=a.eval_prompts, vae_kind=a.vae, lr=a.lr, store=a.store, init=a.init, drum_share=a.drum_share,
+        bank_seed=a.bank_seed,
+        transformer={k: v for k, v in (("num_layers", a.layers), ("num_key_value_attention_heads", a.kv_heads))
+                     if v is not None})
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@
     omniloop eval adherence --model ./my-tone-checkpoint --steps 25,100 --seeds 0,1 --json adherence.json
 
 Generates the fixed evaluation prompts (96 by default: a quarter per timbre, every rhythm, notes
-cycling) for each seed with diffusers' ``StableAudioPipeline``, reads timbre, pitch and rhythm
-back from the waveforms (:mod:`omniloop_tone_demo.evaluate`) and prints accuracies with 95 %
-Wilson intervals and the CPU (wall) seconds per clip.
+cycling) for each seed through omniloop's runtime (the ``stable-audio`` family, one request per
+clip; ``--backend diffusers``: diffusers' ``StableAudioPipeline``, batched), reads timbre, pitch and
+rhythm back from the waveforms (:mod:`omniloop_tone_demo.evaluate`) and prints accuracies with
+95 % Wilson intervals, wall seconds and CPU seconds (the process's, all threads) per clip.
 
 When omniloop-wan-demo is installed its ``eval adherence`` command is the one registered; it hands
 checkpoints whose ``omniloop.json`` says ``"adherence": {"kind": "audio"}`` (and ``--model
@@ -24,7 +25,7 @@ from typing import Any
 
 import click
 
-from .checkpoint_path import checkpoint_dir, checkpoint_missing
+from .checkpoint_path import checkpoint_dir, checkpoint_missing, materialize
 
 
 def _ints(value: str) -> list[int]:
@@ -37,17 +38,24 @@ def _ints(value: str) -> list[int]:
 def resolve(model: str) -> Path:
     """A checkpoint folder, or the installed ``tone-demo`` preset's; one usage error otherwise."""
     if model == "tone-demo":
-        why = checkpoint_missing()
+        try:
+            folder = checkpoint_dir()
+        except OSError as e:
+            raise click.UsageError(f"--model tone-demo: {e}") from None
+        why = checkpoint_missing(folder)
         if why is not None:
             raise click.UsageError(f"--model tone-demo: {why}")
-        return checkpoint_dir()
+        return folder
     path = Path(model)
     if not path.is_dir():
         raise click.UsageError(f"--model {model}: not a checkpoint folder (nor the preset tone-demo)")
     why = checkpoint_missing(path)
     if why is not None:
         raise click.UsageError(f"--model {model}: not a tone-demo checkpoint ({why.split(';')[0].split('(', 1)[-1]}")
-    return path
+    try:
+        return materialize(path)  # a folder with the compact VAE: the complete one built in the cache
+    except OSError as e:
+        raise click.UsageError(f"--model {model}: {e}") from None
 
 
 def load_pipeline(folder: Path, device: str = "cpu", dtype: str = "float32"):
@@ -85,16 +93,60 @@ def _progress(n_steps: int, total: int) -> Iterator[Callable[[int], None]]:
         yield lambda k: bar.advance(task, k)
 
 
+def _has_runtime_family() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("omniloop_stable_audio") is not None
+
+
+def _runtime_generator(model: str, device: str, dtype: str):
+    """Clips through omniloop's runtime (``Runtime.from_model``: the ``stable-audio`` family)."""
+    import numpy as np
+
+    from omniloop.runtime import Runtime
+
+    rt = Runtime.from_model(model, device=device, dtype=dtype)
+
+    def generate(prompts: list[str], seeds: list[int], steps: int, guidance: float) -> list[Any]:
+        out = []
+        for p, seed in zip(prompts, seeds, strict=True):
+            res = rt.generate({"task": "t2a", "prompt": p,
+                               "diffusion": {"seed": int(seed), "steps": int(steps), "guidance_scale": float(guidance)}})
+            if not res.ok:
+                raise click.ClickException(f"the runtime failed on {p!r}: {res.error}")
+            out.append(np.asarray(res.artifacts["audio"].samples.float().cpu()))
+        return out
+
+    return generate
+
+
+def _diffusers_generator(pipe: Any, device: str):
+    """Clips through diffusers' ``StableAudioPipeline`` (one batched call per chunk, one generator per clip)."""
+    import numpy as np
+    import torch
+
+    def generate(prompts: list[str], seeds: list[int], steps: int, guidance: float) -> list[Any]:
+        gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        with torch.no_grad():
+            audio = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance, generator=gens,
+                         output_type="pt").audios
+        return [np.asarray(a.float().cpu()) for a in audio]
+
+    return generate
+
+
 def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scale: float | None = None,
         n_prompts: int = 96, device: str = "cpu", dtype: str = "float32", batch_size: int = 16,
-        json_out: str | None = None, table: bool = False) -> list[Any]:
-    """Score ``model``; prints a summary table, returns the reports."""
-    import numpy as np
+        json_out: str | None = None, table: bool = False, backend: str = "auto") -> list[Any]:
+    """Score ``model``; prints a summary table, returns the reports. ``backend``: ``runtime``
+    (omniloop's ``stable-audio`` family, one request per clip), ``diffusers`` (its
+    ``StableAudioPipeline``, ``batch_size`` clips per call) or ``auto`` (the runtime when
+    omniloop-stable-audio is installed)."""
     import torch
     from rich.console import Console
     from rich.table import Table
 
-    from .evaluate import score, summarize, wilson
+    from .evaluate import clip_seed, score, summarize, wilson
     from .grammar import eval_specs
 
     folder = resolve(model)
@@ -111,26 +163,29 @@ def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scal
     if not (g == g and abs(g) != float("inf")):
         raise click.UsageError(f"--guidance must be a finite number, got {g}")
     specs = eval_specs(n_prompts)
-    pipe = load_pipeline(folder, device, dtype)
+    if backend == "auto":
+        backend = "runtime" if _has_runtime_family() else "diffusers"
+    generate = (_runtime_generator(model if model == "tone-demo" else str(folder), device, dtype) if backend == "runtime"
+                else _diffusers_generator(load_pipeline(folder, device, dtype), device))
+    chunk = batch_size if backend == "diffusers" else 1  # the runtime runs one request (one clip) at a time
     console = Console()
     reports = []
     for n_steps in step_list:
-        jobs = [(s, seed) for seed in seed_list for s in specs]
-        verdicts, t0 = [], time.perf_counter()
-        # a bar on stderr (stdout keeps the tables), advanced per batch: the first numbers come after minutes otherwise
+        jobs = [(s, clip_seed(seed, i)) for seed in seed_list for i, s in enumerate(specs)]
+        verdicts, t0, c0 = [], time.perf_counter(), time.process_time()
+        # a bar on stderr (stdout keeps the tables), advanced per chunk: the first numbers come after minutes otherwise
         with _progress(n_steps, len(jobs)) as advance:
-            for i in range(0, len(jobs), batch_size):
-                part = jobs[i:i + batch_size]
-                gens = [torch.Generator(device=device).manual_seed(seed) for _, seed in part]
-                with torch.no_grad():
-                    audio = pipe(prompt=[s.prompt for s, _ in part], num_inference_steps=n_steps, guidance_scale=g,
-                                 generator=gens, output_type="pt").audios
-                verdicts += [score(np.asarray(a.float().cpu()), s) for a, (s, _) in zip(audio, part, strict=True)]
+            for i in range(0, len(jobs), chunk):
+                part = jobs[i:i + chunk]
+                audio = generate([s.prompt for s, _ in part], [seed for _, seed in part], n_steps, g)
+                verdicts += [score(a, s) for a, (s, _) in zip(audio, part, strict=True)]
                 advance(len(part))
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        n = max(1, len(verdicts))
         rep = summarize(verdicts, steps=n_steps, guidance_scale=g, seeds=seed_list, device=device, dtype=dtype,
-                        batch_size=batch_size, seconds=round(seconds, 2),
-                        seconds_per_clip=round(seconds / max(1, len(verdicts)), 3))
+                        backend=backend, batch_size=chunk, threads=torch.get_num_threads(), seconds=round(seconds, 2),
+                        seconds_per_clip=round(seconds / n, 3), cpu_seconds=round(cpu, 2),
+                        cpu_seconds_per_clip=round(cpu / n, 3))
         reports.append(rep)
         if table:
             t = Table(title=f"{model}: {n_steps} steps, guidance {g}")
@@ -143,7 +198,7 @@ def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scal
             console.print(t)
     s = Table(title=f"prompt adherence of {model} (audio: {len(specs)} prompts x seeds {','.join(map(str, seed_list))}, "
                     f"guidance {g}, {device})")
-    for col in ("steps", "n", "timbre", "pitch (tonal)", "rhythm", "all three", "s/clip"):
+    for col in ("steps", "n", "timbre", "pitch (tonal)", "rhythm", "all three", "s/clip", "CPU s/clip"):
         s.add_column(col, justify="right")
     for rep in reports:
         def cell(k: str, rep: Any = rep) -> str:
@@ -151,7 +206,7 @@ def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scal
             return f"{rep.accuracy[k]:.1%} [{lo:.0%}-{hi:.0%}]"
 
         s.add_row(str(rep.extra["steps"]), str(rep.n), cell("timbre"), cell("pitch"), cell("rhythm"), cell("all"),
-                  f"{rep.extra['seconds_per_clip']:.2f}")
+                  f"{rep.extra['seconds_per_clip']:.2f}", f"{rep.extra['cpu_seconds_per_clip']:.2f}")
     console.print(s)
     if json_out:
         Path(json_out).write_text(json.dumps({"model": model, "kind": "audio", "reports": [r.to_dict() for r in reports]},
@@ -169,15 +224,19 @@ def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scal
               help="how many evaluation prompts (a quarter per timbre)")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
-@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "runtime", "diffusers"]),
+              help="runtime: omniloop's stable-audio family, clip by clip; diffusers: StableAudioPipeline, batched; "
+              "auto: the runtime when omniloop-stable-audio is installed")
+@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(1, 4096),
+              help="clips per diffusers call (the runtime backend runs one at a time)")
 @click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="write the full report here")
 @click.option("--table/--no-table", default=False, show_default=True, help="print the per-clip table")
 def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float | None, n_prompts: int, device: str,
-              dtype: str, batch_size: int, json_out: str | None, table: bool) -> None:
+              dtype: str, backend: str, batch_size: int, json_out: str | None, table: bool) -> None:
     """Generate the tone-demo evaluation prompts, read timbre, pitch and rhythm back from the
     audio, report accuracy with 95 % Wilson intervals and seconds per clip."""
     run(model, steps=steps, seeds=seeds, guidance_scale=guidance_scale, n_prompts=n_prompts, device=device,
-        dtype=dtype, batch_size=batch_size, json_out=json_out, table=table)
+        dtype=dtype, batch_size=batch_size, json_out=json_out, table=table, backend=backend)
 
 
 def add_to(cli: click.Group) -> None:

@@ -195,6 +195,13 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, c - h), min(1.0, c + h))
 
 
+def clip_seed(seed: int, index: int) -> int:
+    """The generator seed of evaluation clip ``index`` (its place in :func:`~omniloop_tone_demo.grammar.eval_specs`)
+    under ``seed``: every clip draws its own noise. (``eval_specs`` repeats prompts, e.g. each of
+    the 4 drum prompts 6 times in 96: with one seed for all, those would be copies of one sample.)"""
+    return seed * 100_000 + index
+
+
 def evaluate_clips(clips: Sequence[np.ndarray], specs: Sequence[Spec], **extra: Any) -> Report:
     return summarize([score(c, s) for c, s in zip(clips, specs, strict=True)], **extra)
 

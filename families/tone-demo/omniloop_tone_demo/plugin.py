@@ -16,11 +16,16 @@ OMNILOOP_HOOK_API = ">=1.0,<2"
 
 
 def preset_path() -> Path:
-    """The ``tone-demo`` folder; one clear :class:`DeployError` until its weights are installed."""
-    why = checkpoint_missing()
+    """The ``tone-demo`` folder (built in the cache on first use: :mod:`.checkpoint_path`); one
+    clear :class:`DeployError` until its weights are installed or when the cache is not writable."""
+    try:
+        folder = checkpoint_dir()
+    except OSError as e:
+        raise DeployError(f"model: preset 'tone-demo': {e}") from None
+    why = checkpoint_missing(folder)
     if why is not None:
         raise DeployError(f"model: preset 'tone-demo': {why}")
-    return checkpoint_dir()
+    return folder
 
 
 PRESET = ModelPreset(

@@ -141,8 +141,7 @@ def _audio(model: str, *, steps: str | None, seeds: str, guidance_scale: float |
            rollout: str, device: str, dtype: str, batch_size: int, json_out: str | None, table: bool) -> None:
     """An audio checkpoint (``omniloop.json`` ``"adherence": {"kind": "audio"}``, e.g. tone-demo):
     scored by omniloop-tone-demo's evaluator (timbre, pitch, rhythm)."""
-    for flag, value, default in (("--prompts", prompt_set, "default"), ("--backend", backend, "auto"),
-                                 ("--rollout", rollout, "auto")):
+    for flag, value, default in (("--prompts", prompt_set, "default"), ("--rollout", rollout, "auto")):
         if value != default:
             raise click.UsageError(f"{flag} {value}: {model} is an audio model (omniloop.json adherence.kind: audio); "
                                    f"{flag} applies to video and image models")
@@ -152,7 +151,7 @@ def _audio(model: str, *, steps: str | None, seeds: str, guidance_scale: float |
         raise click.UsageError(f"--model {model}: an audio model; its evaluator is in omniloop-tone-demo "
                                "(pip install omniloop-tone-demo)") from None
     run(model, steps=steps, seeds=seeds, guidance_scale=guidance_scale, device=device, dtype=dtype,
-        batch_size=batch_size, json_out=json_out, table=table)
+        batch_size=batch_size, json_out=json_out, table=table, backend=backend)
 
 
 def _checkpoint_meta(model: str) -> dict[str, Any]:
