@@ -10,7 +10,8 @@ Where the knobs come from: ``diffusion.guidance_scale`` (video CFG), ``node_para
 (:class:`DenoiseParams`: the video's ``stg``, ``modality``, ``rescale`` and ``stg_blocks``) and
 ``audio`` (:class:`omniloop.request.AudioParams`: ``guidance``, ``stg``, ``modality``,
 ``rescale``). diffusers reads an audio knob of 0 as "the video's value" (``audio_x or x``);
-omniloop refuses 0 there rather than guess (give the value meant). The audio track's length is not
+omniloop refuses an audio 0 while the video's value is not 0 rather than guess (with both 0 it is
+0, as in diffusers). The audio track's length is not
 a request field: it is the video's (``frames / fps`` seconds, ``round`` half-to-even to audio
 latents as diffusers does), so ``audio.seconds`` / ``audio.start`` are refused.
 
@@ -135,14 +136,17 @@ def ltx2_config(components: dict[str, Any]) -> dict[str, Any]:
             "sample_rate": int(components["vocoder"].config.output_sampling_rate)}
 
 
-def _audio_knob(request: OmniRequest, name: str, default: float) -> float:
+def _audio_knob(request: OmniRequest, name: str, default: float, video: float) -> float:
+    """``audio.<name>`` (None: ``default``); 0 is refused unless the video's value is 0 too (then
+    diffusers' ``audio_x or x`` gives 0 as well: no ambiguity)."""
     audio = request.audio
     value = getattr(audio, name, None) if audio is not None else None
     if value is None:
         return float(default)
-    if value == 0.0:
-        raise RequestError(f"audio.{name}", "0 is refused: diffusers reads an audio knob of 0 as 'use the video's "
-                                            "value' (audio_x or x); give the value you mean")
+    if value == 0.0 and video != 0.0:
+        raise RequestError(f"audio.{name}", f"0 with a video value of {video:g} is ambiguous: diffusers reads an audio "
+                                            "knob of 0 as 'use the video's value' (audio_x or x); give the value you "
+                                            "mean, or set the video's to 0 too")
     return float(value)
 
 
@@ -180,8 +184,11 @@ def resolve(model: LoadedModel, request: OmniRequest, node_params: Any = None) -
     if bad:
         raise RequestError("node_params.denoise.stg_blocks", f"block {bad[0]} does not exist (the transformer has "
                                                              f"{cfg['layers']} blocks, 0..{cfg['layers'] - 1})")
+    guidance = float(r.guidance_scale if r.guidance_scale is not None else d["guidance_scale"])
     stg = float(dp.stg if dp.stg is not None else d["stg"])
-    a_stg = _audio_knob(request, "stg", d["audio_stg"])
+    modality = float(dp.modality if dp.modality is not None else d["modality"])
+    rescale = float(dp.rescale if dp.rescale is not None else d["rescale"])
+    a_stg = _audio_knob(request, "stg", d["audio_stg"], stg)
     if (stg > 0 or a_stg > 0) and not cfg["perturbed_attn"]:
         warnings.append("the transformer has no perturbed attention (config perturbed_attn: false): the "
                         "spatio-temporal guidance pass perturbs nothing (as in diffusers); set node_params.denoise.stg "
@@ -195,12 +202,10 @@ def resolve(model: LoadedModel, request: OmniRequest, node_params: Any = None) -
         height=height, width=width, frames=frames, fps=fps, latent_frames=(frames - 1) // t + 1,
         latent_height=height // cfg["spatial_ratio"], latent_width=width // cfg["spatial_ratio"],
         audio_frames=round(seconds * cfg["audio_latents_per_second"]),
-        guidance=float(r.guidance_scale if r.guidance_scale is not None else d["guidance_scale"]),
-        stg=stg, modality=float(dp.modality if dp.modality is not None else d["modality"]),
-        rescale=float(dp.rescale if dp.rescale is not None else d["rescale"]),
-        audio_guidance=_audio_knob(request, "guidance", d["audio_guidance"]), audio_stg=a_stg,
-        audio_modality=_audio_knob(request, "modality", d["audio_modality"]),
-        audio_rescale=_audio_knob(request, "rescale", d["audio_rescale"]), stg_blocks=blocks,
+        guidance=guidance, stg=stg, modality=modality, rescale=rescale,
+        audio_guidance=_audio_knob(request, "guidance", d["audio_guidance"], guidance), audio_stg=a_stg,
+        audio_modality=_audio_knob(request, "modality", d["audio_modality"], modality),
+        audio_rescale=_audio_knob(request, "rescale", d["audio_rescale"], rescale), stg_blocks=blocks,
         max_sequence_length=int(d["max_sequence_length"]), use_cross_timestep=bool(d["use_cross_timestep"]),
         warnings=tuple(warnings))
 
