@@ -60,6 +60,12 @@ def t2v() -> Any:
 
 
 @pytest.fixture(scope="session")
+def make_runtime() -> Any:
+    """``make_runtime(ckpt, *plugins, step=False, **deploy)`` → a fresh Runtime (not cached)."""
+    return ltx2_runtime
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``tiny_ckpt(variant="a")`` → path of a tiny checkpoint, built once per session."""
     cache: dict[str, Path] = {}
