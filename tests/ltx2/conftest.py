@@ -60,6 +60,12 @@ def t2v() -> Any:
 
 
 @pytest.fixture(scope="session")
+def manager() -> Any:
+    """``manager(*plugins, step=False)`` → a plugin manager with the LTX-2 family (the CLI's ``obj``)."""
+    return ltx2_manager
+
+
+@pytest.fixture(scope="session")
 def make_runtime() -> Any:
     """``make_runtime(ckpt, *plugins, step=False, **deploy)`` → a fresh Runtime (not cached)."""
     return ltx2_runtime
