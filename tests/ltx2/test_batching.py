@@ -62,3 +62,16 @@ def test_different_passes_do_not_batch_together(runtime: Any, t2v: Any) -> None:
     assert finals["no-mod"].metrics["denoise"]["passes"] == ["cfg", "stg"]
     mixed = [d for d in rt.scheduler.trace if d.action == "batched_step" and set(d.request_ids) == {"all", "no-mod"}]
     assert not mixed
+
+
+def test_compiled_blocks_match_eager(tiny_ckpt: Any, make_runtime: Any, runtime: Any, t2v: Any) -> None:
+    """Deploy ``compile: true`` (dynamo tracing, ``compile_backend: eager``: no code generation on
+    CPU) runs each transformer block compiled — the STG block of this perturbed-attention model
+    eager — with the same results as the eager model."""
+    rt = make_runtime(tiny_ckpt("a"), compile=True, options={"compile_backend": "eager"})
+    req = t2v(seed=4, frames=5)
+    out, ref = rt.generate(req), runtime("a").generate(req)
+    assert out.status is Status.COMPLETED, out.error
+    assert out.metrics["denoise"]["compiled_blocks"] is True
+    for key in ("latents", "audio_latents"):
+        assert torch.equal(out.artifacts[key].tensor, ref.artifacts[key].tensor)

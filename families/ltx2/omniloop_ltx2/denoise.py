@@ -32,8 +32,9 @@ own scales and steps its own schedulers. Not batched: taps, ``exact`` requests.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,10 +43,27 @@ import torch
 from omniloop.artifacts import Embeddings, Latents
 from omniloop.context import StageContext
 from omniloop.loop import LoopState, RequestState, StepResult
+from omniloop_kit.compile import blocks_for
 from omniloop_kit.denoise import request_generator, step_time_metrics
 from omniloop_kit.stages import params_of
 
 from .resolve import LTX2Resolved
+
+
+@contextlib.contextmanager
+def running_blocks(tf: Any, blocks: Sequence[Any] | None, eager: Sequence[int] = ()) -> Iterator[None]:
+    """diffusers' transformer forward over ``blocks`` (the deploy's compiled blocks; None: its own),
+    the blocks at indices ``eager`` left eager (an STG block of a perturbed-attention model
+    branches on a tensor, which a ``fullgraph`` compile cannot trace)."""
+    if blocks is None:
+        yield
+        return
+    own = tf.transformer_blocks
+    tf.transformer_blocks = torch.nn.ModuleList([own[i] if i in eager else b for i, b in enumerate(blocks)])
+    try:
+        yield
+    finally:
+        tf.transformer_blocks = own
 
 
 def _pipeline_module() -> Any:
@@ -106,13 +124,16 @@ class Denoise:
         if reps > 1 or n > 1:
             vc = vc.repeat((b // vc.shape[0],) + (1,) * (vc.ndim - 1))
             ac = ac.repeat((b // ac.shape[0],) + (1,) * (ac.ndim - 1))
-        out = ctx.components["transformer"](
-            hidden_states=rows["latents"], audio_hidden_states=rows["audio_latents"],
-            encoder_hidden_states=rows["text"], audio_encoder_hidden_states=rows["audio_text"], timestep=timestep,
-            sigma=timestep, encoder_attention_mask=rows["mask"], audio_encoder_attention_mask=rows["mask"],
-            num_frames=p.latent_frames, height=p.latent_height, width=p.latent_width, fps=rows["fps"],
-            audio_num_frames=p.audio_frames, video_coords=vc, audio_coords=ac, use_cross_timestep=p.use_cross_timestep,
-            attention_kwargs=None, return_dict=False, **kw)
+        tf = ctx.components["transformer"]
+        stg = kw.get("spatio_temporal_guidance_blocks") or ()
+        with running_blocks(tf, blocks_for(tf, ctx), stg if tf.config.perturbed_attn else ()):
+            out = tf(
+                hidden_states=rows["latents"], audio_hidden_states=rows["audio_latents"],
+                encoder_hidden_states=rows["text"], audio_encoder_hidden_states=rows["audio_text"], timestep=timestep,
+                sigma=timestep, encoder_attention_mask=rows["mask"], audio_encoder_attention_mask=rows["mask"],
+                num_frames=p.latent_frames, height=p.latent_height, width=p.latent_width, fps=rows["fps"],
+                audio_num_frames=p.audio_frames, video_coords=vc, audio_coords=ac,
+                use_cross_timestep=p.use_cross_timestep, attention_kwargs=None, return_dict=False, **kw)
         return out[0].float(), out[1].float()
 
     def passes(self, ctx: StageContext, states: Sequence[RequestState], loops: Sequence[LoopState]
@@ -218,7 +239,8 @@ class Denoise:
 
     def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
         p: LTX2Resolved = params_of(state)
-        metrics: dict[str, Any] = {"passes": list(p.passes), "transformer_calls": loop.total * len(p.passes)}
+        metrics: dict[str, Any] = {"passes": list(p.passes), "transformer_calls": loop.total * len(p.passes),
+                                   "compiled_blocks": blocks_for(ctx.components["transformer"], ctx) is not None}
         metrics.update(step_time_metrics(ctx, state) or {})
         state.metrics["denoise"] = metrics
         state.write("denoised", Latents(tensor=loop.tensors["latents"], modality="video"), ctx.node.name)

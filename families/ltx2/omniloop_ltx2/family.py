@@ -29,13 +29,19 @@ class LTX2Family(DiffusersFamily):
     capabilities = FamilyCapabilities(
         #: its output holds audio (the sound track of t2v) and it reads request.audio's guidance knobs
         audio=True, audio_tasks=frozenset({"t2v"}), audio_guidance=True,
-        returns_latents=True, resolve=True, task_defaults=True, options=frozenset(),
+        returns_latents=True, resolve=True, task_defaults=True,
+        #: deploy compile: true compiles each transformer block (omniloop_kit.compile's settings)
+        options=frozenset({"compile_backend", "compile_mode", "compile_dynamic"}),
         # block_interceptors stays False: diffusers' transformer runs its own block loop (both
         # streams per block), so cache-dit / fbcache are refused at load with one line
     )
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
-        """Check every file first (:func:`omniloop_ltx2.checkpoint.check_checkpoint`), then load each component."""
+        """Check every file first (:func:`omniloop_ltx2.checkpoint.check_checkpoint`), then load each
+        component. Deploy ``compile: true`` compiles each transformer block (regional compilation)."""
+        from omniloop_kit.compile import compile_options
+
+        compile_options(options)  # bad compile options fail before any weight is read
         got = load_checkpoint(path, lambda root: ck.check_checkpoint(root)[:2], ck.load_component, device=device,
                               dtype=dtype, names=list(ck.COMPONENTS))
         return self.from_components(got.components, path=got.root, device=device, dtype=dtype, options=options,
@@ -54,11 +60,14 @@ class LTX2Family(DiffusersFamily):
         return config, {}
 
     def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
-        """The text is left-padded whatever the tokenizer's config says (diffusers sets it so on every call)."""
+        """The text is left-padded whatever the tokenizer's config says (diffusers sets it so on every
+        call); with deploy ``compile: true`` each transformer block is wrapped in ``torch.compile``
+        (lazy: the first forward of a shape compiles; :mod:`omniloop_kit.compile`)."""
         tok = model.components["tokenizer"]
         tok.padding_side = "left"
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
+        self.compile_model(model, options, lambda tf: tf.transformer_blocks)
 
     # -- pipeline -----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
