@@ -28,10 +28,9 @@ class Validate(KitValidate):
     params_type = LTX2Resolved
 
     def resolve(self, request: Any, limits: Any) -> tuple[Any, list[str]]:
-        from .resolve import resolve
+        from .family import LTX2Family
 
-        got = resolve(self.model, request)
-        return got, list(got.warnings)
+        return LTX2Family().resolve_request(self.model, request, limits)  # node_params.denoise structured there
 
 
 def pipeline_class() -> Any:
