@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import statistics
@@ -57,8 +58,12 @@ def sync() -> None:
 
 
 def build(layers: int, device: torch.device, dtype: torch.dtype, smoke: bool, tmp: Path) -> dict[str, Any]:
-    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2VideoTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2VideoTransformer3DModel,
+    )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
@@ -124,7 +129,7 @@ def diffusers_side(comps: dict[str, Any], steps: int, size: tuple[int, int, int]
     pipe(prompt=PROMPT, height=h, width=w, num_frames=f, frame_rate=24.0, num_inference_steps=steps,
          generator=torch.Generator().manual_seed(0), spatio_temporal_guidance_blocks=[stg_block], output_type="latent",
          callback_on_step_end=mark)
-    return [b - a for a, b in zip(marks, marks[1:])]
+    return [b - a for a, b in itertools.pairwise(marks)]
 
 
 class OmniloopSide:
@@ -159,7 +164,7 @@ class OmniloopSide:
             if node is not None and node.name == "denoise":
                 sync()
                 marks.append(time.perf_counter())
-        return [b - a for a, b in zip(marks, marks[1:])]
+        return [b - a for a, b in itertools.pairwise(marks)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +223,6 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 res["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
             save()
-            del comps, side
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()

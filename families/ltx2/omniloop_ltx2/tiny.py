@@ -23,7 +23,6 @@ Both write an ``omniloop.json`` with a 2-step default, 32x32 pixels and 25 fps.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,7 +99,7 @@ def video_vae(c: dict[str, Any]) -> Any:
 def build_components(variant: str = "a", seed: int = 0, tokenizer_dir: Path | None = None) -> dict[str, Any]:
     """The pipeline's components in memory (random weights from ``seed``; the tokenizer is written
     to ``tokenizer_dir`` and loaded from there)."""
-    from diffusers import (AutoencoderKLLTX2Audio, FlowMatchEulerDiscreteScheduler, LTX2VideoTransformer3DModel)
+    from diffusers import AutoencoderKLLTX2Audio, FlowMatchEulerDiscreteScheduler, LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
