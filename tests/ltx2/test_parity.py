@@ -80,3 +80,38 @@ def test_negative_prompt_and_audio_guidance_bit_exact(runtime: Any, reference: A
     assert out.artifacts["audio_latents"].tensor.shape[2] == 12  # round(12.5) half to even, as diffusers
     assert out.artifacts["audio"].samples.shape[0] == 1  # the mono vocoder
     assert any("perturbed attention" in w for w in out.metrics["warnings"])
+
+
+def _image(path: Any) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(path)
+    return Image.open(path)
+
+
+@pytest.mark.parametrize(("variant", "crf", "negative"), [("a", None, None), ("b", 0, "blurry")])
+def test_i2v_bit_exact(runtime: Any, tiny_ckpt: Any, t2v: Any, tmp_path: Any, variant: str, crf: Any,
+                       negative: Any) -> None:
+    """i2v against diffusers' ``LTX2ImageToVideoPipeline``: the first frame re-compressed at the
+    default CRF (33 for a Gemma 3 encoder) or none (``node_params.denoise.image_crf: 0``), resized,
+    encoded, kept clean at timestep 0 while the other latent frames denoise."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    image = _image(tmp_path / "first.png")
+    frames = 5 if variant == "a" else 9
+    req = t2v(seed=2, frames=frames, fps=25.0, negative=negative)
+    req.update(task="i2v", inputs=[{"type": "image", "path": str(tmp_path / "first.png")}])
+    if crf is not None:
+        req["node_params"] = {"denoise": {"image_crf": crf}}
+    out = runtime(variant).generate(req)
+    pipe = LTX2ImageToVideoPipeline.from_pretrained(tiny_ckpt(variant), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    kw: dict[str, Any] = {"image": image, "num_frames": frames, "frame_rate": 25.0,
+                          "spatio_temporal_guidance_blocks": [1 if variant == "a" else 2]}
+    if crf is not None:
+        kw["image_crf"] = crf
+    if negative is not None:
+        kw["negative_prompt"] = negative
+    latents, decoded = _reference(pipe, seed=2, **kw)
+    _assert_equal(out, latents, decoded)

@@ -24,7 +24,10 @@ from omniloop.errors import DeployError, RequestError
     ({"node_params": {"denoise": {"stg_blocks": [7]}}}, "node_params.denoise.stg_blocks", "block 7 does not exist"),
     ({"node_params": {"denoise": {"stg": 1.0, "stg_blocks": []}}}, "node_params.denoise.stg_blocks", "names no block"),
     ({"diffusion": {"shift": 3.0}}, "diffusion.shift", "checkpoint's"),
-    ({"task": "i2v"}, "task", "'i2v' is not supported by family 'ltx2'"),
+    ({"task": "i2v"}, "inputs", "an i2v request needs an image part"),
+    ({"task": "t2a"}, "task", "'t2a' is not supported by family 'ltx2'"),
+    ({"inputs": [{"type": "image", "path": "x.png"}]}, "inputs[0]", "image conditioning is task i2v"),
+    ({"node_params": {"denoise": {"image_crf": 52}}}, "node_params.denoise.image_crf", ""),
 ])
 def test_bad_request_is_one_error_naming_the_field(runtime: Any, extra: dict[str, Any], field: str, words: str) -> None:
     req: dict[str, Any] = {"task": "t2v", "prompt": "a cat", "diffusion": {"frames": 5, "steps": 2}}

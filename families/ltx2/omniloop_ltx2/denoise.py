@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omniloop.artifacts import Embeddings, Latents
+from omniloop.artifacts import Embeddings, Latents, Tensors
 from omniloop.context import StageContext
 from omniloop.loop import LoopState, RequestState, StepResult
 from omniloop_kit.compile import blocks_for
@@ -88,8 +88,17 @@ class Denoise:
         gen = request_generator(state)
         dev = ctx.device
         shape = (1, int(tf.config.in_channels), p.latent_frames, p.latent_height, p.latent_width)
-        video = pipe._pack_latents(randn_tensor(shape, generator=gen, device=dev, dtype=torch.float32),
-                                   tf.config.patch_size, tf.config.patch_size_t)
+        ps, pt = tf.config.patch_size, tf.config.patch_size_t
+        mask = None
+        if state.get("image_latents") is not None:  # i2v: the first latent frame is the image's, kept clean
+            init = state.read("image_latents", Tensors).values["latents"].repeat(1, 1, p.latent_frames, 1, 1)
+            cond = torch.zeros((1, 1, *shape[2:]), device=dev, dtype=torch.float32)
+            cond[:, :, 0] = 1.0
+            noise = randn_tensor(shape, generator=gen, device=dev, dtype=torch.float32)
+            video = pipe._pack_latents(init * cond + noise * (1 - cond), ps, pt)
+            mask = pipe._pack_latents(cond, ps, pt).squeeze(-1)
+        else:
+            video = pipe._pack_latents(randn_tensor(shape, generator=gen, device=dev, dtype=torch.float32), ps, pt)
         mel = int(avae.config.mel_bins) // int(avae.mel_compression_ratio)
         ashape = (1, int(avae.config.latent_channels), p.audio_frames, mel)
         audio = pipe._pack_audio_latents(randn_tensor(ashape, generator=gen, device=dev, dtype=torch.float32))
@@ -106,11 +115,13 @@ class Denoise:
         fps = mod.get_conditioning_frame_rate(p.fps, 1.0)
         loop = LoopState(total=p.steps, branches=p.passes)
         loop.tensors["latents"], loop.tensors["audio_latents"] = video, audio
+        if mask is not None:
+            loop.tensors["mask"] = mask
         loop.tensors["video_coords"] = tf.rope.prepare_video_coords(1, p.latent_frames, p.latent_height,
                                                                     p.latent_width, dev, fps=fps)
         loop.tensors["audio_coords"] = tf.audio_rope.prepare_audio_coords(1, p.audio_frames, dev)
         loop.extra.update(video_scheduler=video_sched, audio_scheduler=audio_sched, timesteps=timesteps,
-                          t_values=timesteps.tolist(), fps=fps, mu=float(mu))
+                          t_values=timesteps.tolist(), fps=fps, mu=float(mu), patch=(ps, pt))
         return loop
 
     # -- one step -----------------------------------------------------------------------------
@@ -120,6 +131,10 @@ class Denoise:
         reps = 2 if cfg_rows else 1
         b = rows["latents"].shape[0]
         timestep = t.expand(b)
+        video_timestep = timestep
+        if "frame_mask" in rows:  # i2v: the conditioned tokens at timestep 0 (diffusers' t * (1 - mask))
+            mask = rows["frame_mask"].repeat(b // rows["frame_mask"].shape[0], 1)
+            video_timestep = timestep.unsqueeze(-1) * (1 - mask)
         vc, ac = rows["video_coords"], rows["audio_coords"]
         if reps > 1 or n > 1:
             vc = vc.repeat((b // vc.shape[0],) + (1,) * (vc.ndim - 1))
@@ -129,8 +144,8 @@ class Denoise:
         with running_blocks(tf, blocks_for(tf, ctx), stg if tf.config.perturbed_attn else ()):
             out = tf(
                 hidden_states=rows["latents"], audio_hidden_states=rows["audio_latents"],
-                encoder_hidden_states=rows["text"], audio_encoder_hidden_states=rows["audio_text"], timestep=timestep,
-                sigma=timestep, encoder_attention_mask=rows["mask"], audio_encoder_attention_mask=rows["mask"],
+                encoder_hidden_states=rows["text"], audio_encoder_hidden_states=rows["audio_text"],
+                timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=rows["mask"], audio_encoder_attention_mask=rows["mask"],
                 num_frames=p.latent_frames, height=p.latent_height, width=p.latent_width, fps=rows["fps"],
                 audio_num_frames=p.audio_frames, video_coords=vc, audio_coords=ac,
                 use_cross_timestep=p.use_cross_timestep, attention_kwargs=None, return_dict=False, **kw)
@@ -150,6 +165,8 @@ class Denoise:
         out: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in loops]
         base = {"video_coords": loops[0].tensors["video_coords"], "audio_coords": loops[0].tensors["audio_coords"],
                 "fps": loops[0].extra["fps"]}
+        if "mask" in loops[0].tensors:
+            base["frame_mask"] = loops[0].tensors["mask"]
 
         def run(name: str, rows: dict[str, torch.Tensor], reps: int, **kw: Any) -> None:
             v, a = self.forward(ctx, p, n, {**base, **rows}, t, reps == 2, **kw)
@@ -218,9 +235,19 @@ class Denoise:
         a_g = a + audio_cfg_delta + audio_stg_delta + audio_mod_delta
         v = rescale_noise_cfg(v_g, v, guidance_rescale=p.rescale) if p.rescale > 0 else v_g
         a = rescale_noise_cfg(a_g, a, guidance_rescale=p.audio_rescale) if p.audio_rescale > 0 else a_g
+        t = loop.extra["timesteps"][i]
+        if "mask" in loop.tensors:  # i2v: diffusers steps every latent frame but the first (the image's)
+            pipe, tf = _pipeline_module().LTX2Pipeline, loop.extra["patch"]
+            v = pipe._unpack_latents(v, p.latent_frames, p.latent_height, p.latent_width, *tf)
+            lat = pipe._unpack_latents(lat, p.latent_frames, p.latent_height, p.latent_width, *tf)
+            v = (lat - v) / vs.sigmas[i]
+            a = (alat - a) / as_.sigmas[i]
+            stepped = vs.step(v[:, :, 1:], t, lat[:, :, 1:], return_dict=False)[0]
+            loop.tensors["latents"] = pipe._pack_latents(torch.cat([lat[:, :, :1], stepped], dim=2), *tf)
+            loop.tensors["audio_latents"] = as_.step(a, t, alat, return_dict=False)[0]
+            return
         v = (lat - v) / vs.sigmas[i]
         a = (alat - a) / as_.sigmas[i]
-        t = loop.extra["timesteps"][i]
         loop.tensors["latents"] = vs.step(v, t, lat, return_dict=False)[0]
         loop.tensors["audio_latents"] = as_.step(a, t, alat, return_dict=False)[0]
 
@@ -256,7 +283,7 @@ class Denoise:
         p: LTX2Resolved = params_of(state)
         text = state.read("conditioning", Embeddings).tensor
         lat, alat = loop.tensors["latents"], loop.tensors["audio_latents"]
-        return ("ltx2-denoise", tuple(lat.shape), tuple(alat.shape), str(lat.dtype), str(lat.device),
+        return ("ltx2-denoise", "mask" in loop.tensors, tuple(lat.shape), tuple(alat.shape), str(lat.dtype), str(lat.device),
                 tuple(text.shape), p.passes, p.stg_blocks, loop.extra["fps"], p.use_cross_timestep,
                 (p.latent_frames, p.latent_height, p.latent_width, p.audio_frames), loop.step, loop.total,
                 loop.extra["t_values"][loop.step], loop.extra["mu"])

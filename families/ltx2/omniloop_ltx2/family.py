@@ -1,4 +1,4 @@
-"""The LTX-2 family: detect, load, build the ``t2v`` pipeline (video with a sound track), resolve requests."""
+"""The LTX-2 family: detect, load, build the ``t2v`` / ``i2v`` pipelines (video with a sound track), resolve requests."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class LTX2Family(DiffusersFamily):
     layout = ck.LAYOUT
     capabilities = FamilyCapabilities(
         #: its output holds audio (the sound track of t2v) and it reads request.audio's guidance knobs
-        audio=True, audio_tasks=frozenset({"t2v"}), audio_guidance=True,
+        audio=True, audio_tasks=frozenset({"t2v", "i2v"}), audio_guidance=True,
         returns_latents=True, resolve=True, task_defaults=True,
         #: deploy compile: true compiles each transformer block (omniloop_kit.compile's settings)
         options=frozenset({"compile_backend", "compile_mode", "compile_dynamic"}),
@@ -71,9 +71,9 @@ class LTX2Family(DiffusersFamily):
 
     # -- pipeline -----------------------------------------------------------------------------
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
-        """validate → text_encode → denoise → video_decode + audio_decode → output."""
+        """validate → text_encode (→ image_encode for i2v) → denoise → video_decode + audio_decode → output."""
         from .denoise import Denoise
-        from .stages import AudioDecode, Output, TextEncode, Validate, VideoDecode
+        from .stages import AudioDecode, ImageEncode, Output, TextEncode, Validate, VideoDecode
 
         check_task(task, TASKS, "the ltx2 family")
         params = {"params": Conditioning}
@@ -82,7 +82,10 @@ class LTX2Family(DiffusersFamily):
             Node("validate", Validate(model), writes=params),
             Node("text_encode", TextEncode(), reads=params, writes={"conditioning": Embeddings},
                  uses=("text_encoder", "connectors")),
-            Node("denoise", Denoise(), reads={**params, "conditioning": Embeddings},
+            *((Node("image_encode", ImageEncode(), reads=params, writes={"image_latents": Tensors}, uses=("vae",)),)
+              if task is TaskType.I2V else ()),
+            Node("denoise", Denoise(), reads={**params, "conditioning": Embeddings,
+                                              **({"image_latents": Tensors} if task is TaskType.I2V else {})},
                  writes={"denoised": Latents, "audio_denoised": Latents}, params_schema=DenoiseParams,
                  uses=("transformer",)),
             Node("video_decode", VideoDecode(), reads={**params, "conditioning": Embeddings, "denoised": Latents},
@@ -105,7 +108,7 @@ class LTX2Family(DiffusersFamily):
             from omniloop.runtime import structure_params
 
             params = structure_params(DenoiseParams, request.node_params["denoise"], "node_params.denoise")
-        got = resolve(model, request, params)
+        got = resolve(model, request, params, decode_image=decode_image)
         return got, list(got.warnings)
 
 

@@ -30,10 +30,12 @@ from attrs import define, field
 
 from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
-from omniloop.request import OmniRequest, TaskType, TextPart
-from omniloop_kit.resolve import check_task, image_size, require_prompt
+from omniloop.request import ImagePart, OmniRequest, TaskType, TextPart
+from omniloop_kit.resolve import check_task, conditioning_image, image_size, require_prompt
 
-TASKS = frozenset({TaskType.T2V})
+TASKS = frozenset({TaskType.T2V, TaskType.I2V})
+#: the image part roles an i2v request conditions on (the first frame)
+IMAGE_ROLES = ("image", "first_frame")
 DEFAULTS: dict[str, Any] = {
     "steps": 30, "height": 512, "width": 768, "frames": 121, "fps": 24.0, "guidance_scale": 3.0,
     "stg": 1.0, "modality": 3.0, "rescale": 0.7, "stg_blocks": [28],
@@ -63,6 +65,9 @@ class DenoiseParams:
     modality: float | None = field(default=None, metadata={"ge": 0.0, "le": 100.0, "check": _finite})
     rescale: float | None = field(default=None, metadata={"ge": 0.0, "le": 1.0, "check": _finite})
     stg_blocks: list[int] | None = None
+    #: i2v: the H.264 CRF the conditioning image is re-compressed at before the VAE encodes it (as
+    #: the model was trained; None: diffusers' default for the text encoder, 33 for Gemma 3; 0: none)
+    image_crf: int | None = field(default=None, metadata={"ge": 0, "le": 51})
 
 
 @define(frozen=True)
@@ -93,6 +98,9 @@ class LTX2Resolved:
     max_sequence_length: int
     use_cross_timestep: bool
     warnings: tuple[str, ...] = ()
+    #: i2v: the first frame (uint8 ``[H, W, 3]``; None when not decoded: a check without compute)
+    image: Any = field(default=None, eq=False, repr=False)
+    image_crf: int = 0
 
     @property
     def cfg(self) -> bool:
@@ -128,12 +136,15 @@ class LTX2Resolved:
 def ltx2_config(components: dict[str, Any]) -> dict[str, Any]:
     """The model facts requests are resolved against, from the loaded components (diffusers'
     ``LTX2Pipeline.__init__`` reads the same attributes)."""
+    from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
+
     vae, audio, tf = components["vae"], components["audio_vae"], components["transformer"]
     rate, hop = float(audio.config.sample_rate), float(audio.config.mel_hop_length)
     return {"spatial_ratio": int(vae.spatial_compression_ratio), "temporal_ratio": int(vae.temporal_compression_ratio),
             "audio_latents_per_second": rate / hop / float(audio.temporal_compression_ratio),
             "layers": int(tf.config.num_layers), "perturbed_attn": bool(tf.config.perturbed_attn),
-            "sample_rate": int(components["vocoder"].config.output_sampling_rate)}
+            "sample_rate": int(components["vocoder"].config.output_sampling_rate),
+            "image_crf": int(resolve_default_image_crf(components["text_encoder"]))}
 
 
 def _audio_knob(request: OmniRequest, name: str, default: float, video: float) -> float:
@@ -150,16 +161,20 @@ def _audio_knob(request: OmniRequest, name: str, default: float, video: float) -
     return float(value)
 
 
-def resolve(model: LoadedModel, request: OmniRequest, node_params: Any = None) -> LTX2Resolved:
+def resolve(model: LoadedModel, request: OmniRequest, node_params: Any = None, *,
+            decode_image: bool = True) -> LTX2Resolved:
     """Check ``request`` against ``model`` (config only: works on an inspected model too)."""
     cfg = model.config
     d = model.config["defaults"]
     check_task(request.task, TASKS, "the ltx2 family")
     prompt = require_prompt(request)
-    others = [i for i, p in enumerate(request.inputs) if not isinstance(p, TextPart)]
+    i2v = request.task is TaskType.I2V
+    others = [i for i, p in enumerate(request.inputs)
+              if not isinstance(p, TextPart) and not (i2v and isinstance(p, ImagePart) and p.role in IMAGE_ROLES)]
     if others:
-        raise RequestError(f"inputs[{others[0]}]", "an ltx2 t2v request is conditioned on text only (image "
-                                                   "conditioning, i2v, is not offered)")
+        raise RequestError(f"inputs[{others[0]}]", f"an ltx2 {request.task.value} request is conditioned on text"
+                           + (" and one first-frame image (role 'image' or 'first_frame')" if i2v else
+                              " only (image conditioning is task i2v)"))
     r = request.diffusion
     if r.shift is not None:
         raise RequestError("diffusion.shift", "the ltx2 schedule's shift is the checkpoint's (dynamic, from the "
@@ -196,6 +211,13 @@ def resolve(model: LoadedModel, request: OmniRequest, node_params: Any = None) -
     elif (stg > 0 or a_stg > 0) and not blocks:
         raise RequestError("node_params.denoise.stg_blocks", "spatio-temporal guidance is on but names no block")
     negative = request.negative_prompt if request.negative_prompt is not None else d["negative_prompt"]
+    image = None
+    if i2v:
+        if sum(isinstance(p, ImagePart) for p in request.inputs) > 1:
+            raise RequestError("inputs", "an ltx2 i2v request conditions on one image (the first frame), got more")
+        image = conditioning_image(request, True, IMAGE_ROLES, warnings, decode=decode_image,
+                                   missing="an i2v request needs an image part (role 'image' or 'first_frame')",
+                                   extra="")
     seconds = frames / fps
     return LTX2Resolved(
         task=request.task, prompt=prompt, negative_prompt=negative or "", steps=int(r.steps or d["steps"]),
@@ -207,7 +229,8 @@ def resolve(model: LoadedModel, request: OmniRequest, node_params: Any = None) -
         audio_modality=_audio_knob(request, "modality", d["audio_modality"], modality),
         audio_rescale=_audio_knob(request, "rescale", d["audio_rescale"], rescale), stg_blocks=blocks,
         max_sequence_length=int(d["max_sequence_length"]), use_cross_timestep=bool(d["use_cross_timestep"]),
-        warnings=tuple(warnings))
+        warnings=tuple(warnings), image=image,
+        image_crf=int(dp.image_crf if dp.image_crf is not None else cfg["image_crf"]) if i2v else 0)
 
 
 __all__ = ["AUDIO_KNOBS", "DEFAULTS", "TASKS", "DenoiseParams", "LTX2Resolved", "ltx2_config", "resolve"]

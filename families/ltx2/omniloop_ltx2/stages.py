@@ -74,6 +74,37 @@ class TextEncode:
                     ctx.node.name)
 
 
+class ImageEncode:
+    """i2v: the first frame → its normalised VAE latents ``[1, C, 1, h, w]`` (``image_latents``), as
+    diffusers' ``LTX2ImageToVideoPipeline`` does: re-compressed as H.264 at the request's CRF (as the
+    model was trained; 0: not), ``VideoProcessor(resample="bilinear").preprocess`` at the request's size, the VAE's mode
+    (``argmax``: nothing drawn), normalised with ``latents_mean`` / ``latents_std``."""
+
+    def forward(self, ctx: StageContext, state: RequestState) -> None:
+        import numpy as np
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
+        from diffusers.video_processor import VideoProcessor
+        from PIL import Image as PILImage
+
+        from omniloop.media import to_pil
+
+        p: LTX2Resolved = params_of(state)
+        if p.image is None:
+            raise RuntimeError("image_encode: the request's image was not decoded")
+        vae = ctx.components["vae"]
+        emb_dtype = ctx.components["text_encoder"].dtype
+        image = to_pil(p.image)
+        if p.image_crf != 0:
+            image = PILImage.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), p.image_crf))
+        with torch.no_grad():
+            pixels = VideoProcessor(vae_scale_factor=vae.spatial_compression_ratio, resample="bilinear").preprocess(
+                image, height=p.height, width=p.width).to(device=module_device(vae), dtype=emb_dtype)
+            dist = vae.encode(pixels[0].unsqueeze(0).unsqueeze(2)).latent_dist
+            lat = dist.mode().to(torch.float32)
+            lat = pipeline_class()._normalize_latents(lat, vae.latents_mean, vae.latents_std)
+        state.write("image_latents", Tensors(values={"latents": lat.to(ctx.device)}), ctx.node.name)
+
+
 def video_latents(ctx: StageContext, p: LTX2Resolved, packed: torch.Tensor) -> torch.Tensor:
     """The packed video stream ``[1, S, C]`` → ``[1, C, F, H, W]`` (still normalised)."""
     tf = ctx.components["transformer"]
@@ -156,5 +187,5 @@ class Output:
             state.write("audio_latents", Latents(tensor=alat.detach().cpu(), modality="audio"), ctx.node.name)
 
 
-__all__ = ["AudioDecode", "Output", "TextEncode", "Validate", "VideoDecode", "audio_latents", "gemma_states",
+__all__ = ["AudioDecode", "ImageEncode", "Output", "TextEncode", "Validate", "VideoDecode", "audio_latents", "gemma_states",
            "video_latents"]
