@@ -84,3 +84,19 @@ def test_v1_videos_serves_the_mp4_with_its_audio_track(tiny_ckpt: Any, make_runt
     v_s, a_s, (codec, rate, channels), n = durations(io.BytesIO(data))
     assert (codec, rate, channels, n) == ("aac", 8000, 2, FRAMES)
     assert abs(a_s - v_s) <= 1 / FPS, (v_s, a_s)
+
+
+def test_generate_i2v_mp4_with_sound(tiny_ckpt: Any, manager: Any, tmp_path: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from omniloop_cli import cli
+
+    Image.fromarray(np.full((32, 32, 3), 120, dtype=np.uint8)).save(tmp_path / "first.png")
+    out = tmp_path / "i2v.mp4"
+    res = CliRunner().invoke(cli, ["generate", "a robot dancing", "--model", str(tiny_ckpt("a")), "--task", "i2v",
+                                   "--image", str(tmp_path / "first.png"), "--frames", "9", "--fps", str(FPS),
+                                   "--steps", "2", "--out", str(out)], obj=manager())
+    assert res.exit_code == 0, res.output
+    v_s, a_s, (codec, _, _), n = durations(str(out))
+    assert codec == "aac" and n == 9 and abs(a_s - v_s) <= 1 / FPS

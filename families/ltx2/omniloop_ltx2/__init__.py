@@ -1,4 +1,4 @@
-"""omniloop-ltx2: the LTX-2 family for omniloop (text-to-video with a sound track, ``t2v``).
+"""omniloop-ltx2: the LTX-2 family for omniloop (text- and image-to-video with a sound track, ``t2v`` / ``i2v``).
 
 * :class:`omniloop_ltx2.family.LTX2Family` — registered as family ``ltx2``
 * :class:`omniloop_ltx2.denoise.Denoise` — one step of both latent streams per guidance pass call

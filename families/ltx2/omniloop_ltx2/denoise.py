@@ -5,7 +5,10 @@ body (the kit's :class:`~omniloop_kit.denoise.DenoiseLoop` guides one stream; LT
 from the request's generator (diffusers' order, ``float32``), packs both into token sequences, and
 gives the request two schedulers of its own (copies of the checkpoint's ``FlowMatchEuler``
 template, one per stream, diffusers' ``sigmas = linspace(1, 1/steps, steps)`` shifted by ``mu``
-from the video's token count) and the rope coordinates of both streams.
+from the video's token count) and the rope coordinates of both streams. i2v (diffusers'
+``LTX2ImageToVideoPipeline``): the first latent frame is the image's (``image_latents``), the rest
+noise; its tokens get video timestep 0 (``t * (1 - mask)``, the audio keeps ``t``) and the video's
+Euler step moves only the other frames.
 
 A step is diffusers' loop body. Each guidance pass is ONE transformer call that returns both
 streams' predictions:

@@ -1,4 +1,5 @@
-"""An LTX-2 request checked and resolved once (``LTX2Family.resolve``), before any compute.
+"""An LTX-2 request (``t2v``, or ``i2v`` with its first frame as an image part) checked and resolved
+once (``LTX2Family.resolve``), before any compute.
 
 Defaults are diffusers' ``LTX2Pipeline.__call__`` defaults: 30 steps, 512x768, 121 frames at
 24 fps, guidance 3.0, ``stg`` 1.0 on block 28, ``modality`` 3.0, ``rescale`` 0.7; audio guidance
@@ -17,8 +18,8 @@ latents as diffusers does), so ``audio.seconds`` / ``audio.start`` are refused.
 
 Refused, each one :class:`~omniloop.errors.RequestError` naming the field: frames that do not fit
 the video VAE's temporal factor (``frames = k * factor + 1``), height / width not multiples of 32
-(diffusers' check; the VAE's spatial factor divides it), a blank prompt, image or audio inputs
-(t2v reads text only), ``diffusion.shift`` (the schedule's shift is the checkpoint's dynamic one),
+(diffusers' check; the VAE's spatial factor divides it), a blank prompt, image inputs on t2v,
+an i2v request without its first-frame image or with more than one, audio inputs, ``diffusion.shift`` (the schedule's shift is the checkpoint's dynamic one),
 ``stg_blocks`` naming a block the transformer does not have.
 """
 

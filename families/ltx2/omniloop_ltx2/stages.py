@@ -1,5 +1,5 @@
-"""The nodes of the ``t2v`` pipeline around the denoise loop: ``validate`` → ``text_encode`` →
-``denoise`` → ``video_decode`` and ``audio_decode`` (fan-out: both read the denoise node's two
+"""The nodes of the ``t2v`` / ``i2v`` pipelines around the denoise loop: ``validate`` →
+``text_encode`` (→ ``image_encode``: i2v's first frame) → ``denoise`` → ``video_decode`` and ``audio_decode`` (fan-out: both read the denoise node's two
 latent streams) → ``output`` (the muxable pair: ``video`` and ``audio``).
 
 Each stage does what diffusers' ``LTX2Pipeline`` does at that point with the same tensor
