@@ -75,3 +75,27 @@ def test_compiled_blocks_match_eager(tiny_ckpt: Any, make_runtime: Any, runtime:
     assert out.metrics["denoise"]["compiled_blocks"] is True
     for key in ("latents", "audio_latents"):
         assert torch.equal(out.artifacts[key].tensor, ref.artifacts[key].tensor)
+
+
+def test_batched_i2v_steps_equal_each_request_alone(runtime: Any, t2v: Any, tmp_path: Any) -> None:
+    """i2v requests (the first frame kept at timestep 0) batch with each other, not with t2v ones."""
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(tmp_path / "f.png")
+    image = [{"type": "image", "path": str(tmp_path / "f.png")}]
+    reqs = [{**t2v(seed=21, audio={"guidance": 3.0}), "task": "i2v", "inputs": image, "request_id": "i1"},
+            {**t2v(seed=22, prompt="a city"), "task": "i2v", "inputs": image, "request_id": "i2"},
+            {**t2v(seed=23), "request_id": "t"}]
+    for r in reqs:
+        r["diffusion"]["steps"] = 2
+    alone = [runtime("a").generate(r) for r in reqs]
+    rt = runtime("a", step=True)
+    finals = _drive(rt, reqs)
+    pairs = [set(d.request_ids) for d in rt.scheduler.trace if d.action == "batched_step"]
+    assert {"i1", "i2"} in pairs and not any("t" in p and len(p) > 1 for p in pairs), pairs
+    for a, req in zip(alone, reqs, strict=True):
+        out = finals[req["request_id"]]
+        assert out.status is Status.COMPLETED, out.error
+        for key in ("latents", "audio_latents"):
+            torch.testing.assert_close(out.artifacts[key].tensor, a.artifacts[key].tensor, atol=BATCHED_ATOL, rtol=0)
