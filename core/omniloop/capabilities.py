@@ -63,6 +63,10 @@ the field. Fields, each defaulting to "not supported":
 ``options``
     the keys of the deploy's ``options`` the family reads (None: not declared, nothing checked);
     any other key is refused when the deployment is resolved, naming it and the family.
+``audio_guidance``
+    with ``audio``: the family reads the audio branch's guidance knobs of the request's ``audio``
+    (``guidance``, ``stg``, ``modality``, ``rescale``: a joint audio-video model such as LTX-2);
+    a request setting one for any other family is refused (``audio.<knob>``).
 ``audio_tasks``
     with ``audio``: the tasks besides ``t2a`` whose output also holds the ``audio`` artifact (a
     video with a sound track: a joint audio-video family lists ``t2v``). Front ends read
@@ -209,6 +213,7 @@ class FamilyCapabilities:
     rollout_support: Any = None  # omniloop.rl.RolloutSupport | None (typed loosely: no import cycle)
     step_batch_retry_alone: frozenset[str] = field(default=frozenset(), converter=_name_set)
     audio_tasks: frozenset[str] = field(default=frozenset(), converter=_task_names)
+    audio_guidance: bool = False
     checkpoint_limits: Callable[[Path], Any] | None = None  # -> omniloop.limits.ModelLimits | None
     inspect: bool = False
     resolve: bool = False

@@ -173,6 +173,21 @@ class AudioParams:
     seconds: float | None = field(default=None, metadata=_c(gt=0.0, le=3600.0))
     #: where the window starts, in seconds (Stable Audio's start-second conditioning)
     start: float = field(default=0.0, metadata=_c(ge=0.0, le=3600.0))
+    #: a joint audio-video family's audio-branch guidance (LTX-2; None: the family's default),
+    #: read only by a family declaring ``audio_guidance`` (others refuse them): the audio CFG
+    #: scale, its spatio-temporal guidance scale, its modality-isolation scale, its rescale
+    guidance: float | None = field(default=None, metadata=_c(ge=0.0, le=100.0))
+    stg: float | None = field(default=None, metadata=_c(ge=0.0, le=100.0))
+    modality: float | None = field(default=None, metadata=_c(ge=0.0, le=100.0))
+    rescale: float | None = field(default=None, metadata=_c(ge=0.0, le=1.0))
+
+    def guidance_knobs(self) -> list[str]:
+        """The audio guidance knobs this window sets (``audio.<name>``)."""
+        return [n for n in AUDIO_GUIDANCE_KNOBS if getattr(self, n) is not None]
+
+
+#: the audio-branch guidance knobs of :class:`AudioParams`
+AUDIO_GUIDANCE_KNOBS = ("guidance", "stg", "modality", "rescale")
 
 
 @define(frozen=True)

@@ -315,6 +315,10 @@ class Deployment:
         if req.audio is not None and not self.capabilities.makes_audio(req.task):  # nothing silently ignored
             raise RequestError("audio", f"family {self.family.name!r} does not make audio for a {req.task.value} "
                                "request (its capabilities declare none for it); remove audio")
+        knobs = req.audio.guidance_knobs() if req.audio is not None else []
+        if knobs and not self.capabilities.audio_guidance:
+            raise RequestError(f"audio.{knobs[0]}", f"family {self.family.name!r} has no separate audio guidance "
+                               "(only a joint audio-video model such as ltx2 reads it); remove it")
         self._check_group_and_rollout(req)
 
     def _check_group_and_rollout(self, req: OmniRequest) -> None:
