@@ -1,0 +1,175 @@
+"""The ``denoise`` node: one UniPC step per ``step()`` over a packed text + vision sequence.
+
+A documented custom step body (not ``omniloop_kit.denoise.DenoiseLoop`` with the policies
+plugin's samplers): Cosmos 3 steps each modality's latents with its own UniPC instance and reads
+two differently long packed sequences per step (the CFG branches' prompts differ in length), which
+the policies' one-latent sampler and stacked-branch CFG do not express. The math is diffusers'
+``Cosmos3OmniPipeline`` loop, op for op:
+
+``init`` (once per request)
+    the request's UniPC instance (the pipeline's shifted flow schedule, or its native one); the
+    initial noise drawn with diffusers' ``randn_tensor`` from the request's generator at the
+    latent shape *computed* from the VAE's factors (diffusers runs its encoder over an all-zero
+    clip to learn it: the same shape, and for t2v the noise unchanged by the zero mask); for each
+    CFG branch its packed layout (:mod:`omniloop_kit.packed`: text on the und pathway, vision on
+    the gen pathway), the rotary tables of the whole sequence, and the **text segment's K/V**: the
+    und pathway run once (:func:`omniloop_cosmos3.transformer.understand`) and stored in the
+    model's text-KV pool (``omniloop_kvcache.CacheManager``, the family's KV class
+    ``cosmos3-text``), the request holding one handle per branch.
+``step``
+    the vision latents embedded once (both branches' gen tokens have the same inputs), then per
+    branch the gen pathway with that branch's K/V gathered from the pool, the prediction masked
+    on clean frames, ``uncond + g * (cond - uncond)`` in float32 whenever ``g != 1`` (diffusers'
+    test, so ``g < 1`` runs CFG too), and the UniPC step on ``latents[None]``.
+``finalize`` / ``release``
+    the handles freed (``release`` also on cancel or failure).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from omniloop.artifacts import Latents
+from omniloop.context import StageContext
+from omniloop.interceptors import call_model
+from omniloop.loop import LoopState, RequestState, StepContext, StepResult
+from omniloop_kit.denoise import randn, request_generator, step_time_metrics
+from omniloop_kit.packed import GEN, UND, PackedLayout, pack
+from omniloop_kit.stages import params_of
+
+from . import transformer as T
+from .resolve import Cosmos3Resolved
+
+BRANCHES = ("cond", "uncond")
+
+
+def latent_shape(model_config: dict[str, Any], p: Cosmos3Resolved) -> tuple[int, int, int, int, int]:
+    """``[1, z, T, H, W]``: what the VAE encoder would return for a ``num_frames x height x width`` clip."""
+    c = model_config
+    return (1, c["latent_channels"], (p.num_frames - 1) // c["vae_scale_temporal"] + 1,
+            p.height // c["vae_scale_spatial"], p.width // c["vae_scale_spatial"])
+
+
+def packed_layout(tf: Any, n_text: int, grid: tuple[int, int, int], noisy: list[int], fps: float,
+                  temporal: int) -> PackedLayout:
+    """The packed sequence of one branch: ``n_text`` text tokens (und), then the vision grid (gen)."""
+    cfg = tf.config
+    text_pos, nxt = T.text_positions(n_text, 0, cfg.enable_fps_modulation)
+    offset = nxt + cfg.unified_3d_mrope_temporal_modality_margin
+    vision_pos = T.grid_positions(*grid, offset, reset_spatial=cfg.unified_3d_mrope_reset_spatial_ids,
+                                  fps=fps if cfg.enable_fps_modulation else None, base_fps=float(cfg.base_fps),
+                                  compression=temporal)
+    return pack([("text", UND, (n_text, 1, 1), (), None), ("vision", GEN, grid, noisy, None)], [text_pos, vision_pos])
+
+
+class Denoise:
+    """The denoise loop node (see the module docstring)."""
+
+    def __init__(self, model_config: dict[str, Any], pool: Any) -> None:
+        self.config = model_config
+        #: the model's text-KV pool (``omniloop_kvcache.CacheManager``)
+        self.pool = pool
+
+    # -- init ---------------------------------------------------------------------------------
+    def init(self, ctx: StageContext, state: RequestState) -> LoopState:
+        p: Cosmos3Resolved = params_of(state)
+        tf, dev = ctx.components["transformer"], ctx.device
+        template = ctx.components["scheduler"]
+        sched = type(template).from_config(template.config)
+        if self.config["native_flow_schedule"]:
+            n = sched.config.num_train_timesteps
+            sched.set_timesteps(p.steps, device=dev, sigmas=np.linspace(1.0 - 1.0 / n, 0.0, p.steps + 1)[:-1])
+        else:
+            sched.set_timesteps(p.steps, device=dev)
+        shape = latent_shape(self.config, p)
+        latents = randn(shape, request_generator(state), dev, torch.float32)
+        grid = T.patch_grid(tf, shape)
+        noisy = list(range(shape[2]))
+        mask = torch.zeros((shape[2], 1, 1), device=dev, dtype=torch.float32)
+        loop = LoopState(total=p.steps, branches=BRANCHES if p.cfg else ("cond",))
+        loop.tensors["latents"] = latents
+        loop.extra.update(scheduler=sched, timesteps=sched.timesteps, grid=grid, mask=mask, shape=shape,
+                          noisy=torch.tensor(noisy, dtype=torch.long, device=dev), handles={})
+        pool = self.pool
+        branches: dict[str, Any] = {}
+        with torch.no_grad():
+            for name in loop.branches:
+                ids = p.cond_ids if name == "cond" else p.uncond_ids
+                layout = packed_layout(tf, len(ids), grid, noisy, p.fps, self.config["vae_scale_temporal"])
+                cos, sin = T.rotary(tf, layout.position_ids, dev, tf.dtype)
+                u = layout.und_len
+                kv = T.understand(tf, torch.tensor(ids, dtype=torch.long, device=dev), (cos[:u], sin[:u]))
+                handle = pool.allocate(u, tag=(state.request.request_id, name))
+                loop.extra["handles"][name] = handle
+                slots = pool.append(handle, u)
+                for layer, (k, v) in enumerate(kv):
+                    pool.write(layer, slots.to(pool.k[layer].device), k, v)
+                branches[name] = {"layout": layout, "rot": (cos[u:], sin[u:]), "slots": pool.slots(handle),
+                                  "vision": layout.gen_indexes("vision", device=dev),
+                                  "noisy": layout.gen_indexes("vision", noisy=True, device=dev)}
+        loop.extra["branches"] = branches
+        state.metrics["text_kv"] = {"branches": len(branches), "tokens": {n: b["layout"].und_len
+                                                                          for n, b in branches.items()}}
+        return loop
+
+    # -- one step -----------------------------------------------------------------------------
+    def predict(self, ctx: StageContext, loop: LoopState, name: str, tokens: torch.Tensor) -> torch.Tensor:
+        """One branch's masked velocity ``[1, C, T, H, W]`` from this step's embedded vision tokens."""
+        tf, pool = ctx.components["transformer"], self.pool
+        b, x = loop.extra["branches"][name], loop.extra
+        gen = tokens.new_zeros((b["layout"].gen_len, tokens.shape[-1]))
+        gen[b["vision"]] = tokens
+        out = T.generate(tf, gen, b["rot"], lambda i: pool.gather(i, b["slots"]))
+        pred = T.read_vision(tf, out, b["noisy"], x["grid"], x["noisy"], x["shape"])
+        keep = (1.0 - x["mask"]).to(dtype=pred.dtype, device=pred.device)
+        return pred * keep if keep.sum() > 0 else torch.zeros_like(pred)
+
+    def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
+        p: Cosmos3Resolved = params_of(state)
+        tf, x = ctx.components["transformer"], loop.extra
+        t = x["timesteps"][loop.step]
+        sc = StepContext(request_id=state.request.request_id, node=ctx.node.name, step_index=loop.step,
+                         num_steps=loop.total, timestep=float(t), branch=loop.branches[0])
+        lat = loop.tensors["latents"]
+        with torch.no_grad():
+            tokens = T.embed_vision(tf, lat.to(tf.dtype), x["grid"], x["noisy"], t.item())
+            preds = {}
+            for name in loop.branches:
+                bsc = sc.with_branch(name)
+                preds[name] = call_model(ctx.step_interceptors, bsc, loop, {"tokens": tokens},
+                                         lambda n=name: self.predict(ctx, loop, n, tokens)).float()
+            v = preds["cond"]
+            if p.cfg:
+                v = preds["uncond"] + p.guidance_scale * (preds["cond"] - preds["uncond"])
+            loop.tensors["latents"] = x["scheduler"].step(v.unsqueeze(0), t, lat.unsqueeze(0),
+                                                          return_dict=False)[0].squeeze(0)
+        if ctx.taps_enabled:
+            ctx.tap("latents", loop.tensors["latents"], sc)
+        return StepResult(done=loop.step + 1 >= loop.total)
+
+    # -- end ------------------------------------------------------------------------------------
+    def release(self, state: RequestState, node: str) -> None:
+        """Free the request's text-KV handles (idempotent; finalize, cancel, failure)."""
+        loop = state.loops.get(node)
+        if loop is not None:
+            self._free(loop)
+
+    def _free(self, loop: LoopState) -> None:
+        for h in loop.extra.pop("handles", {}).values():
+            if self.pool.is_live(h):
+                self.pool.free(h)
+
+    def finalize(self, ctx: StageContext, state: RequestState, loop: LoopState) -> None:
+        metrics = step_time_metrics(ctx, state)
+        if metrics is not None:
+            state.metrics["denoise"] = metrics
+        state.write("denoised", Latents(tensor=loop.tensors["latents"], modality="video"), ctx.node.name)
+        self._free(loop)
+        loop.extra.pop("scheduler", None)
+        loop.extra.pop("branches", None)
+
+
+__all__ = ["BRANCHES", "Denoise", "latent_shape", "packed_layout"]

@@ -1,0 +1,117 @@
+"""The Cosmos 3 omni family: detect, load, build the ``t2v`` pipeline, resolve requests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omniloop.artifacts import Conditioning, Latents, Tensors, VideoFrames
+from omniloop.capabilities import FamilyCapabilities
+from omniloop.errors import DeployError
+from omniloop.family import LoadedModel
+from omniloop.graph import Node, PipelineSpec
+from omniloop.request import OmniRequest, TaskType
+from omniloop_kit.family import DiffusersFamily, load_checkpoint
+from omniloop_kit.resolve import check_task
+
+from . import checkpoint as ck
+from .denoise import Denoise
+from .resolve import DEFAULTS, TASKS, Cosmos3Resolved, resolve
+from .stages import Output, VaeDecode, Validate
+
+#: deploy options read: the text-KV pool's size in tokens (both CFG branches of every running request)
+OPTIONS = frozenset({"text_kv_tokens"})
+DEFAULT_TEXT_KV_TOKENS = 8192
+#: the pipeline's own settings (``model_index.json``) the family reads
+PIPELINE_FLAGS = ("use_native_flow_schedule", "default_use_system_prompt", "enable_safety_checker")
+
+
+class Cosmos3Family(DiffusersFamily):
+    """Cosmos 3 omni (mixture-of-transformers over packed text + vision sequences)."""
+
+    name = "cosmos3"
+    tasks = TASKS
+    layout = ck.LAYOUT
+    #: no block interceptors, offload, adapters or rollouts (yet): the pathways run their own layer loop
+    capabilities = FamilyCapabilities(returns_latents=True, resolve=True, task_defaults=True, options=OPTIONS)
+
+    def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
+        """Check every file first (one ``CheckpointError`` naming it), then load each component by
+        the class ``model_index.json`` names (local files only; never the safety checker)."""
+        _kv_tokens(options)
+        got = load_checkpoint(path, ck.check_checkpoint, ck.load_component, device=device, dtype=dtype)
+        flags = {k: got.index[k] for k in PIPELINE_FLAGS if k in got.index}
+        model = self.from_components(got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype,
+                                     path=got.root, weight_version=got.weight_version, options=options,
+                                     pipeline=flags)
+        model.config["variant"] = got.extra.get("variant", "cosmos3")
+        return model
+
+    def model_config(self, components: dict[str, Any], defaults: dict[str, Any] | None, options: dict[str, Any],
+                     **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        tf, vae = components["transformer"].config, components["vae"].config
+        flags = dict(extra.get("pipeline") or {})
+        if flags.get("default_use_system_prompt", True) is not True:
+            raise DeployError("model_index.json: default_use_system_prompt false is not supported by this family")
+        unknown = sorted(set(defaults or {}) - set(DEFAULTS) - {"num_frames"})
+        if unknown:
+            raise DeployError(f"omniloop.json: defaults.{unknown[0]} is not a cosmos3 default (it takes: "
+                              f"{', '.join(DEFAULTS)})")
+        return {
+            "variant": "in-memory", "tasks": TASKS, "defaults": {**DEFAULTS, **(defaults or {})},
+            "latent_channels": int(tf.latent_channel), "vae_scale_spatial": int(vae.scale_factor_spatial),
+            "vae_scale_temporal": int(vae.scale_factor_temporal),
+            "native_flow_schedule": bool(flags.get("use_native_flow_schedule", False)),
+            "sound": components.get("sound_tokenizer") is not None and bool(tf.sound_gen),
+            "safety_checker": False,
+        }, {}
+
+    def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
+        """The text-KV pool (``omniloop_kvcache.CacheManager``, KV class ``cosmos3-text``): every
+        layer's und K/V of the running requests' prompts, ``text_kv_tokens`` tokens in all."""
+        from omniloop_kvcache import CacheManager, KVLayout
+
+        tf = model.components["transformer"]
+        c = tf.config
+        layout = KVLayout(layers=int(c.num_hidden_layers), kv_heads=int(c.num_key_value_heads),
+                          head_dim=int(c.head_dim), dtype=tf.dtype, device=next(tf.parameters()).device)
+        block = 16
+        tokens = _kv_tokens(options)
+        model.components["text_kv"] = CacheManager(layout, block_size=block, num_blocks=-(-tokens // block),
+                                                   name="cosmos3-text")
+        model.config["text_kv"] = {"tokens": tokens, "block_size": block, "bytes_per_token": layout.bytes_per_token}
+
+    def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
+        """validate → denoise → vae_decode → output."""
+        check_task(task, TASKS, "the cosmos3 family")
+        denoise = Denoise(model.config, model.components["text_kv"])
+        return PipelineSpec(family=self.name, task=task, outputs={"video": "video", "latents": "latents"}, nodes=(
+            Node("validate", Validate(model), writes={"params": Conditioning}),
+            Node("denoise", denoise, reads={"params": Conditioning}, writes={"denoised": Latents},
+                 uses=("transformer", "text_kv")),
+            Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
+            Node("output", Output(), reads={"params": Conditioning, "decoded": Tensors, "denoised": Latents},
+                 writes={"video": VideoFrames, "latents": Latents}),
+        ))
+
+    def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
+        d = model.config["defaults"]
+        return {"steps": d["steps"], "guidance_scale": d["guidance_scale"], "frames": d["num_frames"],
+                "height": d["height"], "width": d["width"], "fps": d["fps"]}
+
+    def resolve_request(self, model: LoadedModel, request: OmniRequest, limits: Any, **kw: Any
+                        ) -> tuple[Cosmos3Resolved, list[str]]:
+        p = resolve(model, request)
+        return p, list(p.warnings)
+
+
+def _kv_tokens(options: dict[str, Any]) -> int:
+    v = options.get("text_kv_tokens", DEFAULT_TEXT_KV_TOKENS)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 16:
+        raise DeployError(f"options.text_kv_tokens: a whole number of tokens >= 16, got {v!r}")
+    return v
+
+
+__all__ = ["OPTIONS", "Cosmos3Family"]

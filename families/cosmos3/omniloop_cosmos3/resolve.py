@@ -1,0 +1,118 @@
+"""A Cosmos 3 request resolved once, before any compute: defaults, sizes, the prompt templates and
+the token ids of both CFG branches.
+
+The prompt text is what ``Cosmos3OmniPipeline.tokenize_prompt`` makes of a request: the duration
+and resolution sentences appended to the prompt (their negations to the negative prompt, ``""``
+when none is given), the mode's system prompt, the checkpoint's chat template with a generation
+prompt, then ``eos`` and ``<|vision_start|>`` appended. Both branches are tokenized here, once;
+the denoise node computes each branch's text (understanding) segment once from these ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attrs import define
+
+from omniloop.errors import RequestError
+from omniloop.family import LoadedModel
+from omniloop.request import OmniRequest, TaskType
+from omniloop.resolved import Workload, bounds
+from omniloop_kit.resolve import check_task, require_prompt
+
+#: diffusers' defaults (``Cosmos3OmniPipeline.__call__``): 35 steps, guidance 6, 189 frames of 720x1280 at 24 fps
+DEFAULTS: dict[str, Any] = {"steps": 35, "guidance_scale": 6.0, "num_frames": 189, "height": 720, "width": 1280,
+                            "fps": 24.0}
+TASKS = frozenset({TaskType.T2V})
+
+SYSTEM_IMAGE = "You are a helpful assistant who will generate images from a give prompt."
+SYSTEM_VIDEO = "You are a helpful assistant who will generate videos from a give prompt."
+DURATION = "The video is {duration:.1f} seconds long and is of {fps:.0f} FPS."
+NOT_DURATION = "The video is not {duration:.1f} seconds long and is not of {fps:.0f} FPS."
+RESOLUTION = {True: "This image is of {height}x{width} resolution.", False: "This video is of {height}x{width} resolution."}
+NOT_RESOLUTION = {True: "This image is not of {height}x{width} resolution.",
+                  False: "This video is not of {height}x{width} resolution."}
+
+
+@define(frozen=True)
+class Cosmos3Resolved:
+    """A Cosmos 3 request resolved (the family's ``omniloop.resolved.Resolved``)."""
+
+    task: TaskType
+    prompt: str
+    negative_prompt: str
+    steps: int
+    guidance_scale: float
+    num_frames: int
+    height: int
+    width: int
+    fps: float
+    #: token ids of the cond and uncond branches (templates, chat template, eos, vision start)
+    cond_ids: tuple[int, ...]
+    uncond_ids: tuple[int, ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def cfg(self) -> bool:
+        """diffusers runs the uncond branch whenever ``guidance_scale != 1.0`` (below 1 too)."""
+        return self.guidance_scale != 1.0
+
+    def workload(self) -> Workload:
+        return Workload(steps=self.steps, branches=2 if self.cfg else 1, frames=self.num_frames, height=self.height,
+                        width=self.width, bounded=bounds(steps=self.steps, frames=self.num_frames, height=self.height,
+                                                         width=self.width))
+
+
+def _append(base: str, addition: str) -> str:
+    base = base.rstrip(".")
+    return f"{base}. {addition}" if base else addition
+
+
+def prompt_text(text: str, *, negative: bool, num_frames: int, height: int, width: int, fps: float) -> str:
+    """The prompt with its metadata sentences (their negations for the negative prompt)."""
+    image = num_frames == 1
+    if not image:
+        text = _append(text, (NOT_DURATION if negative else DURATION).format(duration=num_frames / fps, fps=fps))
+    return _append(text, (NOT_RESOLUTION if negative else RESOLUTION)[image].format(height=height, width=width))
+
+
+def token_ids(tokenizer: Any, text: str, *, image: bool, system: bool = True) -> tuple[int, ...]:
+    """The chat-templated ids of ``text`` plus ``eos`` and ``<|vision_start|>``."""
+    turns = ([{"role": "system", "content": SYSTEM_IMAGE if image else SYSTEM_VIDEO}] if system else [])
+    turns.append({"role": "user", "content": text})
+    enc = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True, add_vision_id=False,
+                                        return_dict=True)
+    return (*enc.input_ids, tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|vision_start|>"))
+
+
+def _value(got: Any, default: Any) -> Any:
+    return default if got is None else got
+
+
+def resolve(model: LoadedModel, request: OmniRequest) -> Cosmos3Resolved:
+    """Defaults applied, sizes checked, both branches tokenized; ``RequestError`` naming the field."""
+    c = model.config
+    check_task(request.task, c["tasks"], "the cosmos3 family")
+    prompt = require_prompt(request)
+    d, dft = request.diffusion, c["defaults"]
+    frames, height, width = (int(_value(d.frames, dft["num_frames"])), int(_value(d.height, dft["height"])),
+                             int(_value(d.width, dft["width"])))
+    fps = float(_value(d.fps, dft["fps"]))
+    sf = c["vae_scale_spatial"]
+    for name, v in (("height", height), ("width", width)):
+        if v % sf:
+            raise RequestError(f"diffusion.{name}", f"{v} is not a multiple of {sf} (the VAE's spatial factor)")
+    if request.audio is not None:
+        raise RequestError("audio", "sound generation is not available in this family yet")
+    negative = request.negative_prompt or ""
+    tok = model.components["text_tokenizer"]
+    kw = dict(num_frames=frames, height=height, width=width, fps=fps)
+    cond = token_ids(tok, prompt_text(prompt, negative=False, **kw), image=frames == 1)
+    uncond = token_ids(tok, prompt_text(negative, negative=True, **kw), image=frames == 1)
+    return Cosmos3Resolved(task=request.task, prompt=prompt, negative_prompt=negative,
+                           steps=int(_value(d.steps, dft["steps"])),
+                           guidance_scale=float(_value(d.guidance_scale, dft["guidance_scale"])),
+                           num_frames=frames, height=height, width=width, fps=fps, cond_ids=cond, uncond_ids=uncond)
+
+
+__all__ = ["DEFAULTS", "TASKS", "Cosmos3Resolved", "prompt_text", "resolve", "token_ids"]
