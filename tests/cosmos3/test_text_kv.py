@@ -1,0 +1,52 @@
+"""The text (understanding) segment is computed once per request and CFG branch, held in the
+model's text-KV pool (``omniloop_kvcache.CacheManager``, KV class ``cosmos3-text``) and read at
+every step; the pool's blocks are given back when the request ends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import omniloop_cosmos3.transformer as T
+from omniloop.request import Status
+
+
+@pytest.fixture
+def count_und(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = T.understand
+
+    def counted(tf: Any, ids: Any, rot: Any) -> Any:
+        calls.append(int(ids.shape[0]))
+        return real(tf, ids, rot)
+
+    monkeypatch.setattr(T, "understand", counted)
+    return calls
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_text_kv_once_per_request_and_branch(runtime, t2v, count_und, steps):
+    rt = runtime("qwen")
+    out = rt.generate(t2v(seed=1, steps=steps, negative="blurry"))
+    assert out.status is Status.COMPLETED, out.error
+    # two branches (cond, uncond), whatever the number of steps
+    assert len(count_und) == 2
+    kv = out.metrics["text_kv"]
+    assert kv["branches"] == 2 and sorted(count_und) == sorted(kv["tokens"].values())
+
+
+def test_text_kv_one_branch_without_cfg(runtime, t2v, count_und):
+    out = runtime("nemotron").generate(t2v(seed=1, steps=3, guidance_scale=1.0))
+    assert out.status is Status.COMPLETED, out.error
+    assert len(count_und) == 1 and out.metrics["text_kv"]["branches"] == 1
+
+
+def test_text_kv_pool_given_back(runtime, t2v):
+    rt = runtime("qwen")
+    pool = rt.model.components["text_kv"]
+    assert pool.name == "cosmos3-text"
+    before = pool.free_blocks
+    assert rt.generate(t2v(seed=2, steps=2)).status is Status.COMPLETED
+    assert pool.free_blocks == before and pool.sequences == 0
+    pool.check()
