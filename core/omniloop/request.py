@@ -173,6 +173,9 @@ class AudioParams:
     seconds: float | None = field(default=None, metadata=_c(gt=0.0, le=3600.0))
     #: where the window starts, in seconds (Stable Audio's start-second conditioning)
     start: float = field(default=0.0, metadata=_c(ge=0.0, le=3600.0))
+    #: a joint audio-video family whose sound track is optional (Cosmos 3): ``true`` asks for it.
+    #: ``false`` on a request that always makes audio (``t2a``) is refused, not ignored
+    enabled: bool | None = None
 
 
 @define(frozen=True)

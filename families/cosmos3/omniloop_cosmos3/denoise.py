@@ -27,6 +27,7 @@ the policies' one-latent sampler and stacked-branch CFG do not express. The math
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -53,16 +54,30 @@ def latent_shape(model_config: dict[str, Any], p: Cosmos3Resolved) -> tuple[int,
             p.height // c["vae_scale_spatial"], p.width // c["vae_scale_spatial"])
 
 
+def sound_frames(model_config: dict[str, Any], p: Cosmos3Resolved) -> int:
+    """Sound latent frames: the clip's samples (``int(frames / fps * rate)``) in whole decoder hops."""
+    s = model_config["sound"]
+    n = int(p.num_frames / p.fps * s["sampling_rate"])
+    return (n + s["hop"] - 1) // s["hop"]
+
+
 def packed_layout(tf: Any, n_text: int, grid: tuple[int, int, int], noisy: list[int], fps: float,
-                  temporal: int) -> PackedLayout:
-    """The packed sequence of one branch: ``n_text`` text tokens (und), then the vision grid (gen)."""
+                  temporal: int, sound: int = 0) -> PackedLayout:
+    """The packed sequence of one branch: ``n_text`` text tokens (und), then the vision grid and
+    ``sound`` sound frames (gen; vision and sound are temporal siblings: both start at one offset)."""
     cfg = tf.config
     text_pos, nxt = T.text_positions(n_text, 0, cfg.enable_fps_modulation)
     offset = nxt + cfg.unified_3d_mrope_temporal_modality_margin
-    vision_pos = T.grid_positions(*grid, offset, reset_spatial=cfg.unified_3d_mrope_reset_spatial_ids,
-                                  fps=fps if cfg.enable_fps_modulation else None, base_fps=float(cfg.base_fps),
-                                  compression=temporal)
-    return pack([("text", UND, (n_text, 1, 1), (), None), ("vision", GEN, grid, noisy, None)], [text_pos, vision_pos])
+    common = dict(reset_spatial=cfg.unified_3d_mrope_reset_spatial_ids, base_fps=float(cfg.base_fps))
+    vision_pos = T.grid_positions(*grid, offset, fps=fps if cfg.enable_fps_modulation else None,
+                                  compression=temporal, **common)
+    parts = [("text", UND, (n_text, 1, 1), (), None), ("vision", GEN, grid, noisy, None)]
+    positions = [text_pos, vision_pos]
+    if sound:
+        sound_fps = float(cfg.sound_latent_fps) if cfg.enable_fps_modulation else None
+        positions.append(T.grid_positions(sound, 1, 1, offset, fps=sound_fps, compression=1, **common))
+        parts.append(("sound", GEN, (sound, 1, 1), range(sound), None))
+    return pack(parts, positions)
 
 
 class Denoise:
@@ -85,12 +100,17 @@ class Denoise:
         else:
             sched.set_timesteps(p.steps, device=dev)
         shape = latent_shape(self.config, p)
-        latents = randn(shape, request_generator(state), dev, torch.float32)
+        gen = request_generator(state)
+        latents = randn(shape, gen, dev, torch.float32)
+        n_sound = sound_frames(self.config, p) if p.sound else 0
         grid = T.patch_grid(tf, shape)
         noisy = list(range(shape[2]))
         mask = torch.zeros((shape[2], 1, 1), device=dev, dtype=torch.float32)
         loop = LoopState(total=p.steps, branches=BRANCHES if p.cfg else ("cond",))
         loop.tensors["latents"] = latents
+        if n_sound:  # all sound frames are noisy: the zero conditioning mask leaves the noise as drawn
+            loop.tensors["sound"] = randn((self.config["sound"]["dim"], n_sound), gen, dev, torch.float32)
+            loop.extra["sound_scheduler"] = copy.deepcopy(sched)
         loop.extra.update(scheduler=sched, timesteps=sched.timesteps, grid=grid, mask=mask, shape=shape,
                           noisy=torch.tensor(noisy, dtype=torch.long, device=dev), handles={})
         pool = self.pool
@@ -98,7 +118,7 @@ class Denoise:
         with torch.no_grad():
             for name in loop.branches:
                 ids = p.cond_ids if name == "cond" else p.uncond_ids
-                layout = packed_layout(tf, len(ids), grid, noisy, p.fps, self.config["vae_scale_temporal"])
+                layout = packed_layout(tf, len(ids), grid, noisy, p.fps, self.config["vae_scale_temporal"], n_sound)
                 cos, sin = T.rotary(tf, layout.position_ids, dev, tf.dtype)
                 u = layout.und_len
                 kv = T.understand(tf, torch.tensor(ids, dtype=torch.long, device=dev), (cos[:u], sin[:u]))
@@ -109,23 +129,32 @@ class Denoise:
                     pool.write(layer, slots.to(pool.k[layer].device), k, v)
                 branches[name] = {"layout": layout, "rot": (cos[u:], sin[u:]), "slots": pool.slots(handle),
                                   "vision": layout.gen_indexes("vision", device=dev),
-                                  "noisy": layout.gen_indexes("vision", noisy=True, device=dev)}
+                                  "noisy": layout.gen_indexes("vision", noisy=True, device=dev),
+                                  "sound": layout.gen_indexes("sound", device=dev) if n_sound else None}
         loop.extra["branches"] = branches
         state.metrics["text_kv"] = {"branches": len(branches), "tokens": {n: b["layout"].und_len
                                                                           for n, b in branches.items()}}
         return loop
 
     # -- one step -----------------------------------------------------------------------------
-    def predict(self, ctx: StageContext, loop: LoopState, name: str, tokens: torch.Tensor) -> torch.Tensor:
-        """One branch's masked velocity ``[1, C, T, H, W]`` from this step's embedded vision tokens."""
+    def predict(self, ctx: StageContext, loop: LoopState, name: str, tokens: dict[str, torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+        """One branch's velocities (vision ``[1, C, T, H, W]`` masked on clean frames; sound ``[C, T]``)
+        from this step's embedded tokens."""
         tf, pool = ctx.components["transformer"], self.pool
         b, x = loop.extra["branches"][name], loop.extra
-        gen = tokens.new_zeros((b["layout"].gen_len, tokens.shape[-1]))
-        gen[b["vision"]] = tokens
+        vision = tokens["vision"]
+        gen = vision.new_zeros((b["layout"].gen_len, vision.shape[-1]))
+        gen[b["vision"]] = vision
+        if "sound" in tokens:
+            gen[b["sound"]] = tokens["sound"]
         out = T.generate(tf, gen, b["rot"], lambda i: pool.gather(i, b["slots"]))
         pred = T.read_vision(tf, out, b["noisy"], x["grid"], x["noisy"], x["shape"])
         keep = (1.0 - x["mask"]).to(dtype=pred.dtype, device=pred.device)
-        return pred * keep if keep.sum() > 0 else torch.zeros_like(pred)
+        got = {"vision": pred * keep if keep.sum() > 0 else torch.zeros_like(pred)}
+        if "sound" in tokens:
+            got["sound"] = T.read_sound(tf, out, b["sound"])  # its conditioning mask is all zero: kept whole
+        return got
 
     def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
         p: Cosmos3Resolved = params_of(state)
@@ -133,19 +162,26 @@ class Denoise:
         t = x["timesteps"][loop.step]
         sc = StepContext(request_id=state.request.request_id, node=ctx.node.name, step_index=loop.step,
                          num_steps=loop.total, timestep=float(t), branch=loop.branches[0])
-        lat = loop.tensors["latents"]
+        lat, sound = loop.tensors["latents"], loop.tensors.get("sound")
         with torch.no_grad():
-            tokens = T.embed_vision(tf, lat.to(tf.dtype), x["grid"], x["noisy"], t.item())
+            tokens = {"vision": T.embed_vision(tf, lat.to(tf.dtype), x["grid"], x["noisy"], t.item())}
+            if sound is not None:
+                tokens["sound"] = T.embed_sound(tf, sound.to(tf.dtype), t.item())
             preds = {}
             for name in loop.branches:
-                bsc = sc.with_branch(name)
-                preds[name] = call_model(ctx.step_interceptors, bsc, loop, {"tokens": tokens},
-                                         lambda n=name: self.predict(ctx, loop, n, tokens)).float()
-            v = preds["cond"]
-            if p.cfg:
-                v = preds["uncond"] + p.guidance_scale * (preds["cond"] - preds["uncond"])
-            loop.tensors["latents"] = x["scheduler"].step(v.unsqueeze(0), t, lat.unsqueeze(0),
+                got = call_model(ctx.step_interceptors, sc.with_branch(name), loop, tokens,
+                                 lambda n=name: self.predict(ctx, loop, n, tokens))
+                preds[name] = {k: v.float() for k, v in got.items()}
+
+            def guided(key: str) -> torch.Tensor:
+                c = preds["cond"][key]
+                return preds["uncond"][key] + p.guidance_scale * (c - preds["uncond"][key]) if p.cfg else c
+
+            loop.tensors["latents"] = x["scheduler"].step(guided("vision").unsqueeze(0), t, lat.unsqueeze(0),
                                                           return_dict=False)[0].squeeze(0)
+            if sound is not None:
+                loop.tensors["sound"] = x["sound_scheduler"].step(guided("sound").unsqueeze(0), t, sound.unsqueeze(0),
+                                                                  return_dict=False)[0].squeeze(0)
         if ctx.taps_enabled:
             ctx.tap("latents", loop.tensors["latents"], sc)
         return StepResult(done=loop.step + 1 >= loop.total)
@@ -167,8 +203,11 @@ class Denoise:
         if metrics is not None:
             state.metrics["denoise"] = metrics
         state.write("denoised", Latents(tensor=loop.tensors["latents"], modality="video"), ctx.node.name)
+        if "sound" in loop.tensors:
+            state.write("denoised_sound", Latents(tensor=loop.tensors["sound"], modality="audio"), ctx.node.name)
         self._free(loop)
         loop.extra.pop("scheduler", None)
+        loop.extra.pop("sound_scheduler", None)
         loop.extra.pop("branches", None)
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omniloop.artifacts import Conditioning, Latents, Tensors, VideoFrames
+from omniloop.artifacts import Audio, Conditioning, Latents, Tensors, VideoFrames
 from omniloop.capabilities import FamilyCapabilities
 from omniloop.errors import DeployError
 from omniloop.family import LoadedModel
@@ -18,8 +19,8 @@ from omniloop_kit.resolve import check_task
 
 from . import checkpoint as ck
 from .denoise import Denoise
-from .resolve import DEFAULTS, TASKS, Cosmos3Resolved, resolve
-from .stages import Output, VaeDecode, Validate
+from .resolve import DEFAULTS, TASKS, Cosmos3Resolved, resolve, wants_sound
+from .stages import Output, SoundDecode, VaeDecode, Validate
 
 #: deploy options read: the text-KV pool's size in tokens (both CFG branches of every running request)
 OPTIONS = frozenset({"text_kv_tokens"})
@@ -35,7 +36,9 @@ class Cosmos3Family(DiffusersFamily):
     tasks = TASKS
     layout = ck.LAYOUT
     #: no block interceptors, offload, adapters or rollouts (yet): the pathways run their own layer loop
-    capabilities = FamilyCapabilities(returns_latents=True, resolve=True, task_defaults=True, options=OPTIONS)
+    capabilities = FamilyCapabilities(returns_latents=True, resolve=True, task_defaults=True, options=OPTIONS,
+                                      #: a t2v request with ``audio: {"enabled": true}`` gets a sound track
+                                      audio=True, audio_tasks=frozenset({"t2v"}))
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
         """Check every file first (one ``CheckpointError`` naming it), then load each component by
@@ -64,7 +67,7 @@ class Cosmos3Family(DiffusersFamily):
             "latent_channels": int(tf.latent_channel), "vae_scale_spatial": int(vae.scale_factor_spatial),
             "vae_scale_temporal": int(vae.scale_factor_temporal),
             "native_flow_schedule": bool(flags.get("use_native_flow_schedule", False)),
-            "sound": components.get("sound_tokenizer") is not None and bool(tf.sound_gen),
+            "sound": _sound(components),
             "safety_checker": False,
         }, {}
 
@@ -87,13 +90,18 @@ class Cosmos3Family(DiffusersFamily):
         """validate → denoise → vae_decode → output."""
         check_task(task, TASKS, "the cosmos3 family")
         denoise = Denoise(model.config, model.components["text_kv"])
-        return PipelineSpec(family=self.name, task=task, outputs={"video": "video", "latents": "latents"}, nodes=(
+        outputs = {"video": "video", "latents": "latents", "audio": "audio", "sound_latents": "sound_latents"}
+        return PipelineSpec(family=self.name, task=task, outputs=outputs, nodes=(
             Node("validate", Validate(model), writes={"params": Conditioning}),
-            Node("denoise", denoise, reads={"params": Conditioning}, writes={"denoised": Latents},
-                 uses=("transformer", "text_kv")),
+            Node("denoise", denoise, reads={"params": Conditioning},
+                 writes={"denoised": Latents, "denoised_sound": Latents}, uses=("transformer", "text_kv")),
             Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
-            Node("output", Output(), reads={"params": Conditioning, "decoded": Tensors, "denoised": Latents},
-                 writes={"video": VideoFrames, "latents": Latents}),
+            Node("sound_decode", SoundDecode(), reads={"denoised_sound": Latents}, writes={"waveform": Tensors},
+                 uses=("sound_tokenizer",), when=wants_sound),
+            Node("output", Output(), reads={"params": Conditioning, "decoded": Tensors, "denoised": Latents,
+                                            "denoised_sound": Latents, "waveform": Tensors},
+                 optional_reads=frozenset({"denoised_sound", "waveform"}),
+                 writes={"video": VideoFrames, "latents": Latents, "audio": Audio, "sound_latents": Latents}),
         ))
 
     def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:
@@ -105,6 +113,16 @@ class Cosmos3Family(DiffusersFamily):
                         ) -> tuple[Cosmos3Resolved, list[str]]:
         p = resolve(model, request)
         return p, list(p.warnings)
+
+
+def _sound(components: dict[str, Any]) -> dict[str, Any] | None:
+    """The sound stream's sizes (latent width, sample rate, decoder hop), None without one."""
+    st, tf = components.get("sound_tokenizer"), components["transformer"].config
+    if st is None or not tf.sound_gen:
+        return None
+    c = st.config
+    hop = int(c.hop_size) if c.hop_size is not None else math.prod(c.dec_strides)
+    return {"dim": int(tf.sound_dim), "sampling_rate": int(c.sampling_rate), "hop": hop}
 
 
 def _kv_tokens(options: dict[str, Any]) -> int:

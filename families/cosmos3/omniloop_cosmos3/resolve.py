@@ -50,6 +50,8 @@ class Cosmos3Resolved:
     #: token ids of the cond and uncond branches (templates, chat template, eos, vision start)
     cond_ids: tuple[int, ...]
     uncond_ids: tuple[int, ...]
+    #: a sound track denoised with the video (``audio.enabled``)
+    sound: bool = False
     warnings: tuple[str, ...] = ()
 
     @property
@@ -102,8 +104,14 @@ def resolve(model: LoadedModel, request: OmniRequest) -> Cosmos3Resolved:
     for name, v in (("height", height), ("width", width)):
         if v % sf:
             raise RequestError(f"diffusion.{name}", f"{v} is not a multiple of {sf} (the VAE's spatial factor)")
-    if request.audio is not None:
-        raise RequestError("audio", "sound generation is not available in this family yet")
+    sound = wants_sound(request)
+    if request.audio is not None and (request.audio.seconds is not None or request.audio.start):
+        field = "audio.seconds" if request.audio.seconds is not None else "audio.start"
+        raise RequestError(field, "the sound track spans the video (diffusion.frames / diffusion.fps); leave "
+                           "audio.seconds and audio.start unset")
+    if sound and c["sound"] is None:
+        raise RequestError("audio.enabled", "this checkpoint makes no sound (it has no sound tokenizer, or its "
+                           "transformer no sound head)")
     negative = request.negative_prompt or ""
     tok = model.components["text_tokenizer"]
     kw = dict(num_frames=frames, height=height, width=width, fps=fps)
@@ -112,7 +120,13 @@ def resolve(model: LoadedModel, request: OmniRequest) -> Cosmos3Resolved:
     return Cosmos3Resolved(task=request.task, prompt=prompt, negative_prompt=negative,
                            steps=int(_value(d.steps, dft["steps"])),
                            guidance_scale=float(_value(d.guidance_scale, dft["guidance_scale"])),
-                           num_frames=frames, height=height, width=width, fps=fps, cond_ids=cond, uncond_ids=uncond)
+                           num_frames=frames, height=height, width=width, fps=fps, cond_ids=cond, uncond_ids=uncond,
+                           sound=sound)
 
 
-__all__ = ["DEFAULTS", "TASKS", "Cosmos3Resolved", "prompt_text", "resolve", "token_ids"]
+def wants_sound(request: OmniRequest) -> bool:
+    """``audio`` given and not ``enabled: false``: a sound track (``audio: {"enabled": true}``)."""
+    return request.audio is not None and request.audio.enabled is not False
+
+
+__all__ = ["DEFAULTS", "TASKS", "Cosmos3Resolved", "prompt_text", "resolve", "token_ids", "wants_sound"]

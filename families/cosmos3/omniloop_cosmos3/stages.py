@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from omniloop.artifacts import Latents, Tensors, VideoFrames
+from omniloop.artifacts import Audio, Latents, Tensors, VideoFrames
 from omniloop.context import StageContext
 from omniloop.loop import RequestState
 from omniloop_kit import stages as kit
@@ -46,8 +46,22 @@ class VaeDecode:
         state.write("decoded", Tensors(values={"video": video}), ctx.node.name)
 
 
+class SoundDecode:
+    """Sound latents ``[C, T]`` → waveform ``[channels, T * hop]`` (the sound tokenizer's decoder;
+    like diffusers, padded to whole decoder hops and not trimmed to the video's length)."""
+
+    def forward(self, ctx: StageContext, state: RequestState) -> None:
+        st = ctx.components["sound_tokenizer"]
+        latents = state.read("denoised_sound", Latents).tensor
+        with torch.no_grad():
+            dtype = next(st.parameters()).dtype
+            wave = st.decode(latents.unsqueeze(0).to(device=module_device(st), dtype=dtype)).squeeze(0)
+        state.write("waveform", Tensors(values={"audio": wave}), ctx.node.name)
+
+
 class Output:
-    """``video`` (uint8 ``[T, H, W, 3]`` at the request's fps) and, on request, ``latents``."""
+    """``video`` (uint8 ``[T, H, W, 3]`` at the request's fps), ``audio`` with a sound track, and on
+    request ``latents`` (and ``sound_latents``)."""
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         p: Cosmos3Resolved = params_of(state)
@@ -55,7 +69,15 @@ class Output:
         x = (video / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).float().cpu()
         frames = (x * 255).round().to(torch.uint8).contiguous()
         state.write("video", VideoFrames(frames=frames, fps=p.fps), ctx.node.name)
+        wave = state.get("waveform")
+        if isinstance(wave, Tensors):
+            rate = int(ctx.components["sound_tokenizer"].config.sampling_rate)
+            samples = wave.values["audio"].float().cpu().contiguous()
+            state.write("audio", Audio(samples=samples, sample_rate=rate), ctx.node.name)
         return_latents(ctx, state, "video")
+        sound = state.get("denoised_sound")
+        if state.request.outputs.return_latents and isinstance(sound, Latents):
+            state.write("sound_latents", Latents(tensor=sound.tensor.detach().cpu(), modality="audio"), ctx.node.name)
 
 
-__all__ = ["Output", "VaeDecode", "Validate"]
+__all__ = ["Output", "SoundDecode", "VaeDecode", "Validate"]

@@ -133,6 +133,26 @@ def embed_vision(tf: Any, latents: torch.Tensor, grid: tuple[int, int, int], noi
                                                      noisy_frame_indexes=[noisy], token_shapes=[grid])
 
 
+def embed_sound(tf: Any, latents: torch.Tensor, timestep: float) -> torch.Tensor:
+    """The sound latents ``[C, T]`` projected, plus the modality and timestep embeddings: ``[T, hidden]``
+    (every sound frame is noisy)."""
+    n = latents.shape[1]
+    tokens = tf._pack_sound_latents([latents], [(n, 1, 1)]).to(tf.dtype)
+    tokens = tf.audio_proj_in(tokens) + tf.audio_modality_embed
+    ts = torch.full((n,), timestep, device=latents.device)
+    every = torch.arange(n, device=latents.device, dtype=torch.long)
+    return tf._apply_timestep_embeds_to_noisy_tokens(packed_tokens=tokens,
+                                                     packed_timestep_embeds=_timestep_embeds(tf, ts, tokens.dtype),
+                                                     noisy_frame_indexes=[every], token_shapes=[(n, 1, 1)])
+
+
+def read_sound(tf: Any, out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The sound velocity ``[C, T]`` from the gen output at the sound tokens ``idx``."""
+    n = len(idx)
+    every = torch.arange(n, device=out.device, dtype=torch.long)
+    return tf._unpack_sound_latents(tf.audio_proj_out(out[idx]), [(n, 1, 1)], [every])[0]
+
+
 def read_vision(tf: Any, out: torch.Tensor, idx: torch.Tensor, grid: tuple[int, int, int], noisy: torch.Tensor,
                 shape: tuple[int, ...]) -> torch.Tensor:
     """The velocity ``[1, C, T, H, W]`` from the gen output at the noisy tokens ``idx`` (zeros on clean frames)."""
@@ -146,5 +166,5 @@ def patch_grid(tf: Any, latent_shape: tuple[int, ...]) -> tuple[int, int, int]:
     return latent_shape[2], math.ceil(latent_shape[3] / p), math.ceil(latent_shape[4] / p)
 
 
-__all__ = ["embed_vision", "generate", "grid_positions", "patch_grid", "read_vision", "rotary", "text_positions",
+__all__ = ["embed_sound", "embed_vision", "read_sound", "generate", "grid_positions", "patch_grid", "read_vision", "rotary", "text_positions",
            "understand"]
