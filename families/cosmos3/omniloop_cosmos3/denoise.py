@@ -104,8 +104,12 @@ class Denoise:
         latents = randn(shape, gen, dev, torch.float32)
         n_sound = sound_frames(self.config, p) if p.sound else 0
         grid = T.patch_grid(tf, shape)
-        noisy = list(range(shape[2]))
         mask = torch.zeros((shape[2], 1, 1), device=dev, dtype=torch.float32)
+        clean = state.get("image_latents")
+        if isinstance(clean, Latents):  # i2v: the first latent frame is the image's, kept clean
+            mask[0, 0, 0] = 1.0
+            latents = mask * clean.tensor.to(device=dev, dtype=torch.float32) + (1.0 - mask) * latents
+        noisy = [i for i in range(shape[2]) if mask[i, 0, 0] == 0]
         loop = LoopState(total=p.steps, branches=BRANCHES if p.cfg else ("cond",))
         loop.tensors["latents"] = latents
         if n_sound:  # all sound frames are noisy: the zero conditioning mask leaves the noise as drawn

@@ -20,7 +20,7 @@ from omniloop_kit.resolve import check_task
 from . import checkpoint as ck
 from .denoise import Denoise
 from .resolve import DEFAULTS, TASKS, Cosmos3Resolved, resolve, wants_sound
-from .stages import Output, SoundDecode, VaeDecode, Validate
+from .stages import ImageEncode, Output, SoundDecode, VaeDecode, Validate
 
 #: deploy options read: the text-KV pool's size in tokens (both CFG branches of every running request)
 OPTIONS = frozenset({"text_kv_tokens"})
@@ -93,8 +93,10 @@ class Cosmos3Family(DiffusersFamily):
         outputs = {"video": "video", "latents": "latents", "audio": "audio", "sound_latents": "sound_latents"}
         return PipelineSpec(family=self.name, task=task, outputs=outputs, nodes=(
             Node("validate", Validate(model), writes={"params": Conditioning}),
-            Node("denoise", denoise, reads={"params": Conditioning},
-                 writes={"denoised": Latents, "denoised_sound": Latents}, uses=("transformer", "text_kv")),
+            Node("image_encode", ImageEncode(), reads={"params": Conditioning}, writes={"image_latents": Latents},
+                 uses=("vae",), when=lambda r: r.task is TaskType.I2V),
+            Node("denoise", denoise, reads={"params": Conditioning, "image_latents": Latents},
+                 optional_reads=frozenset({"image_latents"}), writes={"denoised": Latents, "denoised_sound": Latents}, uses=("transformer", "text_kv")),
             Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),
             Node("sound_decode", SoundDecode(), reads={"denoised_sound": Latents}, writes={"waveform": Tensors},
                  uses=("sound_tokenizer",), when=wants_sound),
@@ -111,7 +113,7 @@ class Cosmos3Family(DiffusersFamily):
 
     def resolve_request(self, model: LoadedModel, request: OmniRequest, limits: Any, **kw: Any
                         ) -> tuple[Cosmos3Resolved, list[str]]:
-        p = resolve(model, request)
+        p = resolve(model, request, decode_image=kw.get("decode_image", True))
         return p, list(p.warnings)
 
 

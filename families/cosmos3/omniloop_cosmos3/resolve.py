@@ -18,12 +18,14 @@ from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.request import OmniRequest, TaskType
 from omniloop.resolved import Workload, bounds
-from omniloop_kit.resolve import check_task, require_prompt
+from omniloop_kit.resolve import check_task, conditioning_image, require_prompt
 
 #: diffusers' defaults (``Cosmos3OmniPipeline.__call__``): 35 steps, guidance 6, 189 frames of 720x1280 at 24 fps
 DEFAULTS: dict[str, Any] = {"steps": 35, "guidance_scale": 6.0, "num_frames": 189, "height": 720, "width": 1280,
                             "fps": 24.0}
-TASKS = frozenset({TaskType.T2V})
+TASKS = frozenset({TaskType.T2V, TaskType.I2V})
+#: the image part roles an i2v request's first frame may have
+IMAGE_ROLES = ("image", "first_frame")
 
 SYSTEM_IMAGE = "You are a helpful assistant who will generate images from a give prompt."
 SYSTEM_VIDEO = "You are a helpful assistant who will generate videos from a give prompt."
@@ -52,6 +54,8 @@ class Cosmos3Resolved:
     uncond_ids: tuple[int, ...]
     #: a sound track denoised with the video (``audio.enabled``)
     sound: bool = False
+    #: i2v: the first frame, uint8 ``[H, W, 3]`` (None for t2v, or before decoding)
+    image: Any = None
     warnings: tuple[str, ...] = ()
 
     @property
@@ -91,7 +95,7 @@ def _value(got: Any, default: Any) -> Any:
     return default if got is None else got
 
 
-def resolve(model: LoadedModel, request: OmniRequest) -> Cosmos3Resolved:
+def resolve(model: LoadedModel, request: OmniRequest, *, decode_image: bool = True) -> Cosmos3Resolved:
     """Defaults applied, sizes checked, both branches tokenized; ``RequestError`` naming the field."""
     c = model.config
     check_task(request.task, c["tasks"], "the cosmos3 family")
@@ -112,6 +116,10 @@ def resolve(model: LoadedModel, request: OmniRequest) -> Cosmos3Resolved:
     if sound and c["sound"] is None:
         raise RequestError("audio.enabled", "this checkpoint makes no sound (it has no sound tokenizer, or its "
                            "transformer no sound head)")
+    warnings: list[str] = []
+    image = conditioning_image(request, request.task is TaskType.I2V, IMAGE_ROLES, warnings, decode=decode_image,
+                               missing="an i2v request needs an image part (role image or first_frame)",
+                               extra="{n} more image part(s) ignored (only the first image/first_frame is used)")
     negative = request.negative_prompt or ""
     tok = model.components["text_tokenizer"]
     kw = dict(num_frames=frames, height=height, width=width, fps=fps)
@@ -121,7 +129,7 @@ def resolve(model: LoadedModel, request: OmniRequest) -> Cosmos3Resolved:
                            steps=int(_value(d.steps, dft["steps"])),
                            guidance_scale=float(_value(d.guidance_scale, dft["guidance_scale"])),
                            num_frames=frames, height=height, width=width, fps=fps, cond_ids=cond, uncond_ids=uncond,
-                           sound=sound)
+                           sound=sound, image=image, warnings=tuple(warnings))
 
 
 def wants_sound(request: OmniRequest) -> bool:

@@ -7,6 +7,7 @@ video processor makes PIL frames (``(x / 2 + 0.5).clamp(0, 1)``, float32, ``* 25
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -30,18 +31,57 @@ class Validate(kit.Validate):
         return p, list(p.warnings)
 
 
+def first_frame(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 ``[H0, W0, 3]`` → ``[1, 3, height, width]`` in [-1, 1]: scaled to cover the frame
+    (bilinear, antialiased), centre-cropped, rounded (the pipeline's conditioning-image preprocessing)."""
+    import torch.nn.functional as F
+
+    x = image.permute(2, 0, 1).unsqueeze(0).to(torch.float32)
+    h0, w0 = x.shape[-2:]
+    scale = max(width / w0, height / h0)
+    rh, rw = math.ceil(scale * h0), math.ceil(scale * w0)
+    x = F.interpolate(x, size=(rh, rw), mode="bilinear", align_corners=False, antialias=True)
+    top, left = round((rh - height) / 2), round((rw - width) / 2)
+    x = x[:, :, top:top + height, left:left + width]
+    return x.round().clamp(0, 255) / 127.5 - 1.0
+
+
+def vae_stats(vae: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's latent mean and 1 / std as ``[1, z, 1, 1, 1]`` in its dtype."""
+    dtype = vae.dtype
+    mean = torch.tensor(vae.config.latents_mean, dtype=dtype).to(device=device, dtype=dtype)
+    inv_std = (1.0 / torch.tensor(vae.config.latents_std, dtype=dtype)).to(device=device, dtype=dtype)
+    return mean.view(1, -1, 1, 1, 1), inv_std.view(1, -1, 1, 1, 1)
+
+
+class ImageEncode:
+    """i2v: the first frame repeated over every frame of the clip, through the VAE encoder (its
+    mode), normalised — the clean latents whose first frame conditions the video."""
+
+    def forward(self, ctx: StageContext, state: RequestState) -> None:
+        p: Cosmos3Resolved = params_of(state)
+        vae = ctx.components["vae"]
+        frame = first_frame(p.image, p.height, p.width).to(device=ctx.device)
+        clip = torch.zeros(1, 3, p.num_frames, p.height, p.width, dtype=torch.float32, device=ctx.device)
+        clip[:, :, 0] = frame
+        if p.num_frames > 1:
+            clip[:, :, 1:] = frame.unsqueeze(2).expand(-1, -1, p.num_frames - 1, -1, -1)
+        with torch.no_grad():
+            mu = vae.encode(clip.to(device=module_device(vae), dtype=vae.dtype)).latent_dist.mode()
+            mean, inv_std = vae_stats(vae, mu.device)
+            x0 = ((mu - mean) * inv_std).to(clip.dtype).contiguous().float()
+        state.write("image_latents", Latents(tensor=x0.to(ctx.device), modality="video"), ctx.node.name)
+
+
 class VaeDecode:
     """Normalised latents ``[1, z, T, H, W]`` → video ``[1, 3, T', H', W']`` in [-1, 1]."""
 
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         vae = ctx.components["vae"]
         latents = state.read("denoised", Latents).tensor
-        cfg = vae.config
         with torch.no_grad():
-            dev, dtype = latents.device, vae.dtype
-            mean = torch.tensor(cfg.latents_mean, dtype=dtype).to(device=dev, dtype=dtype)
-            inv_std = (1.0 / torch.tensor(cfg.latents_std, dtype=dtype)).to(device=dev, dtype=dtype)
-            z = latents.to(dtype) / inv_std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
+            mean, inv_std = vae_stats(vae, latents.device)
+            z = latents.to(vae.dtype) / inv_std + mean
             video = vae.decode(z.to(module_device(vae))).sample.to(latents.dtype)
         state.write("decoded", Tensors(values={"video": video}), ctx.node.name)
 
@@ -80,4 +120,4 @@ class Output:
             state.write("sound_latents", Latents(tensor=sound.tensor.detach().cpu(), modality="audio"), ctx.node.name)
 
 
-__all__ = ["Output", "SoundDecode", "VaeDecode", "Validate"]
+__all__ = ["ImageEncode", "Output", "first_frame", "vae_stats", "SoundDecode", "VaeDecode", "Validate"]
