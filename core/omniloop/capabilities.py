@@ -182,6 +182,8 @@ class FamilyCapabilities:
     rollout_support: Any = None  # omniloop.rl.RolloutSupport | None (typed loosely: no import cycle)
     step_batch_retry_alone: frozenset[str] = field(default=frozenset(), converter=_name_set)
     audio_tasks: frozenset[str] = field(default=frozenset(), converter=_task_names)
+    #: action-conditioned requests (``OmniRequest.action``) and an ``action`` artifact (:class:`omniloop.artifacts.Action`)
+    actions: bool = False
     checkpoint_limits: Callable[[Path], Any] | None = None  # -> omniloop.limits.ModelLimits | None
     inspect: bool = False
     resolve: bool = False

@@ -278,6 +278,8 @@ class Deployment:
         if req.audio is not None and not self.capabilities.makes_audio(req.task):  # nothing silently ignored
             raise RequestError("audio", f"family {self.family.name!r} does not make audio for a {req.task.value} "
                                "request (its capabilities declare none for it); remove audio")
+        if req.action is not None and not self.capabilities.actions:
+            raise RequestError("action", f"family {self.family.name!r} takes no action-conditioned requests; remove action")
         if req.audio is not None and req.audio.enabled is False and req.task is TaskType.T2A:
             raise RequestError("audio.enabled", "a t2a request always makes audio; remove audio.enabled: false")
         self._check_group_and_rollout(req)

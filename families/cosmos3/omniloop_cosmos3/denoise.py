@@ -62,7 +62,7 @@ def sound_frames(model_config: dict[str, Any], p: Cosmos3Resolved) -> int:
 
 
 def packed_layout(tf: Any, n_text: int, grid: tuple[int, int, int], noisy: list[int], fps: float,
-                  temporal: int, sound: int = 0) -> PackedLayout:
+                  temporal: int, sound: int = 0, action: tuple[int, list[int], str] | None = None) -> PackedLayout:
     """The packed sequence of one branch: ``n_text`` text tokens (und), then the vision grid and
     ``sound`` sound frames (gen; vision and sound are temporal siblings: both start at one offset)."""
     cfg = tf.config
@@ -77,7 +77,31 @@ def packed_layout(tf: Any, n_text: int, grid: tuple[int, int, int], noisy: list[
         sound_fps = float(cfg.sound_latent_fps) if cfg.enable_fps_modulation else None
         positions.append(T.grid_positions(sound, 1, 1, offset, fps=sound_fps, compression=1, **common))
         parts.append(("sound", GEN, (sound, 1, 1), range(sound), None))
+    if action is not None:  # (frames, noisy frames, domain): time from the second video frame on
+        n, noisy_a, domain = action
+        positions.append(T.grid_positions(n, 1, 1, offset, fps=fps if cfg.enable_fps_modulation else None,
+                                          compression=1, base_compression=temporal, start_frame=1, **common))
+        parts.append(("action", GEN, (n, 1, 1), noisy_a, domain))
     return pack(parts, positions)
+
+
+def initial_actions(spec: Any, dim: int, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The action latents ``[T, dim]`` (given actions on the clean frames, noise elsewhere, zero
+    beyond the domain's width) and the condition mask ``[T, 1]``."""
+    dev = noise.device
+    mask = torch.zeros((spec.chunk_size, 1), device=dev, dtype=torch.float32)
+    x0 = torch.zeros(spec.chunk_size, dim, device=dev, dtype=torch.float32)
+    if spec.raw_actions is not None:  # short sequences repeat their last action; channels padded with zeros
+        raw = torch.tensor(spec.raw_actions, dtype=torch.float32, device=dev)
+        if raw.shape[0] < spec.chunk_size:
+            raw = torch.cat([raw, raw[-1:].expand(spec.chunk_size - raw.shape[0], -1)], dim=0)
+        raw = raw[:spec.chunk_size]
+        x0 = torch.cat([raw, torch.zeros(raw.shape[0], dim - raw.shape[1], dtype=raw.dtype, device=dev)], dim=-1)
+    for i in spec.condition_frames:
+        mask[i, 0] = 1.0
+    latents = mask * x0 + (1.0 - mask) * noise
+    latents[:, spec.width:] = 0
+    return latents, mask
 
 
 class Denoise:
@@ -99,13 +123,13 @@ class Denoise:
             sched.set_timesteps(p.steps, device=dev, sigmas=np.linspace(1.0 - 1.0 / n, 0.0, p.steps + 1)[:-1])
         else:
             sched.set_timesteps(p.steps, device=dev)
-        shape = latent_shape(self.config, p)
+        clean = state.get("image_latents")
+        shape = tuple(clean.tensor.shape) if isinstance(clean, Latents) else latent_shape(self.config, p)
         gen = request_generator(state)
         latents = randn(shape, gen, dev, torch.float32)
         n_sound = sound_frames(self.config, p) if p.sound else 0
         grid = T.patch_grid(tf, shape)
         mask = torch.zeros((shape[2], 1, 1), device=dev, dtype=torch.float32)
-        clean = state.get("image_latents")
         if isinstance(clean, Latents):  # i2v: the first latent frame is the image's, kept clean
             mask[0, 0, 0] = 1.0
             latents = mask * clean.tensor.to(device=dev, dtype=torch.float32) + (1.0 - mask) * latents
@@ -115,6 +139,16 @@ class Denoise:
         if n_sound:  # all sound frames are noisy: the zero conditioning mask leaves the noise as drawn
             loop.tensors["sound"] = randn((self.config["sound"]["dim"], n_sound), gen, dev, torch.float32)
             loop.extra["sound_scheduler"] = copy.deepcopy(sched)
+        spec, action = p.action, None
+        if spec is not None:
+            dim = self.config["action"]["dim"]
+            a_lat, a_mask = initial_actions(spec, dim, randn((spec.chunk_size, dim), gen, dev, torch.float32))
+            a_noisy = [i for i in range(spec.chunk_size) if a_mask[i, 0] == 0]
+            loop.tensors["action"] = a_lat
+            loop.extra.update(action_scheduler=copy.deepcopy(sched), action_mask=a_mask, action_width=spec.width,
+                              action_noisy=torch.tensor(a_noisy, dtype=torch.long, device=dev),
+                              domain=torch.tensor([spec.domain_id], dtype=torch.long, device=dev))
+            action = (spec.chunk_size, a_noisy, spec.domain)
         loop.extra.update(scheduler=sched, timesteps=sched.timesteps, grid=grid, mask=mask, shape=shape,
                           noisy=torch.tensor(noisy, dtype=torch.long, device=dev), handles={})
         pool = self.pool
@@ -122,7 +156,8 @@ class Denoise:
         with torch.no_grad():
             for name in loop.branches:
                 ids = p.cond_ids if name == "cond" else p.uncond_ids
-                layout = packed_layout(tf, len(ids), grid, noisy, p.fps, self.config["vae_scale_temporal"], n_sound)
+                layout = packed_layout(tf, len(ids), grid, noisy, p.fps, self.config["vae_scale_temporal"], n_sound,
+                                       action)
                 cos, sin = T.rotary(tf, layout.position_ids, dev, tf.dtype)
                 u = layout.und_len
                 kv = T.understand(tf, torch.tensor(ids, dtype=torch.long, device=dev), (cos[:u], sin[:u]))
@@ -134,7 +169,10 @@ class Denoise:
                 branches[name] = {"layout": layout, "rot": (cos[u:], sin[u:]), "slots": pool.slots(handle),
                                   "vision": layout.gen_indexes("vision", device=dev),
                                   "noisy": layout.gen_indexes("vision", noisy=True, device=dev),
-                                  "sound": layout.gen_indexes("sound", device=dev) if n_sound else None}
+                                  "sound": layout.gen_indexes("sound", device=dev) if n_sound else None,
+                                  "action": layout.gen_indexes("action", device=dev) if action else None,
+                                  "action_noisy": layout.gen_indexes("action", noisy=True, device=dev)
+                                  if action else None}
         loop.extra["branches"] = branches
         state.metrics["text_kv"] = {"branches": len(branches), "tokens": {n: b["layout"].und_len
                                                                           for n, b in branches.items()}}
@@ -152,13 +190,25 @@ class Denoise:
         gen[b["vision"]] = vision
         if "sound" in tokens:
             gen[b["sound"]] = tokens["sound"]
+        if "action" in tokens:
+            gen[b["action"]] = tokens["action"]
         out = T.generate(tf, gen, b["rot"], lambda i: pool.gather(i, b["slots"]))
         pred = T.read_vision(tf, out, b["noisy"], x["grid"], x["noisy"], x["shape"])
         keep = (1.0 - x["mask"]).to(dtype=pred.dtype, device=pred.device)
         got = {"vision": pred * keep if keep.sum() > 0 else torch.zeros_like(pred)}
         if "sound" in tokens:
             got["sound"] = T.read_sound(tf, out, b["sound"])  # its conditioning mask is all zero: kept whole
+        if "action" in tokens:
+            a = T.read_action(tf, out, b["action_noisy"], x["domain"], x["action_noisy"], len(x["action_mask"]))
+            keep_a = (1.0 - x["action_mask"]).to(dtype=a.dtype, device=a.device)
+            a = a * keep_a if keep_a.sum() > 0 else torch.zeros_like(a)
+            a[:, self.width(loop):] = 0
+            got["action"] = a
         return got
+
+    @staticmethod
+    def width(loop: LoopState) -> int:
+        return int(loop.extra["action_width"])
 
     def step(self, ctx: StageContext, state: RequestState, loop: LoopState) -> StepResult:
         p: Cosmos3Resolved = params_of(state)
@@ -166,11 +216,13 @@ class Denoise:
         t = x["timesteps"][loop.step]
         sc = StepContext(request_id=state.request.request_id, node=ctx.node.name, step_index=loop.step,
                          num_steps=loop.total, timestep=float(t), branch=loop.branches[0])
-        lat, sound = loop.tensors["latents"], loop.tensors.get("sound")
+        lat, sound, act = loop.tensors["latents"], loop.tensors.get("sound"), loop.tensors.get("action")
         with torch.no_grad():
             tokens = {"vision": T.embed_vision(tf, lat.to(tf.dtype), x["grid"], x["noisy"], t.item())}
             if sound is not None:
                 tokens["sound"] = T.embed_sound(tf, sound.to(tf.dtype), t.item())
+            if act is not None:
+                tokens["action"] = T.embed_action(tf, act.to(tf.dtype), x["domain"], x["action_noisy"], t.item())
             preds = {}
             for name in loop.branches:
                 got = call_model(ctx.step_interceptors, sc.with_branch(name), loop, tokens,
@@ -186,6 +238,11 @@ class Denoise:
             if sound is not None:
                 loop.tensors["sound"] = x["sound_scheduler"].step(guided("sound").unsqueeze(0), t, sound.unsqueeze(0),
                                                                   return_dict=False)[0].squeeze(0)
+            if act is not None and len(x["action_noisy"]) > 0:  # forward dynamics: every action given, never stepped
+                stepped = x["action_scheduler"].step(guided("action").unsqueeze(0), t, act.unsqueeze(0),
+                                                     return_dict=False)[0].squeeze(0)
+                stepped[:, self.width(loop):] = 0
+                loop.tensors["action"] = stepped
         if ctx.taps_enabled:
             ctx.tap("latents", loop.tensors["latents"], sc)
         return StepResult(done=loop.step + 1 >= loop.total)
@@ -207,11 +264,14 @@ class Denoise:
         if metrics is not None:
             state.metrics["denoise"] = metrics
         state.write("denoised", Latents(tensor=loop.tensors["latents"], modality="video"), ctx.node.name)
+        if "action" in loop.tensors:
+            state.write("denoised_action", Latents(tensor=loop.tensors["action"], modality="action"), ctx.node.name)
         if "sound" in loop.tensors:
             state.write("denoised_sound", Latents(tensor=loop.tensors["sound"], modality="audio"), ctx.node.name)
         self._free(loop)
         loop.extra.pop("scheduler", None)
         loop.extra.pop("sound_scheduler", None)
+        loop.extra.pop("action_scheduler", None)
         loop.extra.pop("branches", None)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from omniloop.artifacts import Audio, Conditioning, Latents, Tensors, VideoFrames
+from omniloop.artifacts import Action, Audio, Conditioning, Latents, Tensors, VideoFrames
 from omniloop.capabilities import FamilyCapabilities
 from omniloop.errors import DeployError
 from omniloop.family import LoadedModel
@@ -38,7 +38,9 @@ class Cosmos3Family(DiffusersFamily):
     #: no block interceptors, offload, adapters or rollouts (yet): the pathways run their own layer loop
     capabilities = FamilyCapabilities(returns_latents=True, resolve=True, task_defaults=True, options=OPTIONS,
                                       #: a t2v request with ``audio: {"enabled": true}`` gets a sound track
-                                      audio=True, audio_tasks=frozenset({"t2v"}))
+                                      audio=True, audio_tasks=frozenset({"t2v"}),
+                                      #: action-conditioned i2v (``action: {...}``) and ``artifacts["action"]``
+                                      actions=True)
 
     def load(self, path: Path, *, device: torch.device, dtype: torch.dtype, options: dict[str, Any]) -> LoadedModel:
         """Check every file first (one ``CheckpointError`` naming it), then load each component by
@@ -68,6 +70,7 @@ class Cosmos3Family(DiffusersFamily):
             "vae_scale_temporal": int(vae.scale_factor_temporal),
             "native_flow_schedule": bool(flags.get("use_native_flow_schedule", False)),
             "sound": _sound(components),
+            "action": {"dim": int(tf.action_dim), "domains": int(tf.num_embodiment_domains)} if tf.action_gen else None,
             "safety_checker": False,
         }, {}
 
@@ -90,7 +93,8 @@ class Cosmos3Family(DiffusersFamily):
         """validate → denoise → vae_decode → output."""
         check_task(task, TASKS, "the cosmos3 family")
         denoise = Denoise(model.config, model.components["text_kv"])
-        outputs = {"video": "video", "latents": "latents", "audio": "audio", "sound_latents": "sound_latents"}
+        outputs = {"video": "video", "latents": "latents", "audio": "audio", "sound_latents": "sound_latents",
+                   "action": "action"}
         return PipelineSpec(family=self.name, task=task, outputs=outputs, nodes=(
             Node("validate", Validate(model), writes={"params": Conditioning}),
             Node("image_encode", ImageEncode(), reads={"params": Conditioning}, writes={"image_latents": Latents},
@@ -101,9 +105,11 @@ class Cosmos3Family(DiffusersFamily):
             Node("sound_decode", SoundDecode(), reads={"denoised_sound": Latents}, writes={"waveform": Tensors},
                  uses=("sound_tokenizer",), when=wants_sound),
             Node("output", Output(), reads={"params": Conditioning, "decoded": Tensors, "denoised": Latents,
-                                            "denoised_sound": Latents, "waveform": Tensors},
-                 optional_reads=frozenset({"denoised_sound", "waveform"}),
-                 writes={"video": VideoFrames, "latents": Latents, "audio": Audio, "sound_latents": Latents}),
+                                            "denoised_sound": Latents, "denoised_action": Latents,
+                                            "waveform": Tensors},
+                 optional_reads=frozenset({"denoised_sound", "denoised_action", "waveform"}),
+                 writes={"video": VideoFrames, "latents": Latents, "audio": Audio, "sound_latents": Latents,
+                         "action": Action}),
         ))
 
     def task_defaults(self, model: LoadedModel, task: TaskType) -> dict[str, Any]:

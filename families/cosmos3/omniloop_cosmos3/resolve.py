@@ -56,6 +56,8 @@ class Cosmos3Resolved:
     sound: bool = False
     #: i2v: the first frame, uint8 ``[H, W, 3]`` (None for t2v, or before decoding)
     image: Any = None
+    #: an action request resolved (:class:`omniloop_cosmos3.action.ActionSpec`), else None
+    action: Any = None
     warnings: tuple[str, ...] = ()
 
     @property
@@ -117,19 +119,29 @@ def resolve(model: LoadedModel, request: OmniRequest, *, decode_image: bool = Tr
         raise RequestError("audio.enabled", "this checkpoint makes no sound (it has no sound tokenizer, or its "
                            "transformer no sound head)")
     warnings: list[str] = []
-    image = conditioning_image(request, request.task is TaskType.I2V, IMAGE_ROLES, warnings, decode=decode_image,
+    image = conditioning_image(request, request.task is TaskType.I2V, IMAGE_ROLES, warnings,
+                               decode=decode_image or request.action is not None,
                                missing="an i2v request needs an image part (role image or first_frame)",
                                extra="{n} more image part(s) ignored (only the first image/first_frame is used)")
     negative = request.negative_prompt or ""
     tok = model.components["text_tokenizer"]
-    kw = dict(num_frames=frames, height=height, width=width, fps=fps)
-    cond = token_ids(tok, prompt_text(prompt, negative=False, **kw), image=frames == 1)
-    uncond = token_ids(tok, prompt_text(negative, negative=True, **kw), image=frames == 1)
+    action = None
+    if request.action is not None:  # the action caption; the negative prompt as given (no templates)
+        from .action import caption, resolve_action
+
+        action = resolve_action(request, c, image, warnings)
+        frames, (height, width) = action.chunk_size + 1, action.canvas
+        cond_text, uncond_text = caption(prompt, action, fps), negative
+    else:
+        kw = dict(num_frames=frames, height=height, width=width, fps=fps)
+        cond_text, uncond_text = prompt_text(prompt, negative=False, **kw), prompt_text(negative, negative=True, **kw)
+    cond = token_ids(tok, cond_text, image=frames == 1)
+    uncond = token_ids(tok, uncond_text, image=frames == 1)
     return Cosmos3Resolved(task=request.task, prompt=prompt, negative_prompt=negative,
                            steps=int(_value(d.steps, dft["steps"])),
                            guidance_scale=float(_value(d.guidance_scale, dft["guidance_scale"])),
                            num_frames=frames, height=height, width=width, fps=fps, cond_ids=cond, uncond_ids=uncond,
-                           sound=sound, image=image, warnings=tuple(warnings))
+                           sound=sound, image=image, action=action, warnings=tuple(warnings))
 
 
 def wants_sound(request: OmniRequest) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from omniloop.artifacts import Audio, Latents, Tensors, VideoFrames
+from omniloop.artifacts import Action, Audio, Latents, Tensors, VideoFrames
 from omniloop.context import StageContext
 from omniloop.loop import RequestState
 from omniloop_kit import stages as kit
@@ -61,15 +61,24 @@ class ImageEncode:
     def forward(self, ctx: StageContext, state: RequestState) -> None:
         p: Cosmos3Resolved = params_of(state)
         vae = ctx.components["vae"]
-        frame = first_frame(p.image, p.height, p.width).to(device=ctx.device)
-        clip = torch.zeros(1, 3, p.num_frames, p.height, p.width, dtype=torch.float32, device=ctx.device)
-        clip[:, :, 0] = frame
-        if p.num_frames > 1:
-            clip[:, :, 1:] = frame.unsqueeze(2).expand(-1, -1, p.num_frames - 1, -1, -1)
+        content = None
+        if p.action is not None:  # the clip on the tier's canvas; the latents cropped back to the content
+            from .action import conditioning_clip
+
+            clip, content = conditioning_clip(p.image, p.action, int(vae.config.scale_factor_spatial), ctx.device)
+        else:
+            frame = first_frame(p.image, p.height, p.width).to(device=ctx.device)
+            clip = torch.zeros(1, 3, p.num_frames, p.height, p.width, dtype=torch.float32, device=ctx.device)
+            clip[:, :, 0] = frame
+            if p.num_frames > 1:
+                clip[:, :, 1:] = frame.unsqueeze(2).expand(-1, -1, p.num_frames - 1, -1, -1)
         with torch.no_grad():
             mu = vae.encode(clip.to(device=module_device(vae), dtype=vae.dtype)).latent_dist.mode()
             mean, inv_std = vae_stats(vae, mu.device)
             x0 = ((mu - mean) * inv_std).to(clip.dtype).contiguous().float()
+        if content is not None:
+            sf = int(vae.config.scale_factor_spatial)
+            x0 = x0[:, :, :, :max(content[0] // sf, 1), :max(content[1] // sf, 1)].contiguous()
         state.write("image_latents", Latents(tensor=x0.to(ctx.device), modality="video"), ctx.node.name)
 
 
@@ -115,6 +124,10 @@ class Output:
             samples = wave.values["audio"].float().cpu().contiguous()
             state.write("audio", Audio(samples=samples, sample_rate=rate), ctx.node.name)
         return_latents(ctx, state, "video")
+        actions = state.get("denoised_action")
+        if isinstance(actions, Latents) and p.action is not None and p.action.returns_actions:
+            values = actions.tensor[:, :p.action.width].detach().float().cpu()
+            state.write("action", Action(values=values, domain=p.action.domain), ctx.node.name)
         sound = state.get("denoised_sound")
         if state.request.outputs.return_latents and isinstance(sound, Latents):
             state.write("sound_latents", Latents(tensor=sound.tensor.detach().cpu(), modality="audio"), ctx.node.name)

@@ -153,6 +153,28 @@ def read_sound(tf: Any, out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return tf._unpack_sound_latents(tf.audio_proj_out(out[idx]), [(n, 1, 1)], [every])[0]
 
 
+def embed_action(tf: Any, latents: torch.Tensor, domain: torch.Tensor, noisy: torch.Tensor,
+                 timestep: float) -> torch.Tensor:
+    """The action latents ``[T, D]`` through the domain's input projection, plus the modality
+    embedding and, on the noisy frames, the timestep embedding: ``[T, hidden]``."""
+    n = latents.shape[0]
+    tokens, ids = tf._pack_action_latents([latents], [(n, 1, 1)], [domain])
+    tokens = tf.action_proj_in(tokens.to(tf.dtype), ids.to(device=tokens.device)) + tf.action_modality_embed
+    if len(noisy) == 0:
+        return tokens
+    ts = torch.full((len(noisy),), timestep, device=latents.device)
+    return tf._apply_timestep_embeds_to_noisy_tokens(packed_tokens=tokens,
+                                                     packed_timestep_embeds=_timestep_embeds(tf, ts, tokens.dtype),
+                                                     noisy_frame_indexes=[noisy], token_shapes=[(n, 1, 1)])
+
+
+def read_action(tf: Any, out: torch.Tensor, idx: torch.Tensor, domain: torch.Tensor, noisy: torch.Tensor,
+                n: int) -> torch.Tensor:
+    """The action velocity ``[T, D]`` from the gen output at the noisy action tokens ``idx``."""
+    ids = domain.reshape(1).expand(len(noisy)).to(device=out.device)
+    return tf._unpack_action_latents(tf.action_proj_out(out[idx], ids), [(n, 1, 1)], [noisy])[0]
+
+
 def read_vision(tf: Any, out: torch.Tensor, idx: torch.Tensor, grid: tuple[int, int, int], noisy: torch.Tensor,
                 shape: tuple[int, ...]) -> torch.Tensor:
     """The velocity ``[1, C, T, H, W]`` from the gen output at the noisy tokens ``idx`` (zeros on clean frames)."""
@@ -166,5 +188,5 @@ def patch_grid(tf: Any, latent_shape: tuple[int, ...]) -> tuple[int, int, int]:
     return latent_shape[2], math.ceil(latent_shape[3] / p), math.ceil(latent_shape[4] / p)
 
 
-__all__ = ["embed_sound", "embed_vision", "read_sound", "generate", "grid_positions", "patch_grid", "read_vision", "rotary", "text_positions",
+__all__ = ["embed_action", "read_action", "embed_sound", "embed_vision", "read_sound", "generate", "grid_positions", "patch_grid", "read_vision", "rotary", "text_positions",
            "understand"]
