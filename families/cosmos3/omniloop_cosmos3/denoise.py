@@ -28,6 +28,7 @@ the policies' one-latent sampler and stacked-branch CFG do not express. The math
 from __future__ import annotations
 
 import copy
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -228,11 +229,22 @@ class Denoise:
                 got = call_model(ctx.step_interceptors, sc.with_branch(name), loop, tokens,
                                  lambda n=name: self.predict(ctx, loop, n, tokens))
                 preds[name] = {k: v.float() for k, v in got.items()}
+            self.advance(p, loop, preds)
+        if ctx.taps_enabled:
+            ctx.tap("latents", loop.tensors["latents"], sc)
+        return StepResult(done=loop.step + 1 >= loop.total)
 
-            def guided(key: str) -> torch.Tensor:
-                c = preds["cond"][key]
-                return preds["uncond"][key] + p.guidance_scale * (c - preds["uncond"][key]) if p.cfg else c
+    def advance(self, p: Cosmos3Resolved, loop: LoopState, preds: dict[str, dict[str, torch.Tensor]]) -> None:
+        """CFG combine (float32, whenever ``g != 1``) and each modality's UniPC step."""
+        x = loop.extra
+        t = x["timesteps"][loop.step]
+        lat, sound, act = loop.tensors["latents"], loop.tensors.get("sound"), loop.tensors.get("action")
 
+        def guided(key: str) -> torch.Tensor:
+            c = preds["cond"][key]
+            return preds["uncond"][key] + p.guidance_scale * (c - preds["uncond"][key]) if p.cfg else c
+
+        with torch.no_grad():
             loop.tensors["latents"] = x["scheduler"].step(guided("vision").unsqueeze(0), t, lat.unsqueeze(0),
                                                           return_dict=False)[0].squeeze(0)
             if sound is not None:
@@ -243,9 +255,50 @@ class Denoise:
                                                      return_dict=False)[0].squeeze(0)
                 stepped[:, self.width(loop):] = 0
                 loop.tensors["action"] = stepped
-        if ctx.taps_enabled:
-            ctx.tap("latents", loop.tensors["latents"], sc)
-        return StepResult(done=loop.step + 1 >= loop.total)
+
+    # -- batched steps (the step scheduler) -----------------------------------------------------
+    def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
+        """Equal for requests whose next step may run as one batched gen-pathway forward per
+        branch: the same latent shape, clean frames, step of an equally long schedule, fps and
+        text lengths per branch (so equal packed layouts and rotary tables). Not batched: sound or
+        action streams, step interceptors, taps, ``exact`` requests (a batched GEMM rounds
+        differently from a request alone)."""
+        if ctx.step_interceptors or ctx.taps_enabled or state.request.exact or loop.step >= loop.total:
+            return None
+        if "sound" in loop.tensors or "action" in loop.tensors:
+            return None
+        p: Cosmos3Resolved = params_of(state)
+        x, lat = loop.extra, loop.tensors["latents"]
+        return ("cosmos3-denoise", tuple(lat.shape), str(lat.dtype), str(lat.device), tuple(x["noisy"].tolist()),
+                loop.step, loop.total, float(x["timesteps"][loop.step]), p.fps, loop.branches,
+                tuple(b["layout"].und_len for b in x["branches"].values()))
+
+    def step_batch(self, ctxs: Sequence[StageContext], states: Sequence[RequestState],
+                   loops: Sequence[LoopState]) -> list[StepResult]:
+        """One gen-pathway forward per branch over every request (their text K/V gathered from
+        the pool as one ``[B, L]`` slot table), then each request's own combine and steps."""
+        if not loops:
+            return []
+        tf, first = ctxs[0].components["transformer"], loops[0].extra
+        t = first["timesteps"][loops[0].step].item()
+        with torch.no_grad():
+            tokens = [T.embed_vision(tf, lp.tensors["latents"].to(tf.dtype), first["grid"], first["noisy"], t)
+                      for lp in loops]
+            preds: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in loops]
+            for name in loops[0].branches:
+                bs = [lp.extra["branches"][name] for lp in loops]
+                gen = tokens[0].new_zeros((len(loops), bs[0]["layout"].gen_len, tokens[0].shape[-1]))
+                gen[:, bs[0]["vision"]] = torch.stack(tokens)
+                slots = torch.stack([b["slots"] for b in bs])
+                out = T.generate(tf, gen, bs[0]["rot"], lambda i: self.pool.gather(i, slots))
+                for j, lp in enumerate(loops):
+                    x = lp.extra
+                    pred = T.read_vision(tf, out[j], bs[j]["noisy"], x["grid"], x["noisy"], x["shape"])
+                    keep = (1.0 - x["mask"]).to(dtype=pred.dtype, device=pred.device)
+                    preds[j][name] = {"vision": (pred * keep if keep.sum() > 0 else torch.zeros_like(pred)).float()}
+        for st, lp, mine in zip(states, loops, preds, strict=True):
+            self.advance(params_of(st), lp, mine)
+        return [StepResult(done=lp.step + 1 >= lp.total) for lp in loops]
 
     # -- end ------------------------------------------------------------------------------------
     def release(self, state: RequestState, node: str) -> None:

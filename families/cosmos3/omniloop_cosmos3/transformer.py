@@ -71,9 +71,12 @@ def _attend(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     proc = attn.processor
-    out = dispatch_attention_fn(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=causal, enable_gqa=True,
-                                backend=proc._attention_backend, parallel_config=proc._parallel_config)
-    return out.squeeze(0).flatten(-2, -1)
+    one = q.ndim == 3  # one sequence [S, H, D]; else a batch of equally long ones [B, S, H, D]
+    if one:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    out = dispatch_attention_fn(q, k, v, is_causal=causal, enable_gqa=True, backend=proc._attention_backend,
+                                parallel_config=proc._parallel_config)
+    return (out.squeeze(0) if one else out).flatten(-2, -1)
 
 
 # -- the understanding pathway (once per request and branch) ------------------------------------
@@ -100,16 +103,20 @@ def understand(tf: Any, input_ids: torch.Tensor, rot: Rotary) -> list[tuple[torc
 
 # -- the generation pathway (every step and branch) ---------------------------------------------
 def generate(tf: Any, gen: torch.Tensor, rot: Rotary, kv: Any) -> torch.Tensor:
-    """The gen tokens ``[G, hidden]`` through every layer (``kv(i)``: layer ``i``'s und K/V) and the final norm."""
+    """The gen tokens ``[G, hidden]`` (or a batch ``[B, G, hidden]`` of requests with equal
+    layouts) through every layer (``kv(i)``: layer ``i``'s und K/V, ``[L, kv_heads, head_dim]`` or
+    ``[B, L, ...]``) and the final norm."""
     cos, sin = rot[0].unsqueeze(1), rot[1].unsqueeze(1)
+    lead = gen.shape[:-2]
     for i, layer in enumerate(tf.layers):
         a = layer.self_attn
         x = layer.input_layernorm_moe_gen(gen)
-        q = _rotate(a.norm_added_q(a.add_q_proj(x).view(-1, a.num_attention_heads, a.head_dim)), cos, sin)
-        k = _rotate(a.norm_added_k(a.add_k_proj(x).view(-1, a.num_key_value_heads, a.head_dim)), cos, sin)
-        v = a.add_v_proj(x).view(-1, a.num_key_value_heads, a.head_dim)
+        q = _rotate(a.norm_added_q(a.add_q_proj(x).view(*lead, -1, a.num_attention_heads, a.head_dim)), cos, sin)
+        k = _rotate(a.norm_added_k(a.add_k_proj(x).view(*lead, -1, a.num_key_value_heads, a.head_dim)), cos, sin)
+        v = a.add_v_proj(x).view(*lead, -1, a.num_key_value_heads, a.head_dim)
         k_und, v_und = kv(i)
-        res = gen + a.to_add_out(_attend(a, q, torch.cat([k_und, k], dim=0), torch.cat([v_und, v], dim=0), causal=False))
+        res = gen + a.to_add_out(_attend(a, q, torch.cat([k_und, k], dim=-3), torch.cat([v_und, v], dim=-3),
+                                         causal=False))
         gen = res + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(res))
     return tf.norm_moe_gen(gen)
 
