@@ -65,6 +65,10 @@ the field. Fields, each defaulting to "not supported":
     with ``audio``: the tasks besides ``t2a`` whose output also holds the ``audio`` artifact (a
     video with a sound track: a joint audio-video family lists ``t2v``). Front ends read
     :meth:`FamilyCapabilities.makes_audio` to pick the output file type (an mp4 with an AAC track).
+``actions``
+    the family takes action-conditioned requests (``OmniRequest.action``, :class:`omniloop.request.ActionParams`)
+    and may write an ``action`` artifact (:class:`omniloop.artifacts.Action`); the core refuses
+    ``action`` for every other family.
 ``inspect`` / ``resolve`` / ``supported_tasks`` / ``task_defaults``
     the family defines that optional method (see :class:`omniloop.family.Family`).
 

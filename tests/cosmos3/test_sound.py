@@ -54,10 +54,10 @@ def test_no_sound_unless_asked(runtime, t2v):
 
 
 def test_sound_refused_without_a_sound_tokenizer(runtime, t2v):
-    with pytest.raises(RequestError, match="audio.enabled.*no sound"):
+    with pytest.raises(RequestError, match=r"audio\.enabled.*no sound"):
         runtime("nemotron").prepare({**t2v(seed=1, steps=1), "audio": {"enabled": True}})
 
 
 def test_sound_window_refused(runtime, t2v):
-    with pytest.raises(RequestError, match="audio.seconds"):
+    with pytest.raises(RequestError, match=r"audio\.seconds"):
         runtime("qwen").prepare({**t2v(seed=1, steps=1), "audio": {"enabled": True, "seconds": 1.0}})

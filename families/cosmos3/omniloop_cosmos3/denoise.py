@@ -290,7 +290,7 @@ class Denoise:
                 gen = tokens[0].new_zeros((len(loops), bs[0]["layout"].gen_len, tokens[0].shape[-1]))
                 gen[:, bs[0]["vision"]] = torch.stack(tokens)
                 slots = torch.stack([b["slots"] for b in bs])
-                out = T.generate(tf, gen, bs[0]["rot"], lambda i: self.pool.gather(i, slots))
+                out = T.generate(tf, gen, bs[0]["rot"], lambda i, s=slots: self.pool.gather(i, s))
                 for j, lp in enumerate(loops):
                     x = lp.extra
                     pred = T.read_vision(tf, out[j], bs[j]["noisy"], x["grid"], x["noisy"], x["shape"])

@@ -133,4 +133,4 @@ class Output:
             state.write("sound_latents", Latents(tensor=sound.tensor.detach().cpu(), modality="audio"), ctx.node.name)
 
 
-__all__ = ["ImageEncode", "Output", "first_frame", "vae_stats", "SoundDecode", "VaeDecode", "Validate"]
+__all__ = ["ImageEncode", "Output", "SoundDecode", "VaeDecode", "Validate", "first_frame", "vae_stats"]

@@ -106,8 +106,13 @@ def build_pipeline(variant: str = "qwen", seed: int = 0, tokenizer_dir: Path | N
     """diffusers' ``Cosmos3OmniPipeline`` over random tiny components (safety checker off)."""
     import tempfile
 
-    from diffusers import (AutoencoderKLWan, Cosmos3AVAEAudioTokenizer, Cosmos3OmniPipeline, Cosmos3OmniTransformer,
-                           UniPCMultistepScheduler)
+    from diffusers import (
+        AutoencoderKLWan,
+        Cosmos3AVAEAudioTokenizer,
+        Cosmos3OmniPipeline,
+        Cosmos3OmniTransformer,
+        UniPCMultistepScheduler,
+    )
 
     if variant not in CONFIGS:
         raise ValueError(f"unknown variant {variant!r} (one of {', '.join(VARIANTS)})")

@@ -195,5 +195,17 @@ def patch_grid(tf: Any, latent_shape: tuple[int, ...]) -> tuple[int, int, int]:
     return latent_shape[2], math.ceil(latent_shape[3] / p), math.ceil(latent_shape[4] / p)
 
 
-__all__ = ["embed_action", "read_action", "embed_sound", "embed_vision", "read_sound", "generate", "grid_positions", "patch_grid", "read_vision", "rotary", "text_positions",
-           "understand"]
+__all__ = [
+    "embed_action",
+    "embed_sound",
+    "embed_vision",
+    "generate",
+    "grid_positions",
+    "patch_grid",
+    "read_action",
+    "read_sound",
+    "read_vision",
+    "rotary",
+    "text_positions",
+    "understand",
+]
