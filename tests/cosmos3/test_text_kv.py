@@ -50,3 +50,14 @@ def test_text_kv_pool_given_back(runtime, t2v):
     assert rt.generate(t2v(seed=2, steps=2)).status is Status.COMPLETED
     assert pool.free_blocks == before and pool.sequences == 0
     pool.check()
+
+
+def test_text_kv_pool_size_is_a_deploy_option(tiny_ckpt):
+    from omniloop.errors import DeployError
+
+    from .conftest import c3_runtime
+
+    rt = c3_runtime(tiny_ckpt("nemotron"), options={"text_kv_tokens": 512})
+    assert rt.model.components["text_kv"].num_blocks == 32
+    with pytest.raises(DeployError, match="options.text_kv_tokens"):
+        c3_runtime(tiny_ckpt("nemotron"), options={"text_kv_tokens": 4})
