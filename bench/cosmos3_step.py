@@ -8,7 +8,8 @@ vision tokens embedded once for both branches. This script times, on one device:
 
 * ``diffusers_step``: two ``Cosmos3OmniTransformer.forward`` calls (cond, uncond), eager, and with
   ``--compile`` the same under ``torch.compile`` of each decoder layer (``compile_repeated_blocks``);
-* ``omniloop_step``: the family's step body (``embed_vision`` + ``generate`` per branch);
+* ``omniloop_step``: the family's step body (``embed_vision`` + ``generate`` per branch), and with
+  ``--compile`` the same with the gen layer body under ``torch.compile`` (deploy ``compile: true``);
 * ``omniloop_text_once``: the und pathway of both branches (paid once per request);
 
 and checks the predictions agree (bit-exact on CPU float32). Per request of ``--steps`` steps the
@@ -113,7 +114,7 @@ def text_once(tf: Any, x: dict[str, Any]) -> dict[str, Any]:
     return kv
 
 
-def omniloop_step(tf: Any, x: dict[str, Any], kv: dict[str, Any]) -> list[torch.Tensor]:
+def omniloop_step(tf: Any, x: dict[str, Any], kv: dict[str, Any], layer_fn: Any = None) -> list[torch.Tensor]:
     from omniloop_cosmos3 import transformer as T
 
     lat = x["latents"]
@@ -123,7 +124,7 @@ def omniloop_step(tf: Any, x: dict[str, Any], kv: dict[str, Any]) -> list[torch.
         lay = b["layout"]
         gen = tokens.new_zeros((lay.gen_len, tokens.shape[-1]))
         gen[lay.gen_indexes("vision", device=lat.device)] = tokens
-        hidden = T.generate(tf, gen, kv[name]["rot"], lambda i, n=name: kv[n]["kv"][i])
+        hidden = T.generate(tf, gen, kv[name]["rot"], lambda i, n=name: kv[n]["kv"][i], layer_fn)
         out.append(T.read_vision(tf, hidden, lay.gen_indexes("vision", noisy=True, device=lat.device), x["grid"],
                                  x["noisy"], tuple(lat.shape)))
     return out
@@ -182,11 +183,17 @@ def main(argv: list[str] | None = None) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             path = args.out / f"cosmos3-step-{args.preset}-{args.device.split(':')[0]}.json"
             path.write_text(json.dumps(rec, indent=2) + "\n")
-        if args.compile:
+        if args.compile:  # omniloop's deploy compile: true (one compiled gen-layer body), then diffusers'
+            from omniloop_cosmos3.transformer import gen_layer
+
+            fn = torch.compile(gen_layer, dynamic=False)
+            t_oc, _ = timed(lambda: omniloop_step(tf, x, kv, fn), args.reps, args.device)
+            rec["omniloop_compiled_step_s"] = round(t_oc, 6)
             tf.compile_repeated_blocks(fullgraph=False)
             t_c, _ = timed(lambda: diffusers_step(tf, x), args.reps, args.device)
             rec["diffusers_compiled_step_s"] = round(t_c, 6)
             rec["omniloop_vs_compiled"] = round(t_c / t_ours, 4)
+            rec["omniloop_compiled_vs_compiled"] = round(t_c / t_oc, 4)
     print(json.dumps(rec, indent=2))
     if path is not None:
         path.write_text(json.dumps(rec, indent=2) + "\n")

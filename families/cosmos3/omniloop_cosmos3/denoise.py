@@ -108,10 +108,13 @@ def initial_actions(spec: Any, dim: int, noise: torch.Tensor) -> tuple[torch.Ten
 class Denoise:
     """The denoise loop node (see the module docstring)."""
 
-    def __init__(self, model_config: dict[str, Any], pool: Any) -> None:
+    def __init__(self, model_config: dict[str, Any], pool: Any, layer_fn: Any = None) -> None:
         self.config = model_config
         #: the model's text-KV pool (``omniloop_kvcache.CacheManager``)
         self.pool = pool
+        #: the gen pathway's layer body (:func:`omniloop_cosmos3.transformer.gen_layer`, compiled
+        #: under deploy ``compile: true``)
+        self.layer_fn = layer_fn
 
     # -- init ---------------------------------------------------------------------------------
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
@@ -193,7 +196,7 @@ class Denoise:
             gen[b["sound"]] = tokens["sound"]
         if "action" in tokens:
             gen[b["action"]] = tokens["action"]
-        out = T.generate(tf, gen, b["rot"], lambda i: pool.gather(i, b["slots"]))
+        out = T.generate(tf, gen, b["rot"], lambda i: pool.gather(i, b["slots"]), self.layer_fn)
         pred = T.read_vision(tf, out, b["noisy"], x["grid"], x["noisy"], x["shape"])
         keep = (1.0 - x["mask"]).to(dtype=pred.dtype, device=pred.device)
         got = {"vision": pred * keep if keep.sum() > 0 else torch.zeros_like(pred)}
@@ -290,7 +293,7 @@ class Denoise:
                 gen = tokens[0].new_zeros((len(loops), bs[0]["layout"].gen_len, tokens[0].shape[-1]))
                 gen[:, bs[0]["vision"]] = torch.stack(tokens)
                 slots = torch.stack([b["slots"] for b in bs])
-                out = T.generate(tf, gen, bs[0]["rot"], lambda i, s=slots: self.pool.gather(i, s))
+                out = T.generate(tf, gen, bs[0]["rot"], lambda i, s=slots: self.pool.gather(i, s), self.layer_fn)
                 for j, lp in enumerate(loops):
                     x = lp.extra
                     pred = T.read_vision(tf, out[j], bs[j]["noisy"], x["grid"], x["noisy"], x["shape"])

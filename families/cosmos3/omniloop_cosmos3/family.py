@@ -14,6 +14,7 @@ from omniloop.errors import DeployError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
+from omniloop_kit.compile import compile_options
 from omniloop_kit.family import DiffusersFamily, load_checkpoint
 from omniloop_kit.resolve import check_task
 
@@ -22,8 +23,9 @@ from .denoise import Denoise
 from .resolve import DEFAULTS, TASKS, Cosmos3Resolved, resolve, wants_sound
 from .stages import ImageEncode, Output, SoundDecode, VaeDecode, Validate
 
-#: deploy options read: the text-KV pool's size in tokens (both CFG branches of every running request)
-OPTIONS = frozenset({"text_kv_tokens"})
+#: deploy options read: the text-KV pool's size in tokens (both CFG branches of every running request),
+#: and the compile settings of omniloop_kit.compile (deploy ``compile: true``: the gen pathway's layer compiled)
+OPTIONS = frozenset({"text_kv_tokens", "compile_backend", "compile_mode", "compile_dynamic"})
 DEFAULT_TEXT_KV_TOKENS = 8192
 #: the pipeline's own settings (``model_index.json``) the family reads
 PIPELINE_FLAGS = ("use_native_flow_schedule", "default_use_system_prompt", "enable_safety_checker")
@@ -46,6 +48,7 @@ class Cosmos3Family(DiffusersFamily):
         """Check every file first (one ``CheckpointError`` naming it), then load each component by
         the class ``model_index.json`` names (local files only; never the safety checker)."""
         _kv_tokens(options)
+        compile_options(options)  # bad compile settings fail before loading
         got = load_checkpoint(path, ck.check_checkpoint, ck.load_component, device=device, dtype=dtype)
         flags = {k: got.index[k] for k in PIPELINE_FLAGS if k in got.index}
         model = self.from_components(got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype,
@@ -88,11 +91,20 @@ class Cosmos3Family(DiffusersFamily):
         model.components["text_kv"] = CacheManager(layout, block_size=block, num_blocks=-(-tokens // block),
                                                    name="cosmos3-text")
         model.config["text_kv"] = {"tokens": tokens, "block_size": block, "bytes_per_token": layout.bytes_per_token}
+        settings = compile_options(options)
+        if settings is not None:  # one torch.compile of the gen pathway's layer body, shared by every layer
+            model.config["compile"] = dict(settings)
 
     def build_pipeline(self, model: LoadedModel, task: TaskType, options: dict[str, Any]) -> PipelineSpec:
         """validate → denoise → vae_decode → output."""
         check_task(task, TASKS, "the cosmos3 family")
-        denoise = Denoise(model.config, model.components["text_kv"])
+        settings = model.config.get("compile")
+        layer_fn = None
+        if settings is not None:
+            from .transformer import gen_layer
+
+            layer_fn = torch.compile(gen_layer, **settings)
+        denoise = Denoise(model.config, model.components["text_kv"], layer_fn)
         outputs = {"video": "video", "latents": "latents", "audio": "audio", "sound_latents": "sound_latents",
                    "action": "action"}
         return PipelineSpec(family=self.name, task=task, outputs=outputs, nodes=(

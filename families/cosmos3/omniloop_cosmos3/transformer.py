@@ -102,22 +102,29 @@ def understand(tf: Any, input_ids: torch.Tensor, rot: Rotary) -> list[tuple[torc
 
 
 # -- the generation pathway (every step and branch) ---------------------------------------------
-def generate(tf: Any, gen: torch.Tensor, rot: Rotary, kv: Any) -> torch.Tensor:
+def gen_layer(layer: Any, gen: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_und: torch.Tensor,
+              v_und: torch.Tensor) -> torch.Tensor:
+    """One decoder layer's generation pathway (``cos``/``sin`` ``[G, 1, head_dim]``)."""
+    a = layer.self_attn
+    lead = gen.shape[:-2]
+    x = layer.input_layernorm_moe_gen(gen)
+    q = _rotate(a.norm_added_q(a.add_q_proj(x).view(*lead, -1, a.num_attention_heads, a.head_dim)), cos, sin)
+    k = _rotate(a.norm_added_k(a.add_k_proj(x).view(*lead, -1, a.num_key_value_heads, a.head_dim)), cos, sin)
+    v = a.add_v_proj(x).view(*lead, -1, a.num_key_value_heads, a.head_dim)
+    res = gen + a.to_add_out(_attend(a, q, torch.cat([k_und, k], dim=-3), torch.cat([v_und, v], dim=-3),
+                                     causal=False))
+    return res + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(res))
+
+
+def generate(tf: Any, gen: torch.Tensor, rot: Rotary, kv: Any, layer_fn: Any = None) -> torch.Tensor:
     """The gen tokens ``[G, hidden]`` (or a batch ``[B, G, hidden]`` of requests with equal
     layouts) through every layer (``kv(i)``: layer ``i``'s und K/V, ``[L, kv_heads, head_dim]`` or
-    ``[B, L, ...]``) and the final norm."""
+    ``[B, L, ...]``) and the final norm; ``layer_fn``: :func:`gen_layer` or a compiled version of it."""
     cos, sin = rot[0].unsqueeze(1), rot[1].unsqueeze(1)
-    lead = gen.shape[:-2]
+    run = layer_fn or gen_layer
     for i, layer in enumerate(tf.layers):
-        a = layer.self_attn
-        x = layer.input_layernorm_moe_gen(gen)
-        q = _rotate(a.norm_added_q(a.add_q_proj(x).view(*lead, -1, a.num_attention_heads, a.head_dim)), cos, sin)
-        k = _rotate(a.norm_added_k(a.add_k_proj(x).view(*lead, -1, a.num_key_value_heads, a.head_dim)), cos, sin)
-        v = a.add_v_proj(x).view(*lead, -1, a.num_key_value_heads, a.head_dim)
         k_und, v_und = kv(i)
-        res = gen + a.to_add_out(_attend(a, q, torch.cat([k_und, k], dim=-3), torch.cat([v_und, v], dim=-3),
-                                         causal=False))
-        gen = res + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(res))
+        gen = run(layer, gen, cos, sin, k_und, v_und)
     return tf.norm_moe_gen(gen)
 
 
