@@ -59,5 +59,16 @@ def test_text_kv_pool_size_is_a_deploy_option(tiny_ckpt):
 
     rt = c3_runtime(tiny_ckpt("nemotron"), options={"text_kv_tokens": 512})
     assert rt.model.components["text_kv"].num_blocks == 32
-    with pytest.raises(DeployError, match="options.text_kv_tokens"):
+    with pytest.raises(DeployError, match=r"options\.text_kv_tokens"):
         c3_runtime(tiny_ckpt("nemotron"), options={"text_kv_tokens": 4})
+
+
+def test_a_full_pool_fails_the_request_and_frees_what_it_took(tiny_ckpt, t2v):
+    from .conftest import c3_runtime
+
+    rt = c3_runtime(tiny_ckpt("nemotron"), options={"text_kv_tokens": 160})  # room for one branch's text only
+    pool = rt.model.components["text_kv"]
+    out = rt.generate(t2v(seed=1, steps=1))
+    assert out.status is Status.FAILED and "KV cache 'cosmos3-text'" in out.error.message
+    assert pool.sequences == 0 and pool.free_blocks == pool.num_blocks
+    assert rt.generate(t2v(seed=1, steps=1, guidance_scale=1.0)).status is Status.COMPLETED  # one branch fits

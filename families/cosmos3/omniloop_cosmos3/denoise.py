@@ -155,7 +155,17 @@ class Denoise:
             action = (spec.chunk_size, a_noisy, spec.domain)
         loop.extra.update(scheduler=sched, timesteps=sched.timesteps, grid=grid, mask=mask, shape=shape,
                           noisy=torch.tensor(noisy, dtype=torch.long, device=dev), handles={})
-        pool = self.pool
+        try:
+            self._understand(ctx, state, loop, p, grid, noisy, n_sound, action)
+        except BaseException:  # a full pool (CacheFull) or a failed forward: nothing stays allocated
+            self._free(loop)
+            raise
+        return loop
+
+    def _understand(self, ctx: StageContext, state: RequestState, loop: LoopState, p: Cosmos3Resolved,
+                    grid: tuple[int, int, int], noisy: list[int], n_sound: int, action: Any) -> None:
+        """Each branch's packed layout and rotary tables, and its text K/V computed once into the pool."""
+        tf, dev, pool = ctx.components["transformer"], ctx.device, self.pool
         branches: dict[str, Any] = {}
         with torch.no_grad():
             for name in loop.branches:
@@ -180,7 +190,6 @@ class Denoise:
         loop.extra["branches"] = branches
         state.metrics["text_kv"] = {"branches": len(branches), "tokens": {n: b["layout"].und_len
                                                                           for n, b in branches.items()}}
-        return loop
 
     # -- one step -----------------------------------------------------------------------------
     def predict(self, ctx: StageContext, loop: LoopState, name: str, tokens: dict[str, torch.Tensor]
