@@ -72,3 +72,13 @@ def test_a_full_pool_fails_the_request_and_frees_what_it_took(tiny_ckpt, t2v):
     assert out.status is Status.FAILED and "KV cache 'cosmos3-text'" in out.error.message
     assert pool.sequences == 0 and pool.free_blocks == pool.num_blocks
     assert rt.generate(t2v(seed=1, steps=1, guidance_scale=1.0)).status is Status.COMPLETED  # one branch fits
+
+
+def test_kv_demand_is_the_text_blocks(runtime, t2v):
+    rt = runtime("qwen")
+    ex = rt.prepare(t2v(seed=1, steps=1))
+    node = next(n for n in ex.nodes if n.name == "denoise")
+    pool, blocks = node.stage.kv_demand(ex.state)
+    p = ex.state.resolved
+    assert pool is rt.model.components["text_kv"]
+    assert blocks == pool.blocks_for(len(p.cond_ids)) + pool.blocks_for(len(p.uncond_ids))

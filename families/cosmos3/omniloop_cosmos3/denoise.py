@@ -191,6 +191,15 @@ class Denoise:
         state.metrics["text_kv"] = {"branches": len(branches), "tokens": {n: b["layout"].und_len
                                                                           for n, b in branches.items()}}
 
+    def kv_demand(self, state: RequestState) -> tuple[Any, int] | None:
+        """(pool, blocks) this request takes at ``init`` — its branches' text tokens: what the step
+        scheduler's admission checks, so a request waits for room instead of failing."""
+        p = state.resolved
+        if not isinstance(p, Cosmos3Resolved):
+            return None
+        texts = [p.cond_ids, p.uncond_ids] if p.cfg else [p.cond_ids]
+        return self.pool, sum(self.pool.blocks_for(len(ids)) for ids in texts)
+
     # -- one step -----------------------------------------------------------------------------
     def predict(self, ctx: StageContext, loop: LoopState, name: str, tokens: dict[str, torch.Tensor]
                 ) -> dict[str, torch.Tensor]:
