@@ -48,3 +48,28 @@ def test_exact_requests_not_batched(runtime, t2v):
     alone = runtime("qwen")
     for req, out in zip(reqs, outs, strict=True):
         assert torch.equal(out.artifacts["latents"].tensor, alone.generate(req).artifacts["latents"].tensor)
+
+
+def test_sound_and_action_requests_batch_too(runtime, t2v, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    step = runtime("qwen", step=True)
+    sound = [{**t2v(seed=31 + i, steps=2), "audio": {"enabled": True}, "request_id": f"s{i}"} for i in range(2)]
+    path = tmp_path / "frame.png"
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, size=(60, 90, 3), dtype=np.uint8)).save(path)
+    act = [{"task": "i2v", "prompt": "pick up the cup", "inputs": [{"type": "image", "path": str(path)}],
+            "action": {"mode": "policy", "chunk_size": 4, "domain": "bridge_orig_lerobot", "resolution_tier": 256},
+            "diffusion": {"seed": 41 + i, "steps": 2}, "outputs": {"return_latents": True}, "request_id": f"a{i}"}
+           for i in range(2)]
+    outs = _run_together(step, sound + act)
+    for ids in ({"s0", "s1"}, {"a0", "a1"}):
+        assert [d for d in step.scheduler.trace if d.action == "batched_step" and set(d.request_ids) == ids]
+    alone = runtime("qwen")
+    for req, out in zip(sound + act, outs, strict=True):
+        ref = alone.generate(req)
+        for key in ("latents", "sound_latents"):
+            if key in ref.artifacts:
+                assert torch.allclose(out.artifacts[key].tensor, ref.artifacts[key].tensor, rtol=0, atol=2e-5)
+        if "action" in ref.artifacts:
+            assert torch.allclose(out.artifacts["action"].values, ref.artifacts["action"].values, rtol=0, atol=2e-5)

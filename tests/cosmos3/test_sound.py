@@ -61,3 +61,20 @@ def test_sound_refused_without_a_sound_tokenizer(runtime, t2v):
 def test_sound_window_refused(runtime, t2v):
     with pytest.raises(RequestError, match=r"audio\.seconds"):
         runtime("qwen").prepare({**t2v(seed=1, steps=1), "audio": {"enabled": True, "seconds": 1.0}})
+
+
+def test_i2v_with_sound_bit_exact(runtime, reference, t2v, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(9).integers(0, 256, size=(32, 48, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "first.png")
+    req = {**t2v(seed=7, steps=2), "task": "i2v", "audio": {"enabled": True},
+           "inputs": [{"type": "image", "path": str(tmp_path / "first.png")}]}
+    out = runtime("qwen").generate(req)
+    assert out.status is Status.COMPLETED, out.error
+    ref = reference("qwen")(prompt=PROMPT, image=Image.fromarray(pixels), num_frames=SIZE["frames"],
+                            height=SIZE["height"], width=SIZE["width"], num_inference_steps=2, enable_sound=True,
+                            generator=torch.Generator().manual_seed(7), output_type="latent")
+    assert torch.equal(out.artifacts["latents"].tensor, ref.video)
+    assert torch.equal(out.artifacts["audio"].samples, ref.sound)

@@ -22,7 +22,15 @@ the policies' one-latent sampler and stacked-branch CFG do not express. The math
     on clean frames, ``uncond + g * (cond - uncond)`` in float32 whenever ``g != 1`` (diffusers'
     test, so ``g < 1`` runs CFG too), and the UniPC step on ``latents[None]``.
 ``finalize`` / ``release``
-    the handles freed (``release`` also on cancel or failure).
+    the handles freed (``release`` also on cancel or failure; ``init`` frees what it took when it
+    fails, e.g. a full pool).
+
+Sound (``[C, T]``, every frame noisy) and action (``[T, D]``, domain-aware projections, given
+frames clean, zero beyond the domain's width) streams ride along in the gen pathway after the
+vision tokens, each with its own UniPC instance. The step scheduler batches requests whose packed
+layouts are equal (``batch_key`` / ``step_batch``): one gen-pathway forward ``[B, G, hidden]`` per
+branch, the text K/V gathered from the pool as one ``[B, L]`` slot table; ``kv_demand`` tells its
+admission how many pool blocks a request takes.
 """
 
 from __future__ import annotations
@@ -201,32 +209,49 @@ class Denoise:
         return self.pool, sum(self.pool.blocks_for(len(ids)) for ids in texts)
 
     # -- one step -----------------------------------------------------------------------------
-    def predict(self, ctx: StageContext, loop: LoopState, name: str, tokens: dict[str, torch.Tensor]
-                ) -> dict[str, torch.Tensor]:
-        """One branch's velocities (vision ``[1, C, T, H, W]`` masked on clean frames; sound ``[C, T]``)
-        from this step's embedded tokens."""
-        tf, pool = ctx.components["transformer"], self.pool
-        b, x = loop.extra["branches"][name], loop.extra
-        vision = tokens["vision"]
-        gen = vision.new_zeros((b["layout"].gen_len, vision.shape[-1]))
-        gen[b["vision"]] = vision
-        if "sound" in tokens:
-            gen[b["sound"]] = tokens["sound"]
-        if "action" in tokens:
-            gen[b["action"]] = tokens["action"]
-        out = T.generate(tf, gen, b["rot"], lambda i: pool.gather(i, b["slots"]), self.layer_fn)
+    def embed(self, tf: Any, loop: LoopState, t: float) -> dict[str, torch.Tensor]:
+        """This step's gen tokens of every modality (the same inputs for both branches)."""
+        x = loop.extra
+        lat, sound, act = loop.tensors["latents"], loop.tensors.get("sound"), loop.tensors.get("action")
+        tokens = {"vision": T.embed_vision(tf, lat.to(tf.dtype), x["grid"], x["noisy"], t)}
+        if sound is not None:
+            tokens["sound"] = T.embed_sound(tf, sound.to(tf.dtype), t)
+        if act is not None:
+            tokens["action"] = T.embed_action(tf, act.to(tf.dtype), x["domain"], x["action_noisy"], t)
+        return tokens
+
+    @staticmethod
+    def fill(gen: torch.Tensor, b: dict[str, Any], tokens: dict[str, torch.Tensor]) -> None:
+        """The tokens at their gen-pathway positions (``gen`` ``[G, hidden]``, zeros elsewhere)."""
+        for key, tok in tokens.items():
+            gen[b[key]] = tok
+
+    def read(self, tf: Any, out: torch.Tensor, loop: LoopState, b: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """One branch's velocities from its gen output ``[G, hidden]``: vision ``[1, C, T, H, W]``
+        masked on clean frames, sound ``[C, T]``, actions ``[T, D]`` masked on given frames and
+        zero beyond the domain's width; float32."""
+        x = loop.extra
         pred = T.read_vision(tf, out, b["noisy"], x["grid"], x["noisy"], x["shape"])
         keep = (1.0 - x["mask"]).to(dtype=pred.dtype, device=pred.device)
         got = {"vision": pred * keep if keep.sum() > 0 else torch.zeros_like(pred)}
-        if "sound" in tokens:
+        if "sound" in loop.tensors:
             got["sound"] = T.read_sound(tf, out, b["sound"])  # its conditioning mask is all zero: kept whole
-        if "action" in tokens:
+        if "action" in loop.tensors:
             a = T.read_action(tf, out, b["action_noisy"], x["domain"], x["action_noisy"], len(x["action_mask"]))
             keep_a = (1.0 - x["action_mask"]).to(dtype=a.dtype, device=a.device)
             a = a * keep_a if keep_a.sum() > 0 else torch.zeros_like(a)
             a[:, self.width(loop):] = 0
             got["action"] = a
-        return got
+        return {k: v.float() for k, v in got.items()}
+
+    def predict(self, ctx: StageContext, loop: LoopState, name: str, tokens: dict[str, torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+        """One branch's velocities from this step's embedded tokens."""
+        tf, b = ctx.components["transformer"], loop.extra["branches"][name]
+        gen = tokens["vision"].new_zeros((b["layout"].gen_len, tokens["vision"].shape[-1]))
+        self.fill(gen, b, tokens)
+        out = T.generate(tf, gen, b["rot"], lambda i: self.pool.gather(i, b["slots"]), self.layer_fn)
+        return self.read(tf, out, loop, b)
 
     @staticmethod
     def width(loop: LoopState) -> int:
@@ -238,18 +263,11 @@ class Denoise:
         t = x["timesteps"][loop.step]
         sc = StepContext(request_id=state.request.request_id, node=ctx.node.name, step_index=loop.step,
                          num_steps=loop.total, timestep=float(t), branch=loop.branches[0])
-        lat, sound, act = loop.tensors["latents"], loop.tensors.get("sound"), loop.tensors.get("action")
         with torch.no_grad():
-            tokens = {"vision": T.embed_vision(tf, lat.to(tf.dtype), x["grid"], x["noisy"], t.item())}
-            if sound is not None:
-                tokens["sound"] = T.embed_sound(tf, sound.to(tf.dtype), t.item())
-            if act is not None:
-                tokens["action"] = T.embed_action(tf, act.to(tf.dtype), x["domain"], x["action_noisy"], t.item())
-            preds = {}
-            for name in loop.branches:
-                got = call_model(ctx.step_interceptors, sc.with_branch(name), loop, tokens,
-                                 lambda n=name: self.predict(ctx, loop, n, tokens))
-                preds[name] = {k: v.float() for k, v in got.items()}
+            tokens = self.embed(tf, loop, t.item())
+            preds = {name: call_model(ctx.step_interceptors, sc.with_branch(name), loop, tokens,
+                                      lambda n=name: self.predict(ctx, loop, n, tokens))
+                     for name in loop.branches}
             self.advance(p, loop, preds)
         if ctx.taps_enabled:
             ctx.tap("latents", loop.tensors["latents"], sc)
@@ -280,19 +298,18 @@ class Denoise:
     # -- batched steps (the step scheduler) -----------------------------------------------------
     def batch_key(self, ctx: StageContext, state: RequestState, loop: LoopState) -> Hashable | None:
         """Equal for requests whose next step may run as one batched gen-pathway forward per
-        branch: the same latent shape, clean frames, step of an equally long schedule, fps and
-        text lengths per branch (so equal packed layouts and rotary tables). Not batched: sound or
-        action streams, step interceptors, taps, ``exact`` requests (a batched GEMM rounds
-        differently from a request alone)."""
+        branch: equal packed layouts (latent shape, clean frames, sound frames, action chunk,
+        given frames and domain, text lengths per branch, fps: so equal rotary tables) at the same
+        step of an equally long schedule. Not batched: step interceptors, taps, ``exact`` requests
+        (a batched GEMM rounds differently from a request alone)."""
         if ctx.step_interceptors or ctx.taps_enabled or state.request.exact or loop.step >= loop.total:
-            return None
-        if "sound" in loop.tensors or "action" in loop.tensors:
             return None
         p: Cosmos3Resolved = params_of(state)
         x, lat = loop.extra, loop.tensors["latents"]
-        return ("cosmos3-denoise", tuple(lat.shape), str(lat.dtype), str(lat.device), tuple(x["noisy"].tolist()),
-                loop.step, loop.total, float(x["timesteps"][loop.step]), p.fps, loop.branches,
-                tuple(b["layout"].und_len for b in x["branches"].values()))
+        layouts = tuple(repr(b["layout"].describe()) for b in x["branches"].values())
+        return ("cosmos3-denoise", tuple(lat.shape), str(lat.dtype), str(lat.device), loop.step, loop.total,
+                float(x["timesteps"][loop.step]), p.fps, loop.branches, layouts,
+                p.action.domain_id if p.action is not None else None)
 
     def step_batch(self, ctxs: Sequence[StageContext], states: Sequence[RequestState],
                    loops: Sequence[LoopState]) -> list[StepResult]:
@@ -300,23 +317,21 @@ class Denoise:
         the pool as one ``[B, L]`` slot table), then each request's own combine and steps."""
         if not loops:
             return []
-        tf, first = ctxs[0].components["transformer"], loops[0].extra
-        t = first["timesteps"][loops[0].step].item()
+        tf = ctxs[0].components["transformer"]
+        t = loops[0].extra["timesteps"][loops[0].step].item()
         with torch.no_grad():
-            tokens = [T.embed_vision(tf, lp.tensors["latents"].to(tf.dtype), first["grid"], first["noisy"], t)
-                      for lp in loops]
+            tokens = [self.embed(tf, lp, t) for lp in loops]
             preds: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in loops]
             for name in loops[0].branches:
                 bs = [lp.extra["branches"][name] for lp in loops]
-                gen = tokens[0].new_zeros((len(loops), bs[0]["layout"].gen_len, tokens[0].shape[-1]))
-                gen[:, bs[0]["vision"]] = torch.stack(tokens)
+                width = tokens[0]["vision"].shape[-1]
+                gen = tokens[0]["vision"].new_zeros((len(loops), bs[0]["layout"].gen_len, width))
+                for j, b in enumerate(bs):
+                    self.fill(gen[j], b, tokens[j])
                 slots = torch.stack([b["slots"] for b in bs])
                 out = T.generate(tf, gen, bs[0]["rot"], lambda i, s=slots: self.pool.gather(i, s), self.layer_fn)
                 for j, lp in enumerate(loops):
-                    x = lp.extra
-                    pred = T.read_vision(tf, out[j], bs[j]["noisy"], x["grid"], x["noisy"], x["shape"])
-                    keep = (1.0 - x["mask"]).to(dtype=pred.dtype, device=pred.device)
-                    preds[j][name] = {"vision": (pred * keep if keep.sum() > 0 else torch.zeros_like(pred)).float()}
+                    preds[j][name] = self.read(tf, out[j], lp, bs[j])
         for st, lp, mine in zip(states, loops, preds, strict=True):
             self.advance(params_of(st), lp, mine)
         return [StepResult(done=lp.step + 1 >= lp.total) for lp in loops]

@@ -37,10 +37,11 @@ class Cosmos3Family(DiffusersFamily):
     name = "cosmos3"
     tasks = TASKS
     layout = ck.LAYOUT
-    #: no block interceptors, offload, adapters or rollouts (yet): the pathways run their own layer loop
+    #: no block interceptors, offload, adapters or rollouts (yet): the pathways run their own layer loop;
+    #: sound for t2v/i2v (``audio.enabled``), action-conditioned i2v
     capabilities = FamilyCapabilities(returns_latents=True, resolve=True, task_defaults=True, options=OPTIONS,
-                                      #: a t2v request with ``audio: {"enabled": true}`` gets a sound track
-                                      audio=True, audio_tasks=frozenset({"t2v"}),
+                                      #: a t2v or i2v request with ``audio: {"enabled": true}`` gets a sound track
+                                      audio=True, audio_tasks=frozenset({"t2v", "i2v"}),
                                       #: action-conditioned i2v (``action: {...}``) and ``artifacts["action"]``
                                       actions=True)
 
