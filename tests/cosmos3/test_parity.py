@@ -50,3 +50,16 @@ def test_t2v_negative_prompt_and_frames_bit_exact(runtime, reference, t2v, varia
     assert video.frames.shape == (SIZE["frames"], SIZE["height"], SIZE["width"], 3)
     assert torch.equal(video.frames, want)
     assert video.fps == 24.0
+
+
+@pytest.mark.parametrize("variant", ["qwen", "nemotron"])
+def test_one_frame_uses_the_image_templates_bit_exact(runtime, reference, t2v, variant):
+    """``diffusion.frames: 1``: the pipeline's text-to-image path (image system prompt and
+    resolution sentence, no duration, no fps modulation)."""
+    out = runtime(variant).generate(t2v(seed=9, steps=2, frames=1))
+    assert out.status is Status.COMPLETED, out.error
+    ref = reference(variant)(prompt=PROMPT, num_frames=1, height=SIZE["height"], width=SIZE["width"],
+                             num_inference_steps=2, generator=torch.Generator().manual_seed(9),
+                             output_type="latent").video
+    assert torch.equal(out.artifacts["latents"].tensor, ref)
+    assert out.artifacts["video"].frames.shape == (1, SIZE["height"], SIZE["width"], 3)
