@@ -61,7 +61,7 @@ def test_action_modes_bit_exact(runtime, reference, frame, mode):
 
 @pytest.mark.parametrize(("variant", "change", "field", "message"), [
     ("qwen", {"mode": "forward_dynamics"}, "action.raw_actions", "required"),
-    ("qwen", {"mode": "inverse_dynamics"}, "action.mode", "conditioning video"),
+    ("qwen", {"mode": "inverse_dynamics"}, "task", "off a video"),
     ("qwen", {"domain": "libero"}, "action.domain", "no fixed action width"),
     ("qwen", {"domain": "no_action"}, "action.domain", "no fixed action width"),
     ("qwen", {"domain": "mars_rover"}, "action.domain", "unknown embodiment domain"),
@@ -88,3 +88,43 @@ def test_action_request_needs_an_image(runtime, frame):
     with pytest.raises(RequestError) as err:
         runtime("qwen").prepare({**_request(path, "policy"), "diffusion": {"frames": 9}})
     assert err.value.path == "diffusion.frames"
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+    from omniloop.media import read_video, write_mp4
+
+    frames = torch.from_numpy(np.random.default_rng(4).integers(0, 256, size=(6, 64, 96, 3), dtype=np.uint8))
+    path = tmp_path_factory.mktemp("c3-vid") / "clip.mp4"
+    write_mp4(frames, 24.0, path)
+    return path, read_video(path)  # the decoded frames (h264 is lossy): what both sides see
+
+
+def test_inverse_dynamics_bit_exact(runtime, reference, clip):
+    """v2v + ``inverse_dynamics``: every latent video frame clean, the actions between them predicted."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+
+    path, frames = clip
+    req = {"task": "v2v", "prompt": "pick up the cup", "inputs": [{"type": "video", "path": str(path)}],
+           "action": {"mode": "inverse_dynamics", "chunk_size": 4, "domain": DOMAIN, "resolution_tier": 256},
+           "diffusion": {"seed": 5, "steps": 3}, "outputs": {"return_latents": True}}
+    out = runtime("qwen").generate(req)
+    assert out.status is Status.COMPLETED, out.error
+    cond = CosmosActionCondition(mode="inverse_dynamics", chunk_size=4, domain_name=DOMAIN, resolution_tier=256,
+                                 video=[Image.fromarray(f.numpy()) for f in frames])
+    ref = reference("qwen")(prompt="pick up the cup", action=cond, num_inference_steps=3,
+                            generator=torch.Generator().manual_seed(5), output_type="latent")
+    assert torch.equal(out.artifacts["latents"].tensor, ref.video)
+    assert torch.equal(out.artifacts["action"].values, ref.action[0])
+
+
+def test_v2v_needs_inverse_dynamics_and_a_video(runtime, t2v, clip, frame):
+    path, _ = clip
+    with pytest.raises(RequestError) as err:
+        runtime("qwen").prepare({**t2v(seed=1, steps=1), "task": "v2v",
+                                 "inputs": [{"type": "video", "path": str(path)}]})
+    assert err.value.path == "task" and "inverse_dynamics" in err.value.message
+    req = _request(frame[0], "inverse_dynamics")
+    req.update(task="v2v", inputs=[])
+    with pytest.raises(RequestError, match="needs a video part"):
+        runtime("qwen").prepare(req)

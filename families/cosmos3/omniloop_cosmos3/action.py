@@ -5,10 +5,10 @@ trained on — and the conditioning clip padded onto that canvas for the VAE enc
 
 The model's own conventions (domain ids, action widths, canvases per tier, viewpoint sentences,
 the JSON caption) are read from diffusers' Cosmos 3 pipeline module, the reference, not copied.
-Modes: ``policy`` (video and actions rolled out from the first frame; the actions are returned in
-``artifacts["action"]``) and ``forward_dynamics`` (the video rolled out under given
-``raw_actions``); ``inverse_dynamics`` needs a conditioning video, which this family does not read
-yet, and is refused.
+Modes: ``policy`` (video and actions rolled out from the first frame, an image part, task
+``i2v``; the actions are returned in ``artifacts["action"]``), ``forward_dynamics`` (the video
+rolled out under given ``raw_actions``, task ``i2v``) and ``inverse_dynamics`` (the actions between
+a video's frames: a video part, task ``v2v``; every latent frame of the video is kept clean).
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ class ActionSpec:
     raw_actions: tuple[tuple[float, ...], ...] | None
     view_point: str
 
+    def vision_condition_frames(self, latent_frames: int) -> list[int]:
+        """Latent video frames kept clean: every one for inverse dynamics, else the first."""
+        return list(range(latent_frames)) if self.mode == "inverse_dynamics" else [0]
+
     @property
     def condition_frames(self) -> list[int]:
         """Action frames given (clean): all of them for forward dynamics, none for a policy."""
@@ -63,10 +67,9 @@ def resolve_action(request: OmniRequest, model_config: dict[str, Any], image: to
     head = model_config["action"]
     if head is None:
         raise RequestError("action", "this checkpoint has no action head (its transformer has action_gen false)")
-    if a.mode == "inverse_dynamics":
-        raise RequestError("action.mode", "inverse_dynamics needs a conditioning video, which this family does not "
-                           "read yet (forward_dynamics and policy take the first frame as an image part)")
-    if request.task is not TaskType.I2V:
+    if a.mode == "inverse_dynamics" and request.task is not TaskType.V2V:
+        raise RequestError("task", "inverse_dynamics reads the actions off a video: task v2v with a video part")
+    if a.mode != "inverse_dynamics" and request.task is not TaskType.I2V:
         raise RequestError("task", f"an action request ({a.mode}) is image-conditioned: task i2v with the first frame "
                            "as an image part")
     d = request.diffusion
@@ -103,9 +106,9 @@ def resolve_action(request: OmniRequest, model_config: dict[str, Any], image: to
         warnings.append(f"action.view_point {a.view_point!r} is not one the model knows "
                         f"({', '.join(sorted(ref._ACTION_VIEWPOINT_TEMPLATES))}): the caption has no framing")
     canvas = (0, 0)
-    if image is not None:
+    if image is not None:  # an image [H, W, 3] or a video [T, H, W, 3]
         sf = model_config["vae_scale_spatial"]
-        h, w = int(image.shape[0]), int(image.shape[1])
+        h, w = int(image.shape[-3]), int(image.shape[-2])
         canvas = classify(h - h % sf, w - w % sf, a.resolution_tier)
     raw = tuple(tuple(float(v) for v in row) for row in a.raw_actions) if a.raw_actions is not None else None
     return ActionSpec(mode=a.mode, chunk_size=a.chunk_size, domain=a.domain, domain_id=domain_id, width=width,
@@ -127,20 +130,25 @@ def caption(prompt: str, spec: ActionSpec, fps: float) -> str:
                                                              fps=fps, height=spec.canvas[0], width=spec.canvas[1]))
 
 
-def conditioning_clip(image: torch.Tensor, spec: ActionSpec, vae_scale: int, device: Any
+def conditioning_clip(frames_in: torch.Tensor, spec: ActionSpec, vae_scale: int, device: Any
                       ) -> tuple[torch.Tensor, tuple[int, int]]:
-    """The first frame repeated over ``chunk_size + 1`` frames, scaled down (never up) into the
-    tier's canvas and padded right/bottom (replicate when the pad is as wide as the content, else
+    """The conditioning frames (uint8 ``[H, W, 3]``, or a video ``[T, H, W, 3]``) cut or padded
+    with their last frame to ``chunk_size + 1`` frames, scaled down (never up) into the tier's
+    canvas and padded right/bottom (replicate when the pad is as wide as the content, else
     reflect): ``[1, 3, F, H, W]`` in [-1, 1], and the content's (height, width)."""
     import numpy as np
     import torch.nn.functional as F
     from diffusers.video_processor import VideoProcessor
     from PIL import Image
 
+    clip = frames_in.unsqueeze(0) if frames_in.ndim == 3 else frames_in
     frames = VideoProcessor(vae_scale_factor=vae_scale, resample="bilinear").preprocess_video(
-        [Image.fromarray(np.asarray(image.cpu()))]).to(device=device, dtype=torch.float32)
+        [Image.fromarray(np.asarray(f.cpu())) for f in clip]).to(device=device, dtype=torch.float32)
     n = spec.chunk_size + 1
-    frames = torch.cat([frames, frames[:, :, -1:].expand(-1, -1, n - frames.shape[2], -1, -1)], dim=2)
+    if frames.shape[2] < n:
+        frames = torch.cat([frames, frames[:, :, -1:].expand(-1, -1, n - frames.shape[2], -1, -1)], dim=2)
+    else:
+        frames = frames[:, :, :n]
     th, tw = spec.canvas
     _, c, _, fh, fw = frames.shape
     scale = min(tw / fw, th / fh, 1.0)

@@ -142,8 +142,9 @@ class Denoise:
         n_sound = sound_frames(self.config, p) if p.sound else 0
         grid = T.patch_grid(tf, shape)
         mask = torch.zeros((shape[2], 1, 1), device=dev, dtype=torch.float32)
-        if isinstance(clean, Latents):  # i2v: the first latent frame is the image's, kept clean
-            mask[0, 0, 0] = 1.0
+        if isinstance(clean, Latents):  # i2v / actions: the first latent frame (inverse dynamics: all) kept clean
+            for i in (p.action.vision_condition_frames(shape[2]) if p.action is not None else [0]):
+                mask[i, 0, 0] = 1.0
             latents = mask * clean.tensor.to(device=dev, dtype=torch.float32) + (1.0 - mask) * latents
         noisy = [i for i in range(shape[2]) if mask[i, 0, 0] == 0]
         loop = LoopState(total=p.steps, branches=BRANCHES if p.cfg else ("cond",))

@@ -111,7 +111,7 @@ class Cosmos3Family(DiffusersFamily):
         return PipelineSpec(family=self.name, task=task, outputs=outputs, nodes=(
             Node("validate", Validate(model), writes={"params": Conditioning}),
             Node("image_encode", ImageEncode(), reads={"params": Conditioning}, writes={"image_latents": Latents},
-                 uses=("vae",), when=lambda r: r.task is TaskType.I2V),
+                 uses=("vae",), when=lambda r: r.task in (TaskType.I2V, TaskType.V2V)),
             Node("denoise", denoise, reads={"params": Conditioning, "image_latents": Latents},
                  optional_reads=frozenset({"image_latents"}), writes={"denoised": Latents, "denoised_sound": Latents}, uses=("transformer", "text_kv")),
             Node("vae_decode", VaeDecode(), reads={"denoised": Latents}, writes={"decoded": Tensors}, uses=("vae",)),

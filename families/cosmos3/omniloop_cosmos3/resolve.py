@@ -23,7 +23,7 @@ from omniloop_kit.resolve import check_task, conditioning_image, require_prompt
 #: diffusers' defaults (``Cosmos3OmniPipeline.__call__``): 35 steps, guidance 6, 189 frames of 720x1280 at 24 fps
 DEFAULTS: dict[str, Any] = {"steps": 35, "guidance_scale": 6.0, "num_frames": 189, "height": 720, "width": 1280,
                             "fps": 24.0}
-TASKS = frozenset({TaskType.T2V, TaskType.I2V})
+TASKS = frozenset({TaskType.T2V, TaskType.I2V, TaskType.V2V})
 #: the image part roles an i2v request's first frame may have
 IMAGE_ROLES = ("image", "first_frame")
 
@@ -119,6 +119,9 @@ def resolve(model: LoadedModel, request: OmniRequest, *, decode_image: bool = Tr
         raise RequestError("audio.enabled", "this checkpoint makes no sound (it has no sound tokenizer, or its "
                            "transformer no sound head)")
     warnings: list[str] = []
+    if request.task is TaskType.V2V and (request.action is None or request.action.mode != "inverse_dynamics"):
+        raise RequestError("task", "v2v runs only as action inverse_dynamics here (video-to-video generation is not "
+                           "supported by this family yet)")
     image = conditioning_image(request, request.task is TaskType.I2V, IMAGE_ROLES, warnings,
                                decode=decode_image or request.action is not None,
                                missing="an i2v request needs an image part (role image or first_frame)",
@@ -129,6 +132,8 @@ def resolve(model: LoadedModel, request: OmniRequest, *, decode_image: bool = Tr
     if request.action is not None:  # the action caption; the negative prompt as given (no templates)
         from .action import caption, resolve_action
 
+        if request.task is TaskType.V2V:
+            image = conditioning_video(request)
         action = resolve_action(request, c, image, warnings)
         frames, (height, width) = action.chunk_size + 1, action.canvas
         cond_text, uncond_text = caption(prompt, action, fps), negative
@@ -142,6 +147,17 @@ def resolve(model: LoadedModel, request: OmniRequest, *, decode_image: bool = Tr
                            guidance_scale=float(_value(d.guidance_scale, dft["guidance_scale"])),
                            num_frames=frames, height=height, width=width, fps=fps, cond_ids=cond, uncond_ids=uncond,
                            sound=sound, image=image, action=action, warnings=tuple(warnings))
+
+
+def conditioning_video(request: OmniRequest) -> Any:
+    """The first video part (role ``video``), decoded to uint8 ``[T, H, W, 3]`` (the first 1024 frames)."""
+    from omniloop.media import read_video
+    from omniloop.request import VideoPart
+
+    for i, part in enumerate(request.inputs):
+        if isinstance(part, VideoPart) and part.role == "video":
+            return read_video(part.path, name=f"inputs[{i}].path")
+    raise RequestError("inputs", "an inverse_dynamics request needs a video part (role video)")
 
 
 def wants_sound(request: OmniRequest) -> bool:
