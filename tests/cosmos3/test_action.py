@@ -118,12 +118,7 @@ def test_inverse_dynamics_bit_exact(runtime, reference, clip):
     assert torch.equal(out.artifacts["action"].values, ref.action[0])
 
 
-def test_v2v_needs_inverse_dynamics_and_a_video(runtime, t2v, clip, frame):
-    path, _ = clip
-    with pytest.raises(RequestError) as err:
-        runtime("qwen").prepare({**t2v(seed=1, steps=1), "task": "v2v",
-                                 "inputs": [{"type": "video", "path": str(path)}]})
-    assert err.value.path == "task" and "inverse_dynamics" in err.value.message
+def test_inverse_dynamics_needs_a_video(runtime, frame):
     req = _request(frame[0], "inverse_dynamics")
     req.update(task="v2v", inputs=[])
     with pytest.raises(RequestError, match="needs a video part"):

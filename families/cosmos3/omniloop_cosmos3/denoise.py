@@ -51,7 +51,7 @@ from omniloop_kit.packed import GEN, UND, PackedLayout, pack
 from omniloop_kit.stages import params_of
 
 from . import transformer as T
-from .resolve import Cosmos3Resolved
+from .resolve import V2V_CONDITION_FRAMES, Cosmos3Resolved
 
 BRANCHES = ("cond", "uncond")
 
@@ -143,8 +143,11 @@ class Denoise:
         grid = T.patch_grid(tf, shape)
         mask = torch.zeros((shape[2], 1, 1), device=dev, dtype=torch.float32)
         if isinstance(clean, Latents):  # i2v / actions: the first latent frame (inverse dynamics: all) kept clean
-            for i in (p.action.vision_condition_frames(shape[2]) if p.action is not None else [0]):
-                mask[i, 0, 0] = 1.0
+            kept = (p.action.vision_condition_frames(shape[2]) if p.action is not None
+                    else V2V_CONDITION_FRAMES if p.video is not None else [0])
+            for i in kept:
+                if 0 <= i < shape[2]:
+                    mask[i, 0, 0] = 1.0
             latents = mask * clean.tensor.to(device=dev, dtype=torch.float32) + (1.0 - mask) * latents
         noisy = [i for i in range(shape[2]) if mask[i, 0, 0] == 0]
         loop = LoopState(total=p.steps, branches=BRANCHES if p.cfg else ("cond",))

@@ -24,6 +24,8 @@ from omniloop_kit.resolve import check_task, conditioning_image, require_prompt
 DEFAULTS: dict[str, Any] = {"steps": 35, "guidance_scale": 6.0, "num_frames": 189, "height": 720, "width": 1280,
                             "fps": 24.0}
 TASKS = frozenset({TaskType.T2V, TaskType.I2V, TaskType.V2V})
+#: v2v: the latent frames of the video kept clean (diffusers' ``condition_frame_indexes_vision`` default)
+V2V_CONDITION_FRAMES = (0, 1)
 #: the image part roles an i2v request's first frame may have
 IMAGE_ROLES = ("image", "first_frame")
 
@@ -58,6 +60,8 @@ class Cosmos3Resolved:
     image: Any = None
     #: an action request resolved (:class:`omniloop_cosmos3.action.ActionSpec`), else None
     action: Any = None
+    #: v2v: the conditioning video, uint8 ``[T, H, W, 3]`` (its first frames condition the clip)
+    video: Any = None
     warnings: tuple[str, ...] = ()
 
     @property
@@ -119,9 +123,14 @@ def resolve(model: LoadedModel, request: OmniRequest, *, decode_image: bool = Tr
         raise RequestError("audio.enabled", "this checkpoint makes no sound (it has no sound tokenizer, or its "
                            "transformer no sound head)")
     warnings: list[str] = []
-    if request.task is TaskType.V2V and (request.action is None or request.action.mode != "inverse_dynamics"):
-        raise RequestError("task", "v2v runs only as action inverse_dynamics here (video-to-video generation is not "
-                           "supported by this family yet)")
+    video = None
+    if request.task is TaskType.V2V and request.action is None:  # video-to-video: its first latent frames kept
+        if frames == 1:
+            raise RequestError("diffusion.frames", "video-to-video needs more than one frame")
+        if (frames - 1) // c["vae_scale_temporal"] + 1 <= max(V2V_CONDITION_FRAMES):
+            raise RequestError("diffusion.frames", f"{frames} frames are too few: the first latent frames "
+                               f"{list(V2V_CONDITION_FRAMES)} of the video condition the clip")
+        video = conditioning_video(request) if decode_image else None
     image = conditioning_image(request, request.task is TaskType.I2V, IMAGE_ROLES, warnings,
                                decode=decode_image or request.action is not None,
                                missing="an i2v request needs an image part (role image or first_frame)",
@@ -146,7 +155,7 @@ def resolve(model: LoadedModel, request: OmniRequest, *, decode_image: bool = Tr
                            steps=int(_value(d.steps, dft["steps"])),
                            guidance_scale=float(_value(d.guidance_scale, dft["guidance_scale"])),
                            num_frames=frames, height=height, width=width, fps=fps, cond_ids=cond, uncond_ids=uncond,
-                           sound=sound, image=image, action=action, warnings=tuple(warnings))
+                           sound=sound, image=image, action=action, video=video, warnings=tuple(warnings))
 
 
 def conditioning_video(request: OmniRequest) -> Any:
@@ -157,7 +166,7 @@ def conditioning_video(request: OmniRequest) -> Any:
     for i, part in enumerate(request.inputs):
         if isinstance(part, VideoPart) and part.role == "video":
             return read_video(part.path, name=f"inputs[{i}].path")
-    raise RequestError("inputs", "an inverse_dynamics request needs a video part (role video)")
+    raise RequestError("inputs", "a v2v request needs a video part (role video)")
 
 
 def wants_sound(request: OmniRequest) -> bool:

@@ -46,6 +46,27 @@ def first_frame(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return x.round().clamp(0, 255) / 127.5 - 1.0
 
 
+def video_clip(p: Cosmos3Resolved, spatial: int, temporal: int, device: Any) -> torch.Tensor:
+    """v2v: the video resized to the frame (diffusers' video processor), the frames of the kept
+    latent frames placed first and the rest repeat-padded with the last of them: ``[1, 3, F, H, W]``."""
+    import numpy as np
+    from diffusers.video_processor import VideoProcessor
+    from PIL import Image
+
+    from .resolve import V2V_CONDITION_FRAMES
+
+    cond = VideoProcessor(vae_scale_factor=spatial, resample="bilinear").preprocess_video(
+        [Image.fromarray(np.asarray(f.cpu())) for f in p.video], height=p.height, width=p.width
+    ).to(device=device, dtype=torch.float32)
+    cond = cond[:, :, :max(V2V_CONDITION_FRAMES) * temporal + 1]
+    clip = torch.zeros(1, 3, p.num_frames, p.height, p.width, dtype=torch.float32, device=device)
+    n = min(cond.shape[2], p.num_frames)
+    clip[:, :, :n] = cond[:, :, :n]
+    if n < p.num_frames:
+        clip[:, :, n:] = clip[:, :, n - 1:n].expand(-1, -1, p.num_frames - n, -1, -1)
+    return clip
+
+
 def vae_stats(vae: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The VAE's latent mean and 1 / std as ``[1, z, 1, 1, 1]`` in its dtype."""
     dtype = vae.dtype
@@ -66,6 +87,9 @@ class ImageEncode:
             from .action import conditioning_clip
 
             clip, content = conditioning_clip(p.image, p.action, int(vae.config.scale_factor_spatial), ctx.device)
+        elif p.video is not None:
+            clip = video_clip(p, int(vae.config.scale_factor_spatial), int(vae.config.scale_factor_temporal),
+                              ctx.device)
         else:
             frame = first_frame(p.image, p.height, p.width).to(device=ctx.device)
             clip = torch.zeros(1, 3, p.num_frames, p.height, p.width, dtype=torch.float32, device=ctx.device)
