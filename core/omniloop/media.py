@@ -291,9 +291,9 @@ def read_image(source: str | os.PathLike[str] | bytes, name: str = "image", *,
     return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
 
 
-def read_video(source: str | os.PathLike[str], name: str = "video", *, max_frames: int = 1024,
+def read_video(source: str | os.PathLike[str], name: str = "video", *, frame_cap: int = 1024,
                max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tensor:
-    """Decode a video file's first stream to uint8 ``[T, H, W, 3]`` RGB, at most ``max_frames``
+    """Decode a video file's first stream to uint8 ``[T, H, W, 3]`` RGB, at most ``frame_cap``
     frames (the rest is not decoded). A missing file, one that does not decode, or frames of more
     than ``max_pixels`` pixels raise :class:`RequestError` with ``name`` as the field path."""
     import numpy as np
@@ -312,7 +312,7 @@ def read_video(source: str | os.PathLike[str], name: str = "video", *, max_frame
                 if max_pixels is not None and frame.width * frame.height > max_pixels:
                     raise RequestError(name, f"frames of {frame.width}x{frame.height} pixels; at most {max_pixels}")
                 frames.append(frame.to_ndarray(format="rgb24"))
-                if len(frames) >= max_frames:
+                if len(frames) >= frame_cap:
                     break
     except RequestError:
         raise

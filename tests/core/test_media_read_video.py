@@ -16,7 +16,7 @@ def test_read_video_round_trip(tmp_path):
     got = read_video(tmp_path / "a.mp4")
     assert got.dtype == torch.uint8 and tuple(got.shape) == (5, 16, 24, 3)
     assert (got.int() - 128).abs().max() <= 2  # h264 is lossy
-    assert read_video(tmp_path / "a.mp4", max_frames=2).shape[0] == 2
+    assert read_video(tmp_path / "a.mp4", frame_cap=2).shape[0] == 2
 
 
 def test_read_video_refusals(tmp_path):
