@@ -123,3 +123,20 @@ def test_inverse_dynamics_needs_a_video(runtime, frame):
     req.update(task="v2v", inputs=[])
     with pytest.raises(RequestError, match="needs a video part"):
         runtime("qwen").prepare(req)
+
+
+def test_policy_with_a_sound_track_bit_exact(runtime, reference, frame):
+    """Sound and actions together: the sound frames packed before the action tokens, each stream
+    with its own UniPC instance; video latents, actions and waveform all equal diffusers'."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+
+    path, pixels = frame
+    out = runtime("qwen").generate({**_request(path, "policy", seed=4), "audio": {"enabled": True}})
+    assert out.status is Status.COMPLETED, out.error
+    cond = CosmosActionCondition(mode="policy", chunk_size=4, domain_name=DOMAIN, resolution_tier=256,
+                                 image=Image.fromarray(pixels))
+    ref = reference("qwen")(prompt="pick up the cup", action=cond, enable_sound=True, num_inference_steps=3,
+                            generator=torch.Generator().manual_seed(4), output_type="latent")
+    assert torch.equal(out.artifacts["latents"].tensor, ref.video)
+    assert torch.equal(out.artifacts["action"].values, ref.action[0])
+    assert torch.equal(out.artifacts["audio"].samples, ref.sound)

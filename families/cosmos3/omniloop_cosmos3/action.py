@@ -77,8 +77,6 @@ def resolve_action(request: OmniRequest, model_config: dict[str, Any], image: to
         if getattr(d, name) is not None:
             raise RequestError(f"diffusion.{name}", "an action request's frames are action.chunk_size + 1 and its "
                                "size comes from the image and action.resolution_tier; leave it unset")
-    if request.audio is not None:
-        raise RequestError("audio", "a sound track with an action request is not supported by this family yet")
     if a.domain not in ref._EMBODIMENT_TO_DOMAIN_ID:
         raise RequestError("action.domain", f"unknown embodiment domain {a.domain!r} (one of "
                            f"{', '.join(sorted(ref._EMBODIMENT_TO_DOMAIN_ID))})")
