@@ -84,7 +84,7 @@ def limit_checks(root: Path) -> dict[str, list[str]]:
 
 def measure(root: Path) -> dict[str, object]:
     families = {}
-    for name in ("flux", "sd3", "wan", "qwen", "stable-audio", "ltx2"):
+    for name in ("flux", "sd3", "wan", "qwen", "stable-audio", "ltx2", "cosmos3"):
         pkg = root / "families" / name / f"omniloop_{name.replace('-', '_')}"
         if pkg.is_dir():
             families[name] = tree_lines(pkg, exclude=("tiny.py",))

@@ -97,6 +97,15 @@ class KVRef(Artifact):
 
 
 @define(kw_only=True)
+class Action(Artifact):
+    """Predicted actions of a world model: float ``[T, D]`` on the CPU (``D`` the domain's action
+    width) and the embodiment ``domain`` they are in."""
+
+    values: torch.Tensor
+    domain: str
+
+
+@define(kw_only=True)
 class Conditioning(Artifact):
     """A family-defined value (validated sizes, resolved defaults) passed between its nodes."""
 
@@ -104,5 +113,5 @@ class Conditioning(Artifact):
 
 
 ARTIFACT_TYPES: tuple[type[Artifact], ...] = (
-    VideoFrames, Image, Audio, Text, Latents, Embeddings, Tensors, KVRef, Conditioning,
+    VideoFrames, Image, Audio, Text, Latents, Embeddings, Tensors, KVRef, Conditioning, Action,
 )

@@ -71,6 +71,10 @@ the field. Fields, each defaulting to "not supported":
     with ``audio``: the tasks besides ``t2a`` whose output also holds the ``audio`` artifact (a
     video with a sound track: a joint audio-video family lists ``t2v``). Front ends read
     :meth:`FamilyCapabilities.makes_audio` to pick the output file type (an mp4 with an AAC track).
+``actions``
+    the family takes action-conditioned requests (``OmniRequest.action``, :class:`omniloop.request.ActionParams`)
+    and may write an ``action`` artifact (:class:`omniloop.artifacts.Action`); the core refuses
+    ``action`` for every other family.
 ``inspect`` / ``resolve`` / ``supported_tasks`` / ``task_defaults``
     the family defines that optional method (see :class:`omniloop.family.Family`).
 
@@ -214,6 +218,8 @@ class FamilyCapabilities:
     step_batch_retry_alone: frozenset[str] = field(default=frozenset(), converter=_name_set)
     audio_tasks: frozenset[str] = field(default=frozenset(), converter=_task_names)
     audio_guidance: bool = False
+    #: action-conditioned requests (``OmniRequest.action``) and an ``action`` artifact (:class:`omniloop.artifacts.Action`)
+    actions: bool = False
     checkpoint_limits: Callable[[Path], Any] | None = None  # -> omniloop.limits.ModelLimits | None
     inspect: bool = False
     resolve: bool = False

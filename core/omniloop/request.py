@@ -8,6 +8,7 @@ so that validation can name the dotted path of a bad field.
 from __future__ import annotations
 
 import enum
+import math
 import uuid
 from typing import Any, Literal, Union
 
@@ -180,6 +181,9 @@ class AudioParams:
     stg: float | None = field(default=None, metadata=_c(ge=0.0, le=100.0))
     modality: float | None = field(default=None, metadata=_c(ge=0.0, le=100.0))
     rescale: float | None = field(default=None, metadata=_c(ge=0.0, le=1.0))
+    #: a joint audio-video family whose sound track is optional (Cosmos 3): ``true`` asks for it.
+    #: ``false`` on a request that always makes audio (``t2a``) is refused, not ignored
+    enabled: bool | None = None
 
     def guidance_knobs(self) -> list[str]:
         """The audio guidance knobs this window sets (``audio.<name>``)."""
@@ -216,6 +220,39 @@ def _check_stop(stops: list[str]) -> str | None:
             return f"stop string {i} is empty (a stop string must be non-empty)"
         if len(s) > MAX_STOP_CHARS:
             return f"stop string {i} is longer than {MAX_STOP_CHARS} characters ({len(s)})"
+    return None
+
+
+@define(frozen=True)
+class ActionParams:
+    """An action-conditioned world-model request (Cosmos 3's ``CosmosActionCondition``): the
+    ``mode`` (``forward_dynamics``: roll the video out from a first frame and given actions;
+    ``inverse_dynamics``: infer the actions between a video's frames; ``policy``: roll out video
+    and actions from a first frame), ``chunk_size`` action steps (the video spans ``chunk_size +
+    1`` frames), the embodiment ``domain`` (selects the action head's weights and the action
+    width), the conditioning canvas ``resolution_tier``, ``raw_actions`` ``[T][D]``
+    (forward dynamics) and the camera ``view_point``. The conditioning image or video is an input
+    part. Refused by families that declare no actions (``capabilities.actions``)."""
+
+    mode: Literal["forward_dynamics", "inverse_dynamics", "policy"]
+    chunk_size: int = field(metadata=_c(ge=1, le=1024))
+    domain: str = field(metadata=_c(max_len=64))
+    resolution_tier: int = field(default=480, metadata=_c(choices=(256, 480, 704, 720)))
+    raw_actions: list[list[float]] | None = field(default=None, metadata=_c(check=lambda v: _check_actions(v)))
+    view_point: str = field(default="ego_view", metadata=_c(max_len=64))
+
+
+def _check_actions(rows: list[list[float]] | None) -> str | None:
+    if rows is None:
+        return None
+    if not rows or len(rows) > 1024:
+        return f"1 to 1024 action rows, got {len(rows)}"
+    width = len(rows[0])
+    for i, row in enumerate(rows):
+        if len(row) != width or not 1 <= width <= 256:
+            return f"row {i} has {len(row)} values (every row needs the same width, 1 to 256)"
+        if not all(math.isfinite(v) for v in row):
+            return f"row {i} holds a non-finite number"
     return None
 
 
@@ -261,6 +298,8 @@ class OmniRequest:
     adapters: list[AdapterRef] = attrs.Factory(list)
     #: a post-training rollout (``omniloop.rl``): trajectory with per-step log-probs
     rollout: RolloutParams | None = None
+    #: an action-conditioned world-model request (families declaring actions; refused by the others)
+    action: ActionParams | None = None
     exact: bool = False
     priority: int = field(default=0, metadata=_c(ge=-100, le=100))
     request_id: str = field(

@@ -319,6 +319,10 @@ class Deployment:
         if knobs and not self.capabilities.audio_guidance:
             raise RequestError(f"audio.{knobs[0]}", f"family {self.family.name!r} has no separate audio guidance "
                                "(only a joint audio-video model such as ltx2 reads it); remove it")
+        if req.action is not None and not self.capabilities.actions:
+            raise RequestError("action", f"family {self.family.name!r} takes no action-conditioned requests; remove action")
+        if req.audio is not None and req.audio.enabled is False and req.task is TaskType.T2A:
+            raise RequestError("audio.enabled", "a t2a request always makes audio; remove audio.enabled: false")
         self._check_group_and_rollout(req)
 
     def _check_group_and_rollout(self, req: OmniRequest) -> None:

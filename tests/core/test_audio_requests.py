@@ -76,6 +76,9 @@ def test_toy_audio_guidance_and_negative_prompt_set_the_amplitude(audio_rt: Runt
     ({"audio": {"seconds": 0}}, "audio.seconds", "must be > 0"),
     ({"audio": {"seconds": float("nan")}}, "audio.seconds", ""),
     ({"diffusion": {"height": 64}}, "diffusion.height", "makes audio"),
+    ({"audio": {"enabled": False}}, "audio.enabled", "always makes audio"),
+    # the core refuses an action-conditioned request for a family declaring no actions (capabilities.actions)
+    ({"action": {"mode": "policy", "chunk_size": 4, "domain": "av"}}, "action", "takes no action-conditioned"),
 ])
 def test_toy_audio_refuses_bad_windows_without_weights(audio_rt: Runtime, request_part: dict[str, Any], path: str,
                                                         message: str) -> None:

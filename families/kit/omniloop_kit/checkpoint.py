@@ -70,8 +70,10 @@ class Layout:
     checkpoint"), the ``pipelines`` classes and ``transformer_class`` that detect it, the
     ``required`` and ``optional`` components, ``tokenizer_files`` (one of which a tokenizer folder
     holds), ``check_classes`` (the classes ``model_index.json`` names must exist in the library
-    their kind comes from), ``allow_bin`` (pickled ``.bin`` weights accepted) and ``accept``
-    (``looks_like``'s judge of a checkpoint saved by another pipeline class)."""
+    their kind comes from), ``allow_bin`` (pickled ``.bin`` weights accepted), ``accept``
+    (``looks_like``'s judge of a checkpoint saved by another pipeline class) and ``kinds`` (the
+    kind of a component its name does not tell: Cosmos 3's ``text_tokenizer`` is a tokenizer,
+    its ``sound_tokenizer`` a diffusers model)."""
 
     what: str
     pipelines: tuple[str, ...] = field(converter=tuple)
@@ -82,6 +84,11 @@ class Layout:
     check_classes: bool = True
     allow_bin: bool = True
     accept: Callable[[Path, dict[str, Any], dict[str, Any]], bool] | None = None
+    kinds: Mapping[str, str] = field(factory=dict)
+
+    def kind(self, name: str) -> str:
+        """The component's kind: ``kinds``' word for it, else :func:`kind_of` its name."""
+        return self.kinds.get(name) or kind_of(name)
 
     def components_in(self, index: Mapping[str, Any]) -> list[str]:
         """The components ``index`` declares (``[library, class]`` with a class), in layout order."""
@@ -122,7 +129,7 @@ def read_index(root: Path, layout: Layout) -> tuple[dict[str, Any], list[str]]:
     if layout.check_classes:
         for name in present:
             lib, cls = declared(index, name) or ("", "")
-            want = LIBRARY[kind_of(name)]
+            want = LIBRARY[layout.kind(name)]
             if lib != want:
                 raise CheckpointError(f"{index_path}: component {name!r} must come from {want}, not {lib!r}")
             library_class(lib, cls, f"{index_path}: component {name!r}")
@@ -148,7 +155,7 @@ def check_folders(root: Path, layout: Layout, present: list[str]) -> dict[str, d
     configs: dict[str, dict[str, Any]] = {}
     for name in present:
         folder = component_folder(root, name)
-        kind = kind_of(name)
+        kind = layout.kind(name)
         if kind in ("diffusers", "transformers"):
             stem = DIFFUSERS_WEIGHTS if kind == "diffusers" else TRANSFORMERS_WEIGHTS
             configs[name] = model_folder(folder, name, stem, allow_bin=layout.allow_bin)
@@ -262,13 +269,15 @@ def load_tokenizer(folder: Path, cls: Any = None) -> Any:
         raise CheckpointError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from None
 
 
-def load_component(index: Mapping[str, Any], root: Path, name: str, *, device: Any, dtype: Any) -> Any:
-    """One component by the class ``model_index.json`` names for it (local files only)."""
+def load_component(index: Mapping[str, Any], root: Path, name: str, *, device: Any, dtype: Any,
+                   layout: Layout | None = None) -> Any:
+    """One component by the class ``model_index.json`` names for it (local files only; its kind
+    from ``layout`` when given)."""
     entry = declared(index, name)
     if entry is None:
         raise CheckpointError(f"{root / 'model_index.json'}: component {name!r} is not declared")
     folder = root / name
-    kind = kind_of(name)
+    kind = layout.kind(name) if layout is not None else kind_of(name)
     if kind == "scheduler":
         return load_scheduler(folder, entry[1])
     cls = library_class(entry[0], entry[1], f"{root / 'model_index.json'}: component {name!r}")

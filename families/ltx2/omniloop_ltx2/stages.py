@@ -86,7 +86,7 @@ class ImageEncode:
         from diffusers.video_processor import VideoProcessor
         from PIL import Image as PILImage
 
-        from omniloop.media import to_pil
+        from omniloop_io.media import to_pil
 
         p: LTX2Resolved = params_of(state)
         if p.image is None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from omniloop.adapters import AdapterSupport, unknown_keys_error
+from omniloop.capabilities import AdapterSupport, unknown_keys_error
 from omniloop.errors import DeployError
 
 _ATTN = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0", "k_img": "add_k_proj", "v_img": "add_v_proj"}

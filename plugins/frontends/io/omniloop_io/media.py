@@ -293,6 +293,38 @@ def read_image(source: str | os.PathLike[str] | bytes, name: str = "image", *,
     return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
 
 
+def read_video(source: str | os.PathLike[str], name: str = "video", *, frame_cap: int = 1024,
+               max_pixels: int | None = MAX_IMAGE_PIXELS) -> torch.Tensor:
+    """Decode a video file's first stream to uint8 ``[T, H, W, 3]`` RGB, at most ``frame_cap``
+    frames (the rest is not decoded). A missing file, one that does not decode, or frames of more
+    than ``max_pixels`` pixels raise :class:`RequestError` with ``name`` as the field path."""
+    import numpy as np
+    import torch
+
+    av = _import_av()
+    p = Path(source)
+    if not p.is_file():
+        raise RequestError(name, f"video file {str(p)!r} does not exist")
+    frames: list[Any] = []
+    try:
+        with av.open(str(p)) as container:
+            if not container.streams.video:
+                raise RequestError(name, f"video file {str(p)!r} has no video stream")
+            for frame in container.decode(video=0):
+                if max_pixels is not None and frame.width * frame.height > max_pixels:
+                    raise RequestError(name, f"frames of {frame.width}x{frame.height} pixels; at most {max_pixels}")
+                frames.append(frame.to_ndarray(format="rgb24"))
+                if len(frames) >= frame_cap:
+                    break
+    except RequestError:
+        raise
+    except Exception as exc:
+        raise RequestError(name, f"video file {str(p)!r} could not be decoded ({type(exc).__name__}: {exc})") from None
+    if not frames:
+        raise RequestError(name, f"video file {str(p)!r} holds no frame")
+    return torch.from_numpy(np.stack(frames).astype(np.uint8, copy=False))
+
+
 def to_pil(pixels: torch.Tensor) -> Any:
     """uint8 ``[H, W, 3]`` to a ``PIL.Image`` (RGB)."""
     image_mod = _import_pil()
@@ -473,6 +505,7 @@ __all__ = [
     "pad_to_even",
     "pcm_s16",
     "read_image",
+    "read_video",
     "to_pil",
     "write_audio",
     "write_image",
