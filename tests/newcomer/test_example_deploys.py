@@ -16,13 +16,15 @@ from omniloop.schema import converter
 REPO = Path(__file__).resolve().parents[2]
 DEPLOYS = REPO / "examples" / "deploys"
 TINY = {"wan": "omniloop_wan.tiny", "flux": "omniloop_flux.tiny", "sd3": "omniloop_sd3.tiny", "qwen": "omniloop_qwen.tiny",
-        "stable-audio": "omniloop_stable_audio.tiny"}
+        "stable-audio": "omniloop_stable_audio.tiny", "ltx2": "omniloop_ltx2.tiny", "cosmos3": "omniloop_cosmos3.tiny"}
 REQUESTS = {
     "wan": {"task": "t2v", "prompt": "a red fox", "diffusion": {"steps": 2, "height": 32, "width": 32, "frames": 5}},
     "flux": {"task": "t2i", "prompt": "a red fox", "diffusion": {"steps": 2, "height": 32, "width": 32}},
     "sd3": {"task": "t2i", "prompt": "a red fox", "diffusion": {"steps": 2, "height": 32, "width": 32}},
     "qwen": {"task": "reason", "prompt": "hello", "sampling": {"max_tokens": 4}},
     "stable-audio": {"task": "t2a", "prompt": "a drum loop", "diffusion": {"steps": 2}},
+    "ltx2": {"task": "t2v", "prompt": "a robot dancing", "diffusion": {"steps": 2, "height": 32, "width": 32, "frames": 9}},
+    "cosmos3": {"task": "t2v", "prompt": "a robot arm", "diffusion": {"steps": 2, "height": 32, "width": 48, "frames": 5}},
 }
 
 
@@ -31,8 +33,10 @@ def manager() -> Any:
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
     import omniloop_cache_dit.plugin as cache_dit_plugin
+    import omniloop_cosmos3.plugin as cosmos3_plugin
     import omniloop_flux.plugin as flux_plugin
     import omniloop_flux_demo.plugin as flux_demo_plugin
+    import omniloop_ltx2.plugin as ltx2_plugin
     import omniloop_policies.plugin as policies_plugin
     import omniloop_qwen.plugin as qwen_plugin
     import omniloop_scheduler.plugin as scheduler_plugin
@@ -44,7 +48,7 @@ def manager() -> Any:
 
     return make_manager(("wan", wan_plugin), ("wan-demo", wan_demo_plugin), ("flux", flux_plugin),
                         ("flux-demo", flux_demo_plugin), ("sd3", sd3_plugin), ("qwen", qwen_plugin),
-                        ("stable-audio", stable_audio_plugin),
+                        ("stable-audio", stable_audio_plugin), ("ltx2", ltx2_plugin), ("cosmos3", cosmos3_plugin),
                         ("policies", policies_plugin), ("scheduler", scheduler_plugin),
                         ("cache-dit", cache_dit_plugin), toy=False, scheduler=False)
 

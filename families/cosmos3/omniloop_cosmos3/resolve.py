@@ -160,8 +160,8 @@ def resolve(model: LoadedModel, request: OmniRequest, *, decode_image: bool = Tr
 
 def conditioning_video(request: OmniRequest) -> Any:
     """The first video part (role ``video``), decoded to uint8 ``[T, H, W, 3]`` (the first 1024 frames)."""
-    from omniloop_io.media import read_video
     from omniloop.request import VideoPart
+    from omniloop_io.media import read_video
 
     for i, part in enumerate(request.inputs):
         if isinstance(part, VideoPart) and part.role == "video":
