@@ -1,4 +1,4 @@
-"""omniloop.media.read_video: an mp4 decoded to uint8 [T, H, W, 3]; bad files one RequestError naming the field."""
+"""omniloop_io.media.read_video: an mp4 decoded to uint8 [T, H, W, 3]; bad files one RequestError naming the field."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omniloop.errors import RequestError
-from omniloop.media import read_video, write_mp4
+from omniloop_io.media import read_video, write_mp4
 
 
 def test_read_video_round_trip(tmp_path):
