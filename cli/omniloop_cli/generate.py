@@ -283,6 +283,8 @@ def check_writable(path: Path) -> None:
 #: short names stay as aliases
 FLAG_GROUPS = ("diffusion", "sampling", "audio")
 FLAG_ALIASES = {"diffusion.guidance_scale": ("--guidance",)}
+#: the audio fields whose flags keep their plain names (the clip's window)
+UNQUALIFIED_AUDIO = ("seconds", "start")
 FLAG_HELP = {
     "diffusion.steps": "Denoising steps (family default if omitted).",
     "diffusion.guidance_scale": "Guidance scale.",
@@ -323,10 +325,13 @@ def request_flags() -> list[tuple[str, str, str, tuple[str, ...]]]:
         for f in attrs.fields(group_class(group)):
             path = f"{group}.{f.name}"
             flag = f"--{f.name.replace('_', '-')}"
-            if flag in taken:  # a name two groups share: the later one is qualified (--sampling-seed)
+            # a name two groups share (or another field's alias: --guidance) is qualified in the later
+            # group (--sampling-seed), and so is every audio knob but the window (--audio-guidance, --audio-stg)
+            if flag in taken or (group == "audio" and f.name not in UNQUALIFIED_AUDIO):
                 flag = f"--{group}-{f.name.replace('_', '-')}"
-            taken.add(flag)
-            out.append((group, f.name, f"{group}__{f.name}", (flag, *FLAG_ALIASES.get(path, ()))))
+            aliases = FLAG_ALIASES.get(path, ())
+            taken.update((flag, *aliases))
+            out.append((group, f.name, f"{group}__{f.name}", (flag, *aliases)))
     return out
 
 

@@ -108,3 +108,18 @@ def test_the_lazy_package_exports_still_resolve():
     assert omniloop.runtime.Runtime is omniloop.Runtime  # a submodule as an attribute, as before
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         omniloop.nope  # noqa: B018
+
+
+def test_no_two_request_fields_share_a_flag() -> None:
+    """Every flag derived from the request schema names one field: ``--guidance`` stays
+    ``diffusion.guidance_scale``'s alias after the audio group gained a ``guidance`` knob (LTX-2's
+    audio branch), whose flag is qualified (``--audio-guidance``), as are the other audio knobs."""
+    from omniloop_cli.generate import request_flags
+
+    flags = [(f"{g}.{n}", flag) for g, n, _, names in request_flags() for flag in names]
+    names = [flag for _, flag in flags]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    owner = dict((flag, path) for path, flag in flags)
+    assert owner["--guidance"] == "diffusion.guidance_scale"
+    assert owner["--audio-guidance"] == "audio.guidance"
+    assert owner["--seconds"] == "audio.seconds"
