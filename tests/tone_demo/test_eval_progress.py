@@ -39,6 +39,6 @@ def test_the_audio_evaluation_draws_a_bar_that_reaches_every_clip(monkeypatch: A
     monkeypatch.setattr(cli, "resolve", lambda model: tmp_path)
     monkeypatch.setattr(cli, "load_pipeline", lambda *a, **k: _Pipe())
     monkeypatch.setattr(rich_progress, "Progress", Recording)
-    reports = cli.run("tone-demo", seeds="0", n_prompts=8, batch_size=3)
+    reports = cli.run("tone-demo", seeds="0", n_prompts=8, batch_size=3, backend="diffusers")  # the stand-in pipeline
     assert bars == [{"total": 8, "done": 8, "stderr": True}]
     assert reports[0].n == 8 and reports[0].accuracy["all"] == 1.0
