@@ -123,3 +123,35 @@ def test_no_two_request_fields_share_a_flag() -> None:
     assert owner["--guidance"] == "diffusion.guidance_scale"
     assert owner["--audio-guidance"] == "audio.guidance"
     assert owner["--seconds"] == "audio.seconds"
+
+
+#: what a text-to-video demo run has no use for: the server's libraries (plugin discovery loads the
+#: server's and other front ends' registration modules, which import none of them), torchvision,
+#: and the CLIP image encoder / processor (Wan2.1 I2V only; importing transformers'
+#: CLIPImageProcessor also printed a torchvision warning on every wan-demo run)
+NOT_IN_A_T2V_DEMO_RUN = ("starlette", "uvicorn", "fastapi", "openai", "httpx", "torchvision",
+                         "transformers.models.clip")
+
+
+def test_a_wan_demo_run_imports_no_image_encoder_nor_server(tmp_path):
+    """A t2v demo run imports the libraries it runs (torch, diffusers' model modules, transformers'
+    UMT5, av) and none of the above; the remaining import floor is measured by
+    ``bench/fast_start.py`` (docs/first-hour.md, finding 6)."""
+    pytest.importorskip("omniloop_wan_demo")
+    out = tmp_path / "clip.mp4"
+    args = ["generate", "a red circle moving up", "--model", "wan-demo", "--steps", "1", "--seed", "0",
+            "--out", str(out)]
+    code = (
+        "import json, sys\nfrom omniloop_cli import main\ncode = 0\n"
+        f"try:\n    main({args!r})\nexcept SystemExit as e:\n    code = e.code or 0\n"
+        "print('RESULT=' + json.dumps([code, sorted(sys.modules)]))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT=")][-1]
+    exit_code, modules = json.loads(line[len("RESULT="):])
+    assert exit_code == 0 and out.is_file(), res.stderr[-2000:]
+    assert "torch" in modules and "omniloop_wan" in modules  # it did run the model
+    loaded = [m for m in modules if any(m == n or m.startswith(n + ".") for n in NOT_IN_A_T2V_DEMO_RUN)]
+    assert loaded == []
+    assert "torchvision" not in res.stderr, res.stderr[-2000:]

@@ -78,7 +78,7 @@ def load(root: Path, index: dict[str, Any], *, device: Any, dtype: Any, vae_dtyp
     through omniloop-kit's :func:`~omniloop_kit.checkpoint.load_diffusers_weights`), after the
     checks that need the configs (the kind, the I2V image encoder)."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
-    from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
+    from transformers import UMT5EncoderModel
 
     from .defaults import model_kind
 
@@ -103,7 +103,9 @@ def load(root: Path, index: dict[str, Any], *, device: Any, dtype: Any, vae_dtyp
     comps["tokenizer"] = kit.load_tokenizer(root / "tokenizer")
     comps["scheduler"] = kit.load_scheduler(root / "scheduler",
                                             (index.get("scheduler") or [None, None])[1] or "UniPCMultistepScheduler")
-    if "image_encoder" in present and image:
+    if "image_encoder" in present and image:  # Wan2.1 I2V only: CLIP is not imported for t2v (issue 42, fast start)
+        from transformers import CLIPImageProcessor, CLIPVisionModel
+
         comps["image_encoder"] = kit.load_pretrained(CLIPVisionModel, root / "image_encoder", device=device, dtype=dtype)
         if "image_processor" not in present:
             raise CheckpointError(f"{root / 'model_index.json'}: an image_encoder needs an image_processor")
