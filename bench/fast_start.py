@@ -8,7 +8,9 @@ Each variant runs in a fresh interpreter (``python -X importtime``), interleaved
   does (torch, diffusers' ``AutoencoderKLWan`` / ``WanTransformer3DModel``, transformers'
   ``UMT5EncoderModel``, av for the mp4): the floor of a demo run while the family runs on diffusers;
   ``floor_wan_models``: the same without av (the floor of ``demo``, which writes no file; for a
-  machine without PyAV);
+  machine without PyAV); ``floor_no_diffusers``: torch, transformers' ``UMT5EncoderModel`` and av
+  (what a run would import at least if the family owned its Wan modules instead of importing
+  diffusers' model packages);
 * ``help``: ``omniloop --help`` (plugin discovery included: the command list names plugin commands);
   ``generate_help``: ``omniloop generate --help`` (plugin flags included);
 * ``error``: ``omniloop generate x --model wan-demo --steps -1`` (a refused value: nothing loads);
@@ -75,6 +77,7 @@ print("PHASES", json.dumps({"import_omniloop": t1 - t0, "load": t2 - t1, "reques
 WAN_MODELS = ("import torch\nfrom diffusers import AutoencoderKLWan, WanTransformer3DModel\n"
               "from transformers import UMT5EncoderModel\n")
 WAN_LIBS = WAN_MODELS + "import av\n"
+NO_DIFFUSERS = "import torch\nfrom transformers import UMT5EncoderModel\nimport av\n"
 OUT_MP4 = str(Path(tempfile.gettempdir()) / "omniloop-fast-start-demo.mp4")
 CLI = [sys.executable, "-X", "importtime", "-m", "omniloop_cli"]
 VARIANTS = {
@@ -82,6 +85,7 @@ VARIANTS = {
     "floor_torch": [sys.executable, "-X", "importtime", "-c", "import torch"],
     "floor_wan_libs": [sys.executable, "-X", "importtime", "-c", WAN_LIBS],
     "floor_wan_models": [sys.executable, "-X", "importtime", "-c", WAN_MODELS],
+    "floor_no_diffusers": [sys.executable, "-X", "importtime", "-c", NO_DIFFUSERS],
     "help": [*CLI, "--help"],
     "generate_help": [*CLI, "generate", "--help"],
     "error": [*CLI, "generate", "x", "--model", "wan-demo", "--steps", "-1"],
