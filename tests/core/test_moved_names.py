@@ -34,6 +34,7 @@ import pytest
     ("omniloop.rl", "step_stats", "omniloop_policies.rollout"),
     ("omniloop.rl", "gaussian_log_prob", "omniloop_policies.rollout"),
     ("omniloop.placement", "check_in_pool", "omniloop_parallel.checks"),
+    ("omniloop.streams", "EventStream", "omniloop_scheduler.streams"),
 ])
 def test_a_moved_name_says_where_it_went(old_module: str, name: str, new_module: str) -> None:
     with pytest.raises(ImportError, match=new_module.replace(".", r"\.")):
