@@ -96,6 +96,7 @@ def rollout_step(rec: RolloutRecorder, index: int, velocity: torch.Tensor, laten
     with torch.no_grad():
         mean, scale = step_stats(velocity, latents, sigma, sigma_next, kind=kind,
                                  noise_level=rec.noise_level, sigma_max=sigma_max)
+        nxt: torch.Tensor
         if rec.replay is not None:
             nxt = rec.recorded(index + 1, rec.loop, latents)
         elif noisy:
