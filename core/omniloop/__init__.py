@@ -17,6 +17,8 @@ import os as _os
 import sys as _sys
 from typing import TYPE_CHECKING, Any
 
+from .lazy import moved
+
 if "torch" not in _sys.modules:
     # OpenMP's default busy-waiting makes torch's CPU thread pool spin against any other process on
     # the machine: on a shared 2-core box a 3 s demo generation was measured taking 130 s. Passive
@@ -82,14 +84,14 @@ if TYPE_CHECKING:
     from .runtime import Deployment, Runtime, check_request
 
 
-#: public names that moved out of the core (issue 34) -> the package that has them now
-_MOVED = {name: "omniloop_kvcache" for name in ("CacheFull", "CacheManager", "KVHandle", "KVLayout")}
+#: public names that moved out of the core (issue 34)
+_MOVED = ("CacheFull", "CacheManager", "KVHandle", "KVLayout")
+_moved = moved(__name__, dict.fromkeys(_MOVED, "omniloop_kvcache"))
 
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
-        raise ImportError(f"omniloop.{name} moved to {_MOVED[name]}: from {_MOVED[name]} import {name} "
-                          f"(pip install {_MOVED[name].replace('_', '-')})")
+        return _moved(name)
     module = _MODULE_OF.get(name)
     if module is None:  # a submodule not imported yet (``omniloop.runtime``)
         try:

@@ -9,15 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+from .lazy import moved
 
-#: names that moved to ``omniloop_kit.checkpoints``
-_MOVED = frozenset({"DIFFUSERS_WEIGHTS", "MAX_HEADER_BYTES", "TRANSFORMERS_WEIGHTS", "check_safetensors", "component_folder", "looks_like", "model_folder", "peek_json", "read_json", "read_model_index", "resolve_root", "weight_files", "weight_version"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        raise ImportError(f"omniloop.checkpoints.{name} moved to omniloop-kit: from omniloop_kit.checkpoints import {name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved(__name__, dict.fromkeys((
+    "DIFFUSERS_WEIGHTS", "MAX_HEADER_BYTES", "TRANSFORMERS_WEIGHTS", "check_safetensors", "component_folder", "looks_like",
+    "model_folder", "peek_json", "read_json", "read_model_index", "resolve_root", "weight_files", "weight_version",
+), "omniloop_kit.checkpoints"))
 
 
 def read_safetensors(path: str | Path, error: type[Exception] = CheckpointError) -> tuple[dict[str, Any], dict[str, str]]:

@@ -1,10 +1,5 @@
 """Moved: the request's JSON Schema is omniloop-io's ``omniloop_io.jsonschema`` since omniloop 0.2 (issue 34)."""
 
-from typing import Any
+from .lazy import moved
 
-
-def __getattr__(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    raise ImportError(f"omniloop.jsonschema.{name} moved to the omniloop-io package: "
-                      f"from omniloop_io.jsonschema import {name} (pip install omniloop-io)")
+__getattr__ = moved(__name__, "omniloop_io.jsonschema")

@@ -7,7 +7,8 @@ Usage in a package ``__init__``::
     _EXPORTS = {"engine": ("AsyncEngine",), "step": ("StepScheduler",)}
     __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
-A module name ``""`` means the package itself. Imports nothing heavy.
+A module name ``""`` means the package itself. :func:`moved` is the ``__getattr__`` of a module
+whose names moved out of the core (issue 34). Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -37,4 +38,21 @@ def lazy_exports(package: str, exports: Mapping[str, tuple[str, ...]], namespace
     return __getattr__, __dir__
 
 
-__all__ = ["lazy_exports"]
+def moved(module: str, homes: str | Mapping[str, str]) -> Callable[[str], Any]:
+    """The ``__getattr__`` of ``module`` whose names moved out of the core in omniloop 0.2 (issue
+    34): ``homes`` maps each moved name to the module that has it now, or is that module for every
+    public name (a module that moved as a whole). Importing a moved name raises one ImportError
+    naming its new import and package; any other name is an AttributeError."""
+
+    def __getattr__(name: str) -> Any:
+        home = (None if name.startswith("__") else homes) if isinstance(homes, str) else homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        package = home.split(".")[0].replace("_", "-")
+        raise ImportError(f"{module}.{name} moved to {package} (omniloop 0.2, issue 34): "
+                          f"from {home} import {name} (pip install {package})")
+
+    return __getattr__
+
+
+__all__ = ["lazy_exports", "moved"]

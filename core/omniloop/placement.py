@@ -15,22 +15,18 @@ from .capabilities import AXES as AXES  # re-exported (its old home)
 from .capabilities import capabilities_of
 from .deploy import DeployConfig
 from .errors import DeployError
+from .lazy import moved
 
-#: names that moved to ``omniloop_parallel.checks`` (issue 34: the core imports no plugin)
-_MOVED = frozenset({"check_parallel", "check_in_pool", "check_roles", "role_device", "check_roles_in_pool",
-                    "pool_factory"})
+#: names that moved to omniloop-parallel and omniloop-offload (issue 34: the core imports no plugin)
+_moved = moved(__name__, {"check_offload": "omniloop_offload", **dict.fromkeys(
+    ("check_parallel", "check_in_pool", "check_roles", "role_device", "check_roles_in_pool"), "omniloop_parallel.checks")})
 
 
 def __getattr__(name: str) -> Any:
-    if name == "check_offload":
-        raise ImportError("omniloop.placement.check_offload moved to omniloop-offload (omniloop 0.2, issue 34): "
-                          "from omniloop_offload import check_offload")
-    if name in _MOVED:
-        where = (
-            "Runtime.from_deploy (the runtime loaders plugins register)" if name == "pool_factory"
-            else f"omniloop_parallel.checks.{name}")
-        raise ImportError(f"omniloop.placement.{name} moved to {where} (omniloop 0.2, issue 34): import it from there")
-    raise AttributeError(f"module 'omniloop.placement' has no attribute {name!r}")
+    if name == "pool_factory":
+        raise ImportError("omniloop.placement.pool_factory is gone (omniloop 0.2, issue 34): Runtime.from_deploy runs "
+                          "parallel and placement deploys through the runtime loaders plugins register")
+    return _moved(name)
 
 
 def check_transport(deploy: DeployConfig, registry: Any) -> None:

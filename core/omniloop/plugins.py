@@ -28,21 +28,10 @@ import pluggy
 from attrs import define
 
 from . import builtin, hookspecs
+from . import family as specs  # the spec types the registration hooks take
 from .capabilities import declare as declare_capabilities
 from .errors import HookDeprecationWarning as HookDeprecationWarning  # re-exported (its old home)
 from .errors import PluginError
-from .family import (
-    AttentionBackendSpec,
-    LinearPrecisionSpec,
-    MechanismSpec,
-    ModelPreset,
-    PluginComponentSpec,
-    PolicySpec,
-    RunOptionSpec,
-    RuntimeLoaderSpec,
-    SchedulerSpec,
-    TransportSpec,
-)
 
 GROUP = "omniloop.plugins"
 
@@ -100,16 +89,8 @@ class PluginRecord:
         return self.status == "ok"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "target": self.target,
-            "distribution": self.distribution,
-            "version": self.version,
-            "hook_api": self.hook_api,
-            "status": self.status,
-            "error": self.error,
-            "provides": self.provides,
-        }
+        """Every field but the loaded object, JSON-able (``omniloop plugins --json``)."""
+        return attrs.asdict(self, filter=lambda a, _: a.name != "obj")
 
 
 @define
@@ -117,42 +98,42 @@ class Registry:
     """Everything the registration hooks registered, by kind and name."""
 
     families: dict[str, Any] = attrs.Factory(dict)
-    presets: dict[str, ModelPreset] = attrs.Factory(dict)
-    policies: dict[str, PolicySpec] = attrs.Factory(dict)
-    interceptors: dict[str, PluginComponentSpec] = attrs.Factory(dict)
-    observers: dict[str, PluginComponentSpec] = attrs.Factory(dict)
-    schedulers: dict[str, SchedulerSpec] = attrs.Factory(dict)
-    transports: dict[str, TransportSpec] = attrs.Factory(dict)
-    attention_backends: dict[str, AttentionBackendSpec] = attrs.Factory(dict)
+    presets: dict[str, specs.ModelPreset] = attrs.Factory(dict)
+    policies: dict[str, specs.PolicySpec] = attrs.Factory(dict)
+    interceptors: dict[str, specs.PluginComponentSpec] = attrs.Factory(dict)
+    observers: dict[str, specs.PluginComponentSpec] = attrs.Factory(dict)
+    schedulers: dict[str, specs.SchedulerSpec] = attrs.Factory(dict)
+    transports: dict[str, specs.TransportSpec] = attrs.Factory(dict)
+    attention_backends: dict[str, specs.AttentionBackendSpec] = attrs.Factory(dict)
     #: the deploy's ``linear_precision`` values beyond the built-in ``dtype``
-    linear_precisions: dict[str, LinearPrecisionSpec] = attrs.Factory(dict)
+    linear_precisions: dict[str, specs.LinearPrecisionSpec] = attrs.Factory(dict)
     #: loaders of deploys a single-process runtime does not run (``omniloop.runtime.ROUTED``)
-    runtime_loaders: dict[str, RuntimeLoaderSpec] = attrs.Factory(dict)
+    runtime_loaders: dict[str, specs.RuntimeLoaderSpec] = attrs.Factory(dict)
     #: load-time mechanisms by the deploy field they serve (``omniloop.runtime.MECHANISMS``)
-    mechanisms: dict[str, MechanismSpec] = attrs.Factory(dict)
+    mechanisms: dict[str, specs.MechanismSpec] = attrs.Factory(dict)
     #: flags plugins add to ``omniloop generate``, by flag name
-    run_options: dict[str, RunOptionSpec] = attrs.Factory(dict)
+    run_options: dict[str, specs.RunOptionSpec] = attrs.Factory(dict)
     #: (kind, name) -> plugin that registered it
     providers: dict[tuple[str, str], str] = attrs.Factory(dict)
 
-    def component(self, name: str) -> PluginComponentSpec | None:
+    def component(self, name: str) -> specs.PluginComponentSpec | None:
         return self.interceptors.get(name) or self.observers.get(name)
 
 
 _KINDS: dict[str, tuple[str, str, type | tuple[type, ...] | None]] = {
     # hook name -> (registry attribute, display kind, expected type)
     "omniloop_register_families": ("families", "family", None),
-    "omniloop_register_model_presets": ("presets", "preset", ModelPreset),
-    "omniloop_register_policies": ("policies", "policy", PolicySpec),
-    "omniloop_register_interceptors": ("interceptors", "interceptor", PluginComponentSpec),
-    "omniloop_register_observers": ("observers", "observer", PluginComponentSpec),
-    "omniloop_register_schedulers": ("schedulers", "scheduler", SchedulerSpec),
-    "omniloop_register_transports": ("transports", "transport", TransportSpec),
-    "omniloop_register_attention_backends": ("attention_backends", "attention_backend", AttentionBackendSpec),
-    "omniloop_register_linear_precisions": ("linear_precisions", "linear_precision", LinearPrecisionSpec),
-    "omniloop_register_runtime_loaders": ("runtime_loaders", "runtime_loader", RuntimeLoaderSpec),
-    "omniloop_register_mechanisms": ("mechanisms", "mechanism", MechanismSpec),
-    "omniloop_register_run_options": ("run_options", "run_option", RunOptionSpec),
+    "omniloop_register_model_presets": ("presets", "preset", specs.ModelPreset),
+    "omniloop_register_policies": ("policies", "policy", specs.PolicySpec),
+    "omniloop_register_interceptors": ("interceptors", "interceptor", specs.PluginComponentSpec),
+    "omniloop_register_observers": ("observers", "observer", specs.PluginComponentSpec),
+    "omniloop_register_schedulers": ("schedulers", "scheduler", specs.SchedulerSpec),
+    "omniloop_register_transports": ("transports", "transport", specs.TransportSpec),
+    "omniloop_register_attention_backends": ("attention_backends", "attention_backend", specs.AttentionBackendSpec),
+    "omniloop_register_linear_precisions": ("linear_precisions", "linear_precision", specs.LinearPrecisionSpec),
+    "omniloop_register_runtime_loaders": ("runtime_loaders", "runtime_loader", specs.RuntimeLoaderSpec),
+    "omniloop_register_mechanisms": ("mechanisms", "mechanism", specs.MechanismSpec),
+    "omniloop_register_run_options": ("run_options", "run_option", specs.RunOptionSpec),
 }
 
 

@@ -1,38 +1,16 @@
-"""Post-training on the serving runtime: rollout steps with exact per-step log-probabilities.
+"""Post-training on the serving runtime: the rollout a request asks for, recorded.
 
 A request with ``rollout: {kind, noise_level, sde_steps, capture, ...}`` (``omniloop.request.
-RolloutParams``) runs its denoise loop with the runtime-owned rollout step instead of the sampler's
-update: the sampler still gives the schedule (timesteps, sigmas, shift), the CFG policy the guided
-velocity ``v``, LoRA adapters apply as usual, and then this module takes the step ``x -> x'`` in
-float32 and records the log-probability of ``x'`` under the step's Gaussian. The output carries
-``artifacts["trajectory"]`` (:class:`Trajectory`) and ``metrics["weight_version"]``.
-
-The formulas follow Flow-GRPO's reference code (``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``,
-``sde_step_with_logprob``; written here from the formulas, not copied) and are stated in
-``docs/rl.md``. With ``σ`` the step's sigma, ``σ'`` the next one, ``dt = σ' - σ`` (negative),
-``a`` the noise level and ``σ_max`` the schedule's second sigma:
-
-* ``sde``: ``std = a·sqrt(σ / (1 - σ''))`` where ``σ''`` is ``σ`` except that ``σ = 1`` becomes
-  ``σ_max`` (denominator only); ``mean = x·(1 + std²/(2σ)·dt) + v·(1 + std²(1-σ)/(2σ))·dt``;
-  ``x' = mean + std·sqrt(-dt)·ε``; ``log p = log N(x'; mean, std²·(-dt))`` averaged over every
-  dimension but the batch.
-* ``cps`` (coefficient-preserving): ``std = σ'·sin(a·π/2)``; ``x0 = x - σ·v``, ``x1 = x + (1-σ)·v``;
-  ``mean = (1-σ')·x0 + sqrt(σ'² - std²)·x1``; ``x' = mean + std·ε``; ``log p = -(x' - mean)²``
-  averaged (Flow-GRPO drops every constant for CPS, so it is a log-density up to a constant).
-* ``ode`` (and the steps of an ``sde``/``cps`` rollout outside ``sde_steps``): ``x' = x + v·dt``, no
-  log-probability (0 in ``log_probs`` with ``sde_mask`` False).
-
-:func:`omniloop_rl.trainer.step_log_prob` (omniloop-rl, what a trainer imports) recomputes one
-recorded transition's log-prob from a velocity a trainer computed with its own forward (with
-gradients); :func:`omniloop_rl.trainer.replay_log_probs` re-runs a request
-through the runtime with its recorded trajectory teacher-forced (a fresh forward per step on the
-recorded state) and returns the recomputed log-probs — consistency level C1 says they equal the
-rollout's.
+RolloutParams``) runs its denoise loop with a rollout step instead of the sampler's update; the
+runtime installs a :class:`RolloutRecorder` on each loop the family declares (:class:`RolloutSupport`),
+the family's step takes the step on it (omniloop-policies' ``omniloop_policies.rollout``: the step
+math, the formulas of ``docs/rl.md``), and the output carries ``artifacts["trajectory"]``
+(:class:`Trajectory`) and ``metrics["weight_version"]``. What a trainer computes is omniloop-rl's
+``omniloop_rl.trainer``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +19,7 @@ from attrs import define
 
 from .artifacts import Artifact
 from .errors import RequestError
+from .lazy import moved
 from .loop import LoopState
 
 #: ``LoopState.extra`` key of a request's rollout recorder (read by the policies' ``finish_step``)
@@ -93,54 +72,6 @@ class Trajectory(Artifact):
 
 
 # ---------------------------------------------------------------------------------------------
-# The step math (float32)
-# ---------------------------------------------------------------------------------------------
-
-
-def _f32(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(value, dtype=torch.float32, device=like.device)
-
-
-def step_stats(
-    velocity: torch.Tensor, latents: torch.Tensor, sigma: float | torch.Tensor, sigma_next: float | torch.Tensor,
-    *, kind: str, noise_level: float, sigma_max: float | torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, scale)`` of the step's Gaussian ``x' ~ N(mean, scale²)`` in float32: ``scale`` is
-    ``std·sqrt(-dt)`` for ``sde``, ``std`` for ``cps``, 0 for ``ode``. Differentiable in
-    ``velocity`` (trainers call it inside autograd)."""
-    v, x = velocity.float(), latents.float()
-    s, s_next = _f32(sigma, x), _f32(sigma_next, x)
-    dt = s_next - s
-    if kind == "ode":
-        return x + v * dt, torch.zeros((), dtype=torch.float32, device=x.device)
-    if kind == "sde":
-        denom_sigma = torch.where(s == 1, _f32(sigma_max, x), s)
-        std = torch.sqrt(s / (1 - denom_sigma)) * noise_level
-        mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
-        return mean, std * torch.sqrt(-dt)
-    if kind == "cps":
-        std = s_next * math.sin(noise_level * math.pi / 2)
-        x0 = x - s * v
-        x1 = x + (1 - s) * v
-        mean = x0 * (1 - s_next) + x1 * torch.sqrt(s_next**2 - std**2)
-        return mean, std
-    raise ValueError(f"rollout kind must be one of {', '.join(KINDS)}, got {kind!r}")
-
-
-def gaussian_log_prob(next_latents: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, *, kind: str) -> torch.Tensor:
-    """The per-sample log-prob ``[B]`` of ``next_latents`` (float32), averaged over non-batch dims:
-    ``log N(x'; mean, scale²)`` for ``sde``; ``-(x' - mean)²`` for ``cps`` (Flow-GRPO's, constants dropped)."""
-    xn = next_latents.float().detach()
-    if kind == "sde":
-        lp = -((xn - mean) ** 2) / (2 * scale**2) - torch.log(scale) - math.log(math.sqrt(2 * math.pi))
-    elif kind == "cps":
-        lp = -((xn - mean) ** 2)
-    else:
-        raise ValueError(f"no log-prob for rollout kind {kind!r}")
-    return lp.mean(dim=tuple(range(1, lp.ndim))) if lp.ndim > 1 else lp
-
-
-# ---------------------------------------------------------------------------------------------
 # The per-request recorder the runtime installs on a loop
 # ---------------------------------------------------------------------------------------------
 
@@ -160,7 +91,8 @@ class RolloutRecorder:
         self.support = support
         #: replay: the recorded latents ``[S+1, ...]`` (unpacked layout, as in the trajectory)
         self.replay = replay
-        self._loop: Any = None
+        #: replay: the loop whose state it puts back (set by :meth:`before_step`)
+        self.loop: Any = None
         self.states: list[torch.Tensor] = []
         self.log_probs: list[torch.Tensor] = []
         self.mask: list[bool] = []
@@ -181,40 +113,23 @@ class RolloutRecorder:
     def before_step(self, index: int, loop: LoopState, key: str = "latents") -> None:
         """Replay: put the recorded state of step ``index`` into the loop before its forward."""
         if self.replay is not None:
-            self._loop = loop
+            self.loop = loop
             loop.tensors[key] = self.recorded(index, loop, loop.tensors[key])
 
-    def step(self, index: int, velocity: torch.Tensor, latents: torch.Tensor, sigmas: Sequence[float],
-             timesteps: Sequence[float]) -> torch.Tensor:
-        """The rollout step ``index`` from ``latents`` with the guided ``velocity``: the next
-        latents in ``latents``' dtype; records state and log-prob."""
+    def record(self, latents: torch.Tensor, nxt: torch.Tensor, log_prob: torch.Tensor | None, noisy: bool,
+               sigmas: Sequence[float], timesteps: Sequence[float]) -> None:
+        """Record one step ``latents -> nxt`` on the schedule ``sigmas``/``timesteps``: whether it
+        was stochastic and its log-prob (None: not captured), as ``omniloop_policies.rollout``
+        took it."""
         if not self.sigmas:
             self.sigmas, self.timesteps = tuple(sigmas), tuple(timesteps)
-        sigma, sigma_next = sigmas[index], sigmas[index + 1]
-        sigma_max = sigmas[1] if len(sigmas) > 1 else sigmas[0]
-        noisy = self.stochastic(index)
-        kind = self.kind if noisy else "ode"
-        with torch.no_grad():
-            mean, scale = step_stats(velocity, latents, sigma, sigma_next, kind=kind,
-                                     noise_level=self.noise_level, sigma_max=sigma_max)
-            if self.replay is not None:
-                nxt = self.recorded(index + 1, self._loop, latents)
-            elif noisy:
-                eps = torch.randn(mean.shape, generator=self.generator, dtype=torch.float32,
-                                  device=self.generator.device if self.generator is not None else "cpu")
-                nxt = (mean + scale * eps.to(mean.device)).to(latents.dtype)
-            else:
-                nxt = mean.to(latents.dtype)
-            # the log-prob of what the loop really holds next (after the cast to its dtype): C1 in any dtype
-            lp = gaussian_log_prob(nxt, mean, scale, kind=kind) if noisy and "log_probs" in self.capture else None
         if "latents" in self.capture or self.replay is not None:
             if not self.states:
                 self.states.append(latents.detach().float().cpu().clone())
             self.states.append(nxt.detach().float().cpu().clone())
         if self.kind != "ode" and "log_probs" in self.capture:
-            self.log_probs.append(lp.float().cpu() if lp is not None else torch.zeros(latents.shape[0]))
+            self.log_probs.append(log_prob.float().cpu() if log_prob is not None else torch.zeros(latents.shape[0]))
             self.mask.append(noisy)
-        return nxt
 
     def trajectory(self, loop: LoopState) -> Trajectory:
         support = self.support
@@ -259,17 +174,15 @@ def check_rollout(params: Any, steps: int) -> None:
 
 
 #: moved to omniloop-rl (``omniloop_rl.trainer``: what a trainer computes) in omniloop 0.2 (issue 34)
-_MOVED = frozenset({"step_log_prob", "nft_optimality", "nft_noisy", "nft_loss", "replay_log_probs", "as_params_dict"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        raise ImportError(f"omniloop.rl.{name} moved to the omniloop-rl package: "
-                          f"from omniloop_rl.trainer import {name} (pip install omniloop-rl)")
-    raise AttributeError(f"module 'omniloop.rl' has no attribute {name!r}")
+#: and the rollout step math to omniloop-policies (``omniloop_policies.rollout``: the family's step takes it)
+__getattr__ = moved(__name__, {
+    **dict.fromkeys(("step_log_prob", "nft_optimality", "nft_noisy", "nft_loss", "replay_log_probs", "as_params_dict"),
+                    "omniloop_rl.trainer"),
+    **dict.fromkeys(("step_stats", "gaussian_log_prob"), "omniloop_policies.rollout"),
+})
 
 
 __all__ = [
     "CAPTURES", "KINDS", "ROLLOUT_KEY", "RolloutRecorder", "RolloutSupport", "Trajectory", "check_rollout",
-    "family_rollout_support", "gaussian_log_prob", "noise_seed", "step_stats",
+    "family_rollout_support", "noise_seed",
 ]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .errors import OmniloopError
+from .lazy import moved
 
 #: a weight version is a short identifier (it lands in every output's metrics)
 VERSION_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,127}"
@@ -36,15 +37,8 @@ class RuntimeAsleep(OmniloopError):
 #: the checksum algorithms (``Runtime.weights_checksum``; computed by omniloop-rl); the first is the default
 CHECKSUM_ALGORITHMS = ("mix128", "sha256")
 #: moved to omniloop-rl (``omniloop_rl.weights``) in omniloop 0.2 (issue 34)
-_MOVED = frozenset({"apply_update", "checksum", "denoiser_components", "mix64", "plan_update", "read_source",
-                    "tensor_digest", "tensor_words", "mix64_int"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        raise ImportError(f"omniloop.weights.{name} moved to the omniloop-rl package: "
-                          f"from omniloop_rl.weights import {name} (pip install omniloop-rl)")
-    raise AttributeError(f"module 'omniloop.weights' has no attribute {name!r}")
+__getattr__ = moved(__name__, dict.fromkeys(("apply_update", "checksum", "denoiser_components", "mix64", "plan_update",
+                                             "read_source", "tensor_digest", "tensor_words", "mix64_int"), "omniloop_rl.weights"))
 
 
 class Sleeper:

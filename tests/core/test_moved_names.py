@@ -31,11 +31,37 @@ import pytest
     ("omniloop.rl", "nft_loss", "omniloop_rl.trainer"),
     ("omniloop.rl", "step_log_prob", "omniloop_rl.trainer"),
     ("omniloop.rl", "replay_log_probs", "omniloop_rl.trainer"),
+    ("omniloop.rl", "step_stats", "omniloop_policies.rollout"),
+    ("omniloop.rl", "gaussian_log_prob", "omniloop_policies.rollout"),
+    ("omniloop.placement", "check_in_pool", "omniloop_parallel.checks"),
+    ("omniloop.streams", "EventStream", "omniloop_scheduler.streams"),
 ])
 def test_a_moved_name_says_where_it_went(old_module: str, name: str, new_module: str) -> None:
     with pytest.raises(ImportError, match=new_module.replace(".", r"\.")):
         exec(f"from {old_module} import {name}", {})
     assert getattr(importlib.import_module(new_module), name) is not None
+
+
+@pytest.mark.parametrize(("old_module", "name", "line"), [
+    ("omniloop.offload", "Offloader", "omniloop.offload.Offloader moved to omniloop-offload (omniloop 0.2, issue 34): "
+                                      "from omniloop_offload import Offloader (pip install omniloop-offload)"),
+    ("omniloop.rl", "step_stats", "omniloop.rl.step_stats moved to omniloop-policies (omniloop 0.2, issue 34): "
+                                  "from omniloop_policies.rollout import step_stats (pip install omniloop-policies)"),
+])
+def test_the_message_is_one_line_naming_the_import_and_the_package(old_module: str, name: str, line: str) -> None:
+    with pytest.raises(ImportError) as info:
+        exec(f"from {old_module} import {name}", {})
+    assert str(info.value) == line
+
+
+def test_a_name_that_never_existed_is_an_attribute_error() -> None:
+    import omniloop.placement
+    import omniloop.weights
+
+    with pytest.raises(AttributeError):
+        omniloop.weights.no_such_name  # noqa: B018
+    with pytest.raises(ImportError, match="runtime loaders"):
+        omniloop.placement.pool_factory  # noqa: B018
 
 
 def test_a_moved_module_still_answers_dunder_probes() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omniloop.rl import step_stats
+from omniloop_policies.rollout import step_stats
 from omniloop_rl.trainer import nft_loss, nft_noisy, nft_optimality
 
 

@@ -9,8 +9,9 @@ import torch
 
 from omniloop.errors import RequestError
 from omniloop.request import Status
-from omniloop.rl import RolloutRecorder, step_stats
+from omniloop.rl import RolloutRecorder
 from omniloop.schema import request_from_dict
+from omniloop_policies.rollout import rollout_step, step_stats
 from omniloop_rl.trainer import replay_log_probs, step_log_prob
 
 FAMILIES = ["wan", "flux", "sd3"]
@@ -84,7 +85,7 @@ def test_sde_step_distribution(sigmas):
     n = 4000
     draws = []
     for _ in range(n):
-        draws.append(rec.step(0, v, x, sigmas, (0.0,) * len(sigmas)))
+        draws.append(rollout_step(rec, 0, v, x, sigmas, (0.0,) * len(sigmas)))
         rec.states.clear()
     d = torch.cat(draws).double()
     mean, scale = _reference_sde(x.double(), v.double(), sigmas[0], sigmas[1], 0.7, sigma_max=sigmas[1])

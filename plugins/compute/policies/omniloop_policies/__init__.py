@@ -18,6 +18,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "params": ("POLICY_KNOBS", "DenoiseParams", "accepts"),
     "plugin": ("builtin_specs",),
     "precision": ("PrecisionPolicy", "parse_dtype"),
+    "rollout": ("gaussian_log_prob", "rollout_step", "step_stats"),
     "routing": ("BoundaryRouter", "ExpertRouter", "SingleExpert"),
     "samplers": ("DMD_WAN_TIMESTEPS", "DPMppSampler", "FewStepSampler", "FlowEulerSampler", "Sampler", "SamplerState", "UniPCSampler", "normalize_flow_config"),
     "shift": ("ConstantShift", "ResolutionShift", "ShiftPolicy", "ShiftValue", "calculate_shift"),
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from .params import POLICY_KNOBS, DenoiseParams, accepts
     from .plugin import builtin_specs
     from .precision import PrecisionPolicy, parse_dtype
+    from .rollout import gaussian_log_prob, rollout_step, step_stats
     from .routing import BoundaryRouter, ExpertRouter, SingleExpert
     from .samplers import (
         DMD_WAN_TIMESTEPS,
@@ -98,12 +100,15 @@ __all__ = [
     "calculate_shift",
     "forward_groups",
     "forward_name",
+    "gaussian_log_prob",
     "guided_prediction",
     "normalize_flow_config",
     "parse_dtype",
     "predict_branches",
+    "rollout_step",
     "sampler_for_config",
     "split_batch",
     "stack_forward",
+    "step_stats",
     "strength_steps",
 ]

@@ -49,6 +49,7 @@ from .errors import PolicyError, SchedulerConfigError
 from .params import POLICY_KNOBS, DenoiseParams, accepts
 from .plugin import builtin_specs
 from .precision import PrecisionPolicy
+from .rollout import rollout_step
 from .routing import ExpertRouter, SingleExpert
 from .samplers import SAMPLER_CLASSES, Sampler, SamplerState
 from .shift import ConstantShift, ShiftPolicy
@@ -186,7 +187,8 @@ class DenoisePolicies:
     def advance_rollout(
         self, step: StepContext, loop: LoopState, guided: torch.Tensor, latents: torch.Tensor, rollout: Any
     ) -> torch.Tensor:
-        """A rollout step (:class:`omniloop.rl.RolloutRecorder`) instead of the sampler's update:
+        """A rollout step (:func:`omniloop_policies.rollout.rollout_step` on the request's
+        :class:`omniloop.rl.RolloutRecorder`) instead of the sampler's update:
         the sampler gives the schedule (its sigmas and timesteps), the rollout the step rule."""
         s = self.sampler_state(loop)
         if s.index != step.step_index:
@@ -196,7 +198,7 @@ class DenoisePolicies:
         if len(s.sigma_values) != s.num_steps + 1:
             raise PolicyError(f"sampler {self.sampler.name!r}: a rollout needs num_steps + 1 sigmas, "
                               f"got {len(s.sigma_values)} for {s.num_steps} steps")
-        out: torch.Tensor = rollout.step(s.index, guided, latents, s.sigma_values, s.timestep_values)
+        out = rollout_step(rollout, s.index, guided, latents, s.sigma_values, s.timestep_values)
         s.index += 1
         return out
 

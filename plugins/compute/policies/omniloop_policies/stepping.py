@@ -123,7 +123,7 @@ def branch_predictions(
 def finish_step(ctx: Any, pol: Any, step: StepContext, loop: LoopState, preds: Mapping[str, Prediction]) -> StepResult:
     """Combine the branch predictions (the CFG policy), take the sampler step on
     ``loop.tensors["latents"]`` — or, on a rollout request (``loop.extra["rollout"]``, installed by
-    the runtime), the rollout step of :mod:`omniloop.rl` on the sampler's schedule — store the new
+    the runtime), the rollout step of :mod:`omniloop_policies.rollout` on the sampler's schedule — store the new
     latents; taps when an observer listens.
 
     ``ctx`` may be None (batched steps across requests run without taps)."""
@@ -135,7 +135,7 @@ def finish_step(ctx: Any, pol: Any, step: StepContext, loop: LoopState, preds: M
         rollout = loop.extra.get(ROLLOUT_KEY)
         if rollout is None:
             latents = pol.advance(step, loop, guided, loop.tensors["latents"])
-        else:  # a post-training rollout: the runtime's step (omniloop.rl) on the sampler's schedule
+        else:  # a post-training rollout: the rollout step (omniloop_policies.rollout) on the sampler's schedule
             latents = pol.advance_rollout(step, loop, guided, loop.tensors["latents"], rollout)
     loop.tensors["latents"] = latents
     if taps:

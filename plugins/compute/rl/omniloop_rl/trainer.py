@@ -3,8 +3,8 @@
 (:func:`step_log_prob`, Flow-GRPO's ratio), the DiffusionNFT objective (:func:`nft_optimality`,
 :func:`nft_noisy`, :func:`nft_loss`), and a teacher-forced replay of a rollout through the runtime
 (:func:`replay_log_probs`, consistency level C1). The rollout step math itself
-(:func:`omniloop.rl.step_stats`, :func:`omniloop.rl.gaussian_log_prob`) is the core's: the runtime
-takes those steps. The formulas are stated in ``docs/rl.md``.
+(:func:`omniloop_policies.rollout.step_stats`, :func:`~omniloop_policies.rollout.gaussian_log_prob`)
+is omniloop-policies': the family's denoise step takes those steps. The formulas are stated in ``docs/rl.md``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import attrs
 import torch
 
 from omniloop.errors import RequestError
-from omniloop.rl import Trajectory, gaussian_log_prob, step_stats
+from omniloop.rl import Trajectory
+from omniloop_policies.rollout import gaussian_log_prob, step_stats
 
 
 def step_log_prob(

@@ -17,6 +17,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "pool": ("StepPool", "Ticket"),
     "serial": ("SerialScheduler",),
     "step": ("StepScheduler",),
+    "streams": ("EventStream",),
 }
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from .pool import StepPool, Ticket
     from .serial import SerialScheduler
     from .step import StepScheduler
+    from .streams import EventStream
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
@@ -37,6 +39,7 @@ __all__ = [
     "AsyncEngine",
     "CostModel",
     "EngineClosed",
+    "EventStream",
     "MemoryModel",
     "Plan",
     "QueueFull",

@@ -31,7 +31,6 @@ from omniloop.errors import DeployError, RequestError
 from omniloop.execution import ScheduleDecision
 from omniloop.request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status, TaskType
 from omniloop.schema import request_from_dict
-from omniloop.streams import EventStream
 
 from .errors import AdmissionRefused, EngineClosed, QueueFull
 from .metrics import EngineMetrics
@@ -39,6 +38,7 @@ from .models import shape_of
 from .options import parse_options
 from .pool import PoolListener, StepPool, Ticket
 from .step import build_pool
+from .streams import EventStream
 
 log = logging.getLogger("omniloop.engine")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from omniloop.request import ErrorInfo, EventKind, OmniEvent, OmniOutput, OmniRequest, Status
 from omniloop.schema import request_from_dict
-from omniloop.streams import EventStream
+from omniloop_scheduler.streams import EventStream
 
 log = logging.getLogger("omniloop.dynamo")
 
