@@ -16,7 +16,7 @@ import torch
 import omniloop_adapters.plugin as adapters_plugin
 import omniloop_flux.plugin as flux_plugin
 from omniloop.runtime import Runtime
-from omniloop.testing import make_manager
+from omniloop.testing import make_manager, run_interleaved
 
 TOL = 1e-4
 PROMPT = "a red fox jumps over the lazy dog"
@@ -79,11 +79,7 @@ def test_single_stacked_and_none_after_match_diffusers(rt, reference):
 def test_interleaved_adapter_sets_equal_each_alone(rt):
     sets = {"x": [{"name": "a", "scale": 1.0}], "y": [{"name": "a", "scale": 0.5}, {"name": "b", "scale": 2.0}], "z": []}
     alone = {k: latents(rt.generate(request(v, seed=5))) for k, v in sets.items()}
-    execs = {k: rt.prepare(request(v, seed=5)) for k, v in sets.items()}
-    while not all(e.done for e in execs.values()):
-        for e in execs.values():
-            if not e.done:
-                e.advance()
-    for k, e in execs.items():
-        assert torch.equal(latents(e.output), alone[k]), k
+    outs = run_interleaved(rt, [request(v, seed=5) for v in sets.values()])
+    for k, out in zip(sets, outs, strict=True):
+        assert torch.equal(latents(out), alone[k]), k
     assert not torch.equal(alone["x"], alone["y"]) and not torch.equal(alone["x"], alone["z"])

@@ -15,7 +15,7 @@ import omniloop_adapters.plugin as adapters_plugin
 import omniloop_sd3.plugin as sd3_plugin
 from omniloop.errors import DeployError
 from omniloop.runtime import Runtime
-from omniloop.testing import make_manager
+from omniloop.testing import make_manager, run_interleaved
 
 TOL = 1e-4
 PROMPT = "a red fox jumps over the lazy dog"
@@ -62,13 +62,9 @@ def test_single_stacked_none_after_match_diffusers_and_interleave(sd3_setup):
         diff = (v - want[k].reshape(v.shape)).abs().max().item()
         print(f"{k}: max |latents - diffusers| = {diff:.3g}")
         assert diff <= TOL, f"{k}: max |d| = {diff}"
-    execs = {k: rt.prepare(request(v)) for k, v in sets.items()}
-    while not all(e.done for e in execs.values()):
-        for e in execs.values():
-            if not e.done:
-                e.advance()
-    for k, e in execs.items():
-        assert torch.equal(latents(e.output), got[k]), k
+    outs = run_interleaved(rt, [request(v) for v in sets.values()])
+    for k, out in zip(sets, outs, strict=True):
+        assert torch.equal(latents(out), got[k]), k
 
 
 def test_fused_qkv_refused_with_adapters(sd3_setup):

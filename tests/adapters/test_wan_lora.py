@@ -128,20 +128,11 @@ def test_batched_steps_never_mix_adapter_sets(rt):
 def test_step_scheduler_batches_by_adapter_set(rt):
     """Through the step scheduler's engine: four concurrent requests, three adapter sets; only the
     two with the same set co-batch, and each equals itself run alone."""
-    import asyncio
-
-    sched = pytest.importorskip("omniloop_scheduler")
+    sched = pytest.importorskip("omniloop_scheduler.testing")
     reqs = [request([{"name": "a", "scale": 0.8}], seed=3, rid="r1"), request([{"name": "a", "scale": 0.8}], seed=4, rid="r2"),
             request([{"name": "b", "scale": 1.0}], seed=3, rid="r3"), request(seed=4, rid="r4")]
     alone = [latents(rt.generate(r)) for r in reqs]
-
-    async def main() -> tuple[list[Any], Any]:
-        engine = sched.AsyncEngine(rt, "step", max_batch=4)
-        hs = [engine.submit(r) for r in reqs]
-        async with engine:
-            return [await h.result(timeout=60) for h in hs], engine
-
-    outs, engine = asyncio.run(asyncio.wait_for(main(), 120))
+    outs, engine = sched.engine_outputs(rt, reqs, max_batch=4)
     batched = [d for d in engine.trace if d.action == "batched_step"]
     assert batched and all(set(d.request_ids) == {"r1", "r2"} for d in batched), batched
     for got, want in zip(outs, alone, strict=True):

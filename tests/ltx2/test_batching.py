@@ -18,18 +18,9 @@ from typing import Any
 import torch
 
 from omniloop.request import Status
+from omniloop.testing import stream_together
 
 BATCHED_ATOL = 2e-5
-
-
-def _drive(rt: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
-    streams = [rt.stream(r) for r in reqs]
-    finals = {}
-    for st in reversed(streams):  # driving one stream advances the others too (one shared pool)
-        for ev in st:
-            if ev.kind.value == "final":
-                finals[ev.request_id] = ev.output
-    return finals
 
 
 def test_batched_steps_equal_each_request_alone(runtime: Any, t2v: Any) -> None:
@@ -41,7 +32,7 @@ def test_batched_steps_equal_each_request_alone(runtime: Any, t2v: Any) -> None:
     ]
     alone = [runtime("a").generate(r) for r in reqs]
     rt = runtime("a", step=True)
-    finals = _drive(rt, reqs)
+    finals = stream_together(rt, reqs)
     batched = [d for d in rt.scheduler.trace if d.action == "batched_step" and len(d.request_ids) == 3]
     assert len(batched) >= 3, [(d.action, d.request_ids) for d in rt.scheduler.trace]
     for a, req in zip(alone, reqs, strict=True):
@@ -57,7 +48,7 @@ def test_different_passes_do_not_batch_together(runtime: Any, t2v: Any) -> None:
     reqs = [{**t2v(seed=1), "request_id": "all", "diffusion": {"seed": 1, "frames": 5, "steps": 2}},
             {**t2v(seed=2, node_params={"denoise": {"modality": 1.0}}, audio={"modality": 1.0}), "request_id": "no-mod",
              "diffusion": {"seed": 2, "frames": 5, "steps": 2}}]
-    finals = _drive(rt, reqs)
+    finals = stream_together(rt, reqs)
     assert all(o.status is Status.COMPLETED for o in finals.values())
     assert finals["no-mod"].metrics["denoise"]["passes"] == ["cfg", "stg"]
     mixed = [d for d in rt.scheduler.trace if d.action == "batched_step" and set(d.request_ids) == {"all", "no-mod"}]
@@ -91,7 +82,7 @@ def test_batched_i2v_steps_equal_each_request_alone(runtime: Any, t2v: Any, tmp_
         r["diffusion"]["steps"] = 2
     alone = [runtime("a").generate(r) for r in reqs]
     rt = runtime("a", step=True)
-    finals = _drive(rt, reqs)
+    finals = stream_together(rt, reqs)
     pairs = [set(d.request_ids) for d in rt.scheduler.trace if d.action == "batched_step"]
     assert {"i1", "i2"} in pairs and not any("t" in p and len(p) > 1 for p in pairs), pairs
     for a, req in zip(alone, reqs, strict=True):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from omniloop.request import Status
-from omniloop.testing import completed_latents
+from omniloop.testing import completed_latents, stream_together
 
 BATCHED_ATOL = 2e-5
 
@@ -33,12 +33,7 @@ def test_batched_steps_equal_each_request_alone(runtime, t2a):
     ]
     alone = [runtime("stereo").generate(r) for r in reqs]
     rt = runtime("stereo", step=True)
-    streams = [rt.stream(r) for r in reqs]
-    finals = {}
-    for st in reversed(streams):  # driving one stream advances the others too (one shared pool)
-        for ev in st:
-            if ev.kind.value == "final":
-                finals[ev.request_id] = ev.output
+    finals = stream_together(rt, reqs)
     batched = [d for d in rt.scheduler.trace if d.action == "batched_step" and len(d.request_ids) == 3]
     assert len(batched) >= 4, [(d.action, d.request_ids) for d in rt.scheduler.trace]
     for a, req in zip(alone, reqs, strict=True):

@@ -17,10 +17,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 import omniloop_wan.plugin as wan_plugin
-from omniloop.family import PluginComponentSpec
-from omniloop.hookspecs import hookimpl
 from omniloop.loop import StepContext
-from omniloop.testing import make_manager
+from omniloop.testing import PassThroughSteps, component_plugin, make_manager
 from omniloop_wan.tiny import build_tiny_checkpoint
 
 
@@ -62,13 +60,10 @@ def wan_runtime(tiny_ckpt):
     return get
 
 
-class CountingInterceptor:
+class CountingInterceptor(PassThroughSteps):
     """A pass-through step interceptor recording (step, forward name, batch rows)."""
 
     name = "count"
-    graph_safe = True
-    distribution_altering = False
-    needs_eager = False
 
     def __init__(self, log: list) -> None:
         self.log = log
@@ -81,12 +76,6 @@ class CountingInterceptor:
         self.log.append((step.step_index, step.branch, int(inputs["hidden_states"].shape[0])))
         return compute()
 
-    def close(self, state: Any) -> None:
-        pass
-
-    def metrics(self, state: Any) -> dict[str, Any]:
-        return {}
-
 
 @pytest.fixture(scope="session")
 def counting(tiny_ckpt):
@@ -96,17 +85,8 @@ def counting(tiny_ckpt):
     def get(variant: str = "t2v") -> tuple[Any, list]:
         if variant not in cache:
             log: list = []
-
-            class Plugin:
-                OMNILOOP_HOOK_API = ">=1.0,<2"
-
-                @hookimpl
-                def omniloop_register_interceptors(self, register: Any) -> None:
-                    register(PluginComponentSpec(name="count", kind="step_interceptor",
-                                                 factory=lambda cfg: CountingInterceptor(log)))
-
             manager = wan_manager()
-            manager.add("count", Plugin())
+            manager.add("count", component_plugin("count", "step_interceptor", lambda log=log: CountingInterceptor(log)))
             from omniloop.runtime import Runtime
 
             cache[variant] = (Runtime.from_model(tiny_ckpt(variant), manager=manager, plugins={"count": {}}), log)

@@ -13,7 +13,15 @@
   run alone to show no state leaks between requests).
 * :func:`advance_in_lockstep` / :func:`forward_rows` / :func:`raising_rows` — batched-step
   failure isolation: executions stepped together through ``advance_batch``, the text rows a
-  family's denoise forward sees, and that forward made to raise on a poison request's rows.
+  family's denoise forward sees, and that forward made to raise on a poison request's rows;
+  :func:`stream_together` — requests streamed side by side through a ``step``-scheduler runtime
+  (so their steps co-batch), their final outputs by request id.
+* :func:`check_interleaved_equal_alone` — the per-request-state test of a stateful plugin: two
+  requests stepped alternately equal each run alone (latents and the plugin's metrics).
+* :func:`plugin_of` / :func:`component_plugin` — an in-process plugin object from declarations
+  (families, interceptor and observer specs) instead of a hand-written class per test; :class:`PassThroughSteps` /
+  :class:`PassThroughBlocks` — step / block interceptors that change nothing, to subclass in
+  tests (override what the test needs: ``forward``, ``run``, ``open``, ``metrics``).
 * :func:`once_per_arguments` — a session fixture's builder (tiny checkpoints) run once per argument set.
 * pytest fixtures (auto-loaded through the ``pytest11`` entry point): ``omniloop_manager``,
   ``toy_checkpoint``, ``toy_runtime_factory``.
@@ -163,6 +171,33 @@ def advance_in_lockstep(runtime: Any, requests: list[Any]) -> tuple[list[Any], i
     return [e.output for e in exes], batched
 
 
+def stream_together(runtime: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stream ``requests`` (each with a ``request_id``) side by side through ``runtime`` — a
+    ``step``-scheduler runtime, whose one shared pool co-batches their steps — and return their
+    final outputs by request id."""
+    streams = [runtime.stream(r) for r in requests]
+    finals = {}
+    for st in reversed(streams):  # driving one stream advances the others too (one shared pool)
+        for ev in st:
+            if ev.kind.value == "final":
+                finals[ev.request_id] = ev.output
+    return finals
+
+
+def check_interleaved_equal_alone(runtime: Any, requests: list[Any], plugin: str) -> list[Any]:
+    """Per-request state of the plugin deployed as ``plugin``: ``requests`` advanced one unit each
+    in turn complete with exactly the latents and the ``metrics["plugins"][plugin]`` of each run
+    alone. Returns the interleaved outputs."""
+    import torch
+
+    alone = [runtime.generate(r) for r in requests]
+    outs = run_interleaved(runtime, requests)
+    for a, out in zip(alone, outs, strict=True):
+        assert torch.equal(completed_latents(out), completed_latents(a))
+        assert out.metrics["plugins"][plugin] == a.metrics["plugins"][plugin]
+    return outs
+
+
 @contextmanager
 def forward_rows(stage_cls: type, key: str) -> Iterator[list[Any]]:
     """Inside the block, every row of ``batch[key]`` that ``stage_cls.forward(..., batch,
@@ -246,6 +281,79 @@ def check_block_cache(runtime_for: Any, name: str, plugin: Any, config: dict[str
     return out
 
 
+class _DeclaredPlugin:
+    def __init__(self, families: tuple[Any, ...], components: tuple[Any, ...], hook_api: str) -> None:
+        self.OMNILOOP_HOOK_API = hook_api
+        self.families = families
+        self.components = components
+
+    @hookimpl
+    def omniloop_register_families(self, register: Any) -> None:
+        for family in self.families:
+            register(family)
+
+    @hookimpl
+    def omniloop_register_interceptors(self, register: Any) -> None:
+        for spec in self.components:
+            if spec.kind != "observer":
+                register(spec)
+
+    @hookimpl
+    def omniloop_register_observers(self, register: Any) -> None:
+        for spec in self.components:
+            if spec.kind == "observer":
+                register(spec)
+
+
+def plugin_of(*components: Any, families: tuple[Any, ...] = (), hook_api: str = ">=1.0,<2") -> Any:
+    """An in-process plugin (for ``make_manager`` / ``toy_runtime``) that registers ``families``
+    and the ``PluginComponentSpec``s ``components`` — interceptors through
+    ``omniloop_register_interceptors``, observers through ``omniloop_register_observers`` — and
+    declares ``OMNILOOP_HOOK_API = hook_api``."""
+    return _DeclaredPlugin(tuple(families), components, hook_api)
+
+
+def component_plugin(name: str, kind: str, make: Callable[[], Any], *, hook_api: str = ">=1.0,<2", **spec: Any) -> Any:
+    """:func:`plugin_of` one ``PluginComponentSpec(name, kind)`` (``"step_interceptor"``,
+    ``"block_interceptor"`` or ``"observer"``) whose factory returns ``make()`` — a class for a fresh
+    object per runtime, or ``lambda: obj`` for one the test keeps to inspect; ``spec``: the spec's
+    other fields (``params_schema``, ``distribution_altering``, ...)."""
+    from ..family import PluginComponentSpec
+
+    return plugin_of(PluginComponentSpec(name=name, kind=kind, factory=lambda cfg: make(), **spec), hook_api=hook_api)
+
+
+class PassThroughSteps:
+    """A step interceptor that changes nothing (``forward`` returns ``compute()``, no state, no
+    metrics): subclass it in a test and override what the test observes or alters."""
+
+    name = "pass-through"
+    graph_safe = True
+    distribution_altering = False
+    needs_eager = False
+
+    def open(self, step: Any, loop: Any, params: Any = None) -> Any:
+        return None
+
+    def forward(self, step: Any, state: Any, inputs: Any, compute: Callable[[], Any]) -> Any:
+        return compute()
+
+    def close(self, state: Any) -> None:
+        pass
+
+    def metrics(self, state: Any) -> dict[str, Any]:
+        return {}
+
+
+class PassThroughBlocks(PassThroughSteps):
+    """A block interceptor that runs every block (``run`` is the plain loop): subclass it."""
+
+    def run(self, blocks: Any, hidden: Any, ctx: Any, call: Callable[[Any, Any], Any]) -> Any:
+        for block in blocks:
+            hidden = call(block, hidden)
+        return hidden
+
+
 class BlockTapPlugin:
     """A plugin registering the observer ``name``: it asks for the block taps whose names match
     ``blocks`` (``needs_eager``) and records every tap it gets as ``(name, shape)`` in ``seen``.
@@ -286,6 +394,8 @@ class _BlockTapper:
 __all__ = [
     "BlockTapPlugin",
     "InlineSerialScheduler",
+    "PassThroughBlocks",
+    "PassThroughSteps",
     "ToyAudioFamily",
     "ToyAudioPlugin",
     "ToyFamily",
@@ -295,12 +405,16 @@ __all__ = [
     "build_toy_checkpoint",
     "check_block_cache",
     "check_fails_alone",
+    "check_interleaved_equal_alone",
     "completed_latents",
+    "component_plugin",
     "forward_rows",
     "make_manager",
     "once_per_arguments",
+    "plugin_of",
     "raising_rows",
     "run_interleaved",
+    "stream_together",
     "torch_threads",
     "toy_request",
     "toy_runtime",
