@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from omniloop.request import Status
-from omniloop.testing import stream_together
+from omniloop.testing import check_streamed_together, stream_together
 
 BATCHED_ATOL = 2e-5
 
@@ -30,14 +30,7 @@ def test_batched_steps_equal_each_request_alone(runtime: Any, t2v: Any) -> None:
         {**t2v(seed=13, prompt="a city", node_params={"denoise": {"stg": 0.5, "rescale": 0.2}}), "request_id": "three",
          "diffusion": {"seed": 13, "frames": 5, "steps": 3, "guidance_scale": 4.0}},
     ]
-    alone = [runtime("a").generate(r) for r in reqs]
-    rt = runtime("a", step=True)
-    finals = stream_together(rt, reqs)
-    batched = [d for d in rt.scheduler.trace if d.action == "batched_step" and len(d.request_ids) == 3]
-    assert len(batched) >= 3, [(d.action, d.request_ids) for d in rt.scheduler.trace]
-    for a, req in zip(alone, reqs, strict=True):
-        out = finals[req["request_id"]]
-        assert out.status is Status.COMPLETED, out.error
+    for out, a in check_streamed_together(runtime("a"), runtime("a", step=True), reqs, min_batched=3):
         for key in ("latents", "audio_latents"):
             torch.testing.assert_close(out.artifacts[key].tensor, a.artifacts[key].tensor, atol=BATCHED_ATOL, rtol=0)
         assert out.metrics["denoise"]["transformer_calls"] == 9

@@ -15,14 +15,18 @@
   failure isolation: executions stepped together through ``advance_batch``, the text rows a
   family's denoise forward sees, and that forward made to raise on a poison request's rows;
   :func:`stream_together` — requests streamed side by side through a ``step``-scheduler runtime
-  (so their steps co-batch), their final outputs by request id.
+  (so their steps co-batch), their final outputs by request id; :func:`check_streamed_together`
+  — that, checked against each request run alone.
 * :func:`check_interleaved_equal_alone` — the per-request-state test of a stateful plugin: two
   requests stepped alternately equal each run alone (latents and the plugin's metrics).
 * :func:`plugin_of` / :func:`component_plugin` — an in-process plugin object from declarations
   (families, interceptor and observer specs) instead of a hand-written class per test; :class:`PassThroughSteps` /
   :class:`PassThroughBlocks` — step / block interceptors that change nothing, to subclass in
   tests (override what the test needs: ``forward``, ``run``, ``open``, ``metrics``).
-* :func:`once_per_arguments` — a session fixture's builder (tiny checkpoints) run once per argument set.
+* :func:`once_per_arguments` — a session fixture's builder (tiny checkpoints) run once per argument set;
+  :func:`tiny_checkpoints` — a family's tiny-checkpoint builder so wrapped, each checkpoint in its
+  own temporary folder; :func:`~omniloop.testing.pytest_plugin.family_fixtures` — a family test
+  folder's ``tiny_ckpt`` / ``runtime`` / ``reference`` session fixtures from declarations.
 * pytest fixtures (auto-loaded through the ``pytest11`` entry point): ``omniloop_manager``,
   ``toy_checkpoint``, ``toy_runtime_factory``.
 """
@@ -137,6 +141,27 @@ def once_per_arguments(fn: Callable[..., Any]) -> Callable[..., Any]:
     return cached
 
 
+def tiny_checkpoints(tmp_path_factory: Any, build: Callable[..., Path], prefix: str, **defaults: Any) -> Callable[..., Path]:
+    """A session fixture's tiny-checkpoint getter: ``get(*values, **overrides)`` → the path
+    ``build(folder, **arguments)`` returns, the arguments being ``defaults`` (their order is the
+    positional order) overridden by ``values`` and ``overrides``; built once per set of arguments,
+    into a fresh ``tmp_path_factory`` folder named ``<prefix>-<value>-...``."""
+    names = list(defaults)
+    done: dict[tuple[tuple[str, Any], ...], Path] = {}
+
+    def get(*values: Any, **overrides: Any) -> Path:
+        if len(values) > len(names):
+            raise TypeError(f"{prefix} checkpoints take at most {len(names)} positional arguments ({', '.join(names)})")
+        args = {**defaults, **dict(zip(names, values, strict=False)), **overrides}
+        key = tuple(args.items())
+        if key not in done:
+            folder = tmp_path_factory.mktemp("-".join([prefix, *(str(v) for v in args.values())]))
+            done[key] = build(folder, **args)
+        return done[key]
+
+    return get
+
+
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """torch's intra-op thread count set to ``n`` inside the block, restored after it (tests that
@@ -182,6 +207,23 @@ def stream_together(runtime: Any, requests: list[dict[str, Any]]) -> dict[str, A
             if ev.kind.value == "final":
                 finals[ev.request_id] = ev.output
     return finals
+
+
+def check_streamed_together(alone: Any, step: Any, requests: list[dict[str, Any]], min_batched: int
+                            ) -> list[tuple[Any, Any]]:
+    """Run each of ``requests`` alone on the runtime ``alone``, then :func:`stream_together` through
+    ``step`` (a ``step``-scheduler runtime over the same checkpoint): at least ``min_batched``
+    ``batched_step`` decisions stepped all of them at once, and each completed. Returns
+    ``(streamed output, output alone)`` per request, for the family's comparison."""
+    outs_alone = [alone.generate(r) for r in requests]
+    finals = stream_together(step, requests)
+    trace = step.scheduler.trace
+    batched = [d for d in trace if d.action == "batched_step" and len(d.request_ids) == len(requests)]
+    assert len(batched) >= min_batched, [(d.action, d.request_ids) for d in trace]
+    pairs = [(finals[r["request_id"]], a) for r, a in zip(requests, outs_alone, strict=True)]
+    for out, _ in pairs:
+        assert out.status is Status.COMPLETED, out.error
+    return pairs
 
 
 def check_interleaved_equal_alone(runtime: Any, requests: list[Any], plugin: str) -> list[Any]:
@@ -406,6 +448,7 @@ __all__ = [
     "check_block_cache",
     "check_fails_alone",
     "check_interleaved_equal_alone",
+    "check_streamed_together",
     "completed_latents",
     "component_plugin",
     "forward_rows",
@@ -415,6 +458,7 @@ __all__ = [
     "raising_rows",
     "run_interleaved",
     "stream_together",
+    "tiny_checkpoints",
     "torch_threads",
     "toy_request",
     "toy_runtime",

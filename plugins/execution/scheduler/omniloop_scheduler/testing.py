@@ -5,7 +5,9 @@
   are tested with it.
 * :class:`ProbePlugin` / :class:`DecisionRecorder` — in-process plugins registering the probe and
   an observer of ``schedule_decision`` events.
-* :func:`make_runtime` — a toy runtime with this package's schedulers (``serial`` and ``step``).
+* :func:`make_runtime` — a toy runtime with this package's schedulers (``serial`` and ``step``);
+  :func:`family_manager` / :func:`family_runtime` — the same for a family's tests: only the given
+  plugins, the inline serial scheduler or (``step=True``) this package's ``step`` scheduler.
 * :func:`req` — a small t2v request dict.
 * :func:`engine_outputs` — requests submitted together to an :class:`AsyncEngine` over a runtime;
   their outputs and the engine (for its ``trace`` of schedule decisions).
@@ -101,6 +103,23 @@ def engine_outputs(runtime: Runtime, requests: list[dict[str, Any]], scheduler: 
             return [await h.result(timeout=timeout) for h in hs], engine
 
     return asyncio.run(asyncio.wait_for(main(), 2 * timeout))
+
+
+def family_manager(*plugins: tuple[str, Any], step: bool = False) -> Any:
+    """A plugin manager with only ``plugins`` (a family's first; no toy family, no discovery) and the
+    inline serial scheduler, or with ``step`` this package's schedulers instead."""
+    if step:
+        return make_manager(*plugins, ("scheduler", scheduler_plugin), toy=False, scheduler=False)
+    return make_manager(*plugins, toy=False)
+
+
+def family_runtime(checkpoint: Path, *plugins: tuple[str, Any], step: bool = False, **deploy: Any) -> Runtime:
+    """A CPU float32 runtime over ``checkpoint`` with :func:`family_manager` (``plugins``, ``step``);
+    with ``step`` the deploy runs the ``step`` scheduler with ``max_batch`` 4 unless ``deploy`` says
+    otherwise."""
+    if step:
+        deploy = {"scheduler": "step", "scheduler_options": {"max_batch": 4}, **deploy}
+    return Runtime.from_model(checkpoint, manager=family_manager(*plugins, step=step), **deploy)
 
 
 def req(steps: int = 4, seed: int = 0, *, prompt: str = "a red fox", rid: str | None = None, **diffusion: Any) -> dict[str, Any]:
