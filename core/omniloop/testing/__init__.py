@@ -18,7 +18,9 @@
   (so their steps co-batch), their final outputs by request id; :func:`check_streamed_together`
   — that, checked against each request run alone.
 * :func:`check_interleaved_equal_alone` — the per-request-state test of a stateful plugin: two
-  requests stepped alternately equal each run alone (latents and the plugin's metrics).
+  requests stepped alternately equal each run alone (latents and the plugin's metrics);
+  :func:`check_block_cache` / :func:`check_first_block_cache` — cache-dit / fbcache on a family's blocks;
+  :class:`BlockTapPlugin` / :func:`block_taps` — the block taps a family's blocks give an observer.
 * :func:`plugin_of` / :func:`component_plugin` — an in-process plugin object from declarations
   (families, interceptor and observer specs) instead of a hand-written class per test; :class:`PassThroughSteps` /
   :class:`PassThroughBlocks` — step / block interceptors that change nothing, to subclass in
@@ -323,6 +325,26 @@ def check_block_cache(runtime_for: Any, name: str, plugin: Any, config: dict[str
     return out
 
 
+def check_first_block_cache(runtime_for: Any, plugin: Any, request: dict[str, Any]) -> Any:
+    """The first-block cache (``plugin``: ``omniloop_fbcache.plugin``) on a family's blocks, baseline
+    / enabled / disabled: ``runtime_for(*plugins, **deploy)`` makes a runtime of the family. With
+    fbcache deployed (threshold 0.5, one warm-up step) ``request`` caches at least one step and its
+    latents differ from the plain runtime's; with threshold 0 (every block computed) they equal them
+    exactly, as does the plain runtime run again. Returns the cached output."""
+    import torch
+
+    plain = runtime_for()
+    cached = runtime_for(("fbcache", plugin), plugins={"fbcache": {"threshold": 0.5, "warmup_steps": 1}})
+    baseline = completed_latents(plain.generate(request))
+    out = cached.generate(request)
+    hits = sum(m["num_cached_steps"] for m in out.metrics["plugins"]["fbcache"].values())
+    assert hits > 0 and not torch.equal(completed_latents(out), baseline)
+    off = cached.generate({**request, "plugin_params": {"fbcache": {"threshold": 0.0}}})
+    assert torch.equal(completed_latents(off), baseline)
+    assert torch.equal(completed_latents(plain.generate(request)), baseline)
+    return out
+
+
 class _DeclaredPlugin:
     def __init__(self, families: tuple[Any, ...], components: tuple[Any, ...], hook_api: str) -> None:
         self.OMNILOOP_HOOK_API = hook_api
@@ -415,6 +437,16 @@ class BlockTapPlugin:
         register(PluginComponentSpec(name=self.name, kind="observer", factory=lambda cfg=None: _BlockTapper(self)))
 
 
+def block_taps(runtime_for: Any, request: dict[str, Any], blocks: str = r"transformer_blocks\.\d+$") -> list[Any]:
+    """``request`` run on ``runtime_for(("tapper", plugin), plugins={"tapper": {}})`` with a
+    :class:`BlockTapPlugin` asking for the blocks ``blocks``; it completes. Returns the taps it saw,
+    ``(name, shape)`` in order."""
+    plugin = BlockTapPlugin(blocks)
+    out = runtime_for(("tapper", plugin), plugins={"tapper": {}}).generate(request)
+    assert out.status is Status.COMPLETED, out.error
+    return plugin.seen
+
+
 class _BlockTapper:
     needs_eager = True
 
@@ -443,10 +475,12 @@ __all__ = [
     "ToyFamily",
     "ToyPlugin",
     "advance_in_lockstep",
+    "block_taps",
     "build_toy_audio_checkpoint",
     "build_toy_checkpoint",
     "check_block_cache",
     "check_fails_alone",
+    "check_first_block_cache",
     "check_interleaved_equal_alone",
     "check_streamed_together",
     "completed_latents",
