@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -98,14 +97,9 @@ def counting(tiny_ckpt):
 
 
 @pytest.fixture(scope="session")
-def image_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 40x48 RGB png (not the video size: the I2V path resizes it, as diffusers does)."""
-    from PIL import Image
-
-    path = tmp_path_factory.mktemp("img") / "cond.png"
-    pixels = (np.random.RandomState(0).rand(40, 48, 3) * 255).astype(np.uint8)
-    Image.fromarray(pixels).save(path)
-    return path
+def image_file(noise_png_40x48: Path) -> Path:
+    """The I2V conditioning image: ``noise_png_40x48`` (tests/conftest.py; the I2V path resizes it)."""
+    return noise_png_40x48
 
 
 def _t2v_request(**diffusion: Any) -> dict[str, Any]:
