@@ -39,7 +39,7 @@ def rt(flux_setup) -> Runtime:
 
 
 @pytest.fixture(scope="module")
-def reference(flux_setup) -> dict[str, torch.Tensor]:
+def reference(flux_setup, diffusers_runs) -> dict[str, torch.Tensor]:
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(flux_setup["ckpt"], dtype=torch.float32)
@@ -51,14 +51,7 @@ def reference(flux_setup) -> dict[str, torch.Tensor]:
                    output_type="latent", generator=g).images
         return pipe._unpack_latents(out, 64, 64, pipe.vae_scale_factor)
 
-    ref = {"none": run()}
-    pipe.load_lora_weights(flux_setup["a"], adapter_name="a")
-    pipe.load_lora_weights(flux_setup["b"], adapter_name="b")
-    pipe.set_adapters(["a"], [1.3])
-    ref["a"] = run()
-    pipe.set_adapters(["b", "a"], [0.6, -0.4])
-    ref["ba"] = run()
-    return ref
+    return diffusers_runs(pipe, flux_setup, run, {"a": (["a"], [1.3]), "ba": (["b", "a"], [0.6, -0.4])})
 
 
 def test_single_stacked_and_none_after_match_diffusers(rt, reference):

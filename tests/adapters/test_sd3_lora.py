@@ -37,7 +37,7 @@ def runtime(setup: dict[str, Any], **deploy: Any) -> Runtime:
                               adapters={"a": str(setup["a"]), "b": str(setup["b"])}, **deploy)
 
 
-def test_single_stacked_none_after_match_diffusers_and_interleave(sd3_setup):
+def test_single_stacked_none_after_match_diffusers_and_interleave(sd3_setup, diffusers_runs):
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(sd3_setup["ckpt"], dtype=torch.float32)
@@ -47,13 +47,7 @@ def test_single_stacked_none_after_match_diffusers_and_interleave(sd3_setup):
         return pipe(prompt=PROMPT, negative_prompt=NEGATIVE, num_inference_steps=3, output_type="latent",
                     generator=torch.Generator().manual_seed(5)).images
 
-    want = {"none": ref()}
-    pipe.load_lora_weights(sd3_setup["a"], adapter_name="a")
-    pipe.load_lora_weights(sd3_setup["b"], adapter_name="b")
-    pipe.set_adapters(["a"], [0.9])
-    want["a"] = ref()
-    pipe.set_adapters(["a", "b"], [0.5, 1.5])
-    want["ab"] = ref()
+    want = diffusers_runs(pipe, sd3_setup, ref, {"a": (["a"], [0.9]), "ab": (["a", "b"], [0.5, 1.5])})
     rt = runtime(sd3_setup)
     sets = {"a": [{"name": "a", "scale": 0.9}], "ab": [{"name": "a", "scale": 0.5}, {"name": "b", "scale": 1.5}], "none": []}
     got = {k: latents(rt.generate(request(v))) for k, v in sets.items()}

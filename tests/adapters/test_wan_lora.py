@@ -49,7 +49,7 @@ def latents(out: Any) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def reference(wan_setup) -> dict[str, torch.Tensor]:
+def reference(wan_setup, diffusers_runs) -> dict[str, torch.Tensor]:
     """diffusers' latents: no adapter, a@0.8, a@0.7 + b@-1.5 (load_lora_weights + set_adapters)."""
     from diffusers import WanPipeline
 
@@ -61,14 +61,7 @@ def reference(wan_setup) -> dict[str, torch.Tensor]:
     def run() -> torch.Tensor:
         return pipe(**call, generator=torch.Generator("cpu").manual_seed(7)).frames
 
-    out = {"none": run()}
-    pipe.load_lora_weights(wan_setup["a"], adapter_name="a")
-    pipe.load_lora_weights(wan_setup["b"], adapter_name="b")
-    pipe.set_adapters(["a"], [0.8])
-    out["a"] = run()
-    pipe.set_adapters(["a", "b"], [0.7, -1.5])
-    out["ab"] = run()
-    return out
+    return diffusers_runs(pipe, wan_setup, run, {"a": (["a"], [0.8]), "ab": (["a", "b"], [0.7, -1.5])})
 
 
 @pytest.fixture(scope="module")
