@@ -30,7 +30,7 @@
   own temporary folder; :func:`~omniloop.testing.pytest_plugin.family_fixtures` — a family test
   folder's ``tiny_ckpt`` / ``runtime`` / ``reference`` session fixtures from declarations.
 * pytest fixtures (auto-loaded through the ``pytest11`` entry point): ``omniloop_manager``,
-  ``toy_checkpoint``, ``toy_runtime_factory``.
+  ``toy_checkpoint``, ``toy_runtime_factory``, ``toy_blocks``, ``check_preset_not_installed``.
 """
 
 from __future__ import annotations

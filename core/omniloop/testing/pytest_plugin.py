@@ -37,6 +37,30 @@ def toy_runtime_factory(toy_checkpoint: Path) -> Callable[..., Any]:
 
 
 @pytest.fixture
+def check_preset_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
+    """``check_preset_not_installed(preset, [(module, "getter"), ...], *words)``: with each getter of
+    the preset's weights folder patched to return an empty folder, ``Runtime.from_model(preset)`` is
+    refused with one line (``DeployError``) naming the preset, "not installed" and each of ``words``
+    (how to get the weights). Returns the message."""
+    from ..errors import DeployError
+    from ..runtime import Runtime
+
+    def check(preset: str, getters: list[tuple[Any, str]], *words: str) -> str:
+        empty = tmp_path / "checkpoint"
+        empty.mkdir()
+        for module, getter in getters:
+            monkeypatch.setattr(module, getter, lambda: empty)
+        with pytest.raises(DeployError) as err:
+            Runtime.from_model(preset)
+        msg = str(err.value)
+        assert preset in msg and "not installed" in msg and "\n" not in msg, msg
+        assert all(w in msg for w in words), msg
+        return msg
+
+    return check
+
+
+@pytest.fixture
 def toy_blocks() -> Any:
     """The toy block stack and steppable loop of :mod:`omniloop.testing.blocks` (for interceptor tests)."""
     from .blocks import blocks_namespace
