@@ -434,17 +434,10 @@ class BlockTapPlugin:
     def omniloop_register_observers(self, register: Any) -> None:
         from ..family import PluginComponentSpec
 
-        register(PluginComponentSpec(name=self.name, kind="observer", factory=lambda cfg=None: _BlockTapper(self)))
+        register(PluginComponentSpec(name=self.name, kind="observer", factory=self._tapper))
 
-
-def block_taps(runtime_for: Any, request: dict[str, Any], blocks: str = r"transformer_blocks\.\d+$") -> list[Any]:
-    """``request`` run on ``runtime_for(("tapper", plugin), plugins={"tapper": {}})`` with a
-    :class:`BlockTapPlugin` asking for the blocks ``blocks``; it completes. Returns the taps it saw,
-    ``(name, shape)`` in order."""
-    plugin = BlockTapPlugin(blocks)
-    out = runtime_for(("tapper", plugin), plugins={"tapper": {}}).generate(request)
-    assert out.status is Status.COMPLETED, out.error
-    return plugin.seen
+    def _tapper(self, cfg: Any = None) -> _BlockTapper:
+        return _BlockTapper(self)
 
 
 class _BlockTapper:
@@ -463,6 +456,16 @@ class _BlockTapper:
     @hookimpl
     def omniloop_tap(self, request: Any, node: Any, step: Any, name: str, value: Any) -> None:
         self.plugin.seen.append((name, tuple(value.shape)))
+
+
+def block_taps(runtime_for: Any, request: dict[str, Any], blocks: str = r"transformer_blocks\.\d+$") -> list[Any]:
+    """``request`` run on ``runtime_for(("tapper", plugin), plugins={"tapper": {}})`` with a
+    :class:`BlockTapPlugin` asking for the blocks ``blocks``; it completes. Returns the taps it saw,
+    ``(name, shape)`` in order."""
+    plugin = BlockTapPlugin(blocks)
+    out = runtime_for(("tapper", plugin), plugins={"tapper": {}}).generate(request)
+    assert out.status is Status.COMPLETED, out.error
+    return plugin.seen
 
 
 __all__ = [
