@@ -125,6 +125,19 @@ def packaging(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace
     return types.SimpleNamespace(venv=venv, package=package, toy_package=toy_package)
 
 
+@pytest.fixture(scope="session")
+def noise_png_40x48(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 40x48 RGB noise png (``np.random.RandomState(0)``), for image-conditioned tasks: not any
+    output size, so the pipelines resize it as diffusers does (sd3 i2i, Wan i2v)."""
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("noise-png") / "noise-40x48.png"
+    pixels = (np.random.RandomState(0).rand(40, 48, 3) * 255).astype(np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     """``gpu`` tests skip cleanly where CUDA is not available."""
     try:

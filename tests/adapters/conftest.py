@@ -43,6 +43,25 @@ def write_lora(pipeline_cls: Any, transformer_cls: Any, transformer_dir: Path, o
     return out / as_file if as_file else out
 
 
+def _diffusers_runs(pipe: Any, setup: dict[str, Path], run: Any, sets: dict[str, tuple[list[str], list[float]]]
+                    ) -> dict[str, torch.Tensor]:
+    out = {"none": run()}
+    pipe.load_lora_weights(setup["a"], adapter_name="a")
+    pipe.load_lora_weights(setup["b"], adapter_name="b")
+    for key, (names, weights) in sets.items():
+        pipe.set_adapters(names, weights)
+        out[key] = run()
+    return out
+
+
+@pytest.fixture(scope="session")
+def diffusers_runs() -> Any:
+    """``diffusers_runs(pipe, setup, run, {key: (adapter names, weights)})`` → the reference outputs:
+    ``run()`` with no adapter (key ``"none"``), then with ``setup``'s adapters ``a`` and ``b`` loaded
+    (``load_lora_weights``) and each set active in turn (``set_adapters(names, weights)``)."""
+    return _diffusers_runs
+
+
 @pytest.fixture(scope="session")
 def wan_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Wan2.1 T2V checkpoint and two adapters: ``a`` (folder; rank 4, alpha 8, attention and

@@ -16,7 +16,7 @@ import torch
 import omniloop_adapters.plugin as adapters_plugin
 import omniloop_flux.plugin as flux_plugin
 from omniloop.runtime import Runtime
-from omniloop.testing import make_manager
+from omniloop.testing import make_manager, run_interleaved
 
 TOL = 1e-4
 PROMPT = "a red fox jumps over the lazy dog"
@@ -39,7 +39,7 @@ def rt(flux_setup) -> Runtime:
 
 
 @pytest.fixture(scope="module")
-def reference(flux_setup) -> dict[str, torch.Tensor]:
+def reference(flux_setup, diffusers_runs) -> dict[str, torch.Tensor]:
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(flux_setup["ckpt"], dtype=torch.float32)
@@ -51,14 +51,7 @@ def reference(flux_setup) -> dict[str, torch.Tensor]:
                    output_type="latent", generator=g).images
         return pipe._unpack_latents(out, 64, 64, pipe.vae_scale_factor)
 
-    ref = {"none": run()}
-    pipe.load_lora_weights(flux_setup["a"], adapter_name="a")
-    pipe.load_lora_weights(flux_setup["b"], adapter_name="b")
-    pipe.set_adapters(["a"], [1.3])
-    ref["a"] = run()
-    pipe.set_adapters(["b", "a"], [0.6, -0.4])
-    ref["ba"] = run()
-    return ref
+    return diffusers_runs(pipe, flux_setup, run, {"a": (["a"], [1.3]), "ba": (["b", "a"], [0.6, -0.4])})
 
 
 def test_single_stacked_and_none_after_match_diffusers(rt, reference):
@@ -79,11 +72,7 @@ def test_single_stacked_and_none_after_match_diffusers(rt, reference):
 def test_interleaved_adapter_sets_equal_each_alone(rt):
     sets = {"x": [{"name": "a", "scale": 1.0}], "y": [{"name": "a", "scale": 0.5}, {"name": "b", "scale": 2.0}], "z": []}
     alone = {k: latents(rt.generate(request(v, seed=5))) for k, v in sets.items()}
-    execs = {k: rt.prepare(request(v, seed=5)) for k, v in sets.items()}
-    while not all(e.done for e in execs.values()):
-        for e in execs.values():
-            if not e.done:
-                e.advance()
-    for k, e in execs.items():
-        assert torch.equal(latents(e.output), alone[k]), k
+    outs = run_interleaved(rt, [request(v, seed=5) for v in sets.values()])
+    for k, out in zip(sets, outs, strict=True):
+        assert torch.equal(latents(out), alone[k]), k
     assert not torch.equal(alone["x"], alone["y"]) and not torch.equal(alone["x"], alone["z"])

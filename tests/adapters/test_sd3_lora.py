@@ -15,7 +15,7 @@ import omniloop_adapters.plugin as adapters_plugin
 import omniloop_sd3.plugin as sd3_plugin
 from omniloop.errors import DeployError
 from omniloop.runtime import Runtime
-from omniloop.testing import make_manager
+from omniloop.testing import make_manager, run_interleaved
 
 TOL = 1e-4
 PROMPT = "a red fox jumps over the lazy dog"
@@ -37,7 +37,7 @@ def runtime(setup: dict[str, Any], **deploy: Any) -> Runtime:
                               adapters={"a": str(setup["a"]), "b": str(setup["b"])}, **deploy)
 
 
-def test_single_stacked_none_after_match_diffusers_and_interleave(sd3_setup):
+def test_single_stacked_none_after_match_diffusers_and_interleave(sd3_setup, diffusers_runs):
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(sd3_setup["ckpt"], dtype=torch.float32)
@@ -47,13 +47,7 @@ def test_single_stacked_none_after_match_diffusers_and_interleave(sd3_setup):
         return pipe(prompt=PROMPT, negative_prompt=NEGATIVE, num_inference_steps=3, output_type="latent",
                     generator=torch.Generator().manual_seed(5)).images
 
-    want = {"none": ref()}
-    pipe.load_lora_weights(sd3_setup["a"], adapter_name="a")
-    pipe.load_lora_weights(sd3_setup["b"], adapter_name="b")
-    pipe.set_adapters(["a"], [0.9])
-    want["a"] = ref()
-    pipe.set_adapters(["a", "b"], [0.5, 1.5])
-    want["ab"] = ref()
+    want = diffusers_runs(pipe, sd3_setup, ref, {"a": (["a"], [0.9]), "ab": (["a", "b"], [0.5, 1.5])})
     rt = runtime(sd3_setup)
     sets = {"a": [{"name": "a", "scale": 0.9}], "ab": [{"name": "a", "scale": 0.5}, {"name": "b", "scale": 1.5}], "none": []}
     got = {k: latents(rt.generate(request(v))) for k, v in sets.items()}
@@ -62,13 +56,9 @@ def test_single_stacked_none_after_match_diffusers_and_interleave(sd3_setup):
         diff = (v - want[k].reshape(v.shape)).abs().max().item()
         print(f"{k}: max |latents - diffusers| = {diff:.3g}")
         assert diff <= TOL, f"{k}: max |d| = {diff}"
-    execs = {k: rt.prepare(request(v)) for k, v in sets.items()}
-    while not all(e.done for e in execs.values()):
-        for e in execs.values():
-            if not e.done:
-                e.advance()
-    for k, e in execs.items():
-        assert torch.equal(latents(e.output), got[k]), k
+    outs = run_interleaved(rt, [request(v) for v in sets.values()])
+    for k, out in zip(sets, outs, strict=True):
+        assert torch.equal(latents(out), got[k]), k
 
 
 def test_fused_qkv_refused_with_adapters(sd3_setup):

@@ -49,7 +49,7 @@ def latents(out: Any) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def reference(wan_setup) -> dict[str, torch.Tensor]:
+def reference(wan_setup, diffusers_runs) -> dict[str, torch.Tensor]:
     """diffusers' latents: no adapter, a@0.8, a@0.7 + b@-1.5 (load_lora_weights + set_adapters)."""
     from diffusers import WanPipeline
 
@@ -61,14 +61,7 @@ def reference(wan_setup) -> dict[str, torch.Tensor]:
     def run() -> torch.Tensor:
         return pipe(**call, generator=torch.Generator("cpu").manual_seed(7)).frames
 
-    out = {"none": run()}
-    pipe.load_lora_weights(wan_setup["a"], adapter_name="a")
-    pipe.load_lora_weights(wan_setup["b"], adapter_name="b")
-    pipe.set_adapters(["a"], [0.8])
-    out["a"] = run()
-    pipe.set_adapters(["a", "b"], [0.7, -1.5])
-    out["ab"] = run()
-    return out
+    return diffusers_runs(pipe, wan_setup, run, {"a": (["a"], [0.8]), "ab": (["a", "b"], [0.7, -1.5])})
 
 
 @pytest.fixture(scope="module")
@@ -128,20 +121,11 @@ def test_batched_steps_never_mix_adapter_sets(rt):
 def test_step_scheduler_batches_by_adapter_set(rt):
     """Through the step scheduler's engine: four concurrent requests, three adapter sets; only the
     two with the same set co-batch, and each equals itself run alone."""
-    import asyncio
-
-    sched = pytest.importorskip("omniloop_scheduler")
+    sched = pytest.importorskip("omniloop_scheduler.testing")
     reqs = [request([{"name": "a", "scale": 0.8}], seed=3, rid="r1"), request([{"name": "a", "scale": 0.8}], seed=4, rid="r2"),
             request([{"name": "b", "scale": 1.0}], seed=3, rid="r3"), request(seed=4, rid="r4")]
     alone = [latents(rt.generate(r)) for r in reqs]
-
-    async def main() -> tuple[list[Any], Any]:
-        engine = sched.AsyncEngine(rt, "step", max_batch=4)
-        hs = [engine.submit(r) for r in reqs]
-        async with engine:
-            return [await h.result(timeout=60) for h in hs], engine
-
-    outs, engine = asyncio.run(asyncio.wait_for(main(), 120))
+    outs, engine = sched.engine_outputs(rt, reqs, max_batch=4)
     batched = [d for d in engine.trace if d.action == "batched_step"]
     assert batched and all(set(d.request_ids) == {"r1", "r2"} for d in batched), batched
     for got, want in zip(outs, alone, strict=True):

@@ -11,7 +11,7 @@ import torch
 import omniloop_cache_dit.plugin as cache_dit_plugin
 from omniloop.errors import RequestError
 from omniloop.request import Status
-from omniloop.testing import completed_latents, run_interleaved, toy_request, toy_runtime
+from omniloop.testing import check_interleaved_equal_alone, completed_latents, toy_request, toy_runtime
 
 SETTINGS = {"Fn": 1, "Bn": 1, "residual_diff_threshold": 0.2, "max_warmup_steps": 2}
 
@@ -73,10 +73,7 @@ def test_request_params_reach_open(runtimes: tuple[Any, Any]) -> None:
 def test_interleaved_executions_equal_each_alone(runtimes: tuple[Any, Any]) -> None:
     _, cached = runtimes
     reqs = [toy_request(seed=3), toy_request(seed=4, steps=14, plugin_params={"cache-dit": {"residual_diff_threshold": 0.3}})]
-    alone = [cached.generate(r) for r in reqs]
-    for a, out in zip(alone, run_interleaved(cached, reqs), strict=True):
-        assert torch.equal(completed_latents(out), completed_latents(a))
-        assert out.metrics["plugins"]["cache-dit"] == a.metrics["plugins"]["cache-dit"]
+    check_interleaved_equal_alone(cached, reqs, "cache-dit")
     assert _contexts(cached) == 0
 
 

@@ -35,6 +35,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransform
 from omniloop.interceptors import BlockContext, run_blocks  # noqa: E402
 from omniloop.loop import LoopState, StepContext  # noqa: E402
 from omniloop_cache_dit import CacheDiTInterceptor  # noqa: E402
+from omniloop_cache_dit.testing import library_configs  # noqa: E402
 
 logging.getLogger("cache_dit").setLevel(logging.WARNING)
 
@@ -181,21 +182,11 @@ def _run_ours(wan: dict[str, Any], settings: dict[str, Any]) -> tuple[torch.Tens
 
 
 def _db(settings: dict[str, Any], num_inference_steps: int | None = None) -> Any:
-    return cache_dit.DBCacheConfig(
-        Fn_compute_blocks=settings["Fn"],
-        Bn_compute_blocks=settings["Bn"],
-        residual_diff_threshold=settings["residual_diff_threshold"],
-        max_warmup_steps=settings["max_warmup_steps"],
-        max_cached_steps=settings.get("max_cached_steps", -1),
-        max_continuous_cached_steps=settings.get("max_continuous_cached_steps", -1),
-        num_inference_steps=num_inference_steps,
-    )
+    return library_configs(settings, num_inference_steps)[0]
 
 
 def _calib(settings: dict[str, Any]) -> Any:
-    if not settings.get("taylorseer"):
-        return None
-    return cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=settings["taylorseer_order"])
+    return library_configs(settings)[1]
 
 
 def _library_transformer(tr: Any) -> Callable[..., torch.Tensor]:

@@ -16,9 +16,8 @@ import click
 import pytest
 from click.testing import CliRunner, Result
 
-from omniloop.family import PluginComponentSpec
 from omniloop.hookspecs import HOOK_API_VERSION, OBSERVER_EVENTS, REGISTRATION_HOOKS, hookimpl
-from omniloop.testing import make_manager
+from omniloop.testing import PassThroughSteps, component_plugin, make_manager
 from omniloop_cli import cli
 
 
@@ -45,13 +44,10 @@ class CounterParams:
     scale: float = attrs.field(default=1.0, metadata={"ge": 0.0})
 
 
-class CountingStepInterceptor:
+class CountingStepInterceptor(PassThroughSteps):
     """Passes every forward through, counting them per (request, branch)."""
 
     name = "counter"
-    graph_safe = True
-    distribution_altering = False
-    needs_eager = False
 
     def open(self, step: Any, loop: Any) -> dict[str, int]:
         return {"forwards": 0}
@@ -60,22 +56,12 @@ class CountingStepInterceptor:
         state["forwards"] += 1
         return compute()
 
-    def close(self, state: Any) -> None:
-        pass
-
     def metrics(self, state: Any) -> dict[str, Any]:
         return dict(state)
 
 
-class CounterPlugin:
-    OMNILOOP_HOOK_API = ">=1.0,<2"
-
-    @hookimpl
-    def omniloop_register_interceptors(self, register: Any) -> None:
-        register(PluginComponentSpec(
-            name="counter", kind="step_interceptor", factory=lambda config: CountingStepInterceptor(),
-            params_schema=CounterParams,
-        ))
+def counter_plugin() -> Any:
+    return component_plugin("counter", "step_interceptor", CountingStepInterceptor, params_schema=CounterParams)
 
 
 class FailingInterceptor(CountingStepInterceptor):
@@ -87,12 +73,8 @@ class FailingInterceptor(CountingStepInterceptor):
         return compute()
 
 
-class FailingPlugin:
-    OMNILOOP_HOOK_API = ">=1.0,<2"
-
-    @hookimpl
-    def omniloop_register_interceptors(self, register: Any) -> None:
-        register(PluginComponentSpec(name="fails", kind="step_interceptor", factory=lambda config: FailingInterceptor()))
+def failing_plugin() -> Any:
+    return component_plugin("fails", "step_interceptor", FailingInterceptor)
 
 
 class CommandsPlugin:
@@ -325,7 +307,7 @@ def test_generate_t2i_writes_a_png_and_latents(cwd: Path, toy_checkpoint: Path) 
 def test_generate_with_deploy_file_and_plugin_params(cwd: Path, toy_checkpoint: Path) -> None:
     deploy = cwd / "deploy.yaml"
     deploy.write_text(f"model: {{path: {toy_checkpoint}}}\nplugins:\n  counter: {{}}\n")
-    manager = make_manager(("counter", CounterPlugin()))
+    manager = make_manager(("counter", counter_plugin()))
     res = invoke([
         "generate", "a fox", "--deploy", str(deploy), "--steps", "3", "--guidance", "1.0",
         "--plugin-param", "counter.scale=2", "--json",
@@ -340,7 +322,7 @@ def test_generate_with_deploy_file_and_plugin_params(cwd: Path, toy_checkpoint: 
 def test_a_request_that_fails_while_running_exits_1_naming_node_and_step(cwd: Path, toy_checkpoint: Path) -> None:
     deploy = cwd / "deploy.json"
     deploy.write_text(json.dumps({"model": {"path": str(toy_checkpoint)}, "plugins": {"fails": {}}}))
-    res = invoke(["generate", "x", "--deploy", str(deploy), "--steps", "3", "--json"], make_manager(("fails", FailingPlugin())))
+    res = invoke(["generate", "x", "--deploy", str(deploy), "--steps", "3", "--json"], make_manager(("fails", failing_plugin())))
     assert res.exit_code == 1
     doc = json.loads(res.stdout)
     assert doc["status"] == "failed" and doc["output_path"] is None
@@ -389,7 +371,7 @@ def test_bad_requests_exit_2_with_one_line_naming_the_field(
 def test_unknown_key_for_an_enabled_plugin_names_the_field(cwd: Path, toy_checkpoint: Path) -> None:
     deploy = cwd / "deploy.toml"
     deploy.write_text(f'[model]\npath = "{toy_checkpoint}"\n[plugins.counter]\n')
-    manager = make_manager(("counter", CounterPlugin()))
+    manager = make_manager(("counter", counter_plugin()))
     res = invoke(["generate", "x", "--deploy", str(deploy), "--plugin-param", "counter.bogus=1"], manager)
     assert res.exit_code == 2
     assert one_error_line(res).startswith("error: plugin_params.counter.bogus: unknown key")
@@ -514,7 +496,7 @@ def test_an_unknown_plugin_param_key_is_refused_before_loading(cwd: Path, toy_ch
     deploy = cwd / "deploy.toml"
     deploy.write_text(f'[model]\npath = "{toy_checkpoint}"\n[plugins.counter]\n')
     res = invoke(["generate", "x", "--deploy", str(deploy), "--plugin-param", "counter.bogus=1"],
-                 make_manager(("counter", CounterPlugin())))
+                 make_manager(("counter", counter_plugin())))
     assert res.exit_code == 2
     assert one_error_line(res).startswith("error: plugin_params.counter.bogus: unknown key")
 
@@ -549,18 +531,14 @@ class InterruptingInterceptor(CountingStepInterceptor):
         raise KeyboardInterrupt
 
 
-class InterruptingPlugin:
-    OMNILOOP_HOOK_API = ">=1.0,<2"
-
-    @hookimpl
-    def omniloop_register_interceptors(self, register: Any) -> None:
-        register(PluginComponentSpec(name="ctrl-c", kind="step_interceptor", factory=lambda config: InterruptingInterceptor()))
+def interrupting_plugin() -> Any:
+    return component_plugin("ctrl-c", "step_interceptor", InterruptingInterceptor)
 
 
 def test_ctrl_c_exits_130_and_writes_nothing(cwd: Path, toy_checkpoint: Path) -> None:
     deploy = cwd / "deploy.json"
     deploy.write_text(json.dumps({"model": {"path": str(toy_checkpoint)}, "plugins": {"ctrl-c": {}}}))
-    res = invoke(["generate", "x", "--deploy", str(deploy), "--out", "clip.mp4"], make_manager(("ctrl-c", InterruptingPlugin())))
+    res = invoke(["generate", "x", "--deploy", str(deploy), "--out", "clip.mp4"], make_manager(("ctrl-c", interrupting_plugin())))
     assert res.exit_code == 130, res.output
     assert "interrupted" in res.stderr and "Traceback" not in res.output
     assert not (cwd / "clip.mp4").exists()

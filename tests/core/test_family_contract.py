@@ -32,9 +32,8 @@ from omniloop.capabilities import (
     capabilities_of,
 )
 from omniloop.errors import DeployError, RequestError
-from omniloop.hookspecs import hookimpl
 from omniloop.request import TaskType
-from omniloop.testing import ToyFamily, make_manager, toy_runtime
+from omniloop.testing import ToyFamily, make_manager, plugin_of, toy_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 #: package sources: the core, the CLI, every plugin, family (the kit among them), observer and
@@ -128,14 +127,7 @@ def test_every_installed_family_declares_its_capabilities() -> None:
 
 
 def _register(family: Any) -> Any:
-    class Plugin:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
-
-        @hookimpl
-        def omniloop_register_families(self, register: Any) -> None:
-            register(family)
-
-    pm = make_manager(("bad", Plugin()), toy=False)
+    pm = make_manager(("bad", plugin_of(families=[family])), toy=False)
     reg = pm.registry()
     return pm.records["bad"], reg
 
@@ -213,14 +205,7 @@ class OldStyleToy:
 def test_an_old_style_family_is_converted_with_a_warning(toy_checkpoint: Path) -> None:
     from omniloop.runtime import Runtime, deploy_for_model
 
-    class Plugin:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
-
-        @hookimpl
-        def omniloop_register_families(self, register: Any) -> None:
-            register(OldStyleToy())
-
-    pm = make_manager(("old", Plugin()), toy=False)
+    pm = make_manager(("old", plugin_of(families=[OldStyleToy()])), toy=False)
     with pytest.warns(FamilyDeprecationWarning, match="declare capabilities = omniloop.capabilities.FamilyCapabilities"):
         fam = pm.registry().families["toy"]
     caps = capabilities_of(fam)
@@ -238,21 +223,10 @@ def test_an_old_style_family_is_converted_with_a_warning(toy_checkpoint: Path) -
 def test_an_option_the_family_does_not_read_is_refused(toy_checkpoint: Path) -> None:
     from omniloop.runtime import Deployment, deploy_for_model
 
-    pm = make_manager(("fam", _FamilyPlugin(_toy_with(options=frozenset({"vae_dtype"})))), toy=False)
+    pm = make_manager(("fam", plugin_of(families=[_toy_with(options=frozenset({"vae_dtype"}))])), toy=False)
     with pytest.raises(DeployError, match=r"^options\.rolout: family 'toy' does not read this option \(it reads: vae_dtype\)$"):
         Deployment(deploy_for_model(toy_checkpoint, options={"rolout": "causal"}), manager=pm)
     Deployment(deploy_for_model(toy_checkpoint, options={"vae_dtype": "float32"}), manager=pm)
-
-
-class _FamilyPlugin:
-    OMNILOOP_HOOK_API = ">=1.0,<2"
-
-    def __init__(self, family: Any) -> None:
-        self.family = family
-
-    @hookimpl
-    def omniloop_register_families(self, register: Any) -> None:
-        register(self.family)
 
 
 def test_a_rollout_the_family_does_not_have_is_refused(toy_checkpoint: Path) -> None:

@@ -13,10 +13,9 @@ import attrs
 import pytest
 
 from omniloop import hookspecs
-from omniloop.family import PluginComponentSpec
 from omniloop.hookspecs import hookimpl
 from omniloop.plugins import api_supported
-from omniloop.testing import build_toy_checkpoint, make_manager, toy_request, toy_runtime
+from omniloop.testing import build_toy_checkpoint, component_plugin, make_manager, toy_request, toy_runtime
 
 
 def _v(s: str) -> tuple[int, ...]:
@@ -105,21 +104,8 @@ def test_a_1_0_observer_and_a_1_1_observer_run_side_by_side(ckpt: Any) -> None:
         def omniloop_request_start(self, request: Any, plugin_params: Any) -> None:
             seen.append(("new", plugin_params.get("new")))
 
-    class OldPlugin:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
-
-        @hookimpl
-        def omniloop_register_observers(self, register: Any) -> None:
-            register(PluginComponentSpec(name="old", kind="observer", factory=lambda cfg: Old()))
-
-    class NewPlugin:
-        OMNILOOP_HOOK_API = ">=1.1,<2"
-
-        @hookimpl
-        def omniloop_register_observers(self, register: Any) -> None:
-            register(PluginComponentSpec(name="new", kind="observer", factory=lambda cfg: New(),
-                                         params_schema=NewParams))
-
-    rt = toy_runtime(ckpt, ("old", OldPlugin()), ("new", NewPlugin()), plugins={"old": {}, "new": {}})
+    old_plugin = component_plugin("old", "observer", Old)
+    new_plugin = component_plugin("new", "observer", New, hook_api=">=1.1,<2", params_schema=NewParams)
+    rt = toy_runtime(ckpt, ("old", old_plugin), ("new", new_plugin), plugins={"old": {}, "new": {}})
     assert rt.generate(toy_request(steps=1, request_id="r1", plugin_params={"new": {"every": 2}})).ok
     assert sorted(seen, key=str) == sorted([("old", "r1"), ("new", NewParams(every=2))], key=str)

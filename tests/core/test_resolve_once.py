@@ -21,7 +21,14 @@ from omniloop.errors import PluginError, RequestError
 from omniloop.family import PluginComponentSpec
 from omniloop.hookspecs import hookimpl
 from omniloop.resolved import GenericResolved
-from omniloop.testing import build_toy_checkpoint, make_manager, toy_request, toy_runtime
+from omniloop.testing import (
+    PassThroughBlocks,
+    build_toy_checkpoint,
+    component_plugin,
+    make_manager,
+    toy_request,
+    toy_runtime,
+)
 from omniloop.testing.toy import ToyFamily, ToyResolved
 
 
@@ -108,11 +115,9 @@ class GainParams:
     gain: float = attrs.field(default=1.0, metadata={"ge": 0.0})
 
 
-class Gain:
+class Gain(PassThroughBlocks):
     name = "gain"
-    graph_safe = True
     distribution_altering = True
-    needs_eager = False
 
     def __init__(self) -> None:
         self.params: list[Any] = []
@@ -126,9 +131,6 @@ class Gain:
             hidden = call(b, hidden) * ctx.state
         return hidden
 
-    def close(self, state: Any) -> None:
-        pass
-
 
 class OldGain(Gain):
     def open(self, step: Any, loop: Any) -> Any:  # type: ignore[override]  # the 1.0 signature
@@ -138,15 +140,8 @@ class OldGain(Gain):
 
 
 def _plugin(obj: Any) -> Any:
-    class P:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
-
-        @hookimpl
-        def omniloop_register_interceptors(self, register: Any) -> None:
-            register(PluginComponentSpec(name="gain", kind="block_interceptor", factory=lambda cfg: obj,
-                                         params_schema=GainParams, distribution_altering=True))
-
-    return ("gain", P())
+    return ("gain", component_plugin("gain", "block_interceptor", lambda: obj, params_schema=GainParams,
+                                     distribution_altering=True))
 
 
 def test_interceptors_get_their_validated_params_in_open(ckpt: Any) -> None:
@@ -241,15 +236,8 @@ def test_observers_get_their_validated_params_at_request_start(ckpt: Any) -> Non
         def omniloop_request_start(self, request: Any, plugin_params: Any) -> None:
             seen.append(plugin_params.get("watch"))
 
-    class P:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
-
-        @hookimpl
-        def omniloop_register_observers(self, register: Any) -> None:
-            register(PluginComponentSpec(name="watch", kind="observer", factory=lambda cfg: Watch(),
-                                         params_schema=WatchParams))
-
-    rt = toy_runtime(ckpt, ("watch", P()), plugins={"watch": {}})
+    rt = toy_runtime(ckpt, ("watch", component_plugin("watch", "observer", Watch, params_schema=WatchParams)),
+                     plugins={"watch": {}})
     assert rt.generate(toy_request(steps=1, plugin_params={"watch": {"every": 3}})).ok
     assert rt.generate(toy_request(steps=1)).ok
     assert seen == [WatchParams(every=3), WatchParams()]

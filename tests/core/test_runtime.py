@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from omniloop.errors import DeployError, RequestError
-from omniloop.family import PluginComponentSpec
 from omniloop.hookspecs import hookimpl
 from omniloop.request import Status
-from omniloop.testing import toy_runtime
+from omniloop.testing import PassThroughBlocks, component_plugin, run_interleaved, toy_runtime
 
 
 def req(**diffusion):
@@ -21,13 +20,11 @@ class CountingParams:
     scale: float = attrs.field(default=1.0, metadata={"ge": 0.0})
 
 
-class ScalingBlocks:
+class ScalingBlocks(PassThroughBlocks):
     """A block interceptor that scales every block output by ``scale`` (1.0 = identity)."""
 
     name = "scaler"
-    graph_safe = True
     distribution_altering = True
-    needs_eager = False
 
     def __init__(self):
         self.opened, self.closed = [], []
@@ -52,16 +49,11 @@ class ScalingBlocks:
         return {"calls": state["calls"]}
 
 
-class ScalerPlugin:
-    OMNILOOP_HOOK_API = ">=1.0,<2"
-
-    def __init__(self):
-        self.instance = ScalingBlocks()
-
-    @hookimpl
-    def omniloop_register_interceptors(self, register):
-        register(PluginComponentSpec(name="scaler", kind="block_interceptor", factory=lambda cfg: self.instance,
-                                     params_schema=CountingParams, distribution_altering=True))
+def scaler_plugin(scaler=None):
+    """The ``scaler`` block interceptor as a plugin: ``scaler`` (a new :class:`ScalingBlocks` when None)."""
+    scaler = ScalingBlocks() if scaler is None else scaler
+    return component_plugin("scaler", "block_interceptor", lambda: scaler, params_schema=CountingParams,
+                            distribution_altering=True)
 
 
 class StepLog:
@@ -75,15 +67,6 @@ class StepLog:
         self.steps.append((request.request_id, node, step, total))
 
 
-class ObserverPlugin:
-    OMNILOOP_HOOK_API = ">=1.0,<2"
-
-    def __init__(self):
-        self.instance = StepLog()
-
-    @hookimpl
-    def omniloop_register_observers(self, register):
-        register(PluginComponentSpec(name="steplog", kind="observer", factory=lambda cfg: self.instance))
 
 
 def test_generate_is_deterministic_for_a_seed(toy_checkpoint):
@@ -122,11 +105,10 @@ def test_node_params_reach_the_stage(toy_checkpoint):
 
 
 def test_block_interceptor_is_opened_per_branch_and_closed(toy_checkpoint):
-    plugin = ScalerPlugin()
-    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    icpt = ScalingBlocks()
+    rt = toy_runtime(toy_checkpoint, ("scaler", scaler_plugin(icpt)), plugins={"scaler": {}})
     base = toy_runtime(toy_checkpoint).generate(req())
     same = rt.generate(req())
-    icpt = plugin.instance
     assert [s["branch"] for s in icpt.opened] == ["cond", "uncond"]
     assert icpt.closed == icpt.opened
     assert same.metrics["plugins"]["scaler"] == {"cond": {"calls": 16}, "uncond": {"calls": 16}}
@@ -136,22 +118,18 @@ def test_block_interceptor_is_opened_per_branch_and_closed(toy_checkpoint):
 
 
 def test_exact_requests_run_without_distribution_altering_plugins(toy_checkpoint):
-    plugin = ScalerPlugin()
-    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    icpt = ScalingBlocks()
+    rt = toy_runtime(toy_checkpoint, ("scaler", scaler_plugin(icpt)), plugins={"scaler": {}})
     out = rt.generate({**req(), "exact": True})
-    assert plugin.instance.opened == [] and "plugins" not in out.metrics
+    assert icpt.opened == [] and "plugins" not in out.metrics
     with pytest.raises(RequestError, match="alters outputs"):
         rt.prepare({**req(), "exact": True, "plugin_params": {"scaler": {"scale": 0.5}}})
 
 
 def test_two_block_interceptors_are_refused(toy_checkpoint):
-    class Second(ScalerPlugin):
-        @hookimpl
-        def omniloop_register_interceptors(self, register):
-            register(PluginComponentSpec(name="other", kind="block_interceptor", factory=lambda cfg: ScalingBlocks()))
-
+    second = component_plugin("other", "block_interceptor", ScalingBlocks)
     with pytest.raises(DeployError, match="two block interceptors"):
-        toy_runtime(toy_checkpoint, ("scaler", ScalerPlugin()), ("other", Second()), plugins={"scaler": {}, "other": {}})
+        toy_runtime(toy_checkpoint, ("scaler", scaler_plugin()), ("other", second), plugins={"scaler": {}, "other": {}})
 
 
 def test_family_without_run_blocks_refuses_block_interceptors(toy_checkpoint, monkeypatch):
@@ -161,34 +139,32 @@ def test_family_without_run_blocks_refuses_block_interceptors(toy_checkpoint, mo
 
     monkeypatch.setattr(ToyFamily, "capabilities", attrs.evolve(ToyFamily.capabilities, block_interceptors=False))
     with pytest.raises(DeployError, match="does not"):  # refused before load (issue 34: was at the first request)
-        toy_runtime(toy_checkpoint, ("scaler", ScalerPlugin()), plugins={"scaler": {}})
+        toy_runtime(toy_checkpoint, ("scaler", scaler_plugin()), plugins={"scaler": {}})
 
 
 def test_unused_observer_events_are_not_bound(toy_checkpoint):
-    plugin = ObserverPlugin()
-    rt = toy_runtime(toy_checkpoint, ("steplog", plugin), plugins={"steplog": {}})
+    log = StepLog()
+    rt = toy_runtime(toy_checkpoint, ("steplog", component_plugin("steplog", "observer", lambda: log)),
+                     plugins={"steplog": {}})
     built = rt.pipeline(rt.prepare(req()).request.task)
     assert built.bus.step_end is not None
     assert built.bus.step_start is None and built.bus.tap is None and built.bus.node_start is None
     rt.generate(req(steps=3))
-    assert [s[2:] for s in plugin.instance.steps] == [(0, 3), (1, 3), (2, 3)]
+    assert [s[2:] for s in log.steps] == [(0, 3), (1, 3), (2, 3)]
     assert toy_runtime(toy_checkpoint).pipeline(rt.prepare(req()).request.task).bus is None
 
 
 def test_interleaved_executions_equal_each_alone(toy_checkpoint):
-    rt = toy_runtime(toy_checkpoint, ("scaler", ScalerPlugin()), plugins={"scaler": {}})
-    alone = [rt.generate({**req(seed=s), "plugin_params": {"scaler": {"scale": 0.9}}}) for s in (1, 2)]
-    ex = [rt.prepare({**req(seed=s), "plugin_params": {"scaler": {"scale": 0.9}}}) for s in (1, 2)]
-    while not all(e.done for e in ex):
-        for e in ex:
-            e.advance()
-    for a, e in zip(alone, ex, strict=True):
-        assert torch.equal(a.artifacts["latents"].tensor, e.output.artifacts["latents"].tensor)
+    rt = toy_runtime(toy_checkpoint, ("scaler", scaler_plugin()), plugins={"scaler": {}})
+    reqs = [{**req(seed=s), "plugin_params": {"scaler": {"scale": 0.9}}} for s in (1, 2)]
+    alone = [rt.generate(r) for r in reqs]
+    for a, out in zip(alone, run_interleaved(rt, reqs), strict=True):
+        assert torch.equal(a.artifacts["latents"].tensor, out.artifacts["latents"].tensor)
 
 
 def test_cancel_between_steps_releases_state(toy_checkpoint):
-    plugin = ScalerPlugin()
-    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    icpt = ScalingBlocks()
+    rt = toy_runtime(toy_checkpoint, ("scaler", scaler_plugin(icpt)), plugins={"scaler": {}})
     ex = rt.prepare(req(steps=10))
     for _ in range(3):  # text encode, then two steps
         ex.advance()
@@ -197,7 +173,7 @@ def test_cancel_between_steps_releases_state(toy_checkpoint):
     assert ex.output.status is Status.CANCELLED
     assert events[-1].output is ex.output
     assert "video" not in ex.output.artifacts
-    assert len(plugin.instance.closed) == 2  # both branches released
+    assert len(icpt.closed) == 2  # both branches released
     assert ex.state.loops["denoise"].plugin_state == {}
 
 
@@ -211,15 +187,14 @@ def _bad_and_good(checkpoint, step_index, exc):
                 raise exc
             return super().run(blocks, hidden, ctx, call)
 
-    plugin = ScalerPlugin()
-    plugin.instance = Raising()
-    rt = toy_runtime(checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    scaler = Raising()
+    rt = toy_runtime(checkpoint, ("scaler", scaler_plugin(scaler)), plugins={"scaler": {}})
     bad = rt.prepare({**req(), "plugin_params": {"scaler": {"scale": 0.0}}})
     good = rt.prepare(req())
     while not (bad.done and good.done):
         bad.advance()
         good.advance()
-    return bad, good, plugin.instance
+    return bad, good, scaler
 
 
 def test_failure_in_a_step_fails_only_that_request(toy_checkpoint):
@@ -297,7 +272,7 @@ def _deployment(checkpoint, **deploy):
     from omniloop.runtime import Deployment, deploy_for_model
     from omniloop.testing import make_manager
 
-    return Deployment(deploy_for_model(checkpoint, **deploy), manager=make_manager(("scaler", ScalerPlugin())))
+    return Deployment(deploy_for_model(checkpoint, **deploy), manager=make_manager(("scaler", scaler_plugin())))
 
 
 @pytest.mark.parametrize(("body", "path"), [
@@ -364,11 +339,10 @@ def test_ctrl_c_in_a_step_cancels_the_request_cleanly_and_propagates(toy_checkpo
                 raise KeyboardInterrupt
             return super().run(blocks, hidden, ctx, call)
 
-    plugin = ScalerPlugin()
-    plugin.instance = Interrupted()
-    rt = toy_runtime(toy_checkpoint, ("scaler", plugin), plugins={"scaler": {}})
+    scaler = Interrupted()
+    rt = toy_runtime(toy_checkpoint, ("scaler", scaler_plugin(scaler)), plugins={"scaler": {}})
     ex = rt.prepare(req())
     with pytest.raises(KeyboardInterrupt):
         ex.run()
     assert ex.done and ex.output.status is Status.CANCELLED
-    assert len(plugin.instance.closed) == 2
+    assert len(scaler.closed) == 2

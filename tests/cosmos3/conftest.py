@@ -19,8 +19,9 @@ pytest.importorskip("diffusers")
 
 import omniloop_cosmos3.plugin as c3_plugin
 from omniloop.runtime import Runtime
-from omniloop.testing import make_manager
+from omniloop.testing.pytest_plugin import family_fixtures
 from omniloop_cosmos3.tiny import build_tiny_checkpoint
+from omniloop_scheduler.testing import family_runtime
 
 PROMPT = "a red ball rolls over the green grass"
 NEGATIVE = "blurry"
@@ -28,14 +29,7 @@ SIZE = {"frames": 5, "height": 32, "width": 48}
 
 
 def c3_runtime(ckpt: Path, *, step: bool = False, **deploy: Any) -> Runtime:
-    if step:
-        import omniloop_scheduler.plugin as scheduler_plugin
-
-        manager = make_manager(("cosmos3", c3_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
-        deploy = {"scheduler": "step", "scheduler_options": {"max_batch": 4}, **deploy}
-    else:
-        manager = make_manager(("cosmos3", c3_plugin), toy=False)
-    return Runtime.from_model(ckpt, manager=manager, **deploy)
+    return family_runtime(ckpt, ("cosmos3", c3_plugin), step=step, **deploy)
 
 
 def _t2v(seed: int = 0, steps: int = 3, prompt: str = PROMPT, negative: str | None = None, **diffusion: Any
@@ -53,43 +47,14 @@ def t2v() -> Any:
     return _t2v
 
 
-@pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[str, Path] = {}
-
-    def get(variant: str = "qwen") -> Path:
-        if variant not in cache:
-            cache[variant] = build_tiny_checkpoint(tmp_path_factory.mktemp(f"c3-{variant}"), variant=variant)
-        return cache[variant]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def runtime(tiny_ckpt: Any) -> Any:
-    cache: dict[tuple[str, bool], Runtime] = {}
-
-    def get(variant: str = "qwen", step: bool = False) -> Runtime:
-        if (variant, step) not in cache:
-            cache[(variant, step)] = c3_runtime(tiny_ckpt(variant), step=step)
-        return cache[(variant, step)]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_ckpt: Any) -> Any:
-    """``reference(variant)`` → diffusers' pipeline over the same files, built with the safety checker off."""
+def _reference(path: Path, variant: str) -> Any:
     from diffusers import Cosmos3OmniPipeline
 
-    cache: dict[str, Any] = {}
+    return Cosmos3OmniPipeline.from_pretrained(path, enable_safety_checker=False, dtype=torch.float32)
 
-    def get(variant: str = "qwen") -> Any:
-        if variant not in cache:
-            pipe = Cosmos3OmniPipeline.from_pretrained(tiny_ckpt(variant), enable_safety_checker=False,
-                                                       dtype=torch.float32)
-            pipe.set_progress_bar_config(disable=True)
-            cache[variant] = pipe
-        return cache[variant]
 
-    return get
+# ``tiny_ckpt(variant="qwen")`` → path of a tiny checkpoint, built once per session;
+# ``runtime(variant="qwen", step=False)`` → a CPU float32 Runtime (cached);
+# ``reference(variant="qwen")`` → diffusers' pipeline over the same files, built with the safety
+# checker off (cached).
+tiny_ckpt, runtime, reference = family_fixtures(build_tiny_checkpoint, "c3", c3_runtime, _reference, variant="qwen")

@@ -9,15 +9,11 @@ from __future__ import annotations
 import torch
 
 from omniloop.request import Status
+from omniloop.testing import stream_together
 
 
 def _run_together(rt, reqs):
-    streams = [rt.stream(r) for r in reqs]
-    finals = {}
-    for st in reversed(streams):  # driving one stream advances the others too (one shared pool)
-        for ev in st:
-            if ev.kind.value == "final":
-                finals[ev.request_id] = ev.output
+    finals = stream_together(rt, reqs)
     outs = [finals[r["request_id"]] for r in reqs]
     assert all(o.status is Status.COMPLETED for o in outs), [o.error for o in outs]
     return outs

@@ -13,7 +13,7 @@ import omniloop_fbcache.plugin as fbcache_plugin
 from omniloop.errors import PluginError, RequestError
 from omniloop.interceptors import BlockContext, BlockInterceptor
 from omniloop.loop import LoopState, StepContext
-from omniloop.testing import completed_latents, run_interleaved, toy_request, toy_runtime
+from omniloop.testing import check_interleaved_equal_alone, completed_latents, toy_request, toy_runtime
 from omniloop_fbcache import FBCacheConfig, FBCacheParams, FirstBlockCache
 
 SETTINGS = {"threshold": 0.1, "warmup_steps": 3}
@@ -197,10 +197,7 @@ def test_runtime_enabled_exact_and_tuned(runtimes: tuple[Any, Any]) -> None:
 def test_runtime_interleaved_executions_equal_each_alone(runtimes: tuple[Any, Any]) -> None:
     _, cached = runtimes
     reqs = [toy_request(seed=3), toy_request(seed=4, steps=12, plugin_params={"fbcache": {"threshold": 0.3}})]
-    alone = [cached.generate(r) for r in reqs]
-    for a, out in zip(alone, run_interleaved(cached, reqs), strict=True):
-        assert torch.equal(completed_latents(out), completed_latents(a))
-        assert out.metrics["plugins"]["fbcache"] == a.metrics["plugins"]["fbcache"]
+    check_interleaved_equal_alone(cached, reqs, "fbcache")
 
 
 def test_conformance_kit() -> None:

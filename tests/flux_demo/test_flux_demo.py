@@ -5,7 +5,6 @@ tests/demos/flux_demo/."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 PROMPT = "a red star at the top left"
@@ -69,10 +68,8 @@ def test_cli_generate_on_the_preset_needs_no_task_flag(tmp_path):
     assert Image.open(out).size == (64, 64)
 
 
-def test_preset_registered_and_refused_with_one_line_until_the_weights_exist(tmp_path, monkeypatch):
-    from omniloop.errors import DeployError
+def test_preset_registered_and_refused_with_one_line_until_the_weights_exist(check_preset_not_installed):
     from omniloop.plugins import default_manager
-    from omniloop.runtime import Runtime
     from omniloop_flux_demo import checkpoint_path, plugin
 
     presets = default_manager().registry().presets
@@ -80,11 +77,5 @@ def test_preset_registered_and_refused_with_one_line_until_the_weights_exist(tmp
     got: list = []
     plugin.omniloop_register_model_presets(got.append)
     assert [p.name for p in got] == ["flux-demo"]
-    empty = tmp_path / "checkpoint"
-    empty.mkdir()
-    monkeypatch.setattr(checkpoint_path, "checkpoint_dir", lambda: empty)
-    monkeypatch.setattr(plugin, "checkpoint_dir", lambda: empty)
-    with pytest.raises(DeployError) as err:
-        Runtime.from_model("flux-demo")
-    msg = str(err.value)
-    assert "flux-demo" in msg and "not installed" in msg and "training.ship" in msg and "\n" not in msg
+    check_preset_not_installed("flux-demo", [(checkpoint_path, "checkpoint_dir"), (plugin, "checkpoint_dir")],
+                               "training.ship")

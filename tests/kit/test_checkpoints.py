@@ -10,18 +10,7 @@ from pathlib import Path
 import pytest
 
 from omniloop.errors import CheckpointError
-from omniloop_kit.checkpoints import (
-    check_safetensors,
-    component_folder,
-    looks_like,
-    model_folder,
-    peek_json,
-    read_json,
-    read_model_index,
-    resolve_root,
-    weight_files,
-    weight_version,
-)
+from omniloop_kit import checkpoints
 
 
 def write_safetensors(path: Path, n_floats: int = 4, *, cut: int = 0) -> None:
@@ -34,7 +23,7 @@ def write_safetensors(path: Path, n_floats: int = 4, *, cut: int = 0) -> None:
 def test_check_safetensors_reads_the_header(tmp_path: Path) -> None:
     f = tmp_path / "model.safetensors"
     write_safetensors(f)
-    assert check_safetensors(f)["w"]["shape"] == [4]
+    assert checkpoints.check_safetensors(f)["w"]["shape"] == [4]
 
 
 @pytest.mark.parametrize(
@@ -52,100 +41,100 @@ def test_check_safetensors_refuses_bad_files(tmp_path: Path, content: bytes, mes
     f = tmp_path / "model.safetensors"
     f.write_bytes(content)
     with pytest.raises(CheckpointError, match="^" + re.escape(f"{f}: {message}")):
-        check_safetensors(f)
+        checkpoints.check_safetensors(f)
 
 
 def test_check_safetensors_truncated_data_and_missing_file(tmp_path: Path) -> None:
     f = tmp_path / "model.safetensors"
     write_safetensors(f, cut=3)
     with pytest.raises(CheckpointError, match=r"weight file is truncated \(\d+ bytes, the header declares \d+\); re-download it"):
-        check_safetensors(f)
+        checkpoints.check_safetensors(f)
     link = tmp_path / "gone.safetensors"
     link.symlink_to(tmp_path / "blob")
     with pytest.raises(CheckpointError, match=r"weight file is missing \(a link to a missing blob"):
-        check_safetensors(link)
+        checkpoints.check_safetensors(link)
 
 
 def test_read_json(tmp_path: Path) -> None:
     f = tmp_path / "config.json"
     with pytest.raises(CheckpointError, match=r"config\.json: vae config is missing$"):
-        read_json(f, "vae config")
+        checkpoints.read_json(f, "vae config")
     f.write_text("[1]")
     with pytest.raises(CheckpointError, match="vae config must be a JSON object, not list"):
-        read_json(f, "vae config")
+        checkpoints.read_json(f, "vae config")
     f.write_text("{")
     with pytest.raises(CheckpointError, match="vae config is not valid JSON"):
-        read_json(f, "vae config")
+        checkpoints.read_json(f, "vae config")
     f.write_text('{"a": 1}')
-    assert read_json(f, "vae config") == {"a": 1}
+    assert checkpoints.read_json(f, "vae config") == {"a": 1}
 
 
 def test_weight_files_sharded_single_and_bin(tmp_path: Path) -> None:
     folder = tmp_path / "transformer"
     folder.mkdir()
     with pytest.raises(CheckpointError, match=r"transformer: no weights \(m\.safetensors or m\.safetensors\.index\.json\)"):
-        weight_files(folder, "m")
+        checkpoints.weight_files(folder, "m")
     (folder / "a.bin").write_bytes(b"")
-    assert weight_files(folder, "m") == [folder / "a.bin"]
+    assert checkpoints.weight_files(folder, "m") == [folder / "a.bin"]
     with pytest.raises(CheckpointError, match="no weights"):
-        weight_files(folder, "m", allow_bin=False)
+        checkpoints.weight_files(folder, "m", allow_bin=False)
     index = folder / "m.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"w": "m-1.safetensors", "v": "m-2.safetensors"}}))
     write_safetensors(folder / "m-1.safetensors")
     write_safetensors(folder / "m-2.safetensors")
-    assert weight_files(folder, "m") == [folder / "m-1.safetensors", folder / "m-2.safetensors"]
+    assert checkpoints.weight_files(folder, "m") == [folder / "m-1.safetensors", folder / "m-2.safetensors"]
     index.write_text(json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
     with pytest.raises(CheckpointError, match=r"weight_map names an invalid shard '\.\./outside\.safetensors'"):
-        weight_files(folder, "m")
+        checkpoints.weight_files(folder, "m")
     index.write_text(json.dumps({"weight_map": {}}))
     with pytest.raises(CheckpointError, match="weight index has no weight_map"):
-        weight_files(folder, "m")
+        checkpoints.weight_files(folder, "m")
     write_safetensors(folder / "m.safetensors")
-    assert weight_files(folder, "m") == [folder / "m.safetensors"]
+    assert checkpoints.weight_files(folder, "m") == [folder / "m.safetensors"]
 
 
 def test_model_index_component_folder_and_model_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="checkpoint folder does not exist"):
-        read_model_index(tmp_path / "nope")
+        checkpoints.read_model_index(tmp_path / "nope")
     (tmp_path / "model_index.json").write_text('{"_class_name": "X", "vae": ["diffusers", "AutoencoderKL"]}')
-    assert read_model_index(tmp_path)["vae"] == ["diffusers", "AutoencoderKL"]
+    assert checkpoints.read_model_index(tmp_path)["vae"] == ["diffusers", "AutoencoderKL"]
     with pytest.raises(CheckpointError, match=r"vae: folder of component 'vae' is missing"):
-        component_folder(tmp_path, "vae")
+        checkpoints.component_folder(tmp_path, "vae")
     (tmp_path / "vae").mkdir()
-    folder = component_folder(tmp_path, "vae")
+    folder = checkpoints.component_folder(tmp_path, "vae")
     (folder / "config.json").write_text('{"latent_channels": 4}')
     write_safetensors(folder / "diffusion_pytorch_model.safetensors")
-    assert model_folder(folder, "vae", "diffusion_pytorch_model") == {"latent_channels": 4}
-    v1 = weight_version(tmp_path, ["vae"])
+    assert checkpoints.model_folder(folder, "vae", "diffusion_pytorch_model") == {"latent_channels": 4}
+    v1 = checkpoints.weight_version(tmp_path, ["vae"])
     write_safetensors(folder / "diffusion_pytorch_model.safetensors", n_floats=8)
-    assert weight_version(tmp_path, ["vae"]) != v1
+    assert checkpoints.weight_version(tmp_path, ["vae"]) != v1
 
 
 def test_resolve_root_follows_a_hf_cache_folder(tmp_path: Path) -> None:
     cache = tmp_path / "models--Org--Name"
     (cache / "snapshots" / "abc").mkdir(parents=True)
     (cache / "snapshots" / "def").mkdir()
-    assert resolve_root(cache) == cache  # two snapshots, no ref: unchanged
+    assert checkpoints.resolve_root(cache) == cache  # two snapshots, no ref: unchanged
     (cache / "refs").mkdir()
     (cache / "refs" / "main").write_text("def\n")
-    assert resolve_root(cache) == cache / "snapshots" / "def"
+    assert checkpoints.resolve_root(cache) == cache / "snapshots" / "def"
     (tmp_path / "plain").mkdir()
-    assert resolve_root(tmp_path / "plain") == tmp_path / "plain"
+    assert checkpoints.resolve_root(tmp_path / "plain") == tmp_path / "plain"
 
 
 def test_peek_json_and_looks_like(tmp_path: Path) -> None:
-    assert peek_json(tmp_path / "model_index.json") is None
-    assert not looks_like(tmp_path, ("XPipeline",), "XModel")
-    assert not looks_like(tmp_path / "nope", ("XPipeline",), "XModel")
+    assert checkpoints.peek_json(tmp_path / "model_index.json") is None
+    assert not checkpoints.looks_like(tmp_path, ("XPipeline",), "XModel")
+    assert not checkpoints.looks_like(tmp_path / "nope", ("XPipeline",), "XModel")
     (tmp_path / "model_index.json").write_text("[]")
-    assert peek_json(tmp_path / "model_index.json") is None
+    assert checkpoints.peek_json(tmp_path / "model_index.json") is None
     (tmp_path / "model_index.json").write_text('{"_class_name": "XPipeline"}')
-    assert looks_like(tmp_path, ("XPipeline",), "XModel")
+    assert checkpoints.looks_like(tmp_path, ("XPipeline",), "XModel")
     (tmp_path / "model_index.json").write_text('{"_class_name": "OtherPipeline"}')
-    assert not looks_like(tmp_path, ("XPipeline",), "XModel")  # no transformer config
+    assert not checkpoints.looks_like(tmp_path, ("XPipeline",), "XModel")  # no transformer config
     (tmp_path / "transformer").mkdir()
     (tmp_path / "transformer" / "config.json").write_text('{"_class_name": "XModel", "in_channels": "wide"}')
-    assert looks_like(tmp_path, ("XPipeline",), "XModel")
-    assert not looks_like(tmp_path, ("XPipeline",), "YModel")
-    assert not looks_like(tmp_path, ("XPipeline",), "XModel", lambda root, index, tf: int(tf["in_channels"]) > 0)
-    assert looks_like(tmp_path, ("XPipeline",), "XModel", lambda root, index, tf: index["_class_name"] == "OtherPipeline")
+    assert checkpoints.looks_like(tmp_path, ("XPipeline",), "XModel")
+    assert not checkpoints.looks_like(tmp_path, ("XPipeline",), "YModel")
+    assert not checkpoints.looks_like(tmp_path, ("XPipeline",), "XModel", lambda root, index, tf: int(tf["in_channels"]) > 0)
+    assert checkpoints.looks_like(tmp_path, ("XPipeline",), "XModel", lambda root, index, tf: index["_class_name"] == "OtherPipeline")

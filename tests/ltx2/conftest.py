@@ -18,26 +18,20 @@ pytest.importorskip("diffusers")
 
 import omniloop_ltx2.plugin as ltx2_plugin
 from omniloop.runtime import Runtime
-from omniloop.testing import make_manager
+from omniloop.testing.pytest_plugin import family_fixtures
 from omniloop_ltx2.tiny import build_tiny_checkpoint
+from omniloop_scheduler.testing import family_manager, family_runtime
 
 PROMPT = "a robot dancing in the rain"
 
 
 def ltx2_manager(*plugins: tuple[str, Any], step: bool = False) -> Any:
     """A plugin manager with only the LTX-2 family (+ ``plugins``); ``step``: the step scheduler."""
-    if step:
-        import omniloop_scheduler.plugin as scheduler_plugin
-
-        return make_manager(("ltx2", ltx2_plugin), ("scheduler", scheduler_plugin), *plugins, toy=False,
-                            scheduler=False)
-    return make_manager(("ltx2", ltx2_plugin), *plugins, toy=False)
+    return family_manager(("ltx2", ltx2_plugin), *plugins, step=step)
 
 
 def ltx2_runtime(ckpt: Path, *plugins: tuple[str, Any], step: bool = False, **deploy: Any) -> Runtime:
-    if step:
-        deploy = {"scheduler": "step", "scheduler_options": {"max_batch": 4}, **deploy}
-    return Runtime.from_model(ckpt, manager=ltx2_manager(*plugins, step=step), **deploy)
+    return family_runtime(ckpt, ("ltx2", ltx2_plugin), *plugins, step=step, **deploy)
 
 
 def _t2v(seed: int = 0, frames: int = 5, prompt: str = PROMPT, negative: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -71,44 +65,13 @@ def make_runtime() -> Any:
     return ltx2_runtime
 
 
-@pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``tiny_ckpt(variant="a")`` → path of a tiny checkpoint, built once per session."""
-    cache: dict[str, Path] = {}
-
-    def get(variant: str = "a") -> Path:
-        if variant not in cache:
-            cache[variant] = build_tiny_checkpoint(tmp_path_factory.mktemp(f"ltx2-{variant}"), variant=variant)
-        return cache[variant]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def runtime(tiny_ckpt: Any) -> Any:
-    """``runtime(variant="a", step=False)`` → a CPU float32 Runtime (cached)."""
-    cache: dict[tuple[str, bool], Runtime] = {}
-
-    def get(variant: str = "a", step: bool = False) -> Runtime:
-        if (variant, step) not in cache:
-            cache[(variant, step)] = ltx2_runtime(tiny_ckpt(variant), step=step)
-        return cache[(variant, step)]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_ckpt: Any) -> Any:
-    """``reference(variant)`` → diffusers' ``LTX2Pipeline`` over the same checkpoint (cached)."""
+def _reference(path: Path, variant: str) -> Any:
     from diffusers import LTX2Pipeline
 
-    cache: dict[str, Any] = {}
+    return LTX2Pipeline.from_pretrained(path, dtype=torch.float32)
 
-    def get(variant: str = "a") -> Any:
-        if variant not in cache:
-            pipe = LTX2Pipeline.from_pretrained(tiny_ckpt(variant), dtype=torch.float32)
-            pipe.set_progress_bar_config(disable=True)
-            cache[variant] = pipe
-        return cache[variant]
 
-    return get
+# ``tiny_ckpt(variant="a")`` → path of a tiny checkpoint, built once per session;
+# ``runtime(variant="a", step=False)`` → a CPU float32 Runtime (cached);
+# ``reference(variant="a")`` → diffusers' ``LTX2Pipeline`` over the same checkpoint (cached).
+tiny_ckpt, runtime, reference = family_fixtures(build_tiny_checkpoint, "ltx2", ltx2_runtime, _reference, variant="a")

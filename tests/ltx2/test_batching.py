@@ -18,18 +18,9 @@ from typing import Any
 import torch
 
 from omniloop.request import Status
+from omniloop.testing import check_streamed_together, stream_together
 
 BATCHED_ATOL = 2e-5
-
-
-def _drive(rt: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
-    streams = [rt.stream(r) for r in reqs]
-    finals = {}
-    for st in reversed(streams):  # driving one stream advances the others too (one shared pool)
-        for ev in st:
-            if ev.kind.value == "final":
-                finals[ev.request_id] = ev.output
-    return finals
 
 
 def test_batched_steps_equal_each_request_alone(runtime: Any, t2v: Any) -> None:
@@ -39,14 +30,7 @@ def test_batched_steps_equal_each_request_alone(runtime: Any, t2v: Any) -> None:
         {**t2v(seed=13, prompt="a city", node_params={"denoise": {"stg": 0.5, "rescale": 0.2}}), "request_id": "three",
          "diffusion": {"seed": 13, "frames": 5, "steps": 3, "guidance_scale": 4.0}},
     ]
-    alone = [runtime("a").generate(r) for r in reqs]
-    rt = runtime("a", step=True)
-    finals = _drive(rt, reqs)
-    batched = [d for d in rt.scheduler.trace if d.action == "batched_step" and len(d.request_ids) == 3]
-    assert len(batched) >= 3, [(d.action, d.request_ids) for d in rt.scheduler.trace]
-    for a, req in zip(alone, reqs, strict=True):
-        out = finals[req["request_id"]]
-        assert out.status is Status.COMPLETED, out.error
+    for out, a in check_streamed_together(runtime("a"), runtime("a", step=True), reqs, min_batched=3):
         for key in ("latents", "audio_latents"):
             torch.testing.assert_close(out.artifacts[key].tensor, a.artifacts[key].tensor, atol=BATCHED_ATOL, rtol=0)
         assert out.metrics["denoise"]["transformer_calls"] == 9
@@ -57,7 +41,7 @@ def test_different_passes_do_not_batch_together(runtime: Any, t2v: Any) -> None:
     reqs = [{**t2v(seed=1), "request_id": "all", "diffusion": {"seed": 1, "frames": 5, "steps": 2}},
             {**t2v(seed=2, node_params={"denoise": {"modality": 1.0}}, audio={"modality": 1.0}), "request_id": "no-mod",
              "diffusion": {"seed": 2, "frames": 5, "steps": 2}}]
-    finals = _drive(rt, reqs)
+    finals = stream_together(rt, reqs)
     assert all(o.status is Status.COMPLETED for o in finals.values())
     assert finals["no-mod"].metrics["denoise"]["passes"] == ["cfg", "stg"]
     mixed = [d for d in rt.scheduler.trace if d.action == "batched_step" and set(d.request_ids) == {"all", "no-mod"}]
@@ -91,7 +75,7 @@ def test_batched_i2v_steps_equal_each_request_alone(runtime: Any, t2v: Any, tmp_
         r["diffusion"]["steps"] = 2
     alone = [runtime("a").generate(r) for r in reqs]
     rt = runtime("a", step=True)
-    finals = _drive(rt, reqs)
+    finals = stream_together(rt, reqs)
     pairs = [set(d.request_ids) for d in rt.scheduler.trace if d.action == "batched_step"]
     assert {"i1", "i2"} in pairs and not any("t" in p and len(p) > 1 for p in pairs), pairs
     for a, req in zip(alone, reqs, strict=True):

@@ -8,15 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from omniloop.family import PluginComponentSpec
-from omniloop.hookspecs import hookimpl
-from omniloop.testing import build_toy_checkpoint, toy_runtime
+from omniloop.testing import PassThroughBlocks, build_toy_checkpoint, component_plugin, toy_runtime
 from omniloop_parity import plugin as parity_plugin
 
 REQUEST = {"task": "t2v", "prompt": "a red cube rolling", "negative_prompt": "blurry", "diffusion": {"seed": 7}}
 
 
-class PerturbBlock:
+class PerturbBlock(PassThroughBlocks):
     """Block interceptor: scales block ``k``'s output by ``1 + eps`` at step ``step`` only.
 
     The scaling happens through a forward hook on that block while it runs, so the block's
@@ -31,9 +29,6 @@ class PerturbBlock:
     def __init__(self, k: int, step: int, eps: float = 1e-3) -> None:
         self.k, self.step, self.eps = k, step, eps
 
-    def open(self, step: Any, loop: Any) -> Any:
-        return None
-
     def run(self, blocks: Any, hidden: torch.Tensor, ctx: Any, call: Any) -> torch.Tensor:
         for i, blk in enumerate(blocks):
             if i == self.k and ctx.step.step_index == self.step:
@@ -45,12 +40,6 @@ class PerturbBlock:
             else:
                 hidden = call(blk, hidden)
         return hidden
-
-    def close(self, state: Any) -> None:
-        pass
-
-    def metrics(self, state: Any) -> dict[str, Any]:
-        return {}
 
 
 class FailAtStep(PerturbBlock):
@@ -64,19 +53,9 @@ class FailAtStep(PerturbBlock):
         return super().run(blocks, hidden, ctx, call)
 
 
-class InterceptorPlugin:
-    OMNILOOP_HOOK_API = ">=1.0,<2"
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    @hookimpl
-    def omniloop_register_interceptors(self, register: Any) -> None:
-        register(
-            PluginComponentSpec(
-                name=self.obj.name, kind="block_interceptor", factory=lambda _c: self.obj, distribution_altering=True
-            )
-        )
+def interceptor_plugin(obj: Any) -> Any:
+    """A plugin registering the block interceptor ``obj`` under ``obj.name`` (distribution-altering)."""
+    return component_plugin(obj.name, "block_interceptor", lambda: obj, distribution_altering=True)
 
 
 @pytest.fixture(scope="session")
@@ -101,5 +80,5 @@ def h() -> Any:
     import types
 
     return types.SimpleNamespace(
-        REQUEST=dict(REQUEST), PerturbBlock=PerturbBlock, FailAtStep=FailAtStep, InterceptorPlugin=InterceptorPlugin
+        REQUEST=dict(REQUEST), PerturbBlock=PerturbBlock, FailAtStep=FailAtStep, InterceptorPlugin=interceptor_plugin
     )

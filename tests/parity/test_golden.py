@@ -28,13 +28,15 @@ from omniloop_parity.run import record, runtime_with_parity
 from omniloop_parity.testing import assert_matches_golden, regen_requested
 
 GOLDEN = Path(__file__).parent / "golden"
-TOY_REQUEST = {
-    "task": "t2v",
-    "prompt": "a red cube rolling",
-    "negative_prompt": "blurry",
-    "diffusion": {"seed": 1234},
-    "request_id": "golden-toy",
-}
+
+
+def _golden_request(prompt: str, request_id: str) -> dict:
+    """The t2v request a golden pins: ``prompt``, negative prompt "blurry", seed 1234."""
+    return {"task": "t2v", "prompt": prompt, "negative_prompt": "blurry", "diffusion": {"seed": 1234},
+            "request_id": request_id}
+
+
+TOY_REQUEST = _golden_request("a red cube rolling", "golden-toy")
 
 # ---- the tolerance on a CPU other than the golden's ------------------------------------------
 # Each float tap must be within  cross_cpu_ulps(g) * 2**-23 * max|golden tap|, with
@@ -247,13 +249,7 @@ def test_pytest_option_parity_regen_and_fixture(tmp_path):
     assert again.returncode == 0, again.stdout
 
 
-WAN_REQUEST = {
-    "task": "t2v",
-    "prompt": "a cat walking on grass",
-    "negative_prompt": "blurry",
-    "diffusion": {"seed": 1234},
-    "request_id": "golden-wan",
-}
+WAN_REQUEST = _golden_request("a cat walking on grass", "golden-wan")
 
 
 @pytest.mark.slow

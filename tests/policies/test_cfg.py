@@ -131,6 +131,16 @@ def test_batched_declares_one_forward_branch_and_runs_one_forward():
     assert seen == ["cond+uncond"] and m.forwards == 1 and m.batch_sizes == [2]
 
 
+def _classic_both_ways(forward, forward_batch):
+    """Classic CFG at scale 5 (step 0 of 10) run as two forwards (``False``) and as one batched
+    forward (``True``), given both forwards."""
+    out = {}
+    for batched in (False, True):
+        cfg = ClassicCFG(batched=batched)
+        out[batched] = guided_prediction(cfg, ctx(), cfg.init(10, scale=5.0), forward=forward, forward_batch=forward_batch)
+    return out
+
+
 def test_batched_equals_two_forward_cfg_within_the_measured_tolerance():
     worst = 0.0
     for seed in range(8):
@@ -140,16 +150,10 @@ def test_batched_equals_two_forward_cfg_within_the_measured_tolerance():
             x = torch.randn(shape, generator=g)
             e = {"cond": torch.randn(shape[0], 6, 8, generator=g), "uncond": torch.randn(shape[0], 6, 8, generator=g)}
             t = torch.full((shape[0],), 700.0)
-            out = {}
-            for batched in (False, True):
-                cfg = ClassicCFG(batched=batched)
-                out[batched] = guided_prediction(
-                    cfg,
-                    ctx(),
-                    cfg.init(10, scale=5.0),
-                    forward=lambda s, m=m, x=x, t=t, e=e: m(x, t, e[s.branch]),
-                    forward_batch=stack_forward(lambda xb, eb, m=m, t=t: m(xb, t.repeat(2), eb), x, e),
-                )
+            out = _classic_both_ways(
+                forward=lambda s, m=m, x=x, t=t, e=e: m(x, t, e[s.branch]),
+                forward_batch=stack_forward(lambda xb, eb, m=m, t=t: m(xb, t.repeat(2), eb), x, e),
+            )
             torch.testing.assert_close(out[True], out[False], atol=BATCHED_STEP_ATOL, rtol=0)
             worst = max(worst, (out[True] - out[False]).abs().max().item())
     assert worst < BATCHED_STEP_ATOL
@@ -169,16 +173,7 @@ def test_batched_is_bit_identical_with_a_batch_invariant_model():
     p_model = lambda x, e: torch.tanh(x * e.mean(dim=(1, 2)).reshape(-1, 1, 1, 1, 1))  # noqa: E731
     x = torch.randn(1, 4, 2, 3, 3)
     e = {"cond": torch.randn(1, 6, 8), "uncond": torch.randn(1, 6, 8)}
-    out = {}
-    for batched in (False, True):
-        cfg = ClassicCFG(batched=batched)
-        out[batched] = guided_prediction(
-            cfg,
-            ctx(),
-            cfg.init(10, scale=5.0),
-            forward=lambda s: p_model(x, e[s.branch]),
-            forward_batch=stack_forward(p_model, x, e),
-        )
+    out = _classic_both_ways(forward=lambda s: p_model(x, e[s.branch]), forward_batch=stack_forward(p_model, x, e))
     assert torch.equal(out[True], out[False])
 
 

@@ -14,12 +14,18 @@ pytest.importorskip("omniloop_wan_demo")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl" / "flow_grpo.py"
 
 
-@pytest.mark.slow
-def test_one_tiny_iteration(tmp_path):
+def _example():
+    """The example script, imported as a module."""
     spec = importlib.util.spec_from_file_location("flow_grpo_example", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_one_tiny_iteration(tmp_path):
+    mod = _example()
     log = mod.main(["--out", str(tmp_path), "--iterations", "1", "--prompts", "2", "--group", "2", "--steps", "3",
                     "--sde-window", "2", "--heldout", "1", "--eval-seeds", "1", "--inner", "1"])
     it = log["iterations"][0]
@@ -33,10 +39,7 @@ def test_one_tiny_iteration(tmp_path):
 @pytest.mark.slow
 def test_one_tiny_nft_iteration(tmp_path):
     """--method nft: rollouts capture only latents; the DiffusionNFT step runs and the LoRA is pushed."""
-    spec = importlib.util.spec_from_file_location("flow_grpo_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
+    mod = _example()
     log = mod.main(["--out", str(tmp_path), "--method", "nft", "--iterations", "2", "--prompts", "2", "--group", "2",
                     "--steps", "3", "--sde-window", "2", "--heldout", "1", "--eval-seeds", "2", "--inner", "1",
                     "--nft-times", "2"])
@@ -47,10 +50,7 @@ def test_one_tiny_nft_iteration(tmp_path):
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("flow_grpo_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
+    mod = _example()
     for bad, name in ((["--group", "1"], "--group"), (["--lr", "nan"], "--lr"), (["--budget-s", "-1"], "--budget-s"),
                       (["--method", "ppo"], "--method")):
         with pytest.raises(SystemExit) as info:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -70,14 +69,9 @@ def reference(tiny_ckpt):
 
 
 @pytest.fixture(scope="session")
-def init_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 40x48 random RGB png (not the output size: the pipelines resize it)."""
-    from PIL import Image
-
-    path = tmp_path_factory.mktemp("sd3-img") / "init.png"
-    pixels = (np.random.RandomState(0).rand(40, 48, 3) * 255).astype(np.uint8)
-    Image.fromarray(pixels).save(path)
-    return path
+def init_image(noise_png_40x48: Path) -> Path:
+    """The i2i input image: ``noise_png_40x48`` (tests/conftest.py)."""
+    return noise_png_40x48
 
 
 def t2i(seed: int = 1, steps: int = 3, prompt: str = PROMPT, negative: str | None = NEGATIVE, **diffusion: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 from omniloop.errors import RequestError
 from omniloop.request import Status
 from omniloop.runtime import Runtime
-from omniloop.testing import completed_latents, make_manager
+from omniloop.testing import check_first_block_cache, completed_latents, make_manager
 from omniloop.testing.conformance import check_family
 
 PROMPT = "a red fox jumps over the lazy dog"
@@ -122,27 +122,13 @@ def test_bad_i2i_requests_name_the_field(sd3_runtime, i2i_request, change, path)
 def test_block_interceptors_and_taps_run_on_the_joint_blocks(tiny_ckpt, t2i_request):
     import omniloop_fbcache.plugin as fbcache_plugin
 
-    plain = _runtime(tiny_ckpt())
-    cached = _runtime(tiny_ckpt(), ("fbcache", fbcache_plugin), plugins={"fbcache": {"threshold": 0.5, "warmup_steps": 1}})
-    req = t2i_request(steps=6)
-    baseline = completed_latents(plain.generate(req))
-    out = cached.generate(req)
-    hits = sum(m["num_cached_steps"] for m in out.metrics["plugins"]["fbcache"].values())
-    assert hits > 0 and not torch.equal(completed_latents(out), baseline)
-    # threshold 0 computes every block: exactly the baseline (baseline / enabled / disabled)
-    off = cached.generate({**req, "plugin_params": {"fbcache": {"threshold": 0.0}}})
-    assert torch.equal(completed_latents(off), baseline)
-    assert torch.equal(completed_latents(plain.generate(req)), baseline)
+    check_first_block_cache(lambda *p, **d: _runtime(tiny_ckpt(), *p, **d), fbcache_plugin, t2i_request(steps=6))
 
 
 def test_block_taps_see_every_joint_block(tiny_ckpt, t2i_request):
-    from omniloop.testing import BlockTapPlugin
+    from omniloop.testing import block_taps
 
-    plugin = BlockTapPlugin()
-    seen = plugin.seen
-    rt = _runtime(tiny_ckpt(), ("tapper", plugin), plugins={"tapper": {}})
-    out = rt.generate(t2i_request(steps=1))
-    assert out.status is Status.COMPLETED, out.error
+    seen = block_taps(lambda *p, **d: _runtime(tiny_ckpt(), *p, **d), t2i_request(steps=1))
     blocks = sorted({n for n, _ in seen if "transformer_blocks" in n})
     assert blocks == [f"transformer.transformer_blocks.{i}" for i in range(3)], blocks
     # each block output is the joint sequence [context ; image]: 77 + 256 text tokens + 4 image tokens

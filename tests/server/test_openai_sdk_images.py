@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -45,38 +44,19 @@ def decode(b64: str | None) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
-def flux_manager() -> Any:
-    import omniloop_flux.plugin as flux_plugin
-    import omniloop_scheduler.plugin as scheduler_plugin
-    from omniloop.testing import make_manager
-
-    return make_manager(("flux", flux_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
-
-
 @pytest.fixture(scope="module")
-def flux_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omniloop_flux.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("sdk-flux") / "tiny-flux", variant="dev")
-
-
-@pytest.fixture(scope="module")
-def reference(flux_ckpt: Path) -> Any:
+def reference(tiny_family_runtime: Any) -> Any:
     """The Python API on its own runtime (serial): ``reference(request) -> uint8 [H, W, 3]``."""
-    from omniloop.runtime import Runtime
-
-    rt = Runtime.from_model(flux_ckpt, manager=flux_manager(), device="cpu", dtype="float32")
+    rt = tiny_family_runtime("flux")
     return lambda req: rt.generate(req).artifacts["image"].pixels.numpy()
 
 
 @pytest.fixture(scope="module")
-def client(flux_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
-    from omniloop.runtime import Runtime
+def client(tiny_family_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
     from omniloop_server import create_app
     from omniloop_server.testing import serving
 
-    rt = Runtime.from_model(flux_ckpt, manager=flux_manager(), device="cpu", dtype="float32", scheduler="step",
-                            limits={"max_steps": 8, "max_height": 128, "max_width": 128})
+    rt = tiny_family_runtime("flux", scheduler="step", limits={"max_steps": 8, "max_height": 128, "max_width": 128})
     app = create_app(rt, output_dir=tmp_path_factory.mktemp("flux-out"), shutdown_timeout=0)
     with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=T) as client:
         yield client
@@ -156,30 +136,20 @@ def test_images_edit_on_a_model_without_i2i(server: Any) -> None:
     assert exc.value.body["param"] == "model" and "no i2i task" in exc.value.message
 
 
-def test_images_edit_on_sd3(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_images_edit_on_sd3(tiny_family_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The same endpoint drives SD3's i2i (classic CFG, three text encoders)."""
     pytest.importorskip("omniloop_sd3")
-    import omniloop_scheduler.plugin as scheduler_plugin
-    import omniloop_sd3.plugin as sd3_plugin
-    from omniloop.runtime import Runtime
-    from omniloop.testing import make_manager
-    from omniloop_sd3.tiny import build_tiny_checkpoint
     from omniloop_server import create_app
     from omniloop_server.testing import serving
 
-    ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("sdk-sd3") / "tiny-sd3")
-
-    def manager() -> Any:
-        return make_manager(("sd3", sd3_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
-
     image = png(seed=1)
-    rt = Runtime.from_model(ckpt, manager=manager(), device="cpu", dtype="float32", scheduler="step")
+    rt = tiny_family_runtime("sd3", scheduler="step")
     app = create_app(rt, output_dir=tmp_path_factory.mktemp("sd3-out"), shutdown_timeout=0)
     with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=T) as client:
         result = client.images.edit(model="tiny-sd3", image=("input.png", image, "image/png"), prompt="a red fox",
                                     size="64x64", extra_body={"steps": 4, "seed": 1, "strength": 0.75,
                                                               "negative_prompt": "blurry"})
-    ref = Runtime.from_model(ckpt, manager=manager(), device="cpu", dtype="float32").generate({
+    ref = tiny_family_runtime("sd3").generate({
         "task": "i2i", "prompt": "a red fox", "negative_prompt": "blurry",
         "inputs": [{"type": "image", "data_b64": base64.b64encode(image).decode()}],
         "diffusion": {"steps": 4, "seed": 1, "height": 64, "width": 64}, "node_params": {"denoise": {"strength": 0.75}},

@@ -28,27 +28,10 @@ T = 60.0
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
 
 
-def qwen_manager() -> Any:
-    import omniloop_qwen.plugin as qwen_plugin
-    import omniloop_scheduler.plugin as scheduler_plugin
-    from omniloop.testing import make_manager
-
-    return make_manager(("qwen", qwen_plugin), ("scheduler", scheduler_plugin), toy=False, scheduler=False)
-
-
 @pytest.fixture(scope="module")
-def qwen_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omniloop_qwen.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("sdk-qwen") / "tiny-qwen", arch="qwen2")
-
-
-@pytest.fixture(scope="module")
-def python_api(qwen_ckpt: Path) -> Any:
+def python_api(tiny_family_runtime: Any) -> Any:
     """The reference: the Python API on its own runtime (serial scheduler)."""
-    from omniloop.runtime import Runtime
-
-    rt = Runtime.from_model(qwen_ckpt, manager=qwen_manager(), device="cpu", dtype="float32")
+    rt = tiny_family_runtime("qwen")
 
     def text(inputs: list[dict[str, Any]], **sampling: Any) -> Any:
         return rt.generate({"task": "reason", "inputs": inputs, "sampling": sampling})
@@ -61,13 +44,11 @@ def chat_inputs(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def text_server(qwen_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
-    from omniloop.runtime import Runtime
+def text_server(tiny_family_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
     from omniloop_server import create_app
     from omniloop_server.testing import serving
 
-    rt = Runtime.from_model(qwen_ckpt, manager=qwen_manager(), device="cpu", dtype="float32", scheduler="step",
-                            limits={"max_queue": 32})
+    rt = tiny_family_runtime("qwen", scheduler="step", limits={"max_queue": 32})
     app = create_app(rt, output_dir=tmp_path_factory.mktemp("qwen-out"), shutdown_timeout=0)
     with serving(app) as url:
         yield url, app
@@ -281,14 +262,13 @@ def sdk(server: Any) -> Iterator[tuple[OpenAI, Any]]:
 
 
 @pytest.mark.parametrize("grace", [30.0, 0.0])
-def test_a_stream_in_flight_at_shutdown_finishes_within_the_grace_period(qwen_ckpt: Path, tmp_path: Path,
+def test_a_stream_in_flight_at_shutdown_finishes_within_the_grace_period(tiny_family_runtime: Any, tmp_path: Path,
                                                                          python_api: Any, grace: float) -> None:
     """Draining gives chat requests the video jobs' grace period (then cancels them: an error event)."""
-    from omniloop.runtime import Runtime
     from omniloop_server import create_app
     from omniloop_server.testing import serving
 
-    rt = Runtime.from_model(qwen_ckpt, manager=qwen_manager(), device="cpu", dtype="float32", scheduler="step")
+    rt = tiny_family_runtime("qwen", scheduler="step")
     app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=grace)
     state = app.state.omniloop
     with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=T) as client:

@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from omniloop.testing import PassThroughSteps, component_plugin
+
 T = 60.0
 
 SERVE = """
@@ -134,21 +136,15 @@ def test_draining_refuses_new_jobs_and_records_cancelled_ones(server_checkpoint:
     assert records(tmp_path / "out")[job["id"]]["status"] == "cancelled"
 
 
-class StuckStep:
+class StuckStep(PassThroughSteps):
     """A step interceptor whose chosen request's step blocks until released (a very long step)."""
 
     name = "stuck"
-    graph_safe = True
-    distribution_altering = False
-    needs_eager = False
 
     def __init__(self) -> None:
         import threading
 
         self.entered, self.release = threading.Event(), threading.Event()
-
-    def open(self, step: Any, loop: Any, params: Any = None) -> None:
-        return None
 
     def forward(self, step: Any, state: Any, inputs: Any, compute: Any) -> Any:
         if step.request_id == "stuck" and step.step_index == 1:
@@ -156,32 +152,18 @@ class StuckStep:
             self.release.wait(60)
         return compute()
 
-    def close(self, state: Any) -> None: ...
-
-    def metrics(self, state: Any) -> dict[str, Any]:
-        return {}
-
 
 def test_shutdown_is_bounded_when_a_step_does_not_end(server_checkpoint: Path, tmp_path: Path, monkeypatch: Any) -> None:
-    from omniloop.family import PluginComponentSpec
-    from omniloop.hookspecs import hookimpl
     from omniloop_scheduler.testing import make_runtime
     from omniloop_server import app as app_mod
     from omniloop_server import create_app
     from omniloop_server.testing import serving
 
     stuck = StuckStep()
-
-    class Plugin:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
-
-        @hookimpl
-        def omniloop_register_interceptors(self, register: Any) -> None:
-            register(PluginComponentSpec(name="stuck", kind="step_interceptor", factory=lambda cfg: stuck))
-
     monkeypatch.setattr(app_mod, "STOP_GRACE_S", 0.5)
     monkeypatch.setattr(app_mod, "WRITE_GRACE_S", 0.5)
-    rt = make_runtime(server_checkpoint, ("stuck", Plugin()), plugins={"stuck": {}}, scheduler="step")
+    plugin = component_plugin("stuck", "step_interceptor", lambda: stuck)
+    rt = make_runtime(server_checkpoint, ("stuck", plugin), plugins={"stuck": {}}, scheduler="step")
     app = create_app(rt, output_dir=tmp_path / "out", shutdown_timeout=0.2)
     try:
         with serving(app) as url, httpx.Client(base_url=url, timeout=T) as c:

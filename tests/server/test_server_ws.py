@@ -129,12 +129,17 @@ def test_chunks_stream_equal_the_python_api_and_continue_keeps_the_session(serve
     eng.manager.check()
 
 
+def _start_three_chunks(ws: Any, seed: int) -> None:
+    """Start a 3-chunk request ("a red fox runs", 33 frames, ``seed``); return at its first chunk's header."""
+    ws.send(json.dumps({"prompt": "a red fox runs", "frames": 33, "seed": seed}))
+    while json.loads(ws.recv(timeout=120))["type"] != "chunk":
+        pass
+
+
 def test_disconnect_mid_stream_cancels_and_frees_the_slabs(served) -> None:
     url, rt = served
     with connect(url, max_size=None) as ws:
-        ws.send(json.dumps({"prompt": "a red fox runs", "frames": 33, "seed": 1}))  # 3 chunks
-        while json.loads(ws.recv(timeout=120))["type"] != "chunk":
-            pass
+        _start_three_chunks(ws, seed=1)
         eng, store = _pool(rt)
         ws.close()  # gone after the first chunk
     deadline = time.monotonic() + 30
@@ -188,9 +193,7 @@ def test_a_request_the_pipeline_refuses_ends_with_a_failed_done_naming_the_field
 def test_a_message_while_running_is_busy_cancel_stops_and_closes_the_session(served) -> None:
     url, rt = served
     with connect(url, max_size=None) as ws:
-        ws.send(json.dumps({"prompt": "a red fox runs", "frames": 33, "seed": 5}))  # 3 chunks
-        while json.loads(ws.recv(timeout=120))["type"] != "chunk":
-            pass
+        _start_three_chunks(ws, seed=5)
         ws.send(json.dumps({"type": "continue", "prompt": "too early"}))
         ws.send(json.dumps({"type": "cancel"}))
         busy = done = None

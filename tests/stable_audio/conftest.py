@@ -21,7 +21,8 @@ pytest.importorskip("torchsde")
 
 import omniloop_stable_audio.plugin as sa_plugin
 from omniloop.runtime import Runtime
-from omniloop.testing import make_manager
+from omniloop.testing.pytest_plugin import family_fixtures
+from omniloop_scheduler.testing import family_manager, family_runtime
 from omniloop_stable_audio.tiny import build_tiny_checkpoint
 
 PROMPT = "a square wave playing three beats per second"
@@ -31,18 +32,11 @@ NEGATIVE = "low quality noise"
 def sa_manager(*plugins: tuple[str, Any], step: bool = False) -> Any:
     """A plugin manager with only the Stable Audio family (+ ``plugins``); ``step``: the step
     scheduler instead of the inline serial one."""
-    if step:
-        import omniloop_scheduler.plugin as scheduler_plugin
-
-        return make_manager(("stable-audio", sa_plugin), ("scheduler", scheduler_plugin), *plugins, toy=False,
-                            scheduler=False)
-    return make_manager(("stable-audio", sa_plugin), *plugins, toy=False)
+    return family_manager(("stable-audio", sa_plugin), *plugins, step=step)
 
 
 def sa_runtime(ckpt: Path, *plugins: tuple[str, Any], step: bool = False, **deploy: Any) -> Runtime:
-    if step:
-        deploy = {"scheduler": "step", "scheduler_options": {"max_batch": 4}, **deploy}
-    return Runtime.from_model(ckpt, manager=sa_manager(*plugins, step=step), **deploy)
+    return family_runtime(ckpt, ("stable-audio", sa_plugin), *plugins, step=step, **deploy)
 
 
 def _t2a(seed: int = 0, steps: int = 5, prompt: str = PROMPT, negative: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -70,46 +64,15 @@ def make_runtime() -> Any:
     return sa_runtime
 
 
-@pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory):
-    """``tiny_ckpt(variant="stereo")`` → path of a tiny checkpoint, built once per session."""
-    cache: dict[str, Path] = {}
-
-    def get(variant: str = "stereo") -> Path:
-        if variant not in cache:
-            cache[variant] = build_tiny_checkpoint(tmp_path_factory.mktemp(f"sa-{variant}"), variant=variant)
-        return cache[variant]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def runtime(tiny_ckpt):
-    """``runtime(variant="stereo", step=False)`` → a CPU float32 Runtime (cached)."""
-    cache: dict[tuple[str, bool], Runtime] = {}
-
-    def get(variant: str = "stereo", step: bool = False) -> Runtime:
-        if (variant, step) not in cache:
-            cache[(variant, step)] = sa_runtime(tiny_ckpt(variant), step=step)
-        return cache[(variant, step)]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_ckpt):
-    """``reference(variant)`` → diffusers' ``StableAudioPipeline`` (``StableAudio3Pipeline`` for the
-    ``sa3*`` variants) over the same checkpoint (cached)."""
+def _reference(path: Path, variant: str) -> Any:
     from diffusers import StableAudio3Pipeline, StableAudioPipeline
 
-    cache: dict[str, Any] = {}
+    cls = StableAudio3Pipeline if variant.startswith("sa3") else StableAudioPipeline
+    return cls.from_pretrained(path, dtype=torch.float32)
 
-    def get(variant: str = "stereo") -> Any:
-        if variant not in cache:
-            cls = StableAudio3Pipeline if variant.startswith("sa3") else StableAudioPipeline
-            pipe = cls.from_pretrained(tiny_ckpt(variant), dtype=torch.float32)
-            pipe.set_progress_bar_config(disable=True)
-            cache[variant] = pipe
-        return cache[variant]
 
-    return get
+# ``tiny_ckpt(variant="stereo")`` → path of a tiny checkpoint, built once per session;
+# ``runtime(variant="stereo", step=False)`` → a CPU float32 Runtime (cached);
+# ``reference(variant="stereo")`` → diffusers' ``StableAudioPipeline`` (``StableAudio3Pipeline`` for
+# the ``sa3*`` variants) over the same checkpoint (cached).
+tiny_ckpt, runtime, reference = family_fixtures(build_tiny_checkpoint, "sa", sa_runtime, _reference, variant="stereo")

@@ -18,8 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omniloop.request import Status
-from omniloop.testing import completed_latents
+from omniloop.testing import check_streamed_together, completed_latents
 
 BATCHED_ATOL = 2e-5
 
@@ -31,19 +30,7 @@ def test_batched_steps_equal_each_request_alone(runtime, t2a):
         {**t2a(seed=12, steps=4, prompt="a sine tone", audio={"start": 0.05, "seconds": 0.1}), "request_id": "two"},
         {**t2a(seed=13, steps=4, prompt="a drum", guidance_scale=3.0), "request_id": "three"},
     ]
-    alone = [runtime("stereo").generate(r) for r in reqs]
-    rt = runtime("stereo", step=True)
-    streams = [rt.stream(r) for r in reqs]
-    finals = {}
-    for st in reversed(streams):  # driving one stream advances the others too (one shared pool)
-        for ev in st:
-            if ev.kind.value == "final":
-                finals[ev.request_id] = ev.output
-    batched = [d for d in rt.scheduler.trace if d.action == "batched_step" and len(d.request_ids) == 3]
-    assert len(batched) >= 4, [(d.action, d.request_ids) for d in rt.scheduler.trace]
-    for a, req in zip(alone, reqs, strict=True):
-        out = finals[req["request_id"]]
-        assert out.status is Status.COMPLETED, out.error
+    for out, a in check_streamed_together(runtime("stereo"), runtime("stereo", step=True), reqs, min_batched=4):
         torch.testing.assert_close(completed_latents(out), completed_latents(a), atol=BATCHED_ATOL, rtol=0)
         assert out.artifacts["audio"].samples.shape == a.artifacts["audio"].samples.shape
         torch.testing.assert_close(out.artifacts["audio"].samples, a.artifacts["audio"].samples, atol=1e-4, rtol=0)

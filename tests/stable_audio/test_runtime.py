@@ -17,7 +17,7 @@ import torch
 from omniloop.errors import CheckpointError, DeployError, RequestError
 from omniloop.request import Status
 from omniloop.runtime import Deployment, Runtime
-from omniloop.testing import build_toy_checkpoint, completed_latents, make_manager
+from omniloop.testing import build_toy_checkpoint, check_first_block_cache, completed_latents, make_manager
 from omniloop.testing.conformance import check_family
 
 
@@ -114,18 +114,8 @@ def test_unknown_deploy_options_and_policies_refused(tiny_ckpt, make_runtime):
 def test_fbcache_on_the_dit_blocks(tiny_ckpt, make_runtime, t2a):
     import omniloop_fbcache.plugin as fbcache_plugin
 
-    plain = make_runtime(tiny_ckpt())
-    cached = make_runtime(tiny_ckpt(), ("fbcache", fbcache_plugin), plugins={"fbcache": {"threshold": 0.5, "warmup_steps": 1}})
-    req = t2a(steps=8)
-    baseline = completed_latents(plain.generate(req))
-    out = cached.generate(req)
-    hits = sum(m["num_cached_steps"] for m in out.metrics["plugins"]["fbcache"].values())
-    assert hits > 0 and not torch.equal(completed_latents(out), baseline)
+    out = check_first_block_cache(lambda *p, **d: make_runtime(tiny_ckpt(), *p, **d), fbcache_plugin, t2a(steps=8))
     assert list(out.metrics["plugins"]["fbcache"]) == ["uncond+cond"]  # one forward computes both CFG rows
-    # threshold 0 computes every block: exactly the baseline (baseline / enabled / disabled)
-    off = cached.generate({**req, "plugin_params": {"fbcache": {"threshold": 0.0}}})
-    assert torch.equal(completed_latents(off), baseline)
-    assert torch.equal(completed_latents(plain.generate(req)), baseline)
 
 
 def test_cache_dit_on_the_dit_blocks(tiny_ckpt, make_runtime, t2a):
@@ -138,13 +128,9 @@ def test_cache_dit_on_the_dit_blocks(tiny_ckpt, make_runtime, t2a):
 
 
 def test_block_taps_see_every_dit_block(tiny_ckpt, make_runtime, t2a):
-    from omniloop.testing import BlockTapPlugin
+    from omniloop.testing import block_taps
 
-    plugin = BlockTapPlugin()
-    seen = plugin.seen
-    rt = make_runtime(tiny_ckpt(), ("tapper", plugin), plugins={"tapper": {}})
-    out = rt.generate(t2a(steps=1))
-    assert out.status is Status.COMPLETED, out.error
+    seen = block_taps(lambda *p, **d: make_runtime(tiny_ckpt(), *p, **d), t2a(steps=1))
     blocks = sorted({n for n, _ in seen if "transformer_blocks" in n})
     assert blocks == [f"transformer.transformer_blocks.{i}" for i in range(2)], blocks
     # [uncond + cond rows, the global token + 16 latent frames, 4 heads x 8]

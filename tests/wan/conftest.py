@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,10 +16,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 import omniloop_wan.plugin as wan_plugin
-from omniloop.family import PluginComponentSpec
-from omniloop.hookspecs import hookimpl
 from omniloop.loop import StepContext
-from omniloop.testing import make_manager
+from omniloop.testing import PassThroughSteps, component_plugin, make_manager
 from omniloop_wan.tiny import build_tiny_checkpoint
 
 
@@ -62,13 +59,10 @@ def wan_runtime(tiny_ckpt):
     return get
 
 
-class CountingInterceptor:
+class CountingInterceptor(PassThroughSteps):
     """A pass-through step interceptor recording (step, forward name, batch rows)."""
 
     name = "count"
-    graph_safe = True
-    distribution_altering = False
-    needs_eager = False
 
     def __init__(self, log: list) -> None:
         self.log = log
@@ -81,12 +75,6 @@ class CountingInterceptor:
         self.log.append((step.step_index, step.branch, int(inputs["hidden_states"].shape[0])))
         return compute()
 
-    def close(self, state: Any) -> None:
-        pass
-
-    def metrics(self, state: Any) -> dict[str, Any]:
-        return {}
-
 
 @pytest.fixture(scope="session")
 def counting(tiny_ckpt):
@@ -96,17 +84,8 @@ def counting(tiny_ckpt):
     def get(variant: str = "t2v") -> tuple[Any, list]:
         if variant not in cache:
             log: list = []
-
-            class Plugin:
-                OMNILOOP_HOOK_API = ">=1.0,<2"
-
-                @hookimpl
-                def omniloop_register_interceptors(self, register: Any) -> None:
-                    register(PluginComponentSpec(name="count", kind="step_interceptor",
-                                                 factory=lambda cfg: CountingInterceptor(log)))
-
             manager = wan_manager()
-            manager.add("count", Plugin())
+            manager.add("count", component_plugin("count", "step_interceptor", lambda log=log: CountingInterceptor(log)))
             from omniloop.runtime import Runtime
 
             cache[variant] = (Runtime.from_model(tiny_ckpt(variant), manager=manager, plugins={"count": {}}), log)
@@ -118,14 +97,9 @@ def counting(tiny_ckpt):
 
 
 @pytest.fixture(scope="session")
-def image_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 40x48 RGB png (not the video size: the I2V path resizes it, as diffusers does)."""
-    from PIL import Image
-
-    path = tmp_path_factory.mktemp("img") / "cond.png"
-    pixels = (np.random.RandomState(0).rand(40, 48, 3) * 255).astype(np.uint8)
-    Image.fromarray(pixels).save(path)
-    return path
+def image_file(noise_png_40x48: Path) -> Path:
+    """The I2V conditioning image: ``noise_png_40x48`` (tests/conftest.py; the I2V path resizes it)."""
+    return noise_png_40x48
 
 
 def _t2v_request(**diffusion: Any) -> dict[str, Any]:

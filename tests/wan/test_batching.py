@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from omniloop.execution import advance_batch
 from omniloop.request import Status
+from omniloop.testing import advance_in_lockstep
 
 from .test_policies import with_denoise
 
@@ -37,22 +37,6 @@ def requests(make: Any, n: int = 3, **diffusion: Any) -> list[dict[str, Any]]:
         r["inputs"][0]["text"] = PROMPTS[i % len(PROMPTS)]
         out.append(r)
     return out
-
-
-def run_batched(rt: Any, reqs: list[dict[str, Any]]) -> tuple[list[Any], int]:
-    """Drive executions in lockstep; every step whose keys all agree runs through ``advance_batch``."""
-    exes = [rt.prepare(r) for r in reqs]
-    batched = 0
-    while not all(e.done for e in exes):
-        live = [e for e in exes if not e.done]
-        keys = [e.batch_key() for e in live]
-        if len(live) > 1 and keys[0] is not None and all(k == keys[0] for k in keys):
-            advance_batch(live)
-            batched += 1
-        else:
-            for e in live:
-                e.advance()
-    return [e.output for e in exes], batched
 
 
 def assert_close_to_alone(outs: list[Any], alone: list[Any]) -> None:
@@ -76,7 +60,7 @@ def test_batched_steps_equal_each_request_alone(wan_runtime, t2v_request, i2v_re
     params = {"cfg": cfg, **({"cfg_window": [0.0, 0.5]} if cfg == "interval" else {})}
     reqs = [with_denoise(r, **params) for r in requests(make, steps=4, **size)]
     alone = [rt.generate(r) for r in reqs]
-    outs, batched = run_batched(rt, reqs)
+    outs, batched = advance_in_lockstep(rt, reqs)
     assert batched == 4  # steps 0..3 (each loop is initialised at the end of the unit before it)
     assert_close_to_alone(outs, alone)
     for o, a in zip(outs, alone, strict=True):  # per-request policy state, not shared
@@ -90,7 +74,7 @@ def test_different_negative_prompts_batch_too(wan_runtime, t2v_request):
     reqs = requests(t2v_request, steps=4)
     reqs[1]["inputs"][1]["text"] = "static, ugly"  # another negative prompt
     alone = [rt.generate(r) for r in reqs]
-    outs, batched = run_batched(rt, reqs)
+    outs, batched = advance_in_lockstep(rt, reqs)
     assert batched == 4
     assert_close_to_alone(outs, alone)
 
@@ -137,21 +121,13 @@ def test_no_batch_key_when_state_or_plugins_forbid_it(wan_runtime, t2v_request, 
 
 
 def test_the_step_scheduler_batches_wan_requests(wan_runtime, t2v_request):
-    asyncio = pytest.importorskip("asyncio")
-    sched = pytest.importorskip("omniloop_scheduler")
+    sched = pytest.importorskip("omniloop_scheduler.testing")
     rt = wan_runtime("t2v")
     reqs = requests(t2v_request, n=4, steps=4)
     for i, r in enumerate(reqs):
         r["request_id"] = f"r{i}"
     alone = [rt.generate(r) for r in reqs]
-
-    async def main() -> tuple[list[Any], Any]:
-        engine = sched.AsyncEngine(rt, "step", max_batch=4)
-        hs = [engine.submit(r) for r in reqs]
-        async with engine:
-            return [await h.result(timeout=60) for h in hs], engine
-
-    outs, engine = asyncio.run(asyncio.wait_for(main(), 120))
+    outs, engine = sched.engine_outputs(rt, reqs, max_batch=4)
     batched = [d for d in engine.trace if d.action == "batched_step"]
     assert batched and max(len(d.request_ids) for d in batched) == 4
     assert_close_to_alone(outs, alone)
@@ -165,7 +141,7 @@ def test_stochastic_sampler_batches_with_each_requests_own_noise(wan_runtime, t2
     rt = wan_runtime("t2v", policies=sde)
     reqs = requests(t2v_request, steps=4)
     alone = [rt.generate(r) for r in reqs]
-    outs, batched = run_batched(rt, reqs)
+    outs, batched = advance_in_lockstep(rt, reqs)
     assert batched == 4
     assert_close_to_alone(outs, alone)
     ode = wan_runtime("t2v", policies={"sampler": "flow-euler"}).generate(reqs[0])
@@ -177,7 +153,7 @@ def test_a_request_whose_row_raises_fails_alone_in_a_batched_step(wan_runtime, t
     loop, so a batched forward that raises is re-run one request at a time — the poison (whose
     row breaks every forward it is in) fails with its error; its four batch-mates complete as they
     do alone, policy counts included (the CFG plan of the re-run step is counted once)."""
-    from omniloop.testing import advance_in_lockstep, forward_rows, raising_rows
+    from omniloop.testing import forward_rows, raising_rows
     from omniloop_wan.denoise import Denoise
 
     rt = wan_runtime("t2v")

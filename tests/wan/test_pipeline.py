@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from omniloop.context import StageContext
-from omniloop.family import PluginComponentSpec
 from omniloop.hookspecs import hookimpl
 from omniloop.loop import RequestState, StepContext
 from omniloop.observers import ObserverBus
 from omniloop.request import Status, TaskType
 from omniloop.schema import request_from_dict
+from omniloop.testing import component_plugin, run_interleaved
 
 from .conftest import CountingInterceptor, wan_manager
 
@@ -146,17 +146,8 @@ def test_step_interceptor_sees_every_branch_forward(tiny_ckpt, t2v_request):
     from omniloop.runtime import Runtime
 
     log: list = []
-
-    class Plugin:
-        OMNILOOP_HOOK_API = ">=1.0,<2"
-
-        @hookimpl
-        def omniloop_register_interceptors(self, register: Any) -> None:
-            register(PluginComponentSpec(name="rec-step", kind="step_interceptor",
-                                         factory=lambda cfg: RecordingStepInterceptor(log)))
-
     manager = wan_manager()
-    manager.add("rec", Plugin())
+    manager.add("rec", component_plugin("rec-step", "step_interceptor", lambda: RecordingStepInterceptor(log)))
     rt = Runtime.from_model(tiny_ckpt("wan22"), manager=manager, plugins={"rec-step": {}})
     out = rt.generate(t2v_request(steps=4))
     assert out.ok, out.error
@@ -190,14 +181,10 @@ def test_interleaved_requests_equal_serial_ones(wan_runtime, t2v_request):
     rt = wan_runtime("wan22")
     reqs = [t2v_request(seed=1, steps=4), t2v_request(seed=2, steps=3, guidance_scale=3.0)]
     serial = [rt.generate(r) for r in reqs]
-    exes = [rt.prepare(r) for r in reqs]
-    while not all(e.done for e in exes):
-        for e in exes:
-            e.advance()
-    for ex, ref in zip(exes, serial, strict=True):
-        assert ex.output.ok
-        assert torch.equal(ex.output.artifacts["latents"].tensor, ref.artifacts["latents"].tensor)
-        assert torch.equal(ex.output.artifacts["video"].frames, ref.artifacts["video"].frames)
+    for out, ref in zip(run_interleaved(rt, reqs), serial, strict=True):
+        assert out.ok
+        assert torch.equal(out.artifacts["latents"].tensor, ref.artifacts["latents"].tensor)
+        assert torch.equal(out.artifacts["video"].frames, ref.artifacts["video"].frames)
 
 
 def test_cancel_between_steps(wan_runtime, t2v_request):

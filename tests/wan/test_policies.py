@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from omniloop.errors import DeployError, RequestError
+from omniloop.testing import run_interleaved
 
 from .test_parity import assert_bit_exact, run_diffusers
 
@@ -150,12 +151,8 @@ def test_requests_with_different_policies_interleave_like_they_run_alone(wan_run
         with_denoise(t2v_request(seed=3, steps=3), sampler="few-step"),
     ]
     serial = [rt.generate(r) for r in reqs]
-    exes = [rt.prepare(r) for r in reqs]
-    while not all(e.done for e in exes):
-        for e in exes:
-            e.advance()
-    for ex, ref in zip(exes, serial, strict=True):
-        assert torch.equal(latents(ex.output), latents(ref))
+    for out, ref in zip(run_interleaved(rt, reqs), serial, strict=True):
+        assert torch.equal(latents(out), latents(ref))
 
 
 # -- validation ----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 
 from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, StepContext
+from omniloop.testing import PassThroughBlocks
 from omniloop_wan.transformer import wan_forward
 
 
@@ -44,13 +45,10 @@ def test_outer_forward_equals_diffusers_exactly(wan_runtime, variant, per_token)
     assert torch.equal(ours, ref)
 
 
-class CountingInterceptor:
+class CountingInterceptor(PassThroughBlocks):
     """Runs every block and records which blocks ran for which branch."""
 
     name = "counting"
-    graph_safe = True
-    distribution_altering = False
-    needs_eager = False
 
     def __init__(self) -> None:
         self.calls: list[tuple[str | None, int]] = []
@@ -64,12 +62,6 @@ class CountingInterceptor:
             self.calls.append((ctx.step.branch, i))
             hidden = call(block, hidden)
         return hidden
-
-    def close(self, state: Any) -> None:
-        pass
-
-    def metrics(self, state: Any) -> dict[str, Any]:
-        return {}
 
 
 def test_blocks_run_through_run_blocks_with_interceptor_and_taps(wan_runtime):

@@ -72,12 +72,19 @@ def test_cancel_mid_stream_frees_the_slabs(transformer, text):
         store.get(s.id)
 
 
-def test_abandoned_stream_frees_the_slabs(transformer, text):
+def _first_chunk_out(transformer, text, seed, chunks):
+    """A fresh engine and store, one session (``seed``) streaming ``chunks`` chunks (no decode),
+    after its first chunk: ``(engine, store, session, the stream)``."""
     eng = _engine(transformer)
     store = SessionStore(eng)
-    s = store.create(seed=1)
-    it = store.generate(s.id, text, 3, decode=False)
+    s = store.create(seed=seed)
+    it = store.generate(s.id, text, chunks, decode=False)
     next(it)
+    return eng, store, s, it
+
+
+def test_abandoned_stream_frees_the_slabs(transformer, text):
+    eng, store, _, it = _first_chunk_out(transformer, text, seed=1, chunks=3)
     it.close()  # the client went away mid-stream
     assert eng.manager.used_blocks == 0 and len(store) == 0
     eng.manager.check()
@@ -107,11 +114,7 @@ def test_sessions_are_bounded_and_expire(transformer, text):
 
 
 def test_one_request_at_a_time_and_bad_input(transformer, text):
-    eng = _engine(transformer)
-    store = SessionStore(eng)
-    s = store.create(seed=0)
-    it = store.generate(s.id, text, 2, decode=False)
-    next(it)
+    eng, store, s, it = _first_chunk_out(transformer, text, seed=0, chunks=2)
     with pytest.raises(SessionError, match="already running"):
         next(store.generate(s.id, text, 1, decode=False))
     list(it)

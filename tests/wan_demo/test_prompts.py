@@ -6,38 +6,27 @@ import sys
 
 import pytest
 
-from omniloop_wan_demo.prompts import (
-    COLORS,
-    DIRECTIONS,
-    POSITIONS,
-    SHAPES,
-    all_image_prompts,
-    all_prompts,
-    image_prompt_for,
-    parse_image_prompt,
-    parse_prompt,
-    vocabulary_words,
-)
+from omniloop_wan_demo import prompts as grammar
 
 
 def test_vocabulary():
-    assert SHAPES == ("circle", "square", "triangle", "star")  # indices are stable: star came last
-    assert len(all_prompts()) == len(COLORS) * len(SHAPES) * len(DIRECTIONS) == 96
+    assert grammar.SHAPES == ("circle", "square", "triangle", "star")  # indices are stable: star came last
+    assert len(grammar.all_prompts()) == len(grammar.COLORS) * len(grammar.SHAPES) * len(grammar.DIRECTIONS) == 96
     with pytest.raises(ValueError):
-        parse_prompt("a dog running")
+        grammar.parse_prompt("a dog running")
 
 
 def test_image_prompts_round_trip():
-    assert list(POSITIONS) == ["top left", "top", "top right", "left", "center", "right",
+    assert list(grammar.POSITIONS) == ["top left", "top", "top right", "left", "center", "right",
                                "bottom left", "bottom", "bottom right"]
-    assert POSITIONS["top left"] == (0.25, 0.25) and POSITIONS["bottom"] == (0.5, 0.75)
-    assert image_prompt_for("red", "star", "top left") == "a red star at the top left"
-    prompts = all_image_prompts()
+    assert grammar.POSITIONS["top left"] == (0.25, 0.25) and grammar.POSITIONS["bottom"] == (0.5, 0.75)
+    assert grammar.image_prompt_for("red", "star", "top left") == "a red star at the top left"
+    prompts = grammar.all_image_prompts()
     assert len(prompts) == len(set(prompts)) == 6 * 4 * 9
     for p in prompts:
-        assert image_prompt_for(*parse_image_prompt(p)) == p
-    assert parse_image_prompt("A Green Circle, at the Center.") == ("green", "circle", "center")
-    assert parse_image_prompt("a cyan square at the bottom-right") == ("cyan", "square", "bottom right")
+        assert grammar.image_prompt_for(*grammar.parse_image_prompt(p)) == p
+    assert grammar.parse_image_prompt("A Green Circle, at the Center.") == ("green", "circle", "center")
+    assert grammar.parse_image_prompt("a cyan square at the bottom-right") == ("cyan", "square", "bottom right")
 
 
 @pytest.mark.parametrize("bad, what", [
@@ -51,20 +40,20 @@ def test_image_prompts_round_trip():
 ])
 def test_parse_image_prompt_refuses(bad, what):
     with pytest.raises(ValueError, match=what):
-        parse_image_prompt(bad)
+        grammar.parse_image_prompt(bad)
 
 
 def test_vocabulary_words():
-    video = vocabulary_words("video")
-    image = vocabulary_words("image")
-    for p in all_prompts():
+    video = grammar.vocabulary_words("video")
+    image = grammar.vocabulary_words("image")
+    for p in grammar.all_prompts():
         assert set(p.split()) <= set(video)
-    for p in all_image_prompts():
+    for p in grammar.all_image_prompts():
         assert set(p.split()) <= set(image)
     assert "star" in video and "moving" in video and "at" not in video
     assert {"top", "bottom", "center", "the"} <= set(image) and "moving" not in image
     with pytest.raises(ValueError, match="video' or 'image"):
-        vocabulary_words("audio")
+        grammar.vocabulary_words("audio")
 
 
 

@@ -13,10 +13,24 @@
   run alone to show no state leaks between requests).
 * :func:`advance_in_lockstep` / :func:`forward_rows` / :func:`raising_rows` — batched-step
   failure isolation: executions stepped together through ``advance_batch``, the text rows a
-  family's denoise forward sees, and that forward made to raise on a poison request's rows.
-* :func:`once_per_arguments` — a session fixture's builder (tiny checkpoints) run once per argument set.
+  family's denoise forward sees, and that forward made to raise on a poison request's rows;
+  :func:`stream_together` — requests streamed side by side through a ``step``-scheduler runtime
+  (so their steps co-batch), their final outputs by request id; :func:`check_streamed_together`
+  — that, checked against each request run alone.
+* :func:`check_interleaved_equal_alone` — the per-request-state test of a stateful plugin: two
+  requests stepped alternately equal each run alone (latents and the plugin's metrics);
+  :func:`check_block_cache` / :func:`check_first_block_cache` — cache-dit / fbcache on a family's blocks;
+  :class:`BlockTapPlugin` / :func:`block_taps` — the block taps a family's blocks give an observer.
+* :func:`plugin_of` / :func:`component_plugin` — an in-process plugin object from declarations
+  (families, interceptor and observer specs) instead of a hand-written class per test; :class:`PassThroughSteps` /
+  :class:`PassThroughBlocks` — step / block interceptors that change nothing, to subclass in
+  tests (override what the test needs: ``forward``, ``run``, ``open``, ``metrics``).
+* :func:`once_per_arguments` — a session fixture's builder (tiny checkpoints) run once per argument set;
+  :func:`tiny_checkpoints` — a family's tiny-checkpoint builder so wrapped, each checkpoint in its
+  own temporary folder; :func:`~omniloop.testing.pytest_plugin.family_fixtures` — a family test
+  folder's ``tiny_ckpt`` / ``runtime`` / ``reference`` session fixtures from declarations.
 * pytest fixtures (auto-loaded through the ``pytest11`` entry point): ``omniloop_manager``,
-  ``toy_checkpoint``, ``toy_runtime_factory``.
+  ``toy_checkpoint``, ``toy_runtime_factory``, ``toy_blocks``, ``check_preset_not_installed``.
 """
 
 from __future__ import annotations
@@ -129,6 +143,27 @@ def once_per_arguments(fn: Callable[..., Any]) -> Callable[..., Any]:
     return cached
 
 
+def tiny_checkpoints(tmp_path_factory: Any, build: Callable[..., Path], prefix: str, **defaults: Any) -> Callable[..., Path]:
+    """A session fixture's tiny-checkpoint getter: ``get(*values, **overrides)`` → the path
+    ``build(folder, **arguments)`` returns, the arguments being ``defaults`` (their order is the
+    positional order) overridden by ``values`` and ``overrides``; built once per set of arguments,
+    into a fresh ``tmp_path_factory`` folder named ``<prefix>-<value>-...``."""
+    names = list(defaults)
+    done: dict[tuple[tuple[str, Any], ...], Path] = {}
+
+    def get(*values: Any, **overrides: Any) -> Path:
+        if len(values) > len(names):
+            raise TypeError(f"{prefix} checkpoints take at most {len(names)} positional arguments ({', '.join(names)})")
+        args = {**defaults, **dict(zip(names, values, strict=False)), **overrides}
+        key = tuple(args.items())
+        if key not in done:
+            folder = tmp_path_factory.mktemp("-".join([prefix, *(str(v) for v in args.values())]))
+            done[key] = build(folder, **args)
+        return done[key]
+
+    return get
+
+
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """torch's intra-op thread count set to ``n`` inside the block, restored after it (tests that
@@ -161,6 +196,50 @@ def advance_in_lockstep(runtime: Any, requests: list[Any]) -> tuple[list[Any], i
             for e in live:
                 e.advance()
     return [e.output for e in exes], batched
+
+
+def stream_together(runtime: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stream ``requests`` (each with a ``request_id``) side by side through ``runtime`` — a
+    ``step``-scheduler runtime, whose one shared pool co-batches their steps — and return their
+    final outputs by request id."""
+    streams = [runtime.stream(r) for r in requests]
+    finals = {}
+    for st in reversed(streams):  # driving one stream advances the others too (one shared pool)
+        for ev in st:
+            if ev.kind.value == "final":
+                finals[ev.request_id] = ev.output
+    return finals
+
+
+def check_streamed_together(alone: Any, step: Any, requests: list[dict[str, Any]], min_batched: int
+                            ) -> list[tuple[Any, Any]]:
+    """Run each of ``requests`` alone on the runtime ``alone``, then :func:`stream_together` through
+    ``step`` (a ``step``-scheduler runtime over the same checkpoint): at least ``min_batched``
+    ``batched_step`` decisions stepped all of them at once, and each completed. Returns
+    ``(streamed output, output alone)`` per request, for the family's comparison."""
+    outs_alone = [alone.generate(r) for r in requests]
+    finals = stream_together(step, requests)
+    trace = step.scheduler.trace
+    batched = [d for d in trace if d.action == "batched_step" and len(d.request_ids) == len(requests)]
+    assert len(batched) >= min_batched, [(d.action, d.request_ids) for d in trace]
+    pairs = [(finals[r["request_id"]], a) for r, a in zip(requests, outs_alone, strict=True)]
+    for out, _ in pairs:
+        assert out.status is Status.COMPLETED, out.error
+    return pairs
+
+
+def check_interleaved_equal_alone(runtime: Any, requests: list[Any], plugin: str) -> list[Any]:
+    """Per-request state of the plugin deployed as ``plugin``: ``requests`` advanced one unit each
+    in turn complete with exactly the latents and the ``metrics["plugins"][plugin]`` of each run
+    alone. Returns the interleaved outputs."""
+    import torch
+
+    alone = [runtime.generate(r) for r in requests]
+    outs = run_interleaved(runtime, requests)
+    for a, out in zip(alone, outs, strict=True):
+        assert torch.equal(completed_latents(out), completed_latents(a))
+        assert out.metrics["plugins"][plugin] == a.metrics["plugins"][plugin]
+    return outs
 
 
 @contextmanager
@@ -246,6 +325,99 @@ def check_block_cache(runtime_for: Any, name: str, plugin: Any, config: dict[str
     return out
 
 
+def check_first_block_cache(runtime_for: Any, plugin: Any, request: dict[str, Any]) -> Any:
+    """The first-block cache (``plugin``: ``omniloop_fbcache.plugin``) on a family's blocks, baseline
+    / enabled / disabled: ``runtime_for(*plugins, **deploy)`` makes a runtime of the family. With
+    fbcache deployed (threshold 0.5, one warm-up step) ``request`` caches at least one step and its
+    latents differ from the plain runtime's; with threshold 0 (every block computed) they equal them
+    exactly, as does the plain runtime run again. Returns the cached output."""
+    import torch
+
+    plain = runtime_for()
+    cached = runtime_for(("fbcache", plugin), plugins={"fbcache": {"threshold": 0.5, "warmup_steps": 1}})
+    baseline = completed_latents(plain.generate(request))
+    out = cached.generate(request)
+    hits = sum(m["num_cached_steps"] for m in out.metrics["plugins"]["fbcache"].values())
+    assert hits > 0 and not torch.equal(completed_latents(out), baseline)
+    off = cached.generate({**request, "plugin_params": {"fbcache": {"threshold": 0.0}}})
+    assert torch.equal(completed_latents(off), baseline)
+    assert torch.equal(completed_latents(plain.generate(request)), baseline)
+    return out
+
+
+class _DeclaredPlugin:
+    def __init__(self, families: tuple[Any, ...], components: tuple[Any, ...], hook_api: str) -> None:
+        self.OMNILOOP_HOOK_API = hook_api
+        self.families = families
+        self.components = components
+
+    @hookimpl
+    def omniloop_register_families(self, register: Any) -> None:
+        for family in self.families:
+            register(family)
+
+    @hookimpl
+    def omniloop_register_interceptors(self, register: Any) -> None:
+        for spec in self.components:
+            if spec.kind != "observer":
+                register(spec)
+
+    @hookimpl
+    def omniloop_register_observers(self, register: Any) -> None:
+        for spec in self.components:
+            if spec.kind == "observer":
+                register(spec)
+
+
+def plugin_of(*components: Any, families: tuple[Any, ...] = (), hook_api: str = ">=1.0,<2") -> Any:
+    """An in-process plugin (for ``make_manager`` / ``toy_runtime``) that registers ``families``
+    and the ``PluginComponentSpec``s ``components`` — interceptors through
+    ``omniloop_register_interceptors``, observers through ``omniloop_register_observers`` — and
+    declares ``OMNILOOP_HOOK_API = hook_api``."""
+    return _DeclaredPlugin(tuple(families), components, hook_api)
+
+
+def component_plugin(name: str, kind: str, make: Callable[[], Any], *, hook_api: str = ">=1.0,<2", **spec: Any) -> Any:
+    """:func:`plugin_of` one ``PluginComponentSpec(name, kind)`` (``"step_interceptor"``,
+    ``"block_interceptor"`` or ``"observer"``) whose factory returns ``make()`` — a class for a fresh
+    object per runtime, or ``lambda: obj`` for one the test keeps to inspect; ``spec``: the spec's
+    other fields (``params_schema``, ``distribution_altering``, ...)."""
+    from ..family import PluginComponentSpec
+
+    return plugin_of(PluginComponentSpec(name=name, kind=kind, factory=lambda cfg: make(), **spec), hook_api=hook_api)
+
+
+class PassThroughSteps:
+    """A step interceptor that changes nothing (``forward`` returns ``compute()``, no state, no
+    metrics): subclass it in a test and override what the test observes or alters."""
+
+    name = "pass-through"
+    graph_safe = True
+    distribution_altering = False
+    needs_eager = False
+
+    def open(self, step: Any, loop: Any, params: Any = None) -> Any:
+        return None
+
+    def forward(self, step: Any, state: Any, inputs: Any, compute: Callable[[], Any]) -> Any:
+        return compute()
+
+    def close(self, state: Any) -> None:
+        pass
+
+    def metrics(self, state: Any) -> dict[str, Any]:
+        return {}
+
+
+class PassThroughBlocks(PassThroughSteps):
+    """A block interceptor that runs every block (``run`` is the plain loop): subclass it."""
+
+    def run(self, blocks: Any, hidden: Any, ctx: Any, call: Callable[[Any, Any], Any]) -> Any:
+        for block in blocks:
+            hidden = call(block, hidden)
+        return hidden
+
+
 class BlockTapPlugin:
     """A plugin registering the observer ``name``: it asks for the block taps whose names match
     ``blocks`` (``needs_eager``) and records every tap it gets as ``(name, shape)`` in ``seen``.
@@ -262,7 +434,10 @@ class BlockTapPlugin:
     def omniloop_register_observers(self, register: Any) -> None:
         from ..family import PluginComponentSpec
 
-        register(PluginComponentSpec(name=self.name, kind="observer", factory=lambda cfg=None: _BlockTapper(self)))
+        register(PluginComponentSpec(name=self.name, kind="observer", factory=self._tapper))
+
+    def _tapper(self, cfg: Any = None) -> _BlockTapper:
+        return _BlockTapper(self)
 
 
 class _BlockTapper:
@@ -283,24 +458,44 @@ class _BlockTapper:
         self.plugin.seen.append((name, tuple(value.shape)))
 
 
+def block_taps(runtime_for: Any, request: dict[str, Any], blocks: str = r"transformer_blocks\.\d+$") -> list[Any]:
+    """``request`` run on ``runtime_for(("tapper", plugin), plugins={"tapper": {}})`` with a
+    :class:`BlockTapPlugin` asking for the blocks ``blocks``; it completes. Returns the taps it saw,
+    ``(name, shape)`` in order."""
+    plugin = BlockTapPlugin(blocks)
+    out = runtime_for(("tapper", plugin), plugins={"tapper": {}}).generate(request)
+    assert out.status is Status.COMPLETED, out.error
+    return plugin.seen
+
+
 __all__ = [
     "BlockTapPlugin",
     "InlineSerialScheduler",
+    "PassThroughBlocks",
+    "PassThroughSteps",
     "ToyAudioFamily",
     "ToyAudioPlugin",
     "ToyFamily",
     "ToyPlugin",
     "advance_in_lockstep",
+    "block_taps",
     "build_toy_audio_checkpoint",
     "build_toy_checkpoint",
     "check_block_cache",
     "check_fails_alone",
+    "check_first_block_cache",
+    "check_interleaved_equal_alone",
+    "check_streamed_together",
     "completed_latents",
+    "component_plugin",
     "forward_rows",
     "make_manager",
     "once_per_arguments",
+    "plugin_of",
     "raising_rows",
     "run_interleaved",
+    "stream_together",
+    "tiny_checkpoints",
     "torch_threads",
     "toy_request",
     "toy_runtime",

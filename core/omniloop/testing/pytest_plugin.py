@@ -37,8 +37,87 @@ def toy_runtime_factory(toy_checkpoint: Path) -> Callable[..., Any]:
 
 
 @pytest.fixture
+def check_preset_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
+    """``check_preset_not_installed(preset, [(module, "getter"), ...], *words)``: with each getter of
+    the preset's weights folder patched to return an empty folder, ``Runtime.from_model(preset)`` is
+    refused with one line (``DeployError``) naming the preset, "not installed" and each of ``words``
+    (how to get the weights). Returns the message."""
+    from ..errors import DeployError
+    from ..runtime import Runtime
+
+    def check(preset: str, getters: list[tuple[Any, str]], *words: str) -> str:
+        empty = tmp_path / "checkpoint"
+        empty.mkdir()
+        for module, getter in getters:
+            monkeypatch.setattr(module, getter, lambda: empty)
+        with pytest.raises(DeployError) as err:
+            Runtime.from_model(preset)
+        msg = str(err.value)
+        assert preset in msg and "not installed" in msg and "\n" not in msg, msg
+        assert all(w in msg for w in words), msg
+        return msg
+
+    return check
+
+
+@pytest.fixture
 def toy_blocks() -> Any:
     """The toy block stack and steppable loop of :mod:`omniloop.testing.blocks` (for interceptor tests)."""
     from .blocks import blocks_namespace
 
     return blocks_namespace()
+
+
+def family_fixtures(build: Callable[..., Path], prefix: str, make_runtime: Callable[..., Any],
+                    make_reference: Callable[..., Any] | None = None, **defaults: Any) -> tuple[Any, Any, Any]:
+    """The session fixtures of a family's test folder, declared once: bind the three returned
+    fixtures to the names ``tiny_ckpt, runtime, reference`` in its ``conftest.py``.
+
+    * ``tiny_ckpt(*values)`` → the path of ``build(folder, **arguments)`` (``defaults``: the builder's
+      arguments in order, with their defaults), built once per arguments (:func:`~omniloop.testing.tiny_checkpoints`);
+    * ``runtime(*values, step=False)`` → ``make_runtime(tiny_ckpt(*values), step=step)``, one per arguments;
+    * ``reference(*values)`` → ``make_reference(tiny_ckpt(*values), *values)`` (the diffusers pipeline
+      over the same files; its progress bar off), one per arguments.
+    """
+    from . import tiny_checkpoints
+
+    def values_of(values: tuple[Any, ...]) -> tuple[Any, ...]:
+        if len(values) > len(defaults):
+            raise TypeError(f"{prefix} checkpoints take at most {len(defaults)} arguments ({', '.join(defaults)})")
+        return tuple({**defaults, **dict(zip(defaults, values, strict=False))}.values())
+
+    @pytest.fixture(scope="session", name="tiny_ckpt")
+    def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+        """``tiny_ckpt(*values)`` → path of a tiny checkpoint, built once per session (``family_fixtures``)."""
+        return tiny_checkpoints(tmp_path_factory, build, prefix, **defaults)
+
+    @pytest.fixture(scope="session", name="runtime")
+    def runtime(tiny_ckpt: Callable[..., Path]) -> Callable[..., Any]:
+        """``runtime(*values, step=False)`` → a CPU float32 runtime over ``tiny_ckpt(*values)`` (cached)."""
+        done: dict[tuple[Any, ...], Any] = {}
+
+        def get(*values: Any, step: bool = False) -> Any:
+            key = (*values_of(values), step)
+            if key not in done:
+                done[key] = make_runtime(tiny_ckpt(*key[:-1]), step=step)
+            return done[key]
+
+        return get
+
+    @pytest.fixture(scope="session", name="reference")
+    def reference(tiny_ckpt: Callable[..., Path]) -> Callable[..., Any]:
+        """``reference(*values)`` → the reference pipeline over ``tiny_ckpt(*values)`` (cached)."""
+        if make_reference is None:
+            raise pytest.UsageError(f"the {prefix} tests declare no reference pipeline")
+        done: dict[tuple[Any, ...], Any] = {}
+
+        def get(*values: Any) -> Any:
+            key = values_of(values)
+            if key not in done:
+                done[key] = make_reference(tiny_ckpt(*key), *key)
+                done[key].set_progress_bar_config(disable=True)
+            return done[key]
+
+        return get
+
+    return tiny_ckpt, runtime, reference

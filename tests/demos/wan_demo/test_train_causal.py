@@ -165,21 +165,13 @@ def test_ship_installs_the_transformer_and_links_the_rest(tmp_path):
         ship(trained, tmp_path / "other")
 
 
-def test_preset_is_listed_and_refused_with_one_line_until_the_weights_exist(tmp_path, monkeypatch):
-    from omniloop.errors import DeployError
+def test_preset_is_listed_and_refused_with_one_line_until_the_weights_exist(check_preset_not_installed):
     from omniloop.plugins import default_manager
-    from omniloop.runtime import Runtime
     from omniloop_wan_demo import checkpoint_path, plugin
 
     assert "wan-demo-causal" in default_manager().registry().presets
-    empty = tmp_path / "checkpoint_causal"
-    empty.mkdir()
-    monkeypatch.setattr(checkpoint_path, "causal_checkpoint_dir", lambda: empty)
-    monkeypatch.setattr(plugin, "causal_checkpoint_dir", lambda: empty)
-    with pytest.raises(DeployError) as err:
-        Runtime.from_model("wan-demo-causal")
-    msg = str(err.value)
-    assert "wan-demo-causal" in msg and "not installed" in msg and "--ship" in msg and "\n" not in msg
+    check_preset_not_installed("wan-demo-causal", [(checkpoint_path, "causal_checkpoint_dir"),
+                                                   (plugin, "causal_checkpoint_dir")], "--ship")
 
 
 def test_preset_streams_with_causal_cfg_when_installed(tmp_path, monkeypatch):

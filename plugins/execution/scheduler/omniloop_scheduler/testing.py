@@ -5,8 +5,12 @@
   are tested with it.
 * :class:`ProbePlugin` / :class:`DecisionRecorder` — in-process plugins registering the probe and
   an observer of ``schedule_decision`` events.
-* :func:`make_runtime` — a toy runtime with this package's schedulers (``serial`` and ``step``).
+* :func:`make_runtime` — a toy runtime with this package's schedulers (``serial`` and ``step``);
+  :func:`family_manager` / :func:`family_runtime` — the same for a family's tests: only the given
+  plugins, the inline serial scheduler or (``step=True``) this package's ``step`` scheduler.
 * :func:`req` — a small t2v request dict.
+* :func:`engine_outputs` — requests submitted together to an :class:`AsyncEngine` over a runtime;
+  their outputs and the engine (for its ``trace`` of schedule decisions).
 """
 
 from __future__ import annotations
@@ -18,18 +22,15 @@ from typing import Any
 from omniloop.family import PluginComponentSpec
 from omniloop.hookspecs import hookimpl
 from omniloop.runtime import Runtime
-from omniloop.testing import make_manager
+from omniloop.testing import PassThroughSteps, component_plugin, make_manager
 
 from . import plugin as scheduler_plugin
 
 
-class Probe:
+class Probe(PassThroughSteps):
     """A step interceptor: records open/close per (request, branch); fails or NaNs chosen requests."""
 
     name = "probe"
-    graph_safe = True
-    distribution_altering = False
-    needs_eager = False
 
     def __init__(self) -> None:
         self.fail_at: dict[str, int] = {}  # request id -> step index to raise at
@@ -57,19 +58,10 @@ class Probe:
         with self.lock:
             self.closed.append((state["request_id"], state["branch"]))
 
-    def metrics(self, state: Any) -> dict[str, Any]:
-        return {}
 
-
-class ProbePlugin:
-    OMNILOOP_HOOK_API = ">=1.0,<2"
-
-    def __init__(self, probe: Probe) -> None:
-        self.probe = probe
-
-    @hookimpl
-    def omniloop_register_interceptors(self, register: Any) -> None:
-        register(PluginComponentSpec(name="probe", kind="step_interceptor", factory=lambda cfg: self.probe))
+def ProbePlugin(probe: Probe) -> Any:  # was a class; the name stays for its callers
+    """An in-process plugin registering ``probe`` as the step interceptor ``probe``."""
+    return component_plugin("probe", "step_interceptor", lambda: probe)
 
 
 class DecisionRecorder:
@@ -93,6 +85,41 @@ def make_runtime(checkpoint: Path, *plugins: tuple[str, Any], **deploy: Any) -> 
     """A toy runtime with the installed scheduler plugin (serial + step) instead of the inline serial."""
     manager = make_manager(("scheduler", scheduler_plugin), *plugins, scheduler=False)
     return Runtime.from_model(checkpoint, manager=manager, **deploy)
+
+
+def engine_outputs(runtime: Runtime, requests: list[dict[str, Any]], scheduler: str = "step", max_batch: int = 4,
+                   timeout: float = 60) -> tuple[list[Any], Any]:
+    """Submit ``requests`` together to an :class:`~omniloop_scheduler.AsyncEngine` on ``runtime``
+    (``scheduler``, ``max_batch``); wait for each (``timeout`` seconds each, twice that in all).
+    Returns their outputs in order and the engine (``engine.trace`` lists its decisions)."""
+    import asyncio
+
+    from .engine import AsyncEngine
+
+    async def main() -> tuple[list[Any], Any]:
+        engine = AsyncEngine(runtime, scheduler, max_batch=max_batch)
+        hs = [engine.submit(r) for r in requests]
+        async with engine:
+            return [await h.result(timeout=timeout) for h in hs], engine
+
+    return asyncio.run(asyncio.wait_for(main(), 2 * timeout))
+
+
+def family_manager(*plugins: tuple[str, Any], step: bool = False) -> Any:
+    """A plugin manager with only ``plugins`` (a family's first; no toy family, no discovery) and the
+    inline serial scheduler, or with ``step`` this package's schedulers instead."""
+    if step:
+        return make_manager(*plugins, ("scheduler", scheduler_plugin), toy=False, scheduler=False)
+    return make_manager(*plugins, toy=False)
+
+
+def family_runtime(checkpoint: Path, *plugins: tuple[str, Any], step: bool = False, **deploy: Any) -> Runtime:
+    """A CPU float32 runtime over ``checkpoint`` with :func:`family_manager` (``plugins``, ``step``);
+    with ``step`` the deploy runs the ``step`` scheduler with ``max_batch`` 4 unless ``deploy`` says
+    otherwise."""
+    if step:
+        deploy = {"scheduler": "step", "scheduler_options": {"max_batch": 4}, **deploy}
+    return Runtime.from_model(checkpoint, manager=family_manager(*plugins, step=step), **deploy)
 
 
 def req(steps: int = 4, seed: int = 0, *, prompt: str = "a red fox", rid: str | None = None, **diffusion: Any) -> dict[str, Any]:
