@@ -37,4 +37,14 @@ def lazy_exports(package: str, exports: Mapping[str, tuple[str, ...]], namespace
     return __getattr__, __dir__
 
 
-__all__ = ["lazy_exports"]
+def lazy_factory(module: str, name: str) -> Callable[[Any], Any]:
+    """A plugin component factory ``config -> component`` that imports ``module`` (and calls its
+    ``name``) on first use, so registering the component imports nothing heavy."""
+
+    def factory(config: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(config)
+
+    return factory
+
+
+__all__ = ["lazy_exports", "lazy_factory"]
