@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 #: the ``tokenizer_config.json`` of a T5 tokenizer (``model_max_length`` 512)
 T5_CONFIG: dict[str, Any] = {
@@ -112,23 +114,33 @@ def clip_bpe_tokenizer(out: Path, words: Sequence[str], max_length: int = 77) ->
     return len(vocab)
 
 
+def variant_config(configs: Mapping[str, _T], variant: str) -> _T:
+    """``configs[variant]``, or a ValueError naming the known variants."""
+    if variant not in configs:
+        raise ValueError(f"unknown variant {variant!r} (one of {', '.join(configs)})")
+    return configs[variant]
+
+
 def tiny_main(argv: list[str] | None, build: Callable[..., Path], *, module: str, what: str, doc: str,
               variants: Sequence[str], default: str, options: Sequence[tuple[str, dict[str, Any]]] = (),
-              convert: Callable[[argparse.Namespace], dict[str, Any]] | None = None) -> int:
+              convert: Callable[[argparse.Namespace], dict[str, Any]] | None = None, choice: str = "variant") -> int:
     """``python -m <module> OUT_DIR --variant V --seed N`` (plus the family's ``options``, mapped to
-    ``build``'s keywords by ``convert``): build a tiny checkpoint and say where and how large."""
+    ``build``'s keywords by ``convert``): build a tiny checkpoint and say where and how large.
+    ``choice`` names the option that picks among ``variants`` (and ``build``'s keyword for it),
+    e.g. ``arch``."""
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--variant", choices=tuple(variants), default=default)
+    parser.add_argument(f"--{choice}", choices=tuple(variants), default=default)
     parser.add_argument("--seed", type=int, default=0)
     for flag, kw in options:
         parser.add_argument(flag, **kw)
     args = parser.parse_args(argv)
-    path = build(args.out_dir, variant=args.variant, seed=args.seed, **(convert(args) if convert else {}))
+    picked = getattr(args, choice)
+    path = build(args.out_dir, **{choice: picked}, seed=args.seed, **(convert(args) if convert else {}))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    print(f"wrote tiny {what} checkpoint ({args.variant}, {size / 1024:.0f} KB) to {path}")
+    print(f"wrote tiny {what} checkpoint ({picked}, {size / 1024:.0f} KB) to {path}")
     return 0
 
 
-__all__ = ["T5_CONFIG", "bytes_to_unicode", "clip_bpe_tokenizer", "t5_unigram_tokenizer", "tiny_main",
+__all__ = ["T5_CONFIG", "bytes_to_unicode", "clip_bpe_tokenizer", "t5_unigram_tokenizer", "tiny_main", "variant_config",
            "write_model_index", "write_omniloop_json", "write_scheduler"]

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import tiny_main, write_omniloop_json
+from omniloop_kit.tiny import tiny_main, variant_config, write_omniloop_json
 
 VARIANTS = ("a", "b")
 MAX_TOKENS = 16
@@ -103,9 +103,7 @@ def build_components(variant: str = "a", seed: int = 0, tokenizer_dir: Path | No
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
-    if variant not in CONFIGS:
-        raise ValueError(f"unknown variant {variant!r} (one of {', '.join(VARIANTS)})")
-    c = CONFIGS[variant]
+    c = variant_config(CONFIGS, variant)
     assert tokenizer_dir is not None
     tokenizer = gemma_tokenizer(tokenizer_dir)
     torch.manual_seed(seed)
