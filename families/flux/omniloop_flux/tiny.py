@@ -71,6 +71,18 @@ def build_t5_tokenizer(out: Path, max_length: int = 512) -> int:
     return len(tok)
 
 
+#: a ``FluxPipeline``'s components (``model_index.json``): library and class of each
+MODEL_INDEX: dict[str, list[str]] = {
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "text_encoder_2": ["transformers", "T5EncoderModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "tokenizer_2": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "FluxTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+
+
 def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0, **transformer: Any) -> Path:
     """Write a tiny FLUX.1 checkpoint of ``variant`` (``dev`` or ``schnell``) to ``path``; return it.
 
@@ -116,15 +128,7 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0,
         ).eval().save_pretrained(out / "transformer")
 
     write_scheduler(out, "FlowMatchEulerDiscreteScheduler", SCHEDULERS[variant])
-    write_model_index(out, "FluxPipeline", {
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "text_encoder_2": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "tokenizer_2": ["transformers", "T5TokenizerFast"],
-        "transformer": ["diffusers", "FluxTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    })
+    write_model_index(out, "FluxPipeline", MODEL_INDEX)
     write_omniloop_json(out, f"tiny-{variant}", TINY_DEFAULTS)
     return out
 

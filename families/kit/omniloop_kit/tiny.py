@@ -51,6 +51,17 @@ def t5_unigram_tokenizer(out: Path, words: Sequence[str], *, pair: bool = False)
     return len(vocab)
 
 
+def t5_encoder_config(vocab_size: int, d_model: int, *, d_kv: int, d_ff: int, max_distance: int,
+                      pad_token_id: int = 0, eos_token_id: int = 1, **extra: Any) -> dict[str, Any]:
+    """A tiny T5 / UMT5 text encoder's config keywords: 2 layers of 4 heads, 8 relative-attention
+    buckets up to ``max_distance``, gated GELU, no dropout, decoding starting at the pad token;
+    ``extra`` adds keys (e.g. ``use_cache=False``)."""
+    return dict(vocab_size=vocab_size, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, relative_attention_max_distance=max_distance, dropout_rate=0.0,
+                feed_forward_proj="gated-gelu", pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                decoder_start_token_id=pad_token_id, **extra)
+
+
 def write_omniloop_json(out: Path, variant: str, defaults: dict[str, Any], **extra: Any) -> None:
     """A tiny checkpoint's ``omniloop.json``: its variant name and the defaults a request gets."""
     (out / "omniloop.json").write_text(json.dumps({"variant": variant, "defaults": defaults, **extra}, indent=2))
@@ -142,5 +153,5 @@ def tiny_main(argv: list[str] | None, build: Callable[..., Path], *, module: str
     return 0
 
 
-__all__ = ["T5_CONFIG", "bytes_to_unicode", "clip_bpe_tokenizer", "t5_unigram_tokenizer", "tiny_main", "variant_config",
+__all__ = ["T5_CONFIG", "bytes_to_unicode", "clip_bpe_tokenizer", "t5_encoder_config", "t5_unigram_tokenizer", "tiny_main", "variant_config",
            "write_model_index", "write_omniloop_json", "write_scheduler"]
