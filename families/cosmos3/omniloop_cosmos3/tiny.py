@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import tiny_main, variant_config, write_omniloop_json
+from omniloop_kit.tiny import tiny_command, variant_config, write_omniloop_json
 
 VARIANTS = ("qwen", "nemotron")
 
@@ -145,9 +145,8 @@ def build_tiny_checkpoint(path: str | Path, *, variant: str = "qwen", seed: int 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_cosmos3.tiny", what="Cosmos 3 omni",
-                     doc=__doc__ or "", variants=VARIANTS, default="qwen")
+main = tiny_command(build_tiny_checkpoint, module="omniloop_cosmos3.tiny", what="Cosmos 3 omni",
+                    doc=__doc__ or "", variants=VARIANTS, default="qwen")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import clip_bpe_tokenizer, tiny_main, write_model_index, write_omniloop_json, write_scheduler
+from omniloop_kit.tiny import clip_bpe_tokenizer, tiny_command, write_model_index, write_omniloop_json, write_scheduler
 
 VARIANTS = ("dev", "schnell")
 
@@ -133,9 +133,8 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0,
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_flux.tiny", what="FLUX.1", doc=__doc__ or "",
-                     variants=VARIANTS, default="dev")
+main = tiny_command(build_tiny_checkpoint, module="omniloop_flux.tiny", what="FLUX.1", doc=__doc__ or "",
+                    variants=VARIANTS, default="dev")
 
 
 if __name__ == "__main__":

@@ -153,5 +153,15 @@ def tiny_main(argv: list[str] | None, build: Callable[..., Path], *, module: str
     return 0
 
 
-__all__ = ["T5_CONFIG", "bytes_to_unicode", "clip_bpe_tokenizer", "t5_encoder_config", "t5_unigram_tokenizer", "tiny_main", "variant_config",
+def tiny_command(build: Callable[..., Path], **options: Any) -> Callable[[list[str] | None], int]:
+    """A family tiny module's ``main(argv=None)``: :func:`tiny_main` over ``build`` with
+    ``options`` (``module``, ``what``, ``doc``, ``variants``, ``default``, ...)."""
+
+    def main(argv: list[str] | None = None) -> int:
+        return tiny_main(argv, build, **options)
+
+    return main
+
+
+__all__ = ["T5_CONFIG", "bytes_to_unicode", "clip_bpe_tokenizer", "t5_encoder_config", "t5_unigram_tokenizer", "tiny_command", "tiny_main", "variant_config",
            "write_model_index", "write_omniloop_json", "write_scheduler"]

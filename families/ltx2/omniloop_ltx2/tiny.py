@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import tiny_main, variant_config, write_omniloop_json
+from omniloop_kit.tiny import tiny_command, variant_config, write_omniloop_json
 
 VARIANTS = ("a", "b")
 MAX_TOKENS = 16
@@ -158,9 +158,8 @@ def build_tiny_checkpoint(out: str | Path, variant: str = "a", seed: int = 0,
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_ltx2.tiny", what="LTX-2", doc=__doc__ or "",
-                     variants=VARIANTS, default="a")
+main = tiny_command(build_tiny_checkpoint, module="omniloop_ltx2.tiny", what="LTX-2", doc=__doc__ or "",
+                    variants=VARIANTS, default="a")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import tiny_main
+from omniloop_kit.tiny import tiny_command
 
 ARCHES = ("qwen2", "qwen3")
 
@@ -113,9 +113,8 @@ def build_tiny_checkpoint(path: str | Path, *, arch: str = "qwen2", seed: int = 
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_qwen.tiny", what="Qwen", doc=__doc__ or "",
-                     variants=ARCHES, default="qwen2", choice="arch")
+main = tiny_command(build_tiny_checkpoint, module="omniloop_qwen.tiny", what="Qwen", doc=__doc__ or "",
+                    variants=ARCHES, default="qwen2", choice="arch")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import T5_CONFIG, t5_unigram_tokenizer, tiny_main, variant_config, write_omniloop_json
+from omniloop_kit.tiny import T5_CONFIG, t5_unigram_tokenizer, tiny_command, variant_config, write_omniloop_json
 
 VARIANTS = ("stereo", "mono", "sa3", "sa3-base")
 
@@ -167,9 +167,8 @@ def build_tiny_checkpoint(out: str | Path, variant: str = "stereo", seed: int = 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_stable_audio.tiny", what="Stable Audio",
-                     doc=__doc__ or "", variants=VARIANTS, default="stereo")
+main = tiny_command(build_tiny_checkpoint, module="omniloop_stable_audio.tiny", what="Stable Audio",
+                    doc=__doc__ or "", variants=VARIANTS, default="stereo")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 from omniloop_kit.tiny import (
     t5_encoder_config,
     t5_unigram_tokenizer,
-    tiny_main,
+    tiny_command,
     write_model_index,
     write_omniloop_json,
     write_scheduler,
@@ -180,11 +180,10 @@ def build_tiny_checkpoint(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_wan.tiny", what="Wan", doc=__doc__ or "",
-                     variants=VARIANTS, default="t2v",
-                     options=[("--scheduler", {"choices": ("unipc", "flow_euler"), "default": "unipc"})],
-                     convert=lambda args: {"scheduler": args.scheduler})
+main = tiny_command(build_tiny_checkpoint, module="omniloop_wan.tiny", what="Wan", doc=__doc__ or "",
+                    variants=VARIANTS, default="t2v",
+                    options=[("--scheduler", {"choices": ("unipc", "flow_euler"), "default": "unipc"})],
+                    convert=lambda args: {"scheduler": args.scheduler})
 
 
 if __name__ == "__main__":
