@@ -2,8 +2,9 @@
 
 The model configurations and prompts, the timed runs of one request on either side (diffusers'
 ``WanPipeline`` and omniloop's ``Execution``, each denoise step marked after a
-``torch.cuda.synchronize()``), and the parts of the JSON record every script writes (command line,
-machine).
+``torch.cuda.synchronize()``), the parts of the JSON record every script writes (command line,
+machine), and the video benchmarks' shared command line (:func:`video_parser`, :func:`add_output_args`,
+:func:`publish`: also used by ``rl_gpu.py`` and ``wan_causal_stream.py``).
 
 Imported like ``_repo_paths`` (``bench/`` put on ``sys.path`` by the script). Nothing from the repo
 is imported at module level: the scripts call ``_repo_paths.add_repo_packages()`` first, and the

@@ -9,6 +9,8 @@ the median seconds per step and end to end, the final latents' relative RMS diff
 diffusers eager, and the speedups against ``diffusers`` and ``diffusers-compile``. Every phase
 stops starting new work once ``budget_s`` seconds have passed since ``t_start``, and the record is
 saved after each phase (``save``), so a run cut short keeps what it measured.
+:func:`omniloop_options` builds an omniloop side's deploy options (with the attention backend's
+spec), :func:`finish` writes the last summary and the wall time.
 
 Imported like ``_common`` (``bench/`` on ``sys.path``).
 """
