@@ -2,8 +2,9 @@
 
 The model configurations and prompts, the timed runs of one request on either side (diffusers'
 ``WanPipeline`` and omniloop's ``Execution``, each denoise step marked after a
-``torch.cuda.synchronize()``), and the parts of the JSON record every script writes (command line,
-machine).
+``torch.cuda.synchronize()``), the parts of the JSON record every script writes (command line,
+machine), and the video benchmarks' shared command line (:func:`video_parser`, :func:`add_output_args`,
+:func:`publish`: also used by ``rl_gpu.py`` and ``wan_causal_stream.py``).
 
 Imported like ``_repo_paths`` (``bench/`` put on ``sys.path`` by the script). Nothing from the repo
 is imported at module level: the scripts call ``_repo_paths.add_repo_packages()`` first, and the
@@ -12,6 +13,7 @@ omniloop / diffusers imports happen inside the functions.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import itertools
@@ -287,6 +289,35 @@ def run_interleaved(sides: list[Any], steps: int, repeats: int, size: tuple[int,
 # --------------------------------------------------------------------------------------------
 # the JSON record
 # --------------------------------------------------------------------------------------------
+
+
+def video_parser(doc: str | None, *, steps: int, repeats: int, frames: int, height: int, width: int,
+                 ) -> argparse.ArgumentParser:
+    """The options every video benchmark takes, with the script's own defaults: ``--steps``,
+    ``--repeats`` and the clip size (``--frames``, ``--height``, ``--width``); the description is
+    the first line of the script's docstring ``doc``."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    for flag, default in (("--steps", steps), ("--repeats", repeats), ("--frames", frames), ("--height", height),
+                          ("--width", width)):
+        ap.add_argument(flag, type=int, default=default)
+    return ap
+
+
+def add_output_args(ap: argparse.ArgumentParser, default_dir: Path) -> None:
+    """``--out`` (the results folder: ``$RESULTS_DIR`` or ``default_dir``), ``--no-write`` and
+    ``--smoke`` (toy sizes on a CPU), read by :func:`publish`."""
+    ap.add_argument("--out", default=os.environ.get("RESULTS_DIR", str(default_dir)))
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes, to check the script on a CPU")
+
+
+def publish(record: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print ``record`` as JSON and, unless ``--no-write``, write it with :func:`write_record` into
+    ``--out`` (saying where); returns the exit code 0."""
+    print(json.dumps(record, indent=1), flush=True)
+    if not args.no_write:
+        print(f"wrote {write_record(record, args.out)}")
+    return 0
 
 
 def command_line(script: str, argv: list[str]) -> str:

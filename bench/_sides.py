@@ -9,6 +9,8 @@ the median seconds per step and end to end, the final latents' relative RMS diff
 diffusers eager, and the speedups against ``diffusers`` and ``diffusers-compile``. Every phase
 stops starting new work once ``budget_s`` seconds have passed since ``t_start``, and the record is
 saved after each phase (``save``), so a run cut short keeps what it measured.
+:func:`omniloop_options` builds an omniloop side's deploy options (with the attention backend's
+spec), :func:`finish` writes the last summary and the wall time.
 
 Imported like ``_common`` (``bench/`` on ``sys.path``).
 """
@@ -65,6 +67,38 @@ def saver(record: dict[str, Any], out_path: Path) -> Callable[[], None]:
         out_path.write_text(json.dumps(record, indent=1) + "\n")
 
     return save
+
+
+def omniloop_options(device: torch.device, dtype: torch.dtype, *, compiled: bool, compile_backend: str,
+                     attention: str) -> dict[str, Any]:
+    """The options an omniloop side hands its family: the ``deploy`` (device, dtype, compile,
+    attention backend), the ``compile_backend`` and, for an attention backend other than plain
+    ``sdpa``, its spec as ``attention`` (a backend that cannot run here raises, naming why)."""
+    from omniloop.deploy import DeployConfig
+
+    deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                          compile=compiled, attention_backend=attention)
+    options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend}
+    if attention != "sdpa":
+        from omniloop_attention.backends import BACKENDS
+
+        backend = {s.name: s for s in BACKENDS}[attention]
+        why = backend.available()
+        if why:
+            raise RuntimeError(f"attention backend {attention!r} cannot run here: {why}")
+        options["attention"] = backend
+    return options
+
+
+def finish(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]], *, t_start: float,
+           save: Callable[[], None], out_path: Path,
+           summarize: Callable[[dict[str, Any], dict[str, list[dict[str, Any]]]], None]) -> int:
+    """The last summary, the wall time, the record saved and where it went printed; returns 0."""
+    summarize(record, runs)
+    record["wall_s"] = round(time.perf_counter() - t_start, 1)
+    save()
+    print(json.dumps({"wrote": str(out_path), "summary": record.get("summary")}, indent=1))
+    return 0
 
 
 def omniloop_run(built: Any, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:

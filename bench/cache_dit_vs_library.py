@@ -26,11 +26,8 @@ need a trained checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -120,12 +117,7 @@ class Omniloop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--frames", type=int, default=33)
-    ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--width", type=int, default=832)
+    ap = common.video_parser(__doc__, steps=12, repeats=2, frames=33, height=480, width=832)
     ap.add_argument("--Fn", type=int, default=8)
     ap.add_argument("--Bn", type=int, default=0)
     ap.add_argument("--threshold", type=float, default=0.5)
@@ -134,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-continuous", type=int, default=3)
     ap.add_argument("--taylorseer", action="store_true")
     ap.add_argument("--taylorseer-order", type=int, default=1)
-    ap.add_argument("--out", default=os.environ.get("RESULTS_DIR", str(HERE / "results")))
-    ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="toy sizes, to check the script on a CPU")
+    common.add_output_args(ap, HERE / "results")
     args = ap.parse_args(argv)
     logging.getLogger("cache_dit").setLevel(logging.WARNING)
 
@@ -207,10 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "frames_equal_cached_sides": torch.equal(frames[ours.name], frames[lib.name]),
         "frames_equal_uncached_sides": torch.equal(frames["omniloop"], frames["diffusers"]),
     }
-    print(json.dumps(record, indent=1), flush=True)
-    if not args.no_write:
-        print(f"wrote {common.write_record(record, args.out)}")
-    return 0
+    return common.publish(record, args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ the tiny transformer, 2 samples, 2 steps).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -38,26 +37,16 @@ import _repo_paths
 _repo_paths.add_repo_packages()
 
 import torch  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from _common import CFG_13B, SMOKE_TF, command_line, library_versions, machine, sync, video_parser  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap = video_parser(__doc__, steps=10, repeats=3, frames=17, height=256, width=256)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--group", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--frames", type=int, default=17)
-    ap.add_argument("--height", type=int, default=256)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-rollouts", action="store_true", help="time update_weights and the checksums only")
     args = ap.parse_args(argv)
-    from _common import CFG_13B, SMOKE_TF, command_line, library_versions, machine
     from diffusers import WanTransformer3DModel
     from safetensors.torch import save_file
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
-import json
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ import _repo_paths
 _repo_paths.add_repo_packages()
 
 from _common import command_line, library_versions, machine, step_marker, step_times, sync  # noqa: E402
-from _sides import build_sides, measure, omniloop_run, parser, saver, setting, warm_up  # noqa: E402
+from _sides import build_sides, finish, measure, omniloop_options, omniloop_run, parser, saver, setting, warm_up  # noqa: E402
 from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
@@ -165,25 +164,14 @@ class DiffusersSide:
 class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, *,
                  compiled: bool, compile_backend: str, attention: str = "sdpa", qkv: str = "separate") -> None:
-        from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
         from omniloop_sd3.family import SD3Family
 
         self.name = name
-        backend = None
-        if attention != "sdpa":
-            from omniloop_attention.backends import BACKENDS
-
-            backend = {s.name: s for s in BACKENDS}[attention]
-            why = backend.available()
-            if why:
-                raise RuntimeError(f"attention backend {attention!r} cannot run here: {why}")
-        deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-                              compile=compiled, attention_backend=attention)
-        options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend, "qkv": qkv}
-        if backend is not None:
-            options["attention"] = backend
+        options = omniloop_options(device, dtype, compiled=compiled, compile_backend=compile_backend,
+                                   attention=attention)
+        options["qkv"] = qkv
         fam = SD3Family()
         self.model = fam.from_components(comps, device=device, dtype=dtype, options=options)
         spec = fam.build_pipeline(self.model, TaskType.T2I, options)
@@ -251,11 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(sides, record, run, t_start=t_start, budget_s=args.budget_s, save=save)
         runs = measure(sides, record, run, steps=steps, repeats=args.repeats, t_start=t_start, budget_s=args.budget_s,
                        save=save, summarize=summarize)
-    summarize(record, runs)
-    record["wall_s"] = round(time.perf_counter() - t_start, 1)
-    save()
-    print(json.dumps({"wrote": str(out_path), "summary": record.get("summary")}, indent=1))
-    return 0
+    return finish(record, runs, t_start=t_start, save=save, out_path=out_path, summarize=summarize)
 
 
 def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:

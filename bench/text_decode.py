@@ -710,19 +710,20 @@ def _merge_rows(dst: list[dict[str, Any]], src: list[dict[str, Any]], side: str)
 
 def _derive(record: dict[str, Any], variants: list[str], first: dict[tuple[int, str], torch.Tensor]) -> None:
     """The cross-side figures of merged rows (each side ran in its own process)."""
+
+    def ratio(row: dict[str, Any], num: str, den: str) -> float | None:
+        a, b = row.get(num), row.get(den)
+        return a / b if a and b else None
+
     for row in record.get("throughput") or []:
-        base = row.get("transformers_tokens_per_s")
         for v in variants:
-            ours = row.get(f"omniloop_{v}_tokens_per_s")
-            if ours and base:
-                row[f"ratio_omniloop_{v}_over_transformers"] = round(ours / base, 3)
+            if (q := ratio(row, f"omniloop_{v}_tokens_per_s", "transformers_tokens_per_s")) is not None:
+                row[f"ratio_omniloop_{v}_over_transformers"] = round(q, 3)
     for row in record.get("decode_vs_reprefill") or []:
-        r = row.get("reprefill_ms")
         for v in variants:
-            dd = row.get(f"omniloop_{v}_decode_ms")
-            if r and dd:
-                row[f"speedup_{v}_decode_vs_reprefill"] = round(r / dd, 2)
-                row[f"target_met_{v}"] = r / dd >= 10.0
+            if (q := ratio(row, "reprefill_ms", f"omniloop_{v}_decode_ms")) is not None:
+                row[f"speedup_{v}_decode_vs_reprefill"] = round(q, 2)
+                row[f"target_met_{v}"] = q >= 10.0
             ref_side = "triton" if (row.get("batch"), "triton") in first else "triton-graphs"
             ref, lg = first.get((row.get("batch"), ref_side)), first.get((row.get("batch"), v))
             if v != ref_side and ref is not None and lg is not None and ref.shape == lg.shape:

@@ -22,7 +22,6 @@ Interleaved and repeated; medians. Results go to ``$OUT`` if set, else ``bench/r
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import itertools
 import json
@@ -40,7 +39,7 @@ import _repo_paths
 
 _repo_paths.add_repo_packages()
 
-from _common import CFG_13B, SMOKE_TF, SMOKE_VAE, command_line, library_versions, machine, sync  # noqa: E402
+from _common import CFG_13B, SMOKE_TF, SMOKE_VAE, command_line, library_versions, machine, sync, video_parser  # noqa: E402
 
 
 def build(smoke: bool, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -90,14 +89,9 @@ def run_whole(tf: Any, vae: Any, text: torch.Tensor, latent_shape: tuple[int, ..
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = video_parser(__doc__, steps=4, repeats=3, frames=81, height=480, width=832)
     ap.add_argument("--smoke", action="store_true", help="tiny transformer and VAE on the CPU")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--chunk-frames", type=int, default=3)
-    ap.add_argument("--frames", type=int, default=81)
-    ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--width", type=int, default=832)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     args = ap.parse_args(argv)
     from omniloop_wan.causal import CausalOptions, CausalWan

@@ -21,10 +21,7 @@ frames (same seed, same CPU-generator noise).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
-import os
 import statistics
 import sys
 import time
@@ -71,15 +68,8 @@ class OmniloopSide:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--frames", type=int, default=81)
-    ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--width", type=int, default=832)
-    ap.add_argument("--out", default=os.environ.get("RESULTS_DIR", str(HERE / "results")))
-    ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="toy sizes, to check the script on a CPU")
+    ap = common.video_parser(__doc__, steps=10, repeats=3, frames=81, height=480, width=832)
+    common.add_output_args(ap, HERE / "results")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "frames_equal": same,
     }
     record["machine"].update(common.library_versions())
-    print(json.dumps(record, indent=1), flush=True)
-    if not args.no_write:
-        print(f"wrote {common.write_record(record, args.out)}")
-    return 0
+    return common.publish(record, args)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,12 @@ main | tar -x -C /tmp/base``) to measure a baseline.
 from __future__ import annotations
 
 import ast
-import json
 import sys
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report
 
 LIMITS = ("max_steps", "max_frames", "max_height", "max_width")
 PACKAGE_GLOBS = ("core/omniloop/**/*.py", "cli/*/**/*.py", "plugins/*/omniloop_*/**/*.py", "plugins/*/*/omniloop_*/**/*.py",
@@ -100,14 +103,7 @@ def measure(root: Path) -> dict[str, object]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    as_json = "--json" in argv
-    args = [a for a in argv if a != "--json"]
-    root = Path(args[0]) if args else Path(__file__).resolve().parents[1]
-    m = measure(root)
-    if as_json:
-        print(json.dumps(m, indent=2))
-        return 0
+def report(m: dict[str, Any]) -> None:
     for name, n in m["family_lines_without_tiny"].items():  # type: ignore[attr-defined]
         print(f"families/{name}: {n} lines (tiny.py excluded)")
     if "kit_lines_without_tiny" in m:
@@ -115,7 +111,10 @@ def main(argv: list[str]) -> int:
     print(f"core/omniloop outside testing/: {m['core_lines_outside_testing']} lines")
     for name, places in m["limit_check_places"].items():  # type: ignore[attr-defined]
         print(f"{name} checked in {len(places)} place(s): {', '.join(places)}")
-    return 0
+
+
+def main(argv: list[str]) -> int:
+    return _report.run(argv, measure, report)
 
 
 if __name__ == "__main__":

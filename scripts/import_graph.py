@@ -15,9 +15,12 @@ main | tar -x -C /tmp/base``) to measure a baseline. ``tests/core/test_import_la
 from __future__ import annotations
 
 import ast
-import json
 import sys
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report
 
 #: the core's layers, lowest first: a module imports only modules of its own layer or below
 #: (``omniloop`` is the package's ``__init__``; ``testing`` every module of ``omniloop.testing``)
@@ -162,14 +165,7 @@ def measure(root: Path) -> dict[str, object]:
     }
 
 
-def main(argv: list[str]) -> int:
-    as_json = "--json" in argv
-    args = [a for a in argv if a != "--json"]
-    root = Path(args[0]) if args else Path(__file__).resolve().parents[1]
-    m = measure(root)
-    if as_json:
-        print(json.dumps(m, indent=2))
-        return 0
+def report(m: dict[str, Any]) -> None:
     cyc = m["cycles"]
     print(f"{m['modules']} modules in core/omniloop; {len(cyc)} import cycle(s)")  # type: ignore[arg-type]
     for c in cyc:  # type: ignore[attr-defined]
@@ -178,7 +174,10 @@ def main(argv: list[str]) -> int:
     print(f"modules in no layer: {', '.join(m['unlayered']) or 'none'}")  # type: ignore[arg-type]
     for u in m["upward_imports"]:  # type: ignore[attr-defined]
         print(f"  upward: {u}")
-    return 0
+
+
+def main(argv: list[str]) -> int:
+    return _report.run(argv, measure, report)
 
 
 if __name__ == "__main__":

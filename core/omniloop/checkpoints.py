@@ -5,6 +5,7 @@ uses); importing one of them from here raises an ImportError naming the new impo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +31,21 @@ def read_safetensors(path: str | Path, error: type[Exception] = CheckpointError)
     except (SafetensorError, OSError, ValueError) as exc:
         raise error(f"{path}: not a readable safetensors file ({exc})") from None
     return tensors, meta
+
+
+def metadata_json(meta: dict[str, str], key: str, path: str | Path, error: type[Exception] = CheckpointError,
+                  *, what: str | None = None) -> dict[str, Any] | None:
+    """The JSON object stored as ``meta[key]`` in a safetensors header (``read_safetensors``'s
+    metadata), or None where the key is absent or empty; text that is not a JSON object raises
+    one ``error`` naming the path and ``what`` (default: the key)."""
+    raw = meta.get(key)
+    if not raw:
+        return None
+    what = what or key
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: {what} is not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise error(f"{path}: {what} is not a JSON object")
+    return parsed

@@ -55,4 +55,14 @@ def moved(module: str, homes: str | Mapping[str, str]) -> Callable[[str], Any]:
     return __getattr__
 
 
-__all__ = ["lazy_exports", "moved"]
+def lazy_factory(module: str, name: str) -> Callable[[Any], Any]:
+    """A plugin component factory ``config -> component`` that imports ``module`` (and calls its
+    ``name``) on first use, so registering the component imports nothing heavy."""
+
+    def factory(config: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(config)
+
+    return factory
+
+
+__all__ = ["lazy_exports", "lazy_factory", "moved"]

@@ -31,3 +31,28 @@ def test_preset_folder_is_the_folder_or_one_deploy_error(tmp_path: Path) -> None
     state["why"] = None
     assert path() == tmp_path
     assert path.__name__ == "preset_path_my_demo"
+
+
+def test_a_built_preset_folder_is_made_first_then_checked(tmp_path: Path) -> None:
+    made = tmp_path / "cache" / "demo"
+    seen: list[Path | None] = []
+
+    def make() -> Path:
+        made.mkdir(parents=True, exist_ok=True)
+        return made
+
+    def missing(folder: Path | None) -> str | None:
+        seen.append(folder)
+        return None if (folder / "w.bin").is_file() else "the demo weights are not installed"  # type: ignore[operator]
+
+    path = preset_folder("my-demo", make, missing, built=True)
+    with pytest.raises(DeployError, match=r"^model: preset 'my-demo': the demo weights are not installed$"):
+        path()
+    (made / "w.bin").write_bytes(b"")
+    assert path() == made and seen == [made, made]
+
+    def unwritable() -> Path:
+        raise PermissionError("cannot write the demo cache folder /x")
+
+    with pytest.raises(DeployError, match=r"^model: preset 'my-demo': cannot write the demo cache folder /x$"):
+        preset_folder("my-demo", unwritable, missing, built=True)()

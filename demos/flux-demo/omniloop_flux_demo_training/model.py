@@ -125,17 +125,6 @@ def build_components(seed: int = 0, *, smoke: bool = False) -> dict[str, Any]:
             "tokenizer": clip_tok, "tokenizer_2": t5_tok, "scheduler": sched}
 
 
-MODEL_INDEX_CLASSES = {
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "CLIPTextModel"],
-    "text_encoder_2": ["transformers", "T5EncoderModel"],
-    "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-    "tokenizer_2": ["transformers", "PreTrainedTokenizerFast"],
-    "transformer": ["diffusers", "FluxTransformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKL"],
-}
-
-
 def save_pipeline(comps: dict[str, Any], out: str | Path, *, omniloop_json: dict[str, Any], fp16: bool = True) -> Path:
     """Write ``comps`` as a diffusers ``FluxPipeline`` folder (transformer + VAE in fp16 when
     ``fp16``; text encoders fp32) with ``omniloop.json``; returns the folder."""
@@ -157,7 +146,12 @@ def save_pipeline(comps: dict[str, Any], out: str | Path, *, omniloop_json: dict
     (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(
         {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": diffusers.__version__, **SCHEDULER_CONFIG},
         indent=2))
-    index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__, **MODEL_INDEX_CLASSES}
+    from omniloop_flux.tiny import MODEL_INDEX
+
+    # FLUX's components, the two tokenizers saved as plain ``tokenizers`` files
+    index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__, **MODEL_INDEX,
+             "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+             "tokenizer_2": ["transformers", "PreTrainedTokenizerFast"]}
     (out / "model_index.json").write_text(json.dumps(index, indent=2))
     (out / "omniloop.json").write_text(json.dumps(omniloop_json, indent=2, sort_keys=True))
     return out

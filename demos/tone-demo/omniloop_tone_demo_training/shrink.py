@@ -23,7 +23,7 @@ import torch
 from omniloop_tone_demo.grammar import random_specs, synthesize
 
 from .build import assemble, load_parts, save
-from .train import Conditioner, encode, rotary_for, tok_len
+from .train import Conditioner, encode, optimizer_step, rotary_for, tok_len
 
 
 @torch.no_grad()
@@ -109,10 +109,7 @@ def distill_block(teacher: dict[str, Any], student_tf, dropped: int, z, ids, mas
         out = block(h_in[idx], encoder_hidden_states=enc_all[idx], **kw)
         out = out if torch.is_tensor(out) else out[0]
         loss = torch.nn.functional.mse_loss(out, target[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(optimizer_step(opt, loss))
         if step % 50 == 0:
             print(f"distill step {step} loss {loss.item():.5f}", flush=True)
     block.eval().requires_grad_(False)
@@ -146,11 +143,7 @@ def distill_model(teacher: dict[str, Any], student: dict[str, Any], z, ids, mask
         pred = tf_s(x, t, encoder_hidden_states=enc, global_hidden_states=glob, rotary_embedding=rotary,
                     return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(tf_s.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(optimizer_step(opt, loss, clip=tf_s.parameters()))
         if step % 25 == 0:
             print(f"distill-model step {step} loss {losses[-1]:.5f}", flush=True)
     tf_s.eval().requires_grad_(False)

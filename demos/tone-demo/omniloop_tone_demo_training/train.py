@@ -72,6 +72,26 @@ def stft_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def budget_used(t0: float, step: int, *, seconds: float, max_steps: int | None) -> float | None:
+    """The fraction of a training budget used at ``step`` (by wall time since ``t0``, or by steps
+    when ``max_steps`` is set), or None once ``seconds`` have passed or ``max_steps`` ran."""
+    elapsed = time.time() - t0
+    if elapsed >= seconds or (max_steps is not None and step >= max_steps):
+        return None
+    return min(1.0, elapsed / seconds) if max_steps is None else step / max_steps
+
+
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, *, clip: Any = None) -> float:
+    """One update: gradients reset, ``loss`` backpropagated, their norm over the parameters
+    ``clip`` (if given) clipped to 1.0, the step taken; returns the loss as a float."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(clip, 1.0)
+    opt.step()
+    return float(loss.detach())
+
+
 def train_vae(vae, bank: torch.Tensor, *, seconds: float, max_steps: int | None, batch: int, lr: float = 1e-3,
               kl_weight: float = 1e-4) -> dict[str, Any]:
     vae.train()
@@ -79,10 +99,9 @@ def train_vae(vae, bank: torch.Tensor, *, seconds: float, max_steps: int | None,
     gen = torch.Generator(device=bank.device).manual_seed(1)
     t0, step, last = time.time(), 0, {}
     while True:
-        elapsed = time.time() - t0
-        if elapsed >= seconds or (max_steps is not None and step >= max_steps):
+        frac = budget_used(t0, step, seconds=seconds, max_steps=max_steps)
+        if frac is None:
             break
-        frac = min(1.0, elapsed / seconds) if max_steps is None else step / max_steps
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         idx = torch.randint(0, bank.shape[0], (batch,), generator=gen, device=bank.device)
@@ -93,10 +112,7 @@ def train_vae(vae, bank: torch.Tensor, *, seconds: float, max_steps: int | None,
         rec = F.l1_loss(y, x) + stft_loss(y, x)
         kl = post.kl().mean()
         loss = rec + kl_weight * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, clip=vae.parameters())
         step += 1
         if step % 200 == 1:
             log(f"vae step {step} rec {rec.item():.4f} kl {kl.item():.2f}")
@@ -201,20 +217,16 @@ def train_dit(parts: dict[str, Any], latents: torch.Tensor, ids: torch.Tensor, m
     rotary = rotary_for(transformer, latents.device)
     t0, step, last = time.time(), 0, float("nan")
     while True:
-        elapsed = time.time() - t0
-        if elapsed >= seconds or (max_steps is not None and step >= max_steps):
+        frac = budget_used(t0, step, seconds=seconds, max_steps=max_steps)
+        if frac is None:
             break
-        frac = min(1.0, elapsed / seconds) if max_steps is None else step / max_steps
         # warm-up 200 steps, flat, linear decay over the last 25 % of the budget
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 200) * min(1.0, (1.0 - frac) / 0.25)
         idx = torch.randint(0, latents.shape[0], (batch,), generator=gen, device=latents.device)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
             loss = v_loss(transformer, cond, latents[idx], ids[idx], mask[idx], gen, cfg_drop=cfg_drop, rotary=rotary)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, loss, clip=params)
         step += 1
         d = min(ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():

@@ -14,6 +14,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from omniloop_kit.tiny import t5_encoder_config
+
 from .render import COLORS, DIRECTIONS, SHAPES
 
 # ------------------------------------------------------------------------------------------
@@ -113,23 +115,9 @@ DIT_CONFIG: dict[str, Any] = dict(
     rope_max_seq_len=256,
 )
 
-TEXT_ENCODER_CONFIG: dict[str, Any] = dict(
-    vocab_size=len(VOCAB),
-    d_model=TEXT_DIM,
-    d_kv=16,
-    d_ff=256,
-    num_layers=2,
-    num_heads=4,
-    relative_attention_num_buckets=8,
-    relative_attention_max_distance=16,
-    dropout_rate=0.0,
-    feed_forward_proj="gated-gelu",
-    is_encoder_decoder=False,
-    use_cache=False,
-    pad_token_id=PAD_ID,
-    eos_token_id=EOS_ID,
-    decoder_start_token_id=PAD_ID,
-    tie_word_embeddings=False,
+TEXT_ENCODER_CONFIG: dict[str, Any] = t5_encoder_config(
+    len(VOCAB), TEXT_DIM, d_kv=16, d_ff=256, max_distance=16, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
+    is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False,
 )
 
 #: flow shift used both to sample training sigmas and in the shipped scheduler

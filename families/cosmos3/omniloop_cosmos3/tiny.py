@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import tiny_main, write_omniloop_json
+from omniloop_kit.tiny import tiny_command, variant_config, write_omniloop_json
 
 VARIANTS = ("qwen", "nemotron")
 
@@ -114,9 +114,7 @@ def build_pipeline(variant: str = "qwen", seed: int = 0, tokenizer_dir: Path | N
         UniPCMultistepScheduler,
     )
 
-    if variant not in CONFIGS:
-        raise ValueError(f"unknown variant {variant!r} (one of {', '.join(VARIANTS)})")
-    c = CONFIGS[variant]
+    c = variant_config(CONFIGS, variant)
     tok_dir = tokenizer_dir or Path(tempfile.mkdtemp(prefix="cosmos3-tok-"))
     tokenizer = build_tokenizer(tok_dir)
     torch.manual_seed(seed)
@@ -147,9 +145,8 @@ def build_tiny_checkpoint(path: str | Path, *, variant: str = "qwen", seed: int 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_cosmos3.tiny", what="Cosmos 3 omni",
-                     doc=__doc__ or "", variants=VARIANTS, default="qwen")
+main = tiny_command(build_tiny_checkpoint, module="omniloop_cosmos3.tiny", what="Cosmos 3 omni",
+                    doc=__doc__ or "", variants=VARIANTS, default="qwen")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from omniloop.family import ModelPreset
-from omniloop.hookspecs import hookimpl
+from omniloop.hookspecs import registering
 from omniloop_kit.presets import preset_folder
 
 from .checkpoint_path import checkpoint_dir, checkpoint_missing
@@ -25,6 +23,4 @@ PRESET = ModelPreset(
 )
 
 
-@hookimpl
-def omniloop_register_model_presets(register: Any) -> None:
-    register(PRESET)
+omniloop_register_model_presets = registering(PRESET)

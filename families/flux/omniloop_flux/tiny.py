@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import clip_bpe_tokenizer, tiny_main, write_model_index, write_omniloop_json, write_scheduler
+from omniloop_kit.tiny import clip_bpe_tokenizer, tiny_command, write_model_index, write_omniloop_json, write_scheduler
 
 VARIANTS = ("dev", "schnell")
 
@@ -69,6 +69,18 @@ def build_t5_tokenizer(out: Path, max_length: int = 512) -> int:
     tok = T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
     tok.save_pretrained(str(out))
     return len(tok)
+
+
+#: a ``FluxPipeline``'s components (``model_index.json``): library and class of each
+MODEL_INDEX: dict[str, list[str]] = {
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "text_encoder_2": ["transformers", "T5EncoderModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "tokenizer_2": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "FluxTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
 
 
 def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0, **transformer: Any) -> Path:
@@ -116,22 +128,13 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "dev", seed: int = 0,
         ).eval().save_pretrained(out / "transformer")
 
     write_scheduler(out, "FlowMatchEulerDiscreteScheduler", SCHEDULERS[variant])
-    write_model_index(out, "FluxPipeline", {
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "text_encoder_2": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "tokenizer_2": ["transformers", "T5TokenizerFast"],
-        "transformer": ["diffusers", "FluxTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    })
+    write_model_index(out, "FluxPipeline", MODEL_INDEX)
     write_omniloop_json(out, f"tiny-{variant}", TINY_DEFAULTS)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_flux.tiny", what="FLUX.1", doc=__doc__ or "",
-                     variants=VARIANTS, default="dev")
+main = tiny_command(build_tiny_checkpoint, module="omniloop_flux.tiny", what="FLUX.1", doc=__doc__ or "",
+                    variants=VARIANTS, default="dev")
 
 
 if __name__ == "__main__":

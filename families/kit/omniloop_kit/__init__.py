@@ -7,6 +7,7 @@
 * :mod:`omniloop_kit.options` — shared family options (dtypes).
 * :mod:`omniloop_kit.lazy` — a family package's lazy exports.
 * :mod:`omniloop_kit.tiny` — tiny-checkpoint builders (a T5 tokenizer, ``omniloop.json``).
+* :mod:`omniloop_kit.progress` — the demo families' ``eval`` progress bar over clips (needs ``rich``).
 * :mod:`omniloop_kit.loading` — a pipeline folder's components loaded by the classes ``model_index.json`` names.
 * :mod:`omniloop_kit.attention`, :mod:`omniloop_kit.parallel`, :mod:`omniloop_kit.textcache`,
   :mod:`omniloop_kit.ffn`, :mod:`omniloop_kit.causal` — mechanisms a family switches on: the attention

@@ -35,16 +35,26 @@ def weights_missing(
 
 
 def preset_folder(
-    preset: str, folder: Callable[[], Path], missing: Callable[[], str | None]
+    preset: str, folder: Callable[[], Path], missing: Callable[..., str | None], *, built: bool = False
 ) -> Callable[[], Path]:
     """A :class:`~omniloop.family.ModelPreset` ``path``: ``folder()``, or one
-    ``DeployError("model: preset '<preset>': <why>")`` while ``missing()`` says why not."""
+    ``DeployError("model: preset '<preset>': <why>")`` while ``missing()`` says why not.
+
+    ``built``: ``folder()`` makes the folder on first use (e.g. in a cache), so it runs first and
+    ``missing(that folder)`` checks what it made; an ``OSError`` while making it (a cache that is
+    not writable) is the one ``DeployError`` too."""
 
     def path() -> Path:
-        why = missing()
+        where = None
+        if built:
+            try:
+                where = folder()
+            except OSError as e:
+                raise DeployError(f"model: preset {preset!r}: {e}") from None
+        why = missing(where) if built else missing()
         if why is not None:
             raise DeployError(f"model: preset {preset!r}: {why}")
-        return folder()
+        return where if where is not None else folder()
 
     path.__name__ = path.__qualname__ = f"preset_path_{preset.replace('-', '_')}"
     path.__doc__ = f"The {preset!r} folder; one clear DeployError until its weights are installed."

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 #: the ``tokenizer_config.json`` of a T5 tokenizer (``model_max_length`` 512)
 T5_CONFIG: dict[str, Any] = {
@@ -47,6 +49,17 @@ def t5_unigram_tokenizer(out: Path, words: Sequence[str], *, pair: bool = False)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(T5_CONFIG, indent=2))
     return len(vocab)
+
+
+def t5_encoder_config(vocab_size: int, d_model: int, *, d_kv: int, d_ff: int, max_distance: int,
+                      pad_token_id: int = 0, eos_token_id: int = 1, **extra: Any) -> dict[str, Any]:
+    """A tiny T5 / UMT5 text encoder's config keywords: 2 layers of 4 heads, 8 relative-attention
+    buckets up to ``max_distance``, gated GELU, no dropout, decoding starting at the pad token;
+    ``extra`` adds keys (e.g. ``use_cache=False``)."""
+    return dict(vocab_size=vocab_size, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, relative_attention_max_distance=max_distance, dropout_rate=0.0,
+                feed_forward_proj="gated-gelu", pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                decoder_start_token_id=pad_token_id, **extra)
 
 
 def write_omniloop_json(out: Path, variant: str, defaults: dict[str, Any], **extra: Any) -> None:
@@ -112,23 +125,43 @@ def clip_bpe_tokenizer(out: Path, words: Sequence[str], max_length: int = 77) ->
     return len(vocab)
 
 
+def variant_config(configs: Mapping[str, _T], variant: str) -> _T:
+    """``configs[variant]``, or a ValueError naming the known variants."""
+    if variant not in configs:
+        raise ValueError(f"unknown variant {variant!r} (one of {', '.join(configs)})")
+    return configs[variant]
+
+
 def tiny_main(argv: list[str] | None, build: Callable[..., Path], *, module: str, what: str, doc: str,
               variants: Sequence[str], default: str, options: Sequence[tuple[str, dict[str, Any]]] = (),
-              convert: Callable[[argparse.Namespace], dict[str, Any]] | None = None) -> int:
+              convert: Callable[[argparse.Namespace], dict[str, Any]] | None = None, choice: str = "variant") -> int:
     """``python -m <module> OUT_DIR --variant V --seed N`` (plus the family's ``options``, mapped to
-    ``build``'s keywords by ``convert``): build a tiny checkpoint and say where and how large."""
+    ``build``'s keywords by ``convert``): build a tiny checkpoint and say where and how large.
+    ``choice`` names the option that picks among ``variants`` (and ``build``'s keyword for it),
+    e.g. ``arch``."""
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--variant", choices=tuple(variants), default=default)
+    parser.add_argument(f"--{choice}", choices=tuple(variants), default=default)
     parser.add_argument("--seed", type=int, default=0)
     for flag, kw in options:
         parser.add_argument(flag, **kw)
     args = parser.parse_args(argv)
-    path = build(args.out_dir, variant=args.variant, seed=args.seed, **(convert(args) if convert else {}))
+    picked = getattr(args, choice)
+    path = build(args.out_dir, **{choice: picked}, seed=args.seed, **(convert(args) if convert else {}))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    print(f"wrote tiny {what} checkpoint ({args.variant}, {size / 1024:.0f} KB) to {path}")
+    print(f"wrote tiny {what} checkpoint ({picked}, {size / 1024:.0f} KB) to {path}")
     return 0
 
 
-__all__ = ["T5_CONFIG", "bytes_to_unicode", "clip_bpe_tokenizer", "t5_unigram_tokenizer", "tiny_main",
+def tiny_command(build: Callable[..., Path], **options: Any) -> Callable[[list[str] | None], int]:
+    """A family tiny module's ``main(argv=None)``: :func:`tiny_main` over ``build`` with
+    ``options`` (``module``, ``what``, ``doc``, ``variants``, ``default``, ...)."""
+
+    def main(argv: list[str] | None = None) -> int:
+        return tiny_main(argv, build, **options)
+
+    return main
+
+
+__all__ = ["T5_CONFIG", "bytes_to_unicode", "clip_bpe_tokenizer", "t5_encoder_config", "t5_unigram_tokenizer", "tiny_command", "tiny_main", "variant_config",
            "write_model_index", "write_omniloop_json", "write_scheduler"]

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import tiny_main, write_omniloop_json
+from omniloop_kit.tiny import tiny_command, variant_config, write_omniloop_json
 
 VARIANTS = ("a", "b")
 MAX_TOKENS = 16
@@ -103,9 +103,7 @@ def build_components(variant: str = "a", seed: int = 0, tokenizer_dir: Path | No
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
-    if variant not in CONFIGS:
-        raise ValueError(f"unknown variant {variant!r} (one of {', '.join(VARIANTS)})")
-    c = CONFIGS[variant]
+    c = variant_config(CONFIGS, variant)
     assert tokenizer_dir is not None
     tokenizer = gemma_tokenizer(tokenizer_dir)
     torch.manual_seed(seed)
@@ -160,9 +158,8 @@ def build_tiny_checkpoint(out: str | Path, variant: str = "a", seed: int = 0,
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_ltx2.tiny", what="LTX-2", doc=__doc__ or "",
-                     variants=VARIANTS, default="a")
+main = tiny_command(build_tiny_checkpoint, module="omniloop_ltx2.tiny", what="LTX-2", doc=__doc__ or "",
+                    variants=VARIANTS, default="a")
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from omniloop_kit.tiny import tiny_command
 
 ARCHES = ("qwen2", "qwen3")
 
@@ -112,15 +113,8 @@ def build_tiny_checkpoint(path: str | Path, *, arch: str = "qwen2", seed: int = 
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m omniloop_qwen.tiny", description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--arch", choices=ARCHES, default="qwen2")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    out = build_tiny_checkpoint(args.out, arch=args.arch, seed=args.seed)
-    print(f"wrote a tiny {args.arch} checkpoint to {out}")
-    return 0
+main = tiny_command(build_tiny_checkpoint, module="omniloop_qwen.tiny", what="Qwen", doc=__doc__ or "",
+                    variants=ARCHES, default="qwen2", choice="arch")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,13 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import t5_unigram_tokenizer, tiny_main, write_model_index, write_omniloop_json, write_scheduler
+from omniloop_kit.tiny import (
+    t5_unigram_tokenizer,
+    tiny_command,
+    write_model_index,
+    write_omniloop_json,
+    write_scheduler,
+)
 
 VARIANTS = ("sd3", "sd35", "sd35-medium")
 
@@ -155,11 +161,10 @@ def build_tiny_checkpoint(path: str | Path, variant: str = "sd35-medium", seed: 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_sd3.tiny", what="SD3", doc=__doc__ or "",
-                     variants=VARIANTS, default="sd35-medium",
-                     options=[("--no-t5", {"action": "store_true", "help": "declare no T5 encoder (its context part is zeros)"})],
-                     convert=lambda args: {"t5": not args.no_t5})
+main = tiny_command(build_tiny_checkpoint, module="omniloop_sd3.tiny", what="SD3", doc=__doc__ or "",
+                    variants=VARIANTS, default="sd35-medium",
+                    options=[("--no-t5", {"action": "store_true", "help": "declare no T5 encoder (its context part is zeros)"})],
+                    convert=lambda args: {"t5": not args.no_t5})
 
 
 if __name__ == "__main__":

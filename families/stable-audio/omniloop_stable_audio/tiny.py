@@ -30,7 +30,6 @@ also a 0.25 s default clip).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import T5_CONFIG, t5_unigram_tokenizer, write_omniloop_json
+from omniloop_kit.tiny import T5_CONFIG, t5_unigram_tokenizer, tiny_command, variant_config, write_omniloop_json
 
 VARIANTS = ("stereo", "mono", "sa3", "sa3-base")
 
@@ -79,9 +78,7 @@ def build_components(variant: str = "stereo", seed: int = 0, tokenizer_dir: Path
     from diffusers.pipelines.stable_audio import StableAudioProjectionModel
     from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
-    if variant not in CONFIGS:
-        raise ValueError(f"unknown variant {variant!r} (one of {', '.join(VARIANTS)})")
-    c = CONFIGS[variant]
+    c = variant_config(CONFIGS, variant)
     assert tokenizer_dir is not None
     vocab = t5_unigram_tokenizer(tokenizer_dir, _WORDS)
     (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({**T5_CONFIG, "model_max_length": MAX_TOKENS}))
@@ -170,15 +167,8 @@ def build_tiny_checkpoint(out: str | Path, variant: str = "stereo", seed: int = 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m omniloop_stable_audio.tiny", description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--variant", choices=VARIANTS, default="stereo")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    path = build_tiny_checkpoint(args.out, args.variant, args.seed)
-    print(path)
-    return 0
+main = tiny_command(build_tiny_checkpoint, module="omniloop_stable_audio.tiny", what="Stable Audio",
+                    doc=__doc__ or "", variants=VARIANTS, default="stereo")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,25 +70,6 @@ def load_pipeline(folder: Path, device: str = "cpu", dtype: str = "float32"):
     pipe = StableAudioPipeline.from_pretrained(str(folder), torch_dtype=getattr(torch, dtype))
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
-
-
-@contextmanager
-def _progress(n_steps: int, total: int) -> Iterator[Callable[[int], None]]:
-    """A progress bar over ``total`` clips on stderr; yields ``advance(k)``."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    with Progress(TextColumn(f"{n_steps} steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("clips", total=total)
-        yield lambda k: bar.advance(task, k)
 
 
 def _has_runtime_family() -> bool:
@@ -170,11 +149,12 @@ def run(model: str, *, steps: str | None = None, seeds: str = "0", guidance_scal
     chunk = batch_size if backend == "diffusers" else 1  # the runtime runs one request (one clip) at a time
     console = Console()
     reports = []
+    from omniloop_kit.progress import clip_progress
+
     for n_steps in step_list:
         jobs = [(s, clip_seed(seed, i)) for seed in seed_list for i, s in enumerate(specs)]
         verdicts, t0, c0 = [], time.perf_counter(), time.process_time()
-        # a bar on stderr (stdout keeps the tables), advanced per chunk: the first numbers come after minutes otherwise
-        with _progress(n_steps, len(jobs)) as advance:
+        with clip_progress(n_steps, len(jobs)) as advance:  # advanced per chunk
             for i in range(0, len(jobs), chunk):
                 part = jobs[i:i + chunk]
                 audio = generate([s.prompt for s, _ in part], [seed for _, seed in part], n_steps, g)

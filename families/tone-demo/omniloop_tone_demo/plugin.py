@@ -3,29 +3,20 @@ and ``omniloop eval adherence`` for audio checkpoints."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from omniloop.errors import DeployError
 from omniloop.family import ModelPreset
-from omniloop.hookspecs import hookimpl
+from omniloop.hookspecs import hookimpl, registering
+from omniloop_kit.presets import preset_folder
 
 from .checkpoint_path import checkpoint_dir, checkpoint_missing
 
 OMNILOOP_HOOK_API = ">=1.0,<2"
 
 
-def preset_path() -> Path:
-    """The ``tone-demo`` folder (built in the cache on first use: :mod:`.checkpoint_path`); one
-    clear :class:`DeployError` until its weights are installed or when the cache is not writable."""
-    try:
-        folder = checkpoint_dir()
-    except OSError as e:
-        raise DeployError(f"model: preset 'tone-demo': {e}") from None
-    why = checkpoint_missing(folder)
-    if why is not None:
-        raise DeployError(f"model: preset 'tone-demo': {why}")
-    return folder
+#: the ``tone-demo`` folder (built in the cache on first use: :mod:`.checkpoint_path`); one clear
+#: :class:`~omniloop.errors.DeployError` until its weights are installed or when the cache is not writable
+preset_path = preset_folder("tone-demo", lambda: checkpoint_dir(), lambda folder: checkpoint_missing(folder), built=True)
 
 
 PRESET = ModelPreset(
@@ -37,9 +28,7 @@ PRESET = ModelPreset(
 )
 
 
-@hookimpl
-def omniloop_register_model_presets(register: Any) -> None:
-    register(PRESET)
+omniloop_register_model_presets = registering(PRESET)
 
 
 @hookimpl

@@ -88,24 +88,14 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
         console.print(f"[yellow]note:[/] {note}")
     prompts = prompts_of(kind, prompt_set)
     reports = []
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from omniloop_kit.progress import clip_progress
 
     chunk = batch_size if used == "diffusers" else 1  # the diffusers pipeline batches; the runtime runs clip by clip
     for n_steps in step_list:
         n = len(prompts) * len(_ints(seeds))
-        # a bar on stderr (stdout keeps the tables): the first numbers come after minutes otherwise
-        with Progress(TextColumn(f"{n_steps} steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task("clips", total=n)
+        with clip_progress(n_steps, n) as advance:
             rep = evaluate(gen, prompts=prompts, seeds=_ints(seeds), steps=n_steps, guidance_scale=g, backend=used,
-                           kind=kind, progress=lambda k, task=task: bar.advance(task, k), chunk=chunk)
+                           kind=kind, progress=advance, chunk=chunk)
         if note:
             rep.extra["note"] = note
         reports.append(rep)

@@ -357,13 +357,14 @@ def detect_image(image: np.ndarray, *, threshold: float = 0.22, min_area: int = 
 # ------------------------------------------------------------------------------------------
 
 
+def _rotating_shapes(make: Callable[[str, str, str], str], places: Sequence[str]) -> list[str]:
+    """``make(color, shape, place)`` for every color x every place, the shape rotating with both."""
+    return [make(c, SHAPES[(i + j) % len(SHAPES)], q) for i, c in enumerate(COLORS) for j, q in enumerate(places)]
+
+
 def default_prompts() -> list[str]:
     """Every color x every direction (24 prompts); shapes rotate so each appears 8 times."""
-    out = []
-    for i, c in enumerate(COLORS):
-        for j, d in enumerate(DIRECTIONS):
-            out.append(prompt_for(c, SHAPES[(i + j) % len(SHAPES)], d))
-    return out
+    return _rotating_shapes(prompt_for, DIRECTIONS)
 
 
 def full_prompts() -> list[str]:
@@ -373,11 +374,7 @@ def full_prompts() -> list[str]:
 
 def default_image_prompts() -> list[str]:
     """Every color x every position (54 prompts); shapes rotate (13-14 prompts each)."""
-    out = []
-    for i, c in enumerate(COLORS):
-        for j, q in enumerate(POSITIONS):
-            out.append(image_prompt_for(c, SHAPES[(i + j) % len(SHAPES)], q))
-    return out
+    return _rotating_shapes(image_prompt_for, POSITIONS)
 
 
 def full_image_prompts() -> list[str]:
@@ -451,14 +448,19 @@ def attributes_of(kind: str) -> tuple[str, ...]:
     return IMAGE_ATTRIBUTES if kind == "image" else ATTRIBUTES
 
 
+def _judged(det: Any, **expected: str) -> tuple[dict[str, str], dict[str, Any], dict[str, bool]]:
+    """``(expected, got, ok)``: the prompt's attributes, the detector's ``det`` reading of each,
+    and whether they agree, keyed in ``expected``'s order."""
+    got = {k: getattr(det, k) for k in expected}
+    return expected, got, {k: got[k] == v for k, v in expected.items()}
+
+
 def score(videos: Sequence[np.ndarray], prompts: Sequence[str], seeds: Sequence[int]) -> tuple[dict[str, float], list[ClipResult]]:
     clips = []
     for video, prompt, seed in zip(videos, prompts, seeds, strict=True):
         color, shape, direction = parse_prompt(prompt)
         det = detect(video)
-        expected = {"color": color, "direction": direction, "shape": shape}
-        got = {"color": det.color, "direction": det.direction, "shape": det.shape}
-        ok = {k: got[k] == expected[k] for k in ATTRIBUTES}
+        expected, got, ok = _judged(det, color=color, direction=direction, shape=shape)
         detected = dict(got, velocity=[round(v, 3) for v in det.velocity], travel=round(det.travel, 2), area=round(det.area, 1),
                         ghost_frames=det.ghost_frames, ghost_size=round(det.ghost_size, 3))
         clips.append(ClipResult(prompt, int(seed), expected, detected, ok))
@@ -477,9 +479,7 @@ def score_images(images: Sequence[np.ndarray], prompts: Sequence[str],
     for image, prompt, seed in zip(images, prompts, seeds, strict=True):
         color, shape, position = parse_image_prompt(prompt)
         det = detect_image(image)
-        expected = {"color": color, "shape": shape, "position": position}
-        got = {"color": det.color, "shape": det.shape, "position": det.position}
-        ok = {k: got[k] == expected[k] for k in IMAGE_ATTRIBUTES}
+        expected, got, ok = _judged(det, color=color, shape=shape, position=position)
         centroid = [round(v, 3) for v in det.centroid] if det.centroid else None
         shape_feats = {k: v for k, v in det.features.items() if k != "area"}
         detected = dict(got, centroid=centroid, area=round(det.area, 1), **shape_feats)

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from omniloop.family import ModelPreset
-from omniloop.hookspecs import hookimpl
+from omniloop.hookspecs import hookimpl, registering
 from omniloop_kit.presets import preset_folder
 
 from .checkpoint_path import (
@@ -83,11 +83,7 @@ FAST_PRESET = ModelPreset(
 )
 
 
-@hookimpl
-def omniloop_register_model_presets(register: Any) -> None:
-    register(PRESET)
-    register(CAUSAL_PRESET)
-    register(FAST_PRESET)
+omniloop_register_model_presets = registering(PRESET, CAUSAL_PRESET, FAST_PRESET)
 
 
 @hookimpl

@@ -26,7 +26,14 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.tiny import t5_unigram_tokenizer, tiny_main, write_model_index, write_omniloop_json, write_scheduler
+from omniloop_kit.tiny import (
+    t5_encoder_config,
+    t5_unigram_tokenizer,
+    tiny_command,
+    write_model_index,
+    write_omniloop_json,
+    write_scheduler,
+)
 
 VARIANTS = ("t2v", "wan22", "i2v", "wan22_i2v", "ti2v")
 
@@ -101,21 +108,8 @@ def build_tiny_checkpoint(
     text_dim = 32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        te_config = UMT5Config(
-            vocab_size=_vocab_size(out / "tokenizer"),
-            d_model=text_dim,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=32,
-            dropout_rate=0.0,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
+        te_config = UMT5Config(**t5_encoder_config(_vocab_size(out / "tokenizer"), text_dim, d_kv=8, d_ff=64,
+                                                   max_distance=32))
         UMT5EncoderModel(te_config).eval().save_pretrained(out / "text_encoder")
 
         z_dim = 48 if ti2v else 16
@@ -186,11 +180,10 @@ def build_tiny_checkpoint(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    return tiny_main(argv, build_tiny_checkpoint, module="omniloop_wan.tiny", what="Wan", doc=__doc__ or "",
-                     variants=VARIANTS, default="t2v",
-                     options=[("--scheduler", {"choices": ("unipc", "flow_euler"), "default": "unipc"})],
-                     convert=lambda args: {"scheduler": args.scheduler})
+main = tiny_command(build_tiny_checkpoint, module="omniloop_wan.tiny", what="Wan", doc=__doc__ or "",
+                    variants=VARIANTS, default="t2v",
+                    options=[("--scheduler", {"choices": ("unipc", "flow_euler"), "default": "unipc"})],
+                    convert=lambda args: {"scheduler": args.scheduler})
 
 
 if __name__ == "__main__":

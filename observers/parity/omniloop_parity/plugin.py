@@ -6,6 +6,7 @@ from typing import Any
 
 from omniloop.family import PluginComponentSpec
 from omniloop.hookspecs import hookimpl, registering
+from omniloop.lazy import lazy_factory
 
 from .config import ParityConfig
 
@@ -13,15 +14,9 @@ OMNILOOP_HOOK_API = ">=1.0,<2"
 
 NAME = "parity"
 
-
-def make_recorder(config: Any) -> Any:
-    from .recorder import ParityRecorder
-
-    return ParityRecorder(config)
-
-
 SPEC = PluginComponentSpec(
-    name=NAME, kind="observer", factory=lambda config: make_recorder(config), config_schema=ParityConfig,
+    name=NAME, kind="observer", factory=lazy_factory("omniloop_parity.recorder", "ParityRecorder"),
+    config_schema=ParityConfig,
     description="record named taps (per step and branch, optional block outputs, final output) to safetensors",
 )
 

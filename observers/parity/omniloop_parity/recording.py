@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from attrs import define
 
-from omniloop.checkpoints import read_safetensors
+from omniloop.checkpoints import metadata_json, read_safetensors
 from omniloop_io import media
 
 from .config import ParityError
@@ -161,15 +161,9 @@ class Recording:
         if not p.is_file():
             raise ParityError(f"{p}: recording not found")
         tensors, meta = read_safetensors(p, ParityError)
-        raw = meta.get(META_KEY)
-        if raw is None:
+        manifest = metadata_json(meta, META_KEY, p, ParityError, what="the parity manifest")
+        if manifest is None:
             raise ParityError(f"{p}: a safetensors file, but not a parity recording (no {META_KEY!r} manifest)")
-        try:
-            manifest = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ParityError(f"{p}: the parity manifest is malformed JSON: {exc}") from None
-        if not isinstance(manifest, dict):
-            raise ParityError(f"{p}: the parity manifest is not a JSON object")
         if manifest.get("format") != FORMAT:
             raise ParityError(f"{p}: unsupported recording format {str(manifest.get('format'))[:40]!r} (this reads {FORMAT})")
         try:

@@ -7,6 +7,7 @@ from typing import Any
 
 from omniloop.family import PluginComponentSpec, RunOptionSpec
 from omniloop.hookspecs import hookimpl, registering
+from omniloop.lazy import lazy_factory
 
 from .config import ProfilerConfig
 
@@ -14,15 +15,9 @@ OMNILOOP_HOOK_API = ">=1.0,<2"
 
 NAME = "profiler"
 
-
-def _make(config: Any) -> Any:
-    from .profiler import make_profiler
-
-    return make_profiler(config)
-
-
 SPEC = PluginComponentSpec(
-    name=NAME, kind="observer", factory=lambda config: _make(config), config_schema=ProfilerConfig,
+    name=NAME, kind="observer", factory=lazy_factory("omniloop_profiler.profiler", "make_profiler"),
+    config_schema=ProfilerConfig,
     description="wall/device time per node, step and block; peak memory; torch.profiler window; NVTX",
 )
 

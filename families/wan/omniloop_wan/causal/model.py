@@ -26,6 +26,7 @@ Wan2.1 I2V (CLIP image context) is not supported here (``added_kv_proj`` is refu
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -123,25 +124,18 @@ def self_attention(
 
 
 def block_forward(
-    block: Any,
-    hidden: torch.Tensor,
-    text: torch.Tensor,
-    temb: torch.Tensor,
-    rotary: tuple[torch.Tensor, torch.Tensor],
-    *,
-    layer: int,
-    context: Context | None = None,
-    record: Recorder | None = None,
-    mask: torch.Tensor | None = None,
+    block: Any, hidden: torch.Tensor, text: torch.Tensor, temb: torch.Tensor,
+    attend: Callable[[Any, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """``WanTransformerBlock.forward`` with the self-attention of :func:`self_attention`."""
+    """``WanTransformerBlock.forward`` with its self-attention ``attend(block.attn1, x)`` (:func:`self_attention`
+    bound to the block's layer, RoPE tables, K/V context, recorder and mask)."""
     if temb.ndim == 4:  # one modulation per token
         mods = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
         shift, scale, gate, c_shift, c_scale, c_gate = (m.squeeze(2) for m in mods)
     else:
         shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table + temb.float()).chunk(6, dim=1)
     norm = (block.norm1(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-    out = self_attention(block.attn1, norm, rotary, layer=layer, context=context, record=record, mask=mask)
+    out = attend(block.attn1, norm)
     hidden = (hidden.float() + out * gate).type_as(hidden)
     norm = block.norm2(hidden.float()).type_as(hidden)
     hidden = hidden + block.attn2(norm, text, None, None)
@@ -172,7 +166,8 @@ def _forward(
         rotary = rope_at(model, positions, grid[1], grid[2])
     rotary = (rotary[0].to(latents.device), rotary[1].to(latents.device))
     for i, block in enumerate(model.blocks):
-        hidden = block_forward(block, hidden, text, proj, rotary, layer=i, context=context, record=record, mask=mask)
+        attend = partial(self_attention, rotary=rotary, layer=i, context=context, record=record, mask=mask)
+        hidden = block_forward(block, hidden, text, proj, attend)
     return head(model, hidden, temb, grid)
 
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-import json
 import math
 import re
 import threading
@@ -294,19 +293,10 @@ def adapter_file(path: str | Path) -> Path:
 
 def read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, the parsed ``lora_adapter_metadata`` or {}) of a safetensors LoRA file."""
-    from omniloop.checkpoints import read_safetensors
+    from omniloop.checkpoints import metadata_json, read_safetensors
 
     sd, meta = read_safetensors(path, AdapterFormatError)
-    parsed: dict[str, Any] = {}
-    raw = meta.get(METADATA_KEY)
-    if raw:
-        try:
-            parsed = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise AdapterFormatError(f"{path}: {METADATA_KEY} is not JSON ({exc})") from None
-        if not isinstance(parsed, dict):
-            raise AdapterFormatError(f"{path}: {METADATA_KEY} is not a JSON object")
-    return sd, parsed
+    return sd, metadata_json(meta, METADATA_KEY, path, AdapterFormatError) or {}
 
 
 def is_diffusers_layout(sd: Mapping[str, torch.Tensor], components: Sequence[str]) -> bool:

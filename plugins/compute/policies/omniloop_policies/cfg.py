@@ -701,21 +701,11 @@ def _run(
     return call_model(interceptors, step, loop, inputs or {}, compute)
 
 
-def guided_prediction(
-    cfg: CFGPolicy,
-    step: StepContext,
-    state: CFGState,
-    *,
-    forward: Forward,
-    forward_batch: ForwardBatch | None = None,
-    loop: LoopState | None = None,
-    interceptors: Sequence[Any] = (),
-    inputs: dict[str, Any] | None = None,
-) -> Prediction:
-    """``cfg.combine`` of :func:`predict_branches`: the guided prediction for this step."""
-    preds = predict_branches(cfg, step, state, forward=forward, forward_batch=forward_batch, loop=loop,
-                             interceptors=interceptors, inputs=inputs)
-    return cfg.combine(step, state, preds)
+def guided_prediction(cfg: CFGPolicy, step: StepContext, state: CFGState, **branches: Any) -> Prediction:
+    """``cfg.combine`` of :func:`predict_branches`: the guided prediction for this step.
+    ``branches`` are :func:`predict_branches`' keywords (``forward`` required; ``forward_batch``,
+    ``loop``, ``interceptors``, ``inputs``)."""
+    return cfg.combine(step, state, predict_branches(cfg, step, state, **branches))
 
 
 CFG_CLASSES: dict[str, type] = {

@@ -35,7 +35,7 @@ import itertools
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from functools import cache
-from typing import Any, ClassVar, Protocol, cast, runtime_checkable
+from typing import Any, ClassVar, cast
 
 import attrs
 import torch
@@ -115,15 +115,35 @@ class SamplerState:
         return self.timestep_values[self.index if i is None else i]
 
 
-@runtime_checkable
-class Sampler(Protocol):
-    """What a denoise loop calls. ``init`` once per request, ``step`` once per solver step."""
+class Sampler:
+    """What a denoise loop calls: ``init`` once per request, ``step`` once per solver step. The base
+    of every sampler here; a sampler class provides ``_start`` (the state of one request) and
+    ``_advance`` (one step's math on the inputs already in ``step_dtype``) and builds itself with
+    ``_build`` from :meth:`from_config`."""
 
-    @property
-    def name(self) -> str: ...
+    name: ClassVar[str] = ""
+    step_dtype: torch.dtype | None
 
-    @property
-    def step_dtype(self) -> torch.dtype | None: ...
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any] | None = None,
+        *,
+        source: str = "scheduler config",
+        step_dtype: torch.dtype | None = torch.float32,
+        strict: bool = False,
+        **options: Any,
+    ) -> Any:
+        """Build from a checkpoint's scheduler config (``scheduler/scheduler_config.json``).
+
+        Raises :class:`SchedulerConfigError` when the config cannot be run by this sampler;
+        ``options`` are the sampler class's own (its ``_build`` keywords)."""
+        return cls._build(config, source, step_dtype, strict, **options)
+
+    @classmethod
+    def _build(cls, config: Mapping[str, Any] | None, source: str, step_dtype: torch.dtype | None, strict: bool,
+               **options: Any) -> Any:
+        raise NotImplementedError
 
     def init(
         self,
@@ -133,13 +153,34 @@ class Sampler(Protocol):
         shift: float | None = None,
         mu: float | None = None,
         generator: torch.Generator | None = None,
-    ) -> SamplerState: ...
+        **options: Any,
+    ) -> SamplerState:
+        """Allocate one request's state (``options``: the sampler class's own, e.g. few-step's
+        ``timesteps``)."""
+        return self._start(num_steps, device, shift, mu, generator, **options)
 
-    def timesteps(self, state: SamplerState) -> torch.Tensor: ...
+    def _start(self, num_steps: int | None, device: torch.device | str, shift: float | None, mu: float | None,
+               generator: torch.Generator | None, **options: Any) -> SamplerState:
+        raise NotImplementedError
+
+    def timesteps(self, state: SamplerState) -> torch.Tensor:
+        return state.timesteps
 
     def step(
         self, state: SamplerState, model_output: torch.Tensor, timestep: Any, sample: torch.Tensor
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """One solver step: the sample at the next timestep, in ``sample``'s dtype (the math in
+        ``step_dtype``)."""
+        if state.done:
+            raise PolicyError(f"sampler {self.name!r}: step called after all {state.num_steps} steps")
+        mo, x = _step_inputs(self.step_dtype, model_output, sample)
+        out = self._advance(state, mo, timestep, x)
+        state.index += 1
+        return _step_output(self.step_dtype, out, sample.dtype)
+
+    def _advance(self, state: SamplerState, model_output: torch.Tensor, timestep: Any, sample: torch.Tensor
+                 ) -> torch.Tensor:
+        raise NotImplementedError
 
 
 # ============================================================================================
@@ -386,7 +427,7 @@ def strength_start(num_steps: int, strength: float) -> int:
 
 
 @define(frozen=True, kw_only=True)
-class DiffusersFlowSampler:
+class DiffusersFlowSampler(Sampler):
     """Base of the samplers that run a diffusers scheduler as their math.
 
     ``config`` holds the normalized scheduler kwargs; each request gets
@@ -431,22 +472,10 @@ class DiffusersFlowSampler:
             )
 
     @classmethod
-    def from_config(
-        cls,
-        config: Mapping[str, Any] | None = None,
-        *,
-        source: str = "scheduler config",
-        step_dtype: torch.dtype | None = torch.float32,
-        strict: bool = False,
-        sigma_schedule: str | None = None,
-        **options: Any,
-    ) -> DiffusersFlowSampler:
-        """Build from a checkpoint's scheduler config (``scheduler/scheduler_config.json``).
-
-        Raises :class:`SchedulerConfigError` when the config cannot be run by this sampler;
-        ``options`` override scheduler init arguments (e.g. ``solver_order=3``); ``sigma_schedule``
-        is the sampler's own option (see the attribute).
-        """
+    def _build(cls, config: Mapping[str, Any] | None, source: str, step_dtype: torch.dtype | None, strict: bool,
+               sigma_schedule: str | None = None, **options: Any) -> DiffusersFlowSampler:
+        """``options`` override scheduler init arguments (e.g. ``solver_order=3``);
+        ``sigma_schedule`` is the sampler's own option (see the attribute)."""
         norm = normalize_flow_config(
             config, target=cls.scheduler_class, sampler=cls.name, source=source, strict=strict, options=options
         )
@@ -475,16 +504,9 @@ class DiffusersFlowSampler:
             kwargs["flow_shift" if "flow_shift" in kwargs else "shift"] = float(shift)
         return self.scheduler_class(**kwargs)
 
-    def init(
-        self,
-        num_steps: int | None,
-        *,
-        device: torch.device | str = "cpu",
-        shift: float | None = None,
-        mu: float | None = None,
-        generator: torch.Generator | None = None,
-    ) -> SamplerState:
-        """Allocate one request's state: a fresh scheduler with ``num_steps`` timesteps.
+    def _start(self, num_steps: int | None, device: torch.device | str, shift: float | None, mu: float | None,
+               generator: torch.Generator | None) -> SamplerState:
+        """One request's state: a fresh scheduler with ``num_steps`` timesteps.
 
         ``shift`` overrides the checkpoint's shift. ``mu`` is the resolution-dependent shift
         exponent: passed to ``set_timesteps`` when the config uses dynamic shifting, else turned
@@ -528,9 +550,6 @@ class DiffusersFlowSampler:
             generator=generator,
         )
 
-    def timesteps(self, state: SamplerState) -> torch.Tensor:
-        return state.timesteps
-
     def truncate(self, state: SamplerState, strength: float) -> int:
         """Keep the last ``strength`` of the schedule (image-to-image), as diffusers' img2img
         pipelines' ``get_timesteps`` does: ``t_start = int(n - min(n * strength, n))``, the timesteps
@@ -551,20 +570,13 @@ class DiffusersFlowSampler:
         state.scheduler.set_begin_index(begin)
         return t_start
 
-    def step(
-        self, state: SamplerState, model_output: torch.Tensor, timestep: Any, sample: torch.Tensor
-    ) -> torch.Tensor:
-        """One solver step: the sample at the next timestep."""
-        if state.done:
-            raise PolicyError(f"sampler {self.name!r}: step called after all {state.num_steps} steps")
-        sample_dtype = sample.dtype
-        mo, x = _step_inputs(self.step_dtype, model_output, sample)
+    def _advance(self, state: SamplerState, model_output: torch.Tensor, timestep: Any, sample: torch.Tensor
+                 ) -> torch.Tensor:
+        """The diffusers scheduler's step (with the request's generator where it draws noise)."""
         kwargs: dict[str, Any] = {"return_dict": False}
         if state.generator is not None and _step_takes_generator(cast(Hashable, type(state.scheduler))):
             kwargs["generator"] = state.generator
-        out = state.scheduler.step(mo, timestep, x, **kwargs)[0]
-        state.index += 1
-        return _step_output(self.step_dtype, out, sample_dtype)
+        return state.scheduler.step(model_output, timestep, sample, **kwargs)[0]
 
 
 def _flow_euler_class() -> type:
@@ -645,7 +657,7 @@ def _positive_timesteps(value: Sequence[int | float]) -> tuple[float, ...]:
 
 
 @define(frozen=True, kw_only=True)
-class FewStepSampler:
+class FewStepSampler(Sampler):
     """A fixed timestep list for few-step distilled checkpoints (DMD).
 
     At step ``i`` with model timestep ``t_i``: ``x0 = x - sigma_i * v``; if a next step exists,
@@ -685,17 +697,9 @@ class FewStepSampler:
             )
 
     @classmethod
-    def from_config(
-        cls,
-        config: Mapping[str, Any] | None = None,
-        *,
-        source: str = "scheduler config",
-        step_dtype: torch.dtype | None = torch.float32,
-        strict: bool = False,
-        timesteps: Sequence[int | float] = DMD_WAN_TIMESTEPS,
-        grid_shift: float = 8.0,
-        warp: bool = False,
-    ) -> FewStepSampler:
+    def _build(cls, config: Mapping[str, Any] | None, source: str, step_dtype: torch.dtype | None, strict: bool,
+               timesteps: Sequence[int | float] = DMD_WAN_TIMESTEPS, grid_shift: float = 8.0, warp: bool = False,
+               ) -> FewStepSampler:
         """Check the checkpoint predicts a flow; the schedule itself comes from the options
         (the distilled timesteps are not in a diffusers scheduler config)."""
         norm = normalize_flow_config(config, target=_flow_euler_class(), sampler=cls.name, source=source, strict=strict)
@@ -731,16 +735,8 @@ class FewStepSampler:
         idx = torch.argmin((grid_t.unsqueeze(0) - query.unsqueeze(1)).abs(), dim=1)
         return ts, (*(float(s) for s in grid_s[idx].tolist()), 0.0)
 
-    def init(
-        self,
-        num_steps: int | None,
-        *,
-        device: torch.device | str = "cpu",
-        shift: float | None = None,
-        mu: float | None = None,
-        generator: torch.Generator | None = None,
-        timesteps: Sequence[float] | None = None,
-    ) -> SamplerState:
+    def _start(self, num_steps: int | None, device: torch.device | str, shift: float | None, mu: float | None,
+               generator: torch.Generator | None, timesteps: Sequence[float] | None = None) -> SamplerState:
         """The distilled schedule; ``num_steps`` must be None or its length. ``shift``/``mu`` are
         ignored (the schedule is fixed by distillation)."""
         ts, sigmas = self.schedule(timesteps)
@@ -760,19 +756,10 @@ class FewStepSampler:
             tensors={"sigmas": torch.tensor(sigmas, dtype=torch.float32, device=device)},
         )
 
-    def timesteps(self, state: SamplerState) -> torch.Tensor:
-        return state.timesteps
-
-    def step(
-        self, state: SamplerState, model_output: torch.Tensor, timestep: Any, sample: torch.Tensor
-    ) -> torch.Tensor:
-        if state.done:
-            raise PolicyError(f"sampler 'few-step': step called after all {state.num_steps} steps")
+    def _advance(self, state: SamplerState, v: torch.Tensor, timestep: Any, x: torch.Tensor) -> torch.Tensor:
         from diffusers.utils.torch_utils import randn_tensor
 
         i = state.index
-        sample_dtype = sample.dtype
-        v, x = _step_inputs(self.step_dtype, model_output, sample)
         sigmas = state.tensors["sigmas"]
         x0 = x - sigmas[i] * v
         if i + 1 < state.num_steps:
@@ -781,8 +768,7 @@ class FewStepSampler:
             out = (1.0 - sigma_next) * x0 + sigma_next * noise
         else:
             out = x0
-        state.index += 1
-        return _step_output(self.step_dtype, out, sample_dtype)
+        return out
 
 
 SAMPLER_CLASSES: dict[str, type] = {

@@ -28,7 +28,7 @@ import binascii
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from attrs import define, field
@@ -126,28 +126,30 @@ def _is_num(v: Any) -> bool:
         return False
 
 
-def _opt_int(d: Mapping[str, Any], key: str, path: str, *, ge: int | None = None) -> int | None:
+def _opt_bounded(d: Mapping[str, Any], key: str, path: str, *, ok: Callable[[Any], bool], expected: str,
+                 ge: float | None = None, gt: float | None = None) -> Any:
+    """``d[key]`` (None when absent) if ``ok`` accepts it and it is ``>= ge`` / ``> gt``; else one
+    :class:`InvalidRequest` at ``path``."""
     v = d.get(key)
     if v is None:
         return None
-    if not _is_int(v):
-        raise InvalidRequest(path, f"expected an integer, got {brief(v)}")
-    if ge is not None and v < ge:
-        raise InvalidRequest(path, f"must be >= {ge}, got {v}")
-    return int(v)
-
-
-def _opt_num(d: Mapping[str, Any], key: str, path: str, *, ge: float | None = None, gt: float | None = None) -> float | None:
-    v = d.get(key)
-    if v is None:
-        return None
-    if not _is_num(v):
-        raise InvalidRequest(path, f"expected a finite number, got {brief(v)}")
+    if not ok(v):
+        raise InvalidRequest(path, f"expected {expected}, got {brief(v)}")
     if ge is not None and v < ge:
         raise InvalidRequest(path, f"must be >= {ge}, got {v}")
     if gt is not None and v <= gt:
         raise InvalidRequest(path, f"must be > {gt}, got {v}")
-    return float(v)
+    return v
+
+
+def _opt_int(d: Mapping[str, Any], key: str, path: str, *, ge: int | None = None) -> int | None:
+    v = _opt_bounded(d, key, path, ok=_is_int, expected="an integer", ge=ge)
+    return None if v is None else int(v)
+
+
+def _opt_num(d: Mapping[str, Any], key: str, path: str, *, ge: float | None = None, gt: float | None = None) -> float | None:
+    v = _opt_bounded(d, key, path, ok=_is_num, expected="a finite number", ge=ge, gt=gt)
+    return None if v is None else float(v)
 
 
 def _opt_str(d: Mapping[str, Any], key: str, path: str) -> str | None:

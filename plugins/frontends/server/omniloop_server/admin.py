@@ -30,6 +30,7 @@ import io
 import os
 import re
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +78,26 @@ def admin_routes(api: Any) -> list[Route]:
             return error(403, "wrong admin token", param="Authorization", code="forbidden")
         return None
 
-    async def json_body(request: Request) -> Any:
-        # read in chunks (never re-copied), parsed off the event loop (a large one in a helper process)
-        return await api.read_json(request, MAX_ADMIN_BODY_BYTES, check=False)
+    def admin_only(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """``handler`` behind the bearer-token check (401/403 before it runs)."""
 
+        async def route(request: Request) -> Response:
+            denied = auth(request)
+            return denied if denied is not None else await handler(request)
+
+        return route
+
+    async def object_body(request: Request, expected: str) -> dict[str, Any]:
+        # read in chunks (never re-copied), parsed off the event loop (a large one in a helper process)
+        body = await api.read_json(request, MAX_ADMIN_BODY_BYTES, check=False)
+        if not isinstance(body, dict):
+            raise RequestError("body", f"expected a JSON object {expected}")
+        return body
+
+    @admin_only
     async def rollout_generate(request: Request) -> Response:
-        if (denied := auth(request)) is not None:
-            return denied
         try:
-            body = await json_body(request)
-            if not isinstance(body, dict):
-                raise RequestError("body", "expected a JSON object (an omniloop request)")
+            body = await object_body(request, "(an omniloop request)")
             handles = await api.engine.submit_group_async(body, api.state.prepare_pool)
         except Exception as exc:
             return api.translate(exc, None)
@@ -95,13 +105,10 @@ def admin_routes(api: Any) -> list[Route]:
         outs = [await h.result() for h in handles]
         return JSONResponse({"samples": [_sample(o) for o in outs]})
 
+    @admin_only
     async def weights_update(request: Request) -> Response:
-        if (denied := auth(request)) is not None:
-            return denied
         try:
-            body = await json_body(request)
-            if not isinstance(body, dict):
-                raise RequestError("body", "expected a JSON object {version, source, adapter?}")
+            body = await object_body(request, "{version, source, adapter?}")
             unknown = sorted(set(body) - {"version", "source", "adapter", "timeout"})
             if unknown:
                 raise RequestError(unknown[0], "unknown field (expected version, source, adapter, timeout)")
@@ -130,9 +137,8 @@ def admin_routes(api: Any) -> list[Route]:
                 cleanup()
         return JSONResponse({"weight_version": runtime.weight_version, "checksum": checksum})
 
+    @admin_only
     async def weights_checksum(request: Request) -> Response:
-        if (denied := auth(request)) is not None:
-            return denied
         from omniloop.weights import CHECKSUM_ALGORITHMS, RuntimeAsleep
 
         unknown = sorted(set(request.query_params) - {"algorithm"})
@@ -147,15 +153,13 @@ def admin_routes(api: Any) -> list[Route]:
             return error(409, str(exc), code="asleep")
         return JSONResponse({"checksum": checksum, "weight_version": runtime.weight_version})
 
+    @admin_only
     async def sleep(request: Request) -> Response:
-        if (denied := auth(request)) is not None:
-            return denied
         released = await run_in_threadpool(runtime.sleep)
         return JSONResponse({"asleep": True, "bytes_released": released})
 
+    @admin_only
     async def wake(request: Request) -> Response:
-        if (denied := auth(request)) is not None:
-            return denied
         await run_in_threadpool(runtime.wake)
         return JSONResponse({"asleep": False})
 

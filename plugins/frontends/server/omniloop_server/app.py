@@ -46,7 +46,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -656,18 +656,21 @@ def create_app(
         state.jobs.add(job, engine)
         return JSONResponse(job.to_dict(), status_code=200)
 
-    def find(request: Request) -> Job:
-        job = state.jobs.get(request.path_params["video_id"])
-        if job is None:
-            raise _HttpError(error(404, f"no video job {show(request.path_params['video_id'])}",
-                                   type_="invalid_request_error", param="video_id", code="not_found"))
-        return job
+    def with_job(handler: Callable[[Request, Job], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """The route that finds the job named by the path's ``video_id`` (404 if none) and runs
+        ``handler(request, job)``."""
 
-    async def get_video(request: Request) -> Response:
-        try:
-            job = find(request)
-        except _HttpError as exc:
-            return exc.response
+        async def route(request: Request) -> Response:
+            job = state.jobs.get(request.path_params["video_id"])
+            if job is None:
+                return error(404, f"no video job {show(request.path_params['video_id'])}",
+                             type_="invalid_request_error", param="video_id", code="not_found")
+            return await handler(request, job)
+
+        return route
+
+    @with_job
+    async def get_video(request: Request, job: Job) -> Response:
         headers = {} if job.terminal else {"openai-poll-after-ms": str(state.poll_after_ms)}
         return JSONResponse(job.to_dict(), headers=headers)
 
@@ -698,11 +701,8 @@ def create_app(
             "has_more": len(jobs) > limit,
         })
 
-    async def video_content(request: Request) -> Response:
-        try:
-            job = find(request)
-        except _HttpError as exc:
-            return exc.response
+    @with_job
+    async def video_content(request: Request, job: Job) -> Response:
         variant = request.query_params.get("variant", "video")
         if variant not in VARIANTS:
             return error(422, f"variant: expected one of {', '.join(VARIANTS)}, got {show(variant)}",
@@ -723,28 +723,19 @@ def create_app(
         ext = "mp4" if variant == "video" else f"{variant}.png"
         return FileResponse(path, media_type=VARIANTS[variant], filename=f"{job.id}.{ext}")
 
-    async def cancel_video(request: Request) -> Response:
-        try:
-            job = find(request)
-        except _HttpError as exc:
-            return exc.response
+    @with_job
+    async def cancel_video(request: Request, job: Job) -> Response:
         job.request_cancel(engine)
         return JSONResponse(job.to_dict())
 
-    async def delete_video(request: Request) -> Response:
-        try:
-            job = find(request)
-        except _HttpError as exc:
-            return exc.response
+    @with_job
+    async def delete_video(request: Request, job: Job) -> Response:
         job.request_cancel(engine)
         state.jobs.remove(job.id)
         return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
 
-    async def video_events(request: Request) -> Response:
-        try:
-            job = find(request)
-        except _HttpError as exc:
-            return exc.response
+    @with_job
+    async def video_events(request: Request, job: Job) -> Response:
 
         async def stream() -> AsyncIterator[bytes]:
             i = 0
