@@ -127,3 +127,26 @@ def test_a_graphed_request_equals_the_plain_one_on_cuda(flux_ckpt, make_t2i) -> 
     got = completed_latents(rt.generate(req))
     assert graphs.captured(rt.model.components["transformer"]) == 1
     assert torch.equal(got, completed_latents(plain.generate(req)))
+
+
+def test_fused_qkv_option(flux_ckpt, flux_runtime, make_t2i) -> None:
+    """``options.qkv: fused``: diffusers' fused projections (one GEMM over [Wq; Wk; Wv]; another GEMM
+    shape may round differently: CPU float32 within 1e-5); a bad value is one line before load."""
+    rt = Runtime.from_model(flux_ckpt("dev"), device="cpu", dtype="float32", manager=flux_manager(),
+                            options={"qkv": "fused"})
+    tf = rt.model.components["transformer"]
+    assert rt.model.config["qkv"] == "fused" and all(m.fused_projections for m in attention_modules(tf))
+    req = make_t2i(steps=2)
+    torch.testing.assert_close(completed_latents(rt.generate(req)),
+                               completed_latents(flux_runtime("dev").generate(req)), atol=1e-5, rtol=1e-5)
+    with pytest.raises(DeployError, match=r"^options\.qkv: must be one of separate, fused, not 'both'$"):
+        Runtime.from_model(flux_ckpt("dev"), device="cpu", dtype="float32", manager=flux_manager(),
+                           options={"qkv": "both"})
+
+
+def test_adapters_refuse_fused_qkv() -> None:
+    from omniloop_flux.lora import check
+
+    with pytest.raises(DeployError, match=r"^adapters: options\.qkv 'fused' computes Q/K/V without"):
+        check(None, {"qkv": "fused"})
+    check(None, {"qkv": "separate"})
