@@ -202,7 +202,11 @@ class OmniloopSide:
         from omniloop_flux.denoise import pack_latents
 
         lat = pack_latents(ex.state.read("denoised", Latents).tensor)
-        return {"total": total, "steps": per_step, "latents": lat, "metrics": {"denoise": out.metrics.get("denoise")}}
+        from omniloop_kit.graphs import captured
+
+        return {"total": total, "steps": per_step, "latents": lat, "metrics": {
+            "denoise": out.metrics.get("denoise"),
+            "cuda_graphs_captured": captured(self.model.components["transformer"])}}
 
 
 def flops_per_step(cfg: dict[str, Any], size: int, txt_len: int) -> float:

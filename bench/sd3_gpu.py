@@ -224,7 +224,10 @@ class OmniloopSide:
         body = {"task": "t2i", "prompt": PROMPT, "negative_prompt": NEGATIVE,
                 "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED, "height": size, "width": size},
                 "outputs": {"return_latents": True}}
+        from omniloop_kit.graphs import captured
+
         result, out = omniloop_run(self.built, body)
+        result["metrics"]["cuda_graphs_captured"] = captured(self.model.components["transformer"])
         return {**result, "image": out.artifacts["image"].pixels}
 
 
