@@ -211,4 +211,4 @@ def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
     record["summary"] = summary
 
 
-__all__ = ["BACKENDS", "attention_spec", "omniloop_setting", "build_sides", "measure", "omniloop_run", "parser", "saver", "setting", "summarize", "warm_up"]
+__all__ = ["BACKENDS", "attention_spec", "build_sides", "measure", "omniloop_run", "omniloop_setting", "parser", "saver", "setting", "summarize", "warm_up"]
