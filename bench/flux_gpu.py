@@ -228,14 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__.split("\n")[0], steps=28, budget_s=400.0, sides=DEFAULT_SIDES)
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--tag", default="h200")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (as --smoke picks)")
+    ap.add_argument("--compile-backend", default=None, help="torch.compile backend of every compiled side "
+                    "(default: inductor on CUDA, eager on CPU)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     device, dtype, compile_backend, only = setting(ap, args, SIDES)
+    if args.device == "cpu" and device.type != "cpu":
+        device, dtype = torch.device("cpu"), torch.float32
+    compile_backend = args.compile_backend or compile_backend
     size = 64 if args.smoke else args.size
     steps = 3 if args.smoke else args.steps
     max_len = 32 if args.smoke else 512
     date = datetime.date.today().isoformat()
-    tag = "smoke" if args.smoke else args.tag
     record: dict[str, Any] = {
         "bench": "flux_gpu", "date": date, "command": command_line("bench/flux_gpu.py", argv),
         "machine": machine(device=str(device), dtype=str(dtype).replace("torch.", ""), **library_versions()),
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             "tflop_per_step": round(flops / 1e12, 2), "bf16_gemm_tflops": BF16_GEMM_TFLOPS,
             "limit_s_per_step": round(flops / (BF16_GEMM_TFLOPS * 1e12), 5),
             "how": "flops_per_step(): linears and attention of one step (one forward), at the bf16 GEMM rate"}
-    out_path = Path(args.out) / f"flux_gpu-{tag}-{date}.json"
+    out_path = Path(args.out) / f"flux_gpu-{args.tag}{'-smoke' if args.smoke else ''}-{date}.json"
     save = saver(record, out_path)
     t = time.perf_counter()
     base = build_components(device, dtype, args.smoke)
@@ -291,8 +296,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
-    """The shared summary, plus each side's fraction of the step's bf16 matmul limit."""
+    """The shared summary, plus each side's fraction of the step's bf16 matmul limit; ``results``
+    (per side: s/step, end to end, the speedups) and ``final_latents`` (omniloop's against diffusers',
+    eager vs eager and compiled vs compiled: equal, max |diff|) as this script wrote them before."""
     summarize_sides(record, runs)
+    record["results"] = {name: dict(entry) for name, entry in (record.get("summary") or {}).items()}
+    same = {}
+    for a, b in (("diffusers", "omniloop"), ("diffusers-compile", "omniloop-compile")):
+        if runs.get(a) and runs.get(b):
+            x, y = runs[a][-1]["latents"], runs[b][-1]["latents"]
+            same[f"{b}_vs_{a}"] = {"equal": bool(torch.equal(x, y)), "max_abs_diff": float((x.float() - y.float()).abs().max())}
+    record["final_latents"] = same
     limit = (record.get("matmul_limit") or {}).get("limit_s_per_step")
     if limit:
         for entry in (record.get("summary") or {}).values():
