@@ -114,6 +114,37 @@ def omniloop_run(built: Any, body: dict[str, Any]) -> tuple[dict[str, Any], Any]
              "metrics": {"denoise": out.metrics.get("denoise")}}, out)
 
 
+#: short names of attention backends in side names (``omniloop-fa4-compile-graphs``)
+BACKENDS = {"cudnn": "sdpa-cudnn", "fa4": "flash-attn-4", "fp8": "cudnn-fp8"}
+#: what an omniloop side name may say after ``omniloop``: a backend, ``fused`` (``options.qkv:
+#: fused``), ``compile`` (deploy ``compile: true``), ``graphs`` (``options.cuda_graphs``)
+SIDE_WORDS = ("fused", "compile", "graphs", *BACKENDS)
+
+
+def omniloop_setting(name: str) -> dict[str, Any]:
+    """An omniloop side's deploy from its name: ``omniloop[-<backend>][-fused][-compile][-graphs]``
+    → ``{"attention", "qkv", "compile", "graphs"}`` (unknown words raise ``ValueError``)."""
+    words = name.split("-")
+    if words[0] != "omniloop" or any(w not in SIDE_WORDS for w in words[1:]):
+        raise ValueError(f"side {name!r}: omniloop[-{'|'.join(BACKENDS)}][-fused][-compile][-graphs]")
+    backend = [BACKENDS[w] for w in words[1:] if w in BACKENDS]
+    return {"attention": backend[0] if backend else "sdpa", "qkv": "fused" if "fused" in words else "separate",
+            "compile": "compile" in words, "graphs": "graphs" in words}
+
+
+def attention_spec(name: str) -> Any:
+    """omniloop-attention's backend ``name`` (None for the core ``sdpa``); raises when it cannot run here."""
+    if name == "sdpa":
+        return None
+    from omniloop_attention.backends import BACKENDS as SPECS
+
+    spec = {s.name: s for s in SPECS}[name]
+    why = spec.available()
+    if why:
+        raise RuntimeError(f"attention backend {name!r} cannot run here: {why}")
+    return spec
+
+
 def build_sides(names: Iterable[str], record: dict[str, Any], make: Callable[[str], Any]) -> list[Any]:
     """``make(name)`` for each name; what raises is recorded as ``{"skipped": ...}``."""
     sides: list[Any] = []
@@ -214,4 +245,4 @@ def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
     record["summary"] = summary
 
 
-__all__ = ["build_sides", "measure", "omniloop_run", "parser", "saver", "setting", "summarize", "warm_up"]
+__all__ = ["BACKENDS", "attention_spec", "build_sides", "finish", "measure", "omniloop_options", "omniloop_run", "omniloop_setting", "parser", "saver", "setting", "summarize", "warm_up"]

@@ -15,24 +15,31 @@ Sides, each timed in the same process, interleaved (every other round in reverse
                         one ``Execution`` node by node
 ``omniloop-compile``    the same with deploy ``compile: true`` (each block
                         ``torch.compile(fullgraph=True, dynamic=False)``, as the Wan family does)
+``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fp8][-fused][-compile][-graphs]`` in ``SIDES``: the
+                        deploy's attention backend (``sdpa-cudnn``, ``flash-attn-4``, ``cudnn-fp8``;
+                        omniloop_flux.attention), ``options.qkv: fused``, ``compile: true``,
+                        ``options.cuda_graphs: true`` (omniloop_kit.graphs). A side with another
+                        backend or fused projections runs its own copy of the transformer (same
+                        weights), so its processors never touch another side's
 ======================  ======================================================================
 
-Per side: seconds per denoise step (median over the rounds' steps 2..28, each step closed by a
-``torch.cuda.synchronize()``) and end to end (prompt to image). Every side first runs a 2-step
-warm-up (kernels, cuDNN plans, compilation). Also recorded: whether omniloop's final latents equal
-diffusers' (eager vs eager; compiled vs compiled).
+Per side (bench/_sides.py): seconds per denoise step (median over the rounds' steps after the
+first, each step closed by a ``torch.cuda.synchronize()``) and end to end (prompt to image), peak
+memory, the final latents' relative RMS difference to diffusers eager. Every side first runs a
+2-step warm-up (kernels, cuDNN plans, compilation, graph capture). The record also holds the
+step's bf16 matmul limit (``flops_per_step`` at 790 TFLOP/s) and each side's fraction of it.
+JSON to ``--out`` (default ``$OUT`` or bench/results/) after every phase.
 
     python bench/flux_gpu.py                       # H200: JSON to bench/results/
-    python bench/flux_gpu.py --smoke --device cpu  # tiny sizes, float32, any machine
+    python bench/flux_gpu.py --smoke               # tiny sizes, float32, CPU
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import copy
 import datetime
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -56,8 +63,18 @@ from _common import (  # noqa: E402
     step_marker,
     step_times,
     sync,
-    write_record,
 )
+from _sides import (  # noqa: E402
+    attention_spec,
+    build_sides,
+    measure,
+    omniloop_setting,
+    parser,
+    saver,
+    setting,
+    warm_up,
+)
+from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
 GUIDANCE = 3.5
@@ -84,7 +101,13 @@ SMOKE = {
     "t5": dict(T5_XXL, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8),
     "vae": dict(FLUX_VAE, block_out_channels=[8, 8, 8, 8], layers_per_block=1, latent_channels=4, norm_num_groups=4),
 }
-SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile")
+SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omniloop-compile-graphs",
+         "omniloop-cudnn-compile", "omniloop-cudnn-compile-graphs", "omniloop-fa4-compile", "omniloop-fa4-compile-graphs",
+         "omniloop-fused-compile-graphs", "omniloop-cudnn-fused-compile-graphs", "omniloop-fa4-fused-compile-graphs",
+         "omniloop-fp8-fused-compile-graphs")
+DEFAULT_SIDES = SIDES[:4]
+#: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
+BF16_GEMM_TFLOPS = 790.0
 
 
 def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
@@ -123,6 +146,8 @@ class DiffusersSide:
                                  tokenizer=c["tokenizer"], text_encoder_2=c["text_encoder_2"],
                                  tokenizer_2=c["tokenizer_2"], transformer=c["transformer"])
         self.pipe.set_progress_bar_config(disable=True)
+        self.note = ("transformer.compile_repeated_blocks(fullgraph=True) for the run" if name.endswith("compile")
+                     else "eager")
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
         final: dict[str, torch.Tensor] = {}
@@ -141,22 +166,29 @@ class DiffusersSide:
 
 class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, max_len: int,
-                 backend: str) -> None:
+                 backend: str, attention: str = "sdpa", qkv: str = "separate", graphs: bool = False,
+                 compiled: bool | None = None) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
         from omniloop_flux.family import FluxFamily
 
         self.name = name
-        self.compiled = name.endswith("compile")
+        self.compiled = name.endswith("compile") if compiled is None else compiled
+        spec = attention_spec(attention)
         deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-                              compile=self.compiled)
-        options: dict[str, Any] = {"deploy": deploy, "compile_backend": backend}
+                              compile=self.compiled, attention_backend=attention)
+        options: dict[str, Any] = {"deploy": deploy, "compile_backend": backend, "qkv": qkv}
+        if spec is not None:
+            options["attention"] = spec
+        if graphs:
+            options["cuda_graphs"] = True
         fam = FluxFamily()
         self.model = fam.from_components(comps, device=device, dtype=dtype, options=options,
                                          defaults={"max_sequence_length": max_len})
-        spec = fam.build_pipeline(self.model, TaskType.T2I, options)
-        self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, options=options)
+        spec_ = fam.build_pipeline(self.model, TaskType.T2I, options)
+        self.built = BuiltPipeline(spec=spec_, components=comps, device=device, dtype=dtype, options=options)
+        self.note = f"compile={self.compiled} attention={attention} qkv={qkv} cuda_graphs={graphs}"
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
         from omniloop.artifacts import Latents
@@ -170,86 +202,115 @@ class OmniloopSide:
         from omniloop_flux.denoise import pack_latents
 
         lat = pack_latents(ex.state.read("denoised", Latents).tensor)
-        return {"total": total, "steps": per_step, "latents": lat, "metrics": out.metrics.get("denoise")}
+        from omniloop_kit.graphs import captured
+
+        return {"total": total, "steps": per_step, "latents": lat, "metrics": {
+            "denoise": out.metrics.get("denoise"),
+            "cuda_graphs_captured": captured(self.model.components["transformer"])}}
+
+
+def flops_per_step(cfg: dict[str, Any], size: int, txt_len: int) -> float:
+    """Matmul FLOPs of one FLUX.1 step (one forward, embedded guidance): a double-stream block 12 D^2
+    per image and per text token (Q/K/V, output, the 4x MLP), a single-stream block 12 D^2 per
+    token (Q/K/V + MLP in, the fused output projection 5D -> D), 4 L^2 D of attention in each.
+    Embeddings and modulation (one token) are left out (< 0.1 %)."""
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    n_img = (size // 16) ** 2
+    length = n_img + txt_len
+    double, single = cfg["num_layers"], cfg["num_single_layers"]
+    linear = 2 * 12 * d * d * (double * length + single * length)
+    attention = (double + single) * 4 * length**2 * d
+    return float(linear + attention)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU-friendly), float32")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--steps", type=int, default=28)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = parser(__doc__.split("\n")[0], steps=28, budget_s=400.0, sides=DEFAULT_SIDES)
     ap.add_argument("--size", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--only", default=",".join(SIDES))
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--tag", default="h200")
-    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend of both compiled sides")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (as --smoke picks)")
+    ap.add_argument("--compile-backend", default=None, help="torch.compile backend of every compiled side "
+                    "(default: inductor on CUDA, eager on CPU)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = torch.float32 if args.smoke else torch.bfloat16
+    t_start = time.perf_counter()
+    device, dtype, compile_backend, only = setting(ap, args, SIDES)
+    if args.device == "cpu" and device.type != "cpu":
+        device, dtype = torch.device("cpu"), torch.float32
+    compile_backend = args.compile_backend or compile_backend
     size = 64 if args.smoke else args.size
+    steps = 3 if args.smoke else args.steps
     max_len = 32 if args.smoke else 512
+    date = datetime.date.today().isoformat()
+    record: dict[str, Any] = {
+        "bench": "flux_gpu", "date": date, "command": command_line("bench/flux_gpu.py", argv),
+        "machine": machine(device=str(device), dtype=str(dtype).replace("torch.", ""), **library_versions()),
+        "config": {"model": "FLUX.1-dev architecture, random weights" if not args.smoke else "tiny smoke sizes",
+                   "height": size, "width": size, "steps": steps, "guidance_scale": GUIDANCE,
+                   "max_sequence_length": max_len, "image_tokens": (size // 16) ** 2, "repeats": args.repeats,
+                   "compile_backend": compile_backend},
+        "sides": {}, "notes": [],
+    }
+    if not args.smoke:
+        flops = flops_per_step(FLUX_DEV, size, max_len)
+        record["matmul_limit"] = {
+            "tflop_per_step": round(flops / 1e12, 2), "bf16_gemm_tflops": BF16_GEMM_TFLOPS,
+            "limit_s_per_step": round(flops / (BF16_GEMM_TFLOPS * 1e12), 5),
+            "how": "flops_per_step(): linears and attention of one step (one forward), at the bf16 GEMM rate"}
+    out_path = Path(args.out) / f"flux_gpu-{args.tag}{'-smoke' if args.smoke else ''}-{date}.json"
+    save = saver(record, out_path)
     t = time.perf_counter()
-    comps = build_components(device, dtype, args.smoke)
-    build_s = time.perf_counter() - t
-    print(f"built components in {build_s:.1f} s", flush=True)
-    names = [n for n in args.only.split(",") if n]
-    be = args.compile_backend
-    sides = [DiffusersSide(n, comps, max_len, be) if n.startswith("diffusers")
-             else OmniloopSide(n, comps, device, dtype, max_len, be) for n in names]
-    results: dict[str, dict[str, Any]] = {s.name: {"totals": [], "steps": []} for s in sides}
-    latents: dict[str, torch.Tensor] = {}
+    base = build_components(device, dtype, args.smoke)
+    record["notes"].append(f"built components in {time.perf_counter() - t:.1f} s")
+    copies: dict[tuple[str, str], Any] = {}
+
+    def make(name: str) -> Any:
+        if name.startswith("diffusers"):
+            return DiffusersSide(name, base, max_len, compile_backend)
+        st = omniloop_setting(name)
+        if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only)
+            st.update(attention="sdpa", graphs=False)
+        comps = base
+        key = (st["attention"], st["qkv"])
+        if key != ("sdpa", "separate"):  # processors / fused projections of its own: its own transformer
+            if key not in copies:
+                copies[key] = copy.deepcopy(base["transformer"])
+            comps = {**base, "transformer": copies[key]}
+        return OmniloopSide(name, comps, device, dtype, max_len, compile_backend, attention=st["attention"],
+                            qkv=st["qkv"], graphs=st["graphs"], compiled=st["compile"])
+
+    sides = build_sides(only, record, make)
+    save()
+
+    def run(side: Any, n: int) -> dict[str, Any]:
+        return side.run(n, size)  # type: ignore[no-any-return]
+
     with torch.no_grad():
-        for s in sides:  # warm-up, compilation included
-            t = time.perf_counter()
-            s.run(2, size)
-            results[s.name]["warmup_s"] = round(time.perf_counter() - t, 3)
-            print(json.dumps({"side": s.name, "warmup_s": results[s.name]["warmup_s"]}), flush=True)
-        for rep in range(args.repeats):
-            for s in (sides if rep % 2 == 0 else sides[::-1]):
-                r = s.run(args.steps, size)
-                results[s.name]["totals"].append(r["total"])
-                results[s.name]["steps"].extend(r["steps"])
-                latents[s.name] = r["latents"]
-                print(json.dumps({"side": s.name, "rep": rep, "s_total": round(r["total"], 3),
-                                  "s_per_step_median": round(statistics.median(r["steps"]), 4)}), flush=True)
-    rows = {}
-    for name, r in results.items():
-        rows[name] = {"s_per_step": round(statistics.median(r["steps"]), 5),
-                      "s_end_to_end": round(statistics.median(r["totals"]), 4),
-                      "s_end_to_end_all": [round(x, 4) for x in r["totals"]], "warmup_s": r["warmup_s"]}
-    base = rows.get("diffusers")
-    for row in rows.values():
-        if base:
-            row["per_step_speedup_vs_diffusers_eager"] = round(base["s_per_step"] / row["s_per_step"], 3)
-            row["end_to_end_speedup_vs_diffusers_eager"] = round(base["s_end_to_end"] / row["s_end_to_end"], 3)
-        if "diffusers-compile" in rows:
-            dc = rows["diffusers-compile"]
-            row["per_step_speedup_vs_diffusers_compile"] = round(dc["s_per_step"] / row["s_per_step"], 3)
-            row["end_to_end_speedup_vs_diffusers_compile"] = round(dc["s_end_to_end"] / row["s_end_to_end"], 3)
+        warm_up(sides, record, run, t_start=t_start, budget_s=args.budget_s, save=save)
+        runs = measure(sides, record, run, steps=steps, repeats=args.repeats, t_start=t_start,
+                       budget_s=args.budget_s, save=save, summarize=summarize)
+    summarize(record, runs)
+    record["wall_s"] = round(time.perf_counter() - t_start, 1)
+    save()
+    print(json.dumps({"wrote": str(out_path), "summary": record.get("summary")}, indent=1))
+    return 0
+
+
+def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
+    """The shared summary, plus each side's fraction of the step's bf16 matmul limit; ``results``
+    (per side: s/step, end to end, the speedups) and ``final_latents`` (omniloop's against diffusers',
+    eager vs eager and compiled vs compiled: equal, max |diff|) as this script wrote them before."""
+    summarize_sides(record, runs)
+    record["results"] = {name: dict(entry) for name, entry in (record.get("summary") or {}).items()}
     same = {}
     for a, b in (("diffusers", "omniloop"), ("diffusers-compile", "omniloop-compile")):
-        if a in latents and b in latents:
-            x, y = latents[a].float(), latents[b].float()
-            same[f"{b}_vs_{a}"] = {"equal": bool(torch.equal(latents[a], latents[b])),
-                                   "max_abs_diff": float((x - y).abs().max())}
-    record = {
-        "bench": f"flux_gpu-{args.tag}" + ("-smoke" if args.smoke else ""),
-        "date": datetime.date.today().isoformat(),
-        "command": command_line("bench/flux_gpu.py", argv if argv is not None else sys.argv[1:]),
-        "machine": machine(**library_versions()),
-        "what": {"model": "FLUX.1-dev architecture, random weights" if not args.smoke else "tiny smoke sizes",
-                 "dtype": str(dtype).replace("torch.", ""), "height": size, "width": size, "steps": args.steps,
-                 "guidance_scale": GUIDANCE, "max_sequence_length": max_len, "repeats": args.repeats,
-                 "image_tokens": (size // 16) ** 2, "compile_backend": args.compile_backend, "build_components_s": round(build_s, 1)},
-        "results": rows,
-        "final_latents": same,
-    }
-    path = write_record(record, args.out)
-    print(json.dumps(rows, indent=1))
-    print(json.dumps(same))
-    print(f"wrote {path}")
-    return 0
+        if runs.get(a) and runs.get(b):
+            x, y = runs[a][-1]["latents"], runs[b][-1]["latents"]
+            same[f"{b}_vs_{a}"] = {"equal": bool(torch.equal(x, y)), "max_abs_diff": float((x.float() - y.float()).abs().max())}
+    record["final_latents"] = same
+    limit = (record.get("matmul_limit") or {}).get("limit_s_per_step")
+    if limit:
+        for entry in (record.get("summary") or {}).values():
+            entry["fraction_of_matmul_limit"] = round(limit / entry["s_per_step"], 3)
 
 
 if __name__ == "__main__":

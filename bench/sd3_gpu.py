@@ -16,7 +16,13 @@ Configurations (``--only`` picks any):
 ``omniloop-compile``        + deploy ``compile: true`` (each joint step ``torch.compile(fullgraph=True)``)
 ``omniloop-cudnn-compile``  + attention backend ``sdpa-cudnn`` (omniloop-attention)
 ``omniloop-cudnn-fused-…``  ``omniloop-cudnn-fused-compile``: + ``options.qkv: fused`` (not in the default set)
+``omniloop-…``              any ``omniloop[-cudnn|-fa4|-fp8][-fused][-compile][-graphs]`` in ``SIDES``: the
+                            backend (``sdpa-cudnn``, ``flash-attn-4``, ``cudnn-fp8``), ``qkv: fused``,
+                            ``compile: true``, ``options.cuda_graphs: true`` (omniloop_kit.graphs)
 ==========================  ==========================================================================
+
+The record also holds the step's bf16 matmul limit (``flops_per_step`` at 790 TFLOP/s) and each
+side's fraction of it.
 
 Each side has its own transformer copy (same weights) so that processors installed by one never
 touch another. Per side: seconds per denoise step (median over steps 1..N-1 of every measured run;
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import json
 import sys
 import tempfile
 import time
@@ -48,7 +55,17 @@ import _repo_paths
 _repo_paths.add_repo_packages()
 
 from _common import command_line, library_versions, machine, step_marker, step_times, sync  # noqa: E402
-from _sides import build_sides, finish, measure, omniloop_options, omniloop_run, parser, saver, setting, warm_up  # noqa: E402
+from _sides import (  # noqa: E402
+    attention_spec,
+    build_sides,
+    measure,
+    omniloop_run,
+    omniloop_setting,
+    parser,
+    saver,
+    setting,
+    warm_up,
+)
 from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "a red fox jumps over the lazy dog in the snow, close up photo"
@@ -77,8 +94,26 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24
               dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 
 SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omniloop-cudnn-compile",
-         "omniloop-cudnn-fused-compile")
+         "omniloop-cudnn-fused-compile", "omniloop-compile-graphs", "omniloop-cudnn-compile-graphs",
+         "omniloop-cudnn-fused-compile-graphs", "omniloop-fa4-compile", "omniloop-fa4-compile-graphs",
+         "omniloop-fa4-fused-compile-graphs", "omniloop-fp8-fused-compile-graphs")
 DEFAULT_SIDES = SIDES[:5]
+#: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
+BF16_GEMM_TFLOPS = 790.0
+
+
+def flops_per_step(cfg: dict[str, Any], size: int, txt_len: int, batch: int = 2) -> float:
+    """Matmul FLOPs of one CFG step (``batch`` rows): per joint block 12 D^2 per image token (Q/K/V,
+    output, the 4x feed-forward) and per context token (the last block, ``context_pre_only``: Q/K/V
+    only), 4 L^2 D of joint attention; a dual-attention block's image-only ``attn2`` adds 4 D^2 per
+    image token and 4 N^2 D. Embeddings and modulation (one token) are left out (< 0.1 %)."""
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    n_img = (size // 8 // cfg["patch_size"]) ** 2
+    layers, dual = cfg["num_layers"], len(cfg.get("dual_attention_layers") or ())
+    length = n_img + txt_len
+    linear = 2 * d * d * (layers * 12 * n_img + (layers - 1) * 12 * txt_len + 3 * txt_len + dual * 4 * n_img)
+    attention = layers * 4 * length**2 * d + dual * 4 * n_img**2 * d
+    return float(batch * (linear + attention))
 
 
 def build_components(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
@@ -163,26 +198,36 @@ class DiffusersSide:
 
 class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, *,
-                 compiled: bool, compile_backend: str, attention: str = "sdpa", qkv: str = "separate") -> None:
+                 compiled: bool, compile_backend: str, attention: str = "sdpa", qkv: str = "separate",
+                 graphs: bool = False) -> None:
+        from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
         from omniloop_sd3.family import SD3Family
 
         self.name = name
-        options = omniloop_options(device, dtype, compiled=compiled, compile_backend=compile_backend,
-                                   attention=attention)
-        options["qkv"] = qkv
+        backend = attention_spec(attention)
+        deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                              compile=compiled, attention_backend=attention)
+        options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend, "qkv": qkv}
+        if graphs:
+            options["cuda_graphs"] = True
+        if backend is not None:
+            options["attention"] = backend
         fam = SD3Family()
         self.model = fam.from_components(comps, device=device, dtype=dtype, options=options)
         spec = fam.build_pipeline(self.model, TaskType.T2I, options)
         self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, options=options)
-        self.note = f"compile={compiled} attention={attention} qkv={qkv}"
+        self.note = f"compile={compiled} attention={attention} qkv={qkv} cuda_graphs={graphs}"
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
         body = {"task": "t2i", "prompt": PROMPT, "negative_prompt": NEGATIVE,
                 "diffusion": {"steps": steps, "guidance_scale": GUIDANCE, "seed": SEED, "height": size, "width": size},
                 "outputs": {"return_latents": True}}
+        from omniloop_kit.graphs import captured
+
         result, out = omniloop_run(self.built, body)
+        result["metrics"]["cuda_graphs_captured"] = captured(self.model.components["transformer"])
         return {**result, "image": out.artifacts["image"].pixels}
 
 
@@ -208,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
                    "repeats": args.repeats, "compile_backend": compile_backend},
         "sides": {}, "notes": [],
     }
+    txt_len = 77 + 256  # CLIP-L/G states (77) + T5 (max_sequence_length 256), the pipeline's default
+    tf_cfg = SD35M if not args.smoke else None
+    if tf_cfg is not None:
+        flops = flops_per_step(tf_cfg, size, txt_len)
+        record["matmul_limit"] = {
+            "tflop_per_step": round(flops / 1e12, 2), "bf16_gemm_tflops": BF16_GEMM_TFLOPS,
+            "limit_s_per_step": round(flops / (BF16_GEMM_TFLOPS * 1e12), 5),
+            "how": "flops_per_step(): linears and attention of one CFG step (2 rows), at the bf16 GEMM rate"}
     out_path = Path(args.out) / f"sd3_gpu-{tag}-{date}.json"
     save = saver(record, out_path)
 
@@ -220,14 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         comps = with_transformer(base, tf)
         if name.startswith("diffusers"):
             return DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
-        if name == "omniloop":
-            return OmniloopSide(name, comps, device, dtype, compiled=False, compile_backend=compile_backend)
-        if name == "omniloop-compile":
-            return OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend)
-        fused = "fused" in name
-        attention = "sdpa" if fused and device.type == "cpu" else "sdpa-cudnn"  # smoke: the fused path on CPU
-        return OmniloopSide(name, comps, device, dtype, compiled=True, compile_backend=compile_backend,
-                            attention=attention, qkv="fused" if fused else "separate")
+        st = omniloop_setting(name)
+        if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only)
+            st.update(attention="sdpa", graphs=False)
+        return OmniloopSide(name, comps, device, dtype, compiled=st["compile"], compile_backend=compile_backend,
+                            attention=st["attention"], qkv=st["qkv"], graphs=st["graphs"])
 
     sides = build_sides(only, record, make)
     save()
@@ -239,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(sides, record, run, t_start=t_start, budget_s=args.budget_s, save=save)
         runs = measure(sides, record, run, steps=steps, repeats=args.repeats, t_start=t_start, budget_s=args.budget_s,
                        save=save, summarize=summarize)
-    return finish(record, runs, t_start=t_start, save=save, out_path=out_path, summarize=summarize)
+    summarize(record, runs)
+    record["wall_s"] = round(time.perf_counter() - t_start, 1)
+    save()
+    print(json.dumps({"wrote": str(out_path), "summary": record.get("summary")}, indent=1))
+    return 0
 
 
 def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -252,6 +306,10 @@ def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> 
         return {"image_max_abs_diff_vs_diffusers": int((rs[-1]["image"].int() - ref[-1]["image"].int()).abs().max())}
 
     summarize_sides(record, runs, extra)
+    limit = (record.get("matmul_limit") or {}).get("limit_s_per_step")
+    if limit:
+        for entry in (record.get("summary") or {}).values():
+            entry["fraction_of_matmul_limit"] = round(limit / entry["s_per_step"], 3)
 
 
 if __name__ == "__main__":

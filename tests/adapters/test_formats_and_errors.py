@@ -265,3 +265,15 @@ def test_an_absurd_lora_alpha_is_refused_at_load(wan_setup, tmp_path):
     save_file(sd, str(tmp_path / "huge.safetensors"))
     _deploy_error(wan_setup, {"x": str(tmp_path / "huge.safetensors")},
                   r"adapters\.x: .*attn1\.to_q: alpha 1e\+308 over rank 2 scales the update by 5e\+307, more than 10000")
+
+
+def test_unfused_adapters_refuse_cuda_graphs():
+    """Deploy ``options.cuda_graphs`` (omniloop_kit.graphs) replays one captured forward: with
+    unfused adapters it would apply one adapter set for every request; fused ones are fine."""
+    from omniloop.errors import DeployError
+    from omniloop_adapters import check_compile_mode
+
+    with pytest.raises(DeployError, match=r"^adapters: options\.cuda_graphs replays one captured forward"):
+        check_compile_mode({"cuda_graphs": True}, fused=False)
+    check_compile_mode({"cuda_graphs": True}, fused=True)
+    check_compile_mode({"cuda_graphs": False}, fused=False)

@@ -103,3 +103,39 @@ def test_joint_sequence_form_equals_the_pair_form_bit_for_bit():
         assert torch.equal(sd3_forward(model, x, t, e, p), want)
         assert torch.equal(sd3_forward(model, x, t, e, p, ctx), want)
     assert seen == [(f"blocks.{i}", (2, 20 + 4, 16)) for i in range(3)]
+
+
+def test_cuda_graphs_are_refused_on_a_cpu_deploy_before_load(tiny_ckpt, monkeypatch):
+    """deploy ``options.cuda_graphs`` (omniloop_kit.graphs): one line, before any weight is read."""
+    import omniloop_sd3.plugin as sd3_plugin
+    from omniloop.errors import DeployError
+    from omniloop.runtime import Runtime
+    from omniloop.testing import make_manager
+    from omniloop_sd3 import checkpoint as ck
+
+    def no_load(*a, **k):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(ck, "load_model", no_load)
+    for value, msg in ((True, r"^options\.cuda_graphs: CUDA graphs need a CUDA device, not cpu$"),
+                       (1, r"^options\.cuda_graphs: expected true or false, got 1$")):
+        with pytest.raises(DeployError, match=msg):
+            Runtime.from_model(tiny_ckpt(), manager=make_manager(("sd3", sd3_plugin), toy=False),
+                               options={"cuda_graphs": value})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_graphed_cfg_request_equals_the_plain_one_on_cuda(tiny_ckpt, t2i_request):
+    import omniloop_sd3.plugin as sd3_plugin
+    from omniloop.runtime import Runtime
+    from omniloop.testing import completed_latents, make_manager
+    from omniloop_kit import graphs
+
+    def runtime(**options):
+        return Runtime.from_model(tiny_ckpt("sd35-medium"), device="cuda", dtype="float32",
+                                  manager=make_manager(("sd3", sd3_plugin), toy=False), options=options)
+
+    rt = runtime(cuda_graphs=True)
+    got = completed_latents(rt.generate(t2i_request(steps=3)))
+    assert graphs.captured(rt.model.components["transformer"]) == 1  # uncond + cond rows: one forward shape
+    assert torch.equal(got, completed_latents(runtime().generate(t2i_request(steps=3))))

@@ -32,6 +32,7 @@ from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState
 from omniloop_kit.compile import blocks_for
 from omniloop_kit.denoise import DenoiseLoop, randn, request_generator
+from omniloop_kit.graphs import graphed
 from omniloop_kit.stages import params_of, vae_scale_factor
 from omniloop_policies.stepping import stack_rows
 
@@ -158,7 +159,13 @@ class Denoise(DenoiseLoop):
 
     def forward(self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
         model = ctx.components["transformer"]
-        return flux_forward(model, block_ctx=block_ctx, blocks=blocks_for(model, ctx), **batch)
+        blocks = blocks_for(model, ctx)
+
+        def run(bctx: BlockContext | None, **inputs: Any) -> torch.Tensor:
+            return flux_forward(model, block_ctx=bctx, blocks=blocks, **inputs)
+
+        # deploy options.cuda_graphs: one graph replay per forward when nothing is bound per block
+        return graphed(ctx, block_ctx, model, blocks is not None, run, batch)
 
     def prefix(self, expert: str | None) -> str:
         return "transformer.blocks"

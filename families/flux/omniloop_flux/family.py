@@ -15,7 +15,8 @@ from omniloop.rl import RolloutSupport
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
-from omniloop_kit.options import dtype_option
+from omniloop_kit.graphs import graph_option
+from omniloop_kit.options import choice_option, dtype_option
 from omniloop_kit.resolve import check_task
 from omniloop_kit.stages import image_nodes
 
@@ -28,8 +29,12 @@ from .resolve import FluxParams, TextParams, resolve
 from .stages import TextEncode, Validate, vae_scale_factor
 from .transformer import all_blocks
 
-#: deploy ``options`` this family reads (the runtime adds deploy, registry, attention)
-KNOWN_OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "vae_dtype"})
+#: deploy ``options`` this family reads (the runtime adds deploy, registry, attention); cuda_graphs:
+#: the outer forward replayed as one CUDA graph per input shape (omniloop_kit.graphs)
+KNOWN_OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "vae_dtype", "cuda_graphs", "qkv"})
+#: options.qkv: Q/K/V as three linears (diffusers' default) or diffusers' fused projections
+#: (``fuse_qkv_projections``: one GEMM over [W_q; W_k; W_v], the originals kept)
+QKV = ("separate", "fused")
 
 
 class FluxFamily(DiffusersFamily):
@@ -59,6 +64,8 @@ class FluxFamily(DiffusersFamily):
         each component by the class ``model_index.json`` names (local files only)."""
         vae_dtype = dtype_option(options.get("vae_dtype", dtype), "vae_dtype")
         compile_options(options)  # bad compile settings fail before loading
+        graph_option(options, device)
+        choice_option(options, "qkv", QKV)
         got = load_checkpoint(path, lambda root: (ck.check_checkpoint(root), list(ck.REQUIRED)), ck.load_component,
                               device=device, dtype=dtype, dtypes={"vae": vae_dtype})
         model = self.from_components(got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype,
@@ -83,7 +90,23 @@ class FluxFamily(DiffusersFamily):
         }, {}
 
     def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
-        """Deploy ``compile: true``: the double- then single-stream blocks compiled; the menu built."""
+        """``options.qkv: fused`` (diffusers' ``fuse_qkv_projections``), the deploy's attention backend on
+        every block's attention (:mod:`omniloop_flux.attention`; the core ``sdpa`` keeps diffusers'
+        processors), ``options.cuda_graphs`` checked against the
+        model's device; deploy ``compile: true``: the double- then single-stream blocks compiled;
+        the menu built."""
+        graph_option(options, model.device)
+        qkv = choice_option(options, "qkv", QKV)
+        if qkv == "fused":  # before the processors: diffusers' fusing sets its own
+            model.components["transformer"].fuse_qkv_projections()
+        model.config["qkv"] = qkv
+        backend = options.get("attention")
+        name = getattr(backend, "name", "sdpa")
+        if name != "sdpa":
+            from .attention import install
+
+            install(model.components["transformer"], backend)
+        model.config["attention_backend"] = name
         self.compile_model(model, options, all_blocks)
         menu_for(model, options)  # an incompatible scheduler config fails here, at load
 

@@ -37,6 +37,7 @@ from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState
 from omniloop_kit.compile import blocks_for
 from omniloop_kit.denoise import DenoiseLoop, randn, request_generator, step_time_metrics
+from omniloop_kit.graphs import graphed
 from omniloop_kit.stages import params_of, vae_scale_factor
 from omniloop_policies.stepping import stack_rows, unstack_rows
 
@@ -122,8 +123,15 @@ class Denoise(DenoiseLoop):
 
     def forward(self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
         model = ctx.components["transformer"]
-        return sd3_forward(model, batch["hidden_states"], batch["timestep"], batch["encoder_hidden_states"],
-                           batch["pooled_projections"], block_ctx, blocks=blocks_for(model, ctx))
+        blocks = blocks_for(model, ctx)
+
+        def run(bctx: BlockContext | None, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                encoder_hidden_states: torch.Tensor, pooled_projections: torch.Tensor) -> torch.Tensor:
+            return sd3_forward(model, hidden_states, timestep, encoder_hidden_states, pooled_projections, bctx,
+                               blocks=blocks)
+
+        # deploy options.cuda_graphs: one graph replay per forward when nothing is bound per block
+        return graphed(ctx, block_ctx, model, blocks is not None, run, batch)
 
     def prefix(self, expert: str | None) -> str:
         return "transformer.transformer_blocks"

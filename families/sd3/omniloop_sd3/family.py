@@ -15,6 +15,7 @@ from omniloop.request import OmniRequest, TaskType
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
+from omniloop_kit.graphs import graph_option
 from omniloop_kit.options import choice_option
 from omniloop_kit.resolve import check_task
 from omniloop_kit.stages import image_nodes
@@ -45,8 +46,9 @@ class SD3Family(DiffusersFamily):
         #: and the three text encoders stream their blocks; the VAE moves whole
         offload={"transformer": "transformer_blocks", "text_encoder": CLIP_TEXT_LAYERS,
                  "text_encoder_2": CLIP_TEXT_LAYERS, "text_encoder_3": T5_BLOCKS, "vae": None},
-        #: deploy options read: options.qkv and the compile settings (check_options)
-        options={"qkv", "compile_backend", "compile_mode", "compile_dynamic"},
+        #: deploy options read: options.qkv, the compile settings (check_options) and cuda_graphs
+        #: (omniloop_kit.graphs: the outer forward replayed as one CUDA graph per input shape)
+        options={"qkv", "compile_backend", "compile_mode", "compile_dynamic", "cuda_graphs"},
         #: a real checkpoint's trained size from its configs (issue 42: warned, bounded by the deploy)
         checkpoint_limits=ck.limits,
     )
@@ -56,8 +58,9 @@ class SD3Family(DiffusersFamily):
         component by the class ``model_index.json`` names (local files only).
 
         Options: ``qkv`` (``separate`` | ``fused``, :mod:`omniloop_sd3.attention`), ``compile_backend``,
-        ``compile_mode``, ``compile_dynamic``; the deploy's ``attention_backend`` and ``compile`` are honoured."""
-        check_options(options)  # bad options fail before any weight is read
+        ``compile_mode``, ``compile_dynamic``, ``cuda_graphs`` (:mod:`omniloop_kit.graphs`); the deploy's
+        ``attention_backend`` and ``compile`` are honoured."""
+        check_options(options, device)  # bad options fail before any weight is read
         got = load_checkpoint(path, lambda root: (idx := ck.check_checkpoint(root), ck.LAYOUT.components_in(idx)),
                               lambda *a, **k: ck.load_model(*a, **k), device=device, dtype=dtype)
         return self.from_components(
@@ -84,8 +87,9 @@ class SD3Family(DiffusersFamily):
 
     def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
         """``options.qkv`` and the deploy's attention backend installed on the transformer, its
-        joint steps compiled (deploy ``compile: true``), a menu per task built."""
-        check_options(options)
+        joint steps compiled (deploy ``compile: true``), a menu per task built; ``options.cuda_graphs``
+        checked against the model's device (the denoise node replays its forward as a CUDA graph)."""
+        check_options(options, model.device)
         tf, qkv, backend = model.components["transformer"], choice_option(options, "qkv", QKV), options.get("attention")
         if qkv == "fused" or getattr(backend, "name", "sdpa") != "sdpa":
             from .attention import install
@@ -116,10 +120,11 @@ class SD3Family(DiffusersFamily):
         return resolve(model, request, limits, **kw)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    """The family options (``qkv``, ``compile_*``), checked before loading."""
+def check_options(options: Mapping[str, Any], device: Any = None) -> None:
+    """The family options (``qkv``, ``compile_*``, ``cuda_graphs`` on ``device``), checked before loading."""
     choice_option(options, "qkv", QKV)
     compile_options(options)
+    graph_option(options, device)
 
 
 def describe_checkpoint(path: str | Path) -> dict[str, Any]:

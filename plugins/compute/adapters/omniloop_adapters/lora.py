@@ -466,7 +466,13 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def check_compile_mode(options: Mapping[str, Any], fused: bool) -> None:
-    """Unfused adapters under a CUDA-graph compile mode are refused (fused ones change no control flow)."""
+    """Unfused adapters under a CUDA-graph compile mode or ``options.cuda_graphs`` (omniloop_kit.graphs)
+    are refused (fused ones change no control flow)."""
+    if not fused and options.get("cuda_graphs") is True:
+        raise DeployError(
+            "adapters: options.cuda_graphs replays one captured forward, which would apply one adapter set for "
+            "every request; drop cuda_graphs or fuse the adapter (adapter_fuse)"
+        )
     deploy = options.get("deploy")
     mode = options.get("compile_mode")
     if not fused and bool(getattr(deploy, "compile", False)) and mode in CUDAGRAPH_MODES:

@@ -90,7 +90,7 @@ def _specs() -> list[AttentionBackendSpec]:
     specs.append(AttentionBackendSpec(
         name="flash-attn-4", fn=flash_attn4, available=flash_attn4_available,
         description="flash-attn-4's CuTe-DSL forward kernel (flash_attn.cute; Hopper; exact-class; "
-                    "attention_backend: auto picks it for Wan on Hopper in bf16/fp16 when installed)",
+                    "attention_backend: auto picks it for Wan and SD3 on Hopper in bf16/fp16 when installed)",
         auto_rank=AUTO_RANK, auto_accepts=flash_attn4_accepts,
     ))
     specs.append(AttentionBackendSpec(

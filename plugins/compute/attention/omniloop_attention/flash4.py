@@ -89,16 +89,19 @@ def flash_attn4_available() -> str | None:
 AUTO_RANK = 10
 
 
-#: the families whose whole step was measured faster with flash-attn-4 (auto picks it only there;
-#: SD3 runs the deploy's backend too, on joint image+text attention with head dim 64: not measured)
-AUTO_FAMILIES = ("wan",)
+#: the families whose whole step was measured faster with flash-attn-4 (auto picks it only there).
+#: SD3.5-medium (joint image+text attention, head dim 64; compile + qkv fused + cuda_graphs): 1.073x
+#: sdpa-cudnn's step (``bench/results/sd3_gpu-sd35m-1024-fa4-graphs-h200-run2-2026-12-04.json``).
+#: FLUX.1-dev (head dim 128): within run-to-run spread of diffusers' SDPA (``flux_gpu-fa4-graphs-h200-*``),
+#: so not picked there.
+AUTO_FAMILIES = ("wan", "sd3")
 
 
 def flash_attn4_accepts(deploy: Any, family: str) -> str | None:
-    """``auto`` may pick flash-attn-4 for a Wan deploy on a CUDA device in bf16 or fp16 (the
+    """``auto`` may pick flash-attn-4 for a Wan or SD3 deploy on a CUDA device in bf16 or fp16 (the
     kernel's dtypes); other families, float32 deploys and other devices keep ``sdpa``."""
     if family not in AUTO_FAMILIES:
-        return f"family {family!r} was not measured with it (auto picks it for {', '.join(AUTO_FAMILIES)})"
+        return f"family {family!r} was not measured faster with it (auto picks it for {', '.join(AUTO_FAMILIES)})"
     if torch.device(deploy.device).type != "cuda":
         return f"device {deploy.device!r} is not a CUDA device"
     if deploy.dtype not in ("bfloat16", "float16"):
