@@ -1,5 +1,5 @@
 """wan-demo-fast as a LoRA of wan-demo (issue 41): the ``wan-demo`` preset offers the ``fast``
-adapter (``checkpoint/adapters/fast.safetensors``), the ``wan-demo-fast`` preset is wan-demo with it
+adapter (``omniloop_wan_demo/adapters/fast.safetensors``), the ``wan-demo-fast`` preset is wan-demo with it
 fused at load, and one loaded wan-demo serves 20-step requests and 4-step ``--adapter fast``
 requests interleaved.
 
