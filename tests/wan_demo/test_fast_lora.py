@@ -96,3 +96,35 @@ def test_interleaved_20_and_4_step_requests_equal_each_alone(base):
     for ex, ref in zip(exes, alone, strict=True):
         assert torch.equal(latents(ex.output), ref)
     assert not torch.equal(alone[1], latents(base.generate(request("a yellow triangle moving down", 6, fast=False))))
+
+
+def test_the_step_scheduler_serves_both_from_one_model(base):
+    """omniloop-scheduler's ``step`` engine (what ``omniloop serve`` runs): a 20-step request and two
+    4-step ``fast`` requests submitted together; the short ones finish first, each clip equals the
+    request run alone (``max_batch=1``: steps interleave, none is batched with another)."""
+    import asyncio
+
+    from omniloop_scheduler import AsyncEngine
+
+    reqs = [request("a green circle moving right", 5, fast=False) | {"request_id": "slow"},
+            request("a yellow triangle moving down", 6, fast=True) | {"request_id": "fast1"},
+            request("a red square moving up", 7, fast=True) | {"request_id": "fast2"}]
+    alone = {r["request_id"]: latents(base.generate(r)) for r in reqs}
+    done: list[str] = []
+
+    async def main() -> list[Any]:
+        engine = AsyncEngine(base, "step", max_batch=1)
+        hs = [engine.submit(r) for r in reqs]
+
+        async def follow(h: Any) -> Any:
+            out = await h.result(timeout=300)
+            done.append(out.request_id)
+            return out
+
+        async with engine:
+            return await asyncio.gather(*(follow(h) for h in hs))
+
+    outs = asyncio.run(main())
+    assert done[-1] == "slow"
+    for out in outs:
+        assert torch.equal(latents(out), alone[out.request_id])
