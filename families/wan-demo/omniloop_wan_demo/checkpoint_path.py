@@ -68,8 +68,7 @@ def fast_checkpoint_missing(folder: Path | None = None) -> str | None:
     """Why the distilled checkpoint cannot be used yet (``None`` when it can)."""
     return weights_missing(
         "wan-demo-fast", folder or fast_checkpoint_dir(), (*TRANSFORMER_FILES, "omniloop.json", *FAST_SHARED),
-        "distill them with python -m omniloop_wan_demo_training.v2 --phases distill,eval --resume DIR --out OUT, then "
-        "install them with python -m omniloop_wan_demo_training.v2 --ship OUT (package omniloop-wan-demo-training, "
-        "demos/wan-demo)",
+        "train its LoRA with python -m omniloop_wan_demo_training.dmd_fast --out OUT on a GPU, then install it with "
+        "python -m omniloop_wan_demo_training.v2 --ship OUT (package omniloop-wan-demo-training, demos/wan-demo)",
         present=Path.exists,
     )
