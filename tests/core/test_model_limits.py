@@ -100,13 +100,15 @@ def test_no_declaration_changes_nothing(tmp_path: Path) -> None:
 
 def _demo_manager() -> Any:
     pytest.importorskip("diffusers")
+    import omniloop_adapters.plugin as adapters_plugin
     import omniloop_flux.plugin as flux_plugin
     import omniloop_flux_demo.plugin as flux_demo_plugin
     import omniloop_wan.plugin as wan_plugin
     import omniloop_wan_demo.plugin as wan_demo_plugin
 
+    # wan-demo-fast is wan-demo + its fast LoRA fused at load: it needs the adapters mechanism
     return make_manager(("wan", wan_plugin), ("wan-demo", wan_demo_plugin), ("flux", flux_plugin),
-                        ("flux-demo", flux_demo_plugin), toy=False)
+                        ("flux-demo", flux_demo_plugin), ("adapters", adapters_plugin), toy=False)
 
 
 @pytest.mark.parametrize(("args", "field", "range_"), [

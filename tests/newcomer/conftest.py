@@ -11,6 +11,7 @@ import pytest
 @pytest.fixture(scope="session")
 def demo_manager() -> Any:
     pytest.importorskip("diffusers")
+    import omniloop_adapters.plugin as adapters_plugin
     import omniloop_cache_dit.plugin as cache_dit_plugin
     import omniloop_flux.plugin as flux_plugin
     import omniloop_flux_demo.plugin as flux_demo_plugin
@@ -22,7 +23,9 @@ def demo_manager() -> Any:
 
     return make_manager(("wan", wan_plugin), ("wan-demo", wan_demo_plugin), ("flux", flux_plugin),
                         ("flux-demo", flux_demo_plugin), ("policies", policies_plugin),
-                        ("scheduler", scheduler_plugin), ("cache-dit", cache_dit_plugin), toy=False, scheduler=False)
+                        ("scheduler", scheduler_plugin), ("cache-dit", cache_dit_plugin),
+                        ("adapters", adapters_plugin),  # wan-demo-fast fuses its LoRA at load (issue 41)
+                        toy=False, scheduler=False)
 
 
 @pytest.fixture

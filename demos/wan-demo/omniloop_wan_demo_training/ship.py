@@ -1,6 +1,6 @@
 """Install a trained v2 session's files into the package (CPU, run once by whoever ships):
 
-    python -m omniloop_wan_demo_training.v2 --ship FILES_AT          # the folder with pipeline.tar / fast.tar
+    python -m omniloop_wan_demo_training.v2 --ship FILES_AT          # the folder with pipeline.tar / fast.tar / fast_lora.safetensors
 
 * ``pipeline.tar`` -> ``checkpoint/`` (wan-demo v2, every component). Before it is replaced,
   ``checkpoint_causal/``'s links to wan-demo's ``vae``, ``text_encoder``, ``tokenizer``,
@@ -9,6 +9,9 @@
   The package's ``tokenizer/`` gets v2's tokenizer (v1's ids unchanged, new words appended).
 * ``fast.tar`` -> ``checkpoint_fast/``: its own ``transformer/`` and ``omniloop.json``; the rest
   are relative links to ``checkpoint/`` (:data:`~..checkpoint_path.FAST_SHARED`).
+* ``fast_lora.safetensors`` (+ ``result.json``, :mod:`.dmd_fast`'s output) -> ``adapters/fast.safetensors``
+  and ``checkpoint_fast/transformer`` a link to ``checkpoint/``'s (:func:`ship_fast_lora`): wan-demo-fast
+  becomes v2 with that LoRA fused at load.
 * Both installed ``omniloop.json`` files get ``"vocabulary"`` (the 16 words of the video prompts,
   ``data.vocabulary_words("video")``) unless they already name one: the CLI warns on other words.
 """
@@ -85,6 +88,35 @@ def _extract(src: Path, name: str, tmp: Path) -> Path | None:
     return None
 
 
+def ship_fast_lora(lora: Path, package: Path | None = None, training: dict[str, Any] | None = None) -> dict[str, Any]:
+    """wan-demo-fast as wan-demo + a LoRA (``dmd_fast``'s ``fast_lora.safetensors``): the file
+    becomes ``adapters/fast.safetensors`` (what ``--adapter fast`` loads, and what the
+    ``wan-demo-fast`` preset fuses at load), ``checkpoint_fast/transformer`` a link to wan-demo's,
+    and ``checkpoint_fast/omniloop.json``'s ``training`` says so."""
+    from .common import DEMO_DEFAULTS
+    from .distill import FAST_TIMESTEPS, GRID_SHIFT
+
+    pkg = Path(package) if package is not None else PACKAGE_DIR
+    ck, fast_dst = pkg / "checkpoint", pkg / "checkpoint_fast"
+    (pkg / "adapters").mkdir(exist_ok=True)
+    _copy(Path(lora), pkg / "adapters" / "fast.safetensors")
+    fast_dst.mkdir(exist_ok=True)
+    for name in ("transformer", *FAST_SHARED):
+        link = fast_dst / name
+        _remove(link)
+        link.symlink_to(os.path.relpath(ck / name, fast_dst))
+    meta_file = fast_dst / "omniloop.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {
+        "variant": "wan-demo-fast",
+        "defaults": dict(DEMO_DEFAULTS, steps=len(FAST_TIMESTEPS), guidance_scale=1.0, sampler="few-step",
+                         sampler_options={"few-step": {"timesteps": list(FAST_TIMESTEPS), "grid_shift": GRID_SHIFT}})}
+    if training is not None:
+        meta["training"] = training
+    meta_file.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    _add_vocabulary(meta_file)
+    return {"adapter": str(pkg / "adapters" / "fast.safetensors"), "checkpoint_fast": str(fast_dst)}
+
+
 def ship(src: Path, package: Path | None = None) -> dict[str, Any]:
     """Install ``src``'s ``pipeline.tar`` and/or ``fast.tar`` (or extracted ``pipeline/`` /
     ``fast/``) into ``package`` (default: this package). Returns what was done."""
@@ -95,8 +127,11 @@ def ship(src: Path, package: Path | None = None) -> dict[str, Any]:
         tmp = Path(td)
         pipe = _extract(Path(src), "pipeline", tmp)
         fast = _extract(Path(src), "fast", tmp)
-        if pipe is None and fast is None:
-            raise ValueError(f"ship: {src} has neither pipeline.tar nor fast.tar")
+        lora = Path(src) / "fast_lora.safetensors"  # dmd_fast's output: wan-demo-fast as v2 + a LoRA
+        if pipe is None and fast is None and not lora.is_file():
+            raise ValueError(f"ship: {src} has neither pipeline.tar nor fast.tar (nor a dmd_fast fast_lora.safetensors)")
+        if fast is not None and lora.is_file():
+            raise ValueError(f"ship: {src} has both fast.tar and fast_lora.safetensors; ship one wan-demo-fast")
         if pipe is not None:
             missing = [n for n in PIPELINE_PARTS if not (pipe / n).exists()]
             if missing:
@@ -129,4 +164,11 @@ def ship(src: Path, package: Path | None = None) -> dict[str, Any]:
                 _remove(link)
                 link.symlink_to(os.path.relpath(ck / name, fast_dst))
             done["checkpoint_fast"] = str(fast_dst)
+        if lora.is_file():
+            result = Path(src) / "result.json"
+            info = json.loads(result.read_text()) if result.is_file() else {}
+            training = {"from": "wan-demo v2", "method": "DMD2 (omniloop_wan_demo_training.dmd_fast)",
+                        **{k: info[k] for k in ("recipe", "extraction") if k in info},
+                        **{k: v for k, v in info.get("training", {}).items() if k != "log"}}
+            done.update(ship_fast_lora(lora, pkg, training=training))
     return done

@@ -52,6 +52,12 @@ def causal_checkpoint_missing(folder: Path | None = None) -> str | None:
 FAST_SHARED = ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.json")
 
 
+def fast_lora_path() -> Path:
+    """wan-demo-fast's student as a LoRA adapter of wan-demo (``--model wan-demo --adapter fast``;
+    diffusers' Wan LoRA keys, alpha = rank): the file the ``wan-demo`` preset offers as ``fast``."""
+    return PACKAGE_DIR / "adapters" / "fast.safetensors"
+
+
 def fast_checkpoint_dir() -> Path:
     """The ``wan-demo-fast`` folder: its own ``transformer/`` and ``omniloop.json`` (the few-step
     schedule, guidance 1.0); the rest are links to wan-demo's (:data:`FAST_SHARED`)."""
@@ -62,8 +68,7 @@ def fast_checkpoint_missing(folder: Path | None = None) -> str | None:
     """Why the distilled checkpoint cannot be used yet (``None`` when it can)."""
     return weights_missing(
         "wan-demo-fast", folder or fast_checkpoint_dir(), (*TRANSFORMER_FILES, "omniloop.json", *FAST_SHARED),
-        "distill them with python -m omniloop_wan_demo_training.v2 --phases distill,eval --resume DIR --out OUT, then "
-        "install them with python -m omniloop_wan_demo_training.v2 --ship OUT (package omniloop-wan-demo-training, "
-        "demos/wan-demo)",
+        "train its LoRA with python -m omniloop_wan_demo_training.dmd_fast --out OUT on a GPU, then install it with "
+        "python -m omniloop_wan_demo_training.v2 --ship OUT (package omniloop-wan-demo-training, demos/wan-demo)",
         present=Path.exists,
     )

@@ -284,7 +284,8 @@ def test_decoder_phase_tunes_the_shipped_decoder_and_records_it(tmp_path):
 @pytest.fixture
 def fake_fast_package(tmp_path, monkeypatch):
     """A package folder whose ``checkpoint_fast/`` holds the shipped transformer as a stand-in
-    student (links only) and the omniloop.json the distill phase writes."""
+    student (links only) and the omniloop.json the distill phase writes; ``adapters/`` links the
+    shipped one (the ``wan-demo-fast`` preset fuses its ``fast`` LoRA at load)."""
     if not (CKPT / "model_index.json").exists():
         pytest.skip("no shipped checkpoint")
     pkg = tmp_path / "pkg"
@@ -301,6 +302,7 @@ def fake_fast_package(tmp_path, monkeypatch):
         DEMO_DEFAULTS, steps=4, guidance_scale=1.0, sampler="few-step",
         sampler_options={"few-step": {"timesteps": list(distill.FAST_TIMESTEPS), "grid_shift": distill.GRID_SHIFT}})}
     (fast / "omniloop.json").write_text(json.dumps(meta))
+    (pkg / "adapters").symlink_to(checkpoint_path.fast_lora_path().parent)  # the preset fuses its 'fast' LoRA
     monkeypatch.setattr(checkpoint_path, "PACKAGE_DIR", pkg)
     return fast
 
@@ -362,3 +364,27 @@ def test_latent_coverage_follows_the_vae_grid_and_dilates():
     assert bool(latent_coverage(mask, dilate=0)[0, 0, 0, 0, 0])
     with pytest.raises(ValueError, match="1\\+4k frames"):
         latent_coverage(torch.zeros(1, 1, 16, 64, 64))
+
+
+def test_ship_installs_a_dmd_lora_as_wan_demo_fast(tmp_path):
+    """``v2 --ship OUT`` with dmd_fast's output: the LoRA becomes ``adapters/fast.safetensors``,
+    ``checkpoint_fast/`` links every part (the transformer too) to ``checkpoint/`` and its
+    omniloop.json runs the few-step schedule at guidance 1 and records the training."""
+    pkg, src = tmp_path / "pkg", tmp_path / "out"
+    (pkg / "checkpoint").mkdir(parents=True)
+    src.mkdir()
+    (src / "fast_lora.safetensors").write_bytes(b"lora")
+    (src / "result.json").write_text(json.dumps({"recipe": {"form": "full"}, "extraction": {"rank": 32},
+                                                 "training": {"student_steps": 3, "log": [1, 2]}}))
+    done = ship(src, pkg)
+    assert (pkg / "adapters" / "fast.safetensors").read_bytes() == b"lora"
+    fast = pkg / "checkpoint_fast"
+    for name in ("transformer", *checkpoint_path.FAST_SHARED):
+        assert (fast / name).is_symlink() and os.readlink(fast / name) == os.path.join("..", "checkpoint", name)
+    meta = json.loads((fast / "omniloop.json").read_text())
+    assert meta["defaults"]["sampler"] == "few-step" and meta["defaults"]["guidance_scale"] == 1.0
+    assert meta["training"]["student_steps"] == 3 and "log" not in meta["training"] and meta["training"]["extraction"] == {"rank": 32}
+    assert meta["vocabulary"] == sorted(vocabulary_words("video")) and done["checkpoint_fast"] == str(fast)
+    (src / "fast").mkdir()  # a distill session's student too
+    with pytest.raises(ValueError, match=r"both fast\.tar and fast_lora\.safetensors"):
+        ship(src, pkg)
