@@ -1,0 +1,154 @@
+"""The DMD2 recipe (``omniloop_wan_demo_training.dmd``): one iteration on a tiny Wan transformer
+(losses finite; the student and the critic change, the teacher does not), the same with LoRA roles
+on one base, and the student's rollout against the runtime's ``few-step`` sampler on the shipped
+wan-demo-fast checkpoint."""
+
+import copy
+
+import pytest
+import torch
+
+from omniloop_wan_demo_training import dmd
+
+torch.set_num_threads(2)
+
+
+def tiny_transformer(seed: int = 0):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                 out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
+
+
+def batches(seed: int = 1, b: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    uncond = torch.randn((1, 6, 16), generator=g)
+    while True:
+        yield dmd.Batch(torch.randn((b, 4, 2, 8, 8), generator=g), dmd.Text(torch.randn((b, 6, 16), generator=g), uncond))
+
+
+def snapshot(params) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params]
+
+
+def changed(before: list[torch.Tensor], params) -> bool:
+    return any(not torch.equal(a, p.detach()) for a, p in zip(before, params, strict=True))
+
+
+def rollout():
+    from omniloop_policies.samplers import FewStepSampler
+
+    return dmd.FewStepRollout(sampler=FewStepSampler(timesteps_list=(1000, 750, 500, 250)))
+
+
+def test_one_dmd_iteration_moves_the_student_and_the_critic_not_the_teacher():
+    teacher = tiny_transformer().eval()
+    student, critic = copy.deepcopy(teacher).train(), copy.deepcopy(teacher).train()
+    t0, s0, c0 = snapshot(teacher.parameters()), snapshot(student.parameters()), snapshot(critic.parameters())
+    logs: list[dict] = []
+    cfg = dmd.DMDConfig(critic_steps=2, student_lr=1e-3, critic_lr=1e-3)
+    out = dmd.train_dmd(student, teacher, critic, rollout(), batches(), cfg, steps=2, log=logs.append, log_every=1)
+    assert out["student_steps"] == 1 and out["critic_steps"] == 2
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor([r["critic_loss"]])) for r in logs)
+    assert torch.isfinite(torch.tensor(logs[0]["dm_loss"])) and logs[0]["dm_loss"] > 0
+    assert not changed(t0, teacher.parameters())
+    assert all(p.grad is None for p in teacher.parameters())
+    assert changed(s0, student.parameters()) and changed(c0, critic.parameters())
+
+
+def test_the_dm_loss_gradient_is_the_normalised_fake_minus_real_direction():
+    teacher = tiny_transformer().eval()
+    critic = tiny_transformer(seed=3).eval()
+    b = next(batches())
+    x0 = torch.randn_like(b.noise).requires_grad_(True)
+    cfg = dmd.DMDConfig()
+    loss = dmd.distribution_matching_loss(x0, b.text, teacher, critic, cfg, torch.Generator().manual_seed(5))
+    loss.backward()
+    # the same draws by hand
+    g = torch.Generator().manual_seed(5)
+    s = dmd._draw_sigma(cfg, x0.shape[0], x0.device, g)
+    sb = s.view(-1, 1, 1, 1, 1)
+    xt = (1 - sb) * x0.detach() + sb * torch.randn(x0.shape, generator=g)
+    with torch.no_grad():
+        def v(m, emb):
+            return m(hidden_states=xt, timestep=s * 1000, encoder_hidden_states=emb, return_dict=False)[0]
+        vc, vu = v(teacher, b.text.cond), v(teacher, b.text.uncond.expand(2, -1, -1))
+        real = xt - sb * (vu + cfg.teacher_guidance * (vc - vu))
+        fake = xt - sb * v(critic, b.text.cond)
+        norm = (x0.detach() - real).abs().mean(dim=(1, 2, 3, 4), keepdim=True)
+    torch.testing.assert_close(x0.grad, (fake - real) / norm / x0.numel(), rtol=1e-4, atol=1e-8)
+    assert torch.isfinite(loss)
+
+
+def test_lora_roles_train_two_adapters_on_one_frozen_base():
+    pytest.importorskip("peft")
+    base = tiny_transformer()
+    student, teacher, critic = dmd.lora_roles(base, rank=4, target_modules=["to_q", "to_k", "to_v"])
+    b = next(batches())
+    frozen = {n: p.detach().clone() for n, p in base.named_parameters() if "lora_" not in n}
+    with torch.no_grad():
+        plain = tiny_transformer()(hidden_states=b.noise, timestep=torch.full((2,), 500.0), encoder_hidden_states=b.text.cond,
+                                   return_dict=False)[0]
+        for role in (student, teacher, critic):  # B = 0: every role starts as the base
+            out = role(hidden_states=b.noise, timestep=torch.full((2,), 500.0), encoder_hidden_states=b.text.cond,
+                       return_dict=False)[0]
+            torch.testing.assert_close(out, plain)
+    s0, c0 = snapshot(student.parameters()), snapshot(critic.parameters())
+    assert len(s0) == len(c0) == 12  # A and B of q, k, v in self- and cross-attention, one block
+    cfg = dmd.DMDConfig(critic_steps=1, student_lr=1e-2, critic_lr=1e-2)
+    dmd.train_dmd(student, teacher, critic, rollout(), batches(), cfg, steps=2)
+    assert changed(s0, student.parameters()) and changed(c0, critic.parameters())
+    assert all(torch.equal(p, frozen[n]) for n, p in base.named_parameters() if "lora_" not in n)
+    with torch.no_grad():  # the teacher is still the base: adapters off
+        out = teacher(hidden_states=b.noise, timestep=torch.full((2,), 500.0), encoder_hidden_states=b.text.cond,
+                      return_dict=False)[0]
+    torch.testing.assert_close(out, plain)
+
+
+def test_rollout_exits_at_a_random_step_with_the_graph_of_that_step_only():
+    student = tiny_transformer()
+    b = next(batches())
+    r = dmd.FewStepRollout(sampler=rollout().sampler, exit="random", exit_generator=torch.Generator().manual_seed(2))
+    exits = set()
+    for _ in range(12):
+        x0 = r(student, b.noise, b.text, torch.Generator().manual_seed(0))
+        assert x0.requires_grad
+        exits.add(r.last_exit)
+    assert exits == {0, 1, 2, 3}
+    last = dmd.FewStepRollout(sampler=rollout().sampler, exit="last")
+    with torch.no_grad():
+        full = last(student, b.noise, b.text, torch.Generator().manual_seed(0))
+        r3 = dmd.FewStepRollout(sampler=rollout().sampler, exit="last", grad="all")
+        assert torch.equal(full, r3(student, b.noise, b.text, torch.Generator().manual_seed(0)))
+
+
+def test_the_rollout_is_the_runtimes_few_step_sampler_on_wan_demo_fast():
+    """The recipe's rollout (no grad, all steps) on the shipped wan-demo-fast student vs
+    ``omniloop generate --model wan-demo-fast`` (few-step sampler, guidance 1): same prompt
+    embedding, same initial noise and per-step noise from the request's seed → equal latents."""
+    from omniloop.runtime import Runtime
+    from omniloop_policies.samplers import FewStepSampler
+    from omniloop_wan.stages import encode_text
+    from omniloop_wan_demo.checkpoint_path import checkpoint_dir
+    from omniloop_wan_demo_training.distill import FAST_TIMESTEPS, GRID_SHIFT
+
+    fast = checkpoint_dir().parent / "checkpoint_fast"
+    if not (fast / "transformer").is_dir():
+        pytest.skip("no wan-demo-fast checkpoint in the package")
+    prompt, seed = "a red star moving left", 3
+    rt = Runtime.from_model("wan-demo-fast")
+    out = rt.generate({"task": "t2v", "prompt": prompt, "diffusion": {"seed": seed}, "outputs": {"return_latents": True}})
+    assert out.ok, out.error
+    theirs = out.artifacts["latents"].tensor.float()
+
+    # the runtime's own modules: its transformer (with the attention backend it chose) and its prompt encoding
+    c = rt.model.components
+    emb, _ = encode_text(c["tokenizer"], c["text_encoder"], prompt, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn((1, 16, 5, 16, 16), generator=gen)
+    r = dmd.FewStepRollout(sampler=FewStepSampler(timesteps_list=FAST_TIMESTEPS, grid_shift=GRID_SHIFT), exit="last")
+    with torch.no_grad():
+        ours = r(c["transformer"], noise, dmd.Text(emb), gen)
+    assert ours.shape == theirs.shape
+    assert torch.equal(ours, theirs)
