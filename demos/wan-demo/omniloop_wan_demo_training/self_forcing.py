@@ -78,12 +78,17 @@ class BatchKV:
 
 
 def causal_rollout(student: Any, noise: torch.Tensor, text: torch.Tensor, options: CausalOptions,
-                   exits: Sequence[int] | None = None) -> torch.Tensor:
+                   exits: Sequence[int] | None = None, *, autocast: bool = False) -> torch.Tensor:
     """The clip ``[B, C, F, H, W]`` the causal ``student`` makes from ``noise`` (same shape; chunk
     ``i`` starts from ``noise[:, :, i*f:(i+1)*f]``) with ``text`` states ``[B, L, D]``, chunk by
     chunk as ``CausalEngine.denoise_chunk`` does (no CFG). ``exits[i]`` (default: the last step)
-    is chunk ``i``'s exit step, the one step run with gradient when grad is enabled."""
-    from omniloop_wan.causal import chunk_forward
+    is chunk ``i``'s exit step, the one step run with gradient when grad is enabled. ``autocast``:
+    the forwards in bf16 autocast on CUDA (training speed; the latents stay in the model dtype)."""
+    from omniloop_wan.causal import chunk_forward as _chunk_forward
+
+    def chunk_forward(*args: Any, **kw: Any) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast and noise.is_cuda):
+            return _chunk_forward(*args, **kw)
 
     o = options
     f = o.chunk_frames
@@ -134,11 +139,13 @@ class SelfForcingRollout:
     takes: :func:`causal_rollout` with exit steps drawn per chunk from ``generator``
     (``exit="random"``) or the last step (``exit="last"``)."""
 
-    def __init__(self, options: CausalOptions, *, exit: str = "random") -> None:
+    def __init__(self, options: CausalOptions, *, exit: str = "random", autocast: bool = True) -> None:
         if exit not in EXITS:
             raise ValueError(f"exit: one of {', '.join(EXITS)}, got {exit!r}")
         self.options = options
         self.exit = exit
+        self.autocast = autocast
+        self.last_exits: list[int] = []
 
     def exits(self, chunks: int, generator: torch.Generator | None) -> list[int]:
         steps = self.options.steps
@@ -147,10 +154,14 @@ class SelfForcingRollout:
         dev = generator.device if generator is not None else "cpu"
         return [int(k) for k in torch.randint(0, steps, (chunks,), generator=generator, device=dev).tolist()]
 
-    def __call__(self, student: Any, noise: torch.Tensor, text: torch.Tensor,
+    def __call__(self, student: Any, noise: torch.Tensor, text: Any,
                  generator: torch.Generator | None = None) -> torch.Tensor:
+        """``text``: the states ``[B, L, D]`` or the recipe's :class:`~.dmd.Text` (its ``cond``: the
+        student runs without CFG). Returns float32 latents, as the recipe's losses take them."""
+        cond = text if isinstance(text, torch.Tensor) else text.cond
         chunks = noise.shape[2] // self.options.chunk_frames
-        return causal_rollout(student, noise, text, self.options, self.exits(chunks, generator))
+        self.last_exits = self.exits(chunks, generator)
+        return causal_rollout(student, noise, cond, self.options, self.last_exits, autocast=self.autocast).float()
 
 
 __all__ = ["EXITS", "BatchKV", "SelfForcingRollout", "causal_rollout", "stream_noise"]
