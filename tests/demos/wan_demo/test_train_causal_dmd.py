@@ -92,3 +92,15 @@ def test_bad_dmd_overrides_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path / "x"), "--dmd", "[1]"])
     assert e.value.code == 2 and "--dmd: expected a JSON object" in capsys.readouterr().err
+
+
+def test_causal_meta_drops_the_bidirectional_sampler_defaults():
+    from omniloop_wan_demo_training.train_causal import causal_meta
+
+    base = {"defaults": {"steps": 20, "guidance_scale": 2.0, "shift": 5.0, "sampler": "flow-euler", "fps": 8.0,
+                         "sampler_options": {"flow-euler": {"stochastic_sampling": True}}},
+            "limits": {"max_frames": 17}, "tasks": ["t2v"], "vocabulary": ["red"], "version": 2}
+    meta = causal_meta(base, {"chunk_frames": 1, "steps": 4, "shift": 3.0, "guidance_scale": 1.0}, {"steps": 1})
+    assert meta["defaults"] == {"steps": 4, "guidance_scale": 1.0, "fps": 8.0}
+    assert meta["limits"] == {"max_frames": 17} and meta["tasks"] == ["t2v"] and meta["vocabulary"] == ["red"]
+    assert meta["rollout"] == "causal" and meta["rollout_options"]["shift"] == 3.0 and "version" not in meta
