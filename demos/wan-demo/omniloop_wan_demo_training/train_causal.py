@@ -44,6 +44,7 @@ machine. ``--ship DIR`` installs ``DIR``'s ``transformer/`` + ``omniloop.json`` 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -253,7 +254,13 @@ def causal_meta(base: dict[str, Any], rollout_options: dict[str, Any], training:
                             "rollout_options": ro, "training": training}
     for key in ("limits", "tasks", "vocabulary"):
         if key in base:
-            meta[key] = base[key]
+            meta[key] = copy.deepcopy(base[key])
+    lim = meta.get("limits")
+    if isinstance(lim, dict) and isinstance(lim.get("max_frames"), int) and "note" in lim:
+        # Wan's VAE: 4 video frames per latent frame after the first
+        chunks = ((lim["max_frames"] - 1) // 4 + 1) // int(ro["chunk_frames"])
+        size = "one-latent-frame" if ro["chunk_frames"] == 1 else f"{ro['chunk_frames']}-latent-frame"
+        lim["note"] = f"{lim['note']} ({chunks} {size} chunks)"
     return meta
 
 
@@ -263,7 +270,6 @@ def save_checkpoint(comps: dict[str, Any], src: Path, out: Path, info: dict[str,
     the shared, frozen components (``vae``, ``text_encoder``, ``tokenizer``, ``scheduler``,
     ``model_index.json``) are links to ``src``'s, so the folder loads as it is here while only the
     new files travel back from a GPU machine (a file-count-limited transfer leaves links out)."""
-    import copy
 
     out.mkdir(parents=True, exist_ok=True)
     for name in CAUSAL_SHARED:

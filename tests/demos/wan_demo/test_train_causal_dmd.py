@@ -99,8 +99,10 @@ def test_causal_meta_drops_the_bidirectional_sampler_defaults():
 
     base = {"defaults": {"steps": 20, "guidance_scale": 2.0, "shift": 5.0, "sampler": "flow-euler", "fps": 8.0,
                          "sampler_options": {"flow-euler": {"stochastic_sampling": True}}},
-            "limits": {"max_frames": 17}, "tasks": ["t2v"], "vocabulary": ["red"], "version": 2}
+            "limits": {"max_frames": 17, "note": "trained on 17-frame clips"}, "tasks": ["t2v"], "vocabulary": ["red"],
+            "version": 2}
     meta = causal_meta(base, {"chunk_frames": 1, "steps": 4, "shift": 3.0, "guidance_scale": 1.0}, {"steps": 1})
     assert meta["defaults"] == {"steps": 4, "guidance_scale": 1.0, "fps": 8.0}
-    assert meta["limits"] == {"max_frames": 17} and meta["tasks"] == ["t2v"] and meta["vocabulary"] == ["red"]
+    assert meta["limits"] == {"max_frames": 17, "note": "trained on 17-frame clips (5 one-latent-frame chunks)"}
+    assert base["limits"]["note"] == "trained on 17-frame clips" and meta["tasks"] == ["t2v"] and meta["vocabulary"] == ["red"]
     assert meta["rollout"] == "causal" and meta["rollout_options"]["shift"] == 3.0 and "version" not in meta
