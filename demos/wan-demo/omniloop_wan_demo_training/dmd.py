@@ -275,8 +275,8 @@ def _params(role: Role) -> list[torch.nn.Parameter]:
 def train_dmd(student: Role, teacher: Role, critic: Role, rollout: Rollout, batches: Iterable[Batch], config: DMDConfig,
               steps: int, *, log: Callable[[dict[str, Any]], None] | None = None, log_every: int = 50,
               lr_at: Callable[[int], float] | None = None, on_student_step: Callable[[int], None] | None = None,
-              generator: torch.Generator | None = None) -> dict[str, Any]:
-    """``steps`` iterations; each one updates the critic, and every ``config.critic_steps``-th
+              generator: torch.Generator | None = None, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """``steps`` iterations (fewer when ``stop()`` turns true: a time box); each one updates the critic, and every ``config.critic_steps``-th
     one (starting with the first) first updates the student. ``lr_at(i)`` scales both learning
     rates (a warm-up / decay factor). Returns ``{"student_steps", "critic_steps", "last"}``."""
     s_params, c_params = _params(student), _params(critic)
@@ -293,6 +293,8 @@ def train_dmd(student: Role, teacher: Role, critic: Role, rollout: Rollout, batc
     s_steps = c_steps = 0
     last: dict[str, Any] = {}
     for i in range(steps):
+        if stop is not None and stop():
+            break
         scale = 1.0 if lr_at is None else float(lr_at(i))
         batch = next(it)
         x0_det = None
@@ -324,9 +326,9 @@ def train_dmd(student: Role, teacher: Role, critic: Role, rollout: Rollout, batc
         c_steps += 1
         acc["critic"] += float(closs.detach())
         acc["n_c"] += 1
-        if (i + 1) % log_every == 0 or i + 1 == steps:
+        if (i + 1) % log_every == 0 or i + 1 == steps or (stop is not None and acc["n_c"] and stop()):
             last = {"iter": i + 1, "student_steps": s_steps, "lr_scale": scale,
-                    "dm_loss": acc["dm"] / max(1, acc["n_dm"]), "critic_loss": acc["critic"] / max(1, acc["n_c"])}
+                    "dm_loss": acc["dm"] / acc["n_dm"] if acc["n_dm"] else None, "critic_loss": acc["critic"] / max(1, acc["n_c"])}
             if log is not None:
                 log(last)
             acc = {"dm": 0.0, "critic": 0.0, "n_dm": 0, "n_c": 0}

@@ -1,0 +1,348 @@
+"""wan-demo-fast by DMD2 (:mod:`.dmd`): a 4-step student of wan-demo v2, time-boxed on one GPU.
+
+    python -m omniloop_wan_demo_training.dmd_fast --out $OUT/lora --form lora --seconds 200
+    python -m omniloop_wan_demo_training.dmd_fast --out $OUT/full --form full --seconds 200
+    python -m omniloop_wan_demo_training.dmd_fast --out $OUT/v2 --eval-only v2          # wan-demo at its defaults
+    python -m omniloop_wan_demo_training.dmd_fast --out /tmp/dmd-smoke --smoke          # CPU check, ~1 min
+
+Teacher: the shipped ``checkpoint/`` (v2) with CFG ``--teacher-guidance`` (the real score).
+Student and critic start as v2. ``--form lora``: both are LoRA adapters (rank ``--rank``,
+alpha = rank) of one frozen v2 (:func:`.dmd.lora_roles`; the teacher is v2 with adapters off) and
+what ships is the student adapter, ``fast_lora.safetensors`` (diffusers keys
+``transformer.blocks.N.<module>.lora_A/B.weight``, fp16), which ``--adapter fast`` loads on
+wan-demo. ``--form full``: full copies; what ships is ``transformer/`` (fp16) plus a LoRA
+extracted from ``student - v2`` by truncated SVD (rank ``--rank``; its relative error is
+recorded).
+
+The student's sample is the runtime's ``few-step`` sampler at ``--timesteps`` (grid shift 8,
+guidance 1: one forward per step), through :class:`.dmd.FewStepRollout` (random exit step,
+graph of that step only). ``--critic-steps`` critic updates per student update.
+
+Evaluation (on the saved fp16 weights, the LoRA applied as ``W + B A``): the few-step sampler's
+math batched on the GPU (``distill.FewStepGenerator``) on ``full_prompts() x --eval-seeds``, W1's
+detector (colour, direction, shape, ghost-free = "clean") and duplicate objects (a ghost in >= 8
+frames). ``--eval-only v2`` evaluates wan-demo v2 at its shipped defaults (stochastic flow Euler,
+20 steps, guidance 2, shift 5; ``sampling.FlowEulerGenerator``) on the same clips.
+
+Writes ``result.json`` (args, training log, evaluation) and the weights (``fast_lora.safetensors``,
+``transformer/`` for ``--form full``), and ``preview.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import dmd
+
+#: the modules of each Wan block the LoRA covers (every Linear of the block but the norms' affine)
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+TINY_DIT = {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 16, "ffn_dim": 64, "freq_dim": 32}
+
+
+def _log(*args: Any) -> None:
+    print(time.strftime("%H:%M:%S"), *args, flush=True)
+
+
+def load_v2(dev: str, smoke: bool = False) -> dict[str, Any]:
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    from omniloop_wan_demo.checkpoint_path import checkpoint_dir
+
+    from .common import load_tokenizer
+
+    ck = checkpoint_dir()
+    tr = WanTransformer3DModel.from_pretrained(str(ck / "transformer"), torch_dtype=torch.float32)
+    if smoke:  # a tiny transformer of the same interface (CPU check of the plumbing only)
+        cfg = dict(tr.config)
+        cfg = {k: v for k, v in cfg.items() if not k.startswith("_")} | TINY_DIT
+        torch.manual_seed(0)
+        tr = WanTransformer3DModel(**cfg)
+    return {
+        "dir": ck,
+        "transformer": tr.to(dev).eval(),
+        "text_encoder": UMT5EncoderModel.from_pretrained(str(ck / "text_encoder"), torch_dtype=torch.float32).to(dev).eval(),
+        "vae": AutoencoderKLWan.from_pretrained(str(ck / "vae"), torch_dtype=torch.float32).to(dev).eval(),
+        "tokenizer": load_tokenizer(ck / "tokenizer"),
+    }
+
+
+def batches(emb_all: torch.Tensor, emb_u: torch.Tensor, *, batch: int, dev: str, seed: int) -> Iterator[dmd.Batch]:
+    """Endless batches: fresh noise ``[B, 16, 5, 16, 16]`` and random training prompts."""
+    g = torch.Generator(dev).manual_seed(seed)
+    while True:
+        idx = torch.randint(0, emb_all.shape[0], (batch,), device=dev, generator=g)
+        noise = torch.randn((batch, 16, 5, 16, 16), device=dev, generator=g)
+        yield dmd.Batch(noise, dmd.Text(emb_all[idx], emb_u))
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA files: save, apply (merge), extract
+# --------------------------------------------------------------------------------------------------
+
+
+def adapter_state(base: torch.nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """Adapter ``name``'s weights in diffusers' Wan LoRA layout (``transformer.<module>.lora_A.weight``)."""
+    out = {}
+    tag = f".{name}."
+    for n, p in base.named_parameters():
+        if "lora_" in n and tag in n:  # blocks.0.attn1.to_q.lora_A.student.weight
+            out["transformer." + n.replace(tag, ".")] = p.detach().to("cpu", torch.float16).contiguous()
+    return out
+
+
+def save_lora(state: dict[str, torch.Tensor], path: Path, meta: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata={"omniloop": json.dumps(meta, sort_keys=True)})
+
+
+def merge_lora(transformer: torch.nn.Module, state: dict[str, torch.Tensor], scale: float = 1.0) -> torch.nn.Module:
+    """``W += scale * B @ A`` for every pair (alpha = rank), in place; returns ``transformer``."""
+    mods = dict(transformer.named_modules())
+    with torch.no_grad():
+        for k, a in state.items():
+            if ".lora_A." not in k:
+                continue
+            mod = mods[k.removeprefix("transformer.").replace(".lora_A.weight", "")]
+            b = state[k.replace(".lora_A.", ".lora_B.")]
+            w = mod.weight
+            w += scale * (b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)).to(w.dtype)
+    return transformer
+
+
+def extract_lora(student: torch.nn.Module, base: torch.nn.Module, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A rank-``rank`` LoRA of ``student - base`` on :data:`LORA_TARGETS` (truncated SVD,
+    ``B = U S``, ``A = V^T``) and how much it misses: the relative Frobenius error of the Linear
+    deltas, and the relative size of the deltas it cannot hold (every other parameter)."""
+    s_params, b_params = dict(student.named_parameters()), dict(base.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    err2 = tot2 = other2 = other_tot2 = 0.0
+    covered = set()
+    for n, mod in student.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or not n.startswith("blocks.") or not n.endswith(LORA_TARGETS):
+            continue
+        d = (s_params[f"{n}.weight"].detach().float() - b_params[f"{n}.weight"].detach().float()).cpu()
+        u, s, vh = torch.linalg.svd(d, full_matrices=False)
+        r = min(rank, s.numel())
+        bmat, amat = (u[:, :r] * s[:r]).contiguous(), vh[:r].contiguous()
+        out[f"transformer.{n}.lora_A.weight"] = amat.half()
+        out[f"transformer.{n}.lora_B.weight"] = bmat.half()
+        err2 += float(((d - bmat.half().float() @ amat.half().float()) ** 2).sum())
+        tot2 += float((d**2).sum())
+        covered.add(f"{n}.weight")
+    for n, p in s_params.items():
+        if n not in covered:
+            other2 += float(((p.detach().float() - b_params[n].detach().float()) ** 2).sum())
+            other_tot2 += float((b_params[n].detach().float() ** 2).sum())
+    info = {"rank": rank, "linear_delta_rel_error": math.sqrt(err2 / max(tot2, 1e-30)),
+            "other_params_rel_change": math.sqrt(other2 / max(other_tot2, 1e-30))}
+    return out, info
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------
+
+
+def eval_fast(transformer, v2: dict[str, Any], *, prompts: list[str], seeds: list[int], timesteps: tuple[int, ...],
+              dev: str, preview: Path | None) -> dict[str, Any]:
+    from omniloop_wan_demo.evaluate import evaluate
+
+    from .distill import FewStepGenerator
+    from .train_dit import clip_records, duplicates
+
+    t0 = time.perf_counter()
+    gen = FewStepGenerator(transformer, v2["text_encoder"], v2["tokenizer"], v2["vae"], device=dev, timesteps=timesteps)
+    rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=len(timesteps), guidance_scale=1.0,
+                   backend="few-step (GPU, diffusers modules)")
+    r = rep.to_dict(with_clips=False) | {"clips": clip_records(rep)}
+    r.update(model="fast", sampler="few-step", timesteps=list(timesteps), wall_s=round(time.perf_counter() - t0, 2))
+    r.update(duplicates(r["clips"]))
+    if preview is not None:
+        sub = prompts[:: max(1, len(prompts) // 8)][:8]
+        _preview(gen(sub, [0] * len(sub), steps=len(timesteps), guidance_scale=1.0), preview)
+    return r
+
+
+def eval_v2(v2: dict[str, Any], *, prompts: list[str], seeds: list[int], steps: int, dev: str) -> dict[str, Any]:
+    from omniloop_wan_demo.evaluate import evaluate
+
+    from .common import V2_SAMPLING
+    from .sampling import FlowEulerGenerator
+    from .train_dit import clip_records, duplicates
+
+    class Pipe:  # what FlowEulerGenerator reads
+        transformer, text_encoder, vae = v2["transformer"], v2["text_encoder"], v2["vae"]
+
+    t0 = time.perf_counter()
+    g = float(V2_SAMPLING["guidance_scale"])
+    gen = FlowEulerGenerator(Pipe, v2["tokenizer"], device=dev, shift=float(V2_SAMPLING["shift"]), stochastic=True)
+    rep = evaluate(gen, prompts=prompts, seeds=seeds, steps=steps, guidance_scale=g, backend="euler-sde (GPU, diffusers modules)")
+    r = rep.to_dict(with_clips=False) | {"clips": clip_records(rep)}
+    r.update(model="v2", sampler="euler-sde", flow_shift=float(V2_SAMPLING["shift"]), wall_s=round(time.perf_counter() - t0, 2))
+    r.update(duplicates(r["clips"]))
+    return r
+
+
+def _preview(vids: list[np.ndarray], path: Path) -> None:
+    from PIL import Image
+
+    Image.fromarray(np.concatenate([np.concatenate([v[i] for i in (0, 4, 8, 12, 16)], axis=1) for v in vids], axis=0)).save(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# The session
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from .v2 import parse_seeds
+
+    ap = argparse.ArgumentParser(description="wan-demo-fast by DMD2 (see the module docstring)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--form", default="lora", choices=["lora", "full"])
+    ap.add_argument("--eval-only", choices=["v2"], help="evaluate wan-demo v2 at its defaults, train nothing")
+    ap.add_argument("--seconds", type=float, default=200, help="training time box")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--teacher-guidance", type=float, default=3.0)
+    ap.add_argument("--critic-steps", type=int, default=5)
+    ap.add_argument("--student-lr", type=float, default=None, help="default: 3e-4 (lora), 5e-5 (full)")
+    ap.add_argument("--critic-lr", type=float, default=None, help="default: 2x the student's")
+    ap.add_argument("--timesteps", default="1000,750,500,250")
+    ap.add_argument("--eval-seeds", default="0-31")
+    ap.add_argument("--v2-steps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny transformer, a few iterations, 2 clips (CPU check)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    a.seed_list = parse_seeds(a.eval_seeds, ap.error)
+    a.timestep_list = tuple(int(t) for t in a.timesteps.split(","))
+    if a.student_lr is None:
+        a.student_lr = 3e-4 if a.form == "lora" else 5e-5
+    if a.critic_lr is None:
+        a.critic_lr = 2 * a.student_lr
+    for k in ("seconds", "student_lr", "critic_lr", "teacher_guidance"):
+        v = getattr(a, k)
+        if not math.isfinite(v) or v <= 0:
+            ap.error(f"--{k.replace('_', '-')}: must be a finite number > 0, got {v}")
+    if a.batch < 1 or a.rank < 1 or a.critic_steps < 1:
+        ap.error("--batch, --rank and --critic-steps: must be >= 1")
+    if a.smoke:
+        a.batch, a.seconds, a.seed_list, a.v2_steps = 2, 1e9, [0], 2
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    from omniloop_policies.samplers import FewStepSampler
+    from omniloop_wan_demo.evaluate import full_prompts
+
+    from .distill import GRID_SHIFT, _embed
+    from .render import all_prompts
+
+    a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = a.device
+    t_start = time.perf_counter()
+    res: dict[str, Any] = {"args": {k: v for k, v in vars(a).items()}, "torch": torch.__version__,
+                           "device": torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu"}
+
+    def dump() -> None:
+        (out / "result.json").write_text(json.dumps(res, indent=1, default=str))
+
+    v2 = load_v2(dev, smoke=a.smoke)
+    eval_prompts = full_prompts()[:2] if a.smoke else full_prompts()
+    if a.eval_only == "v2":
+        res["eval"] = eval_v2(v2, prompts=eval_prompts, seeds=a.seed_list, steps=a.v2_steps, dev=dev)
+        _log("eval v2", res["eval"]["n"], json.dumps(res["eval"]["accuracy"]), "duplicates", res["eval"]["duplicate_clips"],
+             res["eval"]["wall_s"])
+        res["total_s"] = round(time.perf_counter() - t_start, 1)
+        dump()
+        return 0
+
+    emb_all = _embed(v2["text_encoder"], v2["tokenizer"], all_prompts(), dev)
+    emb_u = _embed(v2["text_encoder"], v2["tokenizer"], [""], dev)
+    if a.smoke:
+        emb_all, emb_u = emb_all[:, :8, :], emb_u[:, :8, :]
+    teacher = v2["transformer"]
+    if a.form == "lora":
+        base = copy.deepcopy(teacher)
+        student, teacher_role, critic = dmd.lora_roles(base, rank=a.rank, target_modules=LORA_TARGETS)
+    else:
+        student, critic = copy.deepcopy(teacher).train(), copy.deepcopy(teacher).train()
+        teacher_role = teacher.requires_grad_(False)
+    cfg = dmd.DMDConfig(teacher_guidance=a.teacher_guidance, critic_steps=a.critic_steps, student_lr=a.student_lr,
+                        critic_lr=a.critic_lr, seed=a.seed)
+    sampler = FewStepSampler(timesteps_list=a.timestep_list, grid_shift=GRID_SHIFT)
+    rollout = dmd.FewStepRollout(sampler=sampler, exit_generator=torch.Generator().manual_seed(a.seed + 1))
+    res["recipe"] = {"dmd": {k: v for k, v in __import__("attrs").asdict(cfg).items()}, "form": a.form,
+                     "rank": a.rank if a.form == "lora" else None, "batch": a.batch, "timesteps": list(a.timestep_list),
+                     "grid_shift": GRID_SHIFT, "rollout": "few-step sampler, random exit step, graph of that step only",
+                     "teacher": "wan-demo v2 (checkpoint/), CFG", "init": "student and critic = v2"}
+    log: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    warm = 20 * a.critic_steps
+
+    def lr_at(i: int) -> float:
+        frac = (time.perf_counter() - t0) / a.seconds
+        return min(1.0, (i + 1) / warm) * (1.0 if frac < 0.75 else max(0.1, (1.0 - frac) / 0.25))
+
+    def record(r: dict[str, Any]) -> None:
+        r = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()} | {"t": round(time.perf_counter() - t0, 1)}
+        log.append(r)
+        _log("dmd", json.dumps(r))
+
+    gen = torch.Generator(dev).manual_seed(a.seed + 2)
+    info = dmd.train_dmd(student, teacher_role, critic, rollout, batches(emb_all, emb_u, batch=a.batch, dev=dev, seed=a.seed + 3),
+                         cfg, 4 if a.smoke else 10**9, log=record, log_every=1 if a.smoke else 100, lr_at=lr_at,
+                         generator=gen, stop=lambda: time.perf_counter() - t0 > a.seconds)
+    res["training"] = {"seconds": round(time.perf_counter() - t0, 1), "student_steps": info["student_steps"],
+                       "critic_steps": info["critic_steps"], "log": log}
+    dump()
+
+    # ---- save what ships, then evaluate exactly that (fp16 weights) ----------------------------
+    from diffusers import WanTransformer3DModel
+
+    meta = {"from": "wan-demo v2", "method": "DMD2 (omniloop_wan_demo_training.dmd)", "timesteps": list(a.timestep_list),
+            "grid_shift": GRID_SHIFT, "teacher_guidance": a.teacher_guidance, "student_steps": info["student_steps"]}
+    if a.form == "lora":
+        state = adapter_state(base, "student")
+        save_lora(state, out / "fast_lora.safetensors", meta | {"rank": a.rank, "alpha": a.rank})
+        fast_tr = merge_lora(copy.deepcopy(teacher).float(), state).eval()
+    else:
+        student.eval().to("cpu").half().save_pretrained(str(out / "transformer"), safe_serialization=True)
+        fast_tr = WanTransformer3DModel.from_pretrained(str(out / "transformer"), torch_dtype=torch.float32).to(dev).eval()
+        state, res["extraction"] = extract_lora(fast_tr, teacher, a.rank)
+        save_lora(state, out / "fast_lora.safetensors", meta | {"rank": a.rank, "alpha": a.rank, "extracted": res["extraction"]})
+        _log("extracted LoRA", json.dumps(res["extraction"]))
+    del student, critic
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+    r = eval_fast(fast_tr, v2, prompts=eval_prompts, seeds=a.seed_list, timesteps=a.timestep_list, dev=dev,
+                  preview=out / "preview.png")
+    res["eval"] = r
+    _log("eval fast", a.form, r["n"], json.dumps(r["accuracy"]), "duplicates", r["duplicate_clips"], r["wall_s"])
+    if a.form == "full":  # the extracted LoRA on v2, evaluated too
+        lora_tr = merge_lora(copy.deepcopy(teacher).float(), state).eval()
+        r2 = eval_fast(lora_tr, v2, prompts=eval_prompts, seeds=a.seed_list, timesteps=a.timestep_list, dev=dev, preview=None)
+        res["eval_extracted_lora"] = r2
+        _log("eval extracted lora", r2["n"], json.dumps(r2["accuracy"]), "duplicates", r2["duplicate_clips"], r2["wall_s"])
+    res["total_s"] = round(time.perf_counter() - t_start, 1)
+    dump()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
