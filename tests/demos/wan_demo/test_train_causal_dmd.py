@@ -54,8 +54,8 @@ def test_one_dmd_iteration_of_the_causal_student(tiny):
                         generator=torch.Generator().manual_seed(1))
     assert out["student_steps"] == 1 and out["critic_steps"] == 2
     assert len(rollout.last_exits) == 3 and all(0 <= k < 3 for k in rollout.last_exits)
-    assert all(torch.isfinite(torch.tensor([r["critic_loss"], r["dm_loss"]])).all() for r in logs)
-    assert logs[0]["dm_loss"] > 0
+    assert all(torch.isfinite(torch.tensor(r["critic_loss"])) for r in logs)
+    assert torch.isfinite(torch.tensor(logs[0]["dm_loss"])) and logs[0]["dm_loss"] > 0  # the iteration with the student step
     assert not _changed(t0, teacher.parameters()) and all(p.grad is None for p in teacher.parameters())
     assert _changed(s0, student.parameters()) and _changed(c0, critic.parameters())
 
