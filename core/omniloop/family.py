@@ -112,6 +112,14 @@ class ModelPreset:
     #: family options the preset runs best with (e.g. ``{"vae_cpu_kernels": "fast"}``); a
     #: deployment's own ``options`` override them key by key
     options: dict[str, Any] = attrs.field(factory=dict)
+    #: LoRA adapters the preset offers (``{NAME: path callable}``, e.g. wan-demo's ``fast``): they
+    #: join a deployment's ``adapters`` when omniloop-adapters is installed, the file exists and the
+    #: deployment leaves adapters free (fuses none, ``offload: none``, ``linear_precision: dtype``,
+    #: no CUDA-graph compile); see ``Deployment.offered_adapters``
+    adapters: dict[str, Callable[[], Path]] = attrs.field(factory=dict)
+    #: a preset that IS its base plus one of its adapters fused at load (``{NAME: SCALE}``, the
+    #: deploy's ``adapter_fuse``; e.g. wan-demo-fast = wan-demo + ``fast``): required, not offered
+    adapter_fuse: dict[str, float] = attrs.field(factory=dict)
 
 
 @define(frozen=True)

@@ -157,6 +157,13 @@ class Deployment:
         self.device = _device(deploy.device)
         self.dtype = _DTYPES[deploy.dtype]
         self.family, self.model_path = self._resolve_model()
+        #: the preset's offered LoRA adapters that joined the deploy's ``adapters`` (ModelPreset.adapters)
+        self.offered_adapters: dict[str, str] = self._offered_adapters(deploy)
+        if self.offered_adapters:
+            fuse = self.registry.presets[deploy.model.preset].adapter_fuse  # offered => a preset
+            deploy = attrs.evolve(deploy, adapters={**self.offered_adapters, **deploy.adapters},
+                                  adapter_fuse=dict(fuse) or deploy.adapter_fuse)
+            self.deploy = deploy
         #: what the family declares it can do (checked when it registered)
         self.capabilities: FamilyCapabilities = capabilities_of(self.family)
         #: the checkpoint's declared range (its omniloop.json ``limits``; omniloop.limits), else what
@@ -427,6 +434,31 @@ class Deployment:
             known = ", ".join(sorted(reg.families)) or "none installed"
             raise DeployError(f"model.family: unknown model family {family_name!r} (installed families: {known})")
         return family, path
+
+    def _offered_adapters(self, deploy: DeployConfig) -> dict[str, str]:
+        """The preset's adapters (``ModelPreset.adapters``), when the adapters mechanism is
+        installed and the deploy leaves adapters free: none fused, no offload, the dtype's linears, no
+        CUDA-graph compile (what the mechanism would refuse with adapters); a file not installed is
+        not offered. The deploy's own adapters win a name clash."""
+        preset = self.registry.presets.get(self.deploy.model.preset) if self.deploy.model.preset else None
+        if preset is None or not preset.adapters:
+            return {}
+        if preset.adapter_fuse:  # the model is base + this adapter: required
+            if "adapters" not in self.registry.mechanisms:
+                raise DeployError(f"model: {preset.name!r} is its base with the LoRA adapter(s) "
+                                  f"{', '.join(preset.adapter_fuse)} fused at load: pip install {MECHANISMS['adapters']}")
+            if deploy.adapters or deploy.adapter_fuse:
+                raise DeployError(f"adapters: model {preset.name!r} fuses its own adapter "
+                                  f"({', '.join(preset.adapter_fuse)}); it takes no other adapters")
+            return {name: str(path()) for name, path in preset.adapters.items()}
+        if "adapters" not in self.registry.mechanisms:
+            return {}
+        mode = {**self.preset_options, **deploy.options}.get("compile_mode")
+        if (deploy.adapter_fuse or deploy.offload != "none" or deploy.linear_precision != "dtype"
+                or (deploy.compile and mode in ("reduce-overhead", "max-autotune"))):
+            return {}
+        paths = {name: Path(path()) for name, path in preset.adapters.items() if name not in deploy.adapters}
+        return {name: str(p) for name, p in paths.items() if p.exists()}
 
     def _detect_family(self, path: Path) -> str:
         hits = [name for name, fam in self.registry.families.items() if _safe_detect(fam, path)]

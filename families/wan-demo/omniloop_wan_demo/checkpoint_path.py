@@ -52,6 +52,12 @@ def causal_checkpoint_missing(folder: Path | None = None) -> str | None:
 FAST_SHARED = ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.json")
 
 
+def fast_lora_path() -> Path:
+    """wan-demo-fast's student as a LoRA adapter of wan-demo (``--model wan-demo --adapter fast``;
+    diffusers' Wan LoRA keys, alpha = rank): the file the ``wan-demo`` preset offers as ``fast``."""
+    return checkpoint_dir() / "adapters" / "fast.safetensors"
+
+
 def fast_checkpoint_dir() -> Path:
     """The ``wan-demo-fast`` folder: its own ``transformer/`` and ``omniloop.json`` (the few-step
     schedule, guidance 1.0); the rest are links to wan-demo's (:data:`FAST_SHARED`)."""

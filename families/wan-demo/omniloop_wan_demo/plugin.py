@@ -17,6 +17,7 @@ from .checkpoint_path import (
     checkpoint_dir,
     fast_checkpoint_dir,
     fast_checkpoint_missing,
+    fast_lora_path,
 )
 
 OMNILOOP_HOOK_API = ">=1.0,<2"
@@ -29,6 +30,9 @@ PRESET = ModelPreset(
     # the demo runs on CPUs: oneDNN VAE convolutions decode ~5x faster there (no clip's color or
     # direction verdict changes; bench/results/cache_demo-*.json); CUDA runs the reference kernels
     options={"vae_cpu_kernels": "fast"},
+    # wan-demo-fast's student as a LoRA of this model: --adapter fast (with the few-step sampler,
+    # 4 steps, guidance 1) serves 4-step requests from the same loaded model
+    adapters={"fast": fast_lora_path},
 )
 
 
@@ -77,9 +81,11 @@ FAST_PRESET = ModelPreset(
     name="wan-demo-fast",
     family="wan",
     path=fast_path,
-    description="wan-demo v2 distilled to 4 steps (few-step sampler, guidance 1.0: one forward per step); "
-    "same VAE / text encoder as wan-demo",
+    description="wan-demo v2 distilled to 4 steps by DMD2 (few-step sampler, guidance 1.0: one forward per step): "
+    "wan-demo with its 'fast' LoRA fused at load",
     options={"vae_cpu_kernels": "fast"},
+    adapters={"fast": fast_lora_path},
+    adapter_fuse={"fast": 1.0},
 )
 
 
