@@ -137,7 +137,8 @@ def stream_noise(seeds: Sequence[int], chunks: int, chunk_shape: Sequence[int]) 
 class SelfForcingRollout:
     """``rollout(student, noise, text, generator) -> x0``, the callable the DMD2 recipe's loop
     takes: :func:`causal_rollout` with exit steps drawn per chunk from ``generator``
-    (``exit="random"``) or the last step (``exit="last"``)."""
+    (``exit="random"``) or the last step (``exit="last"``). ``student`` is a Wan transformer or
+    the recipe's LoRA role (:class:`~.dmd.AdapterRole`: its adapter on the shared base)."""
 
     def __init__(self, options: CausalOptions, *, exit: str = "random", autocast: bool = True) -> None:
         if exit not in EXITS:
@@ -158,10 +159,16 @@ class SelfForcingRollout:
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """``text``: the states ``[B, L, D]`` or the recipe's :class:`~.dmd.Text` (its ``cond``: the
         student runs without CFG). Returns float32 latents, as the recipe's losses take them."""
+        from .dmd import AdapterRole
+
         cond = text if isinstance(text, torch.Tensor) else text.cond
+        model = student
+        if isinstance(student, AdapterRole):  # LoRA roles: the student's adapter on the shared base
+            student._activate()  # the graph keeps the student's LoRA weights whatever is active later
+            model = student.base
         chunks = noise.shape[2] // self.options.chunk_frames
         self.last_exits = self.exits(chunks, generator)
-        return causal_rollout(student, noise, cond, self.options, self.last_exits, autocast=self.autocast).float()
+        return causal_rollout(model, noise, cond, self.options, self.last_exits, autocast=self.autocast).float()
 
 
 __all__ = ["EXITS", "BatchKV", "SelfForcingRollout", "causal_rollout", "stream_noise"]

@@ -106,3 +106,36 @@ def test_causal_meta_drops_the_bidirectional_sampler_defaults():
     assert meta["limits"] == {"max_frames": 17, "note": "trained on 17-frame clips (5 one-latent-frame chunks)"}
     assert base["limits"]["note"] == "trained on 17-frame clips" and meta["tasks"] == ["t2v"] and meta["vocabulary"] == ["red"]
     assert meta["rollout"] == "causal" and meta["rollout_options"]["shift"] == 3.0 and "version" not in meta
+
+
+def test_the_causal_student_as_a_lora_role(tiny):
+    """LoRA roles (student and critic adapters on one frozen base, the teacher = adapters off): the
+    causal rollout runs the student's adapter (zero at the start: the base's own rollout), and one
+    DMD2 iteration moves the two adapters, not the base."""
+    from diffusers import WanTransformer3DModel
+
+    from omniloop_wan_demo_training.self_forcing import causal_rollout, stream_noise
+
+    base = WanTransformer3DModel.from_pretrained(tiny / "transformer").eval()
+    opts = CausalOptions(chunk_frames=1, steps=2, shift=3.0)
+    noise = stream_noise([0, 1], 3, (1, 16, 1, 4, 4))
+    text = torch.randn(2, 8, base.config.text_dim, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain = causal_rollout(base, noise, text, opts)
+    student, teacher, critic = dmd.lora_roles(base, rank=4)
+    b0 = _snap(base.parameters())
+    s0, c0 = _snap(student.parameters()), _snap(critic.parameters())
+    with torch.no_grad():
+        assert torch.equal(SelfForcingRollout(opts, exit="last")(student, noise, text), plain)  # B = 0: the base
+
+    def batches():
+        while True:
+            yield dmd.Batch(noise, dmd.Text(text, torch.zeros(1, 8, base.config.text_dim)))
+
+    cfg = dmd.DMDConfig(critic_steps=2, student_lr=1e-2, critic_lr=1e-2, teacher_guidance=3.0)
+    out = dmd.train_dmd(student, teacher, critic, SelfForcingRollout(opts), batches(), cfg, steps=2,
+                        generator=torch.Generator().manual_seed(1))
+    assert out["student_steps"] == 1 and out["critic_steps"] == 2
+    assert _changed(s0, student.parameters()) and _changed(c0, critic.parameters())
+    frozen = [(a, p) for a, (n, p) in zip(b0, base.named_parameters(), strict=True) if "lora_" not in n]
+    assert all(torch.equal(a, p.detach()) for a, p in frozen)
