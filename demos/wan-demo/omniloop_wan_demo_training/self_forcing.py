@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.causal import CausalOptions, chunk_visibility, chunk_noise
+from omniloop_kit.causal import CausalOptions, chunk_noise, chunk_visibility
 
 EXITS = ("random", "last")
 
