@@ -112,7 +112,10 @@ def omniloop_register_model_presets(register: Callable[[ModelPreset], None]) -> 
 
     A preset lets ``--model NAME`` resolve to a local checkpoint shipped as package data; its
     optional ``options`` are family options it runs best with, under the deployment's own
-    ``options`` (which win key by key). Returns nothing. Since: 1.0
+    ``options`` (which win key by key). Its optional ``adapters`` (``{NAME: path callable}``) are
+    LoRA adapters it offers, joining the deployment's ``adapters`` when omniloop-adapters is
+    installed; ``adapter_fuse`` makes the preset its base with one of them fused at load (e.g.
+    ``wan-demo-fast`` = ``wan-demo`` + ``fast``). Returns nothing. Since: 1.0
     """
 
 

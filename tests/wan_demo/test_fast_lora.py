@@ -1,5 +1,5 @@
 """wan-demo-fast as a LoRA of wan-demo (issue 41): the ``wan-demo`` preset offers the ``fast``
-adapter (``checkpoint/adapters/fast.safetensors``), the ``wan-demo-fast`` preset is wan-demo with it
+adapter (``omniloop_wan_demo/adapters/fast.safetensors``), the ``wan-demo-fast`` preset is wan-demo with it
 fused at load, and one loaded wan-demo serves 20-step requests and 4-step ``--adapter fast``
 requests interleaved.
 
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(not fast_lora_path().is_file(), reason="no fast 
 #: measured max |d| of the final latents, fused vs unfused (CPU float32): ~1e-6; bound with margin
 FUSED_ATOL = 1e-4
 FAST = {"steps": 4, "guidance_scale": 1.0}
-FEW_STEP = {"denoise": {"sampler": "few-step", "timesteps": [1000, 750, 500, 250]}}
+#: the schedule comes from wan-demo's omniloop.json (sampler_options.few-step: 1000, 750, 500, 250)
+FEW_STEP = {"denoise": {"sampler": "few-step"}}
 
 
 def request(prompt: str, seed: int, *, fast: bool) -> dict[str, Any]:

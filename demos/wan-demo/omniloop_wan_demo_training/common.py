@@ -142,8 +142,12 @@ DEMO_DEFAULTS: dict[str, Any] = dict(height=64, width=64, frames=17, fps=8.0, st
 #: defaults): the Wan family's ``flow-euler`` sampler with diffusers' ``stochastic_sampling`` (each
 #: step predicts x0 and re-noises it with fresh noise from the request's generator), CFG 2, flow
 #: shift 5. Chosen on 3 072 GPU clips (bench/results/adherence-wan-demo-v2-sde-gpu-2026-12-02.json):
-#: duplicate objects 136 -> 9 against UniPC at CFG 3, shape 97.7 -> 99.0 %
-V2_SAMPLING: dict[str, Any] = dict(sampler="flow-euler", sampler_options={"flow-euler": {"stochastic_sampling": True}},
+#: duplicate objects 136 -> 9 against UniPC at CFG 3, shape 97.7 -> 99.0 %. ``few-step``'s options
+#: are the schedule of the ``fast`` LoRA (issue 41): a request naming the sampler and the adapter
+#: (``--adapter fast --steps 4 --guidance 1 --node-param denoise.sampler=few-step``) needs no timesteps
+V2_SAMPLING: dict[str, Any] = dict(sampler="flow-euler",
+                                   sampler_options={"flow-euler": {"stochastic_sampling": True},
+                                                    "few-step": {"timesteps": [1000, 750, 500, 250], "grid_shift": 8.0}},
                                    guidance_scale=2.0, shift=5.0)
 
 

@@ -87,13 +87,13 @@ def _extract(src: Path, name: str, tmp: Path) -> Path | None:
 
 def ship_fast_lora(lora: Path, package: Path | None = None, training: dict[str, Any] | None = None) -> dict[str, Any]:
     """wan-demo-fast as wan-demo + a LoRA (``dmd_fast``'s ``fast_lora.safetensors``): the file
-    becomes ``checkpoint/adapters/fast.safetensors`` (what ``--adapter fast`` loads, and what the
+    becomes ``adapters/fast.safetensors`` (what ``--adapter fast`` loads, and what the
     ``wan-demo-fast`` preset fuses at load), ``checkpoint_fast/transformer`` a link to wan-demo's,
     and ``checkpoint_fast/omniloop.json``'s ``training`` says so."""
     pkg = Path(package) if package is not None else PACKAGE_DIR
     ck, fast_dst = pkg / "checkpoint", pkg / "checkpoint_fast"
-    (ck / "adapters").mkdir(exist_ok=True)
-    _copy(Path(lora), ck / "adapters" / "fast.safetensors")
+    (pkg / "adapters").mkdir(exist_ok=True)
+    _copy(Path(lora), pkg / "adapters" / "fast.safetensors")
     link = fast_dst / "transformer"
     _remove(link)
     link.symlink_to(os.path.relpath(ck / "transformer", fast_dst))
@@ -101,7 +101,7 @@ def ship_fast_lora(lora: Path, package: Path | None = None, training: dict[str, 
     if training is not None:
         meta["training"] = training
     (fast_dst / "omniloop.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    return {"adapter": str(ck / "adapters" / "fast.safetensors"), "checkpoint_fast": str(fast_dst)}
+    return {"adapter": str(pkg / "adapters" / "fast.safetensors"), "checkpoint_fast": str(fast_dst)}
 
 
 def ship(src: Path, package: Path | None = None) -> dict[str, Any]:

@@ -55,7 +55,7 @@ FAST_SHARED = ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.jso
 def fast_lora_path() -> Path:
     """wan-demo-fast's student as a LoRA adapter of wan-demo (``--model wan-demo --adapter fast``;
     diffusers' Wan LoRA keys, alpha = rank): the file the ``wan-demo`` preset offers as ``fast``."""
-    return checkpoint_dir() / "adapters" / "fast.safetensors"
+    return PACKAGE_DIR / "adapters" / "fast.safetensors"
 
 
 def fast_checkpoint_dir() -> Path:

@@ -152,3 +152,45 @@ def test_the_rollout_is_the_runtimes_few_step_sampler_on_wan_demo_fast():
         ours = r(c["transformer"], noise, dmd.Text(emb), gen)
     assert ours.shape == theirs.shape
     assert torch.equal(ours, theirs)
+
+
+# -- dmd_fast: the LoRA files it ships ---------------------------------------------------------------
+
+
+def test_a_trained_adapter_saved_and_merged_is_the_adapter_applied_by_peft():
+    pytest.importorskip("peft")
+    from omniloop_wan_demo_training import dmd_fast
+
+    base = tiny_transformer()
+    student, _, _ = dmd.lora_roles(base, rank=4, target_modules=["to_q", "to_v", "ffn.net.2"])
+    with torch.no_grad():
+        for p in student.parameters():
+            p.normal_(0, 0.1)  # a trained adapter: B != 0
+    b = next(batches())
+    kw = dict(hidden_states=b.noise, timestep=torch.full((2,), 500.0), encoder_hidden_states=b.text.cond, return_dict=False)
+    with torch.no_grad():
+        want = student(**kw)[0]
+    state = dmd_fast.adapter_state(base, "student")
+    assert all(k.startswith("transformer.blocks.0.") and ".student." not in k for k in state)
+    assert len(state) == 2 * 5  # q and v of two attentions, the FFN's output
+    merged = dmd_fast.merge_lora(tiny_transformer(), state)
+    with torch.no_grad():
+        got = merged(**kw)[0]
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)  # the file holds fp16 weights
+
+
+def test_extracting_a_lora_recovers_a_low_rank_update_and_reports_what_it_drops():
+    from omniloop_wan_demo_training import dmd_fast
+
+    base, student = tiny_transformer(), tiny_transformer()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        w = student.blocks[0].attn1.to_q.weight
+        w += torch.randn((w.shape[0], 2), generator=g) @ torch.randn((2, w.shape[1]), generator=g) * 0.1
+    state, info = dmd_fast.extract_lora(student, base, rank=2)
+    assert info["linear_delta_rel_error"] < 1e-3 and info["other_params_rel_change"] == 0.0
+    merged = dmd_fast.merge_lora(tiny_transformer(), state)
+    torch.testing.assert_close(merged.blocks[0].attn1.to_q.weight, w, atol=1e-3, rtol=0)
+    with torch.no_grad():
+        student.blocks[0].norm2.weight += 0.5  # not a Linear of the blocks: the LoRA cannot hold it
+    assert dmd_fast.extract_lora(student, base, rank=2)[1]["other_params_rel_change"] > 0

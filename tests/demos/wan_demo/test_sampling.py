@@ -31,7 +31,9 @@ def _gen(pipe, *, stochastic: bool = True, shift: float = V2_SAMPLING["shift"]) 
 def test_the_shipped_preset_samples_with_v2_sampling():
     defaults = json.loads((CKPT / "omniloop.json").read_text())["defaults"]
     assert {k: defaults[k] for k in V2_SAMPLING} == V2_SAMPLING
-    assert V2_SAMPLING["sampler_options"] == {"flow-euler": {"stochastic_sampling": True}}
+    assert V2_SAMPLING["sampler_options"]["flow-euler"] == {"stochastic_sampling": True}
+    # the fast LoRA's schedule (issue 41): the few-step sampler's timesteps when a request picks it
+    assert V2_SAMPLING["sampler_options"]["few-step"] == {"timesteps": [1000, 750, 500, 250], "grid_shift": 8.0}
 
 
 def test_schedule_is_the_flow_euler_samplers():

@@ -284,7 +284,8 @@ def test_decoder_phase_tunes_the_shipped_decoder_and_records_it(tmp_path):
 @pytest.fixture
 def fake_fast_package(tmp_path, monkeypatch):
     """A package folder whose ``checkpoint_fast/`` holds the shipped transformer as a stand-in
-    student (links only) and the omniloop.json the distill phase writes."""
+    student (links only) and the omniloop.json the distill phase writes; ``adapters/`` links the
+    shipped one (the ``wan-demo-fast`` preset fuses its ``fast`` LoRA at load)."""
     if not (CKPT / "model_index.json").exists():
         pytest.skip("no shipped checkpoint")
     pkg = tmp_path / "pkg"
@@ -301,6 +302,7 @@ def fake_fast_package(tmp_path, monkeypatch):
         DEMO_DEFAULTS, steps=4, guidance_scale=1.0, sampler="few-step",
         sampler_options={"few-step": {"timesteps": list(distill.FAST_TIMESTEPS), "grid_shift": distill.GRID_SHIFT}})}
     (fast / "omniloop.json").write_text(json.dumps(meta))
+    (pkg / "adapters").symlink_to(checkpoint_path.fast_lora_path().parent)  # the preset fuses its 'fast' LoRA
     monkeypatch.setattr(checkpoint_path, "PACKAGE_DIR", pkg)
     return fast
 
