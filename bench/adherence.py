@@ -6,6 +6,7 @@ Video: color, direction, shape; image: color, shape, position.
     python bench/adherence.py --backend diffusers --device cuda --prompts full --seeds 0,1,2,3
     python bench/adherence.py --smoke                 # 2 prompts, 2 steps: checks the script
     python bench/adherence.py --model wan-demo-causal --rollout causal --steps 4,8   # streamed clips
+    python bench/adherence.py --model wan-demo-causal --prompts full --steps 4 --workers 8   # 192 streamed clips, 8 processes
     python bench/adherence.py --model flux-demo       # an image model (omniloop.json adherence.kind: image)
     python bench/adherence.py --detector-check        # the detector itself on rendered ground truth (no model)
 
@@ -39,22 +40,27 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def causal_generator(model: str, device: str):
+def causal_generator(model: str, device: str, workers: int = 0, threads: int = 1):
     """``(StreamingRuntimeGenerator, backend, note)`` for ``--rollout causal``: the preset as it
-    is registered, or a checkpoint folder with its ``omniloop.json`` rollout_options."""
+    is registered, or a checkpoint folder with its ``omniloop.json`` rollout_options. With
+    ``workers`` the clips are made by that many processes (``ParallelStreamingGenerator``)."""
     from omniloop_wan_demo.checkpoint_path import CAUSAL_ROLLOUT_OPTIONS
-    from omniloop_wan_demo.evaluate import StreamingRuntimeGenerator
+    from omniloop_wan_demo.evaluate import ParallelStreamingGenerator, StreamingRuntimeGenerator
 
     path = Path(model)
     if path.is_dir():
         meta = json.loads((path / "omniloop.json").read_text()) if (path / "omniloop.json").is_file() else {}
         ro = dict(meta.get("rollout_options") or CAUSAL_ROLLOUT_OPTIONS)
-        gen = StreamingRuntimeGenerator(str(path), device=device, options={"rollout": "causal", "rollout_options": ro})
+        options = {"rollout": "causal", "rollout_options": ro}
+        gen = None if workers else StreamingRuntimeGenerator(str(path), device=device, options=options)
     else:
+        options = None
         gen = StreamingRuntimeGenerator(model, device=device)
         ro = dict(gen.runtime.options.get("rollout_options") or {})
         if gen.runtime.options.get("rollout") != "causal":
             raise SystemExit(f"--rollout causal: the preset {model!r} does not deploy rollout: causal")
+    if workers:
+        gen = ParallelStreamingGenerator(str(model), workers=workers, threads=threads, device=device, options=options)
     gen.rollout_options = ro
     return gen, "runtime-stream", None
 
@@ -69,13 +75,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="causal: streamed chunk rollout (default: causal for wan-demo-causal, else bidirectional)")
     ap.add_argument("--steps", default=None, help="comma list (default 50,20,8,4; causal: 4,8)")
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--guidance", type=float, default=None, help="default: the checkpoint's (video 5.0, image 3.5)")
+    ap.add_argument("--guidance", type=float, default=None, help="default: the checkpoint's (video 5.0; causal: its rollout_options.guidance_scale; image 3.5)")
     ap.add_argument("--prompts", default="default", choices=["default", "full"])
     ap.add_argument("--backend", default="runtime", choices=["auto", "runtime", "diffusers"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=os.environ.get("RESULTS_DIR", str(HERE / "results")))
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="--rollout causal: make the clips in this many processes (each --threads torch threads)")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--detector-check", action="store_true",
                     help="score the detector on rendered ground-truth images and clips (clean, blurred, noisy) and exit")
     a = ap.parse_args(argv)
@@ -96,17 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     default_steps = str(defaults.get("steps", 20)) if kind == "image" else ("4,8" if rollout == "causal" else "50,20,8,4")
     steps = [int(s) for s in (a.steps or default_steps).split(",")]
     seeds = [int(s) for s in a.seeds.split(",")]
-    if a.guidance is None:
-        a.guidance = float(defaults.get("guidance_scale", 3.5)) if kind == "image" else 5.0
+    if a.workers < 0 or a.threads < 1:
+        ap.error("--workers must be >= 0 and --threads >= 1")
+    if a.workers and rollout != "causal":
+        ap.error("--workers: only with --rollout causal (streamed clips)")
     prompts = prompt_set(kind, a.prompts)
     if a.smoke:
         steps, seeds, prompts = [2], [0], prompts[:2]
     timings = None
     if rollout == "causal":
-        gen, backend, note = causal_generator(a.model, a.device)
+        gen, backend, note = causal_generator(a.model, a.device, a.workers, a.threads)
         timings = gen.timings
     else:
         gen, backend, note = make_generator(a.backend, model=a.model, device=a.device, kind=kind)
+    if a.guidance is None:  # causal: the rollout's own CFG scale (5.0 for a checkpoint that has none)
+        a.guidance = (float(defaults.get("guidance_scale", 3.5)) if kind == "image" else
+                      float((getattr(gen, "rollout_options", None) or {}).get("guidance_scale", 5.0)) if rollout == "causal"
+                      else 5.0)
     reports = []
     for n in steps:
         start = len(timings) if timings is not None else 0
@@ -119,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"steps": n, "n": rep.n, "accuracy": rep.accuracy, "seconds": round(rep.seconds, 1),
                           **{k: v for k, v in rep.extra.items() if k != "timings"}}), flush=True)
         reports.append(rep.to_dict())
+    if hasattr(gen, "close"):
+        gen.close()
     result = {
         "model": a.model, "kind": kind, "rollout": rollout, "rollout_options": getattr(gen, "rollout_options", None),
         "backend": backend, "note": note, "device": a.device, "guidance_scale": a.guidance,
-        "prompt_set": a.prompts, "seeds": seeds, "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "prompt_set": a.prompts, "seeds": seeds, "workers": a.workers or None, "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "date": dt.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
         "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "summary": [{"steps": r["steps"], "n": r["n"], **r["accuracy"], "seconds": round(r["seconds"], 1),

@@ -120,9 +120,12 @@ def test_make_demo_prompt_is_drawn_as_asked():
     assert (d.color, d.direction, d.shape) == ("yellow", "right", "triangle"), d
 
 
-def test_shipped_training_record_and_the_causal_variants_v1_parts():
+def test_shipped_training_record_and_the_causal_variant_shares_v2s_parts():
     """omniloop.json records the shipped v2's history (object-weighted DiT sessions on top of the
-    decoder fine-tunes, then a trail-weighted decoder fine-tune); checkpoint_causal/ keeps real copies of v1's parts, not links to v2's."""
+    decoder fine-tunes, then a trail-weighted decoder fine-tune); checkpoint_causal/ (retrained from
+    v2 with Self-Forcing DMD2, issue 41) links v2's parts instead of keeping v1's copies."""
+    import os
+
     from omniloop_wan_demo.checkpoint_path import CAUSAL_SHARED, causal_checkpoint_dir
 
     training = json.loads((CKPT / "omniloop.json").read_text())["training"]
@@ -136,7 +139,10 @@ def test_shipped_training_record_and_the_causal_variants_v1_parts():
     causal = causal_checkpoint_dir()
     if not (causal / "transformer").is_dir():
         pytest.skip("wan-demo-causal not installed")
-    for name in CAUSAL_SHARED:
-        assert (causal / name).exists() and not (causal / name).is_symlink(), name
-    v1_vae = (causal / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
-    assert v1_vae != (CKPT / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()  # v2's VAE was fine-tuned
+    for name in CAUSAL_SHARED:  # relative links into checkpoint/, committed as links
+        assert (causal / name).is_symlink() and os.readlink(causal / name) == f"../checkpoint/{name}", name
+        assert (causal / name).resolve() == (CKPT / name).resolve(), name
+    meta = json.loads((causal / "omniloop.json").read_text())
+    assert meta["rollout"] == "causal" and meta["rollout_options"]["guidance_scale"] == 1.0  # no CFG: distilled in
+    assert meta["training"]["recipe"]["method"].startswith("Self-Forcing DMD2")
+    assert not {"sampler", "sampler_options", "shift"} & set(meta["defaults"])

@@ -44,6 +44,7 @@ machine. ``--ship DIR`` installs ``DIR``'s ``transformer/`` + ``omniloop.json`` 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -236,13 +237,39 @@ def train_causal(
     return comps, info
 
 
+#: request defaults of the bidirectional source that a causal rollout does not use (its sampler is
+#: the chunk engine's flow-Euler with ``rollout_options.shift``): not copied into a causal checkpoint
+BIDIRECTIONAL_DEFAULTS = ("sampler", "sampler_options", "shift")
+
+
+def causal_meta(base: dict[str, Any], rollout_options: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
+    """A causal checkpoint's ``omniloop.json`` from its source's (``base``): the source's request
+    defaults less :data:`BIDIRECTIONAL_DEFAULTS`, with ``steps`` (per chunk) and ``guidance_scale``
+    (the causal CFG scale) from ``rollout_options``; the source's ``limits``, ``tasks`` and
+    ``vocabulary``; ``rollout: causal``, the options and ``training``."""
+    ro = dict(rollout_options)
+    defaults = {k: v for k, v in base.get("defaults", {}).items() if k not in BIDIRECTIONAL_DEFAULTS}
+    defaults.update(steps=ro["steps"], guidance_scale=ro["guidance_scale"])
+    meta: dict[str, Any] = {"variant": "wan-demo-causal", "defaults": defaults, "rollout": "causal",
+                            "rollout_options": ro, "training": training}
+    for key in ("limits", "tasks", "vocabulary"):
+        if key in base:
+            meta[key] = copy.deepcopy(base[key])
+    lim = meta.get("limits")
+    if isinstance(lim, dict) and isinstance(lim.get("max_frames"), int) and "note" in lim:
+        # Wan's VAE: 4 video frames per latent frame after the first
+        chunks = ((lim["max_frames"] - 1) // 4 + 1) // int(ro["chunk_frames"])
+        size = "one-latent-frame" if ro["chunk_frames"] == 1 else f"{ro['chunk_frames']}-latent-frame"
+        lim["note"] = f"{lim['note']} ({chunks} {size} chunks)"
+    return meta
+
+
 def save_checkpoint(comps: dict[str, Any], src: Path, out: Path, info: dict[str, Any],
                     rollout_options: dict[str, Any] | None = None) -> Path:
     """``out``: a diffusers folder whose own files are ``transformer/`` (fp16) and ``omniloop.json``;
     the shared, frozen components (``vae``, ``text_encoder``, ``tokenizer``, ``scheduler``,
     ``model_index.json``) are links to ``src``'s, so the folder loads as it is here while only the
     new files travel back from a GPU machine (a file-count-limited transfer leaves links out)."""
-    import copy
 
     out.mkdir(parents=True, exist_ok=True)
     for name in CAUSAL_SHARED:
@@ -257,17 +284,9 @@ def save_checkpoint(comps: dict[str, Any], src: Path, out: Path, info: dict[str,
         shutil.rmtree(tdir)
     copy.deepcopy(comps["transformer"]).to("cpu", torch.float16).save_pretrained(str(tdir), safe_serialization=True)
     base = json.loads((src / "omniloop.json").read_text()) if (src / "omniloop.json").exists() else {}
-    ro = dict(rollout_options or ROLLOUT_OPTIONS)
-    # request defaults agree with the rollout: steps are per chunk, guidance is the causal CFG scale
-    defaults = dict(base.get("defaults", {}), steps=ro["steps"], guidance_scale=ro["guidance_scale"])
-    meta = {
-        "variant": "wan-demo-causal",
-        "defaults": defaults,
-        "rollout": "causal",
-        "rollout_options": ro,
-        "training": {"steps": info.get("steps"), "seconds": info.get("seconds"), "recipe": info.get("recipe"),
-                     "from": "wan-demo", "from_trained_steps": base.get("training", {}).get("trained_steps")},
-    }
+    training = {"steps": info.get("steps"), "seconds": info.get("seconds"), "recipe": info.get("recipe"),
+                "from": "wan-demo", "from_trained_steps": base.get("training", {}).get("trained_steps")}
+    meta = causal_meta(base, dict(rollout_options or ROLLOUT_OPTIONS), training)
     (out / "omniloop.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return out
 

@@ -397,7 +397,10 @@ def dit_phase(a: argparse.Namespace, vae, tok, *, stats, init: dict[str, Any], d
 
 def v1_dir() -> Path:
     """v1's weights: the shipped checkpoint until v2 is installed, then ``checkpoint_causal``'s
-    own copy of v1's VAE / text encoder (the causal variant keeps them) — see :func:`ship`."""
+    own copy of v1's VAE / text encoder while the causal variant kept them (:func:`ship`). Since
+    issue 41 the causal variant is trained on v2 and links v2's parts, so this is ``checkpoint/``
+    (v2) again: v1's VAE / text encoder are only in git history (``checkpoint_causal/`` before the
+    issue-41 retrain); export them to a folder and give ``--v1-from`` for a v1 warm start."""
     from omniloop_wan_demo.checkpoint_path import causal_checkpoint_dir, checkpoint_dir
 
     own = causal_checkpoint_dir() / "vae"

@@ -55,8 +55,8 @@ CAUSAL_PRESET = ModelPreset(
     name="wan-demo-causal",
     family="wan",
     path=causal_path,
-    description="wan-demo fine-tuned block-causally (rollout: causal, 1-latent-frame chunks, streamed); "
-    "same VAE / text encoder as wan-demo",
+    description="wan-demo v2 distilled block-causally, Self-Forcing DMD2 (rollout: causal, 1-latent-frame chunks, "
+    "4 steps each, no CFG, streamed); same VAE / text encoder as wan-demo",
     options={"vae_cpu_kernels": "fast", "rollout": "causal", "rollout_options": causal_rollout_options()},
 )
 
