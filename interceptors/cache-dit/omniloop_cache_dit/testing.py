@@ -17,7 +17,8 @@ def library_configs(settings: dict[str, Any], num_inference_steps: int | None = 
     ``settings`` (``Fn``, ``Bn``, ``residual_diff_threshold``, ``max_warmup_steps``; optional
     ``max_cached_steps`` / ``max_continuous_cached_steps``, -1 = unlimited; ``taylorseer`` with
     ``taylorseer_order``); ``num_inference_steps`` for ``refresh_context``."""
-    import cache_dit
+    # cache-dit is imported only by _cachedit (tests/cache_dit/test_cache_dit_internals.py)
+    from ._cachedit import cache_dit
 
     cache_config = cache_dit.DBCacheConfig(
         Fn_compute_blocks=settings["Fn"],
