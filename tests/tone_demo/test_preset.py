@@ -86,3 +86,25 @@ def test_omniloop_generate_model_tone_demo_writes_a_wav(tmp_path, monkeypatch):
         stream = c.streams.audio[0]
         assert stream.rate == 8000 and stream.channels == 1
         assert sum(f.samples for f in c.decode(audio=0)) == 16384
+
+
+def test_a_tone_demo_run_prints_no_library_warnings(tmp_path):
+    """A tone-demo run used to print five library warnings (diffusers' Oobleck VAE built with the
+    deprecated ``torch.nn.utils.weight_norm``; torchsde's Brownian tree queried one float32 ulp
+    outside its interval by diffusers' scheduler). Run with every warning shown (``-W default``), a
+    CLI run prints none of them."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchsde")
+    pytest.importorskip("omniloop_stable_audio")
+    env = {**os.environ, "OMNILOOP_TONE_DEMO_CACHE": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, "-W", "default", "-m", "omniloop_cli", "generate",
+                          "a sine wave playing A4 two beats per second", "--model", "tone-demo", "--steps", "6",
+                          "--seed", "1", "--out", str(tmp_path / "tone.wav")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "tone.wav").stat().st_size > 0
+    for needle in ("weight_norm", "Should have t", "Warning"):
+        assert needle not in res.stderr + res.stdout, (needle, res.stderr[-2000:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,12 @@ class StableAudioFamily:
         comps: dict[str, Any] = {}
         for name in (n for n in names if n not in ("tokenizer", "scheduler")):
             cls = loading.component_class(index, name, index_path, ck.PIPELINE_MODULES)
-            comps[name] = loading.load_model(cls, root / name, device=device, dtype=dtype)
+            with warnings.catch_warnings():
+                # diffusers' Oobleck VAE is built with torch.nn.utils.weight_norm, whose FutureWarning
+                # (deprecated for parametrizations.weight_norm) every load printed to users
+                warnings.filterwarnings("ignore", message=r"`torch\.nn\.utils\.weight_norm` is deprecated",
+                                        category=FutureWarning)
+                comps[name] = loading.load_model(cls, root / name, device=device, dtype=dtype)
         comps["tokenizer"] = loading.load_tokenizer(
             loading.component_class(index, "tokenizer", index_path), root / "tokenizer")
         sched_cls = loading.component_class(index, "scheduler", index_path)

@@ -18,6 +18,7 @@ The fitting (principal components of the training clips) is in ``omniloop_tone_d
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,12 @@ def build(config: dict[str, Any], proj: dict[str, torch.Tensor]):
     from diffusers import AutoencoderOobleck
 
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    vae = AutoencoderOobleck(**cfg).eval().requires_grad_(False)
+    with warnings.catch_warnings():
+        # diffusers builds the Oobleck convolutions with the deprecated torch.nn.utils.weight_norm:
+        # its FutureWarning is nothing a tone-demo user can act on
+        warnings.filterwarnings("ignore", message=r"`torch\.nn\.utils\.weight_norm` is deprecated",
+                                category=FutureWarning)
+        vae = AutoencoderOobleck(**cfg).eval().requires_grad_(False)
     make_structure(vae)
     set_projections(vae, proj["encoder"], proj["decoder"])
     return vae
