@@ -19,13 +19,11 @@ of ``B`` for that part — the same product, split. Unknown keys are refused by 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from omniloop.capabilities import AdapterFormatError, AdapterSupport, unknown_keys_error
-from omniloop.errors import DeployError
+from omniloop_kit.attention import refuse_fused_qkv as check  # options.qkv: fused bypasses to_q/to_k/to_v
 
 DOUBLE: dict[str, tuple[str, ...]] = {
     "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
@@ -105,14 +103,6 @@ def convert(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[
                     raise AdapterFormatError(f"{src}.alpha: not a scalar")
                 alphas[mod] = float(g["alpha"].item())
     return out, alphas
-
-
-def check(model: Any, options: Mapping[str, Any]) -> None:
-    """``options.qkv: fused`` projects Q/K/V through diffusers' fused ``to_qkv`` / ``to_added_qkv``,
-    not the ``to_q``/``to_k``/``to_v`` linears an adapter hooks: refused with adapters."""
-    if options.get("qkv", "separate") == "fused":
-        raise DeployError("adapters: options.qkv 'fused' computes Q/K/V without the to_q/to_k/to_v linears an "
-                          "adapter hooks; use qkv 'separate' with adapters")
 
 
 FLUX_ADAPTERS = AdapterSupport(components=("transformer",), convert=convert, check=check)
