@@ -28,11 +28,8 @@ from attrs import define
 
 from omniloop.artifacts import Embeddings, Tensors
 from omniloop.context import StageContext
-from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState
-from omniloop_kit.compile import blocks_for
 from omniloop_kit.denoise import DenoiseLoop, randn, request_generator
-from omniloop_kit.graphs import graphed
 from omniloop_kit.stages import params_of, vae_scale_factor
 from omniloop_policies.stepping import stack_rows
 
@@ -92,6 +89,7 @@ class Denoise(DenoiseLoop):
 
     tag = "flux-denoise"
     name_policies = False
+    model_forward = staticmethod(flux_forward)  # compiled blocks, options.cuda_graphs: the kit's forward
 
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         p = params_of(state)
@@ -156,16 +154,6 @@ class Denoise(DenoiseLoop):
 
     def rows(self, inputs: StepInputs) -> int:
         return int(inputs.x.shape[0])
-
-    def forward(self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
-        model = ctx.components["transformer"]
-        blocks = blocks_for(model, ctx)
-
-        def run(bctx: BlockContext | None, **inputs: Any) -> torch.Tensor:
-            return flux_forward(model, block_ctx=bctx, blocks=blocks, **inputs)
-
-        # deploy options.cuda_graphs: one graph replay per forward when nothing is bound per block
-        return graphed(ctx, block_ctx, model, blocks is not None, run, batch)
 
     def prefix(self, expert: str | None) -> str:
         return "transformer.blocks"

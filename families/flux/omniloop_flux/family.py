@@ -12,11 +12,12 @@ from omniloop.family import LoadedModel
 from omniloop.graph import PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop.rl import RolloutSupport
+from omniloop_kit.attention import qkv_option
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
 from omniloop_kit.graphs import graph_option
-from omniloop_kit.options import choice_option, dtype_option
+from omniloop_kit.options import dtype_option
 from omniloop_kit.resolve import check_task
 from omniloop_kit.stages import image_nodes
 
@@ -31,10 +32,9 @@ from .transformer import all_blocks
 
 #: deploy ``options`` this family reads (the runtime adds deploy, registry, attention); cuda_graphs:
 #: the outer forward replayed as one CUDA graph per input shape (omniloop_kit.graphs)
-KNOWN_OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "vae_dtype", "cuda_graphs", "qkv"})
-#: options.qkv: Q/K/V as three linears (diffusers' default) or diffusers' fused projections
+#: qkv: Q/K/V as three linears (diffusers' default) or diffusers' fused projections
 #: (``fuse_qkv_projections``: one GEMM over [W_q; W_k; W_v], the originals kept)
-QKV = ("separate", "fused")
+KNOWN_OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "vae_dtype", "cuda_graphs", "qkv"})
 
 
 class FluxFamily(DiffusersFamily):
@@ -65,7 +65,7 @@ class FluxFamily(DiffusersFamily):
         vae_dtype = dtype_option(options.get("vae_dtype", dtype), "vae_dtype")
         compile_options(options)  # bad compile settings fail before loading
         graph_option(options, device)
-        choice_option(options, "qkv", QKV)
+        qkv_option(options)
         got = load_checkpoint(path, lambda root: (ck.check_checkpoint(root), list(ck.REQUIRED)), ck.load_component,
                               device=device, dtype=dtype, dtypes={"vae": vae_dtype})
         model = self.from_components(got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype,
@@ -96,7 +96,7 @@ class FluxFamily(DiffusersFamily):
         model's device; deploy ``compile: true``: the double- then single-stream blocks compiled;
         the menu built."""
         graph_option(options, model.device)
-        qkv = choice_option(options, "qkv", QKV)
+        qkv = qkv_option(options)
         if qkv == "fused":  # before the processors: diffusers' fusing sets its own
             model.components["transformer"].fuse_qkv_projections()
         model.config["qkv"] = qkv

@@ -12,26 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-import torch
-from attrs import define, field
 
 from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.request import OmniRequest, TaskType
-from omniloop.schema import structure_params
 from omniloop_kit import resolve as kit
-from omniloop_kit.inputs import count_tokens as kit_count_tokens
-from omniloop_kit.inputs import image_part
-
-from .defaults import MAX_SEQUENCE_LENGTH
-
-
-@define(frozen=True)
-class TextParams:
-    """Per-request knobs of the ``text_encode`` node (``node_params.text_encode``)."""
-
-    #: T5 tokens the prompt is padded/truncated to (diffusers' ``max_sequence_length``, at most 512)
-    max_sequence_length: int | None = field(default=None, metadata={"ge": 1, "le": MAX_SEQUENCE_LENGTH})
+from omniloop_kit.resolve import TextParams
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -45,32 +31,6 @@ class FluxParams(kit.ImageParams):
     def branches(self) -> int:
         """Two forwards per step with true CFG (a negative prompt encoded), else one."""
         return 2 if self.negative_prompt is not None else 1
-
-
-#: image roles an i2i request's input image may have (the first such part is used)
-IMAGE_ROLES = ("image", "reference", "first_frame")
-NEEDS_IMAGE = "an i2i request needs an input image (an image part with role 'image')"
-
-
-def load_image_part(request: OmniRequest) -> torch.Tensor:
-    """Decode the request's input image (the first part with a role in :data:`IMAGE_ROLES`)."""
-    got = image_part(request, IMAGE_ROLES)
-    if got is None:
-        raise RequestError("inputs", NEEDS_IMAGE)
-    return got[0]
-
-
-def text_params(request: OmniRequest) -> TextParams:
-    """``node_params.text_encode`` through the core's converter (a stage driven outside a runtime)."""
-    raw = (request.node_params or {}).get("text_encode")
-    if isinstance(raw, TextParams):
-        return raw
-    params: TextParams = structure_params(TextParams, raw, "node_params.text_encode")
-    return params
-
-
-def count_tokens(tokenizer: Any, text: str) -> int:
-    return kit_count_tokens(tokenizer, text)
 
 
 def resolve(
@@ -102,22 +62,9 @@ def resolve(
             "diffusion.shift" if denoise_params.get("shift") is None else f"node_params.{menu.node}.shift",
             "this checkpoint shifts its schedule by resolution (use_dynamic_shifting); a fixed shift does not apply",
         )
-    strength = policies.strength
-    if i2i:
-        if strength is None:
-            strength = float(defaults["strength"])
-        if policies.guidance_scale == menu.default_guidance_scale and _no_scale(request, denoise_params):
-            policies = attrs.evolve(policies, guidance_scale=float(defaults["i2i_guidance_scale"]))
-        policies = attrs.evolve(policies, strength=strength)
-        from omniloop_policies import strength_steps
-
-        if strength_steps(steps, strength) < 1:
-            raise RequestError(
-                f"node_params.{menu.node}.strength",
-                f"strength {strength} of {steps} steps leaves no step to run; raise strength or steps",
-            )
-    elif strength is not None:
-        raise RequestError(f"node_params.{menu.node}.strength", "strength applies to i2i requests only")
+    policies = kit.i2i_strength(policies, i2i, steps, defaults["strength"], menu.node)
+    if i2i and policies.guidance_scale == menu.default_guidance_scale and _no_scale(request, denoise_params):
+        policies = attrs.evolve(policies, guidance_scale=float(defaults["i2i_guidance_scale"]))
 
     true_cfg = policies.cfg.name == "classic"
     default_guidance = float(defaults["i2i_guidance_scale"] if i2i else defaults["guidance_scale"])
@@ -134,18 +81,14 @@ def resolve(
 
     sizes = {name: kit.image_size(request, name, defaults[name], cfg["size_multiple"], warnings, round_down=True)
              for name in ("height", "width")}
-    tp = (node_params or {}).get("text_encode") or text_params(request)
-    max_len = int(tp.max_sequence_length or defaults["max_sequence_length"])
-    image = kit.conditioning_image(request, i2i, IMAGE_ROLES, warnings, decode=decode_image, missing=NEEDS_IMAGE,
-                                   extra="{n} more image input(s) ignored: FLUX.1 i2i takes one image")
-    tok = model.components.get("tokenizer")
-    kit.token_warning(tok, prompt, int(getattr(tok, "model_max_length", 77)), "prompt", "CLIP", warnings)
-    kit.token_warning(model.components.get("tokenizer_2"), prompt, max_len, "prompt", "T5", warnings)
+    max_len = int(kit.text_params(request, node_params).max_sequence_length or defaults["max_sequence_length"])
+    image = kit.i2i_image(request, i2i, warnings, decode=decode_image, who="FLUX.1")
+    kit.clip_t5_warnings(model.components, [("prompt", prompt)], "tokenizer_2", max_len, warnings)
 
     params = FluxParams(
         task=request.task, prompt=prompt, height=sizes["height"], width=sizes["width"], steps=steps,
         guidance_scale=float(policies.guidance_scale), max_sequence_length=max_len,
-        strength=strength if i2i else None, image=image, policies=policies, negative_prompt=negative,
+        strength=policies.strength, image=image, policies=policies, negative_prompt=negative,
         embedded_guidance=embedded, warnings=tuple(warnings), steps_path=steps_path,
     )
     return params, warnings
@@ -153,3 +96,6 @@ def resolve(
 
 def _no_scale(request: OmniRequest, denoise_params: dict[str, Any]) -> bool:
     return request.diffusion.guidance_scale is None and denoise_params.get("guidance_scale") is None
+
+
+__all__ = ["FluxParams", "TextParams", "resolve"]

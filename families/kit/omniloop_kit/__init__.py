@@ -12,7 +12,10 @@
 * :mod:`omniloop_kit.attention`, :mod:`omniloop_kit.parallel`, :mod:`omniloop_kit.textcache`,
   :mod:`omniloop_kit.ffn`, :mod:`omniloop_kit.causal` — mechanisms a family switches on: the attention
   backend in its attention modules, CFG/sequence-parallel steps, a text-embedding cache, the fused
-  GELU projection, a causal chunk-by-chunk rollout (Wan uses them all).
+  GELU projection, a causal chunk-by-chunk rollout (Wan uses them all); the attention module's joint
+  (MMDiT) processor and ``options.qkv`` are FLUX.1's and SD3's.
+* :mod:`omniloop_kit.lora` — LoRA files in kohya / ComfyUI layouts converted to diffusers' keys
+  (FLUX.1, Wan).
 * :mod:`omniloop_kit.presets` — a shipped preset's checkpoint folder, or one clear ``DeployError``.
 
 Importing the package imports nothing heavy (no torch).

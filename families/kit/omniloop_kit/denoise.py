@@ -4,7 +4,8 @@ per ``step()``, batched steps across requests (``batch_key`` / ``step_batch``), 
 A family subclasses :class:`DenoiseLoop` and writes what is its own — ``init`` (its latents and
 the policies' per-request state), ``inputs`` (its model inputs at one step), ``stack`` (how one
 forward's rows are stacked; :func:`omniloop_policies.stepping.stack_rows`), ``forward`` (its
-transformer) and ``key`` (what else must match for two requests to share a forward) — and the
+transformer; or only ``model_forward``, its outer forward, which the default ``forward`` runs with
+the compiled blocks and CUDA graphs) and ``key`` (what else must match for two requests to share a forward) — and the
 skeleton orders the calls the way every family did::
 
     pol, step = begin_step(...)                 # step context, index checked
@@ -18,7 +19,7 @@ The skeleton does no arithmetic of its own, so a family keeps its diffusers pari
 from __future__ import annotations
 
 import statistics
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ from omniloop.context import StageContext
 from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState, StepResult
 
-from .compile import compile_info
+from .compile import blocks_for, compile_info
+from .graphs import graphed
 
 
 def request_generator(state: RequestState) -> torch.Generator:
@@ -103,8 +105,24 @@ class DenoiseLoop:
         """Batch rows of one request's inputs."""
         raise NotImplementedError
 
+    #: the family's outer forward ``fn(model, block_ctx=..., blocks=..., **batch)`` on its
+    #: ``transformer`` (a ``staticmethod``), for the default :meth:`forward`
+    model_forward: Callable[..., torch.Tensor] | None = None
+
     def forward(self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
-        raise NotImplementedError
+        """``batch`` through :attr:`model_forward`, with the transformer's compiled blocks when deploy
+        ``compile`` compiled them (:func:`~omniloop_kit.compile.blocks_for`), replayed as one CUDA
+        graph with ``options.cuda_graphs`` when nothing is bound per block (:mod:`omniloop_kit.graphs`)."""
+        fn = self.model_forward
+        if fn is None:
+            raise NotImplementedError(f"{type(self).__name__} declares no model_forward and writes no forward")
+        model = ctx.components["transformer"]
+        blocks = blocks_for(model, ctx)
+
+        def run(bctx: BlockContext | None, **inputs: Any) -> torch.Tensor:
+            return fn(model, block_ctx=bctx, blocks=blocks, **inputs)
+
+        return graphed(ctx, block_ctx, model, blocks is not None, run, batch)
 
     def key(self, ctx: StageContext, state: RequestState, loop: LoopState, pol: Any, step: Any) -> Hashable:
         """What else must match for this request's step to share a forward (text shapes, scales, ...)."""

@@ -11,7 +11,8 @@ kernels, same inputs: the same numbers as the forward it captured.
 A family opts in by declaring ``cuda_graphs`` among its ``capabilities.options`` (a family that
 does not is refused by the runtime in one line: ``options.cuda_graphs: family ... does not read
 this option``), checking :func:`graph_option` before it reads any weight, and running its forward
-through :func:`graphed` (Stable Audio Open, SD3, FLUX.1)::
+through :func:`graphed` (Stable Audio Open; SD3 and FLUX.1 through the default
+``omniloop_kit.denoise.DenoiseLoop.forward``, which does this with their ``model_forward``)::
 
     def forward(self, ctx, expert, batch, block_ctx):
         def run(bctx, **inputs):

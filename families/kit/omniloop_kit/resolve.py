@@ -10,7 +10,12 @@ once, before any compute (``Runtime.prepare`` → ``family.resolve``), each rais
   down with a warning as diffusers does) and below its position embedding's reach;
 * :func:`conditioning_image` — the image an image-conditioned task needs, decoded; extra or
   unused image parts warned;
-* :func:`token_warning` — a prompt longer than a text encoder reads;
+* :func:`i2i_image`, :func:`i2i_strength` — an image-to-image request's image (:data:`I2I_ROLES`)
+  and strength (the share of the schedule run; a default, refused on t2i or leaving no step);
+* :class:`TextParams`, :func:`text_params` — ``node_params.text_encode`` of a T5-conditioned
+  family (the T5 token budget);
+* :func:`token_warning` — a prompt longer than a text encoder reads (:func:`clip_t5_warnings`: CLIP's
+  and T5's);
 * :class:`ImageParams` — the resolved form of an image request (its ``workload()``);
 * :func:`resolve_image` — all of the above for a text-to-image family with no rules of its own
   (examples/minimal-family).
@@ -22,11 +27,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
-from attrs import define
+from attrs import define, field
 
 from omniloop.errors import RequestError
 from omniloop.request import ImagePart, OmniRequest, TaskType
 from omniloop.resolved import Workload, bounds
+from omniloop.schema import structure_params
 
 from .inputs import count_tokens, image_part
 
@@ -118,6 +124,69 @@ def conditioning_image(request: OmniRequest, needed: bool, roles: Sequence[str],
     return image
 
 
+#: the image parts an image-to-image request conditions on (the first such part is used)
+I2I_ROLES = ("image", "reference", "first_frame")
+NEEDS_I2I_IMAGE = "an i2i request needs an input image (an image part with role 'image')"
+#: the most T5 tokens a prompt may be padded or truncated to (diffusers' ``max_sequence_length``)
+MAX_T5_TOKENS = 512
+
+
+def i2i_image(request: OmniRequest, i2i: bool, warnings: list[str], *, decode: bool = True, who: str) -> Any:
+    """:func:`conditioning_image` of an image family (``who``: "FLUX.1") that conditions an ``i2i``
+    request on one image of :data:`I2I_ROLES`."""
+    return conditioning_image(request, i2i, I2I_ROLES, warnings, decode=decode, missing=NEEDS_I2I_IMAGE,
+                              extra="{n} more image input(s) ignored: " + f"{who} i2i conditions on one image")
+
+
+def i2i_strength(policies: Any, i2i: bool, steps: int, default: float, node: str = "denoise") -> Any:
+    """``policies`` with an image-to-image request's strength (``node_params.<node>.strength``;
+    unset: ``default``), refused when it leaves no step of ``steps`` to run; a strength on a request
+    that is not i2i is refused."""
+    path = f"node_params.{node}.strength"
+    if not i2i:
+        if policies.strength is not None:
+            raise RequestError(path, "strength applies to i2i requests only")
+        return policies
+    strength = float(default) if policies.strength is None else float(policies.strength)
+    from omniloop_policies import strength_steps
+
+    if strength_steps(steps, strength) < 1:
+        raise RequestError(path, f"strength {strength} of {steps} steps leaves no step to run; raise strength or steps")
+    return attrs.evolve(policies, strength=strength)
+
+
+@define(frozen=True)
+class TextParams:
+    """``node_params.text_encode`` of a T5-conditioned family: the T5 token budget."""
+
+    #: T5 tokens the prompt is padded/truncated to (diffusers' ``max_sequence_length``; unset: the
+    #: checkpoint's default)
+    max_sequence_length: int | None = field(default=None, metadata={"ge": 1, "le": MAX_T5_TOKENS})
+
+
+def text_params(request: OmniRequest, node_params: Any = None) -> TextParams:
+    """``node_params.text_encode`` as the core validated it (``node_params``), else validated here
+    by the core's converter (a stage driven outside a runtime)."""
+    given = (node_params or {}).get("text_encode")
+    if given is not None:
+        return given  # type: ignore[no-any-return]
+    raw = (request.node_params or {}).get("text_encode")
+    if isinstance(raw, TextParams):
+        return raw
+    params: TextParams = structure_params(TextParams, raw, "node_params.text_encode")
+    return params
+
+
+def clip_t5_warnings(components: Any, texts: Iterable[tuple[str, str]], t5_tokenizer: str, t5_tokens: int,
+                     warnings: list[str]) -> None:
+    """:func:`token_warning` of each ``(field, text)`` for CLIP (``components["tokenizer"]``, its
+    ``model_max_length``) and for T5 (``components[t5_tokenizer]``, ``t5_tokens``; absent: none)."""
+    clip = components.get("tokenizer")
+    for field_name, text in texts:
+        token_warning(clip, text, int(getattr(clip, "model_max_length", 77)), field_name, "CLIP", warnings)
+        token_warning(components.get(t5_tokenizer), text, t5_tokens, field_name, "T5", warnings)
+
+
 def token_warning(tokenizer: Any, text: str, cap: int, field: str, encoder: str, warnings: list[str], *,
                   clean: Callable[[str], str] | None = None) -> None:
     """Warn when ``text`` (the ``field``: "prompt", "negative prompt") is longer than the ``encoder``
@@ -206,5 +275,6 @@ def set_knobs(structured: Any, raw: Any) -> dict[str, Any]:
     return dict(raw) if isinstance(raw, dict) else {}
 
 
-__all__ = ["ImageParams", "check_task", "conditioning_image", "denoise_policies", "image_size", "one_frame",
-           "require_prompt", "resolve_image", "set_knobs", "token_warning"]
+__all__ = ["I2I_ROLES", "MAX_T5_TOKENS", "NEEDS_I2I_IMAGE", "ImageParams", "TextParams", "check_task",
+           "clip_t5_warnings", "conditioning_image", "denoise_policies", "i2i_image", "i2i_strength", "image_size",
+           "one_frame", "require_prompt", "resolve_image", "set_knobs", "text_params", "token_warning"]

@@ -33,11 +33,9 @@ import torch
 
 from omniloop.artifacts import Embeddings, Tensors
 from omniloop.context import StageContext
-from omniloop.interceptors import BlockContext
 from omniloop.loop import LoopState, RequestState
 from omniloop_kit.compile import blocks_for
 from omniloop_kit.denoise import DenoiseLoop, randn, request_generator, step_time_metrics
-from omniloop_kit.graphs import graphed
 from omniloop_kit.stages import params_of, vae_scale_factor
 from omniloop_policies.stepping import stack_rows, unstack_rows
 
@@ -79,6 +77,7 @@ class Denoise(DenoiseLoop):
     """One solver step per ``step()``; batched across requests with ``batch_key`` / ``step_batch``."""
 
     tag = "sd3-denoise"
+    model_forward = staticmethod(sd3_forward)  # compiled blocks, options.cuda_graphs: the kit's forward
 
     def init(self, ctx: StageContext, state: RequestState) -> LoopState:
         p = params_of(state)
@@ -120,18 +119,6 @@ class Denoise(DenoiseLoop):
 
     def split(self, out: torch.Tensor, inputs: Sequence[StepInputs], group: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
         return split_rows(out, inputs, group)
-
-    def forward(self, ctx: StageContext, expert: str, batch: dict[str, Any], block_ctx: BlockContext | None) -> torch.Tensor:
-        model = ctx.components["transformer"]
-        blocks = blocks_for(model, ctx)
-
-        def run(bctx: BlockContext | None, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                encoder_hidden_states: torch.Tensor, pooled_projections: torch.Tensor) -> torch.Tensor:
-            return sd3_forward(model, hidden_states, timestep, encoder_hidden_states, pooled_projections, bctx,
-                               blocks=blocks)
-
-        # deploy options.cuda_graphs: one graph replay per forward when nothing is bound per block
-        return graphed(ctx, block_ctx, model, blocks is not None, run, batch)
 
     def prefix(self, expert: str | None) -> str:
         return "transformer.transformer_blocks"

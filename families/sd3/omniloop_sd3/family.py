@@ -12,11 +12,11 @@ from omniloop.artifacts import Embeddings
 from omniloop.family import LoadedModel
 from omniloop.graph import PipelineSpec
 from omniloop.request import OmniRequest, TaskType
+from omniloop_kit.attention import qkv_option
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
 from omniloop_kit.graphs import graph_option
-from omniloop_kit.options import choice_option
 from omniloop_kit.resolve import check_task
 from omniloop_kit.stages import image_nodes
 
@@ -29,8 +29,6 @@ from .stages import TextEncode, Validate
 from .transformer import joint_steps
 
 TASKS = frozenset({TaskType.T2I, TaskType.I2I})
-#: options.qkv: Q/K/V as three linears (diffusers') or one concatenated weight (omniloop_sd3.attention)
-QKV = ("separate", "fused")
 
 
 class SD3Family(DiffusersFamily):
@@ -90,7 +88,7 @@ class SD3Family(DiffusersFamily):
         joint steps compiled (deploy ``compile: true``), a menu per task built; ``options.cuda_graphs``
         checked against the model's device (the denoise node replays its forward as a CUDA graph)."""
         check_options(options, model.device)
-        tf, qkv, backend = model.components["transformer"], choice_option(options, "qkv", QKV), options.get("attention")
+        tf, qkv, backend = model.components["transformer"], qkv_option(options), options.get("attention")
         if qkv == "fused" or getattr(backend, "name", "sdpa") != "sdpa":
             from .attention import install
 
@@ -122,7 +120,7 @@ class SD3Family(DiffusersFamily):
 
 def check_options(options: Mapping[str, Any], device: Any = None) -> None:
     """The family options (``qkv``, ``compile_*``, ``cuda_graphs`` on ``device``), checked before loading."""
-    choice_option(options, "qkv", QKV)
+    qkv_option(options)
     compile_options(options)
     graph_option(options, device)
 

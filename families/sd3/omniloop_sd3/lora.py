@@ -9,19 +9,9 @@ lora_B.weight``). Other layouts are refused with the keys named (no kohya conver
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from omniloop.capabilities import AdapterSupport
-from omniloop.errors import DeployError
+from omniloop_kit.attention import refuse_fused_qkv
 
+SD3_ADAPTERS = AdapterSupport(components=("transformer",), check=refuse_fused_qkv)
 
-def check(model: Any, options: Mapping[str, Any]) -> None:
-    if options.get("qkv", "separate") == "fused":
-        raise DeployError("adapters: options.qkv 'fused' computes Q/K/V without the to_q/to_k/to_v linears an "
-                          "adapter hooks; use qkv 'separate' with adapters")
-
-
-SD3_ADAPTERS = AdapterSupport(components=("transformer",), check=check)
-
-__all__ = ["SD3_ADAPTERS", "check"]
+__all__ = ["SD3_ADAPTERS"]

@@ -14,34 +14,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
-import torch
-from attrs import define, field
+from attrs import define
 
-from omniloop.errors import RequestError
 from omniloop.family import LoadedModel
 from omniloop.request import OmniRequest, TaskType
 from omniloop.schema import structure_params
 from omniloop_kit import resolve as kit
-from omniloop_kit.inputs import image_part
+from omniloop_kit.resolve import TextParams
 from omniloop_policies import DenoiseParams
 
 from .policies import menu_for
 
-MAX_T5_TOKENS = 512
-IMAGE_ROLES = ("image", "reference", "first_frame")
-NEEDS_IMAGE = "an i2i request needs an input image (an image part with role 'image')"
-
-
 #: ``node_params.denoise``: the policies' knobs, ``strength`` (i2i) among them
 SD3DenoiseParams = DenoiseParams
-
-
-@define(frozen=True)
-class TextParams:
-    """``node_params.text_encode``: the T5 token budget (diffusers' ``max_sequence_length``)."""
-
-    max_sequence_length: int | None = field(default=None, metadata={"ge": 1, "le": MAX_T5_TOKENS})
 
 
 @define(frozen=True, kw_only=True)
@@ -51,14 +36,6 @@ class SD3Params(kit.ImageParams):
     scale is above 1 (CFG)."""
 
     negative_prompt: str = ""
-
-
-def load_image_part(request: OmniRequest) -> tuple[torch.Tensor, str]:
-    """Decode the request's input image (the first image part); pixels and its field path."""
-    got = image_part(request, IMAGE_ROLES)
-    if got is None:
-        raise RequestError("inputs", NEEDS_IMAGE)
-    return got
 
 
 def resolve(
@@ -86,40 +63,25 @@ def resolve(
     dp = given.get("denoise")
     if dp is None:
         dp = structure_params(SD3DenoiseParams, raw_params.get("denoise"), "node_params.denoise")
-    tp = given.get("text_encode")
-    if tp is None:
-        tp = structure_params(TextParams, raw_params.get("text_encode"), "node_params.text_encode")
     policies, steps, steps_path = kit.denoise_policies(menu_for(model, task), request, dp)
 
     sizes = {name: kit.image_size(request, name, defaults[name], cfg["size_multiple"], warnings, top=cfg["max_size"])
              for name in ("height", "width")}
     kit.one_frame(request)
-    msl = tp.max_sequence_length
-    if msl is None:
-        msl = int(defaults["max_sequence_length"])
+    msl = kit.text_params(request, node_params).max_sequence_length or int(defaults["max_sequence_length"])
 
-    i2i = task is TaskType.I2I
-    strength = None
-    if i2i:  # the sampler runs the last ``strength`` of the schedule (diffusers' get_timesteps)
-        strength = float(defaults.get("strength", 0.6) if dp.strength is None else dp.strength)
-        policies = attrs.evolve(policies, strength=strength)
-    elif dp.strength is not None:
-        raise RequestError("node_params.denoise.strength", "strength applies to i2i requests (an input image)")
-    image = kit.conditioning_image(request, i2i, IMAGE_ROLES, warnings, decode=decode_image, missing=NEEDS_IMAGE,
-                                   extra="{n} more image input(s) ignored: i2i conditions on one image")
-
-    comps = model.components
-    for field_name, text in (("prompt", prompt), ("negative prompt", negative)):
-        kit.token_warning(comps["tokenizer"], text, int(getattr(comps["tokenizer"], "model_max_length", 77)),
-                          field_name, "CLIP", warnings)
-        kit.token_warning(comps.get("tokenizer_3"), text, msl, field_name, "T5", warnings)
+    i2i = task is TaskType.I2I  # the sampler runs the last ``strength`` of the schedule (diffusers' get_timesteps)
+    policies = kit.i2i_strength(policies, i2i, steps, defaults.get("strength", 0.6))
+    image = kit.i2i_image(request, i2i, warnings, decode=decode_image, who="SD3")
+    kit.clip_t5_warnings(model.components, [("prompt", prompt), ("negative prompt", negative)], "tokenizer_3", msl,
+                         warnings)
 
     params = SD3Params(
         task=task, prompt=prompt, negative_prompt=negative, height=sizes["height"], width=sizes["width"],
         steps=steps, guidance_scale=float(policies.guidance_scale), max_sequence_length=int(msl),
-        strength=strength, image=image, policies=policies, warnings=tuple(warnings), steps_path=steps_path,
+        strength=policies.strength, image=image, policies=policies, warnings=tuple(warnings), steps_path=steps_path,
     )
     return params, warnings
 
 
-__all__ = ["SD3DenoiseParams", "SD3Params", "TextParams", "load_image_part", "resolve"]
+__all__ = ["SD3DenoiseParams", "SD3Params", "TextParams", "resolve"]

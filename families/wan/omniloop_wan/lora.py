@@ -11,8 +11,9 @@ diffusers to diffusers' keys:
 
 Wan's original names map to diffusers': ``self_attn.{q,k,v,o}`` -> ``attn1.{to_q,to_k,to_v,to_out.0}``,
 ``cross_attn.*`` -> ``attn2.*`` (``k_img``/``v_img`` -> ``add_k_proj``/``add_v_proj``),
-``ffn.0`` -> ``ffn.net.0.proj``, ``ffn.2`` -> ``ffn.net.2``. Keys outside the blocks' linears
-(``diff_b`` bias deltas, ``head``, embeddings) are refused by name.
+``ffn.0`` -> ``ffn.net.0.proj``, ``ffn.2`` -> ``ffn.net.2`` (the keys' suffixes, alphas and checks
+are omniloop-kit's :mod:`omniloop_kit.lora`). Keys outside the blocks' linears (``diff_b`` bias
+deltas, ``head``, embeddings) are refused by name.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any
 
 import torch
 
-from omniloop.capabilities import AdapterSupport, unknown_keys_error
+from omniloop.capabilities import AdapterSupport
 from omniloop.errors import DeployError
+from omniloop_kit import lora as kit_lora
 
 _ATTN = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0", "k_img": "add_k_proj", "v_img": "add_v_proj"}
 SUBMODULES: dict[str, str] = {
@@ -35,39 +37,23 @@ SUBMODULES: dict[str, str] = {
 }
 _KOHYA = {k.replace(".", "_"): v for k, v in SUBMODULES.items()}
 
-_DOTTED = re.compile(r"(?:diffusion_model\.|model\.diffusion_model\.)?blocks\.(\d+)\.(.+)\.(lora_down|lora_up|lora_A|lora_B)\.weight")
-_DOTTED_ALPHA = re.compile(r"(?:diffusion_model\.|model\.diffusion_model\.)?blocks\.(\d+)\.(.+)\.alpha")
-_KOHYA_W = re.compile(r"lora_unet_blocks_(\d+)_(.+)\.(lora_down|lora_up)\.weight")
-_KOHYA_ALPHA = re.compile(r"lora_unet_blocks_(\d+)_(.+)\.alpha")
-_WHICH = {"lora_down": "lora_A", "lora_A": "lora_A", "lora_up": "lora_B", "lora_B": "lora_B"}
+_DOTTED = re.compile(r"(?:diffusion_model\.|model\.diffusion_model\.)?blocks\.(\d+)\.(.+)")
+_KOHYA_PATH = re.compile(r"lora_unet_blocks_(\d+)_(.+)")
+
+
+def target(src: str) -> kit_lora.Target | None:
+    """diffusers' module of a ComfyUI / kohya module path (one each: Wan fuses no projection)."""
+    m, table = _DOTTED.fullmatch(src), SUBMODULES
+    if m is None:
+        m, table = _KOHYA_PATH.fullmatch(src), _KOHYA
+    if m is None or m.group(2) not in table:
+        return None
+    return (f"transformer.blocks.{m.group(1)}.{table[m.group(2)]}",), (1,)
 
 
 def convert(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """ComfyUI / kohya Wan LoRA keys -> diffusers' (``transformer.blocks.N.<module>.lora_A.weight``)."""
-    out: dict[str, torch.Tensor] = {}
-    alphas: dict[str, float] = {}
-    unknown: list[str] = []
-    for key, t in sd.items():
-        m = _DOTTED.fullmatch(key)
-        if m and m.group(2) in SUBMODULES:
-            out[f"transformer.blocks.{m.group(1)}.{SUBMODULES[m.group(2)]}.{_WHICH[m.group(3)]}.weight"] = t
-            continue
-        m = _KOHYA_W.fullmatch(key)
-        if m and m.group(2) in _KOHYA:
-            out[f"transformer.blocks.{m.group(1)}.{_KOHYA[m.group(2)]}.{_WHICH[m.group(3)]}.weight"] = t
-            continue
-        m = _DOTTED_ALPHA.fullmatch(key)
-        table = SUBMODULES
-        if m is None:
-            m = _KOHYA_ALPHA.fullmatch(key)
-            table = _KOHYA
-        if m and m.group(2) in table and t.numel() == 1:
-            alphas[f"transformer.blocks.{m.group(1)}.{table[m.group(2)]}"] = float(t.item())
-            continue
-        unknown.append(key)
-    if unknown:
-        raise unknown_keys_error(unknown, "Wan (diffusers, ComfyUI or kohya)")
-    return out, alphas
+    return kit_lora.convert(sd, target, "Wan (diffusers, ComfyUI or kohya)")
 
 
 def check(model: Any, options: Mapping[str, Any]) -> None:
@@ -83,4 +69,4 @@ def check(model: Any, options: Mapping[str, Any]) -> None:
 
 WAN_ADAPTERS = AdapterSupport(components=("transformer", "transformer_2"), convert=convert, check=check)
 
-__all__ = ["SUBMODULES", "WAN_ADAPTERS", "check", "convert"]
+__all__ = ["SUBMODULES", "WAN_ADAPTERS", "check", "convert", "target"]
