@@ -268,6 +268,38 @@ def lora_roles(base: torch.nn.Module, *, rank: int, alpha: float | None = None, 
 # --------------------------------------------------------------------------------------------------
 
 
+def warm_critic(critic: Role, student: Role, rollout: Rollout, batches: Iterable[Batch], config: DMDConfig, *,
+                steps: int, generator: torch.Generator | None = None, log_every: int = 10,
+                log: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """``steps`` critic-only updates on the (unchanged) student's samples before :func:`train_dmd`.
+    The critic starts as the teacher; when the student does not (a student resumed from an earlier
+    run), ``fake - real`` is then the teacher's error, not the student's, until the critic has
+    learnt the student's distribution, and with a short budget those student steps are few. AdamW
+    at ``config.critic_lr`` (its own optimizer: :func:`train_dmd` makes a fresh one). Returns the
+    log (mean critic loss per ``log_every`` updates)."""
+    params = _params(critic)
+    opt = torch.optim.AdamW(params, lr=config.critic_lr, betas=config.betas, weight_decay=config.weight_decay)
+    it = iter(batches)
+    out: list[dict[str, Any]] = []
+    acc = 0.0
+    for i in range(steps):
+        batch = next(it)
+        with torch.no_grad():
+            x0 = rollout(student, batch.noise, batch.text, generator)
+        loss = critic_loss(critic, x0, batch.text, generator, cfg=config)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        opt.step()
+        acc += float(loss.detach())
+        if (i + 1) % log_every == 0 or i + 1 == steps:
+            out.append({"critic_warmup_iter": i + 1, "critic_loss": acc / (i % log_every + 1)})
+            if log is not None:
+                log(out[-1])
+            acc = 0.0
+    return out
+
+
 def _params(role: Role) -> list[torch.nn.Parameter]:
     return [p for p in role.parameters() if p.requires_grad or isinstance(role, AdapterRole)]
 

@@ -105,34 +105,6 @@ def attrs_fields(cls: type) -> Any:
     return attrs.fields(cls)
 
 
-def warm_critic(critic: Any, student: Any, rollout: SelfForcingRollout, batches: Iterator[Any], config: Any, *,
-                steps: int, generator: torch.Generator, log_every: int = 10) -> list[dict[str, Any]]:
-    """``steps`` critic updates on the (frozen) student's rollouts before DMD2 starts: the critic
-    starts as the teacher, so until it has learnt the student's distribution ``fake - real`` is
-    ~0 and a student step is wasted; with a short budget (a CPU run) those steps are few.
-    Adam at ``config.critic_lr``, its own optimizer (``dmd.train_dmd`` makes a fresh one)."""
-    from . import dmd
-
-    params = [p for p in critic.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.critic_lr, betas=config.betas, weight_decay=config.weight_decay)
-    log, acc = [], 0.0
-    for i in range(steps):
-        batch = next(batches)
-        with torch.no_grad():
-            x0 = rollout(student, batch.noise, batch.text, generator)
-        loss = dmd.critic_loss(critic, x0, batch.text, generator, cfg=config)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-        opt.step()
-        acc += float(loss.detach())
-        if (i + 1) % log_every == 0 or i + 1 == steps:
-            log.append({"critic_warmup_iter": i + 1, "critic_loss": acc / ((i % log_every) + 1)})
-            print("critic-warmup", json.dumps(log[-1]), flush=True)
-            acc = 0.0
-    return log
-
-
 def save_progress(path: Path, student: Any, ema: Any, info: dict[str, Any]) -> None:
     """A periodic checkpoint of a long run: the student's raw and EMA state dicts and where it got."""
     tmp = path.with_suffix(".tmp")
@@ -200,8 +172,9 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
     state = {"student_steps": 0, "saved_at": time.perf_counter()}
     if critic_warmup > 0:
         student.eval()
-        info["critic_warmup"] = warm_critic(critic, student, rollout, batches, config, steps=critic_warmup,
-                                            generator=gen, log_every=1 if smoke else 10)
+        info["critic_warmup"] = dmd.warm_critic(critic, student, rollout, batches, config, steps=critic_warmup,
+                                                generator=gen, log_every=1 if smoke else 10,
+                                                log=lambda r: print("critic-warmup", json.dumps(r), flush=True))
         student.train()
     progress = out / "progress.pt"
 
