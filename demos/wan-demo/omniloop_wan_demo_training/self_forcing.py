@@ -22,7 +22,11 @@ streams — its own earlier chunks as context, never the data's (Self-Forcing; t
   keys/values later chunks read carry no gradient), so the backward is one chunk forward per chunk;
 * :class:`SelfForcingRollout` draws the exit steps uniformly per chunk from the training generator
   (``exit="random"``, every timestep of the sampler gets gradient) or takes the last
-  (``exit="last"``, the runtime's rollout exactly).
+  (``exit="last"``, the runtime's rollout exactly);
+* between a chunk's steps the rollout moves as the runtime's sampler does (``renoise="euler"``,
+  the default: the x0 prediction re-noised with the predicted noise) or as DMD2's few-step sampler
+  does (``renoise="fresh"``: re-noised with fresh noise from the training generator); the runtime's
+  causal rollout has no fresh-noise option yet, so a student meant for it trains with ``euler``.
 
 The student runs without classifier-free guidance (``guidance_scale`` 1: the guided teacher is
 distilled into it); its clip, all chunks concatenated, goes to the recipe's distribution-matching

@@ -21,6 +21,9 @@ installs it as ``checkpoint_causal/`` (:func:`.train_causal.ship`: links to ``ch
 
     # GPU (one call; see families/wan-demo/README.md, wan-demo-causal)
     python -m omniloop_wan_demo_training.train_causal_dmd --out $OUT/causal --tf-seconds 45 --dmd-seconds 150
+    # resumed from the shipped student, critic warmed up first (scripts/gpu_causal_dmd.sh, one variant)
+    python -m omniloop_wan_demo_training.train_causal_dmd --out $OUT/causal --tf-seconds 0 \
+        --student-from families/wan-demo/omniloop_wan_demo/checkpoint_causal --critic-warmup 100 --dmd-seconds 280
     # CPU check of the whole script (tiny sizes; what the test runs)
     python -m omniloop_wan_demo_training.train_causal_dmd --out /tmp/causal-dmd --smoke --device cpu
 """
