@@ -15,6 +15,8 @@
 # (--renoise euler: the runtime's causal rollout has no fresh-noise option, and the student is evaluated
 # and served through it), raw + EMA weights saved every 60 s (a run cut short still leaves progress.pt),
 # raw or EMA picked by a batched GPU check on seed 100 (not an evaluation seed).
+# REUSE_SAMPLES=true (env): the critic-only iterations reuse the last student update's samples instead of
+# rolling out again (DMDConfig.reuse_samples; ~1.6-2x the student updates per budget on CPU; untried for quality).
 # $OUT/causal-dmd.tar holds causal-dmd/{omniloop.json,train_causal_dmd.json,transformer/}, the training
 # log, and eval/adherence-*.json (96 prompts x seeds 0,1 streamed on CPU, the shipped figures' protocol).
 # To ship it (on the CPU machine, in the repo, FILES_AT = where the run tool put the files):
@@ -28,6 +30,7 @@
 DS=${1:-280}
 FROM=${2:-families/wan-demo/omniloop_wan_demo/checkpoint_causal}
 CRITIC_WARMUP=${CRITIC_WARMUP:-100}
+REUSE_SAMPLES=${REUSE_SAMPLES:-false}   # true: DMDConfig.reuse_samples (more student updates, untried)
 source "$(dirname "$0")/gpu_env.sh"
 check_imports omniloop_wan_demo_training.train_causal_dmd omniloop_wan_demo_training.dmd omniloop.runtime
 W=${WORK:-/tmp/causal-dmd}; mkdir -p "$W/eval" "$OUT"
@@ -35,7 +38,7 @@ t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 # the training's own budget: DS seconds of DMD2, plus load, warm-up, checks and saving
 timeout $((DS + 140)) python3 -m omniloop_wan_demo_training.train_causal_dmd --out "$W/causal-dmd" \
   --tf-seconds 0 --student-from "$FROM" --critic-warmup "$CRITIC_WARMUP" --batch 64 --renoise euler \
-  --dmd '{"teacher_guidance": 5.0, "student_lr": 5e-5, "critic_lr": 1e-4, "critic_steps": 5}' \
+  --dmd "{\"teacher_guidance\": 5.0, \"student_lr\": 5e-5, \"critic_lr\": 1e-4, \"critic_steps\": 5, \"reuse_samples\": $REUSE_SAMPLES}" \
   --dmd-seconds "$DS" --save-every-s 60 --eval-seeds 100 2>&1 \
   | grep --line-buffered -v -E "Loading|it/s\]|s/it\]|should be kept in float32|torch_dtype" > "$W/train.log"
 el "training rc ${PIPESTATUS[0]}"; grep -E "^(dmd|check|saved|critic-warmup)" "$W/train.log" | tail -6

@@ -10,7 +10,8 @@ The phases of :func:`omniloop_wan_demo_training.dmd.train_dmd` with
 and critic: a student update is the rollout with the exit steps' graph, the DM loss (teacher with
 CFG + critic), its backward and that iteration's critic update; a critic-only iteration is a rollout
 without gradient and the critic's flow-matching forward and backward. With ``critic_steps`` c, one
-student update costs ``student_step + (c - 1) * critic_step``. Optimizer steps are left out (small).
+student update costs ``student_step + (c - 1) * critic_step``, or ``student_step + (c - 1) *
+critic_forward_backward`` with ``DMDConfig.reuse_samples``. Optimizer steps are left out (small).
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         r["student_step"] = r["rollout_with_grad"] + r["dm_loss"] + r["student_backward"] + r["critic_forward_backward"]
         r["critic_step"] = r["rollout_no_grad"] + r["critic_forward_backward"]
         r["per_student_update"] = r["student_step"] + (a.critic_steps - 1) * r["critic_step"]
+        # DMDConfig.reuse_samples: the critic-only iterations skip the rollout
+        r["per_student_update_reusing_samples"] = r["student_step"] + (a.critic_steps - 1) * r["critic_forward_backward"]
         out["batches"][str(b)] = {k: round(v, 2) for k, v in r.items()}  # type: ignore[index]
         print(b, json.dumps(out["batches"][str(b)]), flush=True)  # type: ignore[index]
     if a.json:

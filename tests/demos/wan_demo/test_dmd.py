@@ -245,3 +245,40 @@ def test_the_shipped_fast_lora_is_a_lora_from_file():
     from omniloop_wan_demo_training.dmd_fast import lora_file_rank
 
     assert lora_file_rank(PACKAGE_DIR / "adapters" / "fast.safetensors") == 32
+
+
+def test_reuse_samples_trains_the_critic_on_the_last_student_samples_without_new_rollouts():
+    """``DMDConfig.reuse_samples``: the critic-only iterations take the last student update's
+    samples and prompts (no rollout); without it every iteration rolls the student out."""
+    calls: list[torch.Tensor] = []
+    inner = rollout()
+
+    def counting(student, noise, text, gen):
+        calls.append(noise)
+        return inner(student, noise, text, gen)
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real_critic_loss = dmd.critic_loss
+
+    def spy(critic, x0, text, generator=None, *, cfg=None):
+        seen.append((x0, text.cond))
+        return real_critic_loss(critic, x0, text, generator, cfg=cfg)
+
+    for reuse, rollouts in ((True, 2), (False, 6)):
+        calls.clear()
+        seen.clear()
+        teacher = tiny_transformer()
+        student, critic = copy.deepcopy(teacher).train(), copy.deepcopy(teacher).train()
+        cfg = dmd.DMDConfig(critic_steps=3, reuse_samples=reuse)
+        mp = pytest.MonkeyPatch()
+        mp.setattr(dmd, "critic_loss", spy)
+        try:
+            out = dmd.train_dmd(student, teacher, critic, counting, batches(), cfg, steps=6,
+                                generator=torch.Generator().manual_seed(0))
+        finally:
+            mp.undo()
+        assert out == {**out, "student_steps": 2, "critic_steps": 6} and len(calls) == rollouts
+        if reuse:  # iterations 1, 2 reuse iteration 0's samples and prompts; 4, 5 iteration 3's
+            for a, b in ((0, 1), (0, 2), (3, 4), (3, 5)):
+                assert seen[a][0] is seen[b][0] and seen[a][1] is seen[b][1]
+            assert not torch.equal(seen[0][0], seen[3][0])
