@@ -166,7 +166,6 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
     table = prompt_table(comps["text_encoder"], comps["tokenizer"], device)
     comps["prompt_table"] = table
     gen = torch.Generator(device).manual_seed(seed + 977)
-    deadline = time.perf_counter() + dmd_seconds
     batches = prompt_batches(table, batch=batch, latent_shape=latent_shape, gen=gen, device=device)
     rollout = SelfForcingRollout(CausalOptions(**ROLLOUT_OPTIONS), exit=exit, renoise=renoise)
     config = dmd.DMDConfig(**dmd_overrides)
@@ -180,6 +179,7 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
                                                 log=lambda r: print("critic-warmup", json.dumps(r), flush=True))
         student.train()
     progress = out / "progress.pt"
+    deadline = time.perf_counter() + dmd_seconds  # the DMD2 loop's own time box (after the critic warm-up)
 
     def on_student_step(k: int) -> None:
         ema.update(k - 1)
