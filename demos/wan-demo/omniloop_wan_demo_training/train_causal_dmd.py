@@ -208,8 +208,10 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
     info["steps"] = state["student_steps"]
     info["seconds"] = round(time.perf_counter() - t0, 1)
     info["recipe"] = dict(
-        method="Self-Forcing DMD2: teacher-forcing causal adaptation, then distribution matching of the student's own "
-               "chunked KV-cached rollouts against the bidirectional v2 teacher with CFG",
+        method=("Self-Forcing DMD2: " + ("a causal student resumed" if student_from is not None
+                                          else "teacher-forcing causal adaptation") +
+                ", then distribution matching of the student's own chunked KV-cached rollouts against the "
+                "bidirectional v2 teacher with CFG"),
         init=f"causal student from {student_from}" if student_from is not None else "wan-demo v2 transformer",
         critic_warmup=critic_warmup, renoise=renoise, teacher="wan-demo v2 transformer (bidirectional, frozen)",
         critic="copy of the v2 transformer, flow matching on student clips", rollout=ROLLOUT_OPTIONS,
