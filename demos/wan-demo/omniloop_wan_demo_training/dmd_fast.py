@@ -107,6 +107,35 @@ def save_lora(state: dict[str, torch.Tensor], path: Path, meta: dict[str, Any]) 
     save_file(state, str(path), metadata={"omniloop": json.dumps(meta, sort_keys=True)})
 
 
+def lora_file_rank(path: Path) -> int:
+    """The rank of a LoRA file in :func:`adapter_state`'s layout (its ``lora_A`` rows); ``ValueError``
+    naming the file when it holds no ``lora_A`` weight or its ranks differ."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        ranks = {f.get_slice(k).get_shape()[0] for k in f.keys() if ".lora_A." in k}
+    if len(ranks) != 1:
+        raise ValueError(f"{path}: expected LoRA weights of one rank (transformer.<module>.lora_A.weight), got ranks {sorted(ranks)}")
+    return ranks.pop()
+
+
+def load_adapter_state(base: torch.nn.Module, name: str, state: dict[str, torch.Tensor]) -> int:
+    """The inverse of :func:`adapter_state`: copy ``state`` into adapter ``name``'s LoRA weights of
+    ``base`` (same rank); every file key must name one of them. Returns how many were loaded."""
+    params = dict(base.named_parameters())
+    tag = f".{name}."
+    n = 0
+    for k, v in state.items():
+        head, _, tail = k.removeprefix("transformer.").rpartition(".")  # blocks.0.attn1.to_q.lora_A / weight
+        target = params.get(f"{head}{tag}{tail}")
+        if target is None or target.shape != v.shape:
+            raise ValueError(f"LoRA file key {k}: no {name!r} adapter weight of shape {tuple(v.shape)} in the model")
+        with torch.no_grad():
+            target.copy_(v.to(target.dtype))
+        n += 1
+    return n
+
+
 def merge_lora(transformer: torch.nn.Module, state: dict[str, torch.Tensor], scale: float = 1.0) -> torch.nn.Module:
     """``W += scale * B @ A`` for every pair (alpha = rank), in place; returns ``transformer``."""
     mods = dict(transformer.named_modules())
@@ -216,6 +245,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=200, help="training time box")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--lora-from", metavar="SAFETENSORS",
+                    help="--form lora: start the student adapter from this LoRA file (e.g. the shipped "
+                         "families/wan-demo/omniloop_wan_demo/adapters/fast.safetensors; its rank is --rank)")
+    ap.add_argument("--critic-warmup", type=int, default=0, help="critic-only updates before the first student step")
     ap.add_argument("--teacher-guidance", type=float, default=3.0)
     ap.add_argument("--critic-steps", type=int, default=5)
     ap.add_argument("--student-lr", type=float, default=None, help="default: 3e-4 (lora), 5e-5 (full)")
@@ -237,8 +270,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         v = getattr(a, k)
         if not math.isfinite(v) or v <= 0:
             ap.error(f"--{k.replace('_', '-')}: must be a finite number > 0, got {v}")
-    if a.batch < 1 or a.rank < 1 or a.critic_steps < 1:
-        ap.error("--batch, --rank and --critic-steps: must be >= 1")
+    if a.batch < 1 or a.rank < 1 or a.critic_steps < 1 or a.critic_warmup < 0:
+        ap.error("--batch, --rank and --critic-steps: must be >= 1, --critic-warmup >= 0")
+    if a.lora_from:
+        if a.form != "lora":
+            ap.error("--lora-from: only with --form lora")
+        if not Path(a.lora_from).is_file():
+            ap.error(f"--lora-from: no file {a.lora_from}")
+        try:
+            a.rank = lora_file_rank(Path(a.lora_from))
+        except Exception as e:  # not a safetensors file, or not a LoRA
+            ap.error(f"--lora-from: {e}")
     if a.smoke:
         a.batch, a.seconds, a.seed_list, a.v2_steps = 2, 1e9, [0], 2
     return a
@@ -280,6 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.form == "lora":
         base = copy.deepcopy(teacher)
         student, teacher_role, critic = dmd.lora_roles(base, rank=a.rank, target_modules=LORA_TARGETS)
+        if a.lora_from:
+            from safetensors.torch import load_file
+
+            lora = load_file(a.lora_from)
+            if a.smoke:  # the tiny transformer: only the file's keys that fit it (a plumbing check)
+                shapes = {k: p.shape for k, p in base.named_parameters()}
+                lora = {k: v for k, v in lora.items()
+                        if shapes.get(k.removeprefix("transformer.").rpartition(".")[0] + ".student.weight") == v.shape}
+            res["lora_from"] = {"path": a.lora_from, "rank": a.rank, "tensors": load_adapter_state(base, "student", lora)}
     else:
         student, critic = copy.deepcopy(teacher).train(), copy.deepcopy(teacher).train()
         teacher_role = teacher.requires_grad_(False)
@@ -290,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     res["recipe"] = {"dmd": {k: v for k, v in __import__("attrs").asdict(cfg).items()}, "form": a.form,
                      "rank": a.rank if a.form == "lora" else None, "batch": a.batch, "timesteps": list(a.timestep_list),
                      "grid_shift": GRID_SHIFT, "rollout": "few-step sampler, random exit step, graph of that step only",
-                     "teacher": "wan-demo v2 (checkpoint/), CFG", "init": "student and critic = v2"}
+                     "teacher": "wan-demo v2 (checkpoint/), CFG", "critic_warmup": a.critic_warmup,
+                     "init": f"student = v2 + {a.lora_from}, critic = v2" if a.lora_from else "student and critic = v2"}
     log: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     warm = 20 * a.critic_steps
@@ -305,7 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         _log("dmd", json.dumps(r))
 
     gen = torch.Generator(dev).manual_seed(a.seed + 2)
-    info = dmd.train_dmd(student, teacher_role, critic, rollout, batches(emb_all, emb_u, batch=a.batch, dev=dev, seed=a.seed + 3),
+    stream = batches(emb_all, emb_u, batch=a.batch, dev=dev, seed=a.seed + 3)
+    if a.critic_warmup:
+        res["critic_warmup"] = dmd.warm_critic(critic, student, rollout, stream, cfg, steps=a.critic_warmup, generator=gen,
+                                               log_every=1 if a.smoke else 20, log=lambda r: _log("critic-warmup", json.dumps(r)))
+        t0 = time.perf_counter()  # the time box is the DMD2 loop's
+    info = dmd.train_dmd(student, teacher_role, critic, rollout, stream,
                          cfg, 4 if a.smoke else 10**9, log=record, log_every=1 if a.smoke else 100, lr_at=lr_at,
                          generator=gen, stop=lambda: time.perf_counter() - t0 > a.seconds)
     res["training"] = {"seconds": round(time.perf_counter() - t0, 1), "student_steps": info["student_steps"],

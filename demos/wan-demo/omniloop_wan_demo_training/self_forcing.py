@@ -22,7 +22,11 @@ streams — its own earlier chunks as context, never the data's (Self-Forcing; t
   keys/values later chunks read carry no gradient), so the backward is one chunk forward per chunk;
 * :class:`SelfForcingRollout` draws the exit steps uniformly per chunk from the training generator
   (``exit="random"``, every timestep of the sampler gets gradient) or takes the last
-  (``exit="last"``, the runtime's rollout exactly).
+  (``exit="last"``, the runtime's rollout exactly);
+* between a chunk's steps the rollout moves as the runtime's sampler does (``renoise="euler"``,
+  the default: the x0 prediction re-noised with the predicted noise) or as DMD2's few-step sampler
+  does (``renoise="fresh"``: re-noised with fresh noise from the training generator); the runtime's
+  causal rollout has no fresh-noise option yet, so a student meant for it trains with ``euler``.
 
 The student runs without classifier-free guidance (``guidance_scale`` 1: the guided teacher is
 distilled into it); its clip, all chunks concatenated, goes to the recipe's distribution-matching
@@ -41,6 +45,8 @@ import torch
 from omniloop_kit.causal import CausalOptions, chunk_noise, chunk_visibility
 
 EXITS = ("random", "last")
+#: how the rollout moves between a chunk's steps (:func:`causal_rollout`)
+RENOISE = ("euler", "fresh")
 
 
 class BatchKV:
@@ -78,12 +84,18 @@ class BatchKV:
 
 
 def causal_rollout(student: Any, noise: torch.Tensor, text: torch.Tensor, options: CausalOptions,
-                   exits: Sequence[int] | None = None, *, autocast: bool = False) -> torch.Tensor:
+                   exits: Sequence[int] | None = None, *, autocast: bool = False, renoise: str = "euler",
+                   generator: torch.Generator | None = None) -> torch.Tensor:
     """The clip ``[B, C, F, H, W]`` the causal ``student`` makes from ``noise`` (same shape; chunk
     ``i`` starts from ``noise[:, :, i*f:(i+1)*f]``) with ``text`` states ``[B, L, D]``, chunk by
     chunk as ``CausalEngine.denoise_chunk`` does (no CFG). ``exits[i]`` (default: the last step)
     is chunk ``i``'s exit step, the one step run with gradient when grad is enabled. ``autocast``:
-    the forwards in bf16 autocast on CUDA (training speed; the latents stay in the model dtype)."""
+    the forwards in bf16 autocast on CUDA (training speed; the latents stay in the model dtype).
+
+    ``renoise``: how a step before the exit moves from ``s`` to ``s'``. ``"euler"`` (the runtime's
+    sampler): ``x + (s' - s) v``, i.e. the x0 prediction ``x - s v`` re-noised with the *predicted*
+    noise ``x + (1 - s) v``; ``"fresh"`` (DMD2's few-step sampler): ``(1 - s') (x - s v) + s' n``
+    with fresh noise ``n`` drawn from ``generator`` (the same x0 prediction, a new noise)."""
     from omniloop_wan.causal import chunk_forward as _chunk_forward
 
     def chunk_forward(*args: Any, **kw: Any) -> torch.Tensor:
@@ -99,6 +111,8 @@ def causal_rollout(student: Any, noise: torch.Tensor, text: torch.Tensor, option
     exits = [o.steps - 1] * n if exits is None else [int(k) for k in exits]
     if len(exits) != n or any(not 0 <= k < o.steps for k in exits):
         raise ValueError(f"causal rollout: exits must be {n} step indices in [0, {o.steps}), got {exits}")
+    if renoise not in RENOISE:
+        raise ValueError(f"causal rollout: renoise must be one of {', '.join(RENOISE)}, got {renoise!r}")
     p = next(student.parameters())
     dev, dt = p.device, p.dtype
     text = text.to(dev, dt)
@@ -114,7 +128,11 @@ def causal_rollout(student: Any, noise: torch.Tensor, text: torch.Tensor, option
             if k < exits[i]:
                 with torch.no_grad():
                     v = chunk_forward(student, x, t, text, frame0, context=kv.context)
-                    x = (x.float() + (s_next - s) * v.float()).to(dt)
+                    if renoise == "euler":
+                        x = (x.float() + (s_next - s) * v.float()).to(dt)
+                    else:
+                        fresh = _randn(x.shape, generator, dev)
+                        x = ((1.0 - s_next) * (x.float() - s * v.float()) + s_next * fresh).to(dt)
                 continue
             v = chunk_forward(student, x, t, text, frame0, context=kv.context)
             x = (x.float() + (0.0 - s) * v.float()).to(dt)  # the x0 prediction (the last Euler step's own formula)
@@ -124,6 +142,12 @@ def causal_rollout(student: Any, noise: torch.Tensor, text: torch.Tensor, option
         kv.commit()
         out.append(x)
     return torch.cat(out, dim=2)
+
+
+def _randn(shape: Sequence[int], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Float32 standard noise on ``device``, drawn on the generator's device."""
+    gdev = generator.device if generator is not None else device
+    return torch.randn(tuple(shape), generator=generator, device=gdev, dtype=torch.float32).to(device)
 
 
 def stream_noise(seeds: Sequence[int], chunks: int, chunk_shape: Sequence[int]) -> torch.Tensor:
@@ -140,11 +164,15 @@ class SelfForcingRollout:
     (``exit="random"``) or the last step (``exit="last"``). ``student`` is a Wan transformer or
     the recipe's LoRA role (:class:`~.dmd.AdapterRole`: its adapter on the shared base)."""
 
-    def __init__(self, options: CausalOptions, *, exit: str = "random", autocast: bool = True) -> None:
+    def __init__(self, options: CausalOptions, *, exit: str = "random", autocast: bool = True,
+                 renoise: str = "euler") -> None:
         if exit not in EXITS:
             raise ValueError(f"exit: one of {', '.join(EXITS)}, got {exit!r}")
+        if renoise not in RENOISE:
+            raise ValueError(f"renoise: one of {', '.join(RENOISE)}, got {renoise!r}")
         self.options = options
         self.exit = exit
+        self.renoise = renoise
         self.autocast = autocast
         self.last_exits: list[int] = []
 
@@ -168,7 +196,8 @@ class SelfForcingRollout:
             model = student.base
         chunks = noise.shape[2] // self.options.chunk_frames
         self.last_exits = self.exits(chunks, generator)
-        return causal_rollout(model, noise, cond, self.options, self.last_exits, autocast=self.autocast).float()
+        return causal_rollout(model, noise, cond, self.options, self.last_exits, autocast=self.autocast,
+                              renoise=self.renoise, generator=generator).float()
 
 
-__all__ = ["EXITS", "BatchKV", "SelfForcingRollout", "causal_rollout", "stream_noise"]
+__all__ = ["EXITS", "RENOISE", "BatchKV", "SelfForcingRollout", "causal_rollout", "stream_noise"]

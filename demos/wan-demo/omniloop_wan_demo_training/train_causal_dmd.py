@@ -21,6 +21,9 @@ installs it as ``checkpoint_causal/`` (:func:`.train_causal.ship`: links to ``ch
 
     # GPU (one call; see families/wan-demo/README.md, wan-demo-causal)
     python -m omniloop_wan_demo_training.train_causal_dmd --out $OUT/causal --tf-seconds 45 --dmd-seconds 150
+    # resumed from the shipped student, critic warmed up first (scripts/gpu_causal_dmd.sh, one variant)
+    python -m omniloop_wan_demo_training.train_causal_dmd --out $OUT/causal --tf-seconds 0 \
+        --student-from families/wan-demo/omniloop_wan_demo/checkpoint_causal --critic-warmup 100 --dmd-seconds 280
     # CPU check of the whole script (tiny sizes; what the test runs)
     python -m omniloop_wan_demo_training.train_causal_dmd --out /tmp/causal-dmd --smoke --device cpu
 """
@@ -105,12 +108,27 @@ def attrs_fields(cls: type) -> Any:
     return attrs.fields(cls)
 
 
+def save_progress(path: Path, student: Any, ema: Any, info: dict[str, Any]) -> None:
+    """A periodic checkpoint of a long run: the student's raw and EMA state dicts and where it got."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"transformer": student.state_dict(), "ema_transformer": ema.shadow["transformer"].state_dict(),
+                "info": info}, tmp)
+    tmp.replace(path)
+
+
 def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dmd_steps: int | None, batch: int,
           tf_batch: int, n_clips: int, encode_seconds: float, exit: str, seed: int, device: str,
           dmd_overrides: dict[str, Any], ema_decay: float = 0.95, warmup: int = 10,
-          smoke: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+          smoke: bool = False, student_from: Path | None = None, critic_warmup: int = 0, renoise: str = "euler",
+          save_every_s: float = 0.0) -> tuple[dict[str, Any], dict[str, Any]]:
     """Stage 1 then stage 2 (module docstring). Returns ``(components, info)``: the components
-    hold ``transformer`` (the student as trained) and ``ema_transformer`` (its EMA)."""
+    hold ``transformer`` (the student as trained) and ``ema_transformer`` (its EMA).
+
+    ``student_from``: a causal checkpoint folder whose transformer starts the student (e.g. the
+    shipped wan-demo-causal; stage 1 is then skipped); ``critic_warmup``: critic-only updates
+    before the first student step (:func:`warm_critic`); ``renoise``: the rollout between a
+    chunk's steps (:func:`.self_forcing.causal_rollout`); ``save_every_s`` > 0: the student's raw
+    and EMA weights to ``out/progress.pt`` that often (:func:`save_progress`)."""
     from diffusers import WanTransformer3DModel
 
     from . import dmd
@@ -118,6 +136,8 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
 
     info: dict[str, Any] = {"source": str(src)}
     t0 = time.perf_counter()
+    if student_from is not None and tf_seconds > 0:
+        raise ValueError("train_causal_dmd: --student-from starts from a causal student; give --tf-seconds 0")
     if tf_seconds > 0:
         comps, tf_info = train_causal(src=src, out=out, budget_s=tf_seconds, max_steps=3 if smoke else None,
                                       batch=tf_batch, n_clips=n_clips, encode_seconds=encode_seconds, seed=seed,
@@ -126,6 +146,12 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
         info["teacher_forcing"] = {k: tf_info[k] for k in ("steps", "seconds", "encode_seconds", "n_clips", "recipe", "log")}
     else:
         comps = load_source(src, device)
+        if student_from is not None:
+            from diffusers import WanTransformer3DModel as _Wan
+
+            comps["transformer"] = _Wan.from_pretrained(str(student_from / "transformer"),
+                                                        torch_dtype=torch.float32).to(device)
+            info["student_from"] = str(student_from)
     info["stage1_wall_s"] = round(time.perf_counter() - t0, 1)
 
     student = comps["transformer"].to(device).train().requires_grad_(True)
@@ -140,17 +166,28 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
     table = prompt_table(comps["text_encoder"], comps["tokenizer"], device)
     comps["prompt_table"] = table
     gen = torch.Generator(device).manual_seed(seed + 977)
-    deadline = time.perf_counter() + dmd_seconds
     batches = prompt_batches(table, batch=batch, latent_shape=latent_shape, gen=gen, device=device)
-    rollout = SelfForcingRollout(CausalOptions(**ROLLOUT_OPTIONS), exit=exit)
+    rollout = SelfForcingRollout(CausalOptions(**ROLLOUT_OPTIONS), exit=exit, renoise=renoise)
     config = dmd.DMDConfig(**dmd_overrides)
     ema = EMA({"transformer": student}, ema_decay)
     log: list[dict[str, Any]] = []
-    state = {"student_steps": 0}
+    state = {"student_steps": 0, "saved_at": time.perf_counter()}
+    if critic_warmup > 0:
+        student.eval()
+        info["critic_warmup"] = dmd.warm_critic(critic, student, rollout, batches, config, steps=critic_warmup,
+                                                generator=gen, log_every=1 if smoke else 10,
+                                                log=lambda r: print("critic-warmup", json.dumps(r), flush=True))
+        student.train()
+    progress = out / "progress.pt"
+    deadline = time.perf_counter() + dmd_seconds  # the DMD2 loop's own time box (after the critic warm-up)
 
     def on_student_step(k: int) -> None:
         ema.update(k - 1)
         state["student_steps"] = k
+        if save_every_s > 0 and time.perf_counter() - state["saved_at"] > save_every_s:
+            out.mkdir(parents=True, exist_ok=True)
+            save_progress(progress, student, ema, {"student_steps": k, "log": log})
+            state["saved_at"] = time.perf_counter()
         if time.perf_counter() > deadline:
             raise BudgetSpent
 
@@ -171,9 +208,12 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
     info["steps"] = state["student_steps"]
     info["seconds"] = round(time.perf_counter() - t0, 1)
     info["recipe"] = dict(
-        method="Self-Forcing DMD2: teacher-forcing causal adaptation, then distribution matching of the student's own "
-               "chunked KV-cached rollouts against the bidirectional v2 teacher with CFG",
-        init="wan-demo v2 transformer", teacher="wan-demo v2 transformer (bidirectional, frozen)",
+        method=("Self-Forcing DMD2: " + ("a causal student resumed" if student_from is not None
+                                          else "teacher-forcing causal adaptation") +
+                ", then distribution matching of the student's own chunked KV-cached rollouts against the "
+                "bidirectional v2 teacher with CFG"),
+        init=f"causal student from {student_from}" if student_from is not None else "wan-demo v2 transformer",
+        critic_warmup=critic_warmup, renoise=renoise, teacher="wan-demo v2 transformer (bidirectional, frozen)",
         critic="copy of the v2 transformer, flow matching on student clips", rollout=ROLLOUT_OPTIONS,
         exit_step=exit, batch=batch, tf_seconds=tf_seconds, dmd_seconds=dmd_seconds, dmd=_plain(config),
         ema_decay=ema_decay, frozen=["vae", "text_encoder"], prompts=len(PROMPTS))
@@ -214,6 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--eval-seeds", default="0", help="seeds of the quick batched check that picks raw or EMA weights")
     ap.add_argument("--ema-decay", type=float, default=0.95)
+    ap.add_argument("--student-from", metavar="CAUSAL_DIR",
+                    help="start the student from this causal checkpoint's transformer (e.g. the shipped "
+                         "wan-demo-causal; needs --tf-seconds 0)")
+    ap.add_argument("--critic-warmup", type=int, default=0, help="critic-only updates before the first student step")
+    ap.add_argument("--renoise", default="euler", choices=["euler", "fresh"],
+                    help="the student's rollout between a chunk's steps: euler (the runtime's sampler) or fresh "
+                         "noise (DMD2's sampler; the runtime's causal rollout has no such option yet)")
+    ap.add_argument("--save-every-s", type=float, default=0.0, help="save raw + EMA weights to OUT/progress.pt this often")
+    ap.add_argument("--eval-batch", type=int, default=96, help="clips per forward of the raw / EMA check")
     ap.add_argument("--smoke", action="store_true", help="CPU check: 2 DMD steps, batch 2, 3 teacher-forcing steps")
     ap.add_argument("--ship", metavar="TRAINED_DIR", help="install TRAINED_DIR as the package's checkpoint_causal/ and exit")
     a = ap.parse_args(argv)
@@ -231,13 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         a.max_dmd_steps, a.batch, a.tf_batch, a.n_clips, a.encode_seconds = a.max_dmd_steps or 2, 2, 2, 8, 60.0
         a.tf_seconds = 60.0 if a.tf_seconds > 0 else 0.0  # capped by 3 steps
+    if a.student_from:
+        if a.tf_seconds > 0:
+            ap.error("--student-from starts from a causal student: give --tf-seconds 0 too")
+        if not (Path(a.student_from) / "transformer" / "config.json").is_file():
+            ap.error(f"--student-from: {a.student_from} has no transformer/config.json")
+    if a.critic_warmup < 0 or a.save_every_s < 0 or a.eval_batch < 1:
+        ap.error("--critic-warmup and --save-every-s must be >= 0, --eval-batch >= 1")
     src = Path(a.src) if a.src else checkpoint_dir()
     out = Path(a.out)
     t_start = time.perf_counter()
     comps, info = train(src=src, out=out, tf_seconds=a.tf_seconds, dmd_seconds=a.dmd_seconds, max_dmd_steps=a.max_dmd_steps,
                         batch=a.batch, tf_batch=a.tf_batch, n_clips=a.n_clips, encode_seconds=a.encode_seconds, exit=a.exit,
                         seed=a.seed, device=a.device, dmd_overrides=overrides, ema_decay=a.ema_decay,
-                        smoke=a.smoke)
+                        smoke=a.smoke, student_from=Path(a.student_from) if a.student_from else None,
+                        critic_warmup=a.critic_warmup, renoise=a.renoise, save_every_s=a.save_every_s)
     info["args"] = vars(a)
     info["device"] = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
     info["torch"] = torch.__version__
@@ -251,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("transformer", "ema_transformer"):
         try:
             checks[name] = batched_eval(comps[name], comps["vae"], comps["prompt_table"], prompts=prompts, seeds=seeds,
-                                        options=opts)
+                                        options=opts, batch=a.eval_batch)
             print("check", name, json.dumps(checks[name]), flush=True)
         except Exception as e:  # never lose a trained checkpoint to an evaluation bug
             checks[name] = {"error": f"{type(e).__name__}: {e}"}

@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# wan-demo-fast by DMD2 (issue 41): on one lent GPU, three processes side by side -- wan-demo v2
-# evaluated at its defaults, a LoRA student and a full student (each trained for SECONDS, then
-# evaluated on 96 prompts x seeds 0-31). Run from the repo root with .whl/ carried (the wheels of
-# gpu_env.sh plus peft); $OUT gets v2/ lora/ full/ (result.json, weights, preview.png) and logs.
-#   bash demos/wan-demo/scripts/gpu_dmd.sh 200
-# (The 2026-12-03 run used this script's commands with the wheels under .gpu-lead/ and .gpu-i41f/;
-# bench/results/adherence-wan-demo-fast-dmd-gpu-2026-12-03.json.) The run tool returns 8 files:
-# keep what matters first (full/ came back, lora/ and v2/result.json did not).
-S=${1:-200}
+# wan-demo-fast by DMD2 (issue 41): ONE training on one lent GPU for the longest budget one run-tool command
+# allows -- the student trained directly as a LoRA (student and critic adapters on one frozen v2; not a full
+# student whose LoRA is extracted by SVD afterwards), started from the shipped adapter
+# (omniloop_wan_demo/adapters/fast.safetensors, rank 32), CRITIC_WARMUP critic-only updates first (the
+# critic starts as v2 while the student does not), then evaluated on 96 prompts x seeds 0-31 (3 072 clips,
+# the GPU protocol of bench/results/adherence-wan-demo-fast-dmd-gpu-2026-12-03.json) -- and everything in
+# ONE tar (the run tool returns at most 8 files from $OUT). Run from the repo root with .whl/ carried (the
+# wheels of gpu_env.sh plus peft), kind nvidia-h200, timeout_s 590:
+#   bash demos/wan-demo/scripts/gpu_dmd.sh [SECONDS [LORA_FROM]]     # default 380, the shipped adapter
+# LORA_FROM: a LoRA file in dmd_fast's layout to start from ("none": from v2, B = 0); to go on from an
+# earlier call, extract its tar into an ignored folder here, carry it and pass its lora/fast_lora.safetensors.
+# $OUT/fast-dmd.tar holds lora/{fast_lora.safetensors,result.json,preview.png} and lora.log.
+# To ship it (on the CPU machine, in the repo, FILES_AT = where the run tool put the files):
+#   mkdir -p /tmp/fd && tar xf FILES_AT/fast-dmd.tar -C /tmp/fd
+#   # compare /tmp/fd/lora/result.json's "eval" with docs/wan-demo-recipe-and-measurements.md (step 12:
+#   # duplicates 0.39 %, shape 97.8 %, no ghost 94.9 %); only if better:
+#   python -m omniloop_wan_demo_training.v2 --ship /tmp/fd/lora     # -> adapters/fast.safetensors, checkpoint_fast/
+#   git add families/wan-demo/omniloop_wan_demo/adapters/fast.safetensors families/wan-demo/omniloop_wan_demo/checkpoint_fast/omniloop.json
+#   # then the CPU figures through the runtime: bench/adherence.py --model wan-demo-fast --prompts full --seeds 0,1
+S=${1:-380}
+LORA_FROM=${2:-families/wan-demo/omniloop_wan_demo/adapters/fast.safetensors}
+CRITIC_WARMUP=${CRITIC_WARMUP:-100}
 source "$(dirname "$0")/gpu_env.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/peft-*.whl || exit 1
 check_imports peft omniloop_wan_demo_training.dmd_fast
-M=omniloop_wan_demo_training.dmd_fast
+W=${WORK:-/tmp/fast-dmd}; mkdir -p "$W" "$OUT"
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+FROM_ARGS=(--lora-from "$LORA_FROM"); [ "$LORA_FROM" = none ] && FROM_ARGS=()
 F="Loading|it/s\]|s/it\]|torch_dtype|peft_config|warnings.warn"
-python3 -m $M --out "$OUT/v2" --eval-only v2 2>&1 | grep -v -E "$F" > "$OUT/v2.log" &
-python3 -m $M --out "$OUT/lora" --form lora --seconds "$S" 2>&1 | grep -v -E "$F" > "$OUT/lora.log" &
-python3 -m $M --out "$OUT/full" --form full --seconds "$S" 2>&1 | grep -v -E "$F" > "$OUT/full.log" &
-wait
-for f in v2 lora full; do echo "== $f"; tail -n 8 "$OUT/$f.log"; done
+# teacher CFG 3, student lr 3e-4 / critic 6e-4, 5 critic steps per student step, batch 128: the 2026-12-03 recipe
+timeout $((S + 160)) python3 -m omniloop_wan_demo_training.dmd_fast --out "$W/lora" --form lora --seconds "$S" \
+  "${FROM_ARGS[@]}" --critic-warmup "$CRITIC_WARMUP" 2>&1 | grep --line-buffered -v -E "$F" > "$W/lora.log"
+el "training + evaluation rc ${PIPESTATUS[0]}"; tail -n 6 "$W/lora.log"
+(cd "$W" && tar cf "$OUT/fast-dmd.tar" lora.log $(ls -d lora/fast_lora.safetensors lora/result.json lora/preview.png 2>/dev/null) \
+   && tar tf "$OUT/fast-dmd.tar")
+el "done"

@@ -194,3 +194,91 @@ def test_extracting_a_lora_recovers_a_low_rank_update_and_reports_what_it_drops(
     with torch.no_grad():
         student.blocks[0].norm2.weight += 0.5  # not a Linear of the blocks: the LoRA cannot hold it
     assert dmd_fast.extract_lora(student, base, rank=2)[1]["other_params_rel_change"] > 0
+
+
+def test_a_lora_file_loads_back_into_the_student_adapter(tmp_path):
+    """``dmd_fast --lora-from``: a saved adapter (``adapter_state`` + ``save_lora``) loaded into a
+    fresh student adapter (``load_adapter_state``) gives the same outputs; its rank is read from
+    the file; a key the model has no adapter weight for is refused, naming it."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from omniloop_wan_demo_training import dmd_fast
+
+    targets = ["to_q", "to_v", "ffn.net.2"]
+    base = tiny_transformer()
+    student, _, _ = dmd.lora_roles(base, rank=4, target_modules=targets)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.normal_(0, 0.1)
+    path = tmp_path / "fast_lora.safetensors"
+    dmd_fast.save_lora(dmd_fast.adapter_state(base, "student"), path, {"rank": 4})
+    assert dmd_fast.lora_file_rank(path) == 4
+    other = tiny_transformer()
+    student2, teacher2, _ = dmd.lora_roles(other, rank=4, target_modules=targets)
+    assert dmd_fast.load_adapter_state(other, "student", load_file(str(path))) == 2 * 5  # A and B of 5 linears
+    b = next(batches())
+    kw = dict(hidden_states=b.noise, timestep=torch.full((2,), 500.0), encoder_hidden_states=b.text.cond, return_dict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(student2(**kw)[0], student(**kw)[0], atol=1e-3, rtol=0)  # fp16 in the file
+        assert not torch.allclose(teacher2(**kw)[0], student2(**kw)[0])  # the teacher is still the base
+    with pytest.raises(ValueError, match=r"to_k\.lora_A\.weight"):
+        dmd_fast.load_adapter_state(other, "student", {"transformer.blocks.0.attn1.to_k.lora_A.weight": torch.zeros(4, 16)})
+
+
+def test_dmd_fast_refuses_bad_lora_from_before_any_work(tmp_path, capsys):
+    from omniloop_wan_demo_training.dmd_fast import parse_args
+
+    (tmp_path / "x.safetensors").write_bytes(b"not a safetensors file")
+    for argv, msg in ((["--form", "full", "--lora-from", str(tmp_path / "x.safetensors")], "only with --form lora"),
+                      (["--lora-from", str(tmp_path / "none.safetensors")], "no file"),
+                      (["--lora-from", str(tmp_path / "x.safetensors")], "--lora-from: "),
+                      (["--critic-warmup", "-1"], "--critic-warmup >= 0")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--out", str(tmp_path / "o"), *argv])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_the_shipped_fast_lora_is_a_lora_from_file():
+    """What ``gpu_dmd.sh`` starts the student from: the shipped adapter, rank 32."""
+    from omniloop_wan_demo.checkpoint_path import PACKAGE_DIR
+    from omniloop_wan_demo_training.dmd_fast import lora_file_rank
+
+    assert lora_file_rank(PACKAGE_DIR / "adapters" / "fast.safetensors") == 32
+
+
+def test_reuse_samples_trains_the_critic_on_the_last_student_samples_without_new_rollouts():
+    """``DMDConfig.reuse_samples``: the critic-only iterations take the last student update's
+    samples and prompts (no rollout); without it every iteration rolls the student out."""
+    calls: list[torch.Tensor] = []
+    inner = rollout()
+
+    def counting(student, noise, text, gen):
+        calls.append(noise)
+        return inner(student, noise, text, gen)
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real_critic_loss = dmd.critic_loss
+
+    def spy(critic, x0, text, generator=None, *, cfg=None):
+        seen.append((x0, text.cond))
+        return real_critic_loss(critic, x0, text, generator, cfg=cfg)
+
+    for reuse, rollouts in ((True, 2), (False, 6)):
+        calls.clear()
+        seen.clear()
+        teacher = tiny_transformer()
+        student, critic = copy.deepcopy(teacher).train(), copy.deepcopy(teacher).train()
+        cfg = dmd.DMDConfig(critic_steps=3, reuse_samples=reuse)
+        mp = pytest.MonkeyPatch()
+        mp.setattr(dmd, "critic_loss", spy)
+        try:
+            out = dmd.train_dmd(student, teacher, critic, counting, batches(), cfg, steps=6,
+                                generator=torch.Generator().manual_seed(0))
+        finally:
+            mp.undo()
+        assert out == {**out, "student_steps": 2, "critic_steps": 6} and len(calls) == rollouts
+        if reuse:  # iterations 1, 2 reuse iteration 0's samples and prompts; 4, 5 iteration 3's
+            for a, b in ((0, 1), (0, 2), (3, 4), (3, 5)):
+                assert seen[a][0] is seen[b][0] and seen[a][1] is seen[b][1]
+            assert not torch.equal(seen[0][0], seen[3][0])

@@ -115,6 +115,41 @@ def test_gradient_only_through_the_exit_steps(rt):
     assert not torch.allclose(x0[:, :, 0].detach(), full[:, :, 0])
 
 
+def test_fresh_renoise_is_dmd2s_few_step_sampler(rt):
+    """``renoise="fresh"``: between a chunk's steps the x0 prediction ``x - s v`` is re-noised to
+    ``s'`` with fresh noise from the generator, ``(1 - s') x0 + s' n`` (DMD2's sampler), written
+    out here by hand for one chunk of 2 steps; ``"euler"`` (the default) stays the runtime's."""
+    from omniloop_wan.causal import chunk_forward
+
+    tf = rt.model.components["transformer"]
+    opts = CausalOptions(chunk_frames=1, steps=2, shift=3.0)
+    text = _text(rt, "a red circle moving left")
+    noise = stream_noise([3], 1, (1, 16, 1, 4, 4))
+    s0, s1, _ = opts.sigmas()
+
+    def t(s: float) -> torch.Tensor:
+        return torch.full((1,), s * 1000.0)
+
+    with torch.no_grad():
+        got = causal_rollout(tf, noise, text, opts, renoise="fresh", generator=torch.Generator().manual_seed(7))
+        fresh = torch.randn(noise.shape, generator=torch.Generator().manual_seed(7))
+        x = (1.0 - s1) * (noise - s0 * chunk_forward(tf, noise, t(s0), text, 0)) + s1 * fresh
+        want = x - s1 * chunk_forward(tf, x, t(s1), text, 0)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(got, causal_rollout(tf, noise, text, opts))
+        # the same generator state, the same clip; the callable passes its generator on
+        r = SelfForcingRollout(opts, exit="last", renoise="fresh")
+        assert torch.equal(r(tf, noise, text, torch.Generator().manual_seed(7)), got)
+        # one step per chunk: nothing to re-noise, the runtime's rollout
+        one = CausalOptions(chunk_frames=1, steps=1, shift=3.0)
+        assert torch.equal(causal_rollout(tf, noise, text, one, renoise="fresh", generator=torch.Generator()),
+                           causal_rollout(tf, noise, text, one))
+    with pytest.raises(ValueError, match="renoise"):
+        causal_rollout(tf, noise, text, opts, renoise="ddim")
+    with pytest.raises(ValueError, match="renoise"):
+        SelfForcingRollout(opts, renoise="ddim")
+
+
 def test_random_exits_come_from_the_generator():
     r = SelfForcingRollout(CausalOptions(**ROLLOUT))
     a = r.exits(50, torch.Generator().manual_seed(0))

@@ -86,6 +86,37 @@ def test_smoke_cli_writes_a_causal_checkpoint_that_streams_without_cfg(tiny, tmp
     assert events[-1].kind == "final" and events[-1].output.ok
 
 
+def test_smoke_cli_from_a_causal_student_with_critic_warmup(tiny, tmp_path):
+    """``--student-from`` (the shipped causal student's place), ``--critic-warmup`` critic-only
+    updates first, ``--renoise fresh`` and ``--save-every-s`` (``progress.pt``: raw and EMA weights)."""
+    from omniloop_wan_demo_training.train_causal_dmd import main
+
+    out = tmp_path / "from-student"
+    assert main(["--from", str(tiny), "--out", str(out), "--smoke", "--device", "cpu", "--tf-seconds", "0",
+                 "--student-from", str(tiny), "--critic-warmup", "2", "--renoise", "fresh",
+                 "--save-every-s", "0.001"]) == 0
+    info = json.loads((out / "train_causal_dmd.json").read_text())
+    assert "teacher_forcing" not in info and info["student_from"] == str(tiny)
+    assert [r["critic_warmup_iter"] for r in info["critic_warmup"]] == [1, 2]
+    assert info["dmd"]["student_steps"] == 2
+    assert info["recipe"]["renoise"] == "fresh" and info["recipe"]["critic_warmup"] == 2
+    assert info["recipe"]["init"] == f"causal student from {tiny}"
+    saved = torch.load(out / "progress.pt", weights_only=False)
+    assert set(saved) == {"transformer", "ema_transformer", "info"} and saved["info"]["student_steps"] >= 1
+
+
+def test_bad_student_options_are_refused_before_compute(tiny, tmp_path, capsys):
+    from omniloop_wan_demo_training.train_causal_dmd import main
+
+    for argv, msg in ((["--student-from", str(tiny)], "give --tf-seconds 0"),
+                      (["--student-from", str(tmp_path), "--tf-seconds", "0"], "has no transformer/config.json"),
+                      (["--critic-warmup", "-1"], "--critic-warmup")):
+        with pytest.raises(SystemExit) as e:
+            main(["--out", str(tmp_path / "x"), *argv])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_bad_dmd_overrides_are_refused(tmp_path, capsys):
     from omniloop_wan_demo_training.train_causal_dmd import main
 

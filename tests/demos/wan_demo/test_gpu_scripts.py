@@ -1,0 +1,55 @@
+"""The GPU session scripts of issue 41 (``demos/wan-demo/scripts/gpu_causal_dmd.sh``,
+``gpu_dmd.sh``): they cannot run here (no GPU, no carried wheels), so what can drift is checked —
+bash parses them, every ``--option`` they pass to a training module is one that module's parser
+knows, the files they start from are in the package, and each packs its results into one tar."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+SCRIPTS = REPO / "demos" / "wan-demo" / "scripts"
+MODULES = {"gpu_causal_dmd.sh": "omniloop_wan_demo_training.train_causal_dmd",
+           "gpu_dmd.sh": "omniloop_wan_demo_training.dmd_fast"}
+
+
+def _module_options(module: str) -> set[str]:
+    import importlib
+
+    mod = importlib.import_module(module)
+    parser_src = Path(mod.__file__).read_text()
+    return set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', parser_src))
+
+
+def _script_call(text: str, module: str) -> str:
+    """The command line (continuation lines joined, up to its first pipe) that runs ``python3 -m module``."""
+    joined = text.replace("\\\n", " ")
+    lines = [ln for ln in joined.splitlines() if f"-m {module}" in ln and not ln.lstrip().startswith("#")]
+    assert len(lines) == 1, lines  # ONE training per session
+    return lines[0].split(" | ")[0].split("2>&1")[0]
+
+
+@pytest.mark.parametrize("script", sorted(MODULES))
+def test_the_script_parses_and_passes_only_known_options(script):
+    path = SCRIPTS / script
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    call = _script_call(path.read_text(), MODULES[script])
+    used = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", call))
+    assert used and used <= _module_options(MODULES[script]), used - _module_options(MODULES[script])
+
+
+@pytest.mark.parametrize("script,tar", [("gpu_causal_dmd.sh", "causal-dmd.tar"), ("gpu_dmd.sh", "fast-dmd.tar")])
+def test_the_script_packs_one_tar_and_says_how_to_ship_it(script, tar):
+    text = (SCRIPTS / script).read_text()
+    assert re.findall(r'\$OUT/[\w.-]+', text.replace('"$OUT"', "")) == [f"$OUT/{tar}"] * text.count(f"$OUT/{tar}")
+    assert "--ship" in text and "To ship it" in text
+
+
+def test_the_scripts_start_from_files_the_package_has():
+    for script, var in (("gpu_causal_dmd.sh", "FROM"), ("gpu_dmd.sh", "LORA_FROM")):
+        (default,) = re.findall(rf"^{var}=\${{2:-([^}}]+)}}", (SCRIPTS / script).read_text(), re.M)
+        assert (REPO / default).exists(), (script, default)
