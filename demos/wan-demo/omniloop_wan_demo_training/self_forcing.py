@@ -23,10 +23,13 @@ streams — its own earlier chunks as context, never the data's (Self-Forcing; t
 * :class:`SelfForcingRollout` draws the exit steps uniformly per chunk from the training generator
   (``exit="random"``, every timestep of the sampler gets gradient) or takes the last
   (``exit="last"``, the runtime's rollout exactly);
-* between a chunk's steps the rollout moves as the runtime's sampler does (``renoise="euler"``,
-  the default: the x0 prediction re-noised with the predicted noise) or as DMD2's few-step sampler
-  does (``renoise="fresh"``: re-noised with fresh noise from the training generator); the runtime's
-  causal rollout has no fresh-noise option yet, so a student meant for it trains with ``euler``.
+* between a chunk's steps the rollout moves as the runtime's default sampler does
+  (``renoise="euler"``: the x0 prediction re-noised with the predicted noise) or as DMD2's
+  few-step sampler does (``renoise="fresh"``: re-noised with fresh noise), both the kit's
+  :func:`~omniloop_kit.causal.causal_step`; by default it follows ``options.sampler``. A student
+  trained with ``fresh`` is served with ``rollout_options.sampler: "fresh"``. The fresh noise comes
+  from the training generator, or, given each stream's ``seeds``, from the runtime's own
+  :func:`~omniloop_kit.causal.step_noise` (then the rollout is the runtime's, bit for bit).
 
 The student runs without classifier-free guidance (``guidance_scale`` 1: the guided teacher is
 distilled into it); its clip, all chunks concatenated, goes to the recipe's distribution-matching
@@ -42,11 +45,11 @@ from typing import Any
 
 import torch
 
-from omniloop_kit.causal import CausalOptions, chunk_noise, chunk_visibility
+from omniloop_kit.causal import SAMPLERS, CausalOptions, causal_step, chunk_noise, chunk_visibility, step_noise
 
 EXITS = ("random", "last")
-#: how the rollout moves between a chunk's steps (:func:`causal_rollout`)
-RENOISE = ("euler", "fresh")
+#: how the rollout moves between a chunk's steps (:func:`causal_rollout`): the runtime's samplers
+RENOISE = SAMPLERS
 
 
 class BatchKV:
@@ -84,18 +87,21 @@ class BatchKV:
 
 
 def causal_rollout(student: Any, noise: torch.Tensor, text: torch.Tensor, options: CausalOptions,
-                   exits: Sequence[int] | None = None, *, autocast: bool = False, renoise: str = "euler",
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   exits: Sequence[int] | None = None, *, autocast: bool = False, renoise: str | None = None,
+                   generator: torch.Generator | None = None, seeds: Sequence[int] | None = None) -> torch.Tensor:
     """The clip ``[B, C, F, H, W]`` the causal ``student`` makes from ``noise`` (same shape; chunk
     ``i`` starts from ``noise[:, :, i*f:(i+1)*f]``) with ``text`` states ``[B, L, D]``, chunk by
     chunk as ``CausalEngine.denoise_chunk`` does (no CFG). ``exits[i]`` (default: the last step)
     is chunk ``i``'s exit step, the one step run with gradient when grad is enabled. ``autocast``:
     the forwards in bf16 autocast on CUDA (training speed; the latents stay in the model dtype).
 
-    ``renoise``: how a step before the exit moves from ``s`` to ``s'``. ``"euler"`` (the runtime's
-    sampler): ``x + (s' - s) v``, i.e. the x0 prediction ``x - s v`` re-noised with the *predicted*
-    noise ``x + (1 - s) v``; ``"fresh"`` (DMD2's few-step sampler): ``(1 - s') (x - s v) + s' n``
-    with fresh noise ``n`` drawn from ``generator`` (the same x0 prediction, a new noise)."""
+    ``renoise``: how a step before the exit moves from ``s`` to ``s'`` (default: ``options.sampler``,
+    the runtime's setting). ``"euler"``: ``x + (s' - s) v``, i.e. the x0 prediction ``x - s v``
+    re-noised with the *predicted* noise ``x + (1 - s) v``; ``"fresh"`` (DMD2's few-step sampler):
+    ``(1 - s') (x - s v) + s' n`` with fresh noise ``n`` (the same x0 prediction, a new noise):
+    with ``seeds`` (one per stream of the batch) the runtime's
+    :func:`~omniloop_kit.causal.step_noise` of that seed, chunk and step, else drawn from
+    ``generator``."""
     from omniloop_wan.causal import chunk_forward as _chunk_forward
 
     def chunk_forward(*args: Any, **kw: Any) -> torch.Tensor:
@@ -111,8 +117,11 @@ def causal_rollout(student: Any, noise: torch.Tensor, text: torch.Tensor, option
     exits = [o.steps - 1] * n if exits is None else [int(k) for k in exits]
     if len(exits) != n or any(not 0 <= k < o.steps for k in exits):
         raise ValueError(f"causal rollout: exits must be {n} step indices in [0, {o.steps}), got {exits}")
+    renoise = o.sampler if renoise is None else renoise
     if renoise not in RENOISE:
         raise ValueError(f"causal rollout: renoise must be one of {', '.join(RENOISE)}, got {renoise!r}")
+    if seeds is not None and len(seeds) != b:
+        raise ValueError(f"causal rollout: seeds must be one per stream ({b}), got {len(seeds)}")
     p = next(student.parameters())
     dev, dt = p.device, p.dtype
     text = text.to(dev, dt)
@@ -128,11 +137,11 @@ def causal_rollout(student: Any, noise: torch.Tensor, text: torch.Tensor, option
             if k < exits[i]:
                 with torch.no_grad():
                     v = chunk_forward(student, x, t, text, frame0, context=kv.context)
-                    if renoise == "euler":
-                        x = (x.float() + (s_next - s) * v.float()).to(dt)
-                    else:
-                        fresh = _randn(x.shape, generator, dev)
-                        x = ((1.0 - s_next) * (x.float() - s * v.float()) + s_next * fresh).to(dt)
+                    fresh = None
+                    if renoise == "fresh":
+                        fresh = (_randn(x.shape, generator, dev) if seeds is None else
+                                 torch.cat([step_noise(int(sd), i, k, (1, *x.shape[1:])) for sd in seeds]).to(dev))
+                    x = causal_step(x, v, s, s_next, fresh).to(dt)
                 continue
             v = chunk_forward(student, x, t, text, frame0, context=kv.context)
             x = (x.float() + (0.0 - s) * v.float()).to(dt)  # the x0 prediction (the last Euler step's own formula)
@@ -165,7 +174,8 @@ class SelfForcingRollout:
     the recipe's LoRA role (:class:`~.dmd.AdapterRole`: its adapter on the shared base)."""
 
     def __init__(self, options: CausalOptions, *, exit: str = "random", autocast: bool = True,
-                 renoise: str = "euler") -> None:
+                 renoise: str | None = None) -> None:
+        renoise = options.sampler if renoise is None else renoise
         if exit not in EXITS:
             raise ValueError(f"exit: one of {', '.join(EXITS)}, got {exit!r}")
         if renoise not in RENOISE:

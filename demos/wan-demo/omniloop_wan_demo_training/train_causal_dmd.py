@@ -95,7 +95,7 @@ def batched_eval(transformer: Any, vae: Any, table: torch.Tensor, *, prompts: li
         part = pairs[i:i + batch]
         noise = stream_noise([s for _, s in part], frames // ro.chunk_frames, chunk_shape).to(dev)
         text = table[torch.tensor([index[p] for p, _ in part], device=table.device)]
-        lat = causal_rollout(transformer, noise, text, ro)
+        lat = causal_rollout(transformer, noise, text, ro, seeds=[s for _, s in part])  # the runtime's noise
         video = vae.decode(denormalise(vae, lat.to(vae.dtype)), return_dict=False)[0].clamp(-1, 1)
         clips.extend(np.asarray(to_uint8_frames(v[None]), dtype=np.uint8) for v in video)
     acc, _ = score(clips, [p for p, _ in pairs], [s for _, s in pairs])
@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                          "wan-demo-causal; needs --tf-seconds 0)")
     ap.add_argument("--critic-warmup", type=int, default=0, help="critic-only updates before the first student step")
     ap.add_argument("--renoise", default="euler", choices=["euler", "fresh"],
-                    help="the student's rollout between a chunk's steps: euler (the runtime's sampler) or fresh "
-                         "noise (DMD2's sampler; the runtime's causal rollout has no such option yet)")
+                    help="the student's rollout between a chunk's steps: euler (the runtime's default sampler) or "
+                         "fresh noise (DMD2's sampler; the checkpoint is then saved with rollout_options.sampler fresh)")
     ap.add_argument("--save-every-s", type=float, default=0.0, help="save raw + EMA weights to OUT/progress.pt this often")
     ap.add_argument("--eval-batch", type=int, default=96, help="clips per forward of the raw / EMA check")
     ap.add_argument("--smoke", action="store_true", help="CPU check: 2 DMD steps, batch 2, 3 teacher-forcing steps")
@@ -303,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = default_prompts()[:2] if a.smoke else full_prompts()
     seeds = [int(s) for s in a.eval_seeds.split(",")]
-    opts = dict(ROLLOUT_OPTIONS, steps=2) if a.smoke else dict(ROLLOUT_OPTIONS)
+    # a student trained with --renoise fresh is checked and served with the fresh-noise sampler
+    served = dict(ROLLOUT_OPTIONS, sampler="fresh") if a.renoise == "fresh" else dict(ROLLOUT_OPTIONS)
+    opts = dict(served, steps=2) if a.smoke else dict(served)
     checks: dict[str, Any] = {}
     for name in ("transformer", "ema_transformer"):
         try:
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     info["checks"] = checks
     info["shipped_weights"] = "ema" if chosen == "ema_transformer" else "raw"
     info["recipe"]["shipped_weights"] = info["shipped_weights"]
-    save_checkpoint(dict(comps, transformer=comps[chosen]), src, out, info, dict(ROLLOUT_OPTIONS))
+    save_checkpoint(dict(comps, transformer=comps[chosen]), src, out, info, served)
     (out / "train_causal_dmd.json").write_text(json.dumps(info, indent=1, default=str))
     print(f"saved {out} ({chosen}) at {time.perf_counter() - t_start:.1f}s", flush=True)
     return 0

@@ -29,9 +29,15 @@ Per chunk ``i`` (``chunk_frames`` latent frames, RoPE frames ``i*chunk_frames ..
 
 1. noise from a generator seeded by ``(seed, i)`` — a chunk's noise does not depend on how the
    video was split into requests, so a session continued twice equals one long request;
-2. ``steps`` flow-Euler steps (sigmas ``linspace(1, 0, steps + 1)`` with the flow ``shift``,
-   timestep ``1000 * sigma``), each one :meth:`CausalEngine.chunk_forward` over the chunk with the
-   cached slabs as context;
+2. ``steps`` steps (sigmas ``linspace(1, 0, steps + 1)`` with the flow ``shift``, timestep
+   ``1000 * sigma``), each one :meth:`CausalEngine.chunk_forward` over the chunk with the cached
+   slabs as context, then a move from ``s`` to ``s'`` by ``options.sampler``
+   (:func:`causal_step`): ``"euler"`` (default) the flow-Euler step ``x + (s' - s) v``;
+   ``"fresh"`` (DMD2 / Self-Forcing's few-step sampler) the x0 prediction ``x0 = x - s v``
+   re-noised with fresh noise, ``(1 - s') x0 + s' n``, ``n`` from a CPU generator seeded by
+   ``(seed, i, step)`` (:func:`step_noise`, float32: the same on every device, and a session
+   continued equals one long request as for the chunk noise). The chunk's last step lands on x0
+   (``s' = 0``) with the Euler formula either way;
 3. one more forward of the clean chunk at ``context_timestep`` (0: clean) that records its K/V,
    written once as the chunk's slab (:class:`ChunkKV`); the window slides;
 
@@ -335,6 +341,15 @@ def _window(_i: Any, _a: Any, v: Any) -> None:
         raise ValueError(f"rollout_options.window: must be null or a positive integer (chunks, itself included), got {v!r}")
 
 
+#: how a chunk's step moves from ``s`` to ``s'`` (``rollout_options.sampler``, :func:`causal_step`)
+SAMPLERS = ("euler", "fresh")
+
+
+def _sampler(_i: Any, _a: Any, v: Any) -> None:
+    if v not in SAMPLERS:
+        raise ValueError(f"rollout_options.sampler: must be one of {', '.join(SAMPLERS)}, got {v!r}")
+
+
 def _sink(_i: Any, _a: Any, v: Any) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ValueError(f"rollout_options.sink: must be a non-negative integer (chunks), got {v!r}")
@@ -355,6 +370,8 @@ class CausalOptions:
     max_sessions: int = field(default=4, validator=_pos_int("max_sessions"))
     session_ttl_s: float = field(default=600.0, validator=_finite("session_ttl_s", 0.001, 86400.0 * 7))
     kv_slabs: int = field(default=64, validator=_pos_int("kv_slabs"))  # the slab pool's size
+    #: ``"euler"``: flow-Euler steps; ``"fresh"``: x0 re-noised with fresh noise (:func:`causal_step`)
+    sampler: str = field(default="euler", validator=_sampler)
 
     def sigmas(self) -> list[float]:
         base = torch.linspace(1.0, 0.0, self.steps + 1, dtype=torch.float64)
@@ -418,6 +435,24 @@ def chunk_noise(seed: int, index: int, shape: Sequence[int]) -> torch.Tensor:
     """The noise of chunk ``index`` (float32, CPU generator: the same on every device)."""
     g = torch.Generator().manual_seed((int(seed) * 1_000_003 + index) % (2**63))
     return torch.randn(tuple(shape), generator=g, dtype=torch.float32)
+
+
+def step_noise(seed: int, index: int, step: int, shape: Sequence[int]) -> torch.Tensor:
+    """The fresh noise of chunk ``index``'s step ``step`` (``sampler: fresh``; float32, CPU
+    generator: the same on every device; its seed never depends on how the video was split into
+    requests)."""
+    g = torch.Generator().manual_seed(((int(seed) * 1_000_003 + index) * 8_191 + 4_099 + step) % (2**63))
+    return torch.randn(tuple(shape), generator=g, dtype=torch.float32)
+
+
+def causal_step(x: torch.Tensor, v: torch.Tensor, s: float, s_next: float,
+                fresh: torch.Tensor | None = None) -> torch.Tensor:
+    """One step of a chunk from sigma ``s`` to ``s_next`` with the flow prediction ``v``, in float32:
+    the flow-Euler step ``x + (s' - s) v`` without ``fresh``; with it, the x0 prediction ``x - s v``
+    re-noised to ``s'`` with that noise, ``(1 - s') x0 + s' fresh``."""
+    if fresh is None:
+        return x.float() + (s_next - s) * v.float()
+    return (1.0 - s_next) * (x.float() - s * v.float()) + s_next * fresh.to(x.device)
 
 
 class CausalEngine:
@@ -564,10 +599,13 @@ class CausalEngine:
                 x[:, :, :p] = fixed
             return x
 
+        def move(k: int, x: torch.Tensor, v: torch.Tensor, s: float, s_next: float) -> torch.Tensor:
+            return refix(self._step(o, stream.seed, i, k, len(sig) - 1, x, v, s, s_next).to(dt))
+
         if not stream.cfg:
-            for s, s_next in itertools.pairwise(sig):
+            for k, (s, s_next) in enumerate(itertools.pairwise(sig)):
                 v = self.chunk_forward(self.model, x, step_t(s, 1), text, frame0, context=stream.kv.context)
-                x = refix((x.float() + (s_next - s) * v.float()).to(dt))
+                x = move(k, x, v, s, s_next)
             self.chunk_forward(self.model, x, t_ctx, text, frame0, context=stream.kv.context, record=stream.kv.record)
             stream.kv.commit()
         else:
@@ -576,7 +614,7 @@ class CausalEngine:
             uncond = uncond.to(dev, dt)
             batched = uncond.shape == text.shape
             both = torch.cat([text, uncond], dim=0) if batched else None
-            for s, s_next in itertools.pairwise(sig):
+            for k, (s, s_next) in enumerate(itertools.pairwise(sig)):
                 if batched:
                     v_c, v_u = self.chunk_forward(self.model, torch.cat([x, x], dim=0), step_t(s, 2), both, frame0,
                                              context=_pair_context(kc, ku)).float().chunk(2, dim=0)
@@ -585,7 +623,7 @@ class CausalEngine:
                     v_c = self.chunk_forward(self.model, x, t, text, frame0, context=kc.context).float()
                     v_u = self.chunk_forward(self.model, x, t, uncond, frame0, context=ku.context).float()
                 v = v_u + g * (v_c - v_u)
-                x = refix((x.float() + (s_next - s) * v).to(dt))
+                x = move(k, x, v, s, s_next)
             if batched:
                 self.chunk_forward(self.model, torch.cat([x, x], dim=0), t_ctx.expand(2), both, frame0,
                               context=_pair_context(kc, ku), record=_pair_record(kc, ku))
@@ -596,6 +634,12 @@ class CausalEngine:
             ku.commit()
         stream.next_chunk += 1
         return x
+
+    def _step(self, o: CausalOptions, seed: int, index: int, k: int, steps: int, x: torch.Tensor,
+              v: torch.Tensor, s: float, s_next: float) -> torch.Tensor:
+        """Step ``k`` of ``steps`` of chunk ``index`` by ``o.sampler`` (the last one is Euler's to x0)."""
+        fresh = step_noise(seed, index, k, x.shape) if o.sampler == "fresh" and k < steps - 1 else None
+        return causal_step(x, v, s, s_next, fresh)
 
     def run(self, stream: Stream, text: torch.Tensor, chunks: int, *, decode: bool = True,
             steps: int | None = None, shift: float | None = None, uncond: torch.Tensor | None = None,
@@ -644,7 +688,7 @@ class CausalEngine:
             if p:
                 x[:, :, :p] = first_latents.to(dev, dt)
             mask = block_causal_mask([n] * (i + 1), o.window, o.sink).to(dev)
-            for s, s_next in (itertools.pairwise(sig) if p < f else ()):
+            for k, (s, s_next) in enumerate(itertools.pairwise(sig) if p < f else ()):
                 seq = torch.cat([*clean, x], dim=2)
                 ts = torch.cat([torch.full((n * i,), o.context_timestep), torch.full((n,), s * 1000.0)])
                 ts[: p * (n // f)] = o.context_timestep  # the given frames' tokens are clean
@@ -652,7 +696,7 @@ class CausalEngine:
                 if uncond is not None:
                     v_u = self.masked_forward(self.model, seq, ts.to(dev, dt)[None], uncond.to(dev, dt), mask)[:, :, i * f :].float()
                     v = v_u + g * (v - v_u)
-                x = (x.float() + (s_next - s) * v).to(dt)
+                x = self._step(o, seed, i, k, len(sig) - 1, x, v, s, s_next).to(dt)
                 if p:
                     x[:, :, :p] = first_latents.to(dev, dt)
             clean.append(x)
@@ -922,7 +966,8 @@ def refuse_interceptors(options: Mapping[str, Any]) -> None:
                               "do not go through interceptors); remove it or use rollout: bidirectional")
 
 
-__all__ = ["ROLLOUTS", "Cancelled", "CausalDeployment", "CausalEngine", "CausalOptions", "CausalRollout", "ChunkKV",
-           "ChunkOut", "RolloutCheck", "RolloutParams", "Session", "SessionError", "SessionLimit", "SessionStore",
-           "Stream", "block_causal_mask", "causal_options", "chunk_noise", "chunk_visibility", "deployment",
-           "plan_chunks", "refuse_interceptors", "rollout_mode", "slabs_needed"]
+__all__ = ["ROLLOUTS", "SAMPLERS", "Cancelled", "CausalDeployment", "CausalEngine", "CausalOptions", "CausalRollout",
+           "ChunkKV", "ChunkOut", "RolloutCheck", "RolloutParams", "Session", "SessionError", "SessionLimit",
+           "SessionStore", "Stream", "block_causal_mask", "causal_options", "causal_step", "chunk_noise",
+           "chunk_visibility", "deployment", "plan_chunks", "refuse_interceptors", "rollout_mode", "slabs_needed",
+           "step_noise"]

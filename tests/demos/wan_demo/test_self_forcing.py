@@ -76,6 +76,42 @@ def test_rollout_without_grad_is_the_runtime_stream(rt):
             assert torch.equal(SelfForcingRollout(opts, exit="last")(tf, noise, text, torch.Generator()), got)
 
 
+def test_fresh_rollout_with_seeds_is_the_runtime_stream_with_the_fresh_sampler(tiny):
+    """``renoise="fresh"`` given each stream's seed draws the runtime's own step noise
+    (``omniloop_kit.causal.step_noise``): the training rollout equals ``Runtime.stream`` deployed
+    with ``rollout_options.sampler: "fresh"``, bit for bit (latents and frames); the rollout
+    follows ``options.sampler`` when ``renoise`` is not given."""
+    rt = Runtime.from_model(tiny, manager=make_manager(("wan", wan_plugin), toy=False),
+                            options={"rollout": "causal", "rollout_options": {**ROLLOUT, "sampler": "fresh"}})
+    comps = rt.model.components
+    tf = comps["transformer"]
+    opts = CausalOptions(**ROLLOUT, sampler="fresh")
+    eng = CausalWan(tf, comps["vae"], options=opts, height=32, width=32)
+    for prompt, seed in (("a red circle moving left", 0), ("a blue square moving up", 5)):
+        text = _text(rt, prompt)
+        noise = stream_noise([seed], CHUNKS, eng.chunk_shape())
+        with torch.no_grad():
+            got = causal_rollout(tf, noise, text, opts, seeds=[seed])
+            assert torch.equal(causal_rollout(tf, noise, text, CausalOptions(**ROLLOUT), renoise="fresh", seeds=[seed]),
+                               got)
+            assert not torch.allclose(got, causal_rollout(tf, noise, text, CausalOptions(**ROLLOUT)), atol=1e-4)
+        stream = eng.open_stream(seed)
+        want = torch.cat([o.latents for o in eng.run(stream, text, CHUNKS, decode=False)], dim=2)
+        stream.free()
+        assert torch.equal(got, want)
+        assert torch.equal(_frames(comps["vae"], got), _streamed(rt, prompt, seed))
+    # a batch: each stream's own seed (matmul blocking may round differently, as in the batch test)
+    texts = torch.cat([_text(rt, "a red circle moving left"), _text(rt, "a green star moving down")])
+    noise = stream_noise([1, 2], CHUNKS, eng.chunk_shape())
+    with torch.no_grad():
+        both = causal_rollout(tf, noise, texts, opts, seeds=[1, 2])
+        for i, sd in enumerate((1, 2)):
+            torch.testing.assert_close(both[i:i + 1], causal_rollout(tf, noise[i:i + 1], texts[i:i + 1], opts, seeds=[sd]),
+                                       atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="seeds"):
+        causal_rollout(tf, noise, texts, opts, seeds=[1])
+
+
 def test_a_batch_rolls_out_each_stream(rt):
     """Two streams in one batch == each alone. Batched matmuls may round differently on CPU
     (another blocking), so 1e-5 (float32, a 2-block model over 3 chunks x 3 steps)."""
