@@ -12,8 +12,9 @@
 # (the critic starts as the teacher, so DM gradients are ~0 until it has learnt the student), then DMD2
 # on the student's own KV-cached rollouts against the bidirectional v2 with CFG 5 (run 2's best variant:
 # student lr 5e-5, critic 1e-4), 5 critic steps per student step, batch 64, the runtime's Euler rollout
-# (--renoise euler: the runtime's causal rollout has no fresh-noise option, and the student is evaluated
-# and served through it), raw + EMA weights saved every 60 s (a run cut short still leaves progress.pt),
+# (--renoise euler: the shipped student was trained and measured with it; --renoise fresh would save the
+# checkpoint with rollout_options.sampler fresh, the runtime's DMD2 sampler), raw + EMA weights saved
+# every 60 s (a run cut short still leaves progress.pt),
 # raw or EMA picked by a batched GPU check on seed 100 (not an evaluation seed).
 # REUSE_SAMPLES=true (env): the critic-only iterations reuse the last student update's samples instead of
 # rolling out again (DMDConfig.reuse_samples; ~1.6-2x the student updates per budget on CPU; untried for quality).

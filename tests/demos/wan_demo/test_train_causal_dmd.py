@@ -73,6 +73,7 @@ def test_smoke_cli_writes_a_causal_checkpoint_that_streams_without_cfg(tiny, tmp
     assert meta["variant"] == "wan-demo-causal" and meta["rollout"] == "causal"
     assert meta["rollout_options"]["guidance_scale"] == meta["defaults"]["guidance_scale"] == 1.0
     assert meta["rollout_options"]["steps"] == 4 and "Self-Forcing DMD2" in meta["training"]["recipe"]["method"]
+    assert meta["rollout_options"].get("sampler", "euler") == "euler"  # --renoise euler (the default)
     for name in ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.json"):  # shared: links to the source's
         assert (out / name).is_symlink() and (out / name).resolve() == (tiny / name).resolve(), name
     own = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and not any(
@@ -101,6 +102,9 @@ def test_smoke_cli_from_a_causal_student_with_critic_warmup(tiny, tmp_path):
     assert info["dmd"]["student_steps"] == 2
     assert info["recipe"]["renoise"] == "fresh" and info["recipe"]["critic_warmup"] == 2
     assert info["recipe"]["init"] == f"causal student from {tiny}"
+    # trained with fresh noise between steps: saved (and checked) with the runtime's fresh sampler
+    meta = json.loads((out / "omniloop.json").read_text())
+    assert meta["rollout_options"]["sampler"] == "fresh"
     saved = torch.load(out / "progress.pt", weights_only=False)
     assert set(saved) == {"transformer", "ema_transformer", "info"} and saved["info"]["student_steps"] >= 1
 
