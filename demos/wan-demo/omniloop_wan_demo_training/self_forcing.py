@@ -3,8 +3,9 @@
 
 At inference the runtime's ``rollout: causal`` (omniloop-kit's
 :class:`~omniloop_kit.causal.CausalEngine`, Wan's :class:`~omniloop_wan.causal.CausalWan`) makes a
-clip chunk by chunk: chunk ``i``'s noise is denoised by ``steps`` flow-Euler steps
-(:meth:`~omniloop_kit.causal.CausalOptions.sigmas`, timestep ``1000 sigma``, ``x <- x + (s' - s) v``),
+clip chunk by chunk: chunk ``i``'s noise is denoised by ``steps`` steps
+(:meth:`~omniloop_kit.causal.CausalOptions.sigmas`, timestep ``1000 sigma``; ``sampler: euler``
+``x <- x + (s' - s) v``, or ``sampler: fresh`` the x0 prediction re-noised with fresh noise),
 each a :func:`~omniloop_wan.causal.chunk_forward` reading the clean keys/values of the chunks before
 it; then one forward of the finished chunk at ``context_timestep`` records its keys/values.
 
