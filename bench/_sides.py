@@ -116,19 +116,21 @@ def omniloop_run(built: Any, body: dict[str, Any]) -> tuple[dict[str, Any], Any]
 
 #: short names of attention backends in side names (``omniloop-fa4-compile-graphs``)
 BACKENDS = {"cudnn": "sdpa-cudnn", "fa4": "flash-attn-4", "fp8": "cudnn-fp8"}
-#: what an omniloop side name may say after ``omniloop``: a backend, ``fused`` (``options.qkv:
-#: fused``), ``compile`` (deploy ``compile: true``), ``graphs`` (``options.cuda_graphs``)
-SIDE_WORDS = ("fused", "compile", "graphs", *BACKENDS)
+#: what an omniloop side name may say after ``omniloop``: a backend, ``fp8lin`` (deploy
+#: ``linear_precision: fp8``, omniloop-quant's FP8 block linears), ``fused`` (``options.qkv: fused``),
+#: ``compile`` (deploy ``compile: true``), ``graphs`` (``options.cuda_graphs``)
+SIDE_WORDS = ("fp8lin", "fused", "compile", "graphs", *BACKENDS)
 
 
 def omniloop_setting(name: str) -> dict[str, Any]:
-    """An omniloop side's deploy from its name: ``omniloop[-<backend>][-fused][-compile][-graphs]``
-    → ``{"attention", "qkv", "compile", "graphs"}`` (unknown words raise ``ValueError``)."""
+    """An omniloop side's deploy from its name: ``omniloop[-<backend>][-fp8lin][-fused][-compile][-graphs]``
+    → ``{"attention", "linears", "qkv", "compile", "graphs"}`` (unknown words raise ``ValueError``)."""
     words = name.split("-")
     if words[0] != "omniloop" or any(w not in SIDE_WORDS for w in words[1:]):
-        raise ValueError(f"side {name!r}: omniloop[-{'|'.join(BACKENDS)}][-fused][-compile][-graphs]")
+        raise ValueError(f"side {name!r}: omniloop[-{'|'.join(BACKENDS)}][-fp8lin][-fused][-compile][-graphs]")
     backend = [BACKENDS[w] for w in words[1:] if w in BACKENDS]
-    return {"attention": backend[0] if backend else "sdpa", "qkv": "fused" if "fused" in words else "separate",
+    return {"attention": backend[0] if backend else "sdpa", "linears": "fp8" if "fp8lin" in words else "dtype",
+            "qkv": "fused" if "fused" in words else "separate",
             "compile": "compile" in words, "graphs": "graphs" in words}
 
 
@@ -143,6 +145,18 @@ def attention_spec(name: str) -> Any:
     if why:
         raise RuntimeError(f"attention backend {name!r} cannot run here: {why}")
     return spec
+
+
+def apply_linear_precision(model: Any, family: Any, deploy: Any) -> str:
+    """Deploy ``linear_precision`` on a side's freshly loaded model, as the runtime does between the
+    family's load and its pipeline build (omniloop-quant's check, then its in-place swap); the note."""
+    if deploy.linear_precision == "dtype":
+        return ""
+    from omniloop_quant import blocks
+
+    blocks.check_deploy(deploy, family, torch.device(deploy.device), getattr(torch, deploy.dtype))
+    report = blocks.apply(model, family, deploy) or {}
+    return f" linear_precision={deploy.linear_precision} ({report.get('quantized')} linears)"
 
 
 def build_sides(names: Iterable[str], record: dict[str, Any], make: Callable[[str], Any]) -> list[Any]:

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_write and not a.smoke:
         name = Path(a.model).name if Path(a.model).name != "causal" else "causal-" + Path(a.model).parent.name
         out = Path(a.out) / f"adherence-{name}-{backend}-{a.device}-{result['date']}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
     return 0

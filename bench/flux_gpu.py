@@ -15,7 +15,7 @@ Sides, each timed in the same process, interleaved (every other round in reverse
                         one ``Execution`` node by node
 ``omniloop-compile``    the same with deploy ``compile: true`` (each block
                         ``torch.compile(fullgraph=True, dynamic=False)``, as the Wan family does)
-``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fp8][-fused][-compile][-graphs]`` in ``SIDES``: the
+``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fp8][-fp8lin][-fused][-compile][-graphs]`` in ``SIDES``: the
                         deploy's attention backend (``sdpa-cudnn``, ``flash-attn-4``, ``cudnn-fp8``;
                         omniloop_flux.attention), ``options.qkv: fused``, ``compile: true``,
                         ``options.cuda_graphs: true`` (omniloop_kit.graphs). A side with another
@@ -65,6 +65,7 @@ from _common import (  # noqa: E402
     sync,
 )
 from _sides import (  # noqa: E402
+    apply_linear_precision,
     attention_spec,
     build_sides,
     measure,
@@ -104,7 +105,8 @@ SMOKE = {
 SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omniloop-compile-graphs",
          "omniloop-cudnn-compile", "omniloop-cudnn-compile-graphs", "omniloop-fa4-compile", "omniloop-fa4-compile-graphs",
          "omniloop-fused-compile-graphs", "omniloop-cudnn-fused-compile-graphs", "omniloop-fa4-fused-compile-graphs",
-         "omniloop-fp8-fused-compile-graphs")
+         "omniloop-fp8-fused-compile-graphs",
+         "omniloop-fp8lin-compile", "omniloop-fp8lin-compile-graphs", "omniloop-fp8-fp8lin-compile-graphs")
 DEFAULT_SIDES = SIDES[:4]
 #: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
 BF16_GEMM_TFLOPS = 790.0
@@ -167,7 +169,7 @@ class DiffusersSide:
 class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, max_len: int,
                  backend: str, attention: str = "sdpa", qkv: str = "separate", graphs: bool = False,
-                 compiled: bool | None = None) -> None:
+                 compiled: bool | None = None, linears: str = "dtype") -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -177,7 +179,7 @@ class OmniloopSide:
         self.compiled = name.endswith("compile") if compiled is None else compiled
         spec = attention_spec(attention)
         deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-                              compile=self.compiled, attention_backend=attention)
+                              compile=self.compiled, attention_backend=attention, linear_precision=linears)
         options: dict[str, Any] = {"deploy": deploy, "compile_backend": backend, "qkv": qkv}
         if spec is not None:
             options["attention"] = spec
@@ -186,9 +188,10 @@ class OmniloopSide:
         fam = FluxFamily()
         self.model = fam.from_components(comps, device=device, dtype=dtype, options=options,
                                          defaults={"max_sequence_length": max_len})
+        lin_note = apply_linear_precision(self.model, fam, deploy)
         spec_ = fam.build_pipeline(self.model, TaskType.T2I, options)
         self.built = BuiltPipeline(spec=spec_, components=comps, device=device, dtype=dtype, options=options)
-        self.note = f"compile={self.compiled} attention={attention} qkv={qkv} cuda_graphs={graphs}"
+        self.note = f"compile={self.compiled} attention={attention} qkv={qkv} cuda_graphs={graphs}{lin_note}"
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
         from omniloop.artifacts import Latents
@@ -270,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only)
             st.update(attention="sdpa", graphs=False)
         comps = base
-        key = (st["attention"], st["qkv"])
-        if key != ("sdpa", "separate"):  # processors / fused projections of its own: its own transformer
+        key = (st["attention"], st["qkv"], st["linears"])
+        if key != ("sdpa", "separate", "dtype"):  # processors / fused projections of its own: its own transformer
             if key not in copies:
                 copies[key] = copy.deepcopy(base["transformer"])
             comps = {**base, "transformer": copies[key]}
         return OmniloopSide(name, comps, device, dtype, max_len, compile_backend, attention=st["attention"],
-                            qkv=st["qkv"], graphs=st["graphs"], compiled=st["compile"])
+                            qkv=st["qkv"], graphs=st["graphs"], compiled=st["compile"], linears=st["linears"])
 
     sides = build_sides(only, record, make)
     save()

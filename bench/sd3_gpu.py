@@ -16,7 +16,7 @@ Configurations (``--only`` picks any):
 ``omniloop-compile``        + deploy ``compile: true`` (each joint step ``torch.compile(fullgraph=True)``)
 ``omniloop-cudnn-compile``  + attention backend ``sdpa-cudnn`` (omniloop-attention)
 ``omniloop-cudnn-fused-…``  ``omniloop-cudnn-fused-compile``: + ``options.qkv: fused`` (not in the default set)
-``omniloop-…``              any ``omniloop[-cudnn|-fa4|-fp8][-fused][-compile][-graphs]`` in ``SIDES``: the
+``omniloop-…``              any ``omniloop[-cudnn|-fa4|-fp8][-fp8lin][-fused][-compile][-graphs]`` in ``SIDES``: the
                             backend (``sdpa-cudnn``, ``flash-attn-4``, ``cudnn-fp8``), ``qkv: fused``,
                             ``compile: true``, ``options.cuda_graphs: true`` (omniloop_kit.graphs)
 ==========================  ==========================================================================
@@ -56,6 +56,7 @@ _repo_paths.add_repo_packages()
 
 from _common import command_line, library_versions, machine, step_marker, step_times, sync  # noqa: E402
 from _sides import (  # noqa: E402
+    apply_linear_precision,
     attention_spec,
     build_sides,
     measure,
@@ -96,7 +97,8 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24
 SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omniloop-cudnn-compile",
          "omniloop-cudnn-fused-compile", "omniloop-compile-graphs", "omniloop-cudnn-compile-graphs",
          "omniloop-cudnn-fused-compile-graphs", "omniloop-fa4-compile", "omniloop-fa4-compile-graphs",
-         "omniloop-fa4-fused-compile-graphs", "omniloop-fp8-fused-compile-graphs")
+         "omniloop-fa4-fused-compile-graphs", "omniloop-fp8-fused-compile-graphs",
+         "omniloop-cudnn-fp8lin-compile-graphs", "omniloop-fp8-fp8lin-compile-graphs")
 DEFAULT_SIDES = SIDES[:5]
 #: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
 BF16_GEMM_TFLOPS = 790.0
@@ -199,7 +201,7 @@ class DiffusersSide:
 class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, *,
                  compiled: bool, compile_backend: str, attention: str = "sdpa", qkv: str = "separate",
-                 graphs: bool = False) -> None:
+                 graphs: bool = False, linears: str = "dtype") -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -208,7 +210,7 @@ class OmniloopSide:
         self.name = name
         backend = attention_spec(attention)
         deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-                              compile=compiled, attention_backend=attention)
+                              compile=compiled, attention_backend=attention, linear_precision=linears)
         options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend, "qkv": qkv}
         if graphs:
             options["cuda_graphs"] = True
@@ -216,9 +218,10 @@ class OmniloopSide:
             options["attention"] = backend
         fam = SD3Family()
         self.model = fam.from_components(comps, device=device, dtype=dtype, options=options)
+        lin_note = apply_linear_precision(self.model, fam, deploy)
         spec = fam.build_pipeline(self.model, TaskType.T2I, options)
         self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, options=options)
-        self.note = f"compile={compiled} attention={attention} qkv={qkv} cuda_graphs={graphs}"
+        self.note = f"compile={compiled} attention={attention} qkv={qkv} cuda_graphs={graphs}{lin_note}"
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
         body = {"task": "t2i", "prompt": PROMPT, "negative_prompt": NEGATIVE,
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only)
             st.update(attention="sdpa", graphs=False)
         return OmniloopSide(name, comps, device, dtype, compiled=st["compile"], compile_backend=compile_backend,
-                            attention=st["attention"], qkv=st["qkv"], graphs=st["graphs"])
+                            attention=st["attention"], qkv=st["qkv"], graphs=st["graphs"], linears=st["linears"])
 
     sides = build_sides(only, record, make)
     save()

@@ -21,3 +21,18 @@ def test_flux_gpu_smoke(tmp_path):
     assert set(rec["results"]) == {"diffusers", "diffusers-compile", "omniloop", "omniloop-compile"}
     assert all(r["s_per_step"] > 0 for r in rec["results"].values())
     assert all(v["equal"] for v in rec["final_latents"].values()), rec["final_latents"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not BENCH.exists(), reason="bench/flux_gpu.py not in this checkout")
+def test_flux_gpu_smoke_fp8_linears_side(tmp_path):
+    """``omniloop-fp8lin-…``: the side deploys ``linear_precision: fp8`` the way the runtime does
+    (omniloop-quant's check, then its swap, on its own copy of the transformer) and says so."""
+    pytest.importorskip("omniloop_quant")
+    argv = ["--smoke", "--device", "cpu", "--steps", "2", "--repeats", "1", "--compile-backend", "eager",
+            "--only", "diffusers,omniloop,omniloop-fp8lin-compile"]
+    rec = run_script(BENCH, argv, tmp_path, "flux_gpu-*-smoke-*.json")
+    assert set(rec["results"]) == {"diffusers", "omniloop", "omniloop-fp8lin-compile"}
+    setup = rec["sides"]["omniloop-fp8lin-compile"]["setup"]
+    assert "linear_precision=fp8" in setup and "(0 linears)" not in setup
+    assert rec["final_latents"]["omniloop_vs_diffusers"]["equal"]  # the bf16 side's transformer was not swapped

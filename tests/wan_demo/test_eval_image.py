@@ -104,3 +104,27 @@ def test_cli_resolves_an_installed_preset_and_names_a_missing_one(image_ckpt, mo
     assert res.exit_code == 2 and "the weights are not installed" in res.output
     with pytest.raises(Exception, match="no-such-preset"):  # the runtime's own error, no diffusers stand-in
         ev.make_generator("auto", model="no-such-preset")
+
+
+def test_generator_deploys_the_linear_precision_it_is_given(image_ckpt):
+    """``eval adherence --linear-precision fp8`` measures a precision's cost: the runtime behind the
+    generator is deployed with it (omniloop-quant's FP8 block linears, which also run on the CPU)."""
+    pytest.importorskip("omniloop_quant")
+    gen, used, note = ev.make_generator("auto", model=str(image_ckpt), kind="image", deploy={"linear_precision": "fp8"})
+    assert used == "runtime" and note is None
+    assert gen.runtime.deploy.linear_precision == "fp8" and gen.runtime.linears["mode"] == "fp8"
+    (img,) = gen(["a red star at the top left"], [0], steps=1, guidance_scale=3.5)
+    assert img.shape == (64, 64, 3) and img.dtype.name == "uint8"
+    with pytest.raises(ValueError, match="runtime, not --backend diffusers"):
+        ev.make_generator("diffusers", model=str(image_ckpt), kind="image", deploy={"linear_precision": "fp8"})
+
+
+def test_cli_refuses_a_linear_precision_it_cannot_deploy(image_ckpt):
+    """One line, before any clip: an unknown precision (the runtime's DeployError), or a precision
+    with the diffusers backend (which has no deployment to set it on)."""
+    res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", str(image_ckpt), "--linear-precision", "int3"])
+    assert res.exit_code == 1 and "linear_precision: unknown value 'int3'" in res.output
+    assert "Traceback" not in res.output and "prompt adherence" not in res.output
+    res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", "wan-demo", "--backend", "diffusers",
+                                        "--linear-precision", "fp8"])
+    assert res.exit_code == 2 and "--linear-precision" in res.output

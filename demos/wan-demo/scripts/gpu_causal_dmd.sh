@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # wan-demo-causal by DMD2, Self-Forcing style (issue 41): ONE training for the longest budget one run-tool
-# command allows, then its clips streamed through the runtime on the machine's CPU cores, everything in
-# ONE tar (the run tool returns at most 8 files from $OUT). Run from the repo root with .whl/ carried
+# command allows, everything in
+# ONE tar (the run tool returns at most 8 files from $OUT). The streamed evaluation runs on the CPU machine
+# afterwards (it builds a Runtime, which finds the family through installed entry points; the device
+# machine has the repo on PYTHONPATH only). Run from the repo root with .whl/ carried
 # (gpu_env.sh's wheels), kind nvidia-h200, timeout_s 590:
-#   bash demos/wan-demo/scripts/gpu_causal_dmd.sh [DMD_SECONDS [FROM]]        # default 280, the shipped student
+#   bash demos/wan-demo/scripts/gpu_causal_dmd.sh [DMD_SECONDS [FROM]]        # default 420, the shipped student
 # FROM: the causal checkpoint folder the student starts from (default: the shipped wan-demo-causal,
 # families/wan-demo/omniloop_wan_demo/checkpoint_causal); to go on from an earlier call's result, extract
 # its tar into an ignored folder here, carry it, and pass it (e.g. .gpu-causal/causal-dmd).
@@ -19,22 +21,24 @@
 # REUSE_SAMPLES=true (env): the critic-only iterations reuse the last student update's samples instead of
 # rolling out again (DMDConfig.reuse_samples; ~1.6-2x the student updates per budget on CPU; untried for quality).
 # $OUT/causal-dmd.tar holds causal-dmd/{omniloop.json,train_causal_dmd.json,transformer/}, the training
-# log, and eval/adherence-*.json (96 prompts x seeds 0,1 streamed on CPU, the shipped figures' protocol).
+# log. Evaluate it here (96 prompts x seeds 0,1 streamed on CPU, the shipped figures' protocol):
+#   OMP_NUM_THREADS=1 python bench/adherence.py --model /tmp/cd/causal-dmd --rollout causal --prompts full \
+#     --seeds 0,1 --steps 4 --workers 2 --out /tmp/cd/eval
 # To ship it (on the CPU machine, in the repo, FILES_AT = where the run tool put the files):
 #   mkdir -p /tmp/cd && tar xf FILES_AT/causal-dmd.tar -C /tmp/cd
-#   # compare /tmp/cd/eval/adherence-*.json with the table in docs/wan-demo-recipe-and-measurements.md
+#   # compare /tmp/cd/eval/adherence-*.json (the command above) with the table in docs/wan-demo-recipe-and-measurements.md
 #   # (wan-demo-causal, run 2); only if better on colour / direction / shape / no ghost / duplicates:
 #   python -m omniloop_wan_demo_training.train_causal_dmd --ship /tmp/cd/causal-dmd
 #   cp /tmp/cd/eval/adherence-*.json bench/results/adherence-wan-demo-causal-dmd-runtime-stream-cpu-DATE.json
 #   git add families/wan-demo/omniloop_wan_demo/checkpoint_causal/{transformer,omniloop.json} bench/results
 #   # optional check on this machine: bench/adherence.py --model wan-demo-causal --prompts full --seeds 0,1 --steps 4
-DS=${1:-280}
+DS=${1:-420}
 FROM=${2:-families/wan-demo/omniloop_wan_demo/checkpoint_causal}
 CRITIC_WARMUP=${CRITIC_WARMUP:-100}
 REUSE_SAMPLES=${REUSE_SAMPLES:-false}   # true: DMDConfig.reuse_samples (more student updates, untried)
 source "$(dirname "$0")/gpu_env.sh"
 check_imports omniloop_wan_demo_training.train_causal_dmd omniloop_wan_demo_training.dmd omniloop.runtime
-W=${WORK:-/tmp/causal-dmd}; mkdir -p "$W/eval" "$OUT"
+W=${WORK:-/tmp/causal-dmd}; mkdir -p "$W" "$OUT"
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 # the training's own budget: DS seconds of DMD2, plus load, warm-up, checks and saving
 timeout $((DS + 140)) python3 -m omniloop_wan_demo_training.train_causal_dmd --out "$W/causal-dmd" \
@@ -43,14 +47,9 @@ timeout $((DS + 140)) python3 -m omniloop_wan_demo_training.train_causal_dmd --o
   --dmd-seconds "$DS" --save-every-s 60 --eval-seeds 100 2>&1 \
   | grep --line-buffered -v -E "Loading|it/s\]|s/it\]|should be kept in float32|torch_dtype" > "$W/train.log"
 el "training rc ${PIPESTATUS[0]}"; grep -E "^(dmd|check|saved|critic-warmup)" "$W/train.log" | tail -6
-if [ -f "$W/causal-dmd/transformer/diffusion_pytorch_model.safetensors" ]; then
-  export OMP_NUM_THREADS=1
-  timeout 110 python3 bench/adherence.py --model "$W/causal-dmd" --rollout causal --prompts full --seeds 0,1 --steps 4 \
-    --workers 12 --out "$W/eval" 2>&1 | grep -v -E "Warn|torchvision" | tail -3
-fi
 el "packing"
 (cd "$W" || exit 1
- parts="train.log eval"
+ parts="train.log"
  for p in causal-dmd/omniloop.json causal-dmd/train_causal_dmd.json causal-dmd/transformer; do
    [ -e "$p" ] && parts="$parts $p"
  done

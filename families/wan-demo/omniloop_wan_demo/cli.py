@@ -42,22 +42,34 @@ def _ints(value: str) -> list[int]:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--batch-size", default=48, show_default=True, type=int)
+@click.option("--linear-precision", default="dtype", show_default=True,
+              help="the runtime deployment's linear_precision (fp8: omniloop-quant's FP8 block linears), to measure "
+              "what a precision costs in adherence; the runtime backend only")
 @click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="write the full report here")
 @click.option("--table/--no-table", default=True, show_default=True, help="print the per-clip table")
 def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float | None, prompt_set: str, backend: str,
-              rollout: str, device: str, dtype: str, batch_size: int, json_out: str | None, table: bool) -> None:
+              rollout: str, device: str, dtype: str, batch_size: int, linear_precision: str, json_out: str | None,
+              table: bool) -> None:
     """Generate a fixed set of prompts x seeds, detect color, shape and motion direction (video) or
     position (image), report accuracy with 95 % Wilson intervals."""
     from rich.console import Console
     from rich.table import Table
 
-    from .evaluate import adherence_kind, evaluate, format_table, make_generator, table_columns, wilson
+    from omniloop.errors import DeployError
+
+    from .evaluate import adherence_kind, evaluate, format_table, table_columns, wilson
     from .evaluate import prompt_set as prompts_of
 
     console = Console()
     meta = _checkpoint_meta(model)
     block = meta.get("adherence")
+    deploy = {} if linear_precision == "dtype" else {"linear_precision": linear_precision}
+    if deploy and backend == "diffusers":
+        raise click.UsageError("--linear-precision: a runtime deployment setting; --backend diffusers runs diffusers' "
+                               "pipeline as it is")
     if isinstance(block, dict) and block.get("kind") == "audio":
+        if deploy:
+            raise click.UsageError(f"--linear-precision: not wired for audio models ({model})")
         _audio(model, steps=steps, seeds=seeds, guidance_scale=guidance_scale, prompt_set=prompt_set, backend=backend,
                rollout=rollout, device=device, dtype=dtype, batch_size=batch_size, json_out=json_out, table=table)
         return
@@ -76,14 +88,11 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
         rollout = "bidirectional"
     if rollout == "auto":
         rollout = "causal" if meta.get("rollout") == "causal" or model == "wan-demo-causal" else "bidirectional"
-    if rollout == "causal":
-        from .evaluate import StreamingRuntimeGenerator
-
-        opts = None if model == "wan-demo-causal" or not Path(model).is_dir() else {
-            "rollout": "causal", "rollout_options": dict(meta.get("rollout_options") or {})}
-        gen, used, note = StreamingRuntimeGenerator(model, device=device, dtype=dtype, options=opts), "runtime-stream", None
-    else:
-        gen, used, note = make_generator(backend, model=model, device=device, dtype=dtype, batch_size=batch_size, kind=kind)
+    try:
+        gen, used, note = _generator(model, meta, rollout=rollout, backend=backend, device=device, dtype=dtype,
+                                     batch_size=batch_size, kind=kind, deploy=deploy)
+    except DeployError as e:  # e.g. --linear-precision unknown or not runnable here: one line, nothing generated
+        raise click.ClickException(str(e)) from None
     if note:
         console.print(f"[yellow]note:[/] {note}")
     prompts = prompts_of(kind, prompt_set)
@@ -98,6 +107,8 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
                            kind=kind, progress=advance, chunk=chunk)
         if note:
             rep.extra["note"] = note
+        if deploy:
+            rep.extra["deploy"] = dict(deploy)
         reports.append(rep)
         if table:
             t = Table(title=f"{model}: {n_steps} steps, guidance {g}, backend {used}")
@@ -110,7 +121,8 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
     summary = ([("color", "color"), ("shape", "shape"), ("position", "position"), ("all three", "all")] if kind == "image"
                else [("color", "color"), ("direction", "direction"), ("color+direction", "all"), ("shape", "shape"),
                      ("no ghost", "clean")])
-    s = Table(title=f"prompt adherence of {model} ({kind}: {len(prompts)} prompts x seeds {seeds})")
+    lp = f", linear_precision {linear_precision}" if deploy else ""
+    s = Table(title=f"prompt adherence of {model} ({kind}: {len(prompts)} prompts x seeds {seeds}{lp})")
     for col in ("steps", "n", *(title for title, _ in summary), "seconds"):
         s.add_column(col, justify="right")
     for rep in reports:
@@ -125,6 +137,20 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
     if json_out:
         Path(json_out).write_text(json.dumps({"model": model, "kind": kind, "reports": [r.to_dict() for r in reports]}, indent=1))
         console.print(f"wrote {json_out}")
+
+
+def _generator(model: str, meta: dict[str, Any], *, rollout: str, backend: str, device: str, dtype: str,
+               batch_size: int, kind: str, deploy: dict[str, Any]) -> tuple[Any, str, str | None]:
+    """``(generate, backend used, note)`` for ``eval adherence``: streamed clips for a causal rollout,
+    else :func:`~omniloop_wan_demo.evaluate.make_generator` (the runtime when ``deploy`` sets anything)."""
+    from .evaluate import StreamingRuntimeGenerator, make_generator
+
+    if rollout == "causal":
+        opts = None if model == "wan-demo-causal" or not Path(model).is_dir() else {
+            "rollout": "causal", "rollout_options": dict(meta.get("rollout_options") or {})}
+        return StreamingRuntimeGenerator(model, device=device, dtype=dtype, options=opts, deploy=deploy), "runtime-stream", None
+    return make_generator("runtime" if deploy else backend, model=model, device=device, dtype=dtype,
+                          batch_size=batch_size, kind=kind, deploy=deploy)
 
 
 def _audio(model: str, *, steps: str | None, seeds: str, guidance_scale: float | None, prompt_set: str, backend: str,

@@ -594,10 +594,10 @@ class RuntimeGenerator:
     name = "runtime"
 
     def __init__(self, model: str = "wan-demo", *, device: str = "cpu", dtype: str = "float32",
-                 frames: int = 17, height: int = 64, width: int = 64):
+                 frames: int = 17, height: int = 64, width: int = 64, deploy: dict[str, Any] | None = None):
         from omniloop.runtime import Runtime
 
-        self.runtime = Runtime.from_model(model, device=device, dtype=dtype)
+        self.runtime = Runtime.from_model(model, device=device, dtype=dtype, **dict(deploy or {}))
         self.frames, self.height, self.width = frames, height, width
 
     def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
@@ -620,10 +620,10 @@ class ImageRuntimeGenerator:
     kind = "image"
 
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "float32",
-                 height: int | None = 64, width: int | None = 64):
+                 height: int | None = 64, width: int | None = 64, deploy: dict[str, Any] | None = None):
         from omniloop.runtime import Runtime
 
-        self.runtime = Runtime.from_model(model, device=device, dtype=dtype)
+        self.runtime = Runtime.from_model(model, device=device, dtype=dtype, **dict(deploy or {}))
         self.height, self.width = height, width
 
     def request(self, prompt: str, seed: int, steps: int, guidance_scale: float | None) -> dict[str, Any]:
@@ -706,10 +706,11 @@ class StreamingRuntimeGenerator:
     name = "runtime-stream"
 
     def __init__(self, model: str = "wan-demo-causal", *, device: str = "cpu", dtype: str = "float32",
-                 options: dict[str, Any] | None = None, frames: int = 17, height: int = 64, width: int = 64):
+                 options: dict[str, Any] | None = None, frames: int = 17, height: int = 64, width: int = 64,
+                 deploy: dict[str, Any] | None = None):
         from omniloop.runtime import Runtime
 
-        extra = {"options": dict(options)} if options else {}
+        extra = {**dict(deploy or {}), **({"options": dict(options)} if options else {})}
         self.runtime = Runtime.from_model(model, device=device, dtype=dtype, **extra)
         self.frames, self.height, self.width = frames, height, width
         self.timings: list[dict[str, float]] = []
@@ -859,14 +860,19 @@ class CausalRolloutGenerator:
 
 
 def make_generator(backend: str = "auto", *, model: str = "wan-demo", device: str = "cpu", dtype: str = "float32",
-                   batch_size: int = 48, kind: str = "video") -> tuple[Generate, str, str | None]:
+                   batch_size: int = 48, kind: str = "video",
+                   deploy: dict[str, Any] | None = None) -> tuple[Generate, str, str | None]:
     """``(generate, backend_name, note)``. ``auto`` uses the runtime when it can load ``model``
     and falls back to diffusers' WanPipeline on the shipped checkpoint (the note says why).
-    ``kind="image"``: the runtime's ``t2i`` (:class:`ImageRuntimeGenerator`), no fallback."""
+    ``kind="image"``: the runtime's ``t2i`` (:class:`ImageRuntimeGenerator`), no fallback.
+    ``deploy``: other DeployConfig fields of the runtime's deployment (``{"linear_precision": "fp8"}``);
+    only the runtime takes them (no diffusers fallback then)."""
+    if deploy and backend == "diffusers":
+        raise ValueError(f"deploy settings {sorted(deploy)} apply to the runtime, not --backend diffusers")
     if kind == "image":
         if backend == "diffusers":
             raise ValueError("--backend diffusers generates video only; image models run through the runtime")
-        return ImageRuntimeGenerator(model, device=device, dtype=dtype), "runtime", None
+        return ImageRuntimeGenerator(model, device=device, dtype=dtype, deploy=deploy), "runtime", None
     from pathlib import Path
 
     from .checkpoint_path import checkpoint_dir
@@ -876,9 +882,9 @@ def make_generator(backend: str = "auto", *, model: str = "wan-demo", device: st
     note = None
     if backend in ("auto", "runtime"):
         try:
-            return RuntimeGenerator(model, device=device, dtype=dtype), "runtime", None
+            return RuntimeGenerator(model, device=device, dtype=dtype, deploy=deploy), "runtime", None
         except Exception as e:  # the runtime or the Wan family may not exist yet
-            if backend == "runtime" or fallback is None:
+            if backend == "runtime" or fallback is None or deploy:
                 raise
             note = f"runtime unavailable ({type(e).__name__}: {e}); used diffusers WanPipeline"
     if fallback is None:
