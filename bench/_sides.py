@@ -259,4 +259,4 @@ def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
     record["summary"] = summary
 
 
-__all__ = ["BACKENDS", "attention_spec", "build_sides", "finish", "measure", "omniloop_options", "omniloop_run", "omniloop_setting", "parser", "saver", "setting", "summarize", "warm_up"]
+__all__ = ["BACKENDS", "apply_linear_precision", "attention_spec", "build_sides", "finish", "measure", "omniloop_options", "omniloop_run", "omniloop_setting", "parser", "saver", "setting", "summarize", "warm_up"]

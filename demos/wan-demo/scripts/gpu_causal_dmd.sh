@@ -5,7 +5,7 @@
 # afterwards (it builds a Runtime, which finds the family through installed entry points; the device
 # machine has the repo on PYTHONPATH only). Run from the repo root with .whl/ carried
 # (gpu_env.sh's wheels), kind nvidia-h200, timeout_s 590:
-#   bash demos/wan-demo/scripts/gpu_causal_dmd.sh [DMD_SECONDS [FROM]]        # default 420, the shipped student
+#   bash demos/wan-demo/scripts/gpu_causal_dmd.sh [DMD_SECONDS [FROM]]        # default 400, the shipped student
 # FROM: the causal checkpoint folder the student starts from (default: the shipped wan-demo-causal,
 # families/wan-demo/omniloop_wan_demo/checkpoint_causal); to go on from an earlier call's result, extract
 # its tar into an ignored folder here, carry it, and pass it (e.g. .gpu-causal/causal-dmd).
@@ -32,7 +32,7 @@
 #   cp /tmp/cd/eval/adherence-*.json bench/results/adherence-wan-demo-causal-dmd-runtime-stream-cpu-DATE.json
 #   git add families/wan-demo/omniloop_wan_demo/checkpoint_causal/{transformer,omniloop.json} bench/results
 #   # optional check on this machine: bench/adherence.py --model wan-demo-causal --prompts full --seeds 0,1 --steps 4
-DS=${1:-420}
+DS=${1:-400}
 FROM=${2:-families/wan-demo/omniloop_wan_demo/checkpoint_causal}
 CRITIC_WARMUP=${CRITIC_WARMUP:-100}
 REUSE_SAMPLES=${REUSE_SAMPLES:-false}   # true: DMDConfig.reuse_samples (more student updates, untried)
