@@ -15,7 +15,8 @@ Three parts, one JSON (``$OUT`` or ``bench/results/attention_fp8-<date>.json``, 
    (how much of the error is q/k/v rounding).
 3. **clips** (GPU): the wan-demo evaluator's 48 clips (24 prompts x seeds 0, 1; 20 steps, CFG 5)
    with bf16 ``sdpa-cudnn`` and with ``cudnn-fp8`` (fused quantisation, and the separate pass),
-   each also with deploy ``linear_precision: fp8`` (omniloop-quant's e4m3 block linears):
+   each also with deploy ``linear_precision: fp8`` (omniloop-quant's e4m3 block linears; ``fp8+fp8fast``:
+   ``fp8-fast``, the GEMMs' fast accumulation):
    color / direction / shape adherence, clips whose verdict changed, PSNR / SSIM of the frames vs
    the bf16 frames.
 4. **linears** (GPU or CPU): FP8 linears (``omniloop_quant.FP8Linear``) on the inputs every block
@@ -301,7 +302,7 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
 
 
 #: ``--clip-configs`` keys -> the clips part's configurations (label, backend, rope, q/k quantised in the rope kernel, linears)
-CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4}
+CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4, "fp8+fp8fast": 5}
 
 
 def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | None = None,
@@ -318,7 +319,8 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                ("cudnn-fp8, q/k quantised in the fused rope kernel", "cudnn-fp8", "fused", True, "dtype"),
                ("cudnn-fp8, separate quantisation pass", "cudnn-fp8", "fused", False, "dtype"),
                ("bf16 sdpa-cudnn + fp8 linears", "sdpa-cudnn", "fused", True, "fp8"),
-               ("cudnn-fp8 (fused q/k) + fp8 linears", "cudnn-fp8", "fused", True, "fp8")]
+               ("cudnn-fp8 (fused q/k) + fp8 linears", "cudnn-fp8", "fused", True, "fp8"),
+               ("cudnn-fp8 (fused q/k) + fp8-fast linears", "cudnn-fp8", "fused", True, "fp8-fast")]
     configs = [configs[CLIP_CONFIGS[k]] for k in (keys or CLIP_CONFIGS)]  # bf16 (the reference) must be first
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}

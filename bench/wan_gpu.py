@@ -31,7 +31,9 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       batched CFG (cond+uncond in one forward); ``-fp8lin``:
                                       deploy ``linear_precision: fp8`` (omniloop-quant: the
                                       blocks' linears as e4m3 ``_scaled_mm`` GEMMs,
-                                      distribution-altering)
+                                      distribution-altering); ``-fp8fast``: ``fp8-fast`` (the
+                                      same with fast accumulation); ``-qkv``: ``options.qkv:
+                                      fused`` (one Q/K/V GEMM)
 ====================================  ===========================================================
 
 Numerics: every configuration's final latents (and frames) are compared with diffusers eager on
@@ -131,34 +133,45 @@ def all_configs() -> list[str]:
     out += ["omniloop-fp8-compile-fused-sepq"]
     # -fp8lin (any omniloop config): deploy linear_precision: fp8 (omniloop-quant, e4m3 block linears)
     out += [f"omniloop-{be}-compile-fused-fp8lin" for be in ("fp8", "cudnn")] + ["omniloop-sdpa-compile-fp8lin"]
+    # -fp8fast: linear_precision: fp8-fast (fast accumulation); -qkv (any omniloop config): options.qkv: fused
+    out += ["omniloop-fp8-compile-fused-fp8lin-qkv", "omniloop-fp8-compile-fused-fp8fast-qkv"]
     return out
 
 
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
-                "rope": False, "ffn": False, "sepq": False, "fp8lin": False}
+                "rope": False, "ffn": False, "sepq": False, "fp8lin": False, "fp8fast": False, "qkv": False}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin"}:
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "qkv"}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
             "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest,
-            "fp8lin": "fp8lin" in rest}
+            "fp8lin": bool(rest & {"fp8lin", "fp8fast"}), "fp8fast": "fp8fast" in rest, "qkv": "qkv" in rest}
 
 
-def fp8_linears(transformer: Any) -> tuple[list[Any], dict[str, Any]]:
-    """Deploy ``linear_precision: fp8`` on shared modules: the transformer's blocks' linears swapped for
-    e4m3 ones (omniloop-quant; the originals kept, so :func:`omniloop_quant.restore` undoes it)."""
+def fp8_linears(transformer: Any, fast: bool = False) -> tuple[list[Any], dict[str, Any]]:
+    """Deploy ``linear_precision: fp8`` (``fast``: ``fp8-fast``) on shared modules: the transformer's
+    blocks' linears swapped for e4m3 ones (omniloop-quant; the originals kept, so
+    :func:`omniloop_quant.restore` undoes it)."""
     import omniloop_quant
     from omniloop_wan.family import WanFamily
 
     found = omniloop_quant.denoiser_blocks({"transformer": transformer}, WanFamily())
     blocks = [b for _, b in found]
-    report = omniloop_quant.install(blocks, keep_original=True, names=[n for n, _ in found])
-    return blocks, {"quantized": report["quantized"], "skipped": len(report["skipped"]), "blocks": len(blocks)}
+    report = omniloop_quant.install(blocks, keep_original=True, names=[n for n, _ in found], fast_accum=fast)
+    return blocks, {"quantized": report["quantized"], "skipped": len(report["skipped"]), "blocks": len(blocks),
+                    "fast_accum": fast}
+
+
+def unfuse_qkv(transformer: Any) -> None:
+    """Undo ``options.qkv: fused`` on shared modules (the next configuration starts from diffusers')."""
+    for m in transformer.modules():
+        if getattr(m, "fused_projections", False):
+            m.unfuse_projections()
 
 
 @contextlib.contextmanager
@@ -293,17 +306,17 @@ class DiffusersPipelineSide:
 class OmniloopPipelineSide:
     def __init__(self, comps: dict[str, Any], backend: Any, compiled: bool, batched: bool, compile_mode: str | None,
                  compile_backend: str, device: torch.device, dtype: torch.dtype, rope: bool = False,
-                 ffn: bool = False, fp8lin: bool = False) -> None:
+                 ffn: bool = False, fp8lin: bool = False, fp8fast: bool = False, qkv: bool = False) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
         from omniloop_wan.family import WanFamily
 
         deploy = DeployConfig(device=str(device), dtype="bfloat16", compile=compiled, attention_backend=backend.name,
-                              linear_precision="fp8" if fp8lin else "dtype")
+                              linear_precision=("fp8-fast" if fp8fast else "fp8") if fp8lin else "dtype")
         options: dict[str, Any] = {"deploy": deploy, "attention": backend, "compile_backend": compile_backend,
                                    "qk_norm_rope": "fused" if rope else "reference",
-                                   "ffn_gelu": "fused" if ffn else "reference"}
+                                   "ffn_gelu": "fused" if ffn else "reference", "qkv": "fused" if qkv else "separate"}
         if compile_mode and compile_backend == "inductor":
             options["compile_mode"] = compile_mode
         fam = WanFamily()
@@ -313,7 +326,7 @@ class OmniloopPipelineSide:
         self.batched = batched
         self.transformer = comps["transformer"]
         # linear_precision: fp8 after the family's set-up (fused GELU, lazy compile), as the runtime does
-        self.fp8_blocks, self.fp8_report = fp8_linears(self.transformer) if fp8lin else ([], None)
+        self.fp8_blocks, self.fp8_report = fp8_linears(self.transformer, fp8fast) if fp8lin else ([], None)
 
     def __enter__(self) -> OmniloopPipelineSide:
         return self
@@ -324,6 +337,7 @@ class OmniloopPipelineSide:
 
         omniloop_quant.restore(self.fp8_blocks)  # first: it puts back the fused GELU modules it replaced
         ffn.restore(self.transformer)  # the next configuration starts from diffusers' modules
+        unfuse_qkv(self.transformer)
 
     def run(self, steps: int, size: tuple[int, int, int]) -> dict[str, Any]:
         from omniloop.artifacts import Latents
@@ -355,7 +369,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
         c = parse_config(name)
         row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
                                "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
-                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin")},
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
         if rec.over_budget():
             rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -370,7 +384,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                     continue
                 side = OmniloopPipelineSide(comps, spec, c["compile"], c["batched"], args.compile_mode,
                                             args.compile_backend, device, dtype, rope=c["rope"], ffn=c["ffn"],
-                                            fp8lin=c["fp8lin"])
+                                            fp8lin=c["fp8lin"], fp8fast=c["fp8fast"], qkv=c["qkv"])
                 if side.fp8_report is not None:
                     row["fp8_linears"] = side.fp8_report
             with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"]):
@@ -513,7 +527,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     for name in rec.selected(model):
         c = parse_config(name)
         row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
-                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin")},
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
         if rec.over_budget():
@@ -532,11 +546,15 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
                     if why:
                         rec.add({**row, "skipped": f"attention backend {c['backend']!r}: {why}"})
                         continue
+                    if c["qkv"]:  # options.qkv: fused, before the processors (as the family's configure)
+                        from omniloop_wan.attention import fuse_projections
+
+                        fuse_projections(tf)
                     install(tf, spec, qk_norm_rope="fused" if c["rope"] else "reference")
                     if c["ffn"]:
                         ffn.install(tf)
                     if c["fp8lin"]:  # deploy linear_precision: fp8, after the fused GELU (as the runtime)
-                        fp8_blocks, row["fp8_linears"] = fp8_linears(tf)
+                        fp8_blocks, row["fp8_linears"] = fp8_linears(tf, c["fp8fast"])
                     blocks = tf.blocks
                     if c["compile"]:
                         kw = {"backend": args.compile_backend, "dynamic": False,
@@ -583,6 +601,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
             omniloop_quant.restore(fp8_blocks)  # before ffn.restore: it puts back the fused GELU it replaced
             fp8_blocks = []
             ffn.restore(tf)  # the next configuration starts from diffusers' modules
+            unfuse_qkv(tf)
         rec.add(row)
         free()
     del tf

@@ -157,3 +157,13 @@ def test_two_threads_with_different_sets_each_equal_alone(rt):
         t.join(120)
     for g, want in zip(got, alone, strict=True):
         assert torch.equal(g, want)
+
+
+def test_fused_qkv_is_refused_with_adapters(wan_setup):
+    """``options.qkv: fused`` computes Q/K/V without the ``to_q``/``to_k``/``to_v`` linears a LoRA hooks:
+    refused at load in one line, not silently skipped."""
+    from omniloop.errors import DeployError
+
+    with pytest.raises(DeployError, match=r"^adapters: transformer has fused QKV projections") as info:
+        runtime(wan_setup, adapters={"a": str(wan_setup["a"])}, options={"qkv": "fused"})
+    assert "\n" not in str(info.value)

@@ -38,7 +38,7 @@ def request(**kw: Any) -> dict[str, Any]:
 
 
 def test_bad_value_refused_at_load(tiny):
-    with pytest.raises(DeployError, match=r"^linear_precision: unknown value 'int4' \(available: dtype, fp8\)$") as info:
+    with pytest.raises(DeployError, match=r"^linear_precision: unknown value 'int4' \(available: dtype, fp8, fp8-fast\)$") as info:
         Deployment({"model": {"path": str(tiny)}, "linear_precision": "int4"}, manager=manager())
     assert "\n" not in str(info.value)
 
@@ -109,6 +109,32 @@ def test_wan_demo_generates_with_fp8_linears():
     psnr = 10 * np.log10(255.0**2 / max(mse, 1e-12))
     print(f"wan-demo fp8 linears vs float32: PSNR {psnr:.1f} dB")
     assert psnr > 20.0
+
+
+def test_fp8_fast_sets_fast_accumulation_on_every_gemm():
+    """``linear_precision: fp8-fast`` is ``fp8`` with ``use_fast_accum`` on every block GEMM (the
+    plugin registers it beside ``fp8``; distribution-altering, refused for exact requests, same
+    combinations refused). On the CPU the flag changes nothing, so the clip equals fp8's."""
+    demo = pytest.importorskip("omniloop_wan_demo.checkpoint_path")
+    import omniloop_wan_demo.plugin as demo_plugin
+
+    assert manager().registry().linear_precisions["fp8-fast"] is quant_plugin.FP8_FAST
+    assert quant_plugin.FP8_FAST.distribution_altering
+    path = demo.checkpoint_dir()
+    mgr = make_manager(("wan", wan_plugin), ("wan-demo", demo_plugin), ("quant", quant_plugin), toy=False)
+    with pytest.raises(DeployError, match=r"^linear_precision: 'fp8-fast' does not combine with offload"):
+        Deployment({"model": {"path": str(path)}, "linear_precision": "fp8-fast", "offload": "model"}, manager=mgr)
+    body = {"task": "t2v", "inputs": [{"type": "text", "text": "a blue square moving up"}],
+            "diffusion": {"steps": 2, "guidance_scale": 5.0, "seed": 2, "frames": 9, "height": 64, "width": 64}}
+    fast = Runtime.from_model(path, manager=mgr, linear_precision="fp8-fast")
+    with pytest.raises(RequestError, match="linear_precision 'fp8-fast' alters outputs"):
+        fast.check(dict(body, exact=True))
+    layers = [m for m in fast.model.components["transformer"].modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == 100 and all(m.fast_accum for m in layers) and "fast_accum" in repr(layers[0])
+    plain = Runtime.from_model(path, manager=mgr, linear_precision="fp8")
+    assert not any(m.fast_accum for m in plain.model.components["transformer"].modules() if isinstance(m, FP8Linear))
+    a, b = fast.generate(body), plain.generate(body)
+    assert np.array_equal(np.asarray(a.artifacts["video"].frames), np.asarray(b.artifacts["video"].frames))
 
 
 def test_wan_demo_compiled_blocks_trace_fp8_linears_fullgraph():

@@ -234,3 +234,36 @@ def test_inductor_compile_on_cuda_matches_eager_within_bf16_tolerance(tiny_ckpt,
     assert rel_rms <= 2e-2, rel_rms
     den = out.metrics["denoise"]
     assert den["compile"]["enabled"] and den["compile"]["backend"] == "inductor"
+
+
+# -- options.qkv: fused ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["t2v", "i2v"])
+def test_qkv_fused_uses_one_projection_and_matches_separate(tiny_ckpt, wan_runtime, t2v_request, i2v_request, variant):
+    """``options.qkv: fused`` (diffusers' ``fuse_projections``): every attention computes Q/K/V (cross-
+    attention K/V, I2V's image K/V) with one GEMM over the concatenated weights — the separate linears
+    are never called — and the latents equal the separate path's up to float32 summation order."""
+    body = t2v_request() if variant == "t2v" else i2v_request()
+    base = wan_runtime(variant)
+    fused = Runtime.from_model(tiny_ckpt(variant), manager=wan_manager(), options={"qkv": "fused"})
+    assert fused.model.config["qkv"] == "fused" and base.model.config["qkv"] == "separate"
+    tf = fused.model.components["transformer"]
+    attns = [m for m in tf.modules() if hasattr(m, "fuse_projections")]
+    assert attns and all(m.fused_projections for m in attns)
+    unused = [m.to_k for m in attns] + [m.to_v for m in attns] + [m.to_q for m in attns if not m.is_cross_attention]
+    calls: list[str] = []
+    hooks = [lin.register_forward_hook(lambda *_: calls.append("separate")) for lin in unused]
+    try:
+        a, b = base.generate(body), fused.generate(body)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert a.ok and b.ok and calls == []
+    la, lb = a.artifacts["latents"].tensor, b.artifacts["latents"].tensor
+    torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
+
+
+def test_qkv_option_is_checked_at_load(tiny_ckpt):
+    with pytest.raises(DeployError, match=r"options\.qkv: must be one of separate, fused"):
+        Runtime.from_model(tiny_ckpt("t2v"), manager=wan_manager(), options={"qkv": "yes"})

@@ -3,6 +3,7 @@
     python -m omniloop_wan_demo_training.dmd_fast --out $OUT/lora --form lora --seconds 200
     python -m omniloop_wan_demo_training.dmd_fast --out $OUT/full --form full --seconds 200
     python -m omniloop_wan_demo_training.dmd_fast --out $OUT/v2 --eval-only v2          # wan-demo at its defaults
+    python -m omniloop_wan_demo_training.dmd_fast --out $OUT/s --eval-only lora --lora-scales 0.9,1,1.1
     python -m omniloop_wan_demo_training.dmd_fast --out /tmp/dmd-smoke --smoke          # CPU check, ~1 min
 
 Teacher: the shipped ``checkpoint/`` (v2) with CFG ``--teacher-guidance`` (the real score).
@@ -22,7 +23,11 @@ Evaluation (on the saved fp16 weights, the LoRA applied as ``W + B A``): the few
 math batched on the GPU (``distill.FewStepGenerator``) on ``full_prompts() x --eval-seeds``, W1's
 detector (colour, direction, shape, ghost-free = "clean") and duplicate objects (a ghost in >= 8
 frames). ``--eval-only v2`` evaluates wan-demo v2 at its shipped defaults (stochastic flow Euler,
-20 steps, guidance 2, shift 5; ``sampling.FlowEulerGenerator``) on the same clips.
+20 steps, guidance 2, shift 5; ``sampling.FlowEulerGenerator``) on the same clips. ``--eval-only lora``
+trains nothing either: it evaluates v2 + ``scale * B A`` of a LoRA file (``--lora-from``, default
+the shipped adapter) for each of ``--lora-scales`` — the adapter's strength as an inference setting
+(a scale other than 1 ships as the file's ``B`` multiplied by it, so that ``--adapter fast`` and
+``wan-demo-fast`` stay the same student).
 
 Writes ``result.json`` (args, training log, evaluation) and the weights (``fast_lora.safetensors``,
 ``transformer/`` for ``--form full``), and ``preview.png``.
@@ -224,6 +229,33 @@ def eval_v2(v2: dict[str, Any], *, prompts: list[str], seeds: list[int], steps: 
     return r
 
 
+def eval_scales(v2: dict[str, Any], a: argparse.Namespace, prompts: list[str], res: dict[str, Any], dump: Any) -> None:
+    """``--eval-only lora``: v2 + ``scale * B A`` of ``a.lora_from`` on the GPU protocol, per scale
+    (``res["evals"]``, written after each)."""
+    from safetensors.torch import load_file
+
+    state = load_file(a.lora_from)
+    base = v2["transformer"]
+    if a.smoke:  # the tiny transformer: only the pairs that fit it (a plumbing check)
+        weights = {n: m.weight.shape for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+        fits = {k for k in state if ".lora_A." in k
+                and (w := weights.get(k.removeprefix("transformer.").replace(".lora_A.weight", ""))) is not None
+                and state[k].shape[1] == w[1] and state[k.replace(".lora_A.", ".lora_B.")].shape[0] == w[0]}
+        state = {k: v for k, v in state.items() if k in fits or k.replace(".lora_B.", ".lora_A.") in fits}
+    res["evals"] = []
+    for scale in a.scale_list:
+        tr = merge_lora(copy.deepcopy(base).float(), state, scale=scale).eval()
+        r = eval_fast(tr, v2, prompts=prompts, seeds=a.seed_list, timesteps=a.timestep_list, dev=a.device, preview=None)
+        r["lora_scale"] = scale
+        res["evals"].append(r)
+        _log("eval lora scale", scale, r["n"], json.dumps(r["accuracy"]), "duplicates", r["duplicate_clips"],
+             "ghost clips", r.get("clips_with_a_ghost"), r["wall_s"])
+        del tr
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        dump()
+
+
 def _preview(vids: list[np.ndarray], path: Path) -> None:
     from PIL import Image
 
@@ -241,7 +273,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="wan-demo-fast by DMD2 (see the module docstring)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--form", default="lora", choices=["lora", "full"])
-    ap.add_argument("--eval-only", choices=["v2"], help="evaluate wan-demo v2 at its defaults, train nothing")
+    ap.add_argument("--eval-only", choices=["v2", "lora"],
+                    help="train nothing: evaluate wan-demo v2 at its defaults (v2), or v2 + the --lora-from "
+                         "adapter at each of --lora-scales (lora)")
+    ap.add_argument("--lora-scales", default="1",
+                    help="--eval-only lora: comma-separated adapter scales (W + scale * B A), each evaluated")
     ap.add_argument("--seconds", type=float, default=200, help="training time box")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--rank", type=int, default=32)
@@ -281,6 +317,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             a.rank = lora_file_rank(Path(a.lora_from))
         except Exception as e:  # not a safetensors file, or not a LoRA
             ap.error(f"--lora-from: {e}")
+    try:
+        a.scale_list = [float(x) for x in a.lora_scales.split(",")]
+    except ValueError:
+        ap.error(f"--lora-scales: expected comma-separated numbers, got {a.lora_scales!r}")
+    if any(not math.isfinite(x) or x <= 0 for x in a.scale_list):
+        ap.error(f"--lora-scales: each must be a finite number > 0, got {a.lora_scales!r}")
+    if a.eval_only == "lora":
+        if a.form != "lora":
+            ap.error("--eval-only lora: only with --form lora")
+        if not a.lora_from:
+            from omniloop_wan_demo.checkpoint_path import fast_lora_path
+
+            a.lora_from = str(fast_lora_path())
+            a.rank = lora_file_rank(fast_lora_path())
     if a.smoke:
         a.batch, a.seconds, a.seed_list, a.v2_steps = 2, 1e9, [0], 2
     return a
@@ -310,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         res["eval"] = eval_v2(v2, prompts=eval_prompts, seeds=a.seed_list, steps=a.v2_steps, dev=dev)
         _log("eval v2", res["eval"]["n"], json.dumps(res["eval"]["accuracy"]), "duplicates", res["eval"]["duplicate_clips"],
              res["eval"]["wall_s"])
+        res["total_s"] = round(time.perf_counter() - t_start, 1)
+        dump()
+        return 0
+    if a.eval_only == "lora":
+        eval_scales(v2, a, eval_prompts, res, dump)
         res["total_s"] = round(time.perf_counter() - t_start, 1)
         dump()
         return 0

@@ -164,6 +164,17 @@ def install(model: torch.nn.Module, backend: Any, qk_norm_rope: str = "reference
                        name)
 
 
+def fuse_projections(model: torch.nn.Module) -> int:
+    """``options.qkv: fused``: diffusers' ``WanAttention.fuse_projections`` on every attention of
+    ``model`` (``to_qkv`` for self-attention, ``to_kv`` for cross-attention, ``to_added_kv`` for I2V's
+    image keys; the separate linears are kept). Returns how many modules were fused."""
+    mods = _attention_modules(model)
+    with torch.no_grad():
+        for m in mods:
+            m.fuse_projections()
+    return len(mods)
+
+
 def diffusers_attention(*models: torch.nn.Module) -> Any:
     """Run ``models`` with diffusers' own ``WanAttnProcessor`` inside the block, then restore."""
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
@@ -171,4 +182,5 @@ def diffusers_attention(*models: torch.nn.Module) -> Any:
     return kit.restored([m for model in models for m in _attention_modules(model)], WanAttnProcessor)
 
 
-__all__ = ["WanBackendAttnProcessor", "apply_rotary_emb", "diffusers_attention", "install", "installed", "set_token_grid"]
+__all__ = ["WanBackendAttnProcessor", "apply_rotary_emb", "diffusers_attention", "fuse_projections", "install", "installed",
+           "set_token_grid"]

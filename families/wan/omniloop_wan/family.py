@@ -222,7 +222,7 @@ def check_fused_options(opts: WanOptions, device: Any) -> None:
 
 
 def configure(model: LoadedModel, opts: WanOptions, device: Any = None) -> None:
-    """Set up the loaded modules for a deployment: attention processors, compiled blocks, VAE
+    """Set up the loaded modules for a deployment: fused Q/K/V, attention processors, compiled blocks, VAE
     tiling/slicing/CPU kernels, the text-embedding cache (``model.config["text_cache"]``).
     ``device``: where the model computes (default: ``model.device``)."""
     from omniloop_kit.textcache import TextEmbeddingCache
@@ -233,6 +233,12 @@ def configure(model: LoadedModel, opts: WanOptions, device: Any = None) -> None:
     check_fused_options(opts, model.device if device is None else device)
     comps = model.components
     experts = [comps[n] for n in ("transformer", "transformer_2") if n in comps]
+    if opts.qkv == "fused":  # diffusers' fused projections; the processors read attn.fused_projections
+        from .attention import fuse_projections
+
+        for tf in experts:
+            fuse_projections(tf)
+    model.config["qkv"] = opts.qkv
     if opts.attention is not None:
         for tf in experts:
             install(tf, opts.attention, qk_norm_rope=opts.qk_norm_rope)

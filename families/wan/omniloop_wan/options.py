@@ -22,6 +22,11 @@
                        and tanh-GELU as one cuBLASLt matmul with a GELU epilogue
                        (:mod:`omniloop_wan.ffn`; CUDA only, refused at load otherwise); within
                        bf16 rounding of the reference, not bit-equal
+``qkv``                ``separate`` (default: diffusers' three Q/K/V linears) or ``fused``: diffusers'
+                       ``WanAttention.fuse_projections`` — one GEMM over ``[W_q; W_k; W_v]``
+                       (cross-attention: ``[W_k; W_v]``), the originals kept; with
+                       ``linear_precision: fp8`` one activation quantisation instead of three;
+                       refused with adapters (they hook the separate linears)
 ``compile_backend``    ``torch.compile`` backend for deploy ``compile: true`` (default
                        ``inductor``; ``eager`` checks tracing without code generation)
 ``compile_mode``       e.g. ``max-autotune-no-cudagraphs`` (inductor only)
@@ -46,6 +51,7 @@ from typing import Any
 from attrs import define
 
 from omniloop.errors import DeployError
+from omniloop_kit.attention import qkv_option
 from omniloop_kit.options import choice_option
 from omniloop_kit.textcache import capacity_from_options
 
@@ -59,7 +65,7 @@ RUNTIME_KEYS = frozenset({"deploy", "registry", "attention"})
 TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height", "tile_sample_stride_width")
 KNOWN = frozenset(
     {
-        "vae_dtype", "text_cache", "vae_tiling", "vae_slicing", "vae_cpu_kernels", "qk_norm_rope", "ffn_gelu",
+        "vae_dtype", "text_cache", "vae_tiling", "vae_slicing", "vae_cpu_kernels", "qk_norm_rope", "ffn_gelu", "qkv",
         "compile_backend", "compile_mode", "compile_dynamic",
         "rollout", "rollout_options",  # read by omniloop_wan.causal.pipeline (rollout: causal)
     }
@@ -77,6 +83,8 @@ class WanOptions:
     qk_norm_rope: str
     #: "reference" or "fused" (see omniloop_wan.ffn)
     ffn_gelu: str
+    #: "separate" or "fused" (diffusers' fuse_projections)
+    qkv: str
     #: None when compile is off, else {backend, mode, dynamic}
     compile: dict[str, Any] | None
     attention: Any
@@ -114,6 +122,7 @@ def parse_options(options: Mapping[str, Any] | None) -> WanOptions:
         vae_cpu_kernels=parse_vae_cpu_kernels(options.get("vae_cpu_kernels")),
         qk_norm_rope=fused["qk_norm_rope"],
         ffn_gelu=fused["ffn_gelu"],
+        qkv=qkv_option(options),
         compile=compile_options(options),
         attention=options.get("attention"),
     )

@@ -1,5 +1,5 @@
 """The GPU session scripts of issue 41 (``demos/wan-demo/scripts/gpu_causal_dmd.sh``,
-``gpu_dmd.sh``): they cannot run here (no GPU, no carried wheels), so what can drift is checked —
+``gpu_dmd.sh``, ``gpu_fast_scales.sh``): they cannot run here (no GPU, no carried wheels), so what can drift is checked —
 bash parses them, every ``--option`` they pass to a training module is one that module's parser
 knows, the files they start from are in the package, and each packs its results into one tar."""
 
@@ -14,7 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 SCRIPTS = REPO / "demos" / "wan-demo" / "scripts"
 MODULES = {"gpu_causal_dmd.sh": "omniloop_wan_demo_training.train_causal_dmd",
-           "gpu_dmd.sh": "omniloop_wan_demo_training.dmd_fast"}
+           "gpu_dmd.sh": "omniloop_wan_demo_training.dmd_fast",
+           "gpu_fast_scales.sh": "omniloop_wan_demo_training.dmd_fast"}
 
 
 def _module_options(module: str) -> set[str]:
@@ -50,6 +51,6 @@ def test_the_script_packs_one_tar_and_says_how_to_ship_it(script, tar):
 
 
 def test_the_scripts_start_from_files_the_package_has():
-    for script, var in (("gpu_causal_dmd.sh", "FROM"), ("gpu_dmd.sh", "LORA_FROM")):
+    for script, var in (("gpu_causal_dmd.sh", "FROM"), ("gpu_dmd.sh", "LORA_FROM"), ("gpu_fast_scales.sh", "LORA")):
         (default,) = re.findall(rf"^{var}=\${{2:-([^}}]+)}}", (SCRIPTS / script).read_text(), re.M)
         assert (REPO / default).exists(), (script, default)

@@ -16,8 +16,9 @@ from .fp8 import ALIGN, FP8GeluProjection, FP8Linear, install, unavailable_reaso
 
 log = logging.getLogger("omniloop.quant")
 
-#: values of the deploy's ``linear_precision``
-MODES = ("dtype", "fp8")
+#: values of the deploy's ``linear_precision``: ``fp8-fast`` is ``fp8`` with the GEMMs' fast
+#: (reduced-precision) accumulation (``FP8Linear.fast_accum``)
+MODES = ("dtype", "fp8", "fp8-fast")
 _DEFAULT_BLOCK_LISTS = "blocks|transformer_blocks|single_transformer_blocks"
 
 
@@ -75,12 +76,12 @@ def check_deploy(deploy: Any, family: Any, device: Any, dtype: Any) -> None:
         raise DeployError(f"linear_precision: must be one of {', '.join(MODES)}, not {mode!r}")
     why = unavailable_reason(device, dtype)
     if why:
-        raise DeployError(f"linear_precision: 'fp8' cannot run here: {why}")
+        raise DeployError(f"linear_precision: {mode!r} cannot run here: {why}")
     if getattr(deploy, "adapters", None):
-        raise DeployError("linear_precision: 'fp8' does not combine with adapters (LoRA) yet: the adapters hook "
+        raise DeployError(f"linear_precision: {mode!r} does not combine with adapters (LoRA) yet: the adapters hook "
                           "and fuse into the linears (in the deploy dtype) that FP8 replaces; use linear_precision: dtype")
     if getattr(deploy, "offload", "none") != "none":
-        raise DeployError(f"linear_precision: 'fp8' does not combine with offload: {deploy.offload!r} yet (untested); "
+        raise DeployError(f"linear_precision: {mode!r} does not combine with offload: {deploy.offload!r} yet (untested); "
                           "use offload: none")
 
 
@@ -93,9 +94,10 @@ def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
         return None
     blocks = denoiser_blocks(model.components, family)
     if not blocks:
-        raise DeployError(f"linear_precision: 'fp8': family {family.name!r} has no transformer "
+        raise DeployError(f"linear_precision: {mode!r}: family {family.name!r} has no transformer "
                           "blocks to quantise (declare FamilyCapabilities(quant_blocks={component: 'blocks'}))")
-    report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks])
+    report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks],
+                     fast_accum=mode == "fp8-fast")
     report = {"mode": mode, "blocks": len(blocks), **report, "stray_weights": stray_weights(blocks)}
     model.config["linear_precision"] = report
     if report["stray_weights"]:

@@ -19,6 +19,12 @@ activation scales.
 So the output is ``(xq * scale_x) @ (Wq * scale_w).T + b`` computed in float32, i.e. exactly the
 float32 product of the two dequantised operands (:func:`reference_output` computes that model).
 
+``fast_accum=True`` (deploy ``linear_precision: fp8-fast``) passes ``use_fast_accum=True``: on Hopper the
+tensor cores then accumulate the e4m3 products in their own reduced-precision accumulator without
+cuBLASLt's periodic promotion to float32 — 1.7–1.8× a bf16 GEMM on Wan 1.3B's shapes instead of
+1.3–1.6× (docs/quant-measurements.md), at a cost in accuracy that grows with ``in_features``. On the
+CPU the flag changes nothing (the CPU kernel accumulates in float32 either way).
+
 Shapes: ``_scaled_mm`` needs ``in_features`` and ``out_features`` to be multiples of 16. A linear
 that is not is **left as it was** (computed in the model's dtype) and listed in the install
 report's ``skipped`` — no padding (padding K or N would cost a copy of the activation per call
@@ -83,8 +89,10 @@ class FP8Linear(nn.Module):
     """An ``nn.Linear`` computed as an e4m3 GEMM (see the module docstring). Built from a linear,
     whose weight it quantises once; the bias is shared with it (not copied)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, *, fast_accum: bool = False) -> None:
         super().__init__()
+        #: ``use_fast_accum`` of the GEMM (see the module docstring)
+        self.fast_accum = bool(fast_accum)
         if not shape_ok(linear):
             raise ValueError(f"FP8Linear: in_features {linear.in_features} and out_features {linear.out_features} "
                              f"must be multiples of {ALIGN}")
@@ -103,7 +111,7 @@ class FP8Linear(nn.Module):
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         out = torch._scaled_mm(xq, self.qweight.t(), scale_a=sx, scale_b=self.weight_scale, bias=bias,
-                               out_dtype=x.dtype)
+                               out_dtype=x.dtype, use_fast_accum=self.fast_accum)
         return out.reshape(*lead, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -111,15 +119,16 @@ class FP8Linear(nn.Module):
         return self.qweight.float() * self.weight_scale.reshape(-1, 1)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3"
+        fast = ", fast_accum" if self.fast_accum else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3{fast}"
 
 
 class FP8GeluProjection(nn.Module):
     """``gelu(FP8Linear(x), approximate)``: stands in for a fused GELU projection (``proj`` + activation)."""
 
-    def __init__(self, proj: nn.Linear, approximate: str) -> None:
+    def __init__(self, proj: nn.Linear, approximate: str, *, fast_accum: bool = False) -> None:
         super().__init__()
-        self.proj = FP8Linear(proj)
+        self.proj = FP8Linear(proj, fast_accum=fast_accum)
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,14 +197,15 @@ def _children(module: nn.Module, prefix: str = "") -> Iterable[tuple[nn.Module, 
             yield from _children(child, f"{path}.")
 
 
-def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: Iterable[str] | None = None
-            ) -> dict[str, Any]:
+def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: Iterable[str] | None = None,
+            fast_accum: bool = False) -> dict[str, Any]:
     """Swap every ``nn.Linear`` under each of ``roots`` (e.g. a transformer's blocks) for an
     :class:`FP8Linear`, in place; returns ``{"quantized": n, "skipped": [names and shapes]}``.
 
     ``names``: one label per root for the report (default ``root<i>``). A root already installed
     is left as it is. ``keep_original=False`` keeps no reference to the
-    replaced modules (their bf16 weights can be freed; :func:`restore` then cannot undo)."""
+    replaced modules (their bf16 weights can be freed; :func:`restore` then cannot undo).
+    ``fast_accum``: the GEMMs' ``use_fast_accum`` (:class:`FP8Linear`)."""
     quantized = 0
     skipped: list[str] = []
     labels = list(names) if names is not None else None
@@ -209,12 +219,12 @@ def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: It
             new: nn.Module | None = None
             if _is_fused_gelu(child):
                 if shape_ok(child.proj):
-                    new = FP8GeluProjection(child.proj, child.approximate)
+                    new = FP8GeluProjection(child.proj, child.approximate, fast_accum=fast_accum)
                 else:
                     skipped.append(f"{label}.{path}.proj {child.proj.in_features}->{child.proj.out_features}")
             elif isinstance(child, nn.Linear):
                 if shape_ok(child):
-                    new = FP8Linear(child)
+                    new = FP8Linear(child, fast_accum=fast_accum)
                 else:
                     skipped.append(f"{label}.{path} {child.in_features}->{child.out_features}")
             if new is None:

@@ -1,4 +1,4 @@
-"""Entry point of omniloop-quant: registers the deploy's ``linear_precision: fp8``."""
+"""Entry point of omniloop-quant: registers the deploy's ``linear_precision: fp8`` and ``fp8-fast``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ FP8 = LinearPrecisionSpec(
                 "per-token activation scales; CUDA capability >= 8.9, or the CPU)",
 )
 
+FP8_FAST = LinearPrecisionSpec(
+    name="fp8-fast",
+    check=FP8.check,
+    apply=FP8.apply,
+    distribution_altering=True,
+    description="fp8 with the GEMMs' fast accumulation (use_fast_accum: no periodic float32 promotion on "
+                "Hopper; faster, less accurate — see omniloop-quant's README for its measured quality)",
+)
+
 
 def _quant() -> Any:  # the package (and torch) load only when a deploy names fp8
     import omniloop_quant
@@ -28,3 +37,4 @@ def _quant() -> Any:  # the package (and torch) load only when a deploy names fp
 @hookimpl
 def omniloop_register_linear_precisions(register: Any) -> None:
     register(FP8)
+    register(FP8_FAST)
