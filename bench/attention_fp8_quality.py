@@ -199,12 +199,15 @@ class CapturePlugin:
 def demo_runtime(device: str, backend: str, rope: str, capture: CapturePlugin | None = None,
                  linear_precision: str = "dtype") -> Any:
     import omniloop_attention.plugin as attn_plugin
+    import omniloop_quant.plugin as quant_plugin
     import omniloop_wan.plugin as wan_plugin
     from omniloop.runtime import Runtime
     from omniloop.testing import make_manager
     from omniloop_wan_demo.checkpoint_path import checkpoint_dir
 
-    plugins: list[tuple[str, Any]] = [("wan", wan_plugin), ("attention", attn_plugin)]
+    # the plugins by hand (the GPU machine has the repo on PYTHONPATH, no entry points): omniloop-quant
+    # registers linear_precision fp8 / fp8-fast
+    plugins: list[tuple[str, Any]] = [("wan", wan_plugin), ("attention", attn_plugin), ("quant", quant_plugin)]
     if capture is not None:
         plugins.append(("capture", capture))
     return Runtime.from_model(checkpoint_dir(), device=device, dtype="bfloat16" if device == "cuda" else "float32",

@@ -22,7 +22,7 @@ def test_wan_gpu_fp8lin_smoke(tmp_path):
     rows = {r["config"]: r for r in rec["results"]}
     fp8 = rows["omniloop-sdpa-compile-fp8lin"]
     assert "error" not in fp8, fp8
-    assert fp8["fp8lin"] and fp8["fp8_linears"] == {"quantized": 30, "skipped": 0, "blocks": 3}
+    assert fp8["fp8lin"] and fp8["fp8_linears"] == {"quantized": 30, "skipped": 0, "blocks": 3, "fast_accum": False}
     assert not fp8["vs_diffusers_eager"]["bit_equal"] and fp8["vs_diffusers_eager"]["rel_rms"] < 0.06
     assert rows["omniloop-sdpa"]["vs_diffusers_eager"]["bit_equal"]  # restored
 
@@ -37,3 +37,18 @@ def test_fp8_quality_linears_smoke(tmp_path):
     assert len(acts["by_layer_fp8_mean"]) == 100 and acts["all_fp8"]["n"] == 400  # 100 linears x 2 steps x 2 branches
     assert 0.005 < acts["all_fp8"]["mean"] < 0.06
     assert acts["by_kind"]["ffn.net.2"]["dtype"]["max"] < 1e-5  # float32 on the CPU: the model's own is the reference
+
+
+@pytest.mark.skipif(not (BENCH / "attention_fp8_quality.py").exists(), reason="bench/ not in this checkout")
+@pytest.mark.parametrize("precision", ["fp8", "fp8-fast"])
+def test_fp8_quality_clip_runtime_registers_the_quant_plugin(precision):
+    """The clips part builds its runtime from plugins named by hand (the GPU machine has the repo on
+    PYTHONPATH, no entry points): omniloop-quant must be among them, or fp8 / fp8-fast is unknown."""
+    pytest.importorskip("omniloop_wan_demo")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_fp8_quality_bench", BENCH / "attention_fp8_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rt = mod.demo_runtime("cpu", "sdpa", "reference", linear_precision=precision)
+    assert rt.linears["quantized"] == 100 and rt.describe()["linear_precision"] == precision
