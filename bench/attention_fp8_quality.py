@@ -1,6 +1,6 @@
 """FP8 attention (``cudnn-fp8``): kernel checks, speed on Wan 1.3B's shape, and quality on the trained wan-demo.
 
-Three parts, one JSON (``$OUT`` or ``bench/results/attention_fp8-<date>.json``, with the command):
+Parts, one JSON (``$OUT`` or ``bench/results/attention_fp8-<date>.json``, with the command):
 
 1. **kernel** (GPU): the backend against bf16 SDPA (cuDNN) and against the FP8 numerical model
    (:func:`omniloop_attention.fp8.reference_fp8_attention`) on small random shapes; on Wan 1.3B's
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import gc
 import json
 import math
@@ -78,6 +79,44 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 # --------------------------------------------------------------------------------------------
 # 1. kernel
 # --------------------------------------------------------------------------------------------
+
+
+def part_plans(res: dict[str, Any]) -> None:
+    """cuDNN's execution plans for the FP8 graph on Wan 1.3B's and 14B's self-attention shapes
+    (q, k, v ``[B, L, H, D]`` memory viewed as ``[B, H, L, D]``, 32,760 tokens): every plan of heuristic
+    modes A, B and FALLBACK timed (``attention_options.plan: fastest``'s tuning), then the backend
+    call with ``plan: heuristic`` vs ``fastest`` (v quantisation and output dequantisation included)."""
+    from omniloop_attention.fp8 import PLAN_TIMINGS, CudnnFP8Attention, quantize
+
+    out: dict[str, Any] = {}
+    res["plans"] = out
+    dev = "cuda"
+    for label, (b, h, s, d) in {"wan13b": (1, 12, 32760, 128), "wan14b": (1, 40, 32760, 128)}.items():
+        flops = 4 * b * h * s * s * d
+        row: dict[str, Any] = {"shape": [b, h, s, d], "tflop": round(flops / 1e12, 2)}
+        out[label] = row
+        try:
+            g = torch.Generator(dev).manual_seed(2)
+            q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+                       for _ in range(3))
+            q8, dq = quantize(q)
+            k8, dk = quantize(k)
+            heur, fast = CudnnFP8Attention("heuristic"), CudnnFP8Attention("fastest")
+            with torch.no_grad():
+                ref = heur.attend_quantized(q8, dq, k8, dk, v, torch.bfloat16)
+                before = set(PLAN_TIMINGS)
+                o = fast.attend_quantized(q8, dq, k8, dk, v, torch.bfloat16)
+                new = [key for key in PLAN_TIMINGS if key not in before]
+                row["plan_timings"] = PLAN_TIMINGS[new[0]] if new else "not tuned (cached from an earlier call)"
+                row["fastest_vs_heuristic_rel_rms"] = rel_rms(o, ref)
+                args = (q8, dq, k8, dk, v, torch.bfloat16)
+                for name, fn in (("heuristic", heur), ("fastest", fast)):
+                    t = bench(functools.partial(fn.attend_quantized, *args), n=20)
+                    row[name] = {"ms": round(t * 1e3, 3), "tflops": round(flops / t / 1e12, 1)}
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:800]
+            row["traceback"] = traceback.format_exc()[-1500:]
+        print("plans", label, json.dumps(row, default=str)[:3000], flush=True)
 
 
 def part_kernel(res: dict[str, Any]) -> None:
@@ -531,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for p in parts:
         try:
-            {"kernel": lambda: part_kernel(res), "activations": lambda: part_activations(res, device, args.smoke),
+            {"kernel": lambda: part_kernel(res), "plans": lambda: part_plans(res), "activations": lambda: part_activations(res, device, args.smoke),
              "clips": lambda: part_clips(res, device, args.smoke, keys, seeds, save),
              "linears": lambda: part_linears(res, device, args.smoke)}[p]()
         except Exception as exc:

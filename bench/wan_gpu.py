@@ -26,6 +26,8 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       in the rope kernel, ``-sepq``: by a separate pass),
                                       ``sparse50``/``sparse30``/``sparse15`` (``sparse-tile``
                                       at density 0.5/0.3/0.15, distribution-altering);
+                                      ``fp8t``: ``cudnn-fp8`` with ``attention_options:
+                                      {plan: fastest}``;
                                       ``-compile``: deploy ``compile: true``
                                       (regional, each block ``fullgraph=True``); ``-batched``:
                                       batched CFG (cond+uncond in one forward); ``-fp8lin``:
@@ -111,6 +113,8 @@ BF16_PEAK_TFLOPS = 790.0  # H200 dense bf16, for the "share of peak" column
 BF16_REL_RMS_TOL = 5e-2
 
 BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn", "fp8": "cudnn-fp8", "fa4": "flash-attn-4",
+            # cudnn-fp8 with attention_options.plan: fastest (cuDNN's plans timed once per shape)
+            "fp8t": "cudnn-fp8#fastest",
             # sparse-tile at a density (attention_options.density; distribution-altering)
             "sparse50": "sparse-tile@0.5", "sparse30": "sparse-tile@0.3", "sparse15": "sparse-tile@0.15"}
 #: the default subset (~7 min on one H200 with max-autotune compiles); --only picks any
@@ -135,6 +139,8 @@ def all_configs() -> list[str]:
     out += [f"omniloop-{be}-compile-fused-fp8lin" for be in ("fp8", "cudnn")] + ["omniloop-sdpa-compile-fp8lin"]
     # -fp8fast: linear_precision: fp8-fast (fast accumulation); -qkv (any omniloop config): options.qkv: fused
     out += ["omniloop-fp8-compile-fused-fp8lin-qkv", "omniloop-fp8-compile-fused-fp8fast-qkv"]
+    # fp8t: cudnn-fp8 with attention_options.plan: fastest
+    out += ["omniloop-fp8t-compile-fused-fp8fast"]
     return out
 
 
@@ -250,7 +256,12 @@ def backend_spec(name: str) -> tuple[Any, str | None]:
     from omniloop_attention.backends import BACKENDS as SPECS
 
     base, _, density = name.partition("@")
+    base, _, plan = base.partition("#")
     spec = next(s for s in SPECS if s.name == base)
+    if plan:  # cudnn-fp8's attention_options.plan
+        import attrs
+
+        spec = attrs.evolve(spec, fn=spec.configure(spec.options_schema(plan=plan)))
     if density:  # the deploy's attention_options, as the runtime applies them at load
         import attrs
 

@@ -76,6 +76,26 @@ def test_exact_requests_are_refused(toy_checkpoint, monkeypatch):
         rt.generate(toy_request(exact=True))
 
 
+def test_plan_option_checked_at_load(toy_checkpoint, monkeypatch):
+    """``attention_options: {plan: fastest}`` gives the runtime a backend callable that times cuDNN's
+    plans; an unknown plan or key is one DeployError at load (availability patched: no GPU here)."""
+    import attrs
+
+    from omniloop.runtime import Runtime
+    from omniloop_attention import backends
+
+    patched = attrs.evolve(SPEC, available=lambda: None)
+    monkeypatch.setattr(backends, "BACKENDS", [patched if b.name == "cudnn-fp8" else b for b in backends.BACKENDS])
+    mgr = make_manager(("attention", plugin))
+    rt = Runtime.from_model(toy_checkpoint, manager=mgr, attention_backend="cudnn-fp8",
+                            attention_options={"plan": "fastest"})
+    assert rt.attention.fn.plan == "fastest" and cudnn_fp8.plan == "heuristic"
+    with pytest.raises(DeployError, match=r"^attention_options\.plan: must be one of heuristic, fastest, not 'best'$"):
+        Runtime.from_model(toy_checkpoint, manager=mgr, attention_backend="cudnn-fp8", attention_options={"plan": "best"})
+    with pytest.raises(DeployError, match="attention_options"):
+        Runtime.from_model(toy_checkpoint, manager=mgr, attention_backend="cudnn-fp8", attention_options={"plans": "fastest"})
+
+
 def test_mask_and_causal_are_errors():
     q = torch.zeros(1, 1, 4, 8)
     with pytest.raises(ValueError, match="no attention mask"):
@@ -172,3 +192,23 @@ def test_fused_rope_kernel_writes_e4m3_with_its_descale():
     ref = fused.reference(x.float(), norm.float(), cos, sin, heads)
     assert _rel(x8.float() * d, ref) < 0.04
     assert math.isfinite(float(x8.float().abs().max()))
+
+
+@needs_fp8
+def test_fastest_plan_times_every_plan_once_and_matches_the_heuristic_pick():
+    """``plan: fastest``: the first call of a shape times each of cuDNN's plans (recorded in
+    PLAN_TIMINGS) and keeps the fastest; every plan computes the same graph, so the output is within
+    FP8 rounding of the heuristic plan's."""
+    from omniloop_attention.fp8 import PLAN_TIMINGS, CudnnFP8Attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 512, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    before = len(PLAN_TIMINGS)
+    fast = CudnnFP8Attention(plan="fastest")
+    a = fast(q, k, v)
+    assert len(PLAN_TIMINGS) == before + 1
+    rows = list(PLAN_TIMINGS.values())[-1]
+    assert any("ms" in r for r in rows)
+    fast(q, k, v)
+    assert len(PLAN_TIMINGS) == before + 1  # tuned once per shape
+    assert _rel(a, cudnn_fp8(q, k, v)) < 0.05

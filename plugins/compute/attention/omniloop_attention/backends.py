@@ -14,7 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from omniloop.family import AttentionBackendSpec
 
 from .flash4 import AUTO_RANK, flash_attn4, flash_attn4_accepts, flash_attn4_available
-from .fp8 import cudnn_fp8, cudnn_fp8_available
+from .fp8 import CudnnFP8Options, cudnn_fp8, cudnn_fp8_available
+from .fp8 import configure as configure_fp8
 from .sparse import SparseTileOptions, configure, flex_available, sparse_tile
 
 _KERNELS = {
@@ -95,7 +96,9 @@ def _specs() -> list[AttentionBackendSpec]:
     ))
     specs.append(AttentionBackendSpec(
         name="cudnn-fp8", fn=cudnn_fp8, available=cudnn_fp8_available, distribution_altering=True,
-        description="cuDNN FP8 (e4m3) attention, per-tensor scales, FP8 output dequantised (Hopper; alters outputs)",
+        description="cuDNN FP8 (e4m3) attention, per-tensor scales, FP8 output dequantised (Hopper; alters outputs; "
+                    "attention_options: plan = heuristic | fastest)",
+        options_schema=CudnnFP8Options, configure=configure_fp8,
     ))
     specs.append(AttentionBackendSpec(
         name="sparse-tile", fn=sparse_tile, available=flex_available, distribution_altering=True,

@@ -21,6 +21,13 @@ The graph call is a ``torch.library`` custom op (``omniloop_attention::cudnn_fp8
 ``torch.compile(fullgraph=True)`` keeps it in the graph; graphs are built once per shape and
 stride pattern and cached.
 
+Which of cuDNN's execution plans runs (``attention_options: {plan: ...}``, :data:`PLAN_MODES`):
+``heuristic`` takes the first plan of heuristic mode A (then FALLBACK) that builds — cuDNN's own
+pick; ``fastest`` builds every plan of modes A, B and FALLBACK for the shape and, at the first call
+with that shape, runs each a few times on the real inputs and keeps the fastest (a one-time cost of
+about a second per shape; the timings are kept in :data:`PLAN_TIMINGS`). Every plan computes the
+same graph; they differ in kernels and tiling, so outputs may differ in rounding.
+
 The Wan family can hand over q and k already quantised by its fused QK-norm + rotary Triton
 kernel (:meth:`CudnnFP8Attention.attend_quantized`; ``omniloop_wan.attention``), saving the
 separate quantisation passes over q and k.
@@ -34,8 +41,11 @@ import threading
 from typing import Any
 
 import torch
+from attrs import define
 
 E4M3_MAX = 448.0
+#: ``attention_options.plan`` values (see the module docstring)
+PLAN_MODES = ("heuristic", "fastest")
 #: output scale = O_HEADROOM / amax(v): below 448 so that rounding of the quantised
 #: probabilities (which can push a row's weights a few % above 1) never saturates
 O_HEADROOM = 384.0
@@ -132,6 +142,10 @@ def reference_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 _LOCK = threading.Lock()
 _HANDLES: dict[int, Any] = {}
 _GRAPHS: dict[tuple[Any, ...], Any] = {}
+#: graph key -> the plan index picked by ``plan: fastest`` (absent: not tuned yet)
+_PICKED: dict[tuple[Any, ...], int] = {}
+#: graph key -> [{"index", "name", "ms"} or {"index", "name", "error"}] of the ``fastest`` tuning
+PLAN_TIMINGS: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
 
 # uids of the graph's tensors
 _Q, _K, _V, _O = 0, 1, 2, 3
@@ -149,11 +163,17 @@ def _handle(device: int) -> Any:
     return h
 
 
-def _graph(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o_stride: tuple[int, ...], attn_scale: float) -> Any:
+def _graph_key(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o_stride: tuple[int, ...], attn_scale: float,
+               plan: str) -> tuple[Any, ...]:
+    return (q8.device.index, tuple(q8.shape), tuple(k8.shape), tuple(v8.shape), q8.stride(), k8.stride(), v8.stride(),
+            o_stride, attn_scale, plan)
+
+
+def _graph(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o_stride: tuple[int, ...], attn_scale: float,
+           plan: str = "heuristic") -> Any:
     import cudnn
 
-    key = (q8.device.index, tuple(q8.shape), tuple(k8.shape), tuple(v8.shape), q8.stride(), k8.stride(), v8.stride(),
-           o_stride, attn_scale)
+    key = _graph_key(q8, k8, v8, o_stride, attn_scale, plan)
     g = _GRAPHS.get(key)
     if g is not None:
         return g
@@ -186,9 +206,14 @@ def _graph(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o_stride: tuple
         try:
             g.validate()
             g.build_operation_graph()
-            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            g.check_support()
-            g.build_plans()
+            if plan == "fastest":  # every candidate built; timed at the first call (_tune)
+                g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+                g.check_support()
+                g.build_plans(cudnn.build_plan_policy.ALL)
+            else:
+                g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+                g.check_support()
+                g.build_plans()
         except Exception as exc:
             raise RuntimeError(
                 f"cudnn-fp8: cuDNN has no FP8 attention kernel for q {tuple(q8.shape)}, k {tuple(k8.shape)}, "
@@ -196,6 +221,42 @@ def _graph(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o_stride: tuple
             ) from exc
         _GRAPHS[key] = g
         return g
+
+
+def _tune(g: Any, key: tuple[Any, ...], pack: dict[int, Any], handle: Any, device: torch.device,
+          repeats: int = 5) -> int:
+    """``plan: fastest``: time every plan of ``g`` on ``pack`` (the call's own tensors; the output is
+    rewritten by the real run after) and select the fastest; returns its index."""
+    import cudnn
+
+    rows: list[dict[str, Any]] = []
+    stream = torch.cuda.current_stream(device)
+    for i in range(int(g.get_execution_plan_count())):
+        try:
+            name = str(g.get_plan_name_at_index(i))
+        except Exception:  # a name is only for the record
+            name = f"plan {i}"
+        try:
+            ws = torch.empty(max(int(g.get_workspace_size_plan_at_index(i)), 1), device=device, dtype=torch.uint8)
+            cudnn.set_stream(handle, stream.cuda_stream)
+            g.execute_plan_at_index(pack, ws, index=i, handle=handle)  # warm-up (and: does it run?)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(repeats):
+                g.execute_plan_at_index(pack, ws, index=i, handle=handle)
+            end.record(stream)
+            end.synchronize()
+            rows.append({"index": i, "name": name, "ms": start.elapsed_time(end) / repeats})
+        except Exception as exc:  # a plan that does not run here is skipped, and recorded
+            rows.append({"index": i, "name": name, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    timed = [r for r in rows if "ms" in r]
+    if not timed:
+        raise RuntimeError(f"cudnn-fp8: no execution plan ran for this shape: {rows}")
+    best = min(timed, key=lambda r: r["ms"])["index"]
+    g.build_plan_at_index(best)
+    PLAN_TIMINGS[key] = rows
+    _PICKED[key] = best
+    return best
 
 
 def _bshd_stride(B: int, H: int, L: int, D: int) -> tuple[int, int, int, int]:
@@ -206,9 +267,10 @@ def _bshd_stride(B: int, H: int, L: int, D: int) -> tuple[int, int, int, int]:
 @torch.library.custom_op("omniloop_attention::cudnn_fp8_sdpa", mutates_args=())
 def cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                    descale_k: torch.Tensor, descale_v: torch.Tensor, scale_o: torch.Tensor,
-                   attn_scale: float) -> torch.Tensor:
+                   attn_scale: float, plan: str = "heuristic") -> torch.Tensor:
     """cuDNN FP8 SDPA: e4m3 ``[B, H, L, D]`` q/k/v (any strides, unit last stride) and float32
-    ``[1, 1, 1, 1]`` descales → the e4m3 output ``* scale_o`` as a contiguous ``[B, Lq, H, Dv]``."""
+    ``[1, 1, 1, 1]`` descales → the e4m3 output ``* scale_o`` as a contiguous ``[B, Lq, H, Dv]``.
+    ``plan``: one of :data:`PLAN_MODES`."""
     import cudnn
 
     q8, k8, v8 = (x if x.stride(-1) == 1 else x.contiguous() for x in (q8, k8, v8))
@@ -216,7 +278,9 @@ def cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale
     Dv = v8.shape[-1]
     out = torch.empty((B, Lq, H, Dv), device=q8.device, dtype=q8.dtype)
     o_view = out.permute(0, 2, 1, 3)
-    g = _graph(q8, k8, v8, o_view.stride(), attn_scale)
+    if plan not in PLAN_MODES:
+        raise ValueError(f"cudnn-fp8: plan must be one of {', '.join(PLAN_MODES)}, not {plan!r}")
+    g = _graph(q8, k8, v8, o_view.stride(), attn_scale, plan)
     dev = q8.device
     one = torch.ones((1, 1, 1, 1), device=dev, dtype=torch.float32)
     pack = {
@@ -227,15 +291,24 @@ def cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale
         _AMAX_S: torch.empty((1, 1, 1, 1), device=dev, dtype=torch.float32),
         _AMAX_O: torch.empty((1, 1, 1, 1), device=dev, dtype=torch.float32),
     }
-    ws = torch.empty(max(int(g.get_workspace_size()), 1), device=dev, dtype=torch.uint8)
     handle = _handle(dev.index)
+    if plan == "fastest":
+        key = _graph_key(q8, k8, v8, o_view.stride(), attn_scale, plan)
+        if key not in _PICKED:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("cudnn-fp8 plan 'fastest': the first call of a shape times the plans and "
+                                   "cannot run inside a CUDA graph capture; run one call before capturing")
+            with _LOCK:
+                if key not in _PICKED:
+                    _tune(g, key, pack, handle, dev)
+    ws = torch.empty(max(int(g.get_workspace_size()), 1), device=dev, dtype=torch.uint8)
     cudnn.set_stream(handle, torch.cuda.current_stream(dev).cuda_stream)
     g.execute(pack, ws, handle=handle)
     return out
 
 
 @cudnn_fp8_sdpa.register_fake
-def _cudnn_fp8_sdpa_fake(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, attn_scale):  # type: ignore[no-untyped-def]
+def _cudnn_fp8_sdpa_fake(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, attn_scale, plan="heuristic"):  # type: ignore[no-untyped-def]
     B, H, Lq, _ = q8.shape
     return q8.new_empty((B, Lq, H, v8.shape[-1]))
 
@@ -246,13 +319,19 @@ class CudnnFP8Attention:
     #: the Wan processor may pass q and k already quantised (see attend_quantized)
     accepts_quantized_qk = True
 
+    def __init__(self, plan: str = "heuristic") -> None:
+        if plan not in PLAN_MODES:
+            raise ValueError(f"plan must be one of {', '.join(PLAN_MODES)}, not {plan!r}")
+        #: how cuDNN's execution plan is chosen (:data:`PLAN_MODES`)
+        self.plan = plan
+
     def _run(self, q8: torch.Tensor, dq: torch.Tensor, k8: torch.Tensor, dk: torch.Tensor, v: torch.Tensor,
              out_dtype: torch.dtype) -> torch.Tensor:
         v8, dv = quantize(v)
         amax_v = dv * E4M3_MAX
         scale_o = O_HEADROOM / amax_v
         out8 = torch.ops.omniloop_attention.cudnn_fp8_sdpa(q8, k8, v8, dq, dk, dv, scale_o,
-                                                            1.0 / math.sqrt(q8.shape[-1]))
+                                                            1.0 / math.sqrt(q8.shape[-1]), self.plan)
         out = (out8.float() * (amax_v.reshape(()) / O_HEADROOM)).to(out_dtype)  # [B, L, H, D]
         return out.permute(0, 2, 1, 3)
 
@@ -272,15 +351,34 @@ class CudnnFP8Attention:
         return self._run(q8, descale_q, k8, descale_k, v, out_dtype)
 
     def __repr__(self) -> str:
-        return "CudnnFP8Attention()"
+        return f"CudnnFP8Attention(plan={self.plan!r})"
 
 
 cudnn_fp8 = CudnnFP8Attention()
 
+
+@define(frozen=True)
+class CudnnFP8Options:
+    """``attention_options`` of ``cudnn-fp8``: ``plan`` — ``heuristic`` (cuDNN's first buildable plan)
+    or ``fastest`` (every plan timed once per shape at its first call; see the module docstring)."""
+
+    plan: str = "heuristic"
+
+
+def configure(options: CudnnFP8Options) -> CudnnFP8Attention:
+    """The backend's callable for ``attention_options`` (``ValueError`` naming a bad ``plan``)."""
+    if options.plan not in PLAN_MODES:
+        raise ValueError(f"attention_options.plan: must be one of {', '.join(PLAN_MODES)}, not {options.plan!r}")
+    return cudnn_fp8 if options.plan == "heuristic" else CudnnFP8Attention(plan=options.plan)
+
 __all__ = [
     "E4M3_MAX",
     "O_HEADROOM",
+    "PLAN_MODES",
+    "PLAN_TIMINGS",
     "CudnnFP8Attention",
+    "CudnnFP8Options",
+    "configure",
     "cudnn_fp8",
     "cudnn_fp8_available",
     "cudnn_fp8_sdpa",
