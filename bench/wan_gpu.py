@@ -35,7 +35,9 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       blocks' linears as e4m3 ``_scaled_mm`` GEMMs,
                                       distribution-altering); ``-fp8fast``: ``fp8-fast`` (the
                                       same with fast accumulation); ``-qkv``: ``options.qkv:
-                                      fused`` (one Q/K/V GEMM)
+                                      fused`` (one Q/K/V GEMM); ``-gq``: the FP8 feed-forward's
+                                      GELU + quantisation as one Triton pass
+                                      (``omniloop_quant.fp8.FUSE_GELU_QUANT``)
 ====================================  ===========================================================
 
 Numerics: every configuration's final latents (and frames) are compared with diffusers eager on
@@ -139,24 +141,26 @@ def all_configs() -> list[str]:
     out += [f"omniloop-{be}-compile-fused-fp8lin" for be in ("fp8", "cudnn")] + ["omniloop-sdpa-compile-fp8lin"]
     # -fp8fast: linear_precision: fp8-fast (fast accumulation); -qkv (any omniloop config): options.qkv: fused
     out += ["omniloop-fp8-compile-fused-fp8lin-qkv", "omniloop-fp8-compile-fused-fp8fast-qkv"]
-    # fp8t: cudnn-fp8 with attention_options.plan: fastest
-    out += ["omniloop-fp8t-compile-fused-fp8fast"]
+    # fp8t: cudnn-fp8 with attention_options.plan: fastest; -gq: omniloop_quant.fp8.FUSE_GELU_QUANT (the FFN's
+    # GELU + FP8 quantisation as one Triton pass)
+    out += ["omniloop-fp8t-compile-fused-fp8fast", "omniloop-fp8t-compile-fused-fp8fast-gq"]
     return out
 
 
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
-                "rope": False, "ffn": False, "sepq": False, "fp8lin": False, "fp8fast": False, "qkv": False}
+                "rope": False, "ffn": False, "sepq": False, "fp8lin": False, "fp8fast": False, "qkv": False, "gq": False}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "qkv"}:
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "qkv", "gq"}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
             "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest,
-            "fp8lin": bool(rest & {"fp8lin", "fp8fast"}), "fp8fast": "fp8fast" in rest, "qkv": "qkv" in rest}
+            "fp8lin": bool(rest & {"fp8lin", "fp8fast"}), "fp8fast": "fp8fast" in rest, "qkv": "qkv" in rest,
+            "gq": "gq" in rest}
 
 
 def fp8_linears(transformer: Any, fast: bool = False) -> tuple[list[Any], dict[str, Any]]:
@@ -178,6 +182,19 @@ def unfuse_qkv(transformer: Any) -> None:
     for m in transformer.modules():
         if getattr(m, "fused_projections", False):
             m.unfuse_projections()
+
+
+@contextlib.contextmanager
+def gelu_quant_kernel(on: bool) -> Iterator[None]:
+    """``-gq``: omniloop-quant's FP8 feed-forward computes its GELU + activation quantisation in one Triton pass."""
+    from omniloop_quant import fp8
+
+    before = fp8.FUSE_GELU_QUANT
+    fp8.FUSE_GELU_QUANT = on
+    try:
+        yield
+    finally:
+        fp8.FUSE_GELU_QUANT = before
 
 
 @contextlib.contextmanager
@@ -380,7 +397,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
         c = parse_config(name)
         row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
                                "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
-                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv")},
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv", "gq")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
         if rec.over_budget():
             rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -398,7 +415,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                                             fp8lin=c["fp8lin"], fp8fast=c["fp8fast"], qkv=c["qkv"])
                 if side.fp8_report is not None:
                     row["fp8_linears"] = side.fp8_report
-            with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"]):
+            with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"]), gelu_quant_kernel(c["gq"]):
                 t = time.perf_counter()
                 side.run(2, size)  # warm-up: kernels, allocator, compilation (+ autotuning)
                 row["warmup_s"] = round(time.perf_counter() - t, 2)
@@ -538,7 +555,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     for name in rec.selected(model):
         c = parse_config(name)
         row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
-                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv")},
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv", "gq")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
         if rec.over_budget():
@@ -547,6 +564,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
         try:
             with torch.no_grad(), contextlib.ExitStack() as stack:
                 stack.enter_context(fp8_quant_fusion(not c["sepq"]))
+                stack.enter_context(gelu_quant_kernel(c["gq"]))
                 if c["side"] == "diffusers":
                     stack.enter_context(diffusers_attention(tf))
                     if c["compile"]:

@@ -37,6 +37,14 @@ special: its ``proj`` is swapped like any linear. omniloop-wan's ``FusedGeluProj
 (``options.ffn_gelu: fused``) reads ``proj.weight`` itself for its cuBLASLt GELU epilogue, so it
 is replaced as a whole by :class:`FP8GeluProjection` (the FP8 GEMM, then tanh-GELU — fused by
 inductor with the next linear's activation quantisation).
+
+A diffusers ``FeedForward`` (``net = [GELU projection, Dropout, Linear]``, as in Wan, FLUX and SD3
+blocks) is replaced as a whole by :class:`FP8FeedForward`: the same two FP8 GEMMs with the GELU
+between them. On CUDA with :data:`FUSE_GELU_QUANT` set it computes the GELU and the down
+projection's per-token quantisation in one Triton pass (:func:`omniloop_quant.kernels.gelu_quantize_rows`)
+and hands the e4m3 rows straight to the down GEMM; elsewhere (the CPU, or the flag off) it runs the
+torch ops of the separate modules, op for op. Dropout is not applied (inference: ``p`` is 0 in
+these models, and FP8 modules are never trained).
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import kernels as _kernels
+
 #: largest finite e4m3 (``torch.float8_e4m3fn``) magnitude
 E4M3_MAX = 448.0
 #: the smallest amax a scale is computed from (an all-zero row or channel quantises to zeros)
@@ -58,6 +68,11 @@ ALIGN = 16
 MIN_CAPABILITY = (8, 9)
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
+
+#: :class:`FP8FeedForward` on CUDA: the GELU and the down projection's activation quantisation as one
+#: Triton pass (omniloop_quant.kernels) instead of inductor's fused ops. Off by default until measured on
+#: a GPU (bench/wan_gpu.py's ``-gq`` side word turns it on for a configuration).
+FUSE_GELU_QUANT = False
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,12 +122,16 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         xq, sx = quantize_rows(x.reshape(-1, self.in_features))
+        return self.forward_quantized(xq, sx, x.dtype).reshape(*lead, self.out_features)
+
+    def forward_quantized(self, xq: torch.Tensor, sx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM on an input already quantised per row (``xq [M, in]`` e4m3, ``sx [M, 1]`` float32):
+        ``[M, out]`` in ``out_dtype``."""
         bias = self.bias
-        if bias is not None and bias.dtype != x.dtype:
-            bias = bias.to(x.dtype)
-        out = torch._scaled_mm(xq, self.qweight.t(), scale_a=sx, scale_b=self.weight_scale, bias=bias,
-                               out_dtype=x.dtype, use_fast_accum=self.fast_accum)
-        return out.reshape(*lead, self.out_features)
+        if bias is not None and bias.dtype != out_dtype:
+            bias = bias.to(out_dtype)
+        return torch._scaled_mm(xq, self.qweight.t(), scale_a=sx, scale_b=self.weight_scale, bias=bias,
+                                out_dtype=out_dtype, use_fast_accum=self.fast_accum)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer actually multiplies by (``Wq * scale``)."""
@@ -133,6 +152,48 @@ class FP8GeluProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(self.proj(x), approximate=self.approximate)
+
+
+class FP8FeedForward(nn.Module):
+    """Stands in for a diffusers ``FeedForward`` (GELU projection → dropout → linear): two
+    :class:`FP8Linear` GEMMs (``up``, ``down``) with the GELU between (see the module docstring)."""
+
+    def __init__(self, up: nn.Linear, approximate: str, down: nn.Linear, *, fast_accum: bool = False) -> None:
+        super().__init__()
+        self.up = FP8Linear(up, fast_accum=fast_accum)
+        self.down = FP8Linear(down, fast_accum=fast_accum)
+        self.approximate = approximate
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        lead = hidden_states.shape[:-1]
+        h = self.up(hidden_states).reshape(-1, self.up.out_features)
+        if FUSE_GELU_QUANT and _kernels.supported(h):
+            q, scale = _kernels.gelu_quantize_rows(h, self.approximate)
+            out = self.down.forward_quantized(q, scale, h.dtype)
+            return out.reshape(*lead, self.down.out_features)
+        out = self.down(torch.nn.functional.gelu(h, approximate=self.approximate))
+        return out.reshape(*lead, self.down.out_features)
+
+
+def _feed_forward_parts(module: nn.Module) -> tuple[nn.Linear, str, nn.Linear] | None:
+    """``(up projection, approximate, down projection)`` of a diffusers ``FeedForward`` with a GELU
+    (``GELU`` or omniloop-wan's ``FusedGeluProjection``: a ``proj`` linear and an ``approximate`` mode),
+    dropouts around the down projection, both linears FP8-shaped; else None. Recognised by shape,
+    named so (like :func:`_is_fused_gelu`)."""
+    if type(module).__name__ != "FeedForward":
+        return None
+    net = getattr(module, "net", None)
+    if not isinstance(net, nn.ModuleList) or len(net) not in (3, 4):
+        return None
+    act, drop, down = net[0], net[1], net[2]
+    proj, approximate = getattr(act, "proj", None), getattr(act, "approximate", None)
+    if (type(act).__name__ not in ("GELU", "FusedGeluProjection") or not isinstance(proj, nn.Linear)
+            or approximate not in ("tanh", "none") or not isinstance(drop, nn.Dropout)
+            or not isinstance(down, nn.Linear) or (len(net) == 4 and not isinstance(net[3], nn.Dropout))):
+        return None
+    if not (shape_ok(proj) and shape_ok(down)):
+        return None
+    return proj, approximate, down
 
 
 def reference_output(layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -193,8 +254,13 @@ def _children(module: nn.Module, prefix: str = "") -> Iterable[tuple[nn.Module, 
     for name, child in module.named_children():
         path = f"{prefix}{name}"
         yield module, name, child, path
-        if not isinstance(child, nn.Linear) and not _is_fused_gelu(child):
+        if not isinstance(child, nn.Linear) and not _is_fused_gelu(child) and _feed_forward_parts(child) is None:
             yield from _children(child, f"{path}.")
+
+
+def _gemms(module: nn.Module) -> int:
+    """How many linears a replacement module quantised (a feed-forward holds two)."""
+    return 2 if isinstance(module, FP8FeedForward) else 1
 
 
 def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: Iterable[str] | None = None,
@@ -212,12 +278,16 @@ def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: It
     for i, root in enumerate(roots):
         label = labels[i] if labels is not None else f"root{i}"
         if root in _SWAPS:
-            quantized += sum(1 for *_, new in _SWAPS[root] if new is not None)
+            quantized += sum(_gemms(new) for *_, new in _SWAPS[root] if new is not None)
             continue
         swaps: list[tuple[nn.Module, str, nn.Module | None, nn.Module]] = []
         for parent, name, child, path in list(_children(root)):
             new: nn.Module | None = None
-            if _is_fused_gelu(child):
+            ffn = _feed_forward_parts(child)
+            if ffn is not None:
+                up, approximate, down = ffn
+                new = FP8FeedForward(up, approximate, down, fast_accum=fast_accum)
+            elif _is_fused_gelu(child):
                 if shape_ok(child.proj):
                     new = FP8GeluProjection(child.proj, child.approximate, fast_accum=fast_accum)
                 else:
@@ -234,7 +304,7 @@ def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: It
             else:
                 setattr(parent, name, new)
             swaps.append((parent, name, child if keep_original else None, new))
-            quantized += 1
+            quantized += _gemms(new)
         _SWAPS[root] = swaps
     return {"quantized": quantized, "skipped": skipped}
 
@@ -266,5 +336,6 @@ def installed(root: nn.Module) -> bool:
     return root in _SWAPS
 
 
-__all__ = ["ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "FP8GeluProjection", "FP8Linear", "install", "installed",
+__all__ = ["ALIGN", "E4M3_MAX", "FUSE_GELU_QUANT", "MIN_CAPABILITY", "FP8FeedForward", "FP8GeluProjection", "FP8Linear",
+           "install", "installed",
            "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"]

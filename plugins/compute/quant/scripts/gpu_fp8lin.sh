@@ -13,9 +13,9 @@
 #                             run on 2026-12-01)
 #   log.txt                   everything printed
 # Each step is bounded (--budget-s: no new configuration after it; timeout for the quality script),
-# so one failing part does not sink the others. Expected: 1.3b ~130 s, 14b ~75 s, quality ~280 s,
-# installs and imports ~40 s. SMOKE=1 adds --smoke everywhere (a CPU check of the script); PARTS=quality
-# runs the clips part only.
+# so one failing part does not sink the others. Expected: 1.3b ~110 s, 14b ~70 s, quality ~330 s,
+# installs and imports ~40 s. SMOKE=1 adds --smoke everywhere (a CPU check of the script); PARTS, C13,
+# C14, CLIPS, QUALITY_S choose what runs (below).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/13b" "$OUT/14b" "$OUT/q"
@@ -36,13 +36,26 @@ fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | tee "$OUT/log.txt"
 filter() { grep --line-buffered -v -E "should be kept in float32|it/s\]|s/it\]" | tee -a "$OUT/log.txt"; }
-if [ "${PARTS:-all}" != quality ]; then  # PARTS=quality: the wan-demo clips only
-python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s 130 --out "$OUT/13b" ${SMOKE:+--smoke} \
-  --only diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8lin-qkv,omniloop-fp8-compile-fused-fp8fast-qkv 2>&1 | filter
-python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s 75 --out "$OUT/14b" ${SMOKE:+--smoke} \
-  --only diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8fast-qkv 2>&1 | filter
+# PARTS (default speed,quality): speed = the Wan step beside diffusers (C13 / C14: the configurations),
+# quality = the wan-demo clips (CLIPS: the clip configurations, bf16 first), plans = cuDNN's FP8 attention
+# plans timed on Wan's shapes (attention_fp8_quality.py --parts plans)
+PARTS=",${PARTS:-speed,quality},"
+C13=${C13:-diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8lin-qkv,omniloop-fp8-compile-fused-fp8fast-qkv}
+C14=${C14:-diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8fast-qkv}
+CLIPS=${CLIPS:-bf16,bf16+fp8lin,fp8+fp8lin,fp8+fp8fast}
+if [[ $PARTS == *,plans,* ]]; then
+  timeout 120 python3 bench/attention_fp8_quality.py --parts plans --out "$OUT/plans" ${SMOKE:+--smoke} 2>&1 | filter
 fi
-# seeds 0,1: 48 clips per configuration, issue 40's quality protocol (issue 19 ran 24)
-timeout 300 python3 bench/attention_fp8_quality.py --parts clips --clip-configs bf16,bf16+fp8lin,fp8+fp8lin,fp8+fp8fast \
-  --seeds 0,1 --out "$OUT/q" ${SMOKE:+--smoke} 2>&1 | filter
+if [[ $PARTS == *,speed,* ]]; then
+  python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s 130 --out "$OUT/13b" ${SMOKE:+--smoke} \
+    --only "$C13" 2>&1 | filter
+  python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s 75 --out "$OUT/14b" ${SMOKE:+--smoke} \
+    --only "$C14" 2>&1 | filter
+fi
+if [[ $PARTS == *,quality,* ]]; then
+  # seeds 0,1: 48 clips per configuration, issue 40's quality protocol (issue 19 ran 24); ~30 s (bf16)
+  # to ~100 s (FP8 attention + linears) per configuration on the H200
+  timeout ${QUALITY_S:-400} python3 bench/attention_fp8_quality.py --parts clips --clip-configs "$CLIPS" \
+    --seeds 0,1 --out "$OUT/q" ${SMOKE:+--smoke} 2>&1 | filter
+fi
 echo "exit codes: ${PIPESTATUS[*]}; files:" | tee -a "$OUT/log.txt"; ls -R "$OUT" | tee -a "$OUT/log.txt"

@@ -1,0 +1,109 @@
+"""Triton kernels of omniloop-quant (CUDA only; every caller keeps a torch path for elsewhere).
+
+:func:`gelu_quantize_rows` — the feed-forward's middle in one pass: ``y = gelu(h)`` (rounded to
+``h``'s dtype, as ``torch.nn.functional.gelu`` returns it), then the per-row e4m3 quantisation of
+:func:`omniloop_quant.fp8.quantize_rows` (``scale = max|y| / 448``, ``q = round_e4m3(y / scale)``).
+One program owns one row: the row is read once, kept in registers (rows up to
+:data:`MAX_ROW` wide) and written once in e4m3 with its float32 scale. Under ``torch.compile``
+inductor fuses the same ops itself, but as a looped reduction that reads the 8,960-wide bf16 row of
+Wan 1.3B's FFN twice and recomputes the GELU (H200 profile, ``bench/results/wan_gpu-1.3b-fwd-fp8-
+profile-h200-2026-12-04.json``: 33 ms of a 389 ms FP8 forward, ~1.1 ms per block where the bytes
+moved need ~0.3 ms).
+
+The GELU formulas are torch's: ``approximate="tanh"`` is ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``
+(tanh written as ``1 - 2 / (exp(2u) + 1)``), ``"none"`` is ``0.5 x (1 + erf(x / sqrt 2))``; in float32, so
+the result equals torch's up to float32 rounding before the rounding to ``h``'s dtype.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+#: largest finite e4m3 magnitude (as in omniloop_quant.fp8)
+E4M3_MAX = 448.0
+#: rows wider than this are left to the torch path (the whole row lives in one program's registers)
+MAX_ROW = 16384
+_TINY_AMAX = 1e-12
+
+_KERNEL: Any = None
+#: looked up once, at import (a call inside a compiled block must not reach importlib)
+_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    return _TRITON
+
+
+def supported(h: torch.Tensor) -> bool:
+    """Whether :func:`gelu_quantize_rows` takes ``h`` (else the caller computes with torch)."""
+    return (h.is_cuda and h.dim() == 2 and h.stride(-1) == 1 and h.shape[-1] <= MAX_ROW
+            and h.dtype in (torch.bfloat16, torch.float16, torch.float32) and _TRITON)
+
+
+def _kernel() -> Any:
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gelu_quant_rows(h_ptr, q_ptr, s_ptr, n_cols, stride_h, stride_q, BLOCK: tl.constexpr, TANH: tl.constexpr,
+                        ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        if TANH:
+            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+            y = 0.5 * x * (1.0 + t)
+        else:
+            y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+        if ROUND_BF16:  # the activation as torch returns it, in the input's dtype
+            y = y.to(tl.bfloat16).to(tl.float32)
+        if ROUND_F16:
+            y = y.to(tl.float16).to(tl.float32)
+        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+        scale = tl.maximum(amax, 1e-12) / 448.0
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+    _KERNEL = gelu_quant_rows
+    return _KERNEL
+
+
+def prepare() -> None:
+    """Build the kernel object now (compiled graphs then only read it)."""
+    if triton_available():
+        _kernel()
+
+
+def gelu_quantize_rows(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [M, N] e4m3, scale [M, 1] float32)`` of ``gelu(h, approximate)`` for a 2-D ``h`` (check
+    :func:`supported`): what ``quantize_rows(gelu(h))`` computes, in one pass over ``h``."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"approximate must be 'tanh' or 'none', not {approximate!r}")
+    m, n = h.shape
+    q = torch.empty((m, n), device=h.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((m, 1), device=h.device, dtype=torch.float32)
+    block = max(16, 1 << max(0, (n - 1).bit_length()))
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    kernel = _KERNEL if _KERNEL is not None else _kernel()
+    kernel[(m,)](h, q, scale, n, h.stride(0), q.stride(0), BLOCK=block, TANH=approximate == "tanh",
+                 ROUND_BF16=h.dtype == torch.bfloat16, ROUND_F16=h.dtype == torch.float16, num_warps=warps)
+    return q, scale
+
+
+def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch computation :func:`gelu_quantize_rows` fuses (any device)."""
+    y = torch.nn.functional.gelu(h, approximate=approximate).float()
+    scale = y.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY_AMAX) / E4M3_MAX
+    return (y / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+__all__ = ["E4M3_MAX", "MAX_ROW", "gelu_quantize_rows", "prepare", "reference", "supported", "triton_available"]

@@ -1,0 +1,156 @@
+"""omniloop-quant's FP8 feed-forward: a diffusers ``FeedForward`` replaced whole by ``FP8FeedForward``
+(two FP8 GEMMs, the GELU between), equal op for op to the separate FP8 modules on the CPU, undone by
+``restore``; and the Triton GELU + per-row quantisation kernel it uses on CUDA
+(``omniloop_quant.kernels``): on a GPU against the torch ops, and under Triton's CPU interpreter when
+triton is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("diffusers")
+
+from diffusers.models.attention import FeedForward
+
+import omniloop_quant.fp8 as fp8
+from omniloop_quant import kernels
+from omniloop_quant.fp8 import FP8FeedForward, FP8Linear, install, quantize_rows, restore
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _block(approximate: str = "tanh", dim: int = 32, inner: int = 96) -> nn.Module:
+    torch.manual_seed(0)
+    block = nn.Module()
+    block.norm = nn.LayerNorm(dim)
+    block.ffn = FeedForward(dim, inner_dim=inner, activation_fn="gelu-approximate" if approximate == "tanh" else "gelu")
+    return block.eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_feed_forward_is_replaced_whole_and_equals_the_separate_fp8_modules(approximate):
+    block = _block(approximate)
+    up, down = block.ffn.net[0].proj, block.ffn.net[2]
+    x = torch.randn(2, 7, 32)
+    # what the separate modules computed: FP8 up GEMM, GELU, FP8 down GEMM (per-token quantisation each)
+    want = FP8Linear(down)(nn.functional.gelu(FP8Linear(up)(x), approximate=approximate))
+    original = block.ffn
+    report = install([block])
+    assert report == {"quantized": 2, "skipped": []}
+    assert isinstance(block.ffn, FP8FeedForward) and block.ffn.approximate == approximate
+    assert torch.equal(block.ffn(x), want)
+    assert install([block])["quantized"] == 2  # already installed: reported, not redone
+    assert restore([block]) == 1 and block.ffn is original
+
+
+@torch.no_grad()
+def test_the_kernel_flag_changes_nothing_off_cuda(monkeypatch):
+    block = _block()
+    install([block])
+    x = torch.randn(3, 32)
+    want = block.ffn(x)
+    monkeypatch.setattr(fp8, "FUSE_GELU_QUANT", True)
+    assert not kernels.supported(torch.zeros(3, 96))  # a CPU tensor: the torch path
+    assert torch.equal(block.ffn(x), want)
+
+
+def test_only_a_plain_gelu_feed_forward_is_taken_whole():
+    """GEGLU (two outputs from one projection) or misaligned widths: not an FP8FeedForward; the
+    linears inside are handled one by one as before."""
+    torch.manual_seed(0)
+    geglu = nn.Module()
+    geglu.ffn = FeedForward(32, inner_dim=64, activation_fn="geglu")
+    report = install([geglu])
+    assert not isinstance(geglu.ffn, FP8FeedForward) and report["quantized"] == 2
+    restore([geglu])
+    odd = nn.Module()
+    odd.ffn = FeedForward(24, inner_dim=40, activation_fn="gelu-approximate")
+    report = install([odd])
+    assert not isinstance(odd.ffn, FP8FeedForward) and report["quantized"] == 0 and len(report["skipped"]) == 2
+
+
+def test_reference_is_gelu_then_quantize_rows():
+    h = torch.randn(4, 48) * 3
+    q, s = kernels.reference(h, "tanh")
+    rq, rs = quantize_rows(nn.functional.gelu(h, approximate="tanh"))
+    assert torch.equal(q.float(), rq.float()) and torch.equal(s, rs)
+    with pytest.raises(ValueError, match="approximate must be 'tanh' or 'none'"):
+        kernels.gelu_quantize_rows(h, "exact")
+
+
+needs_cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton_available()),
+                                       reason="needs CUDA and triton")
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize(("n", "approximate", "dtype"), [(8960, "tanh", torch.bfloat16), (13824, "tanh", torch.bfloat16),
+                                                          (640, "none", torch.float16), (100, "tanh", torch.float32)])
+def test_kernel_matches_the_torch_ops_on_the_gpu(n, approximate, dtype):
+    torch.manual_seed(0)
+    h = (torch.randn(64, n, device="cuda") * 3).to(dtype)
+    h[5] = 0  # an all-zero row quantises to zeros with a finite scale
+    q, s = kernels.gelu_quantize_rows(h, approximate)
+    rq, rs = kernels.reference(h, approximate)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 1)
+    torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)
+    # the GELU in float32 may differ from torch's in the last float32 bit, which can move a value
+    # across an e4m3 (or bf16) rounding boundary: a few elements, by one e4m3 step
+    same = (q.float() == rq.float()).float().mean().item()
+    assert same > 0.995, same
+    torch.testing.assert_close(q.float() * s, rq.float() * rs, rtol=0.07, atol=float(rs.max()) * 2**-9)
+    assert bool((q[5].float() == 0).all())
+
+
+@needs_cuda_triton
+@torch.no_grad()
+def test_fp8_feed_forward_with_the_kernel_on_the_gpu(monkeypatch):
+    torch.manual_seed(1)
+    block = nn.Module()
+    block.ffn = FeedForward(256, inner_dim=1024, activation_fn="gelu-approximate").to("cuda", torch.bfloat16).eval()
+    install([block])
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    plain = block.ffn(x)
+    monkeypatch.setattr(fp8, "FUSE_GELU_QUANT", True)
+    fused = block.ffn(x)
+    rel = float((fused.float() - plain.float()).pow(2).mean().sqrt() / plain.float().pow(2).mean().sqrt())
+    assert rel < 0.01, rel
+    compiled = torch.compile(block.ffn, fullgraph=True)
+    torch.testing.assert_close(compiled(x).float(), fused.float(), rtol=0.02, atol=0.02)
+
+
+_INTERPRETED = """
+import sys, torch
+from omniloop_quant import kernels
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    for n, approx in ((8960, "tanh"), (640, "none"), (100, "tanh")):
+        h = (torch.randn(6, n) * 3).to(dtype)
+        h[2] = 0
+        q, s = kernels.gelu_quantize_rows(h, approx)
+        rq, rs = kernels.reference(h, approx)
+        assert torch.equal(s, rs), (dtype, n, approx)
+        a, b = q.float(), rq.float()
+        # Triton's interpreter converts to e4m3 by truncation (subnormals, and a value rounding up to a
+        # power of two lands one binade low); the GPU rounds to nearest: allow that, nothing more
+        assert bool(((a - b).abs() <= b.abs() * 0.5 + 2.0**-9).all()), (dtype, n, approx)
+        assert bool((a[2] == 0).all())
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (its CPU interpreter)")
+def test_kernel_under_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO / "plugins" / "compute" / "quant"), str(REPO / "core"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
