@@ -235,7 +235,79 @@ class CapturePlugin:
         register(AttentionBackendSpec(name="capture-bf16", fn=fn, description="capture"))
 
 
-def demo_runtime(device: str, backend: str, rope: str, capture: CapturePlugin | None = None,
+#: ``--emulate-configs`` keys -> (self-attention only, quantise the probabilities, quantise the output)
+EMULATED = {"fp8-model": (False, True, True), "fp8-model-self": (True, True, True),
+            "fp8-model-exact-p": (False, False, True), "fp8-model-exact-o": (False, True, False),
+            "fp8-model-qkv-only": (False, False, False)}
+
+
+class EmulatedFP8Plugin:
+    """Registers :data:`EMULATED`'s backends: ``cudnn-fp8``'s numerical model
+    (:func:`omniloop_attention.fp8.reference_fp8_attention`: per-tensor e4m3 q/k/v, e4m3 probabilities
+    and output) on any device — in every attention call or in self-attention only (``Lq == Lk``;
+    cross-attention then runs the plain float SDPA), and with the probabilities or the output left
+    unrounded (which of the kernel's roundings costs what). Not the kernel: its rounding of the
+    probabilities differs (see the model's docstring); for CPU studies of where FP8 attention costs quality."""
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    @hookimpl
+    def omniloop_register_attention_backends(self, register: Any) -> None:
+        from omniloop.family import AttentionBackendSpec
+        from omniloop_attention.fp8 import reference_fp8_attention
+
+        def make(self_only: bool, quantize_p: bool, quantize_o: bool) -> Any:
+            def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+                if self_only and q.shape[-2] != k.shape[-2]:
+                    return F.scaled_dot_product_attention(q, k, v)
+                return reference_fp8_attention(q.float(), k.float(), v.float(), quantize_p=quantize_p,
+                                               quantize_o=quantize_o).to(q.dtype)
+            return fn
+
+        for name, flags in EMULATED.items():
+            register(AttentionBackendSpec(name=name, fn=make(*flags), distribution_altering=True,
+                                          description="cudnn-fp8's numerical model (bench)"))
+
+
+def part_emulate(res: dict[str, Any], device: str, smoke: bool, seeds: list[int] | None, save: Any,
+                 configs: list[str] | None = None) -> None:
+    """wan-demo clips (the evaluator's 24 prompts x ``seeds``) with ``cudnn-fp8``'s numerical model in
+    every attention call vs in self-attention only, against the plain SDPA clips of the same seeds:
+    verdicts lost / gained and PSNR (runs on the CPU: the model needs no FP8 kernel)."""
+    from omniloop_wan_demo.evaluate import DEFAULT_SEEDS, default_prompts, score
+
+    prompts = default_prompts()[: 2 if smoke else None]
+    seeds = list(seeds or DEFAULT_SEEDS)
+    pairs = [(p, s) for s in seeds for p in prompts]
+    out: dict[str, Any] = {"setup": f"wan-demo evaluator prompts x seeds {seeds}, 17x64x64, {3 if smoke else 20} steps, "
+                                    f"CFG 5, {'bf16' if device == 'cuda' else 'float32'} on {device}"}
+    res.setdefault("emulate", {}).update(out)
+    out = res["emulate"]
+    base: list[np.ndarray] | None = None
+    base_verdicts: list[dict[str, bool]] = []
+    for backend in ["sdpa", *(configs or ["fp8-model", "fp8-model-self"])]:
+        row: dict[str, Any] = {}
+        out[backend] = row
+        rt = demo_runtime(device, backend, "reference", capture=EmulatedFP8Plugin() if backend != "sdpa" else None)
+        t = time.perf_counter()
+        vids = [wan_demo_clip(rt, p, s, steps=3 if smoke else 20) for p, s in pairs]
+        row["seconds"] = round(time.perf_counter() - t, 1)
+        acc, clips = score(vids, [p for p, _ in pairs], [s for _, s in pairs])
+        verdicts = [{k: c.ok[k] for k in ("color", "direction", "shape")} for c in clips]
+        row.update(accuracy=acc, n=len(clips))
+        if base is None:
+            base, base_verdicts = vids, verdicts
+        else:
+            row["verdicts_vs_sdpa"] = {k: {"lost": sum(1 for a, b in zip(base_verdicts, verdicts, strict=True) if a[k] and not b[k]),
+                                           "gained": sum(1 for a, b in zip(base_verdicts, verdicts, strict=True) if not a[k] and b[k])}
+                                       for k in ("color", "direction", "shape")}
+            ps = [frames_psnr(a, b) for a, b in zip(vids, base, strict=True)]
+            row["psnr_db_mean"] = float(np.mean([p for p in ps if np.isfinite(p)] or [float("inf")]))
+        print("emulate", backend, json.dumps(row, default=str), flush=True)
+        save()
+
+
+def demo_runtime(device: str, backend: str, rope: str, capture: Any = None,
                  linear_precision: str = "dtype") -> Any:
     import omniloop_attention.plugin as attn_plugin
     import omniloop_quant.plugin as quant_plugin
@@ -545,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clip-configs", default=",".join(CLIP_CONFIGS),
                     help=f"clips part: comma list of {', '.join(CLIP_CONFIGS)} (bf16, the reference, first)")
     ap.add_argument("--seeds", default="", help="clips part: comma list of seeds (default: the evaluator's)")
+    ap.add_argument("--emulate-configs", default="fp8-model,fp8-model-self",
+                    help=f"emulate part: comma list of {', '.join(EMULATED)} (each against plain SDPA)")
     ap.add_argument("--smoke", action="store_true", help="CPU: the activation part on a few calls, numerical model only")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -553,8 +627,11 @@ def main(argv: list[str] | None = None) -> int:
     if not keys or keys[0] != "bf16" or set(keys) - set(CLIP_CONFIGS):
         raise SystemExit(f"--clip-configs: a comma list of {', '.join(CLIP_CONFIGS)} starting with bf16, got {args.clip_configs!r}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or None
+    emulate = [k for k in args.emulate_configs.split(",") if k]
+    if set(emulate) - set(EMULATED):
+        raise SystemExit(f"--emulate-configs: a comma list of {', '.join(EMULATED)}, got {args.emulate_configs!r}")
     if device == "cpu":
-        parts = [p for p in parts if p in ("activations", "linears")]
+        parts = [p for p in parts if p in ("activations", "linears", "emulate")]
     date = dt.date.today().isoformat()
     out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -570,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for p in parts:
         try:
-            {"kernel": lambda: part_kernel(res), "plans": lambda: part_plans(res), "activations": lambda: part_activations(res, device, args.smoke),
+            {"kernel": lambda: part_kernel(res), "plans": lambda: part_plans(res),
+             "emulate": lambda: part_emulate(res, device, args.smoke, seeds, save, emulate), "activations": lambda: part_activations(res, device, args.smoke),
              "clips": lambda: part_clips(res, device, args.smoke, keys, seeds, save),
              "linears": lambda: part_linears(res, device, args.smoke)}[p]()
         except Exception as exc:

@@ -52,3 +52,19 @@ def test_fp8_quality_clip_runtime_registers_the_quant_plugin(precision):
     spec.loader.exec_module(mod)
     rt = mod.demo_runtime("cpu", "sdpa", "reference", linear_precision=precision)
     assert rt.linears["quantized"] == 100 and rt.describe()["linear_precision"] == precision
+
+
+@pytest.mark.skipif(not (BENCH / "attention_fp8_quality.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_quality_emulate_smoke(tmp_path):
+    """The CPU study of FP8 attention's quality (cudnn-fp8's numerical model in place of the kernel):
+    each configuration scored against plain SDPA on the same clips."""
+    pytest.importorskip("omniloop_wan_demo")
+    rec = run_script(BENCH / "attention_fp8_quality.py",
+                     ["--smoke", "--parts", "emulate", "--emulate-configs", "fp8-model,fp8-model-qkv-only"], tmp_path,
+                     "attention_fp8-*-smoke.json")
+    assert "emulate_error" not in rec, rec.get("emulate_traceback")
+    emu = rec["emulate"]
+    assert emu["sdpa"]["n"] == 4 and "verdicts_vs_sdpa" not in emu["sdpa"]
+    for name in ("fp8-model", "fp8-model-qkv-only"):
+        assert set(emu[name]["verdicts_vs_sdpa"]) == {"color", "direction", "shape"}
+        assert 10 < emu[name]["psnr_db_mean"] < 80  # FP8 rounding moves pixels, not the picture
