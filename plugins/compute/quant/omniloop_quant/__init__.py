@@ -30,7 +30,7 @@ from omniloop.lazy import lazy_exports
 #: (``omniloop --help``) imports no torch (issue 42); the block selection lives in ``blocks``
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "blocks": ("MODES", "apply", "check_deploy", "denoiser_blocks", "stray_weights"),
-    "fp8": ("ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "FP8GeluProjection", "FP8Linear", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"),
+    "fp8": ("ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "FP8FeedForward", "FP8GeluProjection", "FP8Linear", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"),
 }
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         ALIGN,
         E4M3_MAX,
         MIN_CAPABILITY,
+        FP8FeedForward,
         FP8GeluProjection,
         FP8Linear,
         install,
@@ -51,6 +52,6 @@ if TYPE_CHECKING:
         unavailable_reason,
     )
 
-__all__ = ["ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy", "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "stray_weights", "unavailable_reason"]
+__all__ = ["ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8FeedForward", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy", "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "stray_weights", "unavailable_reason"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
