@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import rel_rms, run_omniloop
+from _common import kernel_profile, rel_rms, run_omniloop
 
 
 def parser(description: str, *, steps: int, budget_s: float, sides: Sequence[str]) -> argparse.ArgumentParser:
@@ -41,6 +41,9 @@ def parser(description: str, *, steps: int, budget_s: float, sides: Sequence[str
     ap.add_argument("--only", default=",".join(sides))
     ap.add_argument("--budget-s", type=float, default=budget_s, help="start no new phase after this many seconds")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed rounds, each side's kernels over one step (torch.profiler): attention / "
+                         "matmul / other and the top kernels, in the side's record as profile_one_step")
     return ap
 
 
@@ -225,6 +228,21 @@ def measure(sides: list[Any], record: dict[str, Any], run: Callable[[Any, int], 
     return runs
 
 
+def profile(sides: list[Any], record: dict[str, Any], run: Callable[[Any, int], Any], *,
+            save: Callable[[], None]) -> None:
+    """``--profile``: one step of each side under the profiler (after the timed rounds, so compiled
+    code and CUDA graphs are warm); ``record["sides"][name]["profile_one_step"]``. The step's kernels
+    include the pipeline's own work around the denoiser (text encoding and decode are outside a step)."""
+    for side in sides:
+        entry = record["sides"][side.name]
+        try:
+            entry["profile_one_step"] = kernel_profile(lambda side=side: run(side, 1))
+        except Exception as exc:  # the timing stands without it
+            entry["profile_error"] = f"{type(exc).__name__}: {exc}"[:400]
+        print(json.dumps({"side": side.name, "profile": entry.get("profile_one_step", {}).get("groups_ms")}), flush=True)
+        save()
+
+
 def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
               extra: Callable[[str, list[dict[str, Any]], dict[str, list[dict[str, Any]]]], dict[str, Any]] | None = None
               ) -> None:
@@ -259,4 +277,4 @@ def summarize(record: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
     record["summary"] = summary
 
 
-__all__ = ["BACKENDS", "apply_linear_precision", "attention_spec", "build_sides", "finish", "measure", "omniloop_options", "omniloop_run", "omniloop_setting", "parser", "saver", "setting", "summarize", "warm_up"]
+__all__ = ["BACKENDS", "apply_linear_precision", "attention_spec", "build_sides", "finish", "measure", "omniloop_options", "omniloop_run", "omniloop_setting", "parser", "profile", "saver", "setting", "summarize", "warm_up"]

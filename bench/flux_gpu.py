@@ -71,6 +71,7 @@ from _sides import (  # noqa: E402
     measure,
     omniloop_setting,
     parser,
+    profile,
     saver,
     setting,
     warm_up,
@@ -291,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(sides, record, run, t_start=t_start, budget_s=args.budget_s, save=save)
         runs = measure(sides, record, run, steps=steps, repeats=args.repeats, t_start=t_start,
                        budget_s=args.budget_s, save=save, summarize=summarize)
+        if args.profile:
+            profile([s for s in sides if runs.get(s.name)], record, run, save=save)
     summarize(record, runs)
     record["wall_s"] = round(time.perf_counter() - t_start, 1)
     save()

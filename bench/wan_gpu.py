@@ -96,6 +96,7 @@ from _common import (  # noqa: E402
     command_line,
     default_dtype,
     diffusers_compiled,
+    kernel_profile,
     library_versions,
     machine,
     omniloop_request,
@@ -478,47 +479,6 @@ def time_fn(fn: Callable[[], Any], warm: int, reps: int) -> tuple[list[float], A
 
 def _diffusers_forward(tf: Any, x: torch.Tensor, ts: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
     return tf(hidden_states=x, timestep=ts, encoder_hidden_states=pe, return_dict=False)[0]
-
-
-def kernel_profile(fn: Callable[[], Any], top: int = 12) -> dict[str, Any]:
-    """GPU kernel time of one call of ``fn``: grouped (attention / matmul / other) plus the top kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CUDA] if cuda() else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
-        fn()
-        sync()
-    per_name: dict[str, list[float]] = {}
-    for ev in prof.key_averages():
-        us = float(getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0) or 0.0)
-        if cuda() and us <= 0.0:
-            continue
-        if not cuda():
-            us = float(ev.self_cpu_time_total)
-        per_name[ev.key] = [us, float(ev.count)]
-    # key_averages mixes ops (aten::...) with kernels on CUDA; keep the kernels (no "::" op names)
-    kernels = {k: v for k, v in per_name.items() if not (cuda() and ("::" in k or k.startswith("Torch-Compiled")))}
-
-    def group(name: str) -> str:
-        low = name.lower()
-        if any(t in low for t in ("attention", "flash", "fmha", "cudnn", "sdpa", "mha")):
-            return "attention"
-        if any(t in low for t in ("gemm", "sm90_xmma", "cutlass", "triton_mm", "matmul", "nvjet", "ampere_", "sm80_")):
-            return "matmul"
-        return "other"
-
-    groups = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
-    for name, (us, _) in kernels.items():
-        groups[group(name)] += us
-    total = sum(groups.values()) or 1.0
-    top_rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
-    return {
-        "kernel_ms_total": round(total / 1e3, 2),
-        "groups_ms": {k: round(v / 1e3, 2) for k, v in groups.items()},
-        "groups_share": {k: round(v / total, 3) for k, v in groups.items()},
-        "top_kernels": [{"name": n[:120], "ms": round(us / 1e3, 2), "calls": int(c), "group": group(n)}
-                        for n, (us, c) in top_rows],
-    }
 
 
 def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device, dtype: torch.dtype,

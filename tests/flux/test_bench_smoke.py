@@ -36,3 +36,17 @@ def test_flux_gpu_smoke_fp8_linears_side(tmp_path):
     setup = rec["sides"]["omniloop-fp8lin-compile"]["setup"]
     assert "linear_precision=fp8" in setup and "(0 linears)" not in setup
     assert rec["final_latents"]["omniloop_vs_diffusers"]["equal"]  # the bf16 side's transformer was not swapped
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not BENCH.exists(), reason="bench/flux_gpu.py not in this checkout")
+def test_flux_gpu_smoke_profile(tmp_path):
+    """``--profile``: after the timed rounds each side's kernels over one step are in its record
+    (on the CPU the profiler's op times stand in for kernels)."""
+    argv = ["--smoke", "--device", "cpu", "--steps", "2", "--repeats", "1", "--compile-backend", "eager",
+            "--only", "diffusers,omniloop", "--profile"]
+    rec = run_script(BENCH, argv, tmp_path, "flux_gpu-*-smoke-*.json")
+    for side in ("diffusers", "omniloop"):
+        prof = rec["sides"][side]["profile_one_step"]
+        assert prof["kernel_ms_total"] > 0 and set(prof["groups_ms"]) == {"attention", "matmul", "other"}
+        assert prof["top_kernels"]
