@@ -29,6 +29,11 @@ the shipped adapter) for each of ``--lora-scales`` — the adapter's strength as
 (a scale other than 1 ships as the file's ``B`` multiplied by it, so that ``--adapter fast`` and
 ``wan-demo-fast`` stay the same student).
 
+``--snapshot-every N`` (``--form lora``) keeps the student adapter every N student updates and
+the starting one, scores each on ``--pick-seeds`` (held out from ``--eval-seeds``; :func:`pick_score`:
+shape + no ghost − 5 × duplicate share) and ships the best instead of the last — DMD2 on the shipped
+adapter drifted away from it (session 6), so the pick can also return the start.
+
 Writes ``result.json`` (args, training log, evaluation) and the weights (``fast_lora.safetensors``,
 ``transformer/`` for ``--form full``), and ``preview.png``.
 """
@@ -229,6 +234,33 @@ def eval_v2(v2: dict[str, Any], *, prompts: list[str], seeds: list[int], steps: 
     return r
 
 
+def pick_score(r: dict[str, Any]) -> float:
+    """How a snapshot is judged (``--snapshot-every``): shape + no ghost (the two bars the fast student
+    misses) minus 5x the duplicate share (a duplicate costs as much as five missed shapes)."""
+    acc = r["accuracy"]
+    return float(acc["shape"] + acc["clean"] - 5.0 * r["duplicate_clips"] / max(r["n"], 1))
+
+
+def pick_snapshot(snapshots: list[tuple[int, dict[str, torch.Tensor]]], base: torch.nn.Module, v2: dict[str, Any],
+                  a: argparse.Namespace, prompts: list[str], res: dict[str, Any]) -> tuple[int, dict[str, torch.Tensor]]:
+    """Evaluate every snapshot (v2 + its LoRA, fp16 as shipped) on ``a.pick_seed_list`` and return the
+    best by :func:`pick_score`; ``res["snapshots"]`` records each."""
+    rows = []
+    for step, state in snapshots:
+        tr = merge_lora(copy.deepcopy(base).float(), state).eval()
+        r = eval_fast(tr, v2, prompts=prompts, seeds=a.pick_seed_list, timesteps=a.timestep_list, dev=a.device, preview=None)
+        rows.append({"student_step": step, "n": r["n"], "accuracy": r["accuracy"], "duplicate_clips": r["duplicate_clips"],
+                     "score": round(pick_score(r), 5)})
+        _log("snapshot", step, json.dumps(rows[-1]))
+        del tr
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    best = max(range(len(rows)), key=lambda i: rows[i]["score"])
+    res["snapshots"] = {"seeds": a.pick_seed_list, "rows": rows, "picked_student_step": rows[best]["student_step"],
+                        "score": "shape + clean - 5 x duplicate share (pick_score)"}
+    return snapshots[best]
+
+
 def eval_scales(v2: dict[str, Any], a: argparse.Namespace, prompts: list[str], res: dict[str, Any], dump: Any) -> None:
     """``--eval-only lora``: v2 + ``scale * B A`` of ``a.lora_from`` on the GPU protocol, per scale
     (``res["evals"]``, written after each)."""
@@ -276,6 +308,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-only", choices=["v2", "lora"],
                     help="train nothing: evaluate wan-demo v2 at its defaults (v2), or v2 + the --lora-from "
                          "adapter at each of --lora-scales (lora)")
+    ap.add_argument("--snapshot-every", type=int, default=0,
+                    help="--form lora: keep the student adapter every N student updates (and the starting one) and "
+                         "ship the one --pick-seeds scores best instead of the last (0: ship the last)")
+    ap.add_argument("--pick-seeds", default="100-107",
+                    help="--snapshot-every: the seeds the snapshots are scored on (held out from --eval-seeds)")
     ap.add_argument("--lora-scales", default="1",
                     help="--eval-only lora: comma-separated adapter scales (W + scale * B A), each evaluated")
     ap.add_argument("--seconds", type=float, default=200, help="training time box")
@@ -306,6 +343,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         v = getattr(a, k)
         if not math.isfinite(v) or v <= 0:
             ap.error(f"--{k.replace('_', '-')}: must be a finite number > 0, got {v}")
+    a.pick_seed_list = parse_seeds(a.pick_seeds, ap.error)
+    if a.snapshot_every < 0 or (a.snapshot_every and a.form != "lora"):
+        ap.error("--snapshot-every: a count >= 0, with --form lora")
+    if a.snapshot_every and set(a.pick_seed_list) & set(a.seed_list):
+        ap.error("--pick-seeds: must not overlap --eval-seeds (the pick would be judged on the clips it was picked on)")
     if a.batch < 1 or a.rank < 1 or a.critic_steps < 1 or a.critic_warmup < 0:
         ap.error("--batch, --rank and --critic-steps: must be >= 1, --critic-warmup >= 0")
     if a.lora_from:
@@ -333,6 +375,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             a.rank = lora_file_rank(fast_lora_path())
     if a.smoke:
         a.batch, a.seconds, a.seed_list, a.v2_steps = 2, 1e9, [0], 2
+        a.pick_seed_list = a.pick_seed_list[:1]
     return a
 
 
@@ -417,9 +460,17 @@ def main(argv: list[str] | None = None) -> int:
         res["critic_warmup"] = dmd.warm_critic(critic, student, rollout, stream, cfg, steps=a.critic_warmup, generator=gen,
                                                log_every=1 if a.smoke else 20, log=lambda r: _log("critic-warmup", json.dumps(r)))
         t0 = time.perf_counter()  # the time box is the DMD2 loop's
+    snapshots: list[tuple[int, dict[str, torch.Tensor]]] = []
+    on_step = None
+    if a.snapshot_every:
+        snapshots.append((0, adapter_state(base, "student")))
+
+        def on_step(n: int) -> None:
+            if n % a.snapshot_every == 0:
+                snapshots.append((n, adapter_state(base, "student")))
     info = dmd.train_dmd(student, teacher_role, critic, rollout, stream,
                          cfg, 4 if a.smoke else 10**9, log=record, log_every=1 if a.smoke else 100, lr_at=lr_at,
-                         generator=gen, stop=lambda: time.perf_counter() - t0 > a.seconds)
+                         on_student_step=on_step, generator=gen, stop=lambda: time.perf_counter() - t0 > a.seconds)
     res["training"] = {"seconds": round(time.perf_counter() - t0, 1), "student_steps": info["student_steps"],
                        "critic_steps": info["critic_steps"], "log": log}
     dump()
@@ -431,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
             "grid_shift": GRID_SHIFT, "teacher_guidance": a.teacher_guidance, "student_steps": info["student_steps"]}
     if a.form == "lora":
         state = adapter_state(base, "student")
+        if a.snapshot_every:
+            if not snapshots or snapshots[-1][0] != info["student_steps"]:
+                snapshots.append((info["student_steps"], state))
+            step, state = pick_snapshot(snapshots, teacher, v2, a, eval_prompts, res)
+            meta["picked_student_step"] = step
+            dump()
         save_lora(state, out / "fast_lora.safetensors", meta | {"rank": a.rank, "alpha": a.rank})
         fast_tr = merge_lora(copy.deepcopy(teacher).float(), state).eval()
     else:

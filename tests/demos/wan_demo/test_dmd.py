@@ -233,7 +233,11 @@ def test_dmd_fast_refuses_bad_lora_from_before_any_work(tmp_path, capsys):
     for argv, msg in ((["--form", "full", "--lora-from", str(tmp_path / "x.safetensors")], "only with --form lora"),
                       (["--lora-from", str(tmp_path / "none.safetensors")], "no file"),
                       (["--lora-from", str(tmp_path / "x.safetensors")], "--lora-from: "),
-                      (["--critic-warmup", "-1"], "--critic-warmup >= 0")):
+                      (["--critic-warmup", "-1"], "--critic-warmup >= 0"),
+                      (["--form", "full", "--snapshot-every", "5"], "--snapshot-every: a count >= 0, with --form lora"),
+                      (["--snapshot-every", "5", "--pick-seeds", "3-4", "--eval-seeds", "0-3"], "must not overlap"),
+                      (["--eval-only", "lora", "--lora-scales", "1,nan"], "--lora-scales: each must be a finite number > 0"),
+                      (["--eval-only", "lora", "--lora-scales", "x"], "--lora-scales: expected comma-separated numbers")):
         with pytest.raises(SystemExit) as e:
             parse_args(["--out", str(tmp_path / "o"), *argv])
         assert e.value.code == 2 and msg in capsys.readouterr().err
@@ -282,3 +286,22 @@ def test_reuse_samples_trains_the_critic_on_the_last_student_samples_without_new
             for a, b in ((0, 1), (0, 2), (3, 4), (3, 5)):
                 assert seen[a][0] is seen[b][0] and seen[a][1] is seen[b][1]
             assert not torch.equal(seen[0][0], seen[3][0])
+
+
+def test_dmd_fast_ships_the_best_snapshot_by_the_pick_score(tmp_path):
+    """``--snapshot-every``: the starting adapter and every N-th student update are scored on the
+    held-out pick seeds, and the best (shape + no ghost - 5 x duplicate share) is what ships."""
+    from omniloop_wan_demo_training import dmd_fast
+
+    rows = [{"accuracy": {"shape": 0.9, "clean": 0.9}, "duplicate_clips": 0, "n": 100},
+            {"accuracy": {"shape": 1.0, "clean": 0.95}, "duplicate_clips": 4, "n": 100},
+            {"accuracy": {"shape": 0.95, "clean": 0.96}, "duplicate_clips": 0, "n": 100}]
+    assert [round(dmd_fast.pick_score(r), 3) for r in rows] == [1.8, 1.75, 1.91]
+    assert dmd_fast.main(["--out", str(tmp_path), "--smoke", "--snapshot-every", "1", "--device", "cpu"]) == 0
+    import json
+
+    res = json.loads((tmp_path / "result.json").read_text())
+    snaps = res["snapshots"]
+    assert [r["student_step"] for r in snaps["rows"]][0] == 0 and len(snaps["rows"]) >= 2
+    best = max(snaps["rows"], key=lambda r: r["score"])
+    assert snaps["picked_student_step"] == best["student_step"]
