@@ -302,6 +302,6 @@ def test_dmd_fast_ships_the_best_snapshot_by_the_pick_score(tmp_path):
 
     res = json.loads((tmp_path / "result.json").read_text())
     snaps = res["snapshots"]
-    assert [r["student_step"] for r in snaps["rows"]][0] == 0 and len(snaps["rows"]) >= 2
+    assert snaps["rows"][0]["student_step"] == 0 and len(snaps["rows"]) >= 2
     best = max(snaps["rows"], key=lambda r: r["score"])
     assert snaps["picked_student_step"] == best["student_step"]
