@@ -28,6 +28,11 @@ the field. Fields, each defaulting to "not supported":
     ``refusal(deploy, options) -> str | None``: the family passes each self-attention call's token
     grid to a backend that asks for it (``sparse-tile``) except where the refusal objects; None: it
     passes none, and such a backend is refused.
+``weight_update_refusal``
+    ``refusal(options) -> str | None``: why :meth:`omniloop.Runtime.update_weights` (new weights or
+    an adapter registered at run time) cannot apply to a deployment with these family options —
+    e.g. fused Q/K/V projections keep a concatenated copy of the separate weights that an update
+    would leave stale. None: updates always apply.
 ``role_components``
     components whose stages may run in role workers (``placement``).
 ``quant_blocks``
@@ -207,6 +212,7 @@ class FamilyCapabilities:
     offload: OffloadSupport | None = None
     parallel: ParallelSupport | None = None
     attention_grid: Callable[[Any, Mapping[str, Any]], str | None] | None = None
+    weight_update_refusal: Callable[[Mapping[str, Any]], str | None] | None = None
     role_components: frozenset[str] = field(default=frozenset(), converter=frozenset)
     quant_blocks: Mapping[str, str | tuple[str, ...]] | None = field(default=None, converter=_optional_map)
     returns_latents: bool = False
@@ -306,6 +312,7 @@ def validate(family: Any, caps: Any) -> FamilyCapabilities:
             raise PluginError(f"{where}.parallel.block_interceptors: the family does not run block interceptors "
                               "(block_interceptors=False)")
     for fn_name, fn in (("attention_grid", caps.attention_grid), ("checkpoint_limits", caps.checkpoint_limits),
+                        ("weight_update_refusal", caps.weight_update_refusal),
                         ("offload.refusal", caps.offload.refusal if caps.offload else None)):
         if fn is not None and not callable(fn):
             raise PluginError(f"{where}.{fn_name}: expected a callable, got {type(fn).__name__}")

@@ -892,6 +892,10 @@ class Runtime(Deployment):
         if self.linears is not None:
             raise _weights.WeightUpdateError("source", "the denoiser's linears are converted (linear_precision); "
                                              "load the new weights in a fresh runtime")
+        refusal = self.capabilities.weight_update_refusal
+        why = refusal(self.options) if refusal is not None else None
+        if why:
+            raise _weights.WeightUpdateError("source", why)
         kind = "adapters" if adapter is not None else "weights"
         mechanism = self._mechanism(kind, "adapter" if adapter is not None else "source")
         assert mechanism.update is not None

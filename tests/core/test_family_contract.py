@@ -158,6 +158,7 @@ class _NoInspect(ToyFamily):
     (_toy_with(rollouts=(Rollout("a"), Rollout("a"))), "capabilities.rollouts: expected Rollout records with distinct names"),
     (_toy_with(rollouts=(Rollout("a", returns_latents=False),)), "capabilities.returns_latents must equal"),
     (_toy_with(attention_grid="dense"), "capabilities.attention_grid: expected a callable"),
+    (_toy_with(weight_update_refusal="no"), "capabilities.weight_update_refusal: expected a callable"),
     (_toy_with(audio=True, audio_tasks={"t2a"}), "capabilities.audio_tasks: 't2a' is not one of the family's tasks (t2i, t2v)"),
     (_toy_with(audio_tasks={"t2v"}), "capabilities.audio_tasks: the family declares audio=False"),
     (_T2AWithoutAudio(), "capabilities.audio: the family does t2a, so it makes audio: declare audio=True"),

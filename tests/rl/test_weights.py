@@ -156,3 +156,21 @@ def test_lora_adapter_update(fresh_runtime, rl_ckpt, make_request, tmp_path):
     with pytest.raises(WeightUpdateError) as info:
         rt.update_weights(bad, version="lora-3", adapter="policy")
     assert info.value.path == "source" and rt.weights_checksum() == c2 and rt.weight_version == "lora-2"
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_fused_qkv_deployments_refuse_updates(fresh_runtime, rl_ckpt, new_weights, family):
+    """``options.qkv: fused`` keeps a concatenated copy of to_q/to_k/to_v: an update would leave it stale,
+    so the family's ``weight_update_refusal`` refuses it (weights and run-time adapters alike), naming the
+    option; nothing changes. The same runtime with ``qkv: separate`` takes updates."""
+    rt = fresh_runtime(rl_ckpt(family), family=family, options={"qkv": "fused"})
+    checksum = rt.weights_checksum()
+    tensors = new_weights[0] if family == "flux" else {"blocks.0.attn1.to_q.weight": torch.zeros(1)}
+    with pytest.raises(WeightUpdateError, match=r"options\.qkv 'fused' computes Q/K/V from a concatenated copy") as info:
+        rt.update_weights(tensors, version="v2")
+    assert info.value.path == "source" and rt.weights_checksum() == checksum and rt.weight_version != "v2"
+    with pytest.raises(WeightUpdateError, match=r"options\.qkv 'fused'"):
+        rt.update_weights("/no/such/adapter.safetensors", version="v3", adapter="late")
+    if family == "flux":
+        plain = fresh_runtime(rl_ckpt(family), family=family)
+        assert plain.update_weights(tensors, version="v2", checksum=False) is None and plain.weight_version == "v2"

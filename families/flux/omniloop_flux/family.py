@@ -12,7 +12,7 @@ from omniloop.family import LoadedModel
 from omniloop.graph import PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop.rl import RolloutSupport
-from omniloop_kit.attention import qkv_option
+from omniloop_kit.attention import fused_qkv_update_refusal, qkv_option
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
@@ -55,6 +55,8 @@ class FluxFamily(DiffusersFamily):
         offload={"transformer": ("transformer_blocks", "single_transformer_blocks"),
                  "text_encoder": CLIP_TEXT_LAYERS, "text_encoder_2": T5_BLOCKS, "vae": None},
         options=KNOWN_OPTIONS,
+        #: update_weights refused with options.qkv: fused (the fused copy would go stale)
+        weight_update_refusal=fused_qkv_update_refusal,
         #: a real checkpoint's trained size from its configs (issue 42: warned, bounded by the deploy)
         checkpoint_limits=ck.limits,
     )

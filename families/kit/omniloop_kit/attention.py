@@ -228,6 +228,16 @@ def refuse_fused_qkv(model: Any, options: Mapping[str, Any]) -> None:
                           "adapter hooks; use qkv 'separate' with adapters")
 
 
+def fused_qkv_update_refusal(options: Mapping[str, Any]) -> str | None:
+    """A ``FamilyCapabilities.weight_update_refusal``: ``options.qkv: fused`` computes Q/K/V from a
+    concatenated copy of the ``to_q``/``to_k``/``to_v`` weights, which ``update_weights`` would leave
+    stale (and an adapter registered at run time would be bypassed)."""
+    if options.get("qkv", "separate") == "fused":
+        return ("options.qkv 'fused' computes Q/K/V from a concatenated copy of to_q/to_k/to_v that an update "
+                "would leave stale; update the weights of a deployment with qkv 'separate'")
+    return None
+
+
 def install(model: torch.nn.Module, modules: Sequence[Any], make: Callable[[], BackendProcessor], name: str) -> int:
     """Put ``make()`` (a processor of the backend ``name``) on each of ``modules`` (``model``'s
     attention modules); returns how many got one."""
@@ -283,6 +293,7 @@ def restored(modules: Sequence[Any], make: Callable[[], Any]) -> Iterator[None]:
             m.set_processor(proc)
 
 
-__all__ = ["FUSED_BUFFERS", "QKV", "BackendProcessor", "JointAttnProcessor", "fuse_projections", "install",
+__all__ = ["FUSED_BUFFERS", "QKV", "BackendProcessor", "JointAttnProcessor", "fuse_projections", "fused_qkv_update_refusal",
+           "install",
            "install_joint", "installed", "qkv_option", "refuse_fused_qkv", "restored", "set_token_grid",
            "unfuse_projections", "uninstall"]

@@ -12,7 +12,7 @@ from omniloop.artifacts import Embeddings
 from omniloop.family import LoadedModel
 from omniloop.graph import PipelineSpec
 from omniloop.request import OmniRequest, TaskType
-from omniloop_kit.attention import qkv_option
+from omniloop_kit.attention import fused_qkv_update_refusal, qkv_option
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
@@ -47,6 +47,8 @@ class SD3Family(DiffusersFamily):
         #: deploy options read: options.qkv, the compile settings (check_options) and cuda_graphs
         #: (omniloop_kit.graphs: the outer forward replayed as one CUDA graph per input shape)
         options={"qkv", "compile_backend", "compile_mode", "compile_dynamic", "cuda_graphs"},
+        #: update_weights refused with options.qkv: fused (the fused copy would go stale)
+        weight_update_refusal=fused_qkv_update_refusal,
         #: a real checkpoint's trained size from its configs (issue 42: warned, bounded by the deploy)
         checkpoint_limits=ck.limits,
     )

@@ -14,6 +14,7 @@ from omniloop.capabilities import ParallelSupport, Rollout
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
+from omniloop_kit.attention import fused_qkv_update_refusal
 from omniloop_kit.checkpoint import read_extra
 from omniloop_kit.family import CLIP_VISION_LAYERS, T5_BLOCKS, DiffusersFamily, compute_device
 from omniloop_kit.family import capabilities as kit_capabilities
@@ -82,6 +83,8 @@ class WanFamily(DiffusersFamily):
         parallel=ParallelSupport(axes={"sp", "cfg"}, limits={"cfg": 2}, attention_heads=attention_heads,
                                  block_interceptors=True),
         attention_grid=attention_grid_refusal,
+        #: update_weights refused with options.qkv: fused (the fused copy would go stale)
+        weight_update_refusal=fused_qkv_update_refusal,
         #: deploy placement (role pools, omniloop-parallel): components whose stages may run in a worker
         role_components={"text_encoder", "image_encoder", "vae"},
         #: options.rollout: bidirectional (the ordinary pipeline) or causal (chunk streaming, issue 21)
