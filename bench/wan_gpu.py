@@ -186,29 +186,29 @@ def unfuse_qkv(transformer: Any) -> None:
 
 
 @contextlib.contextmanager
-def gelu_quant_kernel(on: bool) -> Iterator[None]:
+def module_flag(module: Any, name: str, value: bool) -> Iterator[None]:
+    """``module.name = value`` for the ``with`` body, then the old value back (a configuration's switch
+    on shared modules)."""
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
+
+
+def gelu_quant_kernel(on: bool) -> contextlib.AbstractContextManager[None]:
     """``-gq``: omniloop-quant's FP8 feed-forward computes its GELU + activation quantisation in one Triton pass."""
     from omniloop_quant import fp8
 
-    before = fp8.FUSE_GELU_QUANT
-    fp8.FUSE_GELU_QUANT = on
-    try:
-        yield
-    finally:
-        fp8.FUSE_GELU_QUANT = before
+    return module_flag(fp8, "FUSE_GELU_QUANT", on)
 
 
-@contextlib.contextmanager
-def fp8_quant_fusion(fused: bool) -> Iterator[None]:
+def fp8_quant_fusion(fused: bool) -> contextlib.AbstractContextManager[None]:
     """Whether the fused rope kernel quantises q/k for an FP8 backend (else the backend's own pass)."""
     from omniloop_wan import attention
 
-    before = attention.FUSE_FP8_QUANT
-    attention.FUSE_FP8_QUANT = fused
-    try:
-        yield
-    finally:
-        attention.FUSE_FP8_QUANT = before
+    return module_flag(attention, "FUSE_FP8_QUANT", fused)
 
 
 def flops_per_forward(cfg: dict[str, Any], tokens: int, text_tokens: int = 512) -> float:
