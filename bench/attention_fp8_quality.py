@@ -235,19 +235,55 @@ class CapturePlugin:
         register(AttentionBackendSpec(name="capture-bf16", fn=fn, description="capture"))
 
 
-#: ``--emulate-configs`` keys -> (self-attention only, quantise the probabilities, quantise the output)
-EMULATED = {"fp8-model": (False, True, True), "fp8-model-self": (True, True, True),
-            "fp8-model-exact-p": (False, False, True), "fp8-model-exact-o": (False, True, False),
-            "fp8-model-qkv-only": (False, False, False)}
+_EXACT_P_O = {"quantize_p": False, "quantize_o": False}
+#: ``--emulate-configs`` keys -> how the model runs: ``self_only`` (cross-attention exact), the
+#: inputs left unrounded (``exact``: some of "qkv"), and :func:`reference_fp8_attention`'s keywords
+EMULATED: dict[str, dict[str, Any]] = {
+    "fp8-model": {}, "fp8-model-self": {"self_only": True},
+    "fp8-model-exact-p": {"quantize_p": False}, "fp8-model-exact-o": {"quantize_o": False},
+    "fp8-model-qkv-only": dict(_EXACT_P_O),
+    "fp8-model-q-only": {**_EXACT_P_O, "exact": "kv"}, "fp8-model-k-only": {**_EXACT_P_O, "exact": "qv"},
+    "fp8-model-v-only": {**_EXACT_P_O, "exact": "qk"},
+    "fp8-model-smooth-k": {"smooth_k": True}, "fp8-model-smooth-kv": {"smooth_k": True, "smooth_v": True},
+    "fp8-model-qkv-only-smooth-k": {**_EXACT_P_O, "smooth_k": True},
+    # controls and alternatives: q/k/v rounded to bf16 only (the noise floor of a rounding that
+    # every exact-class bf16 kernel makes); SageAttention's arithmetic (K smoothed, q and k in INT8
+    # with one scale per 64-token block and head; P and V exact, or P, V in e4m3 with the output exact)
+    "bf16-qkv": {**_EXACT_P_O, "exact": "qkv", "round": "bf16"},
+    "int8-qk": {**_EXACT_P_O, "exact": "v", "round": "int8", "smooth_k": True},
+    "int8-qk-fp8-pv": {"quantize_o": False, "round": "int8", "smooth_k": True},
+    "int8-qk-fp8-pv-unsmoothed": {"quantize_o": False, "round": "int8"},
+}
+
+
+def _round_inputs(q: torch.Tensor, k: torch.Tensor, how: str, smooth_k: bool) -> dict[str, Any]:
+    """``q8`` / ``k8`` for :func:`reference_fp8_attention` rounded another way than e4m3 (``round``)."""
+    from omniloop_attention.fp8 import smooth
+
+    one = torch.ones(())
+    if smooth_k:
+        k = smooth(k)[0]
+    if how == "bf16":
+        return {"q8": (q.bfloat16().float(), one), "k8": (k.bfloat16().float(), one)}
+
+    def int8(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+        B, H, L, D = x.shape
+        pad = (-L) % block
+        xb = F.pad(x, (0, 0, 0, pad)).reshape(B, H, -1, block, D)
+        scale = xb.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(1e-12) / 127.0
+        return ((xb / scale).round().clamp(-127, 127) * scale).reshape(B, H, -1, D)[:, :, :L]
+
+    return {"q8": (int8(q), one), "k8": (int8(k), one)}
 
 
 class EmulatedFP8Plugin:
     """Registers :data:`EMULATED`'s backends: ``cudnn-fp8``'s numerical model
     (:func:`omniloop_attention.fp8.reference_fp8_attention`: per-tensor e4m3 q/k/v, e4m3 probabilities
     and output) on any device — in every attention call or in self-attention only (``Lq == Lk``;
-    cross-attention then runs the plain float SDPA), and with the probabilities or the output left
-    unrounded (which of the kernel's roundings costs what). Not the kernel: its rounding of the
-    probabilities differs (see the model's docstring); for CPU studies of where FP8 attention costs quality."""
+    cross-attention then runs the plain float SDPA), with some inputs, the probabilities or the output
+    left unrounded (which of the kernel's roundings costs what), and with K / V smoothed. Not the
+    kernel: its rounding of the probabilities differs (see the model's docstring); for CPU studies of
+    where FP8 attention costs quality."""
 
     OMNILOOP_HOOK_API = ">=1.0,<2"
 
@@ -256,16 +292,21 @@ class EmulatedFP8Plugin:
         from omniloop.family import AttentionBackendSpec
         from omniloop_attention.fp8 import reference_fp8_attention
 
-        def make(self_only: bool, quantize_p: bool, quantize_o: bool) -> Any:
+        def make(self_only: bool = False, exact: str = "", round: str = "e4m3", **model: Any) -> Any:
             def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
                 if self_only and q.shape[-2] != k.shape[-2]:
                     return F.scaled_dot_product_attention(q, k, v)
-                return reference_fp8_attention(q.float(), k.float(), v.float(), quantize_p=quantize_p,
-                                               quantize_o=quantize_o).to(q.dtype)
+                one = torch.ones(())
+                given = {f"{n}8": (x.float(), one) for n, x in zip("qkv", (q, k, v), strict=True) if n in exact}
+                if round != "e4m3":
+                    given.update(_round_inputs(q.float(), k.float(), round, model.get("smooth_k", False)))
+                    if round == "bf16":
+                        given["v8"] = (v.float().bfloat16().float(), one)
+                return reference_fp8_attention(q.float(), k.float(), v.float(), **given, **model).to(q.dtype)
             return fn
 
         for name, flags in EMULATED.items():
-            register(AttentionBackendSpec(name=name, fn=make(*flags), distribution_altering=True,
+            register(AttentionBackendSpec(name=name, fn=make(**flags), distribution_altering=True,
                                           description="cudnn-fp8's numerical model (bench)"))
 
 
@@ -415,8 +456,11 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
 
 
 
-#: ``--clip-configs`` keys -> the clips part's configurations (label, backend, rope, q/k quantised in the rope kernel, linears)
-CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4, "fp8+fp8fast": 5}
+#: ``--clip-configs`` keys -> the clips part's configurations (label, backend, rope, q/k quantised in
+#: the rope kernel, linears); ``bf16-flash`` is the control: another
+#: exact-class bf16 kernel (torch's FlashAttention-2), whose verdict changes vs ``bf16`` are the
+#: noise floor any other configuration's are read against
+CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4, "fp8+fp8fast": 5, "bf16-flash": 6}
 
 
 def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | None = None,
@@ -434,7 +478,8 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                ("cudnn-fp8, separate quantisation pass", "cudnn-fp8", "fused", False, "dtype"),
                ("bf16 sdpa-cudnn + fp8 linears", "sdpa-cudnn", "fused", True, "fp8"),
                ("cudnn-fp8 (fused q/k) + fp8 linears", "cudnn-fp8", "fused", True, "fp8"),
-               ("cudnn-fp8 (fused q/k) + fp8-fast linears", "cudnn-fp8", "fused", True, "fp8-fast")]
+               ("cudnn-fp8 (fused q/k) + fp8-fast linears", "cudnn-fp8", "fused", True, "fp8-fast"),
+               ("bf16 sdpa-flash (exact-class control)", "sdpa-flash", "fused", True, "dtype")]
     configs = [configs[CLIP_CONFIGS[k]] for k in (keys or CLIP_CONFIGS)]  # bf16 (the reference) must be first
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}

@@ -12,7 +12,7 @@ from omniloop.errors import DeployError
 from omniloop.testing import make_manager
 from omniloop_attention import plugin
 from omniloop_attention.backends import BACKENDS
-from omniloop_attention.fp8 import E4M3_MAX, cudnn_fp8, cudnn_fp8_available, quantize, reference_fp8_attention
+from omniloop_attention.fp8 import E4M3_MAX, cudnn_fp8, cudnn_fp8_available, quantize, reference_fp8_attention, smooth
 
 SPEC = {b.name: b for b in BACKENDS}["cudnn-fp8"]
 
@@ -132,6 +132,25 @@ def test_reference_model_is_exact_without_rounding_and_close_with_it():
     full = reference_fp8_attention(q, k, v)
     assert 0.005 < _rel(full, ref) < 0.08
     assert _rel(reference_fp8_attention(q, k, v, quantize_p=False, quantize_o=False), ref) < 0.05
+
+
+def test_smoothing_changes_no_output_in_exact_arithmetic_and_helps_a_shared_offset():
+    """K's token mean shifts each query's logits by a constant (the softmax removes it); V's is added
+    back to the output: with no rounding the model is plain attention whatever is smoothed, and an
+    offset shared by every token stops costing V's rounding."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 80, 32)
+    k = torch.randn(1, 2, 80, 32) + 3 * torch.randn(1, 2, 1, 32)
+    v = torch.randn(1, 2, 80, 32) + 4 * torch.randn(1, 2, 1, 32)
+    ref = F.scaled_dot_product_attention(q, k, v)
+    centred, mean = smooth(k)
+    assert torch.allclose(centred + mean, k, atol=1e-5) and torch.allclose(centred.mean(-2), torch.zeros(1, 2, 32), atol=1e-5)
+    one = torch.ones(())
+    exact = {"q8": (q, one), "quantize_p": False, "quantize_o": False}
+    unrounded = reference_fp8_attention(q, k, v, **exact, k8=(smooth(k)[0], one), v8=(v, one))
+    assert _rel(unrounded, ref) < 1e-5
+    plain = _rel(reference_fp8_attention(q, k, v), ref)
+    assert _rel(reference_fp8_attention(q, k, v, smooth_k=True, smooth_v=True), ref) < plain / 2
 
 
 def test_wan_static_descale_bounds_normed_rotated_values():

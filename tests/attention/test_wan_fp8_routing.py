@@ -21,6 +21,8 @@ from omniloop_attention.fp8 import reference_fp8_attention
 class FakeFP8:
     """Stands in for omniloop_attention.fp8.CudnnFP8Attention, recording which entry was used."""
 
+    accepts_quantized_qk = True
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, int]] = []
 
@@ -102,5 +104,21 @@ def test_reference_rope_never_hands_quantized(monkeypatch):
     fake = FakeFP8()
     attention.install(model, AttentionBackendSpec(name="fake-fp8", fn=fake, distribution_altering=True),
                       qk_norm_rope="reference")
+    _forward(model)
+    assert fake.calls and {c[0] for c in fake.calls} == {"fn"}
+
+
+def test_only_a_declared_backend_gets_quantized_qk(cpu_fused_kernels):
+    """Having an ``attend_quantized`` method is not enough: the callable must declare
+    ``accepts_quantized_qk`` (nobody probes a backend for methods)."""
+    from omniloop_wan import attention
+
+    class Undeclared(FakeFP8):
+        accepts_quantized_qk = False
+
+    model = _model()
+    fake = Undeclared()
+    attention.install(model, AttentionBackendSpec(name="fake-fp8", fn=fake, distribution_altering=True),
+                      qk_norm_rope="fused")
     _forward(model)
     assert fake.calls and {c[0] for c in fake.calls} == {"fn"}

@@ -68,3 +68,34 @@ def test_fp8_quality_emulate_smoke(tmp_path):
     for name in ("fp8-model", "fp8-model-qkv-only"):
         assert set(emu[name]["verdicts_vs_sdpa"]) == {"color", "direction", "shape"}
         assert 10 < emu[name]["psnr_db_mean"] < 80  # FP8 rounding moves pixels, not the picture
+
+
+@pytest.mark.skipif(not (BENCH / "attention_fp8_quality.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_quality_emulated_roundings_order_as_their_precision():
+    """The emulate part's backends on one attention call: rounding q/k/v to bf16 (8 mantissa bits)
+    costs less than SageAttention's INT8 q/k (7 bits per 64-token block), which costs less than
+    e4m3 (3 bits); leaving every input unrounded (``exact``) with P and O exact is plain attention."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    spec = importlib.util.spec_from_file_location("attention_fp8_quality_bench", BENCH / "attention_fp8_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fns = {}
+    mod.EmulatedFP8Plugin().omniloop_register_attention_backends(lambda s: fns.__setitem__(s.name, s.fn))
+    assert set(fns) == set(mod.EMULATED)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 150, 64) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v)
+
+    def rel(name):
+        o = fns[name](q, k, v)
+        return float((o - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+    assert rel("bf16-qkv") < rel("int8-qk") < rel("fp8-model-qkv-only") < rel("fp8-model")
+    assert rel("fp8-model-v-only") < rel("fp8-model-qkv-only")
+    # cross-attention (Lq != Lk) runs plain SDPA in the self-attention-only model
+    kc, vc = torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64)
+    assert torch.allclose(fns["fp8-model-self"](q, kc, vc), F.scaled_dot_product_attention(q, kc, vc))

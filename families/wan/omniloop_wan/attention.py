@@ -5,7 +5,8 @@ projections (fused or not), QK RMS-norm, rotary embedding, the I2V image key/val
 I2V cross-attention — with the same tensor operations in the same order, but computes attention
 with the deployment's backend (``AttentionBackendSpec.fn(q, k, v)``, ``[B, heads, L, D]``)
 instead of diffusers' dispatcher (FP8 backends such as ``cudnn-fp8`` with ``qk_norm_rope: fused``
-receive q and k already in e4m3 from the fused kernel: ``attend_quantized``; backends declaring
+receive q and k already in e4m3 from the fused kernel — a backend callable declaring
+``accepts_quantized_qk = True`` provides ``attend_quantized(q8, descale_q, k8, descale_k, v, dtype)``; backends declaring
 ``accepts_grid``, such as ``sparse-tile``, get the self-attention token grid as ``grid=(T, H, W)``,
 set per forward by :func:`set_token_grid`). Installing, the token grid and putting diffusers'
 processors back are omniloop-kit's (:mod:`omniloop_kit.attention`). With the core ``sdpa`` backend the block outputs are
@@ -58,6 +59,8 @@ class WanBackendAttnProcessor(kit.BackendProcessor):
         super().__init__(fn, backend)
         #: "fused": self-attention QK norm + rotary in one Triton kernel (omniloop_wan.fused)
         self.qk_norm_rope = qk_norm_rope
+        #: the backend declares it takes q and k already in e4m3 (``attend_quantized``; ``cudnn-fp8``)
+        self.takes_quantized_qk = bool(getattr(fn, "accepts_quantized_qk", False))
         if qk_norm_rope == "fused" and fused_kernels.triton_available():
             fused_kernels.prepare()
 
@@ -91,13 +94,12 @@ class WanBackendAttnProcessor(kit.BackendProcessor):
         fused_ok = (self.qk_norm_rope == "fused" and rotary_emb is not None
                     and fused_kernels.supported(query, attn.norm_q, rotary_emb[0], attn.heads)
                     and fused_kernels.supported(key, attn.norm_k, rotary_emb[0], attn.heads))
-        quantized = getattr(self.fn, "attend_quantized", None)
-        if fused_ok and quantized is not None and FUSE_FP8_QUANT and encoder_hidden_states_img is None:
+        if fused_ok and self.takes_quantized_qk and FUSE_FP8_QUANT and encoder_hidden_states_img is None:
             # FP8 backend: the fused kernel writes q and k in e4m3 (static scale), no extra pass
             q8, dq = fused_kernels.qk_norm_rope_fp8(query, attn.norm_q, *rotary_emb, attn.heads)
             k8, dk = fused_kernels.qk_norm_rope_fp8(key, attn.norm_k, *rotary_emb, attn.heads)
             value = value.unflatten(2, (attn.heads, -1))
-            out = quantized(q8.permute(0, 2, 1, 3), dq, k8.permute(0, 2, 1, 3), dk, value.permute(0, 2, 1, 3),
+            out = self.fn.attend_quantized(q8.permute(0, 2, 1, 3), dq, k8.permute(0, 2, 1, 3), dk, value.permute(0, 2, 1, 3),
                             value.dtype)
             hidden_states = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(value)
             hidden_states = attn.to_out[0](hidden_states)

@@ -104,24 +104,49 @@ def quantize(x: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Tensor
     return x8, amax / E4M3_MAX
 
 
+def smooth(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x - mean, mean)``, the mean taken over the tokens (dim -2) of each (batch, head, channel).
+
+    Subtracting K's token mean changes no attention output in exact arithmetic (each query's
+    logits all shift by ``q . mean``, which the softmax removes) and V's is added back after
+    (each output row is a convex combination of V's rows). What it changes is the rounding: K and
+    V of a DiT carry a large per-channel offset shared by every token, and e4m3's 3 mantissa bits
+    are spent on that offset instead of on what differs between tokens (SageAttention, Zhang et
+    al. 2024, smooths K for the same reason)."""
+    mean = x.float().mean(dim=-2, keepdim=True)
+    return x.float() - mean, mean
+
+
 def reference_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, granularity: str = "tensor",
                             q8: tuple[torch.Tensor, torch.Tensor] | None = None,
                             k8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                            quantize_p: bool = True, quantize_o: bool = True) -> torch.Tensor:
+                            v8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            quantize_p: bool = True, quantize_o: bool = True,
+                            smooth_k: bool = False, smooth_v: bool = False) -> torch.Tensor:
     """The FP8 kernel's arithmetic in plain torch (float32 math on e4m3-rounded values), ``[B, H, L, D]``.
+
+    ``q8`` / ``k8`` / ``v8``: ``(values, descale)`` already quantised (pass ``(x, 1.0)`` to leave
+    one input unrounded in a study). ``smooth_k`` / ``smooth_v``: subtract the token mean before
+    rounding (:func:`smooth`; V's mean is added back to the output, after its rounding).
 
     Not bit-equal to cuDNN's kernel (which keeps a running max over key tiles, so its
     probabilities are rounded relative to the tile's running max, and whose accumulation order
     differs): it is the numerical model used to choose scales and to bound the kernel in tests.
     Memory is ``B*H*Lq*Lk`` floats: small shapes only."""
+    v_mean = None
+    if smooth_k and k8 is None:
+        k = smooth(k)[0]
+    if smooth_v and v8 is None:
+        v, v_mean = smooth(v)
     if q8 is None:
         q8 = quantize(q, granularity)
     if k8 is None:
         k8 = quantize(k, granularity)
-    v8, dv = quantize(v, granularity)
+    if v8 is None:
+        v8 = quantize(v, granularity)
     qf = q8[0].float() * q8[1]
     kf = k8[0].float() * k8[1]
-    vf = v8.float() * dv
+    vf = v8[0].float() * v8[1]
     s = (qf @ kf.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))
     denom = p.sum(dim=-1, keepdim=True)
@@ -129,9 +154,11 @@ def reference_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         p = (p * P_SCALE).to(fp8_dtype()).float() / P_SCALE
     o = (p @ vf) / denom
     if quantize_o:
-        amax_v = dv * E4M3_MAX
+        amax_v = torch.as_tensor(v8[1], dtype=torch.float32) * E4M3_MAX
         o_scale = O_HEADROOM / amax_v
         o = (o * o_scale).clamp(-E4M3_MAX, E4M3_MAX).to(fp8_dtype()).float() / o_scale
+    if v_mean is not None:
+        o = o + v_mean
     return o.to(q.dtype)
 
 
