@@ -95,6 +95,30 @@ def frames_ssim(a: Any, b: Any) -> float:
     return float(s.mean())
 
 
+def paired_verdicts(lost: int, gained: int) -> dict[str, Any]:
+    """A change of arithmetic scored on the same clips: ``lost`` verdicts that held before and fail
+    now, ``gained`` the reverse. Under "no effect" each changed verdict is as likely lost as gained
+    (McNemar's exact test: a binomial with p = 1/2 over the ``lost + gained`` changes), so ``p`` —
+    the two-sided probability of a split at least this uneven — says whether the loss stands out
+    of the noise that any change of rounding makes on a detector at its threshold."""
+    import math
+
+    n = lost + gained
+    if n == 0:
+        return {"lost": lost, "gained": gained, "net": 0, "p_two_sided": 1.0}
+    tail = sum(math.comb(n, i) for i in range(0, min(lost, gained) + 1)) / 2.0**n
+    return {"lost": lost, "gained": gained, "net": gained - lost, "p_two_sided": round(min(1.0, 2 * tail), 4)}
+
+
+def verdict_changes(verdicts: list[dict[str, bool]], reference: list[dict[str, bool]],
+                    checks: tuple[str, ...] = ("color", "direction", "shape")) -> dict[str, Any]:
+    """Per check, the verdicts lost and gained against the reference clips (same prompts and seeds,
+    same order) with McNemar's exact p (:func:`paired_verdicts`)."""
+    pairs = list(zip(reference, verdicts, strict=True))
+    return {k: paired_verdicts(sum(1 for a, b in pairs if a[k] and not b[k]), sum(1 for a, b in pairs if not a[k] and b[k]))
+            for k in checks}
+
+
 # --------------------------------------------------------------------------------------------
 # the model
 # --------------------------------------------------------------------------------------------

@@ -54,7 +54,16 @@ add_repo_packages()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import command_line, frames_psnr, frames_ssim, library_versions, machine, rel_rms, wan_demo_clip  # noqa: E402
+from _common import (  # noqa: E402
+    command_line,
+    frames_psnr,
+    frames_ssim,
+    library_versions,
+    machine,
+    rel_rms,
+    verdict_changes,
+    wan_demo_clip,
+)
 
 from omniloop.hookspecs import hookimpl  # noqa: E402
 
@@ -339,9 +348,7 @@ def part_emulate(res: dict[str, Any], device: str, smoke: bool, seeds: list[int]
         if base is None:
             base, base_verdicts = vids, verdicts
         else:
-            row["verdicts_vs_sdpa"] = {k: {"lost": sum(1 for a, b in zip(base_verdicts, verdicts, strict=True) if a[k] and not b[k]),
-                                           "gained": sum(1 for a, b in zip(base_verdicts, verdicts, strict=True) if not a[k] and b[k])}
-                                       for k in ("color", "direction", "shape")}
+            row["verdicts_vs_sdpa"] = verdict_changes(verdicts, base_verdicts)
             ps = [frames_psnr(a, b) for a, b in zip(vids, base, strict=True)]
             row["psnr_db_mean"] = float(np.mean([p for p in ps if np.isfinite(p)] or [float("inf")]))
         print("emulate", backend, json.dumps(row, default=str), flush=True)
@@ -512,10 +519,7 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                     "ssim_mean": statistics.fmean(ss), "ssim_min": min(ss),
                 }
                 bv = table["bf16 sdpa-cudnn"]["verdicts"]
-                row["verdict_changes_vs_bf16"] = {
-                    k: {"lost": sum(b[k] and not a[k] for a, b in zip(row["verdicts"], bv, strict=True)),
-                        "gained": sum(a[k] and not b[k] for a, b in zip(row["verdicts"], bv, strict=True))}
-                    for k in ("color", "direction", "shape")}
+                row["verdict_changes_vs_bf16"] = verdict_changes(row["verdicts"], bv)
             del rt
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:800]

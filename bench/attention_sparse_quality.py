@@ -45,7 +45,15 @@ add_repo_packages()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import command_line, frames_psnr, frames_ssim, library_versions, machine, wan_demo_clip  # noqa: E402
+from _common import (  # noqa: E402
+    command_line,
+    frames_psnr,
+    frames_ssim,
+    library_versions,
+    machine,
+    verdict_changes,
+    wan_demo_clip,
+)
 
 ATTRS = ("color", "direction", "shape")
 
@@ -172,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ssim_mean": round(statistics.fmean(ss), 4), "ssim_min": round(min(ss), 4),
                     "psnr_db_per_clip": [round(p, 2) if math.isfinite(p) else None for p in ps],
                 }
-                row["verdict_changes_vs_dense"] = {
-                    k: {"lost": sum(b[k] and not a[k] for a, b in zip(verdicts, base_verdicts, strict=True)),
-                        "gained": sum(a[k] and not b[k] for a, b in zip(verdicts, base_verdicts, strict=True))}
-                    for k in ATTRS}
+                row["verdict_changes_vs_dense"] = verdict_changes(verdicts, base_verdicts, ATTRS)
             del rt
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:800]

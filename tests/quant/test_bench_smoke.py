@@ -99,3 +99,16 @@ def test_fp8_quality_emulated_roundings_order_as_their_precision():
     # cross-attention (Lq != Lk) runs plain SDPA in the self-attention-only model
     kc, vc = torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64)
     assert torch.allclose(fns["fp8-model-self"](q, kc, vc), F.scaled_dot_product_attention(q, kc, vc))
+
+
+def test_paired_verdicts_is_mcnemars_exact_test():
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    from _common import paired_verdicts
+
+    assert paired_verdicts(0, 0) == {"lost": 0, "gained": 0, "net": 0, "p_two_sided": 1.0}
+    assert paired_verdicts(4, 3)["p_two_sided"] == 1.0  # as even as 7 changes can be
+    assert paired_verdicts(8, 0)["p_two_sided"] == round(2 / 2**8, 4)  # all 8 one way
+    assert paired_verdicts(10, 3) == {"lost": 10, "gained": 3, "net": -7, "p_two_sided": round(2 * 378 / 8192, 4)}
+    assert paired_verdicts(3, 10)["p_two_sided"] == paired_verdicts(10, 3)["p_two_sided"]
