@@ -97,17 +97,12 @@ def frames_ssim(a: Any, b: Any) -> float:
 
 def paired_verdicts(lost: int, gained: int) -> dict[str, Any]:
     """A change of arithmetic scored on the same clips: ``lost`` verdicts that held before and fail
-    now, ``gained`` the reverse. Under "no effect" each changed verdict is as likely lost as gained
-    (McNemar's exact test: a binomial with p = 1/2 over the ``lost + gained`` changes), so ``p`` —
-    the two-sided probability of a split at least this uneven — says whether the loss stands out
-    of the noise that any change of rounding makes on a detector at its threshold."""
-    import math
+    now, ``gained`` the reverse, and McNemar's exact two-sided p
+    (:func:`omniloop_wan_demo.compare.mcnemar_p`; what ``omniloop eval compare`` reports): whether the
+    loss stands out of the noise that any change of rounding makes on a detector at its threshold."""
+    from omniloop_wan_demo.compare import mcnemar_p
 
-    n = lost + gained
-    if n == 0:
-        return {"lost": lost, "gained": gained, "net": 0, "p_two_sided": 1.0}
-    tail = sum(math.comb(n, i) for i in range(0, min(lost, gained) + 1)) / 2.0**n
-    return {"lost": lost, "gained": gained, "net": gained - lost, "p_two_sided": round(min(1.0, 2 * tail), 4)}
+    return {"lost": lost, "gained": gained, "net": gained - lost, "p_two_sided": round(mcnemar_p(lost, gained), 4)}
 
 
 def verdict_changes(verdicts: list[dict[str, bool]], reference: list[dict[str, bool]],

@@ -5,6 +5,7 @@
     omniloop eval adherence --model wan-demo-causal --steps 4,8      # streamed clips (rollout: causal)
     omniloop eval adherence --model flux-demo                        # an image model: color, shape, position
     omniloop eval adherence --model tone-demo                        # an audio model: timbre, pitch, rhythm
+    omniloop eval compare bf16.json fp8.json                         # verdicts lost / gained, McNemar p
 
 A video model is scored on color, direction and shape; a checkpoint whose ``omniloop.json`` holds
 ``"adherence": {"kind": "image"}`` is an image model: image prompts (``a {color} {shape} at the
@@ -210,8 +211,53 @@ def _preset_dir(name: str) -> Path | None:
         raise click.UsageError(f"--model {name}: {e}") from None
 
 
+@click.command("compare")
+@click.argument("base", type=click.Path(dir_okay=False))
+@click.argument("other", type=click.Path(dir_okay=False))
+@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="write the comparison here")
+def compare_cmd(base: str, other: str, json_out: str | None) -> None:
+    """Verdicts lost and gained from BASE to OTHER, with McNemar's exact p.
+
+    BASE and OTHER are two 'eval adherence --json' reports of the same prompts and seeds, matched
+    clip by clip. The p says whether a change (precision, backend, checkpoint) costs adherence or
+    only flips verdicts both ways, as any change of rounding does.
+
+        omniloop eval adherence --json bf16.json
+        omniloop eval adherence --linear-precision fp8 --json fp8.json
+        omniloop eval compare bf16.json fp8.json
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from .compare import SIGNIFICANCE, ReportError, compare, load_report
+
+    try:
+        result = compare(load_report(base), load_report(other))
+    except ReportError as e:
+        raise click.UsageError(str(e)) from None
+    except ValueError as e:
+        raise click.UsageError(f"{base} vs {other}: {e}") from None
+    console = Console()
+    t = Table(title=f"{other} against {base}: {result['clips']} shared clips ({result['kind']})")
+    for col in ("check", "base", "other", "lost", "gained", "McNemar p", "reading"):
+        t.add_column(col, justify="left" if col in ("check", "reading") else "right")
+    for r in result["checks"]:
+        t.add_row(r["check"], f"{r['base']:.1%}", f"{r['other']:.1%}", str(r["lost"]), str(r["gained"]),
+                  f"{r['p']:.3f}", r["reading"])
+    console.print(t)
+    skipped = result["only_in_base"] + result["only_in_other"]
+    if skipped:
+        console.print(f"[yellow]{result['only_in_base']} clip(s) only in {base}, {result['only_in_other']} only in "
+                      f"{other}: not compared[/yellow]")
+    console.print(f"'no effect seen': p >= {SIGNIFICANCE} — the lost/gained split is what the noise of a change of "
+                  "rounding makes; more clips (seeds) resolve smaller effects")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"base": base, "other": other, **result}, indent=1))
+        console.print(f"wrote {json_out}")
+
+
 def add_to(cli: click.Group) -> None:
-    """Add ``eval adherence`` to the ``omniloop`` group (reusing an ``eval`` group if one exists)."""
+    """Add ``eval adherence`` and ``eval compare`` to the ``omniloop`` group (reusing an ``eval`` group if one exists)."""
     group = cli.commands.get("eval") if hasattr(cli, "commands") else None
     if group is None or not isinstance(group, click.Group):
         @click.group("eval")
@@ -220,6 +266,7 @@ def add_to(cli: click.Group) -> None:
 
         cli.add_command(group)
     group.add_command(adherence)
+    group.add_command(compare_cmd)
 
 
 @click.group()
