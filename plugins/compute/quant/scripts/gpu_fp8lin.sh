@@ -5,7 +5,7 @@
 #                             FP8 attention + FP8 linears, + options.qkv: fused, + fp8-fast linears
 #   14b/wan_gpu-<date>.json   14B forward: diffusers eager, FP8 attention + FP8 linears, + qkv fused
 #                             and fp8-fast linears
-#   q/attention_fp8-<date>.json  wan-demo clips (24 prompts x seeds 0,1 = 48 per configuration): bf16,
+#   q/attention_fp8-<date>.json  wan-demo clips (24 prompts x seeds 0,1 = 48 per configuration): bf16, bf16-flash (control),
 #                             bf16 + FP8 linears, cudnn-fp8 + FP8 linears, cudnn-fp8 + fp8-fast linears:
 #                             adherence, verdicts changed, PSNR/SSIM vs bf16 (cudnn-fp8 alone: 48 clips in
 #                             attention_fp8-h200-2026-11-30.json); the record is rewritten after every
@@ -13,7 +13,7 @@
 #                             run on 2026-12-01)
 #   log.txt                   everything printed
 # Each step is bounded (--budget-s: no new configuration after it; timeout for the quality script),
-# so one failing part does not sink the others. Expected: 1.3b ~110 s, 14b ~70 s, quality ~330 s,
+# so one failing part does not sink the others. Expected: 1.3b ~110 s, 14b ~70 s, quality ~360 s,
 # installs and imports ~40 s. SMOKE=1 adds --smoke everywhere (a CPU check of the script); PARTS, C13,
 # C14, CLIPS, SEEDS, QUALITY_S choose what runs (below). CLIPS=bf16,bf16-flash,... adds the exact-class
 # control (torch's FlashAttention-2 in bf16): its verdict changes vs bf16 are the noise floor.
@@ -43,7 +43,7 @@ filter() { grep --line-buffered -v -E "should be kept in float32|it/s\]|s/it\]" 
 PARTS=",${PARTS:-speed,quality},"
 C13=${C13:-diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8lin-qkv,omniloop-fp8-compile-fused-fp8fast-qkv}
 C14=${C14:-diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8fast-qkv}
-CLIPS=${CLIPS:-bf16,bf16+fp8lin,fp8+fp8lin,fp8+fp8fast}
+CLIPS=${CLIPS:-bf16,bf16-flash,bf16+fp8lin,fp8+fp8lin,fp8+fp8fast}
 if [[ $PARTS == *,plans,* ]]; then
   timeout 120 python3 bench/attention_fp8_quality.py --parts plans --out "$OUT/plans" ${SMOKE:+--smoke} 2>&1 | filter
 fi
