@@ -149,6 +149,8 @@ def test_smoothing_changes_no_output_in_exact_arithmetic_and_helps_a_shared_offs
     exact = {"q8": (q, one), "quantize_p": False, "quantize_o": False}
     unrounded = reference_fp8_attention(q, k, v, **exact, k8=(smooth(k)[0], one), v8=(v, one))
     assert _rel(unrounded, ref) < 1e-5
+    # the output's e4m3 scale follows v's own range when v is passed unrounded
+    assert _rel(reference_fp8_attention(q, k, v, q8=(q, one), k8=(k, one), v8=(v, one), quantize_p=False), ref) < 0.05
     plain = _rel(reference_fp8_attention(q, k, v), ref)
     assert _rel(reference_fp8_attention(q, k, v, smooth_k=True, smooth_v=True), ref) < plain / 2
 

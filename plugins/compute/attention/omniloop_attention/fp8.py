@@ -154,7 +154,9 @@ def reference_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         p = (p * P_SCALE).to(fp8_dtype()).float() / P_SCALE
     o = (p @ vf) / denom
     if quantize_o:
-        amax_v = torch.as_tensor(v8[1], dtype=torch.float32) * E4M3_MAX
+        # |o| <= amax(v) (each row a convex combination of v's rows): for a quantised v this is
+        # descale * 448, for one passed unrounded its own largest magnitude
+        amax_v = (vf.abs().amax(dim=(-2, -1), keepdim=True) if granularity == "head" else vf.abs().amax()).clamp_min(_TINY)
         o_scale = O_HEADROOM / amax_v
         o = (o * o_scale).clamp(-E4M3_MAX, E4M3_MAX).to(fp8_dtype()).float() / o_scale
     if v_mean is not None:
