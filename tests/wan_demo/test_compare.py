@@ -93,3 +93,20 @@ def test_cli_disjoint_runs_are_a_usage_error(tmp_path):
     b.write_text(json.dumps(_report([(True, True, True)], seeds=(1,))))
     res = CliRunner().invoke(cli.main, ["eval", "compare", str(a), str(b)])
     assert res.exit_code == 2 and "share no clip" in res.output
+
+
+def test_sweeps_are_compared_per_step_count_too(tmp_path):
+    base = _report([(True, True, True)] * 4, steps=20)
+    base["reports"].append(_report([(True, True, True)] * 4, steps=4)["reports"][0])
+    other = _report([(True, True, True)] * 4, steps=20)
+    other["reports"].append(_report([(True, True, False)] * 4, steps=4)["reports"][0])
+    out = compare(base, other)
+    assert out["clips"] == 8 and [g["steps"] for g in out["by_steps"]] == [20, 4]
+    shape = {g["steps"]: {r["check"]: r for r in g["checks"]}["shape"] for g in out["by_steps"]}
+    assert (shape[20]["lost"], shape[4]["lost"]) == (0, 4)
+    assert "by_steps" not in compare(_report([(True, True, True)]), _report([(True, True, True)]))
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(base))
+    b.write_text(json.dumps(other))
+    res = CliRunner().invoke(cli.main, ["eval", "compare", str(a), str(b)])
+    assert res.exit_code == 0 and "all step counts" in res.output and "4 steps: 4 clips" in res.output

@@ -238,13 +238,21 @@ def compare_cmd(base: str, other: str, json_out: str | None) -> None:
     except ValueError as e:
         raise click.UsageError(f"{base} vs {other}: {e}") from None
     console = Console()
-    t = Table(title=f"{other} against {base}: {result['clips']} shared clips ({result['kind']})")
-    for col in ("check", "base", "other", "lost", "gained", "McNemar p", "reading"):
-        t.add_column(col, justify="left" if col in ("check", "reading") else "right")
-    for r in result["checks"]:
-        t.add_row(r["check"], f"{r['base']:.1%}", f"{r['other']:.1%}", str(r["lost"]), str(r["gained"]),
-                  f"{r['p']:.3f}", r["reading"])
-    console.print(t)
+
+    def table(title: str, rows: list[dict[str, Any]]) -> Table:
+        t = Table(title=title)
+        for col in ("check", "base", "other", "lost", "gained", "McNemar p", "reading"):
+            t.add_column(col, justify="left" if col in ("check", "reading") else "right")
+        for r in rows:
+            t.add_row(r["check"], f"{r['base']:.1%}", f"{r['other']:.1%}", str(r["lost"]), str(r["gained"]),
+                      f"{r['p']:.3f}", r["reading"])
+        return t
+
+    pooled = " (all step counts)" if "by_steps" in result else ""
+    console.print(table(f"{other} against {base}: {result['clips']} shared clips{pooled} ({result['kind']})",
+                        result["checks"]))
+    for group in result.get("by_steps", []):
+        console.print(table(f"{group['steps']} steps: {group['clips']} clips", group["checks"]))
     skipped = result["only_in_base"] + result["only_in_other"]
     if skipped:
         console.print(f"[yellow]{result['only_in_base']} clip(s) only in {base}, {result['only_in_other']} only in "

@@ -68,18 +68,8 @@ def _clips_by_key(doc: dict[str, Any]) -> dict[tuple[int, str, int], dict[str, b
     return out
 
 
-def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    """Per check over the clips both reports hold: accuracy of each, verdicts lost and gained (base →
-    other), McNemar p, and ``reading``: ``"no effect seen"``, ``"loses"`` or ``"gains"`` (p below
-    :data:`SIGNIFICANCE`). ``ValueError`` when the kinds differ or no clip is shared."""
-    kb, ko = base.get("kind", "video"), other.get("kind", "video")
-    if kb != ko:
-        raise ValueError(f"the reports score different kinds ({kb} vs {ko})")
-    a, b = _clips_by_key(base), _clips_by_key(other)
-    shared = [k for k in a if k in b]
-    if not shared:
-        raise ValueError("the reports share no clip (same steps, prompt and seed): compare runs of the same "
-                         "prompts and seeds")
+def _rows(a: dict[tuple[int, str, int], dict[str, bool]], b: dict[tuple[int, str, int], dict[str, bool]],
+          shared: list[tuple[int, str, int]]) -> list[dict[str, Any]]:
     checks = [k for k in a[shared[0]] if all(k in a[s] and k in b[s] for s in shared)]
     rows = []
     for check in checks:
@@ -89,8 +79,30 @@ def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         rows.append({"check": check, "base": sum(a[s][check] for s in shared) / len(shared),
                      "other": sum(b[s][check] for s in shared) / len(shared), "lost": lost, "gained": gained,
                      "p": p, "reading": "no effect seen" if p >= SIGNIFICANCE else ("loses" if lost > gained else "gains")})
-    return {"clips": len(shared), "only_in_base": len(a) - len(shared), "only_in_other": len(b) - len(shared),
-            "kind": kb, "checks": rows}
+    return rows
+
+
+def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Per check over the clips both reports hold: accuracy of each, verdicts lost and gained (base →
+    other), McNemar p, and ``reading``: ``"no effect seen"``, ``"loses"`` or ``"gains"`` (p below
+    :data:`SIGNIFICANCE`). Reports of several step counts (``--steps 20,4``) are compared over all
+    shared clips (``checks``) and per step count (``by_steps``, when there is more than one).
+    ``ValueError`` when the kinds differ or no clip is shared."""
+    kb, ko = base.get("kind", "video"), other.get("kind", "video")
+    if kb != ko:
+        raise ValueError(f"the reports score different kinds ({kb} vs {ko})")
+    a, b = _clips_by_key(base), _clips_by_key(other)
+    shared = [k for k in a if k in b]
+    if not shared:
+        raise ValueError("the reports share no clip (same steps, prompt and seed): compare runs of the same "
+                         "prompts and seeds")
+    steps = sorted({k[0] for k in shared}, reverse=True)
+    out: dict[str, Any] = {"clips": len(shared), "only_in_base": len(a) - len(shared),
+                           "only_in_other": len(b) - len(shared), "kind": kb, "checks": _rows(a, b, shared)}
+    if len(steps) > 1:
+        out["by_steps"] = [{"steps": n, "clips": len(sub), "checks": _rows(a, b, sub)}
+                           for n in steps for sub in [[k for k in shared if k[0] == n]]]
+    return out
 
 
 __all__ = ["SIGNIFICANCE", "ReportError", "compare", "load_report", "mcnemar_p"]
