@@ -403,12 +403,13 @@ def write_record(record: dict[str, Any], out_dir: str | Path) -> Path:
     return path
 
 
-def wan_demo_clip(runtime: Any, prompt: str, seed: int, steps: int = 20) -> Any:
-    """One wan-demo clip (17x64x64, guidance 5) through ``runtime``: uint8 frames ``[T, H, W, C]``."""
+def wan_demo_clip(runtime: Any, prompt: str, seed: int, steps: int = 20, guidance: float = 5.0) -> Any:
+    """One wan-demo clip (17x64x64, guidance 5 — the attention quality benches' protocol; the shipped
+    checkpoint's default is 2) through ``runtime``: uint8 frames ``[T, H, W, C]``."""
     import numpy as np
 
     out = runtime.generate({"task": "t2v", "inputs": [{"type": "text", "text": prompt}],
-                            "diffusion": {"steps": steps, "guidance_scale": 5.0, "seed": seed, "frames": 17,
+                            "diffusion": {"steps": steps, "guidance_scale": guidance, "seed": seed, "frames": 17,
                                           "height": 64, "width": 64}})
     if not out.ok:
         raise RuntimeError(f"{prompt!r}: {out.error}")

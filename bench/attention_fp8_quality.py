@@ -320,7 +320,7 @@ class EmulatedFP8Plugin:
 
 
 def part_emulate(res: dict[str, Any], device: str, smoke: bool, seeds: list[int] | None, save: Any,
-                 configs: list[str] | None = None) -> None:
+                 configs: list[str] | None = None, guidance: float = 5.0) -> None:
     """wan-demo clips (the evaluator's 24 prompts x ``seeds``) with ``cudnn-fp8``'s numerical model in
     every attention call vs in self-attention only, against the plain SDPA clips of the same seeds:
     verdicts lost / gained and PSNR (runs on the CPU: the model needs no FP8 kernel)."""
@@ -330,7 +330,7 @@ def part_emulate(res: dict[str, Any], device: str, smoke: bool, seeds: list[int]
     seeds = list(seeds or DEFAULT_SEEDS)
     pairs = [(p, s) for s in seeds for p in prompts]
     out: dict[str, Any] = {"setup": f"wan-demo evaluator prompts x seeds {seeds}, 17x64x64, {3 if smoke else 20} steps, "
-                                    f"CFG 5, {'bf16' if device == 'cuda' else 'float32'} on {device}"}
+                                    f"CFG {guidance:g}, {'bf16' if device == 'cuda' else 'float32'} on {device}"}
     res.setdefault("emulate", {}).update(out)
     out = res["emulate"]
     base: list[np.ndarray] | None = None
@@ -340,7 +340,7 @@ def part_emulate(res: dict[str, Any], device: str, smoke: bool, seeds: list[int]
         out[backend] = row
         rt = demo_runtime(device, backend, "reference", capture=EmulatedFP8Plugin() if backend != "sdpa" else None)
         t = time.perf_counter()
-        vids = [wan_demo_clip(rt, p, s, steps=3 if smoke else 20) for p, s in pairs]
+        vids = [wan_demo_clip(rt, p, s, steps=3 if smoke else 20, guidance=guidance) for p, s in pairs]
         row["seconds"] = round(time.perf_counter() - t, 1)
         acc, clips = score(vids, [p for p, _ in pairs], [s for _, s in pairs])
         verdicts = [{k: c.ok[k] for k in ("color", "direction", "shape")} for c in clips]
@@ -666,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clip-configs", default=",".join(CLIP_CONFIGS),
                     help=f"clips part: comma list of {', '.join(CLIP_CONFIGS)} (bf16, the reference, first)")
     ap.add_argument("--seeds", default="", help="clips part: comma list of seeds (default: the evaluator's)")
+    ap.add_argument("--guidance", type=float, default=5.0,
+                    help="emulate part: the clips' CFG scale (5: the quality protocol; 2: wan-demo's shipped default)")
     ap.add_argument("--emulate-configs", default="fp8-model,fp8-model-self",
                     help=f"emulate part: comma list of {', '.join(EMULATED)} (each against plain SDPA)")
     ap.add_argument("--smoke", action="store_true", help="CPU: the activation part on a few calls, numerical model only")
@@ -697,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in parts:
         try:
             {"kernel": lambda: part_kernel(res), "plans": lambda: part_plans(res),
-             "emulate": lambda: part_emulate(res, device, args.smoke, seeds, save, emulate), "activations": lambda: part_activations(res, device, args.smoke),
+             "emulate": lambda: part_emulate(res, device, args.smoke, seeds, save, emulate, args.guidance), "activations": lambda: part_activations(res, device, args.smoke),
              "clips": lambda: part_clips(res, device, args.smoke, keys, seeds, save),
              "linears": lambda: part_linears(res, device, args.smoke)}[p]()
         except Exception as exc:
