@@ -97,28 +97,28 @@ def test_fused_rope_hands_quantized_qk_to_the_backend(cpu_fused_kernels, monkeyp
     assert 1e-4 < rel < 0.1  # FP8 attention in 2 small blocks: a few % relative RMS
 
 
-def test_reference_rope_never_hands_quantized(monkeypatch):
+def _entries_used(fake, qk_norm_rope):
+    """Install ``fake`` as the backend of a small Wan model, run one forward: the entries it was called by."""
     from omniloop_wan import attention
 
     model = _model()
-    fake = FakeFP8()
     attention.install(model, AttentionBackendSpec(name="fake-fp8", fn=fake, distribution_altering=True),
-                      qk_norm_rope="reference")
+                      qk_norm_rope=qk_norm_rope)
     _forward(model)
-    assert fake.calls and {c[0] for c in fake.calls} == {"fn"}
+    assert fake.calls
+    return {c[0] for c in fake.calls}
+
+
+def test_reference_rope_never_hands_quantized():
+    assert _entries_used(FakeFP8(), "reference") == {"fn"}
 
 
 def test_only_a_declared_backend_gets_quantized_qk(cpu_fused_kernels):
     """Having an ``attend_quantized`` method is not enough: the callable must declare
     ``accepts_quantized_qk`` (nobody probes a backend for methods)."""
-    from omniloop_wan import attention
 
     class Undeclared(FakeFP8):
         accepts_quantized_qk = False
 
-    model = _model()
-    fake = Undeclared()
-    attention.install(model, AttentionBackendSpec(name="fake-fp8", fn=fake, distribution_altering=True),
-                      qk_norm_rope="fused")
-    _forward(model)
-    assert fake.calls and {c[0] for c in fake.calls} == {"fn"}
+    assert _entries_used(Undeclared(), "fused") == {"fn"}
+    assert _entries_used(FakeFP8(), "fused") == {"fn", "quantized"}  # declared: self-attention gets q/k in e4m3
