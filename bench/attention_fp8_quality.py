@@ -471,9 +471,9 @@ CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8li
 
 
 def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | None = None,
-               seeds: list[int] | None = None, save: Any = None) -> None:
+               seeds: list[int] | None = None, save: Any = None, guidance: float = 5.0) -> None:
     """``save()``, when given, writes the record after each configuration (a time-boxed run keeps
-    what finished)."""
+    what finished); ``guidance``: the clips' CFG scale (5 the protocol's, 2 wan-demo's shipped default)."""
     from omniloop_wan import attention as wan_attention
     from omniloop_wan_demo.evaluate import DEFAULT_SEEDS, default_prompts, score
 
@@ -500,7 +500,7 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                 row["fp8_linears"] = {k: rt.linears[k] for k in ("quantized", "blocks")} | {"skipped": len(rt.linears["skipped"])}
             wan_demo_clip(rt, prompts[0], 0, steps=2)  # warm-up
             t = time.perf_counter()
-            vids = [wan_demo_clip(rt, p, s, steps=3 if smoke else 20) for p, s in pairs]
+            vids = [wan_demo_clip(rt, p, s, steps=3 if smoke else 20, guidance=guidance) for p, s in pairs]
             row["seconds"] = round(time.perf_counter() - t, 2)
             acc, clips = score(vids, [p for p, _ in pairs], [s for _, s in pairs])
             row["accuracy"] = acc
@@ -530,7 +530,7 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
         print("clips", label, json.dumps(brief), flush=True)
         table[label] = row
         gc.collect()
-        res["clips"] = {"setup": f"wan-demo evaluator prompts x seeds {seeds}, 17x64x64, 20 steps, CFG 5, "
+        res["clips"] = {"setup": f"wan-demo evaluator prompts x seeds {seeds}, 17x64x64, 20 steps, CFG {guidance:g}, "
                                  f"bf16 on {device}, deploy qk_norm_rope fused; PSNR/SSIM of uint8 frames vs the bf16 clips",
                         "configs": table}
         if save is not None:
@@ -667,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"clips part: comma list of {', '.join(CLIP_CONFIGS)} (bf16, the reference, first)")
     ap.add_argument("--seeds", default="", help="clips part: comma list of seeds (default: the evaluator's)")
     ap.add_argument("--guidance", type=float, default=5.0,
-                    help="emulate part: the clips' CFG scale (5: the quality protocol; 2: wan-demo's shipped default)")
+                    help="emulate and clips parts: the clips' CFG scale (5: the quality protocol; 2: wan-demo's shipped default)")
     ap.add_argument("--emulate-configs", default="fp8-model,fp8-model-self",
                     help=f"emulate part: comma list of {', '.join(EMULATED)} (each against plain SDPA)")
     ap.add_argument("--smoke", action="store_true", help="CPU: the activation part on a few calls, numerical model only")
@@ -700,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             {"kernel": lambda: part_kernel(res), "plans": lambda: part_plans(res),
              "emulate": lambda: part_emulate(res, device, args.smoke, seeds, save, emulate, args.guidance), "activations": lambda: part_activations(res, device, args.smoke),
-             "clips": lambda: part_clips(res, device, args.smoke, keys, seeds, save),
+             "clips": lambda: part_clips(res, device, args.smoke, keys, seeds, save, args.guidance),
              "linears": lambda: part_linears(res, device, args.smoke)}[p]()
         except Exception as exc:
             res[f"{p}_error"] = f"{type(exc).__name__}: {exc}"[:800]

@@ -55,11 +55,15 @@ def test_settings_are_none_when_the_deploy_does_not_compile():
 
 
 def test_settings_defaults_and_values():
-    assert compile_options({"deploy": ON}) == {"backend": "inductor", "mode": None, "dynamic": False}
+    assert compile_options({"deploy": ON}) == {"backend": "inductor", "mode": None, "dynamic": False, "options": None}
     got = compile_options({"deploy": ON, "compile_mode": "max-autotune-no-cudagraphs", "compile_dynamic": None})
-    assert got == {"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "dynamic": None}
+    assert got == {"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "dynamic": None, "options": None}
     assert compile_options({"deploy": ON, "compile_backend": "eager", "compile_dynamic": True}) == {
-        "backend": "eager", "mode": None, "dynamic": True}
+        "backend": "eager", "mode": None, "dynamic": True, "options": None}
+    # compile_inductor: torch.compile(options=...), the names checked against this torch's inductor config
+    got = compile_options({"deploy": ON, "compile_inductor": {"triton.multi_kernel": 1, "max_autotune": False}})
+    assert got == {"backend": "inductor", "mode": None, "dynamic": False,
+                   "options": {"triton.multi_kernel": 1, "max_autotune": False}}
 
 
 @pytest.mark.parametrize("deploy", [ON, OFF], ids=["compile-on", "compile-off"])
@@ -76,6 +80,20 @@ def test_settings_defaults_and_values():
         ({"compile_dynamic": "yes"}, "options.compile_dynamic: expected true, false or null, got 'yes'"),
         ({"compile_dynamic": 1}, "options.compile_dynamic: expected true, false or null, got 1"),
         ({"compile": True}, "options.compile: not an option (got True); switch compilation on with the deploy's"),
+        ({"compile_inductor": {"triton.multi_kernal": 1}},
+         "options.compile_inductor: 'triton.multi_kernal' is not a setting of this torch's inductor (did you mean "
+         "triton.multi_kernel"),
+        ({"compile_inductor": {"max_autotune": float("nan")}},
+         "options.compile_inductor.max_autotune: expected a boolean, a finite number or a string, got nan"),
+        ({"compile_inductor": {"max_autotune": [1]}},
+         "options.compile_inductor.max_autotune: expected a boolean, a finite number or a string, got [1]"),
+        ({"compile_inductor": {}}, "options.compile_inductor: expected a non-empty mapping of inductor settings"),
+        ({"compile_inductor": "triton.multi_kernel=1"},
+         "options.compile_inductor: expected a non-empty mapping of inductor settings"),
+        ({"compile_inductor": {"max_autotune": True}, "compile_mode": "max-autotune"},
+         "options.compile_inductor: not with compile_mode (torch.compile takes a mode or inductor settings"),
+        ({"compile_inductor": {"max_autotune": True}, "compile_backend": "eager"},
+         "options.compile_inductor: needs compile_backend 'inductor', not 'eager'"),
     ],
 )
 def test_bad_settings_raise_one_line_naming_the_option(deploy, options, message):
@@ -104,6 +122,10 @@ def test_compiled_blocks_equal_the_eager_blocks_and_leave_them_untouched():
     assert compile_blocks(model, model.blocks, backend="eager") is cb
     other = compile_blocks(model, model.blocks, backend="eager", dynamic=None)
     assert other is not cb and compiled(model) is other
+    # inductor settings are part of the settings (equal mappings: the same wrappers)
+    tuned = compile_blocks(model, model.blocks, backend="eager", dynamic=None, options={"a": 1, "b": 2})
+    assert tuned is not other and tuned.options == {"a": 1, "b": 2}
+    assert compile_blocks(model, model.blocks, backend="eager", dynamic=None, options={"b": 2, "a": 1}) is tuned
     uncompile(model)
     assert compiled(model) is None
     uncompile(model)  # twice is fine
@@ -158,4 +180,6 @@ def test_compile_info_describes_what_a_request_ran_with():
     info = compile_info(ctx(transformer=a, transformer_2=b, vae=other))
     assert info == {"enabled": True, "regional": True, "blocks": 5, "backend": "eager", "mode": None, "fullgraph": True}
     assert compile_info(ctx(transformer=a, transformer_2=other))["enabled"] is False  # one expert not compiled
+    compile_blocks(a, a.blocks, options={"triton.multi_kernel": 1})  # (lazy: nothing compiles here)
+    assert compile_info(ctx(transformer=a))["inductor"] == {"triton.multi_kernel": 1}
     assert compile_info(ctx(), models=[b])["blocks"] == 3

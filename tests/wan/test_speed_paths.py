@@ -176,10 +176,16 @@ def test_compile_options_are_checked_at_load(tiny_ckpt):
     with pytest.raises(DeployError, match="compile_mode"):
         Runtime.from_model(tiny_ckpt("t2v"), manager=wan_manager(), compile=True,
                            options={"compile_backend": "eager", "compile_mode": "max-autotune"})
+    with pytest.raises(DeployError, match="compile_inductor: 'no_such_setting'"):
+        Runtime.from_model(tiny_ckpt("t2v"), manager=wan_manager(), options={"compile_inductor": {"no_such_setting": 1}})
     rt = Runtime.from_model(tiny_ckpt("t2v"), manager=wan_manager(), options={"compile_backend": "eager"})
     from omniloop_wan.compile import compiled
 
     assert compiled(rt.model.components["transformer"]) is None  # compile: false (the default)
+    # a known option of every family that compiles: the wrappers carry the inductor settings (lazy: no compile here)
+    rt = Runtime.from_model(tiny_ckpt("t2v"), manager=wan_manager(), compile=True,
+                            options={"compile_inductor": {"triton.multi_kernel": 1}})
+    assert compiled(rt.model.components["transformer"]).options == {"triton.multi_kernel": 1}
 
 
 # -- VAE tiling / slicing ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from omniloop.errors import DeployError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
+from omniloop_kit.compile import OPTION_KEYS as COMPILE_KEYS
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import DiffusersFamily, load_checkpoint
 from omniloop_kit.resolve import check_task
@@ -25,7 +26,7 @@ from .stages import ImageEncode, Output, SoundDecode, VaeDecode, Validate
 
 #: deploy options read: the text-KV pool's size in tokens (both CFG branches of every running request),
 #: and the compile settings of omniloop_kit.compile (deploy ``compile: true``: the gen pathway's layer compiled)
-OPTIONS = frozenset({"text_kv_tokens", "compile_backend", "compile_mode", "compile_dynamic"})
+OPTIONS = frozenset({"text_kv_tokens", *COMPILE_KEYS})
 DEFAULT_TEXT_KV_TOKENS = 8192
 #: the pipeline's own settings (``model_index.json``) the family reads
 PIPELINE_FLAGS = ("use_native_flow_schedule", "default_use_system_prompt", "enable_safety_checker")

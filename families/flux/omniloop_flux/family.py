@@ -13,6 +13,7 @@ from omniloop.graph import PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop.rl import RolloutSupport
 from omniloop_kit.attention import fused_qkv_update_refusal, qkv_option
+from omniloop_kit.compile import OPTION_KEYS as COMPILE_KEYS
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
@@ -34,7 +35,7 @@ from .transformer import all_blocks
 #: the outer forward replayed as one CUDA graph per input shape (omniloop_kit.graphs)
 #: qkv: Q/K/V as three linears (diffusers' default) or diffusers' fused projections
 #: (``fuse_qkv_projections``: one GEMM over [W_q; W_k; W_v], the originals kept)
-KNOWN_OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "vae_dtype", "cuda_graphs", "qkv"})
+KNOWN_OPTIONS = frozenset({"vae_dtype", "cuda_graphs", "qkv", *COMPILE_KEYS})
 
 
 class FluxFamily(DiffusersFamily):

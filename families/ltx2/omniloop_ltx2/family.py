@@ -13,6 +13,7 @@ from omniloop.errors import CheckpointError
 from omniloop.family import LoadedModel
 from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
+from omniloop_kit.compile import OPTION_KEYS as COMPILE_KEYS
 from omniloop_kit.family import DiffusersFamily, load_checkpoint
 from omniloop_kit.resolve import check_task
 
@@ -31,7 +32,7 @@ class LTX2Family(DiffusersFamily):
         audio=True, audio_tasks=frozenset({"t2v", "i2v"}), audio_guidance=True,
         returns_latents=True, resolve=True, task_defaults=True,
         #: deploy compile: true compiles each transformer block (omniloop_kit.compile's settings)
-        options=frozenset({"compile_backend", "compile_mode", "compile_dynamic"}),
+        options=COMPILE_KEYS,
         # block_interceptors stays False: diffusers' transformer runs its own block loop (both
         # streams per block), so cache-dit / fbcache are refused at load with one line
     )

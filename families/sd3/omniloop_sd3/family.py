@@ -13,6 +13,7 @@ from omniloop.family import LoadedModel
 from omniloop.graph import PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop_kit.attention import fused_qkv_update_refusal, qkv_option
+from omniloop_kit.compile import OPTION_KEYS as COMPILE_KEYS
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
@@ -46,7 +47,7 @@ class SD3Family(DiffusersFamily):
                  "text_encoder_2": CLIP_TEXT_LAYERS, "text_encoder_3": T5_BLOCKS, "vae": None},
         #: deploy options read: options.qkv, the compile settings (check_options) and cuda_graphs
         #: (omniloop_kit.graphs: the outer forward replayed as one CUDA graph per input shape)
-        options={"qkv", "compile_backend", "compile_mode", "compile_dynamic", "cuda_graphs"},
+        options={"qkv", "cuda_graphs", *COMPILE_KEYS},
         #: update_weights refused with options.qkv: fused (the fused copy would go stale)
         weight_update_refusal=fused_qkv_update_refusal,
         #: a real checkpoint's trained size from its configs (issue 42: warned, bounded by the deploy)

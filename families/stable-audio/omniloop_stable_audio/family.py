@@ -17,6 +17,7 @@ from omniloop.graph import Node, PipelineSpec
 from omniloop.request import OmniRequest, TaskType
 from omniloop_kit import loading
 from omniloop_kit.checkpoints import read_json, resolve_root, weight_version
+from omniloop_kit.compile import OPTION_KEYS as COMPILE_KEYS
 
 from . import checkpoint as ck
 from .resolve import DEFAULTS, DEFAULTS_3, AudioResolved, audio_config, audio_config_3, resolve
@@ -24,7 +25,7 @@ from .stages import Output, TextEncode, VaeDecode, Validate
 
 TASKS = frozenset({TaskType.T2A})
 #: deploy options read (the compile settings of omniloop_kit.compile; cuda_graphs: omniloop_stable_audio.graphs; noise_prefetch: omniloop_stable_audio.noise)
-OPTIONS = frozenset({"compile_backend", "compile_mode", "compile_dynamic", "cuda_graphs", "noise_prefetch"})
+OPTIONS = frozenset({"cuda_graphs", "noise_prefetch", *COMPILE_KEYS})
 
 
 class StableAudioFamily:

@@ -52,6 +52,7 @@ from attrs import define
 
 from omniloop.errors import DeployError
 from omniloop_kit.attention import qkv_option
+from omniloop_kit.compile import OPTION_KEYS as COMPILE_KEYS
 from omniloop_kit.options import choice_option
 from omniloop_kit.textcache import capacity_from_options
 
@@ -66,7 +67,7 @@ TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_s
 KNOWN = frozenset(
     {
         "vae_dtype", "text_cache", "vae_tiling", "vae_slicing", "vae_cpu_kernels", "qk_norm_rope", "ffn_gelu", "qkv",
-        "compile_backend", "compile_mode", "compile_dynamic",
+        *COMPILE_KEYS,
         "rollout", "rollout_options",  # read by omniloop_wan.causal.pipeline (rollout: causal)
     }
 )

@@ -15,7 +15,7 @@
 # Each step is bounded (--budget-s: no new configuration after it; timeout for the quality script),
 # so one failing part does not sink the others. Expected: 1.3b ~110 s, 14b ~70 s, quality ~360 s,
 # installs and imports ~40 s. SMOKE=1 adds --smoke everywhere (a CPU check of the script); PARTS, C13,
-# C14, CLIPS, SEEDS, QUALITY_S choose what runs (below). CLIPS=bf16,bf16-flash,... adds the exact-class
+# C14, BUDGET13, BUDGET14 (seconds after which no new configuration starts), CLIPS, SEEDS, GUIDANCE (the clips' CFG, default 5), QUALITY_S choose what runs (below). CLIPS=bf16,bf16-flash,... adds the exact-class
 # control (torch's FlashAttention-2 in bf16): its verdict changes vs bf16 are the noise floor.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -48,15 +48,15 @@ if [[ $PARTS == *,plans,* ]]; then
   timeout 120 python3 bench/attention_fp8_quality.py --parts plans --out "$OUT/plans" ${SMOKE:+--smoke} 2>&1 | filter
 fi
 if [[ $PARTS == *,speed,* ]]; then
-  python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s 130 --out "$OUT/13b" ${SMOKE:+--smoke} \
+  python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s "${BUDGET13:-130}" --out "$OUT/13b" ${SMOKE:+--smoke} \
     --only "$C13" 2>&1 | filter
-  python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s 75 --out "$OUT/14b" ${SMOKE:+--smoke} \
+  python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s "${BUDGET14:-75}" --out "$OUT/14b" ${SMOKE:+--smoke} \
     --only "$C14" 2>&1 | filter
 fi
 if [[ $PARTS == *,quality,* ]]; then
   # SEEDS (default 0,1): 24 clips per seed and configuration, issue 40's quality protocol is >= 48 (issue
   # 19 ran 24); ~30 s (bf16) to ~100 s (FP8 attention + linears) per 48 clips on the H200
   timeout ${QUALITY_S:-400} python3 bench/attention_fp8_quality.py --parts clips --clip-configs "$CLIPS" \
-    --seeds "${SEEDS:-0,1}" --out "$OUT/q" ${SMOKE:+--smoke} 2>&1 | filter
+    --seeds "${SEEDS:-0,1}" --guidance "${GUIDANCE:-5}" --out "$OUT/q" ${SMOKE:+--smoke} 2>&1 | filter
 fi
 echo "exit codes: ${PIPESTATUS[*]}; files:" | tee -a "$OUT/log.txt"; ls -R "$OUT" | tee -a "$OUT/log.txt"
