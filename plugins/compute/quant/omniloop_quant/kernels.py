@@ -28,7 +28,6 @@ E4M3_MAX = 448.0
 MAX_ROW = 16384
 _TINY_AMAX = 1e-12
 
-_KERNEL: Any = None
 #: looked up once, at import (a call inside a compiled block must not reach importlib)
 _TRITON = importlib.util.find_spec("triton") is not None
 
@@ -43,10 +42,10 @@ def supported(h: torch.Tensor) -> bool:
             and h.dtype in (torch.bfloat16, torch.float16, torch.float32) and _TRITON)
 
 
-def _kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+def _define_kernel() -> Any:
+    # Defined at import, never inside a compiled region: building a triton.jit function reads
+    # Triton's settings through calls dynamo cannot trace (an H200 run of 2026-12-05 failed so when
+    # the kernel was built lazily on its first, compiled, call).
     import triton
     import triton.language as tl
 
@@ -73,14 +72,44 @@ def _kernel() -> Any:
         tl.store(q_ptr + row * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
-    _KERNEL = gelu_quant_rows
-    return _KERNEL
+    return gelu_quant_rows
+
+
+_KERNEL: Any = _define_kernel() if _TRITON else None
+
+
+def _launch(h: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = h.shape
+    q = torch.empty((m, n), device=h.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((m, 1), device=h.device, dtype=torch.float32)
+    block = max(16, 1 << max(0, (n - 1).bit_length()))
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    _KERNEL[(m,)](h, q, scale, n, h.stride(0), q.stride(0), BLOCK=block, TANH=tanh,
+                  ROUND_BF16=h.dtype == torch.bfloat16, ROUND_F16=h.dtype == torch.float16, num_warps=warps)
+    return q, scale
+
+
+#: the kernel as an opaque torch operator (``torch.ops.omniloop_quant.gelu_quantize_rows``, with its
+#: shapes declared): ``torch.compile(fullgraph=True)`` calls it without tracing into the launch (a
+#: Triton launch traced by dynamo breaks on Triton's internals in some Triton versions); None where
+#: Triton is missing
+_OP: Any = None
+if _TRITON:
+
+    @torch.library.custom_op("omniloop_quant::gelu_quantize_rows", mutates_args=())
+    def _gelu_quantize_rows_op(h: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch(h, tanh)
+
+    @_gelu_quantize_rows_op.register_fake
+    def _(h: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        m, n = h.shape
+        return h.new_empty((m, n), dtype=torch.float8_e4m3fn), h.new_empty((m, 1), dtype=torch.float32)
+
+    _OP = _gelu_quantize_rows_op
 
 
 def prepare() -> None:
-    """Build the kernel object now (compiled graphs then only read it)."""
-    if triton_available():
-        _kernel()
+    """Nothing left to do: the kernel is built at import (kept for callers of the 0.3 API)."""
 
 
 def gelu_quantize_rows(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,15 +117,9 @@ def gelu_quantize_rows(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor,
     :func:`supported`): what ``quantize_rows(gelu(h))`` computes, in one pass over ``h``."""
     if approximate not in ("tanh", "none"):
         raise ValueError(f"approximate must be 'tanh' or 'none', not {approximate!r}")
-    m, n = h.shape
-    q = torch.empty((m, n), device=h.device, dtype=torch.float8_e4m3fn)
-    scale = torch.empty((m, 1), device=h.device, dtype=torch.float32)
-    block = max(16, 1 << max(0, (n - 1).bit_length()))
-    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-    kernel = _KERNEL if _KERNEL is not None else _kernel()
-    kernel[(m,)](h, q, scale, n, h.stride(0), q.stride(0), BLOCK=block, TANH=approximate == "tanh",
-                 ROUND_BF16=h.dtype == torch.bfloat16, ROUND_F16=h.dtype == torch.float16, num_warps=warps)
-    return q, scale
+    if _OP is None:
+        raise RuntimeError("gelu_quantize_rows needs triton (check supported() first)")
+    return _OP(h, approximate == "tanh")
 
 
 def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
