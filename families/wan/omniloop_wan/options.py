@@ -31,6 +31,7 @@
                        ``inductor``; ``eager`` checks tracing without code generation)
 ``compile_mode``       e.g. ``max-autotune-no-cudagraphs`` (inductor only)
 ``compile_dynamic``    ``torch.compile(dynamic=...)`` (default ``false``: one graph per shape)
+``compile_inductor``   inductor settings, ``torch.compile(options=...)`` (e.g. ``{triton.multi_kernel: 1}``)
 ``rollout``            ``bidirectional`` (default) or ``causal``: chunk-by-chunk streaming with a
                        chunk-KV cache (:mod:`omniloop_wan.causal.pipeline`)
 ``rollout_options``    the causal rollout's settings (``chunk_frames``, ``steps``, ``window``,
