@@ -40,7 +40,9 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       (``omniloop_quant.fp8.FUSE_GELU_QUANT``); ``-mk``: deploy
                                       ``options.compile_inductor: {triton.multi_kernel: 1}``
                                       (persistent reductions for the norm / GELU +
-                                      quantisation rows, picked by timing)
+                                      quantisation rows, picked by timing); ``-cd``: the same
+                                      option with ``coordinate_descent_tuning: true`` (block
+                                      sizes of inductor's kernels tuned at compile)
 ====================================  ===========================================================
 
 Numerics: every configuration's final latents (and frames) are compared with diffusers eager on
@@ -123,8 +125,8 @@ BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn", "fp8": "cudnn-fp8", "fa4": "f
             "fp8t": "cudnn-fp8#fastest",
             # sparse-tile at a density (attention_options.density; distribution-altering)
             "sparse50": "sparse-tile@0.5", "sparse30": "sparse-tile@0.3", "sparse15": "sparse-tile@0.15"}
-#: ``-mk``: the deploy's inductor settings
-MULTI_KERNEL = {"triton.multi_kernel": 1}
+#: side words that set the deploy's ``options.compile_inductor`` (merged when several are given)
+INDUCTOR_WORDS = {"mk": {"triton.multi_kernel": 1}, "cd": {"coordinate_descent_tuning": True}}
 #: the default subset (~7 min on one H200 with max-autotune compiles); --only picks any
 DEFAULT = {
     "1.3b": ["diffusers", "diffusers-compile", "omniloop-sdpa", "omniloop-cudnn-compile",
@@ -152,7 +154,8 @@ def all_configs() -> list[str]:
     out += ["omniloop-fp8t-compile-fused-fp8fast", "omniloop-fp8t-compile-fused-fp8fast-gq"]
     # -mk: options.compile_inductor {triton.multi_kernel: 1} (inductor's persistent reductions, picked by timing)
     out += ["omniloop-fp8-compile-fused-fp8fast-mk", "omniloop-fp8-compile-fused-fp8fast-gq-mk",
-            "omniloop-fa4-compile-fused-mk", "omniloop-cudnn-compile-fused-mk"]
+            "omniloop-fa4-compile-fused-mk", "omniloop-cudnn-compile-fused-mk",
+            "omniloop-fp8-compile-fused-fp8fast-gq-mk-cd"]
     return out
 
 
@@ -160,17 +163,18 @@ def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
                 "rope": False, "ffn": False, "sepq": False, "fp8lin": False, "fp8fast": False, "qkv": False, "gq": False,
-                "mk": False}
+                "inductor": None}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "qkv", "gq", "mk"}:
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "qkv", "gq", *INDUCTOR_WORDS}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
             "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest,
             "fp8lin": bool(rest & {"fp8lin", "fp8fast"}), "fp8fast": "fp8fast" in rest, "qkv": "qkv" in rest,
-            "gq": "gq" in rest, "mk": "mk" in rest}
+            "gq": "gq" in rest,
+            "inductor": {k: v for w in sorted(rest & set(INDUCTOR_WORDS)) for k, v in INDUCTOR_WORDS[w].items()} or None}
 
 
 def fp8_linears(transformer: Any, fast: bool = False) -> tuple[list[Any], dict[str, Any]]:
@@ -345,7 +349,7 @@ class OmniloopPipelineSide:
     def __init__(self, comps: dict[str, Any], backend: Any, compiled: bool, batched: bool, compile_mode: str | None,
                  compile_backend: str, device: torch.device, dtype: torch.dtype, rope: bool = False,
                  ffn: bool = False, fp8lin: bool = False, fp8fast: bool = False, qkv: bool = False,
-                 mk: bool = False) -> None:
+                 inductor: dict[str, Any] | None = None) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -358,8 +362,8 @@ class OmniloopPipelineSide:
                                    "ffn_gelu": "fused" if ffn else "reference", "qkv": "fused" if qkv else "separate"}
         if compile_mode and compile_backend == "inductor":
             options["compile_mode"] = compile_mode
-        if mk and compile_backend == "inductor":  # (a smoke run's eager backend takes no inductor settings)
-            options["compile_inductor"] = dict(MULTI_KERNEL)
+        if inductor and compile_backend == "inductor":  # (a smoke run's eager backend takes no inductor settings)
+            options["compile_inductor"] = dict(inductor)
         fam = WanFamily()
         self.model = fam.from_components(comps, device=device, dtype=dtype, options=options)
         spec = fam.build_pipeline(self.model, TaskType.T2V, options)
@@ -410,7 +414,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
         c = parse_config(name)
         row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
                                "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
-                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv", "gq", "mk")},
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv", "gq", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
         if rec.over_budget():
             rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -425,7 +429,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                     continue
                 side = OmniloopPipelineSide(comps, spec, c["compile"], c["batched"], args.compile_mode,
                                             args.compile_backend, device, dtype, rope=c["rope"], ffn=c["ffn"],
-                                            fp8lin=c["fp8lin"], fp8fast=c["fp8fast"], qkv=c["qkv"], mk=c["mk"])
+                                            fp8lin=c["fp8lin"], fp8fast=c["fp8fast"], qkv=c["qkv"], inductor=c["inductor"])
                 if side.fp8_report is not None:
                     row["fp8_linears"] = side.fp8_report
             with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"]), gelu_quant_kernel(c["gq"]):
@@ -527,7 +531,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     for name in rec.selected(model):
         c = parse_config(name)
         row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
-                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv", "gq", "mk")},
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv", "gq", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
         if rec.over_budget():
@@ -560,7 +564,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
                     if c["compile"]:
                         kw = {"backend": args.compile_backend, "dynamic": False,
                               "mode": args.compile_mode if args.compile_backend == "inductor" else None,
-                              "options": dict(MULTI_KERNEL) if c["mk"] and args.compile_backend == "inductor" else None}
+                              "options": c["inductor"] if args.compile_backend == "inductor" else None}
                         blocks = compile_blocks(tf, **kw).blocks
                     if c["batched"]:  # cond and uncond in one forward
                         fn = functools.partial(wan_forward, tf, torch.cat([x, x]), ts.expand(2), torch.cat([pe, ne]),
