@@ -32,3 +32,29 @@ def test_wan_gpu_smoke(tmp_path):
         row = rows[(model, "omniloop-sdpa-qkv-fp8fast")]
         assert "error" not in row, row
         assert row["qkv"] and row["fp8fast"] and row["fp8lin"] and row["fp8_linears"]["fast_accum"]
+
+
+@pytest.mark.skipif(not BENCH.exists(), reason="bench/wan_gpu.py not in this checkout")
+def test_inductor_side_words_merge_into_one_setting():
+    """-mk / -cd set the deploy's options.compile_inductor (several words: one merged mapping); unknown words refused."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("wan_gpu_under_test", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    assert mod.parse_config("omniloop-fp8-compile-fused-fp8fast")["inductor"] is None
+    assert mod.parse_config("omniloop-fp8-compile-fused-fp8fast-mk")["inductor"] == {"triton.multi_kernel": 1}
+    both = mod.parse_config("omniloop-fp8-compile-fused-fp8fast-gq-mk-cd")
+    assert both["gq"] and both["inductor"] == {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}
+    # every word's settings are real settings of this torch's inductor (the deploy check accepts them)
+    from omniloop.deploy import DeployConfig
+    from omniloop_kit.compile import compile_options
+
+    assert compile_options({"deploy": DeployConfig(compile=True), "compile_inductor": both["inductor"]})["options"]
+    with pytest.raises(SystemExit, match="unknown configuration"):
+        mod.parse_config("omniloop-fp8-compile-xx")

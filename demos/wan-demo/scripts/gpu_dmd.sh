@@ -22,7 +22,8 @@ S=${1:-380}
 LORA_FROM=${2:-families/wan-demo/omniloop_wan_demo/adapters/fast.safetensors}
 CRITIC_WARMUP=${CRITIC_WARMUP:-100}
 # SNAPSHOT_EVERY=N: keep the adapter every N student updates (and the start), ship the one that scores best on
-# seeds 100-107 (dmd_fast --snapshot-every; ~18 s of GPU per snapshot for its 768 clips: shorten SECONDS to fit)
+# seeds 100-107 (dmd_fast --snapshot-every; ~18 s of GPU per snapshot for its 768 clips: the limit gets 150 s
+# more, so keep SECONDS <= 250 in one 590 s call)
 SNAPSHOT_EVERY=${SNAPSHOT_EVERY:-0}
 source "$(dirname "$0")/gpu_env.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/peft-*.whl || exit 1
@@ -32,7 +33,10 @@ t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 FROM_ARGS=(--lora-from "$LORA_FROM"); [ "$LORA_FROM" = none ] && FROM_ARGS=()
 F="Loading|it/s\]|s/it\]|torch_dtype|peft_config|warnings.warn"
 # teacher CFG 3, student lr 3e-4 / critic 6e-4, 5 critic steps per student step, batch 128: the 2026-12-03 recipe
-timeout $((S + 160)) python3 -m omniloop_wan_demo_training.dmd_fast --out "$W/lora" --form lora --seconds "$S" \
+# the time limit: training S, then ~160 s for the 3,072-clip evaluation; snapshots add ~18 s each (2026-12-05:
+# 300 s with SNAPSHOT_EVERY=48 made six, and S + 160 cut the final evaluation), so they get 150 s more
+EXTRA=0; [ "$SNAPSHOT_EVERY" -gt 0 ] && EXTRA=150
+timeout $((S + 160 + EXTRA)) python3 -m omniloop_wan_demo_training.dmd_fast --out "$W/lora" --form lora --seconds "$S" \
   "${FROM_ARGS[@]}" --critic-warmup "$CRITIC_WARMUP" --snapshot-every "$SNAPSHOT_EVERY" 2>&1 | grep --line-buffered -v -E "$F" > "$W/lora.log"
 el "training + evaluation rc ${PIPESTATUS[0]}"; tail -n 6 "$W/lora.log"
 (cd "$W" && tar cf "$OUT/fast-dmd.tar" lora.log $(ls -d lora/fast_lora.safetensors lora/result.json lora/preview.png 2>/dev/null) \
