@@ -186,6 +186,17 @@ def test_device_checks(monkeypatch):
     assert "must be bfloat16, not float32" in unavailable_reason("cuda", torch.float32)
 
 
+def test_a_torch_whose_cpu_gemm_takes_one_scale_per_tensor_is_refused_on_the_cpu(monkeypatch):
+    """torch 2.11's CPU _scaled_mm asserts per-tensor scales (an internal assert at the first GEMM);
+    the load-time check says so instead. This torch's answer is probed once and cached."""
+    import omniloop_quant.fp8 as fp8
+
+    assert isinstance(fp8._cpu_rowwise_scales(), bool)  # (True on torch 2.13, CI's; False on 2.11)
+    monkeypatch.setattr(fp8, "_CPU_ROWWISE", False)
+    reason = unavailable_reason("cpu")
+    assert reason is not None and "CPU _scaled_mm takes one scale per tensor" in reason
+
+
 def test_denoiser_blocks_from_family_declarations():
     """Which blocks: ``quant_blocks`` when declared, else the LoRA components with their offload
     block lists (a tuple for FLUX's two stacks, ``|`` alternatives), text encoders never."""

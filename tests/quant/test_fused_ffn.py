@@ -57,6 +57,8 @@ def test_the_kernel_flag_changes_nothing_off_cuda(monkeypatch):
     block = _block()
     install([block])
     x = torch.randn(3, 32)
+    assert fp8.FUSE_GELU_QUANT  # on by default (since its H200 run of 2026-12-05)
+    monkeypatch.setattr(fp8, "FUSE_GELU_QUANT", False)
     want = block.ffn(x)
     monkeypatch.setattr(fp8, "FUSE_GELU_QUANT", True)
     assert not kernels.supported(torch.zeros(3, 96))  # a CPU tensor: the torch path
@@ -118,6 +120,7 @@ def test_fp8_feed_forward_with_the_kernel_on_the_gpu(monkeypatch):
     block.ffn = FeedForward(256, inner_dim=1024, activation_fn="gelu-approximate").to("cuda", torch.bfloat16).eval()
     install([block])
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(fp8, "FUSE_GELU_QUANT", False)
     plain = block.ffn(x)
     monkeypatch.setattr(fp8, "FUSE_GELU_QUANT", True)
     fused = block.ffn(x)

@@ -70,9 +70,10 @@ MIN_CAPABILITY = (8, 9)
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 
 #: :class:`FP8FeedForward` on CUDA: the GELU and the down projection's activation quantisation as one
-#: Triton pass (omniloop_quant.kernels) instead of inductor's fused ops. Off by default until measured on
-#: a GPU (bench/wan_gpu.py's ``-gq`` side word turns it on for a configuration).
-FUSE_GELU_QUANT = False
+#: Triton pass (omniloop_quant.kernels) instead of inductor's fused ops. On by default since its H200 run
+#: (2026-12-05: the GPU tests pass; Wan 1.3B FP8 step 1.577x -> 1.618x diffusers eager, 14B 1.694x ->
+#: 1.712x, same run, the same latents to 1e-5 relative RMS); set False for inductor's own fusion.
+FUSE_GELU_QUANT = True
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,16 +207,37 @@ def reference_output(layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], layer.out_features)
 
 
+_CPU_ROWWISE: bool | None = None
+
+
+def _cpu_rowwise_scales() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (torch 2.11's asserts one scale per
+    tensor, seen on the GPU machine on 2026-12-05; 2.13's takes them). Probed once, on a 16×16 product."""
+    global _CPU_ROWWISE
+    if _CPU_ROWWISE is None:
+        a = torch.ones(16, 16).to(FP8_DTYPE)
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+            _CPU_ROWWISE = True
+        except RuntimeError:
+            _CPU_ROWWISE = False
+    return _CPU_ROWWISE
+
+
 def unavailable_reason(device: str | torch.device, dtype: torch.dtype | None = None) -> str | None:
     """Why FP8 linears cannot run on ``device`` with model ``dtype`` (None when they can).
 
     CUDA needs compute capability >= 8.9 (FP8 tensor cores: Ada, Hopper and later) and bf16 weights
-    (cuBLASLt's row-wise scaled FP8 GEMM writes bf16). The CPU is allowed: torch's CPU
-    ``_scaled_mm`` computes the same math (slowly) — for tests and references, not for speed."""
+    (cuBLASLt's row-wise scaled FP8 GEMM writes bf16). The CPU is allowed where torch's CPU
+    ``_scaled_mm`` takes row-wise scales: it computes the same math (slowly) — for tests and
+    references, not for speed."""
     if FP8_DTYPE is None or not hasattr(torch, "_scaled_mm"):
         return f"this torch ({torch.__version__}) has no float8_e4m3fn / _scaled_mm"
     dev = torch.device(device)
     if dev.type == "cpu":
+        if not _cpu_rowwise_scales():
+            return (f"this torch's ({torch.__version__}) CPU _scaled_mm takes one scale per tensor, not the per-row "
+                    "and per-channel scales FP8 linears use (torch 2.13's does)")
         return None
     if dev.type != "cuda":
         return f"FP8 GEMMs run on CUDA (capability >= 8.9) or the CPU, not on {dev.type!r}"
