@@ -39,7 +39,7 @@ Deploy settings. The switch is the deploy's ``compile: true`` (:class:`omniloop.
                        turns inductor's looped norm + modulation + FP8-quantisation reductions
                        into one pass over the row); inductor only, not with ``compile_mode``
                        (torch.compile takes one or the other). A caution from the H200 (torch
-                       2.11, Triton 3.6, 2026-12-05): ``triton.multi_kernel`` gained 0.5 % on Wan's
+                       2.11, Triton 3.6, 2026-12-05): ``triton.multi_kernel`` gained 0.6 % on Wan's
                        FP8 step, and a second process that loaded the compiled blocks from
                        inductor's on-disk cache failed to compile (multi-kernel's cache lookup
                        inside Triton) — measure a setting, and restart with it, before serving it
