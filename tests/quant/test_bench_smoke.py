@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,29 @@ def test_paired_verdicts_is_mcnemars_exact_test():
     assert paired_verdicts(8, 0)["p_two_sided"] == round(2 / 2**8, 4)  # all 8 one way
     assert paired_verdicts(10, 3) == {"lost": 10, "gained": 3, "net": -7, "p_two_sided": round(2 * 378 / 8192, 4)}
     assert paired_verdicts(3, 10)["p_two_sided"] == paired_verdicts(10, 3)["p_two_sided"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (its CPU interpreter)")
+def test_quant_kernels_bench_smoke(tmp_path):
+    """bench/quant_kernels.py on the CPU under Triton's interpreter (a subprocess: the interpreter is
+    chosen before triton is imported): every side timed, the kernel variants compared with the reference."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = BENCH.parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(BENCH / "quant_kernels.py"), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, cwd=repo, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (path,) = tmp_path.glob("quant_kernels-smoke-*.json")
+    rec = json.loads(path.read_text())
+    assert rec["command"].startswith("python bench/quant_kernels.py --smoke")
+    sides = {r["side"]: r for r in rec["results"][0]["sides"]}
+    assert set(sides) == {"torch-eager", "kernel w4 (default)", "kernel c256 w4"}
+    for side in sides.values():
+        assert "error" not in side and side["ms"] > 0
+    # (the interpreter casts to e4m3 by truncation: most values agree, the scales exactly)
+    assert sides["kernel c256 w4"]["vs_reference"]["scale_max_rel_diff"] == 0.0
+    assert sides["kernel c256 w4"]["vs_reference"]["equal_e4m3_share"] > 0.8

@@ -87,6 +87,10 @@ def test_reference_is_gelu_then_quantize_rows():
     assert torch.equal(q.float(), rq.float()) and torch.equal(s, rs)
     with pytest.raises(ValueError, match="approximate must be 'tanh' or 'none'"):
         kernels.gelu_quantize_rows(h, "exact")
+    with pytest.raises(ValueError, match="chunk must be 0"):
+        kernels.gelu_quantize_rows(h, "tanh", chunk=100)
+    with pytest.raises(ValueError, match="num_warps must be 0"):
+        kernels.gelu_quantize_rows(h, "tanh", num_warps=3)
 
 
 needs_cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton_available()),
@@ -146,6 +150,10 @@ for dtype in (torch.bfloat16, torch.float32):
         # power of two lands one binade low); the GPU rounds to nearest: allow that, nothing more
         assert bool(((a - b).abs() <= b.abs() * 0.5 + 2.0**-9).all()), (dtype, n, approx)
         assert bool((a[2] == 0).all())
+        # the launch variants compute the same values: the row in pieces (read twice), other warp counts
+        for kw in ({"chunk": 256}, {"chunk": 1024, "num_warps": 8}, {"num_warps": 2}):
+            vq, vs = kernels.gelu_quantize_rows(h, approx, **kw)
+            assert torch.equal(vs, s) and torch.equal(vq.float(), q.float()), (dtype, n, approx, kw)
 # an opaque operator with declared shapes: fullgraph compile calls it without tracing into the launch
 # (building or launching a Triton kernel inside a traced region broke dynamo on the H200, 2026-12-05)
 h = (torch.randn(4, 300) * 3).to(torch.bfloat16)

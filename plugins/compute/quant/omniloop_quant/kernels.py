@@ -42,20 +42,16 @@ def supported(h: torch.Tensor) -> bool:
             and h.dtype in (torch.bfloat16, torch.float16, torch.float32) and _TRITON)
 
 
-def _define_kernel() -> Any:
-    # Defined at import, never inside a compiled region: building a triton.jit function reads
-    # Triton's settings through calls dynamo cannot trace (an H200 run of 2026-12-05 failed so when
-    # the kernel was built lazily on its first, compiled, call).
+if _TRITON:
+    # Defined at import, as module globals (where Triton finds the helper a kernel calls), never
+    # inside a compiled region: building a triton.jit function reads Triton's settings through calls
+    # dynamo cannot trace (an H200 run of 2026-12-05 failed so when the kernel was built lazily on
+    # its first, compiled, call).
     import triton
     import triton.language as tl
 
     @triton.jit
-    def gelu_quant_rows(h_ptr, q_ptr, s_ptr, n_cols, stride_h, stride_q, BLOCK: tl.constexpr, TANH: tl.constexpr,
-                        ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    def gelu_rounded(x, TANH: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr):
         if TANH:
             u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
             t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
@@ -66,42 +62,85 @@ def _define_kernel() -> Any:
             y = y.to(tl.bfloat16).to(tl.float32)
         if ROUND_F16:
             y = y.to(tl.float16).to(tl.float32)
+        return y
+
+    @triton.jit
+    def gelu_quant_rows(h_ptr, q_ptr, s_ptr, n_cols, stride_h, stride_q, BLOCK: tl.constexpr, TANH: tl.constexpr,
+                        ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr):
+        # the whole row in registers: h read once
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        y = gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16)
         amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
         scale = tl.maximum(amax, 1e-12) / 448.0
         q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
         tl.store(q_ptr + row * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
-    return gelu_quant_rows
+    @triton.jit
+    def gelu_quant_rows_chunked(h_ptr, q_ptr, s_ptr, n_cols, stride_h, stride_q, CHUNK: tl.constexpr,
+                                TANH: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr):
+        # the row in CHUNK-wide pieces: the GELU's amax first, then again to quantise (h read twice,
+        # the second time mostly from cache; fewer registers per thread than the whole-row kernel)
+        row = tl.program_id(0)
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for start in range(0, n_cols, CHUNK):
+            cols = start + tl.arange(0, CHUNK)
+            mask = cols < n_cols
+            x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+            y = gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16)
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+        for start in range(0, n_cols, CHUNK):
+            cols = start + tl.arange(0, CHUNK)
+            mask = cols < n_cols
+            x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+            y = gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16)
+            q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+            tl.store(q_ptr + row * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+    _KERNEL, _KERNEL_CHUNKED = gelu_quant_rows, gelu_quant_rows_chunked
+else:
+    _KERNEL = _KERNEL_CHUNKED = None
 
 
-_KERNEL: Any = _define_kernel() if _TRITON else None
+def default_warps(block: int) -> int:
+    """The launch's ``num_warps`` for a row of ``block`` (a power of two) columns in one program."""
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def _launch(h: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     m, n = h.shape
     q = torch.empty((m, n), device=h.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty((m, 1), device=h.device, dtype=torch.float32)
-    block = max(16, 1 << max(0, (n - 1).bit_length()))
-    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-    _KERNEL[(m,)](h, q, scale, n, h.stride(0), q.stride(0), BLOCK=block, TANH=tanh,
-                  ROUND_BF16=h.dtype == torch.bfloat16, ROUND_F16=h.dtype == torch.float16, num_warps=warps)
+    rounding = {"TANH": tanh, "ROUND_BF16": h.dtype == torch.bfloat16, "ROUND_F16": h.dtype == torch.float16}
+    if chunk:
+        _KERNEL_CHUNKED[(m,)](h, q, scale, n, h.stride(0), q.stride(0), CHUNK=chunk, **rounding,
+                              num_warps=num_warps or default_warps(chunk))
+    else:
+        block = max(16, 1 << max(0, (n - 1).bit_length()))
+        _KERNEL[(m,)](h, q, scale, n, h.stride(0), q.stride(0), BLOCK=block, **rounding,
+                      num_warps=num_warps or default_warps(block))
     return q, scale
 
 
 #: the kernel as an opaque torch operator (``torch.ops.omniloop_quant.gelu_quantize_rows``, with its
 #: shapes declared): ``torch.compile(fullgraph=True)`` calls it without tracing into the launch (a
 #: Triton launch traced by dynamo breaks on Triton's internals in some Triton versions); None where
-#: Triton is missing
+#: Triton is missing. ``num_warps`` / ``chunk`` 0: the defaults (whole row in one pass, warps by width)
 _OP: Any = None
 if _TRITON:
 
     @torch.library.custom_op("omniloop_quant::gelu_quantize_rows", mutates_args=())
-    def _gelu_quantize_rows_op(h: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch(h, tanh)
+    def _gelu_quantize_rows_op(h: torch.Tensor, tanh: bool, num_warps: int = 0,
+                               chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch(h, tanh, num_warps, chunk)
 
     @_gelu_quantize_rows_op.register_fake
-    def _(h: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         m, n = h.shape
         return h.new_empty((m, n), dtype=torch.float8_e4m3fn), h.new_empty((m, 1), dtype=torch.float32)
 
@@ -112,14 +151,24 @@ def prepare() -> None:
     """Nothing left to do: the kernel is built at import (kept for callers of the 0.3 API)."""
 
 
-def gelu_quantize_rows(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+def gelu_quantize_rows(h: torch.Tensor, approximate: str, *, num_warps: int = 0,
+                       chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [M, N] e4m3, scale [M, 1] float32)`` of ``gelu(h, approximate)`` for a 2-D ``h`` (check
-    :func:`supported`): what ``quantize_rows(gelu(h))`` computes, in one pass over ``h``."""
+    :func:`supported`): what ``quantize_rows(gelu(h))`` computes, in one pass over ``h``.
+
+    Launch variants, for tuning (``bench/quant_kernels.py``; the defaults are what the FP8
+    feed-forward uses): ``num_warps`` (0: by row width, :func:`default_warps`); ``chunk`` (0: the whole
+    row in registers, read once; a power of two ≥ 16: the row in ``chunk``-wide pieces, read twice).
+    Every variant computes the same values."""
     if approximate not in ("tanh", "none"):
         raise ValueError(f"approximate must be 'tanh' or 'none', not {approximate!r}")
+    if num_warps not in (0, 1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be 0 (default) or a power of two up to 32, not {num_warps!r}")
+    if chunk and (chunk < 16 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be 0 (whole row) or a power of two >= 16, not {chunk!r}")
     if _OP is None:
         raise RuntimeError("gelu_quantize_rows needs triton (check supported() first)")
-    return _OP(h, approximate == "tanh")
+    return _OP(h, approximate == "tanh", num_warps, chunk)
 
 
 def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,4 +178,4 @@ def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Te
     return (y / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-__all__ = ["E4M3_MAX", "MAX_ROW", "gelu_quantize_rows", "prepare", "reference", "supported", "triton_available"]
+__all__ = ["E4M3_MAX", "MAX_ROW", "default_warps", "gelu_quantize_rows", "prepare", "reference", "supported", "triton_available"]

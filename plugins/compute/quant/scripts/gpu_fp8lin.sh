@@ -39,13 +39,17 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 
 filter() { grep --line-buffered -v -E "should be kept in float32|it/s\]|s/it\]" | tee -a "$OUT/log.txt"; }
 # PARTS (default speed,quality): speed = the Wan step beside diffusers (C13 / C14: the configurations),
 # quality = the wan-demo clips (CLIPS: the clip configurations, bf16 first), plans = cuDNN's FP8 attention
-# plans timed on Wan's shapes (attention_fp8_quality.py --parts plans)
+# plans timed on Wan's shapes (attention_fp8_quality.py --parts plans), kernels = bench/quant_kernels.py
+# (the FFN kernel's variants against the bytes they move; writes $OUT/k)
 PARTS=",${PARTS:-speed,quality},"
 C13=${C13:-diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8lin-qkv,omniloop-fp8-compile-fused-fp8fast-qkv}
 C14=${C14:-diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8fast-qkv}
 CLIPS=${CLIPS:-bf16,bf16-flash,bf16+fp8lin,fp8+fp8lin,fp8+fp8fast}
 if [[ $PARTS == *,plans,* ]]; then
   timeout 120 python3 bench/attention_fp8_quality.py --parts plans --out "$OUT/plans" ${SMOKE:+--smoke} 2>&1 | filter
+fi
+if [[ $PARTS == *,kernels,* ]]; then  # the FFN's GELU + quantisation kernel and its launch variants (~30 s)
+  timeout 150 python3 bench/quant_kernels.py --out "$OUT/k" ${SMOKE:+--smoke} 2>&1 | filter
 fi
 if [[ $PARTS == *,speed,* ]]; then
   python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s "${BUDGET13:-130}" --out "$OUT/13b" ${SMOKE:+--smoke} \

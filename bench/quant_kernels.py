@@ -1,0 +1,130 @@
+"""omniloop-quant's GELU + e4m3 row quantisation kernel against the bytes it moves (issue 40).
+
+GPU only (``--smoke``: tiny shapes on the CPU under Triton's interpreter, to check the script). Per
+shape — the FP8 feed-forward's hidden at 480×832×81: Wan 1.3B ``32,760 × 8,960`` and 14B
+``32,760 × 13,824`` bf16 — the milliseconds (CUDA events, median of ``--reps``) of
+
+* ``torch-eager``: ``kernels.reference`` (GELU, then the per-row amax, scale and e4m3 cast) op by op;
+* ``inductor``: the same under ``torch.compile`` (what the feed-forward ran before the kernel);
+* ``kernel w<N>``: ``gelu_quantize_rows`` with the whole row in registers at ``num_warps`` N (the
+  default's choice marked), and ``kernel c<C> w<N>``: the row in ``C``-wide pieces, read twice;
+
+each with its effective bandwidth (bf16 read + e4m3 written + scales, over the time) as a fraction of
+``--peak-gbs`` (4,800 GB/s: the H200's HBM3e), and each variant's agreement with the reference (share
+of equal e4m3 values, scales' max relative difference). The H200 run of 2026-12-05 put the default
+at ~0.8 ms per 1.3B call (~1.1 TB/s, inferred from the step time it saved): this script measures it
+and the variants that could take it towards the ~0.2 ms its bytes need.
+
+    python bench/quant_kernels.py --out $OUT
+    python bench/quant_kernels.py --smoke --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _repo_paths import add_repo_packages
+
+add_repo_packages()
+
+if "--smoke" in sys.argv:  # the kernels on the CPU: Triton's interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from _common import add_output_args, command_line, machine, publish  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SHAPES = {"wan-1.3b-ffn": (32760, 8960), "wan-14b-ffn": (32760, 13824)}
+SMOKE_SHAPES = {"smoke": (8, 640)}
+WARPS = (4, 8, 16, 32)
+CHUNKS = ((1024, 4), (2048, 8), (4096, 8))
+
+
+def timed(fn: Any, reps: int, device: str) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on the GPU, wall clock on the CPU)."""
+    import time
+
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def agreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    (q, s), (rq, rs) = got, want
+    return {"equal_e4m3_share": round(float((q.float() == rq.float()).float().mean()), 6),
+            "scale_max_rel_diff": float(((s - rs).abs() / rs.abs().clamp(min=1e-30)).max())}
+
+
+def measure(name: str, shape: tuple[int, int], args: argparse.Namespace, device: str) -> dict[str, Any]:
+    from omniloop_quant import kernels
+
+    m, n = shape
+    torch.manual_seed(0)
+    h = (torch.randn(m, n, device=device) * 3).to(torch.bfloat16)
+    moved = m * n * 2 + m * n * 1 + m * 4  # bf16 in, e4m3 out, float32 scales
+    want = kernels.reference(h, "tanh")
+    default_w = kernels.default_warps(max(16, 1 << (n - 1).bit_length()))
+    sides: list[tuple[str, Any]] = [("torch-eager", lambda: kernels.reference(h, "tanh"))]
+    if device == "cuda":
+        sides.append(("inductor", torch.compile(lambda: kernels.reference(h, "tanh"), fullgraph=True)))
+    warps = (default_w,) if args.smoke else WARPS
+    for w in warps:
+        sides.append((f"kernel w{w}" + (" (default)" if w == default_w else ""),
+                      lambda w=w: kernels.gelu_quantize_rows(h, "tanh", num_warps=w)))
+    for c, w in (((256, 4),) if args.smoke else CHUNKS):
+        sides.append((f"kernel c{c} w{w}", lambda c=c, w=w: kernels.gelu_quantize_rows(h, "tanh", chunk=c, num_warps=w)))
+    rows = []
+    for label, fn in sides:
+        try:
+            ms = timed(fn, args.reps, device)
+            gbs = moved / (ms * 1e-3) / 1e9
+            row = {"side": label, "ms": round(ms, 4), "gb_per_s": round(gbs, 1),
+                   "fraction_of_peak": round(gbs / args.peak_gbs, 3) if device == "cuda" else None}
+            if label.startswith("kernel"):
+                row["vs_reference"] = agreement(fn(), want)
+        except Exception as exc:  # one variant failing (a launch that does not fit) leaves the others
+            row = {"side": label, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        print(name, row, flush=True)
+        rows.append(row)
+    return {"shape": name, "rows_cols": [m, n], "bytes_moved": moved, "sides": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_output_args(ap, HERE / "results")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--peak-gbs", type=float, default=4800.0, help="the GPU's memory bandwidth, GB/s")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        raise SystemExit("bench/quant_kernels.py times a CUDA kernel: run it on a GPU (or --smoke on the CPU)")
+    if args.smoke:
+        args.reps = 1
+    results = [measure(name, shape, args, device) for name, shape in (SMOKE_SHAPES if args.smoke else SHAPES).items()]
+    record = {"bench": "quant_kernels" + ("-smoke" if args.smoke else ""), "date": dt.date.today().isoformat(),
+              "command": command_line("bench/quant_kernels.py", argv), "machine": machine(), "results": results}
+    return publish(record, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
