@@ -35,9 +35,12 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       blocks' linears as e4m3 ``_scaled_mm`` GEMMs,
                                       distribution-altering); ``-fp8fast``: ``fp8-fast`` (the
                                       same with fast accumulation); ``-qkv``: ``options.qkv:
-                                      fused`` (one Q/K/V GEMM); ``-gq``: the FP8 feed-forward's
-                                      GELU + quantisation as one Triton pass
-                                      (``omniloop_quant.fp8.FUSE_GELU_QUANT``); ``-mk``: deploy
+                                      fused`` (one Q/K/V GEMM); ``-nogq``: the FP8 feed-forward's
+                                      GELU + quantisation by inductor's fused ops instead of
+                                      omniloop-quant's Triton pass
+                                      (``omniloop_quant.fp8.FUSE_GELU_QUANT`` off; on by
+                                      default since 2026-12-05; ``-gq``, its explicit "on",
+                                      is kept for the older records' names); ``-mk``: deploy
                                       ``options.compile_inductor: {triton.multi_kernel: 1}``
                                       (persistent reductions for the norm / GELU +
                                       quantisation rows, picked by timing); ``-cd``: the same
@@ -155,25 +158,26 @@ def all_configs() -> list[str]:
     # -mk: options.compile_inductor {triton.multi_kernel: 1} (inductor's persistent reductions, picked by timing)
     out += ["omniloop-fp8-compile-fused-fp8fast-mk", "omniloop-fp8-compile-fused-fp8fast-gq-mk",
             "omniloop-fa4-compile-fused-mk", "omniloop-cudnn-compile-fused-mk",
-            "omniloop-fp8-compile-fused-fp8fast-gq-mk-cd"]
+            "omniloop-fp8-compile-fused-fp8fast-gq-mk-cd", "omniloop-fp8-compile-fused-fp8fast-nogq",
+            "omniloop-fp8-compile-fused-fp8fast-cd"]
     return out
 
 
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
-                "rope": False, "ffn": False, "sepq": False, "fp8lin": False, "fp8fast": False, "qkv": False, "gq": False,
+                "rope": False, "ffn": False, "sepq": False, "fp8lin": False, "fp8fast": False, "qkv": False, "gq": True,
                 "inductor": None}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "qkv", "gq", *INDUCTOR_WORDS}:
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "qkv", "gq", "nogq", *INDUCTOR_WORDS}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
             "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest,
             "fp8lin": bool(rest & {"fp8lin", "fp8fast"}), "fp8fast": "fp8fast" in rest, "qkv": "qkv" in rest,
-            "gq": "gq" in rest,
+            "gq": "nogq" not in rest,
             "inductor": {k: v for w in sorted(rest & set(INDUCTOR_WORDS)) for k, v in INDUCTOR_WORDS[w].items()} or None}
 
 
@@ -211,7 +215,8 @@ def module_flag(module: Any, name: str, value: bool) -> Iterator[None]:
 
 
 def gelu_quant_kernel(on: bool) -> contextlib.AbstractContextManager[None]:
-    """``-gq``: omniloop-quant's FP8 feed-forward computes its GELU + activation quantisation in one Triton pass."""
+    """Whether omniloop-quant's FP8 feed-forward computes its GELU + activation quantisation in one Triton
+    pass (the default; ``-nogq``: off, inductor's fused ops)."""
     from omniloop_quant import fp8
 
     return module_flag(fp8, "FUSE_GELU_QUANT", on)

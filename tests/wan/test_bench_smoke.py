@@ -51,6 +51,9 @@ def test_inductor_side_words_merge_into_one_setting():
     assert mod.parse_config("omniloop-fp8-compile-fused-fp8fast-mk")["inductor"] == {"triton.multi_kernel": 1}
     both = mod.parse_config("omniloop-fp8-compile-fused-fp8fast-gq-mk-cd")
     assert both["gq"] and both["inductor"] == {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}
+    # the FFN kernel follows the runtime's default (on); -nogq turns it off for a paired comparison
+    assert mod.parse_config("omniloop-fp8-compile-fused-fp8fast")["gq"] is True
+    assert mod.parse_config("omniloop-fp8-compile-fused-fp8fast-nogq")["gq"] is False
     # every word's settings are real settings of this torch's inductor (the deploy check accepts them)
     from omniloop.deploy import DeployConfig
     from omniloop_kit.compile import compile_options
