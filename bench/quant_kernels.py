@@ -6,8 +6,10 @@ shape — the FP8 feed-forward's hidden at 480×832×81: Wan 1.3B ``32,760 × 8,
 
 * ``torch-eager``: ``kernels.reference`` (GELU, then the per-row amax, scale and e4m3 cast) op by op;
 * ``inductor``: the same under ``torch.compile`` (what the feed-forward ran before the kernel);
-* ``kernel w<N>``: ``gelu_quantize_rows`` with the whole row in registers at ``num_warps`` N (the
-  default's choice marked), and ``kernel c<C> w<N>``: the row in ``C``-wide pieces, read twice;
+* ``kernel w<N>``: ``gelu_quantize_rows`` with the whole row in registers as power-of-two pieces
+  (``kernels.pieces``) at ``num_warps`` N (the default's choice marked); ``kernel pow2``: the row as one
+  block padded to a power of two (the kernel's first form, 83 % of its lanes masked at 8,960); and
+  ``kernel c<C> w<N>``: the row in ``C``-wide pieces, read twice;
 
 each with its effective bandwidth (bf16 read + e4m3 written + scales, over the time) as a fraction of
 ``--peak-gbs`` (4,800 GB/s: the H200's HBM3e), and each variant's agreement with the reference (share
@@ -82,7 +84,8 @@ def measure(name: str, shape: tuple[int, int], args: argparse.Namespace, device:
     h = (torch.randn(m, n, device=device) * 3).to(torch.bfloat16)
     moved = m * n * 2 + m * n * 1 + m * 4  # bf16 in, e4m3 out, float32 scales
     want = kernels.reference(h, "tanh")
-    default_w = kernels.default_warps(max(16, 1 << (n - 1).bit_length()))
+    default_w = kernels.default_warps(sum(kernels.pieces(n)))
+    pow2_w = kernels.default_warps(max(16, 1 << (n - 1).bit_length()))
     sides: list[tuple[str, Any]] = [("torch-eager", lambda: kernels.reference(h, "tanh"))]
     if device == "cuda":
         sides.append(("inductor", torch.compile(lambda: kernels.reference(h, "tanh"), fullgraph=True)))
@@ -90,6 +93,7 @@ def measure(name: str, shape: tuple[int, int], args: argparse.Namespace, device:
     for w in warps:
         sides.append((f"kernel w{w}" + (" (default)" if w == default_w else ""),
                       lambda w=w: kernels.gelu_quantize_rows(h, "tanh", num_warps=w)))
+    sides.append((f"kernel pow2 w{pow2_w} (first form)", lambda: kernels.gelu_quantize_rows(h, "tanh", pow2=True)))
     for c, w in (((256, 4),) if args.smoke else CHUNKS):
         sides.append((f"kernel c{c} w{w}", lambda c=c, w=w: kernels.gelu_quantize_rows(h, "tanh", chunk=c, num_warps=w)))
     rows = []

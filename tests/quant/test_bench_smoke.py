@@ -133,7 +133,7 @@ def test_quant_kernels_bench_smoke(tmp_path):
     rec = json.loads(path.read_text())
     assert rec["command"].startswith("python bench/quant_kernels.py --smoke")
     sides = {r["side"]: r for r in rec["results"][0]["sides"]}
-    assert set(sides) == {"torch-eager", "kernel w4 (default)", "kernel c256 w4"}
+    assert set(sides) == {"torch-eager", "kernel w4 (default)", "kernel pow2 w4 (first form)", "kernel c256 w4"}
     for side in sides.values():
         assert "error" not in side and side["ms"] > 0
     # (the interpreter casts to e4m3 by truncation: most values agree, the scales exactly)

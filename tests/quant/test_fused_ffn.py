@@ -91,6 +91,8 @@ def test_reference_is_gelu_then_quantize_rows():
         kernels.gelu_quantize_rows(h, "tanh", chunk=100)
     with pytest.raises(ValueError, match="num_warps must be 0"):
         kernels.gelu_quantize_rows(h, "tanh", num_warps=3)
+    with pytest.raises(ValueError, match="pow2"):
+        kernels.gelu_quantize_rows(h, "tanh", chunk=256, pow2=True)
 
 
 needs_cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton_available()),
@@ -151,7 +153,7 @@ for dtype in (torch.bfloat16, torch.float32):
         assert bool(((a - b).abs() <= b.abs() * 0.5 + 2.0**-9).all()), (dtype, n, approx)
         assert bool((a[2] == 0).all())
         # the launch variants compute the same values: the row in pieces (read twice), other warp counts
-        for kw in ({"chunk": 256}, {"chunk": 1024, "num_warps": 8}, {"num_warps": 2}):
+        for kw in ({"chunk": 256}, {"chunk": 1024, "num_warps": 8}, {"num_warps": 2}, {"pow2": True}):
             vq, vs = kernels.gelu_quantize_rows(h, approx, **kw)
             assert torch.equal(vs, s) and torch.equal(vq.float(), q.float()), (dtype, n, approx, kw)
 # an opaque operator with declared shapes: fullgraph compile calls it without tracing into the launch
@@ -162,6 +164,19 @@ fn = torch.compile(lambda x: kernels.gelu_quantize_rows(x, "tanh"), backend="aot
 assert torch.equal(cq.float(), eq.float()) and torch.equal(cs, es)
 print("ok")
 """
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (its CPU interpreter)")
+def test_pieces_cover_the_row_with_powers_of_two():
+    assert kernels.pieces(8960) == (8192, 512, 256, 0)  # Wan 1.3B's FFN: no padding
+    assert kernels.pieces(13824) == (8192, 4096, 1024, 512)  # Wan 14B's
+    assert kernels.pieces(12288) == (8192, 4096, 0, 0)  # FLUX's
+    for n in (1, 63, 64, 65, 100, 300, 640, 1000, 5120, 8959, 8961, 16383, 16384):
+        got = [p for p in kernels.pieces(n) if p]
+        assert all(p & (p - 1) == 0 and p >= kernels.MIN_PIECE for p in got), (n, got)
+        assert got == sorted(got, reverse=True) and n <= sum(got) < n + max(kernels.MIN_PIECE, got[-1]), (n, got)
+    with pytest.raises(ValueError, match="column"):
+        kernels.pieces(0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (its CPU interpreter)")

@@ -4,7 +4,11 @@
 ``h``'s dtype, as ``torch.nn.functional.gelu`` returns it), then the per-row e4m3 quantisation of
 :func:`omniloop_quant.fp8.quantize_rows` (``scale = max|y| / 448``, ``q = round_e4m3(y / scale)``).
 One program owns one row: the row is read once, kept in registers (rows up to
-:data:`MAX_ROW` wide) and written once in e4m3 with its float32 scale. Under ``torch.compile``
+:data:`MAX_ROW` wide) and written once in e4m3 with its float32 scale. The row is held as up to four
+power-of-two pieces that add up to its width (:func:`pieces`: 8,960 = 8,192 + 512 + 256), not as one
+block padded to the next power of two: the kernel is bound by its arithmetic (the GELU and the
+division, ~35 instructions an element) as much as by its bytes, and a padded 16,384-wide block spent
+83 % more of it on masked lanes at Wan 1.3B's width. Under ``torch.compile``
 inductor fuses the same ops itself, but as a looped reduction that reads the 8,960-wide bf16 row of
 Wan 1.3B's FFN twice and recomputes the GELU (H200 profile, ``bench/results/wan_gpu-1.3b-fwd-fp8-
 profile-h200-2026-12-04.json``: 33 ms of a 389 ms FP8 forward, ~1.1 ms per block where the bytes
@@ -102,17 +106,82 @@ if _TRITON:
             tl.store(q_ptr + row * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
-    _KERNEL, _KERNEL_CHUNKED = gelu_quant_rows, gelu_quant_rows_chunked
+    @triton.jit
+    def _gelu_piece(h_row, start, n_cols, SIZE: tl.constexpr, TANH: tl.constexpr, ROUND_BF16: tl.constexpr,
+                    ROUND_F16: tl.constexpr):
+        cols = start + tl.arange(0, SIZE)
+        x = tl.load(h_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        return gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16)  # gelu(0) = 0: masked lanes add nothing to amax
+
+    @triton.jit
+    def _store_piece(q_row, y, start, n_cols, scale, SIZE: tl.constexpr):
+        cols = start + tl.arange(0, SIZE)
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(q_row + cols, q.to(tl.float8e4nv), mask=cols < n_cols)
+
+    @triton.jit
+    def gelu_quant_rows_pieces(h_ptr, q_ptr, s_ptr, n_cols, stride_h, stride_q, P1: tl.constexpr, P2: tl.constexpr,
+                               P3: tl.constexpr, P4: tl.constexpr, TANH: tl.constexpr, ROUND_BF16: tl.constexpr,
+                               ROUND_F16: tl.constexpr):
+        # the row as up to four power-of-two pieces in registers (P2..P4 may be 0: absent), read once
+        row = tl.program_id(0).to(tl.int64)
+        h_row = h_ptr + row * stride_h
+        q_row = q_ptr + row * stride_q
+        y1 = _gelu_piece(h_row, 0, n_cols, P1, TANH, ROUND_BF16, ROUND_F16)
+        amax = tl.max(tl.abs(y1), axis=0)
+        if P2 > 0:
+            y2 = _gelu_piece(h_row, P1, n_cols, P2, TANH, ROUND_BF16, ROUND_F16)
+            amax = tl.maximum(amax, tl.max(tl.abs(y2), axis=0))
+        if P3 > 0:
+            y3 = _gelu_piece(h_row, P1 + P2, n_cols, P3, TANH, ROUND_BF16, ROUND_F16)
+            amax = tl.maximum(amax, tl.max(tl.abs(y3), axis=0))
+        if P4 > 0:
+            y4 = _gelu_piece(h_row, P1 + P2 + P3, n_cols, P4, TANH, ROUND_BF16, ROUND_F16)
+            amax = tl.maximum(amax, tl.max(tl.abs(y4), axis=0))
+        scale = tl.maximum(amax, 1e-12) / 448.0
+        _store_piece(q_row, y1, 0, n_cols, scale, P1)
+        if P2 > 0:
+            _store_piece(q_row, y2, P1, n_cols, scale, P2)
+        if P3 > 0:
+            _store_piece(q_row, y3, P1 + P2, n_cols, scale, P3)
+        if P4 > 0:
+            _store_piece(q_row, y4, P1 + P2 + P3, n_cols, scale, P4)
+        tl.store(s_ptr + row, scale)
+
+    _KERNEL, _KERNEL_CHUNKED, _KERNEL_PIECES = gelu_quant_rows, gelu_quant_rows_chunked, gelu_quant_rows_pieces
 else:
-    _KERNEL = _KERNEL_CHUNKED = None
+    _KERNEL = _KERNEL_CHUNKED = _KERNEL_PIECES = None
+
+#: the smallest piece :func:`pieces` makes (a narrower remainder is padded up to it)
+MIN_PIECE = 64
+
+
+def pieces(n: int) -> tuple[int, int, int, int]:
+    """Up to four powers of two (0: absent), largest first, whose sum covers ``n`` columns with little
+    padding: the top binary digits of ``n``, the last piece rounded up (8,960 → 8,192 + 512 + 256;
+    13,824 → 8,192 + 4,096 + 1,024 + 512; 100 → 64 + 64)."""
+    if n < 1:
+        raise ValueError(f"a row needs at least one column, not {n}")
+    out: list[int] = []
+    rest = n
+    while rest > 0 and len(out) < 3:
+        p = 1 << (rest.bit_length() - 1)
+        if p < MIN_PIECE:
+            break
+        out.append(p)
+        rest -= p
+    if rest > 0:
+        out.append(max(MIN_PIECE, 1 << (rest - 1).bit_length()))
+    return tuple(out + [0] * (4 - len(out)))  # type: ignore[return-value]
 
 
 def default_warps(block: int) -> int:
-    """The launch's ``num_warps`` for a row of ``block`` (a power of two) columns in one program."""
+    """The launch's ``num_warps`` for a row of ``block`` columns in one program."""
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def _launch(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0,
+            pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     m, n = h.shape
     q = torch.empty((m, n), device=h.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty((m, 1), device=h.device, dtype=torch.float32)
@@ -120,6 +189,10 @@ def _launch(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0) -> 
     if chunk:
         _KERNEL_CHUNKED[(m,)](h, q, scale, n, h.stride(0), q.stride(0), CHUNK=chunk, **rounding,
                               num_warps=num_warps or default_warps(chunk))
+    elif not pow2:
+        p1, p2, p3, p4 = pieces(n)
+        _KERNEL_PIECES[(m,)](h, q, scale, n, h.stride(0), q.stride(0), P1=p1, P2=p2, P3=p3, P4=p4, **rounding,
+                             num_warps=num_warps or default_warps(p1 + p2 + p3 + p4))
     else:
         block = max(16, 1 << max(0, (n - 1).bit_length()))
         _KERNEL[(m,)](h, q, scale, n, h.stride(0), q.stride(0), BLOCK=block, **rounding,
@@ -135,12 +208,13 @@ _OP: Any = None
 if _TRITON:
 
     @torch.library.custom_op("omniloop_quant::gelu_quantize_rows", mutates_args=())
-    def _gelu_quantize_rows_op(h: torch.Tensor, tanh: bool, num_warps: int = 0,
-                               chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch(h, tanh, num_warps, chunk)
+    def _gelu_quantize_rows_op(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0,
+                               pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch(h, tanh, num_warps, chunk, pow2)
 
     @_gelu_quantize_rows_op.register_fake
-    def _(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0,
+          pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         m, n = h.shape
         return h.new_empty((m, n), dtype=torch.float8_e4m3fn), h.new_empty((m, 1), dtype=torch.float32)
 
@@ -151,24 +225,27 @@ def prepare() -> None:
     """Nothing left to do: the kernel is built at import (kept for callers of the 0.3 API)."""
 
 
-def gelu_quantize_rows(h: torch.Tensor, approximate: str, *, num_warps: int = 0,
-                       chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def gelu_quantize_rows(h: torch.Tensor, approximate: str, *, num_warps: int = 0, chunk: int = 0,
+                       pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [M, N] e4m3, scale [M, 1] float32)`` of ``gelu(h, approximate)`` for a 2-D ``h`` (check
     :func:`supported`): what ``quantize_rows(gelu(h))`` computes, in one pass over ``h``.
 
     Launch variants, for tuning (``bench/quant_kernels.py``; the defaults are what the FP8
     feed-forward uses): ``num_warps`` (0: by row width, :func:`default_warps`); ``chunk`` (0: the whole
-    row in registers, read once; a power of two ≥ 16: the row in ``chunk``-wide pieces, read twice).
-    Every variant computes the same values."""
+    row in registers, read once, as :func:`pieces`; a power of two ≥ 16: the row in ``chunk``-wide
+    pieces, read twice); ``pow2`` (with ``chunk`` 0: the whole row as one block padded to a power of
+    two — the first form of the kernel). Every variant computes the same values."""
     if approximate not in ("tanh", "none"):
         raise ValueError(f"approximate must be 'tanh' or 'none', not {approximate!r}")
     if num_warps not in (0, 1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be 0 (default) or a power of two up to 32, not {num_warps!r}")
     if chunk and (chunk < 16 or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be 0 (whole row) or a power of two >= 16, not {chunk!r}")
+    if chunk and pow2:
+        raise ValueError("pow2 is a layout of the whole-row kernel: it does not go with chunk")
     if _OP is None:
         raise RuntimeError("gelu_quantize_rows needs triton (check supported() first)")
-    return _OP(h, approximate == "tanh", num_warps, chunk)
+    return _OP(h, approximate == "tanh", num_warps, chunk, pow2)
 
 
 def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,4 +255,4 @@ def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Te
     return (y / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-__all__ = ["E4M3_MAX", "MAX_ROW", "default_warps", "gelu_quantize_rows", "prepare", "reference", "supported", "triton_available"]
+__all__ = ["E4M3_MAX", "MAX_ROW", "MIN_PIECE", "default_warps", "pieces", "gelu_quantize_rows", "prepare", "reference", "supported", "triton_available"]
