@@ -255,4 +255,4 @@ def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Te
     return (y / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-__all__ = ["E4M3_MAX", "MAX_ROW", "MIN_PIECE", "default_warps", "pieces", "gelu_quantize_rows", "prepare", "reference", "supported", "triton_available"]
+__all__ = ["E4M3_MAX", "MAX_ROW", "MIN_PIECE", "default_warps", "gelu_quantize_rows", "pieces", "prepare", "reference", "supported", "triton_available"]
