@@ -176,8 +176,14 @@ def pieces(n: int) -> tuple[int, int, int, int]:
 
 
 def default_warps(block: int) -> int:
-    """The launch's ``num_warps`` for a row of ``block`` columns in one program."""
+    """The ``num_warps`` of the padded (``pow2``) and chunked layouts for ``block`` columns in one program."""
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+#: the ``num_warps`` of the default layout (the row as :func:`pieces`): fastest of 4/8/16/32 on the H200
+#: at both Wan widths (bench/quant_kernels.py, 2026-12-05: 1.3B 0.463 / 0.474 / 0.561 / 0.736 ms,
+#: 14B 0.730 / 0.761 / 0.884 / 0.944 ms; the padded layout at 16 warps 0.759 / 0.759 ms)
+PIECES_WARPS = 4
 
 
 def _launch(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0,
@@ -192,7 +198,7 @@ def _launch(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0,
     elif not pow2:
         p1, p2, p3, p4 = pieces(n)
         _KERNEL_PIECES[(m,)](h, q, scale, n, h.stride(0), q.stride(0), P1=p1, P2=p2, P3=p3, P4=p4, **rounding,
-                             num_warps=num_warps or default_warps(p1 + p2 + p3 + p4))
+                             num_warps=num_warps or PIECES_WARPS)
     else:
         block = max(16, 1 << max(0, (n - 1).bit_length()))
         _KERNEL[(m,)](h, q, scale, n, h.stride(0), q.stride(0), BLOCK=block, **rounding,
@@ -231,7 +237,8 @@ def gelu_quantize_rows(h: torch.Tensor, approximate: str, *, num_warps: int = 0,
     :func:`supported`): what ``quantize_rows(gelu(h))`` computes, in one pass over ``h``.
 
     Launch variants, for tuning (``bench/quant_kernels.py``; the defaults are what the FP8
-    feed-forward uses): ``num_warps`` (0: by row width, :func:`default_warps`); ``chunk`` (0: the whole
+    feed-forward uses): ``num_warps`` (0: :data:`PIECES_WARPS`, or by width for ``pow2`` / ``chunk``:
+    :func:`default_warps`); ``chunk`` (0: the whole
     row in registers, read once, as :func:`pieces`; a power of two ≥ 16: the row in ``chunk``-wide
     pieces, read twice); ``pow2`` (with ``chunk`` 0: the whole row as one block padded to a power of
     two — the first form of the kernel). Every variant computes the same values."""
@@ -255,4 +262,4 @@ def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Te
     return (y / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-__all__ = ["E4M3_MAX", "MAX_ROW", "MIN_PIECE", "default_warps", "gelu_quantize_rows", "pieces", "prepare", "reference", "supported", "triton_available"]
+__all__ = ["E4M3_MAX", "MAX_ROW", "MIN_PIECE", "PIECES_WARPS", "default_warps", "gelu_quantize_rows", "pieces", "prepare", "reference", "supported", "triton_available"]
