@@ -180,9 +180,10 @@ def default_warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-#: the ``num_warps`` of the default layout (the row as :func:`pieces`): fastest of 4/8/16/32 on the H200
-#: at both Wan widths (bench/quant_kernels.py, 2026-12-05: 1.3B 0.463 / 0.474 / 0.561 / 0.736 ms,
-#: 14B 0.730 / 0.761 / 0.884 / 0.944 ms; the padded layout at 16 warps 0.759 / 0.759 ms)
+#: the ``num_warps`` of the default layout (the row as :func:`pieces`): the fastest of 2/4/8/16/32 on the
+#: H200 at both Wan widths (bench/quant_kernels.py, two runs on 2026-12-05: 1.3B 0.724 / 0.435–0.463 /
+#: 0.472–0.474 / 0.561–0.622 / 0.736 ms, the padded layout at 16 warps 0.733–0.759; 14B 1.128 /
+#: 0.730–0.761 / 0.761–0.797 / 0.838–0.884 / 0.944 ms, padded 0.728–0.759 — within the runs' spread)
 PIECES_WARPS = 4
 
 
