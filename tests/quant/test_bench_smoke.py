@@ -132,6 +132,11 @@ def test_quant_kernels_bench_smoke(tmp_path):
     (path,) = tmp_path.glob("quant_kernels-smoke-*.json")
     rec = json.loads(path.read_text())
     assert rec["command"].startswith("python bench/quant_kernels.py --smoke")
+    assert [(r["shape"], r.get("site")) for r in rec["results"]] == [
+        ("smoke", None), ("smoke-norm", "norm1"), ("smoke-norm", "norm2"), ("smoke-norm", "norm3")]
+    for norm in rec["results"][1:]:  # the residual + LayerNorm + modulation + e4m3 kernel at Wan's sites
+        kern = {r["side"]: r for r in norm["sides"]}["kernel w4 (default)"]
+        assert "error" not in kern and kern["vs_reference"]["equal_e4m3_share"] > 0.8
     sides = {r["side"]: r for r in rec["results"][0]["sides"]}
     assert set(sides) == {"torch-eager", "kernel w4 (default)", "kernel pow2 w4 (first form)", "kernel c256 w4"}
     for side in sides.values():
