@@ -1,0 +1,134 @@
+"""Probe where wan-demo-fast's remaining ghosts come from: the student's latents or the decoder (CPU; issue 41).
+
+The fast student's clips are clean ("no ghost") in ~95 % of cases on the GPU protocol, the issue asks
+96 %; most of what is left are not duplicate objects but *specks* and short trails: 8-20 pixel regions
+apart from the object in one to three frames. This script separates the two halves of the pipeline:
+the student's latents are drawn once (the GPU evaluator's math, ``distill.FewStepGenerator``) and
+kept, and every decoder variant decodes the same latents, so a change in the ghost figures is the
+decoder's alone.
+
+    # draw the latents (96 prompts x seeds, the shipped fast adapter merged into v2), ~1 min per seed on 2 cores
+    OMP_NUM_THREADS=2 python demos/wan-demo/scripts/speck_probe.py latents --seeds 0,1 --out /tmp/speck/lat.pt
+
+    # decode them with the shipped decoder (and, optionally, others) and score; variants:
+    #   shipped            the decoder as shipped
+    #   reencode           decode -> encode (mode) -> decode: the clip pulled back onto the encoder's latents
+    #   vae:PATH           another vae/ folder (e.g. a decoder fine-tune's)
+    OMP_NUM_THREADS=2 python demos/wan-demo/scripts/speck_probe.py score /tmp/speck/lat.pt --variants shipped,reencode
+
+Prints one JSON line per variant: colour / direction / shape / no-ghost shares, duplicates (a ghost
+in >= 8 of 17 frames), and per ghost clip its ghost frames; ``--json`` writes them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _load(dev: str = "cpu"):
+    from safetensors.torch import load_file
+
+    from omniloop_wan_demo.checkpoint_path import fast_lora_path
+    from omniloop_wan_demo_training.dmd_fast import load_v2, merge_lora
+
+    v2 = load_v2(dev)
+    merge_lora(v2["transformer"], load_file(str(fast_lora_path())))
+    return v2
+
+
+def draw_latents(seeds: list[int], out: Path) -> None:
+    from omniloop_wan_demo.evaluate import full_prompts
+    from omniloop_wan_demo_training.distill import FAST_TIMESTEPS, FewStepGenerator, _embed
+
+    v2 = _load()
+    prompts = full_prompts()
+    gen = FewStepGenerator(v2["transformer"], v2["text_encoder"], v2["tokenizer"], v2["vae"], device="cpu")
+    lat, ps, ss = [], [], []
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for s in seeds:  # one batch per seed, as the GPU evaluator batches (the re-noise generator is the batch's first seed + 1)
+            emb = _embed(gen.te, gen.tok, prompts, "cpu")
+            x = torch.cat([torch.randn((1, 16, 5, 16, 16), generator=torch.Generator().manual_seed(s)) for _ in prompts])
+            g = torch.Generator().manual_seed(s + 1)
+            for j, (t, sig) in enumerate(zip(gen.timesteps, gen.sigmas, strict=True)):
+                v = gen.tr(hidden_states=x, timestep=torch.full((len(prompts),), float(t)), encoder_hidden_states=emb,
+                           return_dict=False)[0].float()
+                x0 = x - sig * v
+                x = (1 - gen.sigmas[j + 1]) * x0 + gen.sigmas[j + 1] * torch.randn(x0.shape, generator=g) \
+                    if j + 1 < len(gen.timesteps) else x0
+            lat.append(x)
+            ps += prompts
+            ss += [s] * len(prompts)
+            print(f"seed {s}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"latents": torch.cat(lat), "prompts": ps, "seeds": ss, "timesteps": list(FAST_TIMESTEPS)}, out)
+
+
+def decode(vae, lat: torch.Tensor, *, reencode: bool = False, batch: int = 48) -> list[np.ndarray]:
+    from omniloop_wan_demo_training.distill import _stats
+    from omniloop_wan_demo_training.render import to_uint8_frames
+
+    mean, std = _stats(vae, "cpu")
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(lat), batch):
+            z = lat[i : i + batch] * std + mean
+            video = vae.decode(z).sample.float().clamp(-1, 1)
+            if reencode:
+                video = vae.decode(vae.encode(video).latent_dist.mode()).sample.float().clamp(-1, 1)
+            out.extend(to_uint8_frames((v + 1) / 2) for v in video)
+    return out
+
+
+def score(videos, prompts, seeds) -> dict:
+    from omniloop_wan_demo.evaluate import score as score_clips
+
+    acc, clips = score_clips(videos, prompts, seeds)
+    ghost = [{"p": c.prompt, "s": c.seed, "g": c.detected["ghost_frames"], "size": c.detected["ghost_size"]}
+             for c in clips if c.detected["ghost_frames"]]
+    return {"n": len(clips), "accuracy": {k: round(v, 4) for k, v in acc.items()},
+            "duplicates": sum(g["g"] >= 8 for g in ghost), "ghost_clips": ghost}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a1 = sub.add_parser("latents")
+    a1.add_argument("--seeds", default="0,1")
+    a1.add_argument("--out", type=Path, required=True)
+    a2 = sub.add_parser("score")
+    a2.add_argument("latents", type=Path)
+    a2.add_argument("--variants", default="shipped")
+    a2.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    if a.cmd == "latents":
+        draw_latents([int(s) for s in a.seeds.split(",")], a.out)
+        return 0
+    from diffusers import AutoencoderKLWan
+
+    from omniloop_wan_demo.checkpoint_path import checkpoint_dir
+
+    d = torch.load(a.latents)
+    res = {}
+    for var in a.variants.split(","):
+        path = var.removeprefix("vae:") if var.startswith("vae:") else str(checkpoint_dir() / "vae")
+        vae = AutoencoderKLWan.from_pretrained(path, torch_dtype=torch.float32).eval()
+        t0 = time.perf_counter()
+        r = score(decode(vae, d["latents"], reencode=var == "reencode"), d["prompts"], d["seeds"])
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        res[var] = r
+        print(json.dumps({"variant": var, **{k: v for k, v in r.items() if k != "ghost_clips"}}), flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""training/decoder_specks.py: the speck targets (a speck replaced by the static background of the
+nearest free frame; duplicates and clean clips left out) and one CPU run of the fine-tune on a tiny
+random VAE (the decoder trains, the encoder does not move, the result loads)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from omniloop_wan_demo.evaluate import detect
+from omniloop_wan_demo_training import decoder_specks
+from omniloop_wan_demo_training.common import VAE_CONFIG, build_vae
+
+torch.set_num_threads(2)
+
+
+def _clip(*, speck_frames=(), duplicate=False):
+    """17 frames of a red 10x10 square moving right over a textured static grey background; a green
+    4x4 speck 20 px above the square in ``speck_frames``; a second square throughout if ``duplicate``."""
+    rng = np.random.default_rng(0)
+    bg = 0.45 + 0.03 * rng.standard_normal((64, 64, 1)).repeat(3, -1)
+    v = np.repeat(bg[None], 17, 0)
+    for t in range(17):
+        x = 8 + 2 * t
+        v[t, 30:40, x : x + 10] = (0.9, 0.15, 0.12)
+        if duplicate:
+            v[t, 5:15, x : x + 10] = (0.9, 0.15, 0.12)
+        if t in speck_frames:
+            v[t, 10:14, x : x + 4] = (0.25, 0.75, 0.4)
+    return (v.clip(0, 1) * 255).round().astype(np.uint8), bg
+
+
+def test_speck_target_puts_back_the_static_background():
+    clip, bg = _clip(speck_frames=(16,))
+    assert detect(clip).ghost_frames == 1
+    target, mask = decoder_specks.speck_target(clip)
+    assert mask[16].sum() >= 16 and mask[:16].sum() == 0          # the speck (dilated) in frame 16 only
+    assert detect((target * 255).round().astype(np.uint8)).ghost_frames == 0
+    ys, xs = np.nonzero(mask[16])
+    # the speck's pixels are the background's (taken from an earlier frame where they are free)
+    np.testing.assert_allclose(target[16, ys, xs], np.round(bg[ys, xs].clip(0, 1) * 255) / 255, atol=1e-6)
+    keep = ~mask
+    np.testing.assert_array_equal(target[keep], (clip[keep] / 255.0).astype(target.dtype))  # nothing else changes
+
+
+def test_speck_target_leaves_out_clean_clips_and_duplicates():
+    assert decoder_specks.speck_target(_clip()[0]) is None
+    assert decoder_specks.speck_target(_clip(duplicate=True)[0]) is None
+
+
+def test_main_trains_the_decoder_only(tmp_path):
+    torch.manual_seed(0)
+    vae = build_vae({**VAE_CONFIG, "base_dim": 4})
+    (tmp_path / "v").mkdir()
+    vae.save_pretrained(str(tmp_path / "v" / "vae"))
+    before = {k: v.clone() for k, v in vae.state_dict().items()}
+    lat = torch.randn(4, 16, 5, 16, 16)
+    torch.save({"latents": lat}, tmp_path / "lat.pt")
+    # a random decoder's clips: make sure at least one is a speck clip by patching the target builder
+    real = decoder_specks.speck_target
+    calls = []
+
+    def fake(video):
+        calls.append(1)
+        if len(calls) == 1:
+            mask = np.zeros(video.shape[:3], dtype=bool)
+            mask[3, :4, :4] = True
+            return video / 255.0, mask
+        return None
+
+    decoder_specks.speck_target = fake
+    try:
+        rc = decoder_specks.main(["--latents", str(tmp_path / "lat.pt"), "--out", str(tmp_path / "out"),
+                                  "--vae-from", str(tmp_path / "v" / "vae"), "--max-steps", "2", "--batch", "1",
+                                  "--lr", "0.05", "--recon-check", "0"])
+    finally:
+        decoder_specks.speck_target = real
+    assert rc == 0
+    info = json.loads((tmp_path / "out" / "decoder_specks.json").read_text())
+    assert info["steps"] == 2 and info["speck_clips"] == 1 and info["other_clips"] == 3
+    from diffusers import AutoencoderKLWan
+
+    after = AutoencoderKLWan.from_pretrained(str(tmp_path / "out" / "vae"), torch_dtype=torch.float32).state_dict()
+    moved = {k for k in before if not torch.equal(before[k].half().float(), after[k])}
+    assert moved and all(not k.startswith(("encoder.", "quant_conv.")) for k in moved)
+    assert any(k.startswith("decoder.") for k in moved)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--seconds", "nan"], "--seconds"),
+    (["--lr", "0"], "--lr"),
+    (["--batch", "0"], "--batch"),
+])
+def test_bad_arguments_are_refused(tmp_path, capsys, argv, msg):
+    (tmp_path / "lat.pt").write_bytes(b"")
+    with pytest.raises(SystemExit):
+        decoder_specks.main(["--latents", str(tmp_path / "lat.pt"), "--out", str(tmp_path / "o"), *argv])
+    assert msg in capsys.readouterr().err
