@@ -89,17 +89,17 @@ def _to_tensor(frames: np.ndarray) -> torch.Tensor:
 
 
 @torch.no_grad()
-def build_examples(vae, latents: torch.Tensor, *, batch: int = 48) -> dict[str, Any]:
+def build_examples(vae, latents: torch.Tensor, *, batch: int = 48, device: str = "cpu") -> dict[str, Any]:
     """Decode ``latents`` (normalised, as the samplers leave them) with ``vae``; split them into speck
     clips (with :func:`speck_target`'s target and mask) and the rest (target = this decode)."""
     from .distill import _stats
     from .render import to_uint8_frames
 
-    mean, std = _stats(vae, "cpu")
+    mean, std = _stats(vae, device)
     sp_z, sp_x, sp_m, ok_z, ok_x = [], [], [], [], []
     for i in range(0, len(latents), batch):
         z = latents[i : i + batch]
-        xr = vae.decode(z * std + mean).sample.float().clamp(-1, 1)
+        xr = vae.decode(z.to(device) * std + mean).sample.float().clamp(-1, 1).cpu()
         for j in range(len(z)):
             u8 = to_uint8_frames((xr[j] + 1) / 2)
             got = speck_target(u8)
@@ -115,7 +115,7 @@ def build_examples(vae, latents: torch.Tensor, *, batch: int = 48) -> dict[str, 
 
 
 def finetune(vae, ex: dict[str, Any], *, seconds: float, batch: int, lr: float, speck_weight: float, trail_weight: float,
-             seed: int = 0, max_steps: int | None = None, log_every: int = 10) -> dict[str, Any]:
+             seed: int = 0, max_steps: int | None = None, log_every: int = 10, device: str = "cpu") -> dict[str, Any]:
     """Train ``vae``'s decoder on :func:`build_examples`' clips and rendered ones (``batch`` of each
     kind per step) for ``seconds`` or ``max_steps``; returns the log. The rendered clips' loss is
     ``vae_decoder``'s (object / outline / frame-0 / trail weights); the speck clips' is MSE weighted
@@ -129,8 +129,10 @@ def finetune(vae, ex: dict[str, Any], *, seconds: float, batch: int, lr: float, 
         p.requires_grad_(not name.startswith(ENCODER_PREFIXES))
     params = [p for p in vae.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=1e-4)
-    mean, std = _stats(vae, "cpu")
+    mean, std = _stats(vae, device)
     g = torch.Generator().manual_seed(seed)
+    gd = torch.Generator(device).manual_seed(seed + 1)
+    ex = {k: v.to(device) for k, v in ex.items()}
     n_sp, n_ok = len(ex["speck_z"]), len(ex["ok_z"])
     if n_sp == 0:
         raise SystemExit("decoder_specks: no speck clip among the latents (nothing to learn)")
@@ -138,18 +140,18 @@ def finetune(vae, ex: dict[str, Any], *, seconds: float, batch: int, lr: float, 
     t0, step = time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds and (max_steps is None or step < max_steps):
         vae.train()
-        i = torch.randint(0, n_sp, (batch,), generator=g)
-        j = torch.randint(0, n_ok, (batch,), generator=g)
+        i = torch.randint(0, n_sp, (batch,), generator=g).to(device)
+        j = torch.randint(0, n_ok, (batch,), generator=g).to(device)
         z = torch.cat([ex["speck_z"][i], ex["ok_z"][j]]) * std + mean
         out = vae.decode(z).sample.float()
         w_sp = 1 + speck_weight * ex["speck_m"][i]
         l_sp = (((out[:batch] - ex["speck_x"][i]) ** 2) * w_sp).mean() / w_sp.mean()
         l_ok = ((out[batch:] - ex["ok_x"][j]) ** 2).mean()
         p = sample_params(batch, (seed + 31) * 1_000_003 + step)
-        x, cov = render(p, return_mask=True)
+        x, cov = render(p, device=device, return_mask=True)
         x = x * 2 - 1
         with torch.no_grad():
-            zr = vae.encode(x).latent_dist.sample(generator=g)
+            zr = vae.encode(x).latent_dist.sample(generator=gd)
         w = loss_weights(cov, object_weight=20.0, edge_weight=30.0, frame0_weight=3.0, trail_weight=trail_weight)
         l_gt = (((vae.decode(zr).sample.float() - x) ** 2) * w).mean() / w.mean()
         loss = l_sp + l_ok + l_gt
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speck-weight", type=float, default=30.0)
     ap.add_argument("--trail-weight", type=float, default=60.0, help="the rendered clips' trail weight (the shipped decoder's)")
     ap.add_argument("--recon-check", type=int, default=128, help="held-out rendered clips checked before and after (0: none)")
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     for k in ("seconds", "lr", "speck_weight", "trail_weight"):
         v = getattr(a, k)
@@ -197,23 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     from .v2 import recon_report
 
     src = a.vae_from or checkpoint_dir() / "vae"
-    vae = AutoencoderKLWan.from_pretrained(str(src), torch_dtype=torch.float32).eval()
+    vae = AutoencoderKLWan.from_pretrained(str(src), torch_dtype=torch.float32).to(a.device).eval()
     lat = torch.load(a.latents)["latents"]
-    ex = build_examples(vae, lat)
+    ex = build_examples(vae, lat, device=a.device)
     info: dict[str, Any] = {"from": str(src), "latents": str(a.latents), "speck_clips": len(ex["speck_z"]),
                             "other_clips": len(ex["ok_z"]), "args": {k: str(v) for k, v in vars(a).items()}}
     print("decoder-specks examples", json.dumps({k: info[k] for k in ("speck_clips", "other_clips")}), flush=True)
     if a.recon_check:
-        info["recon_before"] = recon_report(vae, n=a.recon_check, device="cpu")
+        info["recon_before"] = recon_report(vae, n=a.recon_check, device=a.device)
         print("decoder-specks recon before", json.dumps(info["recon_before"]), flush=True)
     info.update(finetune(vae, ex, seconds=a.seconds, batch=a.batch, lr=a.lr, speck_weight=a.speck_weight,
-                         trail_weight=a.trail_weight, max_steps=a.max_steps))
+                         trail_weight=a.trail_weight, max_steps=a.max_steps, device=a.device))
     vae = vae.half().float().eval()
     if a.recon_check:
-        info["recon_after"] = recon_report(vae, n=a.recon_check, device="cpu")
+        info["recon_after"] = recon_report(vae, n=a.recon_check, device=a.device)
         print("decoder-specks recon after", json.dumps(info["recon_after"]), flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    vae.half().save_pretrained(str(a.out / "vae"))
+    vae.cpu().half().save_pretrained(str(a.out / "vae"))
     (a.out / "decoder_specks.json").write_text(json.dumps(info, indent=1))
     return 0
 

@@ -63,7 +63,7 @@ def _log(*args: Any) -> None:
     print(time.strftime("%H:%M:%S"), *args, flush=True)
 
 
-def load_v2(dev: str, smoke: bool = False) -> dict[str, Any]:
+def load_v2(dev: str, smoke: bool = False, vae_from: str | Path | None = None) -> dict[str, Any]:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
@@ -82,7 +82,7 @@ def load_v2(dev: str, smoke: bool = False) -> dict[str, Any]:
         "dir": ck,
         "transformer": tr.to(dev).eval(),
         "text_encoder": UMT5EncoderModel.from_pretrained(str(ck / "text_encoder"), torch_dtype=torch.float32).to(dev).eval(),
-        "vae": AutoencoderKLWan.from_pretrained(str(ck / "vae"), torch_dtype=torch.float32).to(dev).eval(),
+        "vae": AutoencoderKLWan.from_pretrained(str(vae_from or ck / "vae"), torch_dtype=torch.float32).to(dev).eval(),
         "tokenizer": load_tokenizer(ck / "tokenizer"),
     }
 
@@ -329,6 +329,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timesteps", default="1000,750,500,250")
     ap.add_argument("--eval-seeds", default="0-31")
     ap.add_argument("--v2-steps", type=int, default=20)
+    ap.add_argument("--vae-from", metavar="DIR",
+                    help="decode every evaluated clip with this vae/ folder instead of the shipped one (e.g. a "
+                         "decoder_specks fine-tune; the encoder must be the shipped one, training never decodes)")
     ap.add_argument("--smoke", action="store_true", help="tiny transformer, a few iterations, 2 clips (CPU check)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -373,6 +376,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
             a.lora_from = str(fast_lora_path())
             a.rank = lora_file_rank(fast_lora_path())
+    if a.vae_from and not (Path(a.vae_from) / "config.json").is_file():
+        ap.error(f"--vae-from: {a.vae_from} is not a vae/ folder (no config.json)")
     if a.smoke:
         a.batch, a.seconds, a.seed_list, a.v2_steps = 2, 1e9, [0], 2
         a.pick_seed_list = a.pick_seed_list[:1]
@@ -397,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     def dump() -> None:
         (out / "result.json").write_text(json.dumps(res, indent=1, default=str))
 
-    v2 = load_v2(dev, smoke=a.smoke)
+    v2 = load_v2(dev, smoke=a.smoke, vae_from=a.vae_from)
     eval_prompts = full_prompts()[:2] if a.smoke else full_prompts()
     if a.eval_only == "v2":
         res["eval"] = eval_v2(v2, prompts=eval_prompts, seeds=a.seed_list, steps=a.v2_steps, dev=dev)

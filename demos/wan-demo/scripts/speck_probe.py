@@ -43,27 +43,27 @@ def _load(dev: str = "cpu"):
     return v2
 
 
-def draw_latents(seeds: list[int], out: Path) -> None:
+def draw_latents(seeds: list[int], out: Path, device: str = "cpu") -> None:
     from omniloop_wan_demo.evaluate import full_prompts
     from omniloop_wan_demo_training.distill import FAST_TIMESTEPS, FewStepGenerator, _embed
 
-    v2 = _load()
+    v2 = _load(device)
     prompts = full_prompts()
-    gen = FewStepGenerator(v2["transformer"], v2["text_encoder"], v2["tokenizer"], v2["vae"], device="cpu")
+    gen = FewStepGenerator(v2["transformer"], v2["text_encoder"], v2["tokenizer"], v2["vae"], device=device)
     lat, ps, ss = [], [], []
     t0 = time.perf_counter()
     with torch.no_grad():
         for s in seeds:  # one batch per seed, as the GPU evaluator batches (the re-noise generator is the batch's first seed + 1)
-            emb = _embed(gen.te, gen.tok, prompts, "cpu")
-            x = torch.cat([torch.randn((1, 16, 5, 16, 16), generator=torch.Generator().manual_seed(s)) for _ in prompts])
-            g = torch.Generator().manual_seed(s + 1)
+            emb = _embed(gen.te, gen.tok, prompts, device)
+            x = torch.cat([torch.randn((1, 16, 5, 16, 16), generator=torch.Generator().manual_seed(s)) for _ in prompts]).to(device)
+            g = torch.Generator(device).manual_seed(s + 1)
             for j, (t, sig) in enumerate(zip(gen.timesteps, gen.sigmas, strict=True)):
-                v = gen.tr(hidden_states=x, timestep=torch.full((len(prompts),), float(t)), encoder_hidden_states=emb,
+                v = gen.tr(hidden_states=x, timestep=torch.full((len(prompts),), float(t), device=device), encoder_hidden_states=emb,
                            return_dict=False)[0].float()
                 x0 = x - sig * v
-                x = (1 - gen.sigmas[j + 1]) * x0 + gen.sigmas[j + 1] * torch.randn(x0.shape, generator=g) \
+                x = (1 - gen.sigmas[j + 1]) * x0 + gen.sigmas[j + 1] * torch.randn(x0.shape, device=device, generator=g) \
                     if j + 1 < len(gen.timesteps) else x0
-            lat.append(x)
+            lat.append(x.cpu())
             ps += prompts
             ss += [s] * len(prompts)
             print(f"seed {s}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
@@ -71,15 +71,15 @@ def draw_latents(seeds: list[int], out: Path) -> None:
     torch.save({"latents": torch.cat(lat), "prompts": ps, "seeds": ss, "timesteps": list(FAST_TIMESTEPS)}, out)
 
 
-def decode(vae, lat: torch.Tensor, *, reencode: bool = False, batch: int = 48) -> list[np.ndarray]:
+def decode(vae, lat: torch.Tensor, *, reencode: bool = False, batch: int = 48, device: str = "cpu") -> list[np.ndarray]:
     from omniloop_wan_demo_training.distill import _stats
     from omniloop_wan_demo_training.render import to_uint8_frames
 
-    mean, std = _stats(vae, "cpu")
+    mean, std = _stats(vae, device)
     out = []
     with torch.no_grad():
         for i in range(0, len(lat), batch):
-            z = lat[i : i + batch] * std + mean
+            z = lat[i : i + batch].to(device) * std + mean
             video = vae.decode(z).sample.float().clamp(-1, 1)
             if reencode:
                 video = vae.decode(vae.encode(video).latent_dist.mode()).sample.float().clamp(-1, 1)
@@ -103,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     a1 = sub.add_parser("latents")
     a1.add_argument("--seeds", default="0,1")
     a1.add_argument("--out", type=Path, required=True)
+    a1.add_argument("--device", default="cpu")
     a2 = sub.add_parser("score")
     a2.add_argument("latents", type=Path)
     a2.add_argument("--variants", default="shipped")
     a2.add_argument("--json", type=Path)
+    a2.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     if a.cmd == "latents":
-        draw_latents([int(s) for s in a.seeds.split(",")], a.out)
+        draw_latents([int(s) for s in a.seeds.split(",")], a.out, a.device)
         return 0
     from diffusers import AutoencoderKLWan
 
@@ -119,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     res = {}
     for var in a.variants.split(","):
         path = var.removeprefix("vae:") if var.startswith("vae:") else str(checkpoint_dir() / "vae")
-        vae = AutoencoderKLWan.from_pretrained(path, torch_dtype=torch.float32).eval()
+        vae = AutoencoderKLWan.from_pretrained(path, torch_dtype=torch.float32).to(a.device).eval()
         t0 = time.perf_counter()
-        r = score(decode(vae, d["latents"], reencode=var == "reencode"), d["prompts"], d["seeds"])
+        r = score(decode(vae, d["latents"], reencode=var == "reencode", device=a.device), d["prompts"], d["seeds"])
         r["seconds"] = round(time.perf_counter() - t0, 1)
         res[var] = r
         print(json.dumps({"variant": var, **{k: v for k, v in r.items() if k != "ghost_clips"}}), flush=True)

@@ -97,3 +97,13 @@ def test_bad_arguments_are_refused(tmp_path, capsys, argv, msg):
     with pytest.raises(SystemExit):
         decoder_specks.main(["--latents", str(tmp_path / "lat.pt"), "--out", str(tmp_path / "o"), *argv])
     assert msg in capsys.readouterr().err
+
+
+def test_dmd_fast_vae_from_must_be_a_vae_folder(tmp_path, capsys):
+    from omniloop_wan_demo_training import dmd_fast
+
+    with pytest.raises(SystemExit):
+        dmd_fast.parse_args(["--out", str(tmp_path / "o"), "--eval-only", "v2", "--vae-from", str(tmp_path)])
+    assert "--vae-from" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert dmd_fast.parse_args(["--out", str(tmp_path / "o"), "--eval-only", "v2", "--vae-from", str(tmp_path)]).vae_from

@@ -1,5 +1,5 @@
 """The GPU session scripts of issue 41 (``demos/wan-demo/scripts/gpu_causal_dmd.sh``,
-``gpu_dmd.sh``, ``gpu_fast_scales.sh``): they cannot run here (no GPU, no carried wheels), so what can drift is checked —
+``gpu_dmd.sh``, ``gpu_fast_scales.sh``, ``gpu_decoder_specks.sh``): they cannot run here (no GPU, no carried wheels), so what can drift is checked —
 bash parses them, every ``--option`` they pass to a training module is one that module's parser
 knows, the files they start from are in the package, and each packs its results into one tar."""
 
@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[3]
 SCRIPTS = REPO / "demos" / "wan-demo" / "scripts"
 MODULES = {"gpu_causal_dmd.sh": "omniloop_wan_demo_training.train_causal_dmd",
            "gpu_dmd.sh": "omniloop_wan_demo_training.dmd_fast",
-           "gpu_fast_scales.sh": "omniloop_wan_demo_training.dmd_fast"}
+           "gpu_fast_scales.sh": "omniloop_wan_demo_training.dmd_fast",
+           "gpu_decoder_specks.sh": "omniloop_wan_demo_training.decoder_specks"}
 
 
 def _module_options(module: str) -> set[str]:
@@ -54,3 +55,16 @@ def test_the_scripts_start_from_files_the_package_has():
     for script, var in (("gpu_causal_dmd.sh", "FROM"), ("gpu_dmd.sh", "LORA_FROM"), ("gpu_fast_scales.sh", "LORA")):
         (default,) = re.findall(rf"^{var}=\${{2:-([^}}]+)}}", (SCRIPTS / script).read_text(), re.M)
         assert (REPO / default).exists(), (script, default)
+
+
+def test_the_decoder_script_evaluates_with_its_decoder_and_packs_one_tar():
+    text = (SCRIPTS / "gpu_decoder_specks.sh").read_text()
+    joined = text.replace("\\\n", " ")
+    (ev,) = [ln for ln in joined.splitlines() if "-m omniloop_wan_demo_training.dmd_fast" in ln and not ln.lstrip().startswith("#")]
+    used = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", ev.split(" | ")[0].split("2>&1")[0]))
+    assert "--vae-from" in used and used <= _module_options("omniloop_wan_demo_training.dmd_fast")
+    (probe,) = [ln for ln in joined.splitlines() if "speck_probe.py latents" in ln and not ln.lstrip().startswith("#")]
+    probe_opts = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', (SCRIPTS / "speck_probe.py").read_text()))
+    assert set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", probe.split("2>&1")[0])) <= probe_opts
+    assert re.findall(r'\$OUT/[\w.-]+', text.replace('"$OUT"', "")) == ["$OUT/decoder-specks.tar"] * text.count("$OUT/decoder-specks.tar")
+    assert "To ship it" in text
