@@ -226,13 +226,12 @@ class FewStepGenerator:
         self.sigmas = fast_sigmas(self.timesteps)
 
     @torch.no_grad()
-    def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
-        from .render import to_uint8_frames
-
+    def latents(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int) -> torch.Tensor:
+        """The sampled latents, normalised as the DiT sees them (``[N, 16, 5, 16, 16]`` on the device),
+        batch by batch of ``batch_size`` (a batch's re-noising generator is seeded by its first seed + 1)."""
         if steps != len(self.timesteps):
             raise ValueError(f"the few-step schedule has {len(self.timesteps)} steps, {steps} asked")
-        mean, std = _stats(self.vae, self.device)
-        out: list[np.ndarray] = []
+        out: list[torch.Tensor] = []
         for i in range(0, len(prompts), self.batch_size):
             ps, ss = list(prompts[i : i + self.batch_size]), list(seeds[i : i + self.batch_size])
             emb = _embed(self.te, self.tok, ps, self.device)
@@ -247,6 +246,17 @@ class FewStepGenerator:
                     x = (1 - sn) * x0 + sn * torch.randn(x0.shape, device=self.device, generator=gen)
                 else:
                     x = x0
-            video = self.vae.decode((x * std + mean).to(self.vae.dtype)).sample.float().clamp(-1, 1)
+            out.append(x)
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
+        from .render import to_uint8_frames
+
+        lat = self.latents(prompts, seeds, steps=steps)
+        mean, std = _stats(self.vae, self.device)
+        out: list[np.ndarray] = []
+        for i in range(0, len(lat), self.batch_size):
+            video = self.vae.decode((lat[i : i + self.batch_size] * std + mean).to(self.vae.dtype)).sample.float().clamp(-1, 1)
             out.extend(to_uint8_frames((v + 1) / 2) for v in video)
         return out

@@ -48,15 +48,14 @@ class FlowEulerGenerator:
         self.batch_size, self.latent_shape = batch_size, tuple(latent_shape)
 
     @torch.no_grad()
-    def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
-        from .distill import _embed, _stats
-        from .render import to_uint8_frames
+    def latents(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> torch.Tensor:
+        """The sampled latents, normalised as the DiT sees them (``[N, *latent_shape[1:]]`` on the device)."""
+        from .distill import _embed
 
         timesteps, sigmas = euler_schedule(steps, self.shift)
-        mean, std = _stats(self.vae, self.device)
         cfg = guidance_scale > 1.0
         emb_u = _embed(self.te, self.tok, [""], self.device) if cfg else None
-        out: list[np.ndarray] = []
+        out: list[torch.Tensor] = []
         for i in range(0, len(prompts), self.batch_size):
             ps, ss = list(prompts[i : i + self.batch_size]), list(seeds[i : i + self.batch_size])
             gens = [torch.Generator("cpu").manual_seed(int(s)) for s in ss]
@@ -81,6 +80,18 @@ class FlowEulerGenerator:
                     x = (1.0 - sn) * x0 + sn * draw()
                 else:
                     x = x + (sn - s) * v
-            video = self.vae.decode((x * std + mean).to(self.vae.dtype)).sample.float().clamp(-1, 1)
+            out.append(x)
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str], seeds: Sequence[int], *, steps: int, guidance_scale: float) -> list[np.ndarray]:
+        from .distill import _stats
+        from .render import to_uint8_frames
+
+        lat = self.latents(prompts, seeds, steps=steps, guidance_scale=guidance_scale)
+        mean, std = _stats(self.vae, self.device)
+        out: list[np.ndarray] = []
+        for i in range(0, len(lat), self.batch_size):
+            video = self.vae.decode((lat[i : i + self.batch_size] * std + mean).to(self.vae.dtype)).sample.float().clamp(-1, 1)
             out.extend(to_uint8_frames((v + 1) / 2) for v in video)
         return out

@@ -7,7 +7,8 @@ the student's latents are drawn once (the GPU evaluator's math, ``distill.FewSte
 kept, and every decoder variant decodes the same latents, so a change in the ghost figures is the
 decoder's alone.
 
-    # draw the latents (96 prompts x seeds, the shipped fast adapter merged into v2), ~1 min per seed on 2 cores
+    # draw the latents (96 prompts x seeds, the shipped fast adapter merged into v2), ~17 s per seed on 2 cores;
+    # --model v2: wan-demo at its defaults (20 steps, CFG 2) instead
     OMP_NUM_THREADS=2 python demos/wan-demo/scripts/speck_probe.py latents --seeds 0,1 --out /tmp/speck/lat.pt
 
     # decode them with the shipped decoder (and, optionally, others) and score; variants:
@@ -43,32 +44,36 @@ def _load(dev: str = "cpu"):
     return v2
 
 
-def draw_latents(seeds: list[int], out: Path, device: str = "cpu") -> None:
+def draw_latents(seeds: list[int], out: Path, device: str = "cpu", model: str = "fast") -> None:
+    """``model`` fast: the shipped student (v2 + the fast adapter merged), the few-step sampler, one
+    batch per seed as the GPU evaluator batches; v2: wan-demo at its defaults (stochastic flow Euler,
+    20 steps, guidance 2, shift 5: ``common.V2_SAMPLING``)."""
     from omniloop_wan_demo.evaluate import full_prompts
-    from omniloop_wan_demo_training.distill import FAST_TIMESTEPS, FewStepGenerator, _embed
+    from omniloop_wan_demo_training.common import V2_SAMPLING
+    from omniloop_wan_demo_training.distill import FAST_TIMESTEPS, FewStepGenerator
+    from omniloop_wan_demo_training.dmd_fast import load_v2
+    from omniloop_wan_demo_training.sampling import FlowEulerGenerator
 
-    v2 = _load(device)
+    v2 = _load(device) if model == "fast" else load_v2(device)
+    if model == "fast":
+        gen = FewStepGenerator(v2["transformer"], v2["text_encoder"], v2["tokenizer"], v2["vae"], device=device)
+        sample = lambda ps, ss: gen.latents(ps, ss, steps=len(FAST_TIMESTEPS))  # noqa: E731
+    else:
+        class Pipe:  # what FlowEulerGenerator reads
+            transformer, text_encoder, vae = v2["transformer"], v2["text_encoder"], v2["vae"]
+
+        gen = FlowEulerGenerator(Pipe, v2["tokenizer"], device=device, shift=float(V2_SAMPLING["shift"]), stochastic=True)
+        sample = lambda ps, ss: gen.latents(ps, ss, steps=20, guidance_scale=float(V2_SAMPLING["guidance_scale"]))  # noqa: E731
     prompts = full_prompts()
-    gen = FewStepGenerator(v2["transformer"], v2["text_encoder"], v2["tokenizer"], v2["vae"], device=device)
     lat, ps, ss = [], [], []
     t0 = time.perf_counter()
-    with torch.no_grad():
-        for s in seeds:  # one batch per seed, as the GPU evaluator batches (the re-noise generator is the batch's first seed + 1)
-            emb = _embed(gen.te, gen.tok, prompts, device)
-            x = torch.cat([torch.randn((1, 16, 5, 16, 16), generator=torch.Generator().manual_seed(s)) for _ in prompts]).to(device)
-            g = torch.Generator(device).manual_seed(s + 1)
-            for j, (t, sig) in enumerate(zip(gen.timesteps, gen.sigmas, strict=True)):
-                v = gen.tr(hidden_states=x, timestep=torch.full((len(prompts),), float(t), device=device), encoder_hidden_states=emb,
-                           return_dict=False)[0].float()
-                x0 = x - sig * v
-                x = (1 - gen.sigmas[j + 1]) * x0 + gen.sigmas[j + 1] * torch.randn(x0.shape, device=device, generator=g) \
-                    if j + 1 < len(gen.timesteps) else x0
-            lat.append(x.cpu())
-            ps += prompts
-            ss += [s] * len(prompts)
-            print(f"seed {s}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    for s in seeds:
+        lat.append(sample(prompts, [s] * len(prompts)).cpu())
+        ps += prompts
+        ss += [s] * len(prompts)
+        print(f"seed {s}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"latents": torch.cat(lat), "prompts": ps, "seeds": ss, "timesteps": list(FAST_TIMESTEPS)}, out)
+    torch.save({"latents": torch.cat(lat), "prompts": ps, "seeds": ss, "model": model}, out)
 
 
 def decode(vae, lat: torch.Tensor, *, reencode: bool = False, batch: int = 48, device: str = "cpu") -> list[np.ndarray]:
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     a1.add_argument("--seeds", default="0,1")
     a1.add_argument("--out", type=Path, required=True)
     a1.add_argument("--device", default="cpu")
+    a1.add_argument("--model", choices=["fast", "v2"], default="fast")
     a2 = sub.add_parser("score")
     a2.add_argument("latents", type=Path)
     a2.add_argument("--variants", default="shipped")
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     a2.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     if a.cmd == "latents":
-        draw_latents([int(s) for s in a.seeds.split(",")], a.out, a.device)
+        draw_latents([int(s) for s in a.seeds.split(",")], a.out, a.device, a.model)
         return 0
     from diffusers import AutoencoderKLWan
 
