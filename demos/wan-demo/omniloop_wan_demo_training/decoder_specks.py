@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trail-weight", type=float, default=60.0, help="the rendered clips' trail weight (the shipped decoder's)")
     ap.add_argument("--recon-check", type=int, default=128, help="held-out rendered clips checked before and after (0: none)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--examples", type=Path,
+                    help="a file for the decoded examples: loaded when it exists (from the same latents and starting "
+                         "decoder), else written after they are built (decoding thousands of clips is the slow part on CPU)")
     a = ap.parse_args(argv)
     for k in ("seconds", "lr", "speck_weight", "trail_weight"):
         v = getattr(a, k)
@@ -202,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     src = a.vae_from or checkpoint_dir() / "vae"
     vae = AutoencoderKLWan.from_pretrained(str(src), torch_dtype=torch.float32).to(a.device).eval()
     lat = torch.load(a.latents)["latents"]
-    ex = build_examples(vae, lat, device=a.device)
+    if a.examples and a.examples.is_file():
+        ex = torch.load(a.examples)
+    else:
+        ex = build_examples(vae, lat, device=a.device)
+        if a.examples:
+            torch.save(ex, a.examples)
     info: dict[str, Any] = {"from": str(src), "latents": str(a.latents), "speck_clips": len(ex["speck_z"]),
                             "other_clips": len(ex["ok_z"]), "args": {k: str(v) for k, v in vars(a).items()}}
     print("decoder-specks examples", json.dumps({k: info[k] for k in ("speck_clips", "other_clips")}), flush=True)

@@ -73,12 +73,14 @@ def test_main_trains_the_decoder_only(tmp_path):
     try:
         rc = decoder_specks.main(["--latents", str(tmp_path / "lat.pt"), "--out", str(tmp_path / "out"),
                                   "--vae-from", str(tmp_path / "v" / "vae"), "--max-steps", "2", "--batch", "1",
-                                  "--lr", "0.05", "--recon-check", "0"])
+                                  "--lr", "0.05", "--recon-check", "0", "--examples", str(tmp_path / "ex.pt")])
     finally:
         decoder_specks.speck_target = real
     assert rc == 0
     info = json.loads((tmp_path / "out" / "decoder_specks.json").read_text())
     assert info["steps"] == 2 and info["speck_clips"] == 1 and info["other_clips"] == 3
+    ex = torch.load(tmp_path / "ex.pt")  # the decoded examples, kept for a second run on the same latents
+    assert ex["speck_z"].shape == (1, 16, 5, 16, 16) and ex["ok_x"].shape[0] == 3
     from diffusers import AutoencoderKLWan
 
     after = AutoencoderKLWan.from_pretrained(str(tmp_path / "out" / "vae"), torch_dtype=torch.float32).state_dict()

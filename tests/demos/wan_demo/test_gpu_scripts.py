@@ -60,9 +60,11 @@ def test_the_scripts_start_from_files_the_package_has():
 def test_the_decoder_script_evaluates_with_its_decoder_and_packs_one_tar():
     text = (SCRIPTS / "gpu_decoder_specks.sh").read_text()
     joined = text.replace("\\\n", " ")
-    (ev,) = [ln for ln in joined.splitlines() if "-m omniloop_wan_demo_training.dmd_fast" in ln and not ln.lstrip().startswith("#")]
-    used = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", ev.split(" | ")[0].split("2>&1")[0]))
-    assert "--vae-from" in used and used <= _module_options("omniloop_wan_demo_training.dmd_fast")
+    evals = [ln for ln in joined.splitlines() if "-m omniloop_wan_demo_training.dmd_fast" in ln and not ln.lstrip().startswith("#")]
+    assert len(evals) == 2  # wan-demo-fast, then (DECODER=...) wan-demo v2
+    for ev in evals:
+        used = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", ev.split(" | ")[0].split("2>&1")[0]))
+        assert "--vae-from" in used and used <= _module_options("omniloop_wan_demo_training.dmd_fast")
     (probe,) = [ln for ln in joined.splitlines() if "speck_probe.py latents" in ln and not ln.lstrip().startswith("#")]
     probe_opts = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', (SCRIPTS / "speck_probe.py").read_text()))
     assert set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", probe.split("2>&1")[0])) <= probe_opts
