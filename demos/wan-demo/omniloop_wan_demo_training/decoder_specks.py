@@ -24,6 +24,7 @@ check decodes other seeds' latents, so a decoder that only learned its training 
 
     python -m omniloop_wan_demo_training.decoder_specks --latents lat_train.pt --out /tmp/decsp --seconds 1200
     python demos/wan-demo/scripts/speck_probe.py score lat_heldout.pt --variants shipped,vae:/tmp/decsp/vae
+    python -m omniloop_wan_demo_training.decoder_specks --ship /tmp/decsp     # after its GPU evaluation
 """
 
 from __future__ import annotations
@@ -173,8 +174,11 @@ def finetune(vae, ex: dict[str, Any], *, seconds: float, batch: int, lr: float, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--latents", type=Path, required=True, help="student latents (scripts/speck_probe.py latents)")
-    ap.add_argument("--out", type=Path, required=True, help="folder for vae/ (fp16, diffusers layout) and decoder_specks.json")
+    ap.add_argument("--latents", type=Path, help="student latents (scripts/speck_probe.py latents)")
+    ap.add_argument("--out", type=Path, help="folder for vae/ (fp16, diffusers layout) and decoder_specks.json")
+    ap.add_argument("--ship", type=Path, metavar="DIR",
+                    help="install DIR (a trained vae/ folder or its --out) as wan-demo's decoder instead of training "
+                         "(ship.ship_decoder: the encoder must be the shipped one; wan-demo-causal keeps the old decoder)")
     ap.add_argument("--vae-from", type=Path, help="a vae/ folder to start from (default: the shipped wan-demo decoder)")
     ap.add_argument("--seconds", type=float, default=1200.0)
     ap.add_argument("--max-steps", type=int)
@@ -188,6 +192,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="a file for the decoded examples: loaded when it exists (from the same latents and starting "
                          "decoder), else written after they are built (decoding thousands of clips is the slow part on CPU)")
     a = ap.parse_args(argv)
+    if a.ship is not None:
+        from .ship import ship_decoder
+
+        try:
+            print(json.dumps(ship_decoder(a.ship)))
+        except (ValueError, OSError) as e:
+            ap.error(str(e))
+        return 0
+    if a.latents is None or a.out is None:
+        ap.error("--latents and --out are required (or --ship DIR)")
     for k in ("seconds", "lr", "speck_weight", "trail_weight"):
         v = getattr(a, k)
         if not math.isfinite(v) or v < 0 or (k in ("seconds", "lr") and v == 0):

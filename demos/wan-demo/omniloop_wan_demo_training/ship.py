@@ -12,6 +12,10 @@
 * ``fast_lora.safetensors`` (+ ``result.json``, :mod:`.dmd_fast`'s output) -> ``adapters/fast.safetensors``
   and ``checkpoint_fast/transformer`` a link to ``checkpoint/``'s (:func:`ship_fast_lora`): wan-demo-fast
   becomes v2 with that LoRA fused at load.
+* :func:`ship_decoder` (``decoder_specks --ship DIR``): a fine-tuned decoder (same encoder, same
+  config) -> ``checkpoint/vae/``, the shared decoder of wan-demo, wan-demo-fast and the ``fast``
+  adapter; a student that keeps the decoder it was measured with (``wan-demo-causal``) gets a real
+  copy of the old one first, in place of its link.
 * Both installed ``omniloop.json`` files get ``"vocabulary"`` (the 16 words of the video prompts,
   ``data.vocabulary_words("video")``) unless they already name one: the CLI warns on other words.
 """
@@ -115,6 +119,86 @@ def ship_fast_lora(lora: Path, package: Path | None = None, training: dict[str, 
     meta_file.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     _add_vocabulary(meta_file)
     return {"adapter": str(pkg / "adapters" / "fast.safetensors"), "checkpoint_fast": str(fast_dst)}
+
+
+#: the student folders whose ``vae`` stays the decoder they were measured with when wan-demo's
+#: decoder is replaced (:func:`ship_decoder`): wan-demo-causal's shapes lose ~2 points with the
+#: speck-trained decoder of 2026-12-05 (docs/wan-demo-recipe-and-measurements.md, "Session 12")
+KEEP_DECODER = ("checkpoint_causal",)
+VAE_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def _decoder_check(new: Path, old: Path) -> None:
+    """Refuse a ``vae/`` folder that is not wan-demo's VAE with only its decoder changed: the same
+    config (but ``_name_or_path``), the same tensors, and the encoder's bit for bit (the denoisers'
+    latent space)."""
+    from safetensors.torch import load_file
+
+    for f in ("config.json", VAE_WEIGHTS):
+        if not (new / f).is_file():
+            raise ValueError(f"ship: {new / f} is missing (a vae/ folder in diffusers' layout is expected)")
+    cfg_new, cfg_old = (json.loads((d / "config.json").read_text()) for d in (new, old))
+    for cfg in (cfg_new, cfg_old):
+        cfg.pop("_name_or_path", None)
+    if cfg_new != cfg_old:
+        diff = sorted(k for k in set(cfg_new) | set(cfg_old) if cfg_new.get(k) != cfg_old.get(k))
+        raise ValueError(f"ship: {new / 'config.json'} differs from the shipped VAE's in {', '.join(diff)}")
+    a, b = load_file(str(new / VAE_WEIGHTS)), load_file(str(old / VAE_WEIGHTS))
+    if {k: tuple(v.shape) for k, v in a.items()} != {k: tuple(v.shape) for k, v in b.items()}:
+        raise ValueError(f"ship: {new / VAE_WEIGHTS} does not hold the shipped VAE's tensors")
+    enc = [k for k in a if k.startswith(("encoder.", "quant_conv.")) and not (a[k].dtype == b[k].dtype and a[k].equal(b[k]))]
+    if enc:
+        raise ValueError(f"ship: {new / VAE_WEIGHTS} changes the encoder ({enc[0]}, {len(enc)} tensor(s)); only the "
+                         "decoder may change, or every trained denoiser's latent space moves")
+
+
+def ship_decoder(vae: Path, package: Path | None = None) -> dict[str, Any]:
+    """Install a fine-tuned decoder (``decoder_specks``' ``vae/``) as wan-demo's ``checkpoint/vae``.
+    The folders in :data:`KEEP_DECODER` that link to it get a real copy of the current one first.
+    Returns what was done."""
+    pkg = Path(package) if package is not None else PACKAGE_DIR
+    dest = pkg / "checkpoint" / "vae"
+    vae = Path(vae)
+    if (vae / "vae" / "config.json").is_file():  # decoder_specks' --out folder
+        vae = vae / "vae"
+    _decoder_check(vae, dest)
+    kept = []
+    for name in KEEP_DECODER:
+        link = pkg / name / "vae"
+        if link.is_symlink():
+            link.unlink()
+            _copy(dest, link)
+            kept.append(name)
+    shutil.copyfile(vae / VAE_WEIGHTS, dest / VAE_WEIGHTS)
+    os.chmod(dest / VAE_WEIGHTS, 0o644)
+    done: dict[str, Any] = {"vae": str(dest), "kept_old_decoder": kept}
+    log = vae.parent / "decoder_specks.json"  # decoder_specks' record, beside its vae/
+    meta_file = pkg / "checkpoint" / "omniloop.json"
+    if log.is_file() and meta_file.is_file():
+        done["history"] = _record_decoder(meta_file, json.loads(log.read_text()))
+    return done
+
+
+def _record_decoder(meta_file: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Append the decoder fine-tune to ``omniloop.json``'s ``training.history`` (as the other
+    decoder phases are recorded)."""
+    import datetime as dt
+
+    args = info.get("args", {})
+    after = info.get("recon_after") or {}
+    entry: dict[str, Any] = {
+        "phase": "decoder_specks", "session": dt.date.today().isoformat(),
+        "trained": "decoder + post_quant_conv (encoder frozen) on student latents' specks",
+        "steps": int(info.get("steps", 0)), "seconds": float(info.get("seconds", 0.0)),
+        "speck_clips": int(info.get("speck_clips", 0)), "other_clips": int(info.get("other_clips", 0)),
+        **{k: float(args[k]) for k in ("lr", "speck_weight", "trail_weight") if k in args},
+        **({"batch": int(args["batch"])} if "batch" in args else {}),
+        **({"recon_psnr": after["psnr"]} if "psnr" in after else {}),
+    }
+    meta = json.loads(meta_file.read_text())
+    meta.setdefault("training", {}).setdefault("history", []).append(entry)
+    meta_file.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return entry
 
 
 def ship(src: Path, package: Path | None = None) -> dict[str, Any]:

@@ -8,16 +8,17 @@
 # on the same clips: no ghost 94.9 %, shape 97.8 %, duplicates 0.39 %) -- everything in ONE tar. Run from
 # the repo root with .whl/ carried (gpu_env.sh's wheels), kind nvidia-h200, timeout_s 590:
 #   bash demos/wan-demo/scripts/gpu_decoder_specks.sh [SECONDS [LR]]     # default 240, 2e-5
-#   DECODER=demos/wan-demo/candidates/decoder-specks-s11/vae bash demos/wan-demo/scripts/gpu_decoder_specks.sh
-#     trains nothing: evaluates that decoder (the CPU-trained candidate of 2026-12-05) on the same 3 072
-#     wan-demo-fast clips and then wan-demo v2's (20 steps, CFG 2) on seeds 0-15 (1 536 clips) as time allows
+#   DECODER=DIR/vae bash demos/wan-demo/scripts/gpu_decoder_specks.sh
+#     trains nothing: evaluates that decoder (e.g. a CPU-trained one) on the same 3 072 wan-demo-fast clips
+#     and then wan-demo v2's (20 steps, CFG 2) on seeds 0-15 (1 536 clips) as time allows. (How the shipped
+#     decoder of 2026-12-05 was chosen: docs/wan-demo-recipe-and-measurements.md, "Session 12".)
 # $OUT/decoder-specks.tar holds dec/{vae/,decoder_specks.json}, eval/result.json and the log.
 # To ship it (on the CPU machine, FILES_AT = where the run tool put the files), only if the evaluation beats
 # the shipped decoder and the rendered clips' check (recon_after) kept shape and PSNR:
 #   mkdir -p /tmp/ds && tar xf FILES_AT/decoder-specks.tar -C /tmp/ds
 #   # the decoder is shared by every preset: wan-demo (v2 at 20 steps) first, on the GPU
 #   #   (dmd_fast --eval-only v2 --vae-from /tmp/ds/dec/vae) and the CPU (bench/adherence.py --model wan-demo)
-#   cp /tmp/ds/dec/vae/* families/wan-demo/omniloop_wan_demo/checkpoint/vae/
+#   python -m omniloop_wan_demo_training.decoder_specks --ship /tmp/ds/dec   # wan-demo-causal keeps its decoder
 #   # then the CPU figures through the runtime: bench/adherence.py --model wan-demo-fast --prompts full --seeds 0,1
 S=${1:-240}
 LR=${2:-2e-5}

@@ -27,13 +27,15 @@ CAUSAL_ROLLOUT_OPTIONS: dict[str, object] = {"chunk_frames": 1, "steps": 4, "shi
 #: the files a trained student checkpoint (causal, fast) has of its own
 TRANSFORMER_FILES = ("transformer/config.json", "transformer/diffusion_pytorch_model.safetensors")
 
-#: what ``checkpoint_causal/`` shares with ``checkpoint/`` (relative links, not copies)
+#: what ``checkpoint_causal/`` shares with ``checkpoint/`` (relative links, not copies) — except
+#: ``vae``, a copy of the decoder the causal student was measured with since wan-demo's decoder was
+#: replaced (``decoder_specks --ship``, 2026-12-05); a causal student shipped later links it again
 CAUSAL_SHARED = ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.json")
 
 
 def causal_checkpoint_dir() -> Path:
-    """The ``wan-demo-causal`` folder: its own ``transformer/`` and ``omniloop.json``; the rest are
-    links to wan-demo's (:data:`CAUSAL_SHARED`)."""
+    """The ``wan-demo-causal`` folder: its own ``transformer/``, ``omniloop.json`` and ``vae/`` (the
+    decoder before 2026-12-05's); the rest are links to wan-demo's (:data:`CAUSAL_SHARED`)."""
     return PACKAGE_DIR / "checkpoint_causal"
 
 

@@ -109,3 +109,80 @@ def test_dmd_fast_vae_from_must_be_a_vae_folder(tmp_path, capsys):
     assert "--vae-from" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
     assert dmd_fast.parse_args(["--out", str(tmp_path / "o"), "--eval-only", "v2", "--vae-from", str(tmp_path)]).vae_from
+
+
+def _tiny_package(tmp_path):
+    """A package folder with checkpoint/vae (a tiny VAE) and the students' links to it."""
+    import os
+
+    torch.manual_seed(0)
+    vae = build_vae({**VAE_CONFIG, "base_dim": 4})
+    pkg = tmp_path / "pkg"
+    vae.save_pretrained(str(pkg / "checkpoint" / "vae"))
+    for student in ("checkpoint_causal", "checkpoint_fast"):
+        (pkg / student).mkdir()
+        (pkg / student / "vae").symlink_to(os.path.relpath(pkg / "checkpoint" / "vae", pkg / student))
+    return pkg, vae
+
+
+def _decoder_tuned(vae, out, *, touch="decoder."):
+    sd = vae.state_dict()
+    name = next(k for k in sd if k.startswith(touch) and k.endswith("weight"))
+    with torch.no_grad():
+        sd[name] += 0.5
+    vae.load_state_dict(sd)
+    vae.save_pretrained(str(out / "vae"))
+    return name
+
+
+def test_ship_installs_the_decoder_and_the_causal_preset_keeps_its_own(tmp_path):
+    from safetensors.torch import load_file
+
+    from omniloop_wan_demo_training.ship import VAE_WEIGHTS
+
+    pkg, vae = _tiny_package(tmp_path)
+    old = (pkg / "checkpoint" / "vae" / VAE_WEIGHTS).read_bytes()
+    name = _decoder_tuned(vae, tmp_path / "new")
+    from omniloop_wan_demo_training import ship
+
+    (pkg / "checkpoint" / "omniloop.json").write_text(json.dumps({"training": {"history": [{"phase": "dit"}]}}))
+    (tmp_path / "new" / "decoder_specks.json").write_text(json.dumps(
+        {"steps": 3, "seconds": 1.5, "speck_clips": 2, "other_clips": 5, "args": {"lr": "2e-05", "batch": "4"},
+         "recon_after": {"psnr": 30.1}}))
+    done = ship.ship_decoder(tmp_path / "new", pkg)  # decoder_specks' --out folder (vae/ inside) is accepted
+    history = json.loads((pkg / "checkpoint" / "omniloop.json").read_text())["training"]["history"]
+    assert [h["phase"] for h in history] == ["dit", "decoder_specks"]
+    assert history[-1]["steps"] == 3 and history[-1]["lr"] == 2e-5 and history[-1]["recon_psnr"] == 30.1
+    assert done["kept_old_decoder"] == ["checkpoint_causal"]
+    causal = pkg / "checkpoint_causal" / "vae"
+    assert not causal.is_symlink() and (causal / VAE_WEIGHTS).read_bytes() == old
+    assert (pkg / "checkpoint_fast" / "vae").is_symlink()  # wan-demo-fast decodes with the new decoder
+    got = load_file(str(pkg / "checkpoint" / "vae" / VAE_WEIGHTS))
+    assert torch.equal(got[name], vae.state_dict()[name].to(got[name].dtype))
+    # a second decoder later: the causal copy is left as it is
+    assert ship.ship_decoder(tmp_path / "new" / "vae", pkg)["kept_old_decoder"] == []
+    assert (causal / VAE_WEIGHTS).read_bytes() == old
+
+
+def test_ship_refuses_a_changed_encoder_or_config(tmp_path, capsys):
+    pkg, vae = _tiny_package(tmp_path)
+    before = (pkg / "checkpoint" / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
+    _decoder_tuned(vae, tmp_path / "enc", touch="encoder.")
+    from omniloop_wan_demo_training import ship
+
+    with pytest.raises(ValueError, match="changes the encoder"):
+        ship.ship_decoder(tmp_path / "enc", pkg)
+    cfg = json.loads((tmp_path / "enc" / "vae" / "config.json").read_text())
+    cfg["z_dim"] = 8
+    (tmp_path / "enc" / "vae" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="z_dim"):
+        ship.ship_decoder(tmp_path / "enc", pkg)
+    with pytest.raises(ValueError, match="is missing"):
+        ship.ship_decoder(tmp_path / "nothing", pkg)
+    # nothing was touched by the refusals
+    assert (pkg / "checkpoint_causal" / "vae").is_symlink()
+    assert (pkg / "checkpoint" / "vae" / "diffusion_pytorch_model.safetensors").read_bytes() == before
+    # the CLI says it in one line
+    with pytest.raises(SystemExit):
+        decoder_specks.main(["--ship", str(tmp_path / "nothing")])
+    assert "is missing" in capsys.readouterr().err
