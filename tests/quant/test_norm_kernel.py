@@ -80,7 +80,11 @@ def test_kernel_matches_the_torch_ops_on_the_gpu(n):
             assert float((diff == 0).float().mean()) > 0.999 and bool((diff <= rr.float().abs() * 2**-7).all()), site
         torch.testing.assert_close(s, rs, rtol=2**-7, atol=0, msg=site)
         assert float((q.float() == rq.float()).float().mean()) > 0.99, site
-        torch.testing.assert_close(q.float() * s, rq.float() * rs, rtol=0.07, atol=float(rs.max()) * 2**-8, msg=site)
+        # where the normed bf16 value differs by a step (FMA), its e4m3 may round one e4m3 step away:
+        # up to 2**-3 of the value at the bottom of a binade (3 mantissa bits; H100, 2026-12-05: the
+        # first form of this check, rtol 0.07, failed there on a few of the 1e6 values, which share > 0.99)
+        torch.testing.assert_close(q.float() * s, rq.float() * rs, rtol=2**-3 + 2**-6, atol=float(rs.max()) * 2**-8,
+                                   msg=site)
     fn = torch.compile(lambda x, kw: nk.residual_norm_quantize_rows(x, eps=1e-6, **kw), fullgraph=True)
     site, x, kw = _sites(1, 64, n, "cuda")[2]
     (cr, cq, cs), (er, eq, es) = fn(x, kw), nk.residual_norm_quantize_rows(x, eps=1e-6, **kw)
