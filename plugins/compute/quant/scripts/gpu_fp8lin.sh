@@ -40,7 +40,9 @@ filter() { grep --line-buffered -v -E "should be kept in float32|it/s\]|s/it\]" 
 # PARTS (default speed,quality): speed = the Wan step beside diffusers (C13 / C14: the configurations),
 # quality = the wan-demo clips (CLIPS: the clip configurations, bf16 first), plans = cuDNN's FP8 attention
 # plans timed on Wan's shapes (attention_fp8_quality.py --parts plans), kernels = bench/quant_kernels.py
-# (the FFN kernel's variants against the bytes they move; writes $OUT/k)
+# (the FFN kernel's variants against the bytes they move; writes $OUT/k), profile = one profiled FP8 forward
+# of each model in PROFILE_MODELS (default 14b: where its step goes, not yet profiled; 1.3b-fwd for the 1.3B;
+# writes $OUT/prof; PROFILE_CONFIG, default omniloop-fp8-compile-fused-fp8fast)
 PARTS=",${PARTS:-speed,quality},"
 C13=${C13:-diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8lin-qkv,omniloop-fp8-compile-fused-fp8fast-qkv}
 C14=${C14:-diffusers,omniloop-fp8-compile-fused-fp8lin,omniloop-fp8-compile-fused-fp8fast-qkv}
@@ -50,6 +52,12 @@ if [[ $PARTS == *,plans,* ]]; then
 fi
 if [[ $PARTS == *,kernels,* ]]; then  # the FFN's GELU + quantisation kernel and its launch variants (~30 s), the norm kernel at Wan's sites (~90 s)
   timeout 300 python3 bench/quant_kernels.py --out "$OUT/k" ${SMOKE:+--smoke} 2>&1 | filter
+fi
+if [[ $PARTS == *,profile,* ]]; then
+  for m in ${PROFILE_MODELS:-14b}; do
+    python3 bench/wan_gpu.py --models "$m" --compile-mode '' --budget-s 60 --profile --out "$OUT/prof" ${SMOKE:+--smoke} \
+      --only "${PROFILE_CONFIG:-omniloop-fp8-compile-fused-fp8fast}" 2>&1 | filter
+  done
 fi
 if [[ $PARTS == *,speed,* ]]; then
   python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s "${BUDGET13:-130}" --out "$OUT/13b" ${SMOKE:+--smoke} \
