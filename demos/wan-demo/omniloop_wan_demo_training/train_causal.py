@@ -311,8 +311,9 @@ def ship(trained: Path, dest: Path | None = None) -> Path:
     for name in CAUSAL_SHARED:  # the package's folder has these links committed; a new dest gets them
         link = dest / name
         if link.exists() and not link.is_symlink():
-            # v1's parts, kept as copies by training.ship when wan-demo v2 replaced them: a causal
-            # transformer trained now is trained on wan-demo's current VAE / text encoder
+            # copies kept for the student shipped before — v1's parts (training.ship, when wan-demo v2
+            # replaced them) or the decoder before 2026-12-05's (ship.ship_decoder): a causal transformer
+            # trained now is trained and checked with wan-demo's current VAE / text encoder
             shutil.rmtree(link) if link.is_dir() else link.unlink()
         if not link.exists() and not link.is_symlink():
             link.symlink_to(os.path.relpath(src / name, dest))
