@@ -19,6 +19,10 @@ decoder's alone.
 
 Prints one JSON line per variant: colour / direction / shape / no-ghost shares, duplicates (a ghost
 in >= 8 of 17 frames), and per ghost clip its ghost frames; ``--json`` writes them all.
+
+    # the VAE alone: N rendered held-out clips (seed 999, as the training's recon check) encoded (mode) and
+    # decoded by each variant, the shape read back per colour, with the misses (label -> read)
+    OMP_NUM_THREADS=2 python demos/wan-demo/scripts/speck_probe.py recon --n 768 --variants shipped,vae:PATH
 """
 
 from __future__ import annotations
@@ -102,6 +106,35 @@ def score(videos, prompts, seeds) -> dict:
             "duplicates": sum(g["g"] >= 8 for g in ghost), "ghost_clips": ghost}
 
 
+def recon_by_colour(vae, n: int, *, seed: int = 999, batch: int = 64, device: str = "cpu") -> dict:
+    """``n`` rendered clips round-tripped through ``vae`` (posterior mode): the detector's shape per
+    colour (right / all) and the misses as ``"colour shape->read"`` counts."""
+    from collections import Counter
+
+    from omniloop_wan_demo.evaluate import detect
+    from omniloop_wan_demo_training.render import render, sample_params, to_uint8_frames
+
+    p = sample_params(n, seed)
+    labels = p.labels()
+    right: Counter = Counter()
+    total: Counter = Counter()
+    misses: Counter = Counter()
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            sub = type(p)(*[getattr(p, f)[i : i + batch] for f in p.__dataclass_fields__])
+            x = render(sub, device=device) * 2 - 1
+            xr = vae.decode(vae.encode(x).latent_dist.mode()).sample.float().clamp(-1, 1)
+            for j in range(len(sub)):
+                lab = labels[i + j]
+                got = detect(to_uint8_frames((xr[j] + 1) / 2)).shape
+                total[lab["color"]] += 1
+                right[lab["color"]] += got == lab["shape"]
+                if got != lab["shape"]:
+                    misses[f"{lab['color']} {lab['shape']}->{got}"] += 1
+    return {"n": n, "shape": round(sum(right.values()) / n, 4),
+            "shape_by_colour": {c: f"{right[c]}/{total[c]}" for c in sorted(total)}, "misses": dict(misses.most_common())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -115,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     a2.add_argument("--variants", default="shipped")
     a2.add_argument("--json", type=Path)
     a2.add_argument("--device", default="cpu")
+    a3 = sub.add_parser("recon")
+    a3.add_argument("--n", type=int, default=768)
+    a3.add_argument("--variants", default="shipped")
+    a3.add_argument("--json", type=Path)
+    a3.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     if a.cmd == "latents":
         draw_latents([int(s) for s in a.seeds.split(",")], a.out, a.device, a.model)
@@ -123,12 +161,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from omniloop_wan_demo.checkpoint_path import checkpoint_dir
 
-    d = torch.load(a.latents)
+    d = torch.load(a.latents) if a.cmd == "score" else None
     res = {}
     for var in a.variants.split(","):
         path = var.removeprefix("vae:") if var.startswith("vae:") else str(checkpoint_dir() / "vae")
         vae = AutoencoderKLWan.from_pretrained(path, torch_dtype=torch.float32).to(a.device).eval()
         t0 = time.perf_counter()
+        if d is None:
+            res[var] = {**recon_by_colour(vae, a.n, device=a.device), "seconds": round(time.perf_counter() - t0, 1)}
+            print(json.dumps({"variant": var, **res[var]}), flush=True)
+            continue
         r = score(decode(vae, d["latents"], reencode=var == "reencode", device=a.device), d["prompts"], d["seeds"])
         r["seconds"] = round(time.perf_counter() - t0, 1)
         res[var] = r

@@ -186,3 +186,24 @@ def test_ship_refuses_a_changed_encoder_or_config(tmp_path, capsys):
     with pytest.raises(SystemExit):
         decoder_specks.main(["--ship", str(tmp_path / "nothing")])
     assert "is missing" in capsys.readouterr().err
+
+
+def test_speck_probe_recon_reads_shapes_back_per_colour(tmp_path, capsys):
+    """scripts/speck_probe.py recon: rendered clips round-tripped through a VAE, the shape read per
+    colour; a tiny random VAE reads shapes wrongly, so the misses account for every clip it misses."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "demos" / "wan-demo" / "scripts" / "speck_probe.py"
+    spec = importlib.util.spec_from_file_location("speck_probe_test", script)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    torch.manual_seed(0)
+    vae = build_vae({**VAE_CONFIG, "base_dim": 4})
+    vae.save_pretrained(str(tmp_path / "vae"))
+    r = probe.recon_by_colour(vae.eval(), 6, batch=4)
+    counts = [tuple(int(x) for x in v.split("/")) for v in r["shape_by_colour"].values()]
+    assert r["n"] == 6 and sum(t for _, t in counts) == 6
+    assert sum(t - ok for ok, t in counts) == sum(r["misses"].values())
+    assert probe.main(["recon", "--n", "2", "--variants", f"vae:{tmp_path / 'vae'}", "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())[f"vae:{tmp_path / 'vae'}"]["n"] == 2
