@@ -90,39 +90,83 @@ def _to_tensor(frames: np.ndarray) -> torch.Tensor:
 
 
 @torch.no_grad()
-def build_examples(vae, latents: torch.Tensor, *, batch: int = 48, device: str = "cpu") -> dict[str, Any]:
+def build_examples(vae, latents: torch.Tensor, *, prompts: list[str] | None = None, batch: int = 48,
+                   device: str = "cpu") -> dict[str, Any]:
     """Decode ``latents`` (normalised, as the samplers leave them) with ``vae``; split them into speck
-    clips (with :func:`speck_target`'s target and mask) and the rest (target = this decode)."""
+    clips (with :func:`speck_target`'s target and mask) and the rest (target = this decode). With
+    ``prompts`` (one per latent), a clip of the rest whose shape the detector reads other than its
+    prompt's is left out (counted in ``misread``): keeping its decode would teach the decoder its miss."""
+    from omniloop_wan_demo.evaluate import detect
+    from omniloop_wan_demo.prompts import parse_prompt
+
     from .distill import _stats
     from .render import to_uint8_frames
 
+    if prompts is not None and len(prompts) != len(latents):
+        raise ValueError(f"build_examples: {len(prompts)} prompts for {len(latents)} latents")
     mean, std = _stats(vae, device)
     sp_z, sp_x, sp_m, ok_z, ok_x = [], [], [], [], []
+    misread = 0
     for i in range(0, len(latents), batch):
         z = latents[i : i + batch]
         xr = vae.decode(z.to(device) * std + mean).sample.float().clamp(-1, 1).cpu()
         for j in range(len(z)):
             u8 = to_uint8_frames((xr[j] + 1) / 2)
             got = speck_target(u8)
-            if got is None:
-                ok_z.append(z[j])
-                ok_x.append(xr[j])
-            else:
+            if got is not None:
                 sp_z.append(z[j])
                 sp_x.append(_to_tensor(got[0]))
                 sp_m.append(torch.from_numpy(got[1])[None].float())
+            elif prompts is not None and detect(u8).shape != parse_prompt(prompts[i + j])[1]:
+                misread += 1
+            else:
+                ok_z.append(z[j])
+                ok_x.append(xr[j])
     stack = lambda xs: torch.stack(xs) if xs else torch.empty(0)  # noqa: E731
-    return {"speck_z": stack(sp_z), "speck_x": stack(sp_x), "speck_m": stack(sp_m), "ok_z": stack(ok_z), "ok_x": stack(ok_x)}
+    return {"speck_z": stack(sp_z), "speck_x": stack(sp_x), "speck_m": stack(sp_m), "ok_z": stack(ok_z), "ok_x": stack(ok_x),
+            "misread": misread}
+
+
+def parse_focus(text: str) -> tuple[str, str | None]:
+    """``"red"`` or ``"red:star"`` -> ``("red", None)`` / ``("red", "star")``; unknown names raise ``ValueError``."""
+    from .render import COLOR_NAMES, SHAPES
+
+    color, _, shape = text.partition(":")
+    if color not in COLOR_NAMES:
+        raise ValueError(f"--focus {text!r}: colour must be one of {', '.join(COLOR_NAMES)}")
+    if shape and shape not in SHAPES:
+        raise ValueError(f"--focus {text!r}: shape must be one of {', '.join(SHAPES)}")
+    return color, shape or None
+
+
+def render_batch(batch: int, seed: int, *, focus: tuple[str, str | None] | None = None, focus_frac: float = 0.0,
+                 device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` rendered clips (``[-1, 1]``) and their coverage: ``round(batch * focus_frac)`` of them
+    of ``focus``'s colour (and shape, when given), the rest drawn over every label."""
+    from .render import render, sample_params
+
+    n_focus = round(batch * focus_frac) if focus else 0
+    parts = []
+    if n_focus:
+        parts.append(render(sample_params(n_focus, seed * 7 + 3, color=focus[0], shape=focus[1]),
+                            device=device, return_mask=True))
+    if batch - n_focus:
+        parts.append(render(sample_params(batch - n_focus, seed), device=device, return_mask=True))
+    x = torch.cat([q[0] for q in parts])
+    cov = torch.cat([q[1] for q in parts])
+    return x * 2 - 1, cov
 
 
 def finetune(vae, ex: dict[str, Any], *, seconds: float, batch: int, lr: float, speck_weight: float, trail_weight: float,
-             seed: int = 0, max_steps: int | None = None, log_every: int = 10, device: str = "cpu") -> dict[str, Any]:
+             seed: int = 0, max_steps: int | None = None, log_every: int = 10, device: str = "cpu",
+             focus: tuple[str, str | None] | None = None, focus_frac: float = 0.0) -> dict[str, Any]:
     """Train ``vae``'s decoder on :func:`build_examples`' clips and rendered ones (``batch`` of each
     kind per step) for ``seconds`` or ``max_steps``; returns the log. The rendered clips' loss is
     ``vae_decoder``'s (object / outline / frame-0 / trail weights); the speck clips' is MSE weighted
-    ``1 + speck_weight`` on the speck pixels; the others' plain MSE to the starting decode."""
+    ``1 + speck_weight`` on the speck pixels; the others' plain MSE to the starting decode.
+    ``focus`` (a colour and optionally a shape) draws ``focus_frac`` of the rendered clips with that
+    label (the VAE loses ~1 in 3 red stars on rendered clips, every other colour's shapes 0-1 in 128)."""
     from .distill import _stats
-    from .render import render, sample_params
     from .v2 import loss_weights
     from .vae_decoder import ENCODER_PREFIXES
 
@@ -133,24 +177,28 @@ def finetune(vae, ex: dict[str, Any], *, seconds: float, batch: int, lr: float, 
     mean, std = _stats(vae, device)
     g = torch.Generator().manual_seed(seed)
     gd = torch.Generator(device).manual_seed(seed + 1)
-    ex = {k: v.to(device) for k, v in ex.items()}
+    ex = {k: v.to(device) for k, v in ex.items() if isinstance(v, torch.Tensor)}
     n_sp, n_ok = len(ex["speck_z"]), len(ex["ok_z"])
-    if n_sp == 0:
-        raise SystemExit("decoder_specks: no speck clip among the latents (nothing to learn)")
+    if n_sp == 0 and focus is None:
+        raise SystemExit("decoder_specks: no speck clip among the latents (nothing to learn; --focus trains on rendered clips)")
+    if n_ok == 0:
+        raise SystemExit("decoder_specks: no clip to keep among the latents (every decode holds a speck or a misread shape)")
     log: list[dict[str, Any]] = []
     t0, step = time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds and (max_steps is None or step < max_steps):
         vae.train()
-        i = torch.randint(0, n_sp, (batch,), generator=g).to(device)
+        b_sp = batch if n_sp else 0
+        i = torch.randint(0, max(n_sp, 1), (b_sp,), generator=g).to(device)
         j = torch.randint(0, n_ok, (batch,), generator=g).to(device)
-        z = torch.cat([ex["speck_z"][i], ex["ok_z"][j]]) * std + mean
-        out = vae.decode(z).sample.float()
-        w_sp = 1 + speck_weight * ex["speck_m"][i]
-        l_sp = (((out[:batch] - ex["speck_x"][i]) ** 2) * w_sp).mean() / w_sp.mean()
-        l_ok = ((out[batch:] - ex["ok_x"][j]) ** 2).mean()
-        p = sample_params(batch, (seed + 31) * 1_000_003 + step)
-        x, cov = render(p, device=device, return_mask=True)
-        x = x * 2 - 1
+        z = torch.cat([ex["speck_z"][i], ex["ok_z"][j]]) if b_sp else ex["ok_z"][j]
+        out = vae.decode(z * std + mean).sample.float()
+        if b_sp:
+            w_sp = 1 + speck_weight * ex["speck_m"][i]
+            l_sp = (((out[:b_sp] - ex["speck_x"][i]) ** 2) * w_sp).mean() / w_sp.mean()
+        else:
+            l_sp = out.new_zeros(())
+        l_ok = ((out[b_sp:] - ex["ok_x"][j]) ** 2).mean()
+        x, cov = render_batch(batch, (seed + 31) * 1_000_003 + step, focus=focus, focus_frac=focus_frac, device=device)
         with torch.no_grad():
             zr = vae.encode(x).latent_dist.sample(generator=gd)
         w = loss_weights(cov, object_weight=20.0, edge_weight=30.0, frame0_weight=3.0, trail_weight=trail_weight)
@@ -186,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--speck-weight", type=float, default=30.0)
     ap.add_argument("--trail-weight", type=float, default=60.0, help="the rendered clips' trail weight (the shipped decoder's)")
+    ap.add_argument("--focus", metavar="COLOUR[:SHAPE]",
+                    help="draw --focus-frac of the rendered clips with this label (e.g. red or red:star)")
+    ap.add_argument("--focus-frac", type=float, default=0.5)
     ap.add_argument("--recon-check", type=int, default=128, help="held-out rendered clips checked before and after (0: none)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--examples", type=Path,
@@ -208,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{k.replace('_', '-')} must be a finite number > 0 (>= 0 for weights), got {v}")
     if a.batch < 1:
         ap.error(f"--batch must be >= 1, got {a.batch}")
+    if not (math.isfinite(a.focus_frac) and 0 <= a.focus_frac <= 1):
+        ap.error(f"--focus-frac must be a number in [0, 1], got {a.focus_frac}")
+    try:
+        focus = parse_focus(a.focus) if a.focus else None
+    except ValueError as e:
+        ap.error(str(e))
     if not a.latents.is_file():
         ap.error(f"--latents {a.latents}: no such file")
     from diffusers import AutoencoderKLWan
@@ -218,21 +275,25 @@ def main(argv: list[str] | None = None) -> int:
 
     src = a.vae_from or checkpoint_dir() / "vae"
     vae = AutoencoderKLWan.from_pretrained(str(src), torch_dtype=torch.float32).to(a.device).eval()
-    lat = torch.load(a.latents)["latents"]
+    saved = torch.load(a.latents)
+    lat = saved["latents"]
     if a.examples and a.examples.is_file():
         ex = torch.load(a.examples)
     else:
-        ex = build_examples(vae, lat, device=a.device)
+        ex = build_examples(vae, lat, prompts=saved.get("prompts"), device=a.device)
         if a.examples:
             torch.save(ex, a.examples)
     info: dict[str, Any] = {"from": str(src), "latents": str(a.latents), "speck_clips": len(ex["speck_z"]),
-                            "other_clips": len(ex["ok_z"]), "args": {k: str(v) for k, v in vars(a).items()}}
-    print("decoder-specks examples", json.dumps({k: info[k] for k in ("speck_clips", "other_clips")}), flush=True)
+                            "other_clips": len(ex["ok_z"]),
+                            "misread_clips_left_out": ex.get("misread", 0), "args": {k: str(v) for k, v in vars(a).items()}}
+    print("decoder-specks examples", json.dumps({k: info[k] for k in ("speck_clips", "other_clips", "misread_clips_left_out")}),
+          flush=True)
     if a.recon_check:
         info["recon_before"] = recon_report(vae, n=a.recon_check, device=a.device)
         print("decoder-specks recon before", json.dumps(info["recon_before"]), flush=True)
     info.update(finetune(vae, ex, seconds=a.seconds, batch=a.batch, lr=a.lr, speck_weight=a.speck_weight,
-                         trail_weight=a.trail_weight, max_steps=a.max_steps, device=a.device))
+                         trail_weight=a.trail_weight, max_steps=a.max_steps, device=a.device,
+                         focus=focus, focus_frac=a.focus_frac))
     vae = vae.half().float().eval()
     if a.recon_check:
         info["recon_after"] = recon_report(vae, n=a.recon_check, device=a.device)

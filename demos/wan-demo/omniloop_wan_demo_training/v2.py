@@ -122,9 +122,14 @@ def loss_weights(cov: torch.Tensor, *, object_weight: float, edge_weight: float,
 
 
 @torch.no_grad()
+@torch.no_grad()
 def recon_report(vae, *, n: int = 128, seed: int = 999, device: str = "cuda", batch: int = 64) -> dict[str, Any]:
     """Held-out reconstructions (posterior mode): detector accuracy (``clean``: the share of clips
-    with no ghost, :func:`~..evaluate.ghost_regions`), ghost frames in all, PSNR, PSNR of frame 0."""
+    with no ghost, :func:`~..evaluate.ghost_regions`), ghost frames in all, PSNR, PSNR of frame 0,
+    the shape read per label and per colour (right / all), and the shape misses as
+    ``"colour shape->read"`` counts (the demos' shape misses are mostly red: issue 41)."""
+    from collections import Counter
+
     from omniloop_wan_demo.evaluate import detect
 
     from .render import render, sample_params, to_uint8_frames
@@ -134,6 +139,9 @@ def recon_report(vae, *, n: int = 128, seed: int = 999, device: str = "cuda", ba
     ok = {"color": 0, "direction": 0, "shape": 0, "clean": 0}
     ghost_frames = 0
     per_shape: dict[str, list[int]] = {}
+    right: Counter = Counter()
+    total: Counter = Counter()
+    misses: Counter = Counter()
     se = se0 = 0.0
     for i in range(0, n, batch):
         sub = type(p)(*[getattr(p, f)[i : i + batch] for f in p.__dataclass_fields__])
@@ -150,13 +158,19 @@ def recon_report(vae, *, n: int = 128, seed: int = 999, device: str = "cuda", ba
             ok["clean"] += d.ghost_frames == 0
             ghost_frames += d.ghost_frames
             per_shape.setdefault(lab["shape"], []).append(int(d.shape == lab["shape"]))
+            total[lab["color"]] += 1
+            right[lab["color"]] += d.shape == lab["shape"]
+            if d.shape != lab["shape"]:
+                misses[f"{lab['color']} {lab['shape']}->{d.shape}"] += 1
 
     def psnr(mse: float) -> float:
         return round(float(10 * np.log10(4.0 / max(mse, 1e-12))), 2)
 
     return {"n": n, "psnr": psnr(se / n), "psnr_frame0": psnr(se0 / n),
             "accuracy": {k: v / n for k, v in ok.items()}, "ghost_frames": ghost_frames,
-            "shape_by_label": {k: round(sum(v) / len(v), 3) for k, v in sorted(per_shape.items())}}
+            "shape_by_label": {k: round(sum(v) / len(v), 3) for k, v in sorted(per_shape.items())},
+            "shape_by_colour": {c: f"{right[c]}/{total[c]}" for c in sorted(total)},
+            "misses": dict(misses.most_common())}
 
 
 def gate_passes(rep: dict[str, Any], *, shape: float, psnr0: float) -> bool:

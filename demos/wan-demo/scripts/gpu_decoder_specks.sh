@@ -8,6 +8,11 @@
 # on the same clips: no ghost 94.9 %, shape 97.8 %, duplicates 0.39 %) -- everything in ONE tar. Run from
 # the repo root with .whl/ carried (gpu_env.sh's wheels), kind nvidia-h200, timeout_s 590:
 #   bash demos/wan-demo/scripts/gpu_decoder_specks.sh [SECONDS [LR]]     # default 240, 2e-5
+#   FOCUS=red FOCUS_FRAC=0.5 bash demos/wan-demo/scripts/gpu_decoder_specks.sh 180
+#     the same, with half the rendered clips red (decoder_specks --focus: both demos' shape misses are
+#     mostly red, and the VAE alone loses ~1 in 3 red stars); the held-out check (768 rendered clips,
+#     before and after) reports shape per colour; student clips whose decode misreads the prompt's
+#     shape are not kept (their decode is the miss)
 #   DECODER=DIR/vae bash demos/wan-demo/scripts/gpu_decoder_specks.sh
 #     trains nothing: evaluates that decoder (e.g. a CPU-trained one) on the same 3 072 wan-demo-fast clips
 #     and then wan-demo v2's (20 steps, CFG 2) on seeds 0-15 (1 536 clips) as time allows. (How the shipped
@@ -34,7 +39,7 @@ if [ -z "$DECODER" ]; then
     | grep -v -E "$F" > "$W/log.txt"
   el "latents rc ${PIPESTATUS[0]}"
   timeout $((S + 90)) python3 -m omniloop_wan_demo_training.decoder_specks --device cuda --latents "$W/lat.pt" --out "$W/dec" \
-    --seconds "$S" --lr "$LR" --batch 32 --recon-check 256 2>&1 | grep --line-buffered -v -E "$F" >> "$W/log.txt"
+    --seconds "$S" --lr "$LR" --batch 32 --recon-check 768 ${FOCUS:+--focus "$FOCUS" --focus-frac "${FOCUS_FRAC:-0.5}"} 2>&1 | grep --line-buffered -v -E "$F" >> "$W/log.txt"
   el "decoder rc ${PIPESTATUS[0]}"; tail -n 3 "$W/log.txt"
   DEC="$W/dec/vae"; BUDGET=200
 else

@@ -108,31 +108,12 @@ def score(videos, prompts, seeds) -> dict:
 
 def recon_by_colour(vae, n: int, *, seed: int = 999, batch: int = 64, device: str = "cpu") -> dict:
     """``n`` rendered clips round-tripped through ``vae`` (posterior mode): the detector's shape per
-    colour (right / all) and the misses as ``"colour shape->read"`` counts."""
-    from collections import Counter
+    colour (right / all) and the misses as ``"colour shape->read"`` counts (``v2.recon_report``'s)."""
+    from omniloop_wan_demo_training.v2 import recon_report
 
-    from omniloop_wan_demo.evaluate import detect
-    from omniloop_wan_demo_training.render import render, sample_params, to_uint8_frames
-
-    p = sample_params(n, seed)
-    labels = p.labels()
-    right: Counter = Counter()
-    total: Counter = Counter()
-    misses: Counter = Counter()
-    with torch.no_grad():
-        for i in range(0, n, batch):
-            sub = type(p)(*[getattr(p, f)[i : i + batch] for f in p.__dataclass_fields__])
-            x = render(sub, device=device) * 2 - 1
-            xr = vae.decode(vae.encode(x).latent_dist.mode()).sample.float().clamp(-1, 1)
-            for j in range(len(sub)):
-                lab = labels[i + j]
-                got = detect(to_uint8_frames((xr[j] + 1) / 2)).shape
-                total[lab["color"]] += 1
-                right[lab["color"]] += got == lab["shape"]
-                if got != lab["shape"]:
-                    misses[f"{lab['color']} {lab['shape']}->{got}"] += 1
-    return {"n": n, "shape": round(sum(right.values()) / n, 4),
-            "shape_by_colour": {c: f"{right[c]}/{total[c]}" for c in sorted(total)}, "misses": dict(misses.most_common())}
+    rep = recon_report(vae, n=n, seed=seed, batch=batch, device=device)
+    return {"n": n, "shape": round(rep["accuracy"]["shape"], 4), "shape_by_colour": rep["shape_by_colour"],
+            "misses": rep["misses"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,10 +89,55 @@ def test_main_trains_the_decoder_only(tmp_path):
     assert any(k.startswith("decoder.") for k in moved)
 
 
+def test_render_batch_draws_the_focus_label_and_is_unchanged_without_it():
+    from omniloop_wan_demo.evaluate import detect as read
+    from omniloop_wan_demo_training.render import render, sample_params, to_uint8_frames
+
+    x, cov = decoder_specks.render_batch(4, 7, focus=("red", "star"), focus_frac=0.5)
+    assert x.shape[0] == cov.shape[0] == 4 and float(x.min()) >= -1 and float(x.max()) <= 1
+    got = [read(to_uint8_frames((x[k] + 1) / 2)) for k in range(4)]
+    assert all(d.color == "red" and d.shape == "star" for d in got[:2])
+    x0, cov0 = decoder_specks.render_batch(3, 11)
+    ref, ref_cov = render(sample_params(3, 11), return_mask=True)
+    torch.testing.assert_close(x0, ref * 2 - 1, rtol=0, atol=0)
+    torch.testing.assert_close(cov0, ref_cov, rtol=0, atol=0)
+    assert decoder_specks.parse_focus("red") == ("red", None) and decoder_specks.parse_focus("red:star") == ("red", "star")
+
+
+def test_misread_clips_are_left_out_and_focus_trains_without_specks(tmp_path, monkeypatch):
+    """With the latents' prompts, a decode whose shape the detector misreads is not kept (it would
+    teach the decoder its miss); with no speck clip at all, --focus still trains on rendered clips."""
+    import omniloop_wan_demo.evaluate as ev
+
+    torch.manual_seed(0)
+    vae = build_vae({**VAE_CONFIG, "base_dim": 4})
+    vae.save_pretrained(str(tmp_path / "vae"))
+    torch.save({"latents": torch.randn(3, 16, 5, 16, 16), "prompts": ["a red star moving up"] * 3}, tmp_path / "lat.pt")
+    reads = iter(["star", "circle", "star"])
+
+    class Read:
+        def __init__(self, shape):
+            self.shape = shape
+
+    monkeypatch.setattr(decoder_specks, "speck_target", lambda video: None)
+    monkeypatch.setattr(ev, "detect", lambda video, **kw: Read(next(reads)))
+    argv = ["--latents", str(tmp_path / "lat.pt"), "--out", str(tmp_path / "out"), "--vae-from", str(tmp_path / "vae"),
+            "--max-steps", "1", "--batch", "2", "--recon-check", "0"]
+    with pytest.raises(SystemExit, match="--focus"):   # nothing to learn without a speck clip or a focus
+        decoder_specks.main(argv)
+    reads = iter(["star", "circle", "star"])
+    assert decoder_specks.main([*argv, "--focus", "red:star"]) == 0
+    info = json.loads((tmp_path / "out" / "decoder_specks.json").read_text())
+    assert (info["speck_clips"], info["other_clips"], info["misread_clips_left_out"], info["steps"]) == (0, 2, 1, 1)
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--seconds", "nan"], "--seconds"),
     (["--lr", "0"], "--lr"),
     (["--batch", "0"], "--batch"),
+    (["--focus", "purple"], "--focus"),
+    (["--focus", "red:hexagon"], "--focus"),
+    (["--focus", "red", "--focus-frac", "1.5"], "--focus-frac"),
 ])
 def test_bad_arguments_are_refused(tmp_path, capsys, argv, msg):
     (tmp_path / "lat.pt").write_bytes(b"")
