@@ -50,8 +50,9 @@ fi
   --lora-scales 1 --vae-from "$DEC" --eval-seeds 0-31 2>&1 | grep --line-buffered -v -E "$F" >> "$W/log.txt"
 el "evaluation rc ${PIPESTATUS[0]}"; tail -n 3 "$W/log.txt"
 # what is left of the call: wan-demo v2 (20 steps, CFG 2) with the same decoder, seeds V2_SEEDS (default 0-31:
-# the bar compares fast's shape with wan-demo's on the same decoder; 3 072 v2 clips took ~40 s of GPU on an H100)
-timeout $((520 - $(date +%s) + t0)) python3 -m omniloop_wan_demo_training.dmd_fast --out "$W/eval-v2" --eval-only v2 \
+# the bar compares fast's shape with wan-demo's on the same decoder; 3 072 v2 clips took ~40 s of GPU on an H100); it ends by
+# V2_END s after the set-up (default 520: a call of timeout_s 590)
+timeout $((${V2_END:-520} - $(date +%s) + t0)) python3 -m omniloop_wan_demo_training.dmd_fast --out "$W/eval-v2" --eval-only v2 \
   --vae-from "$DEC" --eval-seeds "${V2_SEEDS:-0-31}" 2>&1 | grep --line-buffered -v -E "$F" >> "$W/log.txt"
 el "v2 evaluation rc ${PIPESTATUS[0]}"; tail -n 2 "$W/log.txt"
 (cd "$W" && tar cf "$OUT/decoder-specks.tar" log.txt $(ls -d dec/vae dec/decoder_specks.json eval/result.json eval-v2/result.json 2>/dev/null) \
