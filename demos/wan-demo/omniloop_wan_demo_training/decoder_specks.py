@@ -19,11 +19,18 @@ space untouched, as ``vae_decoder``) on three kinds of examples per step:
 * **other student latents**, target = the starting decoder's own output (keeps everything else);
 * **rendered clips** with ``vae_decoder``'s loss on posterior samples (keeps the reconstruction).
 
+``--focus red`` (or ``red:star``) draws ``--focus-frac`` of the rendered clips with that label: both
+demos' shape misses are mostly red (fast: 64 of 71 on the GPU clips) and the VAE alone reads ~1 in 3
+red stars back as circles. With the latents' prompts (``speck_probe.py latents`` stores them), a
+student clip whose decode misreads its prompt's shape is not kept (its own decode would be the
+target). A focused run needs no speck clip.
+
 Which pixels are specks is the evaluator's ``ghosts`` (the detector the figures use); the held-out
 check decodes other seeds' latents, so a decoder that only learned its training clips gains nothing.
 
     python -m omniloop_wan_demo_training.decoder_specks --latents lat_train.pt --out /tmp/decsp --seconds 1200
     python demos/wan-demo/scripts/speck_probe.py score lat_heldout.pt --variants shipped,vae:/tmp/decsp/vae
+    python -m omniloop_wan_demo_training.decoder_specks --latents lat_train.pt --out /tmp/decred --focus red --focus-frac 0.75
     python -m omniloop_wan_demo_training.decoder_specks --ship /tmp/decsp     # after its GPU evaluation
 """
 
