@@ -118,7 +118,7 @@ def omniloop_run(built: Any, body: dict[str, Any]) -> tuple[dict[str, Any], Any]
 
 
 #: short names of attention backends in side names (``omniloop-fa4-compile-graphs``)
-BACKENDS = {"cudnn": "sdpa-cudnn", "fa4": "flash-attn-4", "fp8": "cudnn-fp8"}
+BACKENDS = {"cudnn": "sdpa-cudnn", "fa4": "flash-attn-4", "fp8": "cudnn-fp8", "fa3": "flash-attn-3", "fa3fp8": "fa3-fp8"}
 #: what an omniloop side name may say after ``omniloop``: a backend, ``fp8lin`` (deploy
 #: ``linear_precision: fp8``, omniloop-quant's FP8 block linears), ``fused`` (``options.qkv: fused``),
 #: ``compile`` (deploy ``compile: true``), ``graphs`` (``options.cuda_graphs``)

@@ -21,7 +21,9 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
 ``omniloop-<be>[-compile][-batched]`` omniloop Wan family; ``be``: ``sdpa`` (core, torch picks
                                       the kernel), ``cudnn`` (omniloop-attention
                                       ``sdpa-cudnn``), ``fa4`` (``flash-attn-4``: FlashAttention's
-                                      CuTe-DSL Hopper kernel, exact-class) or ``fp8`` (``cudnn-fp8``: FP8 attention,
+                                      CuTe-DSL Hopper kernel, exact-class), ``fa3`` (``flash-attn-3``,
+                                      exact-class), ``fa3fp8`` (``fa3-fp8``: FlashAttention-3's FP8
+                                      forward, distribution-altering) or ``fp8`` (``cudnn-fp8``: FP8 attention,
                                       distribution-altering; with ``-fused`` q/k are quantised
                                       in the rope kernel, ``-sepq``: by a separate pass),
                                       ``sparse50``/``sparse30``/``sparse15`` (``sparse-tile``
@@ -124,6 +126,8 @@ BF16_PEAK_TFLOPS = 790.0  # H200 dense bf16, for the "share of peak" column
 BF16_REL_RMS_TOL = 5e-2
 
 BACKENDS = {"sdpa": "sdpa", "cudnn": "sdpa-cudnn", "fp8": "cudnn-fp8", "fa4": "flash-attn-4",
+            # FlashAttention-3 (module flash_attn_3): bf16 (exact-class) and its FP8 forward
+            "fa3": "flash-attn-3", "fa3fp8": "fa3-fp8",
             # cudnn-fp8 with attention_options.plan: fastest (cuDNN's plans timed once per shape)
             "fp8t": "cudnn-fp8#fastest",
             # sparse-tile at a density (attention_options.density; distribution-altering)

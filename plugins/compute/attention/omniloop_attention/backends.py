@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omniloop.family import AttentionBackendSpec
 
+from .flash3 import fa3_fp8, fa3_fp8_available, flash_attn3, flash_attn3_available
 from .flash4 import AUTO_RANK, flash_attn4, flash_attn4_accepts, flash_attn4_available
 from .fp8 import CudnnFP8Options, cudnn_fp8, cudnn_fp8_available
 from .fp8 import configure as configure_fp8
@@ -93,6 +94,15 @@ def _specs() -> list[AttentionBackendSpec]:
         description="flash-attn-4's CuTe-DSL forward kernel (flash_attn.cute; Hopper; exact-class; "
                     "attention_backend: auto picks it for Wan and SD3 on Hopper in bf16/fp16 when installed)",
         auto_rank=AUTO_RANK, auto_accepts=flash_attn4_accepts,
+    ))
+    specs.append(AttentionBackendSpec(
+        name="flash-attn-3", fn=flash_attn3, available=flash_attn3_available,
+        description="FlashAttention-3's Hopper forward kernel (module flash_attn_3; exact-class; "
+                    "build: plugins/compute/attention/scripts/build_flash_attn_3.sh)",
+    ))
+    specs.append(AttentionBackendSpec(
+        name="fa3-fp8", fn=fa3_fp8, available=fa3_fp8_available, distribution_altering=True,
+        description="FlashAttention-3's FP8 (e4m3) forward, per-tensor scales, bf16 output (Hopper; alters outputs)",
     ))
     specs.append(AttentionBackendSpec(
         name="cudnn-fp8", fn=cudnn_fp8, available=cudnn_fp8_available, distribution_altering=True,

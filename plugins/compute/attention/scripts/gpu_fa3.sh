@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# FlashAttention-3 on one Hopper GPU (issue 40): run from the repository root with .whl-fp8 (the cp312
+# wheels of diffusers, attrs, cattrs, stevedore, nvidia-cudnn-frontend; see quant/scripts/gpu_fp8lin.sh)
+# and .fa3 (build_flash_attn_3.sh's output: .fa3/flash_attn_3) carried, timeout_s 590. Writes to $OUT:
+#   k/attention_fa3-<date>.json     the kernels alone on Wan's shapes (bench/attention_fa3.py)
+#   13b/wan_gpu-<date>.json         Wan 1.3B step (480x832x81, CFG 5) beside diffusers eager: C13
+#   14b/wan_gpu-<date>.json         Wan 14B forward beside diffusers eager: C14
+#   q/attention_fp8-<date>.json     wan-demo clips (CLIPS, SEEDS; PARTS=quality)
+#   log.txt
+# PARTS (default kernels,speed): kernels, speed, quality.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+mkdir -p /tmp/site
+python3 -c "import tarfile; t = tarfile.open('.whl-fp8/site.tar.xz'); t.extractall('/tmp/site', filter='data')" || exit 1
+export PYTHONPATH=/tmp/site:$PWD/.fa3 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | tee "$OUT/log.txt"
+filter() { grep --line-buffered -v -E "should be kept in float32|it/s\]|s/it\]" | tee -a "$OUT/log.txt"; }
+python3 -c "import flash_attn_3._C, torch; print('flash_attn_3 ops:', torch.ops.flash_attn_3.fwd)" 2>&1 | filter
+PARTS=",${PARTS:-kernels,speed},"
+C13=${C13:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast,omniloop-cudnn-compile-fused,omniloop-fa3-compile-fused}
+C14=${C14:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast}
+if [[ $PARTS == *,kernels,* ]]; then
+  timeout 150 python3 bench/attention_fa3.py --out "$OUT/k" 2>&1 | filter
+fi
+if [[ $PARTS == *,speed,* ]]; then
+  python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s "${BUDGET13:-200}" --out "$OUT/13b" --only "$C13" 2>&1 | filter
+  python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s "${BUDGET14:-90}" --out "$OUT/14b" --only "$C14" 2>&1 | filter
+fi
+if [[ $PARTS == *,quality,* ]]; then
+  timeout "${QUALITY_S:-300}" python3 bench/attention_fp8_quality.py --parts clips --clip-configs "${CLIPS:-bf16,fp8+fp8fast,fa3fp8+fp8fast}" \
+    --seeds "${SEEDS:-0,1,2,3}" --guidance "${GUIDANCE:-2}" --out "$OUT/q" 2>&1 | filter
+fi
+echo "files:" | tee -a "$OUT/log.txt"; ls -R "$OUT" | tee -a "$OUT/log.txt"
