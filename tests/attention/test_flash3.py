@@ -219,3 +219,17 @@ def test_compiled_fullgraph_equals_eager(fn):
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(q, k, v), f(q, k, v))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_bench_needs_a_gpu(monkeypatch):
+    import importlib.util as iu
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "attention_fa3.py"
+    spec = iu.spec_from_file_location("attention_fa3_bench", path)
+    bench = iu.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["attention_fa3.py"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main()
