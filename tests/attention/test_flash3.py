@@ -88,7 +88,7 @@ def test_unavailable_is_an_error_at_load(toy_checkpoint, name):
 @pytest.mark.parametrize("case, match", [
     ("mask", "takes no attention mask"),
     ("float32", "needs bf16 or fp16"),
-    ("head_dim", "multiples of 8 up to 256"),
+    ("head_dim", "multiples of (8|16) up to 256"),
     ("dropout", "does not take dropout_p"),
 ])
 def test_bad_calls_are_refused_before_the_kernel(fn, case, match):

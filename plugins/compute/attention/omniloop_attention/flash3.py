@@ -14,7 +14,7 @@ flash-attention's ``hopper/`` tree (Shah et al., 2024), registered by ``flash_at
   family's fused QK-norm + rotary kernel (:meth:`FA3FP8Attention.attend_quantized`).
 
 Head dimensions: the kernel rounds the head dimension up to the nearest one it was built for (64,
-96, 128, 192, 256; a multiple of 8, ≤ 256), so wan-demo's 32 runs on the 64 kernel.
+96, 128, 192, 256; a multiple of 8 — 16 for e4m3 — and ≤ 256), so wan-demo's 32 runs on the 64 kernel.
 
 Layout: the kernel takes ``[B, L, H, D]`` with a unit last stride; our backends take ``[B, H, L,
 D]``. The Wan processor's q/k/v are ``[B, H, L, D]`` views of ``[B, L, H, D]`` tensors, so the
@@ -109,10 +109,12 @@ def _check_kw(name: str, kw: dict[str, Any]) -> None:
         raise ValueError(f"{name} backend does not take {', '.join(extra)}")
 
 
-def _check_dims(name: str, q: torch.Tensor, v: torch.Tensor) -> None:
+def _check_dims(name: str, q: torch.Tensor, v: torch.Tensor, multiple: int = 8) -> None:
+    """The kernel's head-dim rule: a multiple of 8 (16-bit) or 16 (e4m3), at most 256."""
     D, Dv = q.shape[-1], v.shape[-1]
-    if not (0 < D <= MAX_HEAD_DIM and D % 8 == 0) or Dv % 8 or Dv > MAX_HEAD_DIM:
-        raise ValueError(f"{name} backend needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}; got q {D}, v {Dv}")
+    if not (0 < D <= MAX_HEAD_DIM and D % multiple == 0) or Dv % multiple or Dv > MAX_HEAD_DIM:
+        raise ValueError(f"{name} backend needs head dims that are multiples of {multiple} up to {MAX_HEAD_DIM}; "
+                         f"got q {D}, v {Dv}")
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +152,7 @@ class FA3FP8Attention:
 
     def _run(self, q8: torch.Tensor, dq: torch.Tensor, k8: torch.Tensor, dk: torch.Tensor, v: torch.Tensor,
              out_dtype: torch.dtype, scale: float, causal: bool) -> torch.Tensor:
-        _check_dims("fa3-fp8", q8, v)
+        _check_dims("fa3-fp8", q8, v, multiple=16)
         v8, dv = quantize(v)
         B, Hk = k8.shape[0], k8.shape[1]
         out = torch.ops.omniloop_attention.flash_attn3_fwd(
