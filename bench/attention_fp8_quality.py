@@ -468,7 +468,7 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
 #: exact-class bf16 kernel (torch's FlashAttention-2), whose verdict changes vs ``bf16`` are the
 #: noise floor any other configuration's are read against
 CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4, "fp8+fp8fast": 5, "bf16-flash": 6,
-                "fa3fp8+fp8fast": 7, "bf16-fa3": 8}
+                "fa3fp8+fp8fast": 7, "bf16-fa3": 8, "fa3fp8": 9, "fa3fp8+fp8lin": 10}
 
 
 def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | None = None,
@@ -489,7 +489,9 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                ("cudnn-fp8 (fused q/k) + fp8-fast linears", "cudnn-fp8", "fused", True, "fp8-fast"),
                ("bf16 sdpa-flash (exact-class control)", "sdpa-flash", "fused", True, "dtype"),
                ("fa3-fp8 (fused q/k) + fp8-fast linears", "fa3-fp8", "fused", True, "fp8-fast"),
-               ("bf16 flash-attn-3 (exact-class)", "flash-attn-3", "fused", True, "dtype")]
+               ("bf16 flash-attn-3 (exact-class)", "flash-attn-3", "fused", True, "dtype"),
+               ("fa3-fp8, q/k quantised in the fused rope kernel", "fa3-fp8", "fused", True, "dtype"),
+               ("fa3-fp8 (fused q/k) + fp8 linears", "fa3-fp8", "fused", True, "fp8")]
     configs = [configs[CLIP_CONFIGS[k]] for k in (keys or CLIP_CONFIGS)]  # bf16 (the reference) must be first
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}

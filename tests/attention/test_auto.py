@@ -80,8 +80,23 @@ def test_flash_attn4_declares_itself_for_hopper_bf16_fp16_cuda_only():
     assert resolve_auto_attention(reg, GPU_BF16, "sd3")[0].name == "flash-attn-4"
     assert resolve_auto_attention(reg, GPU_BF16, "flux")[0].name == "sdpa"
     assert resolve_auto_attention(reg, DeployConfig(device="cuda", dtype="float32"), "wan")[0].name == "sdpa"
-    # the other registered backends never win auto: none declares a rank
-    assert [b.name for b in BACKENDS if b.auto_rank > 0] == ["flash-attn-4"]
+    # of the other registered backends only flash-attn-3 declares a rank (below flash-attn-4's)
+    assert [b.name for b in BACKENDS if b.auto_rank > 0] == ["flash-attn-4", "flash-attn-3"]
+
+
+def test_flash_attn3_declares_itself_for_wan_below_flash_attn4():
+    """FlashAttention-3 (built by hand) is picked for Wan on Hopper in bf16/fp16 where flash-attn-4 is
+    not installed; with both, flash-attn-4 (higher rank); never for SD3 or FLUX (not measured)."""
+    fa3, fa4 = BY_NAME["flash-attn-3"], BY_NAME["flash-attn-4"]
+    assert 0 < fa3.auto_rank < fa4.auto_rank and not fa3.distribution_altering and fa3.options_schema is None
+    assert fa3.auto_accepts(GPU_BF16, "wan") is None
+    assert "family 'sd3' was not measured faster" in fa3.auto_accepts(GPU_BF16, "sd3")
+    assert "float32" in fa3.auto_accepts(DeployConfig(device="cuda", dtype="float32"), "wan")
+    others = [b for b in BACKENDS if b.name not in ("flash-attn-3", "flash-attn-4")]
+    fa3_here, fa4_here = attrs.evolve(fa3, available=lambda: None), attrs.evolve(fa4, available=lambda: None)
+    assert resolve_auto_attention(_registry(*others, fa3_here, fa4), GPU_BF16, "wan")[0].name == "flash-attn-3"
+    assert resolve_auto_attention(_registry(*others, fa3_here, fa4_here), GPU_BF16, "wan")[0].name == "flash-attn-4"
+    assert resolve_auto_attention(_registry(*others, fa3_here, fa4), GPU_BF16, "sd3")[0].name == "sdpa"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's choice")

@@ -13,7 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omniloop.family import AttentionBackendSpec
 
-from .flash3 import fa3_fp8, fa3_fp8_available, flash_attn3, flash_attn3_available
+from .flash3 import AUTO_RANK as FA3_AUTO_RANK
+from .flash3 import fa3_fp8, fa3_fp8_available, flash_attn3, flash_attn3_accepts, flash_attn3_available
 from .flash4 import AUTO_RANK, flash_attn4, flash_attn4_accepts, flash_attn4_available
 from .fp8 import CudnnFP8Options, cudnn_fp8, cudnn_fp8_available
 from .fp8 import configure as configure_fp8
@@ -98,7 +99,9 @@ def _specs() -> list[AttentionBackendSpec]:
     specs.append(AttentionBackendSpec(
         name="flash-attn-3", fn=flash_attn3, available=flash_attn3_available,
         description="FlashAttention-3's Hopper forward kernel (module flash_attn_3; exact-class; "
-                    "build: plugins/compute/attention/scripts/build_flash_attn_3.sh)",
+                    "build: plugins/compute/attention/scripts/build_flash_attn_3.sh; attention_backend: auto "
+                    "picks it for Wan on Hopper in bf16/fp16 when built and flash-attn-4 is not installed)",
+        auto_rank=FA3_AUTO_RANK, auto_accepts=flash_attn3_accepts,
     ))
     specs.append(AttentionBackendSpec(
         name="fa3-fp8", fn=fa3_fp8, available=fa3_fp8_available, distribution_altering=True,

@@ -41,11 +41,25 @@ from typing import Any
 
 import torch
 
+from .flash4 import cuda_half_accepts
 from .fp8 import fp8_dtype, quantize
 
 #: head dims the kernel takes (it rounds up to a built one; a multiple of 8)
 MAX_HEAD_DIM = 256
 DTYPES = (torch.bfloat16, torch.float16)
+
+#: ``attention_backend: auto`` rank: below flash-attn-4's 10 (the two were not timed in one run; FA4
+#: installs from PyPI). Measured on an H100 (2026-12-05, ``bench/results/wan_gpu-1.3b-fa3-h100-*``):
+#: the Wan 1.3B step 1.141x ``sdpa-cudnn``'s (1.381x vs 1.217x diffusers eager, same run); the kernel
+#: 1.22x / 1.19x cuDNN on Wan 1.3B / 14B self-attention (``attention_fa3-h100-2026-12-05.json``).
+AUTO_RANK = 8
+#: the families whose whole step was measured faster with it
+AUTO_FAMILIES = ("wan",)
+
+
+def flash_attn3_accepts(deploy: Any, family: str) -> str | None:
+    """``auto`` may pick flash-attn-3 for a Wan deploy on a CUDA device in bf16 or fp16."""
+    return cuda_half_accepts(deploy, family, AUTO_FAMILIES)
 
 
 @functools.lru_cache(maxsize=1)
@@ -178,4 +192,5 @@ class FA3FP8Attention:
 
 fa3_fp8 = FA3FP8Attention()
 
-__all__ = ["FA3FP8Attention", "fa3_fp8", "fa3_fp8_available", "flash_attn3", "flash_attn3_available", "flash_attn3_fwd"]
+__all__ = ["AUTO_RANK", "FA3FP8Attention", "fa3_fp8", "fa3_fp8_available", "flash_attn3", "flash_attn3_accepts",
+           "flash_attn3_available", "flash_attn3_fwd"]

@@ -97,16 +97,21 @@ AUTO_RANK = 10
 AUTO_FAMILIES = ("wan", "sd3")
 
 
-def flash_attn4_accepts(deploy: Any, family: str) -> str | None:
-    """``auto`` may pick flash-attn-4 for a Wan or SD3 deploy on a CUDA device in bf16 or fp16 (the
-    kernel's dtypes); other families, float32 deploys and other devices keep ``sdpa``."""
-    if family not in AUTO_FAMILIES:
-        return f"family {family!r} was not measured faster with it (auto picks it for {', '.join(AUTO_FAMILIES)})"
+def cuda_half_accepts(deploy: Any, family: str, families: tuple[str, ...]) -> str | None:
+    """``auto_accepts`` of a Hopper kernel measured faster for ``families``: a deploy of one of them on a
+    CUDA device in bf16 or fp16 (the kernels' dtypes); others keep ``sdpa``."""
+    if family not in families:
+        return f"family {family!r} was not measured faster with it (auto picks it for {', '.join(families)})"
     if torch.device(deploy.device).type != "cuda":
         return f"device {deploy.device!r} is not a CUDA device"
     if deploy.dtype not in ("bfloat16", "float16"):
         return f"dtype {deploy.dtype!r}: the kernel runs bf16 and fp16 only"
     return None
+
+
+def flash_attn4_accepts(deploy: Any, family: str) -> str | None:
+    """``auto`` may pick flash-attn-4 for a Wan or SD3 deploy on a CUDA device in bf16 or fp16."""
+    return cuda_half_accepts(deploy, family, AUTO_FAMILIES)
 
 
 @torch.library.custom_op("omniloop_attention::flash_attn4_fwd", mutates_args=())
@@ -150,4 +155,4 @@ def flash_attn4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) ->
     return out.transpose(1, 2)
 
 
-__all__ = ["AUTO_FAMILIES", "AUTO_RANK", "flash_attn4", "flash_attn4_accepts", "flash_attn4_available", "flash_attn4_fwd"]
+__all__ = ["AUTO_FAMILIES", "AUTO_RANK", "cuda_half_accepts", "flash_attn4", "flash_attn4_accepts", "flash_attn4_available", "flash_attn4_fwd"]

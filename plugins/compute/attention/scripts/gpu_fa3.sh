@@ -16,7 +16,7 @@ python3 -c "import tarfile; t = tarfile.open('.whl-fp8/site.tar.xz'); t.extracta
 export PYTHONPATH=/tmp/site:$PWD/.fa3 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | tee "$OUT/log.txt"
 filter() { grep --line-buffered -v -E "should be kept in float32|it/s\]|s/it\]" | tee -a "$OUT/log.txt"; }
-python3 -c "import flash_attn_3._C, torch; print('flash_attn_3 ops:', torch.ops.flash_attn_3.fwd)" 2>&1 | filter
+python3 -c "import torch, flash_attn_3._C; print('flash_attn_3 ops:', torch.ops.flash_attn_3.fwd)" 2>&1 | filter  # torch first: it loads libtorch
 PARTS=",${PARTS:-kernels,speed},"
 C13=${C13:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast,omniloop-cudnn-compile-fused,omniloop-fa3-compile-fused}
 C14=${C14:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast}
