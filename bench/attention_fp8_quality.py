@@ -262,6 +262,8 @@ EMULATED: dict[str, dict[str, Any]] = {
     "int8-qk": {**_EXACT_P_O, "exact": "v", "round": "int8", "smooth_k": True},
     "int8-qk-fp8-pv": {"quantize_o": False, "round": "int8", "smooth_k": True},
     "int8-qk-fp8-pv-unsmoothed": {"quantize_o": False, "round": "int8"},
+    # the first and the last of wan-demo's 10 blocks in exact attention, the rest in the model
+    "fp8-model-edges": {"exact_blocks": (0, -1), "blocks": 10},
 }
 
 
@@ -301,8 +303,17 @@ class EmulatedFP8Plugin:
         from omniloop.family import AttentionBackendSpec
         from omniloop_attention.fp8 import reference_fp8_attention
 
-        def make(self_only: bool = False, exact: str = "", round: str = "e4m3", **model: Any) -> Any:
+        def make(self_only: bool = False, exact: str = "", round: str = "e4m3", exact_blocks: tuple[int, ...] = (),
+                 blocks: int = 0, **model: Any) -> Any:
+            # exact_blocks: these blocks' attention runs the plain float SDPA (a block is told by counting
+            # self-attention calls, Lq == Lk, modulo ``blocks``: each forward visits every block in order)
+            seen = [0]
+
             def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+                if exact_blocks and q.shape[-2] == k.shape[-2]:
+                    seen[0] += 1
+                if exact_blocks and (seen[0] - 1) % blocks in {b % blocks for b in exact_blocks}:
+                    return F.scaled_dot_product_attention(q, k, v)
                 if self_only and q.shape[-2] != k.shape[-2]:
                     return F.scaled_dot_product_attention(q, k, v)
                 one = torch.ones(())
