@@ -19,13 +19,9 @@ off) on ``--ref-rows`` random query rows of every head: max |diff| and relative 
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
+import functools
 import json
-import os
-import statistics
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +32,7 @@ add_repo_packages()
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
-from attention_flash4 import err, reference_rows, sdpa_with, time_kernels  # noqa: E402
+from attention_flash4 import bench_args, run_shapes, sdpa_with, start_record, time_and_check  # noqa: E402
 from torch.nn.attention import SDPBackend  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -100,64 +96,23 @@ def compile_check() -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--ref-rows", type=int, default=512)
-    ap.add_argument("--shapes", default="", help="indices into SHAPES (comma list); default all")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("attention_fa3.py needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    date = dt.date.today().isoformat()
+    args = bench_args(__doc__)
+    rec, path = start_record("attention_fa3", args)
     ks, avail = kernels()
-    rec: dict[str, Any] = {
-        "bench": "attention_fa3", "date": date, "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
-        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                    "cudnn": torch.backends.cudnn.version()},
-        "available": avail, "kernels": list(ks), "shapes": [],
-    }
+    rec.update(available=avail, kernels=list(ks), shapes=[])
     print(json.dumps({"available": avail}), flush=True)
-    out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"attention_fa3-{date}.json"
+
+    def measure(row: dict[str, Any], shape: tuple[int, ...]) -> None:
+        B, H, Lq, Lk, D = shape
+        row.update(batch=B, heads=H, q_tokens=Lq, k_tokens=Lk, head_dim=D)
+        time_and_check(row, ks, functools.partial(inputs, B, H, Lq, Lk, D), Lq, 4 * B * H * Lq * Lk * D, args)
+        for a, b in (("flash-attn-3", "sdpa-cudnn"), ("fa3-fp8", "cudnn-fp8"), ("fa3-fp8-preq", "cudnn-fp8-preq")):
+            if a in row["ms"] and b in row["ms"]:
+                row[f"speedup_{a}_vs_{b}"] = round(row["ms"][b] / row["ms"][a], 3)
+
     picks = [SHAPES[int(i)] for i in args.shapes.split(",") if i] or SHAPES
-    for (B, H, Lq, Lk, D) in picks:
-        row: dict[str, Any] = {"batch": B, "heads": H, "q_tokens": Lq, "k_tokens": Lk, "head_dim": D}
-        flops = 4 * B * H * Lq * Lk * D
-        try:
-            q, k, v = inputs(B, H, Lq, Lk, D, seed=0)
-            ms = time_kernels(ks, q, k, v, args.iters, args.rounds)
-            row["ms"] = {n: round(statistics.median(v_), 3) for n, v_ in ms.items()}
-            row["ms_rounds"] = {n: [round(x, 3) for x in v_] for n, v_ in ms.items()}
-            row["tflops"] = {n: round(flops / (m * 1e-3) / 1e12, 1) for n, m in row["ms"].items()}
-            for a, b in (("flash-attn-3", "sdpa-cudnn"), ("fa3-fp8", "cudnn-fp8"), ("fa3-fp8-preq", "cudnn-fp8-preq")):
-                if a in row["ms"] and b in row["ms"]:
-                    row[f"speedup_{a}_vs_{b}"] = round(row["ms"][b] / row["ms"][a], 3)
-            del q, k, v
-            q, k, v = inputs(B, H, Lq, Lk, D, seed=1)
-            outs = {n: fn(q, k, v) for n, fn in ks.items()}
-            g = torch.Generator(device="cuda").manual_seed(2)
-            rows = torch.randperm(Lq, device="cuda", generator=g)[: args.ref_rows]
-            ref = reference_rows(q, k, v, rows)
-            row["finite"] = {n: bool(torch.isfinite(o).all()) for n, o in outs.items()}
-            row["vs_fp32_ref_rows"] = {n: err(o[:, :, rows], ref) for n, o in outs.items()}
-            row["ref_rows"] = int(rows.numel())
-            del q, k, v, outs, ref
-            torch.cuda.empty_cache()
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"[:800]
-            row["traceback_tail"] = traceback.format_exc()[-1500:]
-        print(json.dumps({k_: row.get(k_) for k_ in ("heads", "q_tokens", "head_dim", "ms", "tflops", "vs_fp32_ref_rows", "error")}),
-              flush=True)
-        rec["shapes"].append(row)
-        path.write_text(json.dumps(rec, indent=1) + "\n")
-    if "flash-attn-3" in ks:
-        rec["torch_compile"] = compile_check()
-        print(json.dumps({"torch_compile": rec["torch_compile"]}), flush=True)
-    path.write_text(json.dumps(rec, indent=1) + "\n")
-    print(f"wrote {path}")
+    run_shapes(rec, path, picks, measure, ("heads", "q_tokens", "head_dim", "ms", "tflops", "vs_fp32_ref_rows", "error"),
+               compile_check if "flash-attn-3" in ks else None)
     return 0
 
 

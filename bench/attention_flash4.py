@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import importlib.metadata as md
 import json
 import os
@@ -127,6 +128,79 @@ def err(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     return {"max_abs": float(d.abs().max()), "rel_rms": float(d.norm() / ref.float().norm().clamp_min(1e-30))}
 
 
+def bench_args(doc: str) -> argparse.Namespace:
+    """The kernel benches' command line (this one's and ``attention_fa3.py``'s)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ref-rows", type=int, default=512)
+    ap.add_argument("--shapes", default="", help="indices into SHAPES (comma list); default all")
+    return ap.parse_args()
+
+
+def start_record(bench: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    """A GPU kernel bench's record (machine, command) and where it is written; exits without CUDA."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{bench}.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    date = dt.date.today().isoformat()
+    rec: dict[str, Any] = {
+        "bench": bench, "date": date, "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "cudnn": torch.backends.cudnn.version(), "capability": list(torch.cuda.get_device_capability())},
+    }
+    out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return rec, out_dir / f"{bench}-{date}.json"
+
+
+def time_and_check(row: dict[str, Any], ks: dict[str, Any], make_inputs: Any, Lq: int, flops: int,
+                   args: argparse.Namespace, vs_cudnn: bool = False) -> None:
+    """Into ``row``: every kernel timed on ``make_inputs(seed=0)`` (ms, per-round ms, TFLOP/s), then every output
+    on fresh ``make_inputs(seed=1)`` checked (finite; error vs float32 on ``args.ref_rows`` random query rows;
+    with ``vs_cudnn``, vs ``sdpa-cudnn``'s whole output)."""
+    q, k, v = make_inputs(seed=0)
+    ms = time_kernels(ks, q, k, v, args.iters, args.rounds)
+    row["ms"] = {n: round(statistics.median(v_), 3) for n, v_ in ms.items()}
+    row["ms_rounds"] = {n: [round(x, 3) for x in v_] for n, v_ in ms.items()}
+    row["tflops"] = {n: round(flops / (m * 1e-3) / 1e12, 1) for n, m in row["ms"].items()}
+    del q, k, v
+    q, k, v = make_inputs(seed=1)
+    outs = {n: fn(q, k, v) for n, fn in ks.items()}
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rows = torch.randperm(Lq, device="cuda", generator=g)[: args.ref_rows]
+    ref = reference_rows(q, k, v, rows)
+    row["finite"] = {n: bool(torch.isfinite(o).all()) for n, o in outs.items()}
+    if vs_cudnn:
+        row["vs_cudnn"] = {n: err(o, outs["sdpa-cudnn"]) for n, o in outs.items() if n != "sdpa-cudnn"}
+    row["vs_fp32_ref_rows"] = {n: err(o[:, :, rows], ref) for n, o in outs.items()}
+    row["ref_rows"] = int(rows.numel())
+    del q, k, v, outs, ref
+    torch.cuda.empty_cache()
+
+
+def run_shapes(rec: dict[str, Any], path: Path, shapes: list[Any], measure: Any, show: tuple[str, ...],
+               compile_check: Any = None) -> None:
+    """Each shape measured into a row of ``rec["shapes"]`` (``measure(row, shape)``; an exception becomes the
+    row's error), ``show``'s keys printed and the record rewritten after each; then ``compile_check()``."""
+    for shape in shapes:
+        row: dict[str, Any] = {}
+        try:
+            measure(row, shape)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:800]
+            row["traceback_tail"] = traceback.format_exc()[-1500:]
+        print(json.dumps({k_: row.get(k_) for k_ in show}), flush=True)
+        rec["shapes"].append(row)
+        path.write_text(json.dumps(rec, indent=1) + "\n")
+    if compile_check is not None:
+        rec["torch_compile"] = compile_check()
+        print(json.dumps({"torch_compile": rec["torch_compile"]}), flush=True)
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def compile_check() -> dict[str, Any]:
     from omniloop_attention.flash4 import flash_attn4
 
@@ -148,23 +222,9 @@ def compile_check() -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--ref-rows", type=int, default=512)
-    ap.add_argument("--shapes", default="", help="indices into SHAPES (comma list); default all")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("attention_flash4.py needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    date = dt.date.today().isoformat()
-    rec: dict[str, Any] = {
-        "bench": "attention_flash4", "date": date, "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
-        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                    "cudnn": torch.backends.cudnn.version(), "capability": list(torch.cuda.get_device_capability())},
-        "versions": versions(), "shapes": [],
-    }
+    args = bench_args(__doc__)
+    rec, path = start_record("attention_flash4", args)
+    rec.update(versions=versions(), shapes=[])
     t = time.perf_counter()
     try:
         import cutlass.cute  # noqa: F401
@@ -182,52 +242,26 @@ def main() -> int:
     rec["backend_available"] = flash_attn4_available()
     ks = kernels(fa4_ok and rec["backend_available"] is None)
     print(json.dumps({k: rec[k] for k in ("versions", "backend_available")} | {"import_error": rec.get("import_error")}), flush=True)
-    out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"attention_flash4-{date}.json"
-    picks = [SHAPES[int(i)] for i in args.shapes.split(",") if i] or SHAPES
-    for (B, H, Lq, Lk) in picks:
-        row: dict[str, Any] = {"batch": B, "heads": H, "q_tokens": Lq, "k_tokens": Lk, "head_dim": HEAD_DIM}
-        flops = 4 * B * H * Lq * Lk * HEAD_DIM
-        try:
+
+    def measure(row: dict[str, Any], shape: tuple[int, ...]) -> None:
+        B, H, Lq, Lk = shape
+        row.update(batch=B, heads=H, q_tokens=Lq, k_tokens=Lk, head_dim=HEAD_DIM)
+        if "flash-attn-4" in ks:  # the first call compiles the DSL kernel for this shape
             q, k, v = inputs(B, H, Lq, Lk, seed=0)
-            if "flash-attn-4" in ks:
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                ks["flash-attn-4"](q, k, v)
-                torch.cuda.synchronize()
-                row["fa4_first_call_s"] = round(time.perf_counter() - t, 2)
-            ms = time_kernels(ks, q, k, v, args.iters, args.rounds)
-            row["ms"] = {n: round(statistics.median(v_), 3) for n, v_ in ms.items()}
-            row["ms_rounds"] = {n: [round(x, 3) for x in v_] for n, v_ in ms.items()}
-            row["tflops"] = {n: round(flops / (m * 1e-3) / 1e12, 1) for n, m in row["ms"].items()}
-            if "flash-attn-4" in row["ms"]:
-                row["fa4_speedup_vs_cudnn"] = round(row["ms"]["sdpa-cudnn"] / row["ms"]["flash-attn-4"], 3)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            ks["flash-attn-4"](q, k, v)
+            torch.cuda.synchronize()
+            row["fa4_first_call_s"] = round(time.perf_counter() - t, 2)
             del q, k, v
-            # errors on fresh inputs
-            q, k, v = inputs(B, H, Lq, Lk, seed=1)
-            outs = {n: fn(q, k, v) for n, fn in ks.items()}
-            g = torch.Generator(device="cuda").manual_seed(2)
-            rows = torch.randperm(Lq, device="cuda", generator=g)[: args.ref_rows]
-            ref = reference_rows(q, k, v, rows)
-            row["finite"] = {n: bool(torch.isfinite(o).all()) for n, o in outs.items()}
-            row["vs_cudnn"] = {n: err(o, outs["sdpa-cudnn"]) for n, o in outs.items() if n != "sdpa-cudnn"}
-            row["vs_fp32_ref_rows"] = {n: err(o[:, :, rows], ref) for n, o in outs.items()}
-            row["ref_rows"] = int(rows.numel())
-            del q, k, v, outs, ref
-            torch.cuda.empty_cache()
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"[:800]
-            row["traceback_tail"] = traceback.format_exc()[-1500:]
-        print(json.dumps({k_: row.get(k_) for k_ in ("heads", "q_tokens", "k_tokens", "ms", "tflops", "fa4_speedup_vs_cudnn",
-                                                    "vs_fp32_ref_rows", "error")}), flush=True)
-        rec["shapes"].append(row)
-        path.write_text(json.dumps(rec, indent=1) + "\n")
-    if "flash-attn-4" in ks:
-        rec["torch_compile"] = compile_check()
-        print(json.dumps({"torch_compile": rec["torch_compile"]}), flush=True)
-    path.write_text(json.dumps(rec, indent=1) + "\n")
-    print(f"wrote {path}")
+        time_and_check(row, ks, functools.partial(inputs, B, H, Lq, Lk), Lq, 4 * B * H * Lq * Lk * HEAD_DIM, args,
+                       vs_cudnn=True)
+        if "flash-attn-4" in row["ms"]:
+            row["fa4_speedup_vs_cudnn"] = round(row["ms"]["sdpa-cudnn"] / row["ms"]["flash-attn-4"], 3)
+
+    picks = [SHAPES[int(i)] for i in args.shapes.split(",") if i] or SHAPES
+    run_shapes(rec, path, picks, measure, ("heads", "q_tokens", "k_tokens", "ms", "tflops", "fa4_speedup_vs_cudnn",
+                                           "vs_fp32_ref_rows", "error"), compile_check if "flash-attn-4" in ks else None)
     return 0
 
 

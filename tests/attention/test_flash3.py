@@ -59,19 +59,11 @@ def test_refused_when_not_installed(monkeypatch):
     assert "build_flash_attn_3.sh" in reason
 
 
-def test_a_library_that_does_not_load_says_why(monkeypatch):
+def test_a_library_that_does_not_load_says_why(monkeypatch, reason_when_import_breaks):
     """Found but its ``_C`` does not load (built for another torch or CUDA): the reason carries the
     loader's error, at load, not at the first call."""
-    _hopper(monkeypatch)
-    real = importlib.util.find_spec
-    sentinel = importlib.util.spec_from_loader("flash_attn_3", loader=None)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: sentinel if name == "flash_attn_3" else real(name, *a))
-    monkeypatch.setitem(sys.modules, "flash_attn_3._C", None)  # import raises ImportError
-    flash3._import_error.cache_clear()
-    try:
-        reason = flash_attn3_available()
-    finally:
-        flash3._import_error.cache_clear()
+    reason = reason_when_import_breaks(monkeypatch, "flash_attn_3", "flash_attn_3._C", flash3._import_error,
+                                       flash_attn3_available)
     assert reason.startswith("flash_attn_3 is installed but its library does not load: ")
 
 
@@ -91,18 +83,8 @@ def test_unavailable_is_an_error_at_load(toy_checkpoint, name):
     ("head_dim", "multiples of (8|16) up to 256"),
     ("dropout", "does not take dropout_p"),
 ])
-def test_bad_calls_are_refused_before_the_kernel(fn, case, match):
-    q = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
-    k = v = q
-    kw = {}
-    if case == "mask":
-        kw["attn_mask"] = torch.ones(16, 16, dtype=torch.bool)
-    elif case == "float32":
-        q = k = v = q.float()
-    elif case == "head_dim":
-        q = k = v = torch.zeros(1, 2, 16, 12, dtype=torch.bfloat16)
-    elif case == "dropout":
-        kw["dropout_p"] = 0.1
+def test_bad_calls_are_refused_before_the_kernel(fn, case, match, bad_call):
+    q, k, v, kw = bad_call(case)
     with pytest.raises(ValueError, match=match):
         fn(q, k, v, **kw)
 
@@ -181,44 +163,26 @@ needs_fa3 = pytest.mark.skipif(not torch.cuda.is_available() or flash_attn3_avai
                                reason="needs a Hopper GPU with FlashAttention-3 (flash_attn_3) built")
 
 
-def _cuda_views(B, H, L, D, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-
-
 @needs_fa3
 @pytest.mark.parametrize("lq, lk, d", [(1000, 1000, 128), (777, 512, 128), (256, 300, 64), (320, 320, 32)])
-def test_bf16_matches_float32_attention(lq, lk, d):
-    q, k, v = _cuda_views(2, 4, lq, d, 0), _cuda_views(2, 4, lk, d, 1), _cuda_views(2, 4, lk, d, 2)
-    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    out = flash_attn3(q, k, v)
-    assert out.shape == ref.shape and out.dtype == torch.bfloat16
-    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2  # bf16 output rounding: ~4e-3
+def test_bf16_matches_float32_attention(lq, lk, d, cuda_views, rel_to_float32):
+    q, k, v = cuda_views(2, 4, lq, d, 0), cuda_views(2, 4, lk, d, 1), cuda_views(2, 4, lk, d, 2)
+    assert rel_to_float32(flash_attn3, q, k, v) < 1e-2  # bf16 output rounding: ~4e-3
 
 
 @needs_fa3
 @pytest.mark.parametrize("lq, lk, d", [(1000, 1000, 128), (320, 320, 32)])
-def test_fp8_matches_float32_attention_within_e4m3(lq, lk, d):
+def test_fp8_matches_float32_attention_within_e4m3(lq, lk, d, cuda_views, rel_to_float32):
     """e4m3 keeps 3 mantissa bits (relative step 1/16) on q, k, v and the probabilities: on random
     inputs the output's relative RMS error is a few percent (cuDNN's FP8 graph: the same order)."""
-    q, k, v = _cuda_views(2, 4, lq, d, 0), _cuda_views(2, 4, lk, d, 1), _cuda_views(2, 4, lk, d, 2)
-    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    out = fa3_fp8(q, k, v)
-    assert out.shape == ref.shape and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert float((out.float() - ref).norm() / ref.norm()) < 0.1
+    q, k, v = cuda_views(2, 4, lq, d, 0), cuda_views(2, 4, lk, d, 1), cuda_views(2, 4, lk, d, 2)
+    assert rel_to_float32(fa3_fp8, q, k, v) < 0.1
 
 
 @needs_fa3
 @pytest.mark.parametrize("fn", [flash_attn3, fa3_fp8], ids=["flash-attn-3", "fa3-fp8"])
-def test_compiled_fullgraph_equals_eager(fn):
-    q, k, v = (_cuda_views(1, 4, 1000, 128, s) for s in range(3))
-
-    def f(q, k, v):
-        return fn(q * 1.5, k, v) + 1.0
-
-    torch._dynamo.reset()
-    compiled = torch.compile(f, fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(q, k, v), f(q, k, v))
+def test_compiled_fullgraph_equals_eager(fn, compiled_equals_eager):
+    assert compiled_equals_eager(fn)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")

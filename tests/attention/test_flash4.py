@@ -56,18 +56,11 @@ def test_refused_off_hopper(monkeypatch):
     assert "sm80" in flash_attn4_available()
 
 
-def test_a_broken_install_says_what_failed(monkeypatch):
+def test_a_broken_install_says_what_failed(monkeypatch, reason_when_import_breaks):
     """Found but not importable (the 2026-12-03 failure: no nvidia-cutlass-dsl-libs-core, so no
     ``cutlass.cute``): the reason carries the import error, at load, not at the first call."""
-    _fake_installed(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import raises ImportError
-    flash4._import_error.cache_clear()
-    try:
-        reason = flash_attn4_available()
-    finally:
-        flash4._import_error.cache_clear()
+    reason = reason_when_import_breaks(monkeypatch, "flash_attn.cute", "flash_attn.cute", flash4._import_error,
+                                       flash_attn4_available)
     assert reason.startswith("flash-attn-4 is installed but does not import: ModuleNotFoundError")
     assert "nvidia-cutlass-dsl-libs-core" in reason
 
@@ -87,20 +80,8 @@ def test_unavailable_is_an_error_at_load(toy_checkpoint):
     ("head_dim", "head dim in \\[8, 256\\]"),
     ("dropout", "does not take dropout_p"),
 ])
-def test_bad_calls_are_refused_before_the_kernel(case, match):
-    q = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
-    k = v = q
-    kw = {}
-    if case == "mask":
-        kw["attn_mask"] = torch.ones(16, 16, dtype=torch.bool)
-    elif case == "float32":
-        q = k = v = q.float()
-    elif case == "mixed":
-        v = v.half()
-    elif case == "head_dim":
-        q = k = v = torch.zeros(1, 2, 16, 12, dtype=torch.bfloat16)
-    elif case == "dropout":
-        kw["dropout_p"] = 0.1
+def test_bad_calls_are_refused_before_the_kernel(case, match, bad_call):
+    q, k, v, kw = bad_call(case)
     with pytest.raises(ValueError, match=match):
         flash_attn4(q, k, v, **kw)
 
@@ -125,37 +106,21 @@ needs_fa4 = pytest.mark.skipif(not torch.cuda.is_available() or flash_attn4_avai
                                reason="needs a Hopper GPU with flash-attn-4 installed")
 
 
-def _bhld(B, H, L, D, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-
-
 @needs_fa4
 @pytest.mark.parametrize("lq, lk, d, layout", [(1000, 1000, 128, "blhd"), (777, 512, 128, "blhd"), (256, 300, 64, "blhd"),
                                                (4429, 4429, 64, "bhld")])
-def test_matches_float32_attention(lq, lk, d, layout):
+def test_matches_float32_attention(lq, lk, d, layout, cuda_views, rel_to_float32):
     """``blhd``: views of ``[B, L, H, D]`` tensors (Wan); ``bhld``: contiguous ``[B, H, L, D]``
     (SD3's joint attention after its concatenation)."""
-    q, k, v = _bhld(2, 4, lq, d, 0), _bhld(2, 4, lk, d, 1), _bhld(2, 4, lk, d, 2)
+    q, k, v = cuda_views(2, 4, lq, d, 0), cuda_views(2, 4, lk, d, 1), cuda_views(2, 4, lk, d, 2)
     if layout == "bhld":
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    out = flash_attn4(q, k, v)
-    assert out.shape == ref.shape and out.dtype == torch.bfloat16
-    rel = float((out.float() - ref).norm() / ref.norm())
-    assert rel < 1e-2  # bf16 output rounding: ~4e-3
+    assert rel_to_float32(flash_attn4, q, k, v) < 1e-2  # bf16 output rounding: ~4e-3
 
 
 @needs_fa4
-def test_compiled_fullgraph_equals_eager():
-    q, k, v = (_bhld(1, 4, 1000, 128, s) for s in range(3))
-
-    def f(q, k, v):
-        return flash_attn4(q * 1.5, k, v) + 1.0
-
-    torch._dynamo.reset()
-    compiled = torch.compile(f, fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(q, k, v), f(q, k, v))
+def test_compiled_fullgraph_equals_eager(compiled_equals_eager):
+    assert compiled_equals_eager(flash_attn4)
 
 
 def _bench_module():
