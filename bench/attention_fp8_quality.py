@@ -264,7 +264,12 @@ EMULATED: dict[str, dict[str, Any]] = {
     "int8-qk-fp8-pv-unsmoothed": {"quantize_o": False, "round": "int8"},
     # the first and the last of wan-demo's 10 blocks in exact attention, the rest in the model
     "fp8-model-edges": {"exact_blocks": (0, -1), "blocks": 10},
+    # some of the 20 denoising steps in exact attention (the steps that lay the clip out, or the last ones)
+    "fp8-model-exact4": {"exact_steps": tuple(range(4))}, "fp8-model-exact2": {"exact_steps": (0, 1)},
+    "fp8-model-exactlast4": {"exact_steps": tuple(range(16, 20))},
 }
+#: the emulate part's step (:class:`StepTracker`), for configurations with ``exact_steps``
+EMULATE_STEP: list[Any] = [None]
 
 
 def _round_inputs(q: torch.Tensor, k: torch.Tensor, how: str, smooth_k: bool) -> dict[str, Any]:
@@ -304,7 +309,7 @@ class EmulatedFP8Plugin:
         from omniloop_attention.fp8 import reference_fp8_attention
 
         def make(self_only: bool = False, exact: str = "", round: str = "e4m3", exact_blocks: tuple[int, ...] = (),
-                 blocks: int = 0, **model: Any) -> Any:
+                 blocks: int = 0, exact_steps: tuple[int, ...] = (), **model: Any) -> Any:
             # exact_blocks: these blocks' attention runs the plain float SDPA (a block is told by counting
             # self-attention calls, Lq == Lk, modulo ``blocks``: each forward visits every block in order)
             seen = [0]
@@ -315,6 +320,8 @@ class EmulatedFP8Plugin:
                 if exact_blocks and (seen[0] - 1) % blocks in {b % blocks for b in exact_blocks}:
                     return F.scaled_dot_product_attention(q, k, v)
                 if self_only and q.shape[-2] != k.shape[-2]:
+                    return F.scaled_dot_product_attention(q, k, v)
+                if exact_steps and EMULATE_STEP[0].index in exact_steps:
                     return F.scaled_dot_product_attention(q, k, v)
                 one = torch.ones(())
                 given = {f"{n}8": (x.float(), one) for n, x in zip("qkv", (q, k, v), strict=True) if n in exact}
@@ -350,8 +357,13 @@ def part_emulate(res: dict[str, Any], device: str, smoke: bool, seeds: list[int]
         row: dict[str, Any] = {}
         out[backend] = row
         rt = demo_runtime(device, backend, "reference", capture=EmulatedFP8Plugin() if backend != "sdpa" else None)
+        tracker = EMULATE_STEP[0] = StepTracker()
+        tracker.install()
         t = time.perf_counter()
-        vids = [wan_demo_clip(rt, p, s, steps=3 if smoke else 20, guidance=guidance) for p, s in pairs]
+        vids = []
+        for p, s in pairs:
+            tracker.reset()
+            vids.append(wan_demo_clip(rt, p, s, steps=3 if smoke else 20, guidance=guidance))
         row["seconds"] = round(time.perf_counter() - t, 1)
         acc, clips = score(vids, [p for p, _ in pairs], [s for _, s in pairs])
         verdicts = [{k: c.ok[k] for k in ("color", "direction", "shape")} for c in clips]
@@ -386,11 +398,15 @@ def demo_runtime(device: str, backend: str, rope: str, capture: Any = None,
 
 
 
-def _transformer() -> Any:
+def _transformers() -> list[Any]:
     from diffusers import WanTransformer3DModel
 
-    found = [o for o in gc.get_objects() if isinstance(o, WanTransformer3DModel)]
-    return found[-1]
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, WanTransformer3DModel)]
+
+
+def _transformer() -> Any:
+    return _transformers()[-1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,7 +495,83 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
 #: exact-class bf16 kernel (torch's FlashAttention-2), whose verdict changes vs ``bf16`` are the
 #: noise floor any other configuration's are read against
 CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4, "fp8+fp8fast": 5, "bf16-flash": 6,
-                "fa3fp8+fp8fast": 7, "bf16-fa3": 8, "fa3fp8": 9, "fa3fp8+fp8lin": 10}
+                "fa3fp8+fp8fast": 7, "bf16-fa3": 8, "fa3fp8": 9, "fa3fp8+fp8lin": 10, "fa3fp8-exact4": 11,
+                "fa3fp8+fp8fast-exact4": 12, "fa3fp8-exactlast4": 13, "fa3fp8-exact2": 14}
+
+
+class StepTracker:
+    """The denoising step a wan-demo forward belongs to, told by the transformer's ``timestep`` (a
+    forward pre-hook on its ``condition_embedder``, :meth:`install`: Wan's forward is omniloop's,
+    :func:`omniloop_wan.transformer.wan_forward`; CFG's two forwards of a step share the timestep),
+    counted from :meth:`reset` (call it before each clip). ``on_step(index)`` runs at each forward."""
+
+    def __init__(self, on_step: Any = None) -> None:
+        self.seen: list[float] = []
+        self.index = 0
+        self.on_step = on_step
+
+    def reset(self) -> None:
+        self.seen = []
+        self.index = 0
+
+    def install(self) -> None:
+        for tf in _transformers():
+            tf.condition_embedder.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        t = kwargs.get("timestep", args[0] if args else None)
+        t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
+        if t not in self.seen:
+            self.seen.append(t)
+        self.index = self.seen.index(t)
+        if self.on_step is not None:
+            self.on_step(self.index)
+
+
+class StepScheduledFP8:
+    """``fa3-fp8`` with some of a clip's denoising steps in ``flash-attn-3`` (exact-class): which steps
+    an FP8 attention's error costs verdicts in. In an exact step the Wan processor's fused e4m3 q/k
+    path is switched off (``FUSE_FP8_QUANT``), so the backend gets bf16 q/k/v; ``tracker`` (a
+    :class:`StepTracker`) says the step."""
+
+    accepts_quantized_qk = True
+
+    def __init__(self, exact_steps: set[int]) -> None:
+        self.exact_steps = exact_steps
+        self.exact = False
+        self.tracker = StepTracker(self._on_step)
+
+    def _on_step(self, index: int) -> None:
+        from omniloop_wan import attention as wan_attention
+
+        self.exact = index in self.exact_steps
+        wan_attention.FUSE_FP8_QUANT = not self.exact
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        from omniloop_attention.flash3 import fa3_fp8, flash_attn3
+
+        return (flash_attn3 if self.exact else fa3_fp8)(q, k, v, **kw)
+
+    def attend_quantized(self, *args: Any) -> torch.Tensor:
+        from omniloop_attention.flash3 import fa3_fp8
+
+        return fa3_fp8.attend_quantized(*args)
+
+
+class ScheduledPlugin:
+    """Registers ``fa3-fp8-scheduled``: a :class:`StepScheduledFP8`."""
+
+    OMNILOOP_HOOK_API = ">=1.0,<2"
+
+    def __init__(self, fn: StepScheduledFP8) -> None:
+        self.fn = fn
+
+    @hookimpl
+    def omniloop_register_attention_backends(self, register: Any) -> None:
+        from omniloop.family import AttentionBackendSpec
+
+        register(AttentionBackendSpec(name="fa3-fp8-scheduled", fn=self.fn, distribution_altering=True,
+                                      description="fa3-fp8 with some steps in flash-attn-3 (bench)"))
 
 
 def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | None = None,
@@ -502,21 +594,36 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                ("fa3-fp8 (fused q/k) + fp8-fast linears", "fa3-fp8", "fused", True, "fp8-fast"),
                ("bf16 flash-attn-3 (exact-class)", "flash-attn-3", "fused", True, "dtype"),
                ("fa3-fp8, q/k quantised in the fused rope kernel", "fa3-fp8", "fused", True, "dtype"),
-               ("fa3-fp8 (fused q/k) + fp8 linears", "fa3-fp8", "fused", True, "fp8")]
+               ("fa3-fp8 (fused q/k) + fp8 linears", "fa3-fp8", "fused", True, "fp8"),
+               ("fa3-fp8, the first 4 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True, "dtype", range(4)),
+               ("fa3-fp8 + fp8-fast linears, the first 4 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True,
+                "fp8-fast", range(4)),
+               ("fa3-fp8, the last 4 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True, "dtype", range(16, 20)),
+               ("fa3-fp8, the first 2 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True, "dtype", range(2))]
     configs = [configs[CLIP_CONFIGS[k]] for k in (keys or CLIP_CONFIGS)]  # bf16 (the reference) must be first
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}
-    for label, backend, rope, fuse_q, linears in configs:
+    for label, backend, rope, fuse_q, linears, *exact in configs:
         row: dict[str, Any] = {"attention_backend": backend, "qk_norm_rope": rope, "fp8_quant_in_rope_kernel": fuse_q,
                                "linear_precision": linears}
+        sched = StepScheduledFP8(set(exact[0])) if exact else None
+        if sched is not None:
+            row["exact_steps"] = sorted(sched.exact_steps)
         try:
             wan_attention.FUSE_FP8_QUANT = fuse_q
-            rt = demo_runtime(device, backend, rope, linear_precision=linears)
+            rt = demo_runtime(device, backend, rope, linear_precision=linears,
+                              capture=ScheduledPlugin(sched) if sched is not None else None)
+            if sched is not None:
+                sched.tracker.install()
             if rt.linears is not None:
                 row["fp8_linears"] = {k: rt.linears[k] for k in ("quantized", "blocks")} | {"skipped": len(rt.linears["skipped"])}
             wan_demo_clip(rt, prompts[0], 0, steps=2)  # warm-up
             t = time.perf_counter()
-            vids = [wan_demo_clip(rt, p, s, steps=3 if smoke else 20, guidance=guidance) for p, s in pairs]
+            vids = []
+            for p, s in pairs:
+                if sched is not None:
+                    sched.tracker.reset()
+                vids.append(wan_demo_clip(rt, p, s, steps=3 if smoke else 20, guidance=guidance))
             row["seconds"] = round(time.perf_counter() - t, 2)
             acc, clips = score(vids, [p for p, _ in pairs], [s for _, s in pairs])
             row["accuracy"] = acc
