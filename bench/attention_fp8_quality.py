@@ -268,8 +268,23 @@ EMULATED: dict[str, dict[str, Any]] = {
     "fp8-model-exact4": {"exact_steps": tuple(range(4))}, "fp8-model-exact2": {"exact_steps": (0, 1)},
     "fp8-model-exactlast4": {"exact_steps": tuple(range(16, 20))},
 }
+# q and k rotated by one random-sign Hadamard matrix before rounding (FlashAttention-3's "incoherent
+# processing": q k^T is unchanged, channels that carry outliers in both q and k are spread over all)
+EMULATED["fp8-model-hadamard"] = {"rotate": True}
 #: the emulate part's step (:class:`StepTracker`), for configurations with ``exact_steps``
 EMULATE_STEP: list[Any] = [None]
+
+
+@functools.lru_cache(maxsize=8)
+def random_hadamard(d: int, seed: int = 0) -> torch.Tensor:
+    """An orthogonal ``d x d`` float32 matrix: Sylvester's Hadamard (``d`` a power of 2) with random column signs, / sqrt(d)."""
+    if d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-2 head dim, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    return h * signs / math.sqrt(d)
 
 
 def _round_inputs(q: torch.Tensor, k: torch.Tensor, how: str, smooth_k: bool) -> dict[str, Any]:
@@ -309,7 +324,7 @@ class EmulatedFP8Plugin:
         from omniloop_attention.fp8 import reference_fp8_attention
 
         def make(self_only: bool = False, exact: str = "", round: str = "e4m3", exact_blocks: tuple[int, ...] = (),
-                 blocks: int = 0, exact_steps: tuple[int, ...] = (), **model: Any) -> Any:
+                 blocks: int = 0, exact_steps: tuple[int, ...] = (), rotate: bool = False, **model: Any) -> Any:
             # exact_blocks: these blocks' attention runs the plain float SDPA (a block is told by counting
             # self-attention calls, Lq == Lk, modulo ``blocks``: each forward visits every block in order)
             seen = [0]
@@ -324,6 +339,9 @@ class EmulatedFP8Plugin:
                 if exact_steps and EMULATE_STEP[0].index in exact_steps:
                     return F.scaled_dot_product_attention(q, k, v)
                 one = torch.ones(())
+                if rotate:
+                    rot = random_hadamard(q.shape[-1]).to(q.device)
+                    q, k = q.float() @ rot, k.float() @ rot
                 given = {f"{n}8": (x.float(), one) for n, x in zip("qkv", (q, k, v), strict=True) if n in exact}
                 if round != "e4m3":
                     given.update(_round_inputs(q.float(), k.float(), round, model.get("smooth_k", False)))
