@@ -51,7 +51,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 #: ``attention_backend: auto`` rank: below flash-attn-4's 10 (the two were not timed in one run; FA4
 #: installs from PyPI). Measured on an H100 (2026-12-05, ``bench/results/wan_gpu-1.3b-fa3-h100-*``):
 #: the Wan 1.3B step 1.141x ``sdpa-cudnn``'s (1.381x vs 1.217x diffusers eager, same run); the kernel
-#: 1.22x / 1.19x cuDNN on Wan 1.3B / 14B self-attention (``attention_fa3-h100-2026-12-05.json``).
+#: 1.22x / 1.19x cuDNN on Wan 1.3B / 14B self-attention (``attention_fa3-h100-2026-12-05.json``). On an
+#: H200 (2026-12-06, ``wan_gpu-1.3b-fa3-h200-2026-12-06.json``): 1.338x vs ``sdpa-cudnn``'s 1.195x (1.12x).
 AUTO_RANK = 8
 #: the families whose whole step was measured faster with it
 AUTO_FAMILIES = ("wan",)
