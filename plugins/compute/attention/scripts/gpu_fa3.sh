@@ -6,8 +6,9 @@
 #   13b/wan_gpu-<date>.json         Wan 1.3B step (480x832x81, CFG 5) beside diffusers eager: C13
 #   14b/wan_gpu-<date>.json         Wan 14B forward beside diffusers eager: C14
 #   q/attention_fp8-<date>.json     wan-demo clips (CLIPS, SEEDS; PARTS=quality)
+#   tests.txt                       the FA3 / FA4 GPU tests under pytest (PARTS=tests; pytest is on the machine)
 #   log.txt
-# PARTS (default kernels,speed): kernels, speed, quality.
+# PARTS (default kernels,speed): tests, kernels, speed, quality.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -20,6 +21,10 @@ python3 -c "import torch, flash_attn_3._C; print('flash_attn_3 ops:', torch.ops.
 PARTS=",${PARTS:-kernels,speed},"
 C13=${C13:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast,omniloop-cudnn-compile-fused,omniloop-fa3-compile-fused}
 C14=${C14:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast}
+if [[ $PARTS == *,tests,* ]]; then  # the repo's packages by path (no editable installs here), as the benches do
+  timeout "${TESTS_S:-150}" python3 -c "import sys; sys.path.insert(0, 'bench'); from _repo_paths import add_repo_packages; add_repo_packages(); import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/attention/test_flash3.py', 'tests/attention/test_flash4.py']))" \
+    2>&1 | tee "$OUT/tests.txt" | tail -n 15 | filter
+fi
 if [[ $PARTS == *,kernels,* ]]; then
   timeout 150 python3 bench/attention_fa3.py --out "$OUT/k" 2>&1 | filter
 fi
