@@ -4,7 +4,7 @@
 # and .fa3 (build_flash_attn_3.sh's output: .fa3/flash_attn_3) carried, timeout_s 590. Writes to $OUT:
 #   k/attention_fa3-<date>.json     the kernels alone on Wan's shapes (bench/attention_fa3.py)
 #   13b/wan_gpu-<date>.json         Wan 1.3B step (480x832x81, CFG 5) beside diffusers eager: C13
-#   14b/wan_gpu-<date>.json         Wan 14B forward beside diffusers eager: C14
+#   14b/wan_gpu-<date>.json         Wan 14B forward beside diffusers eager: C14 (C13 / C14=none skips a model)
 #   q/attention_fp8-<date>.json     wan-demo clips (CLIPS, SEEDS; PARTS=quality)
 #   tests.txt                       the FA3 / FA4 GPU tests under pytest (PARTS=tests; pytest is on the machine)
 #   log.txt
@@ -29,8 +29,8 @@ if [[ $PARTS == *,kernels,* ]]; then
   timeout 150 python3 bench/attention_fa3.py --out "$OUT/k" 2>&1 | filter
 fi
 if [[ $PARTS == *,speed,* ]]; then
-  python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s "${BUDGET13:-200}" --out "$OUT/13b" --only "$C13" 2>&1 | filter
-  python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s "${BUDGET14:-90}" --out "$OUT/14b" --only "$C14" 2>&1 | filter
+  [[ $C13 == none ]] || python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s "${BUDGET13:-200}" --out "$OUT/13b" --only "$C13" 2>&1 | filter
+  [[ $C14 == none ]] || python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s "${BUDGET14:-90}" --out "$OUT/14b" --only "$C14" 2>&1 | filter
 fi
 if [[ $PARTS == *,quality,* ]]; then
   timeout "${QUALITY_S:-300}" python3 bench/attention_fp8_quality.py --parts clips --clip-configs "${CLIPS:-bf16,fp8+fp8fast,fa3fp8+fp8fast}" \
