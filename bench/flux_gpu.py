@@ -15,8 +15,8 @@ Sides, each timed in the same process, interleaved (every other round in reverse
                         one ``Execution`` node by node
 ``omniloop-compile``    the same with deploy ``compile: true`` (each block
                         ``torch.compile(fullgraph=True, dynamic=False)``, as the Wan family does)
-``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fp8][-fp8lin][-fused][-compile][-graphs]`` in ``SIDES``: the
-                        deploy's attention backend (``sdpa-cudnn``, ``flash-attn-4``, ``cudnn-fp8``;
+``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fa3|-fp8][-fp8lin][-fused][-compile][-graphs]`` in ``SIDES``: the
+                        deploy's attention backend (``sdpa-cudnn``, ``flash-attn-4``, ``flash-attn-3``, ``cudnn-fp8``;
                         omniloop_flux.attention), ``options.qkv: fused``, ``compile: true``,
                         ``options.cuda_graphs: true`` (omniloop_kit.graphs). A side with another
                         backend or fused projections runs its own copy of the transformer (same
@@ -106,7 +106,7 @@ SMOKE = {
 SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omniloop-compile-graphs",
          "omniloop-cudnn-compile", "omniloop-cudnn-compile-graphs", "omniloop-fa4-compile", "omniloop-fa4-compile-graphs",
          "omniloop-fused-compile-graphs", "omniloop-cudnn-fused-compile-graphs", "omniloop-fa4-fused-compile-graphs",
-         "omniloop-fp8-fused-compile-graphs",
+         "omniloop-fp8-fused-compile-graphs", "omniloop-fa3-compile-graphs", "omniloop-fa3-fused-compile-graphs",
          "omniloop-fp8lin-compile", "omniloop-fp8lin-compile-graphs", "omniloop-fp8-fp8lin-compile-graphs")
 DEFAULT_SIDES = SIDES[:4]
 #: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)

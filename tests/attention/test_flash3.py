@@ -209,5 +209,32 @@ def test_the_device_script_parses_and_its_tests_part_names_real_files():
     repo = Path(__file__).resolve().parents[2]
     script = repo / "plugins" / "compute" / "attention" / "scripts" / "gpu_fa3.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    named = re.findall(r"'(tests/[\w/]+\.py)'", script.read_text())
+    text = script.read_text()
+    named = re.findall(r"'(tests/[\w/]+\.py)'", text)
     assert named and all((repo / f).is_file() for f in named), named
+
+
+def test_the_device_script_names_only_sides_its_benches_know():
+    """The default side lists of ``gpu_fa3.sh`` (``C13``, ``C14`` for bench/wan_gpu.py, ``CF`` for
+    bench/flux_gpu.py) name sides the bench scripts accept: a typo there costs a device call."""
+    import importlib.util as iu
+    import re
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    text = (repo / "plugins" / "compute" / "attention" / "scripts" / "gpu_fa3.sh").read_text()
+    sys.path.insert(0, str(repo / "bench"))
+    try:
+        mods = {}
+        for name in ("wan_gpu", "flux_gpu"):
+            spec = iu.spec_from_file_location(f"_bench_{name}", repo / "bench" / f"{name}.py")
+            mods[name] = iu.module_from_spec(spec)
+            spec.loader.exec_module(mods[name])
+    finally:
+        sys.path.remove(str(repo / "bench"))
+    lists = {var: re.search(r"\$\{" + var + r":-([\w,-]+)\}", text).group(1).split(",") for var in ("C13", "C14", "CF")}
+    for var in ("C13", "C14"):
+        for side in lists[var]:
+            mods["wan_gpu"].parse_config(side)  # SystemExit on an unknown side
+    assert set(lists["CF"]) <= set(mods["flux_gpu"].SIDES), lists["CF"]

@@ -6,9 +6,10 @@
 #   13b/wan_gpu-<date>.json         Wan 1.3B step (480x832x81, CFG 5) beside diffusers eager: C13
 #   14b/wan_gpu-<date>.json         Wan 14B forward beside diffusers eager: C14 (C13 / C14=none skips a model)
 #   q/attention_fp8-<date>.json     wan-demo clips (CLIPS, SEEDS; PARTS=quality)
+#   flux/flux_gpu-<date>.json       FLUX.1-dev 1024^2 step beside diffusers eager: CF (PARTS=flux)
 #   tests.txt                       the FA3 / FA4 GPU tests under pytest (PARTS=tests; pytest is on the machine)
 #   log.txt
-# PARTS (default kernels,speed): tests, kernels, speed, quality.
+# PARTS (default kernels,speed): tests, kernels, speed, flux, quality.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -31,6 +32,10 @@ fi
 if [[ $PARTS == *,speed,* ]]; then
   [[ $C13 == none ]] || python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s "${BUDGET13:-200}" --out "$OUT/13b" --only "$C13" 2>&1 | filter
   [[ $C14 == none ]] || python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s "${BUDGET14:-90}" --out "$OUT/14b" --only "$C14" 2>&1 | filter
+fi
+if [[ $PARTS == *,flux,* ]]; then
+  python3 bench/flux_gpu.py --steps 12 --repeats 2 --budget-s "${BUDGETF:-150}" --out "$OUT/flux" \
+    --only "${CF:-diffusers,omniloop-cudnn-fused-compile-graphs,omniloop-fa3-fused-compile-graphs}" 2>&1 | filter
 fi
 if [[ $PARTS == *,quality,* ]]; then
   timeout "${QUALITY_S:-300}" python3 bench/attention_fp8_quality.py --parts clips --clip-configs "${CLIPS:-bf16,fp8+fp8fast,fa3fp8+fp8fast}" \
