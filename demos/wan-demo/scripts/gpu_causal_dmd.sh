@@ -18,6 +18,10 @@
 # checkpoint with rollout_options.sampler fresh, the runtime's DMD2 sampler), raw + EMA weights saved
 # every 60 s (a run cut short still leaves progress.pt),
 # raw or EMA picked by a batched GPU check on seed 100 (not an evaluation seed).
+# TF_SECONDS=N (env, default 0): start instead from wan-demo v2 with N seconds of block-causal teacher forcing
+# (train_causal's stage, batch 128; FROM is then not used) -- a longer causal adaptation than run 2's 35 s
+# shared with two other trainings, so DMD2 starts from a better causal model; e.g.
+#   TF_SECONDS=200 bash demos/wan-demo/scripts/gpu_causal_dmd.sh 200
 # REUSE_SAMPLES=true (env): the critic-only iterations reuse the last student update's samples instead of
 # rolling out again (DMDConfig.reuse_samples; ~1.6-2x the student updates per budget on CPU; untried for quality).
 # $OUT/causal-dmd.tar holds causal-dmd/{omniloop.json,train_causal_dmd.json,transformer/}, the training
@@ -36,13 +40,14 @@ DS=${1:-400}
 FROM=${2:-families/wan-demo/omniloop_wan_demo/checkpoint_causal}
 CRITIC_WARMUP=${CRITIC_WARMUP:-100}
 REUSE_SAMPLES=${REUSE_SAMPLES:-false}   # true: DMDConfig.reuse_samples (more student updates, untried)
+TF=${TF_SECONDS:-0}
 source "$(dirname "$0")/gpu_env.sh"
 check_imports omniloop_wan_demo_training.train_causal_dmd omniloop_wan_demo_training.dmd omniloop.runtime
 W=${WORK:-/tmp/causal-dmd}; mkdir -p "$W" "$OUT"
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-# the training's own budget: DS seconds of DMD2, plus load, warm-up, checks and saving
-timeout $((DS + 140)) python3 -m omniloop_wan_demo_training.train_causal_dmd --out "$W/causal-dmd" \
-  --tf-seconds 0 --student-from "$FROM" --critic-warmup "$CRITIC_WARMUP" --batch 64 --renoise euler \
+# the training's own budget: TF + DS seconds, plus load, data encoding, warm-up, checks and saving
+timeout $((TF + DS + 140 + (TF > 0 ? 30 : 0))) python3 -m omniloop_wan_demo_training.train_causal_dmd --out "$W/causal-dmd" \
+  --tf-seconds "$TF" $([ "$TF" = 0 ] && echo --student-from "$FROM") --critic-warmup "$CRITIC_WARMUP" --batch 64 --renoise euler \
   --dmd "{\"teacher_guidance\": 5.0, \"student_lr\": 5e-5, \"critic_lr\": 1e-4, \"critic_steps\": 5, \"reuse_samples\": $REUSE_SAMPLES}" \
   --dmd-seconds "$DS" --save-every-s 60 --eval-seeds 100 2>&1 \
   | grep --line-buffered -v -E "Loading|it/s\]|s/it\]|should be kept in float32|torch_dtype" > "$W/train.log"
