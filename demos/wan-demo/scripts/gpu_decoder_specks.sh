@@ -10,7 +10,7 @@
 #   bash demos/wan-demo/scripts/gpu_decoder_specks.sh [SECONDS [LR]]     # default 240, 2e-5
 #   FOCUS=red FOCUS_FRAC=0.5 bash demos/wan-demo/scripts/gpu_decoder_specks.sh 180
 #     the same, with half the rendered clips red (decoder_specks --focus: both demos' shape misses are
-#     mostly red, and the VAE alone loses ~1 in 3 red stars); the held-out check (768 rendered clips,
+#     mostly red, and the VAE alone loses ~1 in 3 red stars); the held-out check (RECON rendered clips, default 256,
 #     before and after) reports shape per colour; student clips whose decode misreads the prompt's
 #     shape are not kept (their decode is the miss)
 #   DECODER=DIR/vae bash demos/wan-demo/scripts/gpu_decoder_specks.sh
@@ -35,12 +35,15 @@ W=${WORK:-/tmp/decoder-specks}; mkdir -p "$W" "$OUT"
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 F="Loading|it/s\]|s/it\]|torch_dtype|warnings.warn"
 if [ -z "$DECODER" ]; then
-  SEEDS=$(seq -s, 40 71)
+  SEEDS=$(seq -s, 40 "${LAT_END:-71}")  # LAT_END: fewer student clips (their decode and speck check come before the training)
   timeout 60 python3 demos/wan-demo/scripts/speck_probe.py latents --device cuda --seeds "$SEEDS" --out "$W/lat.pt" 2>&1 \
     | grep -v -E "$F" > "$W/log.txt"
   el "latents rc ${PIPESTATUS[0]}"
-  timeout $((S + 90)) python3 -m omniloop_wan_demo_training.decoder_specks --device cuda --latents "$W/lat.pt" --out "$W/dec" \
-    --seconds "$S" --lr "$LR" --batch 32 --recon-check 768 ${FOCUS:+--focus "$FOCUS" --focus-frac "${FOCUS_FRAC:-0.5}"} 2>&1 | grep --line-buffered -v -E "$F" >> "$W/log.txt"
+  # RECON held-out rendered clips are checked before and after (~0.2 s each on the device's CPU: 768 took ~150 s
+  # before the training on an H200 host, and the first red-focused call was cut off there)
+  RECON=${RECON:-256}
+  timeout $((S + 150 + RECON * 2 / 5)) python3 -m omniloop_wan_demo_training.decoder_specks --device cuda --latents "$W/lat.pt" --out "$W/dec" \
+    --seconds "$S" --lr "$LR" --batch 32 --recon-check "$RECON" ${FOCUS:+--focus "$FOCUS" --focus-frac "${FOCUS_FRAC:-0.5}"} 2>&1 | grep --line-buffered -v -E "$F" >> "$W/log.txt"
   el "decoder rc ${PIPESTATUS[0]}"; tail -n 3 "$W/log.txt"
   DEC="$W/dec/vae"; BUDGET=200
 else
