@@ -122,8 +122,10 @@ def ship_fast_lora(lora: Path, package: Path | None = None, training: dict[str, 
 
 
 #: the student folders whose ``vae`` stays the decoder they were measured with when wan-demo's
-#: decoder is replaced (:func:`ship_decoder`): wan-demo-causal's shapes lose ~2 points with the
-#: speck-trained decoder of 2026-12-05 (docs/wan-demo-recipe-and-measurements.md, "Session 12")
+#: decoder is replaced (:func:`ship_decoder`): a decoder fine-tuned on one student's latents may cost
+#: another its shapes (wan-demo-causal's run 3 lost ~2 points with the speck-trained decoder of
+#: 2026-12-05; docs/wan-demo-recipe-and-measurements.md, "Session 12"). Its run 4 (2026-12-06) was
+#: measured with wan-demo's current decoder and links it again.
 KEEP_DECODER = ("checkpoint_causal",)
 VAE_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
@@ -194,6 +196,10 @@ def _record_decoder(meta_file: Path, info: dict[str, Any]) -> dict[str, Any]:
         **{k: float(args[k]) for k in ("lr", "speck_weight", "trail_weight") if k in args},
         **({"batch": int(args["batch"])} if "batch" in args else {}),
         **({"recon_psnr": after["psnr"]} if "psnr" in after else {}),
+        # a focused run (decoder_specks --focus): which rendered clips were drawn more often, and how many
+        **({"focus": str(args["focus"]), "focus_frac": float(args.get("focus_frac", 0.5))}
+           if args.get("focus") not in (None, "None") else {}),
+        **({"recon_shape_by_colour": after["shape_by_colour"]} if "shape_by_colour" in after else {}),
     }
     meta = json.loads(meta_file.read_text())
     meta.setdefault("training", {}).setdefault("history", []).append(entry)

@@ -192,12 +192,14 @@ def test_ship_installs_the_decoder_and_the_causal_preset_keeps_its_own(tmp_path)
 
     (pkg / "checkpoint" / "omniloop.json").write_text(json.dumps({"training": {"history": [{"phase": "dit"}]}}))
     (tmp_path / "new" / "decoder_specks.json").write_text(json.dumps(
-        {"steps": 3, "seconds": 1.5, "speck_clips": 2, "other_clips": 5, "args": {"lr": "2e-05", "batch": "4"},
-         "recon_after": {"psnr": 30.1}}))
+        {"steps": 3, "seconds": 1.5, "speck_clips": 2, "other_clips": 5, "args": {"lr": "2e-05", "batch": "4", "focus": "red", "focus_frac": "0.5"},
+         "recon_after": {"psnr": 30.1, "shape_by_colour": {"red": "44/45"}}}))
     done = ship.ship_decoder(tmp_path / "new", pkg)  # decoder_specks' --out folder (vae/ inside) is accepted
     history = json.loads((pkg / "checkpoint" / "omniloop.json").read_text())["training"]["history"]
     assert [h["phase"] for h in history] == ["dit", "decoder_specks"]
     assert history[-1]["steps"] == 3 and history[-1]["lr"] == 2e-5 and history[-1]["recon_psnr"] == 30.1
+    assert history[-1]["focus"] == "red" and history[-1]["focus_frac"] == 0.5  # a focused run says so
+    assert history[-1]["recon_shape_by_colour"] == {"red": "44/45"}
     assert done["kept_old_decoder"] == ["checkpoint_causal"]
     causal = pkg / "checkpoint_causal" / "vae"
     assert not causal.is_symlink() and (causal / VAE_WEIGHTS).read_bytes() == old
