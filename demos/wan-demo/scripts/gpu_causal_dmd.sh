@@ -22,6 +22,7 @@
 # (train_causal's stage, batch 128; FROM is then not used) -- a longer causal adaptation than run 2's 35 s
 # shared with two other trainings, so DMD2 starts from a better causal model; e.g.
 #   TF_SECONDS=200 bash demos/wan-demo/scripts/gpu_causal_dmd.sh 200
+# TEACHER_GUIDANCE (env, default 5.0): the bidirectional teacher's CFG in the DMD2 loss.
 # REUSE_SAMPLES=true (env): the critic-only iterations reuse the last student update's samples instead of
 # rolling out again (DMDConfig.reuse_samples; ~1.6-2x the student updates per budget on CPU; untried for quality).
 # $OUT/causal-dmd.tar holds causal-dmd/{omniloop.json,train_causal_dmd.json,transformer/}, the training
@@ -40,6 +41,7 @@ DS=${1:-400}
 FROM=${2:-families/wan-demo/omniloop_wan_demo/checkpoint_causal}
 CRITIC_WARMUP=${CRITIC_WARMUP:-100}
 REUSE_SAMPLES=${REUSE_SAMPLES:-false}   # true: DMDConfig.reuse_samples (more student updates, untried)
+TEACHER_GUIDANCE=${TEACHER_GUIDANCE:-5.0}   # the real score's CFG (run 2's variants: 5.0 beat 3.0 on direction)
 TF=${TF_SECONDS:-0}
 source "$(dirname "$0")/gpu_env.sh"
 check_imports omniloop_wan_demo_training.train_causal_dmd omniloop_wan_demo_training.dmd omniloop.runtime
@@ -48,7 +50,7 @@ t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 # the training's own budget: TF + DS seconds, plus load, data encoding, warm-up, checks and saving
 timeout $((TF + DS + 140 + (TF > 0 ? 30 : 0))) python3 -m omniloop_wan_demo_training.train_causal_dmd --out "$W/causal-dmd" \
   --tf-seconds "$TF" $([ "$TF" = 0 ] && echo --student-from "$FROM") --critic-warmup "$CRITIC_WARMUP" --batch 64 --renoise euler \
-  --dmd "{\"teacher_guidance\": 5.0, \"student_lr\": 5e-5, \"critic_lr\": 1e-4, \"critic_steps\": 5, \"reuse_samples\": $REUSE_SAMPLES}" \
+  --dmd "{\"teacher_guidance\": $TEACHER_GUIDANCE, \"student_lr\": 5e-5, \"critic_lr\": 1e-4, \"critic_steps\": 5, \"reuse_samples\": $REUSE_SAMPLES}" \
   --dmd-seconds "$DS" --save-every-s 60 --eval-seeds 100 2>&1 \
   | grep --line-buffered -v -E "Loading|it/s\]|s/it\]|should be kept in float32|torch_dtype" > "$W/train.log"
 el "training rc ${PIPESTATUS[0]}"; grep -E "^(dmd|check|saved|critic-warmup)" "$W/train.log" | tail -6
