@@ -120,7 +120,7 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
           tf_batch: int, n_clips: int, encode_seconds: float, exit: str, seed: int, device: str,
           dmd_overrides: dict[str, Any], ema_decay: float = 0.95, warmup: int = 10,
           smoke: bool = False, student_from: Path | None = None, critic_warmup: int = 0, renoise: str = "euler",
-          save_every_s: float = 0.0) -> tuple[dict[str, Any], dict[str, Any]]:
+          save_every_s: float = 0.0, check_stage1: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Stage 1 then stage 2 (module docstring). Returns ``(components, info)``: the components
     hold ``transformer`` (the student as trained) and ``ema_transformer`` (its EMA).
 
@@ -128,7 +128,9 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
     shipped wan-demo-causal; stage 1 is then skipped); ``critic_warmup``: critic-only updates
     before the first student step (:func:`warm_critic`); ``renoise``: the rollout between a
     chunk's steps (:func:`.self_forcing.causal_rollout`); ``save_every_s`` > 0: the student's raw
-    and EMA weights to ``out/progress.pt`` that often (:func:`save_progress`)."""
+    and EMA weights to ``out/progress.pt`` that often (:func:`save_progress`); ``check_stage1(student,
+    comps)``: called once before DMD2 when stage 1 ran (the teacher-forced causal model, before any
+    distribution matching), its result kept as ``info["check_after_teacher_forcing"]``."""
     from diffusers import WanTransformer3DModel
 
     from . import dmd
@@ -165,6 +167,10 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
     latent_shape = (int(student.config.in_channels), frames, hw, hw)
     table = prompt_table(comps["text_encoder"], comps["tokenizer"], device)
     comps["prompt_table"] = table
+    if tf_seconds > 0 and check_stage1 is not None:
+        student.eval()
+        info["check_after_teacher_forcing"] = check_stage1(student, comps)
+        student.train()
     gen = torch.Generator(device).manual_seed(seed + 977)
     batches = prompt_batches(table, batch=batch, latent_shape=latent_shape, gen=gen, device=device)
     rollout = SelfForcingRollout(CausalOptions(**ROLLOUT_OPTIONS), exit=exit, renoise=renoise)
@@ -290,15 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     src = Path(a.src) if a.src else checkpoint_dir()
     out = Path(a.out)
     t_start = time.perf_counter()
-    comps, info = train(src=src, out=out, tf_seconds=a.tf_seconds, dmd_seconds=a.dmd_seconds, max_dmd_steps=a.max_dmd_steps,
-                        batch=a.batch, tf_batch=a.tf_batch, n_clips=a.n_clips, encode_seconds=a.encode_seconds, exit=a.exit,
-                        seed=a.seed, device=a.device, dmd_overrides=overrides, ema_decay=a.ema_decay,
-                        smoke=a.smoke, student_from=Path(a.student_from) if a.student_from else None,
-                        critic_warmup=a.critic_warmup, renoise=a.renoise, save_every_s=a.save_every_s)
-    info["args"] = vars(a)
-    info["device"] = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
-    info["torch"] = torch.__version__
-    # pick the student or its EMA by a quick batched check of its own rollout (full prompts, seed 0)
+    # the quick batched check of a model's own rollout (full prompts, --eval-seeds): the teacher-forced
+    # model after stage 1 (so a run tells how much shape the causal adaptation keeps before DMD2), then
+    # the student and its EMA, which picks the weights saved
     from omniloop_wan_demo.evaluate import default_prompts, full_prompts
 
     prompts = default_prompts()[:2] if a.smoke else full_prompts()
@@ -306,15 +306,27 @@ def main(argv: list[str] | None = None) -> int:
     # a student trained with --renoise fresh is checked and served with the fresh-noise sampler
     served = dict(ROLLOUT_OPTIONS, sampler="fresh") if a.renoise == "fresh" else dict(ROLLOUT_OPTIONS)
     opts = dict(served, steps=2) if a.smoke else dict(served)
-    checks: dict[str, Any] = {}
-    for name in ("transformer", "ema_transformer"):
+
+    def check(model: Any, comps: dict[str, Any], name: str) -> dict[str, Any]:
         try:
-            checks[name] = batched_eval(comps[name], comps["vae"], comps["prompt_table"], prompts=prompts, seeds=seeds,
-                                        options=opts, batch=a.eval_batch)
-            print("check", name, json.dumps(checks[name]), flush=True)
+            r = batched_eval(model, comps["vae"], comps["prompt_table"], prompts=prompts, seeds=seeds, options=opts,
+                             batch=a.eval_batch)
         except Exception as e:  # never lose a trained checkpoint to an evaluation bug
-            checks[name] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"check {name} failed: {type(e).__name__}: {e}", flush=True)
+            r = {"error": f"{type(e).__name__}: {e}"}
+        print("check", name, json.dumps(r), flush=True)
+        return r
+
+    comps, info = train(src=src, out=out, tf_seconds=a.tf_seconds, dmd_seconds=a.dmd_seconds, max_dmd_steps=a.max_dmd_steps,
+                        batch=a.batch, tf_batch=a.tf_batch, n_clips=a.n_clips, encode_seconds=a.encode_seconds, exit=a.exit,
+                        seed=a.seed, device=a.device, dmd_overrides=overrides, ema_decay=a.ema_decay,
+                        smoke=a.smoke, student_from=Path(a.student_from) if a.student_from else None,
+                        critic_warmup=a.critic_warmup, renoise=a.renoise, save_every_s=a.save_every_s,
+                        check_stage1=lambda model, comps: check(model, comps, "after_teacher_forcing"))
+    info["args"] = vars(a)
+    info["device"] = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
+    info["torch"] = torch.__version__
+    # pick the student or its EMA by the same check
+    checks: dict[str, Any] = {name: check(comps[name], comps, name) for name in ("transformer", "ema_transformer")}
 
     def merit(r: dict[str, Any]) -> float:
         acc = r.get("accuracy") or {}

@@ -22,6 +22,8 @@
 # (train_causal's stage, batch 128; FROM is then not used) -- a longer causal adaptation than run 2's 35 s
 # shared with two other trainings, so DMD2 starts from a better causal model; e.g.
 #   TF_SECONDS=200 bash demos/wan-demo/scripts/gpu_causal_dmd.sh 200
+# (the teacher-forced model is then checked on seed 100 before DMD2 too: train_causal_dmd.json's
+# check_after_teacher_forcing, and a 'check after_teacher_forcing' line in the log)
 # TEACHER_GUIDANCE (env, default 5.0): the bidirectional teacher's CFG in the DMD2 loss.
 # REUSE_SAMPLES=true (env): the critic-only iterations reuse the last student update's samples instead of
 # rolling out again (DMDConfig.reuse_samples; ~1.6-2x the student updates per budget on CPU; untried for quality).

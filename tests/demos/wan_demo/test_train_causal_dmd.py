@@ -69,6 +69,8 @@ def test_smoke_cli_writes_a_causal_checkpoint_that_streams_without_cfg(tiny, tmp
     info = json.loads((out / "train_causal_dmd.json").read_text())
     assert info["teacher_forcing"]["steps"] == 3 and info["dmd"]["student_steps"] == 2
     assert info["shipped_weights"] in ("raw", "ema") and set(info["checks"]) == {"transformer", "ema_transformer"}
+    # the teacher-forced model is checked too, before DMD2 (how much the causal adaptation keeps)
+    assert set(info["check_after_teacher_forcing"]["accuracy"]) >= {"color", "direction", "shape", "clean"}
     meta = json.loads((out / "omniloop.json").read_text())
     assert meta["variant"] == "wan-demo-causal" and meta["rollout"] == "causal"
     assert meta["rollout_options"]["guidance_scale"] == meta["defaults"]["guidance_scale"] == 1.0
@@ -97,7 +99,7 @@ def test_smoke_cli_from_a_causal_student_with_critic_warmup(tiny, tmp_path):
                  "--student-from", str(tiny), "--critic-warmup", "2", "--renoise", "fresh",
                  "--save-every-s", "0.001"]) == 0
     info = json.loads((out / "train_causal_dmd.json").read_text())
-    assert "teacher_forcing" not in info and info["student_from"] == str(tiny)
+    assert "teacher_forcing" not in info and "check_after_teacher_forcing" not in info and info["student_from"] == str(tiny)
     assert [r["critic_warmup_iter"] for r in info["critic_warmup"]] == [1, 2]
     assert info["dmd"]["student_steps"] == 2
     assert info["recipe"]["renoise"] == "fresh" and info["recipe"]["critic_warmup"] == 2
