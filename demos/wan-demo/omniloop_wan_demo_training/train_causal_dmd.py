@@ -144,8 +144,19 @@ def train(*, src: Path, out: Path, tf_seconds: float, dmd_seconds: float, max_dm
         comps, tf_info = train_causal(src=src, out=out, budget_s=tf_seconds, max_steps=3 if smoke else None,
                                       batch=tf_batch, n_clips=n_clips, encode_seconds=encode_seconds, seed=seed,
                                       device=device, log_every=1 if smoke else 50, warmup=1 if smoke else 50)
-        comps.pop("raw_transformer", None)
+        raw = comps.pop("raw_transformer", None)
         info["teacher_forcing"] = {k: tf_info[k] for k in ("steps", "seconds", "encode_seconds", "n_clips", "recipe", "log")}
+        if dmd_seconds <= 0:
+            # stage 1 alone (--dmd-seconds 0): the teacher-forced model, raw and EMA, no distribution matching
+            comps["ema_transformer"] = comps["transformer"].eval().requires_grad_(False)
+            comps["transformer"] = raw.eval().requires_grad_(False) if raw is not None else comps["ema_transformer"]
+            comps["prompt_table"] = prompt_table(comps["text_encoder"], comps["tokenizer"], device)
+            info.update(stage1_wall_s=round(time.perf_counter() - t0, 1), steps=0,
+                        seconds=round(time.perf_counter() - t0, 1))
+            info["recipe"] = dict(method="teacher-forcing causal adaptation only (stage 1; no DMD2)",
+                                  init="wan-demo v2 transformer", rollout=ROLLOUT_OPTIONS, tf_seconds=tf_seconds,
+                                  frozen=["vae", "text_encoder"], prompts=len(PROMPTS))
+            return comps, info
     else:
         comps = load_source(src, device)
         if student_from is not None:
