@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="output folder (the checkpoint + train_causal_dmd.json)")
     ap.add_argument("--from", dest="src", default=None, help="source checkpoint (default: the shipped wan-demo v2)")
     ap.add_argument("--tf-seconds", type=float, default=45.0, help="stage 1, teacher forcing (0: start from v2 as it is)")
-    ap.add_argument("--dmd-seconds", type=float, default=150.0, help="stage 2, DMD2 on the student's own rollouts")
+    ap.add_argument("--dmd-seconds", type=float, default=150.0, help="stage 2, DMD2 on the student's own rollouts; 0 (with --tf-seconds > 0): stop after "
+                         "stage 1 and save the teacher-forced model")
     ap.add_argument("--max-dmd-steps", type=int)
     ap.add_argument("--batch", type=int, default=64, help="DMD batch (clips per student rollout)")
     ap.add_argument("--tf-batch", type=int, default=128)
@@ -302,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--student-from starts from a causal student: give --tf-seconds 0 too")
         if not (Path(a.student_from) / "transformer" / "config.json").is_file():
             ap.error(f"--student-from: {a.student_from} has no transformer/config.json")
+    if a.dmd_seconds < 0 or (a.dmd_seconds == 0 and a.tf_seconds <= 0):
+        ap.error("--dmd-seconds must be >= 0; 0 keeps the teacher-forced model, so give --tf-seconds > 0 with it")
     if a.critic_warmup < 0 or a.save_every_s < 0 or a.eval_batch < 1:
         ap.error("--critic-warmup and --save-every-s must be >= 0, --eval-batch >= 1")
     src = Path(a.src) if a.src else checkpoint_dir()

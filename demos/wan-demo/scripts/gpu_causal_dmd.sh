@@ -24,6 +24,8 @@
 #   TF_SECONDS=200 bash demos/wan-demo/scripts/gpu_causal_dmd.sh 200
 # (the teacher-forced model is then checked on seed 100 before DMD2 too: train_causal_dmd.json's
 # check_after_teacher_forcing, and a 'check after_teacher_forcing' line in the log)
+# DMD_SECONDS 0 with TF_SECONDS > 0: stage 1 alone -- the teacher-forced model is saved (raw or EMA by the
+# same seed-100 check), no critic, no DMD2; e.g. TF_SECONDS=160 bash demos/wan-demo/scripts/gpu_causal_dmd.sh 0
 # TEACHER_GUIDANCE (env, default 5.0): the bidirectional teacher's CFG in the DMD2 loss.
 # REUSE_SAMPLES=true (env): the critic-only iterations reuse the last student update's samples instead of
 # rolling out again (DMDConfig.reuse_samples; ~1.6-2x the student updates per budget on CPU; untried for quality).

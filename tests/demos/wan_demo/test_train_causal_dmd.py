@@ -111,12 +111,30 @@ def test_smoke_cli_from_a_causal_student_with_critic_warmup(tiny, tmp_path):
     assert set(saved) == {"transformer", "ema_transformer", "info"} and saved["info"]["student_steps"] >= 1
 
 
+def test_smoke_cli_teacher_forcing_alone(tiny, tmp_path):
+    """``--dmd-seconds 0`` after a teacher-forcing stage: the teacher-forced model (raw or EMA, by the
+    same check) is saved as a causal checkpoint, with no DMD2 record and a recipe that says so."""
+    from omniloop_wan_demo_training.train_causal_dmd import main
+
+    out = tmp_path / "tf-only"
+    assert main(["--from", str(tiny), "--out", str(out), "--smoke", "--device", "cpu", "--dmd-seconds", "0"]) == 0
+    info = json.loads((out / "train_causal_dmd.json").read_text())
+    assert info["teacher_forcing"]["steps"] == 3 and "dmd" not in info and info["steps"] == 0
+    assert set(info["checks"]) == {"transformer", "ema_transformer"} and info["shipped_weights"] in ("raw", "ema")
+    meta = json.loads((out / "omniloop.json").read_text())
+    assert meta["rollout"] == "causal" and meta["rollout_options"]["guidance_scale"] == 1.0
+    assert meta["training"]["recipe"]["method"].startswith("teacher-forcing causal adaptation only")
+    assert (out / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+
+
 def test_bad_student_options_are_refused_before_compute(tiny, tmp_path, capsys):
     from omniloop_wan_demo_training.train_causal_dmd import main
 
     for argv, msg in ((["--student-from", str(tiny)], "give --tf-seconds 0"),
                       (["--student-from", str(tmp_path), "--tf-seconds", "0"], "has no transformer/config.json"),
-                      (["--critic-warmup", "-1"], "--critic-warmup")):
+                      (["--critic-warmup", "-1"], "--critic-warmup"),
+                      (["--tf-seconds", "0", "--dmd-seconds", "0"], "give --tf-seconds > 0"),
+                      (["--dmd-seconds", "-1"], "--dmd-seconds must be >= 0")):
         with pytest.raises(SystemExit) as e:
             main(["--out", str(tmp_path / "x"), *argv])
         assert e.value.code == 2 and msg in capsys.readouterr().err
