@@ -15,10 +15,11 @@ Sides, each timed in the same process, interleaved (every other round in reverse
                         one ``Execution`` node by node
 ``omniloop-compile``    the same with deploy ``compile: true`` (each block
                         ``torch.compile(fullgraph=True, dynamic=False)``, as the Wan family does)
-``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fa3|-fp8][-fp8lin][-fused][-compile][-graphs]`` in ``SIDES``: the
+``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fa3|-fp8][-fp8lin][-fused][-compile][-autotune][-graphs]`` in ``SIDES``: the
                         deploy's attention backend (``sdpa-cudnn``, ``flash-attn-4``, ``flash-attn-3``, ``cudnn-fp8``;
                         omniloop_flux.attention), ``options.qkv: fused``, ``compile: true``,
-                        ``options.cuda_graphs: true`` (omniloop_kit.graphs). A side with another
+                        ``options.cuda_graphs: true`` (omniloop_kit.graphs); ``autotune``: ``options.compile_mode:
+                        max-autotune-no-cudagraphs`` (inductor tries Triton GEMM templates too). A side with another
                         backend or fused projections runs its own copy of the transformer (same
                         weights), so its processors never touch another side's
 ======================  ======================================================================
@@ -107,7 +108,8 @@ SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omni
          "omniloop-cudnn-compile", "omniloop-cudnn-compile-graphs", "omniloop-fa4-compile", "omniloop-fa4-compile-graphs",
          "omniloop-fused-compile-graphs", "omniloop-cudnn-fused-compile-graphs", "omniloop-fa4-fused-compile-graphs",
          "omniloop-fp8-fused-compile-graphs", "omniloop-fa3-compile-graphs", "omniloop-fa3-fused-compile-graphs",
-         "omniloop-fp8lin-compile", "omniloop-fp8lin-compile-graphs", "omniloop-fp8-fp8lin-compile-graphs")
+         "omniloop-fp8lin-compile", "omniloop-fp8lin-compile-graphs", "omniloop-fp8-fp8lin-compile-graphs",
+         "omniloop-fa3-fused-compile-autotune-graphs", "omniloop-cudnn-fused-compile-autotune-graphs")
 DEFAULT_SIDES = SIDES[:4]
 #: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
 BF16_GEMM_TFLOPS = 790.0
@@ -170,7 +172,7 @@ class DiffusersSide:
 class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, max_len: int,
                  backend: str, attention: str = "sdpa", qkv: str = "separate", graphs: bool = False,
-                 compiled: bool | None = None, linears: str = "dtype") -> None:
+                 compiled: bool | None = None, linears: str = "dtype", compile_mode: str | None = None) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -186,13 +188,16 @@ class OmniloopSide:
             options["attention"] = spec
         if graphs:
             options["cuda_graphs"] = True
+        if compile_mode:
+            options["compile_mode"] = compile_mode
         fam = FluxFamily()
         self.model = fam.from_components(comps, device=device, dtype=dtype, options=options,
                                          defaults={"max_sequence_length": max_len})
         lin_note = apply_linear_precision(self.model, fam, deploy)
         spec_ = fam.build_pipeline(self.model, TaskType.T2I, options)
         self.built = BuiltPipeline(spec=spec_, components=comps, device=device, dtype=dtype, options=options)
-        self.note = f"compile={self.compiled} attention={attention} qkv={qkv} cuda_graphs={graphs}{lin_note}"
+        self.note = (f"compile={self.compiled}{f' mode={compile_mode}' if compile_mode else ''} attention={attention} "
+                     f"qkv={qkv} cuda_graphs={graphs}{lin_note}")
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
         from omniloop.artifacts import Latents
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             return DiffusersSide(name, base, max_len, compile_backend)
         st = omniloop_setting(name)
         if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only)
-            st.update(attention="sdpa", graphs=False)
+            st.update(attention="sdpa", graphs=False, compile_mode=None)  # and the eager compile backend: no mode
         comps = base
         key = (st["attention"], st["qkv"], st["linears"])
         if key != ("sdpa", "separate", "dtype"):  # processors / fused projections of its own: its own transformer
@@ -280,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                 copies[key] = copy.deepcopy(base["transformer"])
             comps = {**base, "transformer": copies[key]}
         return OmniloopSide(name, comps, device, dtype, max_len, compile_backend, attention=st["attention"],
-                            qkv=st["qkv"], graphs=st["graphs"], compiled=st["compile"], linears=st["linears"])
+                            qkv=st["qkv"], graphs=st["graphs"], compiled=st["compile"], linears=st["linears"],
+                            compile_mode=st["compile_mode"])
 
     sides = build_sides(only, record, make)
     save()

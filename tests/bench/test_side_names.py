@@ -1,0 +1,37 @@
+"""bench/_sides.py's side names: every word of an ``omniloop-…`` side maps to one deploy setting, and a
+name that cannot be deployed is refused before any model is built (a typo costs a device call)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def sides():
+    if not (BENCH / "_sides.py").exists():
+        pytest.skip("bench/_sides.py not in this checkout")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _sides
+    finally:
+        sys.path.remove(str(BENCH))
+    return _sides
+
+
+def test_words_map_to_deploy_settings(sides):
+    st = sides.omniloop_setting("omniloop-fa3-fused-compile-autotune-graphs")
+    assert st == {"attention": "flash-attn-3", "linears": "dtype", "qkv": "fused", "compile": True, "graphs": True,
+                  "compile_mode": "max-autotune-no-cudagraphs"}
+    assert sides.omniloop_setting("omniloop-cudnn-compile")["compile_mode"] is None
+
+
+@pytest.mark.parametrize("name, msg", [("omniloop-fa3-autotune", "needs 'compile'"),
+                                       ("omniloop-fa3-compile-turbo", "omniloop[-")])
+def test_bad_names_are_refused(sides, name, msg):
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[")):
+        sides.omniloop_setting(name)
