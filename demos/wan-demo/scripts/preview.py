@@ -8,7 +8,8 @@ seed 0, one row per prompt, frames 0/4/8/12/16 of the clip; left block ``wan-dem
 defaults: 20 stochastic flow-Euler steps, guidance 2, shift 5), right block ``wan-demo-fast`` (4
 few-step steps, guidance 1). The layout of the GPU training run's ``preview.png`` (``training/v2.py`` eval phase), whose
 prompts all move left.
-Prints the prompts and the detector's verdict per clip.
+Prints the prompts and the detector's verdict per clip. ``--models wan-demo-causal --out
+families/wan-demo/docs/preview-causal.png`` makes the causal variant's (one block, its streamed rollout).
 """
 
 from __future__ import annotations
