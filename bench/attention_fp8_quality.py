@@ -592,10 +592,26 @@ class ScheduledPlugin:
                                       description="fa3-fp8 with some steps in flash-attn-3 (bench)"))
 
 
+def clips_until(make: Any, pairs: list[tuple[str, int]], deadline: float | None) -> list[Any]:
+    """``make(prompt, seed)`` for each pair in order, stopping at the first pair that would start after
+    ``deadline`` (a ``time.perf_counter()`` value; None: no limit): the clips made, a prefix of ``pairs``."""
+    out: list[Any] = []
+    for p, s in pairs:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        out.append(make(p, s))
+    return out
+
+
 def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | None = None,
-               seeds: list[int] | None = None, save: Any = None, guidance: float = 5.0) -> None:
+               seeds: list[int] | None = None, save: Any = None, guidance: float = 5.0,
+               budget_s: float | None = None) -> None:
     """``save()``, when given, writes the record after each configuration (a time-boxed run keeps
-    what finished); ``guidance``: the clips' CFG scale (5 the protocol's, 2 wan-demo's shipped default)."""
+    what finished); ``guidance``: the clips' CFG scale (5 the protocol's, 2 wan-demo's shipped default);
+    ``budget_s``: no clip starts after this many seconds of the part -- a configuration cut short keeps
+    the clips it made (``cut_short``), compared with the reference's clips of the same prompts and seeds,
+    and the configurations after it are marked ``not_run``."""
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     from omniloop_wan import attention as wan_attention
     from omniloop_wan_demo.evaluate import DEFAULT_SEEDS, default_prompts, score
 
@@ -624,6 +640,11 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
     for label, backend, rope, fuse_q, linears, *exact in configs:
         row: dict[str, Any] = {"attention_backend": backend, "qk_norm_rope": rope, "fp8_quant_in_rope_kernel": fuse_q,
                                "linear_precision": linears}
+        if deadline is not None and time.perf_counter() > deadline:
+            row["not_run"] = f"--clip-budget-s {budget_s:g} spent"
+            table[label] = row
+            print("clips", label, json.dumps(row), flush=True)
+            continue
         sched = StepScheduledFP8(set(exact[0])) if exact else None
         if sched is not None:
             row["exact_steps"] = sorted(sched.exact_steps)
@@ -637,21 +658,31 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                 row["fp8_linears"] = {k: rt.linears[k] for k in ("quantized", "blocks")} | {"skipped": len(rt.linears["skipped"])}
             wan_demo_clip(rt, prompts[0], 0, steps=2)  # warm-up
             t = time.perf_counter()
-            vids = []
-            for p, s in pairs:
+
+            def make(p: str, s: int, rt: Any = rt, sched: Any = sched) -> np.ndarray:
                 if sched is not None:
                     sched.tracker.reset()
-                vids.append(wan_demo_clip(rt, p, s, steps=3 if smoke else 20, guidance=guidance))
+                return wan_demo_clip(rt, p, s, steps=3 if smoke else 20, guidance=guidance)
+
+            vids = clips_until(make, pairs, deadline)
             row["seconds"] = round(time.perf_counter() - t, 2)
-            acc, clips = score(vids, [p for p, _ in pairs], [s for _, s in pairs])
+            if len(vids) < len(pairs):
+                row["cut_short"] = f"{len(vids)} of {len(pairs)} clips (--clip-budget-s {budget_s:g})"
+            if not vids:
+                raise RuntimeError("no clip made inside --clip-budget-s")
+            done = pairs[: len(vids)]
+            acc, clips = score(vids, [p for p, _ in done], [s for _, s in done])
             row["accuracy"] = acc
             row["n"] = len(clips)
             row["verdicts"] = [{k: c.ok[k] for k in ("color", "direction", "shape")} for c in clips]
             videos[label] = vids
             base = videos.get("bf16 sdpa-cudnn")
             if base is not None and label != "bf16 sdpa-cudnn":
-                ps = [frames_psnr(a, b) for a, b in zip(vids, base, strict=True)]
-                ss = [frames_ssim(a, b) for a, b in zip(vids, base, strict=True)]
+                n = min(len(vids), len(base))  # either cut short: the clips of the pairs both made
+                if n < len(pairs):
+                    row["compared_clips"] = n
+                ps = [frames_psnr(a, b) for a, b in zip(vids[:n], base[:n], strict=True)]
+                ss = [frames_ssim(a, b) for a, b in zip(vids[:n], base[:n], strict=True)]
                 finite = [p for p in ps if math.isfinite(p)]
                 row["vs_bf16"] = {
                     "psnr_db_mean": statistics.fmean(finite) if finite else float("inf"),
@@ -659,8 +690,8 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                     "identical_clips": len(ps) - len(finite),
                     "ssim_mean": statistics.fmean(ss), "ssim_min": min(ss),
                 }
-                bv = table["bf16 sdpa-cudnn"]["verdicts"]
-                row["verdict_changes_vs_bf16"] = verdict_changes(row["verdicts"], bv)
+                bv = table["bf16 sdpa-cudnn"]["verdicts"][:n]
+                row["verdict_changes_vs_bf16"] = verdict_changes(row["verdicts"][:n], bv)
             del rt
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:800]
@@ -807,6 +838,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clip-configs", default=",".join(CLIP_CONFIGS),
                     help=f"clips part: comma list of {', '.join(CLIP_CONFIGS)} (bf16, the reference, first)")
     ap.add_argument("--seeds", default="", help="clips part: comma list of seeds (default: the evaluator's)")
+    ap.add_argument("--clip-budget-s", type=float, default=None,
+                    help="clips part: start no clip after this many seconds; a configuration cut short keeps (and "
+                         "compares) the clips it made, later ones are marked not_run")
     ap.add_argument("--guidance", type=float, default=5.0,
                     help="emulate and clips parts: the clips' CFG scale (5: the quality protocol; 2: wan-demo's shipped default)")
     ap.add_argument("--emulate-configs", default="fp8-model,fp8-model-self",
@@ -819,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
     if not keys or keys[0] != "bf16" or set(keys) - set(CLIP_CONFIGS):
         raise SystemExit(f"--clip-configs: a comma list of {', '.join(CLIP_CONFIGS)} starting with bf16, got {args.clip_configs!r}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()] or None
+    if args.clip_budget_s is not None and not (math.isfinite(args.clip_budget_s) and args.clip_budget_s > 0):
+        raise SystemExit(f"--clip-budget-s: a positive number of seconds, got {args.clip_budget_s!r}")
     emulate = [k for k in args.emulate_configs.split(",") if k]
     if set(emulate) - set(EMULATED):
         raise SystemExit(f"--emulate-configs: a comma list of {', '.join(EMULATED)}, got {args.emulate_configs!r}")
@@ -841,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             {"kernel": lambda: part_kernel(res), "plans": lambda: part_plans(res),
              "emulate": lambda: part_emulate(res, device, args.smoke, seeds, save, emulate, args.guidance), "activations": lambda: part_activations(res, device, args.smoke),
-             "clips": lambda: part_clips(res, device, args.smoke, keys, seeds, save, args.guidance),
+             "clips": lambda: part_clips(res, device, args.smoke, keys, seeds, save, args.guidance, args.clip_budget_s),
              "linears": lambda: part_linears(res, device, args.smoke)}[p]()
         except Exception as exc:
             res[f"{p}_error"] = f"{type(exc).__name__}: {exc}"[:800]

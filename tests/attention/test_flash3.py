@@ -238,3 +238,17 @@ def test_the_device_script_names_only_sides_its_benches_know():
         for side in lists[var]:
             mods["wan_gpu"].parse_config(side)  # SystemExit on an unknown side
     assert set(lists["CF"]) <= set(mods["flux_gpu"].SIDES), lists["CF"]
+
+
+def test_the_device_script_passes_the_quality_bench_only_options_it_knows():
+    """The ``quality`` part's command line (``--clip-budget-s`` and the rest) against bench/attention_fp8_quality.py's
+    parser: an unknown option would end the device call's quality part at once."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    text = (repo / "plugins" / "compute" / "attention" / "scripts" / "gpu_fa3.sh").read_text().replace("\\\n", " ")
+    (call,) = [ln for ln in text.splitlines() if "bench/attention_fp8_quality.py" in ln and not ln.lstrip().startswith("#")]
+    used = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", call.split("2>&1")[0]))
+    known = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', (repo / "bench" / "attention_fp8_quality.py").read_text()))
+    assert "--clip-budget-s" in used and used <= known, used - known

@@ -144,3 +144,55 @@ def test_quant_kernels_bench_smoke(tmp_path):
     # (the interpreter casts to e4m3 by truncation: most values agree, the scales exactly)
     assert sides["kernel c256 w4"]["vs_reference"]["scale_max_rel_diff"] == 0.0
     assert sides["kernel c256 w4"]["vs_reference"]["equal_e4m3_share"] > 0.8
+
+
+@pytest.mark.skipif(not (BENCH / "attention_fp8_quality.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_quality_clip_budget_keeps_what_was_made(monkeypatch):
+    """``--clip-budget-s`` (a device call's time box): no clip starts after the budget; the configuration
+    cut short keeps and scores the clips it made, and the ones after it are marked ``not_run`` -- so a
+    slow machine still returns a record instead of nothing (the GPU parts are faked here)."""
+    pytest.importorskip("omniloop_wan_demo")
+    import importlib.util
+    import time
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import omniloop_wan_demo.evaluate as evaluate
+
+    spec = importlib.util.spec_from_file_location("attention_fp8_quality_bench", BENCH / "attention_fp8_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    made = mod.clips_until(lambda p, s: (p, s), [("a", 0), ("b", 1)], None)
+    assert made == [("a", 0), ("b", 1)] and mod.clips_until(lambda p, s: p, [("a", 0)], time.perf_counter() - 1) == []
+
+    clock = [0.0]  # the bench module's clock: each clip (not the warm-up) takes one "second"
+
+    def clip(rt, prompt, seed, steps, guidance=5.0):
+        if steps != 2:  # not the warm-up
+            clock[0] += 1.0
+        return np.zeros((17, 8, 8, 3), np.uint8)
+
+    def score(vids, prompts, seeds):
+        ok = {"color": True, "direction": True, "shape": True}
+        return dict(ok, all=1.0), [SimpleNamespace(ok=ok) for _ in vids]
+
+    monkeypatch.setattr(mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(mod, "demo_runtime", lambda *a, **k: SimpleNamespace(linears=None))
+    monkeypatch.setattr(mod, "wan_demo_clip", clip)
+    monkeypatch.setattr(evaluate, "score", score)
+    res: dict = {}
+    mod.part_clips(res, "cpu", True, ["bf16", "fa3fp8"], [0, 1], guidance=2.0, budget_s=1.5)
+    ref, fp8 = res["clips"]["configs"].values()
+    assert "error" not in ref, ref.get("traceback_tail")
+    assert ref["n"] == 2 and ref["cut_short"] == "2 of 4 clips (--clip-budget-s 1.5)"
+    assert fp8 == {**{k: fp8[k] for k in ("attention_backend", "qk_norm_rope", "fp8_quant_in_rope_kernel",
+                                            "linear_precision")}, "not_run": "--clip-budget-s 1.5 spent"}
+    # a budget that ends inside the second configuration: it is compared on the pairs both made
+    res, clock[0] = {}, 0.0
+    mod.part_clips(res, "cpu", True, ["bf16", "fa3fp8"], [0, 1], guidance=2.0, budget_s=5.5)
+    ref, fp8 = res["clips"]["configs"].values()
+    assert "error" not in fp8, fp8.get("traceback_tail")
+    assert ref["n"] == 4 and "cut_short" not in ref and fp8["n"] == 2 and fp8["compared_clips"] == 2
+    assert fp8["verdict_changes_vs_bf16"]["shape"]["lost"] == 0 and fp8["vs_bf16"]["identical_clips"] == 2
