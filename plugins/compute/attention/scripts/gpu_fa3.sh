@@ -6,7 +6,8 @@
 #   13b/wan_gpu-<date>.json         Wan 1.3B step (480x832x81, CFG 5) beside diffusers eager: C13
 #   14b/wan_gpu-<date>.json         Wan 14B forward beside diffusers eager: C14 (C13 / C14=none skips a model)
 #   q/attention_fp8-<date>.json     wan-demo clips (CLIPS, SEEDS; PARTS=quality)
-#   flux/flux_gpu-<date>.json       FLUX.1-dev 1024^2 step beside diffusers eager: CF (PARTS=flux)
+#   flux/flux_gpu-<date>.json       FLUX.1-dev 1024^2 step beside diffusers eager: CF (PARTS=flux; FLUXARGS
+#                                   adds flux_gpu.py options, e.g. --profile)
 #   tests.txt                       the FA3 / FA4 GPU tests under pytest (PARTS=tests; pytest is on the machine)
 #   log.txt
 # PARTS (default kernels,speed): tests, kernels, speed, flux, quality.
@@ -34,8 +35,8 @@ if [[ $PARTS == *,speed,* ]]; then
   [[ $C14 == none ]] || python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s "${BUDGET14:-90}" --out "$OUT/14b" --only "$C14" 2>&1 | filter
 fi
 if [[ $PARTS == *,flux,* ]]; then
-  python3 bench/flux_gpu.py --steps 12 --repeats 2 --budget-s "${BUDGETF:-150}" --out "$OUT/flux" \
-    --only "${CF:-diffusers,omniloop-cudnn-fused-compile-graphs,omniloop-fa3-fused-compile-graphs}" 2>&1 | filter
+  timeout "${FLUX_S:-400}" python3 bench/flux_gpu.py --steps 12 --repeats 2 --budget-s "${BUDGETF:-150}" --out "$OUT/flux" \
+    --only "${CF:-diffusers,omniloop-cudnn-fused-compile-graphs,omniloop-fa3-fused-compile-graphs}" ${FLUXARGS:-} 2>&1 | filter
 fi
 if [[ $PARTS == *,quality,* ]]; then
   # no clip starts after QUALITY_S - 60 s (the rest: loading, the last clip, scoring): a configuration cut
