@@ -417,6 +417,25 @@ def wan_demo_clip(runtime: Any, prompt: str, seed: int, steps: int = 20, guidanc
     return np.asarray(frames.cpu() if hasattr(frames, "cpu") else frames, dtype=np.uint8)
 
 
+def _kernel_times(events: Any, cuda: bool) -> dict[str, list[float]]:
+    """{name: [microseconds, calls]} of the profiler's events: on CUDA the device-side (kernel and
+    memcpy) events only -- ops (``aten::mm``) are host events, and a kernel's name may hold ``::``
+    (FlashAttention-3's ``flash::FlashAttnFwdSm90<...>``, CUTLASS templates), so names cannot tell
+    them apart; on CPU the ops' own time."""
+    out: dict[str, list[float]] = {}
+    for ev in events:
+        if cuda:
+            if getattr(getattr(ev, "device_type", None), "name", "") != "CUDA":
+                continue
+            us = float(ev.device_time_total)
+        else:
+            us = float(ev.self_cpu_time_total)
+        row = out.setdefault(ev.name, [0.0, 0.0])
+        row[0] += us
+        row[1] += 1.0
+    return out
+
+
 def kernel_profile(fn: Callable[[], Any], top: int = 12) -> dict[str, Any]:
     """GPU kernel time of one call of ``fn``: grouped (attention / matmul / other) plus the top kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -427,16 +446,7 @@ def kernel_profile(fn: Callable[[], Any], top: int = 12) -> dict[str, Any]:
         fn()
         if cuda():
             torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = {}
-    for ev in prof.key_averages():
-        us = float(getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0) or 0.0)
-        if cuda() and us <= 0.0:
-            continue
-        if not cuda():
-            us = float(ev.self_cpu_time_total)
-        per_name[ev.key] = [us, float(ev.count)]
-    # key_averages mixes ops (aten::...) with kernels on CUDA; keep the kernels (no "::" op names)
-    kernels = {k: v for k, v in per_name.items() if not (cuda() and ("::" in k or k.startswith("Torch-Compiled")))}
+    kernels = _kernel_times(prof.events(), cuda())
 
     def group(name: str) -> str:
         low = name.lower()

@@ -279,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only)
             st.update(attention="sdpa", graphs=False, compile_mode=None)  # and the eager compile backend: no mode
         comps = base
-        key = (st["attention"], st["qkv"], st["linears"])
-        if key != ("sdpa", "separate", "dtype"):  # processors / fused projections of its own: its own transformer
+        # processors, fused projections, FP8 linears or a compile mode of its own: its own transformer (the
+        # kit keeps one set of compiled blocks per transformer; a second mode would replace the first's)
+        key = (st["attention"], st["qkv"], st["linears"], st["compile_mode"])
+        if key != ("sdpa", "separate", "dtype", None):
             if key not in copies:
                 copies[key] = copy.deepcopy(base["transformer"])
             comps = {**base, "transformer": copies[key]}

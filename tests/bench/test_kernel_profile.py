@@ -1,0 +1,47 @@
+"""bench/_common.py's kernel profile: on CUDA it keeps the device-side events, whatever their names --
+FlashAttention-3's kernels are C++ templates (``flash::FlashAttnFwdSm90<...>``) and were once dropped
+with the host ops (``aten::mm``) by a "no ``::`` in the name" filter, which hid attention from the
+FLUX profile."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def common():
+    if not (BENCH / "_common.py").exists():
+        pytest.skip("bench/_common.py not in this checkout")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _repo_paths
+
+        _repo_paths.add_repo_packages()
+        import _common
+    finally:
+        sys.path.remove(str(BENCH))
+    return _common
+
+
+def _event(kind: str, name: str, device_us: float = 0.0, cpu_us: float = 0.0) -> SimpleNamespace:
+    return SimpleNamespace(device_type=SimpleNamespace(name=kind), name=name, device_time_total=device_us,
+                           self_cpu_time_total=cpu_us)
+
+
+def test_cuda_keeps_device_events_with_namespaced_names(common):
+    fa3 = "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<128>>>(Params)"
+    events = [_event("CUDA", fa3, 300.0), _event("CPU", "aten::mm", 900.0, 10.0),
+              _event("CUDA", "nvjet_sm90_tst_192x192_bias_TNN", 200.0), _event("CUDA", fa3, 100.0)]
+    times = common._kernel_times(events, True)
+    assert times == {fa3: [400.0, 2.0], "nvjet_sm90_tst_192x192_bias_TNN": [200.0, 1.0]}
+
+
+def test_cpu_uses_the_ops_own_time(common):
+    times = common._kernel_times([_event("CPU", "aten::mm", cpu_us=7.0), _event("CPU", "aten::mm", cpu_us=3.0)], False)
+    assert times == {"aten::mm": [10.0, 2.0]}
