@@ -436,35 +436,70 @@ def _kernel_times(events: Any, cuda: bool) -> dict[str, list[float]]:
     return out
 
 
-def kernel_profile(fn: Callable[[], Any], top: int = 12) -> dict[str, Any]:
-    """GPU kernel time of one call of ``fn``: grouped (attention / matmul / other) plus the top kernels."""
+def kernel_times(fn: Callable[[], Any]) -> dict[str, list[float]]:
+    """{kernel name: [microseconds, calls]} over one call of ``fn`` (on the CPU: the ops' own time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.cuda.is_available
-    acts = [ProfilerActivity.CUDA] if cuda() else [ProfilerActivity.CPU]
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         fn()
-        if cuda():
+        if cuda:
             torch.cuda.synchronize()
-    kernels = _kernel_times(prof.events(), cuda())
+    return _kernel_times(prof.events(), cuda)
 
-    def group(name: str) -> str:
-        low = name.lower()
-        if any(t in low for t in ("attention", "flash", "fmha", "cudnn", "sdpa", "mha")):
-            return "attention"
-        if any(t in low for t in ("gemm", "sm90_xmma", "cutlass", "triton_mm", "matmul", "nvjet", "ampere_", "sm80_")):
-            return "matmul"
+
+def kernel_group(name: str) -> str:
+    """attention / matmul / other. Convolutions (cuDNN's implicit GEMMs, the VAE's) are matmuls, not
+    attention, though their names may say cudnn; cuDNN's layout transposes are other."""
+    low = name.lower()
+    if "implicit_gemm" in low or "conv" in low:
+        return "matmul"
+    if "nchwtonhwc" in low or "nhwctonchw" in low:
         return "other"
+    if any(t in low for t in ("attention", "flash", "fmha", "cudnn", "sdpa", "mha")):
+        return "attention"
+    if any(t in low for t in ("gemm", "sm90_xmma", "cutlass", "triton_mm", "matmul", "nvjet", "ampere_", "sm80_")):
+        return "matmul"
+    return "other"
 
+
+def kernel_summary(kernels: dict[str, list[float]], top: int = 12) -> dict[str, Any]:
+    """:func:`kernel_times`' rows grouped (attention / matmul / other), plus the top kernels."""
     groups = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
     for name, (us, _) in kernels.items():
-        groups[group(name)] += us
+        groups[kernel_group(name)] += us
     total = sum(groups.values()) or 1.0
     top_rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "kernel_ms_total": round(total / 1e3, 2),
         "groups_ms": {k: round(v / 1e3, 2) for k, v in groups.items()},
         "groups_share": {k: round(v / total, 3) for k, v in groups.items()},
-        "top_kernels": [{"name": n[:120], "ms": round(us / 1e3, 2), "calls": int(c), "group": group(n)}
+        "top_kernels": [{"name": n[:120], "ms": round(us / 1e3, 2), "calls": round(c), "group": kernel_group(n)}
                         for n, (us, c) in top_rows],
     }
+
+
+def kernel_profile(fn: Callable[[], Any], top: int = 12) -> dict[str, Any]:
+    """GPU kernel time of one call of ``fn``: grouped (attention / matmul / other) plus the top kernels."""
+    return kernel_summary(kernel_times(fn), top)
+
+
+def step_kernels(one: dict[str, list[float]], two: dict[str, list[float]]) -> dict[str, list[float]]:
+    """One denoise step's kernels: a two-step request's minus a one-step request's, kernel by kernel
+    (what is not a step -- text encoding, the VAE decode, set-up -- is in both and cancels); rows that
+    do not grow are dropped."""
+    out: dict[str, list[float]] = {}
+    for name, (us, calls) in two.items():
+        us0, calls0 = one.get(name, (0.0, 0.0))
+        if us - us0 > 0.0 and calls - calls0 > 0.0:
+            out[name] = [us - us0, calls - calls0]
+    return out
+
+
+def step_profile(run_steps: Callable[[int], Any], top: int = 12) -> dict[str, Any]:
+    """:func:`kernel_summary` of one denoise step: ``run_steps(n)`` runs an ``n``-step request;
+    :func:`step_kernels` of a two- and a one-step request."""
+    one = kernel_times(lambda: run_steps(1))
+    two = kernel_times(lambda: run_steps(2))
+    return {**kernel_summary(step_kernels(one, two), top), "how": "a 2-step request's kernels minus a 1-step request's"}

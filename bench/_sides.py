@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import kernel_profile, rel_rms, run_omniloop
+from _common import rel_rms, run_omniloop, step_profile
 
 
 def parser(description: str, *, steps: int, budget_s: float, sides: Sequence[str]) -> argparse.ArgumentParser:
@@ -234,13 +234,14 @@ def measure(sides: list[Any], record: dict[str, Any], run: Callable[[Any, int], 
 
 def profile(sides: list[Any], record: dict[str, Any], run: Callable[[Any, int], Any], *,
             save: Callable[[], None]) -> None:
-    """``--profile``: one step of each side under the profiler (after the timed rounds, so compiled
-    code and CUDA graphs are warm); ``record["sides"][name]["profile_one_step"]``. The step's kernels
-    include the pipeline's own work around the denoiser (text encoding and decode are outside a step)."""
+    """``--profile``: one denoise step of each side under the profiler (after the timed rounds, so
+    compiled code and CUDA graphs are warm); ``record["sides"][name]["profile_one_step"]``: a two-step
+    request's kernels minus a one-step request's (``_common.step_profile``), so text encoding and the
+    VAE decode, which a one-step request also runs, are not in it."""
     for side in sides:
         entry = record["sides"][side.name]
         try:
-            entry["profile_one_step"] = kernel_profile(lambda side=side: run(side, 1))
+            entry["profile_one_step"] = step_profile(lambda n, side=side: run(side, n))
         except Exception as exc:  # the timing stands without it
             entry["profile_error"] = f"{type(exc).__name__}: {exc}"[:400]
         print(json.dumps({"side": side.name, "profile": entry.get("profile_one_step", {}).get("groups_ms")}), flush=True)
