@@ -5,28 +5,9 @@ FLUX profile."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def common():
-    if not (BENCH / "_common.py").exists():
-        pytest.skip("bench/_common.py not in this checkout")
-    sys.path.insert(0, str(BENCH))
-    try:
-        import _repo_paths
-
-        _repo_paths.add_repo_packages()
-        import _common
-    finally:
-        sys.path.remove(str(BENCH))
-    return _common
 
 
 def _event(kind: str, name: str, device_us: float = 0.0, cpu_us: float = 0.0) -> SimpleNamespace:

@@ -3,24 +3,7 @@ name that cannot be deployed is refused before any model is built (a typo costs 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def sides():
-    if not (BENCH / "_sides.py").exists():
-        pytest.skip("bench/_sides.py not in this checkout")
-    sys.path.insert(0, str(BENCH))
-    try:
-        import _sides
-    finally:
-        sys.path.remove(str(BENCH))
-    return _sides
 
 
 def test_words_map_to_deploy_settings(sides):
