@@ -18,6 +18,7 @@ Imported like ``_common`` (``bench/`` on ``sys.path``).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -164,6 +165,26 @@ def apply_linear_precision(model: Any, family: Any, deploy: Any) -> str:
     blocks.check_deploy(deploy, family, torch.device(deploy.device), getattr(torch, deploy.dtype))
     report = blocks.apply(model, family, deploy) or {}
     return f" linear_precision={deploy.linear_precision} ({report.get('quantized')} linears)"
+
+
+#: GPU memory a side's forward needs beside the weights (FLUX.1-dev 1024^2, bf16: ~5 GiB)
+COPY_HEADROOM_GIB = 8.0
+
+
+def copy_if_room(module: Any, headroom_gib: float = COPY_HEADROOM_GIB) -> Any:
+    """A deep copy of ``module`` for a side of its own -- refused with one line when, on the GPU, it
+    would leave less than ``headroom_gib`` free (a third copy of FLUX.1-dev's 12B transformer does
+    not fit an 80 GB card: the copy itself ran out of memory and the sides already built then failed
+    in cuBLAS). The side is then skipped (``build_sides``) and the others run."""
+    need = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if need + headroom_gib * 2**30 > free:
+            raise RuntimeError(f"no room for another copy of the {type(module).__name__} ({need / 2**30:.1f} GiB; "
+                               f"{free / 2**30:.1f} GiB free, {headroom_gib:g} GiB kept for the forward): run this "
+                               "side in a process of its own")
+    return copy.deepcopy(module)
 
 
 def build_sides(names: Iterable[str], record: dict[str, Any], make: Callable[[str], Any]) -> list[Any]:

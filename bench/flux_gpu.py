@@ -38,7 +38,6 @@ JSON to ``--out`` (default ``$OUT`` or bench/results/) after every phase.
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import json
 import sys
@@ -69,6 +68,7 @@ from _sides import (  # noqa: E402
     apply_linear_precision,
     attention_spec,
     build_sides,
+    copy_if_room,
     measure,
     omniloop_setting,
     parser,
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         key = (st["attention"], st["qkv"], st["linears"], st["compile_mode"])
         if key != ("sdpa", "separate", "dtype", None):
             if key not in copies:
-                copies[key] = copy.deepcopy(base["transformer"])
+                copies[key] = copy_if_room(base["transformer"])
             comps = {**base, "transformer": copies[key]}
         return OmniloopSide(name, comps, device, dtype, max_len, compile_backend, attention=st["attention"],
                             qkv=st["qkv"], graphs=st["graphs"], compiled=st["compile"], linears=st["linears"],

@@ -38,7 +38,6 @@ Runs are interleaved (every other round reversed) after one warm-up run per side
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import json
 import sys
@@ -59,6 +58,7 @@ from _sides import (  # noqa: E402
     apply_linear_precision,
     attention_spec,
     build_sides,
+    copy_if_room,
     measure,
     omniloop_run,
     omniloop_setting,
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     record["notes"].append(f"built components in {time.perf_counter() - t:.1f} s; transformer "
                            f"{sum(p.numel() for p in base['transformer'].parameters()) / 1e9:.3f} B params")
     def make(name: str) -> Any:
-        tf = base["transformer"] if name in ("diffusers", "diffusers-compile") else copy.deepcopy(base["transformer"])
+        tf = base["transformer"] if name in ("diffusers", "diffusers-compile") else copy_if_room(base["transformer"])
         comps = with_transformer(base, tf)
         if name.startswith("diffusers"):
             return DiffusersSide(name, comps, name.endswith("compile"), compile_backend)

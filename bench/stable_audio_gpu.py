@@ -47,7 +47,6 @@ other round reversed) after one warm-up run per side. JSON to ``--out`` (default
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import json
 import statistics
@@ -66,7 +65,18 @@ import _repo_paths
 _repo_paths.add_repo_packages()
 
 from _common import command_line, library_versions, machine, rel_rms, step_times, sync  # noqa: E402
-from _sides import build_sides, finish, measure, omniloop_options, omniloop_run, parser, saver, setting, warm_up  # noqa: E402
+from _sides import (  # noqa: E402
+    build_sides,
+    copy_if_room,
+    finish,
+    measure,
+    omniloop_options,
+    omniloop_run,
+    parser,
+    saver,
+    setting,
+    warm_up,
+)
 from _sides import summarize as summarize_sides  # noqa: E402
 
 PROMPT = "the sound of a hammer hitting a wooden surface, 120 bpm"
@@ -259,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"{sum(p.numel() for p in base['transformer'].parameters()) / 1e9:.3f} B params")
 
     def make(name: str) -> Any:
-        tf = base["transformer"] if name == "diffusers" else copy.deepcopy(base["transformer"])
+        tf = base["transformer"] if name == "diffusers" else copy_if_room(base["transformer"])
         comps = {**base, "transformer": tf}
         if name.startswith("diffusers"):
             cg = name.endswith("-cg") and compile_backend == "inductor"

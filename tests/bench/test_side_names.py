@@ -18,3 +18,13 @@ def test_words_map_to_deploy_settings(sides):
 def test_bad_names_are_refused(sides, name, msg):
     with pytest.raises(ValueError, match=msg.replace("[", r"\[")):
         sides.omniloop_setting(name)
+
+
+def test_a_side_copy_on_the_cpu_is_a_plain_deep_copy(sides):
+    """``copy_if_room`` only measures free memory on a GPU; on the CPU it copies."""
+    import torch
+
+    lin = torch.nn.Linear(4, 3)
+    twin = sides.copy_if_room(lin)
+    assert twin is not lin and torch.equal(twin.weight, lin.weight)
+    assert twin.weight.data_ptr() != lin.weight.data_ptr()
