@@ -8,8 +8,9 @@ import pytest
 
 def test_words_map_to_deploy_settings(sides):
     st = sides.omniloop_setting("omniloop-fa3-fused-compile-autotune-graphs")
-    assert st == {"attention": "flash-attn-3", "linears": "dtype", "qkv": "fused", "compile": True, "graphs": True,
-                  "compile_mode": "max-autotune-no-cudagraphs"}
+    assert st == {"attention": "flash-attn-3", "linears": "dtype", "qkv": "fused", "ffn_gelu": "reference",
+                  "compile": True, "graphs": True, "compile_mode": "max-autotune-no-cudagraphs"}
+    assert sides.omniloop_setting("omniloop-fa3-fused-gelu-compile-graphs")["ffn_gelu"] == "fused"
     assert sides.omniloop_setting("omniloop-cudnn-compile")["compile_mode"] is None
 
 

@@ -17,6 +17,7 @@ from omniloop_kit.compile import OPTION_KEYS as COMPILE_KEYS
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
+from omniloop_kit.ffn import ffn_option
 from omniloop_kit.graphs import graph_option
 from omniloop_kit.options import dtype_option
 from omniloop_kit.resolve import check_task
@@ -34,8 +35,10 @@ from .transformer import all_blocks
 #: deploy ``options`` this family reads (the runtime adds deploy, registry, attention); cuda_graphs:
 #: the outer forward replayed as one CUDA graph per input shape (omniloop_kit.graphs)
 #: qkv: Q/K/V as three linears (diffusers' default) or diffusers' fused projections
-#: (``fuse_qkv_projections``: one GEMM over [W_q; W_k; W_v], the originals kept)
-KNOWN_OPTIONS = frozenset({"vae_dtype", "cuda_graphs", "qkv", *COMPILE_KEYS})
+#: (``fuse_qkv_projections``: one GEMM over [W_q; W_k; W_v], the originals kept); ffn_gelu: the double
+#: blocks' feed-forward input projection and its tanh-GELU as one cuBLASLt matmul (``fused``, CUDA;
+#: omniloop_kit.ffn) or diffusers' two kernels (``reference``)
+KNOWN_OPTIONS = frozenset({"vae_dtype", "cuda_graphs", "qkv", "ffn_gelu", *COMPILE_KEYS})
 
 
 class FluxFamily(DiffusersFamily):
@@ -69,6 +72,7 @@ class FluxFamily(DiffusersFamily):
         compile_options(options)  # bad compile settings fail before loading
         graph_option(options, device)
         qkv_option(options)
+        ffn_option(options, device)
         got = load_checkpoint(path, lambda root: (ck.check_checkpoint(root), list(ck.REQUIRED)), ck.load_component,
                               device=device, dtype=dtype, dtypes={"vae": vae_dtype})
         model = self.from_components(got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype,
@@ -93,7 +97,8 @@ class FluxFamily(DiffusersFamily):
         }, {}
 
     def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
-        """``options.qkv: fused`` (diffusers' ``fuse_qkv_projections``), the deploy's attention backend on
+        """``options.qkv: fused`` (diffusers' ``fuse_qkv_projections``), ``options.ffn_gelu: fused`` (the
+        double blocks' feed-forwards, :mod:`omniloop_kit.ffn`), the deploy's attention backend on
         every block's attention (:mod:`omniloop_flux.attention`; the core ``sdpa`` keeps diffusers'
         processors), ``options.cuda_graphs`` checked against the
         model's device; deploy ``compile: true``: the double- then single-stream blocks compiled;
@@ -103,6 +108,12 @@ class FluxFamily(DiffusersFamily):
         if qkv == "fused":  # before the processors: diffusers' fusing sets its own
             model.components["transformer"].fuse_qkv_projections()
         model.config["qkv"] = qkv
+        ffn_gelu = ffn_option(options, model.device)
+        if ffn_gelu == "fused":  # before compiling: the compiled blocks trace the swapped module
+            from omniloop_kit import ffn
+
+            ffn.install(model.components["transformer"])
+        model.config["ffn_gelu"] = ffn_gelu
         backend = options.get("attention")
         name = getattr(backend, "name", "sdpa")
         if name != "sdpa":

@@ -20,12 +20,15 @@ keys are refused by name.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from omniloop.capabilities import AdapterSupport
 from omniloop_kit import lora as kit_lora
-from omniloop_kit.attention import refuse_fused_qkv as check  # options.qkv: fused bypasses to_q/to_k/to_v
+from omniloop_kit.attention import refuse_fused_qkv
+from omniloop_kit.ffn import refuse_fused_ffn
 
 DOUBLE: dict[str, tuple[str, ...]] = {
     "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
@@ -51,6 +54,13 @@ _DOTTED = re.compile(_PREFIX + r"(double_blocks|single_blocks)\.(\d+)\.(.+)")
 _KOHYA = re.compile(r"lora_unet_(double_blocks|single_blocks)_(\d+)_(.+)")
 #: lora_up's rows per part: one module, q/k/v, or q/k/v then the MLP input of 4x the width (mlp_ratio 4)
 _RATIOS = {1: (1,), 3: (1, 1, 1), 4: (1, 1, 1, 4)}
+
+
+def check(model: Any, options: Mapping[str, Any]) -> None:
+    """Adapters refuse ``options.qkv: fused`` (Q/K/V computed past ``to_q``/``to_k``/``to_v``) and
+    ``options.ffn_gelu: fused`` (the feed-forward projection computed past its ``Linear``)."""
+    refuse_fused_qkv(model, options)
+    refuse_fused_ffn(model, options)
 
 
 def target(src: str) -> kit_lora.Target | None:

@@ -13,16 +13,24 @@ blocks get the same fusion.
 Numerics: the activation is applied before rounding to bf16 instead of after, so results are
 within bf16 rounding of the reference (not bit-equal). Opt-in with a family option (Wan's
 ``options.ffn_gelu: fused``; CUDA only: on CPU ``_addmm_activation`` computes the exact-erf GELU,
-not the tanh form, so a family refuses the option at load there). The swap keeps the ``Linear`` (same parameters, same
-state-dict keys); :func:`restore` puts diffusers' modules back.
+not the tanh form, so a family refuses the option at load there -- :func:`ffn_option`). The swap keeps the
+``Linear`` (same parameters, same state-dict keys, so weight updates land); :func:`restore` puts diffusers' modules
+back. An adapter on the projection would be bypassed: a family's ``AdapterSupport.check`` calls
+:func:`refuse_fused_ffn`. Offered by Wan (``options.ffn_gelu``) and FLUX.1 (its double blocks' ``ff`` and
+``ff_context``; a single block's MLP is a bare ``Linear`` + ``GELU`` and is left as it is).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from omniloop.errors import DeployError
+
+from .options import choice_option
 
 #: values of ``options.ffn_gelu``
 MODES = ("reference", "fused")
@@ -47,6 +55,24 @@ class FusedGeluProjection(torch.nn.Module):
             out = torch._addmm_activation(proj.bias, flat, proj.weight.t(), use_gelu=True)
             return out.view(*hidden_states.shape[:-1], out.shape[-1])
         return torch.nn.functional.gelu(proj(hidden_states), approximate=self.approximate)
+
+
+def ffn_option(options: Any, device: Any) -> str:
+    """``options.ffn_gelu`` (:data:`MODES`), or one ``DeployError``: an unknown value, or ``fused`` on a
+    device other than CUDA (cuBLASLt's epilogue; elsewhere the op computes another GELU)."""
+    mode = choice_option(options, "ffn_gelu", MODES)
+    if mode == "fused" and torch.device(device).type != "cuda":
+        raise DeployError(f"options.ffn_gelu: 'fused' needs a CUDA device (cuBLASLt's GELU epilogue), not {device}; "
+                          "use ffn_gelu 'reference'")
+    return mode
+
+
+def refuse_fused_ffn(model: Any, options: Mapping[str, Any]) -> None:
+    """An ``AdapterSupport.check``: ``options.ffn_gelu: fused`` computes the feed-forward input projection
+    from its weight directly, past an adapter hooked on the ``Linear``, so adapters refuse it at load."""
+    if options.get("ffn_gelu", "reference") == "fused":
+        raise DeployError("adapters: options.ffn_gelu 'fused' computes the feed-forward projection without its "
+                          "Linear, so a LoRA on it would be skipped; use ffn_gelu 'reference' with adapters")
 
 
 def _gelu_modules(model: torch.nn.Module) -> list[tuple[Any, int, torch.nn.Module]]:
@@ -84,4 +110,4 @@ def installed(model: torch.nn.Module) -> bool:
     return model in _SWAPPED
 
 
-__all__ = ["MODES", "FusedGeluProjection", "install", "installed", "restore"]
+__all__ = ["MODES", "FusedGeluProjection", "ffn_option", "install", "installed", "refuse_fused_ffn", "restore"]

@@ -27,6 +27,7 @@ import torch
 from omniloop.capabilities import AdapterSupport
 from omniloop.errors import DeployError
 from omniloop_kit import lora as kit_lora
+from omniloop_kit.ffn import refuse_fused_ffn
 
 _ATTN = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0", "k_img": "add_k_proj", "v_img": "add_v_proj"}
 SUBMODULES: dict[str, str] = {
@@ -58,9 +59,7 @@ def convert(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[
 
 def check(model: Any, options: Mapping[str, Any]) -> None:
     """Adapters hook the linears' forwards: paths that bypass them are refused at load."""
-    if options.get("ffn_gelu") == "fused":
-        raise DeployError("adapters: options.ffn_gelu 'fused' computes the feed-forward projection without its "
-                          "Linear, so a LoRA on it would be skipped; use ffn_gelu 'reference' with adapters")
+    refuse_fused_ffn(model, options)
     for name, comp in (getattr(model, "components", None) or {}).items():
         if name.startswith("transformer") and isinstance(comp, torch.nn.Module):
             if any(getattr(m, "fused_projections", False) for m in comp.modules()):
