@@ -16,7 +16,8 @@ Parts, one JSON (``$OUT`` or ``bench/results/attention_fp8-<date>.json``, with t
 3. **clips** (GPU): the wan-demo evaluator's 48 clips (24 prompts x seeds 0, 1; 20 steps, CFG 5)
    with bf16 ``sdpa-cudnn`` and with ``cudnn-fp8`` (fused quantisation, and the separate pass),
    each also with deploy ``linear_precision: fp8`` (omniloop-quant's e4m3 block linears; ``fp8+fp8fast``:
-   ``fp8-fast``, the GEMMs' fast accumulation):
+   ``fp8-fast``, the GEMMs' fast accumulation; ``fa3fp8+fp8fastx``: ``fa3-fp8`` attention with
+   ``fp8-fast-except-down``, fast accumulation except the feed-forwards' down projections):
    color / direction / shape adherence, clips whose verdict changed, PSNR / SSIM of the frames vs
    the bf16 frames.
 4. **linears** (GPU or CPU): FP8 linears (``omniloop_quant.FP8Linear``) on the inputs every block
@@ -406,7 +407,7 @@ def demo_runtime(device: str, backend: str, rope: str, capture: Any = None,
     from omniloop_wan_demo.checkpoint_path import checkpoint_dir
 
     # the plugins by hand (the GPU machine has the repo on PYTHONPATH, no entry points): omniloop-quant
-    # registers linear_precision fp8 / fp8-fast
+    # registers linear_precision fp8 / fp8-fast / fp8-fast-except-down
     plugins: list[tuple[str, Any]] = [("wan", wan_plugin), ("attention", attn_plugin), ("quant", quant_plugin)]
     if capture is not None:
         plugins.append(("capture", capture))
@@ -514,7 +515,7 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
 #: noise floor any other configuration's are read against
 CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4, "fp8+fp8fast": 5, "bf16-flash": 6,
                 "fa3fp8+fp8fast": 7, "bf16-fa3": 8, "fa3fp8": 9, "fa3fp8+fp8lin": 10, "fa3fp8-exact4": 11,
-                "fa3fp8+fp8fast-exact4": 12, "fa3fp8-exactlast4": 13, "fa3fp8-exact2": 14}
+                "fa3fp8+fp8fast-exact4": 12, "fa3fp8-exactlast4": 13, "fa3fp8-exact2": 14, "fa3fp8+fp8fastx": 15}
 
 
 class StepTracker:
@@ -633,7 +634,8 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                ("fa3-fp8 + fp8-fast linears, the first 4 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True,
                 "fp8-fast", range(4)),
                ("fa3-fp8, the last 4 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True, "dtype", range(16, 20)),
-               ("fa3-fp8, the first 2 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True, "dtype", range(2))]
+               ("fa3-fp8, the first 2 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True, "dtype", range(2)),
+               ("fa3-fp8 (fused q/k) + fp8-fast-except-down linears", "fa3-fp8", "fused", True, "fp8-fast-except-down")]
     configs = [configs[CLIP_CONFIGS[k]] for k in (keys or CLIP_CONFIGS)]  # bf16 (the reference) must be first
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}

@@ -36,7 +36,9 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       deploy ``linear_precision: fp8`` (omniloop-quant: the
                                       blocks' linears as e4m3 ``_scaled_mm`` GEMMs,
                                       distribution-altering); ``-fp8fast``: ``fp8-fast`` (the
-                                      same with fast accumulation); ``-qkv``: ``options.qkv:
+                                      same with fast accumulation); ``-fp8fastx``:
+                                      ``fp8-fast-except-down`` (fast accumulation except the
+                                      feed-forwards' down projections); ``-qkv``: ``options.qkv:
                                       fused`` (one Q/K/V GEMM); ``-nogq``: the FP8 feed-forward's
                                       GELU + quantisation by inductor's fused ops instead of
                                       omniloop-quant's Triton pass
@@ -156,6 +158,8 @@ def all_configs() -> list[str]:
     out += [f"omniloop-{be}-compile-fused-fp8lin" for be in ("fp8", "cudnn")] + ["omniloop-sdpa-compile-fp8lin"]
     # -fp8fast: linear_precision: fp8-fast (fast accumulation); -qkv (any omniloop config): options.qkv: fused
     out += ["omniloop-fp8-compile-fused-fp8lin-qkv", "omniloop-fp8-compile-fused-fp8fast-qkv"]
+    # -fp8fastx: linear_precision: fp8-fast-except-down (fast accumulation but the FFN down projections')
+    out += ["omniloop-fa3fp8-compile-fused-fp8fastx", "omniloop-fp8-compile-fused-fp8fastx"]
     # fp8t: cudnn-fp8 with attention_options.plan: fastest; -gq: omniloop_quant.fp8.FUSE_GELU_QUANT (the FFN's
     # GELU + FP8 quantisation as one Triton pass)
     out += ["omniloop-fp8t-compile-fused-fp8fast", "omniloop-fp8t-compile-fused-fp8fast-gq"]
@@ -170,33 +174,41 @@ def all_configs() -> list[str]:
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
-                "rope": False, "ffn": False, "sepq": False, "fp8lin": False, "fp8fast": False, "qkv": False, "gq": True,
-                "inductor": None}
+                "rope": False, "ffn": False, "sepq": False, "fp8lin": False, "fp8fast": False, "fp8fastx": False,
+                "linear_precision": "dtype", "qkv": False, "gq": True, "inductor": None}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "qkv", "gq", "nogq", *INDUCTOR_WORDS}:
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "fp8fastx", "qkv", "gq", "nogq",
+               *INDUCTOR_WORDS}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
+    if {"fp8fast", "fp8fastx"} <= rest:
+        raise SystemExit(f"configuration {name!r}: -fp8fast (every GEMM fast) and -fp8fastx (all but the FFN down "
+                         "projections) contradict each other; name one")
+    linears = ("fp8-fast-except-down" if "fp8fastx" in rest else "fp8-fast" if "fp8fast" in rest
+               else "fp8" if "fp8lin" in rest else "dtype")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
             "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest,
-            "fp8lin": bool(rest & {"fp8lin", "fp8fast"}), "fp8fast": "fp8fast" in rest, "qkv": "qkv" in rest,
+            "fp8lin": linears != "dtype", "fp8fast": "fp8fast" in rest, "fp8fastx": "fp8fastx" in rest,
+            "linear_precision": linears, "qkv": "qkv" in rest,
             "gq": "nogq" not in rest,
             "inductor": {k: v for w in sorted(rest & set(INDUCTOR_WORDS)) for k, v in INDUCTOR_WORDS[w].items()} or None}
 
 
-def fp8_linears(transformer: Any, fast: bool = False) -> tuple[list[Any], dict[str, Any]]:
-    """Deploy ``linear_precision: fp8`` (``fast``: ``fp8-fast``) on shared modules: the transformer's
-    blocks' linears swapped for e4m3 ones (omniloop-quant; the originals kept, so
-    :func:`omniloop_quant.restore` undoes it)."""
+def fp8_linears(transformer: Any, mode: str = "fp8") -> tuple[list[Any], dict[str, Any]]:
+    """Deploy ``linear_precision: <mode>`` (``fp8``, ``fp8-fast`` or ``fp8-fast-except-down``) on shared
+    modules: the transformer's blocks' linears swapped for e4m3 ones (omniloop-quant; the originals kept,
+    so :func:`omniloop_quant.restore` undoes it)."""
     import omniloop_quant
     from omniloop_wan.family import WanFamily
 
     found = omniloop_quant.denoiser_blocks({"transformer": transformer}, WanFamily())
     blocks = [b for _, b in found]
-    report = omniloop_quant.install(blocks, keep_original=True, names=[n for n, _ in found], fast_accum=fast)
+    accumulation = omniloop_quant.ACCUMULATION[mode]
+    report = omniloop_quant.install(blocks, keep_original=True, names=[n for n, _ in found], **accumulation)
     return blocks, {"quantized": report["quantized"], "skipped": len(report["skipped"]), "blocks": len(blocks),
-                    "fast_accum": fast}
+                    **accumulation}
 
 
 def unfuse_qkv(transformer: Any) -> None:
@@ -357,7 +369,7 @@ class DiffusersPipelineSide:
 class OmniloopPipelineSide:
     def __init__(self, comps: dict[str, Any], backend: Any, compiled: bool, batched: bool, compile_mode: str | None,
                  compile_backend: str, device: torch.device, dtype: torch.dtype, rope: bool = False,
-                 ffn: bool = False, fp8lin: bool = False, fp8fast: bool = False, qkv: bool = False,
+                 ffn: bool = False, linear_precision: str = "dtype", qkv: bool = False,
                  inductor: dict[str, Any] | None = None) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
@@ -365,7 +377,7 @@ class OmniloopPipelineSide:
         from omniloop_wan.family import WanFamily
 
         deploy = DeployConfig(device=str(device), dtype="bfloat16", compile=compiled, attention_backend=backend.name,
-                              linear_precision=("fp8-fast" if fp8fast else "fp8") if fp8lin else "dtype")
+                              linear_precision=linear_precision)
         options: dict[str, Any] = {"deploy": deploy, "attention": backend, "compile_backend": compile_backend,
                                    "qk_norm_rope": "fused" if rope else "reference",
                                    "ffn_gelu": "fused" if ffn else "reference", "qkv": "fused" if qkv else "separate"}
@@ -380,7 +392,8 @@ class OmniloopPipelineSide:
         self.batched = batched
         self.transformer = comps["transformer"]
         # linear_precision: fp8 after the family's set-up (fused GELU, lazy compile), as the runtime does
-        self.fp8_blocks, self.fp8_report = fp8_linears(self.transformer, fp8fast) if fp8lin else ([], None)
+        self.fp8_blocks, self.fp8_report = (fp8_linears(self.transformer, linear_precision)
+                                            if linear_precision != "dtype" else ([], None))
 
     def __enter__(self) -> OmniloopPipelineSide:
         return self
@@ -423,7 +436,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
         c = parse_config(name)
         row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
                                "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
-                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv", "gq", "inductor")},
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
         if rec.over_budget():
             rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -438,7 +451,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                     continue
                 side = OmniloopPipelineSide(comps, spec, c["compile"], c["batched"], args.compile_mode,
                                             args.compile_backend, device, dtype, rope=c["rope"], ffn=c["ffn"],
-                                            fp8lin=c["fp8lin"], fp8fast=c["fp8fast"], qkv=c["qkv"], inductor=c["inductor"])
+                                            linear_precision=c["linear_precision"], qkv=c["qkv"], inductor=c["inductor"])
                 if side.fp8_report is not None:
                     row["fp8_linears"] = side.fp8_report
             with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"]), gelu_quant_kernel(c["gq"]):
@@ -540,7 +553,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     for name in rec.selected(model):
         c = parse_config(name)
         row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
-                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "qkv", "gq", "inductor")},
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
         if rec.over_budget():
@@ -568,7 +581,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
                     if c["ffn"]:
                         ffn.install(tf)
                     if c["fp8lin"]:  # deploy linear_precision: fp8, after the fused GELU (as the runtime)
-                        fp8_blocks, row["fp8_linears"] = fp8_linears(tf, c["fp8fast"])
+                        fp8_blocks, row["fp8_linears"] = fp8_linears(tf, c["linear_precision"])
                     blocks = tf.blocks
                     if c["compile"]:
                         kw = {"backend": args.compile_backend, "dynamic": False,

@@ -16,16 +16,94 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 @pytest.mark.skipif(not (BENCH / "wan_gpu.py").exists(), reason="bench/ not in this checkout")
 def test_wan_gpu_fp8lin_smoke(tmp_path):
     """14b smoke (48-wide, 3 blocks): all 30 block linears quantised, close to diffusers, and the
-    shared modules restored afterwards (the next configuration is diffusers' again: bit-equal)."""
-    only = "diffusers,omniloop-sdpa-compile-fp8lin,omniloop-sdpa"
+    shared modules restored afterwards (the next configuration is diffusers' again: bit-equal);
+    ``-fp8fastx`` (``fp8-fast-except-down``) reports fast accumulation except the FFN down GEMMs."""
+    only = "diffusers,omniloop-sdpa-compile-fp8lin,omniloop-sdpa-fp8fastx,omniloop-sdpa"
     rec = run_script(BENCH / "wan_gpu.py", ["--smoke", "--models", "14b", "--only", only], tmp_path,
                      "wan_gpu-*-smoke.json")
     rows = {r["config"]: r for r in rec["results"]}
     fp8 = rows["omniloop-sdpa-compile-fp8lin"]
     assert "error" not in fp8, fp8
-    assert fp8["fp8lin"] and fp8["fp8_linears"] == {"quantized": 30, "skipped": 0, "blocks": 3, "fast_accum": False}
+    assert fp8["fp8lin"] and fp8["fp8_linears"] == {"quantized": 30, "skipped": 0, "blocks": 3, "fast_accum": False,
+                                                    "down_fast_accum": False}
+    fastx = rows["omniloop-sdpa-fp8fastx"]
+    assert "error" not in fastx, fastx
+    assert fastx["fp8lin"] and fastx["fp8fastx"] and not fastx["fp8fast"]
+    assert fastx["linear_precision"] == "fp8-fast-except-down"
+    assert fastx["fp8_linears"] == {"quantized": 30, "skipped": 0, "blocks": 3, "fast_accum": True,
+                                    "down_fast_accum": False}
     assert not fp8["vs_diffusers_eager"]["bit_equal"] and fp8["vs_diffusers_eager"]["rel_rms"] < 0.06
     assert rows["omniloop-sdpa"]["vs_diffusers_eager"]["bit_equal"]  # restored
+
+
+@pytest.mark.skipif(not (BENCH / "wan_gpu.py").exists(), reason="bench/ not in this checkout")
+def test_wan_gpu_side_words_name_the_linear_precision():
+    """``-fp8lin`` / ``-fp8fast`` / ``-fp8fastx``: deploy ``linear_precision`` ``fp8`` / ``fp8-fast`` /
+    ``fp8-fast-except-down``, in any position among the other words; ``-fp8fast`` with ``-fp8fastx`` refused."""
+    import sys
+
+    spec = importlib.util.spec_from_file_location("wan_gpu_linears_under_test", BENCH / "wan_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH))
+    want = {"omniloop-fa3fp8-compile-fused": ("dtype", False, False, False),
+            "omniloop-fa3fp8-compile-fused-fp8lin": ("fp8", True, False, False),
+            "omniloop-fa3fp8-compile-fused-fp8fast": ("fp8-fast", True, True, False),
+            "omniloop-fa3fp8-compile-fused-fp8fastx": ("fp8-fast-except-down", True, False, True),
+            "omniloop-fp8-compile-fused-fp8fastx-qkv-mk": ("fp8-fast-except-down", True, False, True),
+            "diffusers": ("dtype", False, False, False)}
+    for name, (precision, lin, fast, fastx) in want.items():
+        c = mod.parse_config(name)
+        assert (c["linear_precision"], c["fp8lin"], c["fp8fast"], c["fp8fastx"]) == (precision, lin, fast, fastx), name
+    fused = mod.parse_config("omniloop-fa3fp8-compile-fused-fp8fastx")
+    assert fused["backend"] == "fa3-fp8" and fused["compile"] and fused["rope"] and fused["ffn"]
+    assert {n for n in mod.all_configs() if n.endswith("-fp8fastx")}  # listed among the known names
+    with pytest.raises(SystemExit, match="contradict"):
+        mod.parse_config("omniloop-fa3fp8-compile-fused-fp8fast-fp8fastx")
+    with pytest.raises(SystemExit, match="unknown configuration"):
+        mod.parse_config("omniloop-fa3fp8-compile-fused-fp8fastxx")
+
+
+@pytest.mark.skipif(not (BENCH / "attention_fp8_quality.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_quality_clip_config_fp8fastx(monkeypatch):
+    """``--clip-configs fa3fp8+fp8fastx``: ``fa3-fp8`` attention (fused q/k) with ``linear_precision:
+    fp8-fast-except-down``, appended after the existing keys (their numbers unchanged); the runtime is faked."""
+    pytest.importorskip("omniloop_wan_demo")
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import omniloop_wan_demo.evaluate as evaluate
+
+    spec = importlib.util.spec_from_file_location("attention_fp8_quality_bench", BENCH / "attention_fp8_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx"] == max(mod.CLIP_CONFIGS.values()) == len(mod.CLIP_CONFIGS) - 1
+    assert mod.CLIP_CONFIGS["fa3fp8+fp8fast"] == 7 and mod.CLIP_CONFIGS["fa3fp8-exact2"] == 14
+    built = []
+
+    def runtime(device, backend, rope, capture=None, linear_precision="dtype"):
+        built.append((backend, linear_precision))
+        return SimpleNamespace(linears=None)
+
+    def score(vids, prompts, seeds):
+        ok = {"color": True, "direction": True, "shape": True}
+        return dict(ok, all=1.0), [SimpleNamespace(ok=ok) for _ in vids]
+
+    monkeypatch.setattr(mod, "demo_runtime", runtime)
+    monkeypatch.setattr(mod, "wan_demo_clip", lambda *a, **k: np.zeros((17, 8, 8, 3), np.uint8))
+    monkeypatch.setattr(evaluate, "score", score)
+    res: dict = {}
+    mod.part_clips(res, "cpu", True, ["bf16", "fa3fp8+fp8fast", "fa3fp8+fp8fastx"], [0])
+    rows = res["clips"]["configs"]
+    assert built == [("sdpa-cudnn", "dtype"), ("fa3-fp8", "fp8-fast"), ("fa3-fp8", "fp8-fast-except-down")]
+    row = rows["fa3-fp8 (fused q/k) + fp8-fast-except-down linears"]
+    assert "error" not in row, row.get("traceback_tail")
+    assert (row["attention_backend"], row["qk_norm_rope"], row["fp8_quant_in_rope_kernel"], row["linear_precision"]) == (
+        "fa3-fp8", "fused", True, "fp8-fast-except-down")
 
 
 @pytest.mark.skipif(not (BENCH / "attention_fp8_quality.py").exists(), reason="bench/ not in this checkout")
@@ -41,10 +119,11 @@ def test_fp8_quality_linears_smoke(tmp_path):
 
 
 @pytest.mark.skipif(not (BENCH / "attention_fp8_quality.py").exists(), reason="bench/ not in this checkout")
-@pytest.mark.parametrize("precision", ["fp8", "fp8-fast"])
+@pytest.mark.parametrize("precision", ["fp8", "fp8-fast", "fp8-fast-except-down"])
 def test_fp8_quality_clip_runtime_registers_the_quant_plugin(precision):
     """The clips part builds its runtime from plugins named by hand (the GPU machine has the repo on
-    PYTHONPATH, no entry points): omniloop-quant must be among them, or fp8 / fp8-fast is unknown."""
+    PYTHONPATH, no entry points): omniloop-quant must be among them, or fp8 / fp8-fast / fp8-fast-except-down
+    is unknown."""
     pytest.importorskip("omniloop_wan_demo")
     import importlib.util
 

@@ -38,7 +38,8 @@ def request(**kw: Any) -> dict[str, Any]:
 
 
 def test_bad_value_refused_at_load(tiny):
-    with pytest.raises(DeployError, match=r"^linear_precision: unknown value 'int4' \(available: dtype, fp8, fp8-fast\)$") as info:
+    with pytest.raises(DeployError, match=r"^linear_precision: unknown value 'int4' "
+                       r"\(available: dtype, fp8, fp8-fast, fp8-fast-except-down\)$") as info:
         Deployment({"model": {"path": str(tiny)}, "linear_precision": "int4"}, manager=manager())
     assert "\n" not in str(info.value)
 
@@ -134,6 +135,43 @@ def test_fp8_fast_sets_fast_accumulation_on_every_gemm():
     plain = Runtime.from_model(path, manager=mgr, linear_precision="fp8")
     assert not any(m.fast_accum for m in plain.model.components["transformer"].modules() if isinstance(m, FP8Linear))
     a, b = fast.generate(body), plain.generate(body)
+    assert np.array_equal(np.asarray(a.artifacts["video"].frames), np.asarray(b.artifacts["video"].frames))
+
+
+def test_fp8_fast_except_down_keeps_full_accumulation_on_the_ffn_down_projections():
+    """``linear_precision: fp8-fast-except-down``: ``fp8-fast`` except the feed-forwards' down projections
+    (``FP8FeedForward.down``, diffusers' ``net[2]``: the largest reduction dimension), which keep full
+    accumulation -- 90 of wan-demo's 100 block GEMMs fast, its 10 FFN down GEMMs not. Registered beside
+    ``fp8``, distribution-altering, the same combinations refused; on the CPU the clip equals fp8's."""
+    demo = pytest.importorskip("omniloop_wan_demo.checkpoint_path")
+    import omniloop_quant
+    import omniloop_wan_demo.plugin as demo_plugin
+    from omniloop_quant import FP8FeedForward
+
+    spec = manager().registry().linear_precisions["fp8-fast-except-down"]
+    assert spec is quant_plugin.FP8_FAST_EXCEPT_DOWN and spec.distribution_altering
+    assert "fp8-fast-except-down" in omniloop_quant.MODES
+    path = demo.checkpoint_dir()
+    mgr = make_manager(("wan", wan_plugin), ("wan-demo", demo_plugin), ("quant", quant_plugin), toy=False)
+    with pytest.raises(DeployError, match=r"^linear_precision: 'fp8-fast-except-down' does not combine with offload"):
+        Deployment({"model": {"path": str(path)}, "linear_precision": "fp8-fast-except-down", "offload": "model"},
+                   manager=mgr)
+    body = {"task": "t2v", "inputs": [{"type": "text", "text": "a blue square moving up"}],
+            "diffusion": {"steps": 2, "guidance_scale": 5.0, "seed": 2, "frames": 9, "height": 64, "width": 64}}
+    rt = Runtime.from_model(path, manager=mgr, linear_precision="fp8-fast-except-down")
+    with pytest.raises(RequestError, match="linear_precision 'fp8-fast-except-down' alters outputs"):
+        rt.check(dict(body, exact=True))
+    assert rt.linears["mode"] == "fp8-fast-except-down" and rt.linears["quantized"] == 100
+    assert rt.describe()["linear_precision"] == "fp8-fast-except-down"
+    tf = rt.model.components["transformer"]
+    ffns = [m for m in tf.modules() if isinstance(m, FP8FeedForward)]
+    downs = {id(m.down) for m in ffns}
+    layers = [m for m in tf.modules() if isinstance(m, FP8Linear)]
+    assert len(ffns) == 10 and len(layers) == 100
+    assert all(m.fast_accum is (id(m) not in downs) for m in layers)
+    assert all(m.down.in_features > m.up.in_features for m in ffns)  # the down GEMM has the largest K
+    plain = Runtime.from_model(path, manager=mgr, linear_precision="fp8")
+    a, b = rt.generate(body), plain.generate(body)
     assert np.array_equal(np.asarray(a.artifacts["video"].frames), np.asarray(b.artifacts["video"].frames))
 
 

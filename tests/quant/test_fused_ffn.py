@@ -85,6 +85,36 @@ def test_only_a_plain_gelu_feed_forward_is_taken_whole():
     assert not isinstance(odd.ffn, FP8FeedForward) and report["quantized"] == 0 and len(report["skipped"]) == 2
 
 
+def test_down_fast_accum_sets_only_the_feed_forward_down_projections():
+    """``install(fast_accum=True, down_fast_accum=False)`` (deploy ``fp8-fast-except-down``): fast
+    accumulation on every GEMM but the feed-forwards' down projections (``net[2]``, the largest K) --
+    in an ``FP8FeedForward`` and in a feed-forward whose linears are swapped one by one (GEGLU, or an
+    up projection of unaligned width); without ``down_fast_accum`` the down GEMMs follow ``fast_accum``."""
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.attn = nn.Linear(32, 32)
+    root.ffn = FeedForward(32, inner_dim=96, activation_fn="gelu-approximate")
+    root.geglu = FeedForward(32, inner_dim=64, activation_fn="geglu")
+    root.odd = FeedForward(24, dim_out=32, inner_dim=64, activation_fn="gelu-approximate")  # up 24->64 kept
+    report = install([root], fast_accum=True, down_fast_accum=False)
+    assert report["quantized"] == 6 and len(report["skipped"]) == 1
+    assert isinstance(root.ffn, FP8FeedForward) and root.ffn.up.fast_accum and not root.ffn.down.fast_accum
+    assert root.attn.fast_accum and root.geglu.net[0].proj.fast_accum
+    for down in (root.geglu.net[2], root.odd.net[2]):
+        assert isinstance(down, FP8Linear) and not down.fast_accum
+    fast = {name for name, m in root.named_modules() if isinstance(m, FP8Linear) and m.fast_accum}
+    assert fast == {"attn", "ffn.up", "geglu.net.0.proj"}
+    restore([root])
+    for kw, want in (({"fast_accum": True}, True), ({"fast_accum": False}, False),
+                     ({"fast_accum": False, "down_fast_accum": True}, True)):
+        install([root], **kw)
+        assert root.ffn.down.fast_accum is want and root.geglu.net[2].fast_accum is want
+        assert root.attn.fast_accum is kw["fast_accum"]
+        restore([root])
+    ffn = FP8FeedForward(nn.Linear(32, 64), "tanh", nn.Linear(64, 32), fast_accum=True)
+    assert ffn.up.fast_accum and ffn.down.fast_accum  # down_fast_accum None: as fast_accum
+
+
 def test_reference_is_gelu_then_quantize_rows():
     h = torch.randn(4, 48) * 3
     q, s = kernels.reference(h, "tanh")

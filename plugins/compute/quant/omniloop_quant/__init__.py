@@ -2,7 +2,7 @@
 
 Deploy ``linear_precision: fp8`` (a core field, :class:`omniloop.deploy.DeployConfig`, whose values
 beyond the built-in ``dtype`` are registered by plugins: this package's entry point,
-:mod:`omniloop_quant.plugin`, registers ``fp8`` through ``omniloop_register_linear_precisions``) swaps the ``nn.Linear`` layers inside the
+:mod:`omniloop_quant.plugin`, registers ``fp8``, ``fp8-fast`` and ``fp8-fast-except-down`` through ``omniloop_register_linear_precisions``) swaps the ``nn.Linear`` layers inside the
 denoiser's transformer blocks for e4m3 GEMMs (:mod:`omniloop_quant.fp8`): weights quantised once at
 load per output channel, activations per token on every call, bias and scales applied in the
 GEMM's epilogue, output in the model dtype. Embeddings, the timestep MLP, text projections and the
@@ -29,12 +29,12 @@ from omniloop.lazy import lazy_exports
 #: public names by defining module, imported on first use (PEP 562): loading the plugin
 #: (``omniloop --help``) imports no torch (issue 42); the block selection lives in ``blocks``
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "blocks": ("MODES", "apply", "check_deploy", "denoiser_blocks", "stray_weights"),
+    "blocks": ("ACCUMULATION", "MODES", "apply", "check_deploy", "denoiser_blocks", "stray_weights"),
     "fp8": ("ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "FP8FeedForward", "FP8GeluProjection", "FP8Linear", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"),
 }
 
 if TYPE_CHECKING:
-    from .blocks import MODES, apply, check_deploy, denoiser_blocks, stray_weights
+    from .blocks import ACCUMULATION, MODES, apply, check_deploy, denoiser_blocks, stray_weights
     from .fp8 import (
         ALIGN,
         E4M3_MAX,
@@ -52,6 +52,6 @@ if TYPE_CHECKING:
         unavailable_reason,
     )
 
-__all__ = ["ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8FeedForward", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy", "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "stray_weights", "unavailable_reason"]
+__all__ = ["ACCUMULATION", "ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8FeedForward", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy", "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "stray_weights", "unavailable_reason"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

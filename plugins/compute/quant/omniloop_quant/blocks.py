@@ -17,8 +17,15 @@ from .fp8 import ALIGN, FP8GeluProjection, FP8Linear, install, unavailable_reaso
 log = logging.getLogger("omniloop.quant")
 
 #: values of the deploy's ``linear_precision``: ``fp8-fast`` is ``fp8`` with the GEMMs' fast
-#: (reduced-precision) accumulation (``FP8Linear.fast_accum``)
-MODES = ("dtype", "fp8", "fp8-fast")
+#: (reduced-precision) accumulation (``FP8Linear.fast_accum``); ``fp8-fast-except-down`` the same except
+#: the feed-forwards' down projections (the largest reduction dimension), which keep full accumulation
+MODES = ("dtype", "fp8", "fp8-fast", "fp8-fast-except-down")
+#: each FP8 mode's accumulation: :func:`omniloop_quant.fp8.install`'s ``fast_accum`` / ``down_fast_accum``
+ACCUMULATION: dict[str, dict[str, bool]] = {
+    "fp8": {"fast_accum": False, "down_fast_accum": False},
+    "fp8-fast": {"fast_accum": True, "down_fast_accum": True},
+    "fp8-fast-except-down": {"fast_accum": True, "down_fast_accum": False},
+}
 _DEFAULT_BLOCK_LISTS = "blocks|transformer_blocks|single_transformer_blocks"
 
 
@@ -96,8 +103,7 @@ def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
     if not blocks:
         raise DeployError(f"linear_precision: {mode!r}: family {family.name!r} has no transformer "
                           "blocks to quantise (declare FamilyCapabilities(quant_blocks={component: 'blocks'}))")
-    report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks],
-                     fast_accum=mode == "fp8-fast")
+    report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks], **ACCUMULATION[mode])
     report = {"mode": mode, "blocks": len(blocks), **report, "stray_weights": stray_weights(blocks)}
     model.config["linear_precision"] = report
     if report["stray_weights"]:
@@ -111,4 +117,4 @@ def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
     return report
 
 
-__all__ = ["MODES", "apply", "check_deploy", "denoiser_blocks", "stray_weights"]
+__all__ = ["ACCUMULATION", "MODES", "apply", "check_deploy", "denoiser_blocks", "stray_weights"]

@@ -23,7 +23,11 @@ float32 product of the two dequantised operands (:func:`reference_output` comput
 tensor cores then accumulate the e4m3 products in their own reduced-precision accumulator without
 cuBLASLt's periodic promotion to float32 — 1.7–1.8× a bf16 GEMM on Wan 1.3B's shapes instead of
 1.3–1.6× (docs/quant-measurements.md), at a cost in accuracy that grows with ``in_features``. On the
-CPU the flag changes nothing (the CPU kernel accumulates in float32 either way).
+CPU the flag changes nothing (the CPU kernel accumulates in float32 either way). Deploy
+``linear_precision: fp8-fast-except-down`` sets it on every GEMM except the feed-forwards' down
+projections (:func:`install`'s ``down_fast_accum=False``): the down projection reduces over the FFN's
+inner width, by far the largest ``in_features`` in these blocks (Wan 1.3B: 8,960 vs 1,536 elsewhere;
+14B: 13,824 vs 5,120), where fast accumulation's error is largest.
 
 Shapes: ``_scaled_mm`` needs ``in_features`` and ``out_features`` to be multiples of 16. A linear
 that is not is **left as it was** (computed in the model's dtype) and listed in the install
@@ -159,10 +163,13 @@ class FP8FeedForward(nn.Module):
     """Stands in for a diffusers ``FeedForward`` (GELU projection → dropout → linear): two
     :class:`FP8Linear` GEMMs (``up``, ``down``) with the GELU between (see the module docstring)."""
 
-    def __init__(self, up: nn.Linear, approximate: str, down: nn.Linear, *, fast_accum: bool = False) -> None:
+    def __init__(self, up: nn.Linear, approximate: str, down: nn.Linear, *, fast_accum: bool = False,
+                 down_fast_accum: bool | None = None) -> None:
+        """``fast_accum``: both GEMMs' ``use_fast_accum``; ``down_fast_accum``, when not None, the down
+        GEMM's instead (its reduction is over the inner width, the largest ``in_features``)."""
         super().__init__()
         self.up = FP8Linear(up, fast_accum=fast_accum)
-        self.down = FP8Linear(down, fast_accum=fast_accum)
+        self.down = FP8Linear(down, fast_accum=fast_accum if down_fast_accum is None else down_fast_accum)
         self.approximate = approximate
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -280,20 +287,36 @@ def _children(module: nn.Module, prefix: str = "") -> Iterable[tuple[nn.Module, 
             yield from _children(child, f"{path}.")
 
 
+def _feed_forward_downs(root: nn.Module) -> set[int]:
+    """``id`` of the down projection (``net[2]``, an ``nn.Linear``) of every diffusers ``FeedForward``
+    under ``root`` -- also of one not taken whole by :class:`FP8FeedForward` (e.g. GEGLU, or an up
+    projection of unaligned width), whose linears :func:`install` swaps one by one."""
+    out: set[int] = set()
+    for module in root.modules():
+        net = getattr(module, "net", None)
+        if (type(module).__name__ == "FeedForward" and isinstance(net, nn.ModuleList) and len(net) >= 3
+                and isinstance(net[2], nn.Linear)):
+            out.add(id(net[2]))
+    return out
+
+
 def _gemms(module: nn.Module) -> int:
     """How many linears a replacement module quantised (a feed-forward holds two)."""
     return 2 if isinstance(module, FP8FeedForward) else 1
 
 
 def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: Iterable[str] | None = None,
-            fast_accum: bool = False) -> dict[str, Any]:
+            fast_accum: bool = False, down_fast_accum: bool | None = None) -> dict[str, Any]:
     """Swap every ``nn.Linear`` under each of ``roots`` (e.g. a transformer's blocks) for an
     :class:`FP8Linear`, in place; returns ``{"quantized": n, "skipped": [names and shapes]}``.
 
     ``names``: one label per root for the report (default ``root<i>``). A root already installed
     is left as it is. ``keep_original=False`` keeps no reference to the
     replaced modules (their bf16 weights can be freed; :func:`restore` then cannot undo).
-    ``fast_accum``: the GEMMs' ``use_fast_accum`` (:class:`FP8Linear`)."""
+    ``fast_accum``: the GEMMs' ``use_fast_accum`` (:class:`FP8Linear`); ``down_fast_accum``, when not
+    None, that of the feed-forwards' down projections instead (a diffusers ``FeedForward``'s ``net[2]``,
+    :class:`FP8FeedForward`'s ``down``): ``fast_accum=True, down_fast_accum=False`` is deploy
+    ``linear_precision: fp8-fast-except-down``."""
     quantized = 0
     skipped: list[str] = []
     labels = list(names) if names is not None else None
@@ -303,12 +326,13 @@ def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: It
             quantized += sum(_gemms(new) for *_, new in _SWAPS[root] if new is not None)
             continue
         swaps: list[tuple[nn.Module, str, nn.Module | None, nn.Module]] = []
+        downs = _feed_forward_downs(root) if down_fast_accum is not None else set()
         for parent, name, child, path in list(_children(root)):
             new: nn.Module | None = None
             ffn = _feed_forward_parts(child)
             if ffn is not None:
                 up, approximate, down = ffn
-                new = FP8FeedForward(up, approximate, down, fast_accum=fast_accum)
+                new = FP8FeedForward(up, approximate, down, fast_accum=fast_accum, down_fast_accum=down_fast_accum)
             elif _is_fused_gelu(child):
                 if shape_ok(child.proj):
                     new = FP8GeluProjection(child.proj, child.approximate, fast_accum=fast_accum)
@@ -316,7 +340,8 @@ def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: It
                     skipped.append(f"{label}.{path}.proj {child.proj.in_features}->{child.proj.out_features}")
             elif isinstance(child, nn.Linear):
                 if shape_ok(child):
-                    new = FP8Linear(child, fast_accum=fast_accum)
+                    down_ = down_fast_accum is not None and id(child) in downs
+                    new = FP8Linear(child, fast_accum=bool(down_fast_accum) if down_ else fast_accum)
                 else:
                     skipped.append(f"{label}.{path} {child.in_features}->{child.out_features}")
             if new is None:

@@ -1,4 +1,5 @@
-"""Entry point of omniloop-quant: registers the deploy's ``linear_precision: fp8`` and ``fp8-fast``."""
+"""Entry point of omniloop-quant: registers the deploy's ``linear_precision: fp8``, ``fp8-fast`` and
+``fp8-fast-except-down``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ FP8_FAST = LinearPrecisionSpec(
                 "Hopper; faster, less accurate — see omniloop-quant's README for its measured quality)",
 )
 
+FP8_FAST_EXCEPT_DOWN = LinearPrecisionSpec(
+    name="fp8-fast-except-down",
+    check=FP8.check,
+    apply=FP8.apply,
+    distribution_altering=True,
+    description="fp8-fast except the feed-forwards' down projections, which keep full accumulation (their "
+                "reduction over the FFN's inner width is the longest, where fast accumulation errs most; "
+                "see omniloop-quant's README for its measured quality)",
+)
+
 
 def _quant() -> Any:  # the package (and torch) load only when a deploy names fp8
     import omniloop_quant
@@ -38,3 +49,4 @@ def _quant() -> Any:  # the package (and torch) load only when a deploy names fp
 def omniloop_register_linear_precisions(register: Any) -> None:
     register(FP8)
     register(FP8_FAST)
+    register(FP8_FAST_EXCEPT_DOWN)
