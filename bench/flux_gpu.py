@@ -15,9 +15,10 @@ Sides, each timed in the same process, interleaved (every other round in reverse
                         one ``Execution`` node by node
 ``omniloop-compile``    the same with deploy ``compile: true`` (each block
                         ``torch.compile(fullgraph=True, dynamic=False)``, as the Wan family does)
-``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fa3|-fp8][-fp8lin][-fused][-gelu][-compile][-autotune][-graphs]`` in ``SIDES``:
+``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fa3|-fp8][-fp8lin][-fused][-gelu][-mod][-compile][-autotune][-graphs]`` in ``SIDES``:
                         the deploy's attention backend (``sdpa-cudnn``, ``flash-attn-4``, ``flash-attn-3``, ``cudnn-fp8``;
-                        omniloop_flux.attention), ``options.qkv: fused``, ``options.ffn_gelu: fused``, ``compile: true``,
+                        omniloop_flux.attention), ``options.qkv: fused``, ``options.ffn_gelu: fused``, ``options.modulation:
+                        per-request`` (``mod``), ``compile: true``,
                         ``options.cuda_graphs: true`` (omniloop_kit.graphs); ``autotune``: ``options.compile_mode:
                         max-autotune-no-cudagraphs`` (inductor tries Triton GEMM templates too). A side with another
                         backend or fused projections runs its own copy of the transformer (same
@@ -110,7 +111,8 @@ SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omni
          "omniloop-fp8-fused-compile-graphs", "omniloop-fa3-compile-graphs", "omniloop-fa3-fused-compile-graphs",
          "omniloop-fp8lin-compile", "omniloop-fp8lin-compile-graphs", "omniloop-fp8-fp8lin-compile-graphs",
          "omniloop-fa3-fused-compile-autotune-graphs", "omniloop-cudnn-fused-compile-autotune-graphs",
-         "omniloop-fa3-fused-gelu-compile-graphs")
+         "omniloop-fa3-fused-gelu-compile-graphs", "omniloop-fa3-fused-mod-compile-graphs", "omniloop-mod-compile",
+         "omniloop-fa3-fused-gelu-mod-compile-graphs")
 DEFAULT_SIDES = SIDES[:4]
 #: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
 BF16_GEMM_TFLOPS = 790.0
@@ -174,7 +176,7 @@ class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, max_len: int,
                  backend: str, attention: str = "sdpa", qkv: str = "separate", graphs: bool = False,
                  compiled: bool | None = None, linears: str = "dtype", compile_mode: str | None = None,
-                 ffn_gelu: str = "reference") -> None:
+                 ffn_gelu: str = "reference", modulation: str = "per-step") -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -185,7 +187,8 @@ class OmniloopSide:
         spec = attention_spec(attention)
         deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
                               compile=self.compiled, attention_backend=attention, linear_precision=linears)
-        options: dict[str, Any] = {"deploy": deploy, "compile_backend": backend, "qkv": qkv, "ffn_gelu": ffn_gelu}
+        options: dict[str, Any] = {"deploy": deploy, "compile_backend": backend, "qkv": qkv, "ffn_gelu": ffn_gelu,
+                                  "modulation": modulation}
         if spec is not None:
             options["attention"] = spec
         if graphs:
@@ -199,7 +202,7 @@ class OmniloopSide:
         spec_ = fam.build_pipeline(self.model, TaskType.T2I, options)
         self.built = BuiltPipeline(spec=spec_, components=comps, device=device, dtype=dtype, options=options)
         self.note = (f"compile={self.compiled}{f' mode={compile_mode}' if compile_mode else ''} attention={attention} "
-                     f"qkv={qkv} ffn_gelu={ffn_gelu} cuda_graphs={graphs}{lin_note}")
+                     f"qkv={qkv} ffn_gelu={ffn_gelu} modulation={modulation} cuda_graphs={graphs}{lin_note}")
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
         from omniloop.artifacts import Latents
@@ -284,14 +287,16 @@ def main(argv: list[str] | None = None) -> int:
         comps = base
         # processors, fused projections, FP8 linears or a compile mode of its own: its own transformer (the
         # kit keeps one set of compiled blocks per transformer; a second mode would replace the first's)
-        key = (st["attention"], st["qkv"], st["linears"], st["compile_mode"], st["ffn_gelu"])
-        if key != ("sdpa", "separate", "dtype", None, "reference"):
+        # (owned block forwards -- gelu, mod -- replace the transformer's blocks: never on the shared one)
+        key = (st["attention"], st["qkv"], st["linears"], st["compile_mode"], st["ffn_gelu"], st["modulation"])
+        if key != ("sdpa", "separate", "dtype", None, "reference", "per-step"):
             if key not in copies:
                 copies[key] = copy_if_room(base["transformer"])
             comps = {**base, "transformer": copies[key]}
         return OmniloopSide(name, comps, device, dtype, max_len, compile_backend, attention=st["attention"],
                             qkv=st["qkv"], graphs=st["graphs"], compiled=st["compile"], linears=st["linears"],
-                            compile_mode=st["compile_mode"], ffn_gelu=st["ffn_gelu"])
+                            compile_mode=st["compile_mode"], ffn_gelu=st["ffn_gelu"],
+                            modulation=st["modulation"])
 
     sides = build_sides(only, record, make)
     save()

@@ -25,6 +25,21 @@ def test_flux_gpu_smoke(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not BENCH.exists(), reason="bench/flux_gpu.py not in this checkout")
+def test_flux_gpu_smoke_modulation_side(tmp_path):
+    """``omniloop-mod-…``: ``options.modulation: per-request`` on its own copy of the transformer (its
+    owned blocks never replace the shared transformer's: diffusers' side stays diffusers')."""
+    argv = ["--smoke", "--device", "cpu", "--steps", "2", "--repeats", "1", "--compile-backend", "eager",
+            "--only", "diffusers,omniloop,omniloop-mod-compile"]
+    rec = run_script(BENCH, argv, tmp_path, "flux_gpu-*-smoke-*.json")
+    assert set(rec["results"]) == {"diffusers", "omniloop", "omniloop-mod-compile"}
+    assert "modulation=per-request" in rec["sides"]["omniloop-mod-compile"]["setup"]
+    assert rec["final_latents"]["omniloop_vs_diffusers"]["equal"]
+    mod = rec["sides"]["omniloop-mod-compile"]
+    assert mod["latents_rel_rms_vs_diffusers"] < 1e-3, mod  # float32: the table's GEMMs reassociate
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not BENCH.exists(), reason="bench/flux_gpu.py not in this checkout")
 def test_flux_gpu_smoke_fp8_linears_side(tmp_path):
     """``omniloop-fp8lin-…``: the side deploys ``linear_precision: fp8`` the way the runtime does
     (omniloop-quant's check, then its swap, on its own copy of the transformer) and says so."""

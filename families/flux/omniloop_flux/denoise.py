@@ -33,7 +33,8 @@ from omniloop_kit.denoise import DenoiseLoop, randn, request_generator
 from omniloop_kit.stages import params_of, vae_scale_factor
 from omniloop_policies.stepping import stack_rows
 
-from .transformer import flux_forward, request_constants
+from .blocks import modulation_table
+from .transformer import flux_forward, request_constants, time_embedding
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -71,6 +72,9 @@ class StepInputs:
     pooled: dict[str, torch.Tensor]
     #: the rotary embedding of the text and image position ids (once per request)
     rotary: Any
+    #: this step's row of the request's modulation table, by branch (``options.modulation:
+    #: per-request``; :func:`omniloop_flux.blocks.modulation_table`), else None
+    modulation: dict[str, torch.Tensor] | None = None
 
 
 def stack(inputs: Sequence[StepInputs], branch: str = "cond") -> dict[str, Any]:
@@ -78,6 +82,7 @@ def stack(inputs: Sequence[StepInputs], branch: str = "cond") -> dict[str, Any]:
     batch = stack_rows(inputs, (branch,), lambda inp, b: {
         "hidden_states": inp.x, "timestep": inp.timestep, "guidance": inp.guidance, "context": inp.context[b],
         "pooled_projections": inp.pooled[b],
+        "modulation": None if inp.modulation is None else inp.modulation[b],
     })
     batch["image_rotary_emb"] = inputs[0].rotary  # the same positions for every request of a batch
     return batch
@@ -123,7 +128,7 @@ class Denoise(DenoiseLoop):
         latents = loop.tensors["latents"]
         t = pol.timestep(loop)
         step = pol.step_context(loop, request_id=state.request.request_id, node=ctx.node.name)
-        guidance = None
+        guidance, g = None, None
         if ctx.components["transformer"].config.guidance_embeds:
             g = pol.model_guidance(step, loop)
             if g is None:  # true CFG: the guidance embedding gets the task's default guidance
@@ -141,10 +146,34 @@ class Denoise(DenoiseLoop):
                 context[branch], rotary = request_constants(tf, emb.tensor, loop.tensors["img_ids"], emb.extra["text_ids"])
                 pooled[branch] = emb.extra["pooled"]
             loop.extra.update(context=context, pooled=pooled, rotary=rotary)
+        timestep = timestep / 1000
+        modulation = None
+        if (ctx.options or {}).get("modulation") == "per-request":
+            modulation = self.modulation_rows(ctx, loop, pol, timestep.dtype, g, guidance, latents.shape[0])
         return StepInputs(
-            x=latents, timestep=timestep / 1000, guidance=guidance, context=loop.extra["context"],
-            pooled=loop.extra["pooled"], rotary=loop.extra["rotary"],
+            x=latents, timestep=timestep, guidance=guidance, context=loop.extra["context"],
+            pooled=loop.extra["pooled"], rotary=loop.extra["rotary"], modulation=modulation,
         )
+
+    def modulation_rows(self, ctx: StageContext, loop: LoopState, pol: Any, dtype: torch.dtype, g: float | None,
+                        guidance: torch.Tensor | None, rows: int) -> dict[str, torch.Tensor]:
+        """This step's rows of the request's modulation tables (one per branch), built on the first step
+        over every timestep of the request's schedule — the time embedding of each step exactly as
+        :func:`flux_forward` would compute it at that step — and again if the guidance value changes."""
+        sstate = pol.sampler_state(loop)
+        held = loop.extra.get("modulation")
+        if held is None or held[0] != g:
+            tf = ctx.components["transformer"]
+            tables = {}
+            for branch, pooled in loop.extra["pooled"].items():
+                temb = torch.cat([time_embedding(tf, sstate.timesteps[i].expand(1).to(dtype) / 1000,
+                                                 None if guidance is None else guidance[:1], pooled, dtype)
+                                  for i in range(sstate.num_steps)])
+                tables[branch] = modulation_table(tf, temb)
+            held = (g, tables)
+            loop.extra["modulation"] = held
+        i = sstate.index
+        return {branch: table[i:i + 1].expand(rows, -1) for branch, table in held[1].items()}
 
     def inputs(self, ctx: StageContext, state: RequestState, loop: LoopState, pol: Any, expert: str | None) -> StepInputs:
         return self.step_inputs(ctx, state, loop)
@@ -163,7 +192,7 @@ class Denoise(DenoiseLoop):
 
     def release(self, loop: LoopState) -> None:
         super().release(loop)
-        for key in ("context", "pooled", "rotary"):
+        for key in ("context", "pooled", "rotary", "modulation"):
             loop.extra.pop(key, None)
 
     def plan_of(self, pol: Any, step: Any, loop: LoopState) -> tuple[str, ...] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,12 @@ from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, lo
 from omniloop_kit.family import capabilities as kit_capabilities
 from omniloop_kit.ffn import ffn_option
 from omniloop_kit.graphs import graph_option
-from omniloop_kit.options import dtype_option
+from omniloop_kit.options import choice_option, dtype_option
 from omniloop_kit.resolve import check_task
 from omniloop_kit.stages import image_nodes
 
 from . import checkpoint as ck
+from .blocks import MODULATION_MODES
 from .defaults import TASKS, defaults_for, variant_of
 from .denoise import Denoise, pack_latents, unpack_latents
 from .lora import FLUX_ADAPTERS
@@ -37,8 +39,25 @@ from .transformer import all_blocks
 #: qkv: Q/K/V as three linears (diffusers' default) or diffusers' fused projections
 #: (``fuse_qkv_projections``: one GEMM over [W_q; W_k; W_v], the originals kept); ffn_gelu: the double
 #: blocks' feed-forward input projection and its tanh-GELU as one cuBLASLt matmul (``fused``, CUDA;
-#: omniloop_kit.ffn) or diffusers' two kernels (``reference``)
-KNOWN_OPTIONS = frozenset({"vae_dtype", "cuda_graphs", "qkv", "ffn_gelu", *COMPILE_KEYS})
+#: omniloop_kit.ffn) or diffusers' two kernels (``reference``); with ``fused`` the single blocks' MLP
+#: too, through omniloop's block forwards (omniloop_flux.blocks); modulation: the blocks' AdaLN
+#: modulations computed every step (``per-step``, diffusers) or once per request for all its steps
+#: (``per-request``, omniloop_flux.blocks.modulation_table)
+KNOWN_OPTIONS = frozenset({"vae_dtype", "cuda_graphs", "qkv", "ffn_gelu", "modulation", *COMPILE_KEYS})
+
+
+def modulation_option(options: Mapping[str, Any]) -> str:
+    """``options.modulation`` (:data:`omniloop_flux.blocks.MODULATION_MODES`), or one ``DeployError``."""
+    return choice_option(options, "modulation", MODULATION_MODES)
+
+
+def offload_refusal(mode: str, options: Mapping[str, Any]) -> str | None:
+    """``capabilities.offload.refusal``: the per-request modulation table is computed from every block's
+    norm linear at once, outside the block forwards that offload moves weights around."""
+    if modulation_option(options) == "per-request":
+        return ("options.modulation 'per-request' reads every block's modulation weights at a request's first "
+                f"step, outside the block forwards that offload: {mode} streams; use modulation 'per-step'")
+    return None
 
 
 class FluxFamily(DiffusersFamily):
@@ -58,6 +77,7 @@ class FluxFamily(DiffusersFamily):
         #: streams its double- then single-stream blocks as one stack, the text encoders their layers
         offload={"transformer": ("transformer_blocks", "single_transformer_blocks"),
                  "text_encoder": CLIP_TEXT_LAYERS, "text_encoder_2": T5_BLOCKS, "vae": None},
+        offload_refusal=offload_refusal,
         options=KNOWN_OPTIONS,
         #: update_weights refused with options.qkv: fused (the fused copy would go stale)
         weight_update_refusal=fused_qkv_update_refusal,
@@ -73,6 +93,7 @@ class FluxFamily(DiffusersFamily):
         graph_option(options, device)
         qkv_option(options)
         ffn_option(options, device)
+        modulation_option(options)
         got = load_checkpoint(path, lambda root: (ck.check_checkpoint(root), list(ck.REQUIRED)), ck.load_component,
                               device=device, dtype=dtype, dtypes={"vae": vae_dtype})
         model = self.from_components(got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype,
@@ -98,7 +119,8 @@ class FluxFamily(DiffusersFamily):
 
     def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
         """``options.qkv: fused`` (diffusers' ``fuse_qkv_projections``), ``options.ffn_gelu: fused`` (the
-        double blocks' feed-forwards, :mod:`omniloop_kit.ffn`), the deploy's attention backend on
+        double blocks' feed-forwards, :mod:`omniloop_kit.ffn`; the single blocks' MLP) and ``options.modulation:
+        per-request`` through omniloop's block forwards (:mod:`omniloop_flux.blocks`), the deploy's attention backend on
         every block's attention (:mod:`omniloop_flux.attention`; the core ``sdpa`` keeps diffusers'
         processors), ``options.cuda_graphs`` checked against the
         model's device; deploy ``compile: true``: the double- then single-stream blocks compiled;
@@ -109,11 +131,17 @@ class FluxFamily(DiffusersFamily):
             model.components["transformer"].fuse_qkv_projections()
         model.config["qkv"] = qkv
         ffn_gelu = ffn_option(options, model.device)
-        if ffn_gelu == "fused":  # before compiling: the compiled blocks trace the swapped module
+        modulation = modulation_option(options)
+        if ffn_gelu == "fused" or modulation == "per-request":  # before compiling: the compiled blocks trace these
+            from . import blocks
+
+            blocks.install(model.components["transformer"], fused_mlp=ffn_gelu == "fused")
+        if ffn_gelu == "fused":
             from omniloop_kit import ffn
 
             ffn.install(model.components["transformer"])
         model.config["ffn_gelu"] = ffn_gelu
+        model.config["modulation"] = modulation
         backend = options.get("attention")
         name = getattr(backend, "name", "sdpa")
         if name != "sdpa":

@@ -19,7 +19,13 @@ does, computing them once per request with :func:`request_constants`): the proje
 (``context_embedder`` of the T5 states) and the rotary embedding of the position ids. Same ops,
 same values: the output is unchanged.
 
-The blocks themselves are diffusers' modules and weights.
+A third per-request constant replaces the time embedding altogether: ``modulation``, one row of
+the request's modulation table (:func:`omniloop_flux.blocks.modulation_table`, deploy
+``options.modulation: per-request``) — every block's AdaLN shift/scale/gate vectors and the output
+norm's for this step; the blocks must then be omniloop's (:mod:`omniloop_flux.blocks`).
+
+The blocks are diffusers' modules and weights, run by diffusers' block forwards or, when a deploy
+option needs it, by omniloop's owned ones over the same modules (:mod:`omniloop_flux.blocks`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Any
 import torch
 
 from omniloop.interceptors import BlockContext, run_blocks
+
+from .blocks import split_modulation
 
 
 def all_blocks(model: Any) -> list[Any]:
@@ -45,6 +53,16 @@ def request_constants(
     return model.context_embedder(encoder_hidden_states), model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
 
 
+def time_embedding(model: Any, timestep: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``temb`` ``[B, D]``: the transformer's time (+ guidance) + pooled-text embedding, as diffusers'
+    forward computes it from ``timestep`` (and ``guidance``) in [0, 1]."""
+    timestep = timestep.to(dtype) * 1000
+    if guidance is not None:
+        return model.time_text_embed(timestep, guidance.to(dtype) * 1000, pooled)
+    return model.time_text_embed(timestep, pooled)
+
+
 def flux_forward(
     model: Any,
     hidden_states: torch.Tensor,
@@ -58,6 +76,7 @@ def flux_forward(
     blocks: Sequence[Any] | None = None,
     context: torch.Tensor | None = None,
     image_rotary_emb: Any = None,
+    modulation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Predict the flow for packed latents ``hidden_states`` ``[B, N, 4C]``.
 
@@ -67,15 +86,12 @@ def flux_forward(
     output ``[B, D']``; ``img_ids`` ``[N, 3]`` and ``txt_ids`` ``[L, 3]`` the position ids.
     ``blocks`` replaces :func:`all_blocks` (the same blocks compiled). ``context`` and
     ``image_rotary_emb`` (from :func:`request_constants`) replace ``encoder_hidden_states`` and the
-    ids. Returns ``[B, N, 4C]``.
+    ids. ``modulation`` ``[B, total]`` (a row of :func:`omniloop_flux.blocks.modulation_table`)
+    replaces the time embedding: ``timestep``, ``guidance`` and ``pooled_projections`` are then
+    not read. Returns ``[B, N, 4C]``.
     """
     hidden_states = model.x_embedder(hidden_states)
-    timestep = timestep.to(hidden_states.dtype) * 1000
-    if guidance is not None:
-        guidance = guidance.to(hidden_states.dtype) * 1000
-        temb = model.time_text_embed(timestep, guidance, pooled_projections)
-    else:
-        temb = model.time_text_embed(timestep, pooled_projections)
+    temb = time_embedding(model, timestep, guidance, pooled_projections, hidden_states.dtype) if modulation is None else None
     if context is None:
         assert encoder_hidden_states is not None, "flux_forward needs encoder_hidden_states or context"
         context = model.context_embedder(encoder_hidden_states)
@@ -84,15 +100,24 @@ def flux_forward(
         image_rotary_emb = model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
     encoder = [context]
     kwargs: dict[str, Any] = {}
+    stack = all_blocks(model) if blocks is None else list(blocks)
+    extra: dict[int, dict[str, torch.Tensor]] = {}
+    if modulation is not None:
+        *per_block, out_mod = split_modulation(model, modulation)
+        extra = {id(block): {"modulation": m} for block, m in zip(stack, per_block, strict=True)}
 
     def call(block: Any, hidden: torch.Tensor) -> torch.Tensor:
         enc, out = block(
             hidden_states=hidden, encoder_hidden_states=encoder[0], temb=temb,
-            image_rotary_emb=image_rotary_emb, joint_attention_kwargs=kwargs,
+            image_rotary_emb=image_rotary_emb, joint_attention_kwargs=kwargs, **extra.get(id(block), {}),
         )
         encoder[0] = enc
         return out
 
-    hidden_states = run_blocks(all_blocks(model) if blocks is None else blocks, hidden_states, block_ctx, call)
-    hidden_states = model.norm_out(hidden_states, temb)
+    hidden_states = run_blocks(stack, hidden_states, block_ctx, call)
+    if modulation is None:
+        hidden_states = model.norm_out(hidden_states, temb)
+    else:  # diffusers' AdaLayerNormContinuous with its linear's output given
+        scale, shift = torch.chunk(out_mod, 2, dim=1)
+        hidden_states = model.norm_out.norm(hidden_states) * (1 + scale)[:, None, :] + shift[:, None, :]
     return model.proj_out(hidden_states)

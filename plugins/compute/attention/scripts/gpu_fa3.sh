@@ -8,7 +8,8 @@
 #   q/attention_fp8-<date>.json     wan-demo clips (CLIPS, SEEDS; PARTS=quality)
 #   flux/flux_gpu-<date>.json       FLUX.1-dev 1024^2 step beside diffusers eager: CF (PARTS=flux; FLUXARGS
 #                                   adds flux_gpu.py options, e.g. --profile)
-#   tests.txt                       the FA3 / FA4 GPU tests under pytest (PARTS=tests; pytest is on the machine)
+#   tests.txt                       the FA3 / FA4 GPU tests under pytest (PARTS=tests; pytest is on the machine;
+#                                   TESTS: other test files, space-separated)
 #   log.txt
 # PARTS (default kernels,speed): tests, kernels, speed, flux, quality.
 set -u
@@ -24,7 +25,7 @@ PARTS=",${PARTS:-kernels,speed},"
 C13=${C13:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast,omniloop-cudnn-compile-fused,omniloop-fa3-compile-fused}
 C14=${C14:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast}
 if [[ $PARTS == *,tests,* ]]; then  # the repo's packages by path (no editable installs here), as the benches do
-  timeout "${TESTS_S:-150}" python3 -c "import sys; sys.path.insert(0, 'bench'); from _repo_paths import add_repo_packages; add_repo_packages(); import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/attention/test_flash3.py', 'tests/attention/test_flash4.py']))" \
+  timeout "${TESTS_S:-150}" python3 -c "import sys; sys.path.insert(0, 'bench'); from _repo_paths import add_repo_packages; add_repo_packages(); import pytest; import os; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *os.environ.get('TESTS', 'tests/attention/test_flash3.py tests/attention/test_flash4.py').split()]))" \
     2>&1 | tee "$OUT/tests.txt" | tail -n 15 | filter
 fi
 if [[ $PARTS == *,kernels,* ]]; then
