@@ -90,7 +90,7 @@ def flux_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny FLUX.1 [dev] checkpoint and two adapters written by ``FluxPipeline.save_lora_weights``:
     ``a`` (rank 4, alpha 2: attention of both block kinds, FFNs, single blocks' proj_mlp/proj_out, and
     the top-level context_embedder / x_embedder / proj_out)
-    and ``b`` (rank 2, no metadata, q/k/v only)."""
+    and ``b`` (rank 2, no metadata, q/k/v only); ``c`` (rank 2, the blocks' AdaLN modulation linears)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     from omniloop_flux.tiny import build_tiny_checkpoint
@@ -102,7 +102,9 @@ def flux_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                             "proj_mlp", "proj_out", "context_embedder", "x_embedder"], seed=3)
     b = write_lora(FluxPipeline, FluxTransformer2DModel, ckpt / "transformer", root / "b", rank=2, alpha=None,
                    targets=["to_q", "to_k", "to_v"], seed=4, as_file="b.safetensors")
-    return {"ckpt": ckpt, "a": a, "b": b, "root": root}
+    c = write_lora(FluxPipeline, FluxTransformer2DModel, ckpt / "transformer", root / "c", rank=2, alpha=None,
+                   targets=["norm1.linear", "norm1_context.linear", "norm.linear"], seed=6)
+    return {"ckpt": ckpt, "a": a, "b": b, "c": c, "root": root}
 
 
 @pytest.fixture(scope="session")

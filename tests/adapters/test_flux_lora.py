@@ -76,3 +76,28 @@ def test_interleaved_adapter_sets_equal_each_alone(rt):
     for k, out in zip(sets, outs, strict=True):
         assert torch.equal(latents(out), alone[k]), k
     assert not torch.equal(alone["x"], alone["y"]) and not torch.equal(alone["x"], alone["z"])
+
+
+def test_per_request_modulation_sees_each_requests_adapters(flux_setup, reference):
+    """``options.modulation: per-request`` computes a request's modulation table at its first step, through
+    the norm linears as the request's adapters leave them: interleaved requests with different adapter
+    sets (``c`` adapts the modulation linears themselves) each match the per-step deployment with their own
+    set, and diffusers where it was run."""
+    from omniloop_flux import blocks
+
+    def runtime(**options: Any) -> Runtime:
+        return Runtime.from_model(flux_setup["ckpt"], manager=make_manager(("flux", flux_plugin), ("adapters", adapters_plugin), toy=False),
+                                  adapters={n: str(flux_setup[n]) for n in "abc"}, options=options)
+
+    per_step, per_request = runtime(), runtime(modulation="per-request")
+    assert blocks.installed(per_request.model.components["transformer"])
+    sets = {"a": [{"name": "a", "scale": 1.3}], "c": [{"name": "c", "scale": 1.0}],
+            "ba": [{"name": "b", "scale": 0.6}, {"name": "a", "scale": -0.4}], "none": []}
+    want = {k: latents(per_step.generate(request(v))) for k, v in sets.items()}
+    assert (want["c"] - want["none"]).abs().max() > 1e-2  # the modulation adapter changes the result
+    outs = run_interleaved(per_request, [request(v) for v in sets.values()])
+    for k, out in zip(sets, outs, strict=True):
+        got = latents(out)
+        assert (got - want[k]).abs().max().item() <= TOL, k
+        if k in reference:
+            assert (got - reference[k]).abs().max().item() <= TOL, k

@@ -119,3 +119,16 @@ def test_cache_dit_hooks_are_gone_afterwards(runtimes: dict[str, Any]) -> None:
     for rt in runtimes.values():
         tr = rt.model.components["transformer"]
         assert not hasattr(tr, "_context_manager")
+
+
+def test_per_request_modulation_under_cache_dit(tmp_path_factory: pytest.TempPathFactory, runtimes: dict[str, Any]) -> None:
+    """``options.modulation: per-request`` (omniloop's block forwards, a modulation row per block) under the
+    cache-dit interceptor: the same cache decisions as the per-step deployment and the same latents up to
+    the table's float reassociation."""
+    ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("cd-flux-mod"), variant="dev", num_layers=2, num_single_layers=4)
+    manager = make_manager(("flux", flux_plugin), ("cache-dit", cache_dit_plugin), toy=False)
+    rt = Runtime.from_model(ckpt, manager=manager, plugins={"cache-dit": DEPLOY}, options={"modulation": "per-request"})
+    got, got_stats = _ours(rt, {})
+    want, want_stats = _ours(runtimes["dev"], {})
+    assert got_stats["cond"]["cached_steps"] == want_stats["cond"]["cached_steps"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -17,7 +17,8 @@ not the tanh form, so a family refuses the option at load there -- :func:`ffn_op
 ``Linear`` (same parameters, same state-dict keys, so weight updates land); :func:`restore` puts diffusers' modules
 back. An adapter on the projection would be bypassed: a family's ``AdapterSupport.check`` calls
 :func:`refuse_fused_ffn`. Offered by Wan (``options.ffn_gelu``) and FLUX.1 (its double blocks' ``ff`` and
-``ff_context``; a single block's MLP is a bare ``Linear`` + ``GELU`` and is left as it is).
+``ff_context``; a single block's MLP is a bare ``Linear`` + ``GELU``, which FLUX's own single-block forward
+fuses the same way, ``omniloop_flux.blocks``).
 """
 
 from __future__ import annotations
