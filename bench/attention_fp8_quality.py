@@ -16,7 +16,8 @@ Parts, one JSON (``$OUT`` or ``bench/results/attention_fp8-<date>.json``, with t
 3. **clips** (GPU): the wan-demo evaluator's 48 clips (24 prompts x seeds 0, 1; 20 steps, CFG 5)
    with bf16 ``sdpa-cudnn`` and with ``cudnn-fp8`` (fused quantisation, and the separate pass),
    each also with deploy ``linear_precision: fp8`` (omniloop-quant's e4m3 block linears; ``fp8+fp8fast``:
-   ``fp8-fast``, the GEMMs' fast accumulation; ``fa3fp8+fp8fastx``: ``fa3-fp8`` attention with
+   ``fp8-fast``, the GEMMs' fast accumulation; ``fa3fp8+fp8fastx-nq``: the next one with deploy
+   ``options.norm_quant: fused`` (omniloop_wan.blocks); ``fa3fp8+fp8fastx``: ``fa3-fp8`` attention with
    ``fp8-fast-except-down``, fast accumulation except the feed-forwards' down projections):
    color / direction / shape adherence, clips whose verdict changed, PSNR / SSIM of the frames vs
    the bf16 frames.
@@ -398,7 +399,7 @@ def part_emulate(res: dict[str, Any], device: str, smoke: bool, seeds: list[int]
 
 
 def demo_runtime(device: str, backend: str, rope: str, capture: Any = None,
-                 linear_precision: str = "dtype") -> Any:
+                 linear_precision: str = "dtype", options: dict[str, Any] | None = None) -> Any:
     import omniloop_attention.plugin as attn_plugin
     import omniloop_quant.plugin as quant_plugin
     import omniloop_wan.plugin as wan_plugin
@@ -413,7 +414,7 @@ def demo_runtime(device: str, backend: str, rope: str, capture: Any = None,
         plugins.append(("capture", capture))
     return Runtime.from_model(checkpoint_dir(), device=device, dtype="bfloat16" if device == "cuda" else "float32",
                               manager=make_manager(*plugins, toy=False), attention_backend=backend,
-                              options={"qk_norm_rope": rope}, linear_precision=linear_precision)
+                              options={"qk_norm_rope": rope, **(options or {})}, linear_precision=linear_precision)
 
 
 
@@ -515,7 +516,8 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
 #: noise floor any other configuration's are read against
 CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4, "fp8+fp8fast": 5, "bf16-flash": 6,
                 "fa3fp8+fp8fast": 7, "bf16-fa3": 8, "fa3fp8": 9, "fa3fp8+fp8lin": 10, "fa3fp8-exact4": 11,
-                "fa3fp8+fp8fast-exact4": 12, "fa3fp8-exactlast4": 13, "fa3fp8-exact2": 14, "fa3fp8+fp8fastx": 15}
+                "fa3fp8+fp8fast-exact4": 12, "fa3fp8-exactlast4": 13, "fa3fp8-exact2": 14, "fa3fp8+fp8fastx": 15,
+                "fa3fp8+fp8fastx-nq": 16}
 
 
 class StepTracker:
@@ -635,13 +637,17 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                 "fp8-fast", range(4)),
                ("fa3-fp8, the last 4 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True, "dtype", range(16, 20)),
                ("fa3-fp8, the first 2 of 20 steps in flash-attn-3", "fa3-fp8-scheduled", "fused", True, "dtype", range(2)),
-               ("fa3-fp8 (fused q/k) + fp8-fast-except-down linears", "fa3-fp8", "fused", True, "fp8-fast-except-down")]
+               ("fa3-fp8 (fused q/k) + fp8-fast-except-down linears", "fa3-fp8", "fused", True, "fp8-fast-except-down"),
+               ("fa3-fp8 (fused q/k) + fp8-fast-except-down linears, norm + e4m3 rows in one kernel", "fa3-fp8", "fused",
+                True, "fp8-fast-except-down", {"norm_quant": "fused"})]
     configs = [configs[CLIP_CONFIGS[k]] for k in (keys or CLIP_CONFIGS)]  # bf16 (the reference) must be first
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}
-    for label, backend, rope, fuse_q, linears, *exact in configs:
+    for label, backend, rope, fuse_q, linears, *extra in configs:
+        exact = [e for e in extra if isinstance(e, range)]  # steps run exact (fa3-fp8-scheduled)
+        options = next((e for e in extra if isinstance(e, dict)), {})  # more deploy options
         row: dict[str, Any] = {"attention_backend": backend, "qk_norm_rope": rope, "fp8_quant_in_rope_kernel": fuse_q,
-                               "linear_precision": linears}
+                               "linear_precision": linears, **({"options": options} if options else {})}
         if deadline is not None and time.perf_counter() > deadline:
             row["not_run"] = f"--clip-budget-s {budget_s:g} spent"
             table[label] = row
@@ -652,7 +658,7 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
             row["exact_steps"] = sorted(sched.exact_steps)
         try:
             wan_attention.FUSE_FP8_QUANT = fuse_q
-            rt = demo_runtime(device, backend, rope, linear_precision=linears,
+            rt = demo_runtime(device, backend, rope, linear_precision=linears, options=options,
                               capture=ScheduledPlugin(sched) if sched is not None else None)
             if sched is not None:
                 sched.tracker.install()

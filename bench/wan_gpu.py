@@ -38,7 +38,10 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       distribution-altering); ``-fp8fast``: ``fp8-fast`` (the
                                       same with fast accumulation); ``-fp8fastx``:
                                       ``fp8-fast-except-down`` (fast accumulation except the
-                                      feed-forwards' down projections); ``-qkv``: ``options.qkv:
+                                      feed-forwards' down projections); ``-nq`` (with FP8
+                                      linears): ``options.norm_quant: fused`` (each block's norm +
+                                      modulation + e4m3 rows in one kernel, omniloop_wan.blocks);
+                                      ``-qkv``: ``options.qkv:
                                       fused`` (one Q/K/V GEMM); ``-nogq``: the FP8 feed-forward's
                                       GELU + quantisation by inductor's fused ops instead of
                                       omniloop-quant's Triton pass
@@ -160,6 +163,9 @@ def all_configs() -> list[str]:
     out += ["omniloop-fp8-compile-fused-fp8lin-qkv", "omniloop-fp8-compile-fused-fp8fast-qkv"]
     # -fp8fastx: linear_precision: fp8-fast-except-down (fast accumulation but the FFN down projections')
     out += ["omniloop-fa3fp8-compile-fused-fp8fastx", "omniloop-fp8-compile-fused-fp8fastx"]
+    # -nq: options.norm_quant: fused (with FP8 linears)
+    out += ["omniloop-fa3fp8-compile-fused-fp8fastx-nq", "omniloop-fa3fp8-compile-fused-fp8lin-nq",
+            "omniloop-fa3fp8-compile-fused-fp8fast-nq"]
     # fp8t: cudnn-fp8 with attention_options.plan: fastest; -gq: omniloop_quant.fp8.FUSE_GELU_QUANT (the FFN's
     # GELU + FP8 quantisation as one Triton pass)
     out += ["omniloop-fp8t-compile-fused-fp8fast", "omniloop-fp8t-compile-fused-fp8fast-gq"]
@@ -171,16 +177,27 @@ def all_configs() -> list[str]:
     return out
 
 
+def restore_blocks(tf: Any) -> None:
+    """diffusers' blocks back after a ``-nq`` configuration (omniloop_wan.blocks), and the compiled blocks
+    dropped: they wrap the block objects they were made from, which the next configuration must not reuse."""
+    from omniloop_kit.compile import uncompile
+    from omniloop_wan import blocks as wan_blocks
+
+    if wan_blocks.installed(tf):
+        wan_blocks.restore(tf)
+        uncompile(tf)
+
+
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
                 "rope": False, "ffn": False, "sepq": False, "fp8lin": False, "fp8fast": False, "fp8fastx": False,
-                "linear_precision": "dtype", "qkv": False, "gq": True, "inductor": None}
+                "linear_precision": "dtype", "qkv": False, "gq": True, "nq": False, "inductor": None}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "fp8fastx", "qkv", "gq", "nogq",
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "fp8lin", "fp8fast", "fp8fastx", "qkv", "gq", "nogq", "nq",
                *INDUCTOR_WORDS}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     if {"fp8fast", "fp8fastx"} <= rest:
@@ -188,11 +205,14 @@ def parse_config(name: str) -> dict[str, Any]:
                          "projections) contradict each other; name one")
     linears = ("fp8-fast-except-down" if "fp8fastx" in rest else "fp8-fast" if "fp8fast" in rest
                else "fp8" if "fp8lin" in rest else "dtype")
+    if "nq" in rest and linears == "dtype":
+        raise SystemExit(f"configuration {name!r}: -nq (options.norm_quant: fused) feeds FP8 linears; add -fp8lin, "
+                         "-fp8fast or -fp8fastx")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
             "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest,
             "fp8lin": linears != "dtype", "fp8fast": "fp8fast" in rest, "fp8fastx": "fp8fastx" in rest,
             "linear_precision": linears, "qkv": "qkv" in rest,
-            "gq": "nogq" not in rest,
+            "gq": "nogq" not in rest, "nq": "nq" in rest,
             "inductor": {k: v for w in sorted(rest & set(INDUCTOR_WORDS)) for k, v in INDUCTOR_WORDS[w].items()} or None}
 
 
@@ -370,7 +390,7 @@ class OmniloopPipelineSide:
     def __init__(self, comps: dict[str, Any], backend: Any, compiled: bool, batched: bool, compile_mode: str | None,
                  compile_backend: str, device: torch.device, dtype: torch.dtype, rope: bool = False,
                  ffn: bool = False, linear_precision: str = "dtype", qkv: bool = False,
-                 inductor: dict[str, Any] | None = None) -> None:
+                 inductor: dict[str, Any] | None = None, nq: bool = False) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -380,7 +400,8 @@ class OmniloopPipelineSide:
                               linear_precision=linear_precision)
         options: dict[str, Any] = {"deploy": deploy, "attention": backend, "compile_backend": compile_backend,
                                    "qk_norm_rope": "fused" if rope else "reference",
-                                   "ffn_gelu": "fused" if ffn else "reference", "qkv": "fused" if qkv else "separate"}
+                                   "ffn_gelu": "fused" if ffn else "reference", "qkv": "fused" if qkv else "separate",
+                                   "norm_quant": "fused" if nq else "reference"}
         if compile_mode and compile_backend == "inductor":
             options["compile_mode"] = compile_mode
         if inductor and compile_backend == "inductor":  # (a smoke run's eager backend takes no inductor settings)
@@ -405,6 +426,7 @@ class OmniloopPipelineSide:
         omniloop_quant.restore(self.fp8_blocks)  # first: it puts back the fused GELU modules it replaced
         ffn.restore(self.transformer)  # the next configuration starts from diffusers' modules
         unfuse_qkv(self.transformer)
+        restore_blocks(self.transformer)
 
     def run(self, steps: int, size: tuple[int, int, int]) -> dict[str, Any]:
         from omniloop.artifacts import Latents
@@ -436,7 +458,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
         c = parse_config(name)
         row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
                                "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
-                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "inductor")},
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
         if rec.over_budget():
             rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -451,7 +473,8 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                     continue
                 side = OmniloopPipelineSide(comps, spec, c["compile"], c["batched"], args.compile_mode,
                                             args.compile_backend, device, dtype, rope=c["rope"], ffn=c["ffn"],
-                                            linear_precision=c["linear_precision"], qkv=c["qkv"], inductor=c["inductor"])
+                                            linear_precision=c["linear_precision"], qkv=c["qkv"], inductor=c["inductor"],
+                                            nq=c["nq"])
                 if side.fp8_report is not None:
                     row["fp8_linears"] = side.fp8_report
             with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"]), gelu_quant_kernel(c["gq"]):
@@ -553,7 +576,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     for name in rec.selected(model):
         c = parse_config(name)
         row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
-                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "inductor")},
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
         if rec.over_budget():
@@ -580,6 +603,11 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
                     install(tf, spec, qk_norm_rope="fused" if c["rope"] else "reference")
                     if c["ffn"]:
                         ffn.install(tf)
+                    if c["nq"]:  # options.norm_quant: fused -- omniloop's block forward, before FP8 (as the family)
+                        from omniloop_wan import blocks as wan_blocks
+
+                        restore_blocks(tf)
+                        wan_blocks.install(tf)
                     if c["fp8lin"]:  # deploy linear_precision: fp8, after the fused GELU (as the runtime)
                         fp8_blocks, row["fp8_linears"] = fp8_linears(tf, c["linear_precision"])
                     blocks = tf.blocks
@@ -630,6 +658,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
             fp8_blocks = []
             ffn.restore(tf)  # the next configuration starts from diffusers' modules
             unfuse_qkv(tf)
+            restore_blocks(tf)
         rec.add(row)
         free()
     del tf

@@ -18,7 +18,7 @@ def test_wan_gpu_fp8lin_smoke(tmp_path):
     """14b smoke (48-wide, 3 blocks): all 30 block linears quantised, close to diffusers, and the
     shared modules restored afterwards (the next configuration is diffusers' again: bit-equal);
     ``-fp8fastx`` (``fp8-fast-except-down``) reports fast accumulation except the FFN down GEMMs."""
-    only = "diffusers,omniloop-sdpa-compile-fp8lin,omniloop-sdpa-fp8fastx,omniloop-sdpa"
+    only = "diffusers,omniloop-sdpa-compile-fp8lin,omniloop-sdpa-fp8fastx,omniloop-sdpa-fp8lin-nq,omniloop-sdpa"
     rec = run_script(BENCH / "wan_gpu.py", ["--smoke", "--models", "14b", "--only", only], tmp_path,
                      "wan_gpu-*-smoke.json")
     rows = {r["config"]: r for r in rec["results"]}
@@ -33,7 +33,10 @@ def test_wan_gpu_fp8lin_smoke(tmp_path):
     assert fastx["fp8_linears"] == {"quantized": 30, "skipped": 0, "blocks": 3, "fast_accum": True,
                                     "down_fast_accum": False}
     assert not fp8["vs_diffusers_eager"]["bit_equal"] and fp8["vs_diffusers_eager"]["rel_rms"] < 0.06
-    assert rows["omniloop-sdpa"]["vs_diffusers_eager"]["bit_equal"]  # restored
+    nq = rows["omniloop-sdpa-fp8lin-nq"]  # omniloop_wan.blocks in place (the CPU runs its unfused path)
+    assert "error" not in nq, nq
+    assert nq["nq"] and nq["vs_diffusers_eager"]["rel_rms"] < 0.06
+    assert rows["omniloop-sdpa"]["vs_diffusers_eager"]["bit_equal"]  # restored (blocks and linears)
 
 
 @pytest.mark.skipif(not (BENCH / "wan_gpu.py").exists(), reason="bench/ not in this checkout")
@@ -65,6 +68,9 @@ def test_wan_gpu_side_words_name_the_linear_precision():
         mod.parse_config("omniloop-fa3fp8-compile-fused-fp8fast-fp8fastx")
     with pytest.raises(SystemExit, match="unknown configuration"):
         mod.parse_config("omniloop-fa3fp8-compile-fused-fp8fastxx")
+    assert mod.parse_config("omniloop-fa3fp8-compile-fused-fp8fastx-nq")["nq"]
+    with pytest.raises(SystemExit, match="feeds FP8 linears"):
+        mod.parse_config("omniloop-fa3fp8-compile-fused-nq")
 
 
 @pytest.mark.skipif(not (BENCH / "attention_fp8_quality.py").exists(), reason="bench/ not in this checkout")
@@ -81,12 +87,13 @@ def test_fp8_quality_clip_config_fp8fastx(monkeypatch):
     spec = importlib.util.spec_from_file_location("attention_fp8_quality_bench", BENCH / "attention_fp8_quality.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx"] == max(mod.CLIP_CONFIGS.values()) == len(mod.CLIP_CONFIGS) - 1
+    assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx"] == 15
+    assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx-nq"] == max(mod.CLIP_CONFIGS.values()) == len(mod.CLIP_CONFIGS) - 1
     assert mod.CLIP_CONFIGS["fa3fp8+fp8fast"] == 7 and mod.CLIP_CONFIGS["fa3fp8-exact2"] == 14
     built = []
 
-    def runtime(device, backend, rope, capture=None, linear_precision="dtype"):
-        built.append((backend, linear_precision))
+    def runtime(device, backend, rope, capture=None, linear_precision="dtype", options=None):
+        built.append((backend, linear_precision, options or {}))
         return SimpleNamespace(linears=None)
 
     def score(vids, prompts, seeds):
@@ -97,9 +104,10 @@ def test_fp8_quality_clip_config_fp8fastx(monkeypatch):
     monkeypatch.setattr(mod, "wan_demo_clip", lambda *a, **k: np.zeros((17, 8, 8, 3), np.uint8))
     monkeypatch.setattr(evaluate, "score", score)
     res: dict = {}
-    mod.part_clips(res, "cpu", True, ["bf16", "fa3fp8+fp8fast", "fa3fp8+fp8fastx"], [0])
+    mod.part_clips(res, "cpu", True, ["bf16", "fa3fp8+fp8fast", "fa3fp8+fp8fastx", "fa3fp8+fp8fastx-nq"], [0])
     rows = res["clips"]["configs"]
-    assert built == [("sdpa-cudnn", "dtype"), ("fa3-fp8", "fp8-fast"), ("fa3-fp8", "fp8-fast-except-down")]
+    assert built == [("sdpa-cudnn", "dtype", {}), ("fa3-fp8", "fp8-fast", {}), ("fa3-fp8", "fp8-fast-except-down", {}),
+                     ("fa3-fp8", "fp8-fast-except-down", {"norm_quant": "fused"})]
     row = rows["fa3-fp8 (fused q/k) + fp8-fast-except-down linears"]
     assert "error" not in row, row.get("traceback_tail")
     assert (row["attention_backend"], row["qk_norm_rope"], row["fp8_quant_in_rope_kernel"], row["linear_precision"]) == (

@@ -31,6 +31,7 @@ from omniloop_kit import attention as kit
 from omniloop_kit.attention import installed, set_token_grid
 
 from . import fused as fused_kernels
+from .blocks import QuantizedRows
 
 #: the text encoder's context length, which diffusers' processor hard-codes for I2V too
 TEXT_CONTEXT = 512
@@ -52,6 +53,23 @@ def apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs
     return out.type_as(hidden_states)
 
 
+def _project_rows(attn: Any, rows: QuantizedRows, context: torch.Tensor | None,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q/K/V with the query (self-attention: all three) from e4m3 rows, through the FP8 GEMMs' ``forward_quantized``."""
+    def gemm(linear: Any) -> torch.Tensor:
+        return linear.forward_quantized(rows.q, rows.scale, rows.dtype).reshape(*rows.lead, -1)
+
+    if context is None:  # self-attention
+        if fused:
+            q, k, v = gemm(attn.to_qkv).chunk(3, dim=-1)
+            return q, k, v
+        return gemm(attn.to_q), gemm(attn.to_k), gemm(attn.to_v)
+    if fused:
+        key, value = attn.to_kv(context).chunk(2, dim=-1)
+        return gemm(attn.to_q), key, value
+    return gemm(attn.to_q), attn.to_k(context), attn.to_v(context)
+
+
 class WanBackendAttnProcessor(kit.BackendProcessor):
     """diffusers' ``WanAttnProcessor`` computing attention with ``fn(q, k, v)`` (``[B, H, L, D]``)."""
 
@@ -71,7 +89,11 @@ class WanBackendAttnProcessor(kit.BackendProcessor):
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        quantized: QuantizedRows | None = None,
     ) -> torch.Tensor:
+        """``quantized``: the block's normed input already as e4m3 rows (``hidden_states`` is then None; the
+        query's -- and in self-attention the key's and value's -- FP8 GEMMs take the rows directly:
+        :mod:`omniloop_wan.blocks`, ``options.norm_quant: fused``)."""
         encoder_hidden_states_img = None
         if attn.add_k_proj is not None:
             assert encoder_hidden_states is not None
@@ -81,7 +103,9 @@ class WanBackendAttnProcessor(kit.BackendProcessor):
 
         fused = getattr(attn, "fused_projections", False)
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
-        if fused and not attn.is_cross_attention:
+        if quantized is not None:
+            query, key, value = _project_rows(attn, quantized, encoder_hidden_states, fused)
+        elif fused and not attn.is_cross_attention:
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         elif fused:
             query = attn.to_q(hidden_states)

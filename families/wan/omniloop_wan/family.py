@@ -216,7 +216,7 @@ def check_fused_options(opts: WanOptions, device: Any) -> None:
 
     from .fused import unavailable_reason
 
-    for key, needs_triton in (("qk_norm_rope", True), ("ffn_gelu", False)):
+    for key, needs_triton in (("qk_norm_rope", True), ("ffn_gelu", False), ("norm_quant", True)):
         if getattr(opts, key) != "fused":
             continue
         why = unavailable_reason(device)
@@ -253,6 +253,12 @@ def configure(model: LoadedModel, opts: WanOptions, device: Any = None) -> None:
         for tf in experts:
             ffn.install(tf)
     model.config["ffn_gelu"] = opts.ffn_gelu
+    if opts.norm_quant == "fused":  # before compiling: the compiled blocks are these
+        from . import blocks
+
+        for tf in experts:
+            blocks.install(tf)
+    model.config["norm_quant"] = opts.norm_quant
     if opts.compile is not None:
         for tf in experts:
             compile_blocks(tf, **opts.compile)

@@ -27,6 +27,10 @@
                        (cross-attention: ``[W_k; W_v]``), the originals kept; with
                        ``linear_precision: fp8`` one activation quantisation instead of three;
                        refused with adapters (they hook the separate linears)
+``norm_quant``         ``reference`` (default) or ``fused``: with ``linear_precision: fp8*``, each
+                       block's residual add + norm + modulation + per-row e4m3 quantisation in
+                       front of its FP8 GEMMs as one kernel (:mod:`omniloop_wan.blocks`; CUDA +
+                       ``triton`` only); refused without FP8 linears
 ``compile_backend``    ``torch.compile`` backend for deploy ``compile: true`` (default
                        ``inductor``; ``eager`` checks tracing without code generation)
 ``compile_mode``       e.g. ``max-autotune-no-cudagraphs`` (inductor only)
@@ -68,6 +72,7 @@ TILING_KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_sample_s
 KNOWN = frozenset(
     {
         "vae_dtype", "text_cache", "vae_tiling", "vae_slicing", "vae_cpu_kernels", "qk_norm_rope", "ffn_gelu", "qkv",
+        "norm_quant",
         *COMPILE_KEYS,
         "rollout", "rollout_options",  # read by omniloop_wan.causal.pipeline (rollout: causal)
     }
@@ -87,6 +92,8 @@ class WanOptions:
     ffn_gelu: str
     #: "separate" or "fused" (diffusers' fuse_projections)
     qkv: str
+    #: "reference" or "fused" (see omniloop_wan.blocks)
+    norm_quant: str
     #: None when compile is off, else {backend, mode, dynamic}
     compile: dict[str, Any] | None
     attention: Any
@@ -116,7 +123,13 @@ def parse_options(options: Mapping[str, Any] | None) -> WanOptions:
     slicing = options.get("vae_slicing", False)
     if not isinstance(slicing, bool):
         raise DeployError(f"options.vae_slicing: expected true or false, got {slicing!r}")
-    fused = {key: choice_option(options, key, MODES) for key in ("qk_norm_rope", "ffn_gelu")}
+    fused = {key: choice_option(options, key, MODES) for key in ("qk_norm_rope", "ffn_gelu", "norm_quant")}
+    if fused["norm_quant"] == "fused":
+        deploy = options.get("deploy")
+        precision = getattr(deploy, "linear_precision", None)
+        if precision == "dtype":
+            raise DeployError("options.norm_quant: 'fused' hands e4m3 rows to FP8 linears; set linear_precision "
+                              "fp8 (or fp8-fast...), or norm_quant 'reference'")
     return WanOptions(
         text_cache=capacity_from_options(options),
         vae_tiling=tiling_kw,
@@ -125,6 +138,7 @@ def parse_options(options: Mapping[str, Any] | None) -> WanOptions:
         qk_norm_rope=fused["qk_norm_rope"],
         ffn_gelu=fused["ffn_gelu"],
         qkv=qkv_option(options),
+        norm_quant=fused["norm_quant"],
         compile=compile_options(options),
         attention=options.get("attention"),
     )

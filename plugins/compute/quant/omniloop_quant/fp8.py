@@ -175,12 +175,19 @@ class FP8FeedForward(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
         h = self.up(hidden_states).reshape(-1, self.up.out_features)
+        return self._down(h).reshape(*lead, self.down.out_features)
+
+    def forward_quantized(self, xq: torch.Tensor, sx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The feed-forward on an input already quantised per row (``xq [M, in]`` e4m3, ``sx [M, 1]``
+        float32, e.g. by :func:`omniloop_quant.norm_kernels.residual_norm_quantize_rows`): ``[M, out]``."""
+        return self._down(self.up.forward_quantized(xq, sx, out_dtype))
+
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
+        """GELU then the down GEMM on the up projection's rows ``h [M, inner]``."""
         if FUSE_GELU_QUANT and _kernels.supported(h):
             q, scale = _kernels.gelu_quantize_rows(h, self.approximate)
-            out = self.down.forward_quantized(q, scale, h.dtype)
-            return out.reshape(*lead, self.down.out_features)
-        out = self.down(torch.nn.functional.gelu(h, approximate=self.approximate))
-        return out.reshape(*lead, self.down.out_features)
+            return self.down.forward_quantized(q, scale, h.dtype)
+        return self.down(torch.nn.functional.gelu(h, approximate=self.approximate))
 
 
 def _feed_forward_parts(module: nn.Module) -> tuple[nn.Linear, str, nn.Linear] | None:
