@@ -126,6 +126,10 @@ def test_compiled_blocks_equal_the_eager_blocks_and_leave_them_untouched():
     tuned = compile_blocks(model, model.blocks, backend="eager", dynamic=None, options={"a": 1, "b": 2})
     assert tuned is not other and tuned.options == {"a": 1, "b": 2}
     assert compile_blocks(model, model.blocks, backend="eager", dynamic=None, options={"b": 2, "a": 1}) is tuned
+    # blocks replaced since (a family's own block forwards put in): new wrappers, which run the new blocks
+    model.blocks[1] = torch.nn.Linear(8, 8)
+    swapped = compile_blocks(model, model.blocks, backend="eager", dynamic=None, options={"a": 1, "b": 2})
+    assert swapped is not tuned and swapped.blocks[1]._orig_mod is model.blocks[1]
     uncompile(model)
     assert compiled(model) is None
     uncompile(model)  # twice is fine

@@ -36,6 +36,15 @@ CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32
               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32)
 
 
+def _cpu_fp8() -> None:
+    """Skip where this torch's CPU ``_scaled_mm`` takes no row-wise scales (torch < 2.13: the GPU machine's)."""
+    from omniloop_quant import fp8
+
+    why = fp8.unavailable_reason(torch.device("cpu"))
+    if why:
+        pytest.skip(why)
+
+
 def _model(dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
     from diffusers import WanTransformer3DModel
 
@@ -68,8 +77,7 @@ def test_wan_block_is_bit_exact_and_shares_the_modules() -> None:
 def test_the_fused_fronts_equal_the_unfused_fp8_forward_on_cpu(monkeypatch: pytest.MonkeyPatch, qkv: str) -> None:
     from omniloop_quant import fp8, norm_kernels
 
-    if fp8.unavailable_reason(torch.device("cpu")):
-        pytest.skip(fp8.unavailable_reason(torch.device("cpu")))
+    _cpu_fp8()
     model = _model()
     if qkv == "fused":
         from omniloop_wan.attention import fuse_projections
@@ -104,6 +112,8 @@ def test_refused_without_fp8_linears_and_off_cuda(tiny_ckpt) -> None:
     def manager() -> Any:
         return make_manager(("wan", wan_plugin), ("quant", quant_plugin), toy=False)
 
+    _cpu_fp8()
+
     for deploy, msg in (({}, r"^options\.norm_quant: 'fused' hands e4m3 rows to FP8 linears"),
                         ({"linear_precision": "fp8"}, r"^options\.norm_quant: 'fused' cannot run here: it needs a CUDA")):
         with pytest.raises(DeployError, match=msg):
@@ -121,6 +131,7 @@ def test_the_family_installs_the_blocks_before_compiling(tiny_ckpt, monkeypatch:
     from omniloop.runtime import Runtime
     from omniloop.testing import make_manager
 
+    _cpu_fp8()
     monkeypatch.setattr(family, "check_fused_options", lambda opts, device: None)
     rt = Runtime.from_model(tiny_ckpt("t2v"), manager=make_manager(("wan", wan_plugin), ("quant", quant_plugin), toy=False),
                             linear_precision="fp8", options={"norm_quant": "fused"})

@@ -109,6 +109,9 @@ class CompiledBlocks:
     dynamic: bool | None
     #: ``torch.compile(options=...)``: inductor settings (``compile_inductor``), or None
     options: dict[str, Any] | None = None
+    #: ``id`` of each block the wrappers were made from: a model whose blocks were replaced since
+    #: (e.g. a family's own block forwards installed) gets new wrappers, not ones running the old blocks
+    sources: tuple[int, ...] = ()
 
     @property
     def settings(self) -> tuple[Any, ...]:
@@ -212,13 +215,16 @@ def compile_blocks(
     """Wrap each of ``blocks`` (the family's block stack of ``model``) in
     ``torch.compile(fullgraph=True)`` and keep the wrappers beside ``model``.
 
-    Lazy: nothing compiles until a wrapper's first call. Called again with the same settings it
-    returns the wrappers it made; with other settings it replaces them."""
+    Lazy: nothing compiles until a wrapper's first call. Called again with the same settings and the
+    same block objects it returns the wrappers it made; with other settings, or blocks replaced since
+    (a wrapper holds the module it was made from), it replaces them."""
     import torch
 
     inductor = dict(options) if options else None
+    blocks = list(blocks)
+    sources = tuple(id(b) for b in blocks)
     have = _COMPILED.get(model)
-    if have is not None and have.settings == (backend, mode, dynamic, _frozen(inductor)):
+    if have is not None and have.settings == (backend, mode, dynamic, _frozen(inductor)) and have.sources == sources:
         return have
     kw: dict[str, Any] = {"backend": backend, "fullgraph": True, "dynamic": dynamic}
     if mode is not None:
@@ -226,7 +232,7 @@ def compile_blocks(
     if inductor is not None:
         kw["options"] = dict(inductor)
     cb = CompiledBlocks(blocks=[torch.compile(block, **kw) for block in blocks], backend=backend, mode=mode,
-                        dynamic=dynamic, options=inductor)
+                        dynamic=dynamic, options=inductor, sources=sources)
     _COMPILED[model] = cb
     return cb
 
