@@ -14,14 +14,14 @@ in one pass: one program owns one row, held in registers as two power-of-two pie
 512; 5,120 = 4,096 + 1,024), reads ``h`` (and the delta) once and writes the new residual (when there
 is a delta), the e4m3 row and its scale. :func:`reference` is the same computation in torch ops.
 
-**Status: a measured-kernel-first step, wired into nothing.** In one Wan 1.3B FP8 forward on the H200,
+**Used by** the Wan family's ``options.norm_quant: fused`` (:mod:`omniloop_wan.blocks`, which hands the rows to
+``FP8Linear.forward_quantized`` / ``FP8FeedForward.forward_quantized``). In one Wan 1.3B FP8 forward on the H200,
 inductor's fusions of these computations take 28.4 ms (0.10–0.24 ms a call where the bytes need
 0.03–0.07 ms; ``bench/results/wan_gpu-1.3b-fwd-fp8-pieces-profile-h200-2026-12-05.json``).
 ``bench/quant_kernels.py`` times this kernel against them on Wan's shapes: on an H100 a block's three
 sites take 0.80 ms instead of inductor's 0.99 at 1.3B, 1.73 instead of 3.45 at 14B
-(``bench/results/quant_kernels-norm-h100-2026-12-05.json``) — projected onto the H200 step, ~1.67× and
-~1.77× of diffusers eager, short of issue 40's bars, so Wan's block forward was not taken over to feed
-the e4m3 rows to Q/K/V and the FFN (bench/README.md, "the norm kernel measured"). Numerics: the mean and variance are summed per row in float32 (torch's LayerNorm uses
+(``bench/results/quant_kernels-norm-h100-2026-12-05.json``); wired, the whole FP8 step gains 1.8 % at 1.3B and
+1.4 % at 14B on an H100 (bench/README.md, "Session 19"). Numerics: the mean and variance are summed per row in float32 (torch's LayerNorm uses
 Welford's update), products may be fused (FMA): the values equal torch's up to float32 rounding
 before the rounding to bf16.
 """
