@@ -100,6 +100,19 @@ def test_options_modulation_end_to_end(flux_ckpt, make_t2i) -> None:
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("task", ["t2i", "i2i"])
+def test_per_request_modulation_with_true_cfg_and_i2i(flux_runtime, make_t2i, make_i2i, input_png, task) -> None:
+    """True CFG gives each branch its own pooled text, so its own table; image-to-image cuts the schedule by
+    ``strength``, so the table covers the kept timesteps only. Both match the per-step deployment."""
+    req = make_t2i(seed=7, steps=3) if task == "t2i" else make_i2i(input_png, seed=3, steps=5, height=64, width=64)
+    req["inputs"] = [*req.get("inputs", []), {"type": "text", "text": "blurry, low quality", "role": "negative_prompt"}]
+    req["diffusion"]["guidance_scale"] = 4.0
+    req["node_params"] = {"denoise": {"cfg": "classic"}}
+    want = completed_latents(flux_runtime("dev").generate(req))
+    got = completed_latents(flux_runtime("dev", options={"modulation": "per-request"}).generate(req))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_batched_requests_stack_their_modulation_rows(flux_runtime, make_t2i) -> None:
     reqs = [make_t2i(seed=s, steps=3) for s in (1, 2)]
     reqs[1]["diffusion"]["guidance_scale"] = 5.0  # each request's own guidance, so its own table
