@@ -107,9 +107,12 @@ def flux_forward(
         extra = {id(block): {"modulation": m} for block, m in zip(stack, per_block, strict=True)}
 
     def call(block: Any, hidden: torch.Tensor) -> torch.Tensor:
+        more = extra.get(id(block), {})
+        if modulation is not None and not more:
+            raise RuntimeError("flux_forward: a block outside the stack its modulation rows were split for")
         enc, out = block(
             hidden_states=hidden, encoder_hidden_states=encoder[0], temb=temb,
-            image_rotary_emb=image_rotary_emb, joint_attention_kwargs=kwargs, **extra.get(id(block), {}),
+            image_rotary_emb=image_rotary_emb, joint_attention_kwargs=kwargs, **more,
         )
         encoder[0] = enc
         return out
