@@ -29,18 +29,16 @@ what diffusers' forwards cannot do:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from omniloop_kit import blocks as kit_blocks
+
 #: values of ``options.modulation``
 MODULATION_MODES = ("per-step", "per-request")
-
-_ORIGINALS: weakref.WeakKeyDictionary[nn.Module, tuple[list[nn.Module], list[nn.Module]]] = weakref.WeakKeyDictionary()
-
 
 def _chunks(emb: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     return emb.chunk(n, dim=1)
@@ -154,35 +152,26 @@ class SingleBlock(nn.Module):
 
 def install(model: nn.Module, *, fused_mlp: bool = False) -> int:
     """Put :class:`DoubleBlock` / :class:`SingleBlock` in place of ``model``'s diffusers blocks (in
-    place, sharing their modules); returns how many. Installed again, it only updates ``fused_mlp``."""
-    if model in _ORIGINALS:
+    place, sharing their modules: :mod:`omniloop_kit.blocks`); returns how many. Installed again, it only
+    updates ``fused_mlp``."""
+    if kit_blocks.replaced(model):
         for block in model.single_transformer_blocks:
             block.fused_mlp = fused_mlp
         return len(model.transformer_blocks) + len(model.single_transformer_blocks)
-    doubles, singles = list(model.transformer_blocks), list(model.single_transformer_blocks)
-    for block in doubles:
+    for block in model.transformer_blocks:
         if getattr(block.norm1, "emb", None) is not None:  # a class-embedding AdaLN: not FLUX.1's
             raise ValueError("omniloop_flux.blocks: a double block's norm1 embeds its own timestep")
-    for i, block in enumerate(doubles):
-        model.transformer_blocks[i] = DoubleBlock(block)
-    for i, block in enumerate(singles):
-        model.single_transformer_blocks[i] = SingleBlock(block, fused_mlp=fused_mlp)
-    _ORIGINALS[model] = (doubles, singles)
-    return len(doubles) + len(singles)
+    return kit_blocks.replace(model, {"transformer_blocks": DoubleBlock,
+                                      "single_transformer_blocks": lambda b: SingleBlock(b, fused_mlp=fused_mlp)})
 
 
 def restore(model: nn.Module) -> int:
     """Put diffusers' blocks back (no-op when :func:`install` was not called); returns how many."""
-    doubles, singles = _ORIGINALS.pop(model, ([], []))
-    for i, block in enumerate(doubles):
-        model.transformer_blocks[i] = block
-    for i, block in enumerate(singles):
-        model.single_transformer_blocks[i] = block
-    return len(doubles) + len(singles)
+    return kit_blocks.restore(model)
 
 
 def installed(model: nn.Module) -> bool:
-    return model in _ORIGINALS
+    return kit_blocks.replaced(model)
 
 
 def modulation_linears(model: nn.Module) -> list[nn.Module]:

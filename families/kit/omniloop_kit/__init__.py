@@ -17,6 +17,8 @@
 * :mod:`omniloop_kit.lora` — LoRA files in kohya / ComfyUI layouts converted to diffusers' keys
   (FLUX.1, Wan).
 * :mod:`omniloop_kit.presets` — a shipped preset's checkpoint folder, or one clear ``DeployError``.
+* :mod:`omniloop_kit.blocks` — a family's own block forwards put in place of diffusers' blocks, sharing
+  their modules (FLUX.1's and Wan's ``blocks`` modules).
 
 Importing the package imports nothing heavy (no torch).
 """

@@ -24,16 +24,16 @@ difference as inductor's own fusions.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from omniloop_kit import blocks as kit_blocks
+
 #: values of ``options.norm_quant``
 MODES = ("reference", "fused")
 
-_ORIGINALS: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
 _CHILDREN = ("norm1", "attn1", "attn2", "norm2", "ffn", "norm3")
 
 
@@ -126,27 +126,18 @@ class WanBlock(nn.Module):
 
 
 def install(model: nn.Module) -> int:
-    """Put a :class:`WanBlock` in place of each of ``model.blocks`` (in place, sharing their modules);
-    returns how many. Installed again, it changes nothing."""
-    if model in _ORIGINALS:
-        return len(_ORIGINALS[model])
-    originals = list(model.blocks)
-    for i, block in enumerate(originals):
-        model.blocks[i] = WanBlock(block)
-    _ORIGINALS[model] = originals
-    return len(originals)
+    """Put a :class:`WanBlock` in place of each of ``model.blocks`` (in place, sharing their modules:
+    :mod:`omniloop_kit.blocks`); returns how many. Installed again, it changes nothing."""
+    return kit_blocks.replace(model, {"blocks": WanBlock})
 
 
 def restore(model: nn.Module) -> int:
     """Put diffusers' blocks back (no-op when :func:`install` was not called); returns how many."""
-    originals = _ORIGINALS.pop(model, [])
-    for i, block in enumerate(originals):
-        model.blocks[i] = block
-    return len(originals)
+    return kit_blocks.restore(model)
 
 
 def installed(model: nn.Module) -> bool:
-    return model in _ORIGINALS
+    return kit_blocks.replaced(model)
 
 
 __all__ = ["MODES", "QuantizedRows", "WanBlock", "install", "installed", "restore"]
