@@ -2,9 +2,9 @@
 127.0.0.1 serving a tiny random FLUX.1 [dev] checkpoint through the ``step`` scheduler (issues 16, 23).
 
 ``images.edit`` sends multipart/form-data (the image as a file, ``extra_body`` keys as form
-fields); the server maps it onto the family's ``i2i`` task. Each image is within one uint8 level
-of the Python API's image for the same request and seed (the server's images may be co-batched
-with others: the family's batching tolerance). The server README's image snippets are copied from here.
+fields); the server maps it onto the family's ``i2i`` task. Each image is within two uint8 levels
+(a quarter level on average) of the Python API's image for the same request and seed (the server's
+images may be co-batched with others: the family's batching tolerance, see :func:`close`). The server README's image snippets are copied from here.
 """
 
 from __future__ import annotations
@@ -63,7 +63,13 @@ def client(tiny_family_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def close(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and int(np.abs(a.astype(int) - b.astype(int)).max()) <= 1
+    """Within two uint8 levels anywhere and a quarter level on average: a co-batched request's GEMMs
+    round differently from the same request alone, and the VAE decode can carry that to 2 levels on a
+    pixel (seen once in CI, 2026-12-06: max 2, on a handful of pixels of 64x48)."""
+    if a.shape != b.shape:
+        return False
+    diff = np.abs(a.astype(int) - b.astype(int))
+    return int(diff.max()) <= 2 and float(diff.mean()) <= 0.25
 
 
 def test_images_generate(client: OpenAI, reference: Any) -> None:
