@@ -1,7 +1,7 @@
 """The Wan processor hands an FP8 backend its q/k already quantised (``attend_quantized``) when the
-fused rope kernel runs, and only then: self-attention with ``qk_norm_rope: fused`` goes through
-``attend_quantized``, cross-attention through the plain ``fn(q, k, v)``; with ``FUSE_FP8_QUANT``
-off or the reference rope, everything goes through ``fn``. CPU: the fused Triton kernel and the
+fused rope kernel runs, and only then: with ``qk_norm_rope: fused`` self-attention (norm + rotation)
+and cross-attention (the norm alone; ``FUSE_FP8_CROSS_QUANT``) go through ``attend_quantized``; with
+``FUSE_FP8_QUANT`` off or the reference rope, everything goes through the plain ``fn(q, k, v)``. CPU: the fused Triton kernel and the
 cuDNN graph are replaced by their numerical models (``fused.reference`` rounded to e4m3 with
 ``fused.fp8_descale``; ``reference_fp8_attention``), so the routing and the block output (within
 FP8 error of the bf16-class path) are checked without a GPU."""
@@ -74,11 +74,12 @@ def _forward(model):
         return wan_forward(model, x, torch.tensor([500.0]), text, None, None)
 
 
-@pytest.mark.parametrize("fuse_quant", [True, False])
-def test_fused_rope_hands_quantized_qk_to_the_backend(cpu_fused_kernels, monkeypatch, fuse_quant):
+@pytest.mark.parametrize(("fuse_quant", "fuse_cross"), [(True, True), (True, False), (False, True)])
+def test_fused_rope_hands_quantized_qk_to_the_backend(cpu_fused_kernels, monkeypatch, fuse_quant, fuse_cross):
     from omniloop_wan import attention
 
     monkeypatch.setattr(attention, "FUSE_FP8_QUANT", fuse_quant)
+    monkeypatch.setattr(attention, "FUSE_FP8_CROSS_QUANT", fuse_cross)
     model = _model()
     attention.install(model, AttentionBackendSpec(name="sdpa", fn=sdpa), qk_norm_rope="fused")
     ref = _forward(model)
@@ -90,7 +91,7 @@ def test_fused_rope_hands_quantized_qk_to_the_backend(cpu_fused_kernels, monkeyp
     self_calls = [c for c in fake.calls if c[1:] == (tokens, tokens)]
     cross_calls = [c for c in fake.calls if c[1:] == (tokens, 512)]
     assert len(self_calls) == 2 and len(cross_calls) == 2  # 2 layers
-    assert {c[0] for c in cross_calls} == {"fn"}
+    assert {c[0] for c in cross_calls} == ({"quantized"} if fuse_quant and fuse_cross else {"fn"})
     assert {c[0] for c in self_calls} == ({"quantized"} if fuse_quant else {"fn"})
     assert out.dtype == ref.dtype and torch.isfinite(out).all()
     rel = float((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
@@ -121,4 +122,4 @@ def test_only_a_declared_backend_gets_quantized_qk(cpu_fused_kernels):
         accepts_quantized_qk = False
 
     assert _entries_used(Undeclared(), "fused") == {"fn"}
-    assert _entries_used(FakeFP8(), "fused") == {"fn", "quantized"}  # declared: self-attention gets q/k in e4m3
+    assert _entries_used(FakeFP8(), "fused") == {"quantized"}  # declared: self- and cross-attention get q/k in e4m3

@@ -76,6 +76,41 @@ def test_kernel_matches_the_eager_math_in_bf16_and_fp32(heads, head_dim, tokens)
         assert _rel_rms(got, ref) <= tol and _rel_rms(got, out) <= tol, (dtype, _rel_rms(got, ref), _rel_rms(got, out))
 
 
+def test_reference_without_freqs_is_the_norm_alone():
+    torch.manual_seed(0)
+    norm = torch.nn.RMSNorm(12, eps=1e-6)
+    x = torch.randn(2, 5, 12)
+    assert torch.equal(fused.reference(x, norm, None, None, heads=3), norm(x).unflatten(2, (3, 4)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [32760, 512])  # Wan 14B cross-attention: the video query, the text key
+def test_the_kernel_without_freqs_is_the_norm_in_bf16_and_in_e4m3(tokens):
+    """Cross-attention (no rotation): ``qk_norm_rope`` with no freqs is ``norm(x)`` (bf16: rounding once,
+    relative RMS <= 1e-2 as above) and ``qk_norm_rope_fp8`` writes it in e4m3 with the static descale
+    (relative RMS <= 0.04, e4m3's 3 mantissa bits), eagerly and inside ``torch.compile(fullgraph=True)``."""
+    if fused.unavailable_reason("cuda"):
+        pytest.skip(fused.unavailable_reason("cuda"))
+    torch.manual_seed(0)
+    heads, C = 40, 5120
+    norm = torch.nn.RMSNorm(C, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(C))
+    kv = torch.randn(1, tokens, 2 * C, device="cuda", dtype=torch.bfloat16)
+    k = kv.chunk(2, dim=-1)[0]  # a fused-KV chunk: rows are strided
+    assert fused.supported(k, norm, None, heads)
+    ref = fused.reference(k.float(), norm.float(), None, None, heads)
+    out = fused.qk_norm_rope(k, norm, None, None, heads)
+    assert out.shape == ref.shape and _rel_rms(out, ref) <= 1e-2
+    fused.prepare()
+    k8, d = fused.qk_norm_rope_fp8(k, norm, None, None, heads)
+    assert k8.dtype == torch.float8_e4m3fn and k8.shape == (1, tokens, heads, C // heads)
+    assert _rel_rms(k8.float() * d, ref) <= 0.04
+    compiled = torch.compile(lambda x: fused.qk_norm_rope_fp8(x, norm, None, None, heads), fullgraph=True)
+    c8, cd = compiled(k)
+    assert torch.equal(c8.view(torch.uint8), k8.view(torch.uint8)) and torch.equal(cd, d)
+
+
 @pytest.mark.gpu
 def test_tiny_wan_with_the_fused_kernel_matches_the_reference_path(tiny_ckpt, t2v_request):
     """Whole generation, bf16 on CUDA, eager and compiled: final latents within relative RMS 2e-2 of

@@ -40,6 +40,10 @@ TEXT_CONTEXT = 512
 #: Triton kernel writes q and k in e4m3 directly; False: the backend quantises them itself (a
 #: separate pass; benchmarks flip this to measure the difference)
 FUSE_FP8_QUANT = True
+#: the same for cross-attention's q and k (the norm alone, no rotation): one pass instead of the
+#: backend's amax + quantise passes over the 32k-token query (Wan 14B FP8 step, H100: ~0.5 ms a block);
+#: False: the backend quantises them (benchmarks flip this; ``bench/wan_gpu.py`` ``-selfq``)
+FUSE_FP8_CROSS_QUANT = True
 
 
 def apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -115,13 +119,17 @@ class WanBackendAttnProcessor(kit.BackendProcessor):
             key = attn.to_k(context)
             value = attn.to_v(context)
 
-        fused_ok = (self.qk_norm_rope == "fused" and rotary_emb is not None
-                    and fused_kernels.supported(query, attn.norm_q, rotary_emb[0], attn.heads)
-                    and fused_kernels.supported(key, attn.norm_k, rotary_emb[0], attn.heads))
-        if fused_ok and self.takes_quantized_qk and FUSE_FP8_QUANT and encoder_hidden_states_img is None:
-            # FP8 backend: the fused kernel writes q and k in e4m3 (static scale), no extra pass
-            q8, dq = fused_kernels.qk_norm_rope_fp8(query, attn.norm_q, *rotary_emb, attn.heads)
-            k8, dk = fused_kernels.qk_norm_rope_fp8(key, attn.norm_k, *rotary_emb, attn.heads)
+        # FP8 backend: the fused kernel writes q and k in e4m3 (static scale), no extra pass -- in
+        # self-attention with the rotation, in cross-attention (no rotary_emb) the norm alone
+        fp8_qk = (self.takes_quantized_qk and FUSE_FP8_QUANT and encoder_hidden_states_img is None
+                  and (rotary_emb is not None or FUSE_FP8_CROSS_QUANT))
+        rope = rotary_emb if rotary_emb is not None else (None, None)
+        fused_ok = (self.qk_norm_rope == "fused" and (rotary_emb is not None or fp8_qk)
+                    and fused_kernels.supported(query, attn.norm_q, rope[0], attn.heads)
+                    and fused_kernels.supported(key, attn.norm_k, rope[0], attn.heads))
+        if fused_ok and fp8_qk:
+            q8, dq = fused_kernels.qk_norm_rope_fp8(query, attn.norm_q, *rope, attn.heads)
+            k8, dk = fused_kernels.qk_norm_rope_fp8(key, attn.norm_k, *rope, attn.heads)
             value = value.unflatten(2, (attn.heads, -1))
             out = self.fn.attend_quantized(q8.permute(0, 2, 1, 3), dq, k8.permute(0, 2, 1, 3), dk, value.permute(0, 2, 1, 3),
                             value.dtype)

@@ -69,7 +69,7 @@ def _kernel() -> Any:
     def qk_norm_rope_kernel(
         x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, scale_ptr,
         x_row_stride, seq_len, eps,
-        C: tl.constexpr, HALF_D: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr,
+        C: tl.constexpr, HALF_D: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr, ROPE: tl.constexpr,
     ):
         row = tl.program_id(0)  # one token of one video: rows are (batch, position)
         pos = row % seq_len
@@ -84,12 +84,16 @@ def _kernel() -> Any:
         wo = tl.load(w_ptr + 2 * p + 1, mask=mask, other=0.0).to(tl.float32)
         ne = xe * r * we
         no = xo * r * wo
-        j = p % HALF_D  # the pair's index inside its head: its rotation angle
-        f_row = pos * (2 * HALF_D)
-        c = tl.load(cos_ptr + f_row + 2 * j, mask=mask, other=1.0).to(tl.float32)  # cos[..., 0::2]
-        s = tl.load(sin_ptr + f_row + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)  # sin[..., 1::2]
-        oe = ne * c - no * s
-        oo = ne * s + no * c
+        if ROPE:
+            j = p % HALF_D  # the pair's index inside its head: its rotation angle
+            f_row = pos * (2 * HALF_D)
+            c = tl.load(cos_ptr + f_row + 2 * j, mask=mask, other=1.0).to(tl.float32)  # cos[..., 0::2]
+            s = tl.load(sin_ptr + f_row + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)  # sin[..., 1::2]
+            oe = ne * c - no * s
+            oo = ne * s + no * c
+        else:  # the norm alone (cross-attention's q and k)
+            oe = ne
+            oo = no
         if SCALED:  # FP8 output: x * scale, rounded once (round-to-nearest, saturating on sm90)
             sc = tl.load(scale_ptr).to(tl.float32)
             oe = tl.minimum(tl.maximum(oe * sc, -448.0), 448.0)
@@ -102,8 +106,9 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-def supported(x: torch.Tensor, norm: Any, freqs_cos: torch.Tensor, heads: int) -> bool:
-    """Whether :func:`qk_norm_rope` handles this call (else the caller takes the reference path)."""
+def supported(x: torch.Tensor, norm: Any, freqs_cos: torch.Tensor | None, heads: int) -> bool:
+    """Whether :func:`qk_norm_rope` handles this call (else the caller takes the reference path);
+    ``freqs_cos`` None: the norm alone (no rotation)."""
     if not (x.is_cuda and x.dim() == 3 and x.stride(-1) == 1 and x.stride(0) == x.shape[1] * x.stride(1)):
         return False
     if not isinstance(norm, torch.nn.RMSNorm) or norm.weight is None:
@@ -111,34 +116,45 @@ def supported(x: torch.Tensor, norm: Any, freqs_cos: torch.Tensor, heads: int) -
     if tuple(norm.normalized_shape) != (x.shape[-1],) or x.shape[-1] % heads:
         return False
     head_dim = x.shape[-1] // heads
+    if freqs_cos is None:
+        return head_dim % 2 == 0
     return (freqs_cos.dim() == 4 and freqs_cos.shape[0] == 1 and freqs_cos.shape[1] == x.shape[1]
             and freqs_cos.shape[2] == 1 and freqs_cos.shape[3] == head_dim and head_dim % 2 == 0)
 
 
-def qk_norm_rope(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                 heads: int, *, out_scale: torch.Tensor | None = None,
+def _cos_sin(freqs_cos: torch.Tensor | None, freqs_sin: torch.Tensor | None, L: int, head_dim: int,
+             x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The kernel's ``[L, head_dim]`` cos/sin tables and its ROPE flag (no tables: placeholders, unread)."""
+    if freqs_cos is None or freqs_sin is None:
+        return x, x, False
+    return freqs_cos.reshape(L, head_dim).contiguous(), freqs_sin.reshape(L, head_dim).contiguous(), True
+
+
+def qk_norm_rope(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.Tensor | None,
+                 freqs_sin: torch.Tensor | None, heads: int, *, out_scale: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``rotary(norm(x))`` for ``x`` ``[B, L, heads*D]`` → ``[B, L, heads, D]`` (check :func:`supported`).
+    """``rotary(norm(x))`` for ``x`` ``[B, L, heads*D]`` → ``[B, L, heads, D]`` (check :func:`supported`);
+    ``freqs_cos``/``freqs_sin`` None: ``norm(x)`` (cross-attention's q and k).
 
     With ``out_scale`` (a one-element float32 CUDA tensor) the kernel writes ``rotary(norm(x)) *
     out_scale`` in ``out_dtype`` (e.g. ``torch.float8_e4m3fn``) instead."""
     B, L, C = x.shape
     head_dim = C // heads
     eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
-    cos = freqs_cos.reshape(L, head_dim).contiguous()
-    sin = freqs_sin.reshape(L, head_dim).contiguous()
+    cos, sin, rope = _cos_sin(freqs_cos, freqs_sin, L, head_dim, x)
     out = torch.empty((B, L, C), device=x.device, dtype=x.dtype if out_scale is None else out_dtype)
     block = 1 << max(0, (C // 2 - 1).bit_length())
     warps = 4 if block <= 1024 else 8
     kernel = _KERNEL if _KERNEL is not None else _kernel()  # compiled graphs only read the global
     scale = norm.weight if out_scale is None else out_scale  # unread when not SCALED
     kernel[(B * L,)](x, out, norm.weight, cos, sin, scale, x.stride(1), L, float(eps),
-                     C=C, HALF_D=head_dim // 2, BLOCK=block, SCALED=out_scale is not None, num_warps=warps)
+                     C=C, HALF_D=head_dim // 2, BLOCK=block, SCALED=out_scale is not None, ROPE=rope,
+                     num_warps=warps)
     return out.unflatten(2, (heads, head_dim))
 
 
 def fp8_descale(norm: torch.nn.RMSNorm, channels: int) -> torch.Tensor:
-    """A static per-tensor FP8 descale for ``rotary(norm(x))`` (float32 ``[1, 1, 1, 1]``).
+    """A static per-tensor FP8 descale for ``rotary(norm(x))`` or ``norm(x)`` (float32 ``[1, 1, 1, 1]``).
 
     After the RMS norm over ``channels`` no element exceeds ``sqrt(channels) * max|w|`` (a
     single channel can hold at most the whole mean square), and a rotation keeps each pair's
@@ -153,7 +169,7 @@ def fp8_descale(norm: torch.nn.RMSNorm, channels: int) -> torch.Tensor:
 
 @torch.library.custom_op("omniloop_wan::qk_norm_rope_e4m3", mutates_args=())
 def _qk_norm_rope_e4m3(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       scale: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+                       scale: torch.Tensor, heads: int, eps: float, rope: bool) -> torch.Tensor:
     # An opaque op for torch.compile: inductor's own compile of the user kernel's FP8-store
     # variant failed in Triton's LLVM lowering on the H200 (torch 2.11, 2026-11-30), while the
     # same kernel launched eagerly compiles and runs; as a custom op it is always launched eagerly.
@@ -162,34 +178,38 @@ def _qk_norm_rope_e4m3(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
     block = 1 << max(0, (C // 2 - 1).bit_length())
     kernel = _KERNEL if _KERNEL is not None else _kernel()
     kernel[(B * L,)](x, out, weight, cos, sin, scale, x.stride(1), L, eps,
-                     C=C, HALF_D=C // heads // 2, BLOCK=block, SCALED=True, num_warps=4 if block <= 1024 else 8)
+                     C=C, HALF_D=C // heads // 2, BLOCK=block, SCALED=True, ROPE=rope,
+                     num_warps=4 if block <= 1024 else 8)
     return out
 
 
 @_qk_norm_rope_e4m3.register_fake
-def _qk_norm_rope_e4m3_fake(x, weight, cos, sin, scale, heads, eps):  # type: ignore[no-untyped-def]
+def _qk_norm_rope_e4m3_fake(x, weight, cos, sin, scale, heads, eps, rope):  # type: ignore[no-untyped-def]
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
 
 
-def qk_norm_rope_fp8(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                     heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rope_fp8(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.Tensor | None,
+                     freqs_sin: torch.Tensor | None, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`qk_norm_rope` written straight to e4m3: ``(x8 [B, L, heads, D], descale)`` with
-    ``rotary(norm(x)) ≈ x8 * descale`` (scale from :func:`fp8_descale`). One pass, no amax."""
+    ``rotary(norm(x)) ≈ x8 * descale`` (scale from :func:`fp8_descale`). One pass, no amax.
+    ``freqs_cos``/``freqs_sin`` None: ``norm(x) ≈ x8 * descale`` (cross-attention's q and k)."""
     _, L, C = x.shape
     head_dim = C // heads
     descale = fp8_descale(norm, C)
     eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
-    cos = freqs_cos.reshape(L, head_dim).contiguous()
-    sin = freqs_sin.reshape(L, head_dim).contiguous()
-    x8 = torch.ops.omniloop_wan.qk_norm_rope_e4m3(x, norm.weight, cos, sin, (1.0 / descale).contiguous(), heads, float(eps))
+    cos, sin, rope = _cos_sin(freqs_cos, freqs_sin, L, head_dim, x)
+    x8 = torch.ops.omniloop_wan.qk_norm_rope_e4m3(x, norm.weight, cos, sin, (1.0 / descale).contiguous(), heads,
+                                                  float(eps), rope)
     return x8.unflatten(2, (heads, head_dim)), descale
 
 
-def reference(x: torch.Tensor, norm: torch.nn.Module, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-              heads: int) -> torch.Tensor:
-    """The eager math (diffusers' ``WanAttnProcessor``), for tests."""
+def reference(x: torch.Tensor, norm: torch.nn.Module, freqs_cos: torch.Tensor | None,
+              freqs_sin: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """The eager math (diffusers' ``WanAttnProcessor``), for tests; no freqs: the norm alone."""
     from .attention import apply_rotary_emb
 
+    if freqs_cos is None or freqs_sin is None:
+        return norm(x).unflatten(2, (heads, -1))
     return apply_rotary_emb(norm(x).unflatten(2, (heads, -1)), freqs_cos, freqs_sin)
 
 
