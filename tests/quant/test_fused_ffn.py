@@ -154,6 +154,21 @@ def test_kernel_matches_the_torch_ops_on_the_gpu(n, approximate, dtype):
 
 
 @needs_cuda_triton
+@pytest.mark.parametrize("n", [5120, 1536, 640])  # Wan 14B / 1.3B attention outputs, a small width
+def test_the_row_kernel_matches_quantize_rows_on_the_gpu(n):
+    """``kernels.quantize_rows`` (the pieces layout without the GELU) against ``fp8.quantize_rows``: the
+    same scales; e4m3 values equal but where the kernel's division rounds a value across a rounding boundary."""
+    torch.manual_seed(0)
+    h = (torch.randn(300, n, device="cuda") * 3).to(torch.bfloat16)
+    h[7] = 0
+    q, s = kernels.quantize_rows(h)
+    rq, rs = fp8.quantize_rows(h)
+    torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)
+    assert (q.float() == rq.float()).float().mean().item() > 0.999
+    assert bool((q[7].float() == 0).all())
+
+
+@needs_cuda_triton
 @torch.no_grad()
 def test_fp8_feed_forward_with_the_kernel_on_the_gpu(monkeypatch):
     torch.manual_seed(1)
@@ -195,6 +210,15 @@ for dtype in (torch.bfloat16, torch.float32):
         for kw in CHUNKED + ({"num_warps": 2}, {"pow2": True}):
             vq, vs = kernels.gelu_quantize_rows(h, approx, **kw)
             assert torch.equal(vs, s) and torch.equal(vq.float(), q.float()), (dtype, n, approx, kw)
+# quantize_rows: the same layout without the GELU
+from omniloop_quant import fp8
+for n in (640, 100):
+    h = (torch.randn(6, n) * 3).to(torch.bfloat16)
+    q, s = kernels.quantize_rows(h)
+    rq, rs = fp8.quantize_rows(h)
+    assert torch.equal(s, rs), n
+    a, b = q.float(), rq.float()
+    assert bool(((a - b).abs() <= b.abs() * 0.5 + 2.0**-9).all()), n
 # an opaque operator with declared shapes: fullgraph compile calls it without tracing into the launch
 # (building or launching a Triton kernel inside a traced region broke dynamo on the H200, 2026-12-05)
 h = (torch.randn(4, 300) * 3).to(torch.bfloat16)

@@ -75,7 +75,7 @@ def test_wan_block_is_bit_exact_and_shares_the_modules() -> None:
 
 @pytest.mark.parametrize("qkv", ["separate", "fused"])
 def test_the_fused_fronts_equal_the_unfused_fp8_forward_on_cpu(monkeypatch: pytest.MonkeyPatch, qkv: str) -> None:
-    from omniloop_quant import fp8, norm_kernels
+    from omniloop_quant import fp8, kernels, norm_kernels
 
     _cpu_fp8()
     model = _model()
@@ -93,13 +93,23 @@ def test_the_fused_fronts_equal_the_unfused_fp8_forward_on_cpu(monkeypatch: pyte
         calls.append(kw.get("delta") is not None)
         return norm_kernels.reference(x, **kw)
 
+    out_rows: list[int] = []
+
+    def row_kernel(h: torch.Tensor) -> Any:  # the attention outputs' row quantisation, as torch ops, counted
+        out_rows.append(h.shape[0])
+        return fp8.quantize_rows(h)
+
     with torch.no_grad():
         unfused = wan_forward(model, *_inputs())
         assert not model.blocks[0].fusable(torch.zeros(1, 4, 64), torch.zeros(1, 6, 64))  # CPU float32: not the kernel's
         monkeypatch.setattr(norm_kernels, "supported", lambda x: True)
         monkeypatch.setattr(norm_kernels, "residual_norm_quantize_rows", kernel)
+        monkeypatch.setattr(kernels, "supported", lambda h: True)
+        monkeypatch.setattr(kernels, "quantize_rows", row_kernel)
+        monkeypatch.setattr(kernels, "gelu_quantize_rows", kernels.reference)
         fused = wan_forward(model, *_inputs())
     assert calls == [False, True, True] * CONFIG["num_layers"]  # three fronts a block; two carry the residual
+    assert out_rows == [3 * 4 * 4] * 2 * CONFIG["num_layers"]  # both attention outputs of every block
     assert torch.equal(fused, unfused)
 
 

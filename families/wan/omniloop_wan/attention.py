@@ -44,6 +44,10 @@ FUSE_FP8_QUANT = True
 #: backend's amax + quantise passes over the 32k-token query (Wan 14B FP8 step, H100: ~0.5 ms a block);
 #: False: the backend quantises them (benchmarks flip this; ``bench/wan_gpu.py`` ``-selfq``)
 FUSE_FP8_CROSS_QUANT = True
+#: with ``options.norm_quant: fused``: each attention output quantised per row by omniloop-quant's row
+#: kernel for its FP8 output GEMM (:func:`_project_out`); False: by the GEMM's own pass (inductor's
+#: fusion; benchmarks flip this, ``bench/wan_gpu.py`` ``-ogq``)
+FUSE_OUT_QUANT = True
 
 
 def apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -72,6 +76,22 @@ def _project_rows(attn: Any, rows: QuantizedRows, context: torch.Tensor | None,
         key, value = attn.to_kv(context).chunk(2, dim=-1)
         return gemm(attn.to_q), key, value
     return gemm(attn.to_q), attn.to_k(context), attn.to_v(context)
+
+
+def _project_out(attn: Any, hidden_states: torch.Tensor, rows_given: bool) -> torch.Tensor:
+    """``to_out`` (the output GEMM, then dropout). ``rows_given`` (``options.norm_quant: fused``, whose
+    block checked that ``to_out[0]`` is an FP8 linear): the attention output -- an opaque kernel's,
+    which inductor cannot fuse its row quantisation into -- is quantised per row by omniloop-quant's
+    row kernel and handed to the GEMM's ``forward_quantized`` (the same values as the GEMM's own pass)."""
+    if rows_given and FUSE_OUT_QUANT:
+        from omniloop_quant import kernels
+
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if kernels.supported(flat):
+            q, scale = kernels.quantize_rows(flat)
+            out = attn.to_out[0].forward_quantized(q, scale, hidden_states.dtype)
+            return attn.to_out[1](out.reshape(*hidden_states.shape[:-1], -1))
+    return attn.to_out[1](attn.to_out[0](hidden_states))
 
 
 class WanBackendAttnProcessor(kit.BackendProcessor):
@@ -134,9 +154,7 @@ class WanBackendAttnProcessor(kit.BackendProcessor):
             out = self.fn.attend_quantized(q8.permute(0, 2, 1, 3), dq, k8.permute(0, 2, 1, 3), dk, value.permute(0, 2, 1, 3),
                             value.dtype)
             hidden_states = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(value)
-            hidden_states = attn.to_out[0](hidden_states)
-            hidden_states = attn.to_out[1](hidden_states)
-            return hidden_states
+            return _project_out(attn, hidden_states, quantized is not None)
         if fused_ok:
             query = fused_kernels.qk_norm_rope(query, attn.norm_q, *rotary_emb, attn.heads)
             key = fused_kernels.qk_norm_rope(key, attn.norm_k, *rotary_emb, attn.heads)
@@ -175,9 +193,7 @@ class WanBackendAttnProcessor(kit.BackendProcessor):
         if hidden_states_img is not None:
             hidden_states = hidden_states + hidden_states_img
 
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        return hidden_states
+        return _project_out(attn, hidden_states, quantized is not None)
 
     def __repr__(self) -> str:
         return f"WanBackendAttnProcessor(backend={self.backend!r}, qk_norm_rope={self.qk_norm_rope!r})"

@@ -55,7 +55,10 @@ if _TRITON:
     import triton.language as tl
 
     @triton.jit
-    def gelu_rounded(x, TANH: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr):
+    def gelu_rounded(x, TANH: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
+                     GELU: tl.constexpr):
+        if not GELU:  # the rows as they are (quantize_rows): already in their dtype
+            return x
         if TANH:
             u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
             t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
@@ -76,7 +79,7 @@ if _TRITON:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-        y = gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16)
+        y = gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16, True)
         amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
         scale = tl.maximum(amax, 1e-12) / 448.0
         q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
@@ -94,24 +97,24 @@ if _TRITON:
             cols = start + tl.arange(0, CHUNK)
             mask = cols < n_cols
             x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-            y = gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16)
+            y = gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16, True)
             amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
         scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
         for start in range(0, n_cols, CHUNK):
             cols = start + tl.arange(0, CHUNK)
             mask = cols < n_cols
             x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-            y = gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16)
+            y = gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16, True)
             q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
             tl.store(q_ptr + row * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
     @triton.jit
     def _gelu_piece(h_row, start, n_cols, SIZE: tl.constexpr, TANH: tl.constexpr, ROUND_BF16: tl.constexpr,
-                    ROUND_F16: tl.constexpr):
+                    ROUND_F16: tl.constexpr, GELU: tl.constexpr):
         cols = start + tl.arange(0, SIZE)
         x = tl.load(h_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        return gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16)  # gelu(0) = 0: masked lanes add nothing to amax
+        return gelu_rounded(x, TANH, ROUND_BF16, ROUND_F16, GELU)  # gelu(0) = 0: masked lanes add nothing to amax
 
     @triton.jit
     def _store_piece(q_row, y, start, n_cols, scale, SIZE: tl.constexpr):
@@ -122,21 +125,21 @@ if _TRITON:
     @triton.jit
     def gelu_quant_rows_pieces(h_ptr, q_ptr, s_ptr, n_cols, stride_h, stride_q, P1: tl.constexpr, P2: tl.constexpr,
                                P3: tl.constexpr, P4: tl.constexpr, TANH: tl.constexpr, ROUND_BF16: tl.constexpr,
-                               ROUND_F16: tl.constexpr):
+                               ROUND_F16: tl.constexpr, GELU: tl.constexpr):
         # the row as up to four power-of-two pieces in registers (P2..P4 may be 0: absent), read once
         row = tl.program_id(0).to(tl.int64)
         h_row = h_ptr + row * stride_h
         q_row = q_ptr + row * stride_q
-        y1 = _gelu_piece(h_row, 0, n_cols, P1, TANH, ROUND_BF16, ROUND_F16)
+        y1 = _gelu_piece(h_row, 0, n_cols, P1, TANH, ROUND_BF16, ROUND_F16, GELU)
         amax = tl.max(tl.abs(y1), axis=0)
         if P2 > 0:
-            y2 = _gelu_piece(h_row, P1, n_cols, P2, TANH, ROUND_BF16, ROUND_F16)
+            y2 = _gelu_piece(h_row, P1, n_cols, P2, TANH, ROUND_BF16, ROUND_F16, GELU)
             amax = tl.maximum(amax, tl.max(tl.abs(y2), axis=0))
         if P3 > 0:
-            y3 = _gelu_piece(h_row, P1 + P2, n_cols, P3, TANH, ROUND_BF16, ROUND_F16)
+            y3 = _gelu_piece(h_row, P1 + P2, n_cols, P3, TANH, ROUND_BF16, ROUND_F16, GELU)
             amax = tl.maximum(amax, tl.max(tl.abs(y3), axis=0))
         if P4 > 0:
-            y4 = _gelu_piece(h_row, P1 + P2 + P3, n_cols, P4, TANH, ROUND_BF16, ROUND_F16)
+            y4 = _gelu_piece(h_row, P1 + P2 + P3, n_cols, P4, TANH, ROUND_BF16, ROUND_F16, GELU)
             amax = tl.maximum(amax, tl.max(tl.abs(y4), axis=0))
         scale = tl.maximum(amax, 1e-12) / 448.0
         _store_piece(q_row, y1, 0, n_cols, scale, P1)
@@ -188,18 +191,22 @@ PIECES_WARPS = 4
 
 
 def _launch(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0,
-            pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            pow2: bool = False, gelu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     m, n = h.shape
     q = torch.empty((m, n), device=h.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty((m, 1), device=h.device, dtype=torch.float32)
     rounding = {"TANH": tanh, "ROUND_BF16": h.dtype == torch.bfloat16, "ROUND_F16": h.dtype == torch.float16}
-    if chunk:
+    if not gelu:  # quantize_rows: the row as it is, in pieces
+        p1, p2, p3, p4 = pieces(n)
+        _KERNEL_PIECES[(m,)](h, q, scale, n, h.stride(0), q.stride(0), P1=p1, P2=p2, P3=p3, P4=p4, **rounding,
+                             GELU=False, num_warps=num_warps or PIECES_WARPS)
+    elif chunk:
         _KERNEL_CHUNKED[(m,)](h, q, scale, n, h.stride(0), q.stride(0), CHUNK=chunk, **rounding,
                               num_warps=num_warps or default_warps(chunk))
     elif not pow2:
         p1, p2, p3, p4 = pieces(n)
         _KERNEL_PIECES[(m,)](h, q, scale, n, h.stride(0), q.stride(0), P1=p1, P2=p2, P3=p3, P4=p4, **rounding,
-                             num_warps=num_warps or PIECES_WARPS)
+                             GELU=True, num_warps=num_warps or PIECES_WARPS)
     else:
         block = max(16, 1 << max(0, (n - 1).bit_length()))
         _KERNEL[(m,)](h, q, scale, n, h.stride(0), q.stride(0), BLOCK=block, **rounding,
@@ -216,12 +223,12 @@ if _TRITON:
 
     @torch.library.custom_op("omniloop_quant::gelu_quantize_rows", mutates_args=())
     def _gelu_quantize_rows_op(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0,
-                               pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch(h, tanh, num_warps, chunk, pow2)
+                               pow2: bool = False, gelu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch(h, tanh, num_warps, chunk, pow2, gelu)
 
     @_gelu_quantize_rows_op.register_fake
     def _(h: torch.Tensor, tanh: bool, num_warps: int = 0, chunk: int = 0,
-          pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          pow2: bool = False, gelu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         m, n = h.shape
         return h.new_empty((m, n), dtype=torch.float8_e4m3fn), h.new_empty((m, 1), dtype=torch.float32)
 
@@ -256,6 +263,18 @@ def gelu_quantize_rows(h: torch.Tensor, approximate: str, *, num_warps: int = 0,
     return _OP(h, approximate == "tanh", num_warps, chunk, pow2)
 
 
+def quantize_rows(h: torch.Tensor, *, num_warps: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [M, N] e4m3, scale [M, 1] float32)`` of a 2-D ``h`` (check :func:`supported`): what
+    :func:`omniloop_quant.fp8.quantize_rows` computes, as the GELU kernel's pieces layout without the
+    GELU — for rows an opaque kernel produced (an attention output), which inductor cannot fuse
+    into their producer and quantises with a looped row reduction instead."""
+    if num_warps not in (0, 1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be 0 (default) or a power of two up to 32, not {num_warps!r}")
+    if _OP is None:
+        raise RuntimeError("quantize_rows needs triton (check supported() first)")
+    return _OP(h, False, num_warps, 0, False, False)
+
+
 def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch computation :func:`gelu_quantize_rows` fuses (any device)."""
     y = torch.nn.functional.gelu(h, approximate=approximate).float()
@@ -263,4 +282,4 @@ def reference(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Te
     return (y / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-__all__ = ["E4M3_MAX", "MAX_ROW", "MIN_PIECE", "PIECES_WARPS", "default_warps", "gelu_quantize_rows", "pieces", "prepare", "reference", "supported", "triton_available"]
+__all__ = ["E4M3_MAX", "MAX_ROW", "MIN_PIECE", "PIECES_WARPS", "default_warps", "gelu_quantize_rows", "pieces", "prepare", "quantize_rows", "reference", "supported", "triton_available"]
