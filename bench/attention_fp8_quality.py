@@ -647,6 +647,10 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
         exact = [e for e in extra if isinstance(e, range)]  # steps run exact (fa3-fp8-scheduled)
         options = next((e for e in extra if isinstance(e, dict)), {})  # more deploy options
         row: dict[str, Any] = {"attention_backend": backend, "qk_norm_rope": rope, "fp8_quant_in_rope_kernel": fuse_q,
+                               # since 2026-12-06 (session 20): cross-attention's q/k too; with norm_quant, the
+                               # attention outputs' rows by omniloop-quant's row kernel
+                               "fp8_quant_cross_in_norm_kernel": fuse_q and wan_attention.FUSE_FP8_CROSS_QUANT,
+                               "out_rows_kernel": wan_attention.FUSE_OUT_QUANT,
                                "linear_precision": linears, **({"options": options} if options else {})}
         if deadline is not None and time.perf_counter() > deadline:
             row["not_run"] = f"--clip-budget-s {budget_s:g} spent"
