@@ -275,6 +275,7 @@ def test_fp8_quality_clip_budget_keeps_what_was_made(monkeypatch):
     assert "error" not in ref, ref.get("traceback_tail")
     assert ref["n"] == 2 and ref["cut_short"] == "2 of 4 clips (--clip-budget-s 1.5)"
     assert fp8 == {**{k: fp8[k] for k in ("attention_backend", "qk_norm_rope", "fp8_quant_in_rope_kernel",
+                                            "fp8_quant_cross_in_norm_kernel", "out_rows_kernel",
                                             "linear_precision")}, "not_run": "--clip-budget-s 1.5 spent"}
     # a budget that ends inside the second configuration: it is compared on the pairs both made
     res, clock[0] = {}, 0.0
