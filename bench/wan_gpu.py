@@ -41,10 +41,9 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       feed-forwards' down projections); ``-nq`` (with FP8
                                       linears): ``options.norm_quant: fused`` (each block's norm +
                                       modulation + e4m3 rows in one kernel, omniloop_wan.blocks);
-                                      ``-selfq`` (FP8 attention): cross-attention's q/k quantised
-                                      by the backend's passes, not the fused norm kernel;
-                                      ``-ogq`` (with ``-nq``): the attention outputs quantised by
-                                      their GEMM's own pass, not omniloop-quant's row kernel;
+                                      ``-xq`` (FP8 attention): cross-attention's q/k quantised in
+                                      the fused norm kernel too; ``-oq`` (with ``-nq``): the
+                                      attention outputs quantised by omniloop-quant's row kernel;
                                       ``-qkv``: ``options.qkv:
                                       fused`` (one Q/K/V GEMM); ``-nogq``: the FP8 feed-forward's
                                       GELU + quantisation by inductor's fused ops instead of
@@ -170,12 +169,11 @@ def all_configs() -> list[str]:
     # -nq: options.norm_quant: fused (with FP8 linears)
     out += ["omniloop-fa3fp8-compile-fused-fp8fastx-nq", "omniloop-fa3fp8-compile-fused-fp8lin-nq",
             "omniloop-fa3fp8-compile-fused-fp8fast-nq"]
-    # -selfq (FP8 attention): only self-attention's q/k quantised in the fused kernel (cross-attention's by
-    # the backend's own passes, as before 2026-12-06's FUSE_FP8_CROSS_QUANT)
-    out += ["omniloop-fa3fp8-compile-fused-fp8fastx-nq-selfq"]
-    # -ogq (with -nq): the attention outputs quantised by their FP8 GEMM's own pass (inductor), not
-    # omniloop-quant's row kernel (attention.FUSE_OUT_QUANT off; on since 2026-12-06)
-    out += ["omniloop-fa3fp8-compile-fused-fp8fastx-nq-selfq-ogq", "omniloop-fa3fp8-compile-fused-fp8fastx-nq-ogq"]
+    # -xq (FP8 attention, fused rope): cross-attention's q/k quantised in the fused norm kernel too
+    # (omniloop_wan.attention.FUSE_FP8_CROSS_QUANT); -oq (with -nq): the attention outputs quantised by
+    # omniloop-quant's row kernel (FUSE_OUT_QUANT) -- both off by default until measured
+    out += ["omniloop-fa3fp8-compile-fused-fp8fastx-nq-xq", "omniloop-fa3fp8-compile-fused-fp8fastx-nq-oq",
+            "omniloop-fa3fp8-compile-fused-fp8fastx-nq-xq-oq"]
     # fp8t: cudnn-fp8 with attention_options.plan: fastest; -gq: omniloop_quant.fp8.FUSE_GELU_QUANT (the FFN's
     # GELU + FP8 quantisation as one Triton pass)
     out += ["omniloop-fp8t-compile-fused-fp8fast", "omniloop-fp8t-compile-fused-fp8fast-gq"]
@@ -201,13 +199,13 @@ def restore_blocks(tf: Any) -> None:
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
-                "rope": False, "ffn": False, "sepq": False, "selfq": False, "ogq": False, "fp8lin": False, "fp8fast": False, "fp8fastx": False,
+                "rope": False, "ffn": False, "sepq": False, "xq": False, "oq": False, "fp8lin": False, "fp8fast": False, "fp8fastx": False,
                 "linear_precision": "dtype", "qkv": False, "gq": True, "nq": False, "inductor": None}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "selfq", "ogq", "fp8lin", "fp8fast", "fp8fastx", "qkv", "gq",
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "xq", "oq", "fp8lin", "fp8fast", "fp8fastx", "qkv", "gq",
                "nogq", "nq",
                *INDUCTOR_WORDS}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
@@ -221,7 +219,7 @@ def parse_config(name: str) -> dict[str, Any]:
                          "-fp8fast or -fp8fastx")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
             "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest,
-            "selfq": "selfq" in rest, "ogq": "ogq" in rest,
+            "xq": "xq" in rest, "oq": "oq" in rest,
             "fp8lin": linears != "dtype", "fp8fast": "fp8fast" in rest, "fp8fastx": "fp8fastx" in rest,
             "linear_precision": linears, "qkv": "qkv" in rest,
             "gq": "nogq" not in rest, "nq": "nq" in rest,
@@ -271,7 +269,7 @@ def gelu_quant_kernel(on: bool) -> contextlib.AbstractContextManager[None]:
 
 
 @contextlib.contextmanager
-def fp8_quant_fusion(fused: bool, cross: bool = True, out: bool = True) -> Iterator[None]:
+def fp8_quant_fusion(fused: bool, cross: bool = False, out: bool = False) -> Iterator[None]:
     """Whether the fused rope kernel quantises q/k for an FP8 backend (else the backend's own pass);
     ``cross``: cross-attention's too; ``out``: the attention outputs by the row kernel (with ``-nq``)."""
     from omniloop_wan import attention
@@ -474,7 +472,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
         c = parse_config(name)
         row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
                                "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
-                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "selfq", "ogq", "inductor")},
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "xq", "oq", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
         if rec.over_budget():
             rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -493,7 +491,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                                             nq=c["nq"])
                 if side.fp8_report is not None:
                     row["fp8_linears"] = side.fp8_report
-            with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"], not c["selfq"], not c["ogq"]), gelu_quant_kernel(c["gq"]):
+            with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"], c["xq"], c["oq"]), gelu_quant_kernel(c["gq"]):
                 t = time.perf_counter()
                 side.run(2, size)  # warm-up: kernels, allocator, compilation (+ autotuning)
                 row["warmup_s"] = round(time.perf_counter() - t, 2)
@@ -592,7 +590,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     for name in rec.selected(model):
         c = parse_config(name)
         row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
-                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "selfq", "ogq", "inductor")},
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "xq", "oq", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
         if rec.over_budget():
@@ -600,7 +598,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
             continue
         try:
             with torch.no_grad(), contextlib.ExitStack() as stack:
-                stack.enter_context(fp8_quant_fusion(not c["sepq"], not c["selfq"], not c["ogq"]))
+                stack.enter_context(fp8_quant_fusion(not c["sepq"], c["xq"], c["oq"]))
                 stack.enter_context(gelu_quant_kernel(c["gq"]))
                 if c["side"] == "diffusers":
                     stack.enter_context(diffusers_attention(tf))

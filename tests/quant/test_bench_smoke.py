@@ -88,12 +88,15 @@ def test_fp8_quality_clip_config_fp8fastx(monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx"] == 15
-    assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx-nq"] == max(mod.CLIP_CONFIGS.values()) == len(mod.CLIP_CONFIGS) - 1
+    assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx-nq"] == 16
+    assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx-nq-xq-oq"] == max(mod.CLIP_CONFIGS.values()) == len(mod.CLIP_CONFIGS) - 1
     assert mod.CLIP_CONFIGS["fa3fp8+fp8fast"] == 7 and mod.CLIP_CONFIGS["fa3fp8-exact2"] == 14
     built = []
 
+    from omniloop_wan import attention
+
     def runtime(device, backend, rope, capture=None, linear_precision="dtype", options=None):
-        built.append((backend, linear_precision, options or {}))
+        built.append((backend, linear_precision, options or {}, attention.FUSE_FP8_CROSS_QUANT, attention.FUSE_OUT_QUANT))
         return SimpleNamespace(linears=None)
 
     def score(vids, prompts, seeds):
@@ -104,10 +107,15 @@ def test_fp8_quality_clip_config_fp8fastx(monkeypatch):
     monkeypatch.setattr(mod, "wan_demo_clip", lambda *a, **k: np.zeros((17, 8, 8, 3), np.uint8))
     monkeypatch.setattr(evaluate, "score", score)
     res: dict = {}
-    mod.part_clips(res, "cpu", True, ["bf16", "fa3fp8+fp8fast", "fa3fp8+fp8fastx", "fa3fp8+fp8fastx-nq"], [0])
+    mod.part_clips(res, "cpu", True, ["bf16", "fa3fp8+fp8fast", "fa3fp8+fp8fastx", "fa3fp8+fp8fastx-nq",
+                                      "fa3fp8+fp8fastx-nq-xq-oq"], [0])
     rows = res["clips"]["configs"]
-    assert built == [("sdpa-cudnn", "dtype", {}), ("fa3-fp8", "fp8-fast", {}), ("fa3-fp8", "fp8-fast-except-down", {}),
-                     ("fa3-fp8", "fp8-fast-except-down", {"norm_quant": "fused"})]
+    nq = {"norm_quant": "fused"}
+    assert built == [("sdpa-cudnn", "dtype", {}, False, False), ("fa3-fp8", "fp8-fast", {}, False, False),
+                     ("fa3-fp8", "fp8-fast-except-down", {}, False, False),
+                     ("fa3-fp8", "fp8-fast-except-down", nq, False, False),
+                     ("fa3-fp8", "fp8-fast-except-down", nq, True, True)]  # the switches on for that one only
+    assert not (attention.FUSE_FP8_CROSS_QUANT or attention.FUSE_OUT_QUANT)  # the defaults back after
     row = rows["fa3-fp8 (fused q/k) + fp8-fast-except-down linears"]
     assert "error" not in row, row.get("traceback_tail")
     assert (row["attention_backend"], row["qk_norm_rope"], row["fp8_quant_in_rope_kernel"], row["linear_precision"]) == (

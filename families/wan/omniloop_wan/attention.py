@@ -41,13 +41,14 @@ TEXT_CONTEXT = 512
 #: separate pass; benchmarks flip this to measure the difference)
 FUSE_FP8_QUANT = True
 #: the same for cross-attention's q and k (the norm alone, no rotation): one pass instead of the
-#: backend's amax + quantise passes over the 32k-token query (Wan 14B FP8 step, H100: ~0.5 ms a block);
-#: False: the backend quantises them (benchmarks flip this; ``bench/wan_gpu.py`` ``-selfq``)
-FUSE_FP8_CROSS_QUANT = True
+#: backend's amax + quantise passes over the 32k-token query (at Wan 14B on an H100 those take ~0.75 ms
+#: of each block). **Off** until a GPU run measures it (written in session 20, when no GPU was lent;
+#: ``bench/wan_gpu.py`` word ``-xq`` turns it on, clip config ``fa3fp8+fp8fastx-nq-xq-oq``)
+FUSE_FP8_CROSS_QUANT = False
 #: with ``options.norm_quant: fused``: each attention output quantised per row by omniloop-quant's row
-#: kernel for its FP8 output GEMM (:func:`_project_out`); False: by the GEMM's own pass (inductor's
-#: fusion; benchmarks flip this, ``bench/wan_gpu.py`` ``-ogq``)
-FUSE_OUT_QUANT = True
+#: kernel for its FP8 output GEMM (:func:`_project_out`) instead of the GEMM's own pass (inductor's
+#: looped reduction, ~0.29 ms a call at 14B on an H100). **Off** until measured, as above (word ``-oq``)
+FUSE_OUT_QUANT = False
 
 
 def apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:

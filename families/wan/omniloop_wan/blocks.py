@@ -11,10 +11,11 @@ the norm, the modulation and the per-row e4m3 quantisation in one kernel —
 :func:`omniloop_quant.norm_kernels.residual_norm_quantize_rows` — and hands the e4m3 rows to the FP8
 GEMMs directly (Q/K/V of the self-attention, Q of the cross-attention, the feed-forward's up
 projection; ``forward_quantized`` of omniloop-quant's ``FP8Linear`` / ``FP8FeedForward``), through
-:class:`~omniloop_wan.attention.WanBackendAttnProcessor`'s ``quantized`` input. Given rows, the
-processor also quantises each attention output with omniloop-quant's row kernel
-(``kernels.quantize_rows``) for its output GEMM: inductor cannot fuse that pass into the attention
-kernel, and its own looped row reduction took ~0.3 ms a call at 14B on an H100.
+:class:`~omniloop_wan.attention.WanBackendAttnProcessor`'s ``quantized`` input. Given rows and
+``omniloop_wan.attention.FUSE_OUT_QUANT`` (off by default until measured on a GPU), the processor also
+quantises each attention output with omniloop-quant's row kernel (``kernels.quantize_rows``) for its
+output GEMM: inductor cannot fuse that pass into the attention kernel, and its own looped row
+reduction took ~0.3 ms a call at 14B on an H100.
 
 Where that does not apply — the block's linears not FP8, diffusers' attention processors, a per-token
 modulation (Wan2.2 TI2V), no affine cross-attention norm, a row the kernel does not take (see
