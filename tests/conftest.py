@@ -138,6 +138,27 @@ def noise_png_40x48(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture
+def compile_for_sm90() -> Any:
+    """``compile(kernel, signature, constexprs, num_warps)``: a ``triton.jit`` kernel compiled for Hopper
+    (sm_90) down to a cubin on this machine, no GPU needed (Triton's compiler and its bundled ptxas) --
+    a kernel variant that would fail to build on the GPU fails here; returns the compiled kernel's asm
+    dict. Skips where Triton (or its NVIDIA backend) is missing."""
+    pytest.importorskip("triton")
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:  # an older/newer Triton without these entry points
+        pytest.skip(f"this Triton cannot compile ahead of time here: {exc}")
+
+    def compile_(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> dict:
+        src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm
+
+    return compile_
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     """``gpu`` tests skip cleanly where CUDA is not available."""
     try:

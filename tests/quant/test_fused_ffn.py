@@ -242,6 +242,19 @@ def test_pieces_cover_the_row_with_powers_of_two():
         kernels.pieces(0)
 
 
+@pytest.mark.parametrize("gelu", [True, False])
+def test_the_pieces_kernel_compiles_for_hopper(compile_for_sm90, gelu):
+    """The GELU kernel's pieces layout (the FP8 feed-forward) and the same without the GELU
+    (``quantize_rows``) at Wan 14B's widths build to a cubin for sm_90 (no GPU needed)."""
+    width = (8192, 4096, 1024, 512) if gelu else (4096, 1024, 0, 0)  # 13,824 and 5,120
+    sig = {"h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_cols": "i32", "stride_h": "i32", "stride_q": "i32",
+           **dict.fromkeys(("P1", "P2", "P3", "P4", "TANH", "ROUND_BF16", "ROUND_F16", "GELU"), "constexpr")}
+    consts = {**dict(zip(("P1", "P2", "P3", "P4"), width, strict=True)), "TANH": True, "ROUND_BF16": True,
+              "ROUND_F16": False, "GELU": gelu}
+    asm = compile_for_sm90(kernels._KERNEL_PIECES, sig, consts, num_warps=kernels.PIECES_WARPS)
+    assert asm.get("cubin")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (its CPU interpreter)")
 def test_kernel_under_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1",

@@ -57,18 +57,20 @@ if _TRITON:
     @triton.jit
     def gelu_rounded(x, TANH: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
                      GELU: tl.constexpr):
-        if not GELU:  # the rows as they are (quantize_rows): already in their dtype
-            return x
-        if TANH:
-            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-            t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
-            y = 0.5 * x * (1.0 + t)
-        else:
-            y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-        if ROUND_BF16:  # the activation as torch returns it, in the input's dtype
-            y = y.to(tl.bfloat16).to(tl.float32)
-        if ROUND_F16:
-            y = y.to(tl.float16).to(tl.float32)
+        # one return at the end (no early return under a constexpr branch: device functions compile that way
+        # on every Triton); GELU off: the rows as they are (quantize_rows), already in their dtype
+        y = x
+        if GELU:
+            if TANH:
+                u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+                t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+                y = 0.5 * x * (1.0 + t)
+            else:
+                y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+            if ROUND_BF16:  # the activation as torch returns it, in the input's dtype
+                y = y.to(tl.bfloat16).to(tl.float32)
+            if ROUND_F16:
+                y = y.to(tl.float16).to(tl.float32)
         return y
 
     @triton.jit
