@@ -517,11 +517,25 @@ def part_activations(res: dict[str, Any], device: str, smoke: bool) -> None:
 CLIP_CONFIGS = {"bf16": 0, "fp8": 1, "fp8-sepq": 2, "bf16+fp8lin": 3, "fp8+fp8lin": 4, "fp8+fp8fast": 5, "bf16-flash": 6,
                 "fa3fp8+fp8fast": 7, "bf16-fa3": 8, "fa3fp8": 9, "fa3fp8+fp8lin": 10, "fa3fp8-exact4": 11,
                 "fa3fp8+fp8fast-exact4": 12, "fa3fp8-exactlast4": 13, "fa3fp8-exact2": 14, "fa3fp8+fp8fastx": 15,
-                "fa3fp8+fp8fastx-nq": 16, "fa3fp8+fp8fastx-nq-xq-oq": 17}
+                "fa3fp8+fp8fastx-nq": 16, "fa3fp8+fp8fastx-nq-xq-oq": 17, "fa3fp8+fp8fast-nq-xq-oq-sk2": 18}
 
 
 class Switches(dict):
-    """A clip configuration's ``omniloop_wan.attention`` module flags (name → value; unnamed ones off)."""
+    """A clip configuration's module flags (name → value; the others at :data:`SWITCH_DEFAULTS`)."""
+
+
+#: the module flags a clip configuration may set: name → (module, default)
+SWITCH_DEFAULTS = {"FUSE_FP8_CROSS_QUANT": ("omniloop_wan.attention", False),
+                   "FUSE_OUT_QUANT": ("omniloop_wan.attention", False),
+                   "SPLIT_DOWN_K": ("omniloop_quant.fp8", 1)}
+
+
+def set_switches(switches: dict[str, Any]) -> None:
+    """Every flag of :data:`SWITCH_DEFAULTS` to ``switches``' value, else its default."""
+    import importlib
+
+    for name, (module, default) in SWITCH_DEFAULTS.items():
+        setattr(importlib.import_module(module), name, switches.get(name, default))
 
 
 class StepTracker:
@@ -646,26 +660,30 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
                 True, "fp8-fast-except-down", {"norm_quant": "fused"}),
                ("the same, cross-attention q/k in the norm kernel and the attention outputs by the row kernel", "fa3-fp8",
                 "fused", True, "fp8-fast-except-down", {"norm_quant": "fused"},
-                Switches({"FUSE_FP8_CROSS_QUANT": True, "FUSE_OUT_QUANT": True}))]
+                Switches({"FUSE_FP8_CROSS_QUANT": True, "FUSE_OUT_QUANT": True})),
+               ("the same with fp8-fast linears, the FFN down GEMM over two halves of its reduction", "fa3-fp8", "fused",
+                True, "fp8-fast", {"norm_quant": "fused"},
+                Switches({"FUSE_FP8_CROSS_QUANT": True, "FUSE_OUT_QUANT": True, "SPLIT_DOWN_K": 2}))]
     configs = [configs[CLIP_CONFIGS[k]] for k in (keys or CLIP_CONFIGS)]  # bf16 (the reference) must be first
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}
     for label, backend, rope, fuse_q, linears, *extra in configs:
         exact = [e for e in extra if isinstance(e, range)]  # steps run exact (fa3-fp8-scheduled)
         options = next((e for e in extra if isinstance(e, dict) and not isinstance(e, Switches)), {})  # deploy options
-        switches = next((e for e in extra if isinstance(e, Switches)), Switches())  # omniloop_wan.attention flags
-        for name in ("FUSE_FP8_CROSS_QUANT", "FUSE_OUT_QUANT"):
-            setattr(wan_attention, name, bool(switches.get(name, False)))
+        switches = next((e for e in extra if isinstance(e, Switches)), Switches())  # module flags
+        set_switches(switches)
         row: dict[str, Any] = {"attention_backend": backend, "qk_norm_rope": rope, "fp8_quant_in_rope_kernel": fuse_q,
                                # session 20's switches: cross-attention's q/k in the norm kernel too; with
                                # norm_quant, the attention outputs' rows by omniloop-quant's row kernel
                                "fp8_quant_cross_in_norm_kernel": fuse_q and wan_attention.FUSE_FP8_CROSS_QUANT,
                                "out_rows_kernel": wan_attention.FUSE_OUT_QUANT,
+                               "split_down_k": switches.get("SPLIT_DOWN_K", 1),
                                "linear_precision": linears, **({"options": options} if options else {})}
         if deadline is not None and time.perf_counter() > deadline:
             row["not_run"] = f"--clip-budget-s {budget_s:g} spent"
             table[label] = row
             print("clips", label, json.dumps(row), flush=True)
+            set_switches({})
             continue
         sched = StepScheduledFP8(set(exact[0])) if exact else None
         if sched is not None:
@@ -720,7 +738,7 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
             row["traceback_tail"] = traceback.format_exc()[-1500:]
         finally:
             wan_attention.FUSE_FP8_QUANT = True
-            wan_attention.FUSE_FP8_CROSS_QUANT = wan_attention.FUSE_OUT_QUANT = False  # the defaults
+            set_switches({})  # the defaults
         brief = {k: v for k, v in row.items() if k != "verdicts"}
         print("clips", label, json.dumps(brief), flush=True)
         table[label] = row

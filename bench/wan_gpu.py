@@ -44,6 +44,7 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       ``-xq`` (FP8 attention): cross-attention's q/k quantised in
                                       the fused norm kernel too; ``-oq`` (with ``-nq``): the
                                       attention outputs quantised by omniloop-quant's row kernel;
+                                      ``-sk2``: the FFN down GEMM over two halves of its reduction;
                                       ``-qkv``: ``options.qkv:
                                       fused`` (one Q/K/V GEMM); ``-nogq``: the FP8 feed-forward's
                                       GELU + quantisation by inductor's fused ops instead of
@@ -174,6 +175,9 @@ def all_configs() -> list[str]:
     # omniloop-quant's row kernel (FUSE_OUT_QUANT) -- both off by default until measured
     out += ["omniloop-fa3fp8-compile-fused-fp8fastx-nq-xq", "omniloop-fa3fp8-compile-fused-fp8fastx-nq-oq",
             "omniloop-fa3fp8-compile-fused-fp8fastx-nq-xq-oq"]
+    # -sk2 (with FP8 linears): the FFN down GEMM as two GEMMs over halves of its reduction, summed
+    # (omniloop_quant.fp8.SPLIT_DOWN_K = 2; with -fp8fast each half's fast-accumulation chain is half as long)
+    out += ["omniloop-fa3fp8-compile-fused-fp8fast-nq-xq-oq-sk2"]
     # fp8t: cudnn-fp8 with attention_options.plan: fastest; -gq: omniloop_quant.fp8.FUSE_GELU_QUANT (the FFN's
     # GELU + FP8 quantisation as one Triton pass)
     out += ["omniloop-fp8t-compile-fused-fp8fast", "omniloop-fp8t-compile-fused-fp8fast-gq"]
@@ -199,13 +203,13 @@ def restore_blocks(tf: Any) -> None:
 def parse_config(name: str) -> dict[str, Any]:
     if name in ("diffusers", "diffusers-compile"):
         return {"side": "diffusers", "compile": name.endswith("-compile"), "batched": False, "backend": None,
-                "rope": False, "ffn": False, "sepq": False, "xq": False, "oq": False, "fp8lin": False, "fp8fast": False, "fp8fastx": False,
+                "rope": False, "ffn": False, "sepq": False, "xq": False, "oq": False, "sk2": False, "fp8lin": False, "fp8fast": False, "fp8fastx": False,
                 "linear_precision": "dtype", "qkv": False, "gq": True, "nq": False, "inductor": None}
     parts = name.split("-")
     if parts[0] != "omniloop" or len(parts) < 2 or parts[1] not in BACKENDS:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
     rest = set(parts[2:])
-    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "xq", "oq", "fp8lin", "fp8fast", "fp8fastx", "qkv", "gq",
+    if rest - {"compile", "batched", "fused", "rope", "ffn", "sepq", "xq", "oq", "sk2", "fp8lin", "fp8fast", "fp8fastx", "qkv", "gq",
                "nogq", "nq",
                *INDUCTOR_WORDS}:
         raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(all_configs())}")
@@ -219,7 +223,7 @@ def parse_config(name: str) -> dict[str, Any]:
                          "-fp8fast or -fp8fastx")
     return {"side": "omniloop", "backend": BACKENDS[parts[1]], "compile": "compile" in rest, "batched": "batched" in rest,
             "rope": bool(rest & {"fused", "rope"}), "ffn": bool(rest & {"fused", "ffn"}), "sepq": "sepq" in rest,
-            "xq": "xq" in rest, "oq": "oq" in rest,
+            "xq": "xq" in rest, "oq": "oq" in rest, "sk2": "sk2" in rest,
             "fp8lin": linears != "dtype", "fp8fast": "fp8fast" in rest, "fp8fastx": "fp8fastx" in rest,
             "linear_precision": linears, "qkv": "qkv" in rest,
             "gq": "nogq" not in rest, "nq": "nq" in rest,
@@ -260,12 +264,15 @@ def module_flag(module: Any, name: str, value: bool) -> Iterator[None]:
         setattr(module, name, before)
 
 
-def gelu_quant_kernel(on: bool) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def gelu_quant_kernel(on: bool, split_down: int = 1) -> Iterator[None]:
     """Whether omniloop-quant's FP8 feed-forward computes its GELU + activation quantisation in one Triton
-    pass (the default; ``-nogq``: off, inductor's fused ops)."""
+    pass (the default; ``-nogq``: off, inductor's fused ops); ``split_down``: its down GEMM over that many
+    slices of the reduction (``-sk2``: 2)."""
     from omniloop_quant import fp8
 
-    return module_flag(fp8, "FUSE_GELU_QUANT", on)
+    with module_flag(fp8, "FUSE_GELU_QUANT", on), module_flag(fp8, "SPLIT_DOWN_K", split_down):
+        yield
 
 
 @contextlib.contextmanager
@@ -472,7 +479,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
         c = parse_config(name)
         row: dict[str, Any] = {"model": "1.3b", "config": name, "what": "pipeline, prompt to frames",
                                "frames": size[0], "height": size[1], "width": size[2], "tokens": tokens,
-                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "xq", "oq", "inductor")},
+                               "steps": args.steps, "repeats": args.repeats, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "xq", "oq", "sk2", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)"}
         if rec.over_budget():
             rec.add({**row, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -491,7 +498,7 @@ def bench_pipeline(args: argparse.Namespace, rec: Recorder, device: torch.device
                                             nq=c["nq"])
                 if side.fp8_report is not None:
                     row["fp8_linears"] = side.fp8_report
-            with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"], c["xq"], c["oq"]), gelu_quant_kernel(c["gq"]):
+            with torch.no_grad(), side, fp8_quant_fusion(not c["sepq"], c["xq"], c["oq"]), gelu_quant_kernel(c["gq"], 2 if c["sk2"] else 1):
                 t = time.perf_counter()
                 side.run(2, size)  # warm-up: kernels, allocator, compilation (+ autotuning)
                 row["warmup_s"] = round(time.perf_counter() - t, 2)
@@ -590,7 +597,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
     for name in rec.selected(model):
         c = parse_config(name)
         row: dict[str, Any] = {"model": model, "config": name, "what": "transformer forward only", "frames": frames,
-                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "xq", "oq", "inductor")},
+                               "height": h, "width": w, "tokens": tokens, **{k: c[k] for k in ("compile", "batched", "rope", "ffn", "fp8lin", "fp8fast", "fp8fastx", "linear_precision", "qkv", "gq", "nq", "xq", "oq", "sk2", "inductor")},
                                "attention_backend": c["backend"] or "diffusers dispatch (native SDPA)",
                                "tflops_per_forward": round(flops / 1e12, 1)}
         if rec.over_budget():
@@ -599,7 +606,7 @@ def bench_forward(args: argparse.Namespace, rec: Recorder, device: torch.device,
         try:
             with torch.no_grad(), contextlib.ExitStack() as stack:
                 stack.enter_context(fp8_quant_fusion(not c["sepq"], c["xq"], c["oq"]))
-                stack.enter_context(gelu_quant_kernel(c["gq"]))
+                stack.enter_context(gelu_quant_kernel(c["gq"], 2 if c["sk2"] else 1))
                 if c["side"] == "diffusers":
                     stack.enter_context(diffusers_attention(tf))
                     if c["compile"]:

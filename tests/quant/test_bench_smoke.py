@@ -89,14 +89,17 @@ def test_fp8_quality_clip_config_fp8fastx(monkeypatch):
     spec.loader.exec_module(mod)
     assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx"] == 15
     assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx-nq"] == 16
-    assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx-nq-xq-oq"] == max(mod.CLIP_CONFIGS.values()) == len(mod.CLIP_CONFIGS) - 1
+    assert mod.CLIP_CONFIGS["fa3fp8+fp8fastx-nq-xq-oq"] == 17
+    assert mod.CLIP_CONFIGS["fa3fp8+fp8fast-nq-xq-oq-sk2"] == max(mod.CLIP_CONFIGS.values()) == len(mod.CLIP_CONFIGS) - 1
     assert mod.CLIP_CONFIGS["fa3fp8+fp8fast"] == 7 and mod.CLIP_CONFIGS["fa3fp8-exact2"] == 14
     built = []
 
+    from omniloop_quant import fp8
     from omniloop_wan import attention
 
     def runtime(device, backend, rope, capture=None, linear_precision="dtype", options=None):
-        built.append((backend, linear_precision, options or {}, attention.FUSE_FP8_CROSS_QUANT, attention.FUSE_OUT_QUANT))
+        built.append((backend, linear_precision, options or {}, attention.FUSE_FP8_CROSS_QUANT, attention.FUSE_OUT_QUANT,
+                      fp8.SPLIT_DOWN_K))
         return SimpleNamespace(linears=None)
 
     def score(vids, prompts, seeds):
@@ -108,14 +111,15 @@ def test_fp8_quality_clip_config_fp8fastx(monkeypatch):
     monkeypatch.setattr(evaluate, "score", score)
     res: dict = {}
     mod.part_clips(res, "cpu", True, ["bf16", "fa3fp8+fp8fast", "fa3fp8+fp8fastx", "fa3fp8+fp8fastx-nq",
-                                      "fa3fp8+fp8fastx-nq-xq-oq"], [0])
+                                      "fa3fp8+fp8fastx-nq-xq-oq", "fa3fp8+fp8fast-nq-xq-oq-sk2"], [0])
     rows = res["clips"]["configs"]
     nq = {"norm_quant": "fused"}
-    assert built == [("sdpa-cudnn", "dtype", {}, False, False), ("fa3-fp8", "fp8-fast", {}, False, False),
-                     ("fa3-fp8", "fp8-fast-except-down", {}, False, False),
-                     ("fa3-fp8", "fp8-fast-except-down", nq, False, False),
-                     ("fa3-fp8", "fp8-fast-except-down", nq, True, True)]  # the switches on for that one only
-    assert not (attention.FUSE_FP8_CROSS_QUANT or attention.FUSE_OUT_QUANT)  # the defaults back after
+    assert built == [("sdpa-cudnn", "dtype", {}, False, False, 1), ("fa3-fp8", "fp8-fast", {}, False, False, 1),
+                     ("fa3-fp8", "fp8-fast-except-down", {}, False, False, 1),
+                     ("fa3-fp8", "fp8-fast-except-down", nq, False, False, 1),
+                     ("fa3-fp8", "fp8-fast-except-down", nq, True, True, 1),  # the switches for that one only
+                     ("fa3-fp8", "fp8-fast", nq, True, True, 2)]
+    assert not (attention.FUSE_FP8_CROSS_QUANT or attention.FUSE_OUT_QUANT) and fp8.SPLIT_DOWN_K == 1  # defaults back
     row = rows["fa3-fp8 (fused q/k) + fp8-fast-except-down linears"]
     assert "error" not in row, row.get("traceback_tail")
     assert (row["attention_backend"], row["qk_norm_rope"], row["fp8_quant_in_rope_kernel"], row["linear_precision"]) == (
@@ -283,7 +287,7 @@ def test_fp8_quality_clip_budget_keeps_what_was_made(monkeypatch):
     assert "error" not in ref, ref.get("traceback_tail")
     assert ref["n"] == 2 and ref["cut_short"] == "2 of 4 clips (--clip-budget-s 1.5)"
     assert fp8 == {**{k: fp8[k] for k in ("attention_backend", "qk_norm_rope", "fp8_quant_in_rope_kernel",
-                                            "fp8_quant_cross_in_norm_kernel", "out_rows_kernel",
+                                            "fp8_quant_cross_in_norm_kernel", "out_rows_kernel", "split_down_k",
                                             "linear_precision")}, "not_run": "--clip-budget-s 1.5 spent"}
     # a budget that ends inside the second configuration: it is compared on the pairs both made
     res, clock[0] = {}, 0.0

@@ -51,6 +51,25 @@ def test_output_vs_float32_reference_and_numerical_model():
 
 
 @torch.no_grad()
+def test_a_gemm_split_over_its_reduction_sums_to_the_whole():
+    """``forward_quantized_split`` (the ``SPLIT_DOWN_K`` experiment): GEMMs over equal slices of K, summed,
+    the bias once -- in float32 the same product up to float32 summation order; a K that does not split into
+    slices of a multiple of 16 falls back to one GEMM."""
+    if not fp8._cpu_rowwise_scales():
+        pytest.skip("this torch's CPU _scaled_mm takes one scale per tensor")
+    torch.manual_seed(3)
+    lin = nn.Linear(128, 64)
+    layer = FP8Linear(lin)
+    xq, sx = fp8.quantize_rows(torch.randn(9, 128))
+    whole = layer.forward_quantized(xq, sx, torch.float32)
+    for parts in (2, 4, 8):
+        split = layer.forward_quantized_split(xq, sx, torch.float32, parts)
+        assert float((split - whole).abs().max()) <= 1e-5 * float(whole.abs().max()), parts
+    assert torch.equal(layer.forward_quantized_split(xq, sx, torch.float32, 3), whole)  # 128 / 3: one GEMM
+    assert torch.equal(layer.forward_quantized_split(xq, sx, torch.float32, 16), whole)  # slices of 8: one GEMM
+
+
+@torch.no_grad()
 def test_bf16_output_and_bias_in_the_gemm():
     torch.manual_seed(1)
     lin = nn.Linear(64, 48).to(torch.bfloat16)

@@ -78,6 +78,13 @@ FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 #: (2026-12-05: the GPU tests pass; Wan 1.3B FP8 step 1.577x -> 1.618x diffusers eager, 14B 1.694x ->
 #: 1.712x, same run, the same latents to 1e-5 relative RMS); set False for inductor's own fusion.
 FUSE_GELU_QUANT = True
+#: an experiment for issue 40, not a deploy mode: with :data:`FUSE_GELU_QUANT` on CUDA, the feed-forward's
+#: down GEMM as this many GEMMs over equal slices of its reduction (``in_features``), their outputs summed
+#: (:meth:`FP8Linear.forward_quantized_split`) -- with fast accumulation each GEMM's reduced-precision
+#: chain is that many times shorter (the down projection's 13,824-long one is why ``fp8-fast-except-down``
+#: exists). 1: one GEMM (the default). Benchmarks set it (``bench/wan_gpu.py`` word ``-sk2``); its speed
+#: and quality were not measured when it was written (session 20: no GPU).
+SPLIT_DOWN_K = 1
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +145,26 @@ class FP8Linear(nn.Module):
         return torch._scaled_mm(xq, self.qweight.t(), scale_a=sx, scale_b=self.weight_scale, bias=bias,
                                 out_dtype=out_dtype, use_fast_accum=self.fast_accum)
 
+    def forward_quantized_split(self, xq: torch.Tensor, sx: torch.Tensor, out_dtype: torch.dtype,
+                                parts: int) -> torch.Tensor:
+        """:meth:`forward_quantized` as ``parts`` GEMMs over equal column slices of ``xq`` (and of the
+        weight's input channels), their ``out_dtype`` outputs summed (the bias added once); one GEMM
+        where ``in_features`` does not split into ``parts`` slices of a multiple of 16."""
+        k = self.in_features // parts if parts > 1 else self.in_features
+        if parts < 2 or self.in_features % parts or k % ALIGN:
+            return self.forward_quantized(xq, sx, out_dtype)
+        bias = self.bias
+        if bias is not None and bias.dtype != out_dtype:
+            bias = bias.to(out_dtype)
+        out: torch.Tensor | None = None
+        for i in range(parts):
+            cols = slice(i * k, (i + 1) * k)
+            y = torch._scaled_mm(xq[:, cols], self.qweight[:, cols].t(), scale_a=sx, scale_b=self.weight_scale,
+                                 bias=bias if i == 0 else None, out_dtype=out_dtype, use_fast_accum=self.fast_accum)
+            out = y if out is None else out + y
+        assert out is not None
+        return out
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer actually multiplies by (``Wq * scale``)."""
         return self.qweight.float() * self.weight_scale.reshape(-1, 1)
@@ -186,6 +213,8 @@ class FP8FeedForward(nn.Module):
         """GELU then the down GEMM on the up projection's rows ``h [M, inner]``."""
         if FUSE_GELU_QUANT and _kernels.supported(h):
             q, scale = _kernels.gelu_quantize_rows(h, self.approximate)
+            if SPLIT_DOWN_K > 1:
+                return self.down.forward_quantized_split(q, scale, h.dtype, SPLIT_DOWN_K)
             return self.down.forward_quantized(q, scale, h.dtype)
         return self.down(torch.nn.functional.gelu(h, approximate=self.approximate))
 
