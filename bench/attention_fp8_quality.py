@@ -524,10 +524,19 @@ class Switches(dict):
     """A clip configuration's module flags (name → value; the others at :data:`SWITCH_DEFAULTS`)."""
 
 
-#: the module flags a clip configuration may set: name → (module, default)
+#: the module flags a clip configuration may set: name → (module, the value a configuration that names
+#: none runs with -- the arithmetic configurations 0-16 were measured with; session 21 turned the first two
+#: on in the runtime, so configurations 17 and 18 name them)
 SWITCH_DEFAULTS = {"FUSE_FP8_CROSS_QUANT": ("omniloop_wan.attention", False),
                    "FUSE_OUT_QUANT": ("omniloop_wan.attention", False),
                    "SPLIT_DOWN_K": ("omniloop_quant.fp8", 1)}
+
+
+def current_switches() -> dict[str, Any]:
+    """The flags of :data:`SWITCH_DEFAULTS` as the modules hold them now."""
+    import importlib
+
+    return {name: getattr(importlib.import_module(module), name) for name, (module, _) in SWITCH_DEFAULTS.items()}
 
 
 def set_switches(switches: dict[str, Any]) -> None:
@@ -667,6 +676,7 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
     configs = [configs[CLIP_CONFIGS[k]] for k in (keys or CLIP_CONFIGS)]  # bf16 (the reference) must be first
     videos: dict[str, list[np.ndarray]] = {}
     table: dict[str, Any] = {}
+    runtime_switches = current_switches()  # put back after each configuration
     for label, backend, rope, fuse_q, linears, *extra in configs:
         exact = [e for e in extra if isinstance(e, range)]  # steps run exact (fa3-fp8-scheduled)
         options = next((e for e in extra if isinstance(e, dict) and not isinstance(e, Switches)), {})  # deploy options
@@ -683,7 +693,7 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
             row["not_run"] = f"--clip-budget-s {budget_s:g} spent"
             table[label] = row
             print("clips", label, json.dumps(row), flush=True)
-            set_switches({})
+            set_switches(runtime_switches)
             continue
         sched = StepScheduledFP8(set(exact[0])) if exact else None
         if sched is not None:
@@ -738,7 +748,7 @@ def part_clips(res: dict[str, Any], device: str, smoke: bool, keys: list[str] | 
             row["traceback_tail"] = traceback.format_exc()[-1500:]
         finally:
             wan_attention.FUSE_FP8_QUANT = True
-            set_switches({})  # the defaults
+            set_switches(runtime_switches)  # as the runtime had them
         brief = {k: v for k, v in row.items() if k != "verdicts"}
         print("clips", label, json.dumps(brief), flush=True)
         table[label] = row

@@ -43,7 +43,9 @@ Configurations (``--only`` picks any; ``default`` ones run without ``--only``):
                                       modulation + e4m3 rows in one kernel, omniloop_wan.blocks);
                                       ``-xq`` (FP8 attention): cross-attention's q/k quantised in
                                       the fused norm kernel too; ``-oq`` (with ``-nq``): the
-                                      attention outputs quantised by omniloop-quant's row kernel;
+                                      attention outputs quantised by omniloop-quant's row kernel
+                                      (both the runtime's default since session 21; a row
+                                      without the word switches it off, as earlier rows ran);
                                       ``-sk2``: the FFN down GEMM over two halves of its reduction;
                                       ``-qkv``: ``options.qkv:
                                       fused`` (one Q/K/V GEMM); ``-nogq``: the FP8 feed-forward's
@@ -172,7 +174,8 @@ def all_configs() -> list[str]:
             "omniloop-fa3fp8-compile-fused-fp8fast-nq"]
     # -xq (FP8 attention, fused rope): cross-attention's q/k quantised in the fused norm kernel too
     # (omniloop_wan.attention.FUSE_FP8_CROSS_QUANT); -oq (with -nq): the attention outputs quantised by
-    # omniloop-quant's row kernel (FUSE_OUT_QUANT) -- both off by default until measured
+    # omniloop-quant's row kernel (FUSE_OUT_QUANT) -- both on in the runtime by default since session 21; a row
+    # without the word switches it off (the arithmetic earlier rows were measured with)
     out += ["omniloop-fa3fp8-compile-fused-fp8fastx-nq-xq", "omniloop-fa3fp8-compile-fused-fp8fastx-nq-oq",
             "omniloop-fa3fp8-compile-fused-fp8fastx-nq-xq-oq"]
     # -sk2 (with FP8 linears): the FFN down GEMM as two GEMMs over halves of its reduction, summed

@@ -1,7 +1,7 @@
 """The Wan processor hands an FP8 backend its q/k already quantised (``attend_quantized``) when the
 fused rope kernel runs, and only then: with ``qk_norm_rope: fused`` self-attention (norm + rotation)
 goes through ``attend_quantized``, and cross-attention (the norm alone) too when ``FUSE_FP8_CROSS_QUANT``
-is on (off by default until measured on a GPU); with ``FUSE_FP8_QUANT`` off or the reference rope,
+is on (the default); with ``FUSE_FP8_QUANT`` off or the reference rope,
 everything goes through the plain ``fn(q, k, v)``. CPU: the fused Triton kernel and the
 cuDNN graph are replaced by their numerical models (``fused.reference`` rounded to e4m3 with
 ``fused.fp8_descale``; ``reference_fp8_attention``), so the routing and the block output (within
@@ -123,4 +123,5 @@ def test_only_a_declared_backend_gets_quantized_qk(cpu_fused_kernels):
         accepts_quantized_qk = False
 
     assert _entries_used(Undeclared(), "fused") == {"fn"}
-    assert _entries_used(FakeFP8(), "fused") == {"fn", "quantized"}  # declared: self-attention gets q/k in e4m3
+    # declared: self- and cross-attention get q/k in e4m3 (FUSE_FP8_CROSS_QUANT, the default)
+    assert _entries_used(FakeFP8(), "fused") == {"quantized"}

@@ -119,7 +119,7 @@ def test_fp8_quality_clip_config_fp8fastx(monkeypatch):
                      ("fa3-fp8", "fp8-fast-except-down", nq, False, False, 1),
                      ("fa3-fp8", "fp8-fast-except-down", nq, True, True, 1),  # the switches for that one only
                      ("fa3-fp8", "fp8-fast", nq, True, True, 2)]
-    assert not (attention.FUSE_FP8_CROSS_QUANT or attention.FUSE_OUT_QUANT) and fp8.SPLIT_DOWN_K == 1  # defaults back
+    assert attention.FUSE_FP8_CROSS_QUANT and attention.FUSE_OUT_QUANT and fp8.SPLIT_DOWN_K == 1  # the runtime's back
     row = rows["fa3-fp8 (fused q/k) + fp8-fast-except-down linears"]
     assert "error" not in row, row.get("traceback_tail")
     assert (row["attention_backend"], row["qk_norm_rope"], row["fp8_quant_in_rope_kernel"], row["linear_precision"]) == (

@@ -17,8 +17,8 @@ default and bit-equal to diffusers.
 FP8: :func:`qk_norm_rope_fp8` writes the result straight to e4m3 with a static per-tensor scale
 (:func:`fp8_descale`), so an FP8 attention backend that takes quantised q/k (``cudnn-fp8``,
 ``fa3-fp8``) gets them with no extra pass over them (``omniloop_wan.attention``). Without freqs the
-kernel is the norm alone: with ``omniloop_wan.attention.FUSE_FP8_CROSS_QUANT`` (off by default until
-measured on a GPU) cross-attention's q (the 32k-token video) and k (the text) go the same way, instead
+kernel is the norm alone: with ``omniloop_wan.attention.FUSE_FP8_CROSS_QUANT`` (on by default since
+session 21's H100 measurement) cross-attention's q (the 32k-token video) and k (the text) go the same way, instead
 of the backend's amax pass and quantising pass over the normed query (at Wan 14B on an H100 those
 took ~0.75 ms of every block's cross-attention).
 
