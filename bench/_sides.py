@@ -124,23 +124,25 @@ BACKENDS = {"cudnn": "sdpa-cudnn", "fa4": "flash-attn-4", "fp8": "cudnn-fp8", "f
 #: ``linear_precision: fp8``, omniloop-quant's FP8 block linears), ``fused`` (``options.qkv: fused``),
 #: ``compile`` (deploy ``compile: true``), ``graphs`` (``options.cuda_graphs``), ``gelu`` (``options.ffn_gelu:
 #: fused``, the feed-forward projection with cuBLASLt's GELU epilogue; FLUX), ``mod`` (``options.modulation:
-#: per-request``, the AdaLN modulations computed once per request; FLUX)
-SIDE_WORDS = ("fp8lin", "fused", "gelu", "mod", "compile", "autotune", "graphs", *BACKENDS)
+#: per-request``, the AdaLN modulations computed once per request; FLUX), ``rope`` (``options.qk_norm_rope:
+#: fused``, omniloop-kit's q/k norm + rotary kernel; FLUX)
+SIDE_WORDS = ("fp8lin", "fused", "gelu", "mod", "rope", "compile", "autotune", "graphs", *BACKENDS)
 
 
 def omniloop_setting(name: str) -> dict[str, Any]:
-    """An omniloop side's deploy from its name: ``omniloop[-<backend>][-fp8lin][-fused][-gelu][-mod][-compile][-autotune][-graphs]``
-    → ``{"attention", "linears", "qkv", "ffn_gelu", "modulation", "compile", "compile_mode", "graphs"}`` (unknown words raise ``ValueError``;
+    """An omniloop side's deploy from its name: ``omniloop[-<backend>][-fp8lin][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]``
+    → ``{"attention", "linears", "qkv", "ffn_gelu", "modulation", "qk_norm_rope", "compile", "compile_mode", "graphs"}`` (unknown words raise ``ValueError``;
     ``autotune``: inductor's ``max-autotune-no-cudagraphs``, which tries Triton GEMM templates beside cuBLAS)."""
     words = name.split("-")
     if words[0] != "omniloop" or any(w not in SIDE_WORDS for w in words[1:]):
-        raise ValueError(f"side {name!r}: omniloop[-{'|'.join(BACKENDS)}][-fp8lin][-fused][-gelu][-mod][-compile][-autotune][-graphs]")
+        raise ValueError(f"side {name!r}: omniloop[-{'|'.join(BACKENDS)}][-fp8lin][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]")
     if "autotune" in words and "compile" not in words:
         raise ValueError(f"side {name!r}: 'autotune' is a compile mode, it needs 'compile'")
     backend = [BACKENDS[w] for w in words[1:] if w in BACKENDS]
     return {"attention": backend[0] if backend else "sdpa", "linears": "fp8" if "fp8lin" in words else "dtype",
             "qkv": "fused" if "fused" in words else "separate", "ffn_gelu": "fused" if "gelu" in words else "reference",
             "modulation": "per-request" if "mod" in words else "per-step",
+            "qk_norm_rope": "fused" if "rope" in words else "reference",
             "compile": "compile" in words, "graphs": "graphs" in words,
             "compile_mode": "max-autotune-no-cudagraphs" if "autotune" in words else None}
 

@@ -18,7 +18,7 @@ Sides, each timed in the same process, interleaved (every other round in reverse
 ``omniloop-…``          any ``omniloop[-cudnn|-fa4|-fa3|-fp8][-fp8lin][-fused][-gelu][-mod][-compile][-autotune][-graphs]`` in ``SIDES``:
                         the deploy's attention backend (``sdpa-cudnn``, ``flash-attn-4``, ``flash-attn-3``, ``cudnn-fp8``;
                         omniloop_flux.attention), ``options.qkv: fused``, ``options.ffn_gelu: fused``, ``options.modulation:
-                        per-request`` (``mod``), ``compile: true``,
+                        per-request`` (``mod``), ``options.qk_norm_rope: fused`` (``rope``), ``compile: true``,
                         ``options.cuda_graphs: true`` (omniloop_kit.graphs); ``autotune``: ``options.compile_mode:
                         max-autotune-no-cudagraphs`` (inductor tries Triton GEMM templates too). A side with another
                         backend or fused projections runs its own copy of the transformer (same
@@ -176,7 +176,7 @@ class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, max_len: int,
                  backend: str, attention: str = "sdpa", qkv: str = "separate", graphs: bool = False,
                  compiled: bool | None = None, linears: str = "dtype", compile_mode: str | None = None,
-                 ffn_gelu: str = "reference", modulation: str = "per-step") -> None:
+                 ffn_gelu: str = "reference", modulation: str = "per-step", qk_norm_rope: str = "reference") -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -188,7 +188,7 @@ class OmniloopSide:
         deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
                               compile=self.compiled, attention_backend=attention, linear_precision=linears)
         options: dict[str, Any] = {"deploy": deploy, "compile_backend": backend, "qkv": qkv, "ffn_gelu": ffn_gelu,
-                                  "modulation": modulation}
+                                  "modulation": modulation, "qk_norm_rope": qk_norm_rope}
         if spec is not None:
             options["attention"] = spec
         if graphs:
@@ -202,7 +202,8 @@ class OmniloopSide:
         spec_ = fam.build_pipeline(self.model, TaskType.T2I, options)
         self.built = BuiltPipeline(spec=spec_, components=comps, device=device, dtype=dtype, options=options)
         self.note = (f"compile={self.compiled}{f' mode={compile_mode}' if compile_mode else ''} attention={attention} "
-                     f"qkv={qkv} ffn_gelu={ffn_gelu} modulation={modulation} cuda_graphs={graphs}{lin_note}")
+                     f"qkv={qkv} ffn_gelu={ffn_gelu} modulation={modulation} qk_norm_rope={qk_norm_rope} cuda_graphs={graphs}"
+                     f"{lin_note}")
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
         from omniloop.artifacts import Latents
@@ -283,20 +284,21 @@ def main(argv: list[str] | None = None) -> int:
         st = omniloop_setting(name)
         if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only)
             # and the eager compile backend (no mode); cuBLASLt's GELU epilogue is CUDA-only
-            st.update(attention="sdpa", graphs=False, compile_mode=None, ffn_gelu="reference")
+            st.update(attention="sdpa", graphs=False, compile_mode=None, ffn_gelu="reference", qk_norm_rope="reference")
         comps = base
         # processors, fused projections, FP8 linears or a compile mode of its own: its own transformer (the
         # kit keeps one set of compiled blocks per transformer; a second mode would replace the first's)
         # (owned block forwards -- gelu, mod -- replace the transformer's blocks: never on the shared one)
-        key = (st["attention"], st["qkv"], st["linears"], st["compile_mode"], st["ffn_gelu"], st["modulation"])
-        if key != ("sdpa", "separate", "dtype", None, "reference", "per-step"):
+        key = (st["attention"], st["qkv"], st["linears"], st["compile_mode"], st["ffn_gelu"], st["modulation"],
+               st["qk_norm_rope"])
+        if key != ("sdpa", "separate", "dtype", None, "reference", "per-step", "reference"):
             if key not in copies:
                 copies[key] = copy_if_room(base["transformer"])
             comps = {**base, "transformer": copies[key]}
         return OmniloopSide(name, comps, device, dtype, max_len, compile_backend, attention=st["attention"],
                             qkv=st["qkv"], graphs=st["graphs"], compiled=st["compile"], linears=st["linears"],
                             compile_mode=st["compile_mode"], ffn_gelu=st["ffn_gelu"],
-                            modulation=st["modulation"])
+                            modulation=st["modulation"], qk_norm_rope=st["qk_norm_rope"])
 
     sides = build_sides(only, record, make)
     save()

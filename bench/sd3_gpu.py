@@ -278,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("diffusers"):
             return DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
         st = omniloop_setting(name)
-        if st["ffn_gelu"] != "reference" or st["modulation"] != "per-step":
-            raise ValueError(f"side {name!r}: the SD3 family has no options.ffn_gelu or options.modulation "
-                             "('gelu' and 'mod' are FLUX side words)")
+        if st["ffn_gelu"] != "reference" or st["modulation"] != "per-step" or st["qk_norm_rope"] != "reference":
+            raise ValueError(f"side {name!r}: the SD3 family has no options.ffn_gelu, options.modulation or "
+                             "options.qk_norm_rope ('gelu', 'mod' and 'rope' are FLUX side words)")
         if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only)
             st.update(attention="sdpa", graphs=False)
         return OmniloopSide(name, comps, device, dtype, compiled=st["compile"], compile_backend=compile_backend,

@@ -9,10 +9,12 @@ import pytest
 def test_words_map_to_deploy_settings(sides):
     st = sides.omniloop_setting("omniloop-fa3-fused-compile-autotune-graphs")
     assert st == {"attention": "flash-attn-3", "linears": "dtype", "qkv": "fused", "ffn_gelu": "reference",
-                  "modulation": "per-step", "compile": True, "graphs": True, "compile_mode": "max-autotune-no-cudagraphs"}
+                  "modulation": "per-step", "qk_norm_rope": "reference", "compile": True, "graphs": True,
+                  "compile_mode": "max-autotune-no-cudagraphs"}
     assert sides.omniloop_setting("omniloop-fa3-fused-gelu-compile-graphs")["ffn_gelu"] == "fused"
     st = sides.omniloop_setting("omniloop-fa3-fused-gelu-mod-compile-graphs")
     assert (st["ffn_gelu"], st["modulation"]) == ("fused", "per-request")
+    assert sides.omniloop_setting("omniloop-fa3-fused-gelu-mod-rope-compile-graphs")["qk_norm_rope"] == "fused"
     assert sides.omniloop_setting("omniloop-cudnn-compile")["compile_mode"] is None
 
 

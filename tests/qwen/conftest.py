@@ -3,9 +3,6 @@ session, GQA: 4 query heads over 2 KV heads), runtimes over them, and transforme
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,26 +94,6 @@ def prompts() -> tuple[str, ...]:
 def runtime_at():
     """``runtime_at(path, **deploy)`` → a fresh runtime over a checkpoint folder."""
     return lambda path, **deploy: Runtime.from_model(path, manager=qwen_manager(), **deploy)
-
-
-@pytest.fixture
-def run_interpreted_child():
-    """Run a test file's ``*_interpreted`` tests in a fresh pytest process started with
-    TRITON_INTERPRET=1 (Triton picks the interpreter when it is first imported, so it cannot be
-    switched inside this process); they must all pass and none may skip."""
-
-    def run(test_file: str) -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", str(Path(test_file)), "-q", "-k", "interpreted and not child_process",
-             "-p", "no:cacheprovider", "-W", "ignore"],
-            env=env, capture_output=True, text=True, timeout=900, check=False,
-        )
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        assert proc.returncode == 0, tail
-        assert " passed" in tail and "skipped" not in tail and "deselected" in tail, tail
-
-    return run
 
 
 class _EagerGraph:

@@ -9,8 +9,9 @@ With the core ``sdpa`` backend the block outputs are ``torch.equal`` to diffuser
 
 Installed at load (:meth:`omniloop_flux.family.FluxFamily.prepare`) on every block's ``attn`` when
 the deploy's ``attention_backend`` is another than the core ``sdpa`` (``sdpa-cudnn``,
-``flash-attn-4``, ``cudnn-fp8``, or whatever ``auto`` picks); with ``sdpa`` diffusers' processors
-stay untouched. A backend that needs the token grid (``sparse-tile``) is refused for FLUX by the
+``flash-attn-4``, ``cudnn-fp8``, or whatever ``auto`` picks) or when ``options.qk_norm_rope: fused``
+asks for omniloop-kit's norm + rotary kernel (then with the core ``sdpa`` too); otherwise diffusers'
+processors stay untouched. A backend that needs the token grid (``sparse-tile``) is refused for FLUX by the
 runtime (the family passes none).
 """
 
@@ -38,10 +39,13 @@ def attention_modules(model: torch.nn.Module) -> list[Any]:
     return [b.attn for b in (*model.transformer_blocks, *model.single_transformer_blocks)]
 
 
-def install(model: torch.nn.Module, backend: Any) -> int:
-    """Put a :class:`FluxBackendAttnProcessor` of ``backend`` (an ``AttentionBackendSpec``) on every
-    block's attention; returns how many."""
-    return kit.install_joint(model, attention_modules(model), FluxBackendAttnProcessor, backend)
+def install(model: torch.nn.Module, backend: Any, *, fused_norm_rope: bool = False) -> int:
+    """Put a :class:`FluxBackendAttnProcessor` of ``backend`` (an ``AttentionBackendSpec``; None: the
+    core ``sdpa``) on every block's attention, with ``fused_norm_rope`` the q/k norms, the joint
+    sequence's concatenation and the rotary embedding in omniloop-kit's kernel
+    (``options.qk_norm_rope: fused``, :mod:`omniloop_kit.qk_norm_rope`); returns how many."""
+    return kit.install_joint(model, attention_modules(model), FluxBackendAttnProcessor, backend,
+                             fused_norm_rope=fused_norm_rope)
 
 
 def diffusers_attention(model: torch.nn.Module) -> Any:

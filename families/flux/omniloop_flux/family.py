@@ -21,6 +21,7 @@ from omniloop_kit.family import capabilities as kit_capabilities
 from omniloop_kit.ffn import ffn_option
 from omniloop_kit.graphs import graph_option
 from omniloop_kit.options import choice_option, dtype_option
+from omniloop_kit.qk_norm_rope import qk_norm_rope_option
 from omniloop_kit.resolve import check_task
 from omniloop_kit.stages import image_nodes
 
@@ -43,7 +44,7 @@ from .transformer import all_blocks
 #: too, through omniloop's block forwards (omniloop_flux.blocks); modulation: the blocks' AdaLN
 #: modulations computed every step (``per-step``, diffusers) or once per request for all its steps
 #: (``per-request``, omniloop_flux.blocks.modulation_table)
-KNOWN_OPTIONS = frozenset({"vae_dtype", "cuda_graphs", "qkv", "ffn_gelu", "modulation", *COMPILE_KEYS})
+KNOWN_OPTIONS = frozenset({"vae_dtype", "cuda_graphs", "qkv", "ffn_gelu", "modulation", "qk_norm_rope", *COMPILE_KEYS})
 
 
 def modulation_option(options: Mapping[str, Any]) -> str:
@@ -94,6 +95,7 @@ class FluxFamily(DiffusersFamily):
         qkv_option(options)
         ffn_option(options, device)
         modulation_option(options)
+        qk_norm_rope_option(options, device)
         got = load_checkpoint(path, lambda root: (ck.check_checkpoint(root), list(ck.REQUIRED)), ck.load_component,
                               device=device, dtype=dtype, dtypes={"vae": vae_dtype})
         model = self.from_components(got.components, defaults=got.extra.get("defaults"), device=device, dtype=dtype,
@@ -122,7 +124,8 @@ class FluxFamily(DiffusersFamily):
         double blocks' feed-forwards, :mod:`omniloop_kit.ffn`; the single blocks' MLP) and ``options.modulation:
         per-request`` through omniloop's block forwards (:mod:`omniloop_flux.blocks`), the deploy's attention backend on
         every block's attention (:mod:`omniloop_flux.attention`; the core ``sdpa`` keeps diffusers'
-        processors), ``options.cuda_graphs`` checked against the
+        processors unless ``options.qk_norm_rope: fused`` asks for the kit's norm + rotary kernel,
+        :mod:`omniloop_kit.qk_norm_rope`), ``options.cuda_graphs`` checked against the
         model's device; deploy ``compile: true``: the double- then single-stream blocks compiled;
         the menu built."""
         graph_option(options, model.device)
@@ -142,13 +145,16 @@ class FluxFamily(DiffusersFamily):
             ffn.install(model.components["transformer"])
         model.config["ffn_gelu"] = ffn_gelu
         model.config["modulation"] = modulation
+        qk_norm_rope = qk_norm_rope_option(options, model.device)
         backend = options.get("attention")
         name = getattr(backend, "name", "sdpa")
-        if name != "sdpa":
+        if name != "sdpa" or qk_norm_rope == "fused":
             from .attention import install
 
-            install(model.components["transformer"], backend)
+            install(model.components["transformer"], backend if name != "sdpa" else None,
+                    fused_norm_rope=qk_norm_rope == "fused")
         model.config["attention_backend"] = name
+        model.config["qk_norm_rope"] = qk_norm_rope
         self.compile_model(model, options, all_blocks)
         menu_for(model, options)  # an incompatible scheduler config fails here, at load
 

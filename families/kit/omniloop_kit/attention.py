@@ -116,11 +116,15 @@ class JointAttnProcessor(BackendProcessor):
     heads_first = True
     contiguous_split = False
 
-    def __init__(self, fn: Callable[..., torch.Tensor], backend: str = "custom", fused_qkv: bool = False) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor], backend: str = "custom", fused_qkv: bool = False,
+                 fused_norm_rope: bool = False) -> None:
         from diffusers.models.embeddings import apply_rotary_emb
 
         super().__init__(fn, backend)
         self.fused_qkv = fused_qkv
+        #: q/k norms, concatenation and rotary embedding by :func:`omniloop_kit.qk_norm_rope.joint_norm_rope`
+        #: where it takes the call (``[B, L, H, D]`` layouts only; ``options.qk_norm_rope: fused``)
+        self.fused_norm_rope = fused_norm_rope and not self.heads_first
         self.rotary = apply_rotary_emb
 
     def project(self, attn: Any, x: torch.Tensor, which: str) -> tuple[torch.Tensor, ...]:
@@ -136,22 +140,51 @@ class JointAttnProcessor(BackendProcessor):
         x = x.unflatten(-1, (-1, head_dim))
         return x.transpose(1, 2) if self.heads_first else x
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None,
-                 *args: Any, **kwargs: Any) -> Any:
+    def joint_qkv(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None,
+                  image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The joint sequence's normed, rotated query and key and its value (diffusers' ops)."""
         query, key, value = self.project(attn, hidden_states, "sample")
+        context = None if encoder_hidden_states is None else self.project(attn, encoder_hidden_states, "context")
+        if self.fused_norm_rope:
+            fused = self._fused_qkv(attn, (query, key, value), context, image_rotary_emb)
+            if fused is not None:
+                return fused
         head_dim = key.shape[-1] // attn.heads
         query, key, value = (self.heads(t, head_dim) for t in (query, key, value))
         query, key = _normed(attn.norm_q, query), _normed(attn.norm_k, key)
         seq = 2 if self.heads_first else 1
-        if encoder_hidden_states is not None:
-            cq, ck, cv = (self.heads(t, head_dim) for t in self.project(attn, encoder_hidden_states, "context"))
+        if context is not None:
+            cq, ck, cv = (self.heads(t, head_dim) for t in context)
             cq, ck = _normed(attn.norm_added_q, cq), _normed(attn.norm_added_k, ck)
             query, key, value = (torch.cat([c, x] if self.context_first else [x, c], dim=seq)
                                  for x, c in ((query, cq), (key, ck), (value, cv)))
         if image_rotary_emb is not None:
             query = self.rotary(query, image_rotary_emb, sequence_dim=seq)
             key = self.rotary(key, image_rotary_emb, sequence_dim=seq)
+        return query, key, value
+
+    def _fused_qkv(self, attn: Any, sample: tuple[torch.Tensor, ...], context: tuple[torch.Tensor, ...] | None,
+                   rotary: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """:meth:`joint_qkv` by the fused kernel, or None where it does not take the call."""
+        from . import qk_norm_rope as knr
+
+        heads = attn.heads
+        parts = [(sample, (attn.norm_q, attn.norm_k))]
+        if context is not None:
+            ctx = (context, (getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None)))
+            parts = [ctx, *parts] if self.context_first else [*parts, ctx]
+        qs, ks, vs = ([p[0][i] for p in parts] for i in range(3))
+        nq, nk = ([p[1][i] for p in parts] for i in range(2))
+        if not (knr.supported(qs, nq, rotary, heads) and knr.supported(ks, nk, rotary, heads)):
+            return None
+        value = torch.cat([v.unflatten(-1, (heads, -1)) for v in vs], dim=1) if len(vs) > 1 else \
+            vs[0].unflatten(-1, (heads, -1))
+        return knr.joint_norm_rope(qs, nq, rotary, heads), knr.joint_norm_rope(ks, nk, rotary, heads), value
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None,
+                 *args: Any, **kwargs: Any) -> Any:
+        query, key, value = self.joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
         if self.heads_first:
             out = self.attend_heads_first(query, key, value, attention_mask).transpose(1, 2)
         else:
@@ -194,16 +227,23 @@ def unfuse_projections(attn: Any) -> None:
 
 
 def install_joint(model: torch.nn.Module, modules: Sequence[Any], processor: type[JointAttnProcessor],
-                  backend: Any = None, *, fused_qkv: bool = False) -> int:
+                  backend: Any = None, *, fused_qkv: bool = False, fused_norm_rope: bool = False) -> int:
     """Put a ``processor`` of ``backend`` (an ``AttentionBackendSpec``; None: the core ``sdpa``) on
-    each of ``modules``, their projections fused first with ``fused_qkv``; returns how many."""
+    each of ``modules``, their projections fused first with ``fused_qkv``, the q/k norms and rotary
+    embedding by the kit's kernel with ``fused_norm_rope`` (:mod:`omniloop_kit.qk_norm_rope`, whose
+    ``prepare`` runs here, outside any compiled trace); returns how many."""
     from omniloop.builtin import sdpa
 
     fn, name = (sdpa, "sdpa") if backend is None else (backend.fn, backend.name)
     if fused_qkv:
         for m in modules:
             fuse_projections(m)
-    return install(model, modules, lambda: processor(fn, name, fused_qkv=fused_qkv), name)
+    if fused_norm_rope:
+        from . import qk_norm_rope
+
+        qk_norm_rope.prepare()
+    return install(model, modules, lambda: processor(fn, name, fused_qkv=fused_qkv, fused_norm_rope=fused_norm_rope),
+                   name)
 
 
 def uninstall(model: torch.nn.Module, modules: Sequence[Any], make: Callable[[], Any]) -> None:
