@@ -40,7 +40,7 @@ interpreted = pytest.mark.skipif(
 def test_refused_off_cuda_and_for_unknown_values_before_load(flux_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
     from omniloop_flux import checkpoint as ck
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(knr, "INTERPRETED", False)
 
     def no_load(*a: Any, **k: Any) -> None:
         raise AssertionError("a weight was read")
@@ -62,7 +62,7 @@ def test_where_the_kernel_does_not_take_the_call_diffusers_ops_run_bit_exact(mon
 
     from omniloop_flux.attention import install
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(knr, "INTERPRETED", False)
     torch.manual_seed(0)
     ref = FluxTransformer2DModel(**TINY).eval()
     ours = copy.deepcopy(ref)
@@ -113,6 +113,25 @@ def test_a_deployment_with_the_option_matches_one_without_interpreted(flux_ckpt,
     req = make_t2i(steps=2)
     got, want = completed_latents(rt.generate(req)), completed_latents(plain.generate(req))
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_a_fused_deployment_is_within_bf16_rounding_on_cuda(flux_ckpt, make_t2i) -> None:
+    """bf16 on CUDA: the kernel runs for q and k of every block (compiled and eager) and the final latents
+    stay within bf16 rounding of the reference ops'."""
+    if knr.unavailable_reason("cuda") or IN_INTERPRETER:
+        pytest.skip(knr.unavailable_reason("cuda") or "interpreter run")
+    path = flux_ckpt("dev")
+    plain = Runtime.from_model(path, device="cuda", dtype="bfloat16", manager=flux_manager())
+    req = make_t2i(steps=3)
+    want = completed_latents(plain.generate(req)).float()
+    for compile_ in (False, True):
+        rt = Runtime.from_model(path, device="cuda", dtype="bfloat16", manager=flux_manager(), compile=compile_,
+                                options={"qk_norm_rope": "fused"})
+        tf = rt.model.components["transformer"]
+        assert all(b.attn.processor.fused_norm_rope for b in tf.transformer_blocks)
+        got = completed_latents(rt.generate(req)).float()
+        assert (got - want).norm() / want.norm() < 2e-2, compile_
 
 
 @pytest.mark.skipif(not HAS_TRITON or IN_INTERPRETER, reason="triton is not installed / this is the interpreter run")

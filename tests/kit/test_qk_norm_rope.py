@@ -58,7 +58,7 @@ def _tolerance(dtype: torch.dtype, ref: torch.Tensor, ulps: int = 1) -> float:
 
 
 def test_option_values_and_refusals(monkeypatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(knr, "INTERPRETED", False)
     assert knr.qk_norm_rope_option({}, "cpu") == "reference"
     assert knr.qk_norm_rope_option({"qk_norm_rope": "reference"}, "cpu") == "reference"
     with pytest.raises(DeployError, match=r"^options\.qk_norm_rope: must be one of reference, fused, not 'triton'$"):
@@ -68,7 +68,7 @@ def test_option_values_and_refusals(monkeypatch) -> None:
 
 
 def test_supported_refuses_what_the_kernel_does_not_do(monkeypatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors count as the kernel's device here
+    monkeypatch.setattr(knr, "INTERPRETED", True)  # CPU tensors count as the kernel's device here
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     a, b, norms, rotary = _case(torch.float32)
@@ -81,8 +81,23 @@ def test_supported_refuses_what_the_kernel_does_not_do(monkeypatch) -> None:
     assert not knr.supported([a, b.double()], norms, rotary, 3)  # mixed dtypes
     six = torch.randn(1, 4, 3 * 6)
     assert not knr.supported([six], [torch.nn.RMSNorm(6)], None, 3)  # head dim 6: not a power of two
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(knr, "INTERPRETED", False)
     assert not knr.supported([a, b], norms, rotary, 3)  # CPU without the interpreter
+
+
+def test_supported_traces_without_a_graph_break(monkeypatch) -> None:
+    """The processor calls ``supported`` inside compiled blocks (``fullgraph=True``): plain reads only."""
+    monkeypatch.setattr(knr, "INTERPRETED", True)
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    a, b, norms, rotary = _case(torch.float32)
+
+    def check(a, b, cos, sin):
+        return a.sum() if knr.supported([a, b], norms, (cos, sin), 3) else b.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(check, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(a, b, *rotary), a.sum())
 
 
 @pytest.mark.parametrize("rope", [True, False])

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from omniloop.errors import DeployError
 
+from . import qk_norm_rope as knr
 from .options import choice_option
 
 log = logging.getLogger("omniloop_kit")
@@ -166,8 +167,6 @@ class JointAttnProcessor(BackendProcessor):
     def _fused_qkv(self, attn: Any, sample: tuple[torch.Tensor, ...], context: tuple[torch.Tensor, ...] | None,
                    rotary: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """:meth:`joint_qkv` by the fused kernel, or None where it does not take the call."""
-        from . import qk_norm_rope as knr
-
         heads = attn.heads
         parts = [(sample, (attn.norm_q, attn.norm_k))]
         if context is not None:
@@ -239,9 +238,7 @@ def install_joint(model: torch.nn.Module, modules: Sequence[Any], processor: typ
         for m in modules:
             fuse_projections(m)
     if fused_norm_rope:
-        from . import qk_norm_rope
-
-        qk_norm_rope.prepare()
+        knr.prepare()
     return install(model, modules, lambda: processor(fn, name, fused_qkv=fused_qkv, fused_norm_rope=fused_norm_rope),
                    name)
 

@@ -41,14 +41,18 @@ from .options import choice_option
 MODES = ("reference", "fused")
 
 _KERNEL: Any = None
+#: read once at import, so :func:`supported` stays plain attribute reads inside a compiled trace
+TRITON = importlib.util.find_spec("triton") is not None
+#: this process runs Triton's interpreter (it must be set before triton's first import anyway)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return TRITON
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return INTERPRETED
 
 
 def unavailable_reason(device: str | torch.device | None) -> str | None:
@@ -154,7 +158,7 @@ def supported(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, 
     if not parts or len(parts) > 2 or len(norms) != len(parts):
         return False
     x0 = parts[0]
-    if not (x0.is_cuda or (x0.device.type == "cpu" and _interpreted())) or not triton_available():
+    if not (x0.is_cuda or (x0.device.type == "cpu" and INTERPRETED)) or not TRITON:
         return False
     if any(not _part_ok(x, heads) or x.dtype != x0.dtype or x.device != x0.device or x.shape[0] != x0.shape[0]
            or x.shape[-1] != x0.shape[-1] for x in parts):
