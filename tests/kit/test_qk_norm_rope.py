@@ -107,8 +107,8 @@ def test_the_kernel_compiles_for_hopper(compile_for_sm90, rope) -> None:
     sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "wa_ptr": "*bf16", "wb_ptr": "*bf16", "cos_ptr": table,
            "sin_ptr": table, "out_ptr": "*bf16", "a_bstride": "i32", "a_tstride": "i32", "b_bstride": "i32",
            "b_tstride": "i32", "n_a": "i32", "seq_len": "i32", "eps_a": "fp32", "eps_b": "fp32",
-           **dict.fromkeys(("H", "HALF_D", "BLOCK_H", "NORM", "ROPE"), "constexpr")}
-    asm = compile_for_sm90(knr._kernel(), sig, {"H": 24, "HALF_D": 64, "BLOCK_H": 32, "NORM": True, "ROPE": rope})
+           **dict.fromkeys(("H", "D", "BLOCK_H", "NORM", "ROPE"), "constexpr")}
+    asm = compile_for_sm90(knr._kernel(), sig, {"H": 24, "D": 128, "BLOCK_H": 8, "NORM": True, "ROPE": rope})
     assert asm.get("cubin")
 
 

@@ -97,15 +97,16 @@ def _kernel() -> Any:
     def joint_norm_rope_kernel(
         a_ptr, b_ptr, wa_ptr, wb_ptr, cos_ptr, sin_ptr, out_ptr,
         a_bstride, a_tstride, b_bstride, b_tstride, n_a, seq_len, eps_a, eps_b,
-        H: tl.constexpr, HALF_D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
     ):
         row = tl.program_id(0)  # one token (batch-major) of the joint sequence: part a, then part b
+        h0 = tl.program_id(1) * BLOCK_H  # this program's first head
         bi = (row // seq_len).to(tl.int64)
         pos = row % seq_len
-        h = tl.arange(0, BLOCK_H)[:, None]
-        j = tl.arange(0, HALF_D)[None, :]
-        mask = (h < H) & (j < HALF_D)
-        even = h * (2 * HALF_D) + 2 * j  # channel 2j of head h inside the token's H*D channels
+        h = h0 + tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, D)[None, :]
+        offs = h * D + d  # contiguous channels: whole heads, vectorised loads
+        partner = h * D + (d ^ 1)  # the other channel of d's pair (the same cache lines)
         if pos < n_a:
             src = a_ptr + bi * a_bstride + pos.to(tl.int64) * a_tstride
             w_ptr = wa_ptr
@@ -114,32 +115,21 @@ def _kernel() -> Any:
             src = b_ptr + bi * b_bstride + (pos - n_a).to(tl.int64) * b_tstride
             w_ptr = wb_ptr
             eps = eps_b
-        xe = tl.load(src + even, mask=mask, other=0.0).to(tl.float32)
-        xo = tl.load(src + even + 1, mask=mask, other=0.0).to(tl.float32)
-        if NORM:
-            ms = (tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / (2 * HALF_D)
-            r = (1.0 / tl.sqrt(ms + eps))[:, None]
-            we = tl.load(w_ptr + 2 * j).to(tl.float32)
-            wo = tl.load(w_ptr + 2 * j + 1).to(tl.float32)
-            # rounded to the input dtype as the norm module returns it
-            xe = (xe * r * we).to(out_ptr.dtype.element_ty).to(tl.float32)
-            xo = (xo * r * wo).to(out_ptr.dtype.element_ty).to(tl.float32)
+        x = tl.load(src + offs).to(tl.float32)
         if ROPE:
-            f_row = cos_ptr + pos.to(tl.int64) * (2 * HALF_D) + 2 * j
-            s_row = sin_ptr + pos.to(tl.int64) * (2 * HALF_D) + 2 * j
-            ce = tl.load(f_row).to(tl.float32)
-            co = tl.load(f_row + 1).to(tl.float32)
-            se = tl.load(s_row).to(tl.float32)
-            so = tl.load(s_row + 1).to(tl.float32)
-            # diffusers: x * cos + rotated(x) * sin, rotated(x)[2j] = -x[2j+1], rotated(x)[2j+1] = x[2j]
-            oe = xe * ce - xo * se
-            oo = xo * co + xe * so
-        else:
-            oe = xe
-            oo = xo
-        dst = out_ptr + row.to(tl.int64) * (H * 2 * HALF_D) + even
-        tl.store(dst, oe.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + 1, oo.to(out_ptr.dtype.element_ty), mask=mask)
+            xp = tl.load(src + partner).to(tl.float32)
+        if NORM:
+            r = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+            # rounded to the input dtype as the norm module returns it
+            x = (x * r * tl.load(w_ptr + d).to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+            if ROPE:
+                xp = (xp * r * tl.load(w_ptr + (d ^ 1)).to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        if ROPE:
+            # diffusers: x * cos + rotated(x) * sin, rotated(x)[2i] = -x[2i+1], rotated(x)[2i+1] = x[2i]
+            f = pos.to(tl.int64) * D + d
+            rotated = tl.where(d % 2 == 0, -xp, xp)
+            x = x * tl.load(cos_ptr + f).to(tl.float32) + rotated * tl.load(sin_ptr + f).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * (H * D) + offs, x.to(out_ptr.dtype.element_ty))
 
     _KERNEL = joint_norm_rope_kernel
     return _KERNEL
@@ -184,10 +174,22 @@ def _eps(norm: Any, dtype: torch.dtype) -> float:
     return float(norm.eps) if norm.eps is not None else float(torch.finfo(dtype).eps)
 
 
-def joint_norm_rope(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, heads: int) -> torch.Tensor:
+def heads_per_program(heads: int, head_dim: int) -> int:
+    """How many heads one program takes: the largest power of two dividing ``heads`` with at most
+    1,024 elements (FLUX.1: 8 heads of 128, a 3-program row of 24 heads)."""
+    n = 1
+    while heads % (2 * n) == 0 and 2 * n * head_dim <= 1024:
+        n *= 2
+    return n
+
+
+def joint_norm_rope(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, heads: int, *,
+                    block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``rotary(cat([norm_i(x_i) per head]))`` for parts ``x_i`` ``[B, L_i, heads*D]`` →
     ``[B, sum L_i, heads, D]`` contiguous (check :func:`supported`); ``norms`` all None: the
-    concatenation and rotation alone; ``rotary`` None: no rotation (e.g. a value tensor's concatenation)."""
+    concatenation and rotation alone; ``rotary`` None: no rotation (e.g. a value tensor's concatenation).
+    ``block_h`` (heads per program, a power of two dividing ``heads``) and ``num_warps``: launch settings
+    for benchmarks (default :func:`heads_per_program`, one warp per 256 elements)."""
     x0 = parts[0]
     xb = parts[-1]
     n_a = x0.shape[1] if len(parts) == 2 else 0
@@ -202,11 +204,11 @@ def joint_norm_rope(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary:
     wa = na.weight if norm else x0
     wb = nb.weight if norm else x0
     kernel = _KERNEL if _KERNEL is not None else _kernel()  # compiled graphs only read the global
-    block_h = 1 << max(0, (heads - 1).bit_length())
-    kernel[(B * length,)](x0, xb, wa, wb, cos, sin, out, x0.stride(0), x0.stride(1), xb.stride(0), xb.stride(1),
-                          n_a, length, _eps(na, x0.dtype), _eps(nb, x0.dtype),
-                          H=heads, HALF_D=d // 2, BLOCK_H=block_h, NORM=norm, ROPE=rope,
-                          num_warps=4 if block_h * d <= 4096 else 8)
+    block_h = block_h or heads_per_program(heads, d)
+    kernel[(B * length, heads // block_h)](x0, xb, wa, wb, cos, sin, out, x0.stride(0), x0.stride(1), xb.stride(0),
+                                           xb.stride(1), n_a, length, _eps(na, x0.dtype), _eps(nb, x0.dtype),
+                                           H=heads, D=d, BLOCK_H=block_h, NORM=norm, ROPE=rope,
+                                           num_warps=num_warps or max(1, min(8, block_h * d // 256)))
     return out
 
 
