@@ -176,9 +176,10 @@ def _eps(norm: Any, dtype: torch.dtype) -> float:
 
 def heads_per_program(heads: int, head_dim: int) -> int:
     """How many heads one program takes: the largest power of two dividing ``heads`` with at most
-    1,024 elements (FLUX.1: 8 heads of 128, a 3-program row of 24 heads)."""
+    512 elements (FLUX.1: 4 heads of 128, two warps, six programs per token: 2.0 TB/s on the H100,
+    the best of ``bench/qk_norm_rope_gpu.py``'s launch settings there; 8 heads with four warps 1.7)."""
     n = 1
-    while heads % (2 * n) == 0 and 2 * n * head_dim <= 1024:
+    while heads % (2 * n) == 0 and 2 * n * head_dim <= 512:
         n *= 2
     return n
 
