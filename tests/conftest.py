@@ -159,26 +159,6 @@ def compile_for_sm90() -> Any:
     return compile_
 
 
-@pytest.fixture
-def run_interpreted_child():
-    """Run a test file's ``*_interpreted`` tests in a fresh pytest process started with
-    TRITON_INTERPRET=1 (Triton picks the interpreter when it is first imported, so it cannot be
-    switched inside this process); they must all pass and none may skip."""
-
-    def run(test_file: str) -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", str(Path(test_file)), "-q", "-k", "interpreted and not child_process",
-             "-p", "no:cacheprovider", "-W", "ignore"],
-            env=env, capture_output=True, text=True, timeout=900, check=False,
-        )
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        assert proc.returncode == 0, tail
-        assert " passed" in tail and "skipped" not in tail and "deselected" in tail, tail
-
-    return run
-
-
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     """``gpu`` tests skip cleanly where CUDA is not available."""
     try:

@@ -13,8 +13,6 @@ processor; the kernel itself: tests/kit/test_qk_norm_rope.py).
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 from typing import Any
 
 import pytest
@@ -23,18 +21,12 @@ import torch
 from omniloop.errors import DeployError
 from omniloop.runtime import Runtime
 from omniloop.testing import completed_latents
+from omniloop.testing.pytest_plugin import HAS_TRITON, interpreted
+from omniloop.testing.pytest_plugin import IN_TRITON_INTERPRETER as IN_INTERPRETER
 from omniloop_kit import qk_norm_rope as knr
 
 from .conftest import flux_manager
 from .test_attention import TINY, _inputs
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not (HAS_TRITON and IN_INTERPRETER),
-    reason="triton is not installed" if not HAS_TRITON else
-    "runs in a child process started with TRITON_INTERPRET=1 (test_interpreted_tests_in_a_child_process)",
-)
 
 
 def test_refused_off_cuda_and_for_unknown_values_before_load(flux_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,22 +12,14 @@ tests/flux/test_qk_norm_rope.py.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from omniloop.errors import DeployError
+from omniloop.testing.pytest_plugin import HAS_TRITON, interpreted
+from omniloop.testing.pytest_plugin import IN_TRITON_INTERPRETER as IN_INTERPRETER
 from omniloop_kit import qk_norm_rope as knr
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not (HAS_TRITON and IN_INTERPRETER),
-    reason="triton is not installed" if not HAS_TRITON else
-    "runs in a child process started with TRITON_INTERPRET=1 (test_interpreted_tests_in_a_child_process)",
-)
 
 def _case(dtype: torch.dtype, heads: int = 3, d: int = 8, device: str = "cpu", lens: tuple[int, int] = (7, 5),
           seed: int = 0):

@@ -20,8 +20,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -29,15 +27,10 @@ import torch
 
 from omniloop.errors import DeployError
 from omniloop.request import Status
+from omniloop.testing.pytest_plugin import HAS_TRITON, interpreted
+from omniloop.testing.pytest_plugin import IN_TRITON_INTERPRETER as IN_INTERPRETER
 from omniloop_kvcache import CacheManager
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not (HAS_TRITON and IN_INTERPRETER),
-    reason="triton is not installed" if not HAS_TRITON else
-    "runs in a child process started with TRITON_INTERPRET=1 (test_fused_interpreted_tests_in_a_child_process)",
-)
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 
 

@@ -14,28 +14,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from omniloop.errors import DeployError
 from omniloop.request import Status
+from omniloop.testing.pytest_plugin import HAS_TRITON, interpreted
+from omniloop.testing.pytest_plugin import IN_TRITON_INTERPRETER as IN_INTERPRETER
 from omniloop_kvcache import CacheManager, KVLayout
 from omniloop_qwen import paged_attention as pa
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the kernel tests need it; "
                                                            "pip install triton to run them in its CPU interpreter)")
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
-#: this process started under Triton's interpreter (set before triton's first import, as it must be)
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not (HAS_TRITON and IN_INTERPRETER),
-    reason="triton is not installed" if not HAS_TRITON else
-    "runs in a child process started with TRITON_INTERPRET=1 (test_interpreted_tests_in_a_child_process)",
-)
 
 
 @pytest.fixture

@@ -1,12 +1,53 @@
-"""pytest fixtures for omniloop plugin authors (loaded through the ``pytest11`` entry point)."""
+"""pytest fixtures for omniloop plugin authors (loaded through the ``pytest11`` entry point).
+
+Triton kernels on a CPU machine: :data:`interpreted` marks tests that run a kernel in Triton's CPU
+interpreter (they skip unless this process started with ``TRITON_INTERPRET=1``), and the
+``run_interpreted_child`` fixture runs a test file's ``*_interpreted`` tests in a fresh pytest process
+started with it (Triton picks the interpreter when it is first imported, so a process cannot switch).
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+#: ``triton`` is importable here
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+#: this process started under Triton's interpreter (set before triton's first import, as it must be)
+IN_TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+#: a test that runs a Triton kernel in the interpreter: name it ``*_interpreted`` and let
+#: ``run_interpreted_child`` run it in a child process
+interpreted = pytest.mark.skipif(
+    not (HAS_TRITON and IN_TRITON_INTERPRETER),
+    reason="triton is not installed" if not HAS_TRITON else
+    "runs in a child process started with TRITON_INTERPRET=1 (the file's run_interpreted_child test)",
+)
+
+
+@pytest.fixture
+def run_interpreted_child() -> Callable[[str], None]:
+    """``run(test_file)``: the file's ``*_interpreted`` tests in a fresh pytest process started with
+    TRITON_INTERPRET=1; they must all pass and none may skip."""
+
+    def run(test_file: str) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", str(Path(test_file)), "-q", "-k", "interpreted and not child_process",
+             "-p", "no:cacheprovider", "-W", "ignore"],
+            env=env, capture_output=True, text=True, timeout=900, check=False,
+        )
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        assert proc.returncode == 0, tail
+        assert " passed" in tail and "skipped" not in tail and "deselected" in tail, tail
+
+    return run
 
 
 @pytest.fixture
