@@ -60,6 +60,24 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def cuda_ms(fn: Callable[[], Any], iters: int, rounds: int = 1, warmup: int = 1) -> float:
+    """Milliseconds per call of ``fn`` on the GPU: ``warmup`` calls, then ``rounds`` rounds of ``iters``
+    back-to-back calls between two CUDA events; the median round's mean."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) / iters)
+    return statistics.median(out)
+
+
 def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative RMS error of ``a`` against ``ref`` (float32, on the CPU)."""
     a, ref = a.float().cpu(), ref.float().cpu()

@@ -58,6 +58,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _common import (  # noqa: E402
     command_line,
+    cuda_ms,
     frames_psnr,
     frames_ssim,
     library_versions,
@@ -71,16 +72,8 @@ from omniloop.hookspecs import hookimpl  # noqa: E402
 
 
 def bench(fn: Any, n: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(e) / n / 1e3
+    """Seconds per call (three warm-up calls, then ``n`` between two CUDA events)."""
+    return cuda_ms(fn, n, warmup=3) / 1e3
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from _repo_paths import add_repo_packages
 add_repo_packages()
 
 import torch  # noqa: E402
+from _common import cuda_ms  # noqa: E402
 
 #: (name, part lengths) at 24 heads x 128: FLUX.1-dev 1024² (512 T5 tokens + 64x64 packed latents)
 SHAPES = [("single-block q", (4608,)), ("double-block q", (512, 4096))]
@@ -48,21 +48,6 @@ def case(lens: tuple[int, ...]) -> tuple[list[torch.Tensor], list[Any], tuple[to
         norms.append(norm)
     angle = torch.rand(sum(lens), D // 2, device="cuda", generator=g) * 100
     return parts, norms, (angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1))
-
-
-def time_ms(fn: Any, iters: int, rounds: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) / iters)
-    return statistics.median(out)
 
 
 def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -105,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                                               knr.joint_norm_rope(p, n, r, HEADS, block_h=bh, num_warps=w))
             rows = {}
             for label, fn in runs.items():
-                ms = time_ms(fn, args.iters, args.rounds)
+                ms = cuda_ms(fn, args.iters, args.rounds)
                 rows[label] = {"ms": round(ms, 4), "GB_s": round(nbytes / ms / 1e6, 1), "ulps_vs_eager": round(ulps(fn(), ref), 2)}
                 print(json.dumps({"shape": name, "run": label, **rows[label]}), flush=True)
             record["shapes"][name] = {"tokens": list(lens), "bytes": nbytes, "runs": rows}
