@@ -13,7 +13,7 @@ stride: a chunk of a fused Q/K/V GEMM needs no copy), normalises, rotates and wr
 ``[B, L, H, D]`` tensor the attention backend takes, the concatenation included. One program takes
 whole heads of one token with contiguous loads (a channel's rotation partner comes from the same
 cache lines): 2.0 TB/s on an H100 at FLUX.1-dev's shapes, 1.9–3.2x inductor's kernels, and the
-compiled FLUX step 1.3 % faster (``bench/qk_norm_rope_gpu.py``, bench/README "Session 22"). A first
+compiled FLUX step 1.2 % faster (``bench/qk_norm_rope_gpu.py``, bench/README "Session 22"). A first
 version that loaded channel pairs with stride-2 loads over a padded 32-head tile ran 14x off
 bandwidth there: keep loads contiguous.
 
