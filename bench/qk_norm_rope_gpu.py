@@ -9,8 +9,6 @@ the float32 cos/sin tables, the norm weights) of
 * ``eager`` — the reference ops (per-head ``torch.nn.RMSNorm``, ``torch.cat``, diffusers' ``apply_rotary_emb``),
 * ``inductor`` — the same compiled (``torch.compile(fullgraph=True)``: what the compiled blocks ran before),
 * ``kernel-h<N>-w<M>`` — the kit's kernel with ``N`` heads per program and ``M`` warps (``--configs``),
-* ``q+k-two-launches`` / ``q+k-one-launch`` — the query and the key (the processor's call, default launch
-  settings) as two launches or as one (``joint_norm_rope_pair``); their GB/s count both tensors,
 
 with each output's largest difference from ``eager`` in bf16 ulps of the largest value. JSON to ``--out``.
 
@@ -90,18 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 runs[f"kernel-h{bh}-w{w}"] = (lambda p=parts, n=norms, r=rotary, bh=bh, w=w:
                                               knr.joint_norm_rope(p, n, r, HEADS, block_h=bh, num_warps=w))
-            kparts, knorms, _ = case(lens)  # the key: same shapes, other values
-            pair = {"q+k-two-launches": lambda p=parts, n=norms, kp=kparts, kn=knorms, r=rotary: (
-                        knr.joint_norm_rope(p, n, r, HEADS), knr.joint_norm_rope(kp, kn, r, HEADS)),
-                    "q+k-one-launch": lambda p=parts, n=norms, kp=kparts, kn=knorms, r=rotary:
-                        knr.joint_norm_rope_pair(p, kp, n, kn, r, HEADS)}
             rows = {}
-            for label, fn in {**runs, **pair}.items():
+            for label, fn in runs.items():
                 ms = cuda_ms(fn, args.iters, args.rounds)
-                got = fn()
-                factor = 2 if label in pair else 1
-                rows[label] = {"ms": round(ms, 4), "GB_s": round(factor * nbytes / ms / 1e6, 1),
-                               "ulps_vs_eager": round(ulps(got[0] if label in pair else got, ref), 2)}
+                rows[label] = {"ms": round(ms, 4), "GB_s": round(nbytes / ms / 1e6, 1), "ulps_vs_eager": round(ulps(fn(), ref), 2)}
                 print(json.dumps({"shape": name, "run": label, **rows[label]}), flush=True)
             record["shapes"][name] = {"tokens": list(lens), "bytes": nbytes, "runs": rows}
     out = Path(args.out) / f"qk_norm_rope_gpu-{record['date']}.json"

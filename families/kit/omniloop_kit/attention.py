@@ -178,8 +178,7 @@ class JointAttnProcessor(BackendProcessor):
             return None
         value = torch.cat([v.unflatten(-1, (heads, -1)) for v in vs], dim=1) if len(vs) > 1 else \
             vs[0].unflatten(-1, (heads, -1))
-        query, key = knr.joint_norm_rope_pair(qs, ks, nq, nk, rotary, heads)
-        return query, key, value
+        return knr.joint_norm_rope(qs, nq, rotary, heads), knr.joint_norm_rope(ks, nk, rotary, heads), value
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None,

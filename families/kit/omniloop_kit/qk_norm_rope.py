@@ -100,20 +100,12 @@ def _kernel() -> Any:
 
     @triton.jit
     def joint_norm_rope_kernel(
-        a_ptr, b_ptr, wa_ptr, wb_ptr, out_ptr, a1_ptr, b1_ptr, wa1_ptr, wb1_ptr, out1_ptr, cos_ptr, sin_ptr,
-        a_bstride, a_tstride, b_bstride, b_tstride, n_a, seq_len, eps_a, eps_b, eps_a1, eps_b1,
+        a_ptr, b_ptr, wa_ptr, wb_ptr, cos_ptr, sin_ptr, out_ptr,
+        a_bstride, a_tstride, b_bstride, b_tstride, n_a, seq_len, eps_a, eps_b,
         H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
     ):
         row = tl.program_id(0)  # one token (batch-major) of the joint sequence: part a, then part b
         h0 = tl.program_id(1) * BLOCK_H  # this program's first head
-        if tl.program_id(2) == 1:  # the second tensor of the launch (the key beside the query)
-            a_ptr = a1_ptr
-            b_ptr = b1_ptr
-            wa_ptr = wa1_ptr
-            wb_ptr = wb1_ptr
-            out_ptr = out1_ptr
-            eps_a = eps_a1
-            eps_b = eps_b1
         bi = (row // seq_len).to(tl.int64)
         pos = row % seq_len
         h = h0 + tl.arange(0, BLOCK_H)[:, None]
@@ -197,23 +189,6 @@ def heads_per_program(heads: int, head_dim: int) -> int:
     return n
 
 
-def _strides(parts: Sequence[torch.Tensor]) -> tuple[int, int, int, int]:
-    return parts[0].stride(0), parts[0].stride(1), parts[-1].stride(0), parts[-1].stride(1)
-
-
-def joint_norm_rope_pair(q_parts: Sequence[torch.Tensor], k_parts: Sequence[torch.Tensor], q_norms: Sequence[Any],
-                         k_norms: Sequence[Any], rotary: Any, heads: int, *, block_h: int | None = None,
-                         num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`joint_norm_rope` of the query and of the key in one launch (each pair checked by
-    :func:`supported`; parts of the same lengths). Parts whose strides differ from the query's get a
-    launch each."""
-    if _strides(q_parts) != _strides(k_parts) or [x.shape[1] for x in q_parts] != [x.shape[1] for x in k_parts]:
-        return (joint_norm_rope(q_parts, q_norms, rotary, heads, block_h=block_h, num_warps=num_warps),
-                joint_norm_rope(k_parts, k_norms, rotary, heads, block_h=block_h, num_warps=num_warps))
-    q, k = _launch([(q_parts, q_norms), (k_parts, k_norms)], rotary, heads, block_h, num_warps)
-    return q, k
-
-
 def joint_norm_rope(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, heads: int, *,
                     block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``rotary(cat([norm_i(x_i) per head]))`` for parts ``x_i`` ``[B, L_i, heads*D]`` →
@@ -221,34 +196,26 @@ def joint_norm_rope(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary:
     concatenation and rotation alone; ``rotary`` None: no rotation (e.g. a value tensor's concatenation).
     ``block_h`` (heads per program, a power of two dividing ``heads``) and ``num_warps``: launch settings
     for benchmarks (default :func:`heads_per_program`, one warp per 256 elements)."""
-    return _launch([(parts, norms)], rotary, heads, block_h, num_warps)[0]
-
-
-def _launch(tensors: list[tuple[Sequence[torch.Tensor], Sequence[Any]]], rotary: Any, heads: int,
-            block_h: int | None, num_warps: int | None) -> list[torch.Tensor]:
-    """One launch over one or two tensors' parts (the same lengths and strides)."""
-    parts0 = tensors[0][0]
-    x0 = parts0[0]
-    n_a = x0.shape[1] if len(parts0) == 2 else 0
+    x0 = parts[0]
+    xb = parts[-1]
+    n_a = x0.shape[1] if len(parts) == 2 else 0
+    na, nb = (norms[0], norms[-1])
     B, C = x0.shape[0], x0.shape[-1]
     d = C // heads
-    length = sum(x.shape[1] for x in parts0)
-    norm = tensors[0][1][0] is not None
+    length = sum(x.shape[1] for x in parts)
+    out = torch.empty((B, length, heads, d), device=x0.device, dtype=x0.dtype)
+    norm = na is not None
     rope = rotary is not None
     cos, sin = (rotary[0].contiguous(), rotary[1].contiguous()) if rope else (x0, x0)  # unread without ROPE
-    slots = []  # per tensor: part a, part b, their weights, the output, their eps
-    for parts, norms in tensors:
-        na, nb = norms[0], norms[-1]
-        out = torch.empty((B, length, heads, d), device=x0.device, dtype=x0.dtype)
-        slots.append((parts[0], parts[-1], na.weight if norm else x0, nb.weight if norm else x0, out,
-                      _eps(na, x0.dtype), _eps(nb, x0.dtype)))
-    first, second = slots[0], slots[-1]
+    wa = na.weight if norm else x0
+    wb = nb.weight if norm else x0
     kernel = _KERNEL if _KERNEL is not None else _kernel()  # compiled graphs only read the global
     block_h = block_h or heads_per_program(heads, d)
-    kernel[(B * length, heads // block_h, len(slots))](
-        *first[:5], *second[:5], cos, sin, *_strides(parts0), n_a, length, first[5], first[6], second[5], second[6],
-        H=heads, D=d, BLOCK_H=block_h, NORM=norm, ROPE=rope, num_warps=num_warps or max(1, min(8, block_h * d // 256)))
-    return [slot[4] for slot in slots]
+    kernel[(B * length, heads // block_h)](x0, xb, wa, wb, cos, sin, out, x0.stride(0), x0.stride(1), xb.stride(0),
+                                           xb.stride(1), n_a, length, _eps(na, x0.dtype), _eps(nb, x0.dtype),
+                                           H=heads, D=d, BLOCK_H=block_h, NORM=norm, ROPE=rope,
+                                           num_warps=num_warps or max(1, min(8, block_h * d // 256)))
+    return out
 
 
 def reference(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, heads: int) -> torch.Tensor:
@@ -261,5 +228,5 @@ def reference(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, 
     return x if rotary is None else apply_rotary_emb(x, rotary, sequence_dim=1)
 
 
-__all__ = ["MODES", "heads_per_program", "joint_norm_rope", "joint_norm_rope_pair", "prepare", "qk_norm_rope_option", "reference", "supported",
+__all__ = ["MODES", "joint_norm_rope", "prepare", "qk_norm_rope_option", "reference", "supported",
            "triton_available", "unavailable_reason"]
