@@ -15,7 +15,10 @@ whole heads of one token with contiguous loads (a channel's rotation partner com
 cache lines): 2.0 TB/s on an H100 at FLUX.1-dev's shapes, 1.9–3.2x inductor's kernels, and the
 compiled FLUX step 1.2 % faster (``bench/qk_norm_rope_gpu.py``, bench/README "Session 22"). A first
 version that loaded channel pairs with stride-2 loads over a padded 32-head tile ran 14x off
-bandwidth there: keep loads contiguous.
+bandwidth there: keep loads contiguous. A third put the query and the key in one launch by
+reassigning the kernel's arguments under ``if tl.program_id(2) == 1``: the loads lost their
+vectorisation and inductor's analysis of the kernel failed on the reassigned eps — one launch per
+tensor, and no argument reassigned inside the kernel.
 
 Numerics follow the eager ops: the mean square and the scaling in float32, the normed value rounded
 to the input dtype (as ``torch.nn.RMSNorm`` returns it), the rotation in float32 on that value, one
