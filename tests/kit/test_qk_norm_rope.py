@@ -12,6 +12,8 @@ tests/flux/test_qk_norm_rope.py.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -71,6 +73,8 @@ def test_supported_refuses_what_the_kernel_does_not_do(monkeypatch) -> None:
     assert not knr.supported([a.transpose(1, 2)], norms[:1], None, 3)  # 2-D-ish: channels not contiguous
     assert not knr.supported([a, b], [norms[0], None], rotary, 3)  # one part without its norm
     assert not knr.supported([a, b.double()], norms, rotary, 3)  # mixed dtypes
+    off = copy.deepcopy(norms[0]).to(torch.float64)  # a weight not in the parts' dtype (or device: offloaded)
+    assert not knr.supported([a, b], [off, norms[1]], rotary, 3)
     six = torch.randn(1, 4, 3 * 6)
     assert not knr.supported([six], [torch.nn.RMSNorm(6)], None, 3)  # head dim 6: not a power of two
     monkeypatch.setattr(knr, "INTERPRETED", False)

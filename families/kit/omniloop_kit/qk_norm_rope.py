@@ -150,8 +150,8 @@ def _part_ok(x: torch.Tensor, heads: int) -> bool:
 def supported(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, heads: int) -> bool:
     """Whether :func:`joint_norm_rope` takes this call: one or two ``[B, L_i, heads*D]`` parts with
     channels contiguous (any token and batch stride), of one dtype and device (CUDA; CPU under
-    Triton's interpreter), each with a ``torch.nn.RMSNorm(D)`` that has a weight (or no norm at
-    all for every part), ``D`` a power of two, and ``rotary`` None or diffusers' real ``(cos, sin)``
+    Triton's interpreter), each with a ``torch.nn.RMSNorm(D)`` that has a weight on the parts' device
+    in their dtype (or no norm at all for every part), ``D`` a power of two, and ``rotary`` None or diffusers' real ``(cos, sin)``
     pair of ``[sum L_i, D]``. Otherwise the caller runs the reference ops."""
     if not parts or len(parts) > 2 or len(norms) != len(parts):
         return False
@@ -166,8 +166,8 @@ def supported(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, 
         return False
     if any(n is not None for n in norms) and not all(
             isinstance(n, torch.nn.RMSNorm) and n.weight is not None and tuple(n.normalized_shape) == (d,)
-            for n in norms):
-        return False
+            and n.weight.device == x0.device and n.weight.dtype == x0.dtype for n in norms):
+        return False  # (a weight elsewhere: offloaded, its module's hook moves it only when it runs)
     if rotary is None:
         return True
     if not (isinstance(rotary, (tuple, list)) and len(rotary) == 2):
