@@ -97,14 +97,18 @@ def test_supported_traces_without_a_graph_break(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("rope", [True, False])
-def test_the_kernel_compiles_for_hopper(compile_for_sm90, rope) -> None:
-    """The bf16 variant at FLUX.1's 24 heads x 128 builds to a cubin for sm_90 (no GPU needed)."""
-    table = "*fp32" if rope else "*bf16"
-    sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "wa_ptr": "*bf16", "wb_ptr": "*bf16", "cos_ptr": table,
-           "sin_ptr": table, "out_ptr": "*bf16", "a_bstride": "i32", "a_tstride": "i32", "b_bstride": "i32",
-           "b_tstride": "i32", "n_a": "i32", "seq_len": "i32", "eps_a": "fp32", "eps_b": "fp32",
+@pytest.mark.parametrize("dtype, heads, d", [("bf16", 24, 128), ("fp32", 3, 8)])
+def test_the_kernel_compiles_for_hopper(compile_for_sm90, rope, dtype, heads, d) -> None:
+    """The launches :func:`joint_norm_rope` makes build to a cubin for sm_90 (no GPU needed): FLUX.1's
+    bf16 24 heads x 128 (4 heads a program) and a tiny float32 3 x 8 (one head a program, one warp)."""
+    table = "*fp32" if rope else f"*{dtype}"
+    sig = {**{f"{n}_ptr": f"*{dtype}" for n in ("a", "b", "wa", "wb", "out")}, "cos_ptr": table, "sin_ptr": table,
+           "a_bstride": "i32", "a_tstride": "i32", "b_bstride": "i32", "b_tstride": "i32", "n_a": "i32",
+           "seq_len": "i32", "eps_a": "fp32", "eps_b": "fp32",
            **dict.fromkeys(("H", "D", "BLOCK_H", "NORM", "ROPE"), "constexpr")}
-    asm = compile_for_sm90(knr._kernel(), sig, {"H": 24, "D": 128, "BLOCK_H": 8, "NORM": True, "ROPE": rope})
+    block_h = knr.heads_per_program(heads, d)
+    asm = compile_for_sm90(knr._kernel(), sig, {"H": heads, "D": d, "BLOCK_H": block_h, "NORM": True, "ROPE": rope},
+                           num_warps=knr.warps_for(block_h, d))
     assert asm.get("cubin")
 
 

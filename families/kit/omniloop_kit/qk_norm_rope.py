@@ -192,6 +192,11 @@ def heads_per_program(heads: int, head_dim: int) -> int:
     return n
 
 
+def warps_for(block_h: int, head_dim: int) -> int:
+    """The default warps of a program of ``block_h`` heads: one per 256 elements, 1 to 8."""
+    return max(1, min(8, block_h * head_dim // 256))
+
+
 def joint_norm_rope(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, heads: int, *,
                     block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``rotary(cat([norm_i(x_i) per head]))`` for parts ``x_i`` ``[B, L_i, heads*D]`` →
@@ -217,7 +222,7 @@ def joint_norm_rope(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary:
     kernel[(B * length, heads // block_h)](x0, xb, wa, wb, cos, sin, out, x0.stride(0), x0.stride(1), xb.stride(0),
                                            xb.stride(1), n_a, length, _eps(na, x0.dtype), _eps(nb, x0.dtype),
                                            H=heads, D=d, BLOCK_H=block_h, NORM=norm, ROPE=rope,
-                                           num_warps=num_warps or max(1, min(8, block_h * d // 256)))
+                                           num_warps=num_warps or warps_for(block_h, d))
     return out
 
 
@@ -231,5 +236,5 @@ def reference(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, 
     return x if rotary is None else apply_rotary_emb(x, rotary, sequence_dim=1)
 
 
-__all__ = ["MODES", "joint_norm_rope", "prepare", "qk_norm_rope_option", "reference", "supported",
-           "triton_available", "unavailable_reason"]
+__all__ = ["MODES", "heads_per_program", "joint_norm_rope", "prepare", "qk_norm_rope_option", "reference", "supported",
+           "triton_available", "unavailable_reason", "warps_for"]
