@@ -170,7 +170,7 @@ class JointAttnProcessor(BackendProcessor):
         heads = attn.heads
         parts = [(sample, (attn.norm_q, attn.norm_k))]
         if context is not None:
-            ctx = (context, (getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None)))
+            ctx = (context, (attn.norm_added_q, attn.norm_added_k))
             parts = [ctx, *parts] if self.context_first else [*parts, ctx]
         qs, ks, vs = ([p[0][i] for p in parts] for i in range(3))
         nq, nk = ([p[1][i] for p in parts] for i in range(2))
