@@ -45,6 +45,29 @@ def flux_ckpt(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture
+def refused_before_load(flux_ckpt, monkeypatch: pytest.MonkeyPatch):
+    """``refused(option, [(value, message regex), ...])``: each deploy of the tiny dev checkpoint with
+    ``options[option] = value`` (CPU, float32) fails with a ``DeployError`` matching its message before
+    any weight is read (the loader is replaced by one that fails the test)."""
+    from omniloop.errors import DeployError
+    from omniloop.runtime import Runtime
+    from omniloop_flux import checkpoint as ck
+
+    def no_load(*a: Any, **k: Any) -> None:
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(ck, "load_component", no_load)
+
+    def refused(option: str, cases: list[tuple[Any, str]]) -> None:
+        for value, message in cases:
+            with pytest.raises(DeployError, match=message):
+                Runtime.from_model(flux_ckpt("dev"), device="cpu", dtype="float32", manager=flux_manager(),
+                                   options={option: value})
+
+    return refused
+
+
 @pytest.fixture(scope="session")
 def flux_runtime(flux_ckpt):
     """``flux_runtime(variant, **deploy)`` → a CPU float32 Runtime (cached when no deploy overrides)."""

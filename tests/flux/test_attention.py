@@ -102,18 +102,9 @@ def test_the_deploy_backend_is_called_by_every_block(flux_ckpt, flux_runtime, ma
     assert torch.equal(completed_latents(out), completed_latents(flux_runtime("dev").generate(req)))
 
 
-def test_cuda_graphs_are_refused_on_a_cpu_deploy_before_load(flux_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
-    from omniloop_flux import checkpoint as ck
-
-    def no_load(*a: Any, **k: Any) -> None:
-        raise AssertionError("a weight was read")
-
-    monkeypatch.setattr(ck, "load_component", no_load)
-    for value, msg in ((True, r"^options\.cuda_graphs: CUDA graphs need a CUDA device, not cpu$"),
-                       ("on", r"^options\.cuda_graphs: expected true or false, got 'on'$")):
-        with pytest.raises(DeployError, match=msg):
-            Runtime.from_model(flux_ckpt("dev"), device="cpu", dtype="float32", manager=flux_manager(),
-                               options={"cuda_graphs": value})
+def test_cuda_graphs_are_refused_on_a_cpu_deploy_before_load(refused_before_load) -> None:
+    refused_before_load("cuda_graphs", [(True, r"^options\.cuda_graphs: CUDA graphs need a CUDA device, not cpu$"),
+                                        ("on", r"^options\.cuda_graphs: expected true or false, got 'on'$")])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

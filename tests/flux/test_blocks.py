@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from omniloop.errors import DeployError
 from omniloop.runtime import Runtime
 from omniloop.testing import completed_latents
 from omniloop_flux import blocks
@@ -125,16 +124,8 @@ def test_batched_requests_stack_their_modulation_rows(flux_runtime, make_t2i) ->
         torch.testing.assert_close(completed_latents(got), want, rtol=1e-4, atol=1e-4)
 
 
-def test_refused_values_and_offload_before_load(flux_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
-    from omniloop_flux import checkpoint as ck
-
-    def no_load(*a: Any, **k: Any) -> None:
-        raise AssertionError("a weight was read")
-
-    monkeypatch.setattr(ck, "load_component", no_load)
-    with pytest.raises(DeployError, match=r"^options\.modulation: must be one of per-step, per-request, not 'once'$"):
-        Runtime.from_model(flux_ckpt("dev"), device="cpu", dtype="float32", manager=flux_manager(),
-                           options={"modulation": "once"})
+def test_refused_values_and_offload_before_load(refused_before_load) -> None:
+    refused_before_load("modulation", [("once", r"^options\.modulation: must be one of per-step, per-request, not 'once'$")])
     from omniloop_flux.family import offload_refusal
 
     assert offload_refusal("sequential", {}) is None

@@ -13,12 +13,10 @@ processor; the kernel itself: tests/kit/test_qk_norm_rope.py).
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
 
-from omniloop.errors import DeployError
 from omniloop.runtime import Runtime
 from omniloop.testing import completed_latents
 from omniloop.testing.pytest_plugin import HAS_TRITON, interpreted
@@ -29,20 +27,11 @@ from .conftest import flux_manager
 from .test_attention import TINY, _inputs
 
 
-def test_refused_off_cuda_and_for_unknown_values_before_load(flux_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
-    from omniloop_flux import checkpoint as ck
-
+def test_refused_off_cuda_and_for_unknown_values_before_load(refused_before_load, monkeypatch) -> None:
     monkeypatch.setattr(knr, "INTERPRETED", False)
-
-    def no_load(*a: Any, **k: Any) -> None:
-        raise AssertionError("a weight was read")
-
-    monkeypatch.setattr(ck, "load_component", no_load)
-    for value, msg in (("fused", r"^options\.qk_norm_rope: 'fused' cannot run: "),
-                       ("triton", r"^options\.qk_norm_rope: must be one of reference, fused, not 'triton'$")):
-        with pytest.raises(DeployError, match=msg):
-            Runtime.from_model(flux_ckpt("dev"), device="cpu", dtype="float32", manager=flux_manager(),
-                               options={"qk_norm_rope": value})
+    refused_before_load("qk_norm_rope", [
+        ("fused", r"^options\.qk_norm_rope: 'fused' cannot run: "),
+        ("triton", r"^options\.qk_norm_rope: must be one of reference, fused, not 'triton'$")])
 
 
 def test_reference_is_the_default_and_recorded(flux_runtime) -> None:
