@@ -107,7 +107,7 @@ def test_the_kernel_compiles_for_hopper(compile_for_sm90, rope, dtype, heads, d)
            "seq_len": "i32", "eps_a": "fp32", "eps_b": "fp32",
            **dict.fromkeys(("H", "D", "BLOCK_H", "NORM", "ROPE"), "constexpr")}
     block_h = knr.heads_per_program(heads, d)
-    asm = compile_for_sm90(knr._kernel(), sig, {"H": heads, "D": d, "BLOCK_H": block_h, "NORM": True, "ROPE": rope},
+    asm = compile_for_sm90(knr.KERNEL.get(), sig, {"H": heads, "D": d, "BLOCK_H": block_h, "NORM": True, "ROPE": rope},
                            num_warps=knr.warps_for(block_h, d))
     assert asm.get("cubin")
 

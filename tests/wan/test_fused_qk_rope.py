@@ -91,7 +91,7 @@ def test_the_kernel_compiles_for_hopper_with_and_without_the_rotation(compile_fo
     sig = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "w_ptr": "*bf16", "cos_ptr": table, "sin_ptr": table,
            "scale_ptr": "*fp32", "x_row_stride": "i32", "seq_len": "i32", "eps": "fp32",
            **dict.fromkeys(("C", "HALF_D", "BLOCK", "SCALED", "ROPE"), "constexpr")}
-    asm = compile_for_sm90(fused._kernel(), sig, {"C": 5120, "HALF_D": 64, "BLOCK": 4096, "SCALED": True, "ROPE": rope},
+    asm = compile_for_sm90(fused.KERNEL.get(), sig, {"C": 5120, "HALF_D": 64, "BLOCK": 4096, "SCALED": True, "ROPE": rope},
                            num_warps=8)
     assert asm.get("cubin")
 

@@ -43,12 +43,12 @@ import torch
 
 from omniloop.errors import DeployError
 
+from .kernels import LazyKernel
 from .options import choice_option
 
 #: values of ``options.qk_norm_rope``
 MODES = ("reference", "fused")
 
-_KERNEL: Any = None
 #: read once at import, so :func:`supported` stays plain attribute reads inside a compiled trace
 TRITON = importlib.util.find_spec("triton") is not None
 #: this process runs Triton's interpreter (it must be set before triton's first import anyway)
@@ -89,15 +89,12 @@ def qk_norm_rope_option(options: Any, device: Any) -> str:
 
 
 def prepare() -> None:
-    """Define the Triton kernel now, outside any ``torch.compile`` trace (dynamo traces a launch of
-    an existing kernel, not Triton's own set-up). Called when a family installs the option."""
-    _kernel()
+    """Define the Triton kernel now, outside any ``torch.compile`` trace (:mod:`omniloop_kit.kernels`).
+    Called when a family installs the option."""
+    KERNEL.get()
 
 
-def _kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+def _define() -> Any:
     import triton
     import triton.language as tl
 
@@ -139,8 +136,11 @@ def _kernel() -> Any:
             x = x * tl.load(cos_ptr + f).to(tl.float32) + rotated * tl.load(sin_ptr + f).to(tl.float32)
         tl.store(out_ptr + row.to(tl.int64) * (H * D) + offs, x.to(out_ptr.dtype.element_ty))
 
-    _KERNEL = joint_norm_rope_kernel
-    return _KERNEL
+    return joint_norm_rope_kernel
+
+
+#: the kernel, defined on first use
+KERNEL = LazyKernel(_define)
 
 
 def _part_ok(x: torch.Tensor, heads: int) -> bool:
@@ -217,7 +217,7 @@ def joint_norm_rope(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary:
     cos, sin = (rotary[0].contiguous(), rotary[1].contiguous()) if rope else (x0, x0)  # unread without ROPE
     wa = na.weight if norm else x0
     wb = nb.weight if norm else x0
-    kernel = _KERNEL if _KERNEL is not None else _kernel()  # compiled graphs only read the global
+    kernel = KERNEL.get()
     block_h = block_h or heads_per_program(heads, d)
     kernel[(B * length, heads // block_h)](x0, xb, wa, wb, cos, sin, out, x0.stride(0), x0.stride(1), xb.stride(0),
                                            xb.stride(1), n_a, length, _eps(na, x0.dtype), _eps(nb, x0.dtype),

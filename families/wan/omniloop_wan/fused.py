@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from omniloop_kit.kernels import LazyKernel
+
 #: values of ``options.qk_norm_rope``
 MODES = ("reference", "fused")
 
@@ -53,19 +55,13 @@ def unavailable_reason(device: str | torch.device | None) -> str | None:
     return None
 
 
-_KERNEL: Any = None
-
-
 def prepare() -> None:
-    """Define the Triton kernel now, outside any ``torch.compile`` trace (dynamo cannot trace
-    Triton's own set-up; it can trace a launch of an existing kernel). Called at install."""
-    _kernel()
+    """Define the Triton kernel now, outside any ``torch.compile`` trace (:mod:`omniloop_kit.kernels`).
+    Called at install."""
+    KERNEL.get()
 
 
-def _kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+def _define() -> Any:
     import triton
     import triton.language as tl
 
@@ -106,8 +102,11 @@ def _kernel() -> Any:
         tl.store(out_row + 2 * p, oe.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_row + 2 * p + 1, oo.to(out_ptr.dtype.element_ty), mask=mask)
 
-    _KERNEL = qk_norm_rope_kernel
-    return _KERNEL
+    return qk_norm_rope_kernel
+
+
+#: the kernel, defined on first use
+KERNEL = LazyKernel(_define)
 
 
 def supported(x: torch.Tensor, norm: Any, freqs_cos: torch.Tensor | None, heads: int) -> bool:
@@ -149,7 +148,7 @@ def qk_norm_rope(x: torch.Tensor, norm: torch.nn.RMSNorm, freqs_cos: torch.Tenso
     out = torch.empty((B, L, C), device=x.device, dtype=x.dtype if out_scale is None else out_dtype)
     block = 1 << max(0, (C // 2 - 1).bit_length())
     warps = 4 if block <= 1024 else 8
-    kernel = _KERNEL if _KERNEL is not None else _kernel()  # compiled graphs only read the global
+    kernel = KERNEL.get()
     scale = norm.weight if out_scale is None else out_scale  # unread when not SCALED
     kernel[(B * L,)](x, out, norm.weight, cos, sin, scale, x.stride(1), L, float(eps),
                      C=C, HALF_D=head_dim // 2, BLOCK=block, SCALED=out_scale is not None, ROPE=rope,
@@ -180,7 +179,7 @@ def _qk_norm_rope_e4m3(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
     B, L, C = x.shape
     out = torch.empty((B, L, C), device=x.device, dtype=torch.float8_e4m3fn)
     block = 1 << max(0, (C // 2 - 1).bit_length())
-    kernel = _KERNEL if _KERNEL is not None else _kernel()
+    kernel = KERNEL.get()
     kernel[(B * L,)](x, out, weight, cos, sin, scale, x.stride(1), L, eps,
                      C=C, HALF_D=C // heads // 2, BLOCK=block, SCALED=True, ROPE=rope,
                      num_warps=4 if block <= 1024 else 8)
