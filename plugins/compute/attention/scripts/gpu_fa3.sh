@@ -24,8 +24,13 @@ python3 -c "import torch, flash_attn_3._C; print('flash_attn_3 ops:', torch.ops.
 PARTS=",${PARTS:-kernels,speed},"
 C13=${C13:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast,omniloop-cudnn-compile-fused,omniloop-fa3-compile-fused}
 C14=${C14:-diffusers,omniloop-fp8-compile-fused-fp8fast,omniloop-fa3fp8-compile-fused-fp8fast}
-if [[ $PARTS == *,tests,* ]]; then  # the repo's packages by path (no editable installs here), as the benches do
-  timeout "${TESTS_S:-150}" python3 -c "import sys; sys.path.insert(0, 'bench'); from _repo_paths import add_repo_packages; add_repo_packages(); import pytest; import os; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *os.environ.get('TESTS', 'tests/attention/test_flash3.py tests/attention/test_flash4.py').split()]))" \
+if [[ $PARTS == *,tests,* ]]; then
+  # the repo's packages by path (no editable installs here), as the benches do, exported so that the child
+  # pytest of run_interpreted_child finds them too; omniloop's pytest plugin by name (its pytest11 entry
+  # point is not registered without an install), through PYTEST_ADDOPTS so that the child loads it as well
+  REPO_PATHS=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import _repo_paths as r; before = list(sys.path); r.add_repo_packages(); print(':'.join(p for p in sys.path if p not in before))")
+  PYTHONPATH=$PYTHONPATH:$REPO_PATHS PYTEST_ADDOPTS="-p omniloop.testing.pytest_plugin" timeout "${TESTS_S:-150}" \
+    python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/attention/test_flash3.py tests/attention/test_flash4.py} \
     2>&1 | tee "$OUT/tests.txt" | tail -n 15 | filter
 fi
 if [[ $PARTS == *,kernels,* ]]; then
