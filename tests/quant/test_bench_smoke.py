@@ -1,4 +1,5 @@
-"""The FP8-linear rows of bench/wan_gpu.py and bench/attention_fp8_quality.py run on the CPU (``--smoke``)."""
+"""The FP8-linear rows of bench/wan_gpu.py and bench/attention_fp8_quality.py run on the CPU (``--smoke``), and
+bench/fp8_error.py on flux-demo's transformer."""
 
 from __future__ import annotations
 
@@ -296,3 +297,22 @@ def test_fp8_quality_clip_budget_keeps_what_was_made(monkeypatch):
     assert "error" not in fp8, fp8.get("traceback_tail")
     assert ref["n"] == 4 and "cut_short" not in ref and fp8["n"] == 2 and fp8["compared_clips"] == 2
     assert fp8["verdict_changes_vs_bf16"]["shape"]["lost"] == 0 and fp8["vs_bf16"]["identical_clips"] == 2
+
+
+@pytest.mark.skipif(not (BENCH / "fp8_error.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_error_on_the_cpu(tmp_path):
+    """bench/fp8_error.py on flux-demo's transformer (CPU): FP8 linears err more than bf16 against float32,
+    each FP8 layer stays near its numerical model, and keeping any one layer group in bf16 lowers the
+    whole forward's error."""
+    from omniloop_quant.fp8 import unavailable_reason
+
+    if unavailable_reason("cpu") is not None:
+        pytest.skip(f"FP8 on this CPU: {unavailable_reason('cpu')}")
+    pytest.importorskip("omniloop_flux_demo")
+    rec = run_script(BENCH / "fp8_error.py", ["--device", "cpu", "--timesteps", "1.0", "--groups"], tmp_path,
+                     "fp8_error-cpu.json")
+    s = rec["summary"]
+    assert s["forwards"]["bf16"] < s["forwards"]["fp8_torch_ops"] < 0.05
+    assert s["linears"]["fp8_vs_model"] < 0.01 and s["linears"]["bf16"] < s["linears"]["fp8"]
+    assert len(rec["groups_kept_in_bf16"]) == 5
+    assert all(g["forward"] < s["forwards"]["fp8_torch_ops"] for g in rec["groups_kept_in_bf16"].values())

@@ -115,6 +115,29 @@ def test_down_fast_accum_sets_only_the_feed_forward_down_projections():
     assert ffn.up.fast_accum and ffn.down.fast_accum  # down_fast_accum None: as fast_accum
 
 
+def test_exclude_keeps_the_matched_modules_and_everything_below_them():
+    """``install(exclude=...)`` (``bench/fp8_error.py --groups``): a module whose dotted path under the
+    root the predicate accepts is left as it is, and nothing inside it is swapped; the rest is FP8, and
+    the report counts only what was swapped."""
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.attn = nn.Module()
+    root.attn.to_q, root.attn.to_out = nn.Linear(32, 32), nn.Linear(32, 32)
+    root.ffn = FeedForward(32, inner_dim=96, activation_fn="gelu-approximate")
+    seen: list[str] = []
+
+    def keep(path: str) -> bool:
+        seen.append(path)
+        return path in ("attn.to_q", "ffn")
+
+    original_q, original_ffn = root.attn.to_q, root.ffn
+    report = install([root], exclude=keep)
+    assert report == {"quantized": 1, "skipped": []}
+    assert root.attn.to_q is original_q and root.ffn is original_ffn and isinstance(root.attn.to_out, FP8Linear)
+    assert not any(p.startswith("ffn.") for p in seen)  # nothing below a kept module is visited
+    assert restore([root]) == 1 and isinstance(root.attn.to_out, nn.Linear)
+
+
 def test_reference_is_gelu_then_quantize_rows():
     h = torch.randn(4, 48) * 3
     q, s = kernels.reference(h, "tanh")

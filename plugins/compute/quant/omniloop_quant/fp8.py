@@ -54,7 +54,7 @@ these models, and FP8 modules are never trained).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -314,14 +314,17 @@ def _is_fused_gelu(module: nn.Module) -> bool:
             and isinstance(getattr(module, "approximate", None), str))
 
 
-def _children(module: nn.Module, prefix: str = "") -> Iterable[tuple[nn.Module, str, nn.Module, str]]:
+def _children(module: nn.Module, prefix: str = "", exclude: Callable[[str], bool] | None = None,
+              ) -> Iterable[tuple[nn.Module, str, nn.Module, str]]:
     """(parent, name, child, dotted path) for every module under ``module``, parents before
-    children; nothing below a module that will be replaced."""
+    children; nothing below a module that will be replaced or that ``exclude`` keeps."""
     for name, child in module.named_children():
         path = f"{prefix}{name}"
         yield module, name, child, path
+        if exclude is not None and exclude(path):
+            continue
         if not isinstance(child, nn.Linear) and not _is_fused_gelu(child) and _feed_forward_parts(child) is None:
-            yield from _children(child, f"{path}.")
+            yield from _children(child, f"{path}.", exclude)
 
 
 def _feed_forward_downs(root: nn.Module) -> set[int]:
@@ -343,7 +346,8 @@ def _gemms(module: nn.Module) -> int:
 
 
 def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: Iterable[str] | None = None,
-            fast_accum: bool = False, down_fast_accum: bool | None = None) -> dict[str, Any]:
+            fast_accum: bool = False, down_fast_accum: bool | None = None,
+            exclude: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """Swap every ``nn.Linear`` under each of ``roots`` (e.g. a transformer's blocks) for an
     :class:`FP8Linear`, in place; returns ``{"quantized": n, "skipped": [names and shapes]}``.
 
@@ -353,7 +357,9 @@ def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: It
     ``fast_accum``: the GEMMs' ``use_fast_accum`` (:class:`FP8Linear`); ``down_fast_accum``, when not
     None, that of the feed-forwards' down projections instead (a diffusers ``FeedForward``'s ``net[2]``,
     :class:`FP8FeedForward`'s ``down``): ``fast_accum=True, down_fast_accum=False`` is deploy
-    ``linear_precision: fp8-fast-except-down``."""
+    ``linear_precision: fp8-fast-except-down``. ``exclude(path)``: True keeps the module at that dotted
+    path under its root (``"0.attn.to_q"``, a whole ``"0.ff"``) as it is, and everything below it —
+    to measure which layers FP8 costs accuracy in (``bench/fp8_error.py --groups``)."""
     quantized = 0
     skipped: list[str] = []
     labels = list(names) if names is not None else None
@@ -364,7 +370,9 @@ def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: It
             continue
         swaps: list[tuple[nn.Module, str, nn.Module | None, nn.Module]] = []
         downs = _feed_forward_downs(root) if down_fast_accum is not None else set()
-        for parent, name, child, path in list(_children(root)):
+        for parent, name, child, path in list(_children(root, exclude=exclude)):
+            if exclude is not None and exclude(path):
+                continue
             new: nn.Module | None = None
             ffn = _feed_forward_parts(child)
             if ffn is not None:

@@ -5,6 +5,8 @@
 # them clip by clip: "no verdict lost" is the bar). Run from the repo root with .whl/ carried
 # (diffusers, attrs, cattrs, stevedore wheels; demos/wan-demo/scripts/gpu_env.sh lists them), kind
 # nvidia-h200, timeout_s ~300. Writes $OUT/flux-demo-{bf16,fp8}.json and $OUT/log.txt.
+# RUNS (default bf16,fp8): which of the two to run; PRELUDE: Python run before the evaluation in each (an
+# experiment's module setting, e.g. PRELUDE='import omniloop_quant.fp8 as f; f.FUSE_GELU_QUANT = False'); SEEDS.
 # The repo's packages are *installed* (not put on PYTHONPATH): the runtime finds families and plugins
 # through entry points. Each into its own folder, 16 at a time (~30 s there).
 # A CPU check of the script (a venv with the dependencies but not the repo first on PATH):
@@ -28,10 +30,10 @@ el "installed $(ls "$PK" | wc -l) packages"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader
 run() {  # run NAME [eval adherence options]
   local name=$1; shift
-  python3 -c 'import sys; from omniloop_wan_demo.cli import adherence; adherence(sys.argv[1:])' --model flux-demo \
+  python3 -c "${PRELUDE:-pass}"'; import sys; from omniloop_wan_demo.cli import adherence; adherence(sys.argv[1:])' --model flux-demo \
     --prompts "$PROMPTS" --seeds "$SEEDS" --device "$DEVICE" --dtype "$DTYPE" --no-table --json "$OUT/flux-demo-$name.json" "$@" \
     2>&1 | grep -v -E "it/s\]|s/it\]"
   el "$name done"
 }
-run bf16
-run fp8 --linear-precision fp8
+[[ ,${RUNS:-bf16,fp8}, == *,bf16,* ]] && run bf16
+[[ ,${RUNS:-bf16,fp8}, == *,fp8,* ]] && run fp8 --linear-precision fp8
