@@ -316,3 +316,41 @@ def test_fp8_error_on_the_cpu(tmp_path):
     assert s["linears"]["fp8_vs_model"] < 0.01 and s["linears"]["bf16"] < s["linears"]["fp8"]
     assert len(rec["groups_kept_in_bf16"]) == 5
     assert all(g["forward"] < s["forwards"]["fp8_torch_ops"] for g in rec["groups_kept_in_bf16"].values())
+
+
+def _adherence(tmp_path, name: str, precision: str, dtype_steps: int | None) -> list:
+    """flux-demo's default 54 images at 2 steps through the runtime in a child process (the experiment patches
+    omniloop-quant's modules on import), with bench/fp8_dtype_first_steps.py first when ``dtype_steps`` is set:
+    each image's detections."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    prelude = "" if dtype_steps is None else f"import runpy; runpy.run_path({str(BENCH / 'fp8_dtype_first_steps.py')!r}); "
+    out = tmp_path / f"{name}.json"
+    code = prelude + "import sys; from omniloop_wan_demo.cli import adherence; adherence(sys.argv[1:])"
+    env = {**os.environ, "FP8_DTYPE_STEPS": str(dtype_steps or 0), "FP8_STEPS_PER_IMAGE": "2"}
+    args = ["--model", "flux-demo", "--prompts", "default", "--seeds", "0", "--steps", "2", "--device", "cpu",
+            "--dtype", "bfloat16", "--linear-precision", precision, "--no-table", "--json", str(out)]
+    subprocess.run([sys.executable, "-c", code, *args], check=True, env=env, capture_output=True, timeout=600)
+    return [c["detected"] for c in json.loads(out.read_text())["reports"][0]["clips"]]
+
+
+@pytest.mark.skipif(not (BENCH / "fp8_dtype_first_steps.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_dtype_first_steps_routes_by_step(tmp_path):
+    """bench/fp8_dtype_first_steps.py (the session-24 experiment): with every step below FP8_DTYPE_STEPS the
+    FP8 deployment computes what linear_precision: dtype does, detection for detection; with none, what fp8 does;
+    with the first step only, neither."""
+    from omniloop_quant.fp8 import unavailable_reason
+
+    if unavailable_reason("cpu") is not None:
+        pytest.skip(f"FP8 on this CPU: {unavailable_reason('cpu')}")
+    pytest.importorskip("omniloop_flux_demo")
+    dtype = _adherence(tmp_path, "dtype", "dtype", None)
+    fp8 = _adherence(tmp_path, "fp8", "fp8", None)
+    assert dtype != fp8
+    assert _adherence(tmp_path, "k2", "fp8", 2) == dtype
+    assert _adherence(tmp_path, "k0", "fp8", 0) == fp8
+    first = _adherence(tmp_path, "k1", "fp8", 1)
+    assert first != dtype and first != fp8
