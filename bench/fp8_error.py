@@ -12,7 +12,10 @@ error itself, against float32, on the device it runs on:
   (``FUSE_GELU_QUANT``, CUDA) and with torch's ops, against the float32 feed-forward;
 * whole forwards at several timesteps: bf16, FP8 (fused pass on / off) against the float32 model;
 * ``--groups``: whole forwards with one group of layers at a time kept in bf16 (``fp8.install(exclude=...)``)
-  -- which layers FP8's error comes from.
+  -- which layers FP8's error comes from;
+* ``--split``: whole forwards in bf16 with only the weights rounded to FP8's e4m3 grid (per channel) and with
+  only the activations rounded (per token) -- how FP8's error divides between the two operands (a
+  weight-side remedy, such as calibrated rounding, can remove at most the first).
 
 ``python bench/fp8_error.py [--device cuda] [--out DIR]``; the CPU run is the comparison (torch's CPU
 ``_scaled_mm``). Random inputs at the checkpoint's shapes (64 image tokens, 16 text tokens), fixed seed.
@@ -87,11 +90,34 @@ def forward_errors(ref: nn.Module, low: nn.Module, dev: str, steps: list[float])
     return out
 
 
+def rounded(model: nn.Module, *, weights: bool, acts: bool) -> nn.Module:
+    """``model`` (bf16) with every FP8-shaped block linear's weight replaced by its e4m3 rounding (per output
+    channel, :func:`omniloop_quant.fp8.quantize_weight`, dequantised) and/or its input rounded per token on every
+    call (:func:`~omniloop_quant.fp8.quantize_rows`, dequantised) -- one operand of FP8's product at a time."""
+    from omniloop_quant import fp8
+
+    def round_rows(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        q, scale = fp8.quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * scale).to(x.dtype).reshape(x.shape), *args[1:])
+
+    for root in blocks(model):
+        for mod in root.modules():
+            if isinstance(mod, nn.Linear) and fp8.shape_ok(mod):
+                if weights:
+                    q, scale = fp8.quantize_weight(mod.weight)
+                    mod.weight.data = (q.float() * scale.reshape(-1, 1)).to(mod.weight.dtype)
+                if acts:
+                    mod.register_forward_pre_hook(round_rows)
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--timesteps", default="1.0,0.7,0.4,0.1")
     ap.add_argument("--groups", action="store_true", help="also each layer group kept in bf16 in turn (GROUPS)")
+    ap.add_argument("--split", action="store_true", help="also weight-only and activation-only e4m3 rounding")
     ap.add_argument("--out", default=None, help="folder for fp8_error-<device>.json")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -172,6 +198,15 @@ def main(argv: list[str] | None = None) -> int:
                 groups[label] = {"forward": sum(errs) / len(errs), "gemms_in_fp8": report["quantized"]}
         print(json.dumps({"groups": groups}, indent=1))
 
+    # 4. the weights or the activations alone on e4m3's grid, the product in bf16
+    split: dict[str, Any] = {}
+    if args.split:
+        with torch.no_grad():
+            for label, weights, acts in (("weights_only", True, False), ("activations_only", False, True)):
+                errs = forward_errors(ref, rounded(load(dev).to(torch.bfloat16), weights=weights, acts=acts), dev, steps)
+                split[label] = sum(errs) / len(errs)
+        print(json.dumps({"split": split}, indent=1))
+
     def mean(rows: list[dict[str, Any]], k: str) -> float | None:
         vals = [r[k] for r in rows if k in r]
         return sum(vals) / len(vals) if vals else None
@@ -185,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     record = {"bench": "fp8_error: FP8 linears' error on flux-demo's transformer vs float32 (issue 40)",
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "machine": machine(device=dev),
-              "summary": summary, "forwards": forwards, "groups_kept_in_bf16": groups, "layers": layers}
+              "summary": summary, "forwards": forwards, "groups_kept_in_bf16": groups, "operands_alone": split,
+              "layers": layers}
     print(json.dumps({"summary": summary, "forwards": forwards}, indent=1))
     if args.out:
         out = Path(args.out)

@@ -303,19 +303,22 @@ def test_fp8_quality_clip_budget_keeps_what_was_made(monkeypatch):
 def test_fp8_error_on_the_cpu(tmp_path):
     """bench/fp8_error.py on flux-demo's transformer (CPU): FP8 linears err more than bf16 against float32,
     each FP8 layer stays near its numerical model, and keeping any one layer group in bf16 lowers the
-    whole forward's error."""
+    whole forward's error; rounding only the weights or only the activations to e4m3 errs between bf16 and both."""
     from omniloop_quant.fp8 import unavailable_reason
 
     if unavailable_reason("cpu") is not None:
         pytest.skip(f"FP8 on this CPU: {unavailable_reason('cpu')}")
     pytest.importorskip("omniloop_flux_demo")
-    rec = run_script(BENCH / "fp8_error.py", ["--device", "cpu", "--timesteps", "1.0", "--groups"], tmp_path,
+    rec = run_script(BENCH / "fp8_error.py", ["--device", "cpu", "--timesteps", "1.0", "--groups", "--split"], tmp_path,
                      "fp8_error-cpu.json")
     s = rec["summary"]
     assert s["forwards"]["bf16"] < s["forwards"]["fp8_torch_ops"] < 0.05
     assert s["linears"]["fp8_vs_model"] < 0.01 and s["linears"]["bf16"] < s["linears"]["fp8"]
     assert len(rec["groups_kept_in_bf16"]) == 5
     assert all(g["forward"] < s["forwards"]["fp8_torch_ops"] for g in rec["groups_kept_in_bf16"].values())
+    alone = rec["operands_alone"]
+    assert set(alone) == {"weights_only", "activations_only"}
+    assert all(s["forwards"]["bf16"] < e < s["forwards"]["fp8_torch_ops"] for e in alone.values())
 
 
 def _adherence(tmp_path, name: str, precision: str, dtype_steps: int | None) -> list:
