@@ -13,6 +13,8 @@ error itself, against float32, on the device it runs on:
 * whole forwards at several timesteps: bf16, FP8 (fused pass on / off) against the float32 model;
 * ``--groups``: whole forwards with one group of layers at a time kept in bf16 (``fp8.install(exclude=...)``)
   -- which layers FP8's error comes from;
+* ``--blocks``: whole forwards with one transformer block at a time kept in bf16 -- whether some blocks
+  (the first, the last) carry FP8's error;
 * ``--split``: whole forwards in bf16 with only the weights rounded to FP8's e4m3 grid (per channel) and with
   only the activations rounded (per token) -- how FP8's error divides between the two operands (a
   weight-side remedy, such as calibrated rounding, can remove at most the first).
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--timesteps", default="1.0,0.7,0.4,0.1")
     ap.add_argument("--groups", action="store_true", help="also each layer group kept in bf16 in turn (GROUPS)")
+    ap.add_argument("--blocks", action="store_true", help="also each transformer block kept in bf16 in turn")
     ap.add_argument("--split", action="store_true", help="also weight-only and activation-only e4m3 rounding")
     ap.add_argument("--out", default=None, help="folder for fp8_error-<device>.json")
     args = ap.parse_args(argv)
@@ -198,6 +201,19 @@ def main(argv: list[str] | None = None) -> int:
                 groups[label] = {"forward": sum(errs) / len(errs), "gemms_in_fp8": report["quantized"]}
         print(json.dumps({"groups": groups}, indent=1))
 
+    # 3b. one transformer block at a time kept in bf16
+    per_block: dict[str, Any] = {}
+    if args.blocks:
+        with torch.no_grad():
+            for list_name, blist in zip(("transformer_blocks", "single_transformer_blocks"), blocks(low), strict=True):
+                for i, kept in enumerate(blist):
+                    roots = [b for bl in blocks(low) for b in bl if b is not kept]
+                    fp8.install(roots)
+                    errs = forward_errors(ref, low, dev, steps)
+                    fp8.restore(roots)
+                    per_block[f"{list_name}.{i}"] = sum(errs) / len(errs)
+        print(json.dumps({"blocks_kept_in_bf16": per_block}, indent=1))
+
     # 4. the weights or the activations alone on e4m3's grid, the product in bf16
     split: dict[str, Any] = {}
     if args.split:
@@ -220,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     record = {"bench": "fp8_error: FP8 linears' error on flux-demo's transformer vs float32 (issue 40)",
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "machine": machine(device=dev),
-              "summary": summary, "forwards": forwards, "groups_kept_in_bf16": groups, "operands_alone": split,
+              "summary": summary, "forwards": forwards, "groups_kept_in_bf16": groups,
+              "blocks_kept_in_bf16": per_block, "operands_alone": split,
               "layers": layers}
     print(json.dumps({"summary": summary, "forwards": forwards}, indent=1))
     if args.out:

@@ -309,7 +309,7 @@ def test_fp8_error_on_the_cpu(tmp_path):
     if unavailable_reason("cpu") is not None:
         pytest.skip(f"FP8 on this CPU: {unavailable_reason('cpu')}")
     pytest.importorskip("omniloop_flux_demo")
-    rec = run_script(BENCH / "fp8_error.py", ["--device", "cpu", "--timesteps", "1.0", "--groups", "--split"], tmp_path,
+    rec = run_script(BENCH / "fp8_error.py", ["--device", "cpu", "--timesteps", "1.0", "--groups", "--split", "--blocks"], tmp_path,
                      "fp8_error-cpu.json")
     s = rec["summary"]
     assert s["forwards"]["bf16"] < s["forwards"]["fp8_torch_ops"] < 0.05
@@ -319,6 +319,8 @@ def test_fp8_error_on_the_cpu(tmp_path):
     alone = rec["operands_alone"]
     assert set(alone) == {"weights_only", "activations_only"}
     assert all(s["forwards"]["bf16"] < e < s["forwards"]["fp8_torch_ops"] for e in alone.values())
+    assert len(rec["blocks_kept_in_bf16"]) == 8  # flux-demo: 2 double + 6 single blocks
+    assert all(e < s["forwards"]["fp8_torch_ops"] for e in rec["blocks_kept_in_bf16"].values())
 
 
 def _adherence(tmp_path, name: str, precision: str, dtype_steps: int | None) -> list:
