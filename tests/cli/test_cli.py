@@ -49,7 +49,7 @@ class CountingStepInterceptor(PassThroughSteps):
 
     name = "counter"
 
-    def open(self, step: Any, loop: Any) -> dict[str, int]:
+    def open(self, step: Any, loop: Any, params: Any = None) -> dict[str, int]:
         return {"forwards": 0}
 
     def forward(self, step: Any, state: Any, inputs: Any, compute: Any) -> Any:

@@ -1,7 +1,10 @@
 """The conformance kit catches the mistakes it exists for, and passes a correct plugin."""
 
+import warnings
+
 import pytest
 
+from omniloop.errors import HookDeprecationWarning
 from omniloop.hookspecs import hookimpl
 from omniloop.testing import conformance, toy_runtime
 
@@ -12,7 +15,7 @@ class Identity:
     distribution_altering = False
     needs_eager = False
 
-    def open(self, step, loop):
+    def open(self, step, loop, params=None):
         return {"n": 0}
 
     def run(self, blocks, hidden, ctx, call):
@@ -63,8 +66,24 @@ class Undeclared:
         return None
 
 
+class OneDotZero(Identity):
+    """Written against the 1.0 hook signature ``open(step, loop)``: still runs in the 1.x series, with a warning."""
+
+    name = "one-dot-zero"
+
+    def open(self, step, loop):
+        return {"n": 0}
+
+
 def test_a_correct_interceptor_passes():
-    conformance.check_block_interceptor(Identity)
+    with warnings.catch_warnings():  # the kit calls open(step, loop, params) as the runtime does: no deprecation
+        warnings.simplefilter("error", HookDeprecationWarning)
+        conformance.check_block_interceptor(Identity)
+
+
+def test_an_interceptor_with_the_1_0_open_passes_with_its_deprecation_warning():
+    with pytest.warns(HookDeprecationWarning, match="one-dot-zero"):
+        conformance.check_block_interceptor(OneDotZero)
 
 
 def test_state_on_the_instance_is_caught():

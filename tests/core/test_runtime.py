@@ -29,7 +29,7 @@ class ScalingBlocks(PassThroughBlocks):
     def __init__(self):
         self.opened, self.closed = [], []
 
-    def open(self, step, loop):
+    def open(self, step, loop, params=None):
         p = loop.extra["plugin_params"].get("scaler")
         st = {"branch": step.branch, "calls": 0, "scale": p.scale if p else 1.0}
         self.opened.append(st)

@@ -432,7 +432,7 @@ class RecordingInterceptor:
     def __init__(self):
         self.seen: list[tuple[str, object]] = []
 
-    def open(self, step, loop):
+    def open(self, step, loop, params=None):
         return {"branch": step.branch}
 
     def forward(self, step, state, inputs, compute):

@@ -67,7 +67,7 @@ class CountingInterceptor(PassThroughSteps):
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def open(self, step: StepContext, loop: Any) -> Any:
+    def open(self, step: StepContext, loop: Any, params: Any = None) -> Any:
         return step.branch
 
     def forward(self, step: StepContext, state: Any, inputs: dict[str, Any], compute: Any) -> torch.Tensor:

@@ -125,7 +125,7 @@ class RecordingStepInterceptor(CountingInterceptor):
 
     name = "rec-step"
 
-    def open(self, step: StepContext, loop: Any) -> Any:
+    def open(self, step: StepContext, loop: Any, params: Any = None) -> Any:
         return {"branch": step.branch, "calls": 0}
 
     def forward(self, step: StepContext, state: Any, inputs: dict[str, Any], compute: Any) -> torch.Tensor:

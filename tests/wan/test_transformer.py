@@ -53,7 +53,7 @@ class CountingInterceptor(PassThroughBlocks):
     def __init__(self) -> None:
         self.calls: list[tuple[str | None, int]] = []
 
-    def open(self, step: StepContext, loop: LoopState) -> Any:
+    def open(self, step: StepContext, loop: LoopState, params: Any = None) -> Any:
         return {"branch": step.branch}
 
     def run(self, blocks: Any, hidden: torch.Tensor, ctx: BlockContext, call: Any) -> torch.Tensor:

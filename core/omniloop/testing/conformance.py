@@ -32,6 +32,7 @@ import torch
 
 from ..family import PluginComponentSpec
 from ..hookspecs import hookimpl
+from ..interceptors import open_interceptor
 from ..request import Status
 from . import advance_in_lockstep, forward_rows, make_manager, raising_rows, run_interleaved
 from .toy import build_toy_checkpoint
@@ -48,8 +49,10 @@ class _Tracked:
     def __getattr__(self, item: str) -> Any:
         return getattr(self._inner, item)
 
-    def open(self, step: Any, loop: Any) -> Any:
-        st = self._inner.open(step, loop)
+    def open(self, step: Any, loop: Any, params: Any = None) -> Any:
+        """The wrapped interceptor's ``open`` with the request's validated params, as the runtime calls it
+        (one written against the 1.0 ``open(step, loop)`` still runs, with its deprecation warning)."""
+        st = open_interceptor(self._inner, step, loop, params)
         self.opened.append(st)
         return st
 

@@ -39,7 +39,7 @@ class Probe(PassThroughSteps):
         self.closed: list[tuple[str, str | None]] = []
         self.lock = threading.Lock()
 
-    def open(self, step: Any, loop: Any) -> dict[str, Any]:
+    def open(self, step: Any, loop: Any, params: Any = None) -> dict[str, Any]:
         with self.lock:
             self.opened.append((step.request_id, step.branch))
         return {"request_id": step.request_id, "branch": step.branch}
