@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import omniloop_offload.plugin as offload_plugin
-from omniloop.capabilities import OffloadSupport
+from omniloop.capabilities import FamilyCapabilities, OffloadSupport
 from omniloop.deploy import load_deploy
 from omniloop.errors import DeployError
 from omniloop.hookspecs import hookimpl
@@ -335,6 +335,11 @@ def test_no_overlap_streams_without_prefetch() -> None:
 class _Fam:
     name: str = "fam"
     offload_components: dict[str, Any] | None = attrs.Factory(lambda: {"x": None})
+
+    @property
+    def capabilities(self) -> FamilyCapabilities:
+        comps = self.offload_components
+        return FamilyCapabilities(offload=OffloadSupport(components=comps) if comps else None)
 
 
 @pytest.mark.parametrize("deploy,family,device,match", [

@@ -71,12 +71,13 @@ def test_single_process_runtime_refuses_a_world_above_one(wan_ckpt):
 def test_block_interceptors_need_a_family_that_binds_them(wan_ckpt):
     import torch
 
+    from omniloop.capabilities import FamilyCapabilities, ParallelSupport
     from omniloop.deploy import load_deploy
     from omniloop_parallel.checks import check_parallel
 
     class Family:  # supports cfg, but does not bind block interceptors to its groups
         name = "plain"
-        parallel_axes = frozenset({"cfg"})
+        capabilities = FamilyCapabilities(parallel=ParallelSupport(axes=frozenset({"cfg"})))
 
     d = load_deploy({"parallel": {"cfg": 2}})
     with pytest.raises(DeployError, match=r"^plugins\.blk: block interceptors do not run under parallel"):

@@ -11,8 +11,6 @@ bf16's 2^-9 on top.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
 import pytest
 import torch
 from torch import nn
@@ -219,6 +217,7 @@ def test_a_torch_whose_cpu_gemm_takes_one_scale_per_tensor_is_refused_on_the_cpu
 def test_denoiser_blocks_from_family_declarations():
     """Which blocks: ``quant_blocks`` when declared, else the LoRA components with their offload
     block lists (a tuple for FLUX's two stacks, ``|`` alternatives), text encoders never."""
+    from omniloop.capabilities import AdapterSupport, FamilyCapabilities, OffloadSupport
     from omniloop_quant import denoiser_blocks
 
     class Tf(nn.Module):
@@ -228,16 +227,17 @@ def test_denoiser_blocks_from_family_declarations():
             self.single_transformer_blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
             self.proj_out = nn.Linear(16, 16)
 
-    class Support:
-        components = ("transformer",)
-
     class FluxLike:
-        adapter_support = Support()
-        offload_components: ClassVar[dict[str, Any]] = {"transformer": ("transformer_blocks", "single_transformer_blocks"),
-                              "text_encoder": "encoder.layers", "vae": None}
+        capabilities = FamilyCapabilities(
+            adapters=AdapterSupport(components=("transformer",)),
+            offload=OffloadSupport(components={"transformer": ("transformer_blocks", "single_transformer_blocks"),
+                                               "text_encoder": "encoder.layers", "vae": None}))
 
     class Declared:
-        quant_blocks: ClassVar[dict[str, str]] = {"transformer": "single_transformer_blocks|missing"}
+        capabilities = FamilyCapabilities(quant_blocks={"transformer": "single_transformer_blocks|missing"})
+
+    class Bare:  # declares nothing
+        capabilities = FamilyCapabilities()
 
     comps = {"transformer": Tf(), "text_encoder": nn.Module(), "vae": nn.Module()}
     assert [n for n, _ in denoiser_blocks(comps, FluxLike())] == [
@@ -245,10 +245,10 @@ def test_denoiser_blocks_from_family_declarations():
         "transformer.single_transformer_blocks.1"]
     assert [n for n, _ in denoiser_blocks(comps, Declared())] == [
         "transformer.single_transformer_blocks.0", "transformer.single_transformer_blocks.1"]
-    assert [n for n, _ in denoiser_blocks(comps, object())] == [  # nothing declared: the default lists
+    assert [n for n, _ in denoiser_blocks(comps, Bare())] == [  # nothing declared: the default lists
         "transformer.transformer_blocks.0", "transformer.single_transformer_blocks.0",
         "transformer.single_transformer_blocks.1"]
-    assert denoiser_blocks({"unet": Tf()}, object()) == []
+    assert denoiser_blocks({"unet": Tf()}, Bare()) == []
 
 
 def test_stray_weight_buffers_are_reported():
