@@ -128,3 +128,46 @@ def test_cli_refuses_a_linear_precision_it_cannot_deploy(image_ckpt):
     res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", "wan-demo", "--backend", "diffusers",
                                         "--linear-precision", "fp8"])
     assert res.exit_code == 2 and "--linear-precision" in res.output
+
+
+def test_cli_deploy_file_sets_the_runtime_under_test(image_ckpt, tmp_path, monkeypatch):
+    """``eval adherence --deploy FILE``: what a deployment's settings cost in adherence (e.g. a fast path's
+    compile and fused options against the default deployment, then ``eval compare``). The file's settings
+    that differ from the defaults reach the runtime and the report; its model/device/dtype give way to the
+    flags; ``--linear-precision`` adds to it."""
+    seen = {}
+    real = ev.make_generator
+
+    def spy(backend, **kw):
+        seen.update(kw["deploy"])
+        return real(backend, **kw)
+
+    monkeypatch.setattr(ev, "make_generator", spy)
+    f = tmp_path / "fast.json"
+    f.write_text(json.dumps({"model": {"preset": "wan-demo"}, "dtype": "bfloat16",
+                             "options": {"modulation": "per-request", "qkv": "fused"}}))
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", str(image_ckpt), "--steps", "1", "--seeds", "0",
+                                        "--prompts", "default", "--deploy", str(f), "--no-table", "--json", str(out)],
+                             env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    assert seen == {"options": {"modulation": "per-request", "qkv": "fused"}}
+    (rep,) = json.loads(out.read_text())["reports"]
+    assert rep["extra"]["deploy"] == {"options": {"modulation": "per-request", "qkv": "fused"}}
+    assert 'options {"modulation": "per-request", "qkv": "fused"}' in res.output
+
+
+def test_cli_refuses_a_bad_deploy_file_before_any_clip(image_ckpt, tmp_path):
+    for text, what in (("{", "cannot parse"), ('{"compile": "yes please"}', "compile"),
+                       ('{"pipeline": "prompt-upsample"}', "composed pipeline")):
+        f = tmp_path / "bad.json"
+        f.write_text(text)
+        res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", str(image_ckpt), "--deploy", str(f)])
+        assert res.exit_code == 2 and "--deploy" in res.output and what in res.output, (text, res.output)
+        assert "Traceback" not in res.output and "prompt adherence" not in res.output
+    res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", str(image_ckpt), "--deploy", str(tmp_path / "none.json")])
+    assert res.exit_code == 2 and "deploy file not found" in res.output
+    ok = tmp_path / "ok.json"
+    ok.write_text('{"compile": true}')
+    res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", "wan-demo", "--backend", "diffusers", "--deploy", str(ok)])
+    assert res.exit_code == 2 and "--deploy" in res.output and "diffusers" in res.output

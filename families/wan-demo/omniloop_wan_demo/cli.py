@@ -6,6 +6,12 @@
     omniloop eval adherence --model flux-demo                        # an image model: color, shape, position
     omniloop eval adherence --model tone-demo                        # an audio model: timbre, pitch, rhythm
     omniloop eval compare bf16.json fp8.json                         # verdicts lost / gained, McNemar p
+    omniloop eval adherence --model flux-demo --deploy fast.yaml     # what a deployment's settings cost
+
+``--deploy FILE`` evaluates the runtime under a deploy file's settings (``compile``, ``attention_backend``,
+family ``options``, ``linear_precision``, plugins ...) so that ``eval compare`` can say what a fast path
+costs in adherence; ``--model``, ``--device`` and ``--dtype`` choose the model, as they override a deploy
+file in ``omniloop generate``.
 
 A video model is scored on color, direction and shape; a checkpoint whose ``omniloop.json`` holds
 ``"adherence": {"kind": "image"}`` is an image model: image prompts (``a {color} {shape} at the
@@ -46,11 +52,14 @@ def _ints(value: str) -> list[int]:
 @click.option("--linear-precision", default="dtype", show_default=True,
               help="the runtime deployment's linear_precision (fp8: omniloop-quant's FP8 block linears), to measure "
               "what a precision costs in adherence; the runtime backend only")
+@click.option("--deploy", "deploy_file", default=None, type=click.Path(dir_okay=False),
+              help="a deploy file (.yaml/.toml/.json) whose settings the runtime under test gets (compile, "
+              "attention_backend, options, ...); --model/--device/--dtype still choose the model; the runtime backend only")
 @click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="write the full report here")
 @click.option("--table/--no-table", default=True, show_default=True, help="print the per-clip table")
 def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float | None, prompt_set: str, backend: str,
-              rollout: str, device: str, dtype: str, batch_size: int, linear_precision: str, json_out: str | None,
-              table: bool) -> None:
+              rollout: str, device: str, dtype: str, batch_size: int, linear_precision: str, deploy_file: str | None,
+              json_out: str | None, table: bool) -> None:
     """Generate a fixed set of prompts x seeds, detect color, shape and motion direction (video) or
     position (image), report accuracy with 95 % Wilson intervals."""
     from rich.console import Console
@@ -64,13 +73,17 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
     console = Console()
     meta = _checkpoint_meta(model)
     block = meta.get("adherence")
-    deploy = {} if linear_precision == "dtype" else {"linear_precision": linear_precision}
+    deploy = deploy_settings(deploy_file)
+    if linear_precision != "dtype":
+        deploy["linear_precision"] = linear_precision
+    flags = " / ".join(f for f, given in (("--deploy", deploy_file), ("--linear-precision", linear_precision != "dtype"))
+                       if given)
     if deploy and backend == "diffusers":
-        raise click.UsageError("--linear-precision: a runtime deployment setting; --backend diffusers runs diffusers' "
+        raise click.UsageError(f"{flags}: runtime deployment settings; --backend diffusers runs diffusers' "
                                "pipeline as it is")
     if isinstance(block, dict) and block.get("kind") == "audio":
         if deploy:
-            raise click.UsageError(f"--linear-precision: not wired for audio models ({model})")
+            raise click.UsageError(f"{flags}: not wired for audio models ({model})")
         _audio(model, steps=steps, seeds=seeds, guidance_scale=guidance_scale, prompt_set=prompt_set, backend=backend,
                rollout=rollout, device=device, dtype=dtype, batch_size=batch_size, json_out=json_out, table=table)
         return
@@ -122,7 +135,7 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
     summary = ([("color", "color"), ("shape", "shape"), ("position", "position"), ("all three", "all")] if kind == "image"
                else [("color", "color"), ("direction", "direction"), ("color+direction", "all"), ("shape", "shape"),
                      ("no ghost", "clean")])
-    lp = f", linear_precision {linear_precision}" if deploy else ""
+    lp = "".join(f", {k} {json.dumps(v) if isinstance(v, (dict, list, bool)) else v}" for k, v in sorted(deploy.items()))
     s = Table(title=f"prompt adherence of {model} ({kind}: {len(prompts)} prompts x seeds {seeds}{lp})")
     for col in ("steps", "n", *(title for title, _ in summary), "seconds"):
         s.add_column(col, justify="right")
@@ -138,6 +151,33 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
     if json_out:
         Path(json_out).write_text(json.dumps({"model": model, "kind": kind, "reports": [r.to_dict() for r in reports]}, indent=1))
         console.print(f"wrote {json_out}")
+
+
+#: the fields of a deploy file that ``eval adherence`` takes from its own flags instead
+_MODEL_FIELDS = ("model", "models", "device", "dtype")
+
+
+def deploy_settings(deploy_file: str | None) -> dict[str, Any]:
+    """The settings of ``deploy_file`` that differ from the defaults, minus the model, device and dtype
+    (``--model/--device/--dtype`` give those): the extra ``DeployConfig`` fields of the runtime under
+    test. The file is validated as a whole first (``omniloop.deploy.load_deploy``): a bad file is one
+    usage error, before any model loads."""
+    if deploy_file is None:
+        return {}
+    from omniloop.deploy import DeployConfig, load_deploy
+    from omniloop.errors import DeployError
+    from omniloop.schema import converter
+
+    try:
+        cfg = load_deploy(deploy_file)
+    except DeployError as e:
+        raise click.UsageError(f"--deploy {e}") from None
+    if cfg.pipeline is not None:
+        raise click.UsageError(f"--deploy {deploy_file}: a composed pipeline ({cfg.pipeline!r}); eval adherence "
+                               "evaluates one model")
+    data = converter.unstructure(cfg)
+    defaults = converter.unstructure(DeployConfig())
+    return {k: v for k, v in data.items() if k not in _MODEL_FIELDS and v != defaults.get(k)}
 
 
 def _generator(model: str, meta: dict[str, Any], *, rollout: str, backend: str, device: str, dtype: str,

@@ -5,7 +5,8 @@
 # them clip by clip: "no verdict lost" is the bar). Run from the repo root with .whl/ carried
 # (diffusers, attrs, cattrs, stevedore wheels; demos/wan-demo/scripts/gpu_env.sh lists them), kind
 # nvidia-h200, timeout_s ~300. Writes $OUT/flux-demo-{bf16,fp8}.json and $OUT/log.txt.
-# RUNS (default bf16,fp8): which of the two to run; PRELUDE: Python run before the evaluation in each (an
+# RUNS (default bf16,fp8): which of them to run (also: deploy, the runtime under DEPLOY, a deploy file, e.g. the
+# exact-class fast path's compile + fused options: what a change of arithmetic without FP8 flips); PRELUDE: Python run before the evaluation in each (an
 # experiment's module setting, e.g. PRELUDE='import omniloop_quant.fp8 as f; f.FUSE_GELU_QUANT = False'); SEEDS;
 # TAG: appended to the JSON and log names (several experiments in one device call: the second and later
 # invocations find the packages installed under $PK and skip the install). The wheels may come as .whl/ or as
@@ -48,3 +49,4 @@ run() {  # run NAME [eval adherence options]
 }
 [[ ,${RUNS:-bf16,fp8}, == *,bf16,* ]] && run bf16
 [[ ,${RUNS:-bf16,fp8}, == *,fp8,* ]] && run fp8 --linear-precision fp8
+[[ ,${RUNS:-bf16,fp8}, == *,deploy,* ]] && run deploy --deploy "$DEPLOY"
