@@ -415,7 +415,9 @@ def _transformers() -> list[Any]:
     from diffusers import WanTransformer3DModel
 
     gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, WanTransformer3DModel)]
+    # issubclass(type(o)) rather than isinstance: isinstance also reads o.__class__, which on torch's deprecated
+    # torch.distributed.reduce_op object warns FutureWarning
+    return [o for o in gc.get_objects() if issubclass(type(o), WanTransformer3DModel)]
 
 
 def _transformer() -> Any:
