@@ -79,3 +79,29 @@ def test_preset_registered_and_refused_with_one_line_until_the_weights_exist(che
     assert [p.name for p in got] == ["flux-demo"]
     check_preset_not_installed("flux-demo", [(checkpoint_path, "checkpoint_dir"), (plugin, "checkpoint_dir")],
                                "training.ship")
+
+
+def test_the_readme_fast_deploy_file_is_a_valid_flux_deployment(tmp_path):
+    """The README's GPU deploy file (the exact-class fast path) parses as a deploy file and names only
+    options the flux family reads; without CUDA its fused kernels are refused in one line, before loading."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    import pytest
+
+    from omniloop import Runtime
+    from omniloop.deploy import load_deploy
+    from omniloop.errors import DeployError
+    from omniloop_flux.family import KNOWN_OPTIONS
+
+    readme = (Path(__file__).resolve().parents[2] / "families" / "flux-demo" / "README.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    f = tmp_path / "fast.toml"
+    f.write_text(block)
+    cfg = load_deploy(f)
+    assert cfg.model.preset == "flux-demo" and cfg.device == "cuda" and cfg.compile
+    assert set(cfg.options) <= KNOWN_OPTIONS
+    if not torch.cuda.is_available():
+        with pytest.raises(DeployError, match="options"):
+            Runtime.from_deploy({**tomllib.loads(block), "device": "cpu"})
