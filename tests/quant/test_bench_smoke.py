@@ -359,3 +359,57 @@ def test_fp8_dtype_first_steps_routes_by_step(tmp_path):
     assert _adherence(tmp_path, "k0", "fp8", 0) == fp8
     first = _adherence(tmp_path, "k1", "fp8", 1)
     assert first != dtype and first != fp8
+
+
+_EMULATE_CHECK = """
+import runpy, sys, torch
+runpy.run_path(sys.argv[1])
+import omniloop_quant.fp8 as f
+torch.manual_seed(0)
+lin = torch.nn.Linear(64, 32)
+x = torch.randn(5, 64)
+layer = f.FP8Linear(lin)
+w, sw = layer.qweight, layer.weight_scale
+xs = x.abs().amax(-1, keepdim=True) / (127.0 if sys.argv[2] == "int8" else 448.0)
+if sys.argv[2] == "int8":
+    assert w.dtype == torch.float32 and bool((w == w.round()).all()) and w.abs().max() == 127
+    xq = (x / xs).round().clamp(-127, 127)
+else:
+    assert bool((w == w.to(torch.float8_e4m3fn).float()).all())
+    xq = (x / xs).to(torch.float8_e4m3fn).float()
+want = (xq * xs) @ (w * sw.reshape(-1, 1)).t() + lin.bias
+got = layer(x)
+assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (got - want).abs().max()
+assert f.FUSE_GELU_QUANT is False
+print("ok", sys.argv[2], float((got - lin(x)).pow(2).mean().sqrt() / lin(x).pow(2).mean().sqrt()))
+"""
+
+
+@pytest.mark.skipif(not (BENCH / "emulated_linears.py").exists(), reason="bench/ not in this checkout")
+@pytest.mark.parametrize("grid", ["e4m3", "int8"])
+def test_emulated_linears_compute_the_numerical_model_on_their_grid(grid):
+    """bench/emulated_linears.py (session 25's experiment) in a child process: omniloop-quant's FP8Linear then
+    quantises onto EMULATE's grid (e4m3 values, or integers within ±127) with the same per-channel / per-row
+    scales and multiplies the dequantised operands in float32; a bad EMULATE is refused."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "EMULATE": grid}
+    res = subprocess.run([sys.executable, "-c", _EMULATE_CHECK, str(BENCH / "emulated_linears.py"), grid], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and f"ok {grid}" in res.stdout, res.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-c", _EMULATE_CHECK, str(BENCH / "emulated_linears.py"), "int4"],
+                         env={**os.environ, "EMULATE": "int4"}, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "EMULATE='int4'" in bad.stderr + bad.stdout
+
+
+@pytest.mark.skipif(not (BENCH / "int8_gemm_gpu.py").exists(), reason="bench/ not in this checkout")
+def test_int8_gemm_bench_smoke(tmp_path):
+    """bench/int8_gemm_gpu.py --smoke on the CPU: every run of one tiny shape, INT8's products exact against its
+    numerical model, e4m3's grid error above INT8's on the same operands."""
+    rec = run_script(BENCH / "int8_gemm_gpu.py", ["--smoke"], tmp_path, "int8_gemm_gpu-smoke-*.json")
+    runs = rec["shapes"]["smoke"]["runs"]
+    assert set(runs) == {"bf16", "fp8-rowwise", "int8-mm", "int8-mm+scale", "int8-mm+scale-compiled"}
+    assert runs["int8-mm"]["rel_rms_vs_model"] == 0.0
+    assert runs["bf16"]["rel_rms_vs_fp32"] < runs["int8-mm+scale"]["rel_rms_vs_fp32"] < runs["fp8-rowwise"]["rel_rms_vs_fp32"]
