@@ -41,7 +41,7 @@ from _repo_paths import add_repo_packages
 add_repo_packages()
 
 import torch  # noqa: E402
-from _common import cuda_ms  # noqa: E402
+from _common import cuda_ms, write_record  # noqa: E402
 
 #: (name, M, K, N): FLUX.1-dev 1024² — 4,096 image + 512 text tokens; a single block's fused QKV + MLP
 #: projection and its output projection, a double block's feed-forward, and the text stream's up-projection
@@ -156,11 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for name, m, k, n in SMOKE_SHAPES if args.smoke else SHAPES:
             record["shapes"][name] = {"m": m, "k": k, "n": n, "runs": measure(name, m, k, n, compiled, args.iters, args.rounds)}
-    tag = f"-{args.tag}" if args.tag else ("-smoke" if args.smoke else "")
-    out_path = Path(args.out) / f"int8_gemm_gpu{tag}-{record['date']}.json"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(record, indent=1))
-    print(json.dumps({"wrote": str(out_path)}))
+    if args.tag or args.smoke:  # the file's name: int8_gemm_gpu[-TAG]-<date>.json
+        record["bench"] += f"-{args.tag or 'smoke'}"
+    print(json.dumps({"wrote": str(write_record(record, args.out))}))
     return 0
 
 
