@@ -63,6 +63,8 @@ def test_generate_refuses_frames_off_the_vae_grid_in_one_line(tiny_ckpt: Any, ma
     assert not out.exists()
 
 
+# the openai SDK marks its videos API (the endpoint shape /v1/videos serves) deprecated upstream: not ours to act on
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 def test_v1_videos_serves_the_mp4_with_its_audio_track(tiny_ckpt: Any, make_runtime: Any, tmp_path: Path) -> None:
     import httpx
 
