@@ -413,3 +413,17 @@ def test_int8_gemm_bench_smoke(tmp_path):
     assert set(runs) == {"bf16", "fp8-rowwise", "int8-mm", "int8-mm+scale", "int8-mm+scale-compiled"}
     assert runs["int8-mm"]["rel_rms_vs_model"] == 0.0
     assert runs["bf16"]["rel_rms_vs_fp32"] < runs["int8-mm+scale"]["rel_rms_vs_fp32"] < runs["fp8-rowwise"]["rel_rms_vs_fp32"]
+
+
+@pytest.mark.parametrize("script", sorted((Path(__file__).resolve().parents[2] / "plugins" / "compute" / "quant" / "scripts")
+                                          .glob("*.sh")), ids=lambda p: p.name)
+def test_the_device_scripts_parse_and_name_real_files(script):
+    """The GPU scripts cannot run here; what can drift is checked: bash parses each, and the bench scripts and
+    the other device scripts each names exist."""
+    import re
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    named = re.findall(r"\b((?:bench|plugins/compute/quant/scripts)/[\w/]+\.(?:py|sh))\b", script.read_text())
+    assert all((repo / f).is_file() for f in named), [f for f in named if not (repo / f).is_file()]
