@@ -44,7 +44,7 @@ run() {  # run NAME [eval adherence options]
   local name=$1; shift
   python3 -c "${PRELUDE:-pass}"'; import sys; from omniloop_wan_demo.cli import adherence; adherence(sys.argv[1:])' --model flux-demo \
     --prompts "$PROMPTS" --seeds "$SEEDS" --device "$DEVICE" --dtype "$DTYPE" --no-table --json "$OUT/flux-demo-$name$TAG.json" "$@" \
-    2>&1 | grep -v -E "it/s\]|s/it\]"
+    2>&1 | grep --line-buffered -v -E "it/s\]|s/it\]"
   el "$name done"
 }
 [[ ,${RUNS:-bf16,fp8}, == *,bf16,* ]] && run bf16
