@@ -3,7 +3,8 @@
 GPU only (issue 40). Why: e4m3's 3 mantissa bits cost flux-demo 3.5 points of shape accuracy however the
 scales are cut (``bench/README.md``, sessions 23–25), while a symmetric INT8 grid with the same per-token /
 per-channel scales rounds a well-scaled operand several times more finely; Hopper's tensor cores run
-INT8 at the FP8 rate. This measures whether torch's INT8 GEMM reaches that rate on these shapes. Per shape
+INT8 at the FP8 rate. This measures whether torch's INT8 GEMM reaches that rate on these shapes (on an H100,
+2026-12-07, it did not: 0.86-1.11x bf16 against FP8's 1.54-1.67x; ``results/int8_gemm_gpu-h100-s26-2026-12-07.json``). Per shape
 (M tokens × K in × N out), milliseconds (CUDA events, median of ``--rounds`` rounds of ``--iters`` calls)
 and TFLOP/s of
 

@@ -427,3 +427,22 @@ def test_the_device_scripts_parse_and_name_real_files(script):
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     named = re.findall(r"\b((?:bench|plugins/compute/quant/scripts)/[\w/]+\.(?:py|sh))\b", script.read_text())
     assert all((repo / f).is_file() for f in named), [f for f in named if not (repo / f).is_file()]
+
+
+@pytest.mark.skipif(not (BENCH / "fp8_cast_devices.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_cast_devices_cpu_against_itself(tmp_path):
+    """bench/fp8_cast_devices.py (the GPU's e4m3 cast and per-row quantisation against the CPU's) runs its two
+    checks with ``--device cpu``: the CPU against itself, no mismatch; ``--device cuda`` without CUDA is one line."""
+    import torch
+
+    rec = run_script(BENCH / "fp8_cast_devices.py", ["--device", "cpu"], tmp_path, "fp8_cast_devices-cpu.json")
+    assert rec["cast"]["values"] > 6_000_000 and rec["cast"]["mismatches"] == 0
+    assert rec["quantize_rows"] == {"rows": 4096, "row_scale_mismatches": 0, "max_scale_ulps": 0, "codes": 4096 * 512,
+                                    "code_mismatches": 0}
+    if not torch.cuda.is_available():
+        import subprocess
+        import sys
+
+        r = subprocess.run([sys.executable, str(BENCH / "fp8_cast_devices.py"), "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
