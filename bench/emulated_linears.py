@@ -12,7 +12,9 @@ rounding grid is ``EMULATE``'s:
 
 * ``e4m3`` — FP8's own grid: against real ``fp8`` on the same device, only the GEMM kernel (its accumulation,
   its epilogue) differs. flux-demo's FP8 shape losses on the GPU (27-29 lost, 12 gained of 432) did not appear
-  on the CPU (12 lost, 16 gained with this emulation): this separates the grid from the kernel;
+  on the CPU (12 lost, 16 gained with this emulation): this separates the grid from the kernel. On an H100
+  (2026-12-07) the emulation lost 28 and gained 12 — as the kernel does, agreeing with it on 411 of 432
+  images: the kernel is not the cause (``results/flux-demo-fp8-grid-vs-kernel-h100-s26-2026-12-07.json``);
 * ``int8`` — a symmetric INT8 grid (round to nearest, ±127) with the same scale granularity: what 8-bit
   integer GEMMs (``torch._int_mm``, int32 accumulation, exact) would cost in adherence.
 
