@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from omniloop_wan_demo import cli
-from omniloop_wan_demo.compare import compare, load_report, mcnemar_p
+from omniloop_wan_demo.compare import compare, feature_shifts, load_report, mcnemar_p
 
 
 def _report(verdicts, *, kind="video", steps=20, seeds=(0,)):
@@ -110,3 +110,66 @@ def test_sweeps_are_compared_per_step_count_too(tmp_path):
     b.write_text(json.dumps(other))
     res = CliRunner().invoke(cli.main, ["eval", "compare", str(a), str(b)])
     assert res.exit_code == 0 and "all step counts" in res.output and "4 steps: 4 clips" in res.output
+
+
+def _image_report(areas, *, shapes=("square", "circle"), centroid_x=None):
+    """An image report whose clip i measured ``areas[i]`` (expected shape alternating over ``shapes``)."""
+    clips = []
+    for i, area in enumerate(areas):
+        detected = {"color": "red", "shape": "square", "area": area, "fill": 0.9, "flag": True, "label": "x",
+                    "centroid": [0.5 if centroid_x is None else centroid_x[i], 0.25], "bad": float("nan")}
+        clips.append({"prompt": f"p{i}", "seed": 0, "expected": {"shape": shapes[i % len(shapes)]},
+                      "detected": detected, "ok": {"color": True, "shape": True, "position": True}})
+    return {"model": "m", "kind": "image", "reports": [{"steps": 20, "n": len(clips), "accuracy": {}, "clips": clips}]}
+
+
+def test_feature_shifts_are_paired_means_with_standard_errors():
+    base = _image_report([100.0, 200.0, 300.0, 400.0, 150.0, 250.0])
+    # squares (even clips) shrink by 2, 3, 4 px; circles do not move
+    other = _image_report([98.0, 200.0, 297.0, 400.0, 146.0, 250.0])
+    rows = {(r["group"], r["feature"]): r for r in feature_shifts(base, other, by="shape")}
+    sq = rows[("shape=square", "area")]
+    assert sq["n"] == 3 and sq["shift"] == pytest.approx(-3.0) and sq["se"] == pytest.approx(1 / math.sqrt(3))
+    assert sq["z"] == pytest.approx(-3 * math.sqrt(3)) and sq["base_mean"] == pytest.approx(550 / 3)
+    assert sq["p"] == pytest.approx(math.erfc(3 * math.sqrt(3) / math.sqrt(2)))
+    circle = rows[("shape=circle", "area")]
+    assert (circle["shift"], circle["se"], circle["z"], circle["p"], circle["reading"]) == (0.0, 0.0, 0.0, 1.0, "no shift seen")
+    everything = rows[("all", "area")]
+    assert everything["n"] == 6 and everything["shift"] == pytest.approx(-1.5)
+    # numbers only: booleans, labels and non-finite values are not measurements; lists are split by index
+    assert {f for _, f in rows} == {"area", "fill", "centroid[0]", "centroid[1]"}
+    # without `by`, all clips only; the groups come first "all", then the expected values in order
+    assert {g for g, _ in ((r["group"], r["feature"]) for r in feature_shifts(base, other))} == {"all"}
+    assert [r["group"] for r in feature_shifts(base, other, by="shape")][::4] == ["all", "shape=circle", "shape=square"]
+
+
+def test_a_systematic_shift_reads_as_shifts_after_bonferroni():
+    n = 40
+    base = _image_report([200.0] * n, centroid_x=[0.5] * n)
+    # every clip's centroid moves right by about 0.01 (with a little spread): unmistakable
+    other = _image_report([200.0 + (-1) ** i for i in range(n)], centroid_x=[0.51 + 0.001 * ((i % 3) - 1) for i in range(n)])
+    rows = {(r["group"], r["feature"]): r for r in feature_shifts(base, other, by="shape")}
+    assert rows[("all", "centroid[0]")]["reading"] == "shifts" and rows[("all", "centroid[0]")]["z"] > 10
+    assert rows[("all", "area")]["reading"] == "no shift seen"
+    with pytest.raises(ValueError, match="different kinds"):
+        feature_shifts(base, _report([(True, True, True)]))
+
+
+def test_cli_features_prints_the_measurements_and_writes_them(tmp_path):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "cmp.json"
+    n = 40
+    a.write_text(json.dumps(_image_report([200.0] * n, centroid_x=[0.5] * n)))
+    b.write_text(json.dumps(_image_report([200.0] * n, centroid_x=[0.51 + 0.001 * ((i % 3) - 1) for i in range(n)])))
+    res = CliRunner().invoke(cli.main, ["eval", "compare", str(a), str(b), "--features", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "centroid[0]" in res.output and "square" in res.output and "Bonferroni" in res.output
+    got = json.loads(out.read_text())
+    assert {(r["group"], r["feature"]) for r in got["features"]} >= {("all", "centroid[0]"), ("shape=square", "area")}
+    plain = CliRunner().invoke(cli.main, ["eval", "compare", str(a), str(b), "--features", "--by", ""])
+    assert plain.exit_code == 0 and "square" not in plain.output.split("Bonferroni")[0].split("measurements")[-1]
+    # reports without measurements (the verdicts only) say so instead of printing an empty table
+    c, d = tmp_path / "c.json", tmp_path / "d.json"
+    c.write_text(json.dumps(_report([(True, True, True)] * 3)))
+    d.write_text(json.dumps(_report([(True, True, True)] * 3)))
+    res = CliRunner().invoke(cli.main, ["eval", "compare", str(c), str(d), "--features"])
+    assert res.exit_code == 0 and "no measurement shared" in res.output

@@ -255,24 +255,33 @@ def _preset_dir(name: str) -> Path | None:
 @click.argument("base", type=click.Path(dir_okay=False))
 @click.argument("other", type=click.Path(dir_okay=False))
 @click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="write the comparison here")
-def compare_cmd(base: str, other: str, json_out: str | None) -> None:
+@click.option("--features", is_flag=True,
+              help="also the paired shift of each measurement the detector made (area, fill, centroid, travel, ...)")
+@click.option("--by", default="shape", show_default=True, metavar="CHECK",
+              help="with --features: also per expected value of this check ('' for all clips only)")
+def compare_cmd(base: str, other: str, json_out: str | None, features: bool, by: str) -> None:
     """Verdicts lost and gained from BASE to OTHER, with McNemar's exact p.
 
     BASE and OTHER are two 'eval adherence --json' reports of the same prompts and seeds, matched
     clip by clip. The p says whether a change (precision, backend, checkpoint) costs adherence or
-    only flips verdicts both ways, as any change of rounding does.
+    only flips verdicts both ways, as any change of rounding does. With --features, the detector's
+    measurements behind the verdicts are compared too: the mean shift of each (OTHER - BASE), its
+    standard error and p — a systematic change shows there long before the verdict counts move.
 
         omniloop eval adherence --json bf16.json
         omniloop eval adherence --linear-precision fp8 --json fp8.json
-        omniloop eval compare bf16.json fp8.json
+        omniloop eval compare bf16.json fp8.json --features
     """
     from rich.console import Console
     from rich.table import Table
 
-    from .compare import SIGNIFICANCE, ReportError, compare, load_report
+    from .compare import SIGNIFICANCE, ReportError, compare, feature_shifts, load_report
 
     try:
-        result = compare(load_report(base), load_report(other))
+        docs = load_report(base), load_report(other)
+        result = compare(*docs)
+        if features:
+            result["features"] = feature_shifts(*docs, by=by or None)
     except ReportError as e:
         raise click.UsageError(str(e)) from None
     except ValueError as e:
@@ -299,6 +308,20 @@ def compare_cmd(base: str, other: str, json_out: str | None) -> None:
                       f"{other}: not compared[/yellow]")
     console.print(f"'no effect seen': p >= {SIGNIFICANCE} — the lost/gained split is what the noise of a change of "
                   "rounding makes; more clips (seeds) resolve smaller effects")
+    if features:
+        rows = result["features"]
+        per = f" (all clips, then per expected {by})" if by else ""
+        t = Table(title=f"the detector's measurements, {other} - {base}, clip by clip{per}")
+        for col in ("clips", "measure", "n", "base", "shift", "± se", "z", "p"):
+            t.add_column(col, justify="left" if col in ("clips", "measure") else "right", no_wrap=True)
+        for r in rows:
+            t.add_row(r["group"].split("=", 1)[-1], r["feature"], str(r["n"]), f"{r['base_mean']:.4g}",
+                      f"{r['shift']:+.2g}", f"{r['se']:.1g}", f"{r['z']:+.1f}",
+                      f"{r['p']:.0e}" + (" *" if r["reading"] == "shifts" else "  "))
+        console.print(t if rows else "[yellow]no measurement shared by both reports' clips[/yellow]")
+        if rows:
+            console.print(f"*: p below {SIGNIFICANCE}/{len(rows)} (Bonferroni over the rows) — the change moves this "
+                          "measurement systematically, whatever the verdicts did")
     if json_out:
         Path(json_out).write_text(json.dumps({"base": base, "other": other, **result}, indent=1))
         console.print(f"wrote {json_out}")
