@@ -18,6 +18,11 @@ rounding grid is ``EMULATE``'s:
 * ``int8`` — a symmetric INT8 grid (round to nearest, ±127) with the same scale granularity: what 8-bit
   integer GEMMs (``torch._int_mm``, int32 accumulation, exact) would cost in adherence.
 
+``EMULATE_SIDE`` (default ``both``) says which operand goes on the grid: ``weights`` (activations exact), ``activations``
+(weights exact) or ``none`` (the harness alone: float32 products of the bf16 operands, a control that should move
+nothing). With ``omniloop eval compare --features`` it tells which operand carries FP8's systematic effect on flux-demo
+(its objects shrink by ~1 % of their area, ``bench/README.md``, "Session 27").
+
 The fused GELU + quantisation kernel is off (``FUSE_GELU_QUANT = False``): every activation is quantised by
 the patched ``quantize_rows``.
 """
@@ -34,6 +39,9 @@ EMULATE = os.environ.get("EMULATE", "e4m3")
 if EMULATE not in ("e4m3", "int8"):
     raise SystemExit(f"EMULATE={EMULATE!r}: e4m3 or int8")
 QMAX = 127.0 if EMULATE == "int8" else _fp8.E4M3_MAX
+SIDE = os.environ.get("EMULATE_SIDE", "both")
+if SIDE not in ("both", "weights", "activations", "none"):
+    raise SystemExit(f"EMULATE_SIDE={SIDE!r}: both, weights, activations or none")
 
 
 def _grid(v: torch.Tensor) -> torch.Tensor:
@@ -46,14 +54,15 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Wq [out, in] float32 on the grid, scale [1, out])``."""
     w = weight.detach().float()
     scale = w.abs().amax(dim=1, keepdim=True).clamp(min=_fp8._TINY_AMAX) / QMAX
-    return _grid(w / scale).contiguous(), scale.reshape(1, -1).contiguous()
+    q = _grid(w / scale) if SIDE in ("both", "weights") else w / scale
+    return q.contiguous(), scale.reshape(1, -1).contiguous()
 
 
 def quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(aq [M, K] float32 on the grid, scale [M, 1])``."""
     af = a.float()
     scale = af.abs().amax(dim=-1, keepdim=True).clamp(min=_fp8._TINY_AMAX) / QMAX
-    return _grid(af / scale), scale
+    return (_grid(af / scale) if SIDE in ("both", "activations") else af / scale), scale
 
 
 def forward_quantized(self: _fp8.FP8Linear, xq: torch.Tensor, sx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -67,4 +76,4 @@ _fp8.quantize_weight = quantize_weight
 _fp8.quantize_rows = quantize_rows
 _fp8.FP8Linear.forward_quantized = forward_quantized  # type: ignore[method-assign]
 _fp8.FUSE_GELU_QUANT = False
-print(f"emulated_linears: fp8 linears as float32 GEMMs on the {EMULATE} grid", flush=True)
+print(f"emulated_linears: fp8 linears as float32 GEMMs on the {EMULATE} grid ({SIDE})", flush=True)

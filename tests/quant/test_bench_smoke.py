@@ -370,38 +370,50 @@ lin = torch.nn.Linear(64, 32)
 x = torch.randn(5, 64)
 layer = f.FP8Linear(lin)
 w, sw = layer.qweight, layer.weight_scale
+side = sys.argv[3]
+on_w, on_a = side in ("both", "weights"), side in ("both", "activations")
 xs = x.abs().amax(-1, keepdim=True) / (127.0 if sys.argv[2] == "int8" else 448.0)
 if sys.argv[2] == "int8":
-    assert w.dtype == torch.float32 and bool((w == w.round()).all()) and w.abs().max() == 127
-    xq = (x / xs).round().clamp(-127, 127)
+    assert w.dtype == torch.float32 and bool((w == w.round()).all()) == on_w and abs(float(w.abs().max()) - 127) < 1e-4
+    xq = (x / xs).round().clamp(-127, 127) if on_a else x / xs
 else:
-    assert bool((w == w.to(torch.float8_e4m3fn).float()).all())
-    xq = (x / xs).to(torch.float8_e4m3fn).float()
+    assert bool((w == w.to(torch.float8_e4m3fn).float()).all()) == on_w
+    xq = (x / xs).to(torch.float8_e4m3fn).float() if on_a else x / xs
+if not on_w:
+    assert torch.allclose(w * sw.reshape(-1, 1), lin.weight, rtol=1e-6, atol=1e-7)
 want = (xq * xs) @ (w * sw.reshape(-1, 1)).t() + lin.bias
 got = layer(x)
 assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (got - want).abs().max()
+if side == "none":
+    assert torch.allclose(got, lin(x), rtol=1e-5, atol=1e-5)
 assert f.FUSE_GELU_QUANT is False
-print("ok", sys.argv[2], float((got - lin(x)).pow(2).mean().sqrt() / lin(x).pow(2).mean().sqrt()))
+print("ok", sys.argv[2], side, float((got - lin(x)).pow(2).mean().sqrt() / lin(x).pow(2).mean().sqrt()))
 """
 
 
 @pytest.mark.skipif(not (BENCH / "emulated_linears.py").exists(), reason="bench/ not in this checkout")
-@pytest.mark.parametrize("grid", ["e4m3", "int8"])
-def test_emulated_linears_compute_the_numerical_model_on_their_grid(grid):
+@pytest.mark.parametrize("grid, side", [("e4m3", "both"), ("int8", "both"), ("e4m3", "weights"), ("e4m3", "activations"),
+                                        ("int8", "activations"), ("e4m3", "none")])
+def test_emulated_linears_compute_the_numerical_model_on_their_grid(grid, side):
     """bench/emulated_linears.py (session 25's experiment) in a child process: omniloop-quant's FP8Linear then
     quantises onto EMULATE's grid (e4m3 values, or integers within ±127) with the same per-channel / per-row
-    scales and multiplies the dequantised operands in float32; a bad EMULATE is refused."""
+    scales and multiplies the dequantised operands in float32 — only the operands EMULATE_SIDE names (session
+    27: which operand carries FP8's systematic shift; ``none``, the control, is the float32 linear itself); a bad
+    EMULATE or EMULATE_SIDE is refused."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "EMULATE": grid}
-    res = subprocess.run([sys.executable, "-c", _EMULATE_CHECK, str(BENCH / "emulated_linears.py"), grid], env=env,
+    env = {**os.environ, "EMULATE": grid, "EMULATE_SIDE": side}
+    res = subprocess.run([sys.executable, "-c", _EMULATE_CHECK, str(BENCH / "emulated_linears.py"), grid, side], env=env,
                          capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and f"ok {grid}" in res.stdout, res.stderr[-2000:]
-    bad = subprocess.run([sys.executable, "-c", _EMULATE_CHECK, str(BENCH / "emulated_linears.py"), "int4"],
-                         env={**os.environ, "EMULATE": "int4"}, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "EMULATE='int4'" in bad.stderr + bad.stdout
+    assert res.returncode == 0 and f"ok {grid} {side}" in res.stdout, res.stderr[-2000:]
+    if side != "both":
+        return
+    for var, value in (("EMULATE", "int4"), ("EMULATE_SIDE", "bias")):
+        bad = subprocess.run([sys.executable, "-c", _EMULATE_CHECK, str(BENCH / "emulated_linears.py"), grid, side],
+                             env={**env, var: value}, capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and f"{var}={value!r}" in bad.stderr + bad.stdout
 
 
 @pytest.mark.skipif(not (BENCH / "int8_gemm_gpu.py").exists(), reason="bench/ not in this checkout")
@@ -446,3 +458,50 @@ def test_fp8_cast_devices_cpu_against_itself(tmp_path):
         r = subprocess.run([sys.executable, str(BENCH / "fp8_cast_devices.py"), "--out", str(tmp_path)],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+
+
+_EXCLUDE_CHECK = """
+import runpy, sys, torch
+from torch import nn
+runpy.run_path(sys.argv[1])
+import omniloop_quant.blocks as b
+import omniloop_quant.fp8 as f
+
+class Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 64)
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1 = Norm()
+        self.to_q = nn.Linear(32, 32)
+
+blocks = nn.ModuleList([Block(), Block()])
+report = b.install([blocks], names=["blocks"])
+assert report["quantized"] == 2, report
+assert type(blocks[0].norm1.linear) is nn.Linear and type(blocks[1].norm1.linear) is nn.Linear
+assert isinstance(blocks[0].to_q, f.FP8Linear) and isinstance(blocks[1].to_q, f.FP8Linear)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not (BENCH / "fp8_exclude.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_exclude_keeps_the_matching_linears():
+    """bench/fp8_exclude.py (session 27's experiment) in a child process: the deploy's FP8 install then keeps every
+    linear whose path under its block list matches FP8_EXCLUDE (here the modulation's ``norm1.linear``) as it was;
+    a missing or malformed expression is refused."""
+    import os
+    import subprocess
+    import sys
+
+    script = str(BENCH / "fp8_exclude.py")
+    env = {**os.environ, "FP8_EXCLUDE": r"\.norm\w*\.linear$"}
+    res = subprocess.run([sys.executable, "-c", _EXCLUDE_CHECK, script], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout and "kept 2 module(s)" in res.stdout, res.stderr[-2000:]
+    for value, message in (("", "FP8_EXCLUDE: a regular expression"), ("(", "FP8_EXCLUDE='('")):
+        bad = subprocess.run([sys.executable, "-c", _EXCLUDE_CHECK, script], env={**env, "FP8_EXCLUDE": value},
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and message in bad.stderr + bad.stdout
