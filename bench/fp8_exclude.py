@@ -1,10 +1,10 @@
 """An experiment for issue 40, not a deploy mode: omniloop-quant's FP8 linears with some layers kept as they were.
 
 Run before an adherence evaluation in the same process (``gpu_fp8lin_flux_demo.sh``'s ``PRELUDE``, or
-``python -c``), with ``FP8_EXCLUDE`` a regular expression over each linear's dotted path under its block list
-(``0.norm1.linear``, ``3.attn.to_q``, ``0.ff``; the groups of ``bench/fp8_error.py --groups``)::
+``python -c``), with ``FP8_EXCLUDE`` a regular expression over each linear's dotted path under its transformer
+block (``norm1.linear``, ``attn.to_q``, ``ff``: the deploy installs block by block)::
 
-    FP8_EXCLUDE='\\.norm\\w*\\.linear$' python -c 'import runpy; runpy.run_path("bench/fp8_exclude.py"); \\
+    FP8_EXCLUDE='(^|\\.)norm\\w*\\.linear$' python -c 'import runpy; runpy.run_path("bench/fp8_exclude.py"); \\
         import sys; from omniloop_wan_demo.cli import adherence; adherence(sys.argv[1:])' \\
         --model flux-demo --linear-precision fp8 --json fp8-no-mod.json
 
@@ -27,13 +27,13 @@ import omniloop_quant.fp8 as _fp8
 
 PATTERN = os.environ.get("FP8_EXCLUDE", "")
 if not PATTERN:
-    raise SystemExit("FP8_EXCLUDE: a regular expression over the linears' paths, e.g. '\\.norm\\w*\\.linear$'")
+    raise SystemExit("FP8_EXCLUDE: a regular expression over the linears' paths in a block, e.g. 'norm1\\.linear$'")
 try:
     _RX = re.compile(PATTERN)
 except re.error as exc:
     raise SystemExit(f"FP8_EXCLUDE={PATTERN!r}: {exc}") from None
 _install = _fp8.install
-EXCLUDED: dict[str, None] = {}  # the paths kept, in order (install may ask twice)
+EXCLUDED: dict[str, None] = {}  # the paths (within a block) kept, in order; install may ask twice
 
 
 def _exclude(path: str) -> bool:
@@ -45,8 +45,8 @@ def _exclude(path: str) -> bool:
 
 def install(roots: Iterable[nn.Module], **kwargs: Any) -> dict[str, Any]:
     report = _install(roots, exclude=_exclude, **kwargs)
-    print(f"fp8_exclude: kept {len(EXCLUDED)} module(s) matching {PATTERN!r} as they were "
-          f"(first: {', '.join(list(EXCLUDED)[:3])})", flush=True)
+    print(f"fp8_exclude: kept the layers at {len(EXCLUDED)} path(s) in the blocks matching {PATTERN!r} as they were: "
+          f"{', '.join(list(EXCLUDED)[:6])}", flush=True)
     return report
 
 
