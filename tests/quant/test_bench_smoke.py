@@ -505,3 +505,45 @@ def test_fp8_exclude_keeps_the_matching_linears():
         bad = subprocess.run([sys.executable, "-c", _EXCLUDE_CHECK, script], env={**env, "FP8_EXCLUDE": value},
                              capture_output=True, text=True, timeout=300)
         assert bad.returncode != 0 and message in bad.stderr + bad.stdout
+
+
+_MEAN_CORRECTION_CHECK = """
+import runpy, sys, torch
+runpy.run_path(sys.argv[1])
+import omniloop_quant.fp8 as f
+torch.manual_seed(0)
+lin = torch.nn.Linear(64, 32)
+layer = f.FP8Linear(lin)
+deq = layer.dequantized_weight()
+assert torch.equal(layer.weight_error, lin.weight.detach() - deq)
+def act_part(x):  # what is left: the activations' rounding, through the rounded weight
+    xq, sx = f.quantize_rows(x.reshape(-1, 64))
+    return ((xq.float() * sx) - x.reshape(-1, 64)) @ deq.t()
+# a per-sample vector (2-D, few rows): corrected row by row, so only the activations' error is left
+v = torch.randn(2, 64) + 1.0
+with torch.no_grad():
+    assert torch.allclose(layer(v), lin(v) + act_part(v), rtol=1e-5, atol=1e-5)
+    # tokens (3-D): the weight error's mean over the tokens is removed; inputs with a mean (after a GELU, a shift)
+    x = torch.randn(1, 256, 64) + 0.5
+    plain = f.FP8Linear.__mro__[0]._forward_uncorrected(layer, x)
+    exact = lin(x)
+    corrected = layer(x)
+    err_plain = (plain - exact).mean(dim=1).norm()
+    err_corr = (corrected - exact - act_part(x).reshape(1, 256, 32)).mean(dim=1).norm()
+assert err_corr < 1e-5 < err_plain, (float(err_corr), float(err_plain))
+assert f.FUSE_GELU_QUANT is False
+print("ok", float(err_plain))
+"""
+
+
+@pytest.mark.skipif(not (BENCH / "fp8_mean_correction.py").exists(), reason="bench/ not in this checkout")
+def test_fp8_mean_correction_removes_the_weight_errors_token_mean():
+    """bench/fp8_mean_correction.py (session 27's experiment) in a child process: an FP8Linear then adds its weight
+    rounding error times the inputs' token mean — a per-sample vector is corrected exactly, a token sequence's
+    output mean is what the exact weight gives (up to the activations' rounding)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _MEAN_CORRECTION_CHECK, str(BENCH / "fp8_mean_correction.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
