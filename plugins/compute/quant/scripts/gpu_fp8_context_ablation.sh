@@ -8,6 +8,8 @@
 #   fullred   cuBLAS bf16 GEMMs without reduced-precision reductions
 #             (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False)
 # An ablation after which FP8's flips are balanced again (compare its own bf16 and FP8 runs) names the part.
+# Run in session 27 (H100): neither does (math 13 lost / 7 gained, fullred 15 / 4, every verdict the default's);
+# bench/README.md, "Session 27". Each ablation's FP8 run takes ~95 s, its bf16 run ~70 s: keep RUN_S >= 200.
 # Run from the repo root with .whl-fp8 (or .whl) carried, one GPU, timeout_s ~560 (each run ~100 s). ABL (default
 # "math fullred"), SEEDS (default 1). Writes $OUT/fd/flux-demo-{bf16,fp8}-<ablation>.json; then, here:
 #   omniloop eval compare flux-demo-bf16-math.json flux-demo-fp8-math.json
