@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # Issue 40, the run after session 27: flux-demo's FP8 effect is the weights' e4m3 rounding (bench/README.md, "Session
-# 27"); on the CPU, keeping the attention q/k/v projections in bf16 removed the objects' ~1 % shrink. This runs, on
-# one GPU, bf16 and FP8 with those layers kept (bench/fp8_exclude.py) at the seeds where the GPU's FP8 loses its shape
-# verdicts (0 and 1: 29 lost / 12 gained with every layer in FP8). Then, here:
-#   omniloop eval compare flux-demo-bf16-x.json flux-demo-fp8-x.json --features
-# Run from the repo root with .whl-fp8 (or .whl) carried, one GPU, timeout_s ~420 (bf16 ~95 s, FP8 ~175 s for 432
-# images). EXCLUDE: the regular expression over the linears' paths within a block (default: q/k/v, also fused);
-# SEEDS (default 0,1); RUNS (default bf16,fp8). Writes $OUT/fd/flux-demo-{bf16,fp8}-x.json.
+# 27"); on the CPU, keeping the attention value projections (to_v, add_v_proj: ~8 % of FLUX.1-dev's linear FLOPs) in
+# bf16 removed most of the objects' ~1 % shrink, and q/k/v together all of it. This runs, on one GPU, bf16 and then FP8
+# with those layers kept (bench/fp8_exclude.py) at the seeds where the GPU's FP8 loses its shape verdicts (0 and 1:
+# 29 lost / 12 gained with every layer in FP8). Then, here, for each variant V:
+#   omniloop eval compare flux-demo-bf16-x.json flux-demo-fp8-x-V.json --features
+# Run from the repo root with .whl-fp8 (or .whl) carried, one GPU, timeout_s ~560 (bf16 ~95 s, each FP8 variant
+# ~175 s for 432 images). VARIANTS (default "v qkv"): v = to_v/add_v_proj kept; qkv = q/k/v kept (also diffusers'
+# fused to_qkv/to_added_qkv); any other word is taken as the regular expression itself (paths within a block).
+# SEEDS (default 0,1); BF16=0 skips the bf16 run. Writes $OUT/fd/flux-demo-bf16-x.json, flux-demo-fp8-x-<V>.json.
 set -u
 OUT=${OUT:-/tmp/out}
-export FP8_EXCLUDE=${EXCLUDE:-'^attn\.(to_[qkv]|add_[qkv]_proj|to_qkv|to_added_qkv)$'}
 S=plugins/compute/quant/scripts/gpu_fp8lin_flux_demo.sh
 mkdir -p "$OUT/fd"
-[[ ,${RUNS:-bf16,fp8}, == *,bf16,* ]] && OUT=$OUT/fd SEEDS=${SEEDS:-0,1} RUNS=bf16 TAG=-x timeout "${BF16_S:-150}" bash $S
-[[ ,${RUNS:-bf16,fp8}, == *,fp8,* ]] && OUT=$OUT/fd SEEDS=${SEEDS:-0,1} RUNS=fp8 TAG=-x \
-  PRELUDE='import runpy; runpy.run_path("bench/fp8_exclude.py")' timeout "${FP8_S:-250}" bash $S
+[ "${BF16:-1}" = 1 ] && OUT=$OUT/fd SEEDS=${SEEDS:-0,1} RUNS=bf16 TAG=-x timeout "${BF16_S:-150}" bash $S
+i=0
+for v in ${VARIANTS:-v qkv}; do
+  i=$((i + 1))
+  case $v in
+    v) rx='^attn\.(to_v|add_v_proj)$'; name=v ;;
+    qkv) rx='^attn\.(to_[qkv]|add_[qkv]_proj|to_qkv|to_added_qkv)$'; name=qkv ;;
+    *) rx=$v; name=re$i ;;
+  esac
+  FP8_EXCLUDE=$rx OUT=$OUT/fd SEEDS=${SEEDS:-0,1} RUNS=fp8 TAG=-x-$name \
+    PRELUDE='import runpy; runpy.run_path("bench/fp8_exclude.py")' timeout "${FP8_S:-200}" bash $S
+done
 ls -la "$OUT/fd"
