@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from omniloop_wan_demo import cli
-from omniloop_wan_demo.compare import compare, feature_shifts, load_report, mcnemar_p
+from omniloop_wan_demo.compare import compare, feature_shifts, load_report, mcnemar_p, student_t_p
 
 
 def _report(verdicts, *, kind="video", steps=20, seeds=(0,)):
@@ -131,7 +131,8 @@ def test_feature_shifts_are_paired_means_with_standard_errors():
     sq = rows[("shape=square", "area")]
     assert sq["n"] == 3 and sq["shift"] == pytest.approx(-3.0) and sq["se"] == pytest.approx(1 / math.sqrt(3))
     assert sq["z"] == pytest.approx(-3 * math.sqrt(3)) and sq["base_mean"] == pytest.approx(550 / 3)
-    assert sq["p"] == pytest.approx(math.erfc(3 * math.sqrt(3) / math.sqrt(2)))
+    t = 3 * math.sqrt(3)  # the paired t-test with 2 degrees of freedom: p = 1 - |t| / sqrt(t^2 + 2)
+    assert sq["p"] == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-9)
     circle = rows[("shape=circle", "area")]
     assert (circle["shift"], circle["se"], circle["z"], circle["p"], circle["reading"]) == (0.0, 0.0, 0.0, 1.0, "no shift seen")
     everything = rows[("all", "area")]
@@ -141,6 +142,17 @@ def test_feature_shifts_are_paired_means_with_standard_errors():
     # without `by`, all clips only; the groups come first "all", then the expected values in order
     assert {g for g, _ in ((r["group"], r["feature"]) for r in feature_shifts(base, other))} == {"all"}
     assert [r["group"] for r in feature_shifts(base, other, by="shape")][::4] == ["all", "shape=circle", "shape=square"]
+
+
+def test_student_t_p_against_closed_forms_and_the_normal_limit():
+    for t in (0.0, 0.5, 1.0, 3.0, 12.706, -4.0):
+        assert student_t_p(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(abs(t)), rel=1e-9, abs=1e-12)  # Cauchy
+        assert student_t_p(t, 2) == pytest.approx(1 - abs(t) / math.sqrt(t * t + 2), rel=1e-9, abs=1e-12)
+    assert student_t_p(2.228, 10) == pytest.approx(0.05, abs=2e-5)  # the table's 5 % point
+    assert student_t_p(1.96, 10**6) == pytest.approx(math.erfc(1.96 / math.sqrt(2)), rel=1e-4)
+    assert student_t_p(math.inf, 5) == 0.0 and student_t_p(0.0, 5) == 1.0
+    with pytest.raises(ValueError):
+        student_t_p(1.0, 0)
 
 
 def test_a_systematic_shift_reads_as_shifts_after_bonferroni():

@@ -13,7 +13,7 @@ changed verdict is as likely lost as gained (a binomial with p = 1/2 over the ch
 The verdicts are thresholds on the detector's continuous measurements (an image's ``area``, ``fill``,
 ``convexity``, ``hull_fill``, ``centroid``; a clip's ``travel``, ``velocity``, ...), which every report
 keeps in each clip's ``detected``. :func:`feature_shifts` compares those clip by clip: the mean paired
-shift of each (other − base), its standard error and a two-sided p — overall and per expected value of
+shift of each (other − base), its standard error and a paired t-test's two-sided p — overall and per expected value of
 one check (``by``, e.g. per expected shape). A change that moves the images systematically shows there
 long before it shows in the verdict counts, and two changes that flip verdicts differently can be seen
 to move the images alike (issue 40: FP8 linears shrink flux-demo's objects by ~2 pixels on the GPU and
@@ -132,8 +132,39 @@ def _numeric_features(detected: Any) -> dict[str, float]:
     return out
 
 
-def _normal_p(z: float) -> float:
-    return math.erfc(abs(z) / math.sqrt(2.0))
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side only
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    out = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            out *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * out
+
+
+def student_t_p(t: float, df: int) -> float:
+    """Two-sided p of Student's t with ``df`` degrees of freedom (the paired t-test of ``n = df + 1`` shifts)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if math.isinf(t):
+        return 0.0
+    return min(1.0, _betainc(df / 2.0, 0.5, df / (df + t * t)))
 
 
 def feature_shifts(base: dict[str, Any], other: dict[str, Any], by: str | None = None) -> list[dict[str, Any]]:
@@ -143,9 +174,9 @@ def feature_shifts(base: dict[str, Any], other: dict[str, Any], by: str | None =
     that check (``clip["expected"][by]``, e.g. ``by="shape"``: squares apart from circles, whose features a
     change may move in opposite directions).
 
-    ``se`` is the standard error of the mean shift (sample sd / √n), ``z = shift / se`` and ``p`` its
-    two-sided normal p (n ≥ 2; a row whose shifts are all equal has ``se`` 0 and ``p`` 1.0 when the shift
-    is 0, else 0.0). ``reading`` is ``"shifts"`` when ``p`` is below :data:`SIGNIFICANCE` divided by the
+    ``se`` is the standard error of the mean shift (sample sd / √n), ``z = shift / se`` and ``p`` the
+    paired t-test's two-sided p (Student's t with n − 1 degrees of freedom; n ≥ 2; a row whose shifts are
+    all equal has ``se`` 0 and ``p`` 1.0 when the shift is 0, else 0.0). ``reading`` is ``"shifts"`` when ``p`` is below :data:`SIGNIFICANCE` divided by the
     number of rows (Bonferroni: many features are tested at once), else ``"no shift seen"``.
     ``ValueError`` when the kinds differ or no clip is shared."""
     kb, ko = base.get("kind", "video"), other.get("kind", "video")
@@ -185,7 +216,7 @@ def feature_shifts(base: dict[str, Any], other: dict[str, Any], by: str | None =
             se = math.sqrt(var / n)
             if se > 0:
                 z = mean / se
-                p = _normal_p(z)
+                p = student_t_p(z, n - 1)
             else:
                 z, p = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
             rows.append({"group": name, "feature": feat, "n": n, "base_mean": math.fsum(x for x, _ in pairs) / n,
@@ -196,4 +227,4 @@ def feature_shifts(base: dict[str, Any], other: dict[str, Any], by: str | None =
     return rows
 
 
-__all__ = ["SIGNIFICANCE", "ReportError", "compare", "feature_shifts", "load_report", "mcnemar_p"]
+__all__ = ["SIGNIFICANCE", "ReportError", "compare", "feature_shifts", "load_report", "mcnemar_p", "student_t_p"]
