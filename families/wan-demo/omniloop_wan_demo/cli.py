@@ -268,6 +268,7 @@ def compare_cmd(base: str, other: str, json_out: str | None, features: bool, by:
     measurements behind the verdicts are compared too: the mean shift of each (OTHER - BASE), its
     standard error and p — a systematic change shows there long before the verdict counts move.
 
+    \b
         omniloop eval adherence --json bf16.json
         omniloop eval adherence --linear-precision fp8 --json fp8.json
         omniloop eval compare bf16.json fp8.json --features
