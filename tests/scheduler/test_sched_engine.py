@@ -23,13 +23,20 @@ def run(coro: Any) -> Any:
 
 
 async def _finish_order(engine: AsyncEngine, handles: list[Any]) -> list[str]:
+    """The order in which the engine delivered the handles' final outputs.
+
+    Recorded where the output is delivered (in the loop, in the worker thread's order), not where
+    an awaiting task wakes: a request that finished before its waiter first ran would otherwise be
+    counted in the order the waiters were created (a race the fast toy family loses on CI)."""
+    assert not any(h.done() for h in handles), "call this before the engine has delivered anything"
     order: list[str] = []
+    for h in handles:
+        def finish(output: Any, h: Any = h, inner: Any = h._finish) -> None:
+            order.append(h.request_id)
+            inner(output)
 
-    async def follow(h: Any) -> None:
-        await h.result(timeout=T)
-        order.append(h.request_id)
-
-    await asyncio.gather(*(follow(h) for h in handles))
+        h._finish = finish
+    await asyncio.gather(*(h.result(timeout=T) for h in handles))
     return order
 
 
