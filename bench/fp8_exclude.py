@@ -1,4 +1,6 @@
-"""An experiment for issue 40, not a deploy mode: omniloop-quant's FP8 linears with some layers kept as they were.
+"""An experiment for issue 40: omniloop-quant's FP8 linears with some layers kept as they were, by regular expression.
+The deploy now does the same by glob (``linear_precision_options: {keep: [...]}``, omniloop-quant's README); this
+prelude stays for the commands recorded in bench/results (session 27).
 
 Run before an adherence evaluation in the same process (``gpu_fp8lin_flux_demo.sh``'s ``PRELUDE``, or
 ``python -c``), with ``FP8_EXCLUDE`` a regular expression over each linear's dotted path under its transformer
@@ -43,8 +45,9 @@ def _exclude(path: str) -> bool:
     return hit
 
 
-def install(roots: Iterable[nn.Module], **kwargs: Any) -> dict[str, Any]:
-    report = _install(roots, exclude=_exclude, **kwargs)
+def install(roots: Iterable[nn.Module], exclude: Any = None, **kwargs: Any) -> dict[str, Any]:
+    """``fp8.install`` keeping what ``FP8_EXCLUDE`` matches, besides the deploy's own ``keep`` (``exclude``)."""
+    report = _install(roots, exclude=lambda path: _exclude(path) or bool(exclude and exclude(path)), **kwargs)
     print(f"fp8_exclude: kept the layers at {len(EXCLUDED)} path(s) in the blocks matching {PATTERN!r} as they were: "
           f"{', '.join(list(EXCLUDED)[:6])}", flush=True)
     return report

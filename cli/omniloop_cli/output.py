@@ -91,6 +91,9 @@ def compute_settings(runtime: Any) -> dict[str, Any]:
     if deploy is None:
         return {}
     out = {"dtype": getattr(deploy, "dtype", None), **{k: getattr(deploy, k, v) for k, v in COMPUTE_DEFAULTS.items()}}
+    options = getattr(deploy, "linear_precision_options", None)
+    if options:  # e.g. omniloop-quant's fp8 keep: layers left in the deploy dtype
+        out["linear_precision_options"] = dict(options)
     chosen = getattr(getattr(runtime, "attention", None), "name", None)
     if chosen:  # the backend that runs (``attention_backend: auto`` resolved at load)
         out["attention_backend"] = chosen
@@ -126,8 +129,10 @@ def summarize(con: Console, output: Any, files: dict[str, Path], load_seconds: f
     changed = {k: v for k, v in (compute or {}).items() if k in COMPUTE_DEFAULTS and v != COMPUTE_DEFAULTS[k]}
     if changed:
         names = {"attention_backend": "attention", "linear_precision": "linears"}
-        con.print("  compute: " + " · ".join("compile" if k == "compile" else f"{names[k]} {escape(str(v))}"
-                                           for k, v in changed.items()), highlight=False)
+        parts = ["compile" if k == "compile" else f"{names[k]} {escape(str(v))}" for k, v in changed.items()]
+        if "linear_precision" in changed and (compute or {}).get("linear_precision_options"):
+            parts[list(changed).index("linear_precision")] += " " + escape(_fmt(compute["linear_precision_options"]))
+        con.print("  compute: " + " · ".join(parts), highlight=False)
     if m.get("node_seconds"):
         con.print("  nodes: " + ", ".join(f"{escape(n)} {s:.3g} s" for n, s in m["node_seconds"].items()))
     for name, per_branch in (m.get("plugins") or {}).items():

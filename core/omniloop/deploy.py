@@ -130,6 +130,10 @@ class DeployConfig:
     #: a name a plugin registered (``omniloop_register_linear_precisions``; e.g. omniloop-quant's
     #: ``fp8``: e4m3 GEMMs, distribution-altering) — checked at load by omniloop.linears
     linear_precision: str = "dtype"
+    #: the linear precision's options, e.g. {keep: ["*.to_v", "*.add_v_proj"]} for omniloop-quant's
+    #: ``fp8`` (checked against the precision's ``options_schema`` at load; ``dtype`` and a precision
+    #: without one take none)
+    linear_precision_options: dict[str, Any] = attrs.Factory(dict)
     #: component offload for a GPU smaller than the model (omniloop-offload): ``model`` moves each node's
     #: components to the device as it runs, ``sequential`` also streams their blocks one by one; the
     #: family must declare ``capabilities.offload`` (checked at load: omniloop_offload.check_offload)

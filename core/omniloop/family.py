@@ -269,7 +269,8 @@ class LinearPrecisionSpec:
     cannot run in that deployment (called at load, before any weight is read); ``apply(model,
     family, deploy)`` converts the loaded model in place right after the family loads it (before
     any block is compiled) and returns a JSON-able report. A ``distribution_altering`` precision
-    (anything but exact arithmetic) is refused for ``exact: true`` requests.
+    (anything but exact arithmetic) is refused for ``exact: true`` requests. The deploy's
+    ``linear_precision_options`` are checked against ``options_schema`` before ``check`` runs.
     """
 
     name: str
@@ -277,6 +278,11 @@ class LinearPrecisionSpec:
     apply: Callable[[Any, Any, Any], dict[str, Any] | None]
     distribution_altering: bool = True
     description: str = ""
+    #: attrs class of the deploy's ``linear_precision_options`` for this precision (None: it takes
+    #: none); validated at load before ``check`` (ranges in field metadata), so ``check`` and
+    #: ``apply`` may structure ``deploy.linear_precision_options`` with it again without failing.
+    #: Since hook API 1.5
+    options_schema: type | None = None
 
 
 @define(frozen=True)

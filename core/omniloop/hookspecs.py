@@ -53,7 +53,7 @@ from .scheduling import ScheduleDecision
 PROJECT = "omniloop"
 #: this core's hook-API version; bump the minor for every hook or hook argument added (see
 #: :data:`HOOK_API_HISTORY`), the major only to remove one after a minor version that warned
-HOOK_API_VERSION = "1.4"
+HOOK_API_VERSION = "1.5"
 
 #: what each hook-API version added (newest last); a version's entry says what a plugin that
 #: declares ``>=<version>`` may rely on
@@ -66,6 +66,8 @@ HOOK_API_HISTORY: dict[str, str] = {
            "deploys to the plugin that registered their loader: omniloop-compose, omniloop-parallel)",
     "1.4": "omniloop_register_mechanisms (load-time mechanisms a deploy field turns on: omniloop-adapters' "
            "adapters, omniloop-offload's offload)",
+    "1.5": "LinearPrecisionSpec.options_schema (the deploy's linear_precision_options, checked at load: "
+           "omniloop-quant's fp8 keep)",
 }
 
 #: hook arguments added after their hook: hook -> {argument: the version that added it}. An
@@ -175,7 +177,9 @@ def omniloop_register_attention_backends(register: Callable[[AttentionBackendSpe
 @hookspec
 def omniloop_register_linear_precisions(register: Callable[[LinearPrecisionSpec], None]) -> None:
     """Register ways to compute the denoiser's linears, chosen by the deploy's ``linear_precision``:
-    ``register(LinearPrecisionSpec(name, check, apply))`` (``dtype`` is built in).
+    ``register(LinearPrecisionSpec(name, check, apply))`` (``dtype`` is built in). A spec with an
+    ``options_schema`` (hook API 1.5; declare ``OMNILOOP_HOOK_API = ">=1.5,<2"``) takes the deploy's
+    ``linear_precision_options``, validated at load.
 
     Returns nothing. Since: 1.2
     """

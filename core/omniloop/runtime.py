@@ -955,6 +955,7 @@ class Runtime(Deployment):
             "plugins": sorted(self.components_enabled),
             "attention_backend": self.attention.name,
             "linear_precision": self.deploy.linear_precision,
+            "linear_precision_options": dict(self.deploy.linear_precision_options),
             "scheduler": self.deploy.scheduler,
             "adapters": self.adapters.describe() if self.adapters is not None else [],
             "limits": attrs.asdict(self.deploy.limits),

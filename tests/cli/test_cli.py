@@ -279,6 +279,10 @@ def test_summary_names_compute_settings_that_differ_from_the_defaults() -> None:
     for settings, line in [
         (compute_settings(types.SimpleNamespace(deploy=deploy)), "compute: attention cudnn-fp8 · linears fp8 · compile"),
         ({"dtype": "float32", "attention_backend": "sdpa", "linear_precision": "dtype", "compile": False}, None),
+        (compute_settings(types.SimpleNamespace(deploy=types.SimpleNamespace(
+            dtype="bfloat16", attention_backend="sdpa", linear_precision="fp8", compile=False,
+            linear_precision_options={"keep": ["*.to_v", "*.add_v_proj"]}))),
+         "compute: linears fp8 keep=[*.to_v, *.add_v_proj]"),
     ]:
         buf = io.StringIO()
         summarize(Console(file=buf, width=200), out, {}, 0.5, settings)

@@ -23,7 +23,7 @@ def _v(s: str) -> tuple[int, ...]:
 
 
 def test_the_version_is_the_newest_in_the_history() -> None:
-    assert hookspecs.HOOK_API_VERSION == "1.4"  # 1.4: omniloop_register_mechanisms (issue 34)
+    assert hookspecs.HOOK_API_VERSION == "1.5"  # 1.5: LinearPrecisionSpec.options_schema (issue 40)
     versions = list(hookspecs.HOOK_API_HISTORY)
     assert versions == sorted(versions, key=_v) and versions[-1] == hookspecs.HOOK_API_VERSION
 
@@ -57,8 +57,9 @@ def test_arguments_added_later_are_in_the_spec_and_documented_with_their_version
     (">=1.2,<2", True),   # a plugin registering a linear precision (1.2) says so
     (">=1.3,<2", True),   # a plugin registering a runtime loader (1.3) says so
     (">=1.4,<2", True),   # a plugin registering a load-time mechanism (1.4) says so
+    (">=1.5,<2", True),   # a linear precision with options_schema (1.5) says so
     ("==1.0", False),     # pinned to exactly 1.0: refused, and the message says what we provide
-    (">=1.5", False),
+    (">=1.6", False),
     ("<1.1", False),
 ])
 def test_declared_ranges_against_this_version(declared: str, loads: bool) -> None:

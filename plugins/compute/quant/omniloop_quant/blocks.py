@@ -12,7 +12,8 @@ from torch import nn
 from omniloop.capabilities import capabilities_of
 from omniloop.errors import DeployError
 
-from .fp8 import ALIGN, FP8GeluProjection, FP8Linear, install, unavailable_reason
+from .fp8 import ALIGN, FP8GeluProjection, FP8Linear, _children, install, unavailable_reason
+from .options import fp8_options, keep_matcher
 
 log = logging.getLogger("omniloop.quant")
 
@@ -27,8 +28,6 @@ ACCUMULATION: dict[str, dict[str, bool]] = {
     "fp8-fast-except-down": {"fast_accum": True, "down_fast_accum": False},
 }
 _DEFAULT_BLOCK_LISTS = "blocks|transformer_blocks|single_transformer_blocks"
-
-
 def denoiser_blocks(components: Mapping[str, Any], family: Any) -> list[tuple[str, nn.Module]]:
     """``(label, block)`` for every transformer block of the family's denoiser components present
     in ``components`` (see the module docstring for how they are found)."""
@@ -87,9 +86,31 @@ def check_deploy(deploy: Any, family: Any, device: Any, dtype: Any) -> None:
     if getattr(deploy, "adapters", None):
         raise DeployError(f"linear_precision: {mode!r} does not combine with adapters (LoRA) yet: the adapters hook "
                           "and fuse into the linears (in the deploy dtype) that FP8 replaces; use linear_precision: dtype")
+    fp8_options(deploy)  # the keep patterns' form (the core checked them against FP8Options already)
     if getattr(deploy, "offload", "none") != "none":
         raise DeployError(f"linear_precision: {mode!r} does not combine with offload: {deploy.offload!r} yet (untested); "
                           "use offload: none")
+
+
+def _keep(patterns: list[str], blocks: list[tuple[str, nn.Module]]) -> Any:
+    """The ``exclude`` for :func:`~omniloop_quant.fp8.install` that keeps what ``patterns`` match (None
+    without patterns); a pattern that matches no module in any block is one :class:`DeployError`,
+    raised before any linear is swapped, naming the paths a block has."""
+    if not patterns:
+        return None
+    exclude, hits = keep_matcher(patterns)
+    for _, block in blocks:
+        for *_, path in _children(block, exclude=exclude):
+            exclude(path)
+    missing = [p for p, paths in hits.items() if not paths]
+    if missing:
+        label, first = blocks[0]
+        paths = [path for _p, _n, child, path in _children(first)
+                 if any(isinstance(m, nn.Linear) for m in child.modules())]  # those that hold a linear
+        shown = ", ".join(paths[:24]) + (f" ... ({len(paths)} in all)" if len(paths) > 24 else "")
+        raise DeployError(f"linear_precision_options.keep: {', '.join(map(repr, missing))} matched no module in "
+                          f"any of the {len(blocks)} transformer blocks; a block's modules ({label}): {shown}")
+    return exclude
 
 
 def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
@@ -103,8 +124,17 @@ def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
     if not blocks:
         raise DeployError(f"linear_precision: {mode!r}: family {family.name!r} has no transformer "
                           "blocks to quantise (declare FamilyCapabilities(quant_blocks={component: 'blocks'}))")
-    report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks], **ACCUMULATION[mode])
+    options = fp8_options(deploy)
+    exclude = _keep(options.keep, blocks)
+    report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks], exclude=exclude,
+                     **ACCUMULATION[mode])
     report = {"mode": mode, "blocks": len(blocks), **report, "stray_weights": stray_weights(blocks)}
+    if options.keep:
+        kept = [path for _, block in blocks for _p, _n, _c, path in _children(block, exclude=exclude) if exclude(path)]
+        report["keep"] = list(options.keep)
+        report["kept"] = {path: kept.count(path) for path in dict.fromkeys(kept)}  # path in a block -> blocks
+        log.info("linear_precision %s: kept in the model dtype (keep %s): %s", mode, options.keep,
+                 ", ".join(f"{p} x{n}" for p, n in report["kept"].items()))
     model.config["linear_precision"] = report
     if report["stray_weights"]:
         log.warning("linear_precision fp8: %d weight buffer(s) used outside nn.Linear stay in the model dtype "

@@ -8,13 +8,16 @@ from typing import Any
 from omniloop.family import LinearPrecisionSpec
 from omniloop.hookspecs import hookimpl
 
-OMNILOOP_HOOK_API = ">=1.2,<2"
+from .options import FP8Options
+
+OMNILOOP_HOOK_API = ">=1.5,<2"  # 1.5: LinearPrecisionSpec.options_schema (linear_precision_options)
 
 FP8 = LinearPrecisionSpec(
     name="fp8",
     check=lambda deploy, family, device, dtype: _quant().check_deploy(deploy, family, device, dtype),
     apply=lambda model, family, deploy: _quant().apply(model, family, deploy),
     distribution_altering=True,
+    options_schema=FP8Options,  # linear_precision_options: keep (layers left in the deploy dtype)
     description="e4m3 GEMMs for the linears in the denoiser's transformer blocks (per-channel weight, "
                 "per-token activation scales; CUDA capability >= 8.9, or the CPU)",
 )
@@ -23,7 +26,7 @@ FP8 = LinearPrecisionSpec(
 def _variant(name: str, description: str) -> LinearPrecisionSpec:
     """Another accumulation mode of the same e4m3 GEMMs: FP8's check and apply (which read the mode)."""
     return LinearPrecisionSpec(name=name, check=FP8.check, apply=FP8.apply, distribution_altering=True,
-                               description=description)
+                               options_schema=FP8.options_schema, description=description)
 
 
 FP8_FAST = _variant("fp8-fast", "fp8 with the GEMMs' fast accumulation (use_fast_accum: no periodic float32 promotion "

@@ -1,0 +1,174 @@
+"""Deploy ``linear_precision_options: {keep: [...]}`` (omniloop-quant's FP8 modes): the block linears a
+glob names stay in the deploy's dtype. Checked at load (core: the precision's ``options_schema``; the
+plugin: every pattern must match a module), reported in ``Runtime.linears``, and on wan-demo and
+flux-demo the kept layers are the plain linears they were (CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+import omniloop_quant.plugin as quant_plugin
+import omniloop_wan.plugin as wan_plugin
+from omniloop.errors import DeployError
+from omniloop.runtime import Deployment, Runtime
+from omniloop.testing import make_manager
+from omniloop_quant import FP8FeedForward, FP8Linear
+from omniloop_quant.options import FP8Options, keep_matcher
+from omniloop_wan.tiny import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-wan"), variant="t2v")
+
+
+@pytest.fixture(scope="module")
+def wan_demo() -> tuple[Any, Any]:
+    demo = pytest.importorskip("omniloop_wan_demo.checkpoint_path")
+    import omniloop_wan_demo.plugin as demo_plugin
+
+    return demo.checkpoint_dir(), make_manager(("wan", wan_plugin), ("wan-demo", demo_plugin), ("quant", quant_plugin),
+                                               toy=False)
+
+
+def manager() -> Any:
+    return make_manager(("wan", wan_plugin), ("quant", quant_plugin), toy=False)
+
+
+def deploy(tiny: Any, **kw: Any) -> dict[str, Any]:
+    return {"model": {"path": str(tiny)}, "linear_precision": "fp8", **kw}
+
+
+def test_every_fp8_mode_takes_the_options() -> None:
+    specs = [quant_plugin.FP8, quant_plugin.FP8_FAST, quant_plugin.FP8_FAST_EXCEPT_DOWN]
+    assert all(s.options_schema is FP8Options for s in specs)
+    assert quant_plugin.OMNILOOP_HOOK_API.startswith(">=1.5")  # options_schema came with hook API 1.5
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"skip": ["*.to_v"]}, r"linear_precision_options\.skip"),
+    ({"keep": "*.to_v"}, r"linear_precision_options\.keep"),
+    ({"keep": [""]}, r"linear_precision_options\.keep: pattern 0 must be 1-200 characters of a module path"),
+    ({"keep": ["attn.to_v", "../x"]}, r"linear_precision_options\.keep: pattern 1 must be"),
+    ({"keep": ["a b"]}, r"linear_precision_options\.keep: pattern 0 must be"),
+    ({"keep": [f"x{i}" for i in range(65)]}, r"linear_precision_options\.keep: at most 64 patterns, got 65"),
+])
+def test_bad_options_refused_at_load(tiny, options, message):
+    with pytest.raises(DeployError, match=message) as info:
+        Deployment(deploy(tiny, linear_precision_options=options), manager=manager())
+    assert "\n" not in str(info.value) and "../x" not in str(info.value)  # the value is not echoed
+
+
+def test_options_need_a_precision_that_takes_them(tiny):
+    with pytest.raises(DeployError, match=r"^linear_precision_options: given for linear_precision: dtype, which takes "
+                                          r"none \(got \['keep'\]\)"):
+        Deployment({"model": {"path": str(tiny)}, "linear_precision_options": {"keep": ["*.to_v"]}}, manager=manager())
+
+
+def test_a_precision_without_a_schema_takes_no_options(tiny):
+    """The core's rule for any registered precision: without ``options_schema``, options are refused."""
+    import attrs
+
+    from omniloop.family import LinearPrecisionSpec
+    from omniloop.hookspecs import hookimpl
+
+    bare = attrs.evolve(quant_plugin.FP8, name="fp8-bare", options_schema=None)
+
+    class Bare:
+        OMNILOOP_HOOK_API = ">=1.2,<2"
+
+        @staticmethod
+        @hookimpl
+        def omniloop_register_linear_precisions(register: Any) -> None:
+            register(bare)
+
+    assert isinstance(bare, LinearPrecisionSpec)
+    mgr = make_manager(("wan", wan_plugin), ("bare", Bare), toy=False)
+    with pytest.raises(DeployError, match=r"^linear_precision_options: linear_precision 'fp8-bare' takes no options, "
+                                          r"got \['keep'\]$"):
+        Deployment(deploy(tiny, linear_precision="fp8-bare", linear_precision_options={"keep": ["x"]}), manager=mgr)
+
+
+def test_keep_matcher_globs_over_block_paths() -> None:
+    exclude, hits = keep_matcher(["*.to_v", "attn.add_v_proj", "ff"])
+    assert [p for p in ("attn.to_v", "attn1.to_v", "attn.add_v_proj", "attn.to_vv", "ff", "ff.net.0", "attn.to_q")
+            if exclude(p)] == ["attn.to_v", "attn1.to_v", "attn.add_v_proj", "ff"]
+    exclude("attn.to_v")
+    assert hits == {"*.to_v": ["attn.to_v", "attn1.to_v"], "attn.add_v_proj": ["attn.add_v_proj"], "ff": ["ff"]}
+    assert not keep_matcher(["Attn.to_v"])[0]("attn.to_v")  # case-sensitive
+
+
+def test_a_pattern_matching_nothing_is_refused_before_any_linear_is_swapped(wan_demo):
+    """A typo (or a layer this family does not have: wan-demo's text-to-video blocks have no
+    ``add_v_proj``) is one error naming the pattern and listing a block's modules that hold linears."""
+    path, mgr = wan_demo
+    with pytest.raises(DeployError) as info:
+        Runtime.from_model(path, manager=mgr, linear_precision="fp8",
+                           linear_precision_options={"keep": ["*.to_v", "*.add_v_proj"]})
+    msg = str(info.value)
+    assert msg.startswith("linear_precision_options.keep: '*.add_v_proj' matched no module in any of the 10 "
+                          "transformer blocks; a block's modules (transformer.blocks.0): ")
+    assert "attn1.to_v" in msg and "ffn" in msg and "norm1" not in msg and "\n" not in msg
+
+
+def test_wan_demo_keeps_the_value_projections_in_the_model_dtype(wan_demo):
+    """``keep: ["*.to_v"]`` on wan-demo: the self- and cross-attention value projections of all 10 blocks
+    stay the plain linears they were (80 of 100 GEMMs FP8), the report says which, and the clip differs
+    from both the float32 one and the all-FP8 one while staying close to float32."""
+    path, mgr = wan_demo
+    body = {"task": "t2v", "inputs": [{"type": "text", "text": "a yellow triangle moving right"}],
+            "diffusion": {"steps": 2, "guidance_scale": 5.0, "seed": 0, "frames": 9, "height": 64, "width": 64}}
+    rt = Runtime.from_model(path, manager=mgr, linear_precision="fp8", linear_precision_options={"keep": ["*.to_v"]})
+    assert rt.linears["quantized"] == 80 and rt.linears["keep"] == ["*.to_v"]
+    assert rt.linears["kept"] == {"attn1.to_v": 10, "attn2.to_v": 10}
+    tf = rt.model.components["transformer"]
+    for block in tf.blocks:
+        for attn in (block.attn1, block.attn2):
+            assert type(attn.to_v) is torch.nn.Linear and isinstance(attn.to_q, FP8Linear)
+            assert attn.to_v.weight.dtype == torch.float32
+    frames = {}
+    for name, kw in {"base": {}, "fp8": {"linear_precision": "fp8"}, "keep": None}.items():
+        run = rt if kw is None else Runtime.from_model(path, manager=mgr, **kw)
+        out = run.generate(body)
+        assert out.ok
+        frames[name] = np.asarray(out.artifacts["video"].frames, dtype=np.float64)
+    assert not np.array_equal(frames["keep"], frames["fp8"]) and not np.array_equal(frames["keep"], frames["base"])
+    mse = float(((frames["keep"] - frames["base"]) ** 2).mean())
+    assert 10 * np.log10(255.0**2 / max(mse, 1e-12)) > 20.0
+
+
+def test_keeping_a_whole_feed_forward(wan_demo):
+    """A pattern may name a module above the linears: ``ffn`` keeps each block's feed-forward (two GEMMs)."""
+    path, mgr = wan_demo
+    rt = Runtime.from_model(path, manager=mgr, linear_precision="fp8-fast", linear_precision_options={"keep": ["ffn"]})
+    tf = rt.model.components["transformer"]
+    assert rt.linears["quantized"] == 80 and rt.linears["kept"] == {"ffn": 10}
+    assert not any(isinstance(m, FP8FeedForward) for m in tf.modules())
+    assert all(m.fast_accum for m in tf.modules() if isinstance(m, FP8Linear))
+
+
+def test_flux_demo_keeps_both_streams_value_projections():
+    """FLUX's double blocks have ``attn.to_v`` and ``attn.add_v_proj``, its single blocks ``attn.to_v``: the
+    recipe the FP8 study points to (bench/README.md, "Session 27") keeps 2 x 2 + 6 of flux-demo's."""
+    demo = pytest.importorskip("omniloop_flux_demo.checkpoint_path")
+    import omniloop_flux.plugin as flux_plugin
+    import omniloop_flux_demo.plugin as flux_demo_plugin
+
+    mgr = make_manager(("flux", flux_plugin), ("flux-demo", flux_demo_plugin), ("quant", quant_plugin), toy=False)
+    path = demo.checkpoint_dir()
+    every = Runtime.from_model(path, manager=mgr, linear_precision="fp8").linears["quantized"]
+    rt = Runtime.from_model(path, manager=mgr, linear_precision="fp8",
+                            linear_precision_options={"keep": ["attn.to_v", "attn.add_v_proj"]})
+    assert rt.linears["kept"] == {"attn.to_v": 8, "attn.add_v_proj": 2}
+    assert rt.linears["quantized"] == every - 10
+    tf = rt.model.components["transformer"]
+    for block in [*tf.transformer_blocks, *tf.single_transformer_blocks]:
+        assert type(block.attn.to_v) is torch.nn.Linear and isinstance(block.attn.to_k, FP8Linear)
+    assert rt.describe()["linear_precision"] == "fp8"
