@@ -125,24 +125,30 @@ BACKENDS = {"cudnn": "sdpa-cudnn", "fa4": "flash-attn-4", "fp8": "cudnn-fp8", "f
 #: ``compile`` (deploy ``compile: true``), ``graphs`` (``options.cuda_graphs``), ``gelu`` (``options.ffn_gelu:
 #: fused``, the feed-forward projection with cuBLASLt's GELU epilogue; FLUX), ``mod`` (``options.modulation:
 #: per-request``, the AdaLN modulations computed once per request; FLUX), ``rope`` (``options.qk_norm_rope:
-#: fused``, omniloop-kit's q/k norm + rotary kernel; FLUX)
-SIDE_WORDS = ("fp8lin", "fused", "gelu", "mod", "rope", "compile", "autotune", "graphs", *BACKENDS)
+#: fused``, omniloop-kit's q/k norm + rotary kernel; FLUX), ``keepv`` (with ``fp8lin``: the attention value
+#: projections left in the deploy dtype, ``linear_precision_options: {keep: KEEP_V}``; diffusers' names)
+SIDE_WORDS = ("fp8lin", "keepv", "fused", "gelu", "mod", "rope", "compile", "autotune", "graphs", *BACKENDS)
+#: ``keepv``'s keep globs: FLUX's / SD3's joint blocks (``attn.to_v``, ``attn.add_v_proj``)
+KEEP_V = ("attn.to_v", "attn.add_v_proj")
 
 
 def omniloop_setting(name: str) -> dict[str, Any]:
-    """An omniloop side's deploy from its name: ``omniloop[-<backend>][-fp8lin][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]``
-    → ``{"attention", "linears", "qkv", "ffn_gelu", "modulation", "qk_norm_rope", "compile", "compile_mode", "graphs"}`` (unknown words raise ``ValueError``;
+    """An omniloop side's deploy from its name: ``omniloop[-<backend>][-fp8lin][-keepv][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]``
+    → ``{"attention", "linears", "keep", "qkv", "ffn_gelu", "modulation", "qk_norm_rope", "compile", "compile_mode", "graphs"}`` (unknown words raise ``ValueError``;
     ``autotune``: inductor's ``max-autotune-no-cudagraphs``, which tries Triton GEMM templates beside cuBLAS)."""
     words = name.split("-")
     if words[0] != "omniloop" or any(w not in SIDE_WORDS for w in words[1:]):
-        raise ValueError(f"side {name!r}: omniloop[-{'|'.join(BACKENDS)}][-fp8lin][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]")
+        raise ValueError(f"side {name!r}: omniloop[-{'|'.join(BACKENDS)}][-fp8lin][-keepv][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]")
     if "autotune" in words and "compile" not in words:
         raise ValueError(f"side {name!r}: 'autotune' is a compile mode, it needs 'compile'")
+    if "keepv" in words and "fp8lin" not in words:
+        raise ValueError(f"side {name!r}: 'keepv' keeps layers out of the FP8 linears, it needs 'fp8lin'")
     backend = [BACKENDS[w] for w in words[1:] if w in BACKENDS]
     return {"attention": backend[0] if backend else "sdpa", "linears": "fp8" if "fp8lin" in words else "dtype",
             "qkv": "fused" if "fused" in words else "separate", "ffn_gelu": "fused" if "gelu" in words else "reference",
             "modulation": "per-request" if "mod" in words else "per-step",
             "qk_norm_rope": "fused" if "rope" in words else "reference",
+            "keep": KEEP_V if "keepv" in words else (),
             "compile": "compile" in words, "graphs": "graphs" in words,
             "compile_mode": "max-autotune-no-cudagraphs" if "autotune" in words else None}
 
@@ -169,7 +175,8 @@ def apply_linear_precision(model: Any, family: Any, deploy: Any) -> str:
 
     blocks.check_deploy(deploy, family, torch.device(deploy.device), getattr(torch, deploy.dtype))
     report = blocks.apply(model, family, deploy) or {}
-    return f" linear_precision={deploy.linear_precision} ({report.get('quantized')} linears)"
+    kept = "".join(f", {p} x{n} kept" for p, n in (report.get("kept") or {}).items())
+    return f" linear_precision={deploy.linear_precision} ({report.get('quantized')} linears{kept})"
 
 
 #: GPU memory a side's forward needs beside the weights (FLUX.1-dev 1024^2, bf16: ~5 GiB)

@@ -113,7 +113,8 @@ SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omni
          "omniloop-fa3-fused-compile-autotune-graphs", "omniloop-cudnn-fused-compile-autotune-graphs",
          "omniloop-fa3-fused-gelu-compile-graphs", "omniloop-fa3-fused-mod-compile-graphs", "omniloop-mod-compile",
          "omniloop-fa3-fused-gelu-mod-compile-graphs", "omniloop-fa3-fused-gelu-mod-rope-compile-graphs",
-         "omniloop-fa3-fused-rope-compile-graphs")
+         "omniloop-fa3-fused-rope-compile-graphs", "omniloop-fp8lin-keepv-compile",
+         "omniloop-fa3-fused-gelu-mod-rope-fp8lin-compile-graphs", "omniloop-fa3-fused-gelu-mod-rope-fp8lin-keepv-compile-graphs")
 DEFAULT_SIDES = SIDES[:4]
 #: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
 BF16_GEMM_TFLOPS = 790.0
@@ -177,7 +178,8 @@ class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, max_len: int,
                  backend: str, attention: str = "sdpa", qkv: str = "separate", graphs: bool = False,
                  compiled: bool | None = None, linears: str = "dtype", compile_mode: str | None = None,
-                 ffn_gelu: str = "reference", modulation: str = "per-step", qk_norm_rope: str = "reference") -> None:
+                 ffn_gelu: str = "reference", modulation: str = "per-step", qk_norm_rope: str = "reference",
+                 keep: tuple[str, ...] = ()) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -187,7 +189,8 @@ class OmniloopSide:
         self.compiled = name.endswith("compile") if compiled is None else compiled
         spec = attention_spec(attention)
         deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-                              compile=self.compiled, attention_backend=attention, linear_precision=linears)
+                              compile=self.compiled, attention_backend=attention, linear_precision=linears,
+                              linear_precision_options={"keep": list(keep)} if keep else {})
         options: dict[str, Any] = {"deploy": deploy, "compile_backend": backend, "qkv": qkv, "ffn_gelu": ffn_gelu,
                                   "modulation": modulation, "qk_norm_rope": qk_norm_rope}
         if spec is not None:
@@ -291,15 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         # kit keeps one set of compiled blocks per transformer; a second mode would replace the first's)
         # (owned block forwards -- gelu, mod -- replace the transformer's blocks: never on the shared one)
         key = (st["attention"], st["qkv"], st["linears"], st["compile_mode"], st["ffn_gelu"], st["modulation"],
-               st["qk_norm_rope"])
-        if key != ("sdpa", "separate", "dtype", None, "reference", "per-step", "reference"):
+               st["qk_norm_rope"], st["keep"])
+        if key != ("sdpa", "separate", "dtype", None, "reference", "per-step", "reference", ()):
             if key not in copies:
                 copies[key] = copy_if_room(base["transformer"])
             comps = {**base, "transformer": copies[key]}
         return OmniloopSide(name, comps, device, dtype, max_len, compile_backend, attention=st["attention"],
                             qkv=st["qkv"], graphs=st["graphs"], compiled=st["compile"], linears=st["linears"],
                             compile_mode=st["compile_mode"], ffn_gelu=st["ffn_gelu"],
-                            modulation=st["modulation"], qk_norm_rope=st["qk_norm_rope"])
+                            modulation=st["modulation"], qk_norm_rope=st["qk_norm_rope"], keep=st["keep"])
 
     sides = build_sides(only, record, make)
     save()

@@ -202,7 +202,7 @@ class DiffusersSide:
 class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, *,
                  compiled: bool, compile_backend: str, attention: str = "sdpa", qkv: str = "separate",
-                 graphs: bool = False, linears: str = "dtype") -> None:
+                 graphs: bool = False, linears: str = "dtype", keep: tuple[str, ...] = ()) -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -211,7 +211,8 @@ class OmniloopSide:
         self.name = name
         backend = attention_spec(attention)
         deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-                              compile=compiled, attention_backend=attention, linear_precision=linears)
+                              compile=compiled, attention_backend=attention, linear_precision=linears,
+                              linear_precision_options={"keep": list(keep)} if keep else {})
         options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend, "qkv": qkv}
         if graphs:
             options["cuda_graphs"] = True
@@ -284,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only)
             st.update(attention="sdpa", graphs=False)
         return OmniloopSide(name, comps, device, dtype, compiled=st["compile"], compile_backend=compile_backend,
-                            attention=st["attention"], qkv=st["qkv"], graphs=st["graphs"], linears=st["linears"])
+                            attention=st["attention"], qkv=st["qkv"], graphs=st["graphs"], linears=st["linears"],
+                            keep=st["keep"])
 
     sides = build_sides(only, record, make)
     save()

@@ -8,7 +8,7 @@ import pytest
 
 def test_words_map_to_deploy_settings(sides):
     st = sides.omniloop_setting("omniloop-fa3-fused-compile-autotune-graphs")
-    assert st == {"attention": "flash-attn-3", "linears": "dtype", "qkv": "fused", "ffn_gelu": "reference",
+    assert st == {"attention": "flash-attn-3", "linears": "dtype", "keep": (), "qkv": "fused", "ffn_gelu": "reference",
                   "modulation": "per-step", "qk_norm_rope": "reference", "compile": True, "graphs": True,
                   "compile_mode": "max-autotune-no-cudagraphs"}
     assert sides.omniloop_setting("omniloop-fa3-fused-gelu-compile-graphs")["ffn_gelu"] == "fused"
@@ -16,9 +16,12 @@ def test_words_map_to_deploy_settings(sides):
     assert (st["ffn_gelu"], st["modulation"]) == ("fused", "per-request")
     assert sides.omniloop_setting("omniloop-fa3-fused-gelu-mod-rope-compile-graphs")["qk_norm_rope"] == "fused"
     assert sides.omniloop_setting("omniloop-cudnn-compile")["compile_mode"] is None
+    st = sides.omniloop_setting("omniloop-fa3-fp8lin-keepv-compile")
+    assert (st["linears"], st["keep"]) == ("fp8", ("attn.to_v", "attn.add_v_proj"))
 
 
 @pytest.mark.parametrize("name, msg", [("omniloop-fa3-autotune", "needs 'compile'"),
+                                       ("omniloop-keepv-compile", "needs 'fp8lin'"),
                                        ("omniloop-fa3-compile-turbo", "omniloop[-")])
 def test_bad_names_are_refused(sides, name, msg):
     with pytest.raises(ValueError, match=msg.replace("[", r"\[")):
