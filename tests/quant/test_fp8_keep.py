@@ -172,3 +172,24 @@ def test_flux_demo_keeps_both_streams_value_projections():
     for block in [*tf.transformer_blocks, *tf.single_transformer_blocks]:
         assert type(block.attn.to_v) is torch.nn.Linear and isinstance(block.attn.to_k, FP8Linear)
     assert rt.describe()["linear_precision"] == "fp8"
+
+
+def test_keeping_a_projection_the_family_fused_away_is_refused():
+    """Under ``options.qkv: fused`` the joint attention computes Q/K/V through diffusers' fused ``to_qkv`` (the
+    separate linears stay beside it, unused): keeping ``attn.to_v`` would change nothing, so the deploy is refused
+    naming what does compute it; keeping the fused module works."""
+    demo = pytest.importorskip("omniloop_flux_demo.checkpoint_path")
+    import omniloop_flux.plugin as flux_plugin
+    import omniloop_flux_demo.plugin as flux_demo_plugin
+
+    mgr = make_manager(("flux", flux_plugin), ("flux-demo", flux_demo_plugin), ("quant", quant_plugin), toy=False)
+    path = demo.checkpoint_dir()
+    fused = {"dtype": "bfloat16", "compile": True, "options": {"qkv": "fused", "compile_backend": "eager"},
+             "linear_precision": "fp8"}
+    with pytest.raises(DeployError, match=r"^linear_precision_options\.keep: 'attn\.to_v' \(transformer\.transformer_blocks"
+                                          r"\.0\) does not compute this deployment's projection: attn\.to_qkv does"):
+        Runtime.from_model(path, manager=mgr, linear_precision_options={"keep": ["attn.to_v"]}, **fused)
+    rt = Runtime.from_model(path, manager=mgr, linear_precision_options={"keep": ["attn.to_qkv", "attn.to_added_qkv"]},
+                            **fused)
+    assert rt.linears["kept"] == {"attn.to_qkv": 8, "attn.to_added_qkv": 2}
+    assert type(rt.model.components["transformer"].transformer_blocks[0].attn.to_qkv) is torch.nn.Linear

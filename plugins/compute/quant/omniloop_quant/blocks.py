@@ -92,6 +92,32 @@ def check_deploy(deploy: Any, family: Any, device: Any, dtype: Any) -> None:
                           "use offload: none")
 
 
+#: diffusers' fused projections (``fuse_qkv_projections`` / Wan's ``fuse_projections``, kept beside the separate
+#: linears) that compute a separate projection instead: keeping only the separate one would change nothing
+_FUSED_SIBLINGS = {"to_q": ("to_qkv",), "to_k": ("to_qkv", "to_kv"), "to_v": ("to_qkv", "to_kv"),
+                   "add_q_proj": ("to_added_qkv",), "add_k_proj": ("to_added_qkv", "to_added_kv"),
+                   "add_v_proj": ("to_added_qkv", "to_added_kv")}
+
+
+def _shadowed(block: nn.Module, path: str) -> str | None:
+    """What computes the projection at ``path`` in ``block`` instead of its own linear, or None: a fused
+    sibling linear (``attn.to_qkv``), or a 2-D weight buffer the family concatenated from the separate
+    weights (omniloop-kit's ``options.qkv: fused``)."""
+    parent_path, _, name = path.rpartition(".")
+    siblings = _FUSED_SIBLINGS.get(name)
+    if siblings is None:
+        return None
+    parent = block.get_submodule(parent_path) if parent_path else block
+    prefix = f"{parent_path}." if parent_path else ""
+    for sib in siblings:
+        if isinstance(getattr(parent, sib, None), nn.Module):
+            return f"{prefix}{sib}"
+    for bname, buf in parent._buffers.items():
+        if buf is not None and buf.dim() == 2 and buf.is_floating_point() and "weight" in bname:
+            return f"{prefix}{bname} (a concatenated copy of the projections' weights)"
+    return None
+
+
 def _keep(patterns: list[str], blocks: list[tuple[str, nn.Module]]) -> Any:
     """The ``exclude`` for :func:`~omniloop_quant.fp8.install` that keeps what ``patterns`` match (None
     without patterns); a pattern that matches no module in any block is one :class:`DeployError`,
@@ -110,6 +136,14 @@ def _keep(patterns: list[str], blocks: list[tuple[str, nn.Module]]) -> Any:
         shown = ", ".join(paths[:24]) + (f" ... ({len(paths)} in all)" if len(paths) > 24 else "")
         raise DeployError(f"linear_precision_options.keep: {', '.join(map(repr, missing))} matched no module in "
                           f"any of the {len(blocks)} transformer blocks; a block's modules ({label}): {shown}")
+    for label, block in blocks:
+        for *_, path in _children(block, exclude=exclude):
+            other = _shadowed(block, path) if exclude(path) else None
+            if other is not None:
+                raise DeployError(
+                    f"linear_precision_options.keep: {path!r} ({label}) does not compute this deployment's "
+                    f"projection: {other} does (the family fused the Q/K/V projections, e.g. options.qkv: fused), "
+                    "so keeping it would change nothing; keep the fused module instead, or deploy without the fusion")
     return exclude
 
 
