@@ -22,6 +22,7 @@ def test_words_map_to_deploy_settings(sides):
 
 @pytest.mark.parametrize("name, msg", [("omniloop-fa3-autotune", "needs 'compile'"),
                                        ("omniloop-keepv-compile", "needs 'fp8lin'"),
+                                       ("omniloop-fused-fp8lin-keepv-compile", "which 'fused' does not use"),
                                        ("omniloop-fa3-compile-turbo", "omniloop[-")])
 def test_bad_names_are_refused(sides, name, msg):
     with pytest.raises(ValueError, match=msg.replace("[", r"\[")):
