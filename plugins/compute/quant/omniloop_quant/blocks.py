@@ -28,6 +28,8 @@ ACCUMULATION: dict[str, dict[str, bool]] = {
     "fp8-fast-except-down": {"fast_accum": True, "down_fast_accum": False},
 }
 _DEFAULT_BLOCK_LISTS = "blocks|transformer_blocks|single_transformer_blocks"
+
+
 def denoiser_blocks(components: Mapping[str, Any], family: Any) -> list[tuple[str, nn.Module]]:
     """``(label, block)`` for every transformer block of the family's denoiser components present
     in ``components`` (see the module docstring for how they are found)."""
