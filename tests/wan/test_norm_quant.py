@@ -173,3 +173,39 @@ def test_the_kernel_forward_is_within_rounding_of_the_unfused_one_on_cuda(fast: 
             unfused = wan_forward(model, *x).float()
     # the kernel's float32 mean/variance sums vs torch's Welford: an e4m3 step now and then
     assert (fused - unfused).norm() / unfused.norm() < 2e-2
+
+
+def test_blocks_whose_gemms_are_not_all_fp8_are_reported_once() -> None:
+    """``linear_precision_options.keep`` (or FP8 skipping a small layer) leaves a GEMM the fused fronts feed in
+    the model dtype: :meth:`WanBlock.unquantized_fronts` names it, those blocks compute the unfused order, and the
+    family says so once per loaded model when it builds a pipeline after the precision was applied."""
+    import logging
+    import types
+
+    from omniloop_quant import fp8
+    from omniloop_wan.family import _report_unfused_fronts
+
+    model = _model()
+    blocks.install(model)
+    assert blocks.unfused_blocks(model) == {name: 2 for name in (
+        "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn2.to_q", "attn1.to_out.0", "attn2.to_out.0", "ffn")}
+    fp8.install(list(model.blocks), exclude=lambda path: path == "attn1.to_v")
+    assert blocks.unfused_blocks(model) == {"attn1.to_v": 2}
+    assert model.blocks[0].unquantized_fronts() == ["attn1.to_v"]
+
+    loaded = types.SimpleNamespace(components={"transformer": model}, config={"norm_quant": "fused"})
+    _report_unfused_fronts(loaded)  # no precision applied yet (a bench converting after the build): nothing said
+    assert "norm_quant_unfused" not in loaded.config
+    loaded.config["linear_precision"] = {"mode": "fp8"}
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("omniloop.wan").addHandler(handler)
+    try:
+        _report_unfused_fronts(loaded)
+        _report_unfused_fronts(loaded)
+    finally:
+        logging.getLogger("omniloop.wan").removeHandler(handler)
+    assert loaded.config["norm_quant_unfused"] == {"transformer.attn1.to_v": 2}
+    assert len(records) == 1 and "transformer.attn1.to_v x2" in records[0].getMessage()
+    fp8.restore(list(model.blocks))

@@ -79,20 +79,32 @@ class WanBlock(nn.Module):
         """Whether the fused fronts apply to this forward (decided when a compiled block is traced)."""
         from .attention import WanBackendAttnProcessor
 
-        types = _fp8_types()
-        if types is None:
+        if _fp8_types() is None:
             return False
         from omniloop_quant import norm_kernels
 
         if temb.ndim != 3 or not norm_kernels.supported(hidden_states):
             return False
-        fp8_linear, fp8_ffn = types
         a1, a2 = self.attn1, self.attn2
-        projections = [a1.to_qkv] if getattr(a1, "fused_projections", False) else [a1.to_q, a1.to_k, a1.to_v]
         return (isinstance(a1.processor, WanBackendAttnProcessor) and isinstance(a2.processor, WanBackendAttnProcessor)
-                and all(isinstance(p, fp8_linear) for p in [*projections, a2.to_q, a1.to_out[0], a2.to_out[0]])
-                and isinstance(self.ffn, fp8_ffn) and isinstance(self.norm2, nn.LayerNorm)
+                and not self.unquantized_fronts() and isinstance(self.norm2, nn.LayerNorm)
                 and self.norm2.weight is not None and self.norm2.bias is not None)
+
+    def unquantized_fronts(self) -> list[str]:
+        """The GEMMs the fused fronts feed (self-attention Q/K/V or its fused ``to_qkv``, the cross-attention's Q,
+        both output projections, the feed-forward) that are not omniloop-quant's FP8 modules — kept in the model
+        dtype by ``linear_precision_options.keep``, or left by FP8 as too small. With any, this block computes
+        diffusers' unfused order."""
+        a1, a2 = self.attn1, self.attn2
+        fronts = ({"attn1.to_qkv": a1.to_qkv} if getattr(a1, "fused_projections", False)
+                  else {"attn1.to_q": a1.to_q, "attn1.to_k": a1.to_k, "attn1.to_v": a1.to_v})
+        fronts.update({"attn2.to_q": a2.to_q, "attn1.to_out.0": a1.to_out[0], "attn2.to_out.0": a2.to_out[0]})
+        types = _fp8_types()
+        if types is None:
+            return [*fronts, "ffn"]
+        fp8_linear, fp8_ffn = types
+        missing = [name for name, module in fronts.items() if not isinstance(module, fp8_linear)]
+        return missing if isinstance(self.ffn, fp8_ffn) else [*missing, "ffn"]
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
                 rotary_emb: Any) -> torch.Tensor:
@@ -129,6 +141,17 @@ class WanBlock(nn.Module):
         return (h.float() + ff.float() * c_gate_msa).type_as(h)
 
 
+def unfused_blocks(model: nn.Module) -> dict[str, int]:
+    """``{GEMM path in a block: blocks}`` over ``model``'s installed :class:`WanBlock` s whose fused fronts
+    cannot apply because that GEMM is not FP8 (:meth:`WanBlock.unquantized_fronts`); empty when all can."""
+    out: dict[str, int] = {}
+    for block in getattr(model, "blocks", ()):
+        if isinstance(block, WanBlock):
+            for name in block.unquantized_fronts():
+                out[name] = out.get(name, 0) + 1
+    return out
+
+
 def install(model: nn.Module) -> int:
     """Put a :class:`WanBlock` in place of each of ``model.blocks`` (in place, sharing their modules:
     :mod:`omniloop_kit.blocks`); returns how many. Installed again, it changes nothing."""
@@ -144,4 +167,4 @@ def installed(model: nn.Module) -> bool:
     return kit_blocks.replaced(model)
 
 
-__all__ = ["MODES", "QuantizedRows", "WanBlock", "install", "installed", "restore"]
+__all__ = ["MODES", "QuantizedRows", "WanBlock", "install", "installed", "restore", "unfused_blocks"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,31 @@ def attention_heads(path: Path) -> int | None:
     from .parallel import attention_heads
 
     return attention_heads(path)
+
+
+log = logging.getLogger("omniloop.wan")
+
+
+def _report_unfused_fronts(model: LoadedModel) -> None:
+    """``options.norm_quant: fused`` with GEMMs that are not FP8 (the deploy's linear_precision_options.keep, or
+    layers FP8 left as too small): those blocks compute the unfused order. Said once per loaded model, after the
+    linear precision was applied (the runtime applies it after the family's load; it records its report in
+    ``model.config["linear_precision"]``), in ``model.config["norm_quant_unfused"]``."""
+    cfg = model.config
+    if cfg.get("norm_quant") != "fused" or "norm_quant_unfused" in cfg or not cfg.get("linear_precision"):
+        return  # (no precision applied yet: a bench that builds first and converts after)
+    from . import blocks
+
+    unfused: dict[str, int] = {}
+    for name in ("transformer", "transformer_2"):
+        tf = model.components.get(name)
+        for path, n in (blocks.unfused_blocks(tf) if tf is not None else {}).items():
+            unfused[f"{name}.{path}"] = unfused.get(f"{name}.{path}", 0) + n
+    cfg["norm_quant_unfused"] = unfused
+    if unfused:
+        log.warning("options.norm_quant: fused does not apply where a GEMM it feeds is not FP8 (e.g. kept by "
+                    "linear_precision_options.keep); those blocks compute the unfused order: %s",
+                    ", ".join(f"{p} x{n}" for p, n in unfused.items()))
 
 
 class WanFamily(DiffusersFamily):
@@ -155,6 +181,7 @@ class WanFamily(DiffusersFamily):
         cfg = model.config
         menu = menu_for(model, options)
         check_task(task, cfg["tasks"], f"this {cfg['kind']} checkpoint")
+        _report_unfused_fronts(model)
         if rollout_mode(options) == "causal":  # options.rollout: causal — chunk streaming (issue 21)
             return build_causal_pipeline(model, task, options, menu)
         image = task is TaskType.I2V
