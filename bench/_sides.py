@@ -126,8 +126,9 @@ BACKENDS = {"cudnn": "sdpa-cudnn", "fa4": "flash-attn-4", "fp8": "cudnn-fp8", "f
 #: fused``, the feed-forward projection with cuBLASLt's GELU epilogue; FLUX), ``mod`` (``options.modulation:
 #: per-request``, the AdaLN modulations computed once per request; FLUX), ``rope`` (``options.qk_norm_rope:
 #: fused``, omniloop-kit's q/k norm + rotary kernel; FLUX), ``keepv`` (with ``fp8lin``: the attention value
-#: projections left in the deploy dtype, ``linear_precision_options: {keep: KEEP_V}``; diffusers' names; not with
-#: ``fused``, whose Q/K/V come from the fused ``to_qkv``)
+#: projections left in the deploy dtype, ``linear_precision_options: {keep: KEEP_V}``; diffusers' names; with
+#: ``fused`` FLUX keeps them as the value rows of the fused ``to_qkv`` (omniloop-quant's ``FP8PartLinear``), SD3's
+#: fused weight buffer is refused by omniloop-quant at load)
 SIDE_WORDS = ("fp8lin", "keepv", "fused", "gelu", "mod", "rope", "compile", "autotune", "graphs", *BACKENDS)
 #: ``keepv``'s keep globs: FLUX's / SD3's joint blocks (``attn.to_v``, ``attn.add_v_proj``)
 KEEP_V = ("attn.to_v", "attn.add_v_proj")
@@ -144,8 +145,6 @@ def omniloop_setting(name: str) -> dict[str, Any]:
         raise ValueError(f"side {name!r}: 'autotune' is a compile mode, it needs 'compile'")
     if "keepv" in words and "fp8lin" not in words:
         raise ValueError(f"side {name!r}: 'keepv' keeps layers out of the FP8 linears, it needs 'fp8lin'")
-    if "keepv" in words and "fused" in words:  # Q/K/V come from the fused to_qkv: omniloop-quant refuses the keep
-        raise ValueError(f"side {name!r}: 'keepv' keeps the separate value projections, which 'fused' does not use")
     backend = [BACKENDS[w] for w in words[1:] if w in BACKENDS]
     return {"attention": backend[0] if backend else "sdpa", "linears": "fp8" if "fp8lin" in words else "dtype",
             "qkv": "fused" if "fused" in words else "separate", "ffn_gelu": "fused" if "gelu" in words else "reference",
@@ -179,6 +178,7 @@ def apply_linear_precision(model: Any, family: Any, deploy: Any) -> str:
     blocks.check_deploy(deploy, family, torch.device(deploy.device), getattr(torch, deploy.dtype))
     report = blocks.apply(model, family, deploy) or {}
     kept = "".join(f", {p} x{n} kept" for p, n in (report.get("kept") or {}).items())
+    kept += "".join(f", as rows of {f}: {' '.join(ps)}" for f, ps in (report.get("kept_in_fused") or {}).items())
     return f" linear_precision={deploy.linear_precision} ({report.get('quantized')} linears{kept})"
 
 

@@ -18,11 +18,12 @@ def test_words_map_to_deploy_settings(sides):
     assert sides.omniloop_setting("omniloop-cudnn-compile")["compile_mode"] is None
     st = sides.omniloop_setting("omniloop-fa3-fp8lin-keepv-compile")
     assert (st["linears"], st["keep"]) == ("fp8", ("attn.to_v", "attn.add_v_proj"))
+    st = sides.omniloop_setting("omniloop-fa3-fused-fp8lin-keepv-compile")  # FLUX: v rows of the fused to_qkv
+    assert (st["qkv"], st["keep"]) == ("fused", ("attn.to_v", "attn.add_v_proj"))
 
 
 @pytest.mark.parametrize("name, msg", [("omniloop-fa3-autotune", "needs 'compile'"),
                                        ("omniloop-keepv-compile", "needs 'fp8lin'"),
-                                       ("omniloop-fused-fp8lin-keepv-compile", "which 'fused' does not use"),
                                        ("omniloop-fa3-compile-turbo", "omniloop[-")])
 def test_bad_names_are_refused(sides, name, msg):
     with pytest.raises(ValueError, match=msg.replace("[", r"\[")):

@@ -19,7 +19,7 @@ import omniloop_wan.plugin as wan_plugin
 from omniloop.errors import DeployError
 from omniloop.runtime import Deployment, Runtime
 from omniloop.testing import make_manager
-from omniloop_quant import FP8FeedForward, FP8Linear
+from omniloop_quant import FP8FeedForward, FP8Linear, FP8PartLinear
 from omniloop_quant.options import FP8Options, keep_matcher
 from omniloop_wan.tiny import build_tiny_checkpoint
 
@@ -174,10 +174,12 @@ def test_flux_demo_keeps_both_streams_value_projections():
     assert rt.describe()["linear_precision"] == "fp8"
 
 
-def test_keeping_a_projection_the_family_fused_away_is_refused():
+def test_under_fused_qkv_a_kept_projection_is_kept_as_rows_of_the_fused_linear():
     """Under ``options.qkv: fused`` the joint attention computes Q/K/V through diffusers' fused ``to_qkv`` (the
-    separate linears stay beside it, unused): keeping ``attn.to_v`` would change nothing, so the deploy is refused
-    naming what does compute it; keeping the fused module works."""
+    separate linears stay beside it, unused): ``keep: [attn.to_v, attn.add_v_proj]`` makes each fused linear an
+    :class:`FP8PartLinear` whose value rows stay in the model dtype -- its V part is the unfused ``to_v``'s output
+    bit for bit, its Q/K parts the FP8 ones -- and the report says so; keeping q, k and v keeps the fused linear
+    whole."""
     demo = pytest.importorskip("omniloop_flux_demo.checkpoint_path")
     import omniloop_flux.plugin as flux_plugin
     import omniloop_flux_demo.plugin as flux_demo_plugin
@@ -186,10 +188,62 @@ def test_keeping_a_projection_the_family_fused_away_is_refused():
     path = demo.checkpoint_dir()
     fused = {"dtype": "bfloat16", "compile": True, "options": {"qkv": "fused", "compile_backend": "eager"},
              "linear_precision": "fp8"}
-    with pytest.raises(DeployError, match=r"^linear_precision_options\.keep: 'attn\.to_v' \(transformer\.transformer_blocks"
-                                          r"\.0\) does not compute this deployment's projection: attn\.to_qkv does"):
-        Runtime.from_model(path, manager=mgr, linear_precision_options={"keep": ["attn.to_v"]}, **fused)
-    rt = Runtime.from_model(path, manager=mgr, linear_precision_options={"keep": ["attn.to_qkv", "attn.to_added_qkv"]},
+    rt = Runtime.from_model(path, manager=mgr, linear_precision_options={"keep": ["attn.to_v", "attn.add_v_proj"]},
                             **fused)
-    assert rt.linears["kept"] == {"attn.to_qkv": 8, "attn.to_added_qkv": 2}
-    assert type(rt.model.components["transformer"].transformer_blocks[0].attn.to_qkv) is torch.nn.Linear
+    assert rt.linears["kept"] == {"attn.to_v": 8, "attn.add_v_proj": 2}
+    assert rt.linears["kept_in_fused"] == {"attn.to_qkv": ["attn.to_v"], "attn.to_added_qkv": ["attn.add_v_proj"]}
+    tf = rt.model.components["transformer"]
+    for block in [*tf.transformer_blocks, *tf.single_transformer_blocks]:
+        assert isinstance(block.attn.to_qkv, FP8PartLinear) and block.attn.to_qkv.kept == (False, False, True)
+    attn = tf.transformer_blocks[0].attn
+    assert isinstance(attn.to_added_qkv, FP8PartLinear)
+    x = torch.randn(2, 5, attn.to_qkv.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q, k, v = attn.to_qkv(x).chunk(3, dim=-1)
+    plain = Runtime.from_model(path, manager=mgr, linear_precision="fp8", dtype="bfloat16",
+                               linear_precision_options={"keep": ["attn.to_v", "attn.add_v_proj"]})
+    ref = plain.model.components["transformer"].transformer_blocks[0].attn
+    assert torch.equal(v, ref.to_v(x))  # the kept rows: the same bf16 GEMM as the separate linear
+    torch.testing.assert_close(q.float(), ref.to_q(x).float(), rtol=0.0, atol=0.02)  # same e4m3 operands
+    torch.testing.assert_close(k.float(), ref.to_k(x).float(), rtol=0.0, atol=0.02)
+    body = {"task": "t2i", "inputs": [{"type": "text", "text": "a red circle"}],
+            "diffusion": {"steps": 2, "seed": 0, "height": 64, "width": 64}}
+    assert rt.generate(body).ok
+    whole = Runtime.from_model(path, manager=mgr, linear_precision_options={"keep": ["attn.to_[qkv]"]}, **fused)
+    assert whole.linears["kept_in_fused"] == {"attn.to_qkv": ["attn.to_q", "attn.to_k", "attn.to_v"]}
+    assert type(whole.model.components["transformer"].transformer_blocks[0].attn.to_qkv) is torch.nn.Linear
+
+
+def test_keeping_a_projection_computed_through_a_weight_buffer_is_refused():
+    """omniloop-kit's ``options.qkv: fused`` multiplies by a concatenated weight buffer FP8 does not reach (the
+    projections stay in the model dtype there anyway): keeping ``attn.to_v`` would change nothing, so it is
+    refused, naming the buffer."""
+    from omniloop_quant.blocks import _keep
+
+    attn = torch.nn.Module()
+    for name in ("to_q", "to_k", "to_v"):
+        setattr(attn, name, torch.nn.Linear(32, 32))
+    attn.register_buffer("omniloop_qkv_weight", torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]))
+    block = torch.nn.Module()
+    block.attn = attn
+    with pytest.raises(DeployError, match=r"'attn\.to_v' \(b0\) does not compute this deployment's projection: "
+                                          r"attn\.omniloop_qkv_weight \(a concatenated copy"):
+        _keep(["attn.to_v"], [("b0", block)])
+
+
+def test_part_linear_keeps_its_rows_in_the_fused_order():
+    """:class:`FP8PartLinear` over three parts keeping the middle one: three GEMMs (FP8, model dtype, FP8) whose
+    outputs stand where the fused linear's rows do; the kept part is the plain linear's output bit for bit, the
+    others the FP8 layer's; a split with nothing (or everything) kept is refused."""
+    lin = torch.nn.Linear(32, 48).requires_grad_(False)
+    part = FP8PartLinear(lin, 3, {1})
+    assert part.kept == (False, True, False) and len(part.pieces) == 3 and "parts=8k8" in repr(part)
+    x = torch.randn(4, 7, 32, generator=torch.Generator().manual_seed(1))
+    y = part(x)
+    assert y.shape == (4, 7, 48)
+    assert torch.equal(y[..., 16:32], torch.nn.functional.linear(x, lin.weight[16:32], lin.bias[16:32]))
+    qk = FP8Linear(lin)
+    torch.testing.assert_close(y[..., :16], qk(x)[..., :16], rtol=0.0, atol=1e-5)
+    torch.testing.assert_close(y[..., 32:], qk(x)[..., 32:], rtol=0.0, atol=1e-5)
+    for keep in (set(), {0, 1, 2}):
+        with pytest.raises(ValueError, match="at least one part in FP8 and one kept"):
+            FP8PartLinear(lin, 3, keep)

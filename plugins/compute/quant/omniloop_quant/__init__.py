@@ -30,7 +30,7 @@ from omniloop.lazy import lazy_exports
 #: (``omniloop --help``) imports no torch (issue 42); the block selection lives in ``blocks``
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "blocks": ("ACCUMULATION", "MODES", "apply", "check_deploy", "denoiser_blocks", "stray_weights"),
-    "fp8": ("ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "FP8FeedForward", "FP8GeluProjection", "FP8Linear", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"),
+    "fp8": ("ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "FP8FeedForward", "FP8GeluProjection", "FP8Linear", "FP8PartLinear", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"),
 }
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         FP8FeedForward,
         FP8GeluProjection,
         FP8Linear,
+        FP8PartLinear,
         install,
         installed,
         quantize_rows,
@@ -52,6 +53,6 @@ if TYPE_CHECKING:
         unavailable_reason,
     )
 
-__all__ = ["ACCUMULATION", "ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8FeedForward", "FP8GeluProjection", "FP8Linear", "apply", "check_deploy", "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "stray_weights", "unavailable_reason"]
+__all__ = ["ACCUMULATION", "ALIGN", "E4M3_MAX", "MIN_CAPABILITY", "MODES", "FP8FeedForward", "FP8GeluProjection", "FP8Linear", "FP8PartLinear", "apply", "check_deploy", "denoiser_blocks", "install", "installed", "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "stray_weights", "unavailable_reason"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

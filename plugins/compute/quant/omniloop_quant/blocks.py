@@ -95,41 +95,46 @@ def check_deploy(deploy: Any, family: Any, device: Any, dtype: Any) -> None:
 
 
 #: diffusers' fused projections (``fuse_qkv_projections`` / Wan's ``fuse_projections``, kept beside the separate
-#: linears) that compute a separate projection instead: keeping only the separate one would change nothing
-_FUSED_SIBLINGS = {"to_q": ("to_qkv",), "to_k": ("to_qkv", "to_kv"), "to_v": ("to_qkv", "to_kv"),
-                   "add_q_proj": ("to_added_qkv",), "add_k_proj": ("to_added_qkv", "to_added_kv"),
-                   "add_v_proj": ("to_added_qkv", "to_added_kv")}
+#: linears, which the deployment then no longer computes) and the separate projections each one's output stacks, in order
+_FUSED = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
+          "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_kv": ("add_k_proj", "add_v_proj")}
 
 
-def _shadowed(block: nn.Module, path: str) -> str | None:
-    """What computes the projection at ``path`` in ``block`` instead of its own linear, or None: a fused
-    sibling linear (``attn.to_qkv``), or a 2-D weight buffer the family concatenated from the separate
-    weights (omniloop-kit's ``options.qkv: fused``)."""
+def _shadowed(block: nn.Module, path: str) -> tuple[str, int, int] | str | None:
+    """What computes the projection at ``path`` in ``block`` instead of its own linear: a fused sibling linear as
+    ``(its path, this projection's part, parts)`` (``("attn.to_qkv", 2, 3)`` for ``attn.to_v``); a 2-D weight buffer
+    the family concatenated from the separate weights (omniloop-kit's ``options.qkv: fused``), which FP8 does not
+    reach, as a description; or None."""
     parent_path, _, name = path.rpartition(".")
-    siblings = _FUSED_SIBLINGS.get(name)
-    if siblings is None:
-        return None
     parent = block.get_submodule(parent_path) if parent_path else block
     prefix = f"{parent_path}." if parent_path else ""
-    for sib in siblings:
-        if isinstance(getattr(parent, sib, None), nn.Module):
-            return f"{prefix}{sib}"
+    for fused, names in _FUSED.items():
+        if name in names and isinstance(getattr(parent, fused, None), nn.Linear):
+            return f"{prefix}{fused}", names.index(name), len(names)
+    if not any(name in names for names in _FUSED.values()):
+        return None
     for bname, buf in parent._buffers.items():
         if buf is not None and buf.dim() == 2 and buf.is_floating_point() and "weight" in bname:
             return f"{prefix}{bname} (a concatenated copy of the projections' weights)"
     return None
 
 
-def _keep(patterns: list[str], blocks: list[tuple[str, nn.Module]]) -> Any:
-    """The ``exclude`` for :func:`~omniloop_quant.fp8.install` that keeps what ``patterns`` match (None
-    without patterns); a pattern that matches no module in any block is one :class:`DeployError`,
-    raised before any linear is swapped, naming the paths a block has."""
+def _keep(patterns: list[str], blocks: list[tuple[str, nn.Module]]
+          ) -> tuple[Any, dict[str, tuple[int, frozenset[int]]], dict[str, list[str]]]:
+    """``(exclude, parts, kept_in_fused)`` for :func:`~omniloop_quant.fp8.install` from the keep ``patterns``:
+    ``exclude`` keeps what they match (None without patterns); a separate projection the deployment computes
+    through a fused linear (``attn.to_v`` beside ``attn.to_qkv``) is kept as that part of the fused linear
+    (``parts``: its path -> ``(parts, the parts kept)``, an :class:`~omniloop_quant.fp8.FP8PartLinear`; the
+    fused linear kept whole where every part is kept); ``kept_in_fused``: fused path -> the projections kept in
+    it. A pattern that matches no module in any block is one :class:`DeployError`, raised before any linear is
+    swapped, naming the paths a block has; so is one the family computes through a weight buffer FP8 does not
+    reach (omniloop-kit's ``options.qkv: fused``: the projections stay in the model dtype there anyway)."""
     if not patterns:
-        return None
-    exclude, hits = keep_matcher(patterns)
+        return None, {}, {}
+    matched, hits = keep_matcher(patterns)
     for _, block in blocks:
-        for *_, path in _children(block, exclude=exclude):
-            exclude(path)
+        for *_, path in _children(block, exclude=matched):
+            matched(path)
     missing = [p for p, paths in hits.items() if not paths]
     if missing:
         label, first = blocks[0]
@@ -138,15 +143,30 @@ def _keep(patterns: list[str], blocks: list[tuple[str, nn.Module]]) -> Any:
         shown = ", ".join(paths[:24]) + (f" ... ({len(paths)} in all)" if len(paths) > 24 else "")
         raise DeployError(f"linear_precision_options.keep: {', '.join(map(repr, missing))} matched no module in "
                           f"any of the {len(blocks)} transformer blocks; a block's modules ({label}): {shown}")
+    kept_parts: dict[str, set[int]] = {}
+    counts: dict[str, int] = {}
+    in_fused: dict[str, list[str]] = {}
     for label, block in blocks:
-        for *_, path in _children(block, exclude=exclude):
-            other = _shadowed(block, path) if exclude(path) else None
-            if other is not None:
+        for *_, path in _children(block, exclude=matched):
+            other = _shadowed(block, path) if matched(path) else None
+            if isinstance(other, str):
                 raise DeployError(
                     f"linear_precision_options.keep: {path!r} ({label}) does not compute this deployment's "
                     f"projection: {other} does (the family fused the Q/K/V projections, e.g. options.qkv: fused), "
-                    "so keeping it would change nothing; keep the fused module instead, or deploy without the fusion")
-    return exclude
+                    "which FP8 leaves in the model dtype anyway; deploy without the fusion to keep one projection")
+            if other is not None:
+                fused, part, count = other
+                kept_parts.setdefault(fused, set()).add(part)
+                counts[fused] = count
+                if path not in in_fused.setdefault(fused, []):
+                    in_fused[fused].append(path)
+    whole = {f for f, ps in kept_parts.items() if len(ps) == counts[f]}
+    parts = {f: (counts[f], frozenset(ps)) for f, ps in kept_parts.items() if f not in whole}
+
+    def exclude(path: str) -> bool:
+        return matched(path) or path in whole
+
+    return exclude, parts, in_fused
 
 
 def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
@@ -161,14 +181,18 @@ def apply(model: Any, family: Any, deploy: Any) -> dict[str, Any] | None:
         raise DeployError(f"linear_precision: {mode!r}: family {family.name!r} has no transformer "
                           "blocks to quantise (declare FamilyCapabilities(quant_blocks={component: 'blocks'}))")
     options = fp8_options(deploy)
-    exclude = _keep(options.keep, blocks)
+    exclude, parts, in_fused = _keep(options.keep, blocks)
     report = install([b for _, b in blocks], keep_original=False, names=[n for n, _ in blocks], exclude=exclude,
-                     **ACCUMULATION[mode])
+                     parts=parts, **ACCUMULATION[mode])
     report = {"mode": mode, "blocks": len(blocks), **report, "stray_weights": stray_weights(blocks)}
     if options.keep:
         kept = [path for _, block in blocks for _p, _n, _c, path in _children(block, exclude=exclude) if exclude(path)]
         report["keep"] = list(options.keep)
         report["kept"] = {path: kept.count(path) for path in dict.fromkeys(kept)}  # path in a block -> blocks
+        if in_fused:  # fused path -> the separate projections whose rows of it stay in the model dtype
+            report["kept_in_fused"] = in_fused
+            log.info("linear_precision %s: computed through fused projections, kept as their rows: %s", mode,
+                     "; ".join(f"{f}: {', '.join(ps)}" for f, ps in in_fused.items()))
         log.info("linear_precision %s: kept in the model dtype (keep %s): %s", mode, options.keep,
                  ", ".join(f"{p} x{n}" for p, n in report["kept"].items()))
     model.config["linear_precision"] = report

@@ -54,7 +54,7 @@ these models, and FP8 modules are never trained).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -173,6 +173,53 @@ class FP8Linear(nn.Module):
     def extra_repr(self) -> str:
         fast = ", fast_accum" if self.fast_accum else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3{fast}"
+
+
+class FP8PartLinear(nn.Module):
+    """A fused projection (diffusers' ``to_qkv`` = ``[W_q; W_k; W_v]``, ``to_kv``) whose output is ``parts``
+    equal row blocks, those in ``keep`` computed in the model dtype and the others as FP8 GEMMs: the deploy's
+    ``linear_precision_options.keep`` naming a separate projection (``attn.to_v``) that the deployment computes
+    through the fused one. The input is quantised once; each run of adjacent blocks of one kind is one GEMM;
+    the outputs are concatenated in the fused order (one copy of the output: the price of keeping part of a
+    fused GEMM). The kept rows are copied out of the original weight, so the original can be freed."""
+
+    def __init__(self, linear: nn.Linear, parts: int, keep: Iterable[int], *, fast_accum: bool = False) -> None:
+        super().__init__()
+        kept = frozenset(keep)
+        n = linear.out_features // parts if parts > 0 else 0
+        if parts < 2 or n * parts != linear.out_features or not kept or not kept < frozenset(range(parts)):
+            raise ValueError(f"FP8PartLinear: {linear.out_features} outputs in {parts} parts, keeping {sorted(kept)}: "
+                             "need equal parts and at least one part in FP8 and one kept")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        #: per part, whether it stays in the model dtype
+        self.kept = tuple(i in kept for i in range(parts))
+        self.pieces = nn.ModuleList()
+        start = 0
+        while start < parts:
+            end = start
+            while end < parts and self.kept[end] == self.kept[start]:
+                end += 1
+            rows = slice(start * n, end * n)
+            piece = nn.Linear(linear.in_features, (end - start) * n, bias=linear.bias is not None,
+                              device=linear.weight.device, dtype=linear.weight.dtype)
+            with torch.no_grad():
+                piece.weight.copy_(linear.weight[rows])
+                if linear.bias is not None:
+                    piece.bias.copy_(linear.bias[rows])
+            piece.requires_grad_(False)
+            self.pieces.append(piece if self.kept[start] else FP8Linear(piece, fast_accum=fast_accum))
+            start = end
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        xq, sx = quantize_rows(flat)
+        outs = [p.forward_quantized(xq, sx, x.dtype) if isinstance(p, FP8Linear) else p(flat) for p in self.pieces]
+        return torch.cat(outs, dim=-1).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        kinds = "".join("k" if k else "8" for k in self.kept)
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts={kinds} (k: kept, 8: e4m3)"
 
 
 class FP8GeluProjection(nn.Module):
@@ -347,7 +394,8 @@ def _gemms(module: nn.Module) -> int:
 
 def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: Iterable[str] | None = None,
             fast_accum: bool = False, down_fast_accum: bool | None = None,
-            exclude: Callable[[str], bool] | None = None) -> dict[str, Any]:
+            exclude: Callable[[str], bool] | None = None,
+            parts: Mapping[str, tuple[int, frozenset[int]]] | None = None) -> dict[str, Any]:
     """Swap every ``nn.Linear`` under each of ``roots`` (e.g. a transformer's blocks) for an
     :class:`FP8Linear`, in place; returns ``{"quantized": n, "skipped": [names and shapes]}``.
 
@@ -359,7 +407,8 @@ def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: It
     :class:`FP8FeedForward`'s ``down``): ``fast_accum=True, down_fast_accum=False`` is deploy
     ``linear_precision: fp8-fast-except-down``. ``exclude(path)``: True keeps the module at that dotted
     path under its root (``"0.attn.to_q"``, a whole ``"0.ff"``) as it is, and everything below it —
-    to measure which layers FP8 costs accuracy in (``bench/fp8_error.py --groups``)."""
+    to measure which layers FP8 costs accuracy in (``bench/fp8_error.py --groups``). ``parts``: a fused
+    linear's path under its root -> ``(equal parts, the parts kept)``, built as :class:`FP8PartLinear`."""
     quantized = 0
     skipped: list[str] = []
     labels = list(names) if names is not None else None
@@ -383,6 +432,12 @@ def install(roots: Iterable[nn.Module], *, keep_original: bool = True, names: It
                     new = FP8GeluProjection(child.proj, child.approximate, fast_accum=fast_accum)
                 else:
                     skipped.append(f"{label}.{path}.proj {child.proj.in_features}->{child.proj.out_features}")
+            elif isinstance(child, nn.Linear) and parts and path in parts:
+                count, kept = parts[path]
+                if child.in_features % ALIGN == 0 and child.out_features % (count * ALIGN) == 0:
+                    new = FP8PartLinear(child, count, kept, fast_accum=fast_accum)
+                else:
+                    skipped.append(f"{label}.{path} {child.in_features}->{child.out_features}")
             elif isinstance(child, nn.Linear):
                 if shape_ok(child):
                     down_ = down_fast_accum is not None and id(child) in downs
@@ -429,5 +484,5 @@ def installed(root: nn.Module) -> bool:
 
 
 __all__ = ["ALIGN", "E4M3_MAX", "FUSE_GELU_QUANT", "MIN_CAPABILITY", "FP8FeedForward", "FP8GeluProjection", "FP8Linear",
-           "install", "installed",
+           "FP8PartLinear", "install", "installed",
            "quantize_rows", "quantize_weight", "reference_output", "restore", "shape_ok", "unavailable_reason"]
