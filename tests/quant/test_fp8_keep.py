@@ -247,3 +247,23 @@ def test_part_linear_keeps_its_rows_in_the_fused_order():
     for keep in (set(), {0, 1, 2}):
         with pytest.raises(ValueError, match="at least one part in FP8 and one kept"):
             FP8PartLinear(lin, 3, keep)
+
+
+def test_wan_demo_fused_projections_keep_the_value_rows(wan_demo):
+    """Wan's ``options.qkv: fused`` computes Q/K/V through ``attn1.to_qkv`` and the cross-attention's K/V through
+    ``attn2.to_kv``: ``keep: ["*.to_v"]`` keeps their value rows (:class:`FP8PartLinear`), and the clip equals the one
+    with separate projections and the same keep list, frame for frame (CPU float32: the same GEMMs' values)."""
+    path, mgr = wan_demo
+    body = {"task": "t2v", "inputs": [{"type": "text", "text": "a yellow triangle moving right"}],
+            "diffusion": {"steps": 2, "guidance_scale": 5.0, "seed": 0, "frames": 9, "height": 64, "width": 64}}
+    frames = []
+    for options in ({}, {"qkv": "fused"}):
+        rt = Runtime.from_model(path, manager=mgr, linear_precision="fp8", options=options,
+                                linear_precision_options={"keep": ["*.to_v"]})
+        out = rt.generate(body)
+        assert out.ok
+        frames.append(np.asarray(out.artifacts["video"].frames))
+    assert rt.linears["kept_in_fused"] == {"attn1.to_qkv": ["attn1.to_v"], "attn2.to_kv": ["attn2.to_v"]}
+    block = rt.model.components["transformer"].blocks[0]
+    assert block.attn1.to_qkv.kept == (False, False, True) and block.attn2.to_kv.kept == (False, True)
+    assert np.array_equal(frames[0], frames[1])
