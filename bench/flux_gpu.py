@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import re
 import sys
 import tempfile
 import time
@@ -244,11 +245,20 @@ def flops_per_step(cfg: dict[str, Any], size: int, txt_len: int) -> float:
     return float(linear + attention)
 
 
+def device_tag(gpu: str | None) -> str:
+    """A short device word for file names: the model of ``gpu`` (``"NVIDIA H100 80GB HBM3"`` -> ``h100``), ``gpu``
+    for a name without one, ``cpu`` without a GPU."""
+    if not gpu:
+        return "cpu"
+    model = re.search(r"\b([A-Za-z]{1,2}\d{2,4})\b", gpu.replace("NVIDIA", ""))
+    return model.group(1).lower() if model else "gpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser(__doc__.split("\n")[0], steps=28, budget_s=400.0, sides=DEFAULT_SIDES)
     ap.add_argument("--size", type=int, default=1024)
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None, help="in the output file's name (default: the device's, e.g. h100, cpu)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (as --smoke picks)")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend of every compiled side "
                     "(default: inductor on CUDA, eager on CPU)")
@@ -277,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             "tflop_per_step": round(flops / 1e12, 2), "bf16_gemm_tflops": BF16_GEMM_TFLOPS,
             "limit_s_per_step": round(flops / (BF16_GEMM_TFLOPS * 1e12), 5),
             "how": "flops_per_step(): linears and attention of one step (one forward), at the bf16 GEMM rate"}
-    out_path = Path(args.out) / f"flux_gpu-{args.tag}{'-smoke' if args.smoke else ''}-{date}.json"
+    tag = args.tag or device_tag(record["machine"].get("gpu") if device.type == "cuda" else None)
+    out_path = Path(args.out) / f"flux_gpu-{tag}{'-smoke' if args.smoke else ''}-{date}.json"
     save = saver(record, out_path)
     t = time.perf_counter()
     base = build_components(device, dtype, args.smoke)

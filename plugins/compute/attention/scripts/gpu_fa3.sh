@@ -7,7 +7,9 @@
 #   14b/wan_gpu-<date>.json         Wan 14B forward beside diffusers eager: C14 (C13 / C14=none skips a model)
 #   q/attention_fp8-<date>.json     wan-demo clips (CLIPS, SEEDS; PARTS=quality)
 #   flux/flux_gpu-<date>.json       FLUX.1-dev 1024^2 step beside diffusers eager: CF (PARTS=flux; FLUXARGS
-#                                   adds flux_gpu.py options, e.g. --profile)
+#                                   adds flux_gpu.py options, e.g. --profile; ISOLATE=1: each side of CF in its
+#                                   own process beside its own anchor -- an H100 holds one FP8 copy beside
+#                                   diffusers' model -- flux/p<i>/ merged into flux/flux_gpu-isolated.json)
 #   tests.txt                       the FA3 / FA4 GPU tests under pytest (PARTS=tests; pytest is on the machine;
 #                                   TESTS: other test files, space-separated)
 #   log.txt
@@ -40,9 +42,21 @@ if [[ $PARTS == *,speed,* ]]; then
   [[ $C13 == none ]] || python3 bench/wan_gpu.py --models 1.3b --compile-mode '' --budget-s "${BUDGET13:-200}" --out "$OUT/13b" --only "$C13" 2>&1 | filter
   [[ $C14 == none ]] || python3 bench/wan_gpu.py --models 14b --compile-mode '' --budget-s "${BUDGET14:-90}" --out "$OUT/14b" --only "$C14" 2>&1 | filter
 fi
-if [[ $PARTS == *,flux,* ]]; then
+CF=${CF:-diffusers,omniloop-cudnn-fused-compile-graphs,omniloop-fa3-fused-compile-graphs}
+if [[ $PARTS == *,flux,* && ${ISOLATE:-0} == 1 ]]; then
+  # each side in its own process beside its own diffusers-eager anchor (an H100 holds diffusers' FLUX.1-dev and one
+  # FP8 copy, not two), FLUX_S per process; the records merged into flux/flux_gpu-isolated.json (bench/merge_runs.py)
+  i=0
+  for side in ${CF//,/ }; do
+    [[ $side == diffusers ]] && continue
+    i=$((i + 1))
+    timeout "${FLUX_S:-400}" python3 bench/flux_gpu.py --steps 12 --repeats 2 --budget-s "${BUDGETF:-150}" \
+      --out "$OUT/flux/p$i" --only "diffusers,$side" ${FLUXARGS:-} 2>&1 | filter
+  done
+  python3 bench/merge_runs.py "$OUT/flux/flux_gpu-isolated.json" "$OUT"/flux/p*/flux_gpu-*.json 2>&1 | filter
+elif [[ $PARTS == *,flux,* ]]; then
   timeout "${FLUX_S:-400}" python3 bench/flux_gpu.py --steps 12 --repeats 2 --budget-s "${BUDGETF:-150}" --out "$OUT/flux" \
-    --only "${CF:-diffusers,omniloop-cudnn-fused-compile-graphs,omniloop-fa3-fused-compile-graphs}" ${FLUXARGS:-} 2>&1 | filter
+    --only "$CF" ${FLUXARGS:-} 2>&1 | filter
 fi
 if [[ $PARTS == *,quality,* ]]; then
   # no clip starts after QUALITY_S - 60 s (the rest: loading, the last clip, scoring): a configuration cut
