@@ -9,6 +9,8 @@
 # Run from the repo root with .whl-fp8 (or .whl) carried, one GPU, timeout_s ~560 (bf16 ~95 s, each FP8 variant
 # ~175 s for 432 images). VARIANTS (default "v qkv"): v = keep [attn.to_v, attn.add_v_proj]; qkv = keep q/k/v of
 # both streams; any other word is taken as one keep glob itself (a module path within a block).
+# Run once (session 29, H100, VARIANTS=v): keeping v removed the shrink on the GPU too but not the lost verdicts
+# (24 lost / 10 gained against 29 / 12; bench/README.md, "Session 29"); qkv is not run yet.
 # SEEDS (default 0,1); BF16=0 skips the bf16 run. Writes $OUT/fd/flux-demo-bf16-x.json, flux-demo-deploy-x-<V>.json
 # (each with its deploy in the report) and the deploy files fp8-keep-<V>.json.
 set -u
