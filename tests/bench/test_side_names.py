@@ -20,10 +20,14 @@ def test_words_map_to_deploy_settings(sides):
     assert (st["linears"], st["keep"]) == ("fp8", ("attn.to_v", "attn.add_v_proj"))
     st = sides.omniloop_setting("omniloop-fa3-fused-fp8lin-keepv-compile")  # FLUX: v rows of the fused to_qkv
     assert (st["qkv"], st["keep"]) == ("fused", ("attn.to_v", "attn.add_v_proj"))
+    st = sides.omniloop_setting("omniloop-fa3-fp8lin-keepqkv-compile")  # q, k and v of both streams
+    assert st["keep"] == ("attn.to_[qkv]", "attn.add_[qkv]_proj")
 
 
 @pytest.mark.parametrize("name, msg", [("omniloop-fa3-autotune", "needs 'compile'"),
                                        ("omniloop-keepv-compile", "needs 'fp8lin'"),
+                                       ("omniloop-keepqkv-compile", "needs 'fp8lin'"),
+                                       ("omniloop-fp8lin-keepv-keepqkv", "one keep word"),
                                        ("omniloop-fa3-compile-turbo", "omniloop[-")])
 def test_bad_names_are_refused(sides, name, msg):
     with pytest.raises(ValueError, match=msg.replace("[", r"\[")):

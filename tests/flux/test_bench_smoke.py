@@ -45,13 +45,16 @@ def test_flux_gpu_smoke_fp8_linears_side(tmp_path):
     (omniloop-quant's check, then its swap, on its own copy of the transformer) and says so."""
     pytest.importorskip("omniloop_quant")
     argv = ["--smoke", "--device", "cpu", "--steps", "2", "--repeats", "1", "--compile-backend", "eager",
-            "--only", "diffusers,omniloop,omniloop-fp8lin-compile,omniloop-fp8lin-keepv-compile"]
+            "--only", "diffusers,omniloop,omniloop-fp8lin-compile,omniloop-fp8lin-keepv-compile,omniloop-fp8lin-keepqkv-compile"]
     rec = run_script(BENCH, argv, tmp_path, "flux_gpu-*-smoke-*.json")
-    assert set(rec["results"]) == {"diffusers", "omniloop", "omniloop-fp8lin-compile", "omniloop-fp8lin-keepv-compile"}
+    assert set(rec["results"]) == {"diffusers", "omniloop", "omniloop-fp8lin-compile", "omniloop-fp8lin-keepv-compile",
+                                   "omniloop-fp8lin-keepqkv-compile"}
     setup = rec["sides"]["omniloop-fp8lin-compile"]["setup"]
     assert "linear_precision=fp8" in setup and "(0 linears)" not in setup and "kept" not in setup
     keepv = rec["sides"]["omniloop-fp8lin-keepv-compile"]["setup"]  # linear_precision_options: {keep: [...]}
     assert "attn.to_v x" in keepv and "attn.add_v_proj x" in keepv
+    keepqkv = rec["sides"]["omniloop-fp8lin-keepqkv-compile"]["setup"]  # the globs expanded to the layers they keep
+    assert all(f"attn.{p} x" in keepqkv for p in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"))
     assert rec["final_latents"]["omniloop_vs_diffusers"]["equal"]  # the bf16 side's transformer was not swapped
 
 
