@@ -157,6 +157,17 @@ def test_cli_deploy_file_sets_the_runtime_under_test(image_ckpt, tmp_path, monke
     assert 'options {"modulation": "per-request", "qkv": "fused"}' in res.output
 
 
+def test_cli_prints_a_keep_glob_as_written(image_ckpt, tmp_path):
+    """A deploy's strings are printed as text: the summary's title once ate ``[qkv]`` out of a keep glob (rich read
+    it as markup), so the table named a deployment that was not the one evaluated."""
+    f = tmp_path / "keep.json"
+    f.write_text(json.dumps({"linear_precision": "fp8", "linear_precision_options": {"keep": ["attn.to_[qkv]"]}}))
+    res = CliRunner().invoke(cli.main, ["eval", "adherence", "--model", str(image_ckpt), "--steps", "1", "--seeds", "0",
+                                        "--prompts", "default", "--deploy", str(f)], env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    assert '{"keep": ["attn.to_[qkv]"]}' in res.output
+
+
 def test_cli_refuses_a_bad_deploy_file_before_any_clip(image_ckpt, tmp_path):
     for text, what in (("{", "cannot parse"), ('{"compile": "yes please"}', "compile"),
                        ('{"pipeline": "prompt-upsample"}', "composed pipeline")):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.markup import escape
 
 
 def _ints(value: str) -> list[int]:
@@ -136,7 +137,8 @@ def adherence(model: str, steps: str | None, seeds: str, guidance_scale: float |
                else [("color", "color"), ("direction", "direction"), ("color+direction", "all"), ("shape", "shape"),
                      ("no ghost", "clean")])
     lp = "".join(f", {k} {json.dumps(v) if isinstance(v, (dict, list, bool)) else v}" for k, v in sorted(deploy.items()))
-    s = Table(title=f"prompt adherence of {model} ({kind}: {len(prompts)} prompts x seeds {seeds}{lp})")
+    # the deploy's strings are the user's (keep globs such as attn.to_[qkv]): printed as text, not as rich markup
+    s = Table(title=f"prompt adherence of {escape(str(model))} ({kind}: {len(prompts)} prompts x seeds {seeds}{escape(lp)})")
     for col in ("steps", "n", *(title for title, _ in summary), "seconds"):
         s.add_column(col, justify="right")
     for rep in reports:

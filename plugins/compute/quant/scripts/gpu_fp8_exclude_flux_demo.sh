@@ -10,7 +10,8 @@
 # ~175 s for 432 images). VARIANTS (default "v qkv"): v = keep [attn.to_v, attn.add_v_proj]; qkv = keep q/k/v of
 # both streams; any other word is taken as one keep glob itself (a module path within a block).
 # Run once (session 29, H100, VARIANTS=v): keeping v removed the shrink on the GPU too but not the lost verdicts
-# (24 lost / 10 gained against 29 / 12; bench/README.md, "Session 29"); qkv is not run yet.
+# (24 lost / 10 gained against 29 / 12; bench/README.md, "Session 29"). Session 30 ran VARIANTS=qkv at SEEDS 0,1 / 2,3 /
+# 4,5 (one call each, ~230 s): 36 lost / 26 gained over 1,296 images (p 0.25) against every-linear FP8's 50 / 27.
 # SEEDS (default 0,1); BF16=0 skips the bf16 run. Writes $OUT/fd/flux-demo-bf16-x.json, flux-demo-deploy-x-<V>.json
 # (each with its deploy in the report) and the deploy files fp8-keep-<V>.json.
 set -u
