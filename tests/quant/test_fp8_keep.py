@@ -174,6 +174,32 @@ def test_flux_demo_keeps_both_streams_value_projections():
     assert rt.describe()["linear_precision"] == "fp8"
 
 
+def test_flux_demo_takes_the_readme_keep_list_for_adherence():
+    """omniloop-quant's README recommends, for FP8 where adherence matters on FLUX-type models, keeping q/k/v of both
+    streams and the AdaLN modulation linears (bench/README.md, "Session 30": flux-demo's shape verdicts 27 lost / 26
+    gained of 1,296 on the GPU). Every glob matches in some block type, and exactly those layers stay plain."""
+    demo = pytest.importorskip("omniloop_flux_demo.checkpoint_path")
+    import omniloop_flux.plugin as flux_plugin
+    import omniloop_flux_demo.plugin as flux_demo_plugin
+
+    mgr = make_manager(("flux", flux_plugin), ("flux-demo", flux_demo_plugin), ("quant", quant_plugin), toy=False)
+    keep = ["attn.to_[qkv]", "attn.add_[qkv]_proj", "norm1.linear", "norm1_context.linear", "norm.linear"]
+    rt = Runtime.from_model(demo.checkpoint_dir(), manager=mgr, linear_precision="fp8",
+                            linear_precision_options={"keep": keep})
+    double, single = 2, 6  # flux-demo's blocks
+    assert rt.linears["kept"] == {**{f"attn.to_{p}": double + single for p in "qkv"},
+                                  **{f"attn.add_{p}_proj": double for p in "qkv"},
+                                  "norm1.linear": double, "norm1_context.linear": double, "norm.linear": single}
+    tf = rt.model.components["transformer"]
+    for block in tf.transformer_blocks:
+        assert type(block.norm1.linear) is torch.nn.Linear and isinstance(block.attn.to_out[0], FP8Linear)
+    for block in tf.single_transformer_blocks:
+        assert type(block.norm.linear) is torch.nn.Linear and isinstance(block.proj_mlp, FP8Linear)
+    body = {"task": "t2i", "inputs": [{"type": "text", "text": "a red circle"}],
+            "diffusion": {"steps": 2, "seed": 0, "height": 64, "width": 64}}
+    assert rt.generate(body).ok
+
+
 def test_under_fused_qkv_a_kept_projection_is_kept_as_rows_of_the_fused_linear():
     """Under ``options.qkv: fused`` the joint attention computes Q/K/V through diffusers' fused ``to_qkv`` (the
     separate linears stay beside it, unused): ``keep: [attn.to_v, attn.add_v_proj]`` makes each fused linear an
