@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from omniloop_wan_demo import cli
-from omniloop_wan_demo.compare import compare, feature_shifts, load_report, mcnemar_p, student_t_p
+from omniloop_wan_demo.compare import compare, feature_shifts, load_report, mcnemar_p, merge_reports, student_t_p
 
 
 def _report(verdicts, *, kind="video", steps=20, seeds=(0,)):
@@ -185,3 +185,60 @@ def test_cli_features_prints_the_measurements_and_writes_them(tmp_path):
     d.write_text(json.dumps(_report([(True, True, True)] * 3)))
     res = CliRunner().invoke(cli.main, ["eval", "compare", str(c), str(d), "--features"])
     assert res.exit_code == 0 and "no measurement shared" in res.output
+
+
+def _seeded(seeds, verdicts, **kw):
+    """A report of two prompts at ``seeds``; ``verdicts`` one shape verdict per clip, with a measured area."""
+    doc = _report([(True, True, v) for v in verdicts], seeds=seeds, **kw)
+    for i, c in enumerate(doc["reports"][0]["clips"]):
+        c["detected"] = {"area": 100.0 + i}
+    rep = doc["reports"][0]
+    rep["accuracy"] = {"shape": sum(verdicts) / len(verdicts)}
+    rep["seconds"] = 2.0
+    return doc
+
+
+def test_merge_joins_runs_over_seeds_into_one_report(tmp_path):
+    """An evaluation split over runs (seeds 0,1 then 2,3) merges into the report one run would have written: the
+    comparison of the merged reports is the comparison over all clips, accuracy is recomputed over them."""
+    base = [_seeded((0, 1), [True, True, True, False]), _seeded((2, 3), [True, True, True, True])]
+    other = [_seeded((0, 1), [False, True, True, True]), _seeded((2, 3), [True, False, True, True])]
+    names = ["a.json", "b.json"]
+    mb, mo = merge_reports(base, names), merge_reports(other, names)
+    (rep,) = mb["reports"]
+    assert rep["n"] == 8 and rep["accuracy"] == {"shape": 7 / 8} and rep["seconds"] == 4.0
+    assert mb["merged_from"] == names and [c["seed"] for c in rep["clips"]] == [0, 1, 0, 1, 2, 3, 2, 3]
+    shape = {r["check"]: r for r in compare(mb, mo)["checks"]}["shape"]
+    assert (shape["lost"], shape["gained"]) == (2, 1)
+    for i, doc in enumerate([*base, *other]):
+        (tmp_path / f"{i}.json").write_text(json.dumps(doc))
+    res = CliRunner().invoke(cli.main, ["eval", "merge", str(tmp_path / "m.json"), str(tmp_path / "0.json"), str(tmp_path / "1.json")])
+    assert res.exit_code == 0, res.output
+    assert load_report(tmp_path / "m.json")["reports"][0]["n"] == 8
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(kind="image"), "kind"),
+    (lambda d: d["reports"][0].update(steps=4), "steps 4 (not 20)"),
+    (lambda d: d["reports"][0].update(extra={"deploy": {"linear_precision": "fp8"}}), "deploy"),
+    (lambda d: [c.update(seed=0) for c in d["reports"][0]["clips"]], "seed 0 (20 steps) is also in a.json"),
+])
+def test_merge_refuses_runs_of_different_evaluations(change, message):
+    second = _seeded((2, 3), [True] * 4)
+    change(second)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        merge_reports([_seeded((0, 1), [True] * 4), second], ["a.json", "b.json"])
+
+
+def test_merge_cli_writes_nothing_on_refusal_and_never_over_an_input(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_seeded((0, 1), [True] * 4)))
+    b.write_text(json.dumps(_seeded((0, 1), [True] * 4)))  # the same clips again
+    out = tmp_path / "m.json"
+    res = CliRunner().invoke(cli.main, ["eval", "merge", str(out), str(a), str(b)])
+    assert res.exit_code == 2 and "is also in" in res.output and not out.exists()
+    assert not list(tmp_path.glob(".*.part"))
+    res = CliRunner().invoke(cli.main, ["eval", "merge", str(a), str(a), str(b)])
+    assert res.exit_code == 2 and "one of the REPORTS" in res.output
+    res = CliRunner().invoke(cli.main, ["eval", "merge", str(out), str(a)])
+    assert res.exit_code == 2 and "at least two" in res.output

@@ -301,20 +301,20 @@ def compare_cmd(base: str, other: str, json_out: str | None, features: bool, by:
         return t
 
     pooled = " (all step counts)" if "by_steps" in result else ""
-    console.print(table(f"{other} against {base}: {result['clips']} shared clips{pooled} ({result['kind']})",
+    console.print(table(f"{escape(other)} against {escape(base)}: {result['clips']} shared clips{pooled} ({result['kind']})",
                         result["checks"]))
     for group in result.get("by_steps", []):
         console.print(table(f"{group['steps']} steps: {group['clips']} clips", group["checks"]))
     skipped = result["only_in_base"] + result["only_in_other"]
     if skipped:
-        console.print(f"[yellow]{result['only_in_base']} clip(s) only in {base}, {result['only_in_other']} only in "
-                      f"{other}: not compared[/yellow]")
+        console.print(f"[yellow]{result['only_in_base']} clip(s) only in {escape(base)}, {result['only_in_other']} only in "
+                      f"{escape(other)}: not compared[/yellow]")
     console.print(f"'no effect seen': p >= {SIGNIFICANCE} — the lost/gained split is what the noise of a change of "
                   "rounding makes; more clips (seeds) resolve smaller effects")
     if features:
         rows = result["features"]
         per = f" (all clips, then per expected {by})" if by else ""
-        t = Table(title=f"the detector's measurements, {other} - {base}, clip by clip{per}")
+        t = Table(title=f"the detector's measurements, {escape(other)} - {escape(base)}, clip by clip{per}")
         for col in ("clips", "measure", "n", "base", "shift", "± se", "z", "p"):
             t.add_column(col, justify="left" if col in ("clips", "measure") else "right", no_wrap=True)
         for r in rows:
@@ -330,8 +330,43 @@ def compare_cmd(base: str, other: str, json_out: str | None, features: bool, by:
         console.print(f"wrote {json_out}")
 
 
+@click.command("merge")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("reports", nargs=-1, required=True, type=click.Path(dir_okay=False))
+def merge_cmd(out: str, reports: tuple[str, ...]) -> None:
+    """Merge several 'eval adherence --json' REPORTS of one evaluation into OUT.
+
+    For an evaluation split over runs (seeds 0,1 in one, 2,3 in another: a time limit, two
+    machines). The runs must share model, kind, steps, guidance, backend and deploy; no clip
+    (prompt, seed) may be in two of them. Accuracy is recomputed over all clips; OUT is then
+    one report for 'eval compare'.
+
+    \b
+        omniloop eval merge bf16.json bf16-s01.json bf16-s23.json
+        omniloop eval merge fp8.json fp8-s01.json fp8-s23.json
+        omniloop eval compare bf16.json fp8.json --features
+    """
+    from .compare import ReportError, load_report, merge_reports
+
+    target = Path(out)
+    if any(target.resolve() == Path(r).resolve() for r in reports):
+        raise click.UsageError(f"OUT {out} is one of the REPORTS: write the merge to a new file")
+    try:
+        merged = merge_reports([load_report(r) for r in reports], list(reports))
+    except ReportError as e:
+        raise click.UsageError(str(e)) from None
+    except ValueError as e:
+        raise click.UsageError(f"cannot merge: {e}") from None
+    tmp = target.with_name(f".{target.name}.part")
+    tmp.write_text(json.dumps(merged, indent=1))
+    tmp.replace(target)  # whole or not at all
+    n = sum(r["n"] for r in merged["reports"])
+    click.echo(f"wrote {out}: {n} clips from {len(reports)} reports")
+
+
 def add_to(cli: click.Group) -> None:
-    """Add ``eval adherence`` and ``eval compare`` to the ``omniloop`` group (reusing an ``eval`` group if one exists)."""
+    """Add ``eval adherence``, ``eval compare`` and ``eval merge`` to the ``omniloop`` group (reusing an ``eval``
+    group if one exists)."""
     group = cli.commands.get("eval") if hasattr(cli, "commands") else None
     if group is None or not isinstance(group, click.Group):
         @click.group("eval")
@@ -341,6 +376,7 @@ def add_to(cli: click.Group) -> None:
         cli.add_command(group)
     group.add_command(adherence)
     group.add_command(compare_cmd)
+    group.add_command(merge_cmd)
 
 
 @click.group()

@@ -227,4 +227,63 @@ def feature_shifts(base: dict[str, Any], other: dict[str, Any], by: str | None =
     return rows
 
 
-__all__ = ["SIGNIFICANCE", "ReportError", "compare", "feature_shifts", "load_report", "mcnemar_p", "student_t_p"]
+def _setting(rep: dict[str, Any]) -> str:
+    """What makes two reports' clips comparable: steps, guidance, backend and the deploy under test."""
+    deploy = (rep.get("extra") or {}).get("deploy") if isinstance(rep.get("extra"), dict) else None
+    return json.dumps({"steps": rep.get("steps"), "guidance_scale": rep.get("guidance_scale"),
+                       "backend": rep.get("backend"), "deploy": deploy}, sort_keys=True)
+
+
+def merge_reports(docs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """One report from several runs of the same evaluation over different seeds or prompts (a long evaluation split
+    over machines or time limits): each setting's clips concatenated in the order given, ``n``, ``seconds`` and the
+    clip-weighted ``accuracy`` recomputed. ``ValueError`` naming the file when the runs differ in model, kind or the
+    settings they hold (steps, guidance, backend, deploy), or when a clip (steps, prompt, seed) is in two of them."""
+    if len(docs) < 2:
+        raise ValueError("give at least two reports to merge")
+    first, head = docs[0], names[0]
+    for doc, name in zip(docs[1:], names[1:], strict=True):
+        for key in ("model", "kind"):
+            if doc.get(key) != first.get(key):
+                raise ValueError(f"{name}: {key} {doc.get(key)!r} is not {head}'s {first.get(key)!r}")
+    groups: dict[str, dict[str, Any]] = {}
+    seen: dict[tuple[Any, str, int], str] = {}
+    expected = sorted(_setting(r) for r in first["reports"])
+    for doc, name in zip(docs, names, strict=True):
+        settings = sorted(_setting(r) for r in doc["reports"])
+        if settings != expected:
+            if len(settings) == len(expected) == 1:  # the usual case: name the fields that differ
+                a, b = json.loads(settings[0]), json.loads(expected[0])
+                what = ", ".join(f"{k} {json.dumps(a[k])} (not {json.dumps(b[k])})" for k in a if a[k] != b[k])
+            else:
+                what = f"settings {settings} (not {expected})"
+            raise ValueError(f"{name} differs from {head}: {what}; merge runs of one evaluation")
+        for rep in doc["reports"]:
+            key = _setting(rep)
+            for c in rep["clips"]:
+                clip = (rep.get("steps"), c["prompt"], c["seed"])
+                if clip in seen:
+                    raise ValueError(f"{name}: the clip {c['prompt']!r} seed {c['seed']} ({rep.get('steps')} steps) "
+                                     f"is also in {seen[clip]}")
+                seen[clip] = name
+            acc = rep.get("accuracy") or {}
+            if key not in groups:
+                groups[key] = dict(rep, clips=list(rep["clips"]), n=len(rep["clips"]),
+                                   accuracy={k: v * len(rep["clips"]) for k, v in acc.items()},
+                                   seconds=float(rep.get("seconds") or 0.0))
+                continue
+            g = groups[key]
+            if set(acc) != set(g["accuracy"]):
+                raise ValueError(f"{name}: accuracy keys {sorted(acc)} are not {head}'s {sorted(g['accuracy'])}")
+            g["clips"] += rep["clips"]
+            g["n"] += len(rep["clips"])
+            g["seconds"] += float(rep.get("seconds") or 0.0)
+            g["accuracy"] = {k: g["accuracy"][k] + v * len(rep["clips"]) for k, v in acc.items()}
+    for g in groups.values():
+        g["accuracy"] = {k: v / g["n"] for k, v in g["accuracy"].items()}
+    return {"model": first.get("model"), "kind": first.get("kind"), "merged_from": list(names),
+            "reports": list(groups.values())}
+
+
+__all__ = ["SIGNIFICANCE", "ReportError", "compare", "feature_shifts", "load_report", "mcnemar_p", "merge_reports",
+           "student_t_p"]
