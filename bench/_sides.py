@@ -129,24 +129,30 @@ BACKENDS = {"cudnn": "sdpa-cudnn", "fa4": "flash-attn-4", "fp8": "cudnn-fp8", "f
 #: projections left in the deploy dtype, ``linear_precision_options: {keep: KEEP_V}``; diffusers' names; with
 #: ``fused`` FLUX keeps them as the value rows of the fused ``to_qkv`` (omniloop-quant's ``FP8PartLinear``), SD3's
 #: fused weight buffer is refused by omniloop-quant at load), ``keepqkv`` (the same for the attention query, key and
-#: value projections of both streams: ``KEEP_QKV``)
-SIDE_WORDS = ("fp8lin", "keepv", "keepqkv", "fused", "gelu", "mod", "rope", "compile", "autotune", "graphs", *BACKENDS)
+#: value projections of both streams: ``KEEP_QKV``), ``keepqkvmod`` (those and the AdaLN modulation linears: ``KEEP_QKV_MOD``,
+#: omniloop-quant README's keep list for adherence)
+SIDE_WORDS = ("fp8lin", "keepv", "keepqkv", "keepqkvmod", "fused", "gelu", "mod", "rope", "compile", "autotune", "graphs", *BACKENDS)
 #: ``keepv``'s keep globs: FLUX's / SD3's joint blocks (``attn.to_v``, ``attn.add_v_proj``)
 KEEP_V = ("attn.to_v", "attn.add_v_proj")
 #: ``keepqkv``'s keep globs: every attention input projection of FLUX's / SD3's blocks
 KEEP_QKV = ("attn.to_[qkv]", "attn.add_[qkv]_proj")
+#: ``keepqkvmod``'s: q/k/v and the modulation linears of FLUX's double (``norm1``, ``norm1_context``) and single
+#: (``norm``) blocks
+KEEP_QKV_MOD = (*KEEP_QKV, "norm1.linear", "norm1_context.linear", "norm.linear")
+#: each keep word's globs
+KEEPS = {"keepv": KEEP_V, "keepqkv": KEEP_QKV, "keepqkvmod": KEEP_QKV_MOD}
 
 
 def omniloop_setting(name: str) -> dict[str, Any]:
-    """An omniloop side's deploy from its name: ``omniloop[-<backend>][-fp8lin][-keepv|-keepqkv][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]``
+    """An omniloop side's deploy from its name: ``omniloop[-<backend>][-fp8lin][-keepv|-keepqkv|-keepqkvmod][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]``
     → ``{"attention", "linears", "keep", "qkv", "ffn_gelu", "modulation", "qk_norm_rope", "compile", "compile_mode", "graphs"}`` (unknown words raise ``ValueError``;
     ``autotune``: inductor's ``max-autotune-no-cudagraphs``, which tries Triton GEMM templates beside cuBLAS)."""
     words = name.split("-")
     if words[0] != "omniloop" or any(w not in SIDE_WORDS for w in words[1:]):
-        raise ValueError(f"side {name!r}: omniloop[-{'|'.join(BACKENDS)}][-fp8lin][-keepv|-keepqkv][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]")
+        raise ValueError(f"side {name!r}: omniloop[-{'|'.join(BACKENDS)}][-fp8lin][-keepv|-keepqkv|-keepqkvmod][-fused][-gelu][-mod][-rope][-compile][-autotune][-graphs]")
     if "autotune" in words and "compile" not in words:
         raise ValueError(f"side {name!r}: 'autotune' is a compile mode, it needs 'compile'")
-    keeps = [w for w in words if w in ("keepv", "keepqkv")]
+    keeps = [w for w in words if w in KEEPS]
     if keeps and "fp8lin" not in words:
         raise ValueError(f"side {name!r}: {keeps[0]!r} keeps layers out of the FP8 linears, it needs 'fp8lin'")
     if len(keeps) > 1:
@@ -156,7 +162,7 @@ def omniloop_setting(name: str) -> dict[str, Any]:
             "qkv": "fused" if "fused" in words else "separate", "ffn_gelu": "fused" if "gelu" in words else "reference",
             "modulation": "per-request" if "mod" in words else "per-step",
             "qk_norm_rope": "fused" if "rope" in words else "reference",
-            "keep": KEEP_V if "keepv" in words else KEEP_QKV if "keepqkv" in words else (),
+            "keep": KEEPS[keeps[0]] if keeps else (),
             "compile": "compile" in words, "graphs": "graphs" in words,
             "compile_mode": "max-autotune-no-cudagraphs" if "autotune" in words else None}
 

@@ -119,7 +119,8 @@ SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omni
          "omniloop-fa3-gelu-mod-rope-fp8lin-keepv-compile-graphs", "omniloop-fa3-fused-gelu-mod-rope-fp8lin-compile-graphs",
          "omniloop-fa3-fused-gelu-mod-rope-fp8lin-keepv-compile-graphs", "omniloop-fused-fp8lin-keepv-compile",
          "omniloop-fa3-gelu-mod-rope-fp8lin-keepqkv-compile-graphs", "omniloop-fp8lin-keepqkv-compile",
-         "omniloop-fa3-fused-gelu-mod-rope-fp8lin-keepqkv-compile-graphs", "omniloop-fused-fp8lin-keepqkv-compile")
+         "omniloop-fa3-fused-gelu-mod-rope-fp8lin-keepqkv-compile-graphs", "omniloop-fused-fp8lin-keepqkv-compile",
+         "omniloop-fa3-gelu-mod-rope-fp8lin-keepqkvmod-compile-graphs", "omniloop-mod-fp8lin-keepqkvmod-compile")
 DEFAULT_SIDES = SIDES[:4]
 #: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
 BF16_GEMM_TFLOPS = 790.0

@@ -22,6 +22,8 @@ def test_words_map_to_deploy_settings(sides):
     assert (st["qkv"], st["keep"]) == ("fused", ("attn.to_v", "attn.add_v_proj"))
     st = sides.omniloop_setting("omniloop-fa3-fp8lin-keepqkv-compile")  # q, k and v of both streams
     assert st["keep"] == ("attn.to_[qkv]", "attn.add_[qkv]_proj")
+    st = sides.omniloop_setting("omniloop-fa3-mod-fp8lin-keepqkvmod-compile")  # and the modulation linears
+    assert st["keep"][2:] == ("norm1.linear", "norm1_context.linear", "norm.linear") and st["modulation"] == "per-request"
 
 
 @pytest.mark.parametrize("name, msg", [("omniloop-fa3-autotune", "needs 'compile'"),
