@@ -114,6 +114,7 @@ SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omni
          "omniloop-fa3-fused-compile-autotune-graphs", "omniloop-cudnn-fused-compile-autotune-graphs",
          "omniloop-fa3-fused-gelu-compile-graphs", "omniloop-fa3-fused-mod-compile-graphs", "omniloop-mod-compile",
          "omniloop-fa3-fused-gelu-mod-compile-graphs", "omniloop-fa3-fused-gelu-mod-rope-compile-graphs",
+         "omniloop-fused-gelu-mod-rope-compile-graphs", "omniloop-cudnn-fused-gelu-mod-rope-compile-graphs",
          "omniloop-fa3-fused-rope-compile-graphs", "omniloop-fp8lin-keepv-compile",
          "omniloop-fa3-gelu-mod-rope-compile-graphs", "omniloop-fa3-gelu-mod-rope-fp8lin-compile-graphs",
          "omniloop-fa3-gelu-mod-rope-fp8lin-keepv-compile-graphs", "omniloop-fa3-fused-gelu-mod-rope-fp8lin-compile-graphs",

@@ -84,9 +84,10 @@ def test_flash_attn4_declares_itself_for_hopper_bf16_fp16_cuda_only():
     assert [b.name for b in BACKENDS if b.auto_rank > 0] == ["flash-attn-4", "flash-attn-3"]
 
 
-def test_flash_attn3_declares_itself_for_wan_below_flash_attn4():
+def test_flash_attn3_declares_itself_for_wan_and_flux_below_flash_attn4():
     """FlashAttention-3 (built by hand) is picked for Wan on Hopper in bf16/fp16 where flash-attn-4 is
-    not installed; with both, flash-attn-4 (higher rank); never for SD3 or FLUX (not measured)."""
+    not installed; with both, flash-attn-4 (higher rank). For FLUX.1 it is picked with or without
+    flash-attn-4 (which does not declare itself for FLUX); never for SD3 (measured faster with FA4)."""
     fa3, fa4 = BY_NAME["flash-attn-3"], BY_NAME["flash-attn-4"]
     assert 0 < fa3.auto_rank < fa4.auto_rank and not fa3.distribution_altering and fa3.options_schema is None
     assert fa3.auto_accepts(GPU_BF16, "wan") is None
@@ -97,6 +98,10 @@ def test_flash_attn3_declares_itself_for_wan_below_flash_attn4():
     assert resolve_auto_attention(_registry(*others, fa3_here, fa4), GPU_BF16, "wan")[0].name == "flash-attn-3"
     assert resolve_auto_attention(_registry(*others, fa3_here, fa4_here), GPU_BF16, "wan")[0].name == "flash-attn-4"
     assert resolve_auto_attention(_registry(*others, fa3_here, fa4), GPU_BF16, "sd3")[0].name == "sdpa"
+    assert fa3.auto_accepts(GPU_BF16, "flux") is None
+    for fa4_maybe in (fa4, fa4_here):
+        assert resolve_auto_attention(_registry(*others, fa3_here, fa4_maybe), GPU_BF16, "flux")[0].name == "flash-attn-3"
+    assert resolve_auto_attention(_registry(*others, fa3, fa4), GPU_BF16, "flux")[0].name == "sdpa"  # not installed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's choice")

@@ -53,13 +53,16 @@ DTYPES = (torch.bfloat16, torch.float16)
 #: the Wan 1.3B step 1.141x ``sdpa-cudnn``'s (1.381x vs 1.217x diffusers eager, same run); the kernel
 #: 1.22x / 1.19x cuDNN on Wan 1.3B / 14B self-attention (``attention_fa3-h100-2026-12-05.json``). On an
 #: H200 (2026-12-06, ``wan_gpu-1.3b-fa3-h200-2026-12-06.json``): 1.338x vs ``sdpa-cudnn``'s 1.195x (1.12x).
+#: FLUX.1-dev's compiled step (the fast exact-class options): 1.019x ``sdpa-cudnn``'s in one run on an H200
+#: (``flux_gpu-fa3-h200-2026-12-06.json``) and 1.014x the core ``sdpa``'s on one H100 (each beside its own
+#: diffusers anchor, ``flux_gpu-fa3-vs-sdpa-h100-s31-2026-12-07.json``).
 AUTO_RANK = 8
 #: the families whose whole step was measured faster with it
-AUTO_FAMILIES = ("wan",)
+AUTO_FAMILIES = ("wan", "flux")
 
 
 def flash_attn3_accepts(deploy: Any, family: str) -> str | None:
-    """``auto`` may pick flash-attn-3 for a Wan deploy on a CUDA device in bf16 or fp16."""
+    """``auto`` may pick flash-attn-3 for a Wan or FLUX.1 deploy on a CUDA device in bf16 or fp16."""
     return cuda_half_accepts(deploy, family, AUTO_FAMILIES)
 
 
