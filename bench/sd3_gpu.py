@@ -16,8 +16,8 @@ Configurations (``--only`` picks any):
 ``omniloop-compile``        + deploy ``compile: true`` (each joint step ``torch.compile(fullgraph=True)``)
 ``omniloop-cudnn-compile``  + attention backend ``sdpa-cudnn`` (omniloop-attention)
 ``omniloop-cudnn-fused-…``  ``omniloop-cudnn-fused-compile``: + ``options.qkv: fused`` (not in the default set)
-``omniloop-…``              any ``omniloop[-cudnn|-fa4|-fp8][-fp8lin][-fused][-compile][-graphs]`` in ``SIDES``: the
-                            backend (``sdpa-cudnn``, ``flash-attn-4``, ``cudnn-fp8``), ``qkv: fused``,
+``omniloop-…``              any ``omniloop[-cudnn|-fa4|-fa3|-fp8][-fp8lin][-fused][-compile][-graphs]`` in ``SIDES``: the
+                            backend (``sdpa-cudnn``, ``flash-attn-4``, ``flash-attn-3``, ``cudnn-fp8``), ``qkv: fused``,
                             ``compile: true``, ``options.cuda_graphs: true`` (omniloop_kit.graphs)
 ==========================  ==========================================================================
 
@@ -99,7 +99,8 @@ SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omni
          "omniloop-cudnn-fused-compile", "omniloop-compile-graphs", "omniloop-cudnn-compile-graphs",
          "omniloop-cudnn-fused-compile-graphs", "omniloop-fa4-compile", "omniloop-fa4-compile-graphs",
          "omniloop-fa4-fused-compile-graphs", "omniloop-fp8-fused-compile-graphs",
-         "omniloop-cudnn-fp8lin-compile-graphs", "omniloop-fp8-fp8lin-compile-graphs")
+         "omniloop-cudnn-fp8lin-compile-graphs", "omniloop-fp8-fp8lin-compile-graphs",
+         "omniloop-fused-compile-graphs", "omniloop-fa3-fused-compile-graphs")
 DEFAULT_SIDES = SIDES[:5]
 #: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
 BF16_GEMM_TFLOPS = 790.0

@@ -84,20 +84,23 @@ def test_flash_attn4_declares_itself_for_hopper_bf16_fp16_cuda_only():
     assert [b.name for b in BACKENDS if b.auto_rank > 0] == ["flash-attn-4", "flash-attn-3"]
 
 
-def test_flash_attn3_declares_itself_for_wan_and_flux_below_flash_attn4():
-    """FlashAttention-3 (built by hand) is picked for Wan on Hopper in bf16/fp16 where flash-attn-4 is
-    not installed; with both, flash-attn-4 (higher rank). For FLUX.1 it is picked with or without
-    flash-attn-4 (which does not declare itself for FLUX); never for SD3 (measured faster with FA4)."""
+def test_flash_attn3_declares_itself_for_wan_flux_and_sd3_below_flash_attn4():
+    """FlashAttention-3 (built by hand) is picked for Wan and SD3 on Hopper in bf16/fp16 where
+    flash-attn-4 is not installed; with both, flash-attn-4 (higher rank). For FLUX.1 it is picked with
+    or without flash-attn-4 (which does not declare itself for FLUX); never for another family."""
     fa3, fa4 = BY_NAME["flash-attn-3"], BY_NAME["flash-attn-4"]
     assert 0 < fa3.auto_rank < fa4.auto_rank and not fa3.distribution_altering and fa3.options_schema is None
     assert fa3.auto_accepts(GPU_BF16, "wan") is None
-    assert "family 'sd3' was not measured faster" in fa3.auto_accepts(GPU_BF16, "sd3")
+    assert fa3.auto_accepts(GPU_BF16, "sd3") is None
+    assert "family 'qwen' was not measured faster" in fa3.auto_accepts(GPU_BF16, "qwen")
     assert "float32" in fa3.auto_accepts(DeployConfig(device="cuda", dtype="float32"), "wan")
     others = [b for b in BACKENDS if b.name not in ("flash-attn-3", "flash-attn-4")]
     fa3_here, fa4_here = attrs.evolve(fa3, available=lambda: None), attrs.evolve(fa4, available=lambda: None)
     assert resolve_auto_attention(_registry(*others, fa3_here, fa4), GPU_BF16, "wan")[0].name == "flash-attn-3"
     assert resolve_auto_attention(_registry(*others, fa3_here, fa4_here), GPU_BF16, "wan")[0].name == "flash-attn-4"
-    assert resolve_auto_attention(_registry(*others, fa3_here, fa4), GPU_BF16, "sd3")[0].name == "sdpa"
+    assert resolve_auto_attention(_registry(*others, fa3_here, fa4), GPU_BF16, "sd3")[0].name == "flash-attn-3"
+    assert resolve_auto_attention(_registry(*others, fa3_here, fa4_here), GPU_BF16, "sd3")[0].name == "flash-attn-4"
+    assert resolve_auto_attention(_registry(*others, fa3_here, fa4_here), GPU_BF16, "qwen")[0].name == "sdpa"
     assert fa3.auto_accepts(GPU_BF16, "flux") is None
     for fa4_maybe in (fa4, fa4_here):
         assert resolve_auto_attention(_registry(*others, fa3_here, fa4_maybe), GPU_BF16, "flux")[0].name == "flash-attn-3"

@@ -55,14 +55,15 @@ DTYPES = (torch.bfloat16, torch.float16)
 #: H200 (2026-12-06, ``wan_gpu-1.3b-fa3-h200-2026-12-06.json``): 1.338x vs ``sdpa-cudnn``'s 1.195x (1.12x).
 #: FLUX.1-dev's compiled step (the fast exact-class options): 1.019x ``sdpa-cudnn``'s in one run on an H200
 #: (``flux_gpu-fa3-h200-2026-12-06.json``) and 1.014x the core ``sdpa``'s on one H100 (each beside its own
-#: diffusers anchor, ``flux_gpu-fa3-vs-sdpa-h100-s31-2026-12-07.json``).
+#: diffusers anchor, ``flux_gpu-fa3-vs-sdpa-h100-s31-2026-12-07.json``). SD3.5-medium's CFG step at head dim 64:
+#: 1.068x the core ``sdpa``'s in one run on an H100 (``sd3_gpu-sd35m-1024-fa3-vs-sdpa-h100-s31-2026-12-07.json``).
 AUTO_RANK = 8
 #: the families whose whole step was measured faster with it
-AUTO_FAMILIES = ("wan", "flux")
+AUTO_FAMILIES = ("wan", "flux", "sd3")
 
 
 def flash_attn3_accepts(deploy: Any, family: str) -> str | None:
-    """``auto`` may pick flash-attn-3 for a Wan or FLUX.1 deploy on a CUDA device in bf16 or fp16."""
+    """``auto`` may pick flash-attn-3 for a Wan, FLUX.1 or SD3 deploy on a CUDA device in bf16 or fp16."""
     return cuda_half_accepts(deploy, family, AUTO_FAMILIES)
 
 
