@@ -16,9 +16,9 @@ within bf16 rounding of the reference (not bit-equal). Opt-in with a family opti
 not the tanh form, so a family refuses the option at load there -- :func:`ffn_option`). The swap keeps the
 ``Linear`` (same parameters, same state-dict keys, so weight updates land); :func:`restore` puts diffusers' modules
 back. An adapter on the projection would be bypassed: a family's ``AdapterSupport.check`` calls
-:func:`refuse_fused_ffn`. Offered by Wan (``options.ffn_gelu``) and FLUX.1 (its double blocks' ``ff`` and
+:func:`refuse_fused_ffn`. Offered by Wan (``options.ffn_gelu``), FLUX.1 (its double blocks' ``ff`` and
 ``ff_context``; a single block's MLP is a bare ``Linear`` + ``GELU``, which FLUX's own single-block forward
-fuses the same way, ``omniloop_flux.blocks``).
+fuses the same way, ``omniloop_flux.blocks``) and SD3 (every joint block's ``ff`` and ``ff_context``).
 """
 
 from __future__ import annotations

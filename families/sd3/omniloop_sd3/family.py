@@ -17,6 +17,7 @@ from omniloop_kit.compile import OPTION_KEYS as COMPILE_KEYS
 from omniloop_kit.compile import compile_options
 from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, load_checkpoint
 from omniloop_kit.family import capabilities as kit_capabilities
+from omniloop_kit.ffn import ffn_option
 from omniloop_kit.graphs import graph_option
 from omniloop_kit.resolve import check_task
 from omniloop_kit.stages import image_nodes
@@ -45,9 +46,11 @@ class SD3Family(DiffusersFamily):
         #: and the three text encoders stream their blocks; the VAE moves whole
         offload={"transformer": "transformer_blocks", "text_encoder": CLIP_TEXT_LAYERS,
                  "text_encoder_2": CLIP_TEXT_LAYERS, "text_encoder_3": T5_BLOCKS, "vae": None},
-        #: deploy options read: options.qkv, the compile settings (check_options) and cuda_graphs
-        #: (omniloop_kit.graphs: the outer forward replayed as one CUDA graph per input shape)
-        options={"qkv", "cuda_graphs", *COMPILE_KEYS},
+        #: deploy options read: options.qkv, ffn_gelu (omniloop_kit.ffn: the feed-forwards' input
+        #: projection and tanh GELU as one cuBLASLt matmul, CUDA only), the compile settings
+        #: (check_options) and cuda_graphs (omniloop_kit.graphs: the outer forward replayed as one CUDA
+        #: graph per input shape)
+        options={"qkv", "ffn_gelu", "cuda_graphs", *COMPILE_KEYS},
         #: update_weights refused with options.qkv: fused (the fused copy would go stale)
         weight_update_refusal=fused_qkv_update_refusal,
         #: a real checkpoint's trained size from its configs (issue 42: warned, bounded by the deploy)
@@ -58,7 +61,8 @@ class SD3Family(DiffusersFamily):
         """Check every file (configs, headers, the components' fit) first, then load each
         component by the class ``model_index.json`` names (local files only).
 
-        Options: ``qkv`` (``separate`` | ``fused``, :mod:`omniloop_sd3.attention`), ``compile_backend``,
+        Options: ``qkv`` (``separate`` | ``fused``, :mod:`omniloop_sd3.attention`), ``ffn_gelu``
+        (``reference`` | ``fused``, :mod:`omniloop_kit.ffn`; CUDA only), ``compile_backend``,
         ``compile_mode``, ``compile_dynamic``, ``cuda_graphs`` (:mod:`omniloop_kit.graphs`); the deploy's
         ``attention_backend`` and ``compile`` are honoured."""
         check_options(options, device)  # bad options fail before any weight is read
@@ -87,9 +91,11 @@ class SD3Family(DiffusersFamily):
         }, {"defaults": dict(task_defaults)}
 
     def prepare(self, model: LoadedModel, options: dict[str, Any]) -> None:
-        """``options.qkv`` and the deploy's attention backend installed on the transformer, its
-        joint steps compiled (deploy ``compile: true``), a menu per task built; ``options.cuda_graphs``
-        checked against the model's device (the denoise node replays its forward as a CUDA graph)."""
+        """``options.qkv`` and the deploy's attention backend installed on the transformer,
+        ``options.ffn_gelu: fused`` swapped into its feed-forwards (before compiling: the compiled steps
+        trace it), its joint steps compiled (deploy ``compile: true``), a menu per task built;
+        ``options.cuda_graphs`` checked against the model's device (the denoise node replays its forward
+        as a CUDA graph)."""
         check_options(options, model.device)
         tf, qkv, backend = model.components["transformer"], qkv_option(options), options.get("attention")
         if qkv == "fused" or getattr(backend, "name", "sdpa") != "sdpa":
@@ -98,6 +104,12 @@ class SD3Family(DiffusersFamily):
             install(tf, backend, fused_qkv=qkv == "fused")
             model.config["attention_backend"] = getattr(backend, "name", "sdpa")
         model.config["qkv"] = qkv
+        ffn_gelu = ffn_option(options, model.device)
+        if ffn_gelu == "fused":
+            from omniloop_kit import ffn
+
+            ffn.install(tf)
+        model.config["ffn_gelu"] = ffn_gelu
         self.compile_model(model, options, joint_steps)
         for task in TASKS:  # an incompatible scheduler config or policies option fails at load
             menu_for(model, task, options)
@@ -122,8 +134,10 @@ class SD3Family(DiffusersFamily):
 
 
 def check_options(options: Mapping[str, Any], device: Any = None) -> None:
-    """The family options (``qkv``, ``compile_*``, ``cuda_graphs`` on ``device``), checked before loading."""
+    """The family options (``qkv``, ``ffn_gelu`` and ``cuda_graphs`` on ``device``, ``compile_*``), checked
+    before loading."""
     qkv_option(options)
+    ffn_option(options, device if device is not None else "cpu")
     compile_options(options)
     graph_option(options, device)
 
