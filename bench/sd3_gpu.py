@@ -16,10 +16,9 @@ Configurations (``--only`` picks any):
 ``omniloop-compile``        + deploy ``compile: true`` (each joint step ``torch.compile(fullgraph=True)``)
 ``omniloop-cudnn-compile``  + attention backend ``sdpa-cudnn`` (omniloop-attention)
 ``omniloop-cudnn-fused-…``  ``omniloop-cudnn-fused-compile``: + ``options.qkv: fused`` (not in the default set)
-``omniloop-…``              any ``omniloop[-cudnn|-fa4|-fa3|-fp8][-fp8lin][-fused][-gelu][-rope][-compile][-graphs]`` in ``SIDES``: the
+``omniloop-…``              any ``omniloop[-cudnn|-fa4|-fa3|-fp8][-fp8lin][-fused][-gelu][-compile][-graphs]`` in ``SIDES``: the
                             backend (``sdpa-cudnn``, ``flash-attn-4``, ``flash-attn-3``, ``cudnn-fp8``), ``qkv: fused``,
-                            ``ffn_gelu: fused`` (``-gelu``), ``qk_norm_rope: fused`` (``-rope``: the q/k
-                            norms in omniloop-kit's kernel; SD3 has no rotary embedding),
+                            ``ffn_gelu: fused`` (``-gelu``),
                             ``compile: true``, ``options.cuda_graphs: true`` (omniloop_kit.graphs)
 ==========================  ==========================================================================
 
@@ -102,8 +101,7 @@ SIDES = ("diffusers", "diffusers-compile", "omniloop", "omniloop-compile", "omni
          "omniloop-cudnn-fused-compile-graphs", "omniloop-fa4-compile", "omniloop-fa4-compile-graphs",
          "omniloop-fa4-fused-compile-graphs", "omniloop-fp8-fused-compile-graphs",
          "omniloop-cudnn-fp8lin-compile-graphs", "omniloop-fp8-fp8lin-compile-graphs",
-         "omniloop-fused-compile-graphs", "omniloop-fa3-fused-compile-graphs", "omniloop-fa3-fused-gelu-compile-graphs",
-         "omniloop-fa3-fused-gelu-rope-compile-graphs")
+         "omniloop-fused-compile-graphs", "omniloop-fa3-fused-compile-graphs", "omniloop-fa3-fused-gelu-compile-graphs")
 DEFAULT_SIDES = SIDES[:5]
 #: the bf16 GEMM rate this H200 reaches on large shapes (bench/README, the Wan matmul-limit table)
 BF16_GEMM_TFLOPS = 790.0
@@ -207,7 +205,7 @@ class OmniloopSide:
     def __init__(self, name: str, comps: dict[str, Any], device: torch.device, dtype: torch.dtype, *,
                  compiled: bool, compile_backend: str, attention: str = "sdpa", qkv: str = "separate",
                  graphs: bool = False, linears: str = "dtype", keep: tuple[str, ...] = (),
-                 ffn_gelu: str = "reference", qk_norm_rope: str = "reference") -> None:
+                 ffn_gelu: str = "reference") -> None:
         from omniloop.deploy import DeployConfig
         from omniloop.execution import BuiltPipeline
         from omniloop.request import TaskType
@@ -218,8 +216,7 @@ class OmniloopSide:
         deploy = DeployConfig(device=str(device), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
                               compile=compiled, attention_backend=attention, linear_precision=linears,
                               linear_precision_options={"keep": list(keep)} if keep else {})
-        options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend, "qkv": qkv, "ffn_gelu": ffn_gelu,
-                                   "qk_norm_rope": qk_norm_rope}
+        options: dict[str, Any] = {"deploy": deploy, "compile_backend": compile_backend, "qkv": qkv, "ffn_gelu": ffn_gelu}
         if graphs:
             options["cuda_graphs"] = True
         if backend is not None:
@@ -229,8 +226,7 @@ class OmniloopSide:
         lin_note = apply_linear_precision(self.model, fam, deploy)
         spec = fam.build_pipeline(self.model, TaskType.T2I, options)
         self.built = BuiltPipeline(spec=spec, components=comps, device=device, dtype=dtype, options=options)
-        self.note = (f"compile={compiled} attention={attention} qkv={qkv} ffn_gelu={ffn_gelu} qk_norm_rope={qk_norm_rope} "
-                     f"cuda_graphs={graphs}{lin_note}")
+        self.note = f"compile={compiled} attention={attention} qkv={qkv} ffn_gelu={ffn_gelu} cuda_graphs={graphs}{lin_note}"
 
     def run(self, steps: int, size: int) -> dict[str, Any]:
         body = {"task": "t2i", "prompt": PROMPT, "negative_prompt": NEGATIVE,
@@ -286,14 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("diffusers"):
             return DiffusersSide(name, comps, name.endswith("compile"), compile_backend)
         st = omniloop_setting(name)
-        if st["modulation"] != "per-step":
-            raise ValueError(f"side {name!r}: the SD3 family has no options.modulation ('mod' is a FLUX side word)")
+        if st["modulation"] != "per-step" or st["qk_norm_rope"] != "reference":
+            raise ValueError(f"side {name!r}: the SD3 family has no options.modulation or options.qk_norm_rope "
+                             "('mod' and 'rope' are FLUX side words)")
         if device.type == "cpu":  # smoke: the same paths with the core sdpa and no graphs (CUDA only);
-            # cuBLASLt's GELU epilogue and the Triton q/k norm kernel too
-            st.update(attention="sdpa", graphs=False, ffn_gelu="reference", qk_norm_rope="reference")
+            st.update(attention="sdpa", graphs=False, ffn_gelu="reference")  # cuBLASLt's GELU epilogue too
         return OmniloopSide(name, comps, device, dtype, compiled=st["compile"], compile_backend=compile_backend,
                             attention=st["attention"], qkv=st["qkv"], graphs=st["graphs"], linears=st["linears"],
-                            keep=st["keep"], ffn_gelu=st["ffn_gelu"], qk_norm_rope=st["qk_norm_rope"])
+                            keep=st["keep"], ffn_gelu=st["ffn_gelu"])
 
     sides = build_sides(only, record, make)
     save()

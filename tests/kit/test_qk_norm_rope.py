@@ -48,20 +48,6 @@ def _tolerance(dtype: torch.dtype, ref: torch.Tensor, ulps: int = 1) -> float:
     return ulps * 2.0 ** (torch.frexp(ref.abs().max().float()).exponent.item() - 8)  # bf16 ulps of the largest value
 
 
-def _diffusers_norms(dtype: torch.dtype, d: int = 8, seed: int = 1, device: str = "cpu") -> list:
-    """Two of diffusers' own ``RMSNorm(d)`` (SD3's q/k norms), weights around 1."""
-    from diffusers.models.normalization import RMSNorm
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(2):
-        n = RMSNorm(d, eps=1e-6).to(device=device, dtype=dtype)
-        with torch.no_grad():
-            n.weight.copy_(torch.rand(d, generator=g) + 0.5)
-        out.append(n)
-    return out
-
-
 # -- always ---------------------------------------------------------------------------------------
 
 
@@ -91,13 +77,6 @@ def test_supported_refuses_what_the_kernel_does_not_do(monkeypatch) -> None:
     assert not knr.supported([a, b], [off, norms[1]], rotary, 3)
     six = torch.randn(1, 4, 3 * 6)
     assert not knr.supported([six], [torch.nn.RMSNorm(6)], None, 3)  # head dim 6: not a power of two
-    dn = _diffusers_norms(torch.float32)
-    assert knr.supported([a, b], dn, rotary, 3) and knr.supported([a, b], dn, None, 3)  # diffusers' RMSNorm (SD3)
-    assert not knr.supported([a, b], [dn[0], norms[1]], rotary, 3)  # one kind per call (one rounding rule)
-    from diffusers.models.normalization import RMSNorm
-
-    assert not knr.supported([a], [RMSNorm(8, eps=1e-6, bias=True)], None, 3)  # a bias: not the kernel's
-    assert not knr.supported([a], [RMSNorm(8, eps=1e-6, elementwise_affine=False)], None, 3)  # no weight
     monkeypatch.setattr(knr, "INTERPRETED", False)
     assert not knr.supported([a, b], norms, rotary, 3)  # CPU without the interpreter
 
@@ -115,10 +94,6 @@ def test_supported_traces_without_a_graph_break(monkeypatch) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(check, fullgraph=True, backend="eager")
     assert torch.equal(compiled(a, b, *rotary), a.sum())
-    norms[:] = _diffusers_norms(torch.float32)  # SD3's norms: the module check traces too
-    torch._dynamo.reset()
-    compiled = torch.compile(check, fullgraph=True, backend="eager")
-    assert torch.equal(compiled(a, b, *rotary), a.sum())
 
 
 @pytest.mark.parametrize("rope", [True, False])
@@ -130,30 +105,14 @@ def test_the_kernel_compiles_for_hopper(compile_for_sm90, rope, dtype, heads, d)
     sig = {**{f"{n}_ptr": f"*{dtype}" for n in ("a", "b", "wa", "wb", "out")}, "cos_ptr": table, "sin_ptr": table,
            "a_bstride": "i32", "a_tstride": "i32", "b_bstride": "i32", "b_tstride": "i32", "n_a": "i32",
            "seq_len": "i32", "eps_a": "fp32", "eps_b": "fp32",
-           **dict.fromkeys(("H", "D", "BLOCK_H", "NORM", "ROPE", "ROUND_NORMED"), "constexpr")}
+           **dict.fromkeys(("H", "D", "BLOCK_H", "NORM", "ROPE"), "constexpr")}
     block_h = knr.heads_per_program(heads, d)
-    # FLUX.1's torch.nn.RMSNorm with the rotation; SD3's diffusers RMSNorm (rounded before the weight) without
-    asm = compile_for_sm90(knr.KERNEL.get(), sig, {"H": heads, "D": d, "BLOCK_H": block_h, "NORM": True, "ROPE": rope,
-                                                   "ROUND_NORMED": not rope}, num_warps=knr.warps_for(block_h, d))
+    asm = compile_for_sm90(knr.KERNEL.get(), sig, {"H": heads, "D": d, "BLOCK_H": block_h, "NORM": True, "ROPE": rope},
+                           num_warps=knr.warps_for(block_h, d))
     assert asm.get("cubin")
 
 
 # -- Triton's interpreter ---------------------------------------------------------------------------
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_with_diffusers_rms_norms_matches_them_interpreted(dtype) -> None:
-    """SD3's q/k norms (diffusers' ``RMSNorm``: ``x * rsqrt`` rounded to the dtype before the weight), with
-    and without a rotation, one part and two."""
-    a, b, _, rotary = _case(dtype)
-    norms = _diffusers_norms(dtype)
-    for parts, ns, rot in (([a, b], norms, None), ([a, b], norms, rotary), ([b], norms[1:], None)):
-        out = knr.joint_norm_rope(parts, ns, rot, 3)
-        ref = knr.reference(parts, ns, rot, 3)
-        assert out.shape == ref.shape and out.is_contiguous() and out.dtype == dtype
-        # the interpreter truncates float32 -> bf16 where a GPU rounds: up to three roundings here
-        assert (out.float() - ref.float()).abs().max().item() <= _tolerance(dtype, ref, ulps=3), (len(parts), rot is None)
 
 
 @interpreted

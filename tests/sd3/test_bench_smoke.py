@@ -25,16 +25,15 @@ def test_sd3_gpu_bench_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_sd3_gpu_bench_takes_the_gelu_side_and_refuses_flux_only_words(tmp_path):
-    """``-gelu`` (``options.ffn_gelu: fused``) and ``-rope`` (``options.qk_norm_rope: fused``) are SD3 side
-    words; on the CPU smoke they run the reference ops (cuBLASLt's epilogue and the Triton kernel are
-    CUDA-only). ``mod`` is FLUX's and refused with one message."""
+    """``-gelu`` (``options.ffn_gelu: fused``) is an SD3 side word; on the CPU smoke it runs the reference
+    GELU (cuBLASLt's epilogue is CUDA-only). ``mod`` / ``rope`` are FLUX's and refused with one message."""
     spec = importlib.util.spec_from_file_location("sd3_gpu", ROOT / "bench" / "sd3_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    side = "omniloop-fa3-fused-gelu-rope-compile-graphs"
+    side = "omniloop-fa3-fused-gelu-compile-graphs"
     assert mod.main(["--smoke", "--repeats", "1", "--only", f"diffusers,{side}", "--out", str(tmp_path)]) == 0
     rec = json.loads(next(tmp_path.glob("sd3_gpu-smoke-*.json")).read_text())
-    assert "ffn_gelu=reference qk_norm_rope=reference" in rec["sides"][side]["setup"]
+    assert "ffn_gelu=reference" in rec["sides"][side]["setup"]
     assert rec["summary"][side]["step_speedup_vs_diffusers"] > 0
     mod.SIDES = (*mod.SIDES, "omniloop-fused-mod-compile")
     out = tmp_path / "mod"

@@ -124,9 +124,8 @@ class JointAttnProcessor(BackendProcessor):
         super().__init__(fn, backend)
         self.fused_qkv = fused_qkv
         #: q/k norms, concatenation and rotary embedding by :func:`omniloop_kit.qk_norm_rope.joint_norm_rope`
-        #: where it takes the call (``options.qk_norm_rope: fused``); the kernel writes ``[B, L, H, D]``, which a
-        #: ``heads_first`` processor takes as ``[B, H, L, D]`` views
-        self.fused_norm_rope = fused_norm_rope
+        #: where it takes the call (``[B, L, H, D]`` layouts only; ``options.qk_norm_rope: fused``)
+        self.fused_norm_rope = fused_norm_rope and not self.heads_first
         self.rotary = apply_rotary_emb
 
     def project(self, attn: Any, x: torch.Tensor, which: str) -> tuple[torch.Tensor, ...]:
@@ -150,7 +149,7 @@ class JointAttnProcessor(BackendProcessor):
         if self.fused_norm_rope:
             fused = self._fused_qkv(attn, (query, key, value), context, image_rotary_emb)
             if fused is not None:
-                return tuple(t.transpose(1, 2) for t in fused) if self.heads_first else fused  # type: ignore[return-value]
+                return fused
         head_dim = key.shape[-1] // attn.heads
         query, key, value = (self.heads(t, head_dim) for t in (query, key, value))
         query, key = _normed(attn.norm_q, query), _normed(attn.norm_k, key)

@@ -21,9 +21,8 @@ vectorisation and inductor's analysis of the kernel failed on the reassigned eps
 tensor, and no argument reassigned inside the kernel.
 
 Numerics follow the eager ops: the mean square and the scaling in float32, the normed value rounded
-to the input dtype (as ``torch.nn.RMSNorm`` returns it; with diffusers' own ``RMSNorm`` — SD3's q/k
-norms — ``x * rsqrt(mean(x²) + eps)`` is rounded before the weight multiplies it, as that module does),
-the rotation in float32 on that value, one rounding to the input dtype. What can differ from eager is the order of the mean's sum and the
+to the input dtype (as ``torch.nn.RMSNorm`` returns it), the rotation in float32 on that value, one
+rounding to the input dtype. What can differ from eager is the order of the mean's sum and the
 fused multiply-adds Triton may form: half a bf16 ulp of the largest value on FLUX.1-dev's shapes
 (the tests state the tolerances). Opt-in per family (FLUX.1's ``options.qk_norm_rope: fused``, CUDA with ``triton``);
 :func:`supported` says when a call can take it, otherwise the caller keeps the reference ops.
@@ -104,7 +103,6 @@ def _define() -> Any:
         a_ptr, b_ptr, wa_ptr, wb_ptr, cos_ptr, sin_ptr, out_ptr,
         a_bstride, a_tstride, b_bstride, b_tstride, n_a, seq_len, eps_a, eps_b,
         H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-        ROUND_NORMED: tl.constexpr,
     ):
         row = tl.program_id(0)  # one token (batch-major) of the joint sequence: part a, then part b
         h0 = tl.program_id(1) * BLOCK_H  # this program's first head
@@ -127,19 +125,10 @@ def _define() -> Any:
             xp = tl.load(src + partner).to(tl.float32)
         if NORM:
             r = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
-            w = tl.load(w_ptr + d).to(tl.float32)
-            if ROUND_NORMED:  # diffusers' RMSNorm: x * rsqrt(...) rounded to the dtype before the weight
-                x = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32) * w
-            else:  # torch.nn.RMSNorm: one product in float32
-                x = x * r * w
-            x = x.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the norm module returns it
+            # rounded to the input dtype as the norm module returns it
+            x = (x * r * tl.load(w_ptr + d).to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
             if ROPE:
-                wp = tl.load(w_ptr + (d ^ 1)).to(tl.float32)
-                if ROUND_NORMED:
-                    xp = (xp * r).to(out_ptr.dtype.element_ty).to(tl.float32) * wp
-                else:
-                    xp = xp * r * wp
-                xp = xp.to(out_ptr.dtype.element_ty).to(tl.float32)
+                xp = (xp * r * tl.load(w_ptr + (d ^ 1)).to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
         if ROPE:
             # diffusers: x * cos + rotated(x) * sin, rotated(x)[2i] = -x[2i+1], rotated(x)[2i+1] = x[2i]
             f = pos.to(tl.int64) * D + d
@@ -161,10 +150,9 @@ def _part_ok(x: torch.Tensor, heads: int) -> bool:
 def supported(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, heads: int) -> bool:
     """Whether :func:`joint_norm_rope` takes this call: one or two ``[B, L_i, heads*D]`` parts with
     channels contiguous (any token and batch stride), of one dtype and device (CUDA; CPU under
-    Triton's interpreter), each with a ``torch.nn.RMSNorm(D)`` — or each with diffusers' ``RMSNorm(D)``
-    (no bias) — that has a weight on the parts' device in their dtype (or no norm at all for every
-    part), ``D`` a power of two, and ``rotary`` None or diffusers' real ``(cos, sin)`` pair of
-    ``[sum L_i, D]``. Otherwise the caller runs the reference ops."""
+    Triton's interpreter), each with a ``torch.nn.RMSNorm(D)`` that has a weight on the parts' device
+    in their dtype (or no norm at all for every part), ``D`` a power of two, and ``rotary`` None or diffusers' real ``(cos, sin)``
+    pair of ``[sum L_i, D]``. Otherwise the caller runs the reference ops."""
     if not parts or len(parts) > 2 or len(norms) != len(parts):
         return False
     x0 = parts[0]
@@ -176,36 +164,16 @@ def supported(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary: Any, 
     d = x0.shape[-1] // heads
     if d < 2 or d & (d - 1):
         return False
-    if any(n is not None for n in norms):
-        kinds = {_norm_kind(n, d) for n in norms}
-        if len(kinds) != 1 or None in kinds or not all(n.weight.device == x0.device and n.weight.dtype == x0.dtype
-                                                       for n in norms):
-            return False  # (a weight elsewhere: offloaded, its module's hook moves it only when it runs)
+    if any(n is not None for n in norms) and not all(
+            isinstance(n, torch.nn.RMSNorm) and n.weight is not None and tuple(n.normalized_shape) == (d,)
+            and n.weight.device == x0.device and n.weight.dtype == x0.dtype for n in norms):
+        return False  # (a weight elsewhere: offloaded, its module's hook moves it only when it runs)
     if rotary is None:
         return True
     if not (isinstance(rotary, (tuple, list)) and len(rotary) == 2):
         return False
     length = sum(x.shape[1] for x in parts)
     return all(isinstance(t, torch.Tensor) and t.shape == (length, d) and t.device == x0.device for t in rotary)
-
-
-def _diffusers_rms(norm: Any) -> bool:
-    """``norm`` is diffusers' own ``RMSNorm`` (``diffusers.models.normalization``; SD3's q/k norms), whose
-    ``x * rsqrt(mean(x²) + eps)`` is rounded to the dtype before the weight multiplies it."""
-    cls = type(norm)
-    return cls.__name__ == "RMSNorm" and cls.__module__ == "diffusers.models.normalization"
-
-
-def _norm_kind(norm: Any, d: int) -> str | None:
-    """``torch`` (``torch.nn.RMSNorm(d)``) or ``diffusers`` (diffusers' ``RMSNorm(d)`` without a bias), both
-    with a weight; None for any other module."""
-    if isinstance(norm, torch.nn.RMSNorm):
-        ok = norm.weight is not None and tuple(norm.normalized_shape) == (d,)
-        return "torch" if ok else None
-    if _diffusers_rms(norm):
-        ok = norm.weight is not None and getattr(norm, "bias", None) is None and tuple(norm.dim) == (d,)
-        return "diffusers" if ok else None
-    return None
 
 
 def _eps(norm: Any, dtype: torch.dtype) -> float:
@@ -254,7 +222,6 @@ def joint_norm_rope(parts: Sequence[torch.Tensor], norms: Sequence[Any], rotary:
     kernel[(B * length, heads // block_h)](x0, xb, wa, wb, cos, sin, out, x0.stride(0), x0.stride(1), xb.stride(0),
                                            xb.stride(1), n_a, length, _eps(na, x0.dtype), _eps(nb, x0.dtype),
                                            H=heads, D=d, BLOCK_H=block_h, NORM=norm, ROPE=rope,
-                                           ROUND_NORMED=norm and _diffusers_rms(na),
                                            num_warps=num_warps or warps_for(block_h, d))
     return out
 

@@ -13,16 +13,9 @@ context tokens with ``add_{q,k,v}_proj``), registered once at load as non-persis
 different GEMM shape may round differently, so not guaranteed bit-exact (equal on CPU float32 in
 the tests).
 
-``options.qk_norm_rope: fused``: SD3.5's q/k RMS norms (diffusers' ``RMSNorm``) and the joint
-concatenation in omniloop-kit's Triton kernel (:mod:`omniloop_kit.qk_norm_rope`; the name is the
-option FLUX.1 has, whose kernel also rotates — SD3 has no rotary embedding): one launch per tensor
-reading the projections' output once and writing the joint ``[B, L, H, D]`` the backend takes, as
-``[B, H, L, D]`` views. Within two bf16 roundings of the eager ops (another order of the mean's sum);
-CUDA only (Triton's interpreter in the CPU tests).
-
 Installed at load on every joint block's ``attn`` / ``attn2`` when the deploy names an attention
-backend other than the core ``sdpa`` or asks for ``qkv: fused`` or ``qk_norm_rope: fused``; otherwise
-diffusers' processors stay untouched. Modules shared by several runtimes carry the processors of the last install.
+backend other than the core ``sdpa`` or asks for ``qkv: fused``; otherwise diffusers' processors
+stay untouched. Modules shared by several runtimes carry the processors of the last install.
 """
 
 from __future__ import annotations
@@ -46,12 +39,9 @@ def attention_modules(model: torch.nn.Module) -> list[Any]:
     return [m for b in model.transformer_blocks for m in (b.attn, b.attn2) if m is not None]
 
 
-def install(model: torch.nn.Module, backend: Any = None, *, fused_qkv: bool = False, fused_norm: bool = False) -> int:
-    """Put an :class:`SD3AttnProcessor` on every joint block's ``attn`` (and ``attn2``); returns how many.
-    ``fused_norm``: SD3.5's q/k RMS norms and the joint concatenation by omniloop-kit's kernel
-    (``options.qk_norm_rope: fused``; SD3 has no rotary embedding)."""
-    return kit.install_joint(model, attention_modules(model), SD3AttnProcessor, backend, fused_qkv=fused_qkv,
-                             fused_norm_rope=fused_norm)
+def install(model: torch.nn.Module, backend: Any = None, *, fused_qkv: bool = False) -> int:
+    """Put an :class:`SD3AttnProcessor` on every joint block's ``attn`` (and ``attn2``); returns how many."""
+    return kit.install_joint(model, attention_modules(model), SD3AttnProcessor, backend, fused_qkv=fused_qkv)
 
 
 def uninstall(model: torch.nn.Module) -> None:

@@ -19,7 +19,6 @@ from omniloop_kit.family import CLIP_TEXT_LAYERS, T5_BLOCKS, DiffusersFamily, lo
 from omniloop_kit.family import capabilities as kit_capabilities
 from omniloop_kit.ffn import ffn_option
 from omniloop_kit.graphs import graph_option
-from omniloop_kit.qk_norm_rope import qk_norm_rope_option
 from omniloop_kit.resolve import check_task
 from omniloop_kit.stages import image_nodes
 
@@ -48,11 +47,10 @@ class SD3Family(DiffusersFamily):
         offload={"transformer": "transformer_blocks", "text_encoder": CLIP_TEXT_LAYERS,
                  "text_encoder_2": CLIP_TEXT_LAYERS, "text_encoder_3": T5_BLOCKS, "vae": None},
         #: deploy options read: options.qkv, ffn_gelu (omniloop_kit.ffn: the feed-forwards' input
-        #: projection and tanh GELU as one cuBLASLt matmul, CUDA only), qk_norm_rope (the q/k norms and the
-        #: joint concatenation in omniloop_kit.qk_norm_rope's kernel, CUDA only), the compile settings
+        #: projection and tanh GELU as one cuBLASLt matmul, CUDA only), the compile settings
         #: (check_options) and cuda_graphs (omniloop_kit.graphs: the outer forward replayed as one CUDA
         #: graph per input shape)
-        options={"qkv", "ffn_gelu", "qk_norm_rope", "cuda_graphs", *COMPILE_KEYS},
+        options={"qkv", "ffn_gelu", "cuda_graphs", *COMPILE_KEYS},
         #: update_weights refused with options.qkv: fused (the fused copy would go stale)
         weight_update_refusal=fused_qkv_update_refusal,
         #: a real checkpoint's trained size from its configs (issue 42: warned, bounded by the deploy)
@@ -64,8 +62,7 @@ class SD3Family(DiffusersFamily):
         component by the class ``model_index.json`` names (local files only).
 
         Options: ``qkv`` (``separate`` | ``fused``, :mod:`omniloop_sd3.attention`), ``ffn_gelu``
-        (``reference`` | ``fused``, :mod:`omniloop_kit.ffn`; CUDA only), ``qk_norm_rope`` (``reference`` |
-        ``fused``, :mod:`omniloop_sd3.attention`; CUDA only), ``compile_backend``,
+        (``reference`` | ``fused``, :mod:`omniloop_kit.ffn`; CUDA only), ``compile_backend``,
         ``compile_mode``, ``compile_dynamic``, ``cuda_graphs`` (:mod:`omniloop_kit.graphs`); the deploy's
         ``attention_backend`` and ``compile`` are honoured."""
         check_options(options, device)  # bad options fail before any weight is read
@@ -101,14 +98,12 @@ class SD3Family(DiffusersFamily):
         as a CUDA graph)."""
         check_options(options, model.device)
         tf, qkv, backend = model.components["transformer"], qkv_option(options), options.get("attention")
-        norm = qk_norm_rope_option(options, model.device)
-        if qkv == "fused" or norm == "fused" or getattr(backend, "name", "sdpa") != "sdpa":
+        if qkv == "fused" or getattr(backend, "name", "sdpa") != "sdpa":
             from .attention import install
 
-            install(tf, backend, fused_qkv=qkv == "fused", fused_norm=norm == "fused")
+            install(tf, backend, fused_qkv=qkv == "fused")
             model.config["attention_backend"] = getattr(backend, "name", "sdpa")
         model.config["qkv"] = qkv
-        model.config["qk_norm_rope"] = norm
         ffn_gelu = ffn_option(options, model.device)
         if ffn_gelu == "fused":
             from omniloop_kit import ffn
@@ -139,11 +134,10 @@ class SD3Family(DiffusersFamily):
 
 
 def check_options(options: Mapping[str, Any], device: Any = None) -> None:
-    """The family options (``qkv``; ``ffn_gelu``, ``qk_norm_rope`` and ``cuda_graphs`` on ``device``;
-    ``compile_*``), checked before loading."""
+    """The family options (``qkv``, ``ffn_gelu`` and ``cuda_graphs`` on ``device``, ``compile_*``), checked
+    before loading."""
     qkv_option(options)
     ffn_option(options, device if device is not None else "cpu")
-    qk_norm_rope_option(options, device)
     compile_options(options)
     graph_option(options, device)
 
